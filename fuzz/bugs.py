@@ -1,0 +1,159 @@
+"""The catalog of deliberately injected bugs.
+
+Production code carries no fault switches: each entry here is a named
+subclass of an implementation class that replaces exactly one method with a
+broken version. The fuzzer must catch every entry (``kvspec verify``,
+``kvspec mutants``); an entry it misses means the checks have a hole.
+
+Each entry names the spec clause it violates and the public bug kind or seed
+it comes from, so a reviewer can follow it to the rule it breaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from impl.dense import SEQ_AXIS, KVCache, _Buffers, _Marker
+
+
+@dataclass(frozen=True)
+class InjectedBug:
+    """One catalog entry.
+
+    ``factories`` maps a cache kind to the broken implementation class;
+    ``kind``/``modes``/``inplace`` say which configurations the fuzzer runs to
+    catch it (the first mode is the one ``kvspec verify`` uses).
+    """
+
+    name: str
+    clause: str
+    source: str
+    kind: str
+    modes: tuple[str, ...]
+    replaces: str
+    description: str
+    factories: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    inplace: bool = True
+
+
+# -- dense -------------------------------------------------------------------
+
+
+class InplaceAfterTrim(KVCache):
+    """Ownership predicate without the marker's length check: after a
+    logical trim the decode row lands on a row a snapshot still sees."""
+
+    def _inplace_write_allowed(self, n: int) -> bool:
+        return self.inplace and n == 1 and self.mode == "fp16" and self._owns_buffers()
+
+
+class InplaceAfterRestore(KVCache):
+    """``restore`` records an ownership marker for the adopted buffers, as if
+    the cache had produced them: the next decode writes into memory the
+    snapshot (and whatever else shares it) may see."""
+
+    def _adopt(self, holder: Any) -> None:
+        super()._adopt(holder)
+        if self.buffers is not None:
+            self._marker = _Marker(self.buffers.arrays(), self.live_len)
+
+
+class PhysicalTrimFp16(KVCache):
+    """Fp16 trim re-slices the buffers to the live rows: values stay right,
+    but every rollback costs O(context) and throws the capacity away (#1209)."""
+
+    def trim(self, n: int) -> int:
+        removed = super().trim(n)
+        if self.buffers is not None and removed:
+            live = self.live_len
+            self.buffers = self.buffers.map(lambda a: a[:, :, :live, :])
+        return removed
+
+
+class OldRegrowGuard(KVCache):
+    """The pre-#1209 regrow guard: cut the buffer before growing only when
+    ``prev % step != 0``, so a logically trimmed buffer keeps its stale tail
+    and grows past the spec's capacity."""
+
+    def _grow(self, prev: int, n: int, rows: _Buffers) -> None:
+        extra = -(-n // self.step) * self.step
+
+        def zeros(a: mx.array) -> mx.array:
+            return mx.zeros((a.shape[0], a.shape[1], extra, a.shape[3]), dtype=a.dtype)
+
+        grown = rows.map(zeros)
+        if self.buffers is None:
+            self.buffers = grown
+            return
+        old = self.buffers
+        if prev % self.step != 0:
+            old = old.map(lambda a: a[:, :, :prev, :])
+        parts = zip((old.keys, old.values, old.key_scales, old.value_scales),
+                    (grown.keys, grown.values, grown.key_scales, grown.value_scales))
+        self.buffers = _Buffers(*(None if a is None else mx.concatenate([a, b], axis=SEQ_AXIS) for a, b in parts))
+
+
+class Int8FrontTrimForgetsScales(KVCache):
+    """Int8 front trim compacts the quantized rows but not their scales: the
+    surviving rows are dequantized with the evicted rows' scales."""
+
+    def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        scales = None if self.buffers is None else (self.buffers.key_scales, self.buffers.value_scales)
+        removed = super().trim_front_keep_sink(n, keep)
+        if removed and self.buffers is not None and scales is not None and scales[0] is not None:
+            live = self.live_len
+            self.buffers.key_scales = scales[0][:, :, :live, :]
+            self.buffers.value_scales = scales[1][:, :, :live, :]  # type: ignore[index]
+        return removed
+
+
+DENSE_BUGS: list[InjectedBug] = [
+    InjectedBug(
+        "inplace_after_trim", "semantics.md 2, ownership rule 4 (prev == marker.live_len)",
+        "seed 000 + dense in-place write rule", "dense", ("fp16",), "KVCache._inplace_write_allowed",
+        "in-place decode write after a logical trim overwrites a row a snapshot still sees",
+        {"dense": InplaceAfterTrim},
+    ),
+    InjectedBug(
+        "inplace_after_restore", "semantics.md 2, restore holds no ownership marker",
+        "dense in-place write rule (buffers the cache did not produce)", "dense", ("fp16",), "KVCache._adopt",
+        "restore adopts a marker for shared buffers; the next decode writes into them",
+        {"dense": InplaceAfterRestore},
+    ),
+    InjectedBug(
+        "physical_trim_fp16", "semantics.md 2, Fp16/Int8 trim is a logical rewind (cost contract)",
+        "#1209 (seed 000)", "dense", ("fp16", "int8"), "KVCache.trim",
+        "trim re-slices the buffers: values right, capacity lost", {"dense": PhysicalTrimFp16},
+    ),
+    InjectedBug(
+        "old_regrow_guard", "semantics.md 2, append step 2 (regrow rule)",
+        "#1209 regression (seed 000)", "dense", ("fp16", "int8"), "KVCache._grow",
+        "growth after a logical trim keeps the stale tail (cut only when prev % step != 0)",
+        {"dense": OldRegrowGuard},
+    ),
+    InjectedBug(
+        "int8_front_trim_scales", "semantics.md 2, trim_front_keep_sink (Int8 scales move in lockstep)",
+        "sliding-window eviction with sinks", "dense", ("int8",), "KVCache.trim_front_keep_sink",
+        "front trim leaves the scale sidecars behind", {"dense": Int8FrontTrimForgetsScales},
+    ),
+]
+
+
+def catalog() -> list[InjectedBug]:
+    """Every injected bug, dense first, then the rotating cache's."""
+    bugs = list(DENSE_BUGS)
+    try:
+        from fuzz.rotating_bugs import ROTATING_BUGS
+    except ImportError:
+        return bugs
+    return bugs + list(ROTATING_BUGS)
+
+
+def by_name(name: str) -> InjectedBug:
+    for bug in catalog():
+        if bug.name == name:
+            return bug
+    raise KeyError(f"no injected bug named {name!r}; known: {[b.name for b in catalog()]}")

@@ -1,0 +1,149 @@
+"""Fuzz campaigns: run a state machine under fixed or random seeds, report
+what was reached, and turn a failure into a minimal kvtrace file."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, seed as hyp_seed, settings
+from hypothesis.stateful import get_state_machine_test
+
+from fuzz.lockstep import Divergence
+from fuzz.machine import KVMachine, machine_for
+from fuzz.trace import CACHE_DEFAULTS, Trace, write
+
+
+def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False) -> settings:
+    """Settings for one batch: no example database (runs are reproducible from
+    the seed alone), no deadline (MLX's first call compiles kernels)."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=derandomize,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink] if not derandomize else [Phase.generate, Phase.shrink],
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
+
+
+@dataclass
+class RunResult:
+    """One batch: whether it failed, with what, and what it reached."""
+
+    failed: bool
+    seconds: float
+    examples: int
+    steps: int
+    stats: dict[str, int] = field(default_factory=dict)
+    error: BaseException | None = None
+    trace: Trace | None = None
+
+
+def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40) -> RunResult:
+    """Run one seeded batch of ``max_examples`` examples (shrinking on failure)."""
+    machine.runs, machine.stats, machine.last_run = 0, {}, None
+    test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps))
+    test = hyp_seed(seed)(test)
+    start = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        test()
+    except Exception as exc:  # Divergence, or an assertion from an invariant
+        error = exc
+    seconds = time.perf_counter() - start
+    executed = machine.stats.get("ops", 0)
+    trace = failure_trace(machine, error) if error is not None else None
+    return RunResult(error is not None, seconds, machine.runs, executed, dict(machine.stats), error, trace)
+
+
+def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | None:
+    """The minimal failing run as a kvtrace, annotated with the spec's
+    predictions so another engine can replay it without our spec: the failing
+    op carries ``returns``/``inplace``/``capacity``, and ``expect`` ops pin the
+    live window and every snapshot and handle after it."""
+    if machine.last_run is None:
+        return None
+    cfg, ops = machine.last_run
+    if isinstance(error, Divergence):
+        ops = ops[: error.index + 1]
+    title = f"{machine.__name__}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    return annotate(Trace(cache={**cfg}, ops=[dict(op) for op in ops], title=title[:300]))
+
+
+def annotate(trace: Trace) -> Trace:
+    """Add the spec's predictions to the last op and ``expect`` ops after it."""
+    from fuzz.replay import make_lockstep
+
+    lock = make_lockstep({**CACHE_DEFAULTS, **trace.cache})
+    from spec.errors import KVCacheError
+
+    last: Any = None
+    refused = False
+    for op in trace.ops:
+        if op["op"] == "expect":
+            continue
+        try:
+            last, lock.world = lock.spec_apply(op)
+            refused = False
+        except KVCacheError:
+            refused = True
+    if not trace.ops:
+        return trace
+    final = trace.ops[-1]
+    if refused:
+        final["error"] = True
+    elif final["op"] != "expect":
+        if final["op"] == "append":
+            final["inplace"] = last.inplace
+        elif final["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold"):
+            final["returns"] = list(last) if isinstance(last, tuple) else last
+        final["capacity"] = lock.spec_observables()["capacity"]
+    for key, window in lock.spec_views().items():
+        if key == "held":
+            continue
+        op: dict[str, Any] = {"op": "expect", "window": list(window)}
+        if key != "cache":
+            op["of"] = key.split(":", 1)[1]
+        trace.ops.append(op)
+    return trace
+
+
+def save_failure(trace: Trace, folder: str | Path, stem: str) -> Path:
+    return write(trace, Path(folder) / f"{stem}.json")
+
+
+@dataclass
+class CampaignReport:
+    config: str
+    seconds: float
+    examples: int
+    steps: int
+    stats: dict[str, int]
+    failure: RunResult | None = None
+
+
+def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
+             batch: int = 25, steps: int = 40) -> CampaignReport:
+    """Run seeded batches until ``budget`` seconds are spent or one fails."""
+    machine = machine_for(kind, mode, inplace, factories)
+    total = CampaignReport(f"{kind}/{mode}/{'inplace' if inplace else 'copy'}", 0.0, 0, 0, {})
+    start = time.perf_counter()
+    k = 0
+    while time.perf_counter() - start < budget:
+        result = run_machine(machine, seed + k, max_examples=batch, steps=steps)
+        k += 1
+        total.examples += result.examples
+        total.steps += result.steps
+        for key, v in result.stats.items():
+            total.stats[key] = total.stats.get(key, 0) + v
+        if result.failed:
+            total.failure = result
+            break
+    total.seconds = time.perf_counter() - start
+    return total

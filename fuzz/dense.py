@@ -1,0 +1,179 @@
+"""Lockstep of ``spec.dense`` and ``impl.dense.KVCache`` (kind ``dense``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from fuzz.lockstep import Lockstep
+from impl.dense import CacheSnapshot, DetachedHandle, KVCache
+from impl.quant import dequantize_int8, quantize_int8
+from spec import dense as sd
+from spec.errors import InvalidArgumentError, StateError
+
+
+class DenseLockstep(Lockstep):
+    """Drives a spec ``DenseWorld`` and an impl ``KVCache`` with the same ops.
+
+    ``cache_factory`` builds the implementation under test (the injected-bug
+    catalog passes a patched class)."""
+
+    def __init__(self, cache: dict[str, Any], cache_factory=KVCache):
+        super().__init__(cache)
+        self.world = sd.new_world(cache["mode"], cache["step"], cache["inplace"])
+        self.prev_world = self.world
+        self.cache = cache_factory(mode=cache["mode"], step=cache["step"], inplace=cache["inplace"])
+        self.holders: dict[str, CacheSnapshot] = {}
+        self.returned: tuple[mx.array, mx.array] | None = None
+        self.held: tuple[mx.array, mx.array] | None = None
+
+    def stored_form(self, x: mx.array) -> mx.array:
+        if self.cfg["mode"] == "int8":
+            return dequantize_int8(*quantize_int8(x))
+        return x.astype(mx.float16)
+
+    # -- spec side --------------------------------------------------------------
+    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
+        w, name = self.world, op["op"]
+        if name == "append":
+            return sd.w_append(w, op["n"])
+        if name == "fetch":
+            return w.cache.window(), w
+        if name == "hold":
+            return sd.w_hold(w)
+        if name == "release_hold":
+            return sd.w_release_hold(w)
+        if name == "trim":
+            return sd.w_cache_op(w, sd.trim, op["n"])
+        if name == "trim_to":
+            return sd.w_cache_op(w, sd.trim_to, op["len"])
+        if name == "trim_front":
+            return sd.w_cache_op(w, sd.trim_front_keep_sink, op["n"], op.get("keep", 0))
+        if name == "gather_positions":
+            return sd.w_cache_op(w, sd.gather_positions, tuple(op["positions"]))
+        if name == "gather_within_tail":
+            return sd.w_cache_op(w, sd.gather_within_tail, op["tail"], tuple(op["kept"]))
+        if name == "snapshot":
+            return sd.w_snapshot(w, op["name"])
+        if name == "restore":
+            return sd.w_restore(w, op["name"])
+        if name == "drop":
+            return sd.w_drop(w, op["name"])
+        if name == "detach":
+            return sd.w_detach(w, op["name"])
+        if name == "install":
+            return sd.w_install(w, op["name"])
+        if name == "handle_trim_to":
+            return sd.w_handle_trim_to(w, op["name"], op["len"])
+        raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
+
+    # -- implementation side ---------------------------------------------------
+    def _holder(self, op: str, name: str, kind: type | None = None) -> CacheSnapshot:
+        holder = self.holders.get(name)
+        if holder is None:
+            raise StateError(f"{op}: no snapshot or handle named {name!r}")
+        if kind is not None and not (type(holder) is kind):
+            raise StateError(f"{op}: {name!r} is not a {kind.__name__}")
+        return holder
+
+    def _fresh(self, op: str, name: str) -> None:
+        if name in self.holders:
+            raise StateError(f"{op}: name {name!r} is already in use")
+
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        c, name = self.cache, op["op"]
+        if name == "append":
+            n = op["n"]
+            tokens = list(range(self.world_tokens_before_append(), self.world_tokens_before_append() + n))
+            k, v = self.input_rows(tokens)
+            self.returned = c.update_and_fetch(k, v)
+            return self.returned
+        if name == "fetch":
+            return c.fetch()
+        if name == "hold":
+            if self.returned is None:
+                raise StateError("hold: no append has returned a window yet")
+            self.held = self.returned
+            return None
+        if name == "release_hold":
+            self.held = None
+            return None
+        if name == "trim":
+            return c.trim(op["n"])
+        if name == "trim_to":
+            return c.trim_to(op["len"])
+        if name == "trim_front":
+            return c.trim_front_keep_sink(op["n"], op.get("keep", 0))
+        if name == "gather_positions":
+            return c.gather_positions(list(op["positions"]))
+        if name == "gather_within_tail":
+            return c.gather_within_tail(op["tail"], list(op["kept"]))
+        if name == "snapshot":
+            self._fresh("snapshot", op["name"])
+            self.holders[op["name"]] = c.snapshot()
+            return None
+        if name == "restore":
+            c.restore(self._holder("restore", op["name"], CacheSnapshot))
+            return None
+        if name == "drop":
+            self._holder("drop", op["name"])
+            del self.holders[op["name"]]
+            return None
+        if name == "detach":
+            self._fresh("detach", op["name"])
+            self.holders[op["name"]] = c.detach()
+            return None
+        if name == "install":
+            handle = self._holder("install", op["name"], DetachedHandle)
+            c.install(handle)  # type: ignore[arg-type]
+            del self.holders[op["name"]]
+            return None
+        if name == "handle_trim_to":
+            handle = self._holder("handle_trim_to", op["name"], DetachedHandle)
+            return handle.trim_to(op["len"])  # type: ignore[attr-defined]
+        raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
+
+    def world_tokens_before_append(self) -> int:
+        # impl_apply runs after spec_apply; the spec world of *before* the op
+        # holds the counter the new rows start at.
+        return self.world.next_token
+
+    def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        super().compare_append(index, op, s, i)
+        before = self.prev_world
+        if s.regrew and before.cache.capacity > before.cache.live_len:
+            self.reached("regrow after trim")
+        if s.inplace and (before.holders or before.held is not None):
+            self.reached("in-place write beside a holder")
+        if not s.inplace and before.cache.marker is None and before.cache.buffer is not None:
+            self.reached("copy after restore/install")
+
+    def impl_last_inplace(self) -> bool:
+        return self.cache.last_write_inplace
+
+    # -- observables ------------------------------------------------------------
+    def spec_observables(self) -> dict[str, Any]:
+        c = self.world.cache
+        return {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
+
+    def impl_observables(self) -> dict[str, Any]:
+        c = self.cache
+        return {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
+
+    def spec_views(self) -> dict[str, tuple[int, ...]]:
+        w = self.world
+        views = {"cache": w.cache.window()}
+        for name, holder in w.holders.items():
+            views["holder:" + name] = holder.window()
+        if w.held is not None:
+            views["held"] = w.held.window()
+        return views
+
+    def impl_views(self) -> dict[str, tuple[mx.array, mx.array] | None]:
+        views: dict[str, Any] = {"cache": self.cache.fetch()}
+        for name, holder in self.holders.items():
+            views["holder:" + name] = holder.fetch()
+        if self.held is not None:
+            views["held"] = self.held
+        return views

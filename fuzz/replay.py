@@ -1,0 +1,57 @@
+"""``kvspec replay``: run a kvtrace on the spec and an implementation in
+lockstep (shared/reference/kvtrace.md, "Replay")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.trace import Trace, TraceFormatError
+
+EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
+
+
+def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None) -> Lockstep:
+    """The lockstep driver for the trace's cache kind. ``factories`` maps a
+    kind to the implementation class to use (the bug catalog swaps them)."""
+    factories = factories or {}
+    kind = cache["kind"]
+    if kind == "dense":
+        from fuzz.dense import DenseLockstep
+        from impl.dense import KVCache
+
+        if cache["mode"] not in ("fp16", "int8"):
+            raise TraceFormatError(f"field cache.mode: mode {cache['mode']!r} has no implementation yet")
+        return DenseLockstep(cache, factories.get("dense", KVCache))
+    if kind == "rotating":
+        from fuzz.rotating import RotatingLockstep
+        from impl.rotating import RotatingKVCache
+
+        return RotatingLockstep(cache, factories.get("rotating", RotatingKVCache))
+    raise TraceFormatError(f"field cache.kind: kind {kind!r} has no implementation yet")
+
+
+@dataclass
+class ReplayResult:
+    ok: bool
+    ops_run: int
+    divergence: Divergence | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": self.ok, "ops_run": self.ops_run}
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_json()
+        return out
+
+
+def replay(trace: Trace, factories: dict[str, Any] | None = None) -> ReplayResult:
+    """Run every op; stop at the first divergence."""
+    lock = make_lockstep(trace.cache, factories)
+    for i, op in enumerate(trace.ops):
+        try:
+            lock.step(i, op)
+        except Divergence as d:
+            return ReplayResult(False, i + 1, d, lock.stats)
+    return ReplayResult(True, len(trace.ops), None, lock.stats)

@@ -1,0 +1,124 @@
+"""kvtrace/1: load, validate and write operation traces.
+
+The format is specified in ``shared/reference/kvtrace.md``; its machine form
+is ``fuzz/kvtrace.schema.json`` (JSON Schema 2020-12), checked with the
+``jsonschema`` library. A file that fails validation raises
+:class:`TraceFormatError`, whose message names the op index and field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+CACHE_DEFAULTS: dict[str, Any] = {
+    "mode": "fp16",
+    "step": 256,
+    "batch": 1,
+    "kv_heads": 2,
+    "head_dim": 8,
+    "keep": 0,
+    "inplace": True,
+    "hot_threshold": 256,
+    "fold_block": 128,
+}
+
+
+class TraceFormatError(Exception):
+    """The document is not a valid kvtrace/1 trace (replay exit status 2)."""
+
+
+def schema() -> dict[str, Any]:
+    """The kvtrace/1 JSON Schema shipped with the package."""
+    text = resources.files("fuzz").joinpath("kvtrace.schema.json").read_text()
+    return json.loads(text)
+
+
+_VALIDATOR: jsonschema.Draft202012Validator | None = None
+
+
+def _validator() -> jsonschema.Draft202012Validator:
+    global _VALIDATOR
+    if _VALIDATOR is None:
+        _VALIDATOR = jsonschema.Draft202012Validator(schema())
+    return _VALIDATOR
+
+
+def _describe(err: jsonschema.ValidationError) -> str:
+    path = list(err.absolute_path)
+    where = "document"
+    if path[:1] == ["ops"] and len(path) >= 2:
+        where = f"op {path[1]}"
+        if len(path) >= 3:
+            where += f" field {'.'.join(str(p) for p in path[2:])!r}"
+    elif path:
+        where = "field " + ".".join(str(p) for p in path)
+    return f"{where}: {err.message}"
+
+
+@dataclass
+class Trace:
+    """A parsed trace: the cache configuration (defaults filled in) and the
+    ops as plain dicts, exactly as in the file."""
+
+    cache: dict[str, Any]
+    ops: list[dict[str, Any]]
+    title: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"kvtrace": 1}
+        if self.title:
+            doc["title"] = self.title
+        doc["cache"] = self.cache
+        doc["ops"] = self.ops
+        return doc
+
+    def dumps(self) -> str:
+        """One op per line: readable in a bug report and in a diff."""
+        head = {k: v for k, v in self.to_json().items() if k != "ops"}
+        lines = json.dumps(head, indent=2)[:-2]
+        ops = ",\n".join("    " + json.dumps(op) for op in self.ops)
+        return lines + ',\n  "ops": [\n' + ops + "\n  ]\n}\n"
+
+
+def validate(doc: Any) -> None:
+    """Raise TraceFormatError naming the op index and field of the first
+    (most relevant) schema violation."""
+    errors = sorted(_validator().iter_errors(doc), key=lambda e: (list(e.absolute_path), e.message))
+    if errors:
+        best = jsonschema.exceptions.best_match(errors)
+        raise TraceFormatError(_describe(best))
+
+
+def parse(doc: Any) -> Trace:
+    """Validate a decoded JSON document and return the Trace."""
+    validate(doc)
+    cache = {**CACHE_DEFAULTS, **doc["cache"]}
+    return Trace(cache=cache, ops=list(doc["ops"]), title=doc.get("title", ""))
+
+
+def load(path: str | Path) -> Trace:
+    """Read and validate a trace file. Raises TraceFormatError for unreadable
+    files, bad JSON (with line and column) and schema violations."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    return parse(doc)
+
+
+def write(trace: Trace, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(trace.dumps())
+    return path

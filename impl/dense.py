@@ -1,0 +1,563 @@
+"""Dense MLX KV cache, modes Fp16 and Int8 (spec: ``spec.dense``).
+
+Buffers are ``[B, H, capacity, D]`` along axis 2; Int8 keeps float16 scale
+sidecars ``[B, H, capacity, 1]`` in lockstep. Readers slice ``[0, live_len)``
+with ``live_len = offset - live_start``.
+
+Writes are functional (``mx.slice_update``: MLX copies a buffer that anyone
+else still references) except Fp16 decode steps that the ownership rule
+(``spec.dense.inplace_write_allowed``) allows: those write the row straight
+into the evaluated buffer through a NumPy view. Trims are logical (O(1)).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from impl.quant import dequantize_int8, quantize_int8
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+SEQ_AXIS = 2
+_OFF_VALUES = ("0", "false", "off", "no")
+_MODES = ("fp16", "int8")
+
+
+def inplace_switch_from_env() -> bool:
+    """``KV_INPLACE_WRITE``: on unless ``0``/``false``/``off``/``no``
+    (spec.dense.inplace_switch)."""
+    value = os.environ.get("KV_INPLACE_WRITE")
+    return value is None or value.strip().lower() not in _OFF_VALUES
+
+
+def regrow_capacity(prev: int, n: int, step: int) -> int:
+    """Capacity after a growth: ``prev + ceil(n / step) * step``
+    (spec.dense.regrow_capacity)."""
+    return prev + -(-n // step) * step
+
+
+def _check_int(op: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{op}: {name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _check_rows(op: str, keys: Any, values: Any) -> int:
+    """Validate a ``[B, H, S, D]`` K/V pair; returns S."""
+    for name, a in (("keys", keys), ("values", values)):
+        if not isinstance(a, mx.array):
+            raise InvalidArgumentError(f"{op}: {name} must be an mx.array, got {type(a).__name__}")
+        if a.ndim != 4:
+            raise InvalidArgumentError(f"{op}: {name} must have rank 4 [B, H, S, D], got shape {tuple(a.shape)}")
+        if not mx.issubdtype(a.dtype, mx.floating):
+            raise InvalidArgumentError(f"{op}: {name} must be a floating dtype, got {a.dtype}")
+    if keys.shape[:3] != values.shape[:3]:
+        raise InvalidArgumentError(
+            f"{op}: keys and values must agree on [B, H, S], got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if keys.shape[2] < 1:
+        raise InvalidArgumentError(f"{op}: n must be >= 1, got {keys.shape[2]}")
+    return int(keys.shape[2])
+
+
+def _cut(a: mx.array | None, start: int, stop: int) -> mx.array | None:
+    return None if a is None else a[:, :, start:stop, :]
+
+
+def _cat(parts: list[mx.array | None]) -> mx.array | None:
+    if parts[0] is None:
+        return None
+    return mx.concatenate(parts, axis=SEQ_AXIS)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Buffers:
+    """The cache's tensors. Fp16: ``keys``/``values`` float16. Int8: int8
+    ``keys``/``values`` plus float16 ``key_scales``/``value_scales``."""
+
+    keys: mx.array
+    values: mx.array
+    key_scales: mx.array | None = None
+    value_scales: mx.array | None = None
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return tuple(a for a in (self.keys, self.values, self.key_scales, self.value_scales) if a is not None)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[SEQ_AXIS])
+
+    def map(self, fn) -> "_Buffers":
+        return _Buffers(
+            fn(self.keys),
+            fn(self.values),
+            None if self.key_scales is None else fn(self.key_scales),
+            None if self.value_scales is None else fn(self.value_scales),
+        )
+
+    def shared(self) -> "_Buffers":
+        """New handles to the same memory (an O(1) lazy copy)."""
+        return self.map(mx.array)
+
+    def window(self, live_len: int) -> tuple[mx.array, mx.array]:
+        """Attention-ready float16 rows ``[0, live_len)``."""
+        k, v = self.keys[:, :, :live_len, :], self.values[:, :, :live_len, :]
+        if self.key_scales is not None:
+            k = dequantize_int8(k, self.key_scales[:, :, :live_len, :])
+            v = dequantize_int8(v, self.value_scales[:, :, :live_len, :])  # type: ignore[index]
+        return k, v
+
+
+@dataclass
+class _Marker:
+    """Ownership marker: the very buffer objects the cache's last write
+    produced (held by reference, so an identity can never be recycled) and
+    the live_len after it."""
+
+    arrays: tuple[mx.array, ...]
+    live_len: int
+
+
+class CacheSnapshot:
+    """A prompt-cache snapshot: new handles to the cache's buffers (no data
+    copied) and the window at that moment. Its view never changes."""
+
+    def __init__(self, mode: str, step: int, buffers: _Buffers | None, offset: int, live_start: int):
+        self.mode, self.step = mode, step
+        self.buffers, self.offset, self.live_start = buffers, offset, live_start
+
+    @property
+    def live_len(self) -> int:
+        return self.offset - self.live_start
+
+    def fetch(self) -> tuple[mx.array, mx.array] | None:
+        """The snapshot's window as float16 ``[B, H, live_len, D]``, or None."""
+        return None if self.buffers is None else self.buffers.window(self.live_len)
+
+
+class DetachedHandle(CacheSnapshot):
+    """Tensors moved out of a cache by :meth:`KVCache.detach`."""
+
+    def trim_to(self, length: int) -> int:
+        """Cut the handle's tensors physically so that ``offset == length``.
+        Returns the rows removed. Raises InvalidArgumentError unless
+        ``0 <= length <= offset``."""
+        length = _check_int("handle_trim_to", "len", length)
+        if length < 0 or length > self.offset:
+            raise InvalidArgumentError(
+                f"handle_trim_to: len must satisfy 0 <= len <= offset ({self.offset}), got {length}"
+            )
+        n = min(self.offset - length, self.live_len)
+        if n == 0:
+            return 0
+        live = self.live_len - n
+        self.buffers = None if live == 0 or self.buffers is None else self.buffers.map(lambda a: a[:, :, :live, :])
+        self.offset -= n
+        return n
+
+
+class KVCache:
+    """Dense per-layer KV cache in mode ``"fp16"`` or ``"int8"``.
+
+    Args:
+        mode: ``"fp16"`` (float16 storage) or ``"int8"`` (per-row symmetric
+            int8 with float16 scales, semantics.md 2 "Quantized storage").
+        step: growth granularity in rows (>= 1). Production engines use 256;
+            tests use 1 to 8.
+        inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
+
+    Raises InvalidArgumentError for a bad step and UnsupportedOperationError
+    for a mode this implementation does not provide.
+
+    Observables used by the differential harness: ``offset``,
+    ``live_start``, ``live_len``, ``capacity`` and ``last_write_inplace``.
+    """
+
+    def __init__(self, mode: str = "fp16", step: int = 256, inplace: bool | None = None):
+        if mode not in _MODES:
+            raise UnsupportedOperationError(f"KVCache: mode must be one of {_MODES}, got {mode!r}")
+        step = _check_int("KVCache", "step", step)
+        if step < 1:
+            raise InvalidArgumentError(f"KVCache: step must be >= 1, got {step}")
+        self.mode = mode
+        self.step = step
+        self.inplace = inplace_switch_from_env() if inplace is None else bool(inplace)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buffers: _Buffers | None = None
+        self.offset = 0
+        self.live_start = 0
+        self._marker: _Marker | None = None
+        self.last_write_inplace = False
+
+    # -- observables -------------------------------------------------------
+    @property
+    def live_len(self) -> int:
+        """Valid rows, ``offset - live_start``."""
+        return self.offset - self.live_start
+
+    @property
+    def capacity(self) -> int:
+        """Physical rows along axis 2 (0 without buffers)."""
+        return 0 if self.buffers is None else self.buffers.capacity
+
+    # -- the write path ----------------------------------------------------
+    def _encode(self, keys: mx.array, values: mx.array) -> _Buffers:
+        if self.mode == "int8":
+            kq, ks = quantize_int8(keys)
+            vq, vs = quantize_int8(values)
+            return _Buffers(kq, vq, ks, vs)
+        return _Buffers(keys.astype(mx.float16), values.astype(mx.float16))
+
+    def _check_compatible(self, op: str, rows: _Buffers) -> None:
+        if self.buffers is None:
+            return
+        for name, have, new in (("keys", self.buffers.keys, rows.keys), ("values", self.buffers.values, rows.values)):
+            if (have.shape[0], have.shape[1], have.shape[3]) != (new.shape[0], new.shape[1], new.shape[3]):
+                raise InvalidArgumentError(
+                    f"{op}: {name} must match the cache's [B, H, _, D] = "
+                    f"{(have.shape[0], have.shape[1], have.shape[3])}, got {tuple(new.shape)}"
+                )
+
+    def _grow(self, prev: int, n: int, rows: _Buffers) -> None:
+        """Regrow rule (spec.dense.regrow_needed / regrow_capacity): cut a
+        buffer whose capacity differs from the live prefix, then append
+        ``ceil(n / step) * step`` zero rows."""
+        extra = regrow_capacity(prev, n, self.step) - prev
+
+        def zeros_like_rows(a: mx.array) -> mx.array:
+            return mx.zeros((a.shape[0], a.shape[1], extra, a.shape[3]), dtype=a.dtype)
+
+        grown = rows.map(zeros_like_rows)
+        if self.buffers is None:
+            self.buffers = grown
+            return
+        old = self.buffers
+        if old.capacity != prev:
+            old = old.map(lambda a: a[:, :, :prev, :])
+        self.buffers = _Buffers(*(_cat([a, b]) for a, b in zip(
+            (old.keys, old.values, old.key_scales, old.value_scales),
+            (grown.keys, grown.values, grown.key_scales, grown.value_scales),
+        )))
+
+    def _owns_buffers(self) -> bool:
+        m = self._marker
+        if m is None or self.buffers is None:
+            return False
+        current = self.buffers.arrays()
+        return len(current) == len(m.arrays) and all(a is b for a, b in zip(current, m.arrays))
+
+    def _inplace_write_allowed(self, n: int) -> bool:
+        """Ownership rule (spec.dense.inplace_write_allowed): switch on,
+        a decode step, Fp16, and the marker names these very buffers and the
+        current live_len. Why it is safe: see the spec's docstring."""
+        return (
+            self.inplace
+            and n == 1
+            and self.mode == "fp16"
+            and self._owns_buffers()
+            and self._marker is not None
+            and self.live_len == self._marker.live_len
+        )
+
+    def _write_inplace(self, at: int, rows: _Buffers) -> None:
+        """Write rows into the existing buffers' memory: every holder sharing
+        them sees it, which the ownership rule makes harmless."""
+        assert self.buffers is not None
+        mx.eval(*self.buffers.arrays(), *rows.arrays())
+        for dst, src in zip(self.buffers.arrays(), rows.arrays()):
+            view = np.array(dst, copy=False)
+            view[:, :, at : at + src.shape[SEQ_AXIS], :] = np.array(src, copy=False)
+
+    def _write_copy(self, at: int, rows: _Buffers) -> None:
+        """Functional slice update: new private buffers (MLX copies a buffer
+        that anyone else still references)."""
+        assert self.buffers is not None
+        start = mx.array([at])
+        self.buffers = _Buffers(*(
+            None if dst is None else mx.slice_update(dst, src, start, axes=(SEQ_AXIS,))
+            for dst, src in zip(
+                (self.buffers.keys, self.buffers.values, self.buffers.key_scales, self.buffers.value_scales),
+                (rows.keys, rows.values, rows.key_scales, rows.value_scales),
+            )
+        ))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``S`` rows and return the window (spec.dense.append).
+
+        ``keys``: ``[B, H, S, Dk]``, ``values``: ``[B, H, S, Dv]``, any float
+        dtype (stored as float16, or int8 + scales). Returns float16
+        ``[B, H, live_len, D]`` windows (dequantized in Int8).
+        Raises InvalidArgumentError for a wrong rank, dtype, S < 1, or a
+        B/H/D that differs from the rows already cached.
+        """
+        n = _check_rows("append", keys, values)
+        rows = self._encode(keys, values)
+        self._check_compatible("append", rows)
+        prev = self.live_len
+        if self.buffers is None or prev + n > self.buffers.capacity:
+            self._grow(prev, n, rows)
+        inplace = self._inplace_write_allowed(n)
+        if inplace:
+            self._write_inplace(prev, rows)
+        else:
+            self._write_copy(prev, rows)
+        self.offset += n
+        self.last_write_inplace = inplace
+        assert self.buffers is not None
+        self._marker = _Marker(self.buffers.arrays(), self.live_len)
+        return self.buffers.window(self.live_len)
+
+    def fetch(self) -> tuple[mx.array, mx.array] | None:
+        """The live window without writing: float16 ``[B, H, live_len, D]``
+        pair, or None when the cache holds no rows."""
+        return None if self.buffers is None else self.buffers.window(self.live_len)
+
+    # -- the trim family ---------------------------------------------------
+    def _drop_if_empty(self) -> None:
+        if self.live_len == 0:
+            self.buffers = None
+            self._marker = None
+
+    def trim(self, n: int) -> int:
+        """Remove ``n`` rows from the end by a logical rewind (O(1): only the
+        offset moves; buffers, sidecars and capacity stay; the next write
+        overwrites the abandoned rows; seed 000). ``n`` is clamped to
+        ``[0, live_len]``, so a negative n trims nothing. Returns the rows
+        removed. Raises InvalidArgumentError for a non-integer n."""
+        n = _check_int("trim", "n", n)
+        n = max(0, min(n, self.live_len))
+        self.offset -= n
+        self._drop_if_empty()
+        return n
+
+    def trim_to(self, length: int) -> int:
+        """``trim(offset - length)``. Raises InvalidArgumentError unless
+        ``0 <= length <= offset``."""
+        length = _check_int("trim_to", "len", length)
+        if length < 0 or length > self.offset:
+            raise InvalidArgumentError(
+                f"trim_to: len must satisfy 0 <= len <= offset ({self.offset}), got {length}"
+            )
+        return self.trim(self.offset - length)
+
+    def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        """Evict ``n`` rows after the first ``keep`` sinks; the offset never
+        decreases, ``live_start += n``. Rows (and Int8 scales, in lockstep)
+        are compacted into new buffers of exactly the live rows. Returns the
+        rows evicted (spec.dense.trim_front_keep_sink)."""
+        n = _check_int("trim_front", "n", n)
+        keep = _check_int("trim_front", "keep", keep)
+        n = max(0, min(n, self.live_len))
+        if n == 0:
+            return 0
+        keep = max(0, min(keep, self.live_len - n))
+        assert self.buffers is not None
+        live = self.live_len
+        self.buffers = self.buffers.map(
+            lambda a: mx.concatenate([a[:, :, :keep, :], a[:, :, keep + n : live, :]], axis=SEQ_AXIS)
+        )
+        self.live_start += n
+        self._drop_if_empty()
+        return n
+
+    def trim_front(self, n: int) -> int:
+        """``trim_front_keep_sink(n, keep=0)``."""
+        return self.trim_front_keep_sink(n, 0)
+
+    def gather_positions(self, positions: list[int]) -> int:
+        """Keep exactly the listed live rows, in order; ``offset =
+        len(positions)``. Returns the new live_len. The identity list is a
+        no-op. Raises StateError when ``live_start != 0`` and
+        InvalidArgumentError unless positions are non-empty, strictly
+        increasing and in ``[0, live_len)`` (spec.dense.gather_positions)."""
+        if self.live_start != 0:
+            raise StateError(
+                f"gather_positions: requires live_start == 0 (no front trim), got live_start={self.live_start}"
+            )
+        positions = [_check_int("gather_positions", "positions", p) for p in positions]
+        _check_index_list("gather_positions", "positions", positions, 0, self.live_len)
+        if positions == list(range(self.live_len)):
+            return self.live_len
+        assert self.buffers is not None
+        idx = mx.array(positions)
+        self.buffers = self.buffers.map(lambda a: mx.take(a, idx, axis=SEQ_AXIS))
+        self.offset = len(positions)
+        return self.live_len
+
+    def gather_within_tail(self, tail_len: int, kept: list[int]) -> int:
+        """Tree-speculation rollback in O(tail): of the last ``tail_len``
+        rows keep ``kept`` (indices into the tail), written back at the
+        tail's start; capacity is kept. Returns the new live_len. Raises
+        InvalidArgumentError unless ``0 < tail_len <= live_len`` and kept is
+        non-empty, strictly increasing and in ``[0, tail_len)``."""
+        tail_len = _check_int("gather_within_tail", "tail_len", tail_len)
+        if tail_len <= 0 or tail_len > self.live_len:
+            raise InvalidArgumentError(
+                f"gather_within_tail: tail_len must satisfy 0 < tail_len <= live_len ({self.live_len}), got {tail_len}"
+            )
+        kept = [_check_int("gather_within_tail", "kept", k) for k in kept]
+        _check_index_list("gather_within_tail", "kept", kept, 0, tail_len)
+        assert self.buffers is not None
+        start = self.live_len - tail_len
+        idx = mx.array([start + k for k in kept])
+        rows = self.buffers.map(lambda a: mx.take(a, idx, axis=SEQ_AXIS))
+        self._write_copy(start, rows)
+        self.offset -= tail_len - len(kept)
+        return self.live_len
+
+    # -- snapshot, restore, detach, install ---------------------------------
+    def snapshot(self) -> CacheSnapshot:
+        """A prompt-cache snapshot sharing the buffers (O(1), no copy)."""
+        shared = None if self.buffers is None else self.buffers.shared()
+        return CacheSnapshot(self.mode, self.step, shared, self.offset, self.live_start)
+
+    def _check_holder(self, op: str, holder: CacheSnapshot) -> None:
+        if not isinstance(holder, CacheSnapshot):
+            raise InvalidArgumentError(f"{op}: expected a CacheSnapshot, got {type(holder).__name__}")
+        if holder.mode != self.mode:
+            raise InvalidArgumentError(f"{op}: mode must be {self.mode!r}, got {holder.mode!r}")
+        if holder.live_start < 0 or holder.live_start > holder.offset:
+            raise InvalidArgumentError(
+                f"{op}: cursor must satisfy 0 <= live_start <= offset, got live_start={holder.live_start}, offset={holder.offset}"
+            )
+        b = holder.buffers
+        if b is None:
+            if holder.live_len != 0:
+                raise InvalidArgumentError(f"{op}: live_len {holder.live_len} > 0 but no tensors")
+            return
+        want = mx.float16 if self.mode == "fp16" else mx.int8
+        for name, a in (("keys", b.keys), ("values", b.values)):
+            if a.ndim != 4:
+                raise InvalidArgumentError(f"{op}: {name} must have rank 4, got shape {tuple(a.shape)}")
+            if a.dtype != want:
+                raise InvalidArgumentError(f"{op}: {name} dtype must be {want}, got {a.dtype}")
+        if b.keys.shape[:3] != b.values.shape[:3]:
+            raise InvalidArgumentError(
+                f"{op}: keys and values must agree on [B, H, T], got {tuple(b.keys.shape)} and {tuple(b.values.shape)}"
+            )
+        if (b.key_scales is None) != (self.mode != "int8") or (b.value_scales is None) != (self.mode != "int8"):
+            raise InvalidArgumentError(f"{op}: scale sidecars must be present exactly in int8 mode")
+        if holder.live_len > b.capacity:
+            raise InvalidArgumentError(
+                f"{op}: cursor out of range: live_len {holder.live_len} > capacity {b.capacity}"
+            )
+
+    def _adopt(self, holder: CacheSnapshot) -> None:
+        # Adopted buffers are shared with the holder: no marker, so the next
+        # write copies (semantics.md 2, "What breaks the proof").
+        self.buffers = None if holder.buffers is None else holder.buffers.shared()
+        self.offset, self.live_start = holder.offset, holder.live_start
+        self._marker = None
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Adopt a snapshot's buffers and window. The snapshot stays valid and
+        unchanged. Raises InvalidArgumentError for a malformed snapshot
+        (wrong type, mode, rank, K/V mismatch, dtype, cursor out of range)."""
+        self._check_holder("restore", snapshot)
+        self._adopt(snapshot)
+
+    def detach(self) -> DetachedHandle:
+        """Move every tensor into a detached handle; the cache becomes empty."""
+        handle = DetachedHandle(self.mode, self.step, self.buffers, self.offset, self.live_start)
+        self._reset()
+        return handle
+
+    def install(self, handle: DetachedHandle) -> None:
+        """Install a detached handle into this empty cache; the handle is
+        consumed (emptied). Raises StateError when the cache is not empty,
+        InvalidArgumentError for a malformed handle."""
+        if not isinstance(handle, DetachedHandle):
+            raise InvalidArgumentError(f"install: expected a DetachedHandle, got {type(handle).__name__}")
+        if not self.empty() or self.offset != 0:
+            raise StateError(f"install: requires an empty cache, got offset={self.offset}, live_len={self.live_len}")
+        self._check_holder("install", handle)
+        self._adopt(handle)
+        handle.buffers, handle.offset, handle.live_start = None, 0, 0
+
+    # -- mlx-lm cache protocol ---------------------------------------------
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Live rows only, never the buffer objects themselves: Fp16
+        ``(keys, values)``; Int8 ``(keys, key_scales, values, value_scales)``."""
+        if self.buffers is None:
+            return ()
+        b = self.buffers.map(lambda a: a[:, :, : self.live_len, :])
+        if self.mode == "int8":
+            return (b.keys, b.key_scales, b.values, b.value_scales)  # type: ignore[return-value]
+        return (b.keys, b.values)
+
+    @state.setter
+    def state(self, v: tuple[mx.array, ...]) -> None:
+        if not v:
+            self.buffers = None
+        elif self.mode == "int8":
+            self.buffers = _Buffers(v[0], v[2], v[1], v[3])
+        else:
+            self.buffers = _Buffers(v[0], v[1])
+        self._marker = None
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (self.mode, str(self.step), str(self.offset), str(self.live_start))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.mode, step, offset, live_start = v
+        self.step, self.offset, self.live_start = int(step), int(offset), int(live_start)
+
+    @classmethod
+    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> "KVCache":
+        """Rebuild a cache from ``state``/``meta_state`` (mlx-lm prompt-cache
+        files). Without meta_state an Fp16 cache with offset = rows."""
+        mode = meta_state[0] if meta_state else "fp16"
+        obj = cls(mode=mode, step=int(meta_state[1]) if meta_state else 256)
+        obj.state = state
+        if meta_state:
+            obj.meta_state = meta_state
+        else:
+            obj.offset = 0 if not state else int(state[0].shape[SEQ_AXIS])
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.buffers is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffers is None else sum(a.nbytes for a in self.buffers.arrays())
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        """Attention mask for ``N`` new queries (called before the update, as
+        mlx-lm does). ``None`` for a decode step without a window,
+        ``"causal"`` for a plain prefill, else a bool ``[N, live_len + N]``
+        array where query ``i`` sees key ``j`` iff ``j <= live_len + i`` and,
+        with ``window_size``, ``live_len + i - j < window_size``."""
+        if window_size is None and not return_array:
+            return None if N == 1 else "causal"
+        q = mx.arange(self.live_len, self.live_len + N)[:, None]
+        k = mx.arange(self.live_len + N)[None]
+        mask = q >= k
+        if window_size is not None:
+            mask = mask & (q < k + window_size)
+        return mask
+
+
+def _check_index_list(op: str, name: str, values: list[int], lo: int, hi: int) -> None:
+    if not values:
+        raise InvalidArgumentError(f"{op}: {name} must be non-empty, got []")
+    for a, b in zip(values, values[1:]):
+        if b <= a:
+            raise InvalidArgumentError(f"{op}: {name} must be strictly increasing, got {values}")
+    if values[0] < lo or values[-1] >= hi:
+        raise InvalidArgumentError(f"{op}: {name} must lie in [{lo}, {hi}), got {values}")

@@ -1,0 +1,506 @@
+"""Executable spec of the dense KV cache (semantics.md section 2).
+
+Two levels live side by side in one frozen state:
+
+* the **abstract** level: the live rows as ``Entry(position, token)`` values,
+  ``offset`` and ``live_start``; ``live_len`` is always derived from them;
+* the **physical** level, only as far as the cost contract and the ownership
+  rule need it: the identity and capacity of the cache's buffers
+  (``Buffer``) and the ownership ``Marker``.
+
+Every operation is a pure function ``op(state, ...) -> (result, new_state)``
+or raises one of :mod:`spec.errors` and returns nothing (so a refusal cannot
+change anything). Holders (snapshots, detached handles, the held in-flight
+window) live in :class:`DenseWorld`, whose operations wrap the cache's.
+
+Rows are token identities, not numbers: the spec says *which* rows a reader
+sees; the harness turns identities into bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+
+class Mode(str, Enum):
+    """Storage modes of the dense cache (semantics.md section 2)."""
+
+    FP16 = "fp16"
+    INT8 = "int8"
+    TURBO4ASYM = "turbo4asym"
+    TURBO4 = "turbo4"
+    TURBO3ASYM = "turbo3asym"
+    TURBO4DELEGATED = "turbo4delegated"
+
+
+def trim_is_logical(mode: Mode) -> bool:
+    """Trim rule: Fp16 and Int8 rewind logically (O(1), capacity kept);
+    the Turbo modes cut every buffer to the live rows (their packed sidecars
+    are read whole). Source: semantics.md 2 "Trim family", seed 000."""
+    return mode in (Mode.FP16, Mode.INT8)
+
+
+def supports_front_trim(mode: Mode) -> bool:
+    """``trim_front_keep_sink`` moves rows only in Fp16 and Int8; other modes
+    return 0 and change nothing (semantics.md 2)."""
+    return mode in (Mode.FP16, Mode.INT8)
+
+
+def supports_gather(mode: Mode) -> bool:
+    """Gathers are refused in Turbo4Delegated (hot/cold split bookkeeping)."""
+    return mode is not Mode.TURBO4DELEGATED
+
+
+def inplace_switch(env_value: str | None) -> bool:
+    """The ``KV_INPLACE_WRITE`` switch: on unless the variable is one of
+    ``0``, ``false``, ``off``, ``no`` (any case, surrounding blanks ignored)."""
+    if env_value is None:
+        return True
+    return env_value.strip().lower() not in ("0", "false", "off", "no")
+
+
+def regrow_needed(has_buffer: bool, prev: int, capacity: int, n: int) -> bool:
+    """Regrow rule, guard: grow iff there is no buffer or ``prev + n`` rows
+    do not fit (semantics.md 2, step 2)."""
+    return (not has_buffer) or prev + n > capacity
+
+
+def regrow_capacity(prev: int, n: int, step: int) -> int:
+    """Regrow rule, result: cut the buffer to the live prefix, then append
+    ``ceil(n / step) * step`` zero rows. Not necessarily a multiple of step.
+    The older guard (cut only when ``prev % step != 0``) keeps a stale tail
+    after a logical trim: a known regression (seed 000, #1209)."""
+    return prev + -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One live row: the absolute (RoPE) position it was written at and its
+    token identity. Positions never change after the write."""
+
+    position: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Abstract identity of the cache's K/V buffers (sidecars included) and
+    their physical length along the sequence axis."""
+
+    ident: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class Marker:
+    """Ownership marker: the buffers the cache's own last write produced and
+    the live length right after that write (semantics.md 2)."""
+
+    buffer: int
+    live_len: int
+
+
+@dataclass(frozen=True)
+class DenseCache:
+    """State of one dense cache. ``next_ident`` hands out buffer identities and
+    never goes back, so identities are unique for the cache's lifetime."""
+
+    mode: Mode = Mode.FP16
+    step: int = 256
+    inplace: bool = True
+    entries: tuple[Entry, ...] = ()
+    offset: int = 0
+    live_start: int = 0
+    buffer: Buffer | None = None
+    marker: Marker | None = None
+    next_ident: int = 0
+
+    @property
+    def live_len(self) -> int:
+        """Number of valid rows, ``offset - live_start`` (the buffer index)."""
+        return self.offset - self.live_start
+
+    @property
+    def capacity(self) -> int:
+        """Physical length of the buffers, 0 when there are none."""
+        return 0 if self.buffer is None else self.buffer.capacity
+
+    def window(self) -> tuple[int, ...]:
+        """Token identities a fetch returns, in order."""
+        return tuple(e.token for e in self.entries)
+
+
+def new_cache(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = True) -> DenseCache:
+    """An empty cache. Raises InvalidArgumentError when ``step < 1``."""
+    if not isinstance(step, int) or step < 1:
+        raise InvalidArgumentError(f"step: must be an integer >= 1, got {step!r}")
+    return DenseCache(mode=Mode(mode), step=step, inplace=inplace)
+
+
+def _with_new_buffer(cache: DenseCache, capacity: int | None) -> DenseCache:
+    """The cache holding freshly produced private buffers (or none)."""
+    if capacity is None:
+        return replace(cache, buffer=None)
+    return replace(cache, buffer=Buffer(cache.next_ident, capacity), next_ident=cache.next_ident + 1)
+
+
+def inplace_write_allowed(cache: DenseCache, n: int) -> bool:
+    """Ownership rule: may an append of ``n`` rows at ``cache.live_len`` go
+    straight into the current buffers, which others may share?
+
+    Only when the switch is on, it is a decode step (n == 1), the mode is
+    Fp16, and the marker says the cache's own last write produced these very
+    buffers and ended exactly here. Unchanged identity means nobody replaced
+    the buffers (restore, install, growth, gather, physical trim); landing at
+    the recorded length means no trim or rollback happened since. Every holder
+    was made at an earlier moment and sees only rows below its live_len then,
+    which is at most ``marker.live_len``; so the row written was never valid
+    for any holder (semantics.md 2, "The two write paths").
+    """
+    return (
+        cache.inplace
+        and n == 1
+        and cache.mode is Mode.FP16
+        and cache.marker is not None
+        and cache.buffer is not None
+        and cache.marker.buffer == cache.buffer.ident
+        and cache.live_len == cache.marker.live_len
+    )
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What ``update_and_fetch`` of n rows returns and how it wrote."""
+
+    window: tuple[int, ...]
+    inplace: bool
+    regrew: bool
+
+
+def append(cache: DenseCache, tokens: tuple[int, ...]) -> tuple[AppendResult, DenseCache]:
+    """``update_and_fetch`` of ``len(tokens)`` new rows (semantics.md 2).
+
+    Regrows under :func:`regrow_needed` / :func:`regrow_capacity`, writes the
+    rows at ``[prev, prev + n)`` (in place iff :func:`inplace_write_allowed`,
+    else by a copying write that yields new private buffers), records the
+    marker and returns the window ``[0, live_len)``.
+    Raises InvalidArgumentError when no rows are given.
+    """
+    n = len(tokens)
+    if n < 1:
+        raise InvalidArgumentError(f"append: n must be >= 1, got {n}")
+    prev = cache.live_len
+    regrew = regrow_needed(cache.buffer is not None, prev, cache.capacity, n)
+    if regrew:
+        cache = _with_new_buffer(cache, regrow_capacity(prev, n, cache.step))
+    inplace = inplace_write_allowed(cache, n)
+    if not inplace:
+        cache = _with_new_buffer(cache, cache.capacity)
+    assert cache.buffer is not None
+    new_entries = tuple(Entry(cache.offset + i, t) for i, t in enumerate(tokens))
+    cache = replace(
+        cache,
+        entries=cache.entries + new_entries,
+        offset=cache.offset + n,
+        marker=Marker(cache.buffer.ident, prev + n),
+    )
+    return AppendResult(cache.window(), inplace, regrew), cache
+
+
+def _dropped_if_empty(cache: DenseCache) -> DenseCache:
+    """When live_len reaches 0 every buffer and sidecar is dropped."""
+    if cache.live_len == 0:
+        return replace(cache, buffer=None, marker=None)
+    return cache
+
+
+def trim(cache: DenseCache, n: int) -> tuple[int, DenseCache]:
+    """Trim ``n`` rows from the end; returns how many were removed.
+
+    ``n`` is clamped to ``[0, live_len]`` (a negative n trims nothing: growing
+    the offset is a known mlx-lm fault). Fp16/Int8 rewind logically: buffers
+    and capacity stay, O(1). Turbo modes cut every buffer to the live rows.
+    """
+    n = max(0, min(n, cache.live_len))
+    if n == 0:
+        return 0, cache
+    cache = replace(cache, entries=cache.entries[: cache.live_len - n], offset=cache.offset - n)
+    if not trim_is_logical(cache.mode) and cache.live_len > 0:
+        cache = _with_new_buffer(cache, cache.live_len)
+    return n, _dropped_if_empty(cache)
+
+
+def trim_to(cache: DenseCache, length: int) -> tuple[int, DenseCache]:
+    """``trim(offset - length)``. Raises InvalidArgumentError unless
+    ``0 <= length <= offset``."""
+    if length < 0 or length > cache.offset:
+        raise InvalidArgumentError(
+            f"trim_to: len must satisfy 0 <= len <= offset ({cache.offset}), got {length}"
+        )
+    return trim(cache, cache.offset - length)
+
+
+def trim_front_keep_sink(cache: DenseCache, n: int, keep: int = 0) -> tuple[int, DenseCache]:
+    """Evict ``n`` rows after the first ``keep`` sink rows (sliding-window
+    eviction with attention sinks). Returns the number evicted.
+
+    ``n = clamp(n, 0, live_len)``, ``keep = clamp(keep, 0, live_len - n)``;
+    rows become ``rows[:keep] ++ rows[keep + n:]``; ``live_start += n``; the
+    offset never decreases (each key keeps the RoPE of its write). The result
+    is compacted into new buffers of exactly the live rows. Modes other than
+    Fp16/Int8 return 0 and change nothing.
+    """
+    if not supports_front_trim(cache.mode):
+        return 0, cache
+    n = max(0, min(n, cache.live_len))
+    if n == 0:
+        return 0, cache
+    keep = max(0, min(keep, cache.live_len - n))
+    entries = cache.entries[:keep] + cache.entries[keep + n :]
+    cache = replace(cache, entries=entries, live_start=cache.live_start + n)
+    if cache.live_len > 0:
+        cache = _with_new_buffer(cache, cache.live_len)
+    return n, _dropped_if_empty(cache)
+
+
+def check_strictly_increasing(op: str, name: str, values: tuple[int, ...], lo: int, hi: int) -> None:
+    """Refuse an index list unless it is non-empty, strictly increasing and
+    inside ``[lo, hi)``. Raises InvalidArgumentError naming ``op`` and ``name``."""
+    shown = list(values)
+    if not values:
+        raise InvalidArgumentError(f"{op}: {name} must be non-empty, got []")
+    for a, b in zip(values, values[1:]):
+        if b <= a:
+            raise InvalidArgumentError(f"{op}: {name} must be strictly increasing, got {shown}")
+    if values[0] < lo or values[-1] >= hi:
+        raise InvalidArgumentError(f"{op}: {name} must lie in [{lo}, {hi}), got {shown}")
+
+
+def gather_positions(cache: DenseCache, positions: tuple[int, ...]) -> tuple[int, DenseCache]:
+    """Keep exactly the listed rows (indices into the live window), in order;
+    ``offset = len(positions)``. Returns the new live_len. The identity list
+    is a no-op. The result is compacted into new buffers of exactly the kept
+    rows.
+
+    Raises UnsupportedOperationError in Turbo4Delegated, StateError when
+    ``live_start != 0``, InvalidArgumentError when the list is empty, not
+    strictly increasing, or outside ``[0, live_len)``.
+    """
+    if not supports_gather(cache.mode):
+        raise UnsupportedOperationError(f"gather_positions: not supported in mode {cache.mode.value}")
+    if cache.live_start != 0:
+        raise StateError(
+            f"gather_positions: requires live_start == 0 (no front trim), got live_start={cache.live_start}"
+        )
+    positions = tuple(positions)
+    check_strictly_increasing("gather_positions", "positions", positions, 0, cache.live_len)
+    if positions == tuple(range(cache.live_len)):
+        return cache.live_len, cache
+    entries = tuple(cache.entries[p] for p in positions)
+    cache = replace(cache, entries=entries, offset=len(positions))
+    return len(positions), _with_new_buffer(cache, len(positions))
+
+
+def gather_within_tail(cache: DenseCache, tail_len: int, kept: tuple[int, ...]) -> tuple[int, DenseCache]:
+    """Tree-speculation rollback: of the last ``tail_len`` rows keep those at
+    ``kept`` (indices into the tail), written back at the tail's start.
+    ``offset -= tail_len - len(kept)``; returns the new live_len. O(tail): the
+    kept rows are written by a copying write into buffers of the same
+    capacity (logical-trim modes) or cut to the live rows (Turbo modes).
+
+    Raises UnsupportedOperationError in Turbo4Delegated, InvalidArgumentError
+    unless ``0 < tail_len <= live_len`` and ``kept`` is non-empty, strictly
+    increasing and inside ``[0, tail_len)``.
+    """
+    if not supports_gather(cache.mode):
+        raise UnsupportedOperationError(f"gather_within_tail: not supported in mode {cache.mode.value}")
+    if tail_len <= 0 or tail_len > cache.live_len:
+        raise InvalidArgumentError(
+            f"gather_within_tail: tail_len must satisfy 0 < tail_len <= live_len ({cache.live_len}), got {tail_len}"
+        )
+    kept = tuple(kept)
+    check_strictly_increasing("gather_within_tail", "kept", kept, 0, tail_len)
+    start = cache.live_len - tail_len
+    tail = cache.entries[start:]
+    entries = cache.entries[:start] + tuple(tail[k] for k in kept)
+    cache = replace(cache, entries=entries, offset=cache.offset - (tail_len - len(kept)))
+    capacity = cache.capacity if trim_is_logical(cache.mode) else cache.live_len
+    return cache.live_len, _with_new_buffer(cache, capacity)
+
+
+# ---------------------------------------------------------------------------
+# Holders: snapshots, detached handles and the held in-flight window.
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Anything besides the cache that keeps a reference to its buffers.
+    Its view (``entries``) is fixed for as long as it lives (isolation)."""
+
+    kind: str  # "snapshot", "handle" or "held"
+    entries: tuple[Entry, ...]
+    offset: int
+    live_start: int
+    buffer: Buffer | None
+
+    @property
+    def live_len(self) -> int:
+        return self.offset - self.live_start
+
+    def window(self) -> tuple[int, ...]:
+        return tuple(e.token for e in self.entries)
+
+
+def holder_of(cache: DenseCache, kind: str) -> Holder:
+    """A holder sharing the cache's buffers (an O(1) lazy copy)."""
+    return Holder(kind, cache.entries, cache.offset, cache.live_start, cache.buffer)
+
+
+def adopt(cache: DenseCache, holder: Holder) -> DenseCache:
+    """The cache adopting a holder's buffers and window, with no marker: the
+    buffers are shared, so the next write must copy (semantics.md 2)."""
+    return replace(
+        cache,
+        entries=holder.entries,
+        offset=holder.offset,
+        live_start=holder.live_start,
+        buffer=holder.buffer,
+        marker=None,
+    )
+
+
+def is_empty(cache: DenseCache) -> bool:
+    """A cache that has never held a row or was reset: offset 0."""
+    return cache.offset == 0 and cache.live_start == 0 and cache.buffer is None
+
+
+def handle_trim_to(handle: Holder, length: int) -> tuple[int, Holder]:
+    """A detached handle's ``trim_to``: cut its tensors physically to
+    ``length - live_start`` live rows. Returns the rows removed.
+    Raises InvalidArgumentError unless ``0 <= length <= offset``."""
+    if length < 0 or length > handle.offset:
+        raise InvalidArgumentError(
+            f"handle_trim_to: len must satisfy 0 <= len <= offset ({handle.offset}), got {length}"
+        )
+    n = min(handle.offset - length, handle.live_len)
+    if n == 0:
+        return 0, handle
+    live = handle.live_len - n
+    buffer = None if live == 0 or handle.buffer is None else Buffer(-1 - handle.buffer.ident, live)
+    return n, replace(handle, entries=handle.entries[:live], offset=handle.offset - n, buffer=buffer)
+
+
+@dataclass(frozen=True)
+class DenseWorld:
+    """The cache plus everything that may share its buffers.
+
+    ``holders`` maps snapshot and handle names to holders (treated as
+    immutable: every operation builds a new dict). ``returned`` is the window
+    the last append returned (what ``hold`` keeps alive). ``next_token`` is the
+    trace's token counter: identities are never reused.
+    """
+
+    cache: DenseCache
+    holders: dict[str, Holder] = field(default_factory=dict)
+    held: Holder | None = None
+    returned: Holder | None = None
+    next_token: int = 0
+
+
+def new_world(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = True) -> DenseWorld:
+    return DenseWorld(new_cache(mode, step, inplace))
+
+
+def _require(world: DenseWorld, op: str, name: str, kind: str | None = None) -> Holder:
+    holder = world.holders.get(name)
+    if holder is None:
+        raise StateError(f"{op}: no snapshot or handle named {name!r}")
+    if kind is not None and holder.kind != kind:
+        raise StateError(f"{op}: {name!r} is a {holder.kind}, not a {kind}")
+    return holder
+
+
+def _fresh_name(world: DenseWorld, op: str, name: str) -> None:
+    if name in world.holders:
+        raise StateError(f"{op}: name {name!r} is already in use")
+
+
+def w_append(world: DenseWorld, n: int) -> tuple[AppendResult, DenseWorld]:
+    """Append ``n`` rows with the next ``n`` token identities."""
+    if n < 1:
+        raise InvalidArgumentError(f"append: n must be >= 1, got {n}")
+    tokens = tuple(range(world.next_token, world.next_token + n))
+    result, cache = append(world.cache, tokens)
+    returned = holder_of(cache, "held")
+    return result, replace(world, cache=cache, returned=returned, next_token=world.next_token + n)
+
+
+def w_hold(world: DenseWorld) -> tuple[None, DenseWorld]:
+    """Keep the window the last append returned alive (a pipelined step)."""
+    if world.returned is None:
+        raise StateError("hold: no append has returned a window yet")
+    return None, replace(world, held=world.returned)
+
+
+def w_release_hold(world: DenseWorld) -> tuple[None, DenseWorld]:
+    return None, replace(world, held=None)
+
+
+def w_snapshot(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    """Prompt-cache snapshot: new handles to the same buffers, O(1)."""
+    _fresh_name(world, "snapshot", name)
+    return None, replace(world, holders={**world.holders, name: holder_of(world.cache, "snapshot")})
+
+
+def w_restore(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    """The live cache adopts the snapshot's buffers and window; no marker."""
+    snap = _require(world, "restore", name, "snapshot")
+    return None, replace(world, cache=adopt(world.cache, snap))
+
+
+def w_drop(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    _require(world, "drop", name)
+    holders = {k: v for k, v in world.holders.items() if k != name}
+    return None, replace(world, holders=holders)
+
+
+def w_detach(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    """Move every tensor into a detached handle; the cache becomes empty."""
+    _fresh_name(world, "detach", name)
+    c = world.cache
+    empty = DenseCache(mode=c.mode, step=c.step, inplace=c.inplace, next_ident=c.next_ident)
+    holders = {**world.holders, name: holder_of(c, "handle")}
+    return None, replace(world, cache=empty, holders=holders)
+
+
+def w_install(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    """Install a detached handle into the empty cache; the handle is consumed."""
+    handle = _require(world, "install", name, "handle")
+    if not is_empty(world.cache):
+        raise StateError(
+            f"install: requires an empty cache, got offset={world.cache.offset}, live_len={world.cache.live_len}"
+        )
+    holders = {k: v for k, v in world.holders.items() if k != name}
+    return None, replace(world, cache=adopt(world.cache, handle), holders=holders)
+
+
+def w_handle_trim_to(world: DenseWorld, name: str, length: int) -> tuple[int, DenseWorld]:
+    handle = _require(world, "handle_trim_to", name, "handle")
+    n, handle = handle_trim_to(handle, length)
+    return n, replace(world, holders={**world.holders, name: handle})
+
+
+def w_cache_op(world: DenseWorld, fn, *args):
+    """Lift a cache operation ``fn(cache, *args) -> (result, cache)``."""
+    result, cache = fn(world.cache, *args)
+    return result, replace(world, cache=cache)
+
+
+def view_of(world: DenseWorld, name: str | None) -> tuple[int, ...]:
+    """The window of the live cache (``name is None``) or of a named holder."""
+    if name is None:
+        return world.cache.window()
+    return _require(world, "expect", name).window()
