@@ -83,6 +83,11 @@ class Lockstep:
     ``observables()``.
     """
 
+    #: Compare the in-place decision of every append (the cost contract).
+    #: Switched off to show that isolation checks alone still catch an
+    #: unsafe in-place write (an engine that cannot observe its write path).
+    check_inplace = True
+
     def __init__(self, cache: dict[str, Any]):
         self.cfg = cache
         self.shape = (cache["batch"], cache["kv_heads"], cache["head_dim"])
@@ -155,6 +160,8 @@ class Lockstep:
             spec_out, s_world = Outcome(error=exc), None
         try:
             impl_out = Outcome(result=self.impl_apply(op))
+        except Divergence:
+            raise
         except Exception as exc:  # a crash is a divergence too
             impl_out = Outcome(error=exc)
 
@@ -184,7 +191,7 @@ class Lockstep:
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         if not self.window_matches(s.window, i):
             raise Divergence(index, op, "returned window differs", list(s.window), self.identify(i))
-        if s.inplace != self.impl_last_inplace():
+        if self.check_inplace and s.inplace != self.impl_last_inplace():
             raise Divergence(index, op, "in-place decision differs", f"inplace={s.inplace}", f"inplace={self.impl_last_inplace()}")
         self.reached("in-place writes" if s.inplace else "copying writes")
 

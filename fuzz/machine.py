@@ -37,6 +37,7 @@ class KVMachine(RuleBasedStateMachine):
     mode = "fp16"
     inplace = True
     factories: dict[str, Any] | None = None
+    check_inplace = True
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
     stats: dict[str, int] = {}
@@ -53,7 +54,7 @@ class KVMachine(RuleBasedStateMachine):
 
         type(self).runs += 1
         self.cfg = {**CACHE_DEFAULTS, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg}
-        self.lock = make_lockstep(self.cfg, self.factories)
+        self.lock = make_lockstep(self.cfg, self.factories, self.check_inplace)
 
     def do(self, op: dict[str, Any]) -> None:
         self.ops.append(op)
@@ -203,7 +204,8 @@ class DenseMachine(KVMachine):
         assert c.live_len <= c.capacity or c.live_len == 0, (c.live_len, c.capacity)
 
 
-def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None) -> type[KVMachine]:
+def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None,
+                check_inplace: bool = True) -> type[KVMachine]:
     """A fresh machine class bound to one configuration (class attributes,
     so that runs in one process never share statistics)."""
     if kind == "dense":
@@ -215,7 +217,10 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     else:
         raise ValueError(f"kind: no state machine for {kind!r}")
     name = f"{base.__name__}_{mode}_{'inplace' if inplace else 'copy'}"
-    return type(name, (base,), {"mode": mode, "inplace": inplace, "factories": factories, "stats": {}, "runs": 0, "last_run": None})
+    return type(name, (base,), {
+        "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
+        "stats": {}, "runs": 0, "last_run": None,
+    })
 
 
 __all__ = ["KVMachine", "DenseMachine", "machine_for", "precondition"]

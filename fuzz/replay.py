@@ -12,10 +12,16 @@ from fuzz.trace import Trace, TraceFormatError
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
 
 
-def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None) -> Lockstep:
+def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None, check_inplace: bool = True) -> Lockstep:
     """The lockstep driver for the trace's cache kind. ``factories`` maps a
-    kind to the implementation class to use (the bug catalog swaps them)."""
-    factories = factories or {}
+    kind to the implementation class to use (the bug catalog swaps them);
+    ``check_inplace=False`` leaves the write path unobserved."""
+    lock = _make_lockstep(cache, factories or {})
+    lock.check_inplace = check_inplace
+    return lock
+
+
+def _make_lockstep(cache: dict[str, Any], factories: dict[str, Any]) -> Lockstep:
     kind = cache["kind"]
     if kind == "dense":
         from fuzz.dense import DenseLockstep
@@ -46,9 +52,9 @@ class ReplayResult:
         return out
 
 
-def replay(trace: Trace, factories: dict[str, Any] | None = None) -> ReplayResult:
+def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace: bool = True) -> ReplayResult:
     """Run every op; stop at the first divergence."""
-    lock = make_lockstep(trace.cache, factories)
+    lock = make_lockstep(trace.cache, factories, check_inplace)
     for i, op in enumerate(trace.ops):
         try:
             lock.step(i, op)

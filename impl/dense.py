@@ -64,8 +64,12 @@ def _check_rows(op: str, keys: Any, values: Any) -> int:
     return int(keys.shape[2])
 
 
-def _cut(a: mx.array | None, start: int, stop: int) -> mx.array | None:
-    return None if a is None else a[:, :, start:stop, :]
+def share(a: mx.array) -> mx.array:
+    """A new handle to the same memory: a full slice. (In MLX 0.32 an
+    evaluated ``mx.array(a)`` is a copy, while slices and ``copy.deepcopy``
+    alias the buffer; a prompt-cache snapshot is an O(1) alias, so it is a
+    holder that in-place writes could reach.)"""
+    return a[:, :, :, :]
 
 
 def _cat(parts: list[mx.array | None]) -> mx.array | None:
@@ -100,8 +104,8 @@ class _Buffers:
         )
 
     def shared(self) -> "_Buffers":
-        """New handles to the same memory (an O(1) lazy copy)."""
-        return self.map(mx.array)
+        """New handles to the same memory (an O(1) alias, no data copied)."""
+        return self.map(share)
 
     def window(self, live_len: int) -> tuple[mx.array, mx.array]:
         """Attention-ready float16 rows ``[0, live_len)``."""

@@ -1,0 +1,258 @@
+"""Lockstep and state machine for the sliding-window cache (kind ``rotating``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
+
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
+from impl.rotating import RingSnapshot, RotatingKVCache
+from spec import rotating as sr
+from spec.errors import StateError
+
+
+def mask_as_rows(mask: Any, n: int, length: int) -> list[list[bool]] | None:
+    """Expand what ``make_mask`` returned into rows of booleans."""
+    if mask is None:
+        return [[True] * length for _ in range(n)]
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        return [[j <= length - n + i for j in range(length)] for i in range(n)]
+    arr = np.asarray(mask)
+    if arr.shape != (n, length):
+        return None
+    return arr.astype(bool).tolist()
+
+
+class RotatingLockstep(Lockstep):
+    """Drives a spec ``RotatingWorld`` and an impl ``RotatingKVCache``.
+
+    Besides the common checks it compares the ring cursor ``idx`` and, before
+    every append, ``make_mask`` (array and short forms) with the spec's
+    visibility rule over the keys the append will return."""
+
+    def __init__(self, cache: dict[str, Any], cache_factory=RotatingKVCache):
+        super().__init__(cache)
+        self.world = sr.RotatingWorld(
+            sr.new_cache(cache["max_size"], cache["keep"], cache["step"], cache["inplace"], cache["mode"])
+        )
+        self.prev_world = self.world
+        self.cache = cache_factory(
+            max_size=cache["max_size"], keep=cache["keep"], step=cache["step"], inplace=cache["inplace"], mode=cache["mode"]
+        )
+        self.holders: dict[str, RingSnapshot] = {}
+        self.returned: tuple[mx.array, mx.array] | None = None
+        self.held: tuple[mx.array, mx.array] | None = None
+
+    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
+        w, name = self.world, op["op"]
+        if name == "append":
+            return sr.w_append(w, op["n"])
+        if name == "fetch":
+            return w.cache.window(), w
+        if name == "hold":
+            return sr.w_hold(w)
+        if name == "release_hold":
+            return sr.w_release_hold(w)
+        if name in ("trim", "trim_to"):
+            fn = sr.trim if name == "trim" else sr.trim_to
+            result, cache = fn(w.cache, op["n"] if name == "trim" else op["len"])
+            return result, replace(w, cache=cache)
+        if name == "snapshot":
+            return sr.w_snapshot(w, op["name"])
+        if name == "restore":
+            return sr.w_restore(w, op["name"])
+        if name == "drop":
+            return sr.w_drop(w, op["name"])
+        raise sr.unsupported(name)
+
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        c, name = self.cache, op["op"]
+        if name == "append":
+            self.check_masks(op)
+            start = self.world.next_token
+            k, v = self.input_rows(list(range(start, start + op["n"])))
+            self.returned = c.update_and_fetch(k, v)
+            return self.returned
+        if name == "fetch":
+            return c.fetch()
+        if name == "hold":
+            if self.returned is None:
+                raise StateError("hold: no append has returned a window yet")
+            self.held = self.returned
+            return None
+        if name == "release_hold":
+            self.held = None
+            return None
+        if name == "trim":
+            return c.trim(op["n"])
+        if name == "trim_to":
+            return c.trim_to(op["len"])
+        if name == "snapshot":
+            if op["name"] in self.holders:
+                raise StateError(f"snapshot: name {op['name']!r} is already in use")
+            self.holders[op["name"]] = c.snapshot()
+            return None
+        if name == "restore":
+            snap = self.holders.get(op["name"])
+            if snap is None:
+                raise StateError(f"restore: no snapshot or handle named {op['name']!r}")
+            c.restore(snap)
+            return None
+        if name == "drop":
+            if op["name"] not in self.holders:
+                raise StateError(f"drop: no snapshot or handle named {op['name']!r}")
+            del self.holders[op["name"]]
+            return None
+        raise sr.unsupported(name)
+
+    def check_masks(self, op: dict[str, Any]) -> None:
+        """make_mask before the append, as an mlx-lm model calls it."""
+        n = op["n"]
+        want = [list(r) for r in sr.make_mask_spec(self.world.cache, n)]
+        length = len(want[0])
+        for kwargs in ({"return_array": True}, {}):
+            got = mask_as_rows(self.cache.make_mask(n, **kwargs), n, length)
+            if got != want:
+                raise Divergence(self.current_index, op, f"make_mask({n}, {kwargs}) differs",
+                                 _mask_text(want), "unexpected form" if got is None else _mask_text(got))
+        self.reached("masks checked")
+
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        self.current_index = index
+        super().step(index, op)
+
+    def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        super().compare_append(index, op, s, i)
+        before = self.prev_world.cache
+        if op["n"] == 1 and before.offset >= before.max_size:
+            self.reached("steady-state decodes")
+        if op["n"] > 1 and before.wrapped:
+            self.reached("multi-row appends after a wrap")
+        if op["n"] > 1 and len(s.window) > before.max_size:
+            self.reached("returns longer than the window")
+        if before.idx >= before.max_size or (before.wrapped and self.world.cache.idx <= before.idx and op["n"] == 1):
+            self.reached("wraps")
+        if op["n"] == 1 and (before.offset >= before.max_size) and (self.prev_world.holders or self.prev_world.held):
+            self.reached("steady-state writes beside a holder")
+
+    def impl_last_inplace(self) -> bool:
+        return self.cache.last_write_inplace
+
+    def spec_observables(self) -> dict[str, Any]:
+        c = self.world.cache
+        return {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
+
+    def impl_observables(self) -> dict[str, Any]:
+        c = self.cache
+        return {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
+
+    def spec_views(self) -> dict[str, tuple[int, ...]]:
+        w = self.world
+        views = {"cache": w.cache.window()}
+        for name, holder in w.holders.items():
+            views["holder:" + name] = holder.window()
+        if w.held is not None:
+            views["held"] = w.held
+        return views
+
+    def impl_views(self) -> dict[str, Any]:
+        views: dict[str, Any] = {"cache": self.cache.fetch()}
+        for name, holder in self.holders.items():
+            views["holder:" + name] = holder.fetch()
+        if self.held is not None:
+            views["held"] = self.held
+        return views
+
+
+def _mask_text(rows: list[list[bool]]) -> str:
+    return " / ".join("".join("1" if x else "." for x in r) for r in rows)
+
+
+class RotatingMachine(KVMachine):
+    """Sliding-window ops with W 2 to 16, K 0 to 3, step 1 to 8: mixed decode
+    and multi-row appends, trims before and after the wrap, snapshots and held
+    windows in warm-up and in the steady state."""
+
+    kind = "rotating"
+    snapshots = Bundle("snapshots")
+
+    @initialize(
+        data=st.data(),
+        max_size=st.one_of(st.integers(2, 6), st.integers(2, 16)),
+        step=SMALL_STEPS,
+        head_dim=HEAD_DIMS,
+        kv_heads=KV_HEADS,
+    )
+    def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int, kv_heads: int) -> None:
+        keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
+        self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads)
+
+    @property
+    def offset(self) -> int:
+        return self.lock.world.cache.offset
+
+    @rule()
+    def decode(self) -> None:
+        self.do({"op": "append", "n": 1})
+
+    @rule()
+    def decode_again(self) -> None:
+        """Decode steps dominate, and the ring needs W of them to wrap."""
+        self.do({"op": "append", "n": 1})
+
+    @rule(n=st.integers(2, 9))
+    def prefill(self, n: int) -> None:
+        self.do({"op": "append", "n": n})
+
+    @rule()
+    def fetch(self) -> None:
+        self.do({"op": "fetch"})
+
+    @rule()
+    def hold(self) -> None:
+        if self.lock.world.returned is not None:
+            self.do({"op": "hold"})
+
+    @rule()
+    def release_hold(self) -> None:
+        self.do({"op": "release_hold"})
+
+    @rule(n=st.integers(-1, 4))
+    def trim(self, n: int) -> None:
+        self.do({"op": "trim", "n": n})
+
+    @rule(data=st.data())
+    def trim_to(self, data: st.DataObject) -> None:
+        self.do({"op": "trim_to", "len": data.draw(st.integers(-1, self.offset + 1), label="len")})
+
+    @rule(target=snapshots)
+    def snapshot(self) -> str:
+        name = self.fresh_name("s")
+        self.do({"op": "snapshot", "name": name})
+        return name
+
+    @rule(name=snapshots)
+    def restore(self, name: str) -> None:
+        self.do({"op": "restore", "name": name})
+
+    @rule(name=consumes(snapshots))
+    def drop(self, name: str) -> None:
+        self.do({"op": "drop", "name": name})
+
+    @invariant()
+    def cursor_in_range(self) -> None:
+        """semantics.md 5.6: K <= idx <= capacity once the ring has wrapped."""
+        if self.lock is None:
+            return
+        c = self.lock.cache
+        assert 0 <= c.idx <= max(c.capacity, 0), (c.idx, c.capacity)
+        if c.offset != c.idx:
+            assert c.keep <= c.idx, (c.keep, c.idx)
