@@ -40,6 +40,9 @@ class RunResult:
     seconds: float
     examples: int
     steps: int
+    #: examples and seconds until the first failing example (before shrinking)
+    examples_to_catch: int | None = None
+    seconds_to_catch: float | None = None
     stats: dict[str, int] = field(default_factory=dict)
     error: BaseException | None = None
     trace: Trace | None = None
@@ -47,7 +50,7 @@ class RunResult:
 
 def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40) -> RunResult:
     """Run one seeded batch of ``max_examples`` examples (shrinking on failure)."""
-    machine.runs, machine.stats, machine.last_run = 0, {}, None
+    machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
     test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps))
     test = hyp_seed(seed)(test)
     start = time.perf_counter()
@@ -59,7 +62,10 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     seconds = time.perf_counter() - start
     executed = machine.stats.get("ops", 0)
     trace = failure_trace(machine, error) if error is not None else None
-    return RunResult(error is not None, seconds, machine.runs, executed, dict(machine.stats), error, trace)
+    caught = machine.first_failure
+    return RunResult(error is not None, seconds, machine.runs, executed,
+                     caught[0] if caught else None, caught[1] - start if caught else None,
+                     dict(machine.stats), error, trace)
 
 
 def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | None:

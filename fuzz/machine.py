@@ -14,6 +14,7 @@ minimal counterexample, which :func:`fuzz.campaign.failure_trace` writes out.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hypothesis import event
@@ -41,6 +42,9 @@ class KVMachine(RuleBasedStateMachine):
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
     stats: dict[str, int] = {}
+    #: (examples run, perf_counter time) when the first failure was seen,
+    #: before shrinking: what "examples and seconds to catch" report.
+    first_failure: tuple[int, float] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,7 +62,12 @@ class KVMachine(RuleBasedStateMachine):
 
     def do(self, op: dict[str, Any]) -> None:
         self.ops.append(op)
-        self.lock.step(len(self.ops) - 1, op)
+        try:
+            self.lock.step(len(self.ops) - 1, op)
+        except Exception:
+            if type(self).first_failure is None:
+                type(self).first_failure = (type(self).runs, time.perf_counter())
+            raise
 
     def fresh_name(self, prefix: str) -> str:
         self.names += 1
@@ -219,7 +228,7 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     name = f"{base.__name__}_{mode}_{'inplace' if inplace else 'copy'}"
     return type(name, (base,), {
         "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
-        "stats": {}, "runs": 0, "last_run": None,
+        "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
     })
 
 

@@ -58,6 +58,7 @@ class Rules:
     regrow: str = "spec"  # | "old_guard" | "ceil_by_add"
     trim: str = "spec"  # | "forgets_offset" | "keeps_rows"
     front: str = "spec"  # | "decreases_offset" | "keep_unclamped"
+    append_at: str = "live_len"  # | "offset" (physical rows only: obligation 3)
 
 
 SPEC = Rules()

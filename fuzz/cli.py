@@ -1,0 +1,176 @@
+"""The ``kvspec`` command: replay, fuzz, verify, prove.
+
+A thin layer: every command calls into ``fuzz`` (or ``proofs`` for
+``prove``) and only formats what comes back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+DEFAULT_OUT = "fuzz-failures"
+CONFIGS = [("dense", "fp16"), ("dense", "int8"), ("rotating", "fp16")]
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+# -- replay --------------------------------------------------------------------
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, replay
+    from fuzz.trace import TraceFormatError, load
+
+    console = _console()
+    try:
+        trace = load(args.trace)
+        factories = None
+        if args.bug:
+            from fuzz.bugs import by_name
+
+            factories = by_name(args.bug).factories
+        result = replay(trace, factories)
+    except TraceFormatError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "invalid": str(exc), "trace": args.trace}))
+        else:
+            console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {exc}")
+        return EXIT_INVALID
+    except KeyError as exc:
+        console.print(f"[bold red]error[/]: {exc.args[0]}")
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps({**result.to_json(), "trace": args.trace}))
+        return EXIT_OK if result.ok else EXIT_DIVERGED
+    if result.ok:
+        console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and implementation agree")
+        return EXIT_OK
+    console.print(f"[bold red]diverged[/] {args.trace}")
+    console.print(str(result.divergence))
+    return EXIT_DIVERGED
+
+
+# -- fuzz ----------------------------------------------------------------------
+def _stats_text(stats: dict[str, int]) -> str:
+    keep = [k for k in sorted(stats) if k != "ops" and not k.startswith("refused")]
+    refused = sum(v for k, v in stats.items() if k.startswith("refused"))
+    parts = [f"{k}: {stats[k]}" for k in keep]
+    if refused:
+        parts.append(f"refused ops: {refused}")
+    return ", ".join(parts)
+
+
+def _inplace_settings(value: str) -> list[bool]:
+    return {"on": [True], "off": [False], "both": [True, False]}[value]
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from fuzz.campaign import campaign, save_failure
+
+    console = _console()
+    configs = [(k, m) for k, m in CONFIGS if (args.kind in (None, k)) and (args.mode in (None, m))]
+    if not configs:
+        console.print(f"[red]no implementation for kind={args.kind} mode={args.mode}[/]; have {CONFIGS}")
+        return 2
+    factories = None
+    if args.bug:
+        from fuzz.bugs import by_name
+
+        bug = by_name(args.bug)
+        factories = bug.factories
+        configs = [(bug.kind, m) for m in bug.modes[:1]]
+    runs = [(k, m, ip) for k, m in configs for ip in _inplace_settings(args.inplace)]
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    budget = args.budget / len(runs)
+    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:.0f} s)")
+    for col in ("config", "examples", "steps", "ops/s", "reached", "result"):
+        table.add_column(col, overflow="fold")
+    failed = []
+    for kind, mode, inplace in runs:
+        rep = campaign(kind, mode, inplace, budget, seed, factories)
+        result = "ok"
+        if rep.failure is not None:
+            result = "FAILED"
+            failed.append((rep, kind, mode, inplace))
+        ops = rep.stats.get("ops", 0)
+        table.add_row(rep.config, str(rep.examples), str(ops), f"{ops / max(rep.seconds, 1e-9):.0f}",
+                      _stats_text(rep.stats), result)
+    console.print(table)
+    for rep, kind, mode, inplace in failed:
+        assert rep.failure is not None
+        console.print(f"[bold red]{rep.config}[/]: {str(rep.failure.error).splitlines()[0]}")
+        if rep.failure.trace is not None:
+            stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
+            path = save_failure(rep.failure.trace, args.out, stem)
+            bug = f" --bug {args.bug}" if args.bug else ""
+            console.print(f"  minimal trace written to {path}\n  replay it: kvspec replay {path}{bug}")
+    return 1 if failed else 0
+
+
+# -- verify --------------------------------------------------------------------
+def cmd_verify(args: argparse.Namespace) -> int:
+    from fuzz.verify import run_verify
+
+    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs)
+
+
+def cmd_prove(args: argparse.Namespace) -> int:
+    try:
+        from proofs.cli import main as prove_main
+    except ImportError as exc:  # pragma: no cover - proofs ship with the repo
+        print(f"proofs are not available: {exc}", file=sys.stderr)
+        return 2
+    return prove_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvspec", description="Verified KV caches: spec, proofs, MLX implementation, fuzzing.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("replay", help="replay a kvtrace on the spec and the implementation")
+    r.add_argument("trace")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--bug", help="replay against an injected bug from the catalog instead of the real implementation")
+    r.set_defaults(fn=cmd_replay)
+
+    f = sub.add_parser("fuzz", help="run a differential fuzz campaign")
+    f.add_argument("--kind", choices=["dense", "rotating"])
+    f.add_argument("--mode", choices=["fp16", "int8"])
+    f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
+    f.add_argument("--budget", type=float, default=60.0, help="seconds in all (default 60)")
+    f.add_argument("--seed", type=int, help="first seed (default: from the clock; printed)")
+    f.add_argument("--bug", help="fuzz an injected bug from the catalog (expect a failure)")
+    f.add_argument("--out", default=DEFAULT_OUT, help=f"folder for failure traces (default {DEFAULT_OUT})")
+    f.set_defaults(fn=cmd_fuzz)
+
+    v = sub.add_parser("verify", help="traces, fixed-seed campaigns, injected bugs, proofs: one table")
+    v.add_argument("--quick", action="store_true", help="short budgets (what make test runs)")
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--skip-proofs", action="store_true")
+    v.add_argument("--out", default=DEFAULT_OUT)
+    v.set_defaults(fn=cmd_verify)
+
+    pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec", add_help=False)
+    pr.add_argument("rest", nargs=argparse.REMAINDER)
+    pr.set_defaults(fn=cmd_prove)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
+
+
+__all__ = ["main", "build_parser", "Any"]

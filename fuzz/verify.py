@@ -1,0 +1,168 @@
+"""``kvspec verify``: everything that must hold, in one table.
+
+1. every regression trace in ``tests/traces/`` replays clean, and a trace
+   named after an injected bug also diverges on that bug;
+2. a fixed-seed fuzz campaign per implemented kind/mode and in-place setting
+   finds no divergence;
+3. every injected bug of the catalog is caught, and its minimal trace
+   replays clean on the real implementation (no false alarm);
+4. the proofs (``kvspec prove``), unless skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO / "tests" / "traces"
+CAMPAIGN_SEED = 20261129
+BUG_SEED = 1
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+def check_traces() -> list[Check]:
+    from fuzz.bugs import catalog
+    from fuzz.replay import replay
+    from fuzz.trace import TraceFormatError, load
+
+    bugs = {b.name: b for b in catalog()}
+    out = []
+    for path in sorted(TRACES.glob("*.json")):
+        start = time.perf_counter()
+        try:
+            trace = load(path)
+            result = replay(trace)
+            ok, detail = result.ok, f"{result.ops_run} ops agree" if result.ok else str(result.divergence).splitlines()[0]
+            bug = bugs.get(path.stem)
+            if ok and bug is not None:
+                on_bug = replay(trace, bug.factories)
+                ok = not on_bug.ok
+                detail += "; diverges on the bug" if ok else "; does NOT diverge on the bug it is named after"
+        except TraceFormatError as exc:
+            ok, detail = False, f"invalid: {exc}"
+        out.append(Check(f"trace {path.name}", ok, detail, time.perf_counter() - start))
+    if not out:
+        out.append(Check("traces", False, f"no traces in {TRACES}", 0.0))
+    return out
+
+
+def check_campaigns(budget: float) -> list[Check]:
+    from fuzz.campaign import campaign, save_failure
+
+    out = []
+    for kind, mode in (("dense", "fp16"), ("dense", "int8"), ("rotating", "fp16")):
+        for inplace in (True, False):
+            rep = campaign(kind, mode, inplace, budget, CAMPAIGN_SEED)
+            ops = rep.stats.get("ops", 0)
+            if rep.failure is None:
+                detail = f"{rep.examples} examples, {ops} ops, {ops / max(rep.seconds, 1e-9):.0f} ops/s"
+                out.append(Check(f"fuzz {rep.config}", True, detail, rep.seconds))
+            else:
+                detail = str(rep.failure.error).splitlines()[0]
+                if rep.failure.trace is not None:
+                    path = save_failure(rep.failure.trace, "fuzz-failures", rep.config.replace("/", "-"))
+                    detail += f" (kvspec replay {path})"
+                out.append(Check(f"fuzz {rep.config}", False, detail, rep.seconds))
+    return out
+
+
+def catch_bug(bug, seed: int, max_examples: int, out_dir: Path):
+    """Fuzz one injected bug; returns (caught, seconds, examples, trace path,
+    false alarm message or None)."""
+    from fuzz.campaign import run_machine, save_failure
+    from fuzz.machine import machine_for
+    from fuzz.replay import replay
+
+    machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories)
+    result = run_machine(machine, seed, max_examples=max_examples)
+    if not result.failed or result.trace is None:
+        return False, result.seconds, result.examples, None, None
+    if result.examples_to_catch is None and result.error is not None:
+        # failed outside a rule (e.g. in an invariant): count the whole run
+        result.examples_to_catch, result.seconds_to_catch = result.examples, result.seconds
+    first = str(result.error).splitlines()[0] if result.error is not None else ""
+    result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
+    path = save_failure(result.trace, out_dir, bug.name)
+    clean = replay(result.trace)
+    alarm = None if clean.ok else f"false alarm: its trace fails on the real implementation: {clean.divergence}"
+    return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
+
+
+def check_bugs(out: str, max_examples: int) -> list[Check]:
+    from fuzz.bugs import catalog
+
+    checks = []
+    for bug in catalog():
+        caught, seconds, examples, path, alarm = catch_bug(bug, BUG_SEED, max_examples, Path(out) / "bugs")
+        if not caught:
+            checks.append(Check(f"bug {bug.name}", False, f"MISSED after {examples} examples", seconds))
+        elif alarm:
+            checks.append(Check(f"bug {bug.name}", False, alarm, seconds))
+        else:
+            checks.append(Check(f"bug {bug.name}", True, f"caught after {examples} examples, trace {path}", seconds))
+    return checks
+
+
+def check_proofs() -> list[Check]:
+    start = time.perf_counter()
+    try:
+        import proofs.cli  # noqa: F401
+    except ImportError:
+        return [Check("proofs", False, "proofs package missing", 0.0)]
+    proc = subprocess.run([sys.executable, "-c", "import sys; from proofs.cli import main; sys.exit(main(['--json']))"],
+                          capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - start
+    try:
+        doc = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return [Check("proofs", False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", seconds)]
+    checks = []
+    for ob in doc.get("obligations", []):
+        ok = ob.get("status") in ("proved", "waiting") and ob.get("negative_control") in ("refuted", "n/a", None)
+        checks.append(Check(f"proof {ob['name']}", ok, f"{ob.get('status')}, negative control {ob.get('negative_control')}",
+                            float(ob.get("seconds", 0.0))))
+    if proc.returncode != 0:
+        checks.append(Check("proofs", False, f"kvspec prove exited {proc.returncode}", seconds))
+    return checks
+
+
+def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False) -> int:
+    start = time.perf_counter()
+    checks = check_traces()
+    checks += check_campaigns(4.0 if quick else 25.0)
+    checks += check_bugs(out, 300 if quick else 1000)
+    if not skip_proofs:
+        checks += check_proofs()
+    total = time.perf_counter() - start
+    ok = all(c.ok for c in checks)
+    if as_json:
+        print(json.dumps({"ok": ok, "seconds": round(total, 1),
+                          "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2)} for c in checks]}))
+    else:
+        table = Table(title="kvspec verify" + (" (quick)" if quick else ""))
+        table.add_column("check")
+        table.add_column("result")
+        table.add_column("time", justify="right")
+        table.add_column("detail", overflow="fold")
+        for c in checks:
+            table.add_row(c.name, "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", f"{c.seconds:.1f}s", c.detail)
+        console = Console(highlight=False, width=160)
+        console.print(table)
+        failed = [c.name for c in checks if not c.ok]
+        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s")
+    return 0 if ok else 1
