@@ -1,0 +1,221 @@
+"""Obligations, negative controls and their results.
+
+An obligation is a list of *parts* (one validity check each, e.g. "the
+invariant is preserved by trim"), each run in both domains, plus negative
+controls. A negative control is a named buggy rule; it is *refuted* when Z3
+finds a counterexample to the obligation with the bug in every domain it
+targets and, where the control asks for one, a reachable counterexample (a
+kvtrace) that the spec's own code confirms. An obligation is ``proved`` only
+if every part is proved in both domains and every negative control is
+refuted; a control that is not refuted makes the obligation ``failed`` (a
+proof that cannot fail proves nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proofs.domain import BV32, DOMAINS, INT, Check, Domain, check_valid
+
+# A part builds (premises, goal) in a fresh domain.
+PartBuilder = Callable[[Domain], tuple[list[Any], Any]]
+
+
+@dataclass
+class PartResult:
+    part: str
+    domain: str
+    status: str
+    seconds: float
+    reason: str = ""
+    counterexample: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"part": self.part, "domain": self.domain, "status": self.status,
+                               "seconds": round(self.seconds, 3)}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.counterexample:
+            out["counterexample"] = self.counterexample
+        return out
+
+
+@dataclass
+class ControlResult:
+    """One negative control: the buggy rule, whether Z3 refuted it, where."""
+
+    name: str
+    rule: str
+    status: str  # "refuted" or "not refuted" or "unknown"
+    domains: dict[str, str] = field(default_factory=dict)
+    refuting_part: str = ""
+    counterexample: dict[str, Any] | None = None
+    trace: dict[str, Any] | None = None
+    confirmed: str = ""
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "rule": self.rule, "status": self.status,
+                               "domains": self.domains, "seconds": round(self.seconds, 3)}
+        if self.refuting_part:
+            out["refuting_part"] = self.refuting_part
+        if self.counterexample:
+            out["counterexample"] = self.counterexample
+        if self.trace is not None:
+            out["kvtrace"] = self.trace
+        if self.confirmed:
+            out["confirmed"] = self.confirmed
+        return out
+
+
+@dataclass
+class ObligationResult:
+    number: int
+    name: str
+    proves: tuple[str, ...]
+    statement: str
+    status: str
+    parts: list[PartResult]
+    controls: list[ControlResult]
+    seconds: float
+    waits_for: str = ""
+
+    @property
+    def negative_control(self) -> str:
+        if not self.controls:
+            return "none" if not self.waits_for else "-"
+        if all(c.status == "refuted" for c in self.controls):
+            return "refuted"
+        if any(c.status == "unknown" for c in self.controls):
+            return "unknown"
+        return "not refuted"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "number": self.number, "name": self.name, "proves": list(self.proves),
+            "statement": self.statement, "status": self.status,
+            "negative_control": self.negative_control, "seconds": round(self.seconds, 3),
+            "parts": [p.to_json() for p in self.parts],
+            "negative_controls": [c.to_json() for c in self.controls],
+        }
+        if self.waits_for:
+            out["waits_for"] = self.waits_for
+        return out
+
+
+def model_values(dom: Domain, check: Check, names: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Concrete values of named terms in a counterexample."""
+    import z3
+
+    out: dict[str, Any] = {}
+    if check.model is None:
+        return out
+    for label, term in names:
+        v = check.model.eval(term, model_completion=True)
+        if z3.is_true(v) or z3.is_false(v):
+            out[label] = z3.is_true(v)
+        elif z3.is_int_value(v):
+            out[label] = v.as_long()
+        elif z3.is_bv_value(v):
+            out[label] = v.as_signed_long()
+    return out
+
+
+def run_parts(
+    parts: list[tuple[str, PartBuilder]],
+    domains: tuple[str, ...] = DOMAINS,
+    stop_at_refutation: bool = False,
+    timeout_ms: int = 30_000,
+    witness: Callable[[Domain], list[tuple[str, Any]]] | None = None,
+) -> list[PartResult]:
+    """Check every part in every domain (stop at the first refutation of a
+    domain when ``stop_at_refutation``: negative controls need only one)."""
+    results: list[PartResult] = []
+    for kind in domains:
+        for label, build in parts:
+            dom = Domain(kind)
+            premises, goal = build(dom)
+            chk = check_valid(dom, premises, goal, timeout_ms)
+            cex = None
+            if chk.status == "refuted" and witness is not None:
+                cex = _cex(dom, chk, premises, goal, witness)
+            results.append(PartResult(label, kind, chk.status, chk.seconds, chk.reason, cex))
+            if stop_at_refutation and chk.status == "refuted":
+                break
+    return results
+
+
+def _cex(dom: Domain, chk: Check, premises: list[Any], goal: Any, witness: Callable[[Domain], list[tuple[str, Any]]]) -> dict[str, Any]:
+    import z3
+
+    out: dict[str, Any] = {}
+    for decl in chk.model.decls():
+        v = chk.model[decl]
+        if z3.is_int_value(v):
+            out[decl.name()] = v.as_long()
+        elif z3.is_bv_value(v):
+            out[decl.name()] = v.as_signed_long()
+        elif z3.is_true(v) or z3.is_false(v):
+            out[decl.name()] = z3.is_true(v)
+    return dict(sorted(out.items()))
+
+
+def overall(parts: list[PartResult], controls: list[ControlResult]) -> str:
+    """proved / refuted / unknown / failed for an obligation."""
+    if any(p.status == "refuted" for p in parts):
+        return "refuted"
+    if any(p.status == "unknown" for p in parts):
+        return "unknown"
+    if any(c.status != "refuted" for c in controls):
+        return "failed"
+    return "proved"
+
+
+def control_from_parts(
+    name: str,
+    rule: str,
+    parts: list[tuple[str, PartBuilder]],
+    targets: tuple[str, ...] = DOMAINS,
+    reachable: Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, str]] | None = None,
+) -> ControlResult:
+    """Run the obligation's parts with the buggy rule in each target domain;
+    then, if given, ``reachable()`` -> (kvtrace, values, confirmation) for a
+    counterexample reachable from an empty cache. Refuted only if every
+    target domain refutes and the reachable counterexample (when asked for)
+    exists and is confirmed (confirmation strings starting with "confirmed")."""
+    t0 = time.perf_counter()
+    res = run_parts(parts, targets, stop_at_refutation=True)
+    domains: dict[str, str] = {}
+    refuting = ""
+    cex = None
+    for kind in targets:
+        mine = [r for r in res if r.domain == kind]
+        hit = next((r for r in mine if r.status == "refuted"), None)
+        if hit is not None:
+            domains[kind] = "refuted"
+            if not refuting:
+                refuting = f"{hit.part} ({kind})" + (f": {hit.reason}" if hit.reason else "")
+                cex = hit.counterexample
+        elif any(r.status == "unknown" for r in mine):
+            domains[kind] = "unknown"
+        else:
+            domains[kind] = "not refuted"
+    status = "refuted" if all(v == "refuted" for v in domains.values()) else (
+        "unknown" if any(v == "unknown" for v in domains.values()) else "not refuted")
+    trace, confirmed = None, ""
+    if reachable is not None:
+        trace, values, confirmed = reachable()
+        if values:
+            cex = values
+        if trace is None or not confirmed.startswith("confirmed"):
+            status = "not refuted" if status == "refuted" else status
+    return ControlResult(name, rule, status, domains, refuting, cex, trace, confirmed, time.perf_counter() - t0)
+
+
+__all__ = [
+    "BV32", "INT", "ControlResult", "ObligationResult", "PartResult", "control_from_parts",
+    "model_values", "overall", "run_parts",
+]

@@ -1,0 +1,83 @@
+"""Unit tests of impl.rotating.RotatingKVCache."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from impl.rotating import RotatingKVCache
+from spec.errors import InvalidArgumentError, StateError
+
+
+def row(t, n=1):
+    base = np.arange(t, t + n, dtype=np.float16)[None, None, :, None]
+    return mx.array(np.broadcast_to(base, (1, 1, n, 4)).copy())
+
+
+def firsts(a):
+    return [int(x) for x in np.array(a)[0, 0, :, 0]]
+
+
+def test_warmup_in_place_steady_state_copies():
+    c = RotatingKVCache(4, step=4)
+    seen = []
+    for t in range(6):
+        c.update_and_fetch(row(t), row(t))
+        seen.append(c.last_write_inplace)
+    assert seen == [False, True, True, True, False, False]
+    assert firsts(c.fetch()[0]) == [4, 5, 2, 3]
+
+
+def test_snapshot_of_full_ring_survives_steady_state():
+    c = RotatingKVCache(3, keep=1, step=1)
+    for t in range(3):
+        c.update_and_fetch(row(t), row(t))
+    snap = c.snapshot()
+    for t in range(3, 8):
+        c.update_and_fetch(row(t), row(t))
+    assert firsts(snap.fetch()[0]) == [0, 1, 2]
+
+
+def test_trim_refused_after_wrap():
+    c = RotatingKVCache(3, step=1)
+    for t in range(4):
+        c.update_and_fetch(row(t), row(t))
+    assert not c.is_trimmable() and c.trim(1) == 0
+    with pytest.raises(StateError, match="wrapped"):
+        c.trim_to(2)
+
+
+def test_prefill_returns_more_than_window():
+    c = RotatingKVCache(3, step=2)
+    k, _ = c.update_and_fetch(row(0, 5), row(0, 5))
+    assert firsts(k) == [0, 1, 2, 3, 4]
+
+
+def test_make_mask_forms():
+    c = RotatingKVCache(4, keep=1, step=1)
+    assert c.make_mask(3) == "causal"
+    c.update_and_fetch(row(0, 3), row(0, 3))
+    m = np.array(c.make_mask(3))
+    # query positions 3, 4, 5 over keys 0..5: window 4 with one sink
+    assert m.tolist() == [[1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1]]
+    for t in range(3, 9):
+        c.update_and_fetch(row(t), row(t))
+    assert c.make_mask(1) is None
+    m = np.array(c.make_mask(1, window_size=3))
+    assert m.sum() == 3
+
+
+def test_arguments_are_checked():
+    with pytest.raises(InvalidArgumentError, match="keep must satisfy"):
+        RotatingKVCache(4, keep=4)
+    with pytest.raises(InvalidArgumentError, match="max_size must be >= 1"):
+        RotatingKVCache(0)
+
+
+def test_protocol_round_trip():
+    c = RotatingKVCache(4, keep=1, step=2)
+    for t in range(6):
+        c.update_and_fetch(row(t), row(t))
+    c2 = RotatingKVCache.from_state(c.state, c.meta_state)
+    assert (c2.offset, c2.idx, c2.max_size, c2.keep) == (c.offset, c.idx, 4, 1)
+    assert firsts(c2.fetch()[0]) == firsts(c.fetch()[0])
+    assert c.size() == 4 and c.nbytes > 0

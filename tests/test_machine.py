@@ -1,0 +1,20 @@
+"""The differential state machines, short and deterministic (CI profile)."""
+
+import pytest
+from hypothesis import settings
+
+from fuzz.machine import machine_for
+
+CONFIGS = [("dense", "fp16", True), ("dense", "fp16", False), ("dense", "int8", True), ("rotating", "fp16", True),
+           ("rotating", "fp16", False)]
+
+
+@pytest.mark.parametrize("kind,mode,inplace", CONFIGS)
+def test_state_machine_agrees(kind, mode, inplace):
+    machine = machine_for(kind, mode, inplace)
+    machine.TestCase.settings = settings(settings.get_profile("ci"), max_examples=40, stateful_step_count=30)
+    machine.TestCase().runTest()
+    # the run must actually have reached the edges it is there for
+    assert machine.stats.get("copying writes", 0) > 0
+    if inplace and mode == "fp16":
+        assert machine.stats.get("in-place writes", 0) > 0

@@ -1,0 +1,81 @@
+"""kvspec replay: exit codes 0/1/2, messages, and the shipped traces."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fuzz.bugs import catalog
+from fuzz.cli import main
+from fuzz.replay import replay
+from fuzz.trace import load
+
+TRACES = sorted((Path(__file__).parent / "traces").glob("*.json"))
+BUGS = {b.name: b for b in catalog()}
+
+
+def write(tmp_path, doc, name="t.json"):
+    p = tmp_path / name
+    p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(p)
+
+
+def test_every_bug_kind_has_a_trace():
+    names = {p.stem for p in TRACES}
+    assert set(BUGS) <= names
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_shipped_traces_replay_clean(path, capsys):
+    assert main(["replay", str(path)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_bug_traces_diverge_on_their_bug(name):
+    result = replay(load(Path(__file__).parent / "traces" / f"{name}.json"), BUGS[name].factories)
+    assert not result.ok
+
+
+def test_divergence_exits_1_and_names_op(tmp_path, capsys):
+    doc = {"kvtrace": 1, "cache": {"kind": "dense", "step": 4},
+           "ops": [{"op": "append", "n": 2}, {"op": "expect", "window": [0, 2]}]}
+    assert main(["replay", write(tmp_path, doc)]) == 1
+    out = capsys.readouterr().out
+    assert "op 1" in out and "[0, 1]" in out
+    assert main(["replay", "--json", write(tmp_path, doc)]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["ok"] is False and got["divergence"]["index"] == 1
+
+
+def test_bug_flag_replays_against_injected_bug(capsys):
+    path = Path(__file__).parent / "traces" / "steady_state_inplace.json"
+    assert main(["replay", str(path), "--bug", "steady_state_inplace"]) == 1
+    assert main(["replay", str(path)]) == 0
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ("{not json", "invalid JSON at line 1"),
+    ({"kvtrace": 2, "cache": {"kind": "dense"}, "ops": []}, "kvtrace"),
+    ({"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "n": 1}, {"op": "frobnicate"}]}, "op 1"),
+    ({"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "trim"}]}, "op 0"),
+    ({"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "n": "3"}]}, "op 0 field 'n'"),
+    ({"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "n": 0}]}, "op 0 field 'n'"),
+    ({"kvtrace": 1, "cache": {"kind": "rotating"}, "ops": []}, "max_size"),
+    ({"kvtrace": 1, "cache": {"kind": "dense", "step": 0}, "ops": []}, "cache.step"),
+    ({"kvtrace": 1, "ops": []}, "cache"),
+])
+def test_malformed_traces_exit_2(tmp_path, capsys, doc, needle):
+    assert main(["replay", write(tmp_path, doc)]) == 2
+    out = capsys.readouterr().out
+    assert "invalid kvtrace" in out and needle in out
+
+
+def test_missing_file_exits_2(capsys):
+    assert main(["replay", "/nonexistent/trace.json"]) == 2
+
+
+def test_unimplemented_mode_exits_2(tmp_path, capsys):
+    doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": "turbo4"}, "ops": []}
+    assert main(["replay", write(tmp_path, doc)]) == 2
+    assert "no implementation" in capsys.readouterr().out
