@@ -37,6 +37,10 @@ class InjectedBug:
     description: str
     factories: dict[str, Callable[..., Any]] = field(default_factory=dict)
     inplace: bool = True
+    #: extra ways the kill matrix must catch it: (label, pinned cache
+    #: fields, whether the in-place decision is observed). With the decision
+    #: unobserved only isolation (a holder's bytes changing) can catch it.
+    variants: tuple[tuple[str, dict[str, Any], bool], ...] = ()
 
 
 # -- dense -------------------------------------------------------------------
@@ -110,6 +114,56 @@ class Int8FrontTrimForgetsScales(KVCache):
         return removed
 
 
+class Int8WritesInPlace(KVCache):
+    """The mode condition dropped from the ownership rule: Int8 decode rows
+    go in place too (the rule keeps Int8 and Turbo modes on the copying path)."""
+
+    def _inplace_write_allowed(self, n: int) -> bool:
+        return (self.inplace and n == 1 and self._owns_buffers() and self._marker is not None
+                and self.live_len == self._marker.live_len)
+
+
+class InplaceSwitchIgnored(KVCache):
+    """``KV_INPLACE_WRITE=0`` is ignored: the escape hatch that must turn
+    in-place writes off everywhere does nothing."""
+
+    def _inplace_write_allowed(self, n: int) -> bool:
+        saved, self.inplace = self.inplace, True
+        try:
+            return super()._inplace_write_allowed(n)
+        finally:
+            self.inplace = saved
+
+
+class NegativeTrimGrowsOffset(KVCache):
+    """trim clamps only from above, so a negative n grows the offset (the
+    behaviour of mlx-lm's KVCache.trim)."""
+
+    def trim(self, n: int) -> int:
+        n = min(int(n), self.live_len)
+        self.offset -= n
+        self._drop_if_empty()
+        return n
+
+
+class FrontTrimRewindsOffset(KVCache):
+    """Front trim moves the offset back as well: the next row gets a RoPE
+    position that is already taken."""
+
+    def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        removed = super().trim_front_keep_sink(n, keep)
+        self.offset -= removed
+        self.live_start -= removed
+        return removed
+
+
+class TrimToZeroKeepsBuffers(KVCache):
+    """A trim to live_len 0 keeps the buffers and sidecars allocated."""
+
+    def _drop_if_empty(self) -> None:
+        return None
+
+
 DENSE_BUGS: list[InjectedBug] = [
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule 4 (prev == marker.live_len)",
@@ -138,6 +192,32 @@ DENSE_BUGS: list[InjectedBug] = [
         "int8_front_trim_scales", "semantics.md 2, trim_front_keep_sink (Int8 scales move in lockstep)",
         "sliding-window eviction with sinks", "dense", ("int8",), "KVCache.trim_front_keep_sink",
         "front trim leaves the scale sidecars behind", {"dense": Int8FrontTrimForgetsScales},
+    ),
+    InjectedBug(
+        "int8_writes_in_place", "semantics.md 2, ownership rule 3 (Fp16 only)",
+        "dense in-place write rule", "dense", ("int8",), "KVCache._inplace_write_allowed",
+        "Int8 decode rows go in place", {"dense": Int8WritesInPlace},
+    ),
+    InjectedBug(
+        "inplace_switch_ignored", "semantics.md 2, ownership rule 1 (KV_INPLACE_WRITE)",
+        "seed 003: the switch restores the copying path everywhere", "dense", ("fp16",),
+        "KVCache._inplace_write_allowed", "the in-place switch is ignored", {"dense": InplaceSwitchIgnored},
+        inplace=False,
+    ),
+    InjectedBug(
+        "negative_trim_grows_offset", "semantics.md 2, trim(n): n = clamp(n, 0, live_len)",
+        "mlx-lm KVCache.trim (semantics.md 6)", "dense", ("fp16", "int8"), "KVCache.trim",
+        "a negative trim grows the offset", {"dense": NegativeTrimGrowsOffset},
+    ),
+    InjectedBug(
+        "front_trim_rewinds_offset", "semantics.md 2, trim_front_keep_sink: offset never decreases",
+        "sliding-window eviction with sinks (RoPE positions)", "dense", ("fp16", "int8"),
+        "KVCache.trim_front_keep_sink", "front trim moves the offset back", {"dense": FrontTrimRewindsOffset},
+    ),
+    InjectedBug(
+        "trim_to_zero_keeps_buffers", "semantics.md 2, trim: at live_len 0 all buffers are dropped",
+        "dense trim family", "dense", ("fp16", "int8"), "KVCache._drop_if_empty",
+        "buffers survive a trim to zero rows", {"dense": TrimToZeroKeepsBuffers},
     ),
 ]
 

@@ -135,10 +135,15 @@ class CampaignReport:
 
 
 def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
-             batch: int = 25, steps: int = 40) -> CampaignReport:
-    """Run seeded batches until ``budget`` seconds are spent or one fails."""
-    machine = machine_for(kind, mode, inplace, factories)
-    total = CampaignReport(f"{kind}/{mode}/{'inplace' if inplace else 'copy'}", 0.0, 0, 0, {})
+             batch: int = 25, steps: int = 40, target: Any = None) -> CampaignReport:
+    """Run seeded batches until ``budget`` seconds are spent or one fails.
+    ``target`` (name or ``fuzz.targets.Target``; None: ``impl``) picks the
+    implementation under test; non-impl configs are labelled with it."""
+    machine = machine_for(kind, mode, inplace, factories, target=target)
+    label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
+    if target is not None and getattr(target, "name", target) != "impl":
+        label = f"{getattr(target, 'name', target)}:{label}"
+    total = CampaignReport(label, 0.0, 0, 0, {})
     start = time.perf_counter()
     k = 0
     while time.perf_counter() - start < budget:

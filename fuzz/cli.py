@@ -122,6 +122,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs)
 
 
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from fuzz.mutants import main as mutants_main
+
+    return mutants_main(args.seeds, args.json, args.out, args.only)
+
+
 def cmd_prove(args: argparse.Namespace) -> int:
     try:
         from proofs.cli import main as prove_main
@@ -157,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--skip-proofs", action="store_true")
     v.add_argument("--out", default=DEFAULT_OUT)
     v.set_defaults(fn=cmd_verify)
+
+    mu = sub.add_parser("mutants", help="fuzz every injected bug of the catalog from N seeds: the kill matrix")
+    mu.add_argument("--seeds", type=int, default=5, help="seeds per bug (default 5)")
+    mu.add_argument("--json", action="store_true")
+    mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the minimal traces")
+    mu.add_argument("--only", nargs="*", help="bug names (default: the whole catalog)")
+    mu.set_defaults(fn=cmd_mutants)
 
     pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec", add_help=False)
     pr.add_argument("rest", nargs=argparse.REMAINDER)

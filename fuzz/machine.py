@@ -39,6 +39,13 @@ class KVMachine(RuleBasedStateMachine):
     inplace = True
     factories: dict[str, Any] | None = None
     check_inplace = True
+    #: cache fields pinned for every example (e.g. ``{"max_size": 16}``)
+    fixed: dict[str, Any] = {}
+    #: a ``fuzz.targets.Target`` (None: ``impl``). Ops it does not run are
+    #: not generated (counted as "skipped <op>"); ``covered`` counts the ops
+    #: each example did run, by name.
+    target: Any = None
+    covered: dict[str, int] = {}
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
     stats: dict[str, int] = {}
@@ -57,10 +64,16 @@ class KVMachine(RuleBasedStateMachine):
         from fuzz.replay import make_lockstep
 
         type(self).runs += 1
-        self.cfg = {**CACHE_DEFAULTS, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg}
-        self.lock = make_lockstep(self.cfg, self.factories, self.check_inplace)
+        self.cfg = {**CACHE_DEFAULTS, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg, **self.fixed}
+        if "keep" in self.fixed or "max_size" in self.fixed:
+            self.cfg["keep"] = min(self.cfg["keep"], self.cfg["max_size"] - 1)
+        self.lock = make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
 
     def do(self, op: dict[str, Any]) -> None:
+        if self.target is not None and self.target.skip_reason(self.cfg, op) is not None:
+            self.lock.reached("skipped " + op["op"])
+            return
+        type(self).covered[op["op"]] = type(self).covered.get(op["op"], 0) + 1
         self.ops.append(op)
         try:
             self.lock.step(len(self.ops) - 1, op)
@@ -214,9 +227,12 @@ class DenseMachine(KVMachine):
 
 
 def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None,
-                check_inplace: bool = True) -> type[KVMachine]:
+                check_inplace: bool = True, fixed: dict[str, Any] | None = None,
+                target: Any = None) -> type[KVMachine]:
     """A fresh machine class bound to one configuration (class attributes,
-    so that runs in one process never share statistics)."""
+    so that runs in one process never share statistics). ``target`` (a name
+    or ``fuzz.targets.Target``; None: ``impl``) picks the implementation and
+    the ops it runs."""
     if kind == "dense":
         base: type[KVMachine] = DenseMachine
     elif kind == "rotating":
@@ -225,9 +241,17 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
         base = RotatingMachine
     else:
         raise ValueError(f"kind: no state machine for {kind!r}")
+    if target is not None:
+        from fuzz.targets import resolve
+
+        target = resolve(target)
+        base = target.machine_base(kind, mode, base)
+        if target.is_impl and not target.excluded:
+            target = None  # the plain machine: no per-op target check
     name = f"{base.__name__}_{mode}_{'inplace' if inplace else 'copy'}"
     return type(name, (base,), {
         "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
+        "fixed": dict(fixed or {}), "target": target, "covered": {},
         "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
     })
 

@@ -12,10 +12,22 @@ from fuzz.trace import Trace, TraceFormatError
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
 
 
-def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None, check_inplace: bool = True) -> Lockstep:
+def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None, check_inplace: bool = True,
+                  target: Any = "impl") -> Lockstep:
     """The lockstep driver for the trace's cache kind. ``factories`` maps a
     kind to the implementation class to use (the bug catalog swaps them);
-    ``check_inplace=False`` leaves the write path unobserved."""
+    ``check_inplace=False`` leaves the write path unobserved. ``target``
+    (a name or a ``fuzz.targets.Target``) picks the implementation family:
+    ``impl`` (ours) or an mlx-lm target, whose driver declares what it does
+    not compare. Raises TraceFormatError when the target has no class for
+    the trace's cache."""
+    from fuzz.targets import resolve
+
+    tgt = resolve(target)
+    if not tgt.is_impl:
+        if factories:
+            raise ValueError(f"factories: injected bugs patch this project's classes, not target {tgt.name}")
+        return tgt.make_lockstep(cache)
     lock = _make_lockstep(cache, factories or {})
     lock.check_inplace = check_inplace
     return lock
@@ -52,9 +64,19 @@ class ReplayResult:
         return out
 
 
-def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace: bool = True) -> ReplayResult:
-    """Run every op; stop at the first divergence."""
-    lock = make_lockstep(trace.cache, factories, check_inplace)
+def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace: bool = True,
+           target: Any = "impl") -> ReplayResult:
+    """Run every op; stop at the first divergence. Raises TraceFormatError
+    when ``target`` cannot run the trace: no class for its cache, or an op
+    the class does not have (fuzz/targets.py says which and why)."""
+    from fuzz.targets import resolve
+
+    tgt = resolve(target)
+    for i, op in enumerate(trace.ops):
+        reason = tgt.skip_reason(trace.cache, op)
+        if reason is not None:
+            raise TraceFormatError(f"op {i} {op['op']!r}: target {tgt.name} cannot run it: {reason}")
+    lock = make_lockstep(trace.cache, factories, check_inplace, tgt)
     for i, op in enumerate(trace.ops):
         try:
             lock.step(i, op)

@@ -79,12 +79,44 @@ class WarmupInplaceIgnoresMarker(RotatingKVCache):
         self._marker = (self.keys, self.values, self.idx)  # type: ignore[assignment]
 
 
+class MaskHidesSinks(RotatingKVCache):
+    """The window mask ignores the sinks: later queries of a chunk (and a
+    decode whose window excludes position 0) lose them, as mlx-lm's
+    RotatingKVCache.make_mask does for keep > 0."""
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        window = self.max_size if window_size is None else window_size
+        positions = self._next_positions(N)
+        rows = [[p <= self.offset + i and self.offset + i - p < window for p in positions] for i in range(N)]
+        mask = mx.array(np.array(rows, dtype=bool).reshape(N, len(positions)))
+        if not return_array and N == 1 and all(rows[0]):
+            return None
+        return mask
+
+
+class PrefillDropsSinks(RotatingKVCache):
+    """A multi-row append that must drop old rows drops the oldest ones,
+    sinks included."""
+
+    def _chronological(self):
+        got = super()._chronological()
+        if got is None or self.keep == 0:
+            return got
+        n = got[0].shape[SEQ_AXIS]
+        if n <= self.max_size - 1:
+            return got
+        # keep only the latest W - 1 rows; the sinks go with the rest
+        return tuple(a[:, :, n - (self.max_size - 1 - self.keep) - self.keep :, :] for a in got)
+
+
 ROTATING_BUGS: list[InjectedBug] = [
     InjectedBug(
         "steady_state_inplace", "semantics.md 3, single-row append 4 (steady state must copy)",
         "seed 003 (#1963): the flagship", "rotating", ("fp16",), "RotatingKVCache._inplace_write_allowed",
         "decode writes in place after the window is full; snapshots of the full ring see the overwrite",
         {"rotating": SteadyStateInplace},
+        variants=(("W=16", {"max_size": 16}, True), ("isolation only", {}, False),
+                  ("isolation only, W=16", {"max_size": 16}, False)),
     ),
     InjectedBug(
         "wrapped_trim_moves_counters", "semantics.md 3, Trim (Decision: fail closed on a wrapped ring)",
@@ -112,5 +144,15 @@ ROTATING_BUGS: list[InjectedBug] = [
         "seed 003 (#1963) ownership proof", "rotating", ("fp16",), "RotatingKVCache.restore",
         "warm-up decode writes in place without the marker (after a restore)",
         {"rotating": WarmupInplaceIgnoresMarker},
+    ),
+    InjectedBug(
+        "mask_hides_sinks", "semantics.md 3, Masks (sinks stay visible to every query)",
+        "public fault: sinks hidden from later queries of a chunk", "rotating", ("fp16",),
+        "RotatingKVCache.make_mask", "the mask applies the window to the sinks too", {"rotating": MaskHidesSinks},
+    ),
+    InjectedBug(
+        "prefill_drops_sinks", "semantics.md 3, sinks are never evicted",
+        "sliding-window eviction with sinks", "rotating", ("fp16",), "RotatingKVCache._chronological",
+        "a multi-row append that trims old rows evicts the sinks", {"rotating": PrefillDropsSinks},
     ),
 ]

@@ -129,7 +129,6 @@ def run_parts(
     domains: tuple[str, ...] = DOMAINS,
     stop_at_refutation: bool = False,
     timeout_ms: int = 30_000,
-    witness: Callable[[Domain], list[tuple[str, Any]]] | None = None,
 ) -> list[PartResult]:
     """Check every part in every domain (stop at the first refutation of a
     domain when ``stop_at_refutation``: negative controls need only one)."""
@@ -139,16 +138,15 @@ def run_parts(
             dom = Domain(kind)
             premises, goal = build(dom)
             chk = check_valid(dom, premises, goal, timeout_ms)
-            cex = None
-            if chk.status == "refuted" and witness is not None:
-                cex = _cex(dom, chk, premises, goal, witness)
+            cex = _cex(chk) if chk.status == "refuted" else None
             results.append(PartResult(label, kind, chk.status, chk.seconds, chk.reason, cex))
             if stop_at_refutation and chk.status == "refuted":
                 break
     return results
 
 
-def _cex(dom: Domain, chk: Check, premises: list[Any], goal: Any, witness: Callable[[Domain], list[tuple[str, Any]]]) -> dict[str, Any]:
+def _cex(chk: Check) -> dict[str, Any]:
+    """The scalar values of a counterexample model, by variable name."""
     import z3
 
     out: dict[str, Any] = {}
