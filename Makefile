@@ -7,12 +7,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: verify test fuzz prove bench lint clean
+.PHONY: verify test fuzz prove bench mutants mutation lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,e2e]'
 	touch $(STAMP)
 
 verify: $(STAMP)
@@ -26,6 +26,20 @@ fuzz: $(STAMP)
 
 prove: $(STAMP)
 	$(BIN)/kvspec prove
+
+bench: $(STAMP)
+	$(BIN)/kvspec bench
+
+mutants: $(STAMP)
+	$(BIN)/kvspec mutants
+
+# Mutation score of spec/ and impl/ (slow; not part of make test). Config:
+# [tool.mutmut] in pyproject.toml. Report: docs/mutation.md.
+mutation: $(STAMP)
+	$(BIN)/python -m pip install --quiet mutmut
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children 2 || true
+	$(BIN)/python -m fuzz.mutation_report
 
 lint: $(STAMP)
 	$(BIN)/ruff check spec impl fuzz proofs tests

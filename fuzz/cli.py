@@ -18,10 +18,26 @@ from rich.table import Table
 
 DEFAULT_OUT = "fuzz-failures"
 CONFIGS = [("dense", "fp16"), ("dense", "int8"), ("rotating", "fp16")]
+# kept in step with fuzz.targets.TARGETS and fuzz.conformance (not imported
+# here: the parser must not load MLX)
+TARGET_NAMES = ["impl", "mlx-lm", "mlx-lm-concat", "mlx-lm-guarded"]
+WAIVABLE = ["offset", "live_start", "live_len", "capacity", "idx", "trimmable", "masks"]
+CONFORMANCE_SEED = 20261129
 
 
 def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
+
+
+def _target(args: argparse.Namespace) -> Any:
+    """The ``--target`` (and ``--waive``) of a command as a fuzz.targets.Target.
+    Raises KeyError naming the known targets."""
+    from fuzz.targets import resolve
+
+    target = resolve(getattr(args, "target", None) or "impl")
+    for what in getattr(args, "waive", None) or []:
+        target = target.waiving(what)
+    return target
 
 
 # -- replay --------------------------------------------------------------------
@@ -37,7 +53,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
             from fuzz.bugs import by_name
 
             factories = by_name(args.bug).factories
-        result = replay(trace, factories)
+        target = _target(args)
+        if factories and not target.is_impl:
+            raise KeyError(f"--bug: injected bugs patch this project's classes; it cannot be combined with --target {target.name}")
+        result = replay(trace, factories, target=target)
     except TraceFormatError as exc:
         if args.json:
             print(json.dumps({"ok": False, "invalid": str(exc), "trace": args.trace}))
@@ -51,7 +70,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_json(), "trace": args.trace}))
         return EXIT_OK if result.ok else EXIT_DIVERGED
     if result.ok:
-        console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and implementation agree")
+        who = "implementation" if target.is_impl else f"target {target.name}"
+        console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and {who} agree")
         return EXIT_OK
     console.print(f"[bold red]diverged[/] {args.trace}")
     console.print(str(result.divergence))
@@ -76,9 +96,12 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     from fuzz.campaign import campaign, save_failure
 
     console = _console()
-    configs = [(k, m) for k, m in CONFIGS if (args.kind in (None, k)) and (args.mode in (None, m))]
+    target = _target(args)
+    # an mlx-lm target runs the configs it has a class for (fuzz/targets.py)
+    have = [(k, m) for k, m in CONFIGS if target.is_impl or target.cache_class(k, m) is not None]
+    configs = [(k, m) for k, m in have if (args.kind in (None, k)) and (args.mode in (None, m))]
     if not configs:
-        console.print(f"[red]no implementation for kind={args.kind} mode={args.mode}[/]; have {CONFIGS}")
+        console.print(f"[red]no implementation for kind={args.kind} mode={args.mode} on target {target.name}[/]; have {have}")
         return 2
     factories = None
     if args.bug:
@@ -87,15 +110,21 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         bug = by_name(args.bug)
         factories = bug.factories
         configs = [(bug.kind, m) for m in bug.modes[:1]]
-    runs = [(k, m, ip) for k, m in configs for ip in _inplace_settings(args.inplace)]
+        if not target.is_impl:
+            console.print(f"[red]--bug cannot be combined with --target {target.name}[/]")
+            return 2
+    # mlx-lm has no in-place switch: one setting is enough there
+    inplace_settings = _inplace_settings(args.inplace) if target.is_impl else [True]
+    runs = [(k, m, ip) for k, m in configs for ip in inplace_settings]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     budget = args.budget / len(runs)
-    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:.0f} s)")
+    on = "" if target.is_impl else f", target {target.name}"
+    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:.0f} s{on})")
     for col in ("config", "examples", "steps", "ops/s", "reached", "result"):
         table.add_column(col, overflow="fold")
     failed = []
     for kind, mode, inplace in runs:
-        rep = campaign(kind, mode, inplace, budget, seed, factories)
+        rep = campaign(kind, mode, inplace, budget, seed, factories, target=None if target.is_impl else target)
         result = "ok"
         if rep.failure is not None:
             result = "FAILED"
@@ -111,8 +140,30 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
             path = save_failure(rep.failure.trace, args.out, stem)
             bug = f" --bug {args.bug}" if args.bug else ""
+            bug += "" if target.is_impl else f" --target {target.name}"
             console.print(f"  minimal trace written to {path}\n  replay it: kvspec replay {path}{bug}")
     return 1 if failed else 0
+
+
+# -- conformance ---------------------------------------------------------------
+def cmd_conformance(args: argparse.Namespace) -> int:
+    """Exit 0 when every divergence found replays 1 on its target and 0 on
+    impl (the report is trustworthy), 1 otherwise, 2 for bad arguments.
+    Divergences themselves are the report, not an error."""
+    from fuzz.conformance import print_report, run_conformance, to_json
+
+    try:
+        reports = run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings)
+    except KeyError as exc:
+        _console().print(f"[bold red]error[/]: {exc.args[0]}")
+        return 2
+    doc = to_json(reports, args.seed, args.budget)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print_report(reports, args.seed, args.budget)
+        _console().print(f"minimal traces in {args.out}/ (replay commands: kvspec conformance --json)")
+    return 0 if doc["ok"] else 1
 
 
 # -- verify --------------------------------------------------------------------
@@ -126,6 +177,12 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     from fuzz.mutants import main as mutants_main
 
     return mutants_main(args.seeds, args.json, args.out, args.only)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fuzz.bench import run
+
+    return run(args.contexts, args.json)
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
@@ -145,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--bug", help="replay against an injected bug from the catalog instead of the real implementation")
+    r.add_argument("--target", default="impl", choices=TARGET_NAMES,
+                   help="implementation to replay on: impl (ours, default) or mlx-lm's caches (docs/conformance.md)")
+    r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
+                   help="do not compare this observable (or masks); repeatable; what a conformance finding was found with")
     r.set_defaults(fn=cmd_replay)
 
     f = sub.add_parser("fuzz", help="run a differential fuzz campaign")
@@ -155,7 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, help="first seed (default: from the clock; printed)")
     f.add_argument("--bug", help="fuzz an injected bug from the catalog (expect a failure)")
     f.add_argument("--out", default=DEFAULT_OUT, help=f"folder for failure traces (default {DEFAULT_OUT})")
+    f.add_argument("--target", default="impl", choices=TARGET_NAMES, help="implementation to fuzz (default impl)")
     f.set_defaults(fn=cmd_fuzz)
+
+    c = sub.add_parser("conformance", help="fuzz mlx-lm's own caches against the spec and report what diverges")
+    c.add_argument("--budget", type=float, default=120.0, help="seconds in all, split over the classes (default 120)")
+    c.add_argument("--seed", type=int, default=CONFORMANCE_SEED, help=f"first seed (default {CONFORMANCE_SEED})")
+    c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
+    c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
+                   help="an mlx-lm class to fuzz (repeatable; default all)")
+    c.add_argument("--max-findings", type=int, default=8, help="divergences per class at most (default 8)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_conformance)
 
     v = sub.add_parser("verify", help="traces, fixed-seed campaigns, injected bugs, proofs: one table")
     v.add_argument("--quick", action="store_true", help="short budgets (what make test runs)")
@@ -170,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the minimal traces")
     mu.add_argument("--only", nargs="*", help="bug names (default: the whole catalog)")
     mu.set_defaults(fn=cmd_mutants)
+
+    be = sub.add_parser("bench", help="the cost contract as ratios: in-place vs copying decode, logical vs physical rollback")
+    be.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    be.add_argument("--json", action="store_true")
+    be.set_defaults(fn=cmd_bench)
 
     pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec", add_help=False)
     pr.add_argument("rest", nargs=argparse.REMAINDER)

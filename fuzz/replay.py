@@ -72,11 +72,11 @@ def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace:
     from fuzz.targets import resolve
 
     tgt = resolve(target)
+    lock = make_lockstep(trace.cache, factories, check_inplace, tgt)
     for i, op in enumerate(trace.ops):
         reason = tgt.skip_reason(trace.cache, op)
         if reason is not None:
             raise TraceFormatError(f"op {i} {op['op']!r}: target {tgt.name} cannot run it: {reason}")
-    lock = make_lockstep(trace.cache, factories, check_inplace, tgt)
     for i, op in enumerate(trace.ops):
         try:
             lock.step(i, op)

@@ -91,7 +91,12 @@ class DequantView:
         self.parts, self.group_size, self.bits = parts, group_size, bits
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.asarray(mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits))
+        w = self.parts[0]
+        if w.shape[-2] == 0:  # mx.dequantize cannot reshape an empty window
+            head_dim = w.shape[-1] * 32 // self.bits
+            out = np.zeros((*w.shape[:-1], head_dim), dtype=np.float16)
+        else:
+            out = np.asarray(mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits))
         return out if dtype is None else out.astype(dtype)
 
 

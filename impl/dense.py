@@ -12,6 +12,7 @@ into the evaluated buffer through a NumPy view. Trims are logical (O(1)).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,24 @@ def share(a: mx.array) -> mx.array:
     alias the buffer; a prompt-cache snapshot is an O(1) alias, so it is a
     holder that in-place writes could reach.)"""
     return a[:, :, :, :]
+
+
+def copy_without_marker(cache: Any, memo: dict | None = None) -> Any:
+    """``copy.copy`` (``memo`` None) or ``copy.deepcopy`` of a cache, minus
+    its ownership marker. Either copy aliases the buffers' memory (a deep
+    copy of an ``mx.array`` is a new handle to the same memory), so the copy
+    is one more holder, not an owner: were the marker copied along, copy and
+    original would both pass the ownership rule and write the same rows in
+    place into each other's windows. Without it the copy's first write
+    copies. (mlx-lm's ``LRUPromptCache`` deep-copies a cached prompt on every
+    fetch.)"""
+    new = type(cache).__new__(type(cache))
+    if memo is not None:
+        memo[id(cache)] = new
+    fields = {k: v for k, v in cache.__dict__.items() if k != "_marker"}
+    new.__dict__.update(fields if memo is None else copy.deepcopy(fields, memo))
+    new._marker = None
+    return new
 
 
 def _cat(parts: list[mx.array | None]) -> mx.array | None:
@@ -416,6 +435,12 @@ class KVCache:
         return self.live_len
 
     # -- snapshot, restore, detach, install ---------------------------------
+    def __copy__(self) -> "KVCache":
+        return copy_without_marker(self)
+
+    def __deepcopy__(self, memo: dict) -> "KVCache":
+        return copy_without_marker(self, memo)
+
     def snapshot(self) -> CacheSnapshot:
         """A prompt-cache snapshot sharing the buffers (O(1), no copy)."""
         shared = None if self.buffers is None else self.buffers.shared()

@@ -109,8 +109,12 @@ class Domain:
 
     def mul(self, a: Any, b: Any, label: str = "*") -> Any:
         if self.is_bv:
-            a, b = self._bv(a), self._bv(b)
-            self._record(label, z3.And(z3.BVMulNoOverflow(a, b, True), z3.BVMulNoUnderflow(a, b)))
+            # Nonlinear operations go through exact integers (bit-blasting a
+            # 32-bit multiplier or divider is intractable); Int2BV wraps
+            # exactly as two's-complement hardware does.
+            exact = self.exact(a) * self.exact(b)
+            self._record(label, self.fits(exact))
+            return z3.Int2BV(exact, self.bits)
         return a * b
 
     def neg(self, a: Any, label: str = "neg") -> Any:
@@ -120,15 +124,24 @@ class Domain:
         return -a
 
     def floordiv(self, a: Any, b: Any, label: str = "//") -> Any:
-        """Python's ``a // b`` (rounds toward minus infinity)."""
+        """Python's ``a // b`` (rounds toward minus infinity). In bv32 the
+        result wraps like a 32-bit port's ``floor_div`` (only INT_MIN // -1
+        overflows); division by zero is an overflow obligation."""
         if not self.is_bv:
             # SMT-LIB integer div is Euclidean: floor for b > 0.
             return z3.If(b > 0, a / b, (-a) / (-b))
-        a, b = self._bv(a), self._bv(b)
-        self._record(label, z3.And(b != 0, z3.BVSDivNoOverflow(a, b)))
-        q = a / b  # signed, truncating toward zero
-        r = z3.SRem(a, b)
-        return z3.If(z3.And(r != 0, (r < 0) != (b < 0)), q - 1, q)
+        ea, eb = self.exact(a), self.exact(b)
+        exact = z3.If(eb > 0, ea / eb, (-ea) / (-eb))
+        self._record(label, z3.And(eb != 0, self.fits(exact)))
+        return z3.Int2BV(exact, self.bits)
+
+    def exact(self, x: Any) -> Any:
+        """The signed integer a bit-vector stands for."""
+        return z3.IntVal(x) if isinstance(x, int) else z3.BV2Int(x, is_signed=True)
+
+    def fits(self, exact: Any) -> Any:
+        """An exact integer is representable in ``bits`` signed bits."""
+        return z3.And(exact >= -(2 ** (self.bits - 1)), exact < 2 ** (self.bits - 1))
 
     def ceildiv(self, n: Any, d: Any) -> Any:
         """``-(-n // d)``, exactly as the spec writes ceil(n / d)."""
@@ -136,16 +149,13 @@ class Domain:
 
     def stored(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(self, *args)``, a value the cache stores. In bv32 assume that
-        its exact value (recomputed in 64 bits from the sign-extended
-        arguments, where it cannot overflow) fits in 32 bits; the operations
-        inside ``fn`` remain proof obligations."""
+        its exact value (``fn`` recomputed over unbounded integers from the
+        arguments' signed values) fits in 32 bits; the operations inside
+        ``fn`` remain proof obligations."""
         result = fn(self, *args)
         if self.is_bv:
-            wide = Domain(BV32, bits=2 * self.bits)
-            ext = [z3.SignExt(self.bits, self._bv(a)) if _is_bv(a) else a for a in args]
-            exact = fn(wide, *ext)
-            lo, hi = -(2 ** (self.bits - 1)), 2 ** (self.bits - 1)
-            self.assumptions.append((label, self._guard(z3.And(exact >= lo, exact < hi))))
+            exact = fn(Domain(INT), *[self.exact(a) if _is_bv(a) or isinstance(a, int) else a for a in args])
+            self.assumptions.append((label, self._guard(self.fits(exact))))
         return result
 
     def _bv(self, x: Any) -> Any:

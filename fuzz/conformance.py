@@ -1,0 +1,322 @@
+"""``kvspec conformance``: fuzz mlx-lm's own caches against the spec and
+report what diverges.
+
+Each mlx-lm class (``fuzz.targets``) is fuzzed with the ordinary state
+machines, through an adapter, by the ordinary lockstep. A run stops at the
+first divergence, so finding several distinct ones takes rounds: after each
+finding the search stops looking at what it just found and fuzzes again.
+
+* an observable that differs (``capacity``, ``trimmable``, ...) is no longer
+  compared (``Target.waiving``);
+* a ``make_mask`` difference stops the mask check;
+* a holder whose view changed (isolation) stops generating that holder kind
+  (``hold``, or ``snapshot`` with its ``restore``/``drop``);
+* any other divergence (a refusal, a return value, a window) stops
+  generating the op class it happened at (``fuzz.targets.op_class``: the op
+  name, appends split into n = 1 and n > 1, trims by the sign of n).
+
+This is a partition of what the harness compares and generates, not a list
+of known faults: the search knows nothing about mlx-lm. A class ends when a
+round spends its budget without a divergence, when ``max_findings`` are
+found, or when nothing is left to exclude (both append classes, or a failure
+it cannot classify, such as a state-machine invariant).
+
+Every finding's minimal trace is written to ``out`` as ``<Class>_NN.json``
+and checked: it must replay with exit 1 on its target (with the waivers in
+force when it was found, ``--waive``) and with exit 0 on this project's
+implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fuzz.campaign import run_machine
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.machine import machine_for
+from fuzz.replay import make_lockstep, replay
+from fuzz.targets import CONCAT, KVCACHE, QUANTIZED, ROTATING, CacheClass, Target, mlx_lm_version, op_class, resolve
+from fuzz.trace import Trace, write
+
+DEFAULT_SEED = 20261129
+DEFAULT_OUT = "fuzz-failures/conformance"
+#: class -> the target that runs it
+CLASSES: tuple[tuple[CacheClass, str], ...] = (
+    (KVCACHE, "mlx-lm"), (QUANTIZED, "mlx-lm"), (CONCAT, "mlx-lm-concat"), (ROTATING, "mlx-lm"),
+)
+OBSERVABLES = ("offset", "live_start", "live_len", "capacity", "idx", "trimmable")
+WAIVABLE = OBSERVABLES + ("masks",)
+_APPENDS = {"append n=1", "append n>1"}
+
+
+@dataclass
+class Finding:
+    """One divergence: where, what, and its minimal trace."""
+
+    cache_class: str
+    target: str
+    index: int
+    op: dict[str, Any]
+    what: str
+    summary: str
+    trace: str | None
+    #: observables not compared when it was found (replay --waive ...)
+    waived: list[str]
+    #: what the search stopped looking at afterwards
+    then: str
+    #: replay exit status on the target (1 expected) and on impl (0 expected)
+    on_target: int | None = None
+    on_impl: int | None = None
+    examples_to_catch: int | None = None
+
+    @property
+    def replay_command(self) -> str:
+        waive = "".join(f" --waive {w}" for w in self.waived)
+        return f"kvspec replay --target {self.target}{waive} {self.trace}"
+
+    @property
+    def confirmed(self) -> bool:
+        return self.on_target == 1 and self.on_impl == 0
+
+
+@dataclass
+class ClassReport:
+    """What fuzzing one mlx-lm class found."""
+
+    cache_class: str
+    target: str
+    kind: str
+    mode: str
+    seconds: float = 0.0
+    examples: int = 0
+    steps: int = 0
+    covered: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    not_compared: dict[str, str] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    ended: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for f, doc in zip(self.findings, out["findings"]):
+            doc["replay"] = f.replay_command
+            doc["confirmed"] = f.confirmed
+        return out
+
+
+#: checks ``failure_trace`` adds to the last op: the spec's predictions, not arguments
+_CHECKS = ("returns", "error", "inplace", "capacity")
+
+
+def describe_op(op: dict[str, Any]) -> str:
+    """``trim n=-1``: an op and its arguments as one short phrase."""
+    args = " ".join(f"{k}={json.dumps(v)}" for k, v in op.items() if k != "op" and k not in _CHECKS)
+    return f"{op['op']} {args}".strip()
+
+
+def next_target(target: Target, error: BaseException) -> tuple[Target | None, str]:
+    """The target for the next round after ``error``, and a phrase saying
+    what it stopped looking at; None when there is nothing left to exclude."""
+    if not isinstance(error, Divergence):
+        return None, f"stopped: {type(error).__name__} outside the lockstep (e.g. an invariant) cannot be classified"
+    what = error.what
+    m = re.fullmatch(r"(\w+) differs", what)
+    if m and m.group(1) in OBSERVABLES:
+        return target.waiving(m.group(1)), f"stopped comparing {m.group(1)}"
+    if what.startswith("make_mask("):
+        return target.waiving("masks"), "stopped checking make_mask"
+    if what.startswith("view of "):
+        family = "hold" if what.startswith("view of held ") else "snapshot"
+        return target.excluding(family), f"stopped generating {family}"
+    cls = op_class(error.op)
+    if cls in target.excluded:
+        return None, f"stopped: {cls} diverged although excluded"
+    after = target.excluding(cls)
+    if _APPENDS <= after.excluded:
+        return None, f"stopped: excluding {cls} leaves no appends"
+    return after, f"stopped generating {cls}"
+
+
+def differences_after(lock: Lockstep) -> list[str]:
+    """Everything that differs between the spec and the implementation in
+    their current states, as short phrases (no exception)."""
+    out: list[str] = []
+    s_obs, i_obs = lock.spec_observables(), lock.impl_observables()
+    for key, want in s_obs.items():
+        if i_obs.get(key) != want:
+            out.append(f"{key} {i_obs.get(key)} (spec {want})")
+    s_views, i_views = lock.spec_views(), lock.impl_views()
+    for key, tokens in s_views.items():
+        if key in i_views and not lock.window_matches(tokens, i_views[key]):
+            label = "window" if key == "cache" else key.replace("holder:", "snapshot ")
+            out.append(f"{label} {lock.identify(i_views[key])} (spec {list(tokens)})")
+    return out
+
+
+def diagnose(trace: Trace, target: Target) -> tuple[Divergence | None, str]:
+    """Replay ``trace`` on ``target`` and describe its first divergence in
+    one line, with whatever else differs right after that op."""
+    lock = make_lockstep(trace.cache, target=target)
+    for i, op in enumerate(trace.ops):
+        try:
+            lock.step(i, op)
+        except Divergence as d:
+            line = f"op {d.index} {describe_op(d.op)}: {d.what}: mlx-lm {_short(d.impl)}, spec {_short(d.spec)}"
+            if d.what not in ("refusal differs",) and not d.what.startswith("make_mask("):
+                extra = [x for x in differences_after(lock) if not _same_fact(x, d)]
+                if extra:
+                    line += "; after it: " + "; ".join(extra)
+            return d, line
+    return None, "no divergence on replay"
+
+
+def _short(x: Any) -> str:
+    s = x if isinstance(x, str) else json.dumps(x) if isinstance(x, (list, int, bool)) or x is None else repr(x)
+    return re.sub(r"^(\w+)=", "", s)
+
+
+def _same_fact(phrase: str, d: Divergence) -> bool:
+    """Is ``phrase`` (from differences_after) what ``d`` already says?"""
+    m = re.fullmatch(r"(\w+) differs", d.what)
+    if m:
+        return phrase.startswith(m.group(1) + " ")
+    if d.what == "live window differs":
+        return phrase.startswith("window ")
+    m = re.fullmatch(r"view of (\S+) changed \(isolation\)", d.what)
+    return bool(m) and phrase.startswith(m.group(1).replace("holder:", "snapshot ") + " ")
+
+
+def _exit(trace: Trace, target: Target) -> int:
+    return 0 if replay(trace, target=target).ok else 1
+
+
+def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, out: Path,
+                 max_findings: int = 8, batch: int = 25, steps: int = 40) -> ClassReport:
+    """Fuzz one class in rounds (module docstring) for ``budget`` seconds."""
+    base = resolve(target_name)
+    report = ClassReport(cls.name, target_name, cls.kind, cls.mode, skipped=dict(cls.skipped),
+                         not_compared={**cls.not_compared, "in-place decision": _INPLACE})
+    target: Target | None = base
+    start = time.perf_counter()
+    k = 0
+    while target is not None and len(report.findings) < max_findings:
+        machine = machine_for(cls.kind, cls.mode, True, target=target)
+        failure = None
+        while time.perf_counter() - start < budget:
+            result = run_machine(machine, seed + k, max_examples=batch, steps=steps)
+            k += 1
+            report.examples += result.examples
+            report.steps += result.steps
+            if result.failed:
+                failure = result
+                break
+        for name, count in machine.covered.items():
+            report.covered[name] = report.covered.get(name, 0) + count
+        if failure is None:
+            report.ended = "budget spent without a further divergence"
+            break
+        assert failure.error is not None
+        finding = _record(cls, target_name, target, failure, out, len(report.findings) + 1)
+        target, finding.then = next_target(target, failure.error)
+        report.findings.append(finding)
+        if target is None:
+            report.ended = finding.then
+    if not report.ended:
+        report.ended = f"{max_findings} findings (max)"
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+_INPLACE = "mlx-lm has no ownership marker: whether a write went in place is not observable"
+
+
+def _record(cls: CacheClass, target_name: str, target: Target, failure: Any, out: Path, number: int) -> Finding:
+    error = failure.error
+    trace: Trace | None = failure.trace
+    waived = sorted(target.waived)
+    if trace is None or not isinstance(error, Divergence):
+        line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return Finding(cls.name, target_name, -1, {}, type(error).__name__, line, None, waived, "",
+                       examples_to_catch=failure.examples_to_catch)
+    d, line = diagnose(trace, target)
+    if d is None:  # pragma: no cover - a shrunk failure always replays
+        d, line = error, str(error).splitlines()[0]
+    waive = f" --waive {' --waive '.join(waived)}" if waived else ""
+    trace.title = (f"mlx-lm {mlx_lm_version()} {cls.name} does not conform "
+                   f"(kvspec replay --target {target_name}{waive}): {line}")[:600]
+    path = write(trace, out / f"{cls.name}_{number:02d}.json")
+    plain = resolve(target_name)
+    finding = Finding(cls.name, target_name, d.index, d.op, d.what, line, str(path), waived, "",
+                      examples_to_catch=failure.examples_to_catch)
+    finding.on_target = _exit(trace, _waived(plain, waived))
+    finding.on_impl = _exit(trace, resolve("impl"))
+    return finding
+
+
+def _waived(target: Target, waived: list[str]) -> Target:
+    for w in waived:
+        target = target.waiving(w)
+    return target
+
+
+def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | Path = DEFAULT_OUT,
+                    only: list[str] | None = None, max_findings: int = 8) -> list[ClassReport]:
+    """Fuzz every mlx-lm class (or those named in ``only``), ``budget``
+    seconds in all, split evenly. Stale ``<Class>_NN.json`` traces of the
+    classes run are removed from ``out`` first so the folder is the report.
+    Raises KeyError for an unknown class name."""
+    known = {c.name: (c, t) for c, t in CLASSES}
+    names = list(known) if not only else list(only)
+    for n in names:
+        if n not in known:
+            raise KeyError(f"--class: unknown class {n!r}; known: {', '.join(known)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for i, n in enumerate(names):
+        cls, target = known[n]
+        for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
+            stale.unlink()
+        reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings))
+    return reports
+
+
+def to_json(reports: list[ClassReport], seed: int, budget: float) -> dict[str, Any]:
+    import mlx.core as mx
+
+    return {"mlx_lm": mlx_lm_version(), "mlx": mx.__version__, "seed": seed, "budget": budget,
+            "classes": [r.to_json() for r in reports],
+            "ok": all(f.confirmed for r in reports for f in r.findings)}
+
+
+def print_report(reports: list[ClassReport], seed: int, budget: float, console: Any = None) -> None:
+    """Two rich tables: one row per class, then one row per divergence."""
+    import mlx.core as mx
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False, width=200)
+    total = sum(r.seconds for r in reports)
+    table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
+                        f"budget {budget:.0f} s, {total:.0f} s run")
+    for col in ("class", "target", "ops covered", "ops skipped (not in the class)", "steps", "divergences", "search ended"):
+        table.add_column(col, overflow="fold")
+    for r in reports:
+        covered = ", ".join(f"{k} {v}" for k, v in sorted(r.covered.items(), key=lambda kv: -kv[1]))
+        table.add_row(r.cache_class, r.target, covered, ", ".join(r.skipped) or "-", str(r.steps),
+                      str(len(r.findings)), r.ended)
+    console.print(table)
+    found = Table(title="divergences (each trace replays 1 on its target, 0 on impl)")
+    for col in ("class", "#", "what goes wrong", "then", "trace", "replay"):
+        found.add_column(col, overflow="fold")
+    for r in reports:
+        for i, f in enumerate(r.findings, 1):
+            check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
+            waive = "".join(f" --waive {w}" for w in f.waived)
+            found.add_row(r.cache_class, str(i), f.summary, f.then, f"{f.trace}{waive}", check)
+    console.print(found)

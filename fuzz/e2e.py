@@ -1,0 +1,630 @@
+"""End-to-end scenarios: kvspec caches inside real mlx-lm models (issue 7).
+
+Each scenario builds small mlx-lm models with random weights (fixed seeds, no
+download), decodes through mlx-lm's own code (``generate_step``,
+``speculative_generate_step``, ``LRUPromptCache``) with kvspec caches, and
+compares every step *byte for byte*, the token and the whole float16
+log-probability vector, with a reference run: mlx-lm's own caches, plain
+greedy decoding, or a fresh run that never shared, rolled back or restored
+anything.
+
+1. ``greedy``: our Fp16 caches vs mlx-lm's ``KVCache`` (in-place on/off,
+   small and production step), two chat turns.
+2. ``speculative``: mlx-lm's speculative decoding (a one-layer early-exit
+   draft; accept/reject drives ``trim``) vs plain greedy, fp16 and int8,
+   in-place on and off.
+3. ``prompt_reuse``: snapshot after a system prompt; conversation A rewinds
+   the prompt's tail and decodes with in-place writes; restore; B equals a
+   fresh B and the snapshot never changed.
+4. ``sliding_window``: gemma3 with sliding-window layers decoding well past
+   the window, snapshot in the steady state, restore later; equals fresh runs
+   and mlx-lm's ``RotatingKVCache``.
+5. ``mixed_rollback``: a model with rotating and dense layers; exact rollback
+   before the wrap, an atomic refusal (nothing trimmed anywhere) after it.
+6. ``lru_prompt_cache``: two conversations fetched from mlx-lm's
+   ``LRUPromptCache`` (a deep copy each) decode interleaved; each equals a
+   fresh run.
+
+Random-weight models collapse under greedy decoding (a default-initialised
+2-layer llama repeats one token), so every weight is scaled by
+``WEIGHT_SCALE`` (the streams become chaotic: 45 to 55 distinct tokens in 60)
+and every compared stream must reach ``len // 3`` distinct tokens.
+
+The injected bugs of ``fuzz.bugs`` plug in through ``factories`` (cache kind
+-> class), as in the rest of ``fuzz``: ``steady_state_inplace`` fails
+scenario 4, ``inplace_after_trim`` fails scenario 3.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+
+from impl.dense import KVCache
+from impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from impl.rotating import RotatingKVCache
+
+VOCAB = 256
+HIDDEN = 64
+WEIGHT_SCALE = 2.0
+# Scale of the main model's later layers' residual writes in the speculative
+# scenario: the one-layer draft then agrees with it about half the time.
+LATE_LAYER_SCALE = 0.3
+NUM_DRAFT = 3
+MODEL_KEY = "kvspec-tiny"
+
+
+class Divergence(AssertionError):
+    """A scenario's check failed: streams differ, a holder's view changed,
+    layers disagree, or the scenario did not reach what it must exercise."""
+
+
+# -- sizes ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Size:
+    """``tokens``: tokens per greedy stretch; ``window``: the sliding window;
+    ``seeds``: one model per seed."""
+
+    tokens: int
+    window: int
+    seeds: tuple[int, ...]
+
+
+SHORT = Size(tokens=24, window=8, seeds=(0,))
+LONG = Size(tokens=64, window=24, seeds=(0, 1, 2))
+
+
+# -- models ----------------------------------------------------------------------
+def _finish(model: Any) -> Any:
+    model.update(tree_map(lambda p: p * WEIGHT_SCALE, model.parameters()))
+    model.set_dtype(mx.float16)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_llama(seed: int, *, layers: int = 2, layer_types: list[str] | None = None,
+               sliding_window: int | None = None, late_scale: float = 1.0) -> Any:
+    """A float16 llama (hidden 64, 4 query / 2 kv heads, vocab 256) with
+    random weights from ``mx.random.seed(seed)``. ``layer_types`` /
+    ``sliding_window`` make sliding-window layers; ``late_scale`` scales the
+    residual writes of layers 1.. (so an early-exit draft can agree)."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=layers, intermediate_size=2 * HIDDEN,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        tie_word_embeddings=False, layer_types=layer_types, sliding_window=sliding_window,
+    )
+    model = llama.Model(args)
+    for layer in model.model.layers[1:]:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * late_scale
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * late_scale
+    return _finish(model)
+
+
+def early_exit_draft(model: Any) -> Any:
+    """A one-layer draft sharing the llama ``model``'s embedding, first layer,
+    final norm and head (self-speculative decoding by early exit)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(**{**model.args.__dict__, "num_hidden_layers": 1, "layer_types": None})
+    draft = llama.Model(args)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = model.model.layers[:1]
+    draft.model.norm = model.model.norm
+    draft.lm_head = model.lm_head
+    return draft
+
+
+def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3) -> Any:
+    """A float16 gemma3 whose layers ``i % pattern != pattern - 1`` use a
+    sliding window of ``window`` tokens (mlx-lm gives them a RotatingKVCache)."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=HIDDEN, num_hidden_layers=layers, intermediate_size=2 * HIDDEN,
+        num_attention_heads=4, head_dim=16, num_key_value_heads=2, vocab_size=VOCAB, query_pre_attn_scalar=16,
+        sliding_window=window, sliding_window_pattern=pattern, max_position_embeddings=4096,
+    )
+    return _finish(gemma3_text.Model(args))
+
+
+def token_ids(seed: int, n: int) -> mx.array:
+    """``n`` token ids drawn from a seeded NumPy generator, as uint32."""
+    return mx.array(np.random.default_rng(seed).integers(0, VOCAB, n), dtype=mx.uint32)
+
+
+# -- caches ----------------------------------------------------------------------
+def build_caches(model: Any, mode: str = "fp16", step: int = 256, inplace: bool | None = True,
+                 factories: dict[str, Callable[..., Any]] | None = None) -> list[Any]:
+    """``impl.models.make_prompt_cache``, with each layer's cache rebuilt from
+    ``factories[kind]`` (an injected bug) when given."""
+    caches = make_prompt_cache(model, mode=mode, step=step, inplace=inplace)
+    if not factories:
+        return caches
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, RotatingKVCache) and "rotating" in factories:
+            c = factories["rotating"](max_size=c.max_size, keep=c.keep, step=c.step, inplace=c.inplace)
+        elif isinstance(c, KVCache) and "dense" in factories:
+            c = factories["dense"](mode=c.mode, step=c.step, inplace=c.inplace)
+        out.append(c)
+    return out
+
+
+def mlx_lm_caches(model: Any) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
+
+    return lm_make_prompt_cache(model)
+
+
+def prefill(model: Any, caches: list[Any], tokens: mx.array) -> None:
+    """Run ``tokens`` through the model in one chunk (a system prompt)."""
+    model(tokens[None], cache=caches)
+    mx.eval([c.state for c in caches])
+
+
+def views(holders: Iterable[Any]) -> list[bytes]:
+    """The bytes of every holder's window (snapshots or caches)."""
+    out = []
+    for h in holders:
+        got = h.fetch()
+        out.append(b"" if got is None else b"".join(np.array(a).tobytes() for a in got))
+    return out
+
+
+def layer_states(caches: list[Any]) -> list[tuple[int, bytes]]:
+    return [(c.offset, v) for c, v in zip(caches, views(caches))]
+
+
+# -- decoding ----------------------------------------------------------------------
+@dataclass
+class Stream:
+    """Generated tokens and each step's float16 log-probabilities (raw
+    bytes); ``inplace_writes`` counts decode steps whose last write went in
+    place (summed over layers)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[bytes] = field(default_factory=list)
+    inplace_writes: int = 0
+
+    def __add__(self, other: "Stream") -> "Stream":
+        return Stream(self.tokens + other.tokens, self.logprobs + other.logprobs,
+                      self.inplace_writes + other.inplace_writes)
+
+
+def greedy(model: Any, caches: list[Any], prompt: mx.array, n: int) -> Stream:
+    """mlx-lm's ``generate_step`` (greedy) for ``n`` tokens. Afterwards the
+    caches hold the prompt and every yielded token."""
+    from mlx_lm.generate import generate_step
+
+    out = Stream()
+    for tok, logprobs in generate_step(prompt, model, max_tokens=n, prompt_cache=caches):
+        out.tokens.append(int(tok))
+        out.logprobs.append(np.array(logprobs).tobytes())
+        out.inplace_writes += sum(bool(getattr(c, "last_write_inplace", False)) for c in caches)
+    return out
+
+
+def interleaved(model: Any, runs: dict[str, tuple[list[Any], mx.array]], n: int) -> dict[str, Stream]:
+    """Greedy decoding of several conversations ``name -> (caches, prompt)``
+    that take turns, one token each (two requests served together)."""
+    from mlx_lm.generate import generate_step
+
+    gens = {name: generate_step(prompt, model, max_tokens=n, prompt_cache=caches)
+            for name, (caches, prompt) in runs.items()}
+    out = {name: Stream() for name in runs}
+    for steps in zip(*gens.values()):
+        for name, (tok, logprobs) in zip(gens, steps):
+            out[name].tokens.append(int(tok))
+            out[name].logprobs.append(np.array(logprobs).tobytes())
+            out[name].inplace_writes += sum(bool(getattr(c, "last_write_inplace", False)) for c in runs[name][0])
+    return out
+
+
+class _Logged:
+    """A model that logs its calls (speculative acceptance accounting)."""
+
+    def __init__(self, model: Any, name: str, log: list[str]):
+        self.model, self.name, self.log = model, name, log
+
+    @property
+    def layers(self) -> Any:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.log.append(self.name)
+        return self.model(inputs, cache=cache)
+
+
+@dataclass
+class Speculation:
+    stream: Stream
+    drafted: int
+    accepted: int
+
+    @property
+    def rejected(self) -> int:
+        return self.drafted - self.accepted
+
+
+def speculative(model: Any, draft: Any, caches: list[Any], prompt: mx.array, n: int) -> Speculation:
+    """mlx-lm's ``speculative_generate_step`` for ``n`` tokens, ``NUM_DRAFT``
+    draft tokens a round; ``caches`` holds the model's layers then the
+    draft's. Every rejected draft token is a ``trim`` of both caches."""
+    from mlx_lm.generate import speculative_generate_step
+
+    log: list[str] = []
+    out, accepted = Stream(), 0
+    for tok, logprobs, from_draft in speculative_generate_step(
+        prompt, _Logged(model, "main", log), _Logged(draft, "draft", log),
+        num_draft_tokens=NUM_DRAFT, max_tokens=n, prompt_cache=caches,
+    ):
+        out.tokens.append(int(tok))
+        out.logprobs.append(np.array(logprobs).tobytes())
+        accepted += bool(from_draft)
+    # One draft call per drafted token once the main model has prefilled.
+    first_main = log.index("main") if "main" in log else len(log)
+    drafted = log[first_main:].count("draft")
+    return Speculation(out, drafted, accepted)
+
+
+# -- checks ------------------------------------------------------------------------
+@dataclass
+class Tally:
+    """What a scenario compared: the generated tokens checked against a
+    reference (each with its log-probability vector)."""
+
+    tokens: list[int] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+
+    def note(self, text: str) -> None:
+        self.checks.append(text)
+
+
+def _first_diff(a: bytes, b: bytes) -> str:
+    x, y = np.frombuffer(a, dtype=np.float16), np.frombuffer(b, dtype=np.float16)
+    if x.shape != y.shape:
+        return f"shapes {x.shape} vs {y.shape}"
+    d = np.abs(x.astype(np.float32) - y.astype(np.float32))
+    return f"{int((x.view(np.uint16) != y.view(np.uint16)).sum())} of {x.size} entries differ, max |diff| {np.nanmax(d):.3g}"
+
+
+def min_distinct(n: int) -> int:
+    """The fewest distinct tokens a stream of ``n`` tokens must show."""
+    return n // 3
+
+
+def compare(label: str, got: Stream, want: Stream, tally: Tally) -> None:
+    """Tokens and log-probability bytes equal at every step; the stream did
+    not collapse. Raises Divergence naming the first differing step."""
+    for i, (a, b) in enumerate(zip(got.tokens, want.tokens)):
+        if a != b:
+            raise Divergence(f"{label}: step {i}: token {a}, reference {b}")
+        if got.logprobs[i] != want.logprobs[i]:
+            raise Divergence(f"{label}: step {i} (token {a}): log-probabilities differ: "
+                             f"{_first_diff(got.logprobs[i], want.logprobs[i])}")
+    if len(got.tokens) != len(want.tokens):
+        raise Divergence(f"{label}: {len(got.tokens)} tokens, reference {len(want.tokens)}")
+    distinct = len(set(got.tokens))
+    if distinct < min_distinct(len(got.tokens)):
+        raise Divergence(f"{label}: stream collapsed: {distinct} distinct tokens in {len(got.tokens)} "
+                         f"(need {min_distinct(len(got.tokens))}); the scenario would not be sensitive")
+    tally.tokens.extend(got.tokens)
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise Divergence(message)
+
+
+def check_unchanged(label: str, before: list[bytes], after: list[bytes]) -> None:
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    require(not changed, f"{label}: snapshot of layer(s) {changed} changed (isolation)")
+
+
+# -- scenarios ---------------------------------------------------------------------
+Factories = dict[str, Callable[..., Any]] | None
+
+
+def scenario_greedy(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """Greedy decode, two chat turns: our Fp16 caches give the tokens and
+    byte-identical log-probabilities of mlx-lm's own KVCache, with in-place
+    writes on and off, at the production step (256) and a tiny one (3, a
+    growth every third row)."""
+    tally = Tally()
+    for seed in size.seeds:
+        model = tiny_llama(seed)
+        prompt, turn = token_ids(seed, 12), token_ids(seed + 1000, 5)
+        ref_caches = mlx_lm_caches(model)
+        ref = greedy(model, ref_caches, prompt, size.tokens) + greedy(model, ref_caches, turn, size.tokens)
+        for inplace in (True, False):
+            for step in (256, 3):
+                caches = build_caches(model, "fp16", step, inplace, factories)
+                got = greedy(model, caches, prompt, size.tokens) + greedy(model, caches, turn, size.tokens)
+                compare(f"seed {seed}, in-place {'on' if inplace else 'off'}, step {step}", got, ref, tally)
+                require(not inplace or got.inplace_writes > 0,
+                        f"seed {seed}, step {step}: in-place switch on but no decode write went in place")
+    tally.note("tokens and log-prob bytes = mlx-lm KVCache (in-place on/off, step 256/3)")
+    return tally, None
+
+
+def scenario_speculative(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """mlx-lm's speculative decoding with a one-layer early-exit draft gives
+    exactly plain greedy decoding's tokens and log-probability bytes with the
+    same cache mode (fp16, int8) and in-place setting; in-place on and off
+    agree. Both accepts and rejects (trims) must happen."""
+    tally = Tally()
+    drafted = accepted = rounds_rejected = 0
+    n = 2 * size.tokens
+    for seed in size.seeds:
+        model = tiny_llama(seed, late_scale=LATE_LAYER_SCALE)
+        draft = early_exit_draft(model)
+        prompt = token_ids(seed, 12)
+        for mode in ("fp16", "int8"):
+            plain = {ip: greedy(model, build_caches(model, mode, 4, ip, factories), prompt, n) for ip in (True, False)}
+            compare(f"seed {seed}, {mode}: greedy in-place on vs off", plain[True], plain[False], tally)
+            for inplace in (True, False):
+                caches = build_caches(model, mode, 4, inplace, factories) + build_caches(draft, mode, 4, inplace, factories)
+                spec = speculative(model, draft, caches, prompt, n)
+                compare(f"seed {seed}, {mode}, in-place {'on' if inplace else 'off'}: speculative vs greedy",
+                        spec.stream, plain[inplace], tally)
+                drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+                rounds_rejected += spec.rejected > 0
+    require(accepted > 0 and accepted < drafted,
+            f"speculation must both accept and reject drafts, got {accepted} accepted of {drafted}")
+    tally.note(f"{accepted}/{drafted} drafts accepted; speculative = greedy bytes (fp16/int8 x in-place on/off)")
+    return tally, accepted / max(drafted, 1)
+
+
+def scenario_prompt_reuse(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """Snapshot after a shared system prompt. Conversation A rewinds the
+    prompt's last 2 tokens (its template differs there, as when mlx-lm's
+    server trims a reused prompt cache to the common prefix) and decodes
+    with in-place writes on. Restore the snapshot into the live cache
+    (conversation B) and into a second cache (conversation C), decode both
+    together. B and C equal fresh runs; A equals a run that never had the 2
+    tokens; the snapshot never changed."""
+    tally = Tally()
+    for seed in size.seeds:
+        model = tiny_llama(seed)
+        system = token_ids(seed + 10, 13)  # capacity 16 at step 8: decode steps fit
+        a_first, a_turn = token_ids(seed + 11, 1), token_ids(seed + 12, 6)
+        b_first, b_turn = token_ids(seed + 13, 1), token_ids(seed + 14, 6)
+        c_first, c_turn = token_ids(seed + 15, 1), token_ids(seed + 16, 4)
+        for mode in ("fp16", "int8"):
+            label = f"seed {seed}, {mode}"
+            caches = build_caches(model, mode, 8, True, factories)
+            prefill(model, caches, system)
+            snaps = [c.snapshot() for c in caches]
+            before = views(snaps)
+
+            require(trim_prompt_cache(caches, 2) == 2, f"{label}: rewinding 2 prompt tokens did not trim 2")
+            a = greedy(model, caches, a_first, size.tokens) + greedy(model, caches, a_turn, size.tokens)
+            require(mode != "fp16" or a.inplace_writes > 0, f"{label}: conversation A made no in-place write")
+            check_unchanged(f"{label}, after conversation A", before, views(snaps))
+
+            never = build_caches(model, mode, 8, True)
+            prefill(model, never, system[:-2])
+            compare(f"{label}: A after a rewind vs A that never had the tokens", a,
+                    greedy(model, never, a_first, size.tokens) + greedy(model, never, a_turn, size.tokens), tally)
+
+            # B in the restored cache and C in a second cache restored from the
+            # same snapshot, served together: each starts with a single-token
+            # step, so a restored cache that wrongly took the shared buffers for
+            # its own would write into the other's rows.
+            other = build_caches(model, mode, 8, True, factories)
+            for live, second, s in zip(caches, other, snaps):
+                live.restore(s)
+                second.restore(s)
+            got = interleaved(model, {"B": (caches, b_first), "C": (other, c_first)}, size.tokens)
+            got["B"] += greedy(model, caches, b_turn, size.tokens)
+            got["C"] += greedy(model, other, c_turn, size.tokens)
+            for name, first, turn in (("B", b_first, b_turn), ("C", c_first, c_turn)):
+                fresh = build_caches(model, mode, 8, True)
+                prefill(model, fresh, system)
+                compare(f"{label}: {name} after restore vs fresh {name}", got[name],
+                        greedy(model, fresh, first, size.tokens) + greedy(model, fresh, turn, size.tokens), tally)
+            check_unchanged(f"{label}, after conversations B and C", before, views(snaps))
+    tally.note("B, C after restore = fresh runs; A after rewind = A without the tokens; snapshot unchanged")
+    return tally, None
+
+
+def _rotating(caches: list[Any]) -> list[RotatingKVCache]:
+    return [c for c in caches if isinstance(c, RotatingKVCache)]
+
+
+def scenario_sliding_window(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """gemma3 (two sliding-window layers of window W, one global layer)
+    decodes 2W tokens; a snapshot is taken in the steady state (every ring
+    wrapped); branch A decodes W + 4 more single tokens right away (every
+    ring slot overwritten); the snapshot is restored later and branch B
+    decodes a turn and 2W tokens. History and A equal mlx-lm's own caches,
+    B equals a fresh run, the snapshot never changed."""
+    tally = Tally()
+    W = size.window
+    for seed in size.seeds:
+        model = tiny_gemma3(seed, W)
+        prompt, a_first, b_turn = token_ids(seed, 7), token_ids(seed + 1, 1), token_ids(seed + 2, 5)
+        label = f"seed {seed}, W={W}"
+        caches = build_caches(model, "fp16", 4, True, factories)
+        require(len(_rotating(caches)) == 2, f"{label}: expected 2 sliding-window layers, got {caches}")
+        history = greedy(model, caches, prompt, 2 * W)
+        require(all(r.wrapped for r in _rotating(caches)), f"{label}: the rings did not wrap")
+        snaps = [c.snapshot() for c in caches]
+        before = views(snaps)
+        a = greedy(model, caches, a_first, W + 4)
+        require(a.inplace_writes > 0, f"{label}: branch A made no in-place write (dense layer)")
+        check_unchanged(f"{label}, after branch A", before, views(snaps))
+
+        lm = mlx_lm_caches(model)
+        compare(f"{label}: history vs mlx-lm RotatingKVCache", history, greedy(model, lm, prompt, 2 * W), tally)
+        compare(f"{label}: branch A vs mlx-lm RotatingKVCache", a, greedy(model, lm, a_first, W + 4), tally)
+
+        for c, s in zip(caches, snaps):
+            c.restore(s)
+        b = greedy(model, caches, b_turn, 2 * W)
+        fresh = build_caches(model, "fp16", 4, True)
+        greedy(model, fresh, prompt, 2 * W)
+        compare(f"{label}: branch B after restore vs fresh", b, greedy(model, fresh, b_turn, 2 * W), tally)
+        check_unchanged(f"{label}, after branch B", before, views(snaps))
+    tally.note("steady-state snapshot unchanged; restored B = fresh B; = mlx-lm RotatingKVCache")
+    return tally, None
+
+
+TrimFn = Callable[[list[Any], int], int]
+
+
+def scenario_mixed_rollback(size: Size, factories: Factories = None,
+                            trim: TrimFn = trim_prompt_cache) -> tuple[Tally, float | None]:
+    """llama with a sliding-window layer (window W) and a dense layer. Before
+    the ring wraps a rollback of 2 tokens trims every layer exactly (then
+    decoding equals a run that never had them). After the wrap the same
+    rollback is refused for all layers together: ``trim`` returns 0 and no
+    layer changes; decoding goes on equal to a run that never asked."""
+    tally = Tally()
+    W = size.window
+    for seed in size.seeds:
+        model = tiny_llama(seed, layer_types=["sliding_attention", "full_attention"], sliding_window=W)
+        prompt, x, turn = token_ids(seed, 3), token_ids(seed + 1, 1), token_ids(seed + 2, 3)
+        label = f"seed {seed}, W={W}"
+        caches = build_caches(model, "fp16", 4, True, factories)
+        require(len(caches) == 2 and len(_rotating(caches)) == 1,
+                f"{label}: expected a rotating and a dense layer, got {caches}")
+
+        greedy(model, caches, prompt, 2)
+        require(can_trim_prompt_cache(caches), f"{label}: unwrapped caches must be trimmable")
+        got = trim(caches, 2)
+        offsets = [c.offset for c in caches]
+        require(got == 2 and offsets == [3, 3], f"{label}: rollback before the wrap: trimmed {got}, offsets {offsets}")
+        g1 = greedy(model, caches, x, W + 3)
+        require(all(r.wrapped for r in _rotating(caches)), f"{label}: the ring did not wrap")
+        require(not can_trim_prompt_cache(caches), f"{label}: a wrapped ring must make the list untrimmable")
+
+        before = layer_states(caches)
+        got = trim(caches, 2)
+        after = layer_states(caches)
+        require(got == 0 and after == before,
+                f"{label}: rollback after the wrap must be refused for all layers together: returned {got}, "
+                f"offsets {[o for o, _ in before]} -> {[o for o, _ in after]}, "
+                f"layers changed: {[i for i, (p, q) in enumerate(zip(before, after)) if p != q]}")
+        g2 = greedy(model, caches, turn, W)
+
+        never = build_caches(model, "fp16", 4, True)
+        greedy(model, never, prompt, 0)
+        compare(f"{label}: after exact rollback vs never decoded", g1, greedy(model, never, x, W + 3), tally)
+        compare(f"{label}: after refused rollback vs never asked", g2, greedy(model, never, turn, W), tally)
+    tally.note("rollback exact before the wrap; refused atomically after it (0 trimmed, no layer changed)")
+    return tally, None
+
+
+def scenario_lru_prompt_cache(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """mlx-lm's ``LRUPromptCache`` holds the caches of a system prompt; two
+    conversations fetch it (``copy.deepcopy`` each, which aliases the
+    buffers), add one token each and decode interleaved, step by step. Each
+    equals a fresh run; the cached entry never changed."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    tally = Tally()
+    for seed in size.seeds:
+        model = tiny_llama(seed)
+        system = token_ids(seed + 20, 16).tolist()
+        label = f"seed {seed}"
+        entry = build_caches(model, "fp16", 256, True, factories)
+        prefill(model, entry, mx.array(system, dtype=mx.uint32))
+        lru = LRUPromptCache(max_size=4)
+        lru.insert_cache(MODEL_KEY, system, entry)
+        before = views(entry)
+
+        convs = {name: system + token_ids(seed + 21 + i, 1).tolist() for i, name in enumerate(("A", "B"))}
+        fetched = {name: lru.fetch_nearest_cache(MODEL_KEY, toks) for name, toks in convs.items()}
+        for name, (caches, rest) in fetched.items():
+            require(caches is not None and len(rest) == 1, f"{label}: {name}: LRU fetch missed ({rest})")
+        got = interleaved(model, {name: (caches, mx.array(rest, dtype=mx.uint32))
+                                  for name, (caches, rest) in fetched.items()}, size.tokens)
+        require(sum(s.inplace_writes for s in got.values()) > 0, f"{label}: no in-place write happened")
+        for name, (_, rest) in fetched.items():
+            fresh = build_caches(model, "fp16", 256, True)
+            prefill(model, fresh, mx.array(system, dtype=mx.uint32))
+            compare(f"{label}: conversation {name} from the LRU cache vs fresh", got[name],
+                    greedy(model, fresh, mx.array(rest, dtype=mx.uint32), size.tokens), tally)
+        check_unchanged(f"{label}, the LRU entry", before, views(entry))
+    tally.note("two deep copies decoding interleaved = fresh runs; LRU entry unchanged")
+    return tally, None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    run: Callable[..., tuple[Tally, float | None]]
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("greedy", "1 greedy = mlx-lm KVCache", scenario_greedy),
+    Scenario("speculative", "2 speculative = greedy", scenario_speculative),
+    Scenario("prompt_reuse", "3 prompt-cache reuse", scenario_prompt_reuse),
+    Scenario("sliding_window", "4 sliding window", scenario_sliding_window),
+    Scenario("mixed_rollback", "5 mixed layers rollback", scenario_mixed_rollback),
+    Scenario("lru_prompt_cache", "6 mlx-lm LRUPromptCache", scenario_lru_prompt_cache),
+]
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    title: str
+    ok: bool
+    tokens: int
+    distinct: int
+    acceptance: float | None
+    seconds: float
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.name, "ok": self.ok, "tokens": self.tokens, "distinct": self.distinct,
+            "acceptance": None if self.acceptance is None else round(self.acceptance, 3),
+            "seconds": round(self.seconds, 2), "detail": self.detail,
+        }
+
+
+def by_name(name: str) -> Scenario:
+    for s in SCENARIOS:
+        if s.name == name:
+            return s
+    raise KeyError(f"no e2e scenario named {name!r}; known: {[s.name for s in SCENARIOS]}")
+
+
+def run_scenario(name: str, long: bool = False, factories: Factories = None, **kwargs: Any) -> ScenarioResult:
+    """Run one scenario; a failed check (Divergence) or any exception is a
+    failed result whose detail says what differed."""
+    scenario = by_name(name)
+    start = time.perf_counter()
+    try:
+        tally, acceptance = scenario.run(LONG if long else SHORT, factories, **kwargs)
+        ok, detail = True, "; ".join(tally.checks)
+    except Divergence as exc:
+        tally, acceptance, ok, detail = Tally(), None, False, str(exc)
+    except Exception as exc:  # a broken cache may raise anywhere inside the model
+        tally, acceptance, ok, detail = Tally(), None, False, f"{type(exc).__name__}: {exc}"
+    return ScenarioResult(scenario.name, scenario.title, ok, len(tally.tokens), len(set(tally.tokens)),
+                          acceptance, time.perf_counter() - start, detail)
+
+
+def run_all(long: bool = False, factories: Factories = None, names: list[str] | None = None) -> list[ScenarioResult]:
+    return [run_scenario(s.name, long, factories) for s in SCENARIOS if names is None or s.name in names]
+
+
+__all__ = [
+    "SCENARIOS", "SHORT", "LONG", "Divergence", "ScenarioResult", "Size", "Stream",
+    "build_caches", "greedy", "run_all", "run_scenario", "speculative",
+    "tiny_gemma3", "tiny_llama", "early_exit_draft",
+]
