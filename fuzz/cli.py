@@ -138,6 +138,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         console.print(f"[bold red]{rep.config}[/]: {str(rep.failure.error).splitlines()[0]}")
         if rep.failure.trace is not None:
             stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
+            stem = stem if target.is_impl else f"{target.name}-{stem}"
             path = save_failure(rep.failure.trace, args.out, stem)
             bug = f" --bug {args.bug}" if args.bug else ""
             bug += "" if target.is_impl else f" --target {target.name}"
@@ -183,6 +184,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fuzz.bench import run
 
     return run(args.contexts, args.json)
+
+
+def cmd_e2e(args: argparse.Namespace) -> int:
+    from fuzz.e2e import main as e2e_main
+
+    try:
+        return e2e_main(long=args.long, as_json=args.json, bug=args.bug, only=args.only)
+    except KeyError as exc:
+        _console().print(f"[bold red]error[/]: {exc.args[0]}")
+        return 2
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
@@ -247,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     be.add_argument("--json", action="store_true")
     be.set_defaults(fn=cmd_bench)
+
+    e = sub.add_parser("e2e", help="real decoding: the caches inside mlx-lm models, byte-identical to the references")
+    e.add_argument("--long", action="store_true", help="longer streams, wider windows, four seeds (under ~3 min)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--bug", help="run on an injected bug from the catalog (exit 0 when a scenario catches it)")
+    e.add_argument("--only", nargs="*", help="scenario names (default: all)")
+    e.set_defaults(fn=cmd_e2e)
 
     pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec", add_help=False)
     pr.add_argument("rest", nargs=argparse.REMAINDER)

@@ -40,7 +40,18 @@ from fuzz.campaign import run_machine
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import machine_for
 from fuzz.replay import make_lockstep, replay
-from fuzz.targets import CONCAT, KVCACHE, QUANTIZED, ROTATING, CacheClass, Target, mlx_lm_version, op_class, resolve
+from fuzz.targets import (
+    CONCAT,
+    INPLACE_REASON,
+    KVCACHE,
+    QUANTIZED,
+    ROTATING,
+    CacheClass,
+    Target,
+    mlx_lm_version,
+    op_class,
+    resolve,
+)
 from fuzz.trace import Trace, write
 
 DEFAULT_SEED = 20261129
@@ -200,7 +211,7 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
     """Fuzz one class in rounds (module docstring) for ``budget`` seconds."""
     base = resolve(target_name)
     report = ClassReport(cls.name, target_name, cls.kind, cls.mode, skipped=dict(cls.skipped),
-                         not_compared={**cls.not_compared, "in-place decision": _INPLACE})
+                         not_compared={**cls.not_compared, "in-place decision": INPLACE_REASON})
     target: Target | None = base
     start = time.perf_counter()
     k = 0
@@ -230,9 +241,6 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
         report.ended = f"{max_findings} findings (max)"
     report.seconds = time.perf_counter() - start
     return report
-
-
-_INPLACE = "mlx-lm has no ownership marker: whether a write went in place is not observable"
 
 
 def _record(cls: CacheClass, target_name: str, target: Target, failure: Any, out: Path, number: int) -> Finding:
@@ -268,8 +276,9 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
                     only: list[str] | None = None, max_findings: int = 8) -> list[ClassReport]:
     """Fuzz every mlx-lm class (or those named in ``only``), ``budget``
     seconds in all, split evenly. Stale ``<Class>_NN.json`` traces of the
-    classes run are removed from ``out`` first so the folder is the report.
-    Raises KeyError for an unknown class name."""
+    classes run are removed from ``out`` first, and ``out/report.json``
+    (:func:`write_report`) lists every trace left there, so the folder is
+    the report. Raises KeyError for an unknown class name."""
     known = {c.name: (c, t) for c, t in CLASSES}
     names = list(known) if not only else list(only)
     for n in names:
@@ -283,7 +292,26 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
         for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
             stale.unlink()
         reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings))
+    write_report(reports, seed, budget, out / REPORT)
     return reports
+
+
+#: the machine-readable report written beside the traces (not a trace)
+REPORT = "report.json"
+
+
+def write_report(reports: list[ClassReport], seed: int, budget: float, path: Path) -> None:
+    """Write the JSON report; classes not run this time keep their entries
+    from an earlier report at ``path`` (their traces are still there)."""
+    doc = to_json(reports, seed, budget)
+    run = {r.cache_class for r in reports}
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            doc["classes"] += [c for c in old.get("classes", []) if c.get("cache_class") not in run]
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            pass  # an unreadable old report is replaced
+    path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def to_json(reports: list[ClassReport], seed: int, budget: float) -> dict[str, Any]:

@@ -29,8 +29,9 @@ declared differences and the findings.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -93,7 +94,7 @@ class DequantView:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         w = self.parts[0]
         if w.shape[-2] == 0:  # mx.dequantize cannot reshape an empty window
-            head_dim = w.shape[-1] * 32 // self.bits
+            head_dim = w.shape[-1] * 32 // self.bits  # each uint32 word packs 32 / bits values
             out = np.zeros((*w.shape[:-1], head_dim), dtype=np.float16)
         else:
             out = np.asarray(mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits))
@@ -163,11 +164,11 @@ class MlxLmAdapter:
             return trim_prompt_cache([self.inner], n)
         return self.inner.trim(n)
 
-    def snapshot(self) -> "MlxLmSnapshot":
+    def snapshot(self) -> MlxLmSnapshot:
         """``copy.deepcopy``, as mlx-lm's server copies a prompt cache."""
         return MlxLmSnapshot(copy.deepcopy(self.inner), self)
 
-    def restore(self, snapshot: "MlxLmSnapshot") -> None:
+    def restore(self, snapshot: MlxLmSnapshot) -> None:
         """The live cache becomes a deep copy of the snapshot, as the server's
         ``fetch_nearest_cache`` hands one out."""
         self.inner = copy.deepcopy(snapshot.inner)
@@ -279,7 +280,8 @@ class CacheClass:
     note: str = ""
 
 
-_INPLACE_REASON = "mlx-lm has no ownership marker; whether a write aliased memory is not observable"
+#: why no target here compares the in-place decision
+INPLACE_REASON = "mlx-lm has no ownership marker: whether a write went in place is not observable"
 
 KVCACHE = CacheClass(
     "KVCache", "dense", "fp16", KVCacheAdapter, dict(_DENSE_ONLY),
@@ -358,11 +360,11 @@ class Target:
         reason = c.skipped.get(op["op"])
         return None if reason is None else f"{c.name}: {reason}"
 
-    def excluding(self, name: str) -> "Target":
+    def excluding(self, name: str) -> Target:
         """This target with an op class (and its family) no longer generated."""
         return replace(self, excluded=self.excluded | set(OP_FAMILIES.get(name, (name,))))
 
-    def waiving(self, what: str) -> "Target":
+    def waiving(self, what: str) -> Target:
         """This target with an observable (or ``"masks"``) no longer compared."""
         return replace(self, waived=self.waived | {what})
 
@@ -392,7 +394,7 @@ TARGETS: dict[str, Target] = {
 }
 
 
-def resolve(target: "str | Target | None") -> Target:
+def resolve(target: str | Target | None) -> Target:
     """A Target from its name (None: ``impl``). Raises KeyError naming the
     known targets."""
     if target is None:

@@ -6,7 +6,9 @@
    finds no divergence;
 3. every injected bug of the catalog is caught, and its minimal trace
    replays clean on the real implementation (no false alarm);
-4. the proofs (``kvspec prove``), unless skipped.
+4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``), except
+   with ``--quick`` (``make test`` runs their short form);
+5. the proofs (``kvspec prove``), unless skipped.
 """
 
 from __future__ import annotations
@@ -124,6 +126,18 @@ def check_bugs(out: str, seeds: int) -> list[Check]:
     return checks
 
 
+def check_e2e() -> list[Check]:
+    """The real-decoding scenarios (fuzz/e2e.py) at their default size."""
+    from fuzz.e2e import DEFAULT, run_all
+
+    checks = []
+    for r in run_all(DEFAULT):
+        extra = f", acceptance {r.acceptance:.0%}" if r.acceptance is not None else ""
+        detail = f"{r.tokens} tokens, {r.distinct} distinct{extra}" if r.ok else r.detail
+        checks.append(Check(f"e2e {r.name}", r.ok, detail, r.seconds))
+    return checks
+
+
 def check_proofs() -> list[Check]:
     start = time.perf_counter()
     try:
@@ -152,6 +166,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     checks = check_traces()
     checks += check_campaigns(4.0 if quick else 25.0)
     checks += check_bugs(out, 1 if quick else 5)
+    if not quick:
+        checks += check_e2e()
     if not skip_proofs:
         checks += check_proofs()
     total = time.perf_counter() - start

@@ -435,10 +435,10 @@ class KVCache:
         return self.live_len
 
     # -- snapshot, restore, detach, install ---------------------------------
-    def __copy__(self) -> "KVCache":
+    def __copy__(self) -> KVCache:
         return copy_without_marker(self)
 
-    def __deepcopy__(self, memo: dict) -> "KVCache":
+    def __deepcopy__(self, memo: dict) -> KVCache:
         return copy_without_marker(self, memo)
 
     def snapshot(self) -> CacheSnapshot:

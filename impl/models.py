@@ -21,7 +21,8 @@ imported only when a model defines ``make_cache``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from impl.dense import KVCache, _check_int
 from impl.rotating import RotatingKVCache
@@ -131,4 +132,4 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
     return count
 
 
-__all__ = ["make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache"]
+__all__ = ["can_trim_prompt_cache", "make_prompt_cache", "trim_prompt_cache"]

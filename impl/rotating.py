@@ -24,7 +24,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.dense import SEQ_AXIS, _check_int, _check_rows, copy_without_marker, inplace_switch_from_env, share
+from impl.dense import (
+    SEQ_AXIS,
+    _check_int,
+    _check_rows,
+    copy_without_marker,
+    inplace_switch_from_env,
+    share,
+)
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -260,10 +267,10 @@ class RotatingKVCache:
         return self.trim(self.offset - length)
 
     # -- snapshots -------------------------------------------------------------
-    def __copy__(self) -> "RotatingKVCache":
+    def __copy__(self) -> RotatingKVCache:
         return copy_without_marker(self)
 
-    def __deepcopy__(self, memo: dict) -> "RotatingKVCache":
+    def __deepcopy__(self, memo: dict) -> RotatingKVCache:
         return copy_without_marker(self, memo)
 
     def snapshot(self) -> RingSnapshot:

@@ -119,8 +119,6 @@ def model_values(dom: Domain, check: Check, names: list[tuple[str, Any]]) -> dic
             out[label] = z3.is_true(v)
         elif z3.is_int_value(v):
             out[label] = v.as_long()
-        elif z3.is_bv_value(v):
-            out[label] = v.as_signed_long()
     return out
 
 
@@ -129,13 +127,16 @@ def run_parts(
     domains: tuple[str, ...] = DOMAINS,
     stop_at_refutation: bool = False,
     timeout_ms: int = 30_000,
+    contracts: bool = False,
 ) -> list[PartResult]:
     """Check every part in every domain (stop at the first refutation of a
-    domain when ``stop_at_refutation``: negative controls need only one)."""
+    domain when ``stop_at_refutation``: negative controls need only one).
+    ``contracts``: in bv32, use the contracts of nonlinear spec formulas
+    (proved by their own obligation) instead of their definitions."""
     results: list[PartResult] = []
     for kind in domains:
         for label, build in parts:
-            dom = Domain(kind)
+            dom = Domain(kind, contracts=contracts and kind != INT)
             premises, goal = build(dom)
             chk = check_valid(dom, premises, goal, timeout_ms)
             cex = _cex(chk) if chk.status == "refuted" else None
@@ -154,8 +155,6 @@ def _cex(chk: Check) -> dict[str, Any]:
         v = chk.model[decl]
         if z3.is_int_value(v):
             out[decl.name()] = v.as_long()
-        elif z3.is_bv_value(v):
-            out[decl.name()] = v.as_signed_long()
         elif z3.is_true(v) or z3.is_false(v):
             out[decl.name()] = z3.is_true(v)
     return dict(sorted(out.items()))
@@ -178,6 +177,7 @@ def control_from_parts(
     parts: list[tuple[str, PartBuilder]],
     targets: tuple[str, ...] = DOMAINS,
     reachable: Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, str]] | None = None,
+    contracts: bool = False,
 ) -> ControlResult:
     """Run the obligation's parts with the buggy rule in each target domain;
     then, if given, ``reachable()`` -> (kvtrace, values, confirmation) for a
@@ -185,7 +185,7 @@ def control_from_parts(
     target domain refutes and the reachable counterexample (when asked for)
     exists and is confirmed (confirmation strings starting with "confirmed")."""
     t0 = time.perf_counter()
-    res = run_parts(parts, targets, stop_at_refutation=True)
+    res = run_parts(parts, targets, stop_at_refutation=True, contracts=contracts)
     domains: dict[str, str] = {}
     refuting = ""
     cex = None

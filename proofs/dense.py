@@ -74,13 +74,13 @@ def _rows(h: HolderS) -> Any:
 def well_formed(d: Domain, c: CacheS) -> Any:
     """Offsets and identities of a reachable cache (semantics.md 5.6):
     ``0 <= live_start <= offset``, buffers exist iff rows do, ``live_len <=
-    capacity``, identities below ``next_ident`` (handles' cut tensors get
-    ``-1 - ident``, so in ``[-next_ident, next_ident)``), and marker
-    identities are ones the cache produced (``>= 0``)."""
+    capacity``, and every identity in use (the cache's, the marker's, any
+    holder's) is one ``next_ident`` already handed out: in ``[0,
+    next_ident)``."""
     L = _L(c)
     return z3.And(
         c.step >= 1, c.mode >= 0, c.mode < len(MODES), c.ls >= 0, c.ls <= c.off, c.nid >= 0,
-        z3.Implies(c.has_buf, z3.And(L >= 1, L <= c.cap, c.buf >= -c.nid, c.buf < c.nid)),
+        z3.Implies(c.has_buf, z3.And(L >= 1, L <= c.cap, c.buf >= 0, c.buf < c.nid)),
         z3.Implies(z3.Not(c.has_buf), L == 0),
         z3.Implies(c.mk, z3.And(c.mkb >= 0, c.mkb < c.nid)),
     )
@@ -90,7 +90,7 @@ def holder_well_formed(d: Domain, c: CacheS, h: HolderS) -> Any:
     r = _rows(h)
     return z3.Implies(h.alive, z3.And(
         h.ls >= 0, h.ls <= h.off,
-        z3.Implies(h.has_buf, z3.And(r >= 1, r <= h.cap, h.buf >= -c.nid, h.buf < c.nid)),
+        z3.Implies(h.has_buf, z3.And(r >= 1, r <= h.cap, h.buf >= 0, h.buf < c.nid)),
         z3.Implies(z3.Not(h.has_buf), r == 0),
     ))
 
@@ -103,9 +103,8 @@ def owns(c: CacheS) -> Any:
 def ownership_invariant(d: Domain, c: CacheS, h: HolderS) -> Any:
     """When the marker names the current buffers: the cache's live_len and
     the valid rows of every holder of those buffers are at most
-    ``marker.live_len``. (A handle cut twice gets back its original identity,
-    ``-1 - (-1 - x) == x``, so the orbit ``{buf, -1 - buf}`` is covered.)"""
-    shares = z3.And(h.alive, h.has_buf, z3.Or(h.buf == c.buf, h.buf == -1 - c.buf))
+    ``marker.live_len``."""
+    shares = z3.And(h.alive, h.has_buf, h.buf == c.buf)
     return z3.And(
         z3.Implies(owns(c), _L(c) <= c.mkl),
         z3.Implies(z3.And(owns(c), shares), _rows(h) <= c.mkl),
@@ -511,9 +510,10 @@ OWNERSHIP_CONTROLS: list[tuple[str, str, Rules]] = [
 
 def prove_ownership() -> ObligationResult:
     t0 = time.perf_counter()
-    parts = run_parts(ownership_parts())
+    parts = run_parts(ownership_parts(), contracts=True)
     controls = [
-        control_from_parts(name, rule, ownership_parts(rules), reachable=ownership_reachable(name, rules))
+        control_from_parts(name, rule, ownership_parts(rules), reachable=ownership_reachable(name, rules),
+                           contracts=True)
         for name, rule, rules in OWNERSHIP_CONTROLS
     ]
     return ObligationResult(
@@ -601,7 +601,14 @@ def regrow_parts(rules: Rules = SPEC) -> list[tuple[str, PartBuilder]]:
         p1 = Phys(z3.If(k != 0, c1.tok, p.tok), z3.If(k != 0, c1.pos, p.pos))
         return [content_invariant(d, c, p)], content_invariant(d, c1, p1)
 
-    return [("append: live_len <= capacity, capacity rule, rows below live_len live", after_append),
+    def contract(d: Domain) -> tuple[list[Any], Any]:
+        prev, n, step = d.var("prev"), d.var("n"), d.var("step")
+        r = regrow_capacity(d, prev, n, step, "ceil_by_add" if rules.regrow == "ceil_by_add" else "spec")
+        goal = z3.And(prev + n <= r, r < prev + n + step)
+        return [prev >= 0, n >= 1, step >= 1], goal
+
+    return [("regrow_capacity contract: prev + n <= r < prev + n + step", contract),
+            ("append: live_len <= capacity, capacity rule, rows below live_len live", after_append),
             ("preserved by trim", after_trim), ("preserved by trim_front_keep_sink", after_front)]
 
 
@@ -638,6 +645,13 @@ class _Prefix:
         _, c = trim(d, c, v["r0"], rules)
         self.cache, self.phys = c, p
 
+    def stages(self) -> list[list[Any]]:
+        """Shortest prefixes first: only ``append a1``; then no front trim."""
+        v = self.vars
+        return [[v["f"] == 0, v["a2"] == 0, v["r0"] == 0, v["a1"] <= 4],
+                [v["f"] == 0, v["a2"] == 0],
+                [v["f"] == 0]]
+
     def tokens(self, n: Any) -> Any:
         """The next n token identities of the kvtrace counter."""
         base = self.counter
@@ -662,11 +676,21 @@ class _Prefix:
         return {"mode": MODES[val["mode"]].value, "step": val["step"]}, ops
 
 
-def _solve(premises: list[Any], bad: Any, timeout_ms: int = 30_000) -> Any:
+def _solve(premises: list[Any], bad: Any, stages: list[list[Any]] | None = None, timeout_ms: int = 30_000) -> Any:
+    """A model of ``premises and bad``, trying each stage's extra
+    constraints first (shorter prefixes give shorter kvtraces)."""
     s = z3.Solver()
     s.set(timeout=timeout_ms)
     s.add(*premises, bad)
-    return s.model() if s.check() == z3.sat else None
+    for extra in [*(stages or []), []]:
+        s.push()
+        s.add(*extra)
+        if s.check() == z3.sat:
+            m = s.model()
+            s.pop()
+            return m
+        s.pop()
+    return None
 
 
 def _regrow_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, str]]:
@@ -681,7 +705,7 @@ def _regrow_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, s
         i = z3.Int("dead_row")
         dead = z3.And(i >= 0, i < _L(c1), z3.Or(p1.tok[i] != c1.tok[i], p1.pos[i] != c1.pos[i]))
         wrong_cap = z3.And(out.regrew, c1.cap != regrow_capacity(d, out.prev, n, c.step))
-        m = _solve([*pre.premises, n >= 1, n <= 8], z3.Or(dead, wrong_cap))
+        m = _solve([*pre.premises, n >= 1, n <= 8], z3.Or(dead, wrong_cap), pre.stages())
         if m is None:
             return None, None, "no reachable counterexample from the prefix"
         cache, ops = pre.ops(m)
@@ -786,7 +810,7 @@ def _trim_append_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, A
         p1, p2, v = _trim_append_paths(d, pre.cache, rules, lambda name, n: pre.tokens(n))
         i = z3.Int("i")
         m = _solve([*pre.premises, v["a"] >= 0, v["a"] <= 4, v["r"] >= 1, v["r"] <= 4, v["m"] >= 1, v["m"] <= 4],
-                   _window_differs(p1, p2, i))
+                   _window_differs(p1, p2, i), pre.stages())
         if m is None:
             return None, None, "no reachable counterexample from the prefix"
         cache, ops = pre.ops(m)
@@ -819,8 +843,9 @@ TRIM_APPEND_CONTROLS: list[tuple[str, str, Rules]] = [
 
 def prove_trim_append() -> ObligationResult:
     t0 = time.perf_counter()
-    parts = run_parts(trim_append_parts())
-    controls = [control_from_parts(name, rule, trim_append_parts(rules), reachable=_trim_append_reachable(name, rules))
+    parts = run_parts(trim_append_parts(), contracts=True)
+    controls = [control_from_parts(name, rule, trim_append_parts(rules), reachable=_trim_append_reachable(name, rules),
+                                   contracts=True)
                 for name, rule, rules in TRIM_APPEND_CONTROLS]
     return ObligationResult(
         4, "trim then append", ("trim", "append"),
@@ -861,7 +886,7 @@ def front_parts(rules: Rules = SPEC) -> list[tuple[str, PartBuilder]]:
 def _front_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, str]]:
     def run() -> tuple[Any, Any, str]:
         d = Domain(INT)
-        pre = _Prefix(d, SPEC)  # the prefix's own front trim stays correct
+        pre = _Prefix(d, rules)
         c = pre.cache
         n, keep = z3.Int("n"), z3.Int("keep")
         k, c1 = trim_front_keep_sink(d, c, n, keep, rules)
@@ -870,7 +895,7 @@ def _front_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, st
         i = z3.Int("i")
         bad = z3.Or(c1.off < c.off, c1.wlen != _L(c1), _L(c1) != L - k,
                     z3.And(i >= 0, i < kp, i < c1.wlen, c1.tok[i] != c.tok[i]))
-        m = _solve([*pre.premises, n >= 1, n <= 6, keep >= 0, keep <= 8], bad)
+        m = _solve([*pre.premises, n >= 1, n <= 6, keep >= 0, keep <= 8], bad, pre.stages())
         if m is None:
             return None, None, "no reachable counterexample from the prefix"
         cache, ops = pre.ops(m)
@@ -904,8 +929,9 @@ FRONT_CONTROLS: list[tuple[str, str, Rules]] = [
 
 def prove_front() -> ObligationResult:
     t0 = time.perf_counter()
-    parts = run_parts(front_parts())
-    controls = [control_from_parts(name, rule, front_parts(rules), reachable=_front_reachable(name, rules))
+    parts = run_parts(front_parts(), contracts=True)
+    controls = [control_from_parts(name, rule, front_parts(rules), reachable=_front_reachable(name, rules),
+                                   contracts=True)
                 for name, rule, rules in FRONT_CONTROLS]
     return ObligationResult(
         5, "front trim", ("trim_front_keep_sink",),

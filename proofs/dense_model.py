@@ -164,7 +164,14 @@ def _ceil_by_add_formula(d: Domain, prev: Any, n: Any, step: Any) -> Any:
 
 
 def regrow_capacity(d: Domain, prev: Any, n: Any, step: Any, rule: str = "spec") -> Any:
-    """Regrow rule, result: ``prev + ceil(n / step) * step``."""
+    """Regrow rule, result: ``prev + ceil(n / step) * step``. With
+    ``d.contracts`` the result is a fresh value constrained by the contract
+    obligation 3 proves (``prev + n <= r < prev + n + step``)."""
+    if d.contracts and rule == "spec":
+        r = d.fresh("regrow_capacity")
+        d.assume("regrow_capacity contract", z3.Implies(
+            z3.And(prev >= 0, n >= 1, step >= 1), z3.And(prev + n <= r, r < prev + n + step)))
+        return r
     if rule == "ceil_by_add":
         return d.stored("capacity after growth", _ceil_by_add_formula, prev, n, step)
     return d.stored("capacity after growth", _regrow_formula, prev, n, step)
@@ -389,13 +396,13 @@ def detach(d: Domain, c: CacheS) -> tuple[HolderS, CacheS]:
 
 def handle_trim_to(d: Domain, h: HolderS, length: Any) -> tuple[Any, Any, HolderS]:
     """A detached handle's physical ``trim_to``. Returns (allowed, rows
-    removed, handle). The cut tensors get identity ``-1 - ident``."""
+    removed, handle). The cut is a view of the same memory: same identity,
+    capacity the live rows (buffer dropped when none are left)."""
     ok = z3.And(length >= 0, length <= h.off)
     with d.under(ok):
         rows = holder_rows(d, h)
         k = d.min(d.sub(h.off, length, "offset - len"), rows)
         live = d.sub(rows, k, "live_len - n")
-        cut = HolderS(h.alive, z3.And(h.has_buf, live != 0), d.sub(-1, h.buf, "-1 - ident"), live,
-                      d.sub(h.off, k, "offset - n"), h.ls)
+        cut = HolderS(h.alive, z3.And(h.has_buf, live != 0), h.buf, live, d.sub(h.off, k, "offset - n"), h.ls)
     moved = z3.And(ok, k != 0)
     return ok, z3.If(moved, k, 0), select(moved, cut, h)

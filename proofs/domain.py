@@ -4,18 +4,28 @@ Every encoded spec function takes a :class:`Domain` as its first argument and
 does its arithmetic through it, so one encoding serves two runs:
 
 * ``int``: unbounded mathematical integers, Python's own semantics;
-* ``bv32``: 32-bit two's-complement bit-vectors, the arithmetic of a C, Rust
-  or Metal port that keeps offsets in ``int32``.
+* ``bv32``: 32-bit two's-complement machine integers, the arithmetic of a C,
+  Rust or Metal port that keeps offsets in ``int32``: every variable lies in
+  ``[-2**31, 2**31)`` and every operation wraps around modulo ``2**32``.
 
-In the ``bv32`` run every operation records a no-overflow fact, guarded by the
-branch it is computed in (:meth:`Domain.under`). Those facts are proof
-obligations, with one exception: a value the cache *stores* (a new offset, a
-new capacity, the next buffer identity) is computed through
-:meth:`Domain.stored`, which assumes that its exact value fits in 32 bits (a
-32-bit port must refuse to grow past ``INT32_MAX``; that refusal is not part
-of the spec). So the ``bv32`` run proves that no *intermediate* computation
-overflows whenever the stored results are representable, and that the rule
-still holds in wrapping arithmetic.
+How ``bv32`` is encoded: Z3's native bit-vector theory bit-blasts the regrow
+rule's symbolic ``ceil(n / step) * step`` into a 32-bit divider and
+multiplier, and that did not finish in 120 s (nor did ``append`` with the
+divider summarised away). So the run states the same 32-bit semantics
+exactly over integers: the result of an operation whose exact value is ``x``
+is a fresh ``y == x - 2**32 * k`` with ``y`` in range (the wrapped value,
+bit for bit what a 32-bit ALU returns, as ``Int2BV``/``BV2Int`` would give),
+and Z3 decides it with integer reasoning in milliseconds.
+
+In the ``bv32`` run every operation records a no-overflow fact (its exact
+value is in range), guarded by the branch it is computed in
+(:meth:`Domain.under`). Those facts are proof obligations, with one
+exception: a value the cache *stores* (a new offset, a new capacity, the next
+buffer identity) is computed through :meth:`Domain.stored`, which assumes that
+its exact value fits (a 32-bit port must refuse to grow past ``INT32_MAX``;
+that refusal is not part of the spec). So the ``bv32`` run proves that no
+*intermediate* computation overflows whenever the stored results are
+representable, and that the rule holds in wrapping arithmetic.
 """
 
 from __future__ import annotations
@@ -37,13 +47,18 @@ _counter = itertools.count()
 
 @dataclass
 class Domain:
-    """One arithmetic domain plus the overflow facts recorded while encoding."""
+    """One arithmetic domain plus what was recorded while encoding:
+    ``obligations`` (no-overflow facts to prove), ``assumptions`` (stored
+    values fit) and ``facts`` (definitions of wrapped results and the range
+    of every 32-bit variable; always satisfiable)."""
 
     kind: str = INT
     bits: int = 32
     path: list[Any] = field(default_factory=list)
     obligations: list[tuple[str, Any]] = field(default_factory=list)
     assumptions: list[tuple[str, Any]] = field(default_factory=list)
+    facts: list[Any] = field(default_factory=list)
+    contracts: bool = False  # use proved contracts of nonlinear spec formulas
 
     # -- sorts and values ---------------------------------------------------
     @property
@@ -51,30 +66,41 @@ class Domain:
         return self.kind != INT
 
     def sort(self) -> z3.SortRef:
-        return z3.BitVecSort(self.bits) if self.is_bv else z3.IntSort()
+        return z3.IntSort()
 
     def var(self, name: str) -> Any:
-        return z3.BitVec(name, self.bits) if self.is_bv else z3.Int(name)
+        v = z3.Int(name)
+        if self.is_bv:
+            self.facts.append(self.fits(v))
+        return v
+
+    def fresh(self, name: str) -> Any:
+        """A fresh variable (a numbered ``name``)."""
+        return self.var(f"{name}!{next(_counter)}")
 
     def val(self, v: int) -> Any:
-        return z3.BitVecVal(v, self.bits) if self.is_bv else z3.IntVal(v)
+        return z3.IntVal(v)
 
     def boolean(self, name: str) -> Any:
         return z3.Bool(name)
 
     def array(self, name: str) -> Any:
-        return z3.Array(name, self.sort(), self.sort())
+        return z3.Array(name, z3.IntSort(), z3.IntSort())
 
     def lam(self, body: Callable[[Any], Any]) -> Any:
-        """An array ``i -> body(i)`` (beta-reduced by Z3 on select)."""
-        i = self.var(f"i!{next(_counter)}")
+        """An array ``i -> body(i)`` (beta-reduced by Z3 on select). Index
+        arithmetic inside ``body`` is exact: it addresses the window, it is
+        not a stored counter."""
+        i = z3.Int(f"i!{next(_counter)}")
         return z3.Lambda([i], body(i))
 
-    def to_python(self, value: Any) -> int:
-        """A concrete model value as a Python int (signed in bv32)."""
-        if self.is_bv:
-            return value.as_signed_long()
-        return value.as_long()
+    def assume(self, label: str, fact: Any) -> None:
+        """Assume ``fact`` on the current branch (a contract proved elsewhere)."""
+        self.assumptions.append((label, self._guard(fact)))
+
+    def fits(self, exact: Any) -> Any:
+        """An exact integer is representable in ``bits`` signed bits."""
+        return z3.And(exact >= -(2 ** (self.bits - 1)), exact < 2 ** (self.bits - 1))
 
     # -- overflow bookkeeping -----------------------------------------------
     @contextlib.contextmanager
@@ -90,58 +116,37 @@ class Domain:
     def _guard(self, fact: Any) -> Any:
         return z3.Implies(z3.And(*self.path), fact) if self.path else fact
 
-    def _record(self, label: str, fact: Any) -> None:
-        if self.is_bv:
-            self.obligations.append((label, self._guard(fact)))
+    def _op(self, exact: Any, label: str, extra: Any = None) -> Any:
+        """The result of an operation with exact value ``exact``: itself in
+        ``int``; in bv32 the wrapped value, with the no-overflow obligation."""
+        if not self.is_bv:
+            return exact
+        ok = self.fits(exact) if extra is None else z3.And(extra, self.fits(exact))
+        self.obligations.append((label, self._guard(ok)))
+        n = next(_counter)
+        y, k = z3.Int(f"{label}!{n}"), z3.Int(f"wrap!{n}")
+        self.facts += [y == exact - (2 ** self.bits) * k, self.fits(y)]
+        return y
 
     # -- arithmetic ----------------------------------------------------------
     def add(self, a: Any, b: Any, label: str = "+") -> Any:
-        if self.is_bv:
-            a, b = self._bv(a), self._bv(b)
-            self._record(label, z3.And(z3.BVAddNoOverflow(a, b, True), z3.BVAddNoUnderflow(a, b)))
-        return a + b
+        return self._op(a + b, label)
 
     def sub(self, a: Any, b: Any, label: str = "-") -> Any:
-        if self.is_bv:
-            a, b = self._bv(a), self._bv(b)
-            self._record(label, z3.And(z3.BVSubNoOverflow(a, b), z3.BVSubNoUnderflow(a, b, True)))
-        return a - b
+        return self._op(a - b, label)
 
     def mul(self, a: Any, b: Any, label: str = "*") -> Any:
-        if self.is_bv:
-            # Nonlinear operations go through exact integers (bit-blasting a
-            # 32-bit multiplier or divider is intractable); Int2BV wraps
-            # exactly as two's-complement hardware does.
-            exact = self.exact(a) * self.exact(b)
-            self._record(label, self.fits(exact))
-            return z3.Int2BV(exact, self.bits)
-        return a * b
+        return self._op(a * b, label)
 
     def neg(self, a: Any, label: str = "neg") -> Any:
-        if self.is_bv:
-            a = self._bv(a)
-            self._record(label, z3.BVSNegNoOverflow(a))
-        return -a
+        return self._op(-a, label)
 
     def floordiv(self, a: Any, b: Any, label: str = "//") -> Any:
-        """Python's ``a // b`` (rounds toward minus infinity). In bv32 the
-        result wraps like a 32-bit port's ``floor_div`` (only INT_MIN // -1
-        overflows); division by zero is an overflow obligation."""
-        if not self.is_bv:
-            # SMT-LIB integer div is Euclidean: floor for b > 0.
-            return z3.If(b > 0, a / b, (-a) / (-b))
-        ea, eb = self.exact(a), self.exact(b)
-        exact = z3.If(eb > 0, ea / eb, (-ea) / (-eb))
-        self._record(label, z3.And(eb != 0, self.fits(exact)))
-        return z3.Int2BV(exact, self.bits)
-
-    def exact(self, x: Any) -> Any:
-        """The signed integer a bit-vector stands for."""
-        return z3.IntVal(x) if isinstance(x, int) else z3.BV2Int(x, is_signed=True)
-
-    def fits(self, exact: Any) -> Any:
-        """An exact integer is representable in ``bits`` signed bits."""
-        return z3.And(exact >= -(2 ** (self.bits - 1)), exact < 2 ** (self.bits - 1))
+        """Python's ``a // b`` (rounds toward minus infinity); division by
+        zero is an overflow obligation, and so is ``INT_MIN // -1``."""
+        # SMT-LIB integer div is Euclidean: floor for b > 0.
+        exact = z3.If(b > 0, a / b, (-a) / (-b))
+        return self._op(exact, label, b != 0 if self.is_bv else None)
 
     def ceildiv(self, n: Any, d: Any) -> Any:
         """``-(-n // d)``, exactly as the spec writes ceil(n / d)."""
@@ -150,16 +155,13 @@ class Domain:
     def stored(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(self, *args)``, a value the cache stores. In bv32 assume that
         its exact value (``fn`` recomputed over unbounded integers from the
-        arguments' signed values) fits in 32 bits; the operations inside
-        ``fn`` remain proof obligations."""
+        same arguments) fits in 32 bits; the operations inside ``fn`` remain
+        proof obligations."""
         result = fn(self, *args)
         if self.is_bv:
-            exact = fn(Domain(INT), *[self.exact(a) if _is_bv(a) or isinstance(a, int) else a for a in args])
+            exact = fn(Domain(INT), *args)
             self.assumptions.append((label, self._guard(self.fits(exact))))
         return result
-
-    def _bv(self, x: Any) -> Any:
-        return self.val(x) if isinstance(x, int) else x
 
     # -- comparisons without arithmetic --------------------------------------
     @staticmethod
@@ -175,10 +177,6 @@ class Domain:
     def clamp(self, x: Any, lo: Any, hi: Any) -> Any:
         """``max(lo, min(x, hi))``, the spec's clamp."""
         return self.max(lo, self.min(x, hi))
-
-
-def _is_bv(x: Any) -> bool:
-    return z3.is_bv(x)
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +207,7 @@ def check_valid(
     s.set(timeout=timeout_ms)
     s.add(*premises)
     s.add(*[a for _, a in dom.assumptions])
+    s.add(*dom.facts)
     obligations = [o for _, o in dom.obligations]
     s.add(z3.Not(z3.And(goal, *obligations)))
     r = s.check()
@@ -228,16 +227,22 @@ def check_valid(
     return Check("unknown", reason=str(s.reason_unknown()), seconds=dt)
 
 
-def evaluate(expr: Any, subs: dict[Any, Any]) -> Any:
-    """Substitute concrete values and simplify to a Python value (bool/int)."""
+def evaluate(expr: Any, subs: dict[Any, Any], dom: Domain | None = None) -> Any:
+    """Substitute concrete values and simplify to a Python value (bool/int).
+    In bv32 the wrapped results are defined by facts, so the value is read
+    from a model of the facts instead."""
     pairs = [(k, v) for k, v in subs.items()]
     out = z3.simplify(z3.substitute(expr, *pairs)) if pairs else z3.simplify(expr)
+    if dom is not None and dom.facts and not (z3.is_true(out) or z3.is_false(out) or z3.is_int_value(out)):
+        s = z3.Solver()
+        s.add(*[z3.substitute(f, *pairs) for f in dom.facts])
+        if s.check() != z3.sat:
+            raise ValueError("facts unsatisfiable for these values")
+        out = s.model().eval(z3.substitute(expr, *pairs), model_completion=True)
     if z3.is_true(out):
         return True
     if z3.is_false(out):
         return False
     if z3.is_int_value(out):
         return out.as_long()
-    if z3.is_bv_value(out):
-        return out.as_signed_long()
     raise ValueError(f"not a concrete value after substitution: {out}")

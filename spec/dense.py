@@ -56,7 +56,11 @@ def supports_gather(mode: Mode) -> bool:
 
 def inplace_switch(env_value: str | None) -> bool:
     """The ``KV_INPLACE_WRITE`` switch: on unless the variable is one of
-    ``0``, ``false``, ``off``, ``no`` (any case, surrounding blanks ignored)."""
+    ``0``, ``false``, ``off``, ``no`` (any case, surrounding blanks ignored).
+
+    post: env_value is not None or __return__
+    post: not (__return__ and env_value is not None and env_value.strip().lower() == "off")
+    """
     if env_value is None:
         return True
     return env_value.strip().lower() not in ("0", "false", "off", "no")
@@ -64,7 +68,12 @@ def inplace_switch(env_value: str | None) -> bool:
 
 def regrow_needed(has_buffer: bool, prev: int, capacity: int, n: int) -> bool:
     """Regrow rule, guard: grow iff there is no buffer or ``prev + n`` rows
-    do not fit (semantics.md 2, step 2)."""
+    do not fit (semantics.md 2, step 2).
+
+    pre: prev >= 0 and n >= 1
+    post: __return__ or prev + n <= capacity
+    post: has_buffer or __return__
+    """
     return (not has_buffer) or prev + n > capacity
 
 
@@ -72,7 +81,14 @@ def regrow_capacity(prev: int, n: int, step: int) -> int:
     """Regrow rule, result: cut the buffer to the live prefix, then append
     ``ceil(n / step) * step`` zero rows. Not necessarily a multiple of step.
     The older guard (cut only when ``prev % step != 0``) keeps a stale tail
-    after a logical trim: a known regression (seed 000, #1209)."""
+    after a logical trim: a known regression (seed 000, #1209).
+
+    pre: prev >= 0
+    pre: n >= 1
+    pre: step >= 1
+    post: prev + n <= __return__ < prev + n + step
+    post: (__return__ - prev) % step == 0
+    """
     return prev + -(-n // step) * step
 
 
@@ -134,7 +150,11 @@ class DenseCache:
 
 
 def new_cache(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = True) -> DenseCache:
-    """An empty cache. Raises InvalidArgumentError when ``step < 1``."""
+    """An empty cache. Raises InvalidArgumentError when ``step < 1``.
+
+    pre: isinstance(mode, Mode) and step >= 1
+    post: is_empty(__return__) and __return__.marker is None
+    """
     if not isinstance(step, int) or step < 1:
         raise InvalidArgumentError(f"step: must be an integer >= 1, got {step!r}")
     return DenseCache(mode=Mode(mode), step=step, inplace=inplace)
@@ -159,6 +179,9 @@ def inplace_write_allowed(cache: DenseCache, n: int) -> bool:
     was made at an earlier moment and sees only rows below its live_len then,
     which is at most ``marker.live_len``; so the row written was never valid
     for any holder (semantics.md 2, "The two write paths").
+
+    post: not __return__ or (n == 1 and cache.marker is not None and cache.live_len == cache.marker.live_len)
+    post: not __return__ or (cache.buffer is not None and cache.marker.buffer == cache.buffer.ident)
     """
     return (
         cache.inplace
@@ -188,6 +211,14 @@ def append(cache: DenseCache, tokens: tuple[int, ...]) -> tuple[AppendResult, De
     else by a copying write that yields new private buffers), records the
     marker and returns the window ``[0, live_len)``.
     Raises InvalidArgumentError when no rows are given.
+
+    pre: len(tokens) >= 1 and cache.step >= 1
+    pre: 0 <= cache.live_start <= cache.offset and len(cache.entries) == cache.live_len
+    pre: cache.buffer is None or cache.live_len <= cache.buffer.capacity
+    post: __return__[1].live_len <= __return__[1].capacity
+    post: __return__[1].offset == cache.offset + len(tokens)
+    post: __return__[1].entries[: len(cache.entries)] == cache.entries
+    post: __return__[0].window == __return__[1].window()
     """
     n = len(tokens)
     if n < 1:
@@ -223,6 +254,12 @@ def trim(cache: DenseCache, n: int) -> tuple[int, DenseCache]:
     ``n`` is clamped to ``[0, live_len]`` (a negative n trims nothing: growing
     the offset is a known mlx-lm fault). Fp16/Int8 rewind logically: buffers
     and capacity stay, O(1). Turbo modes cut every buffer to the live rows.
+
+    pre: 0 <= cache.live_start <= cache.offset and len(cache.entries) == cache.live_len
+    post: __return__[0] == max(0, min(n, cache.live_len))
+    post: __return__[1].offset == cache.offset - __return__[0]
+    post: __return__[1].live_start == cache.live_start
+    post: __return__[1].entries == cache.entries[: cache.live_len - __return__[0]]
     """
     n = max(0, min(n, cache.live_len))
     if n == 0:
@@ -235,7 +272,12 @@ def trim(cache: DenseCache, n: int) -> tuple[int, DenseCache]:
 
 def trim_to(cache: DenseCache, length: int) -> tuple[int, DenseCache]:
     """``trim(offset - length)``. Raises InvalidArgumentError unless
-    ``0 <= length <= offset``."""
+    ``0 <= length <= offset``.
+
+    pre: 0 <= length <= cache.offset
+    pre: 0 <= cache.live_start <= cache.offset and len(cache.entries) == cache.live_len
+    post: __return__[1].offset == max(length, cache.live_start)
+    """
     if length < 0 or length > cache.offset:
         raise InvalidArgumentError(
             f"trim_to: len must satisfy 0 <= len <= offset ({cache.offset}), got {length}"
@@ -252,6 +294,11 @@ def trim_front_keep_sink(cache: DenseCache, n: int, keep: int = 0) -> tuple[int,
     offset never decreases (each key keeps the RoPE of its write). The result
     is compacted into new buffers of exactly the live rows. Modes other than
     Fp16/Int8 return 0 and change nothing.
+
+    pre: 0 <= cache.live_start <= cache.offset and len(cache.entries) == cache.live_len
+    post: __return__[1].offset == cache.offset
+    post: len(__return__[1].entries) == __return__[1].live_len == cache.live_len - __return__[0]
+    post: __return__[1].entries[: max(0, min(keep, __return__[1].live_len))] == cache.entries[: max(0, min(keep, __return__[1].live_len))]
     """
     if not supports_front_trim(cache.mode):
         return 0, cache
@@ -288,6 +335,13 @@ def gather_positions(cache: DenseCache, positions: tuple[int, ...]) -> tuple[int
     Raises UnsupportedOperationError in Turbo4Delegated, StateError when
     ``live_start != 0``, InvalidArgumentError when the list is empty, not
     strictly increasing, or outside ``[0, live_len)``.
+
+    pre: supports_gather(cache.mode) and cache.live_start == 0 and len(positions) >= 1
+    pre: all(0 <= p < cache.live_len for p in positions)
+    pre: all(a < b for a, b in zip(positions, positions[1:]))
+    pre: 0 <= cache.offset and len(cache.entries) == cache.live_len
+    post: __return__[0] == __return__[1].live_len == len(positions)
+    post: __return__[1].window() == tuple(cache.entries[p].token for p in positions)
     """
     if not supports_gather(cache.mode):
         raise UnsupportedOperationError(f"gather_positions: not supported in mode {cache.mode.value}")
@@ -314,6 +368,12 @@ def gather_within_tail(cache: DenseCache, tail_len: int, kept: tuple[int, ...]) 
     Raises UnsupportedOperationError in Turbo4Delegated, InvalidArgumentError
     unless ``0 < tail_len <= live_len`` and ``kept`` is non-empty, strictly
     increasing and inside ``[0, tail_len)``.
+
+    pre: supports_gather(cache.mode) and 0 < tail_len <= cache.live_len and len(kept) >= 1
+    pre: all(0 <= k < tail_len for k in kept) and all(a < b for a, b in zip(kept, kept[1:]))
+    pre: 0 <= cache.live_start <= cache.offset and len(cache.entries) == cache.live_len
+    post: __return__[0] == __return__[1].live_len == cache.live_len - tail_len + len(kept)
+    post: __return__[1].entries[: cache.live_len - tail_len] == cache.entries[: cache.live_len - tail_len]
     """
     if not supports_gather(cache.mode):
         raise UnsupportedOperationError(f"gather_within_tail: not supported in mode {cache.mode.value}")
@@ -361,7 +421,10 @@ def holder_of(cache: DenseCache, kind: str) -> Holder:
 
 def adopt(cache: DenseCache, holder: Holder) -> DenseCache:
     """The cache adopting a holder's buffers and window, with no marker: the
-    buffers are shared, so the next write must copy (semantics.md 2)."""
+    buffers are shared, so the next write must copy (semantics.md 2).
+
+    post: __return__.marker is None and __return__.buffer == holder.buffer
+    """
     return replace(
         cache,
         entries=holder.entries,
@@ -380,7 +443,13 @@ def is_empty(cache: DenseCache) -> bool:
 def handle_trim_to(handle: Holder, length: int) -> tuple[int, Holder]:
     """A detached handle's ``trim_to``: cut its tensors physically to
     ``length - live_start`` live rows. Returns the rows removed.
-    Raises InvalidArgumentError unless ``0 <= length <= offset``."""
+    Raises InvalidArgumentError unless ``0 <= length <= offset``.
+
+    pre: 0 <= length <= handle.offset
+    pre: 0 <= handle.live_start <= handle.offset and len(handle.entries) == handle.live_len
+    post: __return__[0] >= 0 and __return__[1].live_len == handle.live_len - __return__[0]
+    post: len(__return__[1].entries) == __return__[1].live_len
+    """
     if length < 0 or length > handle.offset:
         raise InvalidArgumentError(
             f"handle_trim_to: len must satisfy 0 <= len <= offset ({handle.offset}), got {length}"
@@ -389,7 +458,8 @@ def handle_trim_to(handle: Holder, length: int) -> tuple[int, Holder]:
     if n == 0:
         return 0, handle
     live = handle.live_len - n
-    buffer = None if live == 0 or handle.buffer is None else Buffer(-1 - handle.buffer.ident, live)
+    # The cut is a view of the same memory: same identity, shorter length.
+    buffer = None if live == 0 or handle.buffer is None else Buffer(handle.buffer.ident, live)
     return n, replace(handle, entries=handle.entries[:live], offset=handle.offset - n, buffer=buffer)
 
 

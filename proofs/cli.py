@@ -1,0 +1,129 @@
+"""``kvspec prove [--json] [--crosshair] [--only N ...]``: run every proof
+obligation and its negative controls.
+
+Prints a table (obligation, what it states, status, negative control,
+seconds), then each refuted negative control's counterexample as a kvtrace.
+``--json`` prints ``{"obligations": [...]}`` instead (with the kvtraces).
+Exit status 0 only if every obligation that can run is proved and every
+negative control is refuted (and, with ``--crosshair``, CrossHair found no
+counterexample); 1 otherwise; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from proofs.core import ObligationResult
+
+
+def waiting(number: int, name: str, proves: tuple[str, ...], statement: str, waits_for: str) -> ObligationResult:
+    return ObligationResult(number, name, proves, statement, "waits", [], [], 0.0, waits_for)
+
+
+def obligations() -> list[tuple[int, Any]]:
+    """(number, thunk) for every obligation, in number order."""
+    from proofs import dense
+
+    out: list[tuple[int, Any]] = list(dense.OBLIGATIONS)
+    try:
+        from proofs import rotating
+    except ImportError:
+        rotating = None  # type: ignore[assignment]
+    if rotating is not None and rotating.available():
+        out += rotating.OBLIGATIONS
+    else:
+        out.append((2, lambda: waiting(2, "ring slot and warm-up in place", ("ring_slot", "chronological_order", "rotating_inplace_allowed"),
+                                       "ring slots, chronological order and the warm-up in-place rule", "spec/rotating.py")))
+        out.append((7, lambda: waiting(7, "sliding-window mask", ("mask_visible",),
+                                       "each query sees min(query + 1, window) keys, sinks always", "spec/rotating.py")))
+    out.append((6, lambda: waiting(6, "paged copy on write", ("(paged spec)",),
+                                   "a block is written in place only when exactly one sequence holds it", "a paged spec (spec/paged.py)")))
+    return sorted(out, key=lambda x: x[0])
+
+
+def run_all(only: set[int] | None = None) -> list[ObligationResult]:
+    results = []
+    for number, thunk in obligations():
+        if only and number not in only:
+            continue
+        results.append(thunk())
+    return results
+
+
+def ok(results: list[ObligationResult]) -> bool:
+    return all(r.status in ("proved", "waits") for r in results)
+
+
+def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvspec prove: Z3 (int and bv32) with negative controls")
+    for col in ("obligation", "states", "status", "negative control", "seconds"):
+        table.add_column(col, overflow="fold")
+    colors = {"proved": "green", "refuted": "red", "failed": "red", "unknown": "yellow", "waits": "dim"}
+    for r in results:
+        name = f"{r.number}. {r.name} ({', '.join(r.proves)})"
+        statement = r.statement if not r.waits_for else f"waits for {r.waits_for}"
+        nc = r.negative_control
+        if r.controls:
+            nc = f"{nc} ({sum(c.status == 'refuted' for c in r.controls)}/{len(r.controls)})"
+        table.add_row(name, statement, f"[{colors.get(r.status, 'white')}]{r.status}[/]", nc,
+                      f"{r.seconds:.1f}")
+    if crosshair is not None:
+        table.add_row("CrossHair (PEP 316 contracts, spec/)", crosshair.summary(),
+                      "[green]ok[/]" if crosshair.ok else "[red]counterexample[/]" if crosshair.counterexamples else "[yellow]error[/]",
+                      "-", f"{crosshair.seconds:.1f}")
+    console = Console(width=160)
+    console.print(table)
+    for r in results:
+        for p in r.parts:
+            if p.status != "proved":
+                console.print(f"[red]{r.number}. {p.part} ({p.domain}): {p.status}[/] {p.reason} {p.counterexample or ''}")
+        for c in r.controls:
+            head = f"{r.number}. negative control [bold]{c.name}[/] ({c.rule}): {c.status}"
+            if c.refuting_part:
+                head += f" at '{c.refuting_part}'"
+            console.print(head, highlight=False)
+            if c.confirmed:
+                console.print(f"   {c.confirmed}", highlight=False)
+            if c.trace is not None:
+                console.print("   kvtrace: " + json.dumps(c.trace, separators=(",", ":")), highlight=False, soft_wrap=True)
+            elif c.counterexample:
+                console.print(f"   counterexample: {c.counterexample}", highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvspec prove", description="Prove the spec's rules with Z3.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--crosshair", action="store_true", help="also run CrossHair on the spec's contracts")
+    parser.add_argument("--only", type=int, nargs="+", metavar="N", help="run only these obligation numbers")
+    try:
+        args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    except SystemExit as exc:
+        return 0 if exc.code == 0 else 2
+    t0 = time.perf_counter()
+    results = run_all(set(args.only) if args.only else None)
+    ch = None
+    if args.crosshair:
+        from proofs import crosshair_run
+
+        ch = crosshair_run.run()
+    good = ok(results) and (ch is None or ch.ok)
+    if args.json:
+        doc: dict[str, Any] = {"obligations": [r.to_json() for r in results], "ok": good,
+                               "seconds": round(time.perf_counter() - t0, 3)}
+        if ch is not None:
+            doc["crosshair"] = ch.to_json()
+        print(json.dumps(doc, indent=2))
+    else:
+        _table(results, ch)
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
