@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: verify test fuzz prove bench mutants mutation lint clean
+.PHONY: verify test fuzz prove bench mutants e2e conformance mutation lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ bench: $(STAMP)
 
 mutants: $(STAMP)
 	$(BIN)/kvspec mutants
+
+e2e: $(STAMP)
+	$(BIN)/kvspec e2e
+
+conformance: $(STAMP)
+	$(BIN)/kvspec conformance
 
 # Mutation score of spec/ and impl/ (slow; not part of make test). Config:
 # [tool.mutmut] in pyproject.toml. Report: docs/mutation.md.
