@@ -74,7 +74,9 @@ class DenseLockstep(Lockstep):
         if holder is None:
             raise StateError(f"{op}: no snapshot or handle named {name!r}")
         if kind is not None and not (type(holder) is kind):
-            raise StateError(f"{op}: {name!r} is not a {kind.__name__}")
+            have = "handle" if isinstance(holder, DetachedHandle) else "snapshot"
+            want = "handle" if kind is DetachedHandle else "snapshot"
+            raise StateError(f"{op}: {name!r} is a {have}, not a {want}")
         return holder
 
     def _fresh(self, op: str, name: str) -> None:

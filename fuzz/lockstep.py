@@ -87,6 +87,10 @@ class Lockstep:
     #: Switched off to show that isolation checks alone still catch an
     #: unsafe in-place write (an engine that cannot observe its write path).
     check_inplace = True
+    #: Compare refusal messages too, not only their types. On for our
+    #: implementation, whose messages follow the spec's word for word; other
+    #: targets word their errors their own way.
+    compare_messages = False
 
     def __init__(self, cache: dict[str, Any]):
         self.cfg = cache
@@ -169,6 +173,8 @@ class Lockstep:
             spec_out.error is not None and type(spec_out.error) is not type(impl_out.error)
         ):
             raise Divergence(index, op, "refusal differs", spec_out.describe(), impl_out.describe())
+        if self.compare_messages and spec_out.error is not None and str(spec_out.error) != str(impl_out.error):
+            raise Divergence(index, op, "refusal message differs", spec_out.describe(), impl_out.describe())
         if spec_out.error is not None:
             self.reached("refused " + op["op"])
         if op.get("error") is True and spec_out.error is None:

@@ -30,6 +30,7 @@ def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None
         return tgt.make_lockstep(cache)
     lock = _make_lockstep(cache, factories or {})
     lock.check_inplace = check_inplace
+    lock.compare_messages = True
     return lock
 
 

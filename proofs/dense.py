@@ -26,6 +26,7 @@ from proofs.core import (
     overall,
     run_parts,
 )
+from proofs.dense_model import INT8 as dm_INT8
 from proofs.dense_model import (
     FP16,
     MODES,
@@ -646,11 +647,15 @@ class _Prefix:
         self.cache, self.phys = c, p
 
     def stages(self) -> list[list[Any]]:
-        """Shortest prefixes first: only ``append a1``; then no front trim."""
+        """Shortest prefixes first (only ``append a1``, then no front trim),
+        in the modes the implementation has (Fp16, Int8) first."""
         v = self.vars
-        return [[v["f"] == 0, v["a2"] == 0, v["r0"] == 0, v["a1"] <= 4],
-                [v["f"] == 0, v["a2"] == 0],
-                [v["f"] == 0]]
+        implemented = z3.Or(v["mode"] == FP16, v["mode"] == dm_INT8)
+        shapes = [[v["f"] == 0, v["a2"] == 0, v["r0"] == 0, v["a1"] <= 4],
+                  [v["f"] == 0, v["a2"] == 0],
+                  [v["f"] == 0],
+                  []]
+        return [[implemented, *s] for s in shapes] + shapes[:-1]
 
     def tokens(self, n: Any) -> Any:
         """The next n token identities of the kvtrace counter."""

@@ -1,0 +1,205 @@
+"""Run CrossHair on the spec's PEP 316 contracts, and one ``diffbehavior``.
+
+``crosshair check --analysis_kind=PEP316 --per_condition_timeout=N`` is run
+on every ``spec/*.py`` that has ``pre:``/``post:`` lines (one process per
+file, in parallel), with ``--report_all`` so that every condition is counted:
+*confirmed* (over all paths), *not confirmed* (no counterexample within the
+time limit), *precondition unmet* (CrossHair found no input satisfying the
+``pre:`` lines in time) or a *counterexample* (an ``error:`` line: a
+contract is false).
+
+``crosshair diffbehavior spec.dense.regrow_capacity
+impl.dense.regrow_capacity`` compares the spec's regrow rule with the
+implementation's pure helper (impl.dense imports MLX at module level, which
+is cheap; CrossHair only executes the two integer functions, never MLX code).
+Its negative control diffs the spec against
+``proofs.crosshair_run.regrow_capacity_multiple_of_step`` (capacity rounded
+up to a multiple of step, a common misreading): CrossHair must find a
+difference, or the diff proves nothing.
+
+Usage: ``python -m proofs.crosshair_run [--json] [--timeout N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+_local = Path(sys.executable).with_name("crosshair")
+CROSSHAIR = str(_local) if _local.exists() else (shutil.which("crosshair") or "crosshair")
+LINE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<level>\w+): (?P<msg>.*)$")
+DIFF_TARGET = ("spec.dense.regrow_capacity", "impl.dense.regrow_capacity")
+DIFF_CONTROL = ("spec.dense.regrow_capacity", "proofs.crosshair_run.regrow_capacity_multiple_of_step")
+
+
+def regrow_capacity_multiple_of_step(prev: int, n: int, step: int) -> int:
+    """Negative control for diffbehavior: round ``prev + n`` up to a multiple
+    of step (wrong after a logical trim: semantics.md 2 says the capacity is
+    ``prev + ceil(n/step)*step``, not necessarily a multiple of step)."""
+    return -(-(prev + n) // step) * step
+
+
+@dataclass
+class Condition:
+    file: str
+    line: int
+    function: str
+    condition: str
+    status: str  # confirmed | not confirmed | precondition unmet | counterexample | other
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "line": self.line, "function": self.function, "condition": self.condition,
+                "status": self.status, **({"message": self.message} if self.status != "confirmed" else {})}
+
+
+@dataclass
+class CrosshairResult:
+    conditions: list[Condition] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    diff: dict[str, Any] = field(default_factory=dict)
+    diff_control: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(c.status == status for c in self.conditions)
+
+    @property
+    def counterexamples(self) -> list[Condition]:
+        return [c for c in self.conditions if c.status == "counterexample"]
+
+    @property
+    def ok(self) -> bool:
+        return (not self.counterexamples and not self.errors and self.diff.get("status") == "same"
+                and self.diff_control.get("status") == "differ")
+
+    def summary(self) -> str:
+        return (f"{self.count('confirmed')} confirmed, {self.count('not confirmed')} not confirmed, "
+                f"{self.count('precondition unmet')} precondition unmet, {len(self.counterexamples)} counterexamples; "
+                f"diffbehavior spec vs impl regrow_capacity: {self.diff.get('status', '?')}, "
+                f"control: {self.diff_control.get('status', '?')}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "confirmed": self.count("confirmed"), "not_confirmed": self.count("not confirmed"),
+            "precondition_unmet": self.count("precondition unmet"),
+            "counterexamples": [c.to_json() for c in self.counterexamples],
+            "conditions": [c.to_json() for c in self.conditions], "errors": self.errors,
+            "diffbehavior": self.diff, "diffbehavior_control": self.diff_control,
+            "ok": self.ok, "seconds": round(self.seconds, 3),
+        }
+
+
+def contract_files(spec_dir: Path = ROOT / "spec") -> list[Path]:
+    return sorted(p for p in spec_dir.glob("*.py") if re.search(r"^\s*(pre|post):", p.read_text(), re.M))
+
+
+def _locate(path: Path, line: int) -> tuple[str, str]:
+    """(function, condition text) for a reported line."""
+    text = path.read_text().splitlines()
+    cond = text[line - 1].strip() if 0 < line <= len(text) else ""
+    if not cond.startswith(("pre:", "post:")):
+        cond = "(runs without an exception under its pre: lines)"
+    func = "?"
+    for node in ast.walk(ast.parse("\n".join(text))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= (node.end_lineno or 0):
+            func = node.name
+    return func, cond
+
+
+def _classify(msg: str) -> str:
+    if msg.startswith("Confirmed"):
+        return "confirmed"
+    if msg.startswith("Not confirmed"):
+        return "not confirmed"
+    if "precondition" in msg.lower():
+        return "precondition unmet"
+    return "other"
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout}s: {' '.join(cmd)}"
+    return p.returncode, p.stdout + p.stderr
+
+
+def check_file(path: Path, per_condition_timeout: float) -> tuple[list[Condition], list[str]]:
+    rc, out = _run([CROSSHAIR, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={per_condition_timeout}",
+                    "--report_all", str(path)], timeout=600)
+    conds, errors = [], []
+    for raw in out.splitlines():
+        m = LINE.match(raw)
+        if not m:
+            continue
+        line = int(m["line"])
+        file = Path(m["file"])
+        func, cond = _locate(file if file.is_absolute() else ROOT / file, line)
+        rel = str(file.relative_to(ROOT)) if file.is_absolute() and file.is_relative_to(ROOT) else str(file)
+        if m["level"] == "error":
+            conds.append(Condition(rel, line, func, cond, "counterexample", m["msg"]))
+        else:
+            conds.append(Condition(rel, line, func, cond, _classify(m["msg"]), m["msg"]))
+    if rc not in (0, 1):
+        errors.append(f"crosshair check {path.name} exited {rc}: {out.strip()[-500:]}")
+    return conds, errors
+
+
+def diffbehavior(a: str, b: str, per_condition_timeout: float) -> dict[str, Any]:
+    rc, out = _run([CROSSHAIR, "diffbehavior", a, b, f"--per_condition_timeout={per_condition_timeout}"], timeout=300)
+    status = "same" if rc == 0 else "differ" if rc == 1 else "error"
+    return {"a": a, "b": b, "status": status, "exit": rc, "output": out.strip()[-1500:]}
+
+
+def run(per_condition_timeout: float = 4.0, diff_timeout: float = 10.0) -> CrosshairResult:
+    t0 = time.perf_counter()
+    res = CrosshairResult()
+    files = contract_files()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(check_file, f, per_condition_timeout) for f in files]
+        diff = pool.submit(diffbehavior, *DIFF_TARGET, diff_timeout)
+        control = pool.submit(diffbehavior, *DIFF_CONTROL, diff_timeout)
+        for fut in futures:
+            conds, errors = fut.result()
+            res.conditions += conds
+            res.errors += errors
+        res.diff, res.diff_control = diff.result(), control.result()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m proofs.crosshair_run")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--timeout", type=float, default=4.0, help="per-condition timeout (CPU seconds)")
+    args = parser.parse_args(argv)
+    res = run(args.timeout)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        for c in res.conditions:
+            print(f"{c.file}:{c.line} {c.function}: {c.status}: {c.condition}")
+        for e in res.errors:
+            print("error:", e)
+        print("diffbehavior", res.diff["a"], res.diff["b"], "->", res.diff["status"])
+        print("diffbehavior control", res.diff_control["a"], res.diff_control["b"], "->", res.diff_control["status"])
+        print(res.summary(), f"({res.seconds:.1f}s)")
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

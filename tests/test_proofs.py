@@ -1,0 +1,169 @@
+"""The proofs: every obligation proved, every negative control refuted, and
+every counterexample a valid kvtrace that a correct implementation passes and
+the matching injected bug of the catalog fails."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proofs import cli, dense
+from proofs.core import ObligationResult
+from proofs.dense_model import Rules
+
+# kvtraces of negative controls -> the injected bug (fuzz/bugs.py) that has
+# the same broken rule in the implementation
+SAME_BUG = {
+    "inplace_after_trim": "inplace_after_trim",
+    "inplace_after_restore": "inplace_after_restore",
+    "old_regrow_guard": "old_regrow_guard",
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[ObligationResult]:
+    return cli.run_all()
+
+
+def _by_number(results: list[ObligationResult], n: int) -> ObligationResult:
+    return next(r for r in results if r.number == n)
+
+
+@pytest.mark.parametrize("number", [1, 3, 4, 5])
+def test_dense_obligation_proved_in_both_domains(results: list[ObligationResult], number: int) -> None:
+    r = _by_number(results, number)
+    assert r.status == "proved", [p.to_json() for p in r.parts if p.status != "proved"]
+    assert {p.domain for p in r.parts} == {"int", "bv32"}
+    assert all(p.status == "proved" for p in r.parts)
+
+
+@pytest.mark.parametrize("number", [1, 3, 4, 5])
+def test_every_negative_control_refuted(results: list[ObligationResult], number: int) -> None:
+    r = _by_number(results, number)
+    assert r.controls, "an obligation without a negative control proves nothing"
+    for c in r.controls:
+        assert c.status == "refuted", c.to_json()
+        assert all(v == "refuted" for v in c.domains.values()), c.to_json()
+
+
+def test_paged_obligation_waits(results: list[ObligationResult]) -> None:
+    r = _by_number(results, 6)
+    assert r.status == "waits" and "paged" in r.waits_for
+
+
+def _traces(results: list[ObligationResult]) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.name, c.trace) for r in results for c in r.controls if c.trace is not None]
+
+
+def test_counterexample_traces_are_valid_kvtraces(results: list[ObligationResult]) -> None:
+    from fuzz.trace import validate
+
+    traces = _traces(results)
+    assert len(traces) >= 9
+    for name, doc in traces:
+        validate(doc)
+        assert doc["ops"], name
+
+
+def test_counterexample_traces_pass_on_the_implementation(results: list[ObligationResult]) -> None:
+    from fuzz.replay import replay
+    from fuzz.trace import parse
+
+    ran = 0
+    for name, doc in _traces(results):
+        if doc["cache"]["kind"] != "dense" or doc["cache"].get("mode", "fp16") not in ("fp16", "int8"):
+            continue
+        res = replay(parse(doc))
+        assert res.ok, (name, res.to_json())
+        ran += 1
+    assert ran >= 8
+
+
+def test_counterexample_traces_catch_the_same_injected_bug(results: list[ObligationResult]) -> None:
+    from fuzz.bugs import by_name
+    from fuzz.replay import replay
+    from fuzz.trace import parse
+
+    found = dict(_traces(results))
+    for control, bug_name in SAME_BUG.items():
+        bug = by_name(bug_name)
+        doc = found[control]
+        res = replay(parse(doc), bug.factories)
+        assert not res.ok, f"{control}'s counterexample does not catch injected bug {bug_name}"
+
+
+def test_bmc_finds_nothing_with_the_spec_rules() -> None:
+    # The search that refutes the negative controls finds no unsafe in-place
+    # write with the correct rules (bounded; the proof covers every depth).
+    assert dense.bmc(Rules(), max_depth=4) is None
+
+
+def test_bmc_finds_the_trim_bug_quickly() -> None:
+    found = dense.bmc(Rules(inplace="no_length_check"), max_depth=4)
+    assert found is not None and found["ops"][-1]["op"] == "append"
+
+
+def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--json", "--only", "5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (ob,) = doc["obligations"]
+    assert ob["name"] == "front trim" and ob["status"] == "proved" and ob["negative_control"] == "refuted"
+    for key in ("name", "status", "negative_control", "seconds"):
+        assert key in ob
+    assert all("kvtrace" in c for c in ob["negative_controls"])
+
+
+def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--only", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "trim then append" in out and "proved" in out and "kvtrace" in out
+
+
+def test_cli_fails_when_a_negative_control_survives(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A "buggy" rule equal to the spec cannot be refuted: the obligation must
+    # then count as failed and the exit status be 1.
+    monkeypatch.setattr(dense, "FRONT_CONTROLS", [("not_a_bug", "the spec itself", Rules())])
+    assert cli.main(["--json", "--only", "5"]) == 1
+    (ob,) = json.loads(capsys.readouterr().out)["obligations"]
+    assert ob["status"] == "failed" and ob["negative_control"] == "not refuted"
+
+
+def test_crosshair_runner_reports_a_counterexample(tmp_path: Path) -> None:
+    from proofs import crosshair_run
+
+    bad = tmp_path / "bad_contract.py"
+    bad.write_text(textwrap.dedent('''
+        def grow(x: int) -> int:
+            """
+            pre: x >= 0
+            post: __return__ > x
+            """
+            return x
+    '''))
+    conds, errors = crosshair_run.check_file(bad, 3)
+    assert not errors
+    assert [c.status for c in conds] == ["counterexample"] and conds[0].function == "grow"
+
+
+def test_crosshair_diffbehavior_and_its_control() -> None:
+    from proofs import crosshair_run
+
+    assert crosshair_run.diffbehavior(*crosshair_run.DIFF_TARGET, 5)["status"] == "same"
+    assert crosshair_run.diffbehavior(*crosshair_run.DIFF_CONTROL, 5)["status"] == "differ"
+
+
+def test_proofs_import_only_spec() -> None:
+    import ast
+
+    for path in Path(dense.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("impl", "fuzz")), (path.name, node.module)
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith(("impl", "fuzz")), (path.name, alias.name)

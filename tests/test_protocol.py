@@ -1,0 +1,208 @@
+"""mlx-lm protocol, copies and exact refusal messages of the implementation.
+
+The differential harness compares refusal messages word for word with the
+spec's for every op a trace can express; these tests pin the messages of the
+refusals only the Python API can reach (wrong types, malformed snapshots),
+and the protocol methods mlx-lm calls."""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from impl.dense import KVCache
+from impl.rotating import RotatingKVCache
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+
+def rows(n, start=0, d=4, h=1):
+    base = np.arange(start, start + n, dtype=np.float16)[None, None, :, None]
+    return mx.array(np.broadcast_to(base, (1, h, n, d)).copy())
+
+
+def firsts(a):
+    return [int(x) for x in np.array(a)[0, 0, :, 0]]
+
+
+def decode(c, n, start=0):
+    for t in range(start, start + n):
+        c.update_and_fetch(rows(1, t), rows(1, t))
+
+
+def message(fn, *args, **kwargs):
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return type(info.value), str(info.value)
+
+
+# -- exact messages -----------------------------------------------------------------
+def test_dense_argument_messages():
+    c = KVCache("fp16", step=2)
+    decode(c, 3)
+    assert message(c.trim, 1.5) == (InvalidArgumentError, "trim: n must be an integer, got 1.5")
+    assert message(c.trim, True) == (InvalidArgumentError, "trim: n must be an integer, got True")
+    assert message(c.trim_to, "2") == (InvalidArgumentError, "trim_to: len must be an integer, got '2'")
+    assert message(c.trim_front_keep_sink, 1, None) == (InvalidArgumentError, "trim_front: keep must be an integer, got None")
+    assert message(c.trim_front_keep_sink, None) == (InvalidArgumentError, "trim_front: n must be an integer, got None")
+    assert message(c.gather_positions, [0.5]) == (InvalidArgumentError, "gather_positions: positions must be an integer, got 0.5")
+    assert message(c.gather_within_tail, "x", [0]) == (InvalidArgumentError, "gather_within_tail: tail_len must be an integer, got 'x'")
+    assert message(c.gather_within_tail, 1, [None]) == (InvalidArgumentError, "gather_within_tail: kept must be an integer, got None")
+    assert message(KVCache, step=0) == (InvalidArgumentError, "KVCache: step must be >= 1, got 0")
+    assert message(KVCache, step=2.0) == (InvalidArgumentError, "KVCache: step must be an integer, got 2.0")
+    assert message(KVCache, mode="turbo4") == (
+        UnsupportedOperationError, "KVCache: mode must be one of ('fp16', 'int8'), got 'turbo4'")
+    assert c.offset == 3 and c.capacity == 4
+
+
+def test_append_validation_messages():
+    c = KVCache("fp16", step=2)
+    decode(c, 1)
+    assert message(c.update_and_fetch, [1], rows(1)) == (
+        InvalidArgumentError, "append: keys must be an mx.array, got list")
+    assert message(c.update_and_fetch, rows(1), mx.zeros((1, 4))) == (
+        InvalidArgumentError, "append: values must have rank 4 [B, H, S, D], got shape (1, 4)")
+    assert message(c.update_and_fetch, mx.zeros((1, 1, 1, 4), dtype=mx.int8), rows(1)) == (
+        InvalidArgumentError, "append: keys must be a floating dtype, got mlx.core.int8")
+    assert message(c.update_and_fetch, rows(2), rows(1)) == (
+        InvalidArgumentError, "append: keys and values must agree on [B, H, S], got (1, 1, 2, 4) and (1, 1, 1, 4)")
+    assert message(c.update_and_fetch, rows(0), rows(0)) == (InvalidArgumentError, "append: n must be >= 1, got 0")
+    assert message(c.update_and_fetch, rows(1, d=8), rows(1, d=8)) == (
+        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D] = (1, 1, 4), got (1, 1, 1, 8)")
+    assert message(c.update_and_fetch, rows(1), rows(1, d=8)) == (
+        InvalidArgumentError, "append: values must match the cache's [B, H, _, D] = (1, 1, 4), got (1, 1, 1, 8)")
+    assert c.offset == 1 and firsts(c.fetch()[0]) == [0]
+
+
+def test_restore_and_install_messages():
+    c = KVCache("fp16", step=2)
+    decode(c, 2)
+    snap = c.snapshot()
+    bad = copy.copy(snap)
+    bad.live_start = 5
+    assert message(c.restore, bad) == (
+        InvalidArgumentError, "restore: cursor must satisfy 0 <= live_start <= offset, got live_start=5, offset=2")
+    bad = copy.copy(snap)
+    bad.buffers = None
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: live_len 2 > 0 but no tensors")
+    bad = copy.copy(snap)
+    bad.buffers = snap.buffers.map(lambda a: a[0])
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys must have rank 4, got shape (1, 2, 4)")
+    bad = copy.copy(snap)
+    bad.buffers = snap.buffers.map(lambda a: a.astype(mx.float32))
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys dtype must be mlx.core.float16, got mlx.core.float32")
+    bad = copy.copy(snap)
+    bad.buffers = type(snap.buffers)(snap.buffers.keys, snap.buffers.values[:, :, :1, :])
+    assert message(c.restore, bad) == (
+        InvalidArgumentError, "restore: keys and values must agree on [B, H, T], got (1, 1, 2, 4) and (1, 1, 1, 4)")
+    bad = copy.copy(snap)
+    bad.buffers = type(snap.buffers)(snap.buffers.keys, snap.buffers.values, snap.buffers.keys[..., :1], None)
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: scale sidecars must be present exactly in int8 mode")
+    h = KVCache("fp16", step=2)
+    assert message(h.install, snap) == (InvalidArgumentError, "install: expected a DetachedHandle, got CacheSnapshot")
+    handle = c.detach()
+    decode(c, 1, 9)
+    assert message(c.install, handle) == (StateError, "install: requires an empty cache, got offset=1, live_len=1")
+    assert firsts(c.fetch()[0]) == [9] and firsts(handle.fetch()[0]) == [0, 1]
+
+
+def test_handle_trim_to_messages_and_effect():
+    c = KVCache("fp16", step=4)
+    decode(c, 3)
+    h = c.detach()
+    assert message(h.trim_to, 4) == (InvalidArgumentError, "handle_trim_to: len must satisfy 0 <= len <= offset (3), got 4")
+    assert message(h.trim_to, -1) == (InvalidArgumentError, "handle_trim_to: len must satisfy 0 <= len <= offset (3), got -1")
+    assert h.trim_to(3) == 0 and h.buffers.capacity == 4
+    assert h.trim_to(1) == 2 and h.offset == 1 and h.buffers.capacity == 1
+    assert h.trim_to(0) == 1 and h.buffers is None and h.fetch() is None
+
+
+def test_rotating_messages():
+    assert message(RotatingKVCache, 4, mode="int8") == (UnsupportedOperationError, "RotatingKVCache: mode must be 'fp16', got 'int8'")
+    assert message(RotatingKVCache, 0) == (InvalidArgumentError, "RotatingKVCache: max_size must be >= 1, got 0")
+    assert message(RotatingKVCache, 4, keep=-1) == (
+        InvalidArgumentError, "RotatingKVCache: keep must satisfy 0 <= keep < max_size (4), got -1")
+    assert message(RotatingKVCache, 4, step=0) == (InvalidArgumentError, "RotatingKVCache: step must be >= 1, got 0")
+    assert message(RotatingKVCache, 4.0) == (InvalidArgumentError, "RotatingKVCache: max_size must be an integer, got 4.0")
+    c = RotatingKVCache(4, keep=1, step=2)
+    decode(c, 2)
+    assert message(c.trim, "1") == (InvalidArgumentError, "trim: n must be an integer, got '1'")
+    assert message(c.trim_to, 1.0) == (InvalidArgumentError, "trim_to: len must be an integer, got 1.0")
+    assert message(c.trim_to, 3) == (InvalidArgumentError, "trim_to: len must satisfy 0 <= len <= offset (2), got 3")
+    assert message(c.restore, "s") == (InvalidArgumentError, "restore: expected a RingSnapshot, got str")
+    other = RotatingKVCache(5, keep=1)
+    assert message(c.restore, other.snapshot()) == (
+        InvalidArgumentError, "restore: (max_size, keep) must be (4, 1), got (5, 1)")
+    snap = c.snapshot()
+    snap.idx = 3
+    assert message(c.restore, snap) == (InvalidArgumentError, "restore: cursor must satisfy 0 <= idx <= offset, got idx=3, offset=2")
+    assert message(c.update_and_fetch, rows(1, d=8), rows(1, d=8)) == (
+        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D], got (1, 1, 1, 8)")
+    assert message(c.update_and_fetch, rows(1), rows(1, d=8)) == (
+        InvalidArgumentError, "append: values must match the cache's [B, H, _, D], got (1, 1, 1, 8)")
+    assert c.offset == 2 and firsts(c.fetch()[0]) == [0, 1]
+
+
+# -- protocol -------------------------------------------------------------------------
+def test_dense_from_state_without_meta_state():
+    c = KVCache("fp16", step=4)
+    decode(c, 3)
+    c2 = KVCache.from_state(c.state)
+    assert (c2.mode, c2.step, c2.offset, c2.live_start) == ("fp16", 256, 3, 0)
+    assert firsts(c2.fetch()[0]) == [0, 1, 2]
+    empty = KVCache.from_state(())
+    assert empty.offset == 0 and empty.empty() and empty.fetch() is None and empty.state == ()
+
+
+def test_dense_meta_state_round_trip_after_front_trim():
+    c = KVCache("int8", step=3)
+    decode(c, 5)
+    c.trim_front(2)
+    assert c.meta_state == ("int8", "3", "5", "2")
+    c2 = KVCache.from_state(c.state, c.meta_state)
+    assert (c2.mode, c2.step, c2.offset, c2.live_start, c2.live_len) == ("int8", 3, 5, 2, 3)
+    assert np.array_equal(np.array(c2.fetch()[0]), np.array(c.fetch()[0]))
+    assert c.size() == 5 and c.nbytes == sum(a.nbytes for a in c.buffers.arrays())
+
+
+def test_trim_front_is_keep_zero():
+    a, b = KVCache("fp16", step=2), KVCache("fp16", step=2)
+    decode(a, 4)
+    decode(b, 4)
+    assert a.trim_front(2) == b.trim_front_keep_sink(2, 0) == 2
+    assert firsts(a.fetch()[0]) == firsts(b.fetch()[0]) == [2, 3]
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache("fp16", step=8), lambda: RotatingKVCache(8, step=8)])
+def test_copies_are_holders_not_owners(make):
+    c = make()
+    decode(c, 3)
+    assert c._marker is not None
+    for dup in (copy.copy(c), copy.deepcopy(c)):
+        assert dup._marker is None and c._marker is not None
+        assert firsts(dup.fetch()[0]) == [0, 1, 2]
+    shallow, deep = copy.copy(c), copy.deepcopy(c)
+    assert shallow.__dict__.keys() == deep.__dict__.keys() == c.__dict__.keys()
+    decode(c, 1, 7)  # in place: above every copy's rows
+    assert c.last_write_inplace
+    decode(deep, 1, 8)  # the copy's first write copies
+    assert not deep.last_write_inplace
+    assert firsts(c.fetch()[0]) == [0, 1, 2, 7] and firsts(deep.fetch()[0]) == [0, 1, 2, 8]
+    assert firsts(shallow.fetch()[0]) == [0, 1, 2]
+    pair = copy.deepcopy([c, c])
+    assert pair[0] is pair[1] and pair[0] is not c
+
+
+def test_rotating_protocol():
+    c = RotatingKVCache(4, keep=1, step=3)
+    assert c.empty() and c.nbytes == 0 and c.state == () and c.fetch() is None
+    decode(c, 6)
+    assert not c.empty() and c.size() == 4
+    c2 = RotatingKVCache.from_state(c.state, c.meta_state)
+    assert (c2.keep, c2.max_size, c2.step, c2.offset, c2.idx) == (1, 4, 3, 6, 3)
+    c.update_and_fetch(rows(1, 6), rows(1, 6))
+    c2.update_and_fetch(rows(1, 6), rows(1, 6))
+    assert firsts(c2.fetch()[0]) == firsts(c.fetch()[0])
+    c3 = RotatingKVCache(4)
+    c3.state = ()
+    assert c3.empty()
