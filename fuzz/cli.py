@@ -273,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["prove"]:
+        # prove's options belong to proofs.cli; argparse would eat them.
+        from proofs.cli import main as prove_main
+
+        return prove_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.fn(args))
 

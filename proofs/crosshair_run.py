@@ -103,7 +103,7 @@ class CrosshairResult:
 
 
 def contract_files(spec_dir: Path = ROOT / "spec") -> list[Path]:
-    return sorted(p for p in spec_dir.glob("*.py") if re.search(r"^\s*(pre|post):", p.read_text(), re.M))
+    return sorted(p for p in spec_dir.glob("*.py") if re.search(r"^\s*(pre|post):", p.read_text(), re.MULTILINE))
 
 
 def _locate(path: Path, line: int) -> tuple[str, str]:
@@ -132,7 +132,7 @@ def _classify(msg: str) -> str:
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
     try:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout}s: {' '.join(cmd)}"
     return p.returncode, p.stdout + p.stderr
@@ -165,7 +165,7 @@ def diffbehavior(a: str, b: str, per_condition_timeout: float) -> dict[str, Any]
     return {"a": a, "b": b, "status": status, "exit": rc, "output": out.strip()[-1500:]}
 
 
-def run(per_condition_timeout: float = 4.0, diff_timeout: float = 10.0) -> CrosshairResult:
+def run(per_condition_timeout: float = 3.0, diff_timeout: float = 10.0) -> CrosshairResult:
     t0 = time.perf_counter()
     res = CrosshairResult()
     files = contract_files()
@@ -185,7 +185,7 @@ def run(per_condition_timeout: float = 4.0, diff_timeout: float = 10.0) -> Cross
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proofs.crosshair_run")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--timeout", type=float, default=4.0, help="per-condition timeout (CPU seconds)")
+    parser.add_argument("--timeout", type=float, default=3.0, help="per-condition timeout (CPU seconds)")
     args = parser.parse_args(argv)
     res = run(args.timeout)
     if args.json:

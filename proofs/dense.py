@@ -4,7 +4,7 @@ control names the buggy rule it refutes.
 
 Reading guide: a *part* is one validity check ``premises => goal`` built in a
 fresh :class:`~proofs.domain.Domain`; ``run_parts`` checks it over unbounded
-integers and over 32-bit bit-vectors. States are :class:`CacheS` values of
+integers and in 32-bit two's-complement arithmetic (``bv32``). States are :class:`CacheS` values of
 Z3 variables; transitions are the encodings in :mod:`proofs.dense_model`.
 """
 
@@ -19,16 +19,15 @@ import z3
 
 from proofs import buggy, traces
 from proofs.core import (
-    ControlResult,
     ObligationResult,
     PartBuilder,
     control_from_parts,
     overall,
     run_parts,
 )
-from proofs.dense_model import INT8 as dm_INT8
 from proofs.dense_model import (
     FP16,
+    INT8,
     MODES,
     SPEC,
     CacheS,
@@ -315,7 +314,8 @@ def bmc(rules: Rules, max_depth: int = 8, timeout_ms: int = 60_000) -> dict[str,
             target = select(jv == j, w.slots[j], target)
             is_handle = z3.If(jv == j, w.handles[j], is_handle)
 
-        def keep_slots(new: HolderS | None = None, handle: Any = None) -> tuple[list[HolderS], list[Any]]:
+        def keep_slots(new: HolderS | None = None, handle: Any = None, w: _World = w,
+                       jv: Any = jv) -> tuple[list[HolderS], list[Any]]:
             if new is None:
                 return w.slots, w.handles
             return ([select(jv == j, new, w.slots[j]) for j in range(SLOTS)],
@@ -396,7 +396,6 @@ def _extract(m: Any, d: Domain, step: Any, ops: list[Any], args: list[Any], worl
     out_ops: list[dict[str, Any]] = []
     states = []
     for t in range(depth):
-        w = worlds[t]
         kind = BMC_OPS[val(ops[t])]
         n, a, j = (val(x) for x in args[t])
         if kind == "append":
@@ -650,7 +649,7 @@ class _Prefix:
         """Shortest prefixes first (only ``append a1``, then no front trim),
         in the modes the implementation has (Fp16, Int8) first."""
         v = self.vars
-        implemented = z3.Or(v["mode"] == FP16, v["mode"] == dm_INT8)
+        implemented = z3.Or(v["mode"] == FP16, v["mode"] == INT8)
         shapes = [[v["f"] == 0, v["a2"] == 0, v["r0"] == 0, v["a1"] <= 4],
                   [v["f"] == 0, v["a2"] == 0],
                   [v["f"] == 0],

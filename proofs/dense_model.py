@@ -45,7 +45,7 @@ def mode_code(mode: Mode | str) -> int:
     return MODES.index(Mode(mode))
 
 
-FP16, INT8, TURBO4DELEGATED = mode_code(Mode.FP16), mode_code(Mode.INT8), mode_code(Mode.TURBO4DELEGATED)
+FP16, INT8, TURBO4DELEGATED = (mode_code(Mode.FP16), mode_code(Mode.INT8), mode_code(Mode.TURBO4DELEGATED))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from spec import dense as sd
-from spec.errors import KVCacheError
 
 
 def apply_dense(world: sd.DenseWorld, op: dict[str, Any]) -> tuple[Any, sd.DenseWorld]:
@@ -123,10 +122,87 @@ def patched(**functions: Any) -> Iterator[None]:
             setattr(sd, name, fn)
 
 
-def refused(cache: dict[str, Any], ops: list[dict[str, Any]]) -> str | None:
-    """The refusal message if the spec refuses one of ops, else None."""
+# ---------------------------------------------------------------------------
+# The sliding-window cache
+
+
+def apply_rotating(world: Any, op: dict[str, Any]) -> tuple[Any, Any]:
+    """One kvtrace op on a spec ``RotatingWorld`` (functions looked up at
+    call time, so :func:`patched_module` reaches them)."""
+    from dataclasses import replace
+
+    from spec import rotating as sr
+
+    name = op["op"]
+    if name == "append":
+        return sr.w_append(world, op["n"])
+    if name == "hold":
+        return sr.w_hold(world)
+    if name == "release_hold":
+        return sr.w_release_hold(world)
+    if name in ("trim", "trim_to"):
+        fn = sr.trim if name == "trim" else sr.trim_to
+        result, cache = fn(world.cache, op["n"] if name == "trim" else op["len"])
+        return result, replace(world, cache=cache)
+    if name == "snapshot":
+        return sr.w_snapshot(world, op["name"])
+    if name == "restore":
+        return sr.w_restore(world, op["name"])
+    if name == "drop":
+        return sr.w_drop(world, op["name"])
+    if name in ("expect", "fetch"):
+        return None, world
+    raise ValueError(f"{name}: not an operation of the rotating cache")
+
+
+def replay_rotating(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[Step]:
+    from spec import rotating as sr
+
+    world = sr.RotatingWorld(sr.new_cache(cache["max_size"], cache.get("keep", 0), cache.get("step", 256),
+                                          cache.get("inplace", True), cache.get("mode", "fp16")))
+    steps = []
+    for op in ops:
+        result, after = apply_rotating(world, op)
+        steps.append(Step(op, result, world, after))
+        world = after
+    return steps
+
+
+def annotate_rotating(cache: dict[str, Any], ops: list[dict[str, Any]], expect_of: list[str | None]) -> list[dict[str, Any]]:
+    """The ops with the correct spec's ``inplace``/``capacity``/``returns``
+    checks, then one ``expect`` per name (None: the live cache)."""
+    steps = replay_rotating(cache, ops)
+    out = []
+    for s in steps:
+        op = dict(s.op)
+        if op["op"] == "append":
+            op["inplace"] = s.result.inplace
+            op["capacity"] = s.after.cache.capacity
+        elif op["op"] in ("trim", "trim_to"):
+            op["returns"] = s.result
+        out.append(op)
+    world = steps[-1].after
+    for name in expect_of:
+        view = list(world.cache.window() if name is None else world.holders[name].window())
+        exp: dict[str, Any] = {"op": "expect", "window": view}
+        if name is not None:
+            exp["of"] = name
+        out.append(exp)
+    return out
+
+
+def rotating_kvtrace(title: str, cache: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"kvtrace": 1, "title": title, "cache": {"kind": "rotating", **cache}, "ops": ops}
+
+
+@contextlib.contextmanager
+def patched_module(module: Any, **functions: Any) -> Iterator[None]:
+    """:func:`patched` for any spec module."""
+    saved = {name: getattr(module, name) for name in functions}
     try:
-        replay_dense(cache, ops)
-    except KVCacheError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        for name, fn in functions.items():
+            setattr(module, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)

@@ -75,6 +75,9 @@ def mask_visible(query: int, key: int, window: int, keep: int) -> bool:
     stay visible to every later query of a chunk (hiding them is another).
 
     pre: 0 <= keep < window
+    post: not __return__ or key <= query
+    post: not __return__ or key < keep or query - key < window - keep
+    post: __return__ or not (0 <= key < keep and key <= query)
     """
     return key <= query and (key < keep or query - key < window - keep)
 
@@ -155,6 +158,9 @@ def rotating_inplace_allowed(cache: RotatingCache) -> bool:
     these buffers and left the cursor here. In the steady state the write
     overwrites the oldest slot, which a snapshot may still hold: it must copy
     (writing in place there is the project's flagship injected bug; seed 003).
+
+    post: not __return__ or (cache.offset < cache.max_size and cache.idx == cache.offset)
+    post: not __return__ or (cache.marker is not None and cache.marker.buffer == cache.ident)
     """
     return (
         cache.inplace
@@ -237,7 +243,12 @@ def trim(cache: RotatingCache, n: int) -> tuple[int, RotatingCache]:
     """Rewind ``n`` rows (clamped to ``[0, offset]``) by moving offset and idx;
     buffers stay. On a wrapped ring trims nothing and returns 0: moving the
     counters there makes idx negative and corrupts the window (a known
-    public bug)."""
+    public bug).
+
+    post: __return__[0] == 0 or is_trimmable(cache)
+    post: __return__[1].offset == cache.offset - __return__[0]
+    post: __return__[1].idx == cache.idx - __return__[0]
+    """
     if not is_trimmable(cache):
         return 0, cache
     n = max(0, min(n, cache.offset))

@@ -119,7 +119,7 @@ def holder_subs(h: dm.HolderS, holder: sd.Holder | None) -> dict[Any, Any]:
 
 
 def read_cache(c: dm.CacheS, subs: dict[Any, Any], dom: Domain) -> dict[str, Any]:
-    ev = lambda x: evaluate(x, subs, dom)  # noqa: E731
+    ev = lambda x: evaluate(x, subs, dom)
     out = {"offset": ev(c.off), "live_start": ev(c.ls), "has_buf": ev(c.has_buf), "marker": ev(c.mk),
            "next_ident": ev(c.nid)}
     if out["has_buf"]:
@@ -146,7 +146,7 @@ def spec_cache(cache: sd.DenseCache, window: bool = False) -> dict[str, Any]:
 
 
 def read_holder(h: dm.HolderS, subs: dict[Any, Any], dom: Domain) -> dict[str, Any]:
-    ev = lambda x: evaluate(x, subs, dom)  # noqa: E731
+    ev = lambda x: evaluate(x, subs, dom)
     out = {"has_buf": ev(h.has_buf), "offset": ev(h.off), "live_start": ev(h.ls)}
     if out["has_buf"]:
         out.update(buf=ev(h.buf), cap=ev(h.cap))
