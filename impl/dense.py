@@ -83,9 +83,7 @@ def copy_without_marker(cache: Any, memo: dict | None = None) -> Any:
     copies. (mlx-lm's ``LRUPromptCache`` deep-copies a cached prompt on every
     fetch.)"""
     new = type(cache).__new__(type(cache))
-    if memo is not None:
-        memo[id(cache)] = new
-    fields = {k: v for k, v in cache.__dict__.items() if k != "_marker"}
+    fields = dict(cache.__dict__)
     new.__dict__.update(fields if memo is None else copy.deepcopy(fields, memo))
     new._marker = None
     return new
@@ -284,8 +282,7 @@ class KVCache:
             and n == 1
             and self.mode == "fp16"
             and self._owns_buffers()
-            and self._marker is not None
-            and self.live_len == self._marker.live_len
+            and self.live_len == self._marker.live_len  # type: ignore[union-attr]
         )
 
     def _write_inplace(self, at: int, rows: _Buffers) -> None:
@@ -391,7 +388,7 @@ class KVCache:
 
     def trim_front(self, n: int) -> int:
         """``trim_front_keep_sink(n, keep=0)``."""
-        return self.trim_front_keep_sink(n, 0)
+        return self.trim_front_keep_sink(n)
 
     def gather_positions(self, positions: list[int]) -> int:
         """Keep exactly the listed live rows, in order; ``offset =
@@ -544,13 +541,12 @@ class KVCache:
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> "KVCache":
         """Rebuild a cache from ``state``/``meta_state`` (mlx-lm prompt-cache
         files). Without meta_state an Fp16 cache with offset = rows."""
-        mode = meta_state[0] if meta_state else "fp16"
-        obj = cls(mode=mode, step=int(meta_state[1]) if meta_state else 256)
+        obj = cls(mode=meta_state[0] if meta_state else "fp16")
         obj.state = state
         if meta_state:
             obj.meta_state = meta_state
         else:
-            obj.offset = 0 if not state else int(state[0].shape[SEQ_AXIS])
+            obj.offset = obj.capacity
         return obj
 
     def is_trimmable(self) -> bool:

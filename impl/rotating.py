@@ -60,8 +60,9 @@ class RingSnapshot:
     keep: int
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        if self.keys is None or self.values is None:
+        if self.keys is None:
             return None
+        assert self.values is not None
         n = self.keys.shape[SEQ_AXIS] if self.offset != self.idx else self.idx
         return self.keys[:, :, :n, :], self.values[:, :, :n, :]
 
@@ -183,8 +184,9 @@ class RotatingKVCache:
         return self.fetch()  # type: ignore[return-value]
 
     def _chronological(self) -> tuple[mx.array, mx.array] | None:
-        if self.keys is None or self.values is None:
+        if self.keys is None:
             return None
+        assert self.values is not None
         order = chronological_slots(self.capacity, self.idx, self.keep, self.wrapped)
         if order == list(range(self.capacity)):
             return self.keys, self.values
@@ -370,10 +372,10 @@ class RotatingKVCache:
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> "RotatingKVCache":
-        keep, max_size, step = (int(x) for x in meta_state[:3])
+        keep, max_size, step, offset, idx = (int(x) for x in meta_state)
         obj = cls(max_size=max_size, keep=keep, step=step)
         obj.state = state
-        obj.meta_state = meta_state
+        obj.offset, obj.idx = offset, idx
         return obj
 
     def size(self) -> int:

@@ -231,7 +231,7 @@ def trim(d: Domain, c: RingS, n: Any) -> tuple[Any, RingS]:
 
 
 def holder_of(d: Domain, c: RingS) -> RingHolderS:
-    """``RingHolder(kind, cache)``: a snapshot, or the window an append
+    """``RingHolder(cache)``: a snapshot, or the window an append
     returned (it shares the buffers it was sliced from)."""
     return RingHolderS(z3.BoolVal(True), c.has, c.ident, c.cap, c.off, c.idx)
 

@@ -276,9 +276,8 @@ def trim_to(cache: RotatingCache, length: int) -> tuple[int, RotatingCache]:
 
 @dataclass(frozen=True)
 class RingHolder:
-    """A snapshot or held window of a ring: its slots at that moment."""
+    """A snapshot of a ring: the whole cache state at that moment."""
 
-    kind: str
     cache: RotatingCache
 
     def window(self) -> tuple[int, ...]:
@@ -305,7 +304,7 @@ def w_append(world: RotatingWorld, n: int) -> tuple[RingAppendResult, RotatingWo
 def w_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
     if name in world.holders:
         raise StateError(f"snapshot: name {name!r} is already in use")
-    return None, replace(world, holders={**world.holders, name: RingHolder("snapshot", world.cache)})
+    return None, replace(world, holders={**world.holders, name: RingHolder(world.cache)})
 
 
 def w_restore(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:

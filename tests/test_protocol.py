@@ -191,6 +191,25 @@ def test_copies_are_holders_not_owners(make):
     assert firsts(shallow.fetch()[0]) == [0, 1, 2]
     pair = copy.deepcopy([c, c])
     assert pair[0] is pair[1] and pair[0] is not c
+    # copy.copy shares the cache's fields; deepcopy makes new handles (to the
+    # same memory) and keeps references inside one deepcopy consistent
+    first = lambda x: getattr(x, "buffers", None) or getattr(x, "keys")  # noqa: E731
+    assert first(copy.copy(c)) is first(c) and first(copy.deepcopy(c)) is not first(c)
+    both = copy.deepcopy([c, first(c)])
+    assert first(both[0]) is both[1]
+
+
+def test_view_of_unknown_name():
+    from spec import dense as sd
+
+    assert message(sd.view_of, sd.new_world(), "nope") == (StateError, "expect: no snapshot or handle named 'nope'")
+
+
+def test_chronological_slots():
+    from impl.rotating import chronological_slots
+
+    assert chronological_slots(5, 3, 1, True) == [0, 3, 4, 1, 2]
+    assert chronological_slots(5, 3, 1, False) == [0, 1, 2]
 
 
 def test_rotating_protocol():
