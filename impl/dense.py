@@ -47,6 +47,19 @@ def _check_int(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
+def _rows_in(state: Any) -> int:
+    try:
+        return int(state[0].shape[SEQ_AXIS]) if state else 0
+    except (AttributeError, IndexError, TypeError):
+        return 0
+
+
+def _check_list(op: str, name: str, value: Any) -> list[Any]:
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise InvalidArgumentError(f"{op}: {name} must be a list of integers, got {type(value).__name__}")
+    return list(value)
+
+
 def _check_rows(op: str, keys: Any, values: Any) -> int:
     """Validate a ``[B, H, S, D]`` K/V pair; returns S."""
     for name, a in (("keys", keys), ("values", values)):
@@ -161,7 +174,10 @@ class CacheSnapshot:
 
 
 class DetachedHandle(CacheSnapshot):
-    """Tensors moved out of a cache by :meth:`KVCache.detach`."""
+    """Tensors moved out of a cache by :meth:`KVCache.detach`. ``install``
+    consumes it (``consumed``); installing it again is refused."""
+
+    consumed = False
 
     def trim_to(self, length: int) -> int:
         """Cut the handle's tensors physically so that ``offset == length``.
@@ -206,7 +222,9 @@ class KVCache:
             raise InvalidArgumentError(f"KVCache: step must be >= 1, got {step}")
         self.mode = mode
         self.step = step
-        self.inplace = inplace_switch_from_env() if inplace is None else bool(inplace)
+        if inplace is not None and not isinstance(inplace, bool):
+            raise InvalidArgumentError(f"KVCache: inplace must be True, False or None (read KV_INPLACE_WRITE), got {inplace!r}")
+        self.inplace = inplace_switch_from_env() if inplace is None else inplace
         self._reset()
 
     def _reset(self) -> None:
@@ -400,7 +418,7 @@ class KVCache:
             raise StateError(
                 f"gather_positions: requires live_start == 0 (no front trim), got live_start={self.live_start}"
             )
-        positions = [_check_int("gather_positions", "positions", p) for p in positions]
+        positions = [_check_int("gather_positions", "positions", p) for p in _check_list("gather_positions", "positions", positions)]
         _check_index_list("gather_positions", "positions", positions, 0, self.live_len)
         if positions == list(range(self.live_len)):
             return self.live_len
@@ -421,7 +439,7 @@ class KVCache:
             raise InvalidArgumentError(
                 f"gather_within_tail: tail_len must satisfy 0 < tail_len <= live_len ({self.live_len}), got {tail_len}"
             )
-        kept = [_check_int("gather_within_tail", "kept", k) for k in kept]
+        kept = [_check_int("gather_within_tail", "kept", k) for k in _check_list("gather_within_tail", "kept", kept)]
         _check_index_list("gather_within_tail", "kept", kept, 0, tail_len)
         assert self.buffers is not None
         start = self.live_len - tail_len
@@ -448,6 +466,8 @@ class KVCache:
             raise InvalidArgumentError(f"{op}: expected a CacheSnapshot, got {type(holder).__name__}")
         if holder.mode != self.mode:
             raise InvalidArgumentError(f"{op}: mode must be {self.mode!r}, got {holder.mode!r}")
+        _check_int(op, "offset", holder.offset)
+        _check_int(op, "live_start", holder.live_start)
         if holder.live_start < 0 or holder.live_start > holder.offset:
             raise InvalidArgumentError(
                 f"{op}: cursor must satisfy 0 <= live_start <= offset, got live_start={holder.live_start}, offset={holder.offset}"
@@ -500,11 +520,14 @@ class KVCache:
         InvalidArgumentError for a malformed handle."""
         if not isinstance(handle, DetachedHandle):
             raise InvalidArgumentError(f"install: expected a DetachedHandle, got {type(handle).__name__}")
+        if handle.consumed:
+            raise StateError("install: the handle was already installed")
         if not self.empty() or self.offset != 0:
             raise StateError(f"install: requires an empty cache, got offset={self.offset}, live_len={self.live_len}")
         self._check_holder("install", handle)
         self._adopt(handle)
         handle.buffers, handle.offset, handle.live_start = None, 0, 0
+        handle.consumed = True
 
     # -- mlx-lm cache protocol ---------------------------------------------
     @property
@@ -520,13 +543,11 @@ class KVCache:
 
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
-        if not v:
-            self.buffers = None
-        elif self.mode == "int8":
-            self.buffers = _Buffers(v[0], v[2], v[1], v[3])
-        else:
-            self.buffers = _Buffers(v[0], v[1])
-        self._marker = None
+        """Load live rows (offset = their count, live_start 0); validated as
+        ``from_state`` validates, and nothing changes when refused."""
+        other = type(self).from_state(v, None if self.mode == "fp16" and not v else
+                                      (self.mode, str(self.step), str(_rows_in(v)), "0"))
+        self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -534,19 +555,43 @@ class KVCache:
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        self.mode, step, offset, live_start = v
-        self.step, self.offset, self.live_start = int(step), int(offset), int(live_start)
+        """Set (mode, step, offset, live_start) over the rows already loaded;
+        refused (nothing changes) when they do not fit those rows."""
+        rows = () if self.buffers is None else self.state
+        other = type(self).from_state(rows, v) if rows or not v else type(self).from_state((), v)
+        self.mode, self.step = other.mode, other.step
+        self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> "KVCache":
         """Rebuild a cache from ``state``/``meta_state`` (mlx-lm prompt-cache
         files). Without meta_state an Fp16 cache with offset = rows."""
-        obj = cls(mode=meta_state[0] if meta_state else "fp16")
-        obj.state = state
-        if meta_state:
-            obj.meta_state = meta_state
+        if meta_state is not None and (not isinstance(meta_state, (tuple, list)) or len(meta_state) != 4):
+            raise InvalidArgumentError(f"from_state: meta_state must be (mode, step, offset, live_start), got {meta_state!r}")
+        mode = meta_state[0] if meta_state else "fp16"
+        try:
+            step = int(meta_state[1]) if meta_state else 256
+            offset, live_start = (int(meta_state[2]), int(meta_state[3])) if meta_state else (None, 0)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"from_state: meta_state must hold integers, got {meta_state!r}") from None
+        obj = cls(mode=mode, step=step)
+        want = 4 if mode == "int8" else 2
+        if state and len(state) != want:
+            raise InvalidArgumentError(f"from_state: state must hold {want} arrays in mode {mode}, got {len(state)}")
+        if not state:
+            buffers = None
+        elif mode == "int8":
+            buffers = _Buffers(state[0], state[2], state[1], state[3])
         else:
-            obj.offset = obj.capacity
+            buffers = _Buffers(state[0], state[1])
+        rows = 0 if buffers is None else int(buffers.keys.shape[SEQ_AXIS]) if buffers.keys.ndim == 4 else -1
+        holder = CacheSnapshot(mode, step, buffers, rows if offset is None else offset, live_start)
+        obj._check_holder("from_state", holder)
+        if holder.live_len != rows and buffers is not None:
+            raise InvalidArgumentError(
+                f"from_state: state must hold exactly the live rows, got {rows} rows for live_len {holder.live_len}"
+            )
+        obj._adopt(holder)
         return obj
 
     def is_trimmable(self) -> bool:
@@ -568,6 +613,9 @@ class KVCache:
         ``"causal"`` for a plain prefill, else a bool ``[N, live_len + N]``
         array where query ``i`` sees key ``j`` iff ``j <= live_len + i`` and,
         with ``window_size``, ``live_len + i - j < window_size``."""
+        N = _check_int("make_mask", "N", N)
+        if N < 1:
+            raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
         if window_size is None and not return_array:
             return None if N == 1 else "causal"
         q = mx.arange(self.live_len, self.live_len + N)[:, None]

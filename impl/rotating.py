@@ -281,18 +281,50 @@ class RotatingKVCache:
         v = None if self.values is None else share(self.values)
         return RingSnapshot(k, v, self.offset, self.idx, self.max_size, self.keep)
 
+    def _check_snapshot(self, op: str, snap: RingSnapshot) -> None:
+        """Refuse a snapshot no ring of this shape could have produced: wrong
+        type, (max_size, keep), tensor rank, dtype or K/V agreement, or
+        counters outside the ring's invariants (``0 <= idx <= offset``,
+        ``idx <= capacity``; wrapped: ``keep <= idx`` and ``capacity >=
+        max_size``; oversized: ``idx == capacity``)."""
+        if not isinstance(snap, RingSnapshot):
+            raise InvalidArgumentError(f"{op}: expected a RingSnapshot, got {type(snap).__name__}")
+        if (snap.max_size, snap.keep) != (self.max_size, self.keep):
+            raise InvalidArgumentError(
+                f"{op}: (max_size, keep) must be {(self.max_size, self.keep)}, got {(snap.max_size, snap.keep)}"
+            )
+        _check_int(op, "offset", snap.offset)
+        _check_int(op, "idx", snap.idx)
+        if not (0 <= snap.idx <= snap.offset):
+            raise InvalidArgumentError(f"{op}: cursor must satisfy 0 <= idx <= offset, got idx={snap.idx}, offset={snap.offset}")
+        if (snap.keys is None) != (snap.values is None):
+            raise InvalidArgumentError(f"{op}: keys and values must both be present or both absent")
+        if snap.keys is None or snap.values is None:
+            if snap.offset != 0:
+                raise InvalidArgumentError(f"{op}: offset {snap.offset} > 0 but no tensors")
+            return
+        for name, a in (("keys", snap.keys), ("values", snap.values)):
+            if not isinstance(a, mx.array) or a.ndim != 4:
+                raise InvalidArgumentError(f"{op}: {name} must be an mx.array of rank 4, got {getattr(a, 'shape', type(a).__name__)}")
+            if a.dtype != mx.float16:
+                raise InvalidArgumentError(f"{op}: {name} dtype must be mlx.core.float16, got {a.dtype}")
+        if snap.keys.shape[:3] != snap.values.shape[:3]:
+            raise InvalidArgumentError(
+                f"{op}: keys and values must agree on [B, H, T], got {tuple(snap.keys.shape)} and {tuple(snap.values.shape)}"
+            )
+        cap = int(snap.keys.shape[SEQ_AXIS])
+        wrapped = snap.offset != snap.idx
+        if snap.idx > cap or (wrapped and (snap.idx < self.keep or cap < self.max_size)) or (cap > self.max_size and snap.idx != cap):
+            raise InvalidArgumentError(
+                f"{op}: counters do not fit the ring: offset={snap.offset}, idx={snap.idx}, capacity={cap}, "
+                f"max_size={self.max_size}, keep={self.keep}"
+            )
+
     def restore(self, snapshot: RingSnapshot) -> None:
         """Adopt a snapshot's buffers and counters with no ownership marker,
         so the next write copies. Raises InvalidArgumentError for a malformed
         or mismatched snapshot."""
-        if not isinstance(snapshot, RingSnapshot):
-            raise InvalidArgumentError(f"restore: expected a RingSnapshot, got {type(snapshot).__name__}")
-        if (snapshot.max_size, snapshot.keep) != (self.max_size, self.keep):
-            raise InvalidArgumentError(
-                f"restore: (max_size, keep) must be {(self.max_size, self.keep)}, got {(snapshot.max_size, snapshot.keep)}"
-            )
-        if not (0 <= snapshot.idx <= snapshot.offset):
-            raise InvalidArgumentError(f"restore: cursor must satisfy 0 <= idx <= offset, got idx={snapshot.idx}, offset={snapshot.offset}")
+        self._check_snapshot("restore", snapshot)
         self.keys = None if snapshot.keys is None else share(snapshot.keys)
         self.values = None if snapshot.values is None else share(snapshot.values)
         self.offset, self.idx = snapshot.offset, snapshot.idx
@@ -333,6 +365,9 @@ class RotatingKVCache:
         order: query ``offset + i`` sees key ``p`` iff ``p <= q`` and ``p`` is
         a sink or ``q - p < window - keep`` (``window`` defaults to
         ``max_size``)."""
+        N = _check_int("make_mask", "N", N)
+        if N < 1:
+            raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
         window = self.max_size if window_size is None else window_size
         positions = self._next_positions(N)
         rows = [[ring_visible(self.offset + i, p, window, self.keep) for p in positions] for i in range(N)]
@@ -356,10 +391,15 @@ class RotatingKVCache:
 
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
-        if v:
-            self.keys, self.values = v[0], v[1]
-        else:
-            self.keys = self.values = None
+        """Load rows as an unwrapped ring (offset = idx = rows); ``meta_state``
+        then sets the counters. Validated like ``restore``."""
+        if v and len(v) != 2:
+            raise InvalidArgumentError(f"state: must hold (keys, values), got {len(v)} arrays")
+        keys, values = (v[0], v[1]) if v else (None, None)
+        rows = 0 if keys is None else int(getattr(keys, "shape", (0, 0, 0))[SEQ_AXIS]) if getattr(keys, "ndim", 0) == 4 else 0
+        snap = RingSnapshot(keys, values, rows, rows, self.max_size, self.keep)
+        self._check_snapshot("state", snap)
+        self.keys, self.values, self.offset, self.idx = keys, values, rows, rows
         self._marker = None
 
     @property
@@ -368,14 +408,22 @@ class RotatingKVCache:
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        self.keep, self.max_size, self.step, self.offset, self.idx = map(int, v)
+        """Set (keep, max_size, step, offset, idx) over the loaded rows;
+        refused (nothing changes) when the counters do not fit them."""
+        try:
+            keep, max_size, step, offset, idx = (int(x) for x in v)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"meta_state: must be five integers (keep, max_size, step, offset, idx), got {v!r}") from None
+        probe = type(self)(max_size=max_size, keep=keep, step=step)
+        probe._check_snapshot("meta_state", RingSnapshot(self.keys, self.values, offset, idx, max_size, keep))
+        self.keep, self.max_size, self.step, self.offset, self.idx = keep, max_size, step, offset, idx
+        self._marker = None
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> "RotatingKVCache":
-        keep, max_size, step, offset, idx = (int(x) for x in meta_state)
-        obj = cls(max_size=max_size, keep=keep, step=step)
+        obj = cls(max_size=2)
         obj.state = state
-        obj.offset, obj.idx = offset, idx
+        obj.meta_state = meta_state
         return obj
 
     def size(self) -> int:

@@ -225,3 +225,71 @@ def test_rotating_protocol():
     c3 = RotatingKVCache(4)
     c3.state = ()
     assert c3.empty()
+
+
+# -- malformed state and snapshots are refused and change nothing ---------------------------
+def test_dense_from_state_refusals():
+    k = mx.zeros((1, 1, 3, 4), dtype=mx.float16)
+    cases = [
+        ((k, k), ("fp16", "4", "10", "0"), "from_state: cursor out of range: live_len 10 > capacity 3"),
+        ((k, k), ("fp16", "4", "3", "5"), "from_state: cursor must satisfy 0 <= live_start <= offset, got live_start=5, offset=3"),
+        ((k, k), ("int8", "4", "3", "0"), "from_state: state must hold 4 arrays in mode int8, got 2"),
+        ((k, k), ("fp16", "0", "3", "0"), "KVCache: step must be >= 1, got 0"),
+        ((k.astype(mx.int32),) * 2, ("fp16", "4", "3", "0"), "from_state: keys dtype must be mlx.core.float16, got mlx.core.int32"),
+        ((k, k), ("fp16", "4", "x", "0"), "from_state: meta_state must hold integers, got ('fp16', '4', 'x', '0')"),
+        ((k, k), ("fp16", "4", "2", "0"), "from_state: state must hold exactly the live rows, got 3 rows for live_len 2"),
+    ]
+    for state, meta, text in cases:
+        assert message(KVCache.from_state, state, meta) == (InvalidArgumentError, text)
+    c = KVCache()
+    c.state = (k, k)
+    with pytest.raises(InvalidArgumentError, match="live_len 9 > capacity 3"):
+        c.meta_state = ("fp16", "4", "9", "0")
+    assert (c.offset, c.live_len, c.capacity) == (3, 3, 3)
+
+
+def test_rotating_restore_and_state_refusals():
+    from impl.rotating import RingSnapshot
+
+    c = RotatingKVCache(4, keep=1, step=1)
+    decode(c, 5)
+    good = c.snapshot()
+    before = (c.offset, c.idx, firsts(c.fetch()[0]))
+    cases = [
+        (RingSnapshot(good.keys.astype(mx.int32), good.values, 5, 2, 4, 1), "restore: keys dtype must be mlx.core.float16, got mlx.core.int32"),
+        (RingSnapshot(good.keys, good.values[:, :, :3], 5, 2, 4, 1),
+         "restore: keys and values must agree on [B, H, T], got (1, 1, 4, 4) and (1, 1, 3, 4)"),
+        (RingSnapshot(good.keys, good.values, 9, 9, 4, 1),
+         "restore: counters do not fit the ring: offset=9, idx=9, capacity=4, max_size=4, keep=1"),
+        (RingSnapshot(good.keys, good.values, 7, 0, 4, 1),
+         "restore: counters do not fit the ring: offset=7, idx=0, capacity=4, max_size=4, keep=1"),
+        (RingSnapshot(None, good.values, 5, 2, 4, 1), "restore: keys and values must both be present or both absent"),
+        (RingSnapshot(None, None, 5, 5, 4, 1), "restore: offset 5 > 0 but no tensors"),
+        (RingSnapshot(good.keys[0], good.values[0], 5, 2, 4, 1), "restore: keys must be an mx.array of rank 4, got (1, 4, 4)"),
+        (RingSnapshot(good.keys, good.values, 5.0, 2, 4, 1), "restore: offset must be an integer, got 5.0"),
+    ]
+    for snap, text in cases:
+        assert message(c.restore, snap) == (InvalidArgumentError, text)
+    assert (c.offset, c.idx, firsts(c.fetch()[0])) == before
+    with pytest.raises(InvalidArgumentError, match="cursor must satisfy 0 <= idx <= offset, got idx=-2"):
+        RotatingKVCache.from_state(c.state, ("1", "4", "1", "5", "-2"))
+    with pytest.raises(InvalidArgumentError, match="meta_state: must be five integers"):
+        RotatingKVCache.from_state(c.state, ("1", "4", "1", "5"))
+    with pytest.raises(InvalidArgumentError, match="state: keys dtype"):
+        c.state = (c.state[0].astype(mx.float32), c.state[1])
+    assert (c.offset, c.idx, firsts(c.fetch()[0])) == before
+
+
+def test_small_api_refusals():
+    c = KVCache("fp16", step=2)
+    decode(c, 3)
+    assert message(c.gather_positions, None) == (InvalidArgumentError, "gather_positions: positions must be a list of integers, got NoneType")
+    assert message(c.gather_within_tail, 2, None) == (InvalidArgumentError, "gather_within_tail: kept must be a list of integers, got NoneType")
+    assert message(c.make_mask, 0) == (InvalidArgumentError, "make_mask: N must be >= 1, got 0")
+    assert message(RotatingKVCache(4).make_mask, -1) == (InvalidArgumentError, "make_mask: N must be >= 1, got -1")
+    assert message(KVCache, inplace="0")[0] is InvalidArgumentError
+    h = c.detach()
+    c.install(h)
+    other = KVCache("fp16", step=2)
+    assert message(other.install, h) == (StateError, "install: the handle was already installed")
+    assert firsts(c.fetch()[0]) == [0, 1, 2]
