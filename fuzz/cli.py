@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 DEFAULT_OUT = "fuzz-failures"
@@ -52,7 +53,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if args.bug:
             from fuzz.bugs import by_name
 
-            factories = by_name(args.bug).factories
+            bug = by_name(args.bug)
+            if bug.kind != trace.cache["kind"]:
+                raise KeyError(f"--bug {bug.name} patches the {bug.kind} cache; this trace is kind {trace.cache['kind']}")
+            factories = bug.factories
         target = _target(args)
         if factories and not target.is_impl:
             raise KeyError(f"--bug: injected bugs patch this project's classes; it cannot be combined with --target {target.name}")
@@ -72,6 +76,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if result.ok:
         who = "implementation" if target.is_impl else f"target {target.name}"
         console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and {who} agree")
+        for i, m in result.refusals:
+            if trace.ops[i].get("error") is not True:
+                # Agreement, but a refusal the trace did not ask for is often
+                # a typo in a name: say so rather than pass silently.
+                console.print(f'  note: op {i} was refused by both sides and has no "error": true: {escape(m)}')
         return EXIT_OK
     console.print(f"[bold red]diverged[/] {args.trace}")
     console.print(str(result.divergence))
@@ -96,6 +105,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     from fuzz.campaign import campaign, save_failure
 
     console = _console()
+    if args.budget <= 0:
+        console.print(f"[red]--budget: must be > 0 seconds, got {args.budget}[/]")
+        return 2
     target = _target(args)
     # an mlx-lm target runs the configs it has a class for (fuzz/targets.py)
     have = [(k, m) for k, m in CONFIGS if target.is_impl or target.cache_class(k, m) is not None]
@@ -109,13 +121,18 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
         bug = by_name(args.bug)
         factories = bug.factories
-        configs = [(bug.kind, m) for m in bug.modes[:1]]
+        if args.kind not in (None, bug.kind) or args.mode not in (None, *bug.modes):
+            console.print(f"[red]--bug {bug.name} affects kind {bug.kind}, modes {list(bug.modes)}; "
+                          f"got --kind {args.kind} --mode {args.mode}[/]")
+            return 2
+        configs = [(bug.kind, args.mode or bug.modes[0])]
         if not target.is_impl:
             console.print(f"[red]--bug cannot be combined with --target {target.name}[/]")
             return 2
-    # mlx-lm has no in-place switch: one setting is enough there
+    # mlx-lm has no in-place switch, and Int8 never writes in place: one
+    # setting is enough there (both would run the same campaign twice)
     inplace_settings = _inplace_settings(args.inplace) if target.is_impl else [True]
-    runs = [(k, m, ip) for k, m in configs for ip in inplace_settings]
+    runs = [(k, m, ip) for k, m in configs for ip in (inplace_settings if m == "fp16" else inplace_settings[:1])]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     budget = args.budget / len(runs)
     on = "" if target.is_impl else f", target {target.name}"

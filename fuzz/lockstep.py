@@ -39,16 +39,23 @@ class Divergence(Exception):
     what: str
     spec: Any
     impl: Any
+    #: what the two lines are: (spec, implementation) by default; a trace's
+    #: own check compares one side with what the trace expects
+    labels: tuple[str, str] = ("spec says", "impl did")
 
     def __str__(self) -> str:
+        width = max(len(label) for label in self.labels) + 1
+        first, second = (f"{label}:".ljust(width) for label in self.labels)
         return (
             f"op {self.index} {json.dumps(self.op)}: {self.what}\n"
-            f"  spec says: {self.spec}\n"
-            f"  impl did:  {self.impl}"
+            f"  {first} {self.spec}\n"
+            f"  {second} {self.impl}"
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "op": self.op, "what": self.what, "spec": _jsonable(self.spec), "impl": _jsonable(self.impl)}
+        keys = ["spec" if "spec" in self.labels[0] else "trace", "impl" if "impl" in self.labels[1] else "trace"]
+        return {"index": self.index, "op": self.op, "what": self.what,
+                keys[0]: _jsonable(self.spec), keys[1]: _jsonable(self.impl)}
 
 
 def _jsonable(x: Any) -> Any:
@@ -97,6 +104,8 @@ class Lockstep:
         self.shape = (cache["batch"], cache["kv_heads"], cache["head_dim"])
         self._expected: dict[int, tuple[bytes, bytes]] = {}
         self.stats: dict[str, int] = {}
+        #: (op index, message) of every op both sides refused
+        self.refusals: list[tuple[int, str]] = []
 
     # -- rows -----------------------------------------------------------------
     def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
@@ -177,10 +186,11 @@ class Lockstep:
             raise Divergence(index, op, "refusal message differs", spec_out.describe(), impl_out.describe())
         if spec_out.error is not None:
             self.reached("refused " + op["op"])
+            self.refusals.append((index, str(spec_out.error)))
         if op.get("error") is True and spec_out.error is None:
-            raise Divergence(index, op, "trace expects a refusal", spec_out.describe(), impl_out.describe())
+            raise Divergence(index, op, "trace expects a refusal", spec_out.describe(), "a refusal", ("spec says", "trace expects"))
         if op.get("error") is False and spec_out.error is not None:
-            raise Divergence(index, op, "trace expects success", spec_out.describe(), impl_out.describe())
+            raise Divergence(index, op, "trace expects success", spec_out.describe(), "success", ("spec says", "trace expects"))
         if s_world is not None:
             self.prev_world, self.world = self.world, s_world
             self.compare_result(index, op, spec_out.result, impl_out.result)
@@ -221,33 +231,38 @@ class Lockstep:
             if op["op"] == "append":
                 got = list(got.window)
             if got != op["returns"]:
-                raise Divergence(index, op, "trace's 'returns' check fails", got, op["returns"])
+                raise Divergence(index, op, "trace's 'returns' check fails", got, op["returns"], ("spec says", "trace expects"))
         if "inplace" in op and op["op"] == "append" and spec_out.error is None:
             if spec_out.result.inplace != op["inplace"]:
-                raise Divergence(index, op, "trace's 'inplace' check fails", f"inplace={spec_out.result.inplace}", f"trace expects inplace={op['inplace']}")
+                raise Divergence(index, op, "trace's 'inplace' check fails", f"inplace={spec_out.result.inplace}",
+                                 f"inplace={op['inplace']}", ("spec says", "trace expects"))
         if "capacity" in op:
             cap = self.spec_observables()["capacity"]
             if cap != op["capacity"]:
-                raise Divergence(index, op, "trace's 'capacity' check fails", f"capacity={cap}", f"trace expects capacity={op['capacity']}")
+                raise Divergence(index, op, "trace's 'capacity' check fails", f"capacity={cap}",
+                                 f"capacity={op['capacity']}", ("spec says", "trace expects"))
 
     def check_expect(self, index: int, op: dict[str, Any]) -> None:
         name = op.get("of")
         s_views, i_views = self.spec_views(), self.impl_views()
         key = "cache" if name is None else self.view_key(name)
         if key not in s_views:
-            raise Divergence(index, op, "expect: no such snapshot, handle or sequence", sorted(s_views), sorted(i_views))
+            names = sorted(k.split(":", 1)[1] for k in s_views if k.startswith("holder:"))
+            raise Divergence(index, op, f"expect: no snapshot, handle or sequence named {name!r}",
+                             f"holders are {names}", f"holders are {names}")
         want = list(op["window"])
         have = list(s_views[key])
         same = sorted(want) == sorted(have) if op.get("order") == "set" else want == have
         if not same:
-            raise Divergence(index, op, "trace's 'expect' fails on the spec", have, want)
+            raise Divergence(index, op, "trace's 'expect' fails on the spec", have, want, ("spec says", "trace expects"))
         impl_have = self.identify(i_views.get(key))
         if op.get("order") == "set":
             same = sorted(map(str, impl_have)) == sorted(map(str, want))
         else:
             same = self.window_matches(tuple(want), i_views.get(key))
         if not same:
-            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, impl_have)
+            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, impl_have,
+                             ("trace expects", "impl did"))
 
     def view_key(self, name: str) -> str:
         return "holder:" + name

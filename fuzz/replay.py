@@ -47,6 +47,12 @@ def _make_lockstep(cache: dict[str, Any], factories: dict[str, Any]) -> Lockstep
         from fuzz.rotating import RotatingLockstep
         from impl.rotating import RotatingKVCache
 
+        if cache["mode"] != "fp16":
+            raise TraceFormatError(f"field cache.mode: the rotating cache stores fp16 only, got {cache['mode']!r}")
+        if cache["keep"] >= cache["max_size"]:
+            raise TraceFormatError(
+                f"field cache.keep: must be < max_size ({cache['max_size']}), got {cache['keep']}"
+            )
         return RotatingLockstep(cache, factories.get("rotating", RotatingKVCache))
     raise TraceFormatError(f"field cache.kind: kind {kind!r} has no implementation yet")
 
@@ -57,9 +63,13 @@ class ReplayResult:
     ops_run: int
     divergence: Divergence | None = None
     stats: dict[str, int] = field(default_factory=dict)
+    #: ops both sides refused, as (index, message): agreement, but a trace
+    #: that did not mark them ``"error": true`` may hold a typo
+    refusals: list[tuple[int, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": self.ok, "ops_run": self.ops_run}
+        out: dict[str, Any] = {"ok": self.ok, "ops_run": self.ops_run,
+                               "refused": [{"index": i, "error": m} for i, m in self.refusals]}
         if self.divergence is not None:
             out["divergence"] = self.divergence.to_json()
         return out
@@ -82,5 +92,5 @@ def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace:
         try:
             lock.step(i, op)
         except Divergence as d:
-            return ReplayResult(False, i + 1, d, lock.stats)
-    return ReplayResult(True, len(trace.ops), None, lock.stats)
+            return ReplayResult(False, i + 1, d, lock.stats, getattr(lock, "refusals", []))
+    return ReplayResult(True, len(trace.ops), None, lock.stats, getattr(lock, "refusals", []))

@@ -42,10 +42,18 @@ def schema() -> dict[str, Any]:
 _VALIDATOR: jsonschema.Draft202012Validator | None = None
 
 
+def _strict_integer(checker: object, instance: object) -> bool:
+    # JSON Schema counts 1.0 as an integer; a trace's counts and indices
+    # must be written as integers.
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
 def _validator() -> jsonschema.Draft202012Validator:
     global _VALIDATOR
     if _VALIDATOR is None:
-        _VALIDATOR = jsonschema.Draft202012Validator(schema())
+        base = jsonschema.Draft202012Validator
+        strict = jsonschema.validators.extend(base, type_checker=base.TYPE_CHECKER.redefine("integer", _strict_integer))
+        _VALIDATOR = strict(schema())
     return _VALIDATOR
 
 
@@ -92,7 +100,10 @@ def validate(doc: Any) -> None:
     (most relevant) schema violation."""
     errors = sorted(_validator().iter_errors(doc), key=lambda e: (list(e.absolute_path), e.message))
     if errors:
-        best = jsonschema.exceptions.best_match(errors)
+        # A field of the wrong type also leaves that field "unevaluated";
+        # name the type error, not the knock-on one.
+        primary = [e for e in errors if e.validator != "unevaluatedProperties"] or errors
+        best = jsonschema.exceptions.best_match(primary)
         raise TraceFormatError(_describe(best))
 
 

@@ -69,7 +69,8 @@ def check_campaigns(budget: float) -> list[Check]:
 
     out = []
     for kind, mode in (("dense", "fp16"), ("dense", "int8"), ("rotating", "fp16")):
-        for inplace in (True, False):
+        # Int8 never writes in place: the switch would change nothing
+        for inplace in ((True, False) if mode == "fp16" else (True,)):
             rep = campaign(kind, mode, inplace, budget, CAMPAIGN_SEED)
             ops = rep.stats.get("ops", 0)
             if rep.failure is None:

@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return 0 if exc.code == 0 else 2
     t0 = time.perf_counter()
+    if args.only and not set(args.only) <= set(range(1, 8)):
+        parser.error(f"--only: obligation numbers are 1 to 7, got {sorted(set(args.only) - set(range(1, 8)))}")
     results = run_all(set(args.only) if args.only else None)
     ch = None
     if args.crosshair:

@@ -114,7 +114,8 @@ def test_cli_json():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["e2e", "--json", "--only", "sliding_window", "--bug", "steady_state_inplace"])
-    assert code == 0 and not json.loads(out.getvalue())["scenarios"][0]["ok"]
+    # exit 1 = something diverged, as for replay and fuzz: the bug was caught
+    assert code == 1 and not json.loads(out.getvalue())["scenarios"][0]["ok"]
 
 
 # -- impl.models --------------------------------------------------------------------
