@@ -60,7 +60,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         target = _target(args)
         if factories and not target.is_impl:
             raise KeyError(f"--bug: injected bugs patch this project's classes; it cannot be combined with --target {target.name}")
-        result = replay(trace, factories, target=target)
+        result = replay(trace, factories, check_inplace=not args.isolation_only, target=target)
     except TraceFormatError as exc:
         if args.json:
             print(json.dumps({"ok": False, "invalid": str(exc), "trace": args.trace}))
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--bug", help="replay against an injected bug from the catalog instead of the real implementation")
+    r.add_argument("--isolation-only", action="store_true",
+                   help="do not compare in-place decisions: only a holder's bytes changing can reveal an unsafe write")
     r.add_argument("--target", default="impl", choices=TARGET_NAMES,
                    help="implementation to replay on: impl (ours, default) or mlx-lm's caches (docs/conformance.md)")
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
