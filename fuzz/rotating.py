@@ -116,13 +116,22 @@ class RotatingLockstep(Lockstep):
     def check_masks(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it."""
         n = op["n"]
-        want = [list(r) for r in sr.make_mask_spec(self.world.cache, n)]
-        length = len(want[0])
-        for kwargs in ({"return_array": True}, {}):
-            got = mask_as_rows(self.cache.make_mask(n, **kwargs), n, length)
-            if got != want:
-                raise Divergence(self.current_index, op, f"make_mask({n}, {kwargs}) differs",
-                                 _mask_text(want), "unexpected form" if got is None else _mask_text(got))
+        c = self.world.cache
+        # The ring's own window, and a narrower one (a windowed layer served
+        # by a longer ring): with the full window a decode sees every key,
+        # so only a narrower one checks where each position sits.
+        windows: list[int | None] = [None]
+        if c.max_size - 1 > c.keep:
+            windows.append(c.max_size - 1)
+        for window in windows:
+            want = [list(r) for r in sr.make_mask_spec(c, n, window)]
+            length = len(want[0])
+            for kwargs in ({"return_array": True}, {}):
+                kwargs = {**kwargs, **({} if window is None else {"window_size": window})}
+                got = mask_as_rows(self.cache.make_mask(n, **kwargs), n, length)
+                if got != want:
+                    raise Divergence(self.current_index, op, f"make_mask({n}, {kwargs}) differs",
+                                     _mask_text(want), "unexpected form" if got is None else _mask_text(got))
         self.reached("masks checked")
 
     def step(self, index: int, op: dict[str, Any]) -> None:

@@ -293,3 +293,49 @@ def test_small_api_refusals():
     other = KVCache("fp16", step=2)
     assert message(other.install, h) == (StateError, "install: the handle was already installed")
     assert firsts(c.fetch()[0]) == [0, 1, 2]
+
+
+def test_rotating_argument_messages_and_defaults():
+    assert message(RotatingKVCache, 4, keep="1") == (InvalidArgumentError, "RotatingKVCache: keep must be an integer, got '1'")
+    assert message(RotatingKVCache, 4, step=None) == (InvalidArgumentError, "RotatingKVCache: step must be an integer, got None")
+    c = RotatingKVCache(4)
+    assert (c.step, c.keep, c.mode, c.last_write_inplace) == (256, 0, "fp16", False)
+    assert message(c.update_and_fetch, rows(1), mx.zeros((1, 4))) == (
+        InvalidArgumentError, "append: values must have rank 4 [B, H, S, D], got shape (1, 4)")
+    from spec import rotating as sr
+    from spec.dense import Mode
+
+    assert sr.new_cache(4).step == 256 and sr.new_cache(4, mode="int8").mode is Mode.INT8
+    assert message(sr.new_cache, 4, step=0) == (InvalidArgumentError, "step: must be >= 1, got 0")
+    assert message(sr.append, sr.new_cache(4), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")
+    assert str(sr.unsupported("gather_positions")) == "gather_positions: not an operation of the rotating cache"
+
+
+def test_one_slot_ring():
+    """W = 1: every decode overwrites the only slot; spec and impl agree."""
+    from spec import rotating as sr
+
+    c, s = RotatingKVCache(1, step=1), sr.new_cache(1, step=1)
+    for t in range(4):
+        c.update_and_fetch(rows(1, t), rows(1, t))
+        _, s = sr.append(s, (t,))
+        assert firsts(c.fetch()[0]) == list(s.window()) == [t]
+    k, _ = c.update_and_fetch(rows(3, 10), rows(3, 10))
+    _, s = sr.append(s, (10, 11, 12))
+    assert firsts(k) == list(s.window()) == [10, 11, 12]
+
+
+def test_handle_messages_and_spec_gather_refusals():
+    c = KVCache("fp16", step=2)
+    decode(c, 2)
+    h = c.detach()
+    assert message(h.trim_to, 1.5) == (InvalidArgumentError, "handle_trim_to: len must be an integer, got 1.5")
+    bad = copy.copy(h)
+    bad.buffers = type(h.buffers)(h.buffers.keys, h.buffers.values.astype(mx.float32))
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: values dtype must be mlx.core.float16, got mlx.core.float32")
+    assert message(c.restore, None) == (InvalidArgumentError, "restore: expected a CacheSnapshot, got NoneType")
+    from spec import dense as sd
+
+    delegated = sd.append(sd.new_cache("turbo4delegated", 2), (0, 1))[1]
+    assert message(sd.gather_within_tail, delegated, 1, (0,)) == (
+        UnsupportedOperationError, "gather_within_tail: not supported in mode turbo4delegated")
