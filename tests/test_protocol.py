@@ -339,3 +339,45 @@ def test_handle_messages_and_spec_gather_refusals():
     delegated = sd.append(sd.new_cache("turbo4delegated", 2), (0, 1))[1]
     assert message(sd.gather_within_tail, delegated, 1, (0,)) == (
         UnsupportedOperationError, "gather_within_tail: not supported in mode turbo4delegated")
+
+
+def test_spec_defaults_and_unreachable_refusals():
+    """Defaults and refusals no trace can express (the schema requires n >= 1;
+    no implemented mode is a Turbo mode)."""
+    from spec import dense as sd
+    from spec import rotating as sr
+
+    assert sd.new_cache().step == 256 and sd.new_world().cache.inplace is True and KVCache().step == 256
+    assert message(sd.new_cache, step=0) == (InvalidArgumentError, "step: must be an integer >= 1, got 0")
+    assert message(sd.new_cache, step="4") == (InvalidArgumentError, "step: must be an integer >= 1, got '4'")
+    assert message(sd.append, sd.new_cache(), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")
+    assert message(sd.w_append, sd.new_world(), 0) == (InvalidArgumentError, "append: n must be >= 1, got 0")
+    assert message(sr.w_append, sr.RotatingWorld(sr.new_cache(4)), 0) == (InvalidArgumentError, "append: n must be >= 1, got 0")
+    delegated = sd.append(sd.new_cache("turbo4delegated", 2), (0, 1))[1]
+    assert message(sd.gather_positions, delegated, (0,)) == (
+        UnsupportedOperationError, "gather_positions: not supported in mode turbo4delegated")
+    c = sd.append(sd.new_cache(step=4), (0, 1, 2))[1]
+    assert sd.trim_front_keep_sink(c, 1)[1].window() == (1, 2)
+
+
+def test_spec_turbo_paths_cut_physically():
+    from spec import dense as sd
+
+    c = sd.append(sd.new_cache("turbo4", step=4), (0, 1, 2))[1]
+    n, t = sd.trim(c, 2)
+    assert n == 2 and t.capacity == 1 and t.buffer.ident != c.buffer.ident
+    n, g = sd.gather_within_tail(c, 2, (1,))
+    assert n == 2 and g.capacity == 2 and g.window() == (0, 2)
+    n, g = sd.gather_within_tail(sd.append(sd.new_cache(step=4), (0, 1, 2))[1], 2, (1,))
+    assert g.capacity == 4
+
+
+def test_install_and_append_messages_name_the_shapes():
+    c = KVCache("fp16", step=2)
+    c.update_and_fetch(rows(1, h=2), rows(1, h=2))
+    assert message(c.update_and_fetch, rows(1, d=8, h=2), rows(1, d=8, h=2)) == (
+        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D] = (1, 2, 4), got (1, 2, 1, 8)")
+    other = KVCache("int8", step=2)
+    decode(other, 1)
+    h = other.detach()
+    assert message(KVCache("fp16").install, h) == (InvalidArgumentError, "install: mode must be 'fp16', got 'int8'")
