@@ -35,12 +35,14 @@ def survivors(text: str) -> list[str]:
 
 
 def render(text: str) -> str:
-    rows = ["| package | mutants | killed | timeout | survived | no tests | score |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| package | mutants checked | killed | timeout | survived | no tests | not checked | score |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for package, c in sorted(collect(text).items()):
         total = sum(c.values()) - c["skipped"] - c["not checked"]
         killed = c["killed"] + c["timeout"]
         score = 100.0 * killed / total if total else 0.0
-        rows.append(f"| {package}/ | {total} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['no tests']} | {score:.1f}% |")
+        rows.append(f"| {package}/ | {total} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['no tests']} "
+                    f"| {c['not checked']} | {score:.1f}% |")
     lines = [BEGIN, "", *rows, "", "Survivors (triaged below):", ""]
     lines += [f"- `{name}`" for name in survivors(text)] or ["- none"]
     return "\n".join(lines + ["", END])

@@ -343,19 +343,19 @@ class RotatingKVCache:
             else:
                 old = list(range(sinks)) + list(range(self.offset - (kept - sinks), self.offset))
             return old + list(range(self.offset, self.offset + n))
-        # Replay the decode's cursor arithmetic without writing.
-        q, cap, idx = self.offset, self.capacity, self.idx
-        if cap > W:
-            cap, idx = W, W
-        if idx >= cap and cap < W:
-            cap += min(self.step, W - cap)
+        # Replay the decode's cursor arithmetic without writing. Growth never
+        # matters here: an unwrapped ring returns [0, q] whatever its
+        # capacity, and a wrapped one has exactly W slots.
+        q, idx = self.offset, self.idx
+        if self.capacity > W:
+            idx = W
         if idx >= W:
             idx = K
         if q == idx:
             return list(range(q + 1))
         # Wrapped: the sinks, then the latest W - K positions in cyclic order
         # ending at slot idx, where position q lands.
-        return [j if j < K else q - ((idx - j) % (W - K)) for j in range(cap)]
+        return [j if j < K else q - ((idx - j) % (W - K)) for j in range(W)]
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """Mask for ``N`` queries about to be appended (mlx-lm calls it

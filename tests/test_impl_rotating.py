@@ -81,3 +81,17 @@ def test_protocol_round_trip():
     assert (c2.offset, c2.idx, c2.max_size, c2.keep) == (c.offset, c.idx, 4, 1)
     assert firsts(c2.fetch()[0]) == firsts(c.fetch()[0])
     assert c.size() == 4 and c.nbytes > 0
+
+
+def test_warmup_inplace_write_really_aliases_the_buffer():
+    c = RotatingKVCache(8, step=8)
+    c.update_and_fetch(row(0), row(0))
+    keys = c.keys
+    mx.eval(keys)
+    ptr = np.array(keys, copy=False).ctypes.data
+    c.update_and_fetch(row(1), row(1))
+    assert c.last_write_inplace and c.keys is keys
+    assert np.array(c.keys, copy=False).ctypes.data == ptr
+    for t in range(2, 9):
+        c.update_and_fetch(row(t), row(t))
+    assert not c.last_write_inplace and c.keys is not keys  # steady state copies
