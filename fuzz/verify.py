@@ -8,7 +8,8 @@
    replays clean on the real implementation (no false alarm);
 4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``), except
    with ``--quick`` (``make test`` runs their short form);
-5. the proofs (``kvspec prove``), unless skipped.
+5. the proofs and the CrossHair contracts (``kvspec prove --crosshair``),
+   unless skipped.
 """
 
 from __future__ import annotations
@@ -139,13 +140,22 @@ def check_e2e() -> list[Check]:
     return checks
 
 
+def _crosshair_text(ch: dict) -> str:
+    keys = ("confirmed", "not_confirmed", "precondition_unmet", "counterexamples")
+    parts = [f"{k.replace('_', ' ')} {len(v) if isinstance(v, list) else v}" for k in keys if (v := ch.get(k)) is not None]
+    diff = (ch.get("diffbehavior") or {}).get("status")
+    if diff:
+        parts.append(f"diffbehavior spec vs impl regrow_capacity: {diff}")
+    return ", ".join(parts) or json.dumps(ch)[:200]
+
+
 def check_proofs() -> list[Check]:
     start = time.perf_counter()
     try:
         import proofs.cli  # noqa: F401
     except ImportError:
         return [Check("proofs", False, "proofs package missing", 0.0)]
-    proc = subprocess.run([sys.executable, "-c", "import sys; from proofs.cli import main; sys.exit(main(['--json']))"],
+    proc = subprocess.run([sys.executable, "-c", "import sys; from proofs.cli import main; sys.exit(main(['--json', '--crosshair']))"],
                           capture_output=True, text=True, cwd=REPO)
     seconds = time.perf_counter() - start
     try:
@@ -161,6 +171,9 @@ def check_proofs() -> list[Check]:
         ok = waits or (ob.get("status") == "proved" and ob.get("negative_control") == "refuted")
         checks.append(Check(f"proof {ob['name']}", ok, f"{ob.get('status')}, negative control {ob.get('negative_control')}",
                             float(ob.get("seconds", 0.0))))
+    ch = doc.get("crosshair")
+    if ch is not None:
+        checks.append(Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", 0.0))))
     if proc.returncode != 0:
         checks.append(Check("proofs", False, f"kvspec prove exited {proc.returncode}", seconds))
     return checks
