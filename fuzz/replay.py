@@ -27,7 +27,9 @@ def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None
     if not tgt.is_impl:
         if factories:
             raise ValueError(f"factories: injected bugs patch this project's classes, not target {tgt.name}")
-        return tgt.make_lockstep(cache)
+        lock = tgt.make_lockstep(cache)
+        lock.narrow_masks = False
+        return lock
     lock = _make_lockstep(cache, factories or {})
     lock.check_inplace = check_inplace
     lock.compare_messages = True
