@@ -85,26 +85,9 @@ class DenseLockstep(Lockstep):
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         c, name = self.cache, op["op"]
-        if name == "append":
-            n = op["n"]
-            tokens = list(range(self.world_tokens_before_append(), self.world_tokens_before_append() + n))
-            k, v = self.input_rows(tokens)
-            self.returned = c.update_and_fetch(k, v)
-            return self.returned
-        if name == "fetch":
-            return c.fetch()
-        if name == "hold":
-            if self.returned is None:
-                raise StateError("hold: no append has returned a window yet")
-            self.held = self.returned
-            return None
-        if name == "release_hold":
-            self.held = None
-            return None
-        if name == "trim":
-            return c.trim(op["n"])
-        if name == "trim_to":
-            return c.trim_to(op["len"])
+        result = self.impl_common(op)
+        if result is not self._UNHANDLED:
+            return result
         if name == "trim_front":
             return c.trim_front_keep_sink(op["n"], op.get("keep", 0))
         if name == "gather_positions":
@@ -135,11 +118,6 @@ class DenseLockstep(Lockstep):
             handle = self._holder("handle_trim_to", op["name"], DetachedHandle)
             return handle.trim_to(op["len"])  # type: ignore[attr-defined]
         raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
-
-    def world_tokens_before_append(self) -> int:
-        # impl_apply runs after spec_apply; the spec world of *before* the op
-        # holds the counter the new rows start at.
-        return self.world.next_token
 
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         super().compare_append(index, op, s, i)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from fuzz import rows as rowgen
-from spec.errors import KVCacheError
+from spec.errors import KVCacheError, StateError
 
 
 @dataclass
@@ -263,6 +263,39 @@ class Lockstep:
         if not same:
             raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, impl_have,
                              ("trace expects", "impl did"))
+
+    _UNHANDLED = object()
+
+    def impl_common(self, op: dict[str, Any]) -> Any:
+        """The ops every cache kind runs the same way on the implementation
+        side (``self.cache``; ``self.returned``/``self.held`` hold the
+        windows): append, fetch, hold, release_hold, trim, trim_to. Returns
+        ``_UNHANDLED`` for any other op."""
+        c, name = self.cache, op["op"]
+        if name == "append":
+            self.before_append(op)
+            start = self.world.next_token  # the spec world before this op
+            k, v = self.input_rows(list(range(start, start + op["n"])))
+            self.returned = c.update_and_fetch(k, v)
+            return self.returned
+        if name == "fetch":
+            return c.fetch()
+        if name == "hold":
+            if self.returned is None:
+                raise StateError("hold: no append has returned a window yet")
+            self.held = self.returned
+            return None
+        if name == "release_hold":
+            self.held = None
+            return None
+        if name == "trim":
+            return c.trim(op["n"])
+        if name == "trim_to":
+            return c.trim_to(op["len"])
+        return self._UNHANDLED
+
+    def before_append(self, op: dict[str, Any]) -> None:
+        """Checks to run before an append reaches the implementation."""
 
     def view_key(self, name: str) -> str:
         return "holder:" + name

@@ -75,26 +75,9 @@ class RotatingLockstep(Lockstep):
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         c, name = self.cache, op["op"]
-        if name == "append":
-            self.check_masks(op)
-            start = self.world.next_token
-            k, v = self.input_rows(list(range(start, start + op["n"])))
-            self.returned = c.update_and_fetch(k, v)
-            return self.returned
-        if name == "fetch":
-            return c.fetch()
-        if name == "hold":
-            if self.returned is None:
-                raise StateError("hold: no append has returned a window yet")
-            self.held = self.returned
-            return None
-        if name == "release_hold":
-            self.held = None
-            return None
-        if name == "trim":
-            return c.trim(op["n"])
-        if name == "trim_to":
-            return c.trim_to(op["len"])
+        result = self.impl_common(op)
+        if result is not self._UNHANDLED:
+            return result
         if name == "snapshot":
             if op["name"] in self.holders:
                 raise StateError(f"snapshot: name {op['name']!r} is already in use")
@@ -117,6 +100,9 @@ class RotatingLockstep(Lockstep):
     #: mlx-lm targets: their conformance findings were reported with the
     #: ring's own window, and a narrower window is not part of that report.
     narrow_masks = True
+
+    def before_append(self, op: dict[str, Any]) -> None:
+        self.check_masks(op)
 
     def check_masks(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it."""
