@@ -47,11 +47,12 @@ def _check_int(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def _rows_in(state: Any) -> int:
-    try:
-        return int(state[0].shape[SEQ_AXIS]) if state else 0
-    except (AttributeError, IndexError, TypeError):
-        return 0
+def _check_tensor(op: str, name: str, a: Any) -> None:
+    """A stored tensor must be an ``mx.array`` of rank 4 ``[B, H, T, D]``."""
+    if not isinstance(a, mx.array):
+        raise InvalidArgumentError(f"{op}: {name} must be an mx.array, got {type(a).__name__}")
+    if a.ndim != 4:
+        raise InvalidArgumentError(f"{op}: {name} must have rank 4, got shape {tuple(a.shape)}")
 
 
 def _check_list(op: str, name: str, value: Any) -> list[Any]:
@@ -100,12 +101,6 @@ def copy_without_marker(cache: Any, memo: dict | None = None) -> Any:
     new.__dict__.update(fields if memo is None else copy.deepcopy(fields, memo))
     new._marker = None
     return new
-
-
-def _cat(parts: list[mx.array | None]) -> mx.array | None:
-    if parts[0] is None:
-        return None
-    return mx.concatenate(parts, axis=SEQ_AXIS)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -160,8 +155,8 @@ class CacheSnapshot:
     """A prompt-cache snapshot: new handles to the cache's buffers (no data
     copied) and the window at that moment. Its view never changes."""
 
-    def __init__(self, mode: str, step: int, buffers: _Buffers | None, offset: int, live_start: int):
-        self.mode, self.step = mode, step
+    def __init__(self, mode: str, buffers: _Buffers | None, offset: int, live_start: int):
+        self.mode = mode
         self.buffers, self.offset, self.live_start = buffers, offset, live_start
 
     @property
@@ -279,10 +274,9 @@ class KVCache:
         old = self.buffers
         if old.capacity != prev:
             old = old.map(lambda a: a[:, :, :prev, :])
-        self.buffers = _Buffers(*(_cat([a, b]) for a, b in zip(
-            (old.keys, old.values, old.key_scales, old.value_scales),
-            (grown.keys, grown.values, grown.key_scales, grown.value_scales),
-        )))
+        # arrays() lists keys, values[, key_scales, value_scales]: the
+        # constructor's order.
+        self.buffers = _Buffers(*(mx.concatenate([a, b], axis=SEQ_AXIS) for a, b in zip(old.arrays(), grown.arrays())))
 
     def _owns_buffers(self) -> bool:
         m = self._marker
@@ -459,7 +453,7 @@ class KVCache:
     def snapshot(self) -> CacheSnapshot:
         """A prompt-cache snapshot sharing the buffers (O(1), no copy)."""
         shared = None if self.buffers is None else self.buffers.shared()
-        return CacheSnapshot(self.mode, self.step, shared, self.offset, self.live_start)
+        return CacheSnapshot(self.mode, shared, self.offset, self.live_start)
 
     def _check_holder(self, op: str, holder: CacheSnapshot) -> None:
         if not isinstance(holder, CacheSnapshot):
@@ -479,8 +473,7 @@ class KVCache:
             return
         want = mx.float16 if self.mode == "fp16" else mx.int8
         for name, a in (("keys", b.keys), ("values", b.values)):
-            if a.ndim != 4:
-                raise InvalidArgumentError(f"{op}: {name} must have rank 4, got shape {tuple(a.shape)}")
+            _check_tensor(op, name, a)
             if a.dtype != want:
                 raise InvalidArgumentError(f"{op}: {name} dtype must be {want}, got {a.dtype}")
         if b.keys.shape[:3] != b.values.shape[:3]:
@@ -510,7 +503,7 @@ class KVCache:
 
     def detach(self) -> DetachedHandle:
         """Move every tensor into a detached handle; the cache becomes empty."""
-        handle = DetachedHandle(self.mode, self.step, self.buffers, self.offset, self.live_start)
+        handle = DetachedHandle(self.mode, self.buffers, self.offset, self.live_start)
         self._reset()
         return handle
 
@@ -543,10 +536,10 @@ class KVCache:
 
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
-        """Load live rows (offset = their count, live_start 0); validated as
-        ``from_state`` validates, and nothing changes when refused."""
-        other = type(self).from_state(v, None if self.mode == "fp16" and not v else
-                                      (self.mode, str(self.step), str(_rows_in(v)), "0"))
+        """Load live rows (offset = their count, live_start 0) in this
+        cache's mode; validated as ``from_state`` validates, and nothing
+        changes when refused."""
+        other = type(self)._build("state", self.mode, self.step, v, None, 0)
         self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
 
     @property
@@ -557,39 +550,51 @@ class KVCache:
     def meta_state(self, v: tuple[str, ...]) -> None:
         """Set (mode, step, offset, live_start) over the rows already loaded;
         refused (nothing changes) when they do not fit those rows."""
-        rows = () if self.buffers is None else self.state
-        other = type(self).from_state(rows, v) if rows or not v else type(self).from_state((), v)
+        other = type(self).from_state(self.state, v, op="meta_state")
         self.mode, self.step = other.mode, other.step
         self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
 
     @classmethod
-    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> "KVCache":
-        """Rebuild a cache from ``state``/``meta_state`` (mlx-lm prompt-cache
-        files). Without meta_state an Fp16 cache with offset = rows."""
-        if meta_state is not None and (not isinstance(meta_state, (tuple, list)) or len(meta_state) != 4):
-            raise InvalidArgumentError(f"from_state: meta_state must be (mode, step, offset, live_start), got {meta_state!r}")
-        mode = meta_state[0] if meta_state else "fp16"
+    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None,
+                   op: str = "from_state") -> "KVCache":
+        """Rebuild a cache from ``state`` (the live rows: Fp16 ``(keys,
+        values)``, Int8 ``(keys, key_scales, values, value_scales)``, each
+        ``[B, H, live_len, D]``) and ``meta_state`` (``(mode, step, offset,
+        live_start)`` as strings, mlx-lm prompt-cache files). Without
+        meta_state: an Fp16 cache with offset = rows, live_start 0.
+
+        Raises InvalidArgumentError (message prefixed with ``op``) for a
+        malformed meta_state, the wrong number of arrays for the mode,
+        tensors of the wrong rank or dtype, or counters that do not fit the
+        rows; UnsupportedOperationError for an unknown mode."""
+        if meta_state is None:
+            return cls._build(op, "fp16", 256, state, None, 0)
+        if not isinstance(meta_state, (tuple, list)) or len(meta_state) != 4:
+            raise InvalidArgumentError(f"{op}: meta_state must be (mode, step, offset, live_start), got {meta_state!r}")
         try:
-            step = int(meta_state[1]) if meta_state else 256
-            offset, live_start = (int(meta_state[2]), int(meta_state[3])) if meta_state else (None, 0)
+            step, offset, live_start = (int(x) for x in meta_state[1:])
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"from_state: meta_state must hold integers, got {meta_state!r}") from None
+            raise InvalidArgumentError(f"{op}: meta_state must hold integers, got {meta_state!r}") from None
+        return cls._build(op, meta_state[0], step, state, offset, live_start)
+
+    @classmethod
+    def _build(cls, op: str, mode: str, step: int, state: tuple[mx.array, ...], offset: int | None,
+               live_start: int) -> "KVCache":
         obj = cls(mode=mode, step=step)
         want = 4 if mode == "int8" else 2
         if state and len(state) != want:
-            raise InvalidArgumentError(f"from_state: state must hold {want} arrays in mode {mode}, got {len(state)}")
-        if not state:
-            buffers = None
-        elif mode == "int8":
-            buffers = _Buffers(state[0], state[2], state[1], state[3])
-        else:
-            buffers = _Buffers(state[0], state[1])
-        rows = 0 if buffers is None else int(buffers.keys.shape[SEQ_AXIS]) if buffers.keys.ndim == 4 else -1
-        holder = CacheSnapshot(mode, step, buffers, rows if offset is None else offset, live_start)
-        obj._check_holder("from_state", holder)
-        if holder.live_len != rows and buffers is not None:
+            raise InvalidArgumentError(f"{op}: state must hold {want} arrays in mode {mode}, got {len(state)}")
+        buffers = None
+        if state:
+            buffers = _Buffers(state[0], state[2], state[1], state[3]) if mode == "int8" else _Buffers(state[0], state[1])
+            for name, a in (("keys", buffers.keys), ("values", buffers.values)):
+                _check_tensor(op, name, a)
+        rows = 0 if buffers is None else buffers.capacity
+        holder = CacheSnapshot(mode, buffers, rows if offset is None else offset, live_start)
+        obj._check_holder(op, holder)
+        if buffers is not None and holder.live_len != rows:
             raise InvalidArgumentError(
-                f"from_state: state must hold exactly the live rows, got {rows} rows for live_len {holder.live_len}"
+                f"{op}: state must hold exactly the live rows, got {rows} rows for live_len {holder.live_len}"
             )
         obj._adopt(holder)
         return obj

@@ -28,11 +28,23 @@ from impl.dense import (
     SEQ_AXIS,
     _check_int,
     _check_rows,
+    _check_tensor,
     copy_without_marker,
     inplace_switch_from_env,
     share,
 )
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+
+def _state_pair(op: str, v: Any) -> tuple[Any, Any]:
+    """``state`` is ``(keys, values)`` or empty."""
+    if not v:
+        return None, None
+    if len(v) != 2:
+        raise InvalidArgumentError(f"{op}: state must hold (keys, values), got {len(v)} arrays")
+    for name, a in (("keys", v[0]), ("values", v[1])):
+        _check_tensor(op, name, a)
+    return v[0], v[1]
 
 
 def chronological_slots(n_slots: int, idx: int, keep: int, wrapped: bool) -> list[int]:
@@ -118,7 +130,7 @@ class RotatingKVCache:
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """Valid rows in physical slot order, float16 ``[B, H, n, D]``."""
-        if self.keys is None or self.values is None:
+        if self.keys is None:  # keys and values are set and dropped together
             return None
         n = self.valid_len
         return self.keys[:, :, :n, :], self.values[:, :, :n, :]
@@ -224,7 +236,7 @@ class RotatingKVCache:
         Raises InvalidArgumentError for a wrong rank, dtype, S < 1, or a
         B/H/D that differs from the cached rows."""
         n = _check_rows("append", keys, values)
-        if self.keys is not None and self.values is not None:
+        if self.keys is not None:
             for name, have, new in (("keys", self.keys, keys), ("values", self.values, values)):
                 if (have.shape[0], have.shape[1], have.shape[3]) != (new.shape[0], new.shape[1], new.shape[3]):
                     raise InvalidArgumentError(f"append: {name} must match the cache's [B, H, _, D], got {tuple(new.shape)}")
@@ -285,7 +297,8 @@ class RotatingKVCache:
         """Refuse a snapshot no ring of this shape could have produced: wrong
         type, (max_size, keep), tensor rank, dtype or K/V agreement, or
         counters outside the ring's invariants (``0 <= idx <= offset``,
-        ``idx <= capacity``; wrapped: ``keep <= idx`` and ``capacity >=
+        ``idx <= capacity``; wrapped: ``keep < idx`` (a wrapped cursor has just written past the
+        sinks) and ``capacity >=
         max_size``; oversized: ``idx == capacity``)."""
         if not isinstance(snap, RingSnapshot):
             raise InvalidArgumentError(f"{op}: expected a RingSnapshot, got {type(snap).__name__}")
@@ -299,13 +312,12 @@ class RotatingKVCache:
             raise InvalidArgumentError(f"{op}: cursor must satisfy 0 <= idx <= offset, got idx={snap.idx}, offset={snap.offset}")
         if (snap.keys is None) != (snap.values is None):
             raise InvalidArgumentError(f"{op}: keys and values must both be present or both absent")
-        if snap.keys is None or snap.values is None:
+        if snap.keys is None:  # and so values, checked just above
             if snap.offset != 0:
                 raise InvalidArgumentError(f"{op}: offset {snap.offset} > 0 but no tensors")
             return
         for name, a in (("keys", snap.keys), ("values", snap.values)):
-            if not isinstance(a, mx.array) or a.ndim != 4:
-                raise InvalidArgumentError(f"{op}: {name} must be an mx.array of rank 4, got {getattr(a, 'shape', type(a).__name__)}")
+            _check_tensor(op, name, a)
             if a.dtype != mx.float16:
                 raise InvalidArgumentError(f"{op}: {name} dtype must be mlx.core.float16, got {a.dtype}")
         if snap.keys.shape[:3] != snap.values.shape[:3]:
@@ -314,7 +326,7 @@ class RotatingKVCache:
             )
         cap = int(snap.keys.shape[SEQ_AXIS])
         wrapped = snap.offset != snap.idx
-        if snap.idx > cap or (wrapped and (snap.idx < self.keep or cap < self.max_size)) or (cap > self.max_size and snap.idx != cap):
+        if snap.idx > cap or (wrapped and (snap.idx <= self.keep or cap < self.max_size)) or (cap > self.max_size and snap.idx != cap):
             raise InvalidArgumentError(
                 f"{op}: counters do not fit the ring: offset={snap.offset}, idx={snap.idx}, capacity={cap}, "
                 f"max_size={self.max_size}, keep={self.keep}"
@@ -371,7 +383,7 @@ class RotatingKVCache:
         window = self.max_size if window_size is None else window_size
         positions = self._next_positions(N)
         rows = [[ring_visible(self.offset + i, p, window, self.keep) for p in positions] for i in range(N)]
-        mask = mx.array(np.array(rows, dtype=bool).reshape(N, len(positions)))
+        mask = mx.array(np.array(rows).reshape(N, len(positions)))
         if return_array:
             return mask
         L = len(positions)
@@ -393,12 +405,9 @@ class RotatingKVCache:
     def state(self, v: tuple[mx.array, ...]) -> None:
         """Load rows as an unwrapped ring (offset = idx = rows); ``meta_state``
         then sets the counters. Validated like ``restore``."""
-        if v and len(v) != 2:
-            raise InvalidArgumentError(f"state: must hold (keys, values), got {len(v)} arrays")
-        keys, values = (v[0], v[1]) if v else (None, None)
-        rows = 0 if keys is None else int(getattr(keys, "shape", (0, 0, 0))[SEQ_AXIS]) if getattr(keys, "ndim", 0) == 4 else 0
-        snap = RingSnapshot(keys, values, rows, rows, self.max_size, self.keep)
-        self._check_snapshot("state", snap)
+        keys, values = _state_pair("state", v)
+        rows = 0 if keys is None else int(keys.shape[SEQ_AXIS])
+        self._check_snapshot("state", RingSnapshot(keys, values, rows, rows, self.max_size, self.keep))
         self.keys, self.values, self.offset, self.idx = keys, values, rows, rows
         self._marker = None
 
@@ -410,20 +419,29 @@ class RotatingKVCache:
     def meta_state(self, v: tuple[str, ...]) -> None:
         """Set (keep, max_size, step, offset, idx) over the loaded rows;
         refused (nothing changes) when the counters do not fit them."""
-        try:
-            keep, max_size, step, offset, idx = (int(x) for x in v)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"meta_state: must be five integers (keep, max_size, step, offset, idx), got {v!r}") from None
-        probe = type(self)(max_size=max_size, keep=keep, step=step)
-        probe._check_snapshot("meta_state", RingSnapshot(self.keys, self.values, offset, idx, max_size, keep))
-        self.keep, self.max_size, self.step, self.offset, self.idx = keep, max_size, step, offset, idx
+        other = type(self)._from_parts("meta_state", self.keys, self.values, v)
+        self.keep, self.max_size, self.step, self.offset, self.idx = other.keep, other.max_size, other.step, other.offset, other.idx
         self._marker = None
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> "RotatingKVCache":
-        obj = cls(max_size=2)
-        obj.state = state
-        obj.meta_state = meta_state
+        """Rebuild a ring from ``state`` (``(keys, values)``, float16 ``[B, H,
+        T, D]`` in physical slot order, or ``()``) and ``meta_state``
+        (``(keep, max_size, step, offset, idx)`` as strings, mlx-lm's
+        layout). Raises InvalidArgumentError for a malformed state or
+        meta_state, or counters that do not fit the rows (the checks of
+        :meth:`restore`)."""
+        return cls._from_parts("from_state", *_state_pair("from_state", state), meta_state)
+
+    @classmethod
+    def _from_parts(cls, op: str, keys: mx.array | None, values: mx.array | None, meta: Any) -> "RotatingKVCache":
+        try:
+            keep, max_size, step, offset, idx = (int(x) for x in meta)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{op}: meta_state must be five integers (keep, max_size, step, offset, idx), got {meta!r}") from None
+        obj = cls(max_size=max_size, keep=keep, step=step)
+        obj._check_snapshot(op, RingSnapshot(keys, values, offset, idx, max_size, keep))
+        obj.keys, obj.values, obj.offset, obj.idx = keys, values, offset, idx
         return obj
 
     def size(self) -> int:

@@ -160,10 +160,8 @@ def new_cache(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = Tru
     return DenseCache(mode=Mode(mode), step=step, inplace=inplace)
 
 
-def _with_new_buffer(cache: DenseCache, capacity: int | None) -> DenseCache:
-    """The cache holding freshly produced private buffers (or none)."""
-    if capacity is None:
-        return replace(cache, buffer=None)
+def _with_new_buffer(cache: DenseCache, capacity: int) -> DenseCache:
+    """The cache holding freshly produced private buffers of ``capacity`` rows."""
     return replace(cache, buffer=Buffer(cache.next_ident, capacity), next_ident=cache.next_ident + 1)
 
 
@@ -248,6 +246,12 @@ def _dropped_if_empty(cache: DenseCache) -> DenseCache:
     return cache
 
 
+def _compacted(cache: DenseCache) -> DenseCache:
+    """Fresh private buffers of exactly the live rows (a physical cut), or
+    none at all when live_len is 0."""
+    return _dropped_if_empty(cache) if cache.live_len == 0 else _with_new_buffer(cache, cache.live_len)
+
+
 def trim(cache: DenseCache, n: int) -> tuple[int, DenseCache]:
     """Trim ``n`` rows from the end; returns how many were removed.
 
@@ -265,9 +269,7 @@ def trim(cache: DenseCache, n: int) -> tuple[int, DenseCache]:
     if n == 0:
         return 0, cache
     cache = replace(cache, entries=cache.entries[: cache.live_len - n], offset=cache.offset - n)
-    if not trim_is_logical(cache.mode) and cache.live_len > 0:
-        cache = _with_new_buffer(cache, cache.live_len)
-    return n, _dropped_if_empty(cache)
+    return n, _dropped_if_empty(cache) if trim_is_logical(cache.mode) else _compacted(cache)
 
 
 def trim_to(cache: DenseCache, length: int) -> tuple[int, DenseCache]:
@@ -307,10 +309,7 @@ def trim_front_keep_sink(cache: DenseCache, n: int, keep: int = 0) -> tuple[int,
         return 0, cache
     keep = max(0, min(keep, cache.live_len - n))
     entries = cache.entries[:keep] + cache.entries[keep + n :]
-    cache = replace(cache, entries=entries, live_start=cache.live_start + n)
-    if cache.live_len > 0:
-        cache = _with_new_buffer(cache, cache.live_len)
-    return n, _dropped_if_empty(cache)
+    return n, _compacted(replace(cache, entries=entries, live_start=cache.live_start + n))
 
 
 def check_strictly_increasing(op: str, name: str, values: tuple[int, ...], lo: int, hi: int) -> None:

@@ -122,15 +122,17 @@ class RotatingCache:
 
     def window(self) -> tuple[int, ...]:
         """Token identities a fetch returns, in physical slot order."""
-        return tuple(_token(e) for e in self.slots[: self.valid_len])
+        return tuple(_valid(e).token for e in self.slots[: self.valid_len])
 
     def positions(self) -> tuple[int, ...]:
-        return tuple(e.position if e is not None else -1 for e in self.slots[: self.valid_len])
+        return tuple(_valid(e).position for e in self.slots[: self.valid_len])
 
 
-def _token(e: Entry | None) -> int:
-    assert e is not None, "a valid slot always holds an entry"
-    return e.token
+def _valid(e: Entry | None) -> Entry:
+    """A valid slot always holds an entry (only slots past the cursor of an
+    unwrapped ring are empty)."""
+    assert e is not None
+    return e
 
 
 def new_cache(max_size: int, keep: int = 0, step: int = 256, inplace: bool = True,

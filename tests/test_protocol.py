@@ -265,7 +265,21 @@ def test_rotating_restore_and_state_refusals():
          "restore: counters do not fit the ring: offset=7, idx=0, capacity=4, max_size=4, keep=1"),
         (RingSnapshot(None, good.values, 5, 2, 4, 1), "restore: keys and values must both be present or both absent"),
         (RingSnapshot(None, None, 5, 5, 4, 1), "restore: offset 5 > 0 but no tensors"),
-        (RingSnapshot(good.keys[0], good.values[0], 5, 2, 4, 1), "restore: keys must be an mx.array of rank 4, got (1, 4, 4)"),
+        (RingSnapshot(good.keys[0], good.values[0], 5, 2, 4, 1), "restore: keys must have rank 4, got shape (1, 4, 4)"),
+        (RingSnapshot(good.keys, good.values[0], 5, 2, 4, 1), "restore: values must have rank 4, got shape (1, 4, 4)"),
+        (RingSnapshot("k", good.values, 5, 2, 4, 1), "restore: keys must be an mx.array, got str"),
+        (RingSnapshot(good.keys, good.values, 5, 2.5, 4, 1), "restore: idx must be an integer, got 2.5"),
+        (RingSnapshot(None, None, 1, 1, 4, 1), "restore: offset 1 > 0 but no tensors"),
+        # wrapped with the cursor on the sinks: no ring writes and stops there
+        (RingSnapshot(good.keys, good.values, 5, 1, 4, 1),
+         "restore: counters do not fit the ring: offset=5, idx=1, capacity=4, max_size=4, keep=1"),
+        # wrapped, but the buffer is smaller than the window
+        (RingSnapshot(good.keys[:, :, :3], good.values[:, :, :3], 5, 2, 4, 1),
+         "restore: counters do not fit the ring: offset=5, idx=2, capacity=3, max_size=4, keep=1"),
+        # oversized (a multi-row append's result) with the cursor not at its end
+        (RingSnapshot(mx.concatenate([good.keys, good.keys], axis=2), mx.concatenate([good.values, good.values], axis=2),
+                      8, 7, 4, 1),
+         "restore: counters do not fit the ring: offset=8, idx=7, capacity=8, max_size=4, keep=1"),
         (RingSnapshot(good.keys, good.values, 5.0, 2, 4, 1), "restore: offset must be an integer, got 5.0"),
     ]
     for snap, text in cases:
@@ -273,8 +287,15 @@ def test_rotating_restore_and_state_refusals():
     assert (c.offset, c.idx, firsts(c.fetch()[0])) == before
     with pytest.raises(InvalidArgumentError, match="cursor must satisfy 0 <= idx <= offset, got idx=-2"):
         RotatingKVCache.from_state(c.state, ("1", "4", "1", "5", "-2"))
-    with pytest.raises(InvalidArgumentError, match="meta_state: must be five integers"):
-        RotatingKVCache.from_state(c.state, ("1", "4", "1", "5"))
+    assert message(RotatingKVCache.from_state, c.state, ("1", "4", "1", "5")) == (
+        InvalidArgumentError,
+        "from_state: meta_state must be five integers (keep, max_size, step, offset, idx), got ('1', '4', '1', '5')")
+    assert message(RotatingKVCache.from_state, (c.state[0],), ("1", "4", "1", "5", "2")) == (
+        InvalidArgumentError, "from_state: state must hold (keys, values), got 1 arrays")
+    assert message(RotatingKVCache.from_state, (c.state[0], None), ("1", "4", "1", "5", "2")) == (
+        InvalidArgumentError, "from_state: values must be an mx.array, got NoneType")
+    with pytest.raises(InvalidArgumentError, match=r"^meta_state: meta_state must be five integers"):
+        c.meta_state = ("1", "4")
     with pytest.raises(InvalidArgumentError, match="state: keys dtype"):
         c.state = (c.state[0].astype(mx.float32), c.state[1])
     assert (c.offset, c.idx, firsts(c.fetch()[0])) == before
@@ -381,3 +402,81 @@ def test_install_and_append_messages_name_the_shapes():
     decode(other, 1)
     h = other.detach()
     assert message(KVCache("fp16").install, h) == (InvalidArgumentError, "install: mode must be 'fp16', got 'int8'")
+
+
+def test_dense_holder_field_messages_and_consumed_handle():
+    c = KVCache("fp16", step=2)
+    decode(c, 3)
+    c.trim_front(1)
+    snap = c.snapshot()
+    assert message(c.restore, "s") == (InvalidArgumentError, "restore: expected a CacheSnapshot, got str")
+    bad = copy.copy(snap)
+    bad.offset = 3.0
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: offset must be an integer, got 3.0")
+    bad = copy.copy(snap)
+    bad.live_start = "1"
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: live_start must be an integer, got '1'")
+    bad = copy.copy(snap)
+    bad.buffers = type(snap.buffers)(np.zeros((1, 1, 4, 4), np.float16), snap.buffers.values)
+    assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys must be an mx.array, got ndarray")
+    h = c.detach()
+    h.live_start = None
+    assert message(KVCache("fp16").install, h) == (InvalidArgumentError, "install: live_start must be an integer, got None")
+    h.live_start = 1
+    d = KVCache("fp16", step=2)
+    d.install(h)
+    # the handle is emptied: no tensors, offset and live_start 0
+    assert (h.consumed, h.buffers, h.offset, h.live_start, h.fetch()) == (True, None, 0, 0, None)
+    assert (d.offset, d.live_start, firsts(d.fetch()[0])) == (3, 1, [1, 2])
+    assert KVCache().last_write_inplace is False
+
+
+def test_dense_state_round_trip_keeps_keys_and_values_apart():
+    c = KVCache("fp16", step=2)
+    for t in range(3):
+        c.update_and_fetch(rows(1, t), rows(1, 10 + t))
+    for meta in (None, c.meta_state):
+        c2 = KVCache.from_state(c.state, meta)
+        k, v = c2.fetch()
+        assert firsts(k) == [0, 1, 2] and firsts(v) == [10, 11, 12]
+    q = KVCache("int8", step=2)
+    for t in range(3):
+        q.update_and_fetch(rows(1, t), rows(1, 10 + t))
+    q2 = KVCache.from_state(q.state, q.meta_state)
+    assert [np.array(a).tolist() for a in q2.fetch()] == [np.array(a).tolist() for a in q.fetch()]
+    k3 = mx.zeros((1, 3, 4), dtype=mx.float16)
+    assert message(KVCache.from_state, (k3, k3)) == (InvalidArgumentError, "from_state: keys must have rank 4, got shape (1, 3, 4)")
+    assert message(KVCache.from_state, (c.state[0], None)) == (InvalidArgumentError, "from_state: values must be an mx.array, got NoneType")
+    assert message(KVCache.from_state, c.state, ("fp16", "2", "3")) == (
+        InvalidArgumentError, "from_state: meta_state must be (mode, step, offset, live_start), got ('fp16', '2', '3')")
+    assert message(KVCache.from_state, c.state, "fp16") == (
+        InvalidArgumentError, "from_state: meta_state must be (mode, step, offset, live_start), got 'fp16'")
+    before = (c.offset, firsts(c.fetch()[0]))
+    with pytest.raises(InvalidArgumentError, match=r"^state: keys must have rank 4"):
+        c.state = (k3, k3)
+    with pytest.raises(InvalidArgumentError, match=r"^meta_state: meta_state must hold integers"):
+        c.meta_state = ("fp16", "2", "x", "0")
+    assert (c.offset, firsts(c.fetch()[0])) == before
+
+
+def test_make_mask_argument_messages():
+    for c in (KVCache("fp16"), RotatingKVCache(4)):
+        assert message(c.make_mask, 1.5) == (InvalidArgumentError, "make_mask: N must be an integer, got 1.5")
+    assert message(KVCache().gather_positions, 5) == (InvalidArgumentError, "gather_positions: positions must be a list of integers, got int")
+    assert message(KVCache().install, None) == (InvalidArgumentError, "install: expected a DetachedHandle, got NoneType")
+
+
+def test_restore_accepts_every_shape_a_ring_can_take():
+    """Warm-up (capacity below the window), full but not wrapped (capacity
+    reached early through a large step), wrapped, and oversized (after a
+    multi-row append) snapshots all restore, and reads agree."""
+    for step, n, prefill in ((2, 3, 0), (4, 2, 0), (1, 6, 0), (1, 2, 5)):
+        c = RotatingKVCache(4, keep=1, step=step)
+        decode(c, n)
+        if prefill:
+            c.update_and_fetch(rows(prefill, 50), rows(prefill, 50))
+        snap = c.snapshot()
+        r = RotatingKVCache(4, keep=1, step=step)
+        r.restore(snap)
+        assert (r.offset, r.idx, r.capacity) == (c.offset, c.idx, c.capacity)
+        assert firsts(r.fetch()[0]) == firsts(c.fetch()[0])
