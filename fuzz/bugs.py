@@ -11,8 +11,9 @@ it comes from, so a reviewer can follow it to the rule it breaks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 

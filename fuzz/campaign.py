@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, seed as hyp_seed, settings
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import seed as hyp_seed
 from hypothesis.stateful import get_state_machine_test
 
 from fuzz.lockstep import Divergence
@@ -26,7 +27,7 @@ def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False) -> s
         database=None,
         derandomize=derandomize,
         suppress_health_check=list(HealthCheck),
-        phases=[Phase.generate, Phase.shrink] if not derandomize else [Phase.generate, Phase.shrink],
+        phases=[Phase.generate, Phase.shrink],  # no explicit/reuse phases: no database
         print_blob=False,
         report_multiple_bugs=False,
     )
@@ -57,7 +58,7 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     error: BaseException | None = None
     try:
         test()
-    except Exception as exc:  # Divergence, or an assertion from an invariant
+    except Exception as exc:  # noqa: BLE001 - Divergence, or an assertion from an invariant
         error = exc
     seconds = time.perf_counter() - start
     executed = machine.stats.get("ops", 0)

@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -309,4 +308,4 @@ if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
 
 
-__all__ = ["main", "build_parser", "Any"]
+__all__ = ["Any", "build_parser", "main"]

@@ -175,7 +175,7 @@ class Lockstep:
             impl_out = Outcome(result=self.impl_apply(op))
         except Divergence:
             raise
-        except Exception as exc:  # a crash is a divergence too
+        except Exception as exc:  # noqa: BLE001 - a crash is a divergence too
             impl_out = Outcome(error=exc)
 
         if (spec_out.error is None) != (impl_out.error is None) or (
@@ -232,10 +232,10 @@ class Lockstep:
                 got = list(got.window)
             if got != op["returns"]:
                 raise Divergence(index, op, "trace's 'returns' check fails", got, op["returns"], ("spec says", "trace expects"))
-        if "inplace" in op and op["op"] == "append" and spec_out.error is None:
-            if spec_out.result.inplace != op["inplace"]:
-                raise Divergence(index, op, "trace's 'inplace' check fails", f"inplace={spec_out.result.inplace}",
-                                 f"inplace={op['inplace']}", ("spec says", "trace expects"))
+        if ("inplace" in op and op["op"] == "append" and spec_out.error is None
+                and spec_out.result.inplace != op["inplace"]):
+            raise Divergence(index, op, "trace's 'inplace' check fails", f"inplace={spec_out.result.inplace}",
+                             f"inplace={op['inplace']}", ("spec says", "trace expects"))
         if "capacity" in op:
             cap = self.spec_observables()["capacity"]
             if cap != op["capacity"]:

@@ -15,11 +15,19 @@ minimal counterexample, which :func:`fuzz.campaign.failure_trace` writes out.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from fuzz.trace import CACHE_DEFAULTS
 
@@ -40,15 +48,15 @@ class KVMachine(RuleBasedStateMachine):
     factories: dict[str, Any] | None = None
     check_inplace = True
     #: cache fields pinned for every example (e.g. ``{"max_size": 16}``)
-    fixed: dict[str, Any] = {}
+    fixed: ClassVar[dict[str, Any]] = {}
     #: a ``fuzz.targets.Target`` (None: ``impl``). Ops it does not run are
     #: not generated (counted as "skipped <op>"); ``covered`` counts the ops
     #: each example did run, by name.
     target: Any = None
-    covered: dict[str, int] = {}
+    covered: ClassVar[dict[str, int]] = {}
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
-    stats: dict[str, int] = {}
+    stats: ClassVar[dict[str, int]] = {}
     #: (examples run, perf_counter time) when the first failure was seen,
     #: before shrinking: what "examples and seconds to catch" report.
     first_failure: tuple[int, float] | None = None
@@ -256,4 +264,4 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     })
 
 
-__all__ = ["KVMachine", "DenseMachine", "machine_for", "precondition"]
+__all__ = ["DenseMachine", "KVMachine", "machine_for", "precondition"]

@@ -156,7 +156,7 @@ def check_proofs() -> list[Check]:
     except ImportError:
         return [Check("proofs", False, "proofs package missing", 0.0)]
     proc = subprocess.run([sys.executable, "-c", "import sys; from proofs.cli import main; sys.exit(main(['--json', '--crosshair']))"],
-                          capture_output=True, text=True, cwd=REPO)
+                          check=False, capture_output=True, text=True, cwd=REPO)
     seconds = time.perf_counter() - start
     try:
         doc = json.loads(proc.stdout)

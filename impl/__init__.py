@@ -7,4 +7,4 @@ models. This package never imports ``fuzz`` or ``proofs``.
 
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache
 
-__all__ = ["KVCache", "CacheSnapshot", "DetachedHandle"]
+__all__ = ["CacheSnapshot", "DetachedHandle", "KVCache"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import mlx.core as mx
@@ -120,7 +121,7 @@ class _Buffers:
     def capacity(self) -> int:
         return int(self.keys.shape[SEQ_AXIS])
 
-    def map(self, fn) -> "_Buffers":
+    def map(self, fn) -> _Buffers:
         return _Buffers(
             fn(self.keys),
             fn(self.values),
@@ -128,7 +129,7 @@ class _Buffers:
             None if self.value_scales is None else fn(self.value_scales),
         )
 
-    def shared(self) -> "_Buffers":
+    def shared(self) -> _Buffers:
         """New handles to the same memory (an O(1) alias, no data copied)."""
         return self.map(share)
 
@@ -556,7 +557,7 @@ class KVCache:
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None,
-                   op: str = "from_state") -> "KVCache":
+                   op: str = "from_state") -> KVCache:
         """Rebuild a cache from ``state`` (the live rows: Fp16 ``(keys,
         values)``, Int8 ``(keys, key_scales, values, value_scales)``, each
         ``[B, H, live_len, D]``) and ``meta_state`` (``(mode, step, offset,
@@ -579,7 +580,7 @@ class KVCache:
 
     @classmethod
     def _build(cls, op: str, mode: str, step: int, state: tuple[mx.array, ...], offset: int | None,
-               live_start: int) -> "KVCache":
+               live_start: int) -> KVCache:
         obj = cls(mode=mode, step=step)
         want = 4 if mode == "int8" else 2
         if state and len(state) != want:
@@ -634,7 +635,7 @@ class KVCache:
 def _check_index_list(op: str, name: str, values: list[int], lo: int, hi: int) -> None:
     if not values:
         raise InvalidArgumentError(f"{op}: {name} must be non-empty, got []")
-    for a, b in zip(values, values[1:]):
+    for a, b in pairwise(values):
         if b <= a:
             raise InvalidArgumentError(f"{op}: {name} must be strictly increasing, got {values}")
     if values[0] < lo or values[-1] >= hi:

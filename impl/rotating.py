@@ -424,7 +424,7 @@ class RotatingKVCache:
         self._marker = None
 
     @classmethod
-    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> "RotatingKVCache":
+    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> RotatingKVCache:
         """Rebuild a ring from ``state`` (``(keys, values)``, float16 ``[B, H,
         T, D]`` in physical slot order, or ``()``) and ``meta_state``
         (``(keep, max_size, step, offset, idx)`` as strings, mlx-lm's
@@ -434,7 +434,7 @@ class RotatingKVCache:
         return cls._from_parts("from_state", *_state_pair("from_state", state), meta_state)
 
     @classmethod
-    def _from_parts(cls, op: str, keys: mx.array | None, values: mx.array | None, meta: Any) -> "RotatingKVCache":
+    def _from_parts(cls, op: str, keys: mx.array | None, values: mx.array | None, meta: Any) -> RotatingKVCache:
         try:
             keep, max_size, step, offset, idx = (int(x) for x in meta)
         except (TypeError, ValueError):
@@ -458,4 +458,4 @@ class RotatingKVCache:
         return f"RotatingKVCache(W={self.max_size}, K={self.keep}, offset={self.offset}, idx={self.idx}, capacity={self.capacity})"
 
 
-__all__ = ["RotatingKVCache", "RingSnapshot", "chronological_slots", "ring_visible", "Any"]
+__all__ = ["Any", "RingSnapshot", "RotatingKVCache", "chronological_slots", "ring_visible"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from itertools import pairwise
 
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -318,7 +319,7 @@ def check_strictly_increasing(op: str, name: str, values: tuple[int, ...], lo: i
     shown = list(values)
     if not values:
         raise InvalidArgumentError(f"{op}: {name} must be non-empty, got []")
-    for a, b in zip(values, values[1:]):
+    for a, b in pairwise(values):
         if b <= a:
             raise InvalidArgumentError(f"{op}: {name} must be strictly increasing, got {shown}")
     if values[0] < lo or values[-1] >= hi:

@@ -9,7 +9,7 @@ from fuzz.verify import catch_bug
 
 @pytest.mark.parametrize("bug", catalog(), ids=lambda b: b.name)
 def test_injected_bug_is_caught(bug, tmp_path):
-    caught, seconds, examples, path, alarm = catch_bug(bug, seed=1, max_examples=1000, out_dir=tmp_path)
+    caught, _seconds, examples, path, alarm = catch_bug(bug, seed=1, max_examples=1000, out_dir=tmp_path)
     assert caught, f"{bug.name} missed after {examples} examples"
     assert alarm is None, alarm
     assert path is not None and path.exists()

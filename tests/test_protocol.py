@@ -193,7 +193,7 @@ def test_copies_are_holders_not_owners(make):
     assert pair[0] is pair[1] and pair[0] is not c
     # copy.copy shares the cache's fields; deepcopy makes new handles (to the
     # same memory) and keeps references inside one deepcopy consistent
-    first = lambda x: getattr(x, "buffers", None) or getattr(x, "keys")  # noqa: E731
+    first = lambda x: getattr(x, "buffers", None) or x.keys
     assert first(copy.copy(c)) is first(c) and first(copy.deepcopy(c)) is not first(c)
     both = copy.deepcopy([c, first(c)])
     assert first(both[0]) is both[1]
