@@ -46,3 +46,31 @@ def test_quantization_is_per_row():
         q1, s1 = quantize_int8(mx.array(x[:, :, j : j + 1, :]))
         assert np.array_equal(np.array(q_all)[:, :, j : j + 1], np.array(q1))
         assert np.array_equal(np.array(s_all)[:, :, j : j + 1], np.array(s1))
+
+
+def _reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_int8 in NumPy float16 arithmetic (each op rounded to fp16)."""
+    absmax = np.max(np.abs(x), axis=-1, keepdims=True)
+    scale = (absmax / np.float16(127)).astype(np.float16)
+    scale = np.where(scale == 0, np.float16(1), scale)
+    q = np.clip(np.round((x / scale).astype(np.float16)), -128, 127).astype(np.int8)
+    return q, scale
+
+
+def test_int8_every_float16_magnitude():
+    """Every finite float16 value, both signs, as a row's absmax. Below about
+    1.6e-5 the scale ``absmax / 127`` is subnormal and rounds coarsely, so
+    ``x / scale`` reaches 190: the clip to [-128, 127] is what keeps such
+    rows from wrapping around int8 (a row of +7.6e-6 would read back as
+    negative). Exhaustive, because random rows almost never land there."""
+    pos = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16)
+    x = np.stack([pos, -pos, pos / np.float16(3)], axis=-1).astype(np.float16)  # absmax = pos
+    x = np.concatenate([x, -x])[:, None, None, :]  # [2N, 1, 1, 3]
+    q, scale = quantize_int8(mx.array(x))
+    ref_q, ref_scale = _reference(x)
+    assert np.array_equal(np.array(scale), ref_scale)
+    assert np.array_equal(np.array(q), ref_q)
+    assert int(np.abs(np.array(q).astype(np.int32)).max()) <= 128
+    # the sign of every nonzero value survives quantization
+    back = np.array(dequantize_int8(q, scale)).astype(np.float32)
+    assert np.all(np.sign(back[back != 0]) == np.sign(x.astype(np.float32)[back != 0]))
