@@ -179,6 +179,21 @@ def check_proofs() -> list[Check]:
     return checks
 
 
+def check_equivalents() -> list[Check]:
+    """The Z3 checks behind the equivalent-mutant arguments (docs/mutation.md)."""
+    from proofs.equivalents import EQUIVALENCES, check
+
+    checks = []
+    for e in EQUIVALENCES:
+        start = time.perf_counter()
+        r = check(e)
+        detail = ("equivalent, control refuted" if r.ok else
+                  f"{'equivalent' if r.proved else 'NOT equivalent'}, control {'refuted' if r.control_refuted else 'NOT refuted'}"
+                  f" ({r.counterexample})")
+        checks.append(Check(f"equivalent mutant {r.name}", r.ok, detail, time.perf_counter() - start))
+    return checks
+
+
 def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False) -> int:
     start = time.perf_counter()
     checks = check_traces()
@@ -188,6 +203,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         checks += check_e2e()
     if not skip_proofs:
         checks += check_proofs()
+        checks += check_equivalents()
     total = time.perf_counter() - start
     ok = all(c.ok for c in checks)
     if as_json:
