@@ -202,3 +202,15 @@ def test_offsets_invariant(ops, step):
         assert 0 <= c.live_start <= c.offset
         assert c.live_len <= c.capacity
         assert len(c.entries) == c.live_len
+
+
+def test_handle_cut_is_a_view_of_the_same_memory():
+    """handle_trim_to keeps the buffer identity (a cut is a view, not a
+    copy) with the new length, and drops the buffer at zero live rows."""
+    c = appended(sd.new_cache(step=4), 3)
+    h = sd.holder_of(c, "handle")
+    n, h1 = sd.handle_trim_to(h, 1)
+    assert n == 2 and h1.buffer == sd.Buffer(c.buffer.ident, 1) and h1.window() == (0,)
+    n, h0 = sd.handle_trim_to(h, 0)
+    assert n == 3 and h0.buffer is None and h0.window() == ()
+    assert sd.handle_trim_to(h, 3) == (0, h)

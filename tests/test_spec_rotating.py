@@ -88,3 +88,18 @@ def test_new_cache_refusals():
 def test_chronological_order():
     assert sr.chronological_order(5, 3, 1, True) == (0, 3, 4, 1, 2)
     assert sr.chronological_order(5, 3, 1, False) == (0, 1, 2)
+
+
+def test_restore_shares_the_snapshot_buffer_and_empty_ring_has_none():
+    """Restore adopts the snapshot's very buffer (same identity: a write in
+    place would reach the snapshot, so the marker is cleared); trimming to
+    offset 0 drops the buffer."""
+    w = sr.RotatingWorld(sr.new_cache(4, step=2))
+    _, w = sr.w_append(w, 3)
+    _, w = sr.w_snapshot(w, "s")
+    _, w = sr.w_append(w, 2)  # a multi-row append: new buffer
+    assert w.cache.ident != w.holders["s"].cache.ident
+    _, w = sr.w_restore(w, "s")
+    assert w.cache.ident == w.holders["s"].cache.ident and w.cache.marker is None
+    n, c = sr.trim(w.cache, 3)
+    assert n == 3 and (c.slots, c.ident, c.marker, c.offset, c.idx) == ((), None, None, 0, 0)
