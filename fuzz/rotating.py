@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
@@ -182,7 +182,6 @@ class RotatingMachine(KVMachine):
     windows in warm-up and in the steady state."""
 
     kind = "rotating"
-    snapshots = Bundle("snapshots")
 
     @initialize(
         data=st.data(),
@@ -194,10 +193,6 @@ class RotatingMachine(KVMachine):
     def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int, kv_heads: int) -> None:
         keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
         self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads)
-
-    @property
-    def offset(self) -> int:
-        return self.lock.world.cache.offset
 
     @rule()
     def decode(self) -> None:
@@ -211,41 +206,6 @@ class RotatingMachine(KVMachine):
     @rule(n=st.integers(2, 9))
     def prefill(self, n: int) -> None:
         self.do({"op": "append", "n": n})
-
-    @rule()
-    def fetch(self) -> None:
-        self.do({"op": "fetch"})
-
-    @rule()
-    def hold(self) -> None:
-        if self.lock.world.returned is not None:
-            self.do({"op": "hold"})
-
-    @rule()
-    def release_hold(self) -> None:
-        self.do({"op": "release_hold"})
-
-    @rule(n=st.integers(-1, 4))
-    def trim(self, n: int) -> None:
-        self.do({"op": "trim", "n": n})
-
-    @rule(data=st.data())
-    def trim_to(self, data: st.DataObject) -> None:
-        self.do({"op": "trim_to", "len": data.draw(st.integers(-1, self.offset + 1), label="len")})
-
-    @rule(target=snapshots)
-    def snapshot(self) -> str:
-        name = self.fresh_name("s")
-        self.do({"op": "snapshot", "name": name})
-        return name
-
-    @rule(name=snapshots)
-    def restore(self, name: str) -> None:
-        self.do({"op": "restore", "name": name})
-
-    @rule(name=consumes(snapshots))
-    def drop(self, name: str) -> None:
-        self.do({"op": "drop", "name": name})
 
     @invariant()
     def cursor_in_range(self) -> None:
