@@ -19,6 +19,8 @@ class DenseLockstep(Lockstep):
     ``cache_factory`` builds the implementation under test (the injected-bug
     catalog passes a patched class)."""
 
+    spec_module = sd
+
     def __init__(self, cache: dict[str, Any], cache_factory=KVCache):
         super().__init__(cache)
         self.world = sd.new_world(cache["mode"], cache["step"], cache["inplace"])
@@ -36,14 +38,9 @@ class DenseLockstep(Lockstep):
     # -- spec side --------------------------------------------------------------
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
         w, name = self.world, op["op"]
-        if name == "append":
-            return sd.w_append(w, op["n"])
-        if name == "fetch":
-            return w.cache.window(), w
-        if name == "hold":
-            return sd.w_hold(w)
-        if name == "release_hold":
-            return sd.w_release_hold(w)
+        result = self.spec_common(op)
+        if result is not self._UNHANDLED:
+            return result
         if name == "trim":
             return sd.w_cache_op(w, sd.trim, op["n"])
         if name == "trim_to":
@@ -54,12 +51,6 @@ class DenseLockstep(Lockstep):
             return sd.w_cache_op(w, sd.gather_positions, tuple(op["positions"]))
         if name == "gather_within_tail":
             return sd.w_cache_op(w, sd.gather_within_tail, op["tail"], tuple(op["kept"]))
-        if name == "snapshot":
-            return sd.w_snapshot(w, op["name"])
-        if name == "restore":
-            return sd.w_restore(w, op["name"])
-        if name == "drop":
-            return sd.w_drop(w, op["name"])
         if name == "detach":
             return sd.w_detach(w, op["name"])
         if name == "install":

@@ -265,6 +265,26 @@ class Lockstep:
                              ("trace expects", "impl did"))
 
     _UNHANDLED = object()
+    #: the spec module whose ``w_*`` world operations this driver runs
+    #: (``spec.dense`` or ``spec.rotating``)
+    spec_module: Any = None
+
+    def spec_common(self, op: dict[str, Any]) -> Any:
+        """The ops every cache kind runs the same way on the spec side
+        (``self.world``): append, fetch, hold, release_hold, snapshot,
+        restore, drop. Returns ``_UNHANDLED`` for any other op."""
+        m, w, name = self.spec_module, self.world, op["op"]
+        if name == "append":
+            return m.w_append(w, op["n"])
+        if name == "fetch":
+            return w.cache.window(), w
+        if name == "hold":
+            return m.w_hold(w)
+        if name == "release_hold":
+            return m.w_release_hold(w)
+        if name in ("snapshot", "restore", "drop"):
+            return getattr(m, "w_" + name)(w, op["name"])
+        return self._UNHANDLED
 
     def impl_common(self, op: dict[str, Any]) -> Any:
         """The ops every cache kind runs the same way on the implementation

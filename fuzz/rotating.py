@@ -38,6 +38,8 @@ class RotatingLockstep(Lockstep):
     every append, ``make_mask`` (array and short forms) with the spec's
     visibility rule over the keys the append will return."""
 
+    spec_module = sr
+
     def __init__(self, cache: dict[str, Any], cache_factory=RotatingKVCache):
         super().__init__(cache)
         self.world = sr.RotatingWorld(
@@ -53,24 +55,13 @@ class RotatingLockstep(Lockstep):
 
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
         w, name = self.world, op["op"]
-        if name == "append":
-            return sr.w_append(w, op["n"])
-        if name == "fetch":
-            return w.cache.window(), w
-        if name == "hold":
-            return sr.w_hold(w)
-        if name == "release_hold":
-            return sr.w_release_hold(w)
+        result = self.spec_common(op)
+        if result is not self._UNHANDLED:
+            return result
         if name in ("trim", "trim_to"):
             fn = sr.trim if name == "trim" else sr.trim_to
             result, cache = fn(w.cache, op["n"] if name == "trim" else op["len"])
             return result, replace(w, cache=cache)
-        if name == "snapshot":
-            return sr.w_snapshot(w, op["name"])
-        if name == "restore":
-            return sr.w_restore(w, op["name"])
-        if name == "drop":
-            return sr.w_drop(w, op["name"])
         raise sr.unsupported(name)
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
