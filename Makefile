@@ -44,7 +44,7 @@ conformance: $(STAMP)
 mutation: $(STAMP)
 	$(BIN)/python -m pip install --quiet mutmut
 	rm -rf mutants
-	$(BIN)/mutmut run --max-children 2 || true
+	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children 2 || true
 	$(BIN)/python -m fuzz.mutation_report
 
 lint: $(STAMP)

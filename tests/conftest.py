@@ -3,11 +3,16 @@
 ``derandomize`` makes every run of the suite draw the same examples, and no
 example database is kept, so a CI result depends on the code alone. Campaigns
 (``kvspec fuzz``) are where randomness belongs.
+
+``HYPOTHESIS_PROFILE=mutation`` (set by ``make mutation``) is the same
+profile without the shrink phase: a mutant is killed by the first failing
+example, and minimising that example only costs time per mutant (it is what
+made most mutmut runs hit their timeout).
 """
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "ci",
@@ -18,5 +23,8 @@ settings.register_profile(
     stateful_step_count=30,
     suppress_health_check=list(HealthCheck),
     print_blob=False,
+)
+settings.register_profile(
+    "mutation", settings.get_profile("ci"), phases=[Phase.explicit, Phase.reuse, Phase.generate]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -12,7 +12,8 @@ CONFIGS = [("dense", "fp16", True), ("dense", "fp16", False), ("dense", "int8", 
 @pytest.mark.parametrize("kind,mode,inplace", CONFIGS)
 def test_state_machine_agrees(kind, mode, inplace):
     machine = machine_for(kind, mode, inplace)
-    machine.TestCase.settings = settings(settings.get_profile("ci"), max_examples=40, stateful_step_count=30)
+    # the loaded profile (ci, or mutation under `make mutation`), longer runs
+    machine.TestCase.settings = settings(settings.default, max_examples=40, stateful_step_count=30)
     machine.TestCase().runTest()
     # the run must actually have reached the edges it is there for
     assert machine.stats.get("copying writes", 0) > 0
