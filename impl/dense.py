@@ -48,6 +48,21 @@ def _check_int(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
+def write_rows_inplace(dst: mx.array, src: mx.array, at: int) -> None:
+    """Write ``src`` (``[B, H, n, D]``) into rows ``[at, at + n)`` of
+    ``dst``'s own memory, through a writable NumPy view: every array that
+    shares that memory (a snapshot, a held window) sees the write. Callers
+    must have proved that no one else can read those rows (the ownership
+    rule, spec.dense.inplace_write_allowed / spec.rotating.
+    rotating_inplace_allowed).
+
+    ``dst`` is evaluated first: a lazy array has no memory to alias yet.
+    ``copy=False`` makes NumPy raise rather than silently write into a copy.
+    """
+    mx.eval(dst)
+    np.array(dst, copy=False)[:, :, at : at + src.shape[SEQ_AXIS], :] = src
+
+
 def _check_tensor(op: str, name: str, a: Any) -> None:
     """A stored tensor must be an ``mx.array`` of rank 4 ``[B, H, T, D]``."""
     if not isinstance(a, mx.array):
@@ -302,10 +317,8 @@ class KVCache:
         """Write rows into the existing buffers' memory: every holder sharing
         them sees it, which the ownership rule makes harmless."""
         assert self.buffers is not None
-        mx.eval(*self.buffers.arrays(), *rows.arrays())
         for dst, src in zip(self.buffers.arrays(), rows.arrays()):
-            view = np.array(dst, copy=False)
-            view[:, :, at : at + src.shape[SEQ_AXIS], :] = np.array(src, copy=False)
+            write_rows_inplace(dst, src, at)
 
     def _write_copy(self, at: int, rows: _Buffers) -> None:
         """Functional slice update: new private buffers (MLX copies a buffer

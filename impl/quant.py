@@ -19,8 +19,9 @@ def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     """
     x16 = x.astype(mx.float16)
     absmax = mx.max(mx.abs(x16), axis=-1, keepdims=True)
-    scale = absmax / mx.array(127, dtype=mx.float16)
-    scale = mx.where(scale == 0, mx.array(1, dtype=mx.float16), scale)
+    # Python scalars are weakly typed in MLX: the arithmetic stays float16.
+    scale = absmax / 127
+    scale = mx.where(scale == 0, 1, scale)
     q = mx.clip(mx.round(x16 / scale), -128, 127).astype(mx.int8)
     return q, scale.astype(mx.float16)
 

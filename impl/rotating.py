@@ -32,6 +32,7 @@ from impl.dense import (
     copy_without_marker,
     inplace_switch_from_env,
     share,
+    write_rows_inplace,
 )
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -160,9 +161,8 @@ class RotatingKVCache:
     def _write_row(self, k: mx.array, v: mx.array, inplace: bool) -> None:
         assert self.keys is not None and self.values is not None
         if inplace:
-            mx.eval(self.keys, self.values, k, v)
-            for dst, src in ((self.keys, k), (self.values, v)):
-                np.array(dst, copy=False)[:, :, self.idx : self.idx + 1, :] = np.array(src, copy=False)
+            write_rows_inplace(self.keys, k, self.idx)
+            write_rows_inplace(self.values, v, self.idx)
         else:
             start = mx.array([self.idx])
             self._set_buffers(

@@ -480,3 +480,25 @@ def test_restore_accepts_every_shape_a_ring_can_take():
         r.restore(snap)
         assert (r.offset, r.idx, r.capacity) == (c.offset, c.idx, c.capacity)
         assert firsts(r.fetch()[0]) == firsts(c.fetch()[0])
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache("fp16", step=4), lambda: RotatingKVCache(4, step=4)])
+def test_inplace_write_touches_exactly_its_rows(make):
+    """Warm-up: the second decode goes in place; the buffer's rows past the
+    written ones are still the zeros growth put there."""
+    c = make()
+    decode(c, 2, start=1)
+    assert c.last_write_inplace
+    raw = c.buffers.keys if isinstance(c, KVCache) else c.keys
+    assert firsts(raw) == [1, 2, 0, 0]
+
+
+def test_more_argument_messages():
+    assert message(KVCache, inplace="0") == (
+        InvalidArgumentError, "KVCache: inplace must be True, False or None (read KV_INPLACE_WRITE), got '0'")
+    c = RotatingKVCache(4, keep=1, step=1)
+    decode(c, 5)
+    assert message(RotatingKVCache.from_state, (None, c.state[1]), c.meta_state) == (
+        InvalidArgumentError, "from_state: keys must be an mx.array, got NoneType")
+    assert message(RotatingKVCache.from_state, c.state, ("1", "4", "1", "5", "-2")) == (
+        InvalidArgumentError, "from_state: cursor must satisfy 0 <= idx <= offset, got idx=-2, offset=5")
