@@ -1,11 +1,18 @@
-"""Summarise a mutmut run (``make mutation``) per package.
+"""Summarise a mutmut run (``make mutation``) per package, with the triage.
 
 Reads ``mutmut results --all true`` and rewrites the generated block of
 ``docs/mutation.md`` (between the ``<!-- mutation:begin -->`` and
-``<!-- mutation:end -->`` markers): killed, survived, timeout, no tests and
-the score per package, plus the list of survivors to triage. A mutant that
-no selected test executes ("no tests") counts as surviving; a timeout counts
-as killed (the mutant made the suite hang), as mutmut's own score does.
+``<!-- mutation:end -->`` markers):
+
+* per package: killed, timeout, crashed, survived, no tests, not checked and
+  the score. A mutant is *detected* when the selected tests do not pass on
+  it: killed (a test failed), timeout (the suite hung) or crashed (the test
+  process died: a segfault, or an exit status mutmut calls "suspicious").
+  score = detected / checked; "no tests" counts as surviving.
+* every survivor with the line it changes and its triage verdict from
+  :data:`TRIAGE`: the Z3 check in ``proofs/equivalents.py`` that proves it
+  equivalent, or the section of ``docs/mutation.md`` that argues it. A
+  survivor no entry covers is listed as **not triaged**.
 """
 
 from __future__ import annotations
@@ -14,11 +21,91 @@ import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "mutation.md"
 BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"
 LINE = re.compile(r"^\s*(?P<name>[\w.ǁ]+__mutmut_\d+): (?P<status>.+)$")
+DETECTED = ("killed", "timeout", "segfault", "suspicious")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a surviving mutant is left alive.
+
+    ``function``: the mutated function (mutmut's name without ``__mutmut_N``);
+    ``change``: a fragment of the mutated line (``+`` side) that picks the
+    mutant out, or ``""`` for every mutant of the function; ``z3``: the
+    :data:`proofs.equivalents.EQUIVALENCES` check that proves it, if any;
+    ``section``: the heading of docs/mutation.md that argues it."""
+
+    function: str
+    change: str
+    section: str
+    z3: str = ""
+
+    def text(self) -> str:
+        where = f"equivalent, Z3 `{self.z3}`" if self.z3 else "equivalent"
+        return f"{where}: [{self.section}](#{_anchor(self.section)})"
+
+
+def _anchor(heading: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-")
+
+
+IDENT = "Buffer identities"
+LABELS = "Labels, narrowing asserts and interchangeable operands"
+EVAL = "Evaluation before the NumPy view"
+MARKER = "Markers after a multi-row append"
+INT32 = "Int8 scale dtype"
+
+#: One entry per surviving mutant kind (see Verdict). Kept next to the
+#: arguments in docs/mutation.md; tests/test_mutation_report.py checks that
+#: every Z3 name exists and every section is a heading of that page.
+TRIAGE: tuple[Verdict, ...] = (
+    # spec: buffer identities only ever meet the marker
+    Verdict("spec.dense.x__with_new_buffer", "next_ident=cache.next_ident", IDENT),
+    Verdict("spec.rotating.x__new_buffer", "next_ident=cache.next_ident", IDENT),
+    Verdict("spec.dense.x_append", "if inplace:", IDENT),
+    Verdict("spec.rotating.x_decode", "if (inplace)", IDENT),
+    Verdict("spec.dense.x_w_detach", "inplace=c.inplace, )", IDENT),
+    Verdict("spec.rotating.x_trim", "ident=None, )", IDENT),
+    Verdict("spec.rotating.x_trim", "slots=(), marker=None)", IDENT),
+    Verdict("spec.rotating.x_w_restore", "ident=", IDENT),
+    Verdict("spec.rotating.x_w_restore", "idx=s.idx, marker=None)", IDENT),
+    Verdict("spec.rotating.x_prefill", "marker=", MARKER),
+    Verdict("spec.rotating.x_prefill", "replace(cache, )", MARKER),
+    # spec: integer arithmetic, proved
+    Verdict("spec.rotating.x_visible_positions", "offset < max_size", "Proved equivalent by Z3", "visible_at_window"),
+    Verdict("spec.rotating.x_rotating_inplace_allowed", "cache.offset <= cache.max_size", "Proved equivalent by Z3",
+            "inplace_offset_bound"),
+    Verdict("impl.rotating.xǁRotatingKVCacheǁ_inplace_write_allowed", "self.offset <= self.max_size",
+            "Proved equivalent by Z3", "inplace_offset_bound"),
+    Verdict("spec.rotating.x_decode", "cache.capacity <= W", "Proved equivalent by Z3", "grow_at_window"),
+    Verdict("spec.rotating.x_decode", "cache.slots[cache.capacity - (W - K):]), )", "Proved equivalent by Z3",
+            "cut_cursor"),
+    Verdict("spec.rotating.x_prefill", "len(old) >= budget", "Proved equivalent by Z3", "prefill_guard"),
+    Verdict("impl.rotating.xǁRotatingKVCacheǁ_prefill", "kept >= budget", "Proved equivalent by Z3", "prefill_guard"),
+    Verdict("spec.rotating.x_prefill", "budget >= sinks", "Proved equivalent by Z3", "prefill_sinks"),
+    Verdict("spec.rotating.x_prefill", "(budget > sinks) or True", "Proved equivalent by Z3", "prefill_sinks"),
+    Verdict("spec.dense.x_is_empty", "cache.offset == 0 or", "Proved equivalent by Z3", "is_empty"),
+    # labels nobody reads, asserts that only narrow types
+    Verdict("spec.dense.x_w_append", "holder_of(cache,", LABELS),
+    Verdict("impl.rotating.xǁRotatingKVCacheǁ_write_row", "assert self.keys is not None or", LABELS),
+    Verdict("impl.rotating.xǁRotatingKVCacheǁ_prefill", "old[1].shape", LABELS),
+    # MLX / NumPy mechanics
+    Verdict("impl.dense.x_write_rows_inplace", "mx.eval(", EVAL),
+    Verdict("impl.dense.x_write_rows_inplace", "copy=None", EVAL),
+)
+
+
+def verdict_for(name: str, change: str) -> Verdict | None:
+    function = name.rsplit("__mutmut_", 1)[0]
+    for v in TRIAGE:
+        if v.function == function and v.change in change:
+            return v
+    return None
 
 
 def collect(text: str) -> dict[str, Counter]:
@@ -34,24 +121,46 @@ def survivors(text: str) -> list[str]:
     return [m["name"] for line in text.splitlines() if (m := LINE.match(line)) and m["status"].strip() in ("survived", "no tests")]
 
 
-def render(text: str) -> str:
-    rows = ["| package | mutants checked | killed | timeout | survived | no tests | not checked | score |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def change_of(name: str, show: str) -> str:
+    """The mutated line (``+`` side of ``mutmut show``), stripped."""
+    plus = [ln[1:].strip() for ln in show.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    return plus[0] if plus else "(no diff)"
+
+
+def render(text: str, changes: dict[str, str]) -> tuple[str, int]:
+    """The generated block and the number of survivors not triaged."""
+    rows = ["| package | mutants checked | killed | timeout | crashed | survived | no tests | not checked | score |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for package, c in sorted(collect(text).items()):
         total = sum(c.values()) - c["skipped"] - c["not checked"]
-        killed = c["killed"] + c["timeout"]
-        score = 100.0 * killed / total if total else 0.0
-        rows.append(f"| {package}/ | {total} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['no tests']} "
-                    f"| {c['not checked']} | {score:.1f}% |")
-    lines = [BEGIN, "", *rows, "", "Survivors (triaged below):", ""]
-    lines += [f"- `{name}`" for name in survivors(text)] or ["- none"]
-    return "\n".join(lines + ["", END])
+        detected = sum(c[s] for s in DETECTED)
+        score = 100.0 * detected / total if total else 0.0
+        rows.append(f"| {package}/ | {total} | {c['killed']} | {c['timeout']} | {c['segfault'] + c['suspicious']} "
+                    f"| {c['survived']} | {c['no tests']} | {c['not checked']} | {score:.1f}% |")
+    lines = [BEGIN, "", *rows, "", "Survivors and their triage:", ""]
+    names = survivors(text)
+    untriaged = 0
+    if names:
+        lines += ["| mutant | mutated line | verdict |", "| --- | --- | --- |"]
+        for name in names:
+            change = changes.get(name, "")
+            v = verdict_for(name, change)
+            untriaged += v is None
+            shown = change.replace("|", "\\|")
+            lines.append(f"| `{name}` | `{shown}` | {v.text() if v else '**not triaged**'} |")
+    else:
+        lines.append("- none")
+    return "\n".join(lines + ["", END]), untriaged
 
 
 def main() -> int:
-    proc = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "results", "--all", "true"],
-                          check=False, capture_output=True, text=True)
-    block = render(proc.stdout)
+    mutmut = str(Path(sys.executable).parent / "mutmut")
+    proc = subprocess.run([mutmut, "results", "--all", "true"], check=False, capture_output=True, text=True)
+    changes = {}
+    for name in survivors(proc.stdout):
+        show = subprocess.run([mutmut, "show", name], check=False, capture_output=True, text=True).stdout
+        changes[name] = change_of(name, show)
+    block, untriaged = render(proc.stdout, changes)
     doc = DOC.read_text() if DOC.exists() else f"# Mutation testing\n\n{BEGIN}\n{END}\n"
     if BEGIN in doc and END in doc:
         doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
@@ -59,6 +168,9 @@ def main() -> int:
         doc += "\n" + block + "\n"
     DOC.write_text(doc)
     print(block)
+    if untriaged:
+        print(f"\n{untriaged} survivor(s) not triaged: kill them with a test or argue them in docs/mutation.md "
+              "and add a Verdict to fuzz/mutation_report.py TRIAGE", file=sys.stderr)
     return 0
 
 

@@ -369,6 +369,7 @@ def test_spec_defaults_and_unreachable_refusals():
     from spec import rotating as sr
 
     assert sd.new_cache().step == 256 and sd.new_world().cache.inplace is True and KVCache().step == 256
+    assert sd.new_world().cache.step == 256 and sd.new_world().cache.mode is sd.Mode.FP16
     assert message(sd.new_cache, step=0) == (InvalidArgumentError, "step: must be an integer >= 1, got 0")
     assert message(sd.new_cache, step="4") == (InvalidArgumentError, "step: must be an integer >= 1, got '4'")
     assert message(sd.append, sd.new_cache(), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")

@@ -1,0 +1,44 @@
+"""fuzz/mutation_report.py: scores, and every triage verdict points at a
+real Z3 check and a real section of docs/mutation.md."""
+
+import re
+
+from fuzz.mutation_report import DOC, TRIAGE, render, verdict_for
+from proofs.equivalents import EQUIVALENCES
+
+SAMPLE = """
+    spec.dense.x_append__mutmut_1: killed
+    spec.dense.x_append__mutmut_2: survived
+    spec.dense.x_is_empty__mutmut_2: survived
+    spec.dense.x_trim__mutmut_3: timeout
+    impl.dense.x_f__mutmut_1: segfault
+    impl.dense.x_f__mutmut_2: suspicious
+    impl.dense.x_f__mutmut_3: no tests
+    impl.dense.x_f__mutmut_4: killed
+"""
+
+
+def test_scores_count_crashes_as_detected_and_no_tests_as_surviving():
+    block, untriaged = render(SAMPLE, {
+        "spec.dense.x_append__mutmut_2": "if inplace:",
+        "spec.dense.x_is_empty__mutmut_2": "return cache.offset == 0 or cache.live_start == 0",
+        "impl.dense.x_f__mutmut_3": "x = 1",
+    })
+    assert "| impl/ | 4 | 1 | 0 | 2 | 0 | 1 | 0 | 75.0% |" in block
+    assert "| spec/ | 4 | 1 | 1 | 0 | 2 | 0 | 0 | 50.0% |" in block
+    assert untriaged == 1 and "**not triaged**" in block
+    assert "Z3 `is_empty`" in block
+
+
+def test_verdicts_pick_mutants_by_their_line():
+    assert verdict_for("spec.dense.x_is_empty__mutmut_7", "return cache.offset == 0 or x").z3 == "is_empty"
+    assert verdict_for("spec.dense.x_is_empty__mutmut_7", "return cache.offset != 0 and x") is None
+    assert verdict_for("spec.dense.x_other__mutmut_1", "if inplace:") is None
+
+
+def test_every_verdict_points_at_a_z3_check_and_a_heading():
+    names = {e.name for e in EQUIVALENCES}
+    headings = set(re.findall(r"^#+ (.+)$", DOC.read_text(), flags=re.M))
+    for v in TRIAGE:
+        assert not v.z3 or v.z3 in names, v
+        assert v.section in headings, v
