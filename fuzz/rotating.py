@@ -200,10 +200,12 @@ class RotatingMachine(KVMachine):
 
     @invariant()
     def cursor_in_range(self) -> None:
-        """semantics.md 5.6: K <= idx <= capacity once the ring has wrapped."""
+        """semantics.md 5.6: K <= idx <= capacity once the ring has wrapped
+        (in fact K < idx: a wrapped cursor has always just written past the
+        sinks, which is also what restore demands of a snapshot)."""
         if self.lock is None:
             return
         c = self.lock.cache
         assert 0 <= c.idx <= max(c.capacity, 0), (c.idx, c.capacity)
         if c.offset != c.idx:
-            assert c.keep <= c.idx, (c.keep, c.idx)
+            assert c.keep < c.idx, (c.keep, c.idx)

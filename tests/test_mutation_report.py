@@ -38,7 +38,7 @@ def test_verdicts_pick_mutants_by_their_line():
 
 def test_every_verdict_points_at_a_z3_check_and_a_heading():
     names = {e.name for e in EQUIVALENCES}
-    headings = set(re.findall(r"^#+ (.+)$", DOC.read_text(), flags=re.M))
+    headings = set(re.findall(r"^#+ (.+)$", DOC.read_text(), flags=re.MULTILINE))
     for v in TRIAGE:
         assert not v.z3 or v.z3 in names, v
         assert v.section in headings, v
