@@ -45,7 +45,7 @@ mutation: $(STAMP)
 	$(BIN)/python -m pip install --quiet mutmut
 	rm -rf mutants
 	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children 2 || true
-	$(BIN)/python -m fuzz.mutation_report
+	$(BIN)/python -m fuzz.mutation_report  # exit 1 if a survivor is not triaged
 
 lint: $(STAMP)
 	$(BIN)/ruff check spec impl fuzz proofs tests

@@ -496,6 +496,14 @@ class KVCache:
             )
         if (b.key_scales is None) != (self.mode != "int8") or (b.value_scales is None) != (self.mode != "int8"):
             raise InvalidArgumentError(f"{op}: scale sidecars must be present exactly in int8 mode")
+        if self.mode == "int8":
+            want_shape = (*b.keys.shape[:3], 1)
+            for name, s in (("key_scales", b.key_scales), ("value_scales", b.value_scales)):
+                _check_tensor(op, name, s)
+                if s.dtype != mx.float16 or tuple(s.shape) != want_shape:
+                    raise InvalidArgumentError(
+                        f"{op}: {name} must be float16 of shape [B, H, T, 1] = {want_shape}, got {s.dtype} {tuple(s.shape)}"
+                    )
         if holder.live_len > b.capacity:
             raise InvalidArgumentError(
                 f"{op}: cursor out of range: live_len {holder.live_len} > capacity {b.capacity}"
@@ -564,6 +572,8 @@ class KVCache:
     def meta_state(self, v: tuple[str, ...]) -> None:
         """Set (mode, step, offset, live_start) over the rows already loaded;
         refused (nothing changes) when they do not fit those rows."""
+        if v is None:
+            raise InvalidArgumentError("meta_state: meta_state must be (mode, step, offset, live_start), got None")
         other = type(self).from_state(self.state, v, op="meta_state")
         self.mode, self.step = other.mode, other.step
         self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
@@ -596,6 +606,8 @@ class KVCache:
                live_start: int) -> KVCache:
         obj = cls(mode=mode, step=step)
         want = 4 if mode == "int8" else 2
+        if not isinstance(state, (tuple, list)):
+            raise InvalidArgumentError(f"{op}: state must be a tuple of {want} arrays (or empty), got {type(state).__name__}")
         if state and len(state) != want:
             raise InvalidArgumentError(f"{op}: state must hold {want} arrays in mode {mode}, got {len(state)}")
         buffers = None

@@ -39,6 +39,8 @@ from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationEr
 
 def _state_pair(op: str, v: Any) -> tuple[Any, Any]:
     """``state`` is ``(keys, values)`` or empty."""
+    if not isinstance(v, (tuple, list)):
+        raise InvalidArgumentError(f"{op}: state must be a tuple (keys, values) (or empty), got {type(v).__name__}")
     if not v:
         return None, None
     if len(v) != 2:

@@ -89,8 +89,10 @@ def _visible(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 def _inplace_bound(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.rotating.rotating_inplace_allowed (and the impl's copy of the rule):
-    # `offset < W` -> `offset <= W`, evaluated after the wrap (control: without it)
+    # impl RotatingKVCache._inplace_write_allowed: `offset < W` -> `offset <= W`.
+    # The impl evaluates it only in _decode, after the wrap (control: before
+    # it). The spec's rotating_inplace_allowed is public and NOT equivalent
+    # under this mutation (a test kills it there).
     off, W, K, idx = v["offset"], v["W"], v["K"], v["idx"]
     cur = idx if control else _wrap(idx, W, K)
     return ([0 <= K, K < W, 0 <= idx, idx <= W, idx <= off],
@@ -131,10 +133,13 @@ def _prefill_kept(i: Any, L: Any, B: Any, s: Any, cut_when: Any, sinks_branch: A
 def _prefill_guard(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
     # spec.rotating.prefill `len(old) > budget` -> `>=` (impl _prefill:
     # `kept > budget` -> `>=`): at len(old) == budget the cut keeps every row.
-    # Control: a cut that drops one row too many is seen.
+    # Control: at the boundary len(old) == budget itself, a cut one row
+    # short is seen (so the encoding can tell the two sides apart there).
     L, K, W, i = v["L"], v["K"], v["W"], v["i"]
     B, s = W - 1, z3.If(K < L, K, L)
     prem = [0 <= K, K < W, L >= 0, 0 <= i, i < L]
+    if control:
+        prem.append(L == B)
     original = _prefill_kept(i, L, B, s, L > B, B > s)
     mutant = _prefill_kept(i, L, B, s, L >= B, B > s, off_by_one=control)
     return prem, original, mutant
@@ -171,8 +176,8 @@ def _is_empty(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 EQUIVALENCES: tuple[Equivalence, ...] = (
     Equivalence("visible_at_window", "spec.rotating.visible_positions: `offset <= max_size` -> `<`",
                 "at offset == W both branches give range(W)", "`offset <= W + 1`", ("offset", "W", "K", "p"), _visible),
-    Equivalence("inplace_offset_bound", "spec.rotating.rotating_inplace_allowed and impl "
-                "RotatingKVCache._inplace_write_allowed: `offset < max_size` -> `<=`",
+    Equivalence("inplace_offset_bound", "impl RotatingKVCache._inplace_write_allowed (called only from "
+                "_decode, after the wrap): `offset < max_size` -> `<=`",
                 "after the wrap the cursor is < W, so idx == offset implies offset < W",
                 "the rule evaluated before the wrap", ("offset", "W", "K", "idx"), _inplace_bound),
     Equivalence("grow_at_window", "spec.rotating.decode: `capacity < W` -> `<=` (growth by 0)",
@@ -183,7 +188,7 @@ EQUIVALENCES: tuple[Equivalence, ...] = (
                 ("W", "K", "cap"), _cut_cursor),
     Equivalence("prefill_guard", "spec.rotating.prefill `len(old) > budget` -> `>=`; impl "
                 "RotatingKVCache._prefill `kept > budget` -> `>=`",
-                "at len(old) == budget the cut keeps every row", "a cut one row short",
+                "at len(old) == budget the cut keeps every row", "at len(old) == budget, a cut one row short",
                 ("L", "K", "W", "i"), _prefill_guard),
     Equivalence("prefill_sinks", "spec.rotating.prefill `budget > sinks` -> `>=` / `or True`",
                 "sinks <= K < W = budget + 1; at equality both keep [0, budget)", "without K < W",

@@ -21,7 +21,7 @@ SAMPLE = """
 def test_scores_count_crashes_as_detected_and_no_tests_as_surviving():
     block, untriaged = render(SAMPLE, {
         "spec.dense.x_append__mutmut_2": "if inplace:",
-        "spec.dense.x_is_empty__mutmut_2": "return cache.offset == 0 or cache.live_start == 0",
+        "spec.dense.x_is_empty__mutmut_2": "return cache.offset == 0 or cache.live_start == 0 and cache.buffer is None",
         "impl.dense.x_f__mutmut_3": "x = 1",
     })
     assert "| impl/ | 4 | 1 | 0 | 2 | 0 | 1 | 0 | 75.0% |" in block
@@ -30,10 +30,12 @@ def test_scores_count_crashes_as_detected_and_no_tests_as_surviving():
     assert "Z3 `is_empty`" in block
 
 
-def test_verdicts_pick_mutants_by_their_line():
-    assert verdict_for("spec.dense.x_is_empty__mutmut_7", "return cache.offset == 0 or x").z3 == "is_empty"
-    assert verdict_for("spec.dense.x_is_empty__mutmut_7", "return cache.offset != 0 and x") is None
-    assert verdict_for("spec.dense.x_other__mutmut_1", "if inplace:") is None
+def test_verdicts_pick_mutants_by_their_exact_line():
+    line = "return cache.offset == 0 or cache.live_start == 0 and cache.buffer is None"
+    assert verdict_for("spec.dense.x_is_empty__mutmut_7", "  " + line).z3 == "is_empty"
+    # another mutant of the same line, or the same change in another function
+    assert verdict_for("spec.dense.x_is_empty__mutmut_8", line.replace("or", "and", 1).replace("== 0", "!= 0", 1)) is None
+    assert verdict_for("spec.dense.x_other__mutmut_1", line) is None
 
 
 def test_every_verdict_points_at_a_z3_check_and_a_heading():

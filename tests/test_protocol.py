@@ -503,3 +503,29 @@ def test_more_argument_messages():
         InvalidArgumentError, "from_state: keys must be an mx.array, got NoneType")
     assert message(RotatingKVCache.from_state, c.state, ("1", "4", "1", "5", "-2")) == (
         InvalidArgumentError, "from_state: cursor must satisfy 0 <= idx <= offset, got idx=-2, offset=5")
+
+
+def test_int8_scales_and_state_containers_are_validated():
+    q = KVCache("int8", step=2)
+    decode(q, 3)
+    k, ks, v, vs = q.state
+    meta = q.meta_state
+    cases = [
+        ((k, ks[:, :, :, 0], v, vs), "from_state: key_scales must have rank 4, got shape (1, 1, 3)"),
+        ((k, ks, v, list(vs.tolist())), "from_state: value_scales must be an mx.array, got list"),
+        ((k, ks.astype(mx.float32), v, vs),
+         "from_state: key_scales must be float16 of shape [B, H, T, 1] = (1, 1, 3, 1), got mlx.core.float32 (1, 1, 3, 1)"),
+        ((k, ks, v, vs[:, :, :2]),
+         "from_state: value_scales must be float16 of shape [B, H, T, 1] = (1, 1, 3, 1), got mlx.core.float16 (1, 1, 2, 1)"),
+    ]
+    for state, text in cases:
+        assert message(KVCache.from_state, state, meta) == (InvalidArgumentError, text)
+    assert message(KVCache.from_state, k, meta) == (
+        InvalidArgumentError, "from_state: state must be a tuple of 4 arrays (or empty), got array")
+    assert message(RotatingKVCache.from_state, 5, ("0", "4", "1", "0", "0")) == (
+        InvalidArgumentError, "from_state: state must be a tuple (keys, values) (or empty), got int")
+    before = (q.offset, q.step, q.capacity)
+    assert message(setattr, q, "meta_state", None) == (
+        InvalidArgumentError, "meta_state: meta_state must be (mode, step, offset, live_start), got None")
+    assert (q.offset, q.step, q.capacity) == before
+    assert np.array_equal(np.array(KVCache.from_state(q.state, meta).fetch()[0]), np.array(q.fetch()[0]))

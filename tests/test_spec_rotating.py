@@ -103,3 +103,11 @@ def test_restore_shares_the_snapshot_buffer_and_empty_ring_has_none():
     assert w.cache.ident == w.holders["s"].cache.ident and w.cache.marker is None
     n, c = sr.trim(w.cache, 3)
     assert n == 3 and (c.slots, c.ident, c.marker, c.offset, c.idx) == ((), None, None, 0, 0)
+
+
+def test_inplace_rule_is_false_on_a_full_unwrapped_ring():
+    """Called on its own (not only from decode, after the wrap): a full ring
+    whose marker still names the buffer is not a warm-up state."""
+    c = decoded(sr.new_cache(3, step=1), 3)
+    assert (c.offset, c.idx, c.marker.idx) == (3, 3, 3) and c.marker.buffer == c.ident
+    assert sr.rotating_inplace_allowed(c) is False
