@@ -42,9 +42,8 @@ conformance: $(STAMP)
 # Mutation score of spec/ and impl/ (slow; not part of make test). Config:
 # [tool.mutmut] in pyproject.toml. Report: docs/mutation.md.
 mutation: $(STAMP)
-	$(BIN)/python -m pip install --quiet mutmut
 	rm -rf mutants
-	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children 2 || true
+	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children $$(nproc 2>/dev/null || echo 2) || true
 	$(BIN)/python -m fuzz.mutation_report  # exit 1 if a survivor is not triaged
 
 lint: $(STAMP)
