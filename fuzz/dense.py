@@ -35,30 +35,6 @@ class DenseLockstep(Lockstep):
             return dequantize_int8(*quantize_int8(x))
         return x.astype(mx.float16)
 
-    # -- spec side --------------------------------------------------------------
-    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
-        w, name = self.world, op["op"]
-        result = self.spec_common(op)
-        if result is not self._UNHANDLED:
-            return result
-        if name == "trim":
-            return sd.w_cache_op(w, sd.trim, op["n"])
-        if name == "trim_to":
-            return sd.w_cache_op(w, sd.trim_to, op["len"])
-        if name == "trim_front":
-            return sd.w_cache_op(w, sd.trim_front_keep_sink, op["n"], op.get("keep", 0))
-        if name == "gather_positions":
-            return sd.w_cache_op(w, sd.gather_positions, tuple(op["positions"]))
-        if name == "gather_within_tail":
-            return sd.w_cache_op(w, sd.gather_within_tail, op["tail"], tuple(op["kept"]))
-        if name == "detach":
-            return sd.w_detach(w, op["name"])
-        if name == "install":
-            return sd.w_install(w, op["name"])
-        if name == "handle_trim_to":
-            return sd.w_handle_trim_to(w, op["name"], op["len"])
-        raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
-
     # -- implementation side ---------------------------------------------------
     def _holder(self, op: str, name: str, kind: type | None = None) -> CacheSnapshot:
         holder = self.holders.get(name)

@@ -84,8 +84,9 @@ class Outcome:
 class Lockstep:
     """Base class: one cache kind's spec world and implementation in step.
 
-    Subclasses provide ``spec_apply(op) -> (result, new_world)`` (pure; may
-    raise a KVCacheError), ``impl_apply(op) -> result`` (mutates the
+    Subclasses set ``spec_module`` (its ``apply_op(world, op) -> (result,
+    new_world)`` runs the spec side; pure, may raise a KVCacheError) and
+    provide ``impl_apply(op) -> result`` (mutates the
     implementation), ``spec_views()`` / ``impl_views()`` (name -> window) and
     ``observables()``.
     """
@@ -265,26 +266,9 @@ class Lockstep:
                              ("trace expects", "impl did"))
 
     _UNHANDLED = object()
-    #: the spec module whose ``w_*`` world operations this driver runs
+    #: the spec module whose ``apply_op`` runs each op on the spec side
     #: (``spec.dense`` or ``spec.rotating``)
     spec_module: Any = None
-
-    def spec_common(self, op: dict[str, Any]) -> Any:
-        """The ops every cache kind runs the same way on the spec side
-        (``self.world``): append, fetch, hold, release_hold, snapshot,
-        restore, drop. Returns ``_UNHANDLED`` for any other op."""
-        m, w, name = self.spec_module, self.world, op["op"]
-        if name == "append":
-            return m.w_append(w, op["n"])
-        if name == "fetch":
-            return w.cache.window(), w
-        if name == "hold":
-            return m.w_hold(w)
-        if name == "release_hold":
-            return m.w_release_hold(w)
-        if name in ("snapshot", "restore", "drop"):
-            return getattr(m, "w_" + name)(w, op["name"])
-        return self._UNHANDLED
 
     def impl_common(self, op: dict[str, Any]) -> Any:
         """The ops every cache kind runs the same way on the implementation
@@ -325,7 +309,8 @@ class Lockstep:
     prev_world: Any
 
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
-        raise NotImplementedError
+        """The op on the spec world: ``(result, new world)`` (pure)."""
+        return self.spec_module.apply_op(self.world, op)
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         raise NotImplementedError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -52,17 +51,6 @@ class RotatingLockstep(Lockstep):
         self.holders: dict[str, RingSnapshot] = {}
         self.returned: tuple[mx.array, mx.array] | None = None
         self.held: tuple[mx.array, mx.array] | None = None
-
-    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
-        w, name = self.world, op["op"]
-        result = self.spec_common(op)
-        if result is not self._UNHANDLED:
-            return result
-        if name in ("trim", "trim_to"):
-            fn = sr.trim if name == "trim" else sr.trim_to
-            result, cache = fn(w.cache, op["n"] if name == "trim" else op["len"])
-            return result, replace(w, cache=cache)
-        raise sr.unsupported(name)
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         c, name = self.cache, op["op"]

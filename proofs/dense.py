@@ -470,8 +470,8 @@ def ownership_reachable(name: str, rules: Rules, max_depth: int = 8) -> Callable
             return None, None, f"no reachable counterexample within {max_depth} ops"
         cache = {"mode": "fp16", "step": found["step"]}
         ops = found["ops"]
-        with traces.patched(**buggy.patches(rules)):
-            steps = traces.replay_dense(cache, ops)
+        with traces.patched(traces.sd, **buggy.patches(rules)):
+            steps = traces.replay("dense", cache, ops)
         for i, (st, ms) in enumerate(zip(steps, found["states"])):
             if not _same_state(ms, _spec_state(st.after.cache)):
                 return None, found, f"model and spec disagree after op {i} {ops[i]}: {ms} vs {_spec_state(st.after.cache)}"
@@ -485,11 +485,11 @@ def ownership_reachable(name: str, rules: Rules, max_depth: int = 8) -> Callable
                        if buf is not None and h.buffer is not None and h.buffer.ident == buf.ident and h.live_len > prev)
         if not (last.result.inplace and seers):
             return None, found, "the spec with the buggy rule does not write in place onto a visible row"
-        correct = traces.replay_dense(cache, ops)[-1].result.inplace
+        correct = traces.replay("dense", cache, ops)[-1].result.inplace
         expect = [x for x in seers if x != "held"][:1]
         doc = traces.kvtrace(
             f"negative control {name}: the last append writes row {prev} in place while "
-            f"{', '.join(seers)} still sees it", cache, traces.annotate_dense(cache, ops, expect))
+            f"{', '.join(seers)} still sees it", cache, traces.annotate("dense", cache, ops, expect))
         return doc, {"step": found["step"], "row": prev, "seen_by": seers}, (
             f"confirmed on spec with the bug: append writes row {prev} in place, visible to "
             f"{', '.join(seers)}; the correct rule copies (inplace={correct})")
@@ -715,7 +715,7 @@ def _regrow_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, s
         cache, ops = pre.ops(m)
         nv = m.eval(n).as_long()
         ops.append({"op": "append", "n": nv})
-        steps = traces.replay_dense(cache, ops)
+        steps = traces.replay("dense", cache, ops)
         last = steps[-1]
         before = last.before.cache
         values: dict[str, Any] = {"prev": before.live_len, "capacity_before": before.capacity, "n": nv,
@@ -738,7 +738,7 @@ def _regrow_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, s
             ok = want is not None and values["row_holds"] != want and want == m.eval(c1.tok[i]).as_long()
             msg = (f"confirmed on spec: the window's row {row} is token {want}, the buggy rule leaves "
                    f"{'a zero row' if values['row_holds'] == ZERO_ROW else 'token ' + str(values['row_holds'])} there")
-        doc = traces.kvtrace(f"negative control {name}", cache, traces.annotate_dense(cache, ops, [None]))
+        doc = traces.kvtrace(f"negative control {name}", cache, traces.annotate("dense", cache, ops, [None]))
         return doc, values, msg if ok else "model and spec disagree: " + msg
 
     return run
@@ -822,15 +822,15 @@ def _trim_append_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, A
         if a:
             ops.append({"op": "append", "n": a})
         ops += [{"op": "append", "n": r}, {"op": "trim", "n": r}, {"op": "append", "n": n}]
-        with traces.patched(**buggy.patches(rules)):
-            bug = traces.replay_dense(cache, ops)[-1].after.cache
-        good = traces.replay_dense(cache, ops)[-1].after.cache
+        with traces.patched(traces.sd, **buggy.patches(rules)):
+            bug = traces.replay("dense", cache, ops)[-1].after.cache
+        good = traces.replay("dense", cache, ops)[-1].after.cache
         model = {"offset": m.eval(p1.off).as_long(), "wlen": m.eval(p1.wlen).as_long()}
         ok = model == {"offset": bug.offset, "wlen": len(bug.entries)} and (
             bug.offset != good.offset or bug.entries != good.entries)
         values = {"a": a, "r": r, "m": n, "buggy_offset": bug.offset, "spec_offset": good.offset,
                   "buggy_window": list(bug.window()), "spec_window": list(good.window())}
-        doc = traces.kvtrace(f"negative control {name}", cache, traces.annotate_dense(cache, ops, [None]))
+        doc = traces.kvtrace(f"negative control {name}", cache, traces.annotate("dense", cache, ops, [None]))
         msg = (f"confirmed on spec with the bug: offset {bug.offset} window {list(bug.window())}; "
                f"correct: offset {good.offset} window {list(good.window())}")
         return doc, values, msg if ok else "model and spec disagree: " + msg
@@ -905,9 +905,9 @@ def _front_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, st
         cache, ops = pre.ops(m)
         nv, kv = m.eval(n).as_long(), m.eval(keep).as_long()
         ops.append({"op": "trim_front", "n": nv, "keep": kv})
-        with traces.patched(**buggy.patches(rules)):
-            bug = traces.replay_dense(cache, ops)[-1]
-        good = traces.replay_dense(cache, ops)[-1]
+        with traces.patched(traces.sd, **buggy.patches(rules)):
+            bug = traces.replay("dense", cache, ops)[-1]
+        good = traces.replay("dense", cache, ops)[-1]
         model = {"offset": m.eval(c1.off).as_long(), "wlen": m.eval(c1.wlen).as_long()}
         b = bug.after.cache
         ok = model == {"offset": b.offset, "wlen": len(b.entries)} and (
@@ -915,7 +915,7 @@ def _front_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, st
         values = {"n": nv, "keep": kv, "offset_before": bug.before.cache.offset, "buggy_offset": b.offset,
                   "buggy_live_len": b.live_len, "buggy_window": list(b.window()),
                   "spec_window": list(good.after.cache.window())}
-        doc = traces.kvtrace(f"negative control {name}", cache, traces.annotate_dense(cache, ops, [None]))
+        doc = traces.kvtrace(f"negative control {name}", cache, traces.annotate("dense", cache, ops, [None]))
         msg = (f"confirmed on spec with the bug: offset {bug.before.cache.offset} -> {b.offset}, live_len "
                f"{b.live_len}, window {list(b.window())}")
         return doc, values, msg if ok else "model and spec disagree: " + msg

@@ -306,8 +306,8 @@ def _confirm_ring_write(cache: dict[str, Any], ops: list[dict[str, Any]], patche
                         values: dict[str, int]) -> tuple[Any, Any, str]:
     from spec import rotating as sr
 
-    with traces.patched_module(sr, **patches):
-        steps = traces.replay_rotating(cache, ops)
+    with traces.patched(sr, **patches):
+        steps = traces.replay("rotating", cache, ops)
     last = steps[-1]
     before = last.before.cache
     slot = before.idx if before.idx < before.max_size else before.keep
@@ -315,10 +315,10 @@ def _confirm_ring_write(cache: dict[str, Any], ops: list[dict[str, Any]], patche
                    if h.cache.ident == before.ident and slot < h.cache.valid_len)
     if not (last.result.inplace and seers):
         return None, values, "the spec with the buggy rule does not write in place onto a visible slot"
-    correct = traces.replay_rotating(cache, ops)[-1].result.inplace
-    doc = traces.rotating_kvtrace(f"negative control {name}: the last append writes slot {slot} in place while "
+    correct = traces.replay("rotating", cache, ops)[-1].result.inplace
+    doc = traces.kvtrace(f"negative control {name}: the last append writes slot {slot} in place while "
                                   f"{', '.join(seers)} still sees it", cache,
-                                  traces.annotate_rotating(cache, ops, seers[:1]))
+                                  traces.annotate("rotating", cache, ops, seers[:1]), kind="rotating")
     return doc, {**values, "slot": slot, "seen_by": seers}, (
         f"confirmed on spec with the bug: decode writes slot {slot} in place, visible to {', '.join(seers)}; "
         f"the correct rule copies (inplace={correct})")
@@ -335,13 +335,13 @@ def _order_reachable() -> tuple[Any, Any, str]:
     W, K, o = v["W"], v.get("K", 0), v["offset"]
     cache = {"mode": "fp16", "step": 4, "max_size": W, "keep": K}
     ops = [{"op": "append", "n": 1} for _ in range(o)] + [{"op": "append", "n": 2}]
-    with traces.patched_module(sr, chronological_order=_physical_order):
-        bug = traces.replay_rotating(cache, ops)[-1].after.cache.window()
-    good = traces.replay_rotating(cache, ops)[-1].after.cache.window()
+    with traces.patched(sr, chronological_order=_physical_order):
+        bug = traces.replay("rotating", cache, ops)[-1].after.cache.window()
+    good = traces.replay("rotating", cache, ops)[-1].after.cache.window()
     if bug == good:
         return None, v, "the spec with physical order gives the same window"
-    doc = traces.rotating_kvtrace("negative control prefill_physical_order", cache,
-                                  traces.annotate_rotating(cache, ops, [None]))
+    doc = traces.kvtrace("negative control prefill_physical_order", cache,
+                                  traces.annotate("rotating", cache, ops, [None]), kind="rotating")
     return doc, {**v, "buggy_window": list(bug), "spec_window": list(good)}, (
         f"confirmed on spec with the bug: after {o} decodes a 2-row append returns {list(bug)}, "
         f"the spec {list(good)}")
@@ -455,12 +455,12 @@ def _mask_reachable(name: str, rule: str, fn: Callable[[int, int, int, int], boo
         ops = [{"op": "append", "n": q + 1}]
         empty = sr.new_cache(W, K, 4)
         good = sr.make_mask_spec(empty, q + 1)
-        with traces.patched_module(sr, mask_visible=fn):
+        with traces.patched(sr, mask_visible=fn):
             bug = sr.make_mask_spec(empty, q + 1)
         if good == bug:
             return None, val, "the buggy mask agrees with the spec's on this chunk"
-        doc = traces.rotating_kvtrace(f"negative control {name}: make_mask({q + 1}) before the append differs "
-                                      f"at query {q}, key {key}", cache, traces.annotate_rotating(cache, ops, [None]))
+        doc = traces.kvtrace(f"negative control {name}: make_mask({q + 1}) before the append differs "
+                                      f"at query {q}, key {key}", cache, traces.annotate("rotating", cache, ops, [None]), kind="rotating")
         return doc, val, (f"confirmed on spec with the bug: make_mask({q + 1}) row {q} key {key} is "
                           f"{bug[q][key]}, the spec says {good[q][key]}")
 

@@ -17,72 +17,56 @@ from dataclasses import dataclass
 from typing import Any
 
 from spec import dense as sd
+from spec import rotating as sr
+
+#: the spec module of each cache kind
+SPECS: dict[str, Any] = {"dense": sd, "rotating": sr}
 
 
-def apply_dense(world: sd.DenseWorld, op: dict[str, Any]) -> tuple[Any, sd.DenseWorld]:
-    """One kvtrace op on a spec ``DenseWorld``. Functions are looked up on
-    the module at call time, so :func:`patched` reaches them."""
-    name = op["op"]
-    if name == "append":
-        return sd.w_append(world, op["n"])
-    if name == "fetch":
-        return world.cache.window(), world
-    if name == "hold":
-        return sd.w_hold(world)
-    if name == "release_hold":
-        return sd.w_release_hold(world)
-    if name == "trim":
-        return sd.w_cache_op(world, sd.trim, op["n"])
-    if name == "trim_to":
-        return sd.w_cache_op(world, sd.trim_to, op["len"])
-    if name == "trim_front":
-        return sd.w_cache_op(world, sd.trim_front_keep_sink, op["n"], op.get("keep", 0))
-    if name == "gather_positions":
-        return sd.w_cache_op(world, sd.gather_positions, tuple(op["positions"]))
-    if name == "gather_within_tail":
-        return sd.w_cache_op(world, sd.gather_within_tail, op["tail"], tuple(op["kept"]))
-    if name == "snapshot":
-        return sd.w_snapshot(world, op["name"])
-    if name == "restore":
-        return sd.w_restore(world, op["name"])
-    if name == "drop":
-        return sd.w_drop(world, op["name"])
-    if name == "detach":
-        return sd.w_detach(world, op["name"])
-    if name == "install":
-        return sd.w_install(world, op["name"])
-    if name == "handle_trim_to":
-        return sd.w_handle_trim_to(world, op["name"], op["len"])
-    if name == "expect":
+def apply(kind: str, world: Any, op: dict[str, Any]) -> tuple[Any, Any]:
+    """One kvtrace op on a spec world of ``kind`` (``expect`` changes
+    nothing). The spec's ``apply_op`` looks its functions up at call time,
+    so :func:`patched` reaches them."""
+    if op["op"] == "expect":
         return None, world
-    raise ValueError(f"{name}: not an operation of a dense cache")
+    return SPECS[kind].apply_op(world, op)
 
 
 @dataclass
 class Step:
     op: dict[str, Any]
     result: Any
-    before: sd.DenseWorld
-    after: sd.DenseWorld
+    before: Any
+    after: Any
 
 
-def replay_dense(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[Step]:
+def new_world(kind: str, cache: dict[str, Any]) -> Any:
+    """A fresh spec world for a kvtrace ``cache`` object (its defaults)."""
+    mode, step, inplace = cache.get("mode", "fp16"), cache.get("step", 256), cache.get("inplace", True)
+    if kind == "rotating":
+        return sr.RotatingWorld(sr.new_cache(cache["max_size"], cache.get("keep", 0), step, inplace, mode))
+    return sd.new_world(mode, step, inplace)
+
+
+def replay(kind: str, cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[Step]:
     """Run ops on a fresh spec world. Raises the spec's refusal if an op is
     refused (a counterexample never contains a refused op)."""
-    world = sd.new_world(cache.get("mode", "fp16"), cache.get("step", 256), cache.get("inplace", True))
+    world = new_world(kind, cache)
     steps = []
     for op in ops:
-        result, after = apply_dense(world, op)
+        result, after = apply(kind, world, op)
         steps.append(Step(op, result, world, after))
         world = after
     return steps
 
 
-def annotate_dense(cache: dict[str, Any], ops: list[dict[str, Any]], expect_of: list[str | None]) -> list[dict[str, Any]]:
+def annotate(kind: str, cache: dict[str, Any], ops: list[dict[str, Any]],
+             expect_of: list[str | None]) -> list[dict[str, Any]]:
     """The ops with the correct spec's checks added: every append gets
-    ``inplace`` and ``capacity``, every trim its ``returns``; then one
-    ``expect`` per name in ``expect_of`` (None: the live cache)."""
-    steps = replay_dense(cache, ops)
+    ``inplace`` and ``capacity``, every trim its ``returns`` (and, on the
+    cache itself, ``capacity``); then one ``expect`` per name in
+    ``expect_of`` (None: the live cache)."""
+    steps = replay(kind, cache, ops)
     out = []
     for s in steps:
         op = dict(s.op)
@@ -94,94 +78,7 @@ def annotate_dense(cache: dict[str, Any], ops: list[dict[str, Any]], expect_of: 
             if op["op"] != "handle_trim_to":
                 op["capacity"] = s.after.cache.capacity
         out.append(op)
-    world = steps[-1].after if steps else sd.new_world(cache.get("mode", "fp16"), cache.get("step", 256))
-    for name in expect_of:
-        view = list(sd.view_of(world, name))
-        exp: dict[str, Any] = {"op": "expect", "window": view}
-        if name is not None:
-            exp["of"] = name
-        out.append(exp)
-    return out
-
-
-def kvtrace(title: str, cache: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"kvtrace": 1, "title": title, "cache": {"kind": "dense", **cache}, "ops": ops}
-
-
-@contextlib.contextmanager
-def patched(**functions: Any) -> Iterator[None]:
-    """Temporarily replace ``spec.dense`` functions by buggy variants (to
-    replay a counterexample on the spec's own code with one rule broken)."""
-    saved = {name: getattr(sd, name) for name in functions}
-    try:
-        for name, fn in functions.items():
-            setattr(sd, name, fn)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(sd, name, fn)
-
-
-# ---------------------------------------------------------------------------
-# The sliding-window cache
-
-
-def apply_rotating(world: Any, op: dict[str, Any]) -> tuple[Any, Any]:
-    """One kvtrace op on a spec ``RotatingWorld`` (functions looked up at
-    call time, so :func:`patched_module` reaches them)."""
-    from dataclasses import replace
-
-    from spec import rotating as sr
-
-    name = op["op"]
-    if name == "append":
-        return sr.w_append(world, op["n"])
-    if name == "hold":
-        return sr.w_hold(world)
-    if name == "release_hold":
-        return sr.w_release_hold(world)
-    if name in ("trim", "trim_to"):
-        fn = sr.trim if name == "trim" else sr.trim_to
-        result, cache = fn(world.cache, op["n"] if name == "trim" else op["len"])
-        return result, replace(world, cache=cache)
-    if name == "snapshot":
-        return sr.w_snapshot(world, op["name"])
-    if name == "restore":
-        return sr.w_restore(world, op["name"])
-    if name == "drop":
-        return sr.w_drop(world, op["name"])
-    if name in ("expect", "fetch"):
-        return None, world
-    raise ValueError(f"{name}: not an operation of the rotating cache")
-
-
-def replay_rotating(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[Step]:
-    from spec import rotating as sr
-
-    world = sr.RotatingWorld(sr.new_cache(cache["max_size"], cache.get("keep", 0), cache.get("step", 256),
-                                          cache.get("inplace", True), cache.get("mode", "fp16")))
-    steps = []
-    for op in ops:
-        result, after = apply_rotating(world, op)
-        steps.append(Step(op, result, world, after))
-        world = after
-    return steps
-
-
-def annotate_rotating(cache: dict[str, Any], ops: list[dict[str, Any]], expect_of: list[str | None]) -> list[dict[str, Any]]:
-    """The ops with the correct spec's ``inplace``/``capacity``/``returns``
-    checks, then one ``expect`` per name (None: the live cache)."""
-    steps = replay_rotating(cache, ops)
-    out = []
-    for s in steps:
-        op = dict(s.op)
-        if op["op"] == "append":
-            op["inplace"] = s.result.inplace
-            op["capacity"] = s.after.cache.capacity
-        elif op["op"] in ("trim", "trim_to"):
-            op["returns"] = s.result
-        out.append(op)
-    world = steps[-1].after
+    world = steps[-1].after if steps else new_world(kind, cache)
     for name in expect_of:
         view = list(world.cache.window() if name is None else world.holders[name].window())
         exp: dict[str, Any] = {"op": "expect", "window": view}
@@ -191,13 +88,14 @@ def annotate_rotating(cache: dict[str, Any], ops: list[dict[str, Any]], expect_o
     return out
 
 
-def rotating_kvtrace(title: str, cache: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"kvtrace": 1, "title": title, "cache": {"kind": "rotating", **cache}, "ops": ops}
+def kvtrace(title: str, cache: dict[str, Any], ops: list[dict[str, Any]], kind: str = "dense") -> dict[str, Any]:
+    return {"kvtrace": 1, "title": title, "cache": {"kind": kind, **cache}, "ops": ops}
 
 
 @contextlib.contextmanager
-def patched_module(module: Any, **functions: Any) -> Iterator[None]:
-    """:func:`patched` for any spec module."""
+def patched(module: Any, **functions: Any) -> Iterator[None]:
+    """Temporarily replace functions of a spec module by buggy variants (to
+    replay a counterexample on the spec's own code with one rule broken)."""
     saved = {name: getattr(module, name) for name in functions}
     try:
         for name, fn in functions.items():

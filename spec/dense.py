@@ -569,6 +569,46 @@ def w_cache_op(world: DenseWorld, fn, *args):
     return result, replace(world, cache=cache)
 
 
+def apply_op(world: DenseWorld, op: dict) -> tuple[object, DenseWorld]:
+    """Run one kvtrace op (``shared/reference/kvtrace.md``; ``expect`` is
+    not an op of the cache) on ``world``: ``(result, new world)``. Raises
+    the spec's refusal, or InvalidArgumentError for an op the dense cache
+    does not have. Module functions are looked up at call time, so a test
+    that patches one (a proof's negative control) reaches it here."""
+    name = op["op"]
+    if name == "append":
+        return w_append(world, op["n"])
+    if name == "fetch":
+        return world.cache.window(), world
+    if name == "hold":
+        return w_hold(world)
+    if name == "release_hold":
+        return w_release_hold(world)
+    if name == "trim":
+        return w_cache_op(world, trim, op["n"])
+    if name == "trim_to":
+        return w_cache_op(world, trim_to, op["len"])
+    if name == "trim_front":
+        return w_cache_op(world, trim_front_keep_sink, op["n"], op.get("keep", 0))
+    if name == "gather_positions":
+        return w_cache_op(world, gather_positions, tuple(op["positions"]))
+    if name == "gather_within_tail":
+        return w_cache_op(world, gather_within_tail, op["tail"], tuple(op["kept"]))
+    if name == "snapshot":
+        return w_snapshot(world, op["name"])
+    if name == "restore":
+        return w_restore(world, op["name"])
+    if name == "drop":
+        return w_drop(world, op["name"])
+    if name == "detach":
+        return w_detach(world, op["name"])
+    if name == "install":
+        return w_install(world, op["name"])
+    if name == "handle_trim_to":
+        return w_handle_trim_to(world, op["name"], op["len"])
+    raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
+
+
 def view_of(world: DenseWorld, name: str | None) -> tuple[int, ...]:
     """The window of the live cache (``name is None``) or of a named holder."""
     if name is None:

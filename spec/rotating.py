@@ -339,6 +339,35 @@ def unsupported(op: str) -> UnsupportedOperationError:
     return UnsupportedOperationError(f"{op}: not an operation of the rotating cache")
 
 
+def apply_op(world: RotatingWorld, op: dict) -> tuple[object, RotatingWorld]:
+    """Run one kvtrace op on ``world``: ``(result, new world)``. Raises the
+    spec's refusal, or UnsupportedOperationError for an op the ring does not
+    have. Module functions are looked up at call time, so a test that
+    patches one (a proof's negative control) reaches it here."""
+    name = op["op"]
+    if name == "append":
+        return w_append(world, op["n"])
+    if name == "fetch":
+        return world.cache.window(), world
+    if name == "hold":
+        return w_hold(world)
+    if name == "release_hold":
+        return w_release_hold(world)
+    if name == "trim":
+        result, cache = trim(world.cache, op["n"])
+        return result, replace(world, cache=cache)
+    if name == "trim_to":
+        result, cache = trim_to(world.cache, op["len"])
+        return result, replace(world, cache=cache)
+    if name == "snapshot":
+        return w_snapshot(world, op["name"])
+    if name == "restore":
+        return w_restore(world, op["name"])
+    if name == "drop":
+        return w_drop(world, op["name"])
+    raise unsupported(name)
+
+
 def make_mask_spec(cache: RotatingCache, n: int, window_size: int | None = None) -> tuple[tuple[bool, ...], ...]:
     """The mask ``make_mask(n, window_size)`` must equal for the ``n`` queries
     about to be appended: row ``i`` (query position ``offset + i``), column

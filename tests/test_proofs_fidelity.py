@@ -74,7 +74,7 @@ def worlds(draw: Any) -> sd.DenseWorld:
     world = sd.new_world(draw(MODES), draw(st.integers(1, 5)), draw(st.booleans()))
     for t in draw(st.lists(OPS, max_size=12)):
         try:
-            _, world = traces.apply_dense(world, _op(t, world))
+            _, world = traces.apply("dense", world, _op(t, world))
         except KVCacheError:
             pass
     return world

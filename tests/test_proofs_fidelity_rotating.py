@@ -38,7 +38,7 @@ def rings(draw: Any) -> Any:
     ), max_size=14))
     for op in ops:
         try:
-            _, world = traces.apply_rotating(world, op)
+            _, world = traces.apply("rotating", world, op)
         except KVCacheError:  # refusals (unknown names, fresh names in use)
             continue
     return world
