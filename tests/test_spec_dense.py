@@ -214,3 +214,15 @@ def test_handle_cut_is_a_view_of_the_same_memory():
     n, h0 = sd.handle_trim_to(h, 0)
     assert n == 3 and h0.buffer is None and h0.window() == ()
     assert sd.handle_trim_to(h, 3) == (0, h)
+
+
+def test_apply_op_defaults_and_unknown_ops():
+    """kvtrace ops on the spec world: trim_front's keep defaults to 0, and an
+    op the dense cache does not have is refused by name."""
+    w = sd.new_world(step=4)
+    _, w = sd.apply_op(w, {"op": "append", "n": 3})
+    n, w2 = sd.apply_op(w, {"op": "trim_front", "n": 1})
+    assert n == 1 and w2.cache.window() == (1, 2)
+    with pytest.raises(InvalidArgumentError) as info:
+        sd.apply_op(w, {"op": "make_mask", "n": 1})
+    assert str(info.value) == "make_mask: not an operation of a dense cache"
