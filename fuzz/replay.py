@@ -1,5 +1,5 @@
 """``kvspec replay``: run a kvtrace on the spec and an implementation in
-lockstep (shared/reference/kvtrace.md, "Replay")."""
+lockstep (docs/kvtrace.md, "What replay compares after every op")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """kvtrace/1: load, validate and write operation traces.
 
-The format is specified in ``shared/reference/kvtrace.md``; its machine form
+The format is specified in ``docs/kvtrace.md``; its machine form
 is ``fuzz/kvtrace.schema.json`` (JSON Schema 2020-12), checked with the
 ``jsonschema`` library. A file that fails validation raises
 :class:`TraceFormatError`, whose message names the op index and field.

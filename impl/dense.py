@@ -373,8 +373,8 @@ class KVCache:
     def trim(self, n: int) -> int:
         """Remove ``n`` rows from the end by a logical rewind (O(1): only the
         offset moves; buffers, sidecars and capacity stay; the next write
-        overwrites the abandoned rows; seed 000). ``n`` is clamped to
-        ``[0, live_len]``, so a negative n trims nothing. Returns the rows
+        overwrites the abandoned rows; speculative decoding relies on it).
+        ``n`` is clamped to ``[0, live_len]``, so a negative n trims nothing. Returns the rows
         removed. Raises InvalidArgumentError for a non-integer n."""
         n = _check_int("trim", "n", n)
         n = max(0, min(n, self.live_len))

@@ -7,7 +7,7 @@ order and return everything so each new query sees a full window.
 
 In-place writes (through a NumPy view of the evaluated buffer) happen only
 during warm-up, when the slot being written was never valid, under the
-dense cache's ownership proof (seed 003). Once the window is full every
+dense cache's ownership proof. Once the window is full every
 write overwrites the oldest slot, which a prompt-cache snapshot may still
 hold, so steady-state writes always copy.
 

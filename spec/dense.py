@@ -40,7 +40,8 @@ class Mode(str, Enum):
 def trim_is_logical(mode: Mode) -> bool:
     """Trim rule: Fp16 and Int8 rewind logically (O(1), capacity kept);
     the Turbo modes cut every buffer to the live rows (their packed sidecars
-    are read whole). Source: semantics.md 2 "Trim family", seed 000."""
+    are read whole). Source: semantics.md 2 "Trim family" (speculative
+    decoding relies on the O(1) rewind)."""
     return mode in (Mode.FP16, Mode.INT8)
 
 
@@ -82,7 +83,7 @@ def regrow_capacity(prev: int, n: int, step: int) -> int:
     """Regrow rule, result: cut the buffer to the live prefix, then append
     ``ceil(n / step) * step`` zero rows. Not necessarily a multiple of step.
     The older guard (cut only when ``prev % step != 0``) keeps a stale tail
-    after a logical trim: a known regression (seed 000, #1209).
+    after a logical trim: a known regression (public fix #1209).
 
     pre: prev >= 0
     pre: n >= 1
@@ -570,7 +571,7 @@ def w_cache_op(world: DenseWorld, fn, *args):
 
 
 def apply_op(world: DenseWorld, op: dict) -> tuple[object, DenseWorld]:
-    """Run one kvtrace op (``shared/reference/kvtrace.md``; ``expect`` is
+    """Run one kvtrace op (``docs/kvtrace.md``; ``expect`` is
     not an op of the cache) on ``world``: ``(result, new world)``. Raises
     the spec's refusal, or InvalidArgumentError for an op the dense cache
     does not have. Module functions are looked up at call time, so a test

@@ -159,7 +159,7 @@ def rotating_inplace_allowed(cache: RotatingCache) -> bool:
     mode is Fp16, and the marker says the cache's own last write produced
     these buffers and left the cursor here. In the steady state the write
     overwrites the oldest slot, which a snapshot may still hold: it must copy
-    (writing in place there is the project's flagship injected bug; seed 003).
+    (writing in place there is the project's flagship injected bug).
 
     post: not __return__ or (cache.offset < cache.max_size and cache.idx == cache.offset)
     post: not __return__ or (cache.marker is not None and cache.marker.buffer == cache.ident)
