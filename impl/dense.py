@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from impl.quant import dequantize_int8, quantize_int8
+from spec.dense import MAX_STEP
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 SEQ_AXIS = 2
@@ -93,6 +94,21 @@ def _check_rows(op: str, keys: Any, values: Any) -> int:
     if keys.shape[2] < 1:
         raise InvalidArgumentError(f"{op}: n must be >= 1, got {keys.shape[2]}")
     return int(keys.shape[2])
+
+
+FP16_MAX = 65504.0
+
+
+def _check_int8_range(op: str, keys: mx.array, values: mx.array) -> None:
+    """Int8 refuses rows it cannot quantize to finite values: a NaN, an
+    infinity, or ``|x| > 65504`` (the float16 cast would make it inf and
+    the row's scale non-finite). One reduction per tensor, evaluated here."""
+    for name, a in (("keys", keys), ("values", values)):
+        if not bool(mx.all(mx.abs(a) <= FP16_MAX).item()):
+            raise InvalidArgumentError(
+                f"{op}: {name} must be finite and within the float16 range (|x| <= {FP16_MAX:g}) in mode int8, "
+                "got a NaN, an infinity or a larger value"
+            )
 
 
 def share(a: mx.array) -> mx.array:
@@ -214,7 +230,7 @@ class KVCache:
     Args:
         mode: ``"fp16"`` (float16 storage) or ``"int8"`` (per-row symmetric
             int8 with float16 scales, semantics.md 2 "Quantized storage").
-        step: growth granularity in rows (>= 1). Production engines use 256;
+        step: growth granularity in rows, 1 to ``MAX_STEP`` (2^20). Production engines use 256;
             tests use 1 to 8.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
 
@@ -229,8 +245,8 @@ class KVCache:
         if mode not in _MODES:
             raise UnsupportedOperationError(f"KVCache: mode must be one of {_MODES}, got {mode!r}")
         step = _check_int("KVCache", "step", step)
-        if step < 1:
-            raise InvalidArgumentError(f"KVCache: step must be >= 1, got {step}")
+        if step < 1 or step > MAX_STEP:
+            raise InvalidArgumentError(f"KVCache: step must be in [1, {MAX_STEP}], got {step}")
         self.mode = mode
         self.step = step
         if inplace is not None and not isinstance(inplace, bool):
@@ -339,10 +355,14 @@ class KVCache:
         ``keys``: ``[B, H, S, Dk]``, ``values``: ``[B, H, S, Dv]``, any float
         dtype (stored as float16, or int8 + scales). Returns float16
         ``[B, H, live_len, D]`` windows (dequantized in Int8).
-        Raises InvalidArgumentError for a wrong rank, dtype, S < 1, or a
-        B/H/D that differs from the rows already cached.
+        Raises InvalidArgumentError for a wrong rank, dtype, S < 1, a
+        B/H/D that differs from the rows already cached, and in Int8 for a
+        NaN, an infinity or a value beyond the float16 range (semantics.md
+        2 "Storage": a non-finite scale is never stored).
         """
         n = _check_rows("append", keys, values)
+        if self.mode == "int8":
+            _check_int8_range("append", keys, values)
         rows = self._encode(keys, values)
         self._check_compatible("append", rows)
         prev = self.live_len

@@ -34,6 +34,7 @@ from impl.dense import (
     share,
     write_rows_inplace,
 )
+from spec.dense import MAX_STEP
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -107,8 +108,8 @@ class RotatingKVCache:
             raise InvalidArgumentError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         if keep < 0 or keep >= max_size:
             raise InvalidArgumentError(f"RotatingKVCache: keep must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
-        if step < 1:
-            raise InvalidArgumentError(f"RotatingKVCache: step must be >= 1, got {step}")
+        if step < 1 or step > MAX_STEP:
+            raise InvalidArgumentError(f"RotatingKVCache: step must be in [1, {MAX_STEP}], got {step}")
         self.max_size, self.keep, self.step, self.mode = max_size, keep, step, mode
         self.inplace = inplace_switch_from_env() if inplace is None else bool(inplace)
         self.keys: mx.array | None = None

@@ -37,6 +37,12 @@ class Mode(str, Enum):
     TURBO4DELEGATED = "turbo4delegated"
 
 
+#: Largest growth granularity a cache accepts (rows). Growth allocates
+#: ``ceil(n / step) * step`` rows at once, so an unbounded step is an
+#: allocation of any size; 2^20 rows is far beyond the 256 engines use.
+MAX_STEP = 2**20
+
+
 def trim_is_logical(mode: Mode) -> bool:
     """Trim rule: Fp16 and Int8 rewind logically (O(1), capacity kept);
     the Turbo modes cut every buffer to the live rows (their packed sidecars
@@ -152,13 +158,14 @@ class DenseCache:
 
 
 def new_cache(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = True) -> DenseCache:
-    """An empty cache. Raises InvalidArgumentError when ``step < 1``.
+    """An empty cache. Raises InvalidArgumentError unless ``1 <= step <=
+    MAX_STEP``.
 
-    pre: isinstance(mode, Mode) and step >= 1
+    pre: isinstance(mode, Mode) and 1 <= step <= MAX_STEP
     post: is_empty(__return__) and __return__.marker is None
     """
-    if not isinstance(step, int) or step < 1:
-        raise InvalidArgumentError(f"step: must be an integer >= 1, got {step!r}")
+    if not isinstance(step, int) or step < 1 or step > MAX_STEP:
+        raise InvalidArgumentError(f"step: must be an integer in [1, {MAX_STEP}], got {step!r}")
     return DenseCache(mode=Mode(mode), step=step, inplace=inplace)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec.dense import Entry, Mode
+from spec.dense import MAX_STEP, Entry, Mode
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -138,13 +138,13 @@ def _valid(e: Entry | None) -> Entry:
 def new_cache(max_size: int, keep: int = 0, step: int = 256, inplace: bool = True,
               mode: Mode | str = Mode.FP16) -> RotatingCache:
     """An empty ring. Raises InvalidArgumentError unless ``max_size >= 1``,
-    ``0 <= keep < max_size`` and ``step >= 1``."""
+    ``0 <= keep < max_size`` and ``1 <= step <= MAX_STEP``."""
     if max_size < 1:
         raise InvalidArgumentError(f"max_size: must be >= 1, got {max_size}")
     if keep < 0 or keep >= max_size:
         raise InvalidArgumentError(f"keep: must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
-    if step < 1:
-        raise InvalidArgumentError(f"step: must be >= 1, got {step}")
+    if step < 1 or step > MAX_STEP:
+        raise InvalidArgumentError(f"step: must be in [1, {MAX_STEP}], got {step}")
     return RotatingCache(max_size=max_size, keep=keep, step=step, inplace=inplace, mode=Mode(mode))
 
 

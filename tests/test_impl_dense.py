@@ -88,7 +88,7 @@ def test_refused_append_changes_nothing():
 
 
 def test_bad_arguments_name_the_argument():
-    with pytest.raises(InvalidArgumentError, match="step must be >= 1"):
+    with pytest.raises(InvalidArgumentError, match=r"step must be in \[1, 1048576\]"):
         KVCache(step=0)
     with pytest.raises(UnsupportedOperationError, match="mode"):
         KVCache(mode="turbo4")

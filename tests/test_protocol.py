@@ -48,7 +48,11 @@ def test_dense_argument_messages():
     assert message(c.gather_positions, [0.5]) == (InvalidArgumentError, "gather_positions: positions must be an integer, got 0.5")
     assert message(c.gather_within_tail, "x", [0]) == (InvalidArgumentError, "gather_within_tail: tail_len must be an integer, got 'x'")
     assert message(c.gather_within_tail, 1, [None]) == (InvalidArgumentError, "gather_within_tail: kept must be an integer, got None")
-    assert message(KVCache, step=0) == (InvalidArgumentError, "KVCache: step must be >= 1, got 0")
+    assert message(KVCache, step=0) == (InvalidArgumentError, "KVCache: step must be in [1, 1048576], got 0")
+    assert message(KVCache, step=10**12) == (
+        InvalidArgumentError, "KVCache: step must be in [1, 1048576], got 1000000000000")
+    assert message(RotatingKVCache, 4, step=10**12) == (
+        InvalidArgumentError, "RotatingKVCache: step must be in [1, 1048576], got 1000000000000")
     assert message(KVCache, step=2.0) == (InvalidArgumentError, "KVCache: step must be an integer, got 2.0")
     assert message(KVCache, mode="turbo4") == (
         UnsupportedOperationError, "KVCache: mode must be one of ('fp16', 'int8'), got 'turbo4'")
@@ -122,7 +126,7 @@ def test_rotating_messages():
     assert message(RotatingKVCache, 0) == (InvalidArgumentError, "RotatingKVCache: max_size must be >= 1, got 0")
     assert message(RotatingKVCache, 4, keep=-1) == (
         InvalidArgumentError, "RotatingKVCache: keep must satisfy 0 <= keep < max_size (4), got -1")
-    assert message(RotatingKVCache, 4, step=0) == (InvalidArgumentError, "RotatingKVCache: step must be >= 1, got 0")
+    assert message(RotatingKVCache, 4, step=0) == (InvalidArgumentError, "RotatingKVCache: step must be in [1, 1048576], got 0")
     assert message(RotatingKVCache, 4.0) == (InvalidArgumentError, "RotatingKVCache: max_size must be an integer, got 4.0")
     c = RotatingKVCache(4, keep=1, step=2)
     decode(c, 2)
@@ -234,7 +238,7 @@ def test_dense_from_state_refusals():
         ((k, k), ("fp16", "4", "10", "0"), "from_state: cursor out of range: live_len 10 > capacity 3"),
         ((k, k), ("fp16", "4", "3", "5"), "from_state: cursor must satisfy 0 <= live_start <= offset, got live_start=5, offset=3"),
         ((k, k), ("int8", "4", "3", "0"), "from_state: state must hold 4 arrays in mode int8, got 2"),
-        ((k, k), ("fp16", "0", "3", "0"), "KVCache: step must be >= 1, got 0"),
+        ((k, k), ("fp16", "0", "3", "0"), "KVCache: step must be in [1, 1048576], got 0"),
         ((k.astype(mx.int32),) * 2, ("fp16", "4", "3", "0"), "from_state: keys dtype must be mlx.core.float16, got mlx.core.int32"),
         ((k, k), ("fp16", "4", "x", "0"), "from_state: meta_state must hold integers, got ('fp16', '4', 'x', '0')"),
         ((k, k), ("fp16", "4", "2", "0"), "from_state: state must hold exactly the live rows, got 3 rows for live_len 2"),
@@ -327,7 +331,8 @@ def test_rotating_argument_messages_and_defaults():
     from spec.dense import Mode
 
     assert sr.new_cache(4).step == 256 and sr.new_cache(4, mode="int8").mode is Mode.INT8
-    assert message(sr.new_cache, 4, step=0) == (InvalidArgumentError, "step: must be >= 1, got 0")
+    assert message(sr.new_cache, 4, step=0) == (InvalidArgumentError, "step: must be in [1, 1048576], got 0")
+    assert message(sr.new_cache, 4, step=2**20 + 1) == (InvalidArgumentError, "step: must be in [1, 1048576], got 1048577")
     assert message(sr.append, sr.new_cache(4), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert str(sr.unsupported("gather_positions")) == "gather_positions: not an operation of the rotating cache"
 
@@ -370,8 +375,8 @@ def test_spec_defaults_and_unreachable_refusals():
 
     assert sd.new_cache().step == 256 and sd.new_world().cache.inplace is True and KVCache().step == 256
     assert sd.new_world().cache.step == 256 and sd.new_world().cache.mode is sd.Mode.FP16
-    assert message(sd.new_cache, step=0) == (InvalidArgumentError, "step: must be an integer >= 1, got 0")
-    assert message(sd.new_cache, step="4") == (InvalidArgumentError, "step: must be an integer >= 1, got '4'")
+    assert message(sd.new_cache, step=0) == (InvalidArgumentError, "step: must be an integer in [1, 1048576], got 0")
+    assert message(sd.new_cache, step="4") == (InvalidArgumentError, "step: must be an integer in [1, 1048576], got '4'")
     assert message(sd.append, sd.new_cache(), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert message(sd.w_append, sd.new_world(), 0) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert message(sr.w_append, sr.RotatingWorld(sr.new_cache(4)), 0) == (InvalidArgumentError, "append: n must be >= 1, got 0")

@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -74,3 +75,32 @@ def test_int8_every_float16_magnitude():
     # the sign of every nonzero value survives quantization
     back = np.array(dequantize_int8(q, scale)).astype(np.float32)
     assert np.all(np.sign(back[back != 0]) == np.sign(x.astype(np.float32)[back != 0]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 65505.0 * 2, -1e6])
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_int8_refuses_rows_it_cannot_store_finitely(bad, which):
+    """semantics.md 2 "Storage": NaN, inf and values beyond the float16 range
+    are refused in Int8 (the scale would be non-finite); nothing changes.
+    Fp16 stores them as given."""
+    from impl.dense import KVCache
+    from spec.errors import InvalidArgumentError
+
+    c = KVCache("int8", step=2)
+    good = mx.ones((1, 1, 1, 4), dtype=mx.float32)
+    c.update_and_fetch(good, good)
+    before = (c.offset, c.capacity, np.array(c.fetch()[0]).tobytes())
+    row = np.ones((1, 1, 1, 4), dtype=np.float32)
+    row[0, 0, 0, 2] = bad
+    args = {"keys": good, "values": good}
+    args[which] = mx.array(row)
+    with pytest.raises(InvalidArgumentError, match=f"append: {which} must be finite and within the float16 range"):
+        c.update_and_fetch(args["keys"], args["values"])
+    assert (c.offset, c.capacity, np.array(c.fetch()[0]).tobytes()) == before
+    ok = KVCache("int8", step=2)
+    edge = np.full((1, 1, 1, 4), 65504.0, dtype=np.float32)
+    ok.update_and_fetch(mx.array(edge), mx.array(edge))  # the range's edge is accepted
+    assert ok.offset == 1
+    f = KVCache("fp16")
+    k, _ = f.update_and_fetch(args["keys"], args["values"])
+    assert f.offset == 1
