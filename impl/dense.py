@@ -648,6 +648,37 @@ class KVCache:
     def is_trimmable(self) -> bool:
         return True
 
+    def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
+        """mlx-lm's name for reading the window without writing (models that
+        share one layer's keys with another call it): :meth:`fetch`."""
+        return self.fetch()
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> KVCache:
+        """mlx-lm's ``kv_bits`` hook: a quantized copy of this cache. This
+        implementation stores ``bits=8`` (mode Int8: per-row symmetric, one
+        group per head_dim row, so ``group_size`` does not change the
+        storage; docs/mlx-lm.md). Returns ``self`` when already Int8, else a
+        new Int8 cache holding these rows quantized, with the same offset,
+        live_start and step. Raises UnsupportedOperationError for any other
+        ``bits`` (never silently keeps fp16)."""
+        bits = _check_int("to_quantized", "bits", bits)
+        _check_int("to_quantized", "group_size", group_size)
+        if bits != 8:
+            raise UnsupportedOperationError(
+                f"to_quantized: bits must be 8 (kvspec stores int8, mode 'int8', one group per head_dim row), got {bits}"
+            )
+        if self.mode == "int8":
+            return self
+        q = type(self)(mode="int8", step=self.step, inplace=self.inplace)
+        buffers = None
+        if self.buffers is not None:
+            k, v = self.buffers.window(self.live_len)
+            _check_int8_range("to_quantized", k, v)
+            (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+            buffers = _Buffers(kq, vq, ks, vs)
+        q._adopt(CacheSnapshot("int8", buffers, self.offset, self.live_start))
+        return q
+
     def size(self) -> int:
         return self.offset
 

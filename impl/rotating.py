@@ -450,6 +450,19 @@ class RotatingKVCache:
     def size(self) -> int:
         return min(self.offset, self.max_size)
 
+    def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
+        """mlx-lm's name for reading the valid rows without writing: :meth:`fetch`."""
+        return self.fetch()
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
+        """mlx-lm's ``kv_bits`` hook. The ring stores fp16 only (as mlx-lm's
+        own ring, which raises NotImplementedError): always refused with
+        UnsupportedOperationError, never silently kept fp16."""
+        raise UnsupportedOperationError(
+            f"to_quantized: the sliding-window RotatingKVCache stores fp16 only (got bits={bits!r}, "
+            f"group_size={group_size!r}); quantized storage (bits=8) is available on dense KVCache layers"
+        )
+
     def empty(self) -> bool:
         return self.keys is None
 
