@@ -26,17 +26,17 @@ from typing import Any
 import jsonschema
 import numpy as np
 
-CACHE_DEFAULTS: dict[str, Any] = {
-    "mode": "fp16",
-    "step": 256,
-    "batch": 1,
-    "kv_heads": 2,
-    "head_dim": 8,
-    "keep": 0,
-    "inplace": True,
-    "hot_threshold": 256,
-    "fold_block": 128,
-}
+from fuzz import kinds
+
+
+def cache_defaults(kind: str, mode: str | None = None) -> dict[str, Any]:
+    """The defaults of the optional cache fields of ``kind`` in ``mode``
+    (fuzz/kinds.py)."""
+    try:
+        return kinds.get(kind, mode).defaults()
+    except kinds.UnknownKindError:
+        return dict(kinds.COMMON_FIELDS)
+
 
 #: Largest trace file read, in bytes.
 MAX_BYTES = 64 * 2**20
@@ -50,8 +50,6 @@ MAX_OPS = 1_000_000
 MAX_ELEMENTS = 2**24
 #: Problems printed at most; the rest are counted.
 MAX_ERRORS_SHOWN = 20
-#: Ops and fields only a paged cache has.
-PAGED_OPS = frozenset({"fork", "release"})
 
 
 class TraceFormatError(Exception):
@@ -119,7 +117,8 @@ class _OpChecker:
             cond = entry["if"]["properties"]["op"]
             names = [cond["const"]] if "const" in cond else cond["enum"]
             for n in names:
-                specific[n].append(entry["then"])
+                if n in specific:  # a rule for an op no kind runs yet is inert
+                    specific[n].append(entry["then"])
         for n in self.names:
             props = dict(common)
             required: set[str] = {"op"}
@@ -306,17 +305,20 @@ def _rows_bound(cache: dict[str, Any], ops: list[dict[str, Any]]) -> int:
     return rows
 
 
-def check_semantics(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
-    """Rules the schema cannot state: a ring's ``keep < max_size``, paged
-    ops only on a paged cache, and the buffer bound MAX_ELEMENTS."""
+def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """Rules the schema cannot state: a ring's ``keep < max_size``, ops the
+    kind neither runs nor refuses by contract (fuzz/kinds.py: a paged op on
+    a dense cache), and the buffer bound MAX_ELEMENTS."""
     problems: list[tuple[list[Any], str]] = []
     if cache["kind"] == "rotating" and cache["keep"] >= cache["max_size"]:
         problems.append((["cache", "keep"], f"must be < max_size ({cache['max_size']}), got {cache['keep']}"))
-    if cache["kind"] != "paged":
-        for i, op in enumerate(ops):
-            if op["op"] in PAGED_OPS or "seq" in op:
-                what = f"op {op['op']!r}" if op["op"] in PAGED_OPS else "field 'seq'"
-                problems.append((["ops", i], f"{what} belongs to a paged cache; this cache is {cache['kind']}"))
+    known = set(kind.all_ops) | set(kind.refuses)
+    for i, op in enumerate(ops):
+        if "seq" in op and "fork" not in kind.all_ops:
+            problems.append((["ops", i, "seq"], f"a {kind.kind} cache has no sequences (paged caches do)"))
+        if op["op"] not in known:
+            why = f"op {op['op']!r} is not an operation of a {kind.kind} cache (its ops: {', '.join(kind.all_ops)})"
+            problems.append((["ops", i], why))
     if problems:
         _raise(problems, {"cache": 0, "ops": 0})
     rows = _rows_bound(cache, ops)
@@ -331,9 +333,19 @@ def check_semantics(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
 def parse(doc: Any) -> Trace:
     """Validate a decoded JSON document and return the Trace."""
     validate(doc)
-    cache = {**CACHE_DEFAULTS, **doc["cache"]}
+    try:
+        kind = kinds.get(doc["cache"]["kind"], doc["cache"].get("mode", kinds.COMMON_FIELDS["mode"]))
+    except kinds.UnknownKindError as exc:
+        raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
+    for name in doc["cache"]:
+        if name not in kind.cache_fields:
+            raise TraceFormatError(
+                f"field cache.{name}: not a field of kind {kind.kind} in mode {doc['cache'].get('mode', 'fp16')} "
+                f"(its fields: {', '.join(kind.cache_fields)})"
+            )
+    cache = {**kind.defaults(), **doc["cache"]}
     ops = list(doc["ops"])
-    check_semantics(cache, ops)
+    check_semantics(kind, cache, ops)
     return Trace(cache=cache, ops=ops, title=doc.get("title", ""))
 
 
