@@ -384,18 +384,23 @@ class RotatingKVCache:
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
         window = self.max_size if window_size is None else window_size
-        positions = self._next_positions(N)
-        rows = [[ring_visible(self.offset + i, p, window, self.keep) for p in positions] for i in range(N)]
-        mask = mx.array(np.array(rows).reshape(N, len(positions)))
+        positions = np.asarray(self._next_positions(N), dtype=np.int64)
+        # Built lazily in MLX, O(N + L) here (no per-element Python work).
+        p = mx.array(positions)[None, :]
+        q = (self.offset + mx.arange(N, dtype=mx.int64))[:, None]
+        mask = (p <= q) & ((p < self.keep) | ((q - p) < (window - self.keep)))
         if return_array:
             return mask
-        L = len(positions)
-        if N == 1 and all(rows[0]):
-            return None
-        causal = [[j <= L - N + i for j in range(L)] for i in range(N)]
-        if rows == causal:
-            return "causal"
-        return mask
+        # The window hides no causal key iff it spares the oldest non-sink
+        # from the last query (the pair with the largest distance).
+        nonsink = positions[positions >= self.keep]
+        none_hidden = nonsink.size == 0 or (self.offset + N - 1) - int(nonsink.min()) < window - self.keep
+        if not none_hidden:
+            return mask
+        # Every key is at or before each query's own position: a decode sees
+        # them all; a multi-row append returns its keys in time order, so
+        # its mask is exactly the causal one.
+        return None if N == 1 else "causal"
 
     # -- mlx-lm protocol --------------------------------------------------------
     @property
