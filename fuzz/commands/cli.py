@@ -193,7 +193,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from fuzz.commands.verify import run_verify
 
-    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs)
+    if args.jobs is not None and args.jobs < 1:
+        _console().print(f"[red]--jobs: must be >= 1, got {args.jobs}[/]")
+        return 2
+    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs, jobs=args.jobs)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
@@ -269,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.add_argument("--skip-proofs", action="store_true")
     v.add_argument("--out", default=DEFAULT_OUT)
+    v.add_argument("-j", "--jobs", type=int, default=None,
+                   help="processes to run the checks on (default: every core; 1 runs them in this process)")
     v.set_defaults(fn=cmd_verify)
 
     mu = sub.add_parser("mutants", help="fuzz every injected bug of the catalog from N seeds: the kill matrix")
