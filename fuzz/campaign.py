@@ -161,10 +161,13 @@ class CampaignReport:
 
 
 def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
-             batch: int = 25, steps: int = 40, target: Any = None) -> CampaignReport:
-    """Run seeded batches until ``budget`` seconds are spent or one fails.
-    ``target`` (name or ``fuzz.targets.Target``; None: ``impl``) picks the
-    implementation under test; non-impl configs are labelled with it."""
+             batch: int = 25, steps: int = 40, target: Any = None,
+             progress: Any = None) -> CampaignReport:
+    """Run seeded batches until ``budget`` seconds are spent or one fails;
+    at least one batch, so a campaign never checks nothing. ``target`` (name
+    or ``fuzz.targets.Target``; None: ``impl``) picks the implementation
+    under test; non-impl configs are labelled with it. ``progress(text)``
+    is called after every batch."""
     machine = machine_for(kind, mode, inplace, factories, target=target)
     label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
     if target is not None and getattr(target, "name", target) != "impl":
@@ -172,13 +175,15 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
     total = CampaignReport(label, 0.0, 0, 0, {})
     start = time.perf_counter()
     k = 0
-    while time.perf_counter() - start < budget:
+    while k == 0 or time.perf_counter() - start < budget:
         result = run_machine(machine, seed + k, max_examples=batch, steps=steps)
         k += 1
         total.examples += result.examples
         total.steps += result.steps
         for key, v in result.stats.items():
             total.stats[key] = total.stats.get(key, 0) + v
+        if progress is not None:
+            progress(f"{total.examples} examples, {total.steps} ops, {time.perf_counter() - start:.0f} s of {budget:.0f}")
         if result.failed:
             total.failure = result
             break

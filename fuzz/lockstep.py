@@ -52,9 +52,19 @@ class Divergence(Exception):
             f"  {second} {self.impl}"
         )
 
+    @property
+    def trace_check(self) -> bool:
+        """The trace's own check failed against the spec (the trace expects
+        something the spec does not do), as opposed to the implementation
+        disagreeing with the spec or with a check the spec satisfies."""
+        return self.labels[1] == "trace expects"
+
     def to_json(self) -> dict[str, Any]:
-        keys = ["spec" if "spec" in self.labels[0] else "trace", "impl" if "impl" in self.labels[1] else "trace"]
+        keys = ["trace" if self.labels[0] == "trace expects" else "spec",
+                "trace" if self.labels[1] == "trace expects" else "impl"]
         return {"index": self.index, "op": self.op, "what": self.what,
+                "kind": "trace check" if self.trace_check else "divergence",
+                "implementation": self.labels[1].removesuffix(" did") if keys[1] == "impl" else None,
                 keys[0]: _jsonable(self.spec), keys[1]: _jsonable(self.impl)}
 
 
@@ -142,6 +152,10 @@ class Lockstep:
         holds: an int, "zero" for an all-zero row nobody wrote, "?" else."""
         if arrays is None:
             return []
+        # every identity handed out so far, the failing op's own rows included
+        for t in range(getattr(self.world, "next_token", 0)):
+            if t not in self._expected:
+                self.expected_row(t)
         k, v = (np.asarray(a) for a in arrays)
         lookup = {pair: t for t, pair in self._expected.items()}
         out: list[Any] = []
@@ -172,7 +186,20 @@ class Lockstep:
     def reached(self, event: str) -> None:
         self.stats[event] = self.stats.get(event, 0) + 1
 
+    #: how reports name the implementation side (``impl``, or a target's name)
+    impl_name = "impl"
+
     def step(self, index: int, op: dict[str, Any]) -> None:
+        """Run ``op`` on both sides and compare; raises Divergence (its
+        second line names :attr:`impl_name`)."""
+        try:
+            self._step(index, op)
+        except Divergence as d:
+            if self.impl_name != "impl":
+                d.labels = tuple(f"{self.impl_name} did" if lab == "impl did" else lab for lab in d.labels)  # type: ignore[assignment]
+            raise
+
+    def _step(self, index: int, op: dict[str, Any]) -> None:
         self.reached("ops")
         if op["op"] == "expect":
             self.check_expect(index, op)
@@ -258,9 +285,11 @@ class Lockstep:
         s_views, i_views = self.spec_views(), self.impl_views()
         key = "cache" if name is None else self.view_key(name)
         if key not in s_views:
+            from fuzz.trace import TraceFormatError
+
             names = sorted(k.split(":", 1)[1] for k in s_views if k.startswith("holder:"))
-            raise Divergence(index, op, f"expect: no snapshot, handle or sequence named {name!r}",
-                             f"holders are {names}", f"holders are {names}")
+            raise TraceFormatError(f"op {index} field 'of': no snapshot or handle named {name!r} at this op "
+                                   f"(live: {', '.join(names) or 'none'})")
         want = list(op["window"])
         have = list(s_views[key])
         same = sorted(want) == sorted(have) if op.get("order") == "set" else want == have
