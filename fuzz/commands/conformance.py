@@ -327,7 +327,7 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(highlight=False, width=200)
+    console = console or Console(highlight=False)
     total = sum(r.seconds for r in reports)
     table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
                         f"budget {budget:.0f} s, {total:.0f} s run")
@@ -339,11 +339,15 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
                       str(len(r.findings)), r.ended)
     console.print(table)
     found = Table(title="divergences (each trace replays 1 on its target, 0 on impl)")
-    for col in ("class", "#", "what goes wrong", "then", "trace", "replay"):
+    for col in ("class", "#", "what goes wrong", "then", "replay"):
         found.add_column(col, overflow="fold")
+    traces = []
     for r in reports:
         for i, f in enumerate(r.findings, 1):
             check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
             waive = "".join(f" --waive {w}" for w in f.waived)
-            found.add_row(r.cache_class, str(i), f.summary, f.then, f"{f.trace}{waive}", check)
+            found.add_row(r.cache_class, str(i), f.summary, f.then, check)
+            traces.append(f"{r.cache_class} #{i}: kvspec replay {f.trace} --target {r.target}{waive}")
     console.print(found)
+    for line in traces:  # whole lines: a path is never wrapped inside a cell
+        console.print(line, soft_wrap=True, markup=False)
