@@ -543,7 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         known = [o for a in sp._actions for o in a.option_strings]
         hints = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
         sp.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        # commands with a summary catch Ctrl-C themselves; the rest stop here
+        print(f"kvspec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -290,7 +291,10 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
         cls, target = known[n]
         for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
             stale.unlink()
+        print(f"conformance: [{i + 1}/{len(names)}] {cls.name} on {target} (seed {seed + 1000 * i}, "
+              f"{budget / len(names):.0f} s) ...", file=sys.stderr, flush=True)
         reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings))
+        print(f"conformance: {cls.name}: {len(reports[-1].findings)} divergences", file=sys.stderr, flush=True)
     write_report(reports, seed, budget, out / REPORT)
     return reports
 

@@ -629,8 +629,16 @@ def run_scenario(name: str, size: Size = SHORT, factories: Factories = None, **k
                           acceptance, time.perf_counter() - start, detail)
 
 
-def run_all(size: Size = SHORT, factories: Factories = None, names: list[str] | None = None) -> list[ScenarioResult]:
-    return [run_scenario(s.name, size, factories) for s in SCENARIOS if names is None or s.name in names]
+def run_all(size: Size = SHORT, factories: Factories = None, names: list[str] | None = None,
+            progress: Callable[[ScenarioResult], None] | None = None) -> list[ScenarioResult]:
+    """Run the scenarios (``names``: only these); ``progress(result)`` after each."""
+    out = []
+    for s in SCENARIOS:
+        if names is None or s.name in names:
+            out.append(run_scenario(s.name, size, factories))
+            if progress is not None:
+                progress(out[-1])
+    return out
 
 
 __all__ = [
@@ -660,7 +668,13 @@ def main(long: bool = False, as_json: bool = False, bug: str | None = None, only
         by_name(name)
     start = time.perf_counter()
     size = LONG if long else DEFAULT
-    results = run_all(size, factories, only or None)
+    import sys
+
+    print(f"kvspec e2e: {'long' if long else 'default'} size, seeds {list(size.seeds)}"
+          + (f", bug {bug}" if bug else ""), file=sys.stderr, flush=True)
+    results = run_all(size, factories, only or None,
+                      lambda r: print(f"e2e: {r.name}: {'ok' if r.ok else 'DIVERGED'} ({r.seconds:.1f} s)",
+                                      file=sys.stderr, flush=True))
     total = time.perf_counter() - start
     ok = all(r.ok for r in results)
     if as_json:
