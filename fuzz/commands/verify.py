@@ -272,6 +272,7 @@ class Progress:
             self.console.print(text, markup=False)
 
     def finished(self, job: Job, checks: list[Check], seconds: float) -> None:
+        """``seconds``: since the run started."""
         self.done += 1
         bad = [c.name for c in checks if not c.ok]
         verdict = "ok" if not bad else f"FAILED: {', '.join(bad)}"
@@ -280,7 +281,8 @@ class Progress:
             if bad:
                 self.bar.console.print(f"{job.label}: {verdict}", markup=False)
         else:
-            self.say(f"[{self.done}/{self.total}] {job.label}: {verdict} ({seconds:.1f} s)")
+            spent = sum(c.seconds for c in checks)
+            self.say(f"[{self.done}/{self.total}] {job.label}: {verdict} ({spent:.1f} s; {seconds:.0f} s elapsed)")
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -294,9 +296,9 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, lis
     results attached as ``exc.partial``."""
     results: dict[int, list[Check]] = {}
     try:
+        start = time.perf_counter()
         if workers <= 1:
             for i, job in enumerate(jobs):
-                start = time.perf_counter()
                 results[i] = run_job(job)
                 progress.finished(job, results[i], time.perf_counter() - start)
             return results
@@ -306,15 +308,15 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, lis
         ctx = multiprocessing.get_context("forkserver")
         order = sorted(range(len(jobs)), key=lambda i: -jobs[i].weight)
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            started = {pool.submit(run_job, jobs[i]): (i, time.perf_counter()) for i in order}
+            started = {pool.submit(run_job, jobs[i]): i for i in order}
             pending = set(started)
             try:
                 while pending:
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in done:
-                        i, t0 = started[fut]
+                        i = started[fut]
                         results[i] = fut.result()
-                        progress.finished(jobs[i], results[i], time.perf_counter() - t0)
+                        progress.finished(jobs[i], results[i], time.perf_counter() - start)
             except BaseException:
                 for fut in pending:
                     fut.cancel()
