@@ -142,7 +142,7 @@ def test_inplace_write_aliases_the_slab_and_spares_the_fork():
 
 def test_held_window_never_changes():
     pool = BlockPool(2)
-    k, v = pool.append("main", *rows(0, 3))
+    k, _ = pool.append("main", *rows(0, 3))
     held = np.array(k).copy()
     pool.trim("main", 2)
     pool.append("main", *rows(3, 2))  # in place over the trimmed rows
