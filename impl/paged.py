@@ -339,7 +339,7 @@ class BlockPool:
         if n:
             s.start += n
             for b, block in enumerate(s.table):
-                if block is not None and (b + 1) * self.block_size <= s.start:  # spec.paged.wholly_before
+                if block is not None and b < s.start // self.block_size:  # spec.paged.wholly_before
                     self._release_block(block)
                     s.table[b] = None
         return n
@@ -393,7 +393,7 @@ class BlockPool:
         bs = self.block_size
         for s in self.seqs.values():
             if (not 0 <= s.start <= s.length or len(s.table) != table_len(s.length, bs)
-                    or any((blk is None) != ((b + 1) * bs <= s.start) for b, blk in enumerate(s.table))
+                    or any((blk is None) != (b < s.start // bs) for b, blk in enumerate(s.table))
                     or len(set(s.held())) != len(s.held())):
                 bad.append("tables_well_formed")
                 break

@@ -67,12 +67,16 @@ def table_len(length: int, block_size: int) -> int:
 
 
 def wholly_before(index: int, start: int, block_size: int) -> bool:
-    """Does block ``index`` hold only rows before the logical ``start``? A
-    front trim releases exactly these blocks.
+    """Does block ``index`` hold only rows before the logical ``start``,
+    i.e. ``(index + 1) * block_size <= start``? A front trim releases
+    exactly these blocks. Written as ``index < start // block_size``: the
+    product overflows 32-bit integers near the top of the range (the bv32
+    proof of obligation 6 found it), the quotient cannot.
 
     pre: index >= 0 and start >= 0 and block_size >= 1
+    post: __return__ == ((index + 1) * block_size <= start)
     """
-    return (index + 1) * block_size <= start
+    return index < start // block_size
 
 
 def needs_copy_on_write(refcount: int) -> bool:
