@@ -229,6 +229,39 @@ class BlockPool:
             self.keys = mx.slice_update(self.keys, rk[None], at, axes=(0, 1))
             self.values = mx.slice_update(self.values, rv[None], at, axes=(0, 1))
 
+    def _reserve(self, s: Sequence, needed: int, keys: mx.array, values: mx.array) -> None:
+        """spec.paged.reserve: make ``needed`` blocks free, growing the slabs
+        by whole chunks; StateError (pool exhausted) before any change when
+        ``max_blocks`` cannot cover them."""
+        extra = self._growth(needed)
+        if len(self.free) + extra < needed:
+            raise StateError(
+                f"append: pool exhausted: needs {needed} free blocks, has {len(self.free)} free of "
+                f"{self.size} and max_blocks={self.max_blocks}"
+            )
+        if extra:
+            self._grow(extra, keys, values)
+
+    @staticmethod
+    def _needs_copy_on_write(refcount: int) -> bool:
+        """spec.paged.needs_copy_on_write: the block is shared."""
+        return refcount > 1
+
+    def _copy_on_write(self, s: Sequence, b: int) -> int:
+        """Copy ``s``'s shared block at table index ``b`` into a fresh block,
+        repoint the table and release the shared block (spec.paged.append,
+        copy-on-write). Returns the copy's id."""
+        old, new = s.table[b], self._allocate()
+        self._copy_block(old, new)
+        self._release_block(old)
+        s.table[b] = new
+        return new
+
+    def _table_entries(self, s: Sequence, length: int) -> int:
+        """Entries ``s``'s table keeps for ``length`` rows:
+        ``table_len(length)`` by absolute position (spec.paged.table_len)."""
+        return table_len(length, self.block_size)
+
     # -- sequence operations ------------------------------------------------
     def append(self, seq: str, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """``update_and_fetch`` of ``keys``/``values`` ``[1, H, n, D]`` (K
@@ -243,15 +276,7 @@ class BlockPool:
         s = self._require("append", seq)
         n = _check_rows("append", keys, values)
         self._check_compatible(keys, values)
-        needed = self._blocks_needed(s, n)
-        extra = self._growth(needed)
-        if len(self.free) + extra < needed:
-            raise StateError(
-                f"append: pool exhausted: needs {needed} free blocks, has {len(self.free)} free of "
-                f"{self.size} and max_blocks={self.max_blocks}"
-            )
-        if extra:
-            self._grow(extra, keys, values)
+        self._reserve(s, self._blocks_needed(s, n), keys, values)
         bs = self.block_size
         fresh: list[int] = []
         copied: list[tuple[int, int]] = []
@@ -264,12 +289,9 @@ class BlockPool:
             if b >= len(s.table):
                 s.table.append(self._allocate())
                 fresh.append(s.table[b])
-            elif self.refcounts[s.table[b]] > 1:  # spec.paged.needs_copy_on_write
-                old, new = s.table[b], self._allocate()
-                self._copy_block(old, new)
-                self._release_block(old)
-                s.table[b] = new
-                copied.append((old, new))
+            elif self._needs_copy_on_write(self.refcounts[s.table[b]]):
+                old = s.table[b]
+                copied.append((old, self._copy_on_write(s, b)))
             inplace = self.inplace and self.refcounts[s.table[b]] == 1  # spec.paged.write_in_place
             all_inplace = all_inplace and inplace
             self._write(s.table[b], slot, keys[:, :, i : i + m], values[:, :, i : i + m], inplace)
@@ -297,7 +319,7 @@ class BlockPool:
         return out[0], out[1]
 
     def _truncate(self, s: Sequence, length: int) -> None:
-        keep = table_len(length, self.block_size)
+        keep = self._table_entries(s, length)
         for block in s.table[keep:]:
             if block is not None:
                 self._release_block(block)
