@@ -192,6 +192,10 @@ class PagedWorld:
     seqs: Mapping[str, Sequence] = field(default_factory=dict)
     windows: Mapping[str, tuple[Entry, ...]] = field(default_factory=dict)
     next_token: int = 0
+    #: the window the last append returned, and the one ``hold`` keeps alive
+    #: (a pipelined step's view; it must never change)
+    returned: tuple[int, ...] | None = None
+    held: tuple[int, ...] | None = None
 
     def window(self, seq: str = MAIN) -> tuple[int, ...]:
         """Token identities a fetch of ``seq`` returns (the abstract view)."""
@@ -373,9 +377,10 @@ def append(world: PagedWorld, seq: str, n: int) -> tuple[AppendResult, PagedWorl
         entries.append(Entry(p, token))
     s = replace(s, table=tuple(table), length=s.length + n)
     window = window + tuple(entries)
+    tokens = tuple(e.token for e in window)
     world = replace(world, pool=pool, seqs={**world.seqs, name: s}, windows={**world.windows, name: window},
-                    next_token=world.next_token + n)
-    return AppendResult(tuple(e.token for e in window), inplace and not copied, tuple(fresh), tuple(copied)), world
+                    next_token=world.next_token + n, returned=tokens)
+    return AppendResult(tokens, inplace and not copied, tuple(fresh), tuple(copied)), world
 
 
 def _truncated(pool: Pool, s: Sequence, length: int) -> tuple[Pool, Sequence]:
@@ -474,6 +479,24 @@ def fetch(world: PagedWorld, seq: str = MAIN) -> tuple[tuple[int, ...], PagedWor
     return world.window(seq), world
 
 
+def hold(world: PagedWorld) -> tuple[None, PagedWorld]:
+    """Keep the window the last append returned alive (a pipelined step).
+    Raises StateError before any append."""
+    if world.returned is None:
+        raise StateError("hold: no append has returned a window yet")
+    return None, replace(world, held=world.returned)
+
+
+def release_hold(world: PagedWorld) -> tuple[None, PagedWorld]:
+    return None, replace(world, held=None)
+
+
+def snapshots_by_fork(op: str) -> UnsupportedOperationError:
+    """A paged cache takes snapshots by ``fork`` (a named sequence sharing
+    the blocks): ``snapshot``, ``restore`` and ``drop`` are refused."""
+    return UnsupportedOperationError(f"{op}: a paged cache snapshots by fork and release, not {op}")
+
+
 def apply_op(world: PagedWorld, op: dict) -> tuple[object, PagedWorld]:
     """Run one kvtrace op (``kind: paged``) on ``world``: ``(result, new
     world)``; every op takes ``"seq"`` (default ``"main"``); ``fork`` takes
@@ -500,6 +523,12 @@ def apply_op(world: PagedWorld, op: dict) -> tuple[object, PagedWorld]:
         return release(world, seq)
     if name == "expect":
         return fetch(world, op.get("of") or seq)
+    if name == "hold":
+        return hold(world)
+    if name == "release_hold":
+        return release_hold(world)
+    if name in ("snapshot", "restore", "drop"):
+        raise snapshots_by_fork(name)
     raise UnsupportedOperationError(f"{name}: not an operation of a paged cache")
 
 

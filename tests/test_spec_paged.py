@@ -170,8 +170,14 @@ def test_exhaustion_checks_before_growing():
 
 def test_apply_op_refuses_unknown_ops_and_bad_counts():
     w = sp.new_world(block_size=2)
-    with pytest.raises(UnsupportedOperationError, match="snapshot: not an operation of a paged cache"):
+    with pytest.raises(UnsupportedOperationError, match="snapshot: a paged cache snapshots by fork and release"):
         sp.apply_op(w, {"op": "snapshot", "name": "s"})
+    with pytest.raises(UnsupportedOperationError, match="gather_positions: not an operation of a paged cache"):
+        sp.apply_op(w, {"op": "gather_positions", "positions": [0]})
+    with pytest.raises(StateError, match="hold: no append has returned a window yet"):
+        sp.apply_op(w, {"op": "hold"})
+    _, w2 = sp.apply_op(sp.apply_op(w, {"op": "append", "n": 2})[1], {"op": "hold"})
+    assert w2.held == (0, 1) and sp.apply_op(w2, {"op": "release_hold"})[1].held is None
     with pytest.raises(InvalidArgumentError, match="append: n must be >= 1, got 0"):
         sp.apply_op(w, {"op": "append", "n": 0})
     with pytest.raises(InvalidArgumentError, match="new_world: block_size"):
