@@ -66,6 +66,13 @@ class PagedLockstep(Lockstep):
     def view_key(self, name: str) -> str:
         return "seq:" + name
 
+    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
+        """The op on the spec world; the op's sequence is the one whose
+        ``capacity`` the observables report (also when a trace is annotated
+        without stepping)."""
+        self.current_seq = op.get("seq", sp.MAIN)
+        return super().spec_apply(op)
+
     # -- the implementation side -----------------------------------------------
     def impl_apply(self, op: dict[str, Any]) -> Any:
         p, name, seq = self.pool, op["op"], op.get("seq", sp.MAIN)
