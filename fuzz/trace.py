@@ -300,6 +300,11 @@ def _rows_bound(cache: dict[str, Any], ops: list[dict[str, Any]]) -> int:
     """An upper bound on the rows any one buffer of this trace can hold."""
     appended = [op["n"] for op in ops if op["op"] == "append"]
     rows = sum(appended) + cache["step"]
+    if cache["kind"] == "paged":
+        # a pool block per started block of every append, plus one copied
+        # on write, plus a growth chunk
+        bs = cache["block_size"]
+        rows = sum(n + 2 * bs for n in appended) + cache.get("chunk", 1) * bs
     if cache["kind"] == "rotating":
         rows = min(rows, cache["max_size"] + max(appended, default=0))
     return rows
