@@ -79,7 +79,8 @@ BAD_ARGV = [
     ["fuzz", "--budget", "0"],
     ["fuzz", "--budget", "-5"],
     ["fuzz", "--seeds", "3"],
-    ["fuzz", "--kind", "paged"],
+    ["fuzz", "--kind", "nosuch"],
+    ["fuzz", "--kind", "paged", "--mode", "int8"],
     ["fuzz", "--bug", "steady_state_inplace", "--kind", "dense"],
     ["mutants", "--seeds", "0"],
     ["mutants", "--only", "nosuch"],
@@ -102,8 +103,10 @@ BAD_ARGV = [
 @pytest.mark.parametrize("argv", BAD_ARGV, ids=[" ".join(a) or "(none)" for a in BAD_ARGV])
 def test_bad_arguments_exit_2(argv):
     out = clean_refusal(kvspec(*argv))
-    if "nosuch" in argv and argv[0] in ("fuzz", "mutants", "replay"):
+    if "nosuch" in argv and argv[0] in ("fuzz", "mutants", "replay") and "--kind" not in argv:
         assert "known: inplace_after_trim" in out  # the valid names are listed
+    if argv[:3] == ["fuzz", "--kind", "nosuch"]:
+        assert "choose from 'dense', 'rotating'" in out
 
 
 def test_help_names_defaults_exit_codes_and_bugs():
