@@ -270,6 +270,19 @@ class PagedMachine(KVMachine):
         self.do({"op": "append", "n": n, "seq": self.pick(data)})
 
     @rule(data=st.data())
+    def burst(self, data: st.DataObject) -> None:
+        """With a pool ceiling: an append a few blocks longer than the free
+        blocks left (exhaustion, refused with nothing changed) or just
+        within them."""
+        pool = self.lock.world.pool
+        if pool.max_blocks is None:
+            return
+        room = len(pool.free) + pool.max_blocks - pool.size
+        extra = data.draw(st.integers(-1, 2), label="blocks past the room")
+        n = max(1, (room + extra) * pool.block_size)
+        self.do({"op": "append", "n": n, "seq": self.pick(data)})
+
+    @rule(data=st.data())
     def decode_seq(self, data: st.DataObject) -> None:
         self.do({"op": "append", "n": 1, "seq": self.pick(data)})
 
@@ -312,6 +325,16 @@ class PagedMachine(KVMachine):
         seq = self.pick(data)
         keep = data.draw(st.sampled_from([0, 0, 0, 0, 1]), label="keep")
         self.do({"op": "trim_front", "n": self.edge_count(data, seq, front=True), "keep": keep, "seq": seq})
+
+    @rule(data=st.data())
+    def slide_then_rollback(self, data: st.DataObject) -> None:
+        """A sliding window's eviction followed by a rollback on the same
+        sequence (speculative decoding on a slid window): the trim must keep
+        the table indexed by absolute position."""
+        seq = self.pick(data)
+        self.do({"op": "trim_front", "n": self.edge_count(data, seq, front=True), "seq": seq})
+        self.do({"op": "trim", "n": self.edge_count(data, seq, front=False), "seq": seq})
+        self.do({"op": "append", "n": data.draw(st.integers(1, 3), label="n"), "seq": seq})
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
