@@ -230,6 +230,15 @@ class PagedMachine(KVMachine):
     def drop(self) -> None:  # type: ignore[override]
         """Not a rule for paged caches."""
 
+    @rule(data=st.data())
+    def misuse_name(self, data: st.DataObject) -> None:  # type: ignore[override]
+        """A holder op on a paged cache (snapshot, restore, drop, with a
+        sequence's name or an unknown one): both sides must refuse it the
+        same way (a paged cache snapshots by fork) and change nothing."""
+        names = sorted(self.lock.world.seqs) + ["nope"]
+        name = data.draw(st.sampled_from(names), label="name")
+        self.do({"op": data.draw(st.sampled_from(self.named_ops), label="op"), "name": name})
+
     @property
     def offset(self) -> int:
         s = self.lock.world.seqs.get(sp.MAIN)
