@@ -230,6 +230,9 @@ class PagedMachine(KVMachine):
     def drop(self) -> None:  # type: ignore[override]
         """Not a rule for paged caches."""
 
+    def misuse_name(self) -> None:  # type: ignore[override]
+        """Not a rule for paged caches (sequence names are drawn by ``pick``)."""
+
     @property
     def offset(self) -> int:
         s = self.lock.world.seqs.get(sp.MAIN)
