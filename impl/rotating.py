@@ -263,9 +263,6 @@ class RotatingKVCache:
         n = max(0, min(n, self.offset))
         self.offset -= n
         self.idx -= n
-        if self.offset == 0 and n:
-            self.keys = self.values = None
-            self._marker = None
         return n
 
     def trim_to(self, length: int) -> int:
