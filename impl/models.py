@@ -31,7 +31,7 @@ from spec.errors import StateError, UnsupportedOperationError
 Cache = KVCache | RotatingKVCache
 
 
-def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None) -> Cache:
+def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None, undo: int = 0) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind."""
     from mlx_lm.models import cache as lm_cache
 
@@ -42,7 +42,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None) -> 
                 f"make_prompt_cache: layer {layer} is a sliding-window layer (max_size={c.max_size}); "
                 f"its RotatingKVCache supports mode 'fp16' only, got mode={mode!r}"
             )
-        return RotatingKVCache(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace)
+        return RotatingKVCache(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo)
     if type(c) is lm_cache.KVCache:
         return KVCache(mode=mode, step=step, inplace=inplace)
     raise UnsupportedOperationError(
@@ -57,6 +57,7 @@ def make_prompt_cache(
     step: int = 256,
     inplace: bool | None = None,
     max_kv_size: int | None = None,
+    undo: int = 0,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
     ``mlx_lm.models.cache.make_prompt_cache`` lays out mlx-lm's caches.
@@ -77,13 +78,15 @@ def make_prompt_cache(
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
         max_kv_size: window of every layer's ring when the model has no
             ``make_cache``.
+        undo: every ring's undo depth U (rows a trim can take back after a
+            wrap; 0: none).
 
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
     ``ArraysCache`` of state-space layers) and for ``mode="int8"`` on a
     sliding-window layer; InvalidArgumentError for bad sizes.
     """
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, undo) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -91,7 +94,8 @@ def make_prompt_cache(
                 f"make_prompt_cache: max_kv_size={max_kv_size} makes every layer a RotatingKVCache, "
                 f"which supports mode 'fp16' only, got mode={mode!r}"
             )
-        return [RotatingKVCache(max_size=max_kv_size, keep=4, step=step, inplace=inplace) for _ in range(n_layers)]
+        return [RotatingKVCache(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo)
+                for _ in range(n_layers)]
     return [KVCache(mode=mode, step=step, inplace=inplace) for _ in range(n_layers)]
 
 
@@ -112,8 +116,9 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
 
     Every layer is trimmed by the same count: ``min(n, rows the shortest
     layer can give back)``, and that count is returned. When any layer cannot
-    trim exactly (``is_trimmable()`` is False: a sliding-window ring that has
-    wrapped) nothing is trimmed in any layer and 0 is returned, so layers
+    trim exactly (``is_trimmable()`` is False, or the count is beyond a
+    ring's ``trimmable_rows()``: a wrapped ring beyond its undo depth)
+    nothing is trimmed in any layer and 0 is returned, so layers
     never disagree on the sequence they hold. ``n <= 0`` trims nothing.
     Raises InvalidArgumentError for a non-integer ``n``; StateError when a
     layer breaks its ``is_trimmable()`` promise.
@@ -122,8 +127,8 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
     if n <= 0 or not can_trim_prompt_cache(caches):
         return 0
     count = min(n, *(_trimmable_rows(c) for c in caches))
-    if count == 0:
-        return 0
+    if count == 0 or any(count > c.trimmable_rows() for c in caches if hasattr(c, "trimmable_rows")):
+        return 0  # a ring beyond its undo depth refuses for the whole list (semantics.md 6)
     trimmed = [c.trim(count) for c in caches]
     if any(t != count for t in trimmed):
         # is_trimmable() promised an exact trim; a layer that trimmed a
