@@ -31,7 +31,7 @@ RING_SAME_BUG = {
     "mask_hides_sinks": "mask_hides_sinks",
 }
 ROTATING = rotating_available()
-PROVABLE = [1, 2, 3, 4, 5, 7] if ROTATING else [1, 3, 4, 5]
+PROVABLE = [1, 2, 3, 4, 5, 7, 8] if ROTATING else [1, 3, 4, 5]
 
 
 @pytest.fixture(scope="module")
