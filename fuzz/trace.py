@@ -16,17 +16,16 @@ from typing import Any
 
 import jsonschema
 
-CACHE_DEFAULTS: dict[str, Any] = {
-    "mode": "fp16",
-    "step": 256,
-    "batch": 1,
-    "kv_heads": 2,
-    "head_dim": 8,
-    "keep": 0,
-    "inplace": True,
-    "hot_threshold": 256,
-    "fold_block": 128,
-}
+from fuzz import kinds
+
+
+def cache_defaults(kind: str, mode: str | None = None) -> dict[str, Any]:
+    """The defaults of the optional cache fields of ``kind`` in ``mode``
+    (fuzz/kinds.py)."""
+    try:
+        return kinds.get(kind, mode).defaults()
+    except kinds.UnknownKindError:
+        return dict(kinds.COMMON_FIELDS)
 
 
 class TraceFormatError(Exception):
@@ -110,7 +109,17 @@ def validate(doc: Any) -> None:
 def parse(doc: Any) -> Trace:
     """Validate a decoded JSON document and return the Trace."""
     validate(doc)
-    cache = {**CACHE_DEFAULTS, **doc["cache"]}
+    try:
+        kind = kinds.get(doc["cache"]["kind"], doc["cache"].get("mode", kinds.COMMON_FIELDS["mode"]))
+    except kinds.UnknownKindError as exc:
+        raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
+    for name in doc["cache"]:
+        if name not in kind.cache_fields:
+            raise TraceFormatError(
+                f"field cache.{name}: not a field of kind {kind.kind} in mode {doc['cache'].get('mode', 'fp16')} "
+                f"(its fields: {', '.join(kind.cache_fields)})"
+            )
+    cache = {**kind.defaults(), **doc["cache"]}
     return Trace(cache=cache, ops=list(doc["ops"]), title=doc.get("title", ""))
 
 
