@@ -129,7 +129,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "rotating", "sliding-window ring (RotatingKVCache): window W, sinks K, warm-up and steady state",
             modes=("fp16",),
-            fields={"max_size": REQUIRED, "keep": 0},
+            # undo: the ring's undo depth U (rows a trim can take back after a wrap)
+            fields={"max_size": REQUIRED, "keep": 0, "undo": 0},
             # the ring has no front trim, gathers or detached handles
             refuses=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),
