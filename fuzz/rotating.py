@@ -57,6 +57,7 @@ class RotatingLockstep(Lockstep):
             sr.new_cache(cache["max_size"], cache["keep"], cache["step"], cache["inplace"], cache["mode"], self.undo)
         )
         self.prev_world = self.world
+        self.reached(f"undo={self.undo}")
         self.cache = cache_factory(
             max_size=cache["max_size"], keep=cache["keep"], step=cache["step"], inplace=cache["inplace"], mode=cache["mode"],
             **({"undo": self.undo} if self.undo else {}),
@@ -190,7 +191,8 @@ class RotatingMachine(KVMachine):
         undo = self.lock.world.cache.undo
         n = data.draw(st.integers(2, undo + 2), label="block")
         self.do({"op": "append", "n": n})
-        self.do({"op": "trim", "n": data.draw(st.integers(1, n), label="reject")})
+        reject = data.draw(st.one_of(st.sampled_from([n, n - 1]), st.integers(1, n)), label="reject")
+        self.do({"op": "trim", "n": reject})
 
     @precondition(_wrapped)
     @rule(data=st.data())
