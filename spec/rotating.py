@@ -382,10 +382,9 @@ def trimmable_rows(cache: RotatingCache) -> int:
     """How many rows ``trim`` can take back exactly: every row (``offset``)
     when the counters alone rewind the ring, else what the undo log covers,
     at most ``undo``. **Decision** (semantics.md 3): beyond it trim fails
-    closed.
-
-    post: __return__ >= 0
-    post: counters_rewind_exact(cache) or __return__ <= cache.undo
+    closed. (Its bounds are obligation 8 of the proofs and the exhaustive
+    replay check in tests/test_spec_rotating.py, not PEP 316 contracts: an
+    arbitrary ``RotatingCache`` with an arbitrary log is no reachable ring.)
     """
     if counters_rewind_exact(cache):
         return cache.offset
@@ -480,10 +479,6 @@ def trim(cache: RotatingCache, n: int) -> tuple[int, RotatingCache]:
     the dense cache's). **Decision** (semantics.md 3): beyond
     ``trimmable_rows`` trims nothing and returns 0 (moving the counters
     there makes idx negative and corrupts the window, a known public bug).
-
-    post: __return__[0] == 0 or __return__[0] <= trimmable_rows(cache)
-    post: __return__[1].offset == cache.offset - __return__[0]
-    post: __return__[1].capacity > 0 or cache.capacity == 0
     """
     n = max(0, min(n, cache.offset))
     if n == 0 or n > trimmable_rows(cache):
