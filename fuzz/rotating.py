@@ -196,6 +196,17 @@ class RotatingMachine(KVMachine):
 
     @precondition(_wrapped)
     @rule(data=st.data())
+    def draft_steps(self, data: st.DataObject) -> None:
+        """After a wrap: 1 to U + 1 decode steps (a draft model's), then
+        take them back (all of them at depth U is a rollback of exactly U)."""
+        undo = self.lock.world.cache.undo
+        n = data.draw(st.integers(1, undo + 1), label="steps")
+        for _ in range(n):
+            self.do({"op": "append", "n": 1})
+        self.do({"op": "trim", "n": n})
+
+    @precondition(_wrapped)
+    @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
         """After a wrap: trim at the bound, one row less, one row more, or one."""
         bound = sr.trimmable_rows(self.lock.world.cache)
