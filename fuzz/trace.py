@@ -306,7 +306,7 @@ def _rows_bound(cache: dict[str, Any], ops: list[dict[str, Any]]) -> int:
         bs = cache["block_size"]
         rows = sum(n + 2 * bs for n in appended) + cache.get("chunk", 1) * bs
     if cache["kind"] == "rotating":
-        rows = min(rows, cache["max_size"] + max(appended, default=0))
+        rows = min(rows, cache["max_size"] + max(appended, default=0)) + cache.get("undo", 0)
     return rows
 
 

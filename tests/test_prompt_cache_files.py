@@ -70,7 +70,10 @@ def mixed() -> list:
     g = KVCache("int8", step=4)
     feed(g, 2, 30)
     g.trim(2)
-    return [a, b, c, d, e, f, g]
+    h = RotatingKVCache(max_size=3, keep=1, step=2, undo=2)  # the undo depth survives, not the log
+    for i in range(4):
+        feed(h, 1, 40 + i)
+    return [a, b, c, d, e, f, g, h]
 
 
 def test_round_trip_keeps_every_layer(tmp_path):

@@ -72,9 +72,11 @@ def check_traces() -> list[Check]:
     return out
 
 
-def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None) -> list[Check]:
-    """One fixed-seed campaign per registry entry's ``campaigns`` (``only``:
-    just that ``(kind, mode, inplace)``)."""
+def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, require_reach: bool = True) -> list[Check]:
+    """One fixed-seed campaign per registry campaign (``only``: just that
+    ``(kind, mode, inplace)``): no divergence, and (``require_reach``; off
+    for ``--quick``, whose budget is too short to promise it) every event of
+    the kind's ``must_reach`` reached."""
     from fuzz.campaign import campaign, save_failure
 
     out = []
@@ -84,9 +86,14 @@ def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None) ->
                 continue
             rep = campaign(kind.kind, mode, inplace, budget, CAMPAIGN_SEED)
             ops = rep.stats.get("ops", 0)
+            missed = [label for label in kind.must_reach if not rep.stats.get(label)]
             if rep.failure is None:
                 detail = f"{rep.examples} examples, {ops} ops, {ops / max(rep.seconds, 1e-9):.0f} ops/s"
-                out.append(Check(f"fuzz {rep.config}", True, detail, rep.seconds))
+                if kind.must_reach:
+                    detail += "; " + ", ".join(f"{label} {rep.stats.get(label, 0)}" for label in kind.must_reach)
+                if missed:
+                    detail += f"; NOT REACHED: {', '.join(missed)}"
+                out.append(Check(f"fuzz {rep.config}", not (missed and require_reach), detail, rep.seconds))
             else:
                 detail = str(rep.failure.error).splitlines()[0]
                 path = None
@@ -218,7 +225,7 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     for kind in kinds.KINDS.values():
         for mode, inplace in kind.campaigns:
             label = f"fuzz {kind.kind}/{mode}/{'inplace' if inplace else 'copy'}"
-            jobs.append(Job(label, "check_campaigns", (budget, (kind.kind, mode, inplace)), budget + 3))
+            jobs.append(Job(label, "check_campaigns", (budget, (kind.kind, mode, inplace), not quick), budget + 3))
     for bug in catalog():
         jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), 4.0 * seeds * (1 + len(bug.variants))))
     if not quick:
