@@ -1,0 +1,329 @@
+"""Lockstep and state machine for a prompt cache: a list of layers (kind
+``layers``, semantics.md 6, ``spec.layers``).
+
+A trace's cache is ``{"kind": "layers", "layers": [{"kind": "dense", ...},
+{"kind": "rotating", "max_size": 4, ...}], ...}``; the shape fields (batch,
+kv heads, head dims, dtype) and ``inplace`` are the list's, shared by every
+layer, as in a model. Its ops are list-level: ``append`` (every layer, as a
+forward pass does), ``trim`` (atomic, ``impl.models.trim_prompt_cache``),
+``can_trim``, ``snapshot`` / ``restore`` / ``drop`` of the whole list,
+``hold`` / ``release_hold``, ``fetch``, and ``layer`` (one layer's front
+trim or fetch).
+
+After every op the harness compares every layer as the per-kind harnesses
+do (window bytes, holders, offset, capacity, cursor, in-place decisions, the
+masks before each append) plus the list's own rule: ``can_trim`` and the
+count every trim returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
+
+from fuzz.lockstep import Divergence, Lockstep
+from impl import models
+from impl.dense import KVCache
+from impl.rotating import RotatingKVCache
+from spec import dense as sd
+from spec import layers as sl
+from spec import rotating as sr
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+
+class ListOps:
+    """The list-level operations under test (``impl.models``). The bug
+    catalog passes a subclass that breaks one of them."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        return models.trim_prompt_cache(caches, n)
+
+    def can_trim(self, caches: list[Any]) -> bool:
+        return models.can_trim_prompt_cache(caches)
+
+    def snapshot(self, caches: list[Any]) -> list[Any]:
+        return models.snapshot_prompt_cache(caches)
+
+    def restore(self, caches: list[Any], snapshots: list[Any]) -> None:
+        models.restore_prompt_cache(caches, snapshots)
+
+
+def spec_pattern(layers: list[dict[str, Any]]) -> tuple[sl.Layer, ...]:
+    """A trace's ``layers`` list as spec layer descriptions."""
+    out: list[sl.Layer] = []
+    for layer in layers:
+        if layer["kind"] == "dense":
+            out.append(sl.DenseLayer(layer.get("mode", "fp16"), layer.get("step", 256)))
+        else:
+            out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", 256)))
+    return tuple(out)
+
+
+class LayersLockstep(Lockstep):
+    """Drives a spec ``LayersWorld`` and a list of implementation caches.
+
+    ``factories``: ``"dense"`` / ``"rotating"`` classes for the layers (so
+    every per-kind injected bug also runs inside a list) and ``"layers"``, a
+    :class:`ListOps` (sub)class for the list-level operations."""
+
+    spec_module = sl
+
+    def __init__(self, cache: dict[str, Any], factories: dict[str, Any] | None = None):
+        super().__init__(cache)
+        factories = factories or {}
+        self.pattern = spec_pattern(cache["layers"])
+        self.world = sl.new_world(self.pattern, cache["inplace"])
+        self.prev_world = self.world
+        dense_cls = factories.get("dense", KVCache)
+        ring_cls = factories.get("rotating", RotatingKVCache)
+        self.caches: list[Any] = [
+            dense_cls(mode=p.mode, step=p.step, inplace=cache["inplace"]) if isinstance(p, sl.DenseLayer)
+            else ring_cls(max_size=p.max_size, keep=p.keep, step=p.step, inplace=cache["inplace"])
+            for p in self.pattern
+        ]
+        self.list_ops: ListOps = factories.get("layers", ListOps)()
+        self.holders: dict[str, list[Any]] = {}
+        self.returned: tuple[Any, ...] | None = None
+        self.held: tuple[Any, ...] | None = None
+
+    @property
+    def cache(self) -> Any:
+        """Layer 0 (the base class reads ``self.cache`` in a few places)."""
+        return self.caches[0]
+
+    def layer_mode(self, j: int) -> str:
+        p = self.pattern[j]
+        return p.mode if isinstance(p, sl.DenseLayer) else "fp16"
+
+    # -- implementation side ---------------------------------------------------
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        name = op["op"]
+        if name == "append":
+            self.before_append(op)
+            start = self.world.layers[0].next_token
+            k, v = self.input_rows(list(range(start, start + op["n"])))
+            self.returned = tuple(c.update_and_fetch(k, v) for c in self.caches)
+            return self.returned
+        if name == "fetch":
+            return tuple(c.fetch() for c in self.caches)
+        if name == "hold":
+            if self.returned is None:
+                raise StateError("hold: no append has returned a window yet")
+            self.held = self.returned
+            return None
+        if name == "release_hold":
+            self.held = None
+            return None
+        if name == "trim":
+            return self.list_ops.trim(self.caches, op["n"])
+        if name == "can_trim":
+            return self.list_ops.can_trim(self.caches)
+        if name == "snapshot":
+            if op["name"] in self.holders:
+                raise StateError(f"snapshot: name {op['name']!r} is already in use")
+            self.holders[op["name"]] = self.list_ops.snapshot(self.caches)
+            return None
+        if name in ("restore", "drop"):
+            snaps = self.holders.get(op["name"])
+            if snaps is None:
+                raise StateError(f"{name}: no snapshot or handle named {op['name']!r}")
+            if name == "restore":
+                self.list_ops.restore(self.caches, snaps)
+            else:
+                del self.holders[op["name"]]
+            return None
+        if name == "layer":
+            return self._layer_op(op["index"], op["do"])
+        raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
+
+    def _layer_op(self, index: Any, inner: dict[str, Any]) -> Any:
+        n_layers = len(self.caches)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_layers:
+            raise InvalidArgumentError(f"layer: index must satisfy 0 <= index < {n_layers}, got {index!r}")
+        if inner.get("op") not in sl.LAYER_OPS:
+            raise InvalidArgumentError(f"layer: op must be one of {sl.LAYER_OPS}, got {inner.get('op')!r}")
+        c = self.caches[index]
+        if inner["op"] == "fetch":
+            return c.fetch()
+        if not isinstance(c, KVCache):
+            raise UnsupportedOperationError(f"trim_front: not an operation of the rotating cache (layer {index})")
+        return c.trim_front_keep_sink(inner["n"], inner.get("keep", 0))
+
+    # -- checks -------------------------------------------------------------------
+    def before_append(self, op: dict[str, Any]) -> None:
+        """Every layer's ``make_mask`` against its kind's rule, before the
+        append (as a model calls it)."""
+        from fuzz.masks import check_dense_masks, check_ring_masks
+
+        for j, (w, c) in enumerate(zip(self.world.layers, self.caches)):
+            if isinstance(w, sd.DenseWorld):
+                check_dense_masks(self, op, w.cache.live_len, c, f"layer {j}: ")
+            else:
+                check_ring_masks(self, op, w.cache, c, True, f"layer {j}: ")
+
+    def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        if op["op"] == "append":
+            for j, (s_res, i_win) in enumerate(zip(s, i)):
+                if not self.window_matches(s_res.window, i_win, self.layer_mode(j)):
+                    raise Divergence(index, op, f"layer {j}: returned window differs", list(s_res.window),
+                                     self.identify(i_win, self.layer_mode(j)))
+            s_inplace = [r.inplace for r in s]
+            i_inplace = [c.last_write_inplace for c in self.caches]
+            if self.check_inplace and s_inplace != i_inplace:
+                raise Divergence(index, op, "in-place decisions differ", f"inplace={s_inplace}", f"inplace={i_inplace}")
+            self.reached("list appends")
+        elif op["op"] in ("fetch", "layer") and (op["op"] == "fetch" or op["do"]["op"] == "fetch"):
+            return
+        elif s != i:
+            raise Divergence(index, op, "return value differs", s, i)
+        elif op["op"] == "trim":
+            self._count_trim(s)
+
+    def _count_trim(self, count: int) -> None:
+        before = self.prev_world
+        rings = [w.cache for w in before.layers if isinstance(w, sr.RotatingWorld)]
+        dense_layers = [w.cache for w in before.layers if isinstance(w, sd.DenseWorld)]
+        if count == 0 and any(not sr.is_trimmable(c) for c in rings) and any(c.live_len for c in dense_layers):
+            self.reached("list trim refused by a wrapped ring")
+        if count > 0 and any(c.live_start > 0 for c in dense_layers):
+            self.reached("list trim after a front trim")
+        if count > 0 and rings and dense_layers:
+            self.reached("mixed list trims")
+
+    def spec_observables(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"can_trim": sl.can_trim_prompt_cache(sl.caches_of(self.world))}
+        for j, w in enumerate(self.world.layers):
+            c = w.cache
+            if isinstance(w, sd.DenseWorld):
+                obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
+            else:
+                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
+            out.update({f"layer {j} {k}": v for k, v in obs.items()})
+        return out
+
+    def impl_observables(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"can_trim": models.can_trim_prompt_cache(self.caches)}
+        for j, c in enumerate(self.caches):
+            if isinstance(c, KVCache):
+                obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
+            else:
+                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
+            out.update({f"layer {j} {k}": v for k, v in obs.items()})
+        return out
+
+    def spec_views(self) -> dict[str, tuple[int, ...]]:
+        views: dict[str, tuple[int, ...]] = {}
+        for j, w in enumerate(self.world.layers):
+            views[f"layer {j}"] = w.cache.window()
+            for name, holder in w.holders.items():
+                views[f"holder:{name}:layer {j}"] = holder.window()
+            if w.held is not None:
+                views[f"held:layer {j}"] = w.held.window() if isinstance(w, sd.DenseWorld) else w.held
+        return views
+
+    def impl_views(self) -> dict[str, Any]:
+        views: dict[str, Any] = {}
+        for j, c in enumerate(self.caches):
+            views[f"layer {j}"] = c.fetch()
+            for name, snaps in self.holders.items():
+                views[f"holder:{name}:layer {j}"] = snaps[j].fetch()
+            if self.held is not None:
+                views[f"held:layer {j}"] = self.held[j]
+        return views
+
+    def view_mode(self, key: str) -> str:
+        return self.layer_mode(int(key.rsplit(" ", 1)[1]))
+
+    def view_key(self, name: str | None, layer: int = 0) -> str:
+        return f"layer {layer}" if name is None else f"holder:{name}:layer {layer}"
+
+
+def dense_layer(step: int) -> dict[str, Any]:
+    return {"kind": "dense", "mode": "fp16", "step": step}
+
+
+def ring_layer(max_size: int, keep: int, step: int) -> dict[str, Any]:
+    return {"kind": "rotating", "max_size": max_size, "keep": keep, "step": step}
+
+
+@st.composite
+def layer_patterns(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Layer patterns engines build: all dense (1 to 3 layers); dense plus
+    rings of different windows (gemma-style, every ring its own W); rings
+    with sinks. The first layer is dense (front trims address it)."""
+    step = st.integers(1, 8)
+    shape = draw(st.sampled_from(["all dense", "dense + rings", "dense + rings", "dense + sink rings"]))
+    layers = [dense_layer(draw(step))]
+    if shape == "all dense":
+        layers += [dense_layer(draw(step)) for _ in range(draw(st.integers(0, 2)))]
+        return layers
+    windows = draw(st.lists(st.integers(2, 8), min_size=1, max_size=3, unique=True))
+    for w in windows:
+        keep = draw(st.integers(1, min(2, w - 1))) if shape == "dense + sink rings" else draw(st.integers(0, min(2, w - 1)))
+        layers.append(ring_layer(w, keep, draw(step)))
+    if draw(st.booleans()):
+        layers.append(dense_layer(draw(step)))
+    return layers
+
+
+def machine_base():
+    """The list machine, built on the shared KVMachine (imported late: the
+    machine module imports the registry, which names this module)."""
+    from fuzz.machine import APPEND_N, KVMachine
+
+    class LayersMachine(KVMachine):
+        """List-level ops over mixed layer patterns: appends, atomic trims
+        (after a wrap, after a front trim of a dense layer), list snapshots
+        and restores, held windows."""
+
+        kind = "layers"
+
+        @initialize(layers=layer_patterns(), data=st.data())
+        def init(self, layers: list[dict[str, Any]], data: st.DataObject) -> None:
+            self.setup(layers=layers, **self.draw_shape(data))
+
+        @property
+        def offset(self) -> int:
+            return self.lock.world.layers[0].cache.offset
+
+        @rule(n=APPEND_N)
+        def append(self, n: int) -> None:
+            self.do({"op": "append", "n": n})
+
+        @rule()
+        def decode(self) -> None:
+            self.do({"op": "append", "n": 1})
+
+        @rule()
+        def decode_again(self) -> None:
+            """Rings need W decode steps to wrap."""
+            self.do({"op": "append", "n": 1})
+
+        @rule(n=st.integers(-1, 9))
+        def trim(self, n: int) -> None:
+            self.do({"op": "trim", "n": n})
+
+        @rule()
+        def can_trim(self) -> None:
+            self.do({"op": "can_trim"})
+
+        @rule()
+        def hold(self) -> None:
+            if self.lock.world.layers[0].returned is not None:
+                self.do({"op": "hold"})
+
+        @rule(data=st.data())
+        def trim_to(self, data: st.DataObject) -> None:
+            """No list-level trim_to: a front trim of a dense layer instead."""
+            dense_at = [j for j, layer in enumerate(self.cfg["layers"]) if layer["kind"] == "dense"]
+            index = data.draw(st.sampled_from(dense_at), label="index")
+            n = data.draw(st.integers(0, 4), label="n")
+            keep = data.draw(st.integers(0, 2), label="keep")
+            self.do({"op": "layer", "index": index, "do": {"op": "trim_front", "n": n, "keep": keep}})
+
+    return LayersMachine
+
+
+__all__ = ["LayersLockstep", "ListOps", "layer_patterns", "machine_base", "spec_pattern"]
