@@ -131,18 +131,8 @@ def annotate(trace: Trace) -> Trace:
     if refused:
         final["error"] = True
     elif final["op"] != "expect":
-        if final["op"] == "append":
-            final["inplace"] = last.inplace
-        elif final["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold"):
-            final["returns"] = list(last) if isinstance(last, tuple) else last
-        final["capacity"] = lock.spec_observables()["capacity"]
-    for key, window in lock.spec_views().items():
-        if key == "held":
-            continue
-        op: dict[str, Any] = {"op": "expect", "window": list(window)}
-        if key != "cache":
-            op["of"] = key.split(":", 1)[1]
-        trace.ops.append(op)
+        final.update(lock.predictions(final, last))
+    trace.ops.extend(lock.expect_ops())
     return trace
 
 

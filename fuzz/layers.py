@@ -23,9 +23,13 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
+from fuzz.dense import int8_oracle
 from fuzz.lockstep import Divergence, Lockstep
+from fuzz.machine import APPEND_N, KVMachine
+from fuzz.masks import check_dense_masks, check_ring_masks
+from fuzz.trace import TraceFormatError
 from impl import models
-from impl.dense import KVCache
+from impl.dense import KVCache, data_pointer
 from impl.rotating import RotatingKVCache
 from spec import dense as sd
 from spec import layers as sl
@@ -50,14 +54,15 @@ class ListOps:
         models.restore_prompt_cache(caches, snapshots)
 
 
-def spec_pattern(layers: list[dict[str, Any]]) -> tuple[sl.Layer, ...]:
-    """A trace's ``layers`` list as spec layer descriptions."""
+def spec_pattern(layers: list[dict[str, Any]], mode: str = "fp16", step: int = 256) -> tuple[sl.Layer, ...]:
+    """A trace's ``layers`` list as spec layer descriptions; a layer without
+    ``mode`` / ``step`` takes the list's."""
     out: list[sl.Layer] = []
     for layer in layers:
         if layer["kind"] == "dense":
-            out.append(sl.DenseLayer(layer.get("mode", "fp16"), layer.get("step", 256)))
+            out.append(sl.DenseLayer(layer.get("mode", mode), layer.get("step", step)))
         else:
-            out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", 256)))
+            out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", step)))
     return tuple(out)
 
 
@@ -70,23 +75,39 @@ class LayersLockstep(Lockstep):
 
     spec_module = sl
 
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        for j, layer in enumerate(cache["layers"]):
+            if layer["kind"] == "rotating" and layer.get("keep", 0) >= layer["max_size"]:
+                raise TraceFormatError(
+                    f"field cache.layers.{j}.keep: must be < max_size ({layer['max_size']}), got {layer.get('keep', 0)}"
+                )
+
     def __init__(self, cache: dict[str, Any], factories: dict[str, Any] | None = None):
         super().__init__(cache)
         factories = factories or {}
-        self.pattern = spec_pattern(cache["layers"])
-        self.world = sl.new_world(self.pattern, cache["inplace"])
+        self.pattern = spec_pattern(cache["layers"], cache["mode"], cache["step"])
+        self.world = sl.new_world(self.pattern, self.spec_inplace())
         self.prev_world = self.world
         dense_cls = factories.get("dense", KVCache)
         ring_cls = factories.get("rotating", RotatingKVCache)
         self.caches: list[Any] = [
-            dense_cls(mode=p.mode, step=p.step, inplace=cache["inplace"]) if isinstance(p, sl.DenseLayer)
-            else ring_cls(max_size=p.max_size, keep=p.keep, step=p.step, inplace=cache["inplace"])
+            self.build(dense_cls, mode=p.mode, step=p.step) if isinstance(p, sl.DenseLayer)
+            else self.build(ring_cls, max_size=p.max_size, keep=p.keep, step=p.step)
             for p in self.pattern
         ]
         self.list_ops: ListOps = factories.get("layers", ListOps)()
-        self.holders: dict[str, list[Any]] = {}
-        self.returned: tuple[Any, ...] | None = None
-        self.held: tuple[Any, ...] | None = None
+        self.pointers_before: list[int | None] = []
+
+    def wide_rows(self) -> bool:
+        return all(self.layer_mode(j) == "fp16" for j in range(len(self.pattern)))
+
+    def stored_form(self, x: Any, mode: str = "fp16") -> Any:
+        return int8_oracle(x) if mode == "int8" else x
+
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        self.current_index = index
+        super().step(index, op)
 
     @property
     def cache(self) -> Any:
@@ -103,8 +124,10 @@ class LayersLockstep(Lockstep):
         if name == "append":
             self.before_append(op)
             start = self.world.layers[0].next_token
-            k, v = self.input_rows(list(range(start, start + op["n"])))
-            self.returned = tuple(c.update_and_fetch(k, v) for c in self.caches)
+            tokens = list(range(start, start + op["n"]))
+            # each layer gets its own arrays, as in a model (a ring may keep
+            # a prefill's input as its buffer)
+            self.returned = tuple(c.update_and_fetch(*self.input_rows(tokens)) for c in self.caches)
             return self.returned
         if name == "fetch":
             return tuple(c.fetch() for c in self.caches)
@@ -154,14 +177,20 @@ class LayersLockstep(Lockstep):
     # -- checks -------------------------------------------------------------------
     def before_append(self, op: dict[str, Any]) -> None:
         """Every layer's ``make_mask`` against its kind's rule, before the
-        append (as a model calls it)."""
-        from fuzz.masks import check_dense_masks, check_ring_masks
-
+        append (as a model calls it); each layer's data pointer."""
         for j, (w, c) in enumerate(zip(self.world.layers, self.caches)):
             if isinstance(w, sd.DenseWorld):
                 check_dense_masks(self, op, w.cache.live_len, c, f"layer {j}: ")
             else:
                 check_ring_masks(self, op, w.cache, c, True, f"layer {j}: ")
+        self.pointers_before = [self._pointer(c) for c in self.caches]
+
+    @staticmethod
+    def _pointer(c: Any) -> int | None:
+        """Data pointer of a cache's or snapshot's keys buffer (None: none)."""
+        if hasattr(c, "buffers"):
+            return None if c.buffers is None else data_pointer(c.buffers.keys)
+        return None if getattr(c, "keys", None) is None else data_pointer(c.keys)
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         if op["op"] == "append":
@@ -173,6 +202,11 @@ class LayersLockstep(Lockstep):
             i_inplace = [c.last_write_inplace for c in self.caches]
             if self.check_inplace and s_inplace != i_inplace:
                 raise Divergence(index, op, "in-place decisions differ", f"inplace={s_inplace}", f"inplace={i_inplace}")
+            if self.check_sharing:
+                for j, (inplace, before, c) in enumerate(zip(s_inplace, self.pointers_before, self.caches)):
+                    if inplace and before is not None and self._pointer(c) != before:
+                        raise Divergence(index, op, f"layer {j}: an in-place write moved the cache's memory",
+                                         "same memory (in place)", f"data pointer {before:#x} -> {self._pointer(c):#x}")
             self.reached("list appends")
         elif op["op"] in ("fetch", "layer") and (op["op"] == "fetch" or op["do"]["op"] == "fetch"):
             return
@@ -233,15 +267,76 @@ class LayersLockstep(Lockstep):
                 views[f"held:layer {j}"] = self.held[j]
         return views
 
-    def view_mode(self, key: str) -> str:
-        return self.layer_mode(int(key.rsplit(" ", 1)[1]))
+    def view_mode(self, name: str) -> str | None:
+        return self.layer_mode(int(name.rsplit(" ", 1)[1]))
 
-    def view_key(self, name: str | None, layer: int = 0) -> str:
-        return f"layer {layer}" if name is None else f"holder:{name}:layer {layer}"
+    def view_label(self, name: str) -> str:
+        if name.startswith("layer "):
+            return f"{name}: live window differs"
+        return f"view of {name} changed (isolation)"
+
+    def check_expect(self, index: int, op: dict[str, Any]) -> None:
+        """``expect`` of one layer (``layer``, default 0), of the live list or
+        of a list snapshot (``of``)."""
+        j = op.get("layer", 0)
+        name = op.get("of")
+        key = f"layer {j}" if name is None else f"holder:{name}:layer {j}"
+        s_views, i_views = self.spec_views(), self.impl_views()
+        if key not in s_views:
+            names = sorted({k.split(":")[1] for k in s_views if k.startswith("holder:")})
+            raise Divergence(index, op, f"expect: no layer {j} or snapshot named {name!r}",
+                             f"holders are {names}", f"holders are {names}")
+        want, have = list(op["window"]), list(s_views[key])
+        if (sorted(want) != sorted(have)) if op.get("order") == "set" else want != have:
+            raise Divergence(index, op, "trace's 'expect' fails on the spec", have, want, ("spec says", "trace expects"))
+        mode = self.layer_mode(j)
+        if not self.window_matches(tuple(have), i_views.get(key), mode):
+            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want,
+                             self.identify(i_views.get(key), mode), ("trace expects", "impl did"))
+
+    def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
+        if op["op"] in ("trim", "can_trim"):
+            return {"returns": result}
+        return {}
+
+    def expect_ops(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for key, window in self.spec_views().items():
+            if key.startswith("held:"):
+                continue
+            layer = int(key.rsplit(" ", 1)[1])
+            op: dict[str, Any] = {"op": "expect", "window": list(window), "layer": layer}
+            if key.startswith("holder:"):
+                op["of"] = key.split(":")[1]
+            out.append(op)
+        return out
+
+    # -- memory sharing -----------------------------------------------------------
+    def spec_buffers(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for j, w in enumerate(self.world.layers):
+            if isinstance(w, sd.DenseWorld):
+                out[f"layer {j}"] = None if w.cache.buffer is None else ("d", j, w.cache.buffer.ident)
+                for name, holder in w.holders.items():
+                    out[f"holder:{name}:layer {j}"] = None if holder.buffer is None else ("d", j, holder.buffer.ident)
+            else:
+                out[f"layer {j}"] = ("r", j, w.cache.ident) if w.cache.slots else None
+                for name, holder in w.holders.items():
+                    out[f"holder:{name}:layer {j}"] = ("r", j, holder.cache.ident) if holder.cache.slots else None
+        return out
+
+    def impl_pointers(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for j, c in enumerate(self.caches):
+            out[f"layer {j}"] = self._pointer(c)
+            for name, snaps in self.holders.items():
+                out[f"holder:{name}:layer {j}"] = self._pointer(snaps[j])
+        return out
 
 
 def dense_layer(step: int) -> dict[str, Any]:
-    return {"kind": "dense", "mode": "fp16", "step": step}
+    """A dense layer in the list's mode."""
+    return {"kind": "dense", "step": step}
 
 
 def ring_layer(max_size: int, keep: int, step: int) -> dict[str, Any]:
@@ -268,62 +363,56 @@ def layer_patterns(draw: st.DrawFn) -> list[dict[str, Any]]:
     return layers
 
 
-def machine_base():
-    """The list machine, built on the shared KVMachine (imported late: the
-    machine module imports the registry, which names this module)."""
-    from fuzz.machine import APPEND_N, KVMachine
+class LayersMachine(KVMachine):
+    """List-level ops over mixed layer patterns: appends, atomic trims
+    (after a wrap, after a front trim of a dense layer), list snapshots
+    and restores, held windows."""
 
-    class LayersMachine(KVMachine):
-        """List-level ops over mixed layer patterns: appends, atomic trims
-        (after a wrap, after a front trim of a dense layer), list snapshots
-        and restores, held windows."""
+    kind = "layers"
 
-        kind = "layers"
+    @initialize(layers=layer_patterns(), data=st.data())
+    def init(self, layers: list[dict[str, Any]], data: st.DataObject) -> None:
+        self.setup(layers=layers, **self.draw_shape(data))
 
-        @initialize(layers=layer_patterns(), data=st.data())
-        def init(self, layers: list[dict[str, Any]], data: st.DataObject) -> None:
-            self.setup(layers=layers, **self.draw_shape(data))
+    @property
+    def offset(self) -> int:
+        return self.lock.world.layers[0].cache.offset
 
-        @property
-        def offset(self) -> int:
-            return self.lock.world.layers[0].cache.offset
+    @rule(n=APPEND_N)
+    def append(self, n: int) -> None:
+        self.do({"op": "append", "n": n})
 
-        @rule(n=APPEND_N)
-        def append(self, n: int) -> None:
-            self.do({"op": "append", "n": n})
+    @rule()
+    def decode(self) -> None:
+        self.do({"op": "append", "n": 1})
 
-        @rule()
-        def decode(self) -> None:
-            self.do({"op": "append", "n": 1})
+    @rule()
+    def decode_again(self) -> None:
+        """Rings need W decode steps to wrap."""
+        self.do({"op": "append", "n": 1})
 
-        @rule()
-        def decode_again(self) -> None:
-            """Rings need W decode steps to wrap."""
-            self.do({"op": "append", "n": 1})
+    @rule(n=st.integers(-1, 9))
+    def trim(self, n: int) -> None:
+        self.do({"op": "trim", "n": n})
 
-        @rule(n=st.integers(-1, 9))
-        def trim(self, n: int) -> None:
-            self.do({"op": "trim", "n": n})
+    @rule()
+    def can_trim(self) -> None:
+        self.do({"op": "can_trim"})
 
-        @rule()
-        def can_trim(self) -> None:
-            self.do({"op": "can_trim"})
+    @rule()
+    def hold(self) -> None:
+        if self.lock.world.layers[0].returned is not None:
+            self.do({"op": "hold"})
 
-        @rule()
-        def hold(self) -> None:
-            if self.lock.world.layers[0].returned is not None:
-                self.do({"op": "hold"})
-
-        @rule(data=st.data())
-        def trim_to(self, data: st.DataObject) -> None:
-            """No list-level trim_to: a front trim of a dense layer instead."""
-            dense_at = [j for j, layer in enumerate(self.cfg["layers"]) if layer["kind"] == "dense"]
-            index = data.draw(st.sampled_from(dense_at), label="index")
-            n = data.draw(st.integers(0, 4), label="n")
-            keep = data.draw(st.integers(0, 2), label="keep")
-            self.do({"op": "layer", "index": index, "do": {"op": "trim_front", "n": n, "keep": keep}})
-
-    return LayersMachine
+    @rule(data=st.data())
+    def trim_to(self, data: st.DataObject) -> None:
+        """No list-level trim_to: a front trim of a dense layer instead."""
+        dense_at = [j for j, layer in enumerate(self.cfg["layers"]) if layer["kind"] == "dense"]
+        index = data.draw(st.sampled_from(dense_at), label="index")
+        n = data.draw(st.integers(0, 4), label="n")
+        keep = data.draw(st.integers(0, 2), label="keep")
+        self.do({"op": "layer", "index": index, "do": {"op": "trim_front", "n": n, "keep": keep}})
 
 
-__all__ = ["LayersLockstep", "ListOps", "layer_patterns", "machine_base", "spec_pattern"]
+
+__all__ = ["LayersLockstep", "LayersMachine", "ListOps", "layer_patterns", "spec_pattern"]
