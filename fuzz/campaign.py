@@ -192,5 +192,19 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
     path = save_failure(result.trace, out_dir, stem or bug.name)
     clean = replay(result.trace)
-    alarm = None if clean.ok else f"false alarm: its trace fails on the real implementation: {clean.divergence}"
+    alarm = None if clean.ok else clean_replay_failure(path, clean.divergence)
     return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
+
+
+def clean_replay_failure(path: Any, divergence: Any) -> str:
+    """What it means that a trace fails on the production implementation:
+    when the implementation disagrees with the spec, the implementation
+    diverges (the trace found a real bug, not a false alarm); only a trace
+    whose own checks fail on the spec points at the harness."""
+    first = str(divergence).splitlines()[0] if divergence is not None else "no divergence recorded"
+    detail = "; ".join(line.strip() for line in str(divergence).splitlines()[1:])
+    if divergence is not None and divergence.labels[0] == "trace expects" or "fails on the spec" in first:
+        return f"trace {path} does not hold on the spec at op {divergence.index} (a harness fault): {first}; {detail}"
+    index = divergence.index if divergence is not None else "?"
+    return (f"the implementation diverges from the spec at op {index} of trace {path} "
+            f"(replay it: kvspec replay {path}): {first}; {detail}")

@@ -109,6 +109,9 @@ class LayersLockstep(Lockstep):
         self.current_index = index
         super().step(index, op)
 
+    def impl_caches(self) -> list[Any]:
+        return list(self.caches)
+
     @property
     def cache(self) -> Any:
         """Layer 0 (the base class reads ``self.cache`` in a few places)."""

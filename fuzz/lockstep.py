@@ -282,7 +282,22 @@ class Lockstep:
                                  "same memory (in place)", f"data pointer {self.pointer_before:#x} -> {after:#x}")
         self.reached("in-place writes" if s.inplace else "copying writes")
 
+    def impl_caches(self) -> list[Any]:
+        """The implementation's caches (one; a list of layers has several)."""
+        return [self.cache]
+
+    def compare_switch(self, index: int, op: dict[str, Any]) -> None:
+        """Under ``inplace_env`` the switch every cache runs with is the
+        spec's reading of that spelling (spec.dense.inplace_switch)."""
+        env, want = self.cfg["inplace_env"], self.spec_inplace()
+        for c in self.impl_caches():
+            if getattr(c, "inplace", want) is not want:
+                raise Divergence(index, op, "in-place switch differs",
+                                 f"KV_INPLACE_WRITE={env!r}: inplace={want}", f"inplace={c.inplace}")
+
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
+        if "inplace_env" in self.cfg:
+            self.compare_switch(index, op)
         s_obs, i_obs = self.spec_observables(), self.impl_observables()
         for key in s_obs:
             if s_obs[key] != i_obs.get(key):

@@ -303,6 +303,9 @@ class KVCache:
     ``live_start``, ``live_len``, ``capacity`` and ``last_write_inplace``.
     """
 
+    #: The Int8 quantizer (impl.quant.quantize_int8).
+    quantize_rows = staticmethod(quantize_int8)
+
     def __init__(self, mode: str = "fp16", step: int = 256, inplace: bool | None = None):
         if mode not in _MODES:
             raise UnsupportedOperationError(f"KVCache: mode must be one of {_MODES}, got {mode!r}")
@@ -344,8 +347,8 @@ class KVCache:
                         f"append: {name} must be finite within float16's range (|x| <= {FLOAT16_MAX:g}) "
                         f"in mode int8 (no finite scale otherwise), got max |x| = {absmax:g}"
                     )
-            kq, ks = quantize_int8(keys)
-            vq, vs = quantize_int8(values)
+            kq, ks = self.quantize_rows(keys)
+            vq, vs = self.quantize_rows(values)
             return _Buffers(kq, vq, ks, vs, keys.dtype)
         return _Buffers(keys, values)
 
