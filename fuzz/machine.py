@@ -111,7 +111,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def setup(self, **cfg: Any) -> None:
         type(self).runs += 1
-        defaults = kind_entry(self.kind).defaults()
+        defaults = kind_entry(self.kind, self.mode).defaults()
         self.cfg = {**defaults, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg, **self.fixed}
         # a field pinned to None is absent (e.g. no v_head_dim: keys' head dim)
         self.cfg = {k: v for k, v in self.cfg.items() if v is not None}
@@ -139,7 +139,7 @@ class KVMachine(RuleBasedStateMachine):
         return f"{prefix}{self.names}"
 
     def teardown(self) -> None:
-        cfg = {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind).cache_fields}
+        cfg = {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind, self.mode).cache_fields}
         type(self).last_run = (cfg, list(self.ops))
         if self.lock is not None:
             for key, count in self.lock.stats.items():

@@ -50,7 +50,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from impl.dense import KVCache
 from impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from impl.rotating import RotatingKVCache
 
@@ -151,19 +150,9 @@ def token_ids(seed: int, n: int) -> mx.array:
 # -- caches ----------------------------------------------------------------------
 def build_caches(model: Any, mode: str = "fp16", step: int = 256, inplace: bool | None = True,
                  factories: dict[str, Callable[..., Any]] | None = None) -> list[Any]:
-    """``impl.models.make_prompt_cache``, with each layer's cache rebuilt from
-    ``factories[kind]`` (an injected bug) when given."""
-    caches = make_prompt_cache(model, mode=mode, step=step, inplace=inplace)
-    if not factories:
-        return caches
-    out: list[Any] = []
-    for c in caches:
-        if isinstance(c, RotatingKVCache) and "rotating" in factories:
-            c = factories["rotating"](max_size=c.max_size, keep=c.keep, step=c.step, inplace=c.inplace)
-        elif isinstance(c, KVCache) and "dense" in factories:
-            c = factories["dense"](mode=c.mode, step=c.step, inplace=c.inplace)
-        out.append(c)
-    return out
+    """``impl.models.make_prompt_cache``, building each kind's layers from
+    ``factories[kind]`` (an injected bug's classes) when given."""
+    return make_prompt_cache(model, mode=mode, step=step, inplace=inplace, classes=factories)
 
 
 def mlx_lm_caches(model: Any) -> list[Any]:
