@@ -12,20 +12,11 @@ from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 from fuzz.lockstep import Lockstep
 from fuzz.machine import APPEND_N, SMALL_STEPS, KVMachine
 from fuzz.masks import check_dense_masks
-from fuzz.quant_ref import round_trip
-from fuzz.rows import host
+from fuzz.quant_ref import int8_oracle
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
 from impl.quant import dequantize_int8
 from spec import dense as sd
 from spec.errors import InvalidArgumentError
-
-
-def int8_oracle(x: mx.array) -> mx.array:
-    """What an Int8 cache must hand back for rows ``x``, in ``x``'s dtype:
-    fuzz.quant_ref's round trip (exact in that dtype)."""
-    dtype = str(x.dtype).rsplit(".", 1)[-1]
-    back = round_trip(host(x).astype("float64"), dtype)
-    return mx.array(back.astype("float32")).astype(x.dtype)
 
 
 class DenseLockstep(Lockstep):

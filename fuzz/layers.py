@@ -5,7 +5,7 @@ A trace's cache is ``{"kind": "layers", "layers": [{"kind": "dense", ...},
 {"kind": "rotating", "max_size": 4, ...}], ...}``; the shape fields (batch,
 kv heads, head dims, dtype) and ``inplace`` are the list's, shared by every
 layer, as in a model. Its ops are list-level: ``append`` (every layer, as a
-forward pass does), ``trim`` (atomic, ``impl.models.trim_prompt_cache``),
+forward pass does), ``trim`` (atomic, ``impl.impl_layers.trim_prompt_cache``),
 ``can_trim``, ``snapshot`` / ``restore`` / ``drop`` of the whole list,
 ``hold`` / ``release_hold``, ``fetch``, and ``layer`` (one layer's front
 trim or fetch).
@@ -23,12 +23,12 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from fuzz.dense import int8_oracle
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import APPEND_N, KVMachine
 from fuzz.masks import check_dense_masks, check_ring_masks
+from fuzz.quant_ref import int8_oracle
 from fuzz.trace import TraceFormatError
-from impl import models
+from impl import layers as impl_layers
 from impl.dense import KVCache, data_pointer
 from impl.rotating import RotatingKVCache
 from spec import dense as sd
@@ -38,20 +38,20 @@ from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationEr
 
 
 class ListOps:
-    """The list-level operations under test (``impl.models``). The bug
+    """The list-level operations under test (``impl.layers``). The bug
     catalog passes a subclass that breaks one of them."""
 
     def trim(self, caches: list[Any], n: int) -> int:
-        return models.trim_prompt_cache(caches, n)
+        return impl_layers.trim_prompt_cache(caches, n)
 
     def can_trim(self, caches: list[Any]) -> bool:
-        return models.can_trim_prompt_cache(caches)
+        return impl_layers.can_trim_prompt_cache(caches)
 
     def snapshot(self, caches: list[Any]) -> list[Any]:
-        return models.snapshot_prompt_cache(caches)
+        return impl_layers.snapshot_prompt_cache(caches)
 
     def restore(self, caches: list[Any], snapshots: list[Any]) -> None:
-        models.restore_prompt_cache(caches, snapshots)
+        impl_layers.restore_prompt_cache(caches, snapshots)
 
 
 def spec_pattern(layers: list[dict[str, Any]], mode: str = "fp16", step: int = 256) -> tuple[sl.Layer, ...]:
@@ -241,7 +241,7 @@ class LayersLockstep(Lockstep):
         return out
 
     def impl_observables(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"can_trim": models.can_trim_prompt_cache(self.caches)}
+        out: dict[str, Any] = {"can_trim": impl_layers.can_trim_prompt_cache(self.caches)}
         for j, c in enumerate(self.caches):
             if isinstance(c, KVCache):
                 obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}

@@ -20,6 +20,7 @@ arithmetic nothing but its float64 -> float16 cast (correctly rounded).
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 FLOAT16_MAX = 65504.0
@@ -79,3 +80,12 @@ def round_trip(x: np.ndarray, dtype: str = "float16") -> np.ndarray:
     """What an Int8 cache hands back for rows ``x`` that came in as
     ``dtype``: float64 values, each exact in ``dtype``."""
     return dequantize(*quantize(x), dtype)
+
+
+def int8_oracle(x: mx.array) -> mx.array:
+    """What an Int8 cache must hand back for the rows ``x`` (an ``mx.array``
+    of float16, bfloat16 or float32), in ``x``'s dtype: :func:`round_trip`
+    (exact in that dtype)."""
+    dtype = str(x.dtype).rsplit(".", 1)[-1]
+    wide = np.asarray(x.astype(mx.float32), dtype=np.float64)
+    return mx.array(round_trip(wide, dtype).astype(np.float32)).astype(x.dtype)

@@ -1,4 +1,4 @@
-"""impl.models' list-level operations against spec.layers (semantics.md 6)."""
+"""impl.layers' list-level operations against spec.layers (semantics.md 6)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from impl.dense import KVCache
-from impl.models import (
+from impl.layers import (
     can_trim_prompt_cache,
     restore_prompt_cache,
     snapshot_prompt_cache,

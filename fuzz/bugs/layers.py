@@ -1,4 +1,4 @@
-"""Injected bugs of the prompt cache as a list of layers (``impl.models``'
+"""Injected bugs of the prompt cache as a list of layers (``impl.layers``'
 list-level operations, driven by ``fuzz.layers.ListOps``).
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
@@ -47,13 +47,13 @@ BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "list_trim_partial", "semantics.md 6, list trim is atomic (every layer trims the same count or none)",
         "public bug class: a rollback that silently trims some layers only", "layers", ("fp16",),
-        "impl.models.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
+        "impl.layers.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
         {"layers": {"layers": TrimsLayersThenRefuses}},
     ),
     InjectedBug(
         "list_trim_count_from_offset", "semantics.md 6, the count comes from each layer's trimmable rows",
         "dense front trim with sinks (live_start > 0) inside a mixed list", "layers", ("fp16",),
-        "impl.models.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
+        "impl.layers.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
         {"layers": {"layers": TrimCountFromOffset}},
     ),
 )
