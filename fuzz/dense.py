@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from fuzz.lockstep import Lockstep
-from fuzz.machine import APPEND_N, SMALL_STEPS, KVMachine
+from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
 from fuzz.masks import check_dense_masks
 from fuzz.quant_ref import int8_oracle
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
@@ -202,3 +202,17 @@ class DenseMachine(KVMachine):
         c = self.lock.cache
         assert 0 <= c.live_start <= c.offset, (c.live_start, c.offset)
         assert c.live_len <= c.capacity or c.live_len == 0, (c.live_len, c.capacity)
+
+
+class PlainDenseMachine(DenseMachine):
+    """The dense machine as mlx-lm targets run it: batch 1, one or two kv
+    heads, one head dim, float16, drawn in the order their conformance
+    findings were recorded with (fixed seeds reproduce them)."""
+
+    @initialize(step=SMALL_STEPS, head_dim=HEAD_DIMS, kv_heads=KV_HEADS)
+    def init(self, step: int, head_dim: int, kv_heads: int) -> None:  # type: ignore[override]
+        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads)
+
+
+DenseMachine.plain = PlainDenseMachine
+

@@ -76,6 +76,9 @@ class KVMachine(RuleBasedStateMachine):
     #: machine sits below the registry that knows every kind's driver)
     make_lockstep: ClassVar[Any] = None
     covered: ClassVar[dict[str, int]] = {}
+    #: the kind's machine as mlx-lm targets run it (their shapes and draw
+    #: order); None: this machine
+    plain: ClassVar[Any] = None
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
     stats: ClassVar[dict[str, int]] = {}

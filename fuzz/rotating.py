@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz.lockstep import Lockstep
-from fuzz.machine import SMALL_STEPS, KVMachine
+from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
 from fuzz.masks import check_ring_masks, mask_as_rows
 from fuzz.trace import TraceFormatError
 from impl.dense import data_pointer
@@ -139,3 +139,25 @@ class RotatingMachine(KVMachine):
         assert 0 <= c.idx <= max(c.capacity, 0), (c.idx, c.capacity)
         if c.offset != c.idx:
             assert c.keep < c.idx, (c.keep, c.idx)
+
+
+class PlainRotatingMachine(RotatingMachine):
+    """The ring machine as mlx-lm targets run it (batch 1, one head dim,
+    float16), drawn in the order their conformance findings were recorded
+    with."""
+
+    @initialize(
+        data=st.data(),
+        max_size=st.one_of(st.integers(2, 6), st.integers(2, 16)),
+        step=SMALL_STEPS,
+        head_dim=HEAD_DIMS,
+        kv_heads=KV_HEADS,
+    )
+    def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int,  # type: ignore[override]
+             kv_heads: int) -> None:
+        keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
+        self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads)
+
+
+RotatingMachine.plain = PlainRotatingMachine
+
