@@ -94,6 +94,7 @@ def list_trim_count(n: int, trimmable_rows: tuple[int | None, ...]) -> int:
     or when any layer cannot trim exactly (None); otherwise ``min(n, rows
     of the layer with the fewest)``.
 
+    pre: all(r is None or r >= 0 for r in trimmable_rows)
     post: __return__ >= 0
     post: __return__ <= max(n, 0)
     post: __return__ == 0 or all(r is not None and __return__ <= r for r in trimmable_rows)
@@ -117,10 +118,9 @@ def _trim_layer(cache: LayerCache, count: int) -> tuple[int, LayerCache]:
 def trim_prompt_cache(caches: tuple[LayerCache, ...], n: int) -> tuple[int, tuple[LayerCache, ...]]:
     """Trim ``n`` tokens from the end of every layer, atomically: every
     layer trims :func:`list_trim_count` rows, which is returned (0: no layer
-    changed). Raises InvalidArgumentError for a non-integer ``n``.
-
-    post: all(c.offset == o.offset - __return__[0] for c, o in zip(__return__[1], caches))
-    """
+    changed). Raises InvalidArgumentError for a non-integer ``n``. That
+    every layer then trims exactly that count is obligation 8
+    (``proofs/layers.py``)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise InvalidArgumentError(f"trim_prompt_cache: n must be an integer, got {n!r}")
     count = list_trim_count(n, tuple(layer_trimmable_rows(c) for c in caches))
