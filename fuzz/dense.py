@@ -134,6 +134,7 @@ class DenseMachine(KVMachine):
     lists, install into a non-empty cache)."""
 
     handles = Bundle("handles")
+    named_ops = ("snapshot", "restore", "drop", "detach", "install")
 
     @initialize(step=SMALL_STEPS, data=st.data())
     def init(self, step: int, data: st.DataObject) -> None:
