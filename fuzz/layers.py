@@ -297,6 +297,27 @@ class LayersLockstep(Lockstep):
             raise Divergence(index, op, "trace's 'expect' fails on the implementation", want,
                              self.identify(i_views.get(key), mode), ("trace expects", "impl did"))
 
+    def check_op_checks(self, index: int, op: dict[str, Any], spec_out: Any) -> None:
+        """A list op's own checks: ``returns`` (an append: every layer's
+        window, a list of lists), ``inplace`` (an append: every layer's
+        decision equals it); ``capacity`` is a per-cache check, refused."""
+        if "capacity" in op:
+            raise TraceFormatError(f"op {index} field 'capacity': a list of layers has one capacity per layer; "
+                                   "check it per layer with expect or a per-kind trace")
+        if spec_out.error is not None or op["op"] != "append":
+            super().check_op_checks(index, op, spec_out)
+            return
+        if "returns" in op:
+            got = [list(r.window) for r in spec_out.result]
+            if got != op["returns"]:
+                raise Divergence(index, op, "trace's 'returns' check fails", got, op["returns"],
+                                 ("spec says", "trace expects"))
+        if "inplace" in op:
+            got = [r.inplace for r in spec_out.result]
+            if any(g != op["inplace"] for g in got):
+                raise Divergence(index, op, "trace's 'inplace' check fails", f"inplace={got}",
+                                 f"inplace={op['inplace']} in every layer", ("spec says", "trace expects"))
+
     def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
         if op["op"] in ("trim", "can_trim"):
             return {"returns": result}
