@@ -419,6 +419,14 @@ class LayersMachine(KVMachine):
     def trim(self, n: int) -> None:
         self.do({"op": "trim", "n": n})
 
+    @rule(data=st.data())
+    def misuse_name(self, data: st.DataObject) -> None:
+        """A list snapshot's name used wrongly: unknown, or already in use."""
+        names = sorted(self.lock.world.names) + ["nope"]
+        name = data.draw(st.sampled_from(names), label="name")
+        op = data.draw(st.sampled_from(self.named_ops), label="op")
+        self.do({"op": op, "name": name})
+
     @rule()
     def can_trim(self) -> None:
         self.do({"op": "can_trim"})
