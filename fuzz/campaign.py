@@ -193,6 +193,11 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     first = str(result.error).splitlines()[0] if result.error is not None else ""
     result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
     path = save_failure(result.trace, out_dir, stem or bug.name)
+    if result.error is not None and not isinstance(result.error, (Divergence, AssertionError)):
+        # the state machine itself raised (a harness fault): no check caught the bug
+        alarm = (f"the harness raised {type(result.error).__name__}: {first} (trace {path}); "
+                 "that is not a divergence, so it does not count as catching the bug")
+        return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
     clean = replay(result.trace)
     alarm = None if clean.ok else clean_replay_failure(path, clean.divergence)
     return True, result.seconds_to_catch, result.examples_to_catch, path, alarm

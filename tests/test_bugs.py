@@ -35,3 +35,19 @@ def test_a_catalog_trace_failing_on_a_broken_build_names_the_divergence(tmp_path
     assert caught and alarm is not None
     assert alarm.startswith("the implementation diverges from the spec at op ") and str(path) in alarm
     assert "make_mask" in alarm and "false alarm" not in alarm
+
+
+def test_a_harness_crash_does_not_count_as_a_catch(tmp_path, monkeypatch):
+    """A state machine or driver that raises (not a Divergence, not an
+    invariant) has not caught the bug: the kill matrix reports it."""
+    from fuzz.bugs import by_name
+    from fuzz.dense import DenseLockstep
+
+    def broken(self):
+        raise AttributeError("the driver broke")
+
+    monkeypatch.setattr(DenseLockstep, "spec_observables", broken)
+    caught, _seconds, _examples, _path, alarm = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=50,
+                                                          out_dir=tmp_path)
+    assert caught and alarm is not None
+    assert alarm.startswith("the harness raised AttributeError: the driver broke")
