@@ -46,7 +46,7 @@ def test_a_harness_crash_does_not_count_as_a_catch(tmp_path, monkeypatch):
     def broken(self):
         raise AttributeError("the driver broke")
 
-    monkeypatch.setattr(DenseLockstep, "spec_observables", broken)
+    monkeypatch.setattr(DenseLockstep, "impl_observables", broken)
     caught, _seconds, _examples, _path, alarm = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=50,
                                                           out_dir=tmp_path)
     assert caught and alarm is not None
