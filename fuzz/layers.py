@@ -62,7 +62,8 @@ def spec_pattern(layers: list[dict[str, Any]], mode: str = "fp16", step: int = 2
         if layer["kind"] == "dense":
             out.append(sl.DenseLayer(layer.get("mode", mode), layer.get("step", step)))
         else:
-            out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", step)))
+            out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", step),
+                                    layer.get("undo", 0)))
     return tuple(out)
 
 
@@ -93,7 +94,8 @@ class LayersLockstep(Lockstep):
         ring_cls = factories.get("rotating", RotatingKVCache)
         self.caches: list[Any] = [
             self.build(dense_cls, mode=p.mode, step=p.step) if isinstance(p, sl.DenseLayer)
-            else self.build(ring_cls, max_size=p.max_size, keep=p.keep, step=p.step)
+            else self.build(ring_cls, max_size=p.max_size, keep=p.keep, step=p.step,
+                            **({"undo": p.undo} if p.undo else {}))
             for p in self.pattern
         ]
         self.list_ops: ListOps = factories.get("layers", ListOps)()
@@ -236,7 +238,8 @@ class LayersLockstep(Lockstep):
             if isinstance(w, sd.DenseWorld):
                 obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
             else:
-                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
+                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c),
+                       "trimmable_rows": sr.trimmable_rows(c)}
             out.update({f"layer {j} {k}": v for k, v in obs.items()})
         return out
 
@@ -246,7 +249,8 @@ class LayersLockstep(Lockstep):
             if isinstance(c, KVCache):
                 obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
             else:
-                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
+                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable(),
+                       "trimmable_rows": c.trimmable_rows()}
             out.update({f"layer {j} {k}": v for k, v in obs.items()})
         return out
 
@@ -363,15 +367,18 @@ def dense_layer(step: int) -> dict[str, Any]:
     return {"kind": "dense", "step": step}
 
 
-def ring_layer(max_size: int, keep: int, step: int) -> dict[str, Any]:
-    return {"kind": "rotating", "max_size": max_size, "keep": keep, "step": step}
+def ring_layer(max_size: int, keep: int, step: int, undo: int = 0) -> dict[str, Any]:
+    """A ring layer; ``undo`` only when it has an undo log."""
+    return {"kind": "rotating", "max_size": max_size, "keep": keep, "step": step, **({"undo": undo} if undo else {})}
 
 
 @st.composite
 def layer_patterns(draw: st.DrawFn) -> list[dict[str, Any]]:
     """Layer patterns engines build: all dense (1 to 3 layers); dense plus
     rings of different windows (gemma-style, every ring its own W); rings
-    with sinks. The first layer is dense (front trims address it)."""
+    with sinks; rings with an undo log of 1 to 3 rows (exact rollback after
+    a wrap within its depth) or none. The first layer is dense (front trims
+    address it)."""
     step = st.integers(1, 8)
     shape = draw(st.sampled_from(["all dense", "dense + rings", "dense + rings", "dense + sink rings"]))
     layers = [dense_layer(draw(step))]
@@ -381,7 +388,8 @@ def layer_patterns(draw: st.DrawFn) -> list[dict[str, Any]]:
     windows = draw(st.lists(st.integers(2, 8), min_size=1, max_size=3, unique=True))
     for w in windows:
         keep = draw(st.integers(1, min(2, w - 1))) if shape == "dense + sink rings" else draw(st.integers(0, min(2, w - 1)))
-        layers.append(ring_layer(w, keep, draw(step)))
+        undo = draw(st.sampled_from([0, 0, 1, 2, 3]))
+        layers.append(ring_layer(w, keep, draw(step), undo))
     if draw(st.booleans()):
         layers.append(dense_layer(draw(step)))
     return layers

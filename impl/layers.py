@@ -7,7 +7,8 @@ Every function takes the list of per-layer caches a model uses (dense
 all of them at once. :func:`trim_prompt_cache` is the rollback of
 speculative decoding and of prompt-cache reuse; it is atomic: when one layer
 cannot trim exactly (a ring that has wrapped) no layer is trimmed and 0 is
-returned. mlx-lm's own ``trim_prompt_cache`` is also all-or-nothing, but
+returned (a ring with an undo log trims exactly within its depth after a
+wrap). mlx-lm's own ``trim_prompt_cache`` is also all-or-nothing, but
 returns the first layer's count, which hides a layer that trimmed fewer rows.
 :func:`impl.models.make_prompt_cache` builds such a list for an mlx-lm model.
 """
@@ -22,14 +23,16 @@ from spec.errors import InvalidArgumentError, StateError
 from spec.layers import list_trim_count
 
 
-def _trimmable_rows(c: Any) -> int | None:
-    """Rows one layer can give back by an exact trim (spec.layers.
-    layer_trimmable_rows): a dense cache's live rows (a front trim moves
-    live_start past rows the offset still counts), an unwrapped ring's
-    offset; None when the layer cannot trim exactly."""
-    if not c.is_trimmable():
-        return None
-    return int(c.live_len) if hasattr(c, "live_len") else int(c.offset)
+def _trim_bounds(c: Any) -> tuple[int, int]:
+    """``(rows, exact)`` of one layer (spec.layers.layer_trim_bounds): a
+    dense cache's live rows, both (a front trim moves live_start past rows
+    the offset still counts); a ring's offset, and ``trimmable_rows()`` (the
+    offset while unwrapped, what its undo log covers after a wrap)."""
+    if hasattr(c, "live_len"):
+        return int(c.live_len), int(c.live_len)
+    if hasattr(c, "trimmable_rows"):
+        return int(c.offset), int(c.trimmable_rows())
+    return int(c.offset), int(c.offset) if c.is_trimmable() else 0
 
 
 def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
@@ -43,21 +46,21 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
     (spec.layers.trim_prompt_cache, semantics.md 6).
 
     Every layer is trimmed by the same count, ``spec.layers.list_trim_count``:
-    ``min(n, rows the layer with the fewest can give back)``, counted from
-    live rows, and that count is returned. When any layer cannot trim
-    exactly (``is_trimmable()`` is False: a sliding-window ring that has
-    wrapped) nothing is trimmed in any layer and 0 is returned, so layers
-    never disagree on the sequence they hold. ``n <= 0`` trims nothing.
-    Raises InvalidArgumentError for a non-integer ``n``; StateError when a
-    layer breaks its ``is_trimmable()`` promise.
+    ``min(n, every layer's rows)``, counted from a dense layer's live rows,
+    and that count is returned. When the count is beyond some layer's exact
+    bound (a sliding-window ring that has wrapped beyond its undo depth, or
+    has no undo log) nothing is trimmed in any layer and 0 is returned, so
+    layers never disagree on the sequence they hold. ``n <= 0`` trims
+    nothing. Raises InvalidArgumentError for a non-integer ``n``; StateError
+    when a layer breaks its promise of an exact trim.
     """
     n = _check_int("trim_prompt_cache", "n", n)
-    count = list_trim_count(n, tuple(_trimmable_rows(c) for c in caches))
+    count = list_trim_count(n, tuple(_trim_bounds(c) for c in caches))
     if count == 0:
         return 0
     trimmed = [c.trim(count) for c in caches]
     if any(t != count for t in trimmed):
-        # is_trimmable() promised an exact trim; a layer that trimmed a
+        # the bounds promised an exact trim; a layer that trimmed a
         # different count breaks the protocol (nothing to undo it with).
         raise StateError(f"trim_prompt_cache: layers trimmed {trimmed}, expected {count} each")
     return count

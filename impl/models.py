@@ -34,10 +34,11 @@ Cache = KVCache | RotatingKVCache
 
 
 def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
-             classes: dict[str, type] | None = None) -> Cache:
+             classes: dict[str, type] | None = None, undo: int = 0) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind
     (``classes`` maps a kind, ``"dense"`` or ``"rotating"``, to the class to
-    build instead of ours: a subclass, e.g. an injected bug)."""
+    build instead of ours: a subclass, e.g. an injected bug; ``undo`` is a
+    ring's undo depth)."""
     from mlx_lm.models import cache as lm_cache
 
     classes = classes or {}
@@ -49,7 +50,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
                 f"its RotatingKVCache supports mode 'fp16' only, got mode={mode!r}"
             )
         ring = classes.get("rotating", RotatingKVCache)
-        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace)
+        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo)
     if type(c) is lm_cache.KVCache:
         return classes.get("dense", KVCache)(mode=mode, step=step, inplace=inplace)
     raise UnsupportedOperationError(
@@ -65,6 +66,7 @@ def make_prompt_cache(
     inplace: bool | None = None,
     max_kv_size: int | None = None,
     classes: dict[str, type] | None = None,
+    undo: int = 0,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
     ``mlx_lm.models.cache.make_prompt_cache`` lays out mlx-lm's caches.
@@ -87,13 +89,15 @@ def make_prompt_cache(
             ``make_cache``.
         classes: ``{"dense": cls, "rotating": cls}`` to build subclasses of
             ours instead (the injected-bug catalog's classes); default ours.
+        undo: every ring's undo depth U (rows a trim can take back after a
+            wrap; 0: none).
 
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
     ``ArraysCache`` of state-space layers) and for ``mode="int8"`` on a
     sliding-window layer; InvalidArgumentError for bad sizes.
     """
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace, classes) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, classes, undo) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -102,7 +106,7 @@ def make_prompt_cache(
                 f"which supports mode 'fp16' only, got mode={mode!r}"
             )
         ring = (classes or {}).get("rotating", RotatingKVCache)
-        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace) for _ in range(n_layers)]
+        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo) for _ in range(n_layers)]
     dense = (classes or {}).get("dense", KVCache)
     return [dense(mode=mode, step=step, inplace=inplace) for _ in range(n_layers)]
 

@@ -1,4 +1,4 @@
-"""The prompt cache's obligation 8: the list-level trim is atomic
+"""The prompt cache's obligation 9: the list-level trim is atomic
 (semantics.md 6, ``spec.layers``).
 
 Encodings are in :mod:`proofs.layers_model`. Parts, for a list of
@@ -8,8 +8,9 @@ Encodings are in :mod:`proofs.layers_model`. Parts, for a list of
   never disagree on how many tokens they hold), and a refusal (count 0)
   trims no layer;
 * the count is the largest such: ``min(n, rows of every layer)`` whenever
-  every layer can trim exactly;
-* a list with a layer that cannot trim exactly (a wrapped ring) refuses.
+  every layer can take that many rows back exactly;
+* a count beyond some layer's exact bound (a wrapped ring beyond its undo
+  depth) refuses the list.
 
 Negative controls: the count taken from the offsets (a dense layer after a
 front trim trims fewer rows than the others), and an untrimmable layer
@@ -30,15 +31,13 @@ from proofs.layers_model import (
     LAYERS,
     TRIM_SPEC,
     TrimRules,
-    can_trim,
     layer_premises,
     layer_trims,
     layer_vars,
     list_trim_count,
-    trimmable_rows,
 )
 
-REQUIRED = ("list_trim_count", "layer_trimmable_rows", "trim_prompt_cache", "can_trim_prompt_cache")
+REQUIRED = ("list_trim_count", "layer_trim_bounds", "trim_prompt_cache", "can_trim_prompt_cache")
 
 
 def available() -> bool:
@@ -57,6 +56,13 @@ def _setup(d: Domain) -> tuple[Any, list[Any], list[Any]]:
     return n, layers, premises
 
 
+def _least(n: Any, layers: list[Any]) -> Any:
+    least = n
+    for layer in layers:
+        least = z3.If(layer.live < least, layer.live, least)
+    return least
+
+
 def trim_parts(rules: TrimRules = TRIM_SPEC) -> list[tuple[str, PartBuilder]]:
     def same_count_everywhere(d: Domain) -> tuple[list[Any], Any]:
         n, layers, premises = _setup(d)
@@ -65,27 +71,26 @@ def trim_parts(rules: TrimRules = TRIM_SPEC) -> list[tuple[str, PartBuilder]]:
 
     def largest(d: Domain) -> tuple[list[Any], Any]:
         n, layers, premises = _setup(d)
-        count = list_trim_count(n, layers, rules)
-        every = z3.And(*(can_trim(layer) for layer in layers))
-        bounded = z3.And(count <= n, *(count <= trimmable_rows(layer) for layer in layers))
-        reaches = z3.Or(count == n, *(count == trimmable_rows(layer) for layer in layers))
-        return [*premises, n > 0, every], z3.And(bounded, reaches)
+        count, least = list_trim_count(n, layers, rules), _least(n, layers)
+        within = z3.And(*(least <= layer.exact for layer in layers))
+        return [*premises, n > 0, within], count == least
 
-    def refuses_when_one_cannot(d: Domain) -> tuple[list[Any], Any]:
+    def refuses_beyond_an_exact_bound(d: Domain) -> tuple[list[Any], Any]:
         n, layers, premises = _setup(d)
-        count = list_trim_count(n, layers, rules)
-        return [*premises, z3.Not(z3.And(*(can_trim(layer) for layer in layers)))], count == 0
+        count, least = list_trim_count(n, layers, rules), _least(n, layers)
+        beyond = z3.Or(*(least > layer.exact for layer in layers))
+        return [*premises, beyond], count == 0
 
     return [("every layer trims the list's count", same_count_everywhere),
-            ("the count is min(n, every layer's rows)", largest),
-            ("an untrimmable layer refuses the list", refuses_when_one_cannot)]
+            ("the count is min(n, every layer's rows) when all can take it exactly", largest),
+            ("a count beyond some layer's exact bound refuses the list", refuses_beyond_an_exact_bound)]
 
 
 #: (name, what the bug does, rules)
 TRIM_CONTROLS: list[tuple[str, str, TrimRules]] = [
     ("count_from_offset", "the count taken from the layers' offsets, not a dense layer's live rows",
      TrimRules(rows="offset")),
-    ("skip_untrimmable", "a layer that cannot trim is skipped instead of refusing the list",
+    ("skip_untrimmable", "a layer that cannot trim the count exactly is ignored instead of refusing the list",
      TrimRules(refuse="skip")),
 ]
 
@@ -95,9 +100,11 @@ def prove_list_trim() -> ObligationResult:
     parts = run_parts(trim_parts())
     controls = [control_from_parts(name, text, trim_parts(rules)) for name, text, rules in TRIM_CONTROLS]
     return ObligationResult(
-        8, "atomic list trim", ("list_trim_count", "layer_trimmable_rows"),
+        NUMBER, "atomic list trim", ("list_trim_count", "layer_trim_bounds"),
         "every layer trims the same count, min(n, every layer's live rows), or none does",
         overall(parts, controls), parts, controls, time.perf_counter() - t0)
 
 
-OBLIGATIONS: list[tuple[int, Callable[[], ObligationResult]]] = [(8, prove_list_trim)]
+#: obligation 8 is the ring's undo log
+NUMBER = 9
+OBLIGATIONS: list[tuple[int, Callable[[], ObligationResult]]] = [(NUMBER, prove_list_trim)]

@@ -10,10 +10,10 @@ snapshot/restore of the whole list (:func:`w_snapshot`, :func:`w_restore`).
 
 **Decision** (semantics.md 6): a list-level trim is atomic. Every layer
 trims the same number of rows, or none trims and 0 is returned; a layer that
-cannot trim exactly (a ring that has wrapped or grown past its window) makes
-the whole list refuse. The count is taken from the rows each layer can give
-back (a dense layer's *live* rows, which a front trim reduces below its
-offset), never from the offset alone. Layers that disagree on how many
+cannot trim that many rows exactly (a ring that has wrapped beyond its undo
+depth, or has no undo log) makes the whole list refuse. The count is taken
+from the rows each layer holds (a dense layer's *live* rows, which a front
+trim reduces below its offset), never from the offset alone. Layers that disagree on how many
 tokens they hold corrupt every later step (a known public bug class: a
 rollback that trims some layers only).
 
@@ -39,11 +39,13 @@ class DenseLayer:
 
 @dataclass(frozen=True)
 class RingLayer:
-    """A sliding-window layer: a ring of ``max_size`` slots with ``keep`` sinks."""
+    """A sliding-window layer: a ring of ``max_size`` slots with ``keep``
+    sinks and an undo log of ``undo`` rows (0: none)."""
 
     max_size: int
     keep: int = 0
     step: int = 256
+    undo: int = 0
 
 
 Layer = DenseLayer | RingLayer
@@ -57,7 +59,7 @@ def make_layer(layer: Layer, inplace: bool = True) -> LayerCache:
     if isinstance(layer, DenseLayer):
         return dense.new_cache(layer.mode, layer.step, inplace)
     if isinstance(layer, RingLayer):
-        return rotating.new_cache(layer.max_size, layer.keep, layer.step, inplace)
+        return rotating.new_cache(layer.max_size, layer.keep, layer.step, inplace, undo=layer.undo)
     raise InvalidArgumentError(f"make_prompt_cache: a layer must be a DenseLayer or a RingLayer, got {layer!r}")
 
 
@@ -70,43 +72,51 @@ def make_prompt_cache(pattern: tuple[Layer, ...], inplace: bool = True) -> tuple
     return tuple(make_layer(layer, inplace) for layer in pattern)
 
 
-def layer_trimmable_rows(cache: LayerCache) -> int | None:
-    """Rows one layer can give back by an exact trim, or None when it cannot
-    trim exactly: a dense layer's live rows (``live_len``: a front trim
-    moved ``live_start`` past rows the offset still counts), an unwrapped
-    ring's offset, None for a ring that has wrapped or outgrown its window
-    (spec.rotating.is_trimmable)."""
+def layer_trim_bounds(cache: LayerCache) -> tuple[int, int]:
+    """``(rows, exact)`` of one layer: ``rows`` is what its own ``trim``
+    clamps a request to, ``exact`` the most rows it takes back exactly. A
+    dense layer: its live rows, both (``live_len``: a front trim moved
+    ``live_start`` past rows the offset still counts). A ring: its offset,
+    and ``spec.rotating.trimmable_rows`` (the offset while unwrapped, what
+    its undo log covers after a wrap: 0 without one)."""
     if isinstance(cache, dense.DenseCache):
-        return cache.live_len
-    if rotating.is_trimmable(cache):
-        return cache.offset
-    return None
+        return cache.live_len, cache.live_len
+    return cache.offset, rotating.trimmable_rows(cache)
+
+
+def layer_can_trim(cache: LayerCache) -> bool:
+    """Some trim of this layer is exact: always for a dense layer, for a ring
+    ``spec.rotating.is_trimmable``."""
+    return isinstance(cache, dense.DenseCache) or rotating.is_trimmable(cache)
 
 
 def can_trim_prompt_cache(caches: tuple[LayerCache, ...]) -> bool:
     """True iff the list is non-empty and every layer can trim exactly."""
-    return len(caches) > 0 and all(layer_trimmable_rows(c) is not None for c in caches)
+    return len(caches) > 0 and all(layer_can_trim(c) for c in caches)
 
 
-def list_trim_count(n: int, trimmable_rows: tuple[int | None, ...]) -> int:
+def list_trim_count(n: int, bounds: tuple[tuple[int, int], ...]) -> int:
     """The atomic list-level trim rule: the number of rows *every* layer
-    trims for a request of ``n``. 0 when ``n <= 0``, when the list is empty
-    or when any layer cannot trim exactly (None); otherwise ``min(n, rows
-    of the layer with the fewest)``.
+    trims for a request of ``n``, given each layer's ``(rows, exact)``
+    (:func:`layer_trim_bounds`). The count is ``min(n, every layer's
+    rows)``; it is 0 (the list refuses) when ``n <= 0``, when the list is
+    empty, or when the count is beyond some layer's exact bound (a wrapped
+    ring beyond its undo depth, semantics.md 6): then no layer trims.
 
-    pre: all(r is None or r >= 0 for r in trimmable_rows)
+    pre: all(0 <= e <= r for r, e in bounds)
     post: __return__ >= 0
     post: __return__ <= max(n, 0)
-    post: __return__ == 0 or all(r is not None and __return__ <= r for r in trimmable_rows)
+    post: __return__ == 0 or all(__return__ <= e for r, e in bounds)
     """
-    if n <= 0 or len(trimmable_rows) == 0:
+    if n <= 0 or len(bounds) == 0:
         return 0
-    least = n
-    for rows in trimmable_rows:
-        if rows is None:
+    count = n
+    for rows, _exact in bounds:
+        count = min(count, rows)
+    for _rows, exact in bounds:
+        if count > exact:
             return 0
-        least = min(least, rows)
-    return least
+    return count
 
 
 def _trim_layer(cache: LayerCache, count: int) -> tuple[int, LayerCache]:
@@ -119,11 +129,11 @@ def trim_prompt_cache(caches: tuple[LayerCache, ...], n: int) -> tuple[int, tupl
     """Trim ``n`` tokens from the end of every layer, atomically: every
     layer trims :func:`list_trim_count` rows, which is returned (0: no layer
     changed). Raises InvalidArgumentError for a non-integer ``n``. That
-    every layer then trims exactly that count is obligation 8
+    every layer then trims exactly that count is obligation 9
     (``proofs/layers.py``)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise InvalidArgumentError(f"trim_prompt_cache: n must be an integer, got {n!r}")
-    count = list_trim_count(n, tuple(layer_trimmable_rows(c) for c in caches))
+    count = list_trim_count(n, tuple(layer_trim_bounds(c) for c in caches))
     if count == 0:
         return 0, caches
     out = []

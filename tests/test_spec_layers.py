@@ -51,7 +51,7 @@ def test_trim_counts_live_rows_after_a_front_trim():
     list trims 2 rows in every layer, not 3, and never fails half-way."""
     world = layers.new_world((DenseLayer(step=2), RingLayer(8, 0, 2)))
     _, world = run(world, {"op": "append", "n": 6}, {"op": "layer", "index": 0, "do": {"op": "trim_front", "n": 4}})
-    assert layers.layer_trimmable_rows(world.layers[0].cache) == 2
+    assert layers.layer_trim_bounds(world.layers[0].cache) == (2, 2)
     count, world = layers.apply_op(world, {"op": "trim", "n": 3})
     assert count == 2 and offsets(world) == (4, 4)
     assert layers.windows(world) == ((), (0, 1, 2, 3))
@@ -81,6 +81,20 @@ def test_list_snapshot_and_restore():
     _, world = layers.apply_op(world, {"op": "drop", "name": "s"})
     with pytest.raises(StateError, match="no snapshot or handle named 's'"):
         layers.apply_op(world, {"op": "restore", "name": "s"})
+
+
+def test_a_ring_with_an_undo_log_trims_within_its_depth_after_a_wrap():
+    """Ring W=3 with an undo log of 2 rows: after the wrap the list trims
+    up to 2 rows exactly in every layer, and refuses 3 in every layer."""
+    world = layers.new_world((DenseLayer(step=1), RingLayer(3, 0, 1, undo=2)))
+    _, world = run(world, *({"op": "append", "n": 1} for _ in range(5)))
+    assert layers.layer_trim_bounds(world.layers[1].cache) == (5, 2)
+    before = world
+    count, world = layers.apply_op(world, {"op": "trim", "n": 3})
+    assert count == 0 and world == before
+    count, world = layers.apply_op(world, {"op": "trim", "n": 2})
+    assert count == 2 and offsets(world) == (3, 3)
+    assert layers.windows(world)[0] == (0, 1, 2) and sorted(layers.windows(world)[1]) == [0, 1, 2]
 
 
 def test_restore_brings_back_a_trimmable_list_after_a_wrap():
