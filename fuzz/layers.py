@@ -340,6 +340,15 @@ class LayersLockstep(Lockstep):
         return out
 
     # -- memory sharing -----------------------------------------------------------
+    def written_pairs(self, names: list[str]) -> list[tuple[str, str]]:
+        return [(f"layer {j}", n) for j in range(len(self.caches)) if f"layer {j}" in names
+                for n in names if n.startswith("holder:") and n.endswith(f":layer {j}")]
+
+    def shared_by(self, op: dict[str, Any]) -> list[tuple[str, str]]:
+        if op["op"] in ("snapshot", "restore"):
+            return [(f"layer {j}", f"holder:{op['name']}:layer {j}") for j in range(len(self.caches))]
+        return []
+
     def spec_buffers(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for j, w in enumerate(self.world.layers):
