@@ -92,7 +92,8 @@ _TYPES = {
     "array": lambda x: isinstance(x, list),
     "object": lambda x: isinstance(x, dict),
 }
-_SUPPORTED = {"type", "minimum", "maximum", "minLength", "maxLength", "maxItems", "items", "enum", "const", "$ref"}
+_SUPPORTED = {"type", "minimum", "maximum", "minLength", "maxLength", "maxItems", "items", "enum", "const", "$ref",
+              "properties", "required", "additionalProperties"}
 
 
 class _OpChecker:
@@ -162,6 +163,21 @@ class _OpChecker:
         if "items" in s:
             item = self._compile(s["items"])
             checks.append(lambda x: all(item(v) for v in x))
+        if {"properties", "required", "additionalProperties"} & set(s):
+            props = {k: self._compile(v) for k, v in s.get("properties", {}).items()}
+            needed = frozenset(s.get("required", ()))
+            closed = s.get("additionalProperties", True)
+            if not isinstance(closed, bool):
+                raise ValueError("_OpChecker: additionalProperties must be true or false")
+
+            def obj(x: Any) -> bool:
+                if not isinstance(x, dict):
+                    return True  # these keywords apply to objects only
+                if not needed.issubset(x):
+                    return False
+                return all(props[k](v) if k in props else closed for k, v in x.items())
+
+            checks.append(obj)
         return lambda x: all(c(x) for c in checks)
 
     def ok(self, op: Any) -> bool:

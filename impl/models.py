@@ -7,13 +7,10 @@ full-attention layers get a dense :class:`~impl.dense.KVCache`,
 sliding-window layers a :class:`~impl.rotating.RotatingKVCache` with the
 layer's window.
 
-:func:`trim_prompt_cache` is the rollback of speculative decoding and of
-prompt-cache reuse, applied to every layer at once. It is atomic
-(semantics.md 5, property 5): when one layer cannot trim exactly (a
-sliding-window ring that has wrapped, semantics.md 3 "Trim") it trims
-nothing in any layer and returns 0. mlx-lm's own ``trim_prompt_cache`` is
-also all-or-nothing, but returns the first layer's count, which hides a
-layer that trimmed fewer rows.
+The list-level operations (:func:`trim_prompt_cache`,
+:func:`can_trim_prompt_cache`, :func:`snapshot_prompt_cache`,
+:func:`restore_prompt_cache`) live in :mod:`impl.layers` (spec:
+``spec.layers``) and are re-exported here.
 
 mlx-lm is an optional dependency (``pip install 'kvspec[e2e]'``); it is
 imported only when a model defines ``make_cache``.
@@ -28,9 +25,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl.dense import KVCache, _check_int
+from impl.dense import KVCache
+from impl.layers import (
+    can_trim_prompt_cache,
+    restore_prompt_cache,
+    snapshot_prompt_cache,
+    trim_prompt_cache,
+)
 from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 Cache = KVCache | RotatingKVCache
 
@@ -111,44 +114,6 @@ def make_prompt_cache(
         return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo) for _ in range(n_layers)]
     dense = (classes or {}).get("dense", KVCache)
     return [dense(mode=mode, step=step, inplace=inplace) for _ in range(n_layers)]
-
-
-def _trimmable_rows(c: Any) -> int:
-    """Rows a trimmable cache can give back: the live rows of a dense cache
-    (a front trim moves live_start), the offset of an unwrapped ring."""
-    return int(c.live_len) if hasattr(c, "live_len") else int(c.offset)
-
-
-def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
-    """True when every layer can trim exactly (``is_trimmable()``) and the
-    list is non-empty."""
-    return len(caches) > 0 and all(c.is_trimmable() for c in caches)
-
-
-def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
-    """Trim ``n`` tokens from the end of every layer, atomically.
-
-    Every layer is trimmed by the same count: ``min(n, rows the shortest
-    layer can give back)``, and that count is returned. When any layer cannot
-    trim exactly (``is_trimmable()`` is False, or the count is beyond a
-    ring's ``trimmable_rows()``: a wrapped ring beyond its undo depth)
-    nothing is trimmed in any layer and 0 is returned, so layers
-    never disagree on the sequence they hold. ``n <= 0`` trims nothing.
-    Raises InvalidArgumentError for a non-integer ``n``; StateError when a
-    layer breaks its ``is_trimmable()`` promise.
-    """
-    n = _check_int("trim_prompt_cache", "n", n)
-    if n <= 0 or not can_trim_prompt_cache(caches):
-        return 0
-    count = min(n, *(_trimmable_rows(c) for c in caches))
-    if count == 0 or any(count > c.trimmable_rows() for c in caches if hasattr(c, "trimmable_rows")):
-        return 0  # a ring beyond its undo depth refuses for the whole list (semantics.md 6)
-    trimmed = [c.trim(count) for c in caches]
-    if any(t != count for t in trimmed):
-        # is_trimmable() promised an exact trim; a layer that trimmed a
-        # different count breaks the protocol (nothing to undo it with).
-        raise StateError(f"trim_prompt_cache: layers trimmed {trimmed}, expected {count} each")
-    return count
 
 
 # -- prompt-cache files -------------------------------------------------------------
@@ -306,5 +271,11 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
 
 
 __all__ = [
-    "can_trim_prompt_cache", "load_prompt_cache", "make_prompt_cache", "save_prompt_cache", "trim_prompt_cache",
+    "can_trim_prompt_cache",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "restore_prompt_cache",
+    "save_prompt_cache",
+    "snapshot_prompt_cache",
+    "trim_prompt_cache",
 ]

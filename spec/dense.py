@@ -74,6 +74,48 @@ def inplace_switch(env_value: str | None) -> bool:
     return env_value.strip().lower() not in ("0", "false", "off", "no")
 
 
+def check_window_size(op: str, window_size: object) -> int | None:
+    """A mask's ``window_size``: None (no window) or an integer >= 1 (a
+    window of 0 keys would hide even the query itself). Raises
+    InvalidArgumentError naming the value otherwise (0, negative, a float,
+    a bool). Shared by every cache's ``make_mask``."""
+    if window_size is None:
+        return None
+    if isinstance(window_size, bool) or not isinstance(window_size, int):
+        raise InvalidArgumentError(
+            f"{op}: window_size must be None or an integer >= 1, got {window_size!r}"
+        )
+    if window_size < 1:
+        raise InvalidArgumentError(f"{op}: window_size must be >= 1, got {window_size}")
+    return window_size
+
+
+def dense_mask_visible(query: int, key: int, window_size: int | None) -> bool:
+    """Mask rule of the dense cache (mlx-lm's causal mask): the query at
+    absolute position ``query`` sees the key at ``key`` iff ``key <= query``
+    and, with a window, ``query - key < window_size`` (so each query sees
+    ``min(query + 1, window_size)`` keys). A dense cache serving a windowed
+    layer that ignores the window is a known bug class.
+
+    pre: query >= 0 and key >= 0
+    pre: window_size is None or window_size >= 1
+    post: not __return__ or key <= query
+    post: not __return__ or window_size is None or query - key < window_size
+    """
+    return key <= query and (window_size is None or query - key < window_size)
+
+
+def dense_make_mask(live_len: int, n: int, window_size: int | None) -> tuple[tuple[bool, ...], ...]:
+    """The mask ``make_mask(n, window_size)`` of a dense cache holding
+    ``live_len`` rows must denote: row ``i`` (query ``live_len + i``),
+    column ``j`` (key ``j`` of the ``live_len + n`` rows the append will
+    return)."""
+    return tuple(
+        tuple(dense_mask_visible(live_len + i, j, window_size) for j in range(live_len + n))
+        for i in range(n)
+    )
+
+
 def regrow_needed(has_buffer: bool, prev: int, capacity: int, n: int) -> bool:
     """Regrow rule, guard: grow iff there is no buffer or ``prev + n`` rows
     do not fit (semantics.md 2, step 2).

@@ -67,14 +67,14 @@ def test_append_validation_messages():
     assert message(c.update_and_fetch, rows(1), mx.zeros((1, 4))) == (
         InvalidArgumentError, "append: values must have rank 4 [B, H, S, D], got shape (1, 4)")
     assert message(c.update_and_fetch, mx.zeros((1, 1, 1, 4), dtype=mx.int8), rows(1)) == (
-        InvalidArgumentError, "append: keys must be a floating dtype, got mlx.core.int8")
+        InvalidArgumentError, "append: keys dtype must be float16, bfloat16 or float32, got mlx.core.int8")
     assert message(c.update_and_fetch, rows(2), rows(1)) == (
-        InvalidArgumentError, "append: keys and values must agree on [B, H, S], got (1, 1, 2, 4) and (1, 1, 1, 4)")
+        InvalidArgumentError, "append: keys and values must agree on rows S, got 2 and 1 (shapes (1, 1, 2, 4) and (1, 1, 1, 4))")
     assert message(c.update_and_fetch, rows(0), rows(0)) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert message(c.update_and_fetch, rows(1, d=8), rows(1, d=8)) == (
-        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D] = (1, 1, 4), got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: keys head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert message(c.update_and_fetch, rows(1), rows(1, d=8)) == (
-        InvalidArgumentError, "append: values must match the cache's [B, H, _, D] = (1, 1, 4), got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: values head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert c.offset == 1 and firsts(c.fetch()[0]) == [0]
 
 
@@ -93,8 +93,9 @@ def test_restore_and_install_messages():
     bad.buffers = snap.buffers.map(lambda a: a[0])
     assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys must have rank 4, got shape (1, 2, 4)")
     bad = copy.copy(snap)
-    bad.buffers = snap.buffers.map(lambda a: a.astype(mx.float32))
-    assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys dtype must be mlx.core.float16, got mlx.core.float32")
+    bad.buffers = snap.buffers.map(lambda a: a.astype(mx.int32))
+    assert message(c.restore, bad) == (
+        InvalidArgumentError, "restore: keys dtype must be float16, bfloat16 or float32, got mlx.core.int32")
     bad = copy.copy(snap)
     bad.buffers = type(snap.buffers)(snap.buffers.keys, snap.buffers.values[:, :, :1, :])
     assert message(c.restore, bad) == (
@@ -141,9 +142,9 @@ def test_rotating_messages():
     snap.idx = 3
     assert message(c.restore, snap) == (InvalidArgumentError, "restore: cursor must satisfy 0 <= idx <= offset, got idx=3, offset=2")
     assert message(c.update_and_fetch, rows(1, d=8), rows(1, d=8)) == (
-        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D], got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: keys head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert message(c.update_and_fetch, rows(1), rows(1, d=8)) == (
-        InvalidArgumentError, "append: values must match the cache's [B, H, _, D], got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: values head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert c.offset == 2 and firsts(c.fetch()[0]) == [0, 1]
 
 
@@ -239,7 +240,7 @@ def test_dense_from_state_refusals():
         ((k, k), ("fp16", "4", "3", "5"), "from_state: cursor must satisfy 0 <= live_start <= offset, got live_start=5, offset=3"),
         ((k, k), ("int8", "4", "3", "0"), "from_state: state must hold 4 arrays in mode int8, got 2"),
         ((k, k), ("fp16", "0", "3", "0"), "KVCache: step must be in [1, 1048576], got 0"),
-        ((k.astype(mx.int32),) * 2, ("fp16", "4", "3", "0"), "from_state: keys dtype must be mlx.core.float16, got mlx.core.int32"),
+        ((k.astype(mx.int32),) * 2, ("fp16", "4", "3", "0"), "from_state: keys dtype must be float16, bfloat16 or float32, got mlx.core.int32"),
         ((k, k), ("fp16", "4", "x", "0"), "from_state: meta_state must hold integers, got ('fp16', '4', 'x', '0')"),
         ((k, k), ("fp16", "4", "2", "0"), "from_state: state must hold exactly the live rows, got 3 rows for live_len 2"),
     ]
@@ -260,7 +261,7 @@ def test_rotating_restore_and_state_refusals():
     good = c.snapshot()
     before = (c.offset, c.idx, firsts(c.fetch()[0]))
     cases = [
-        (RingSnapshot(good.keys.astype(mx.int32), good.values, 5, 2, 4, 1), "restore: keys dtype must be mlx.core.float16, got mlx.core.int32"),
+        (RingSnapshot(good.keys.astype(mx.int32), good.values, 5, 2, 4, 1), "restore: keys dtype must be float16, bfloat16 or float32, got mlx.core.int32"),
         (RingSnapshot(good.keys, good.values[:, :, :3], 5, 2, 4, 1),
          "restore: keys and values must agree on [B, H, T], got (1, 1, 4, 4) and (1, 1, 3, 4)"),
         (RingSnapshot(good.keys, good.values, 9, 9, 4, 1),
@@ -300,7 +301,7 @@ def test_rotating_restore_and_state_refusals():
         InvalidArgumentError, "from_state: values must be an mx.array, got NoneType")
     with pytest.raises(InvalidArgumentError, match=r"^meta_state: meta_state must be five or six integers"):
         c.meta_state = ("1", "4")
-    with pytest.raises(InvalidArgumentError, match="state: keys dtype"):
+    with pytest.raises(InvalidArgumentError, match="state: keys and values must share a dtype"):
         c.state = (c.state[0].astype(mx.float32), c.state[1])
     assert (c.offset, c.idx, firsts(c.fetch()[0])) == before
 
@@ -358,7 +359,8 @@ def test_handle_messages_and_spec_gather_refusals():
     assert message(h.trim_to, 1.5) == (InvalidArgumentError, "handle_trim_to: len must be an integer, got 1.5")
     bad = copy.copy(h)
     bad.buffers = type(h.buffers)(h.buffers.keys, h.buffers.values.astype(mx.float32))
-    assert message(c.restore, bad) == (InvalidArgumentError, "restore: values dtype must be mlx.core.float16, got mlx.core.float32")
+    assert message(c.restore, bad) == (
+        InvalidArgumentError, "restore: keys and values must share a dtype, got mlx.core.float16 and mlx.core.float32")
     assert message(c.restore, None) == (InvalidArgumentError, "restore: expected a CacheSnapshot, got NoneType")
     from spec import dense as sd
 
@@ -403,7 +405,7 @@ def test_install_and_append_messages_name_the_shapes():
     c = KVCache("fp16", step=2)
     c.update_and_fetch(rows(1, h=2), rows(1, h=2))
     assert message(c.update_and_fetch, rows(1, d=8, h=2), rows(1, d=8, h=2)) == (
-        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D] = (1, 2, 4), got (1, 2, 1, 8)")
+        InvalidArgumentError, "append: keys head dim D must be 4 (the cache's), got 8 (shape (1, 2, 1, 8))")
     other = KVCache("int8", step=2)
     decode(other, 1)
     h = other.detach()

@@ -170,7 +170,8 @@ _FIELDS = {
     "gather_positions": ["positions"], "gather_within_tail": ["tail", "kept"], "snapshot": ["name"],
     "restore": ["name"], "drop": ["name"], "detach": ["name"], "install": ["name"],
     "handle_trim_to": ["name", "len"], "fork": ["from", "as"], "release": ["seq"],
-    "expect": ["window", "of", "order"], "fetch": [], "hold": [], "release_hold": [],
+    "expect": ["window", "of", "order", "layer"], "fetch": [], "hold": [], "release_hold": [],
+    "can_trim": [], "layer": ["index", "do"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -183,6 +184,7 @@ _VALID = {
     "bool": st.booleans(),
     "order": st.sampled_from(["exact", "set"]),
     "any": _values,
+    "do": st.sampled_from([{"op": "fetch"}, {"op": "trim_front", "n": 1}, {"op": "trim_front", "n": 1, "keep": 0}]),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -192,11 +194,13 @@ _BAD = {
     "bool": st.sampled_from([1, 0, "true", None]),
     "order": st.sampled_from(["other", 1]),
     "any": st.nothing(),
+    "do": st.sampled_from([{}, {"op": "append"}, {"op": "fetch", "x": 1}, {"op": "trim_front", "n": "a"}, 3]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
-         "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count"}
-_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order"}}
+         "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
+         "layer": "count", "index": "int", "do": "do"}
+_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}}
 
 
 @st.composite
@@ -239,6 +243,8 @@ def test_the_op_rules_here_are_the_schemas():
 @example({"op": "fetch", "error": 1})
 @example({"op": "expect", "window": [], "order": "other"})
 @example({"op": "fork", "from": "a", "as": "b"})
+@example({"op": "layer", "index": 0, "do": {"op": "fetch", "n": 1, "extra": 2}})
+@example({"op": "layer", "index": 0, "do": {"n": 1}})
 def test_compiled_op_checker_agrees_with_the_schema(op):
     assert trace._op_checker().ok(op) == trace._validator("op").is_valid(op)
 

@@ -2,10 +2,10 @@
 
 Every catalog entry is fuzzed from N fixed seeds (1..N). For each seed the
 fuzzer must catch it; the minimal counterexample is written out and replayed
-on the real implementation, where it must pass (a trace that fails on correct
-code is a false alarm). Reported per entry: caught in every seed or not,
-examples and seconds to the first failing example (median and worst), and
-the trace of the first seed.
+on the real implementation, where it must pass (when it does not, the
+implementation diverges from the spec at the op the report names). Reported
+per entry: caught in every seed or not, examples and seconds to the first
+failing example (median and worst), and the trace of the first seed.
 """
 
 from __future__ import annotations
