@@ -149,7 +149,9 @@ def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     assert all("kvtrace" in c for c in ob["negative_controls"])
 
 
-def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the table fits the terminal: wide enough here that no name folds
+    monkeypatch.setenv("COLUMNS", "200")
     assert cli.main(["--only", "4"]) == 0
     out = capsys.readouterr().out
     assert "trim then append" in out and "proved" in out and "kvtrace" in out
