@@ -26,12 +26,13 @@ from typing import Any
 
 from impl.dense import KVCache, _check_int
 from impl.rotating import RotatingKVCache
+from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
 from spec.errors import StateError, UnsupportedOperationError
 
-Cache = KVCache | RotatingKVCache
+Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
 
 
-def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None) -> Cache:
+def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None, **kw: Any) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind."""
     from mlx_lm.models import cache as lm_cache
 
@@ -44,7 +45,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None) -> 
             )
         return RotatingKVCache(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace)
     if type(c) is lm_cache.KVCache:
-        return KVCache(mode=mode, step=step, inplace=inplace)
+        return make_cache(mode, step=step, inplace=inplace, **kw)
     raise UnsupportedOperationError(
         f"make_prompt_cache: layer {layer} needs a {type(c).__name__}, which kvspec does not implement "
         "(supported: full-attention KVCache and sliding-window RotatingKVCache layers)"
@@ -57,6 +58,7 @@ def make_prompt_cache(
     step: int = 256,
     inplace: bool | None = None,
     max_kv_size: int | None = None,
+    **kw: Any,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
     ``mlx_lm.models.cache.make_prompt_cache`` lays out mlx-lm's caches.
@@ -72,18 +74,21 @@ def make_prompt_cache(
 
     Args:
         model: an mlx-lm model (anything with ``layers``, or ``make_cache``).
-        mode: dense layers' storage, ``"fp16"`` or ``"int8"``.
+        mode: dense layers' storage: ``"fp16"``, ``"int8"``, ``"turbo4asym"``,
+            ``"turbo4"``, ``"turbo3asym"`` or ``"turbo4delegated"``
+            (:func:`impl.turbo.make_cache`).
         step: growth granularity in rows, for every layer.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
         max_kv_size: window of every layer's ring when the model has no
             ``make_cache``.
+        **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
     ``ArraysCache`` of state-space layers) and for ``mode="int8"`` on a
     sliding-window layer; InvalidArgumentError for bad sizes.
     """
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, **kw) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -92,7 +97,7 @@ def make_prompt_cache(
                 f"which supports mode 'fp16' only, got mode={mode!r}"
             )
         return [RotatingKVCache(max_size=max_kv_size, keep=4, step=step, inplace=inplace) for _ in range(n_layers)]
-    return [KVCache(mode=mode, step=step, inplace=inplace) for _ in range(n_layers)]
+    return [make_cache(mode, step=step, inplace=inplace, **kw) for _ in range(n_layers)]
 
 
 def _trimmable_rows(c: Any) -> int:
