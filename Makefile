@@ -44,7 +44,7 @@ conformance: $(STAMP)
 mutation: $(STAMP)
 	rm -rf mutants
 	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children $$(nproc 2>/dev/null || echo 2) || true
-	$(BIN)/python -m fuzz.mutation_report  # exit 1 if a survivor is not triaged
+	$(BIN)/python -m fuzz.commands.mutation_report  # exit 1 if a survivor is not triaged
 
 lint: $(STAMP)
 	$(BIN)/ruff check spec impl fuzz proofs tests

@@ -12,9 +12,38 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hyp_seed
 from hypothesis.stateful import get_state_machine_test
 
+from fuzz import kinds
 from fuzz.lockstep import Divergence
-from fuzz.machine import KVMachine, machine_for
-from fuzz.trace import CACHE_DEFAULTS, Trace, write
+from fuzz.machine import KVMachine
+from fuzz.replay import make_lockstep, replay
+from fuzz.targets import resolve
+from fuzz.trace import Trace, cache_defaults, write
+from spec.errors import KVCacheError
+
+
+def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None,
+                check_inplace: bool = True, fixed: dict[str, Any] | None = None,
+                target: Any = None) -> type[KVMachine]:
+    """A fresh state-machine class for one configuration: the registry's
+    machine of ``kind`` (fuzz/kinds.py), bound to ``mode``, the in-place
+    switch, the implementation ``factories`` (injected bugs) and pinned cache
+    fields ``fixed``. Class attributes, so runs in one process never share
+    statistics. ``target`` (a name or ``fuzz.targets.Target``; None:
+    ``impl``) picks the implementation and the ops it runs. Raises
+    UnknownKindError for a kind the registry does not have."""
+    base: type[KVMachine] = kinds.get(kind).machine_class()
+    if target is not None:
+        target = resolve(target)
+        base = target.machine_base(kind, mode, base)
+        if target.is_impl and not target.excluded:
+            target = None  # the plain machine: no per-op target check
+    name = f"{base.__name__}_{mode}_{'inplace' if inplace else 'copy'}"
+    return type(name, (base,), {
+        "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
+        "fixed": dict(fixed or {}), "target": target, "covered": {},
+        "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
+        "make_lockstep": staticmethod(make_lockstep),
+    })
 
 
 def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False) -> settings:
@@ -85,11 +114,7 @@ def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | Non
 
 def annotate(trace: Trace) -> Trace:
     """Add the spec's predictions to the last op and ``expect`` ops after it."""
-    from fuzz.replay import make_lockstep
-
-    lock = make_lockstep({**CACHE_DEFAULTS, **trace.cache})
-    from spec.errors import KVCacheError
-
+    lock = make_lockstep({**cache_defaults(trace.cache["kind"]), **trace.cache})
     last: Any = None
     refused = False
     for op in trace.ops:
@@ -159,3 +184,23 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
             break
     total.seconds = time.perf_counter() - start
     return total
+
+
+def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | None = None,
+              check_inplace: bool = True, stem: str | None = None):
+    """Fuzz one injected bug; returns (caught, seconds, examples, trace path,
+    false alarm message or None). ``fixed`` pins cache fields and
+    ``check_inplace=False`` leaves only isolation to catch unsafe writes."""
+    machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
+    result = run_machine(machine, seed, max_examples=max_examples)
+    if not result.failed or result.trace is None:
+        return False, result.seconds, result.examples, None, None
+    if result.examples_to_catch is None and result.error is not None:
+        # failed outside a rule (e.g. in an invariant): count the whole run
+        result.examples_to_catch, result.seconds_to_catch = result.examples, result.seconds
+    first = str(result.error).splitlines()[0] if result.error is not None else ""
+    result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
+    path = save_failure(result.trace, out_dir, stem or bug.name)
+    clean = replay(result.trace)
+    alarm = None if clean.ok else f"false alarm: its trace fails on the real implementation: {clean.divergence}"
+    return True, result.seconds_to_catch, result.examples_to_catch, path, alarm

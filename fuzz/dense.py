@@ -1,16 +1,20 @@
-"""Lockstep of ``spec.dense`` and ``impl.dense.KVCache`` (kind ``dense``)."""
+"""The dense cache's harness (kind ``dense``): the lockstep driver of
+``spec.dense`` against ``impl.dense.KVCache`` and its state machine."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import mlx.core as mx
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from fuzz.lockstep import Lockstep
+from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache
 from impl.quant import dequantize_int8, quantize_int8
 from spec import dense as sd
-from spec.errors import InvalidArgumentError, StateError
+from spec.errors import InvalidArgumentError
 
 
 class DenseLockstep(Lockstep):
@@ -20,15 +24,14 @@ class DenseLockstep(Lockstep):
     catalog passes a patched class)."""
 
     spec_module = sd
+    snapshot_class = CacheSnapshot
+    handle_class = DetachedHandle
 
     def __init__(self, cache: dict[str, Any], cache_factory=KVCache):
         super().__init__(cache)
         self.world = sd.new_world(cache["mode"], cache["step"], cache["inplace"])
         self.prev_world = self.world
         self.cache = cache_factory(mode=cache["mode"], step=cache["step"], inplace=cache["inplace"])
-        self.holders: dict[str, CacheSnapshot] = {}
-        self.returned: tuple[mx.array, mx.array] | None = None
-        self.held: tuple[mx.array, mx.array] | None = None
 
     def stored_form(self, x: mx.array) -> mx.array:
         if self.cfg["mode"] == "int8":
@@ -36,20 +39,6 @@ class DenseLockstep(Lockstep):
         return x.astype(mx.float16)
 
     # -- implementation side ---------------------------------------------------
-    def _holder(self, op: str, name: str, kind: type | None = None) -> CacheSnapshot:
-        holder = self.holders.get(name)
-        if holder is None:
-            raise StateError(f"{op}: no snapshot or handle named {name!r}")
-        if kind is not None and not (type(holder) is kind):
-            have = "handle" if isinstance(holder, DetachedHandle) else "snapshot"
-            want = "handle" if kind is DetachedHandle else "snapshot"
-            raise StateError(f"{op}: {name!r} is a {have}, not a {want}")
-        return holder
-
-    def _fresh(self, op: str, name: str) -> None:
-        if name in self.holders:
-            raise StateError(f"{op}: name {name!r} is already in use")
-
     def impl_apply(self, op: dict[str, Any]) -> Any:
         c, name = self.cache, op["op"]
         result = self.impl_common(op)
@@ -61,28 +50,17 @@ class DenseLockstep(Lockstep):
             return c.gather_positions(list(op["positions"]))
         if name == "gather_within_tail":
             return c.gather_within_tail(op["tail"], list(op["kept"]))
-        if name == "snapshot":
-            self._fresh("snapshot", op["name"])
-            self.holders[op["name"]] = c.snapshot()
-            return None
-        if name == "restore":
-            c.restore(self._holder("restore", op["name"], CacheSnapshot))
-            return None
-        if name == "drop":
-            self._holder("drop", op["name"])
-            del self.holders[op["name"]]
-            return None
         if name == "detach":
-            self._fresh("detach", op["name"])
+            self.fresh_name("detach", op["name"])
             self.holders[op["name"]] = c.detach()
             return None
         if name == "install":
-            handle = self._holder("install", op["name"], DetachedHandle)
+            handle = self.holder("install", op["name"], DetachedHandle)
             c.install(handle)  # type: ignore[arg-type]
             del self.holders[op["name"]]
             return None
         if name == "handle_trim_to":
-            handle = self._holder("handle_trim_to", op["name"], DetachedHandle)
+            handle = self.holder("handle_trim_to", op["name"], DetachedHandle)
             return handle.trim_to(op["len"])  # type: ignore[attr-defined]
         raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
 
@@ -96,9 +74,6 @@ class DenseLockstep(Lockstep):
         if not s.inplace and before.cache.marker is None and before.cache.buffer is not None:
             self.reached("copy after restore/install")
 
-    def impl_last_inplace(self) -> bool:
-        return self.cache.last_write_inplace
-
     # -- observables ------------------------------------------------------------
     def spec_observables(self) -> dict[str, Any]:
         c = self.world.cache
@@ -108,19 +83,78 @@ class DenseLockstep(Lockstep):
         c = self.cache
         return {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
 
-    def spec_views(self) -> dict[str, tuple[int, ...]]:
-        w = self.world
-        views = {"cache": w.cache.window()}
-        for name, holder in w.holders.items():
-            views["holder:" + name] = holder.window()
-        if w.held is not None:
-            views["held"] = w.held.window()
-        return views
 
-    def impl_views(self) -> dict[str, tuple[mx.array, mx.array] | None]:
-        views: dict[str, Any] = {"cache": self.cache.fetch()}
-        for name, holder in self.holders.items():
-            views["holder:" + name] = holder.fetch()
-        if self.held is not None:
-            views["held"] = self.held
-        return views
+class DenseMachine(KVMachine):
+    """Every dense-cache operation of semantics.md section 2, with refused
+    inputs mixed in (negative lengths, out-of-range and unsorted index
+    lists, install into a non-empty cache)."""
+
+    handles = Bundle("handles")
+
+    @initialize(step=SMALL_STEPS, head_dim=HEAD_DIMS, kv_heads=KV_HEADS)
+    def init(self, step: int, head_dim: int, kv_heads: int) -> None:
+        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads)
+
+    @property
+    def live_len(self) -> int:
+        return self.lock.world.cache.live_len
+
+    @rule(n=APPEND_N)
+    def append(self, n: int) -> None:
+        self.do({"op": "append", "n": n})
+
+    @rule(n=st.integers(0, 4), keep=st.integers(0, 3))
+    def trim_front(self, n: int, keep: int) -> None:
+        self.do({"op": "trim_front", "n": n, "keep": keep})
+
+    @rule(data=st.data())
+    def gather_positions(self, data: st.DataObject) -> None:
+        size = self.live_len
+        positions = data.draw(
+            st.one_of(
+                st.sets(st.integers(0, max(size - 1, 0)), max_size=max(size, 1)).map(sorted),
+                st.sets(st.integers(0, max(size - 1, 0)), max_size=max(size, 1)).map(sorted),
+                st.lists(st.integers(-1, size + 1), max_size=4),
+            ),
+            label="positions",
+        )
+        self.do({"op": "gather_positions", "positions": list(positions)})
+
+    @rule(data=st.data())
+    def gather_within_tail(self, data: st.DataObject) -> None:
+        tail = data.draw(st.integers(1, max(self.live_len, 1)) | st.integers(-1, self.live_len + 1), label="tail")
+        kept = data.draw(
+            st.one_of(
+                st.sets(st.integers(0, max(tail - 1, 0)), min_size=1, max_size=max(tail, 1)).map(sorted),
+                st.sets(st.integers(0, max(tail - 1, 0)), min_size=1, max_size=max(tail, 1)).map(sorted),
+                st.lists(st.integers(-1, tail + 1), max_size=3),
+            ),
+            label="kept",
+        )
+        self.do({"op": "gather_within_tail", "tail": tail, "kept": list(kept)})
+
+    @rule(target=handles)
+    def detach(self) -> str:
+        name = self.fresh_name("h")
+        self.do({"op": "detach", "name": name})
+        return name
+
+    @rule(name=consumes(handles))
+    def install(self, name: str) -> None:
+        self.do({"op": "install", "name": name})
+
+    @rule(name=handles, data=st.data())
+    def handle_trim_to(self, name: str, data: st.DataObject) -> None:
+        holder = self.lock.world.holders.get(name)
+        top = 0 if holder is None else holder.offset
+        self.do({"op": "handle_trim_to", "name": name, "len": data.draw(st.integers(-1, top + 1), label="len")})
+
+    @invariant()
+    def offsets_in_range(self) -> None:
+        """semantics.md 5.6 on the implementation: 0 <= live_start <= offset,
+        live_len <= capacity."""
+        if self.lock is None:
+            return
+        c = self.lock.cache
+        assert 0 <= c.live_start <= c.offset, (c.live_start, c.offset)
+        assert c.live_len <= c.capacity or c.live_len == 0, (c.live_len, c.capacity)

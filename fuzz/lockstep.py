@@ -107,6 +107,16 @@ class Lockstep:
         self.stats: dict[str, int] = {}
         #: (op index, message) of every op both sides refused
         self.refusals: list[tuple[int, str]] = []
+        #: the implementation's snapshots and handles by name, the window the
+        #: last append returned and the held one (``hold``)
+        self.holders: dict[str, Any] = {}
+        self.returned: tuple[mx.array, mx.array] | None = None
+        self.held: tuple[mx.array, mx.array] | None = None
+
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        """Refuse (``TraceFormatError``) a cache configuration the schema
+        allows but the kind cannot build; nothing by default."""
 
     # -- rows -----------------------------------------------------------------
     def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
@@ -269,11 +279,17 @@ class Lockstep:
     #: the spec module whose ``apply_op`` runs each op on the spec side
     #: (``spec.dense`` or ``spec.rotating``)
     spec_module: Any = None
+    #: the implementation's snapshot and detached-handle classes: ``restore``
+    #: takes only an exact ``snapshot_class`` and handle ops only an exact
+    #: ``handle_class`` (None: no check, the kind has one holder class)
+    snapshot_class: type | None = None
+    handle_class: type | None = None
 
     def impl_common(self, op: dict[str, Any]) -> Any:
         """The ops every cache kind runs the same way on the implementation
         side (``self.cache``; ``self.returned``/``self.held`` hold the
-        windows): append, fetch, hold, release_hold, trim, trim_to. Returns
+        windows, ``self.holders`` the snapshots by name): append, fetch,
+        hold, release_hold, trim, trim_to, snapshot, restore, drop. Returns
         ``_UNHANDLED`` for any other op."""
         c, name = self.cache, op["op"]
         if name == "append":
@@ -296,7 +312,35 @@ class Lockstep:
             return c.trim(op["n"])
         if name == "trim_to":
             return c.trim_to(op["len"])
+        if name == "snapshot":
+            self.fresh_name("snapshot", op["name"])
+            self.holders[op["name"]] = c.snapshot()
+            return None
+        if name == "restore":
+            c.restore(self.holder("restore", op["name"], self.snapshot_class))
+            return None
+        if name == "drop":
+            self.holder("drop", op["name"])
+            del self.holders[op["name"]]
+            return None
         return self._UNHANDLED
+
+    def holder(self, op: str, name: str, kind: type | None = None) -> Any:
+        """The implementation's snapshot or handle called ``name``; with
+        ``kind``, only one of exactly that class. Raises StateError worded as
+        the spec words it."""
+        holder = self.holders.get(name)
+        if holder is None:
+            raise StateError(f"{op}: no snapshot or handle named {name!r}")
+        if kind is not None and type(holder) is not kind:
+            have = "handle" if isinstance(holder, self.handle_class or ()) else "snapshot"
+            want = "handle" if kind is self.handle_class else "snapshot"
+            raise StateError(f"{op}: {name!r} is a {have}, not a {want}")
+        return holder
+
+    def fresh_name(self, op: str, name: str) -> None:
+        if name in self.holders:
+            raise StateError(f"{op}: name {name!r} is already in use")
 
     def before_append(self, op: dict[str, Any]) -> None:
         """Checks to run before an append reaches the implementation."""
@@ -316,7 +360,7 @@ class Lockstep:
         raise NotImplementedError
 
     def impl_last_inplace(self) -> bool:
-        raise NotImplementedError
+        return self.cache.last_write_inplace
 
     def spec_observables(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -325,7 +369,21 @@ class Lockstep:
         raise NotImplementedError
 
     def spec_views(self) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
+        """Name -> token identities of every window the spec world shows:
+        the live cache, each holder, the held window."""
+        w = self.world
+        views = {"cache": w.cache.window()}
+        for name, holder in w.holders.items():
+            views["holder:" + name] = holder.window()
+        if w.held is not None:
+            views["held"] = w.held.window() if hasattr(w.held, "window") else w.held
+        return views
 
     def impl_views(self) -> dict[str, tuple[mx.array, mx.array] | None]:
-        raise NotImplementedError
+        """The same windows read from the implementation."""
+        views: dict[str, Any] = {"cache": self.cache.fetch()}
+        for name, holder in self.holders.items():
+            views["holder:" + name] = holder.fetch()
+        if self.held is not None:
+            views["held"] = self.held
+        return views

@@ -23,13 +23,11 @@ from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     consumes,
-    initialize,
-    invariant,
     precondition,
     rule,
 )
 
-from fuzz.trace import CACHE_DEFAULTS
+from fuzz.kinds import get as kind_entry
 
 SMALL_STEPS = st.integers(1, 8)
 HEAD_DIMS = st.sampled_from([8, 16])
@@ -57,6 +55,9 @@ class KVMachine(RuleBasedStateMachine):
     #: not generated (counted as "skipped <op>"); ``covered`` counts the ops
     #: each example did run, by name.
     target: Any = None
+    #: ``fuzz.replay.make_lockstep``, bound by ``machine_for`` (the base
+    #: machine sits below the registry that knows every kind's driver)
+    make_lockstep: ClassVar[Any] = None
     covered: ClassVar[dict[str, int]] = {}
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
@@ -73,13 +74,14 @@ class KVMachine(RuleBasedStateMachine):
         self.lock: Any = None
 
     def setup(self, **cfg: Any) -> None:
-        from fuzz.replay import make_lockstep
-
         type(self).runs += 1
-        self.cfg = {**CACHE_DEFAULTS, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg, **self.fixed}
+        defaults = kind_entry(self.kind).defaults()
+        self.cfg = {**defaults, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg, **self.fixed}
         if "keep" in self.fixed or "max_size" in self.fixed:
             self.cfg["keep"] = min(self.cfg["keep"], self.cfg["max_size"] - 1)
-        self.lock = make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
+        if self.make_lockstep is None:
+            raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
+        self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
 
     def do(self, op: dict[str, Any]) -> None:
         if self.target is not None and self.target.skip_reason(self.cfg, op) is not None:
@@ -99,7 +101,7 @@ class KVMachine(RuleBasedStateMachine):
         return f"{prefix}{self.names}"
 
     def teardown(self) -> None:
-        cfg = {k: v for k, v in self.cfg.items() if k in trace_cache_fields(self.kind)}
+        cfg = {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind).cache_fields}
         type(self).last_run = (cfg, list(self.ops))
         if self.lock is not None:
             for key, count in self.lock.stats.items():
@@ -111,6 +113,12 @@ class KVMachine(RuleBasedStateMachine):
     @property
     def offset(self) -> int:
         return self.lock.world.cache.offset
+
+    @rule()
+    def decode(self) -> None:
+        """A decode step: appends of one row are the common case and the only
+        ones that may go in place (kinds add more append rules for weight)."""
+        self.do({"op": "append", "n": 1})
 
     @rule()
     def fetch(self) -> None:
@@ -148,125 +156,4 @@ class KVMachine(RuleBasedStateMachine):
         self.do({"op": "drop", "name": name})
 
 
-def trace_cache_fields(kind: str) -> tuple[str, ...]:
-    common = ("kind", "mode", "step", "batch", "kv_heads", "head_dim", "inplace")
-    if kind == "rotating":
-        return common + ("max_size", "keep")
-    if kind == "paged":
-        return common + ("block_size",)
-    return common
-
-
-class DenseMachine(KVMachine):
-    """Every dense-cache operation of semantics.md section 2, with refused
-    inputs mixed in (negative lengths, out-of-range and unsorted index
-    lists, install into a non-empty cache)."""
-
-    handles = Bundle("handles")
-
-    @initialize(step=SMALL_STEPS, head_dim=HEAD_DIMS, kv_heads=KV_HEADS)
-    def init(self, step: int, head_dim: int, kv_heads: int) -> None:
-        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads)
-
-    @property
-    def live_len(self) -> int:
-        return self.lock.world.cache.live_len
-
-    @rule(n=APPEND_N)
-    def append(self, n: int) -> None:
-        self.do({"op": "append", "n": n})
-
-    @rule()
-    def decode(self) -> None:
-        """A second decode rule: appends of one row are the common case and
-        the only ones that may go in place, so they get twice the weight."""
-        self.do({"op": "append", "n": 1})
-
-    @rule(n=st.integers(0, 4), keep=st.integers(0, 3))
-    def trim_front(self, n: int, keep: int) -> None:
-        self.do({"op": "trim_front", "n": n, "keep": keep})
-
-    @rule(data=st.data())
-    def gather_positions(self, data: st.DataObject) -> None:
-        size = self.live_len
-        positions = data.draw(
-            st.one_of(
-                st.sets(st.integers(0, max(size - 1, 0)), max_size=max(size, 1)).map(sorted),
-                st.sets(st.integers(0, max(size - 1, 0)), max_size=max(size, 1)).map(sorted),
-                st.lists(st.integers(-1, size + 1), max_size=4),
-            ),
-            label="positions",
-        )
-        self.do({"op": "gather_positions", "positions": list(positions)})
-
-    @rule(data=st.data())
-    def gather_within_tail(self, data: st.DataObject) -> None:
-        tail = data.draw(st.integers(1, max(self.live_len, 1)) | st.integers(-1, self.live_len + 1), label="tail")
-        kept = data.draw(
-            st.one_of(
-                st.sets(st.integers(0, max(tail - 1, 0)), min_size=1, max_size=max(tail, 1)).map(sorted),
-                st.sets(st.integers(0, max(tail - 1, 0)), min_size=1, max_size=max(tail, 1)).map(sorted),
-                st.lists(st.integers(-1, tail + 1), max_size=3),
-            ),
-            label="kept",
-        )
-        self.do({"op": "gather_within_tail", "tail": tail, "kept": list(kept)})
-
-    @rule(target=handles)
-    def detach(self) -> str:
-        name = self.fresh_name("h")
-        self.do({"op": "detach", "name": name})
-        return name
-
-    @rule(name=consumes(handles))
-    def install(self, name: str) -> None:
-        self.do({"op": "install", "name": name})
-
-    @rule(name=handles, data=st.data())
-    def handle_trim_to(self, name: str, data: st.DataObject) -> None:
-        holder = self.lock.world.holders.get(name)
-        top = 0 if holder is None else holder.offset
-        self.do({"op": "handle_trim_to", "name": name, "len": data.draw(st.integers(-1, top + 1), label="len")})
-
-    @invariant()
-    def offsets_in_range(self) -> None:
-        """semantics.md 5.6 on the implementation: 0 <= live_start <= offset,
-        live_len <= capacity."""
-        if self.lock is None:
-            return
-        c = self.lock.cache
-        assert 0 <= c.live_start <= c.offset, (c.live_start, c.offset)
-        assert c.live_len <= c.capacity or c.live_len == 0, (c.live_len, c.capacity)
-
-
-def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None,
-                check_inplace: bool = True, fixed: dict[str, Any] | None = None,
-                target: Any = None) -> type[KVMachine]:
-    """A fresh machine class bound to one configuration (class attributes,
-    so that runs in one process never share statistics). ``target`` (a name
-    or ``fuzz.targets.Target``; None: ``impl``) picks the implementation and
-    the ops it runs."""
-    if kind == "dense":
-        base: type[KVMachine] = DenseMachine
-    elif kind == "rotating":
-        from fuzz.rotating import RotatingMachine
-
-        base = RotatingMachine
-    else:
-        raise ValueError(f"kind: no state machine for {kind!r}")
-    if target is not None:
-        from fuzz.targets import resolve
-
-        target = resolve(target)
-        base = target.machine_base(kind, mode, base)
-        if target.is_impl and not target.excluded:
-            target = None  # the plain machine: no per-op target check
-    name = f"{base.__name__}_{mode}_{'inplace' if inplace else 'copy'}"
-    return type(name, (base,), {
-        "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
-        "fixed": dict(fixed or {}), "target": target, "covered": {},
-        "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
-    })
-
-
-__all__ = ["DenseMachine", "KVMachine", "machine_for", "precondition"]
+__all__ = ["APPEND_N", "HEAD_DIMS", "KV_HEADS", "SMALL_STEPS", "KVMachine", "precondition"]

@@ -1,12 +1,14 @@
 """``kvspec replay``: run a kvtrace on the spec and an implementation in
-lockstep (shared/reference/kvtrace.md, "Replay")."""
+lockstep (docs/kvtrace.md, "Replay")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from fuzz import kinds
 from fuzz.lockstep import Divergence, Lockstep
+from fuzz.targets import resolve
 from fuzz.trace import Trace, TraceFormatError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
@@ -21,8 +23,6 @@ def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None
     ``impl`` (ours) or an mlx-lm target, whose driver declares what it does
     not compare. Raises TraceFormatError when the target has no class for
     the trace's cache."""
-    from fuzz.targets import resolve
-
     tgt = resolve(target)
     if not tgt.is_impl:
         if factories:
@@ -37,26 +37,34 @@ def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None
 
 
 def _make_lockstep(cache: dict[str, Any], factories: dict[str, Any]) -> Lockstep:
-    kind = cache["kind"]
-    if kind == "dense":
-        from fuzz.dense import DenseLockstep
-        from impl.dense import KVCache
+    """Our implementation's driver for the trace's kind (the registry's
+    entry); ``factories`` maps a kind to a patched class (injected bugs)."""
+    try:
+        kind = kinds.get(cache["kind"])
+    except kinds.UnknownKindError as exc:
+        raise TraceFormatError(f"field cache.kind: {exc}") from None
+    if cache["mode"] not in kind.modes:
+        raise TraceFormatError(
+            f"field cache.mode: mode {cache['mode']!r} has no implementation for kind {kind.name} "
+            f"(implemented: {', '.join(kind.modes)})"
+        )
+    driver = kind.lockstep_class()
+    driver.check_cache(cache)
+    factory = factories.get(kind.name)
+    return driver(cache) if factory is None else driver(cache, factory)
 
-        if cache["mode"] not in ("fp16", "int8"):
-            raise TraceFormatError(f"field cache.mode: mode {cache['mode']!r} has no implementation yet")
-        return DenseLockstep(cache, factories.get("dense", KVCache))
-    if kind == "rotating":
-        from fuzz.rotating import RotatingLockstep
-        from impl.rotating import RotatingKVCache
 
-        if cache["mode"] != "fp16":
-            raise TraceFormatError(f"field cache.mode: the rotating cache stores fp16 only, got {cache['mode']!r}")
-        if cache["keep"] >= cache["max_size"]:
+def check_ops(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """Refuse (TraceFormatError) an op the trace's kind does not have, e.g. a
+    paged ``fork`` on a dense cache, before anything runs."""
+    kind = kinds.KINDS.get(cache["kind"])
+    if kind is None:
+        return
+    for i, op in enumerate(ops):
+        if op["op"] not in kind.all_ops and op["op"] not in kind.refuses:
             raise TraceFormatError(
-                f"field cache.keep: must be < max_size ({cache['max_size']}), got {cache['keep']}"
+                f"op {i} field 'op': kind {kind.name} has no op {op['op']!r}; its ops: {', '.join(kind.all_ops)}"
             )
-        return RotatingLockstep(cache, factories.get("rotating", RotatingKVCache))
-    raise TraceFormatError(f"field cache.kind: kind {kind!r} has no implementation yet")
 
 
 @dataclass
@@ -82,9 +90,8 @@ def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace:
     """Run every op; stop at the first divergence. Raises TraceFormatError
     when ``target`` cannot run the trace: no class for its cache, or an op
     the class does not have (fuzz/targets.py says which and why)."""
-    from fuzz.targets import resolve
-
     tgt = resolve(target)
+    check_ops(trace.cache, trace.ops)
     lock = make_lockstep(trace.cache, factories, check_inplace, tgt)
     for i, op in enumerate(trace.ops):
         reason = tgt.skip_reason(trace.cache, op)

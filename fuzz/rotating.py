@@ -1,19 +1,20 @@
-"""Lockstep and state machine for the sliding-window cache (kind ``rotating``)."""
+"""The sliding-window cache's harness (kind ``rotating``): the lockstep driver
+of ``spec.rotating`` against ``impl.rotating.RotatingKVCache`` and its state
+machine."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
-from impl.rotating import RingSnapshot, RotatingKVCache
+from fuzz.trace import TraceFormatError
+from impl.rotating import RotatingKVCache
 from spec import rotating as sr
-from spec.errors import StateError
 
 
 def mask_as_rows(mask: Any, n: int, length: int) -> list[list[bool]] | None:
@@ -39,6 +40,11 @@ class RotatingLockstep(Lockstep):
 
     spec_module = sr
 
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        if cache["keep"] >= cache["max_size"]:
+            raise TraceFormatError(f"field cache.keep: must be < max_size ({cache['max_size']}), got {cache['keep']}")
+
     def __init__(self, cache: dict[str, Any], cache_factory=RotatingKVCache):
         super().__init__(cache)
         self.world = sr.RotatingWorld(
@@ -48,32 +54,12 @@ class RotatingLockstep(Lockstep):
         self.cache = cache_factory(
             max_size=cache["max_size"], keep=cache["keep"], step=cache["step"], inplace=cache["inplace"], mode=cache["mode"]
         )
-        self.holders: dict[str, RingSnapshot] = {}
-        self.returned: tuple[mx.array, mx.array] | None = None
-        self.held: tuple[mx.array, mx.array] | None = None
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
-        c, name = self.cache, op["op"]
         result = self.impl_common(op)
         if result is not self._UNHANDLED:
             return result
-        if name == "snapshot":
-            if op["name"] in self.holders:
-                raise StateError(f"snapshot: name {op['name']!r} is already in use")
-            self.holders[op["name"]] = c.snapshot()
-            return None
-        if name == "restore":
-            snap = self.holders.get(op["name"])
-            if snap is None:
-                raise StateError(f"restore: no snapshot or handle named {op['name']!r}")
-            c.restore(snap)
-            return None
-        if name == "drop":
-            if op["name"] not in self.holders:
-                raise StateError(f"drop: no snapshot or handle named {op['name']!r}")
-            del self.holders[op["name"]]
-            return None
-        raise sr.unsupported(name)
+        raise sr.unsupported(op["op"])
 
     #: Also check ``make_mask`` with a window narrower than the ring. Off for
     #: mlx-lm targets: their conformance findings were reported with the
@@ -122,9 +108,6 @@ class RotatingLockstep(Lockstep):
         if op["n"] == 1 and (before.offset >= before.max_size) and (self.prev_world.holders or self.prev_world.held):
             self.reached("steady-state writes beside a holder")
 
-    def impl_last_inplace(self) -> bool:
-        return self.cache.last_write_inplace
-
     def spec_observables(self) -> dict[str, Any]:
         c = self.world.cache
         return {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
@@ -132,23 +115,6 @@ class RotatingLockstep(Lockstep):
     def impl_observables(self) -> dict[str, Any]:
         c = self.cache
         return {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
-
-    def spec_views(self) -> dict[str, tuple[int, ...]]:
-        w = self.world
-        views = {"cache": w.cache.window()}
-        for name, holder in w.holders.items():
-            views["holder:" + name] = holder.window()
-        if w.held is not None:
-            views["held"] = w.held
-        return views
-
-    def impl_views(self) -> dict[str, Any]:
-        views: dict[str, Any] = {"cache": self.cache.fetch()}
-        for name, holder in self.holders.items():
-            views["holder:" + name] = holder.fetch()
-        if self.held is not None:
-            views["held"] = self.held
-        return views
 
 
 def _mask_text(rows: list[list[bool]]) -> str:
@@ -172,10 +138,6 @@ class RotatingMachine(KVMachine):
     def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int, kv_heads: int) -> None:
         keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
         self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads)
-
-    @rule()
-    def decode(self) -> None:
-        self.do({"op": "append", "n": 1})
 
     @rule()
     def decode_again(self) -> None:

@@ -36,8 +36,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.dense import DenseLockstep
-from fuzz.rotating import RotatingLockstep
+from fuzz import kinds
 from fuzz.trace import TraceFormatError
 
 #: Ops that exist only in this project's dense cache (semantics.md 2). mlx-lm's
@@ -371,9 +370,7 @@ class Target:
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
         """The lockstep driver for this target's class of the trace's cache."""
         c = self.require_class(cache)
-        if c.kind == "dense":
-            return MlxLmDenseLockstep(cache, c, self)
-        return MlxLmRotatingLockstep(cache, c, self)
+        return declared_lockstep(kinds.get(c.kind).lockstep_class())(cache, c, self)
 
     def machine_base(self, kind: str, mode: str, base: type) -> type:
         """The state machine to subclass: ``base``, or one drawing the head
@@ -429,16 +426,21 @@ def mlx_lm_version() -> str:
 
 
 class _Declared:
-    """Mixin: compare everything except what the class and target declare
-    not comparable (``not_compared``, ``waived``) and the in-place decision."""
+    """Mixin over a kind's lockstep driver: compare everything except what
+    the class and target declare not comparable (``not_compared``,
+    ``waived``) and the in-place decision."""
 
     cls: CacheClass
     target: Target
+    #: mlx-lm's snapshots are deep copies (MlxLmSnapshot); it has no handles
+    snapshot_class = MlxLmSnapshot
+    handle_class = None
 
-    def _setup_declared(self, cls: CacheClass, target: Target) -> None:
+    def __init__(self, cache: dict[str, Any], cls: CacheClass, target: Target):
         self.cls, self.target = cls, target
-        self.check_inplace = False  # type: ignore[attr-defined]
         self.not_compared = set(cls.not_compared) | set(target.waived)
+        super().__init__(cache, lambda **_: cls.adapter(cache, target.trim_via))  # type: ignore[call-arg]
+        self.check_inplace = False
 
     def stored_form(self, x: mx.array) -> mx.array:
         if self.cls.stored_form is not None:
@@ -456,33 +458,20 @@ class _Declared:
             op = {k: v for k, v in op.items() if k != "capacity"}
         super().check_op_checks(index, op, spec_out)  # type: ignore[misc]
 
-
-class MlxLmDenseLockstep(_Declared, DenseLockstep):
-    """DenseLockstep over an mlx-lm dense class (KVCache, QuantizedKVCache,
-    ConcatenateKVCache)."""
-
-    def __init__(self, cache: dict[str, Any], cls: CacheClass, target: Target):
-        self._setup_declared(cls, target)
-        super().__init__(cache, lambda **_: cls.adapter(cache, target.trim_via))
-        self.check_inplace = False
-
-    def _holder(self, op: str, name: str, kind: type | None = None) -> Any:
-        # Snapshots are MlxLmSnapshot objects, not impl.dense.CacheSnapshot.
-        return super()._holder(op, name, MlxLmSnapshot if kind is not None else None)
-
-
-class MlxLmRotatingLockstep(_Declared, RotatingLockstep):
-    """RotatingLockstep over mlx-lm's RotatingKVCache (masks checked too,
-    unless waived)."""
-
-    def __init__(self, cache: dict[str, Any], cls: CacheClass, target: Target):
-        self._setup_declared(cls, target)
-        super().__init__(cache, lambda **_: cls.adapter(cache, target.trim_via))
-        self.check_inplace = False
-
     def check_masks(self, op: dict[str, Any]) -> None:
         if "masks" not in self.not_compared:
-            super().check_masks(op)
+            super().check_masks(op)  # type: ignore[misc]
+
+
+_DECLARED: dict[type, type] = {}
+
+
+def declared_lockstep(base: type) -> type:
+    """``base`` (a kind's lockstep driver from the registry) run over an
+    mlx-lm class: ``MlxLm<Base>(cache, cache_class, target)``."""
+    if base not in _DECLARED:
+        _DECLARED[base] = type(f"MlxLm{base.__name__}", (_Declared, base), {})
+    return _DECLARED[base]
 
 
 def _machine_with_head_dims(base: type, head_dims: tuple[int, ...]) -> type:

@@ -16,17 +16,13 @@ from typing import Any
 
 import jsonschema
 
-CACHE_DEFAULTS: dict[str, Any] = {
-    "mode": "fp16",
-    "step": 256,
-    "batch": 1,
-    "kv_heads": 2,
-    "head_dim": 8,
-    "keep": 0,
-    "inplace": True,
-    "hot_threshold": 256,
-    "fold_block": 128,
-}
+from fuzz.kinds import COMMON_FIELDS, KINDS
+
+
+def cache_defaults(kind: str) -> dict[str, Any]:
+    """The defaults of a ``kind``'s optional cache fields (fuzz/kinds.py)."""
+    entry = KINDS.get(kind)
+    return entry.defaults() if entry is not None else dict(COMMON_FIELDS)
 
 
 class TraceFormatError(Exception):
@@ -110,7 +106,13 @@ def validate(doc: Any) -> None:
 def parse(doc: Any) -> Trace:
     """Validate a decoded JSON document and return the Trace."""
     validate(doc)
-    cache = {**CACHE_DEFAULTS, **doc["cache"]}
+    kind = KINDS[doc["cache"]["kind"]]
+    for name in doc["cache"]:
+        if name not in kind.cache_fields:
+            raise TraceFormatError(
+                f"field cache.{name}: not a field of kind {kind.name} (its fields: {', '.join(kind.cache_fields)})"
+            )
+    cache = {**kind.defaults(), **doc["cache"]}
     return Trace(cache=cache, ops=list(doc["ops"]), title=doc.get("title", ""))
 
 

@@ -4,7 +4,7 @@ minimal trace passes on the real implementation (no false alarm)."""
 import pytest
 
 from fuzz.bugs import catalog
-from fuzz.verify import catch_bug
+from fuzz.campaign import catch_bug
 
 
 @pytest.mark.parametrize("bug", catalog(), ids=lambda b: b.name)

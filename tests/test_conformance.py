@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.cli import main
-from fuzz.conformance import REPORT, next_target, search_class
+from fuzz.commands.cli import main
+from fuzz.commands.conformance import REPORT, next_target, search_class
 from fuzz.lockstep import Divergence
 from fuzz.replay import make_lockstep, replay
 from fuzz.targets import KVCACHE, ROTATING, resolve, target_of_class
@@ -90,7 +90,8 @@ def test_shipped_traces_cover_the_known_faults():
 
 
 def test_cli_choices_match_the_registries():
-    from fuzz import cli, conformance, targets
+    from fuzz import targets
+    from fuzz.commands import cli, conformance
 
     assert cli.TARGET_NAMES == list(targets.TARGETS)
     assert tuple(cli.WAIVABLE) == conformance.WAIVABLE

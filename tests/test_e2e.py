@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from fuzz.bugs import by_name as bug_by_name
-from fuzz.e2e import (
+from fuzz.commands.e2e import (
     SCENARIOS,
     run_scenario,
     tiny_gemma3,
@@ -103,7 +103,7 @@ def test_cli_json():
     import contextlib
     import io
 
-    from fuzz.cli import main
+    from fuzz.commands.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import settings
 
-from fuzz.machine import machine_for
+from fuzz.campaign import machine_for
 
 CONFIGS = [("dense", "fp16", True), ("dense", "fp16", False), ("dense", "int8", True), ("rotating", "fp16", True),
            ("rotating", "fp16", False)]

@@ -1,9 +1,9 @@
-"""fuzz/mutation_report.py: scores, and every triage verdict points at a
+"""fuzz/commands/mutation_report.py: scores, and every triage verdict points at a
 real Z3 check and a real section of docs/mutation.md."""
 
 import re
 
-from fuzz.mutation_report import DOC, TRIAGE, render, verdict_for
+from fuzz.commands.mutation_report import DOC, TRIAGE, render, verdict_for
 from proofs.equivalents import EQUIVALENCES
 
 SAMPLE = """

@@ -16,7 +16,7 @@ from proofs.core import ObligationResult
 from proofs.dense_model import Rules
 from proofs.rotating import available as rotating_available
 
-# kvtraces of negative controls -> the injected bug (fuzz/bugs.py) that has
+# kvtraces of negative controls -> the injected bug (fuzz/bugs/dense.py) that has
 # the same broken rule in the implementation
 SAME_BUG = {
     "inplace_after_trim": "inplace_after_trim",

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fuzz.bugs import catalog
-from fuzz.cli import main
+from fuzz.commands.cli import main
 from fuzz.replay import replay
 from fuzz.trace import load
 
@@ -78,4 +78,4 @@ def test_missing_file_exits_2(capsys):
 def test_unimplemented_mode_exits_2(tmp_path, capsys):
     doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": "turbo4"}, "ops": []}
     assert main(["replay", write(tmp_path, doc)]) == 2
-    assert "no implementation" in capsys.readouterr().out
+    assert "is not one of" in capsys.readouterr().out

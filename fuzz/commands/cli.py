@@ -16,8 +16,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from fuzz import kinds
+
 DEFAULT_OUT = "fuzz-failures"
-CONFIGS = [("dense", "fp16"), ("dense", "int8"), ("rotating", "fp16")]
+# the registry is data (fuzz/kinds.py): reading it loads no MLX
+CONFIGS = kinds.configs()
 # kept in step with fuzz.targets.TARGETS and fuzz.conformance (not imported
 # here: the parser must not load MLX)
 TARGET_NAMES = ["impl", "mlx-lm", "mlx-lm-concat", "mlx-lm-guarded"]
@@ -170,7 +173,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     """Exit 0 when every divergence found replays 1 on its target and 0 on
     impl (the report is trustworthy), 1 otherwise, 2 for bad arguments.
     Divergences themselves are the report, not an error."""
-    from fuzz.conformance import print_report, run_conformance, to_json
+    from fuzz.commands.conformance import print_report, run_conformance, to_json
 
     try:
         reports = run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings)
@@ -188,25 +191,25 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 # -- verify --------------------------------------------------------------------
 def cmd_verify(args: argparse.Namespace) -> int:
-    from fuzz.verify import run_verify
+    from fuzz.commands.verify import run_verify
 
     return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from fuzz.mutants import main as mutants_main
+    from fuzz.commands.mutants import main as mutants_main
 
     return mutants_main(args.seeds, args.json, args.out, args.only)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fuzz.bench import run
+    from fuzz.commands.bench import run
 
     return run(args.contexts, args.json)
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
-    from fuzz.e2e import main as e2e_main
+    from fuzz.commands.e2e import main as e2e_main
 
     try:
         return e2e_main(long=args.long, as_json=args.json, bug=args.bug, only=args.only)
@@ -241,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_replay)
 
     f = sub.add_parser("fuzz", help="run a differential fuzz campaign")
-    f.add_argument("--kind", choices=["dense", "rotating"])
+    f.add_argument("--kind", choices=list(kinds.KINDS))
     f.add_argument("--mode", choices=["fp16", "int8"])
     f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
     f.add_argument("--budget", type=float, default=60.0, help="seconds in all (default 60)")

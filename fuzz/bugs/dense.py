@@ -1,50 +1,17 @@
-"""The catalog of deliberately injected bugs.
+"""Injected bugs of the dense cache (``impl.dense.KVCache``).
 
-Production code carries no fault switches: each entry here is a named
-subclass of an implementation class that replaces exactly one method with a
-broken version. The fuzzer must catch every entry (``kvspec verify``,
-``kvspec mutants``); an entry it misses means the checks have a hole.
-
-Each entry names the spec clause it violates and the public bug kind or seed
-it comes from, so a reviewer can follow it to the rule it breaks.
+Each entry is a subclass of ``KVCache`` that breaks exactly one rule of
+``spec.dense`` (the clause it names); see ``fuzz/bugs/__init__.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
+from fuzz.bugs import InjectedBug
 from impl.dense import SEQ_AXIS, KVCache, _Buffers, _Marker
-
-
-@dataclass(frozen=True)
-class InjectedBug:
-    """One catalog entry.
-
-    ``factories`` maps a cache kind to the broken implementation class;
-    ``kind``/``modes``/``inplace`` say which configurations the fuzzer runs to
-    catch it (the first mode is the one ``kvspec verify`` uses).
-    """
-
-    name: str
-    clause: str
-    source: str
-    kind: str
-    modes: tuple[str, ...]
-    replaces: str
-    description: str
-    factories: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    inplace: bool = True
-    #: extra ways the kill matrix must catch it: (label, pinned cache
-    #: fields, whether the in-place decision is observed). With the decision
-    #: unobserved only isolation (a holder's bytes changing) can catch it.
-    variants: tuple[tuple[str, dict[str, Any], bool], ...] = ()
-
-
-# -- dense -------------------------------------------------------------------
 
 
 class InplaceAfterTrim(KVCache):
@@ -165,7 +132,7 @@ class TrimToZeroKeepsBuffers(KVCache):
         return None
 
 
-DENSE_BUGS: list[InjectedBug] = [
+BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule 4 (prev == marker.live_len)",
         "seed 000 + dense in-place write rule", "dense", ("fp16",), "KVCache._inplace_write_allowed",
@@ -220,21 +187,4 @@ DENSE_BUGS: list[InjectedBug] = [
         "dense trim family", "dense", ("fp16", "int8"), "KVCache._drop_if_empty",
         "buffers survive a trim to zero rows", {"dense": TrimToZeroKeepsBuffers},
     ),
-]
-
-
-def catalog() -> list[InjectedBug]:
-    """Every injected bug, dense first, then the rotating cache's."""
-    bugs = list(DENSE_BUGS)
-    try:
-        from fuzz.rotating_bugs import ROTATING_BUGS
-    except ImportError:
-        return bugs
-    return bugs + list(ROTATING_BUGS)
-
-
-def by_name(name: str) -> InjectedBug:
-    for bug in catalog():
-        if bug.name == name:
-            return bug
-    raise KeyError(f"no injected bug named {name!r}; known: {[b.name for b in catalog()]}")
+)

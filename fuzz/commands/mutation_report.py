@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "mutation.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "mutation.md"
 BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"
 LINE = re.compile(r"^\s*(?P<name>[\w.ǁ]+__mutmut_\d+): (?P<status>.+)$")
 DETECTED = ("killed", "timeout", "segfault", "suspicious")
@@ -191,7 +191,7 @@ def main() -> int:
     print(block)
     if untriaged:
         print(f"\n{untriaged} survivor(s) not triaged: kill them with a test or argue them in docs/mutation.md "
-              "and add a Verdict to fuzz/mutation_report.py TRIAGE", file=sys.stderr)
+              "and add a Verdict to fuzz/commands/mutation_report.py TRIAGE", file=sys.stderr)
         return 1
     return 0
 

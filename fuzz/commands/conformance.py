@@ -36,9 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.campaign import run_machine
+from fuzz.campaign import machine_for, run_machine
 from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import machine_for
 from fuzz.replay import make_lockstep, replay
 from fuzz.targets import (
     CONCAT,

@@ -1,4 +1,7 @@
-"""Injected bugs of the sliding-window cache (see fuzz/bugs.py)."""
+"""Injected bugs of the sliding-window cache (``impl.rotating.RotatingKVCache``).
+
+See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
+"""
 
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ class PrefillDropsSinks(RotatingKVCache):
         return tuple(a[:, :, n - (self.max_size - 1 - self.keep) - self.keep :, :] for a in got)
 
 
-ROTATING_BUGS: list[InjectedBug] = [
+BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "steady_state_inplace", "semantics.md 3, single-row append 4 (steady state must copy)",
         "seed 003 (#1963): the flagship", "rotating", ("fp16",), "RotatingKVCache._inplace_write_allowed",
@@ -155,4 +158,4 @@ ROTATING_BUGS: list[InjectedBug] = [
         "sliding-window eviction with sinks", "rotating", ("fp16",), "RotatingKVCache._chronological",
         "a multi-row append that trims old rows evicts the sinks", {"rotating": PrefillDropsSinks},
     ),
-]
+)

@@ -23,7 +23,7 @@ import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
 
-from fuzz.bugs import PhysicalTrimFp16
+from fuzz.bugs.dense import PhysicalTrimFp16
 from impl.dense import KVCache
 
 HEADS, DIM = 8, 128

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fuzz.bugs import InjectedBug, catalog
-from fuzz.verify import catch_bug
+from fuzz.campaign import catch_bug
 
 
 @dataclass

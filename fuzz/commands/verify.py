@@ -25,7 +25,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
+from fuzz import kinds
+
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "tests" / "traces"
 CAMPAIGN_SEED = 20261129
 BUG_SEED = 1
@@ -69,10 +71,9 @@ def check_campaigns(budget: float) -> list[Check]:
     from fuzz.campaign import campaign, save_failure
 
     out = []
-    for kind, mode in (("dense", "fp16"), ("dense", "int8"), ("rotating", "fp16")):
-        # Int8 never writes in place: the switch would change nothing
-        for inplace in ((True, False) if mode == "fp16" else (True,)):
-            rep = campaign(kind, mode, inplace, budget, CAMPAIGN_SEED)
+    for kind in kinds.KINDS.values():
+        for mode, inplace in kind.campaigns:
+            rep = campaign(kind.name, mode, inplace, budget, CAMPAIGN_SEED)
             ops = rep.stats.get("ops", 0)
             if rep.failure is None:
                 detail = f"{rep.examples} examples, {ops} ops, {ops / max(rep.seconds, 1e-9):.0f} ops/s"
@@ -86,35 +87,11 @@ def check_campaigns(budget: float) -> list[Check]:
     return out
 
 
-def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | None = None,
-              check_inplace: bool = True, stem: str | None = None):
-    """Fuzz one injected bug; returns (caught, seconds, examples, trace path,
-    false alarm message or None). ``fixed`` pins cache fields and
-    ``check_inplace=False`` leaves only isolation to catch unsafe writes."""
-    from fuzz.campaign import run_machine, save_failure
-    from fuzz.machine import machine_for
-    from fuzz.replay import replay
-
-    machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
-    result = run_machine(machine, seed, max_examples=max_examples)
-    if not result.failed or result.trace is None:
-        return False, result.seconds, result.examples, None, None
-    if result.examples_to_catch is None and result.error is not None:
-        # failed outside a rule (e.g. in an invariant): count the whole run
-        result.examples_to_catch, result.seconds_to_catch = result.examples, result.seconds
-    first = str(result.error).splitlines()[0] if result.error is not None else ""
-    result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
-    path = save_failure(result.trace, out_dir, stem or bug.name)
-    clean = replay(result.trace)
-    alarm = None if clean.ok else f"false alarm: its trace fails on the real implementation: {clean.divergence}"
-    return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
-
-
 def check_bugs(out: str, seeds: int) -> list[Check]:
     """The injected-bug catalog (and each entry's variants) from ``seeds``
     fixed seeds: every entry must be caught in every seed, and its minimal
     trace must pass on the real implementation."""
-    from fuzz.mutants import run_mutants
+    from fuzz.commands.mutants import run_mutants
 
     checks = []
     for rep in run_mutants(seeds, out=str(Path(out) / "mutants")):
@@ -129,8 +106,8 @@ def check_bugs(out: str, seeds: int) -> list[Check]:
 
 
 def check_e2e() -> list[Check]:
-    """The real-decoding scenarios (fuzz/e2e.py) at their default size."""
-    from fuzz.e2e import DEFAULT, run_all
+    """The real-decoding scenarios (fuzz/commands/e2e.py) at their default size."""
+    from fuzz.commands.e2e import DEFAULT, run_all
 
     checks = []
     for r in run_all(DEFAULT):

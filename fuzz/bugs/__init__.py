@@ -1,0 +1,65 @@
+"""The catalog of deliberately injected bugs: the entry type and the catalog.
+
+Production code carries no fault switches: each entry is a named subclass of
+an implementation class that replaces exactly one method with a broken
+version. The fuzzer must catch every entry (``kvspec verify``, ``kvspec
+mutants``); an entry it misses means the checks have a hole.
+
+Each entry names the spec clause it violates and the public bug kind or seed
+it comes from, so a reviewer can follow it to the rule it breaks. Each cache
+kind keeps its entries in ``fuzz/bugs/<kind>.py`` (a ``BUGS`` tuple); the
+registry (``fuzz/kinds.py``) names that list, and :func:`catalog` reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuzz.kinds import KINDS
+
+
+@dataclass(frozen=True)
+class InjectedBug:
+    """One catalog entry.
+
+    ``factories`` maps a cache kind to the broken implementation class;
+    ``kind``/``modes``/``inplace`` say which configurations the fuzzer runs to
+    catch it (the first mode is the one ``kvspec verify`` uses).
+    """
+
+    name: str
+    clause: str
+    source: str
+    kind: str
+    modes: tuple[str, ...]
+    replaces: str
+    description: str
+    factories: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    inplace: bool = True
+    #: extra ways the kill matrix must catch it: (label, pinned cache
+    #: fields, whether the in-place decision is observed). With the decision
+    #: unobserved only isolation (a holder's bytes changing) can catch it.
+    variants: tuple[tuple[str, dict[str, Any], bool], ...] = ()
+
+
+def catalog() -> list[InjectedBug]:
+    """Every injected bug, kind by kind in registry order."""
+    return [bug for kind in KINDS.values() for bug in kind.bug_list()]
+
+
+class UnknownBugError(KeyError):
+    """A bug name the catalog does not have; the message lists the known ones."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def by_name(name: str) -> InjectedBug:
+    """The catalog entry called ``name``. Raises UnknownBugError listing the
+    known names."""
+    for bug in catalog():
+        if bug.name == name:
+            return bug
+    raise UnknownBugError(f"no injected bug named {name!r}; known: {', '.join(b.name for b in catalog())}")

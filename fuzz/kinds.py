@@ -1,0 +1,197 @@
+"""The registry of cache kinds: the one list every command reads.
+
+A cache kind (``dense``, ``rotating``, ...) is one name that is also the stem
+of its file in every layer: ``spec/<kind>.py``, ``impl/<kind>.py``,
+``proofs/<kind>.py`` (its Z3 model beside it), ``fuzz/<kind>.py`` (lockstep
+driver and state machine), ``fuzz/bugs/<kind>.py`` (its injected bugs) and
+``docs/<kind>.md``. Adding a kind means adding those files and one
+:class:`Kind` entry to :data:`KINDS` (docs/architecture.md, step by step).
+
+The entries are data: they name classes by ``"module:attribute"`` and import
+them on first use (:meth:`Kind.load`). So listing kinds (the CLI's parser,
+the schema generator, ``trace.py``'s defaults) never imports MLX, and this
+module imports nothing of the project: it sits at the bottom of ``fuzz/``
+while what it names sits above it.
+
+``python -m fuzz.kinds`` rewrites ``fuzz/kvtrace.schema.json`` from the
+registry (the ``kind``, ``mode`` and ``op`` values and each kind's cache
+fields); ``tests/test_layout.py`` fails when the file has drifted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Ops every kind runs (``expect`` is the trace's own assertion).
+COMMON_OPS = ("append", "fetch", "hold", "release_hold", "trim", "trim_to",
+              "snapshot", "restore", "drop", "expect")
+#: Cache fields every kind has, with their defaults (kvtrace ``cache``).
+COMMON_FIELDS: dict[str, Any] = {
+    "mode": "fp16", "step": 256, "batch": 1, "kv_heads": 2, "head_dim": 8, "inplace": True,
+}
+#: A required field (no default) in :attr:`Kind.fields`.
+REQUIRED = None
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One cache kind.
+
+    ``modes``: the storage modes implemented (the first is the default a
+    campaign uses). ``fields``: the kind's own cache fields and their
+    defaults (:data:`REQUIRED` for none). ``ops``: the trace ops besides
+    :data:`COMMON_OPS`, ``refuses`` the ops it refuses by contract.
+    ``campaigns``: the ``(mode, inplace)`` pairs
+    ``kvspec verify`` fuzzes. The ``"module:attribute"`` references name the
+    lockstep driver, the state machine and the bug list (``BUGS``)."""
+
+    name: str
+    title: str
+    modes: tuple[str, ...]
+    fields: dict[str, Any] = field(default_factory=dict)
+    ops: tuple[str, ...] = ()
+    #: ops of other kinds that this kind's spec refuses by contract (a trace
+    #: may use them with ``"error": true``); any other op is a format error
+    refuses: tuple[str, ...] = ()
+    campaigns: tuple[tuple[str, bool], ...] = ()
+    lockstep: str = ""
+    machine: str = ""
+    bugs: str = ""
+
+    # -- where the kind lives, one file per layer -------------------------------
+    @property
+    def files(self) -> dict[str, str]:
+        """Layer -> path of the kind's file (relative to the repository)."""
+        return {
+            "spec": f"spec/{self.name}.py",
+            "impl": f"impl/{self.name}.py",
+            "proofs": f"proofs/{self.name}.py",
+            "proof model": f"proofs/{self.name}_model.py",
+            "harness": f"fuzz/{self.name}.py",
+            "bugs": f"fuzz/bugs/{self.name}.py",
+            "docs": f"docs/{self.name}.md",
+        }
+
+    @property
+    def all_ops(self) -> tuple[str, ...]:
+        return COMMON_OPS + self.ops
+
+    @property
+    def cache_fields(self) -> tuple[str, ...]:
+        """Every cache field a trace of this kind may carry, ``kind`` first."""
+        return ("kind", *COMMON_FIELDS, *self.fields)
+
+    def defaults(self) -> dict[str, Any]:
+        """Defaults of the optional cache fields."""
+        own = {k: v for k, v in self.fields.items() if v is not REQUIRED}
+        return {**COMMON_FIELDS, **own}
+
+    def load(self, ref: str) -> Any:
+        """Import ``"module:attribute"`` (one of this entry's references)."""
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def lockstep_class(self) -> type:
+        return self.load(self.lockstep)
+
+    def machine_class(self) -> type:
+        return self.load(self.machine)
+
+    def bug_list(self) -> tuple[Any, ...]:
+        return tuple(self.load(self.bugs))
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind(
+            "dense", "dense cache (KVCache): growth by step, logical trims, front trims with sinks, "
+            "gathers, snapshots, detached handles",
+            modes=("fp16", "int8"),
+            ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
+            # Int8 never writes in place: the switch would change nothing
+            campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
+            lockstep="fuzz.dense:DenseLockstep", machine="fuzz.dense:DenseMachine", bugs="fuzz.bugs.dense:BUGS",
+        ),
+        Kind(
+            "rotating", "sliding-window ring (RotatingKVCache): window W, sinks K, warm-up and steady state",
+            modes=("fp16",),
+            fields={"max_size": REQUIRED, "keep": 0},
+            # the ring has no front trim, gathers or detached handles
+            refuses=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
+            campaigns=(("fp16", True), ("fp16", False)),
+            lockstep="fuzz.rotating:RotatingLockstep", machine="fuzz.rotating:RotatingMachine",
+            bugs="fuzz.bugs.rotating:BUGS",
+        ),
+    )
+}
+
+
+class UnknownKindError(KeyError):
+    """A kind name the registry does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def get(name: str) -> Kind:
+    """The registry entry for ``name``. Raises UnknownKindError naming the
+    known kinds."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise UnknownKindError(f"kind {name!r} has no implementation; known kinds: {', '.join(KINDS)}") from None
+
+
+def configs() -> list[tuple[str, str]]:
+    """Every implemented ``(kind, mode)``, in registry order."""
+    return [(k.name, m) for k in KINDS.values() for m in k.modes]
+
+
+def all_modes() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(m for k in KINDS.values() for m in k.modes))
+
+
+def all_ops() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(op for k in KINDS.values() for op in k.all_ops))
+
+
+# -- the JSON Schema, generated from the registry ------------------------------
+
+SCHEMA_PATH = Path(__file__).with_name("kvtrace.schema.json")
+
+
+def schema_from_registry(base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (the schema file) with its registry-owned parts replaced: the
+    ``kind``, ``mode`` and ``op`` enums, and per kind its required fields and
+    its modes. (A field of another kind, e.g. ``max_size`` on a dense cache,
+    is refused by ``fuzz.trace.parse``, which can name the kind's fields.)"""
+    doc = json.loads(json.dumps(base))
+    cache = doc["$defs"]["cache"]
+    cache["properties"]["kind"] = {"enum": list(KINDS)}
+    cache["properties"]["mode"] = {"enum": list(all_modes())}
+    doc["$defs"]["op"]["properties"]["op"] = {"enum": list(all_ops())}
+    rules = []
+    for k in KINDS.values():
+        rule: dict[str, Any] = {"if": {"required": ["kind"], "properties": {"kind": {"const": k.name}}}, "then": {}}
+        required = [f for f, v in k.fields.items() if v is REQUIRED]
+        if required:
+            rule["then"]["required"] = required
+        rule["then"]["properties"] = {"mode": {"enum": list(k.modes)}}
+        rules.append(rule)
+    cache["allOf"] = rules
+    return doc
+
+
+def write_schema(path: Path = SCHEMA_PATH) -> Path:
+    base = json.loads(path.read_text())
+    path.write_text(json.dumps(schema_from_registry(base), indent=2) + "\n")
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover - a maintenance command
+    print(f"wrote {write_schema()}")
