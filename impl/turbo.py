@@ -48,7 +48,7 @@ from impl.dense import (
     regrow_capacity,
 )
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
-from spec.turbo import fold_schedule
+from spec.turbo import Mode, check_append_head_dims, fold_schedule
 
 TURBO_MODES = ("turbo4asym", "turbo4", "turbo3asym")
 DELEGATED = "turbo4delegated"
@@ -236,13 +236,7 @@ class _TurboBase:
                 f"got {keys.dtype} and {values.dtype}"
             )
         dk, dv = int(keys.shape[3]), int(values.shape[3])
-        if self.quant_k and dk != dv:
-            raise InvalidArgumentError(
-                f"append: keys head_dim must equal values head_dim in mode {self.mode}, got {dk} and {dv}"
-            )
-        tq.check_head_dim("values", dv, self.bits)
-        if self.quant_k:
-            tq.check_head_dim("keys", dk, self.bits)
+        check_append_head_dims(Mode(self.mode), dk, dv)
         if self.store is not None:
             have = (*self._bh(), self.k_dim, self.v_dim)
             got = (int(keys.shape[0]), int(keys.shape[1]), dk, dv)

@@ -50,6 +50,8 @@ import mlx.core as mx
 
 from impl.codebooks import unit_centroids
 from spec.errors import InvalidArgumentError
+from spec.turbo import MAX_HEAD_DIM  # noqa: F401 - re-exported
+from spec.turbo import check_head_dim as spec_check_head_dim
 
 # Seeds of the sign vectors. Turbo4 rotates K with its own pair (K_SEED);
 # every quantized V uses V_SEED.
@@ -59,8 +61,6 @@ K_SEED = 0x5EED_0002
 LCG_A = 6364136223846793005
 LCG_C = 1442695040888963407
 LCG_MASK = (1 << 64) - 1
-# mx.hadamard_transform's float32 limit.
-MAX_HEAD_DIM = 8192
 
 
 def lcg_signs(count: int, seed: int) -> tuple[int, ...]:
@@ -82,20 +82,13 @@ def sign_vectors(head_dim: int, seed: int) -> tuple[tuple[int, ...], tuple[int, 
 
 
 def check_head_dim(name: str, head_dim: int, bits: int) -> None:
-    """Shape rules of the quantizer. Raises InvalidArgumentError naming
-    ``name`` (the argument, e.g. ``values``) when ``head_dim`` is not a power
-    of two in ``[2, 8192]``, or, at 3 bits, not a multiple of 8."""
+    """Shape rules of the quantizer (spec.turbo.check_head_dim): raises
+    InvalidArgumentError naming ``name`` (the argument, e.g. ``values``)
+    when ``head_dim`` is not a power of two in ``[2, 8192]``, or, at 3 bits,
+    not a multiple of 8."""
     if bits not in (3, 4):
         raise InvalidArgumentError(f"turbo: bits must be 3 or 4, got {bits}")
-    if head_dim < 2 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
-        raise InvalidArgumentError(
-            f"{name}: head_dim must be a power of two in [2, {MAX_HEAD_DIM}] for the Walsh-Hadamard "
-            f"rotation, got {head_dim}"
-        )
-    if bits == 3 and head_dim % 8:
-        raise InvalidArgumentError(
-            f"{name}: head_dim must be a multiple of 8 for 3-bit packing (8 indices per 3 bytes), got {head_dim}"
-        )
+    spec_check_head_dim(name, head_dim, bits)
 
 
 def packed_width(head_dim: int, bits: int) -> int:

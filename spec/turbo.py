@@ -66,8 +66,40 @@ def packed_bytes(head_dim: int, bits: int) -> int:
 def head_dim_allowed(head_dim: int, bits: int) -> bool:
     """Shape rule: a power of two in ``[2, 8192]`` (the Walsh-Hadamard
     rotation), and at 3 bits a multiple of 8 (whole 24-bit words)."""
-    power = 2 <= head_dim <= 8192 and head_dim & (head_dim - 1) == 0
+    power = 2 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
     return power and (bits != 3 or head_dim % 8 == 0)
+
+
+MAX_HEAD_DIM = 8192
+
+
+def check_head_dim(name: str, head_dim: int, bits: int) -> None:
+    """Shape rule of the quantizer (:func:`head_dim_allowed`), checked before
+    an append changes anything. Raises InvalidArgumentError naming ``name``
+    (``values``, or ``keys`` in Turbo4), the value and the rule."""
+    if head_dim < 2 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
+        raise InvalidArgumentError(
+            f"{name}: head_dim must be a power of two in [2, {MAX_HEAD_DIM}] for the Walsh-Hadamard "
+            f"rotation, got {head_dim}"
+        )
+    if bits == 3 and head_dim % 8:
+        raise InvalidArgumentError(
+            f"{name}: head_dim must be a multiple of 8 for 3-bit packing (8 indices per 3 bytes), got {head_dim}"
+        )
+
+
+def check_append_head_dims(mode: Mode, k_head_dim: int, v_head_dim: int) -> None:
+    """The append's shape rules in ``mode``: Turbo4 needs equal K and V
+    head dims; V's head dim (and K's in Turbo4) must suit the quantizer
+    (:func:`check_head_dim`). Raises InvalidArgumentError."""
+    bits = bits_of(mode)
+    if keys_quantized(mode) and k_head_dim != v_head_dim:
+        raise InvalidArgumentError(
+            f"append: keys head_dim must equal values head_dim in mode {mode.value}, got {k_head_dim} and {v_head_dim}"
+        )
+    check_head_dim("values", v_head_dim, bits)
+    if keys_quantized(mode):
+        check_head_dim("keys", k_head_dim, bits)
 
 
 def handoff_fold(cold_offset: int, live_len: int, n: int) -> bool:
@@ -165,6 +197,8 @@ class TurboWorld:
     holder_cold: dict[str, int] = field(default_factory=dict)
     held_cold: int = 0
     returned_cold: int = 0
+    #: the trace's head dim (K and V); None: rows are not checked
+    head_dim: int | None = None
 
     @property
     def mode(self) -> Mode:
@@ -185,8 +219,11 @@ class TurboWorld:
 
 
 def new_world(mode: Mode | str, step: int = 256, hot_threshold: int = DEFAULT_HOT_THRESHOLD,
-              fold_block: int = DEFAULT_FOLD_BLOCK) -> TurboWorld:
-    """An empty Turbo world. Raises InvalidArgumentError for a non-Turbo
+              fold_block: int = DEFAULT_FOLD_BLOCK, head_dim: int | None = None) -> TurboWorld:
+    """An empty Turbo world whose appends bring rows of ``head_dim`` (K and
+    V; None: unchecked). A head_dim the quantizer cannot take is not refused
+    here: every append is (:func:`check_append_head_dims`), as the
+    implementation refuses it. Raises InvalidArgumentError for a non-Turbo
     mode, ``step < 1``, ``hot_threshold < 0`` or ``fold_block < 1``."""
     mode = Mode(mode)
     if mode not in TURBO_MODES:
@@ -196,7 +233,7 @@ def new_world(mode: Mode | str, step: int = 256, hot_threshold: int = DEFAULT_HO
     if not isinstance(fold_block, int) or fold_block < 1:
         raise InvalidArgumentError(f"fold_block: must be an integer >= 1, got {fold_block!r}")
     # Turbo writes always copy: the in-place switch is irrelevant (off).
-    return TurboWorld(sd.new_world(mode, step, inplace=False), hot_threshold, fold_block)
+    return TurboWorld(sd.new_world(mode, step, inplace=False), hot_threshold, fold_block, head_dim=head_dim)
 
 
 def _after_trim(cold_offset: int, live_before: int, removed: int) -> int:
@@ -211,6 +248,8 @@ def apply_op(world: TurboWorld, op: dict) -> tuple[object, TurboWorld]:
     before = world.dense
     live = before.cache.live_len
     folded = 0
+    if name == "append" and op["n"] >= 1 and world.head_dim is not None:
+        check_append_head_dims(world.mode, world.head_dim, world.head_dim)
     if name == "append" and world.mode is Mode.TURBO4DELEGATED and op["n"] >= 1:
         folded = fold_schedule(world.cold_offset, live, op["n"], world.hot_threshold, world.fold_block)
     result, dense = sd.apply_op(before, op)
@@ -257,7 +296,8 @@ def view_cold(world: TurboWorld, view: str) -> int:
 
 
 __all__ = [
-    "TURBO_MODES", "TurboWorld", "apply_op", "array_names", "array_rows", "bits_of", "cold_offset_ok",
+    "TURBO_MODES", "TurboWorld", "apply_op", "array_names", "array_rows", "bits_of", "check_append_head_dims",
+    "check_head_dim", "cold_offset_ok",
     "fold_block_rows", "fold_schedule", "handoff_fold", "head_dim_allowed", "keys_quantized", "new_world",
     "packed_bytes", "quantized_rows", "trim_split", "view_cold",
 ]
