@@ -91,10 +91,11 @@ class TurboSnapshot:
     in. Its view never changes (every write of the cache copies)."""
 
     def __init__(self, mode: str, store: Store | None, offset: int, live_start: int, cold_offset: int,
-                 dtype: mx.Dtype | None, k_dim: int | None, v_dim: int | None):
+                 dtype: mx.Dtype | None, k_dim: int | None, v_dim: int | None, unpack: Any = tq.unpack_indices):
         self.mode, self.store = mode, store
         self.offset, self.live_start, self.cold_offset = offset, live_start, cold_offset
         self.dtype, self.k_dim, self.v_dim = dtype, k_dim, v_dim
+        self.unpack = unpack
 
     @property
     def live_len(self) -> int:
@@ -108,7 +109,8 @@ class TurboSnapshot:
         """The window ``[B, H, live_len, D]`` in the stored dtype, or None."""
         if self.store is None:
             return None
-        return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim)
+        return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim,
+                      self.unpack)
 
 
 class TurboHandle(TurboSnapshot):
@@ -134,25 +136,25 @@ class TurboHandle(TurboSnapshot):
 
 
 def window(mode: str, store: Store, live: int, cold_offset: int, dtype: mx.Dtype | None,
-           k_dim: int | None, v_dim: int | None) -> tuple[mx.array, mx.array]:
+           k_dim: int | None, v_dim: int | None, unpack: Any = tq.unpack_indices) -> tuple[mx.array, mx.array]:
     """Attention-ready rows ``[0, live)`` of a store, in ``dtype``: stored K
     as is or dequantized (Turbo4), V dequantized (Delegated: ``dequant(cold)
-    ++ hot``)."""
+    ++ hot``). ``unpack`` inverts the cache's packer."""
     bits, quant_k = _LAYOUT[mode]
     assert dtype is not None and k_dim is not None and v_dim is not None
     if quant_k:
-        k = tq.dequantize(_quantized(_cut(store, tuple(store), live), "k_"), bits, tq.K_SEED, k_dim, dtype)
+        k = tq.dequantize(_quantized(_cut(store, tuple(store), live), "k_"), bits, tq.K_SEED, k_dim, dtype, unpack)
     else:
         k = store["keys"][:, :, :live, :]
     if mode == DELEGATED:
         parts = []
         if cold_offset:
-            parts.append(tq.dequantize(_quantized(store, "cold_"), bits, tq.V_SEED, v_dim, dtype))
+            parts.append(tq.dequantize(_quantized(store, "cold_"), bits, tq.V_SEED, v_dim, dtype, unpack))
         if "hot" in store:
             parts.append(store["hot"])
         v = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=SEQ_AXIS)
     else:
-        v = tq.dequantize(_quantized(_cut(store, tuple(store), live), "v_"), bits, tq.V_SEED, v_dim, dtype)
+        v = tq.dequantize(_quantized(_cut(store, tuple(store), live), "v_"), bits, tq.V_SEED, v_dim, dtype, unpack)
     return k, v
 
 
@@ -253,7 +255,7 @@ class _TurboBase:
 
     def _encode_keys(self, keys: mx.array) -> Store:
         if self.quant_k:
-            return _as_store(tq.quantize(keys, self.bits, tq.K_SEED, "keys"), "k_")
+            return _as_store(self._quantize(keys, tq.K_SEED), "k_")
         return {"keys": keys}
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -283,7 +285,16 @@ class _TurboBase:
 
     def _window(self) -> tuple[mx.array, mx.array]:
         assert self.store is not None
-        return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim)
+        return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim,
+                      self._unpack)
+
+    #: the index packer and its inverse (impl.turbo_quant)
+    _pack = staticmethod(tq.pack_indices)
+    _unpack = staticmethod(tq.unpack_indices)
+
+    def _quantize(self, x: mx.array, seed: int) -> tq.Quantized:
+        """Quantize rows whose head dims ``_check_new_rows`` accepted."""
+        return tq.quantize(x, self.bits, seed, pack=self._pack, check=False)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The live window without writing, or None when empty."""
@@ -347,7 +358,7 @@ class _TurboBase:
 
     def _holder(self, cls: type) -> TurboSnapshot:
         return cls(self.mode, self.store, self.offset, self.live_start, self.cold_offset, self.dtype,
-                   self.k_dim, self.v_dim)
+                   self.k_dim, self.v_dim, self._unpack)
 
     def snapshot(self) -> TurboSnapshot:
         """A prompt-cache snapshot sharing the arrays (O(1), no copy)."""
@@ -592,7 +603,7 @@ class TurboKVCache(_TurboBase):
         """Regrow rule (spec.dense.regrow_needed/regrow_capacity) and a
         copying write of the encoded rows at ``[prev, prev + n)`` into every
         array."""
-        rows = {**self._encode_keys(keys), **_as_store(tq.quantize(values, self.bits, tq.V_SEED), "v_")}
+        rows = {**self._encode_keys(keys), **_as_store(self._quantize(values, tq.V_SEED), "v_")}
         prev = self.live_len
         old = self.store
         if old is None or prev + n > self.capacity:
@@ -700,16 +711,21 @@ class DelegatedKVCache(_TurboBase):
             out["keys"] = mx.slice_update(old["keys"], keys, mx.array([prev]), axes=(SEQ_AXIS,))
         hot_parts = ([old["hot"]] if old is not None and "hot" in old else []) + [values]
         hot = hot_parts[0] if len(hot_parts) == 1 else mx.concatenate(hot_parts, axis=SEQ_AXIS)
-        folded = fold_schedule(self.cold_offset, prev, n, self.hot_threshold, self.fold_block)
+        folded = self._fold_count(prev, n)
         cold_offset = self.cold_offset + folded
         cold: Store = {k: a for k, a in (old or {}).items() if k.startswith("cold_")}
         if folded:
-            new = _as_store(tq.quantize(hot[:, :, :folded, :], self.bits, tq.V_SEED), "cold_")
+            new = _as_store(self._quantize(hot[:, :, :folded, :], tq.V_SEED), "cold_")
             cold = {k: mx.concatenate([cold[k], a], axis=SEQ_AXIS) if k in cold else a for k, a in new.items()}
         out.update(cold)
         if int(hot.shape[SEQ_AXIS]) > folded:
             out["hot"] = hot[:, :, folded:, :]
         return out, cold_offset
+
+    def _fold_count(self, prev: int, n: int) -> int:
+        """Rows that fold cold at an append of ``n`` rows to ``prev`` live
+        rows (spec.turbo.fold_schedule)."""
+        return fold_schedule(self.cold_offset, prev, n, self.hot_threshold, self.fold_block)
 
     def gather_positions(self, positions: list[int]) -> int:
         """Refused in Turbo4Delegated (UnsupportedOperationError), the

@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
+from typing import Any
 
 import mlx.core as mx
 
@@ -178,12 +179,15 @@ class Quantized:
         return tuple(a for a in (self.packed, self.norm, self.rescale) if a is not None)
 
 
-def quantize(x: mx.array, bits: int, seed: int, name: str = "values") -> Quantized:
+def quantize(x: mx.array, bits: int, seed: int, name: str = "values", pack: Any = pack_indices,
+             check: bool = True) -> Quantized:
     """Quantize rows ``x`` ``[..., d]`` (any float dtype). Raises
     InvalidArgumentError (naming ``name``) for a head_dim that breaks
-    :func:`check_head_dim`."""
+    :func:`check_head_dim` (``check=False``: the caller checked). ``pack``
+    packs the indices (:func:`pack_indices`)."""
     d = int(x.shape[-1])
-    check_head_dim(name, d, bits)
+    if check:
+        check_head_dim(name, d, bits)
     _, _, centroids, mids = _constants(d, bits, seed)
     xf = x.astype(mx.float32)
     peak = mx.max(mx.abs(xf), axis=-1, keepdims=True)
@@ -200,14 +204,16 @@ def quantize(x: mx.array, bits: int, seed: int, name: str = "values") -> Quantiz
     if bits == 4:
         y_hat = mx.take(centroids, idx)
         rescale = mx.minimum(norm / mx.sqrt(mx.sum(y_hat * y_hat, axis=-1, keepdims=True)), f32_max)
-    return Quantized(pack_indices(idx, bits), norm, rescale)
+    return Quantized(pack(idx, bits), norm, rescale)
 
 
-def dequantize(q: Quantized, bits: int, seed: int, head_dim: int, dtype: mx.Dtype) -> mx.array:
+def dequantize(q: Quantized, bits: int, seed: int, head_dim: int, dtype: mx.Dtype,
+               unpack: Any = unpack_indices) -> mx.array:
     """Rows ``[..., head_dim]`` of ``dtype`` from quantized rows; finite
-    (clipped to ``dtype``'s range)."""
+    (clipped to ``dtype``'s range). ``unpack`` inverts the packer
+    (:func:`unpack_indices`)."""
     _, _, centroids, _ = _constants(head_dim, bits, seed)
-    y_hat = mx.take(centroids, unpack_indices(q.packed, bits, head_dim))
+    y_hat = mx.take(centroids, unpack(q.packed, bits, head_dim))
     # Rotate the bounded centroid vector first and scale last: a finite
     # scale times finite coordinates can overflow to +-inf (clipped below)
     # but never produce NaN (no inf - inf inside the transform).

@@ -212,6 +212,18 @@ class TurboWorld:
     def next_token(self) -> int:
         return self.dense.next_token
 
+    @property
+    def holders(self) -> dict[str, sd.Holder]:
+        return self.dense.holders
+
+    @property
+    def held(self) -> sd.Holder | None:
+        return self.dense.held
+
+    @property
+    def returned(self) -> sd.Holder | None:
+        return self.dense.returned
+
     def rows(self) -> dict[str, int]:
         """The cache's :func:`array_rows`."""
         c = self.dense.cache
@@ -286,12 +298,14 @@ def apply_op(world: TurboWorld, op: dict) -> tuple[object, TurboWorld]:
 
 
 def view_cold(world: TurboWorld, view: str) -> int:
-    """The cold offset of a view: ``"cache"``, ``"held"`` or
-    ``"holder:<name>"``."""
+    """The cold offset of a view: ``"cache"``, ``"held"``, ``"returned"``
+    (the window the last append returned) or ``"holder:<name>"``."""
     if view == "cache":
         return world.cold_offset
     if view == "held":
         return world.held_cold
+    if view == "returned":
+        return world.returned_cold
     return world.holder_cold.get(view.split(":", 1)[1], 0)
 
 
