@@ -24,14 +24,14 @@ from spec.errors import KVCacheError
 def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None,
                 check_inplace: bool = True, fixed: dict[str, Any] | None = None,
                 target: Any = None) -> type[KVMachine]:
-    """A fresh state-machine class for one configuration: the registry's
-    machine of ``kind`` (fuzz/kinds.py), bound to ``mode``, the in-place
+    """A fresh state-machine class for one configuration: the machine of the
+    registry entry that runs ``kind`` in ``mode`` (fuzz/kinds.py), bound to ``mode``, the in-place
     switch, the implementation ``factories`` (injected bugs) and pinned cache
     fields ``fixed``. Class attributes, so runs in one process never share
     statistics. ``target`` (a name or ``fuzz.targets.Target``; None:
     ``impl``) picks the implementation and the ops it runs. Raises
     UnknownKindError for a kind the registry does not have."""
-    base: type[KVMachine] = kinds.get(kind).machine_class()
+    base: type[KVMachine] = kinds.get(kind, mode).machine_class()
     if target is not None:
         target = resolve(target)
         base = target.machine_base(kind, mode, base)
@@ -114,7 +114,7 @@ def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | Non
 
 def annotate(trace: Trace) -> Trace:
     """Add the spec's predictions to the last op and ``expect`` ops after it."""
-    lock = make_lockstep({**cache_defaults(trace.cache["kind"]), **trace.cache})
+    lock = make_lockstep({**cache_defaults(trace.cache["kind"], trace.cache.get("mode")), **trace.cache})
     last: Any = None
     refused = False
     for op in trace.ops:

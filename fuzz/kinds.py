@@ -1,7 +1,8 @@
 """The registry of cache kinds: the one list every command reads.
 
-A cache kind (``dense``, ``rotating``, ...) is one name that is also the stem
-of its file in every layer: ``spec/<kind>.py``, ``impl/<kind>.py``,
+A registry entry (a cache kind such as ``dense`` or ``rotating``, or a family
+of storage modes of one, such as the Turbo modes of the dense cache) is one
+name that is also the stem of its file in every layer: ``spec/<kind>.py``, ``impl/<kind>.py``,
 ``proofs/<kind>.py`` (its Z3 model beside it), ``fuzz/<kind>.py`` (lockstep
 driver and state machine), ``fuzz/bugs/<kind>.py`` (its injected bugs) and
 ``docs/<kind>.md``. Adding a kind means adding those files and one
@@ -52,6 +53,9 @@ class Kind:
     name: str
     title: str
     modes: tuple[str, ...]
+    #: the kvtrace ``cache.kind`` this entry runs (default: ``name``); two
+    #: entries may share one (a mode family with its own files), never a mode
+    trace_kind: str = ""
     fields: dict[str, Any] = field(default_factory=dict)
     ops: tuple[str, ...] = ()
     #: ops of other kinds that this kind's spec refuses by contract (a trace
@@ -61,6 +65,11 @@ class Kind:
     lockstep: str = ""
     machine: str = ""
     bugs: str = ""
+
+    @property
+    def kind(self) -> str:
+        """The kvtrace ``cache.kind``."""
+        return self.trace_kind or self.name
 
     # -- where the kind lives, one file per layer -------------------------------
     @property
@@ -132,24 +141,46 @@ KINDS: dict[str, Kind] = {
 
 
 class UnknownKindError(KeyError):
-    """A kind name the registry does not have."""
+    """A kind, or a mode of a kind, the registry does not have; ``field`` is
+    the cache field at fault (``"kind"`` or ``"mode"``)."""
+
+    def __init__(self, message: str, field: str = "kind"):
+        super().__init__(message)
+        self.field = field
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-def get(name: str) -> Kind:
-    """The registry entry for ``name``. Raises UnknownKindError naming the
-    known kinds."""
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise UnknownKindError(f"kind {name!r} has no implementation; known kinds: {', '.join(KINDS)}") from None
+def trace_kinds() -> tuple[str, ...]:
+    """Every kvtrace ``cache.kind`` some entry runs, in registry order."""
+    return tuple(dict.fromkeys(k.kind for k in KINDS.values()))
+
+
+def get(kind: str, mode: str | None = None) -> Kind:
+    """The entry that runs kvtrace ``kind`` in ``mode`` (None: the kind's
+    first entry). Raises UnknownKindError naming the known kinds or the
+    kind's implemented modes."""
+    entries = [k for k in KINDS.values() if k.kind == kind]
+    if not entries:
+        raise UnknownKindError(f"kind {kind!r} has no implementation; known kinds: {', '.join(trace_kinds())}")
+    if mode is None:
+        return entries[0]
+    for k in entries:
+        if mode in k.modes:
+            return k
+    raise UnknownKindError(
+        f"mode {mode!r} has no implementation for kind {kind} (implemented: {', '.join(modes_of(kind))})", "mode"
+    )
+
+
+def modes_of(kind: str) -> tuple[str, ...]:
+    return tuple(m for k in KINDS.values() if k.kind == kind for m in k.modes)
 
 
 def configs() -> list[tuple[str, str]]:
     """Every implemented ``(kind, mode)``, in registry order."""
-    return [(k.name, m) for k in KINDS.values() for m in k.modes]
+    return [(k.kind, m) for k in KINDS.values() for m in k.modes]
 
 
 def all_modes() -> tuple[str, ...]:
@@ -172,16 +203,18 @@ def schema_from_registry(base: dict[str, Any]) -> dict[str, Any]:
     is refused by ``fuzz.trace.parse``, which can name the kind's fields.)"""
     doc = json.loads(json.dumps(base))
     cache = doc["$defs"]["cache"]
-    cache["properties"]["kind"] = {"enum": list(KINDS)}
+    cache["properties"]["kind"] = {"enum": list(trace_kinds())}
     cache["properties"]["mode"] = {"enum": list(all_modes())}
     doc["$defs"]["op"]["properties"]["op"] = {"enum": list(all_ops())}
     rules = []
-    for k in KINDS.values():
-        rule: dict[str, Any] = {"if": {"required": ["kind"], "properties": {"kind": {"const": k.name}}}, "then": {}}
-        required = [f for f, v in k.fields.items() if v is REQUIRED]
+    for kind in trace_kinds():
+        entries = [k for k in KINDS.values() if k.kind == kind]
+        rule: dict[str, Any] = {"if": {"required": ["kind"], "properties": {"kind": {"const": kind}}}, "then": {}}
+        required = [f for f, v in entries[0].fields.items() if v is REQUIRED
+                    and all(e.fields.get(f, 0) is REQUIRED for e in entries)]
         if required:
             rule["then"]["required"] = required
-        rule["then"]["properties"] = {"mode": {"enum": list(k.modes)}}
+        rule["then"]["properties"] = {"mode": {"enum": list(modes_of(kind))}}
         rules.append(rule)
     cache["allOf"] = rules
     return doc

@@ -75,7 +75,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def setup(self, **cfg: Any) -> None:
         type(self).runs += 1
-        defaults = kind_entry(self.kind).defaults()
+        defaults = kind_entry(self.kind, self.mode).defaults()
         self.cfg = {**defaults, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg, **self.fixed}
         if "keep" in self.fixed or "max_size" in self.fixed:
             self.cfg["keep"] = min(self.cfg["keep"], self.cfg["max_size"] - 1)
@@ -101,7 +101,7 @@ class KVMachine(RuleBasedStateMachine):
         return f"{prefix}{self.names}"
 
     def teardown(self) -> None:
-        cfg = {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind).cache_fields}
+        cfg = {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind, self.mode).cache_fields}
         type(self).last_run = (cfg, list(self.ops))
         if self.lock is not None:
             for key, count in self.lock.stats.items():

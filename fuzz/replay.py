@@ -40,30 +40,26 @@ def _make_lockstep(cache: dict[str, Any], factories: dict[str, Any]) -> Lockstep
     """Our implementation's driver for the trace's kind (the registry's
     entry); ``factories`` maps a kind to a patched class (injected bugs)."""
     try:
-        kind = kinds.get(cache["kind"])
+        kind = kinds.get(cache["kind"], cache["mode"])
     except kinds.UnknownKindError as exc:
-        raise TraceFormatError(f"field cache.kind: {exc}") from None
-    if cache["mode"] not in kind.modes:
-        raise TraceFormatError(
-            f"field cache.mode: mode {cache['mode']!r} has no implementation for kind {kind.name} "
-            f"(implemented: {', '.join(kind.modes)})"
-        )
+        raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
     driver = kind.lockstep_class()
     driver.check_cache(cache)
-    factory = factories.get(kind.name)
+    factory = factories.get(kind.kind)
     return driver(cache) if factory is None else driver(cache, factory)
 
 
 def check_ops(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
     """Refuse (TraceFormatError) an op the trace's kind does not have, e.g. a
     paged ``fork`` on a dense cache, before anything runs."""
-    kind = kinds.KINDS.get(cache["kind"])
-    if kind is None:
-        return
+    try:
+        kind = kinds.get(cache["kind"], cache.get("mode"))
+    except kinds.UnknownKindError:
+        return  # make_lockstep names the problem
     for i, op in enumerate(ops):
         if op["op"] not in kind.all_ops and op["op"] not in kind.refuses:
             raise TraceFormatError(
-                f"op {i} field 'op': kind {kind.name} has no op {op['op']!r}; its ops: {', '.join(kind.all_ops)}"
+                f"op {i} field 'op': kind {kind.kind} has no op {op['op']!r}; its ops: {', '.join(kind.all_ops)}"
             )
 
 

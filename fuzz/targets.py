@@ -370,7 +370,7 @@ class Target:
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
         """The lockstep driver for this target's class of the trace's cache."""
         c = self.require_class(cache)
-        return declared_lockstep(kinds.get(c.kind).lockstep_class())(cache, c, self)
+        return declared_lockstep(kinds.get(c.kind, c.mode).lockstep_class())(cache, c, self)
 
     def machine_base(self, kind: str, mode: str, base: type) -> type:
         """The state machine to subclass: ``base``, or one drawing the head

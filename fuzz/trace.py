@@ -16,13 +16,16 @@ from typing import Any
 
 import jsonschema
 
-from fuzz.kinds import COMMON_FIELDS, KINDS
+from fuzz import kinds
 
 
-def cache_defaults(kind: str) -> dict[str, Any]:
-    """The defaults of a ``kind``'s optional cache fields (fuzz/kinds.py)."""
-    entry = KINDS.get(kind)
-    return entry.defaults() if entry is not None else dict(COMMON_FIELDS)
+def cache_defaults(kind: str, mode: str | None = None) -> dict[str, Any]:
+    """The defaults of the optional cache fields of ``kind`` in ``mode``
+    (fuzz/kinds.py)."""
+    try:
+        return kinds.get(kind, mode).defaults()
+    except kinds.UnknownKindError:
+        return dict(kinds.COMMON_FIELDS)
 
 
 class TraceFormatError(Exception):
@@ -106,11 +109,15 @@ def validate(doc: Any) -> None:
 def parse(doc: Any) -> Trace:
     """Validate a decoded JSON document and return the Trace."""
     validate(doc)
-    kind = KINDS[doc["cache"]["kind"]]
+    try:
+        kind = kinds.get(doc["cache"]["kind"], doc["cache"].get("mode", kinds.COMMON_FIELDS["mode"]))
+    except kinds.UnknownKindError as exc:
+        raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
     for name in doc["cache"]:
         if name not in kind.cache_fields:
             raise TraceFormatError(
-                f"field cache.{name}: not a field of kind {kind.name} (its fields: {', '.join(kind.cache_fields)})"
+                f"field cache.{name}: not a field of kind {kind.kind} in mode {doc['cache'].get('mode', 'fp16')} "
+                f"(its fields: {', '.join(kind.cache_fields)})"
             )
     cache = {**kind.defaults(), **doc["cache"]}
     return Trace(cache=cache, ops=list(doc["ops"]), title=doc.get("title", ""))

@@ -17,7 +17,7 @@ from typing import Any
 
 import z3
 
-from proofs import buggy, traces
+from proofs import dense_controls, traces
 from proofs.core import (
     ObligationResult,
     PartBuilder,
@@ -470,7 +470,7 @@ def ownership_reachable(name: str, rules: Rules, max_depth: int = 8) -> Callable
             return None, None, f"no reachable counterexample within {max_depth} ops"
         cache = {"mode": "fp16", "step": found["step"]}
         ops = found["ops"]
-        with traces.patched(traces.sd, **buggy.patches(rules)):
+        with traces.patched(traces.sd, **dense_controls.patches(rules)):
             steps = traces.replay("dense", cache, ops)
         for i, (st, ms) in enumerate(zip(steps, found["states"])):
             if not _same_state(ms, _spec_state(st.after.cache)):
@@ -822,7 +822,7 @@ def _trim_append_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, A
         if a:
             ops.append({"op": "append", "n": a})
         ops += [{"op": "append", "n": r}, {"op": "trim", "n": r}, {"op": "append", "n": n}]
-        with traces.patched(traces.sd, **buggy.patches(rules)):
+        with traces.patched(traces.sd, **dense_controls.patches(rules)):
             bug = traces.replay("dense", cache, ops)[-1].after.cache
         good = traces.replay("dense", cache, ops)[-1].after.cache
         model = {"offset": m.eval(p1.off).as_long(), "wlen": m.eval(p1.wlen).as_long()}
@@ -905,7 +905,7 @@ def _front_reachable(name: str, rules: Rules) -> Callable[[], tuple[Any, Any, st
         cache, ops = pre.ops(m)
         nv, kv = m.eval(n).as_long(), m.eval(keep).as_long()
         ops.append({"op": "trim_front", "n": nv, "keep": kv})
-        with traces.patched(traces.sd, **buggy.patches(rules)):
+        with traces.patched(traces.sd, **dense_controls.patches(rules)):
             bug = traces.replay("dense", cache, ops)[-1]
         good = traces.replay("dense", cache, ops)[-1]
         model = {"offset": m.eval(c1.off).as_long(), "wlen": m.eval(c1.wlen).as_long()}

@@ -73,7 +73,7 @@ def check_campaigns(budget: float) -> list[Check]:
     out = []
     for kind in kinds.KINDS.values():
         for mode, inplace in kind.campaigns:
-            rep = campaign(kind.name, mode, inplace, budget, CAMPAIGN_SEED)
+            rep = campaign(kind.kind, mode, inplace, budget, CAMPAIGN_SEED)
             ops = rep.stats.get("ops", 0)
             if rep.failure is None:
                 detail = f"{rep.examples} examples, {ops} ops, {ops / max(rep.seconds, 1e-9):.0f} ops/s"

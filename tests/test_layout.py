@@ -1,0 +1,96 @@
+"""The layout contract (docs/architecture.md): one file per layer per kind,
+one registry of kinds, no import circles, layers spec < impl|proofs < fuzz."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz import kinds
+from fuzz.bugs import catalog
+
+REPO = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LINT), "--config", str(root / "pyproject.toml"), "--no-cache"],
+                          cwd=root, capture_output=True, text=True, check=False, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": ""})
+
+
+def test_import_contracts_hold():
+    proc = lint(REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+@pytest.fixture
+def copy_of_repo(tmp_path: Path) -> Path:
+    for pkg in ("spec", "impl", "proofs", "fuzz"):
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("spec/errors.py", "import impl.dense  # noqa", "spec imports nothing of the project"),
+    ("proofs/domain.py", "import impl.quant  # noqa", "proofs never import the implementation"),
+    ("impl/quant.py", "import fuzz.rows  # noqa", "layers: fuzz over impl and proofs"),
+    ("fuzz/lockstep.py", "import fuzz.replay  # noqa", "fuzz reads top-down"),
+    ("fuzz/commands/mutants.py", "import fuzz.commands.verify  # noqa", "no import circles"),
+])
+def test_a_reverse_import_breaks_a_contract(copy_of_repo: Path, module: str, line: str, contract: str):
+    """Each contract is seen failing: one added import the wrong way."""
+    path = copy_of_repo / module
+    path.write_text(line + "\n" + path.read_text())
+    proc = lint(copy_of_repo)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    broken = [ln for ln in proc.stdout.splitlines() if ln.rstrip().endswith("BROKEN")]
+    assert any(contract in ln for ln in broken), proc.stdout[-3000:]
+
+
+def test_schema_file_is_generated_from_the_registry():
+    base = json.loads(kinds.SCHEMA_PATH.read_text())
+    assert kinds.schema_from_registry(base) == base, "run `python -m fuzz.kinds` to regenerate the schema"
+    cache = base["$defs"]["cache"]["properties"]
+    assert cache["kind"]["enum"] == list(kinds.trace_kinds())
+
+
+@pytest.mark.parametrize("name", list(kinds.KINDS))
+def test_a_kind_is_one_file_per_layer(name: str):
+    kind = kinds.KINDS[name]
+    missing = [path for path in kind.files.values() if not (REPO / path).is_file()]
+    assert not missing, f"kind {name}: missing {missing}"
+    machine, lockstep = kind.machine_class(), kind.lockstep_class()
+    assert machine.kind == kind.kind
+    assert machine.__module__ == lockstep.__module__ == f"fuzz.{name}"
+    bugs = kind.bug_list()
+    assert bugs and all(b.kind == kind.kind and set(b.modes) <= set(kind.modes) for b in bugs)
+    assert {b.name for b in bugs} <= {b.name for b in catalog()}
+
+
+def test_docs_index_every_kind():
+    """The README's reading order and docs/architecture.md name every kind's page."""
+    for doc in ("README.md", "docs/architecture.md"):
+        text = (REPO / doc).read_text()
+        for kind in kinds.KINDS.values():
+            assert kind.files["docs"] in text, f"{doc} does not name {kind.files['docs']}"
+
+
+def test_architecture_table_matches_the_registry():
+    text = (REPO / "docs/architecture.md").read_text()
+    for kind in kinds.KINDS.values():
+        modes = ", ".join(f"`{m}`" for m in kind.modes)
+        row = f"| `{kind.name}` | `{kind.kind}` | {modes} | `{kind.files['docs']}` |"
+        assert row in text, f"docs/architecture.md lacks the row {row}"
+
+
+def test_unknown_kind_names_the_known_ones():
+    with pytest.raises(kinds.UnknownKindError, match="known kinds: " + ", ".join(kinds.trace_kinds())):
+        kinds.get("nosuch")
