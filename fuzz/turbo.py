@@ -136,6 +136,7 @@ class TurboLockstep(Lockstep):
         if self.check_inplace and self.impl_last_inplace():
             raise Divergence(index, op, "in-place decision differs", "inplace=False (Turbo writes copy)",
                              "inplace=True")
+        self.reached("copying writes")
         before = self.prev_world
         if self.mode is sturbo.Mode.TURBO4DELEGATED:
             moved = self.world.cold_offset - before.cold_offset
@@ -228,6 +229,14 @@ class TurboMachine(DenseMachine):
             head_dim = BAD_HEAD_DIMS.get(self.mode, BAD_HEAD_DIM)
         extra = {"hot_threshold": hot_threshold, "fold_block": fold_block} if self.mode == DELEGATED else {}
         self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads, **extra)
+
+    def teardown(self) -> None:
+        super().teardown()
+        run = type(self).last_run
+        if run is not None and self.mode != DELEGATED:
+            # hot_threshold and fold_block are Delegated's fields only
+            cfg = {k: v for k, v in run[0].items() if k not in ("hot_threshold", "fold_block")}
+            type(self).last_run = (cfg, run[1])
 
     @invariant()
     def cold_offset_in_range(self) -> None:

@@ -191,7 +191,9 @@ class _TurboBase:
         if step < 1:
             raise InvalidArgumentError(f"{type(self).__name__}: step must be >= 1, got {step}")
         self.mode, self.step = mode, step
-        self.bits, self.quant_k = _LAYOUT[mode]
+        # not ``bits``: mlx-lm's attention takes any cache with a ``bits``
+        # attribute for its own QuantizedKVCache
+        self.quant_bits, self.quant_k = _LAYOUT[mode]
         self._reset()
 
     def _reset(self) -> None:
@@ -294,7 +296,7 @@ class _TurboBase:
 
     def _quantize(self, x: mx.array, seed: int) -> tq.Quantized:
         """Quantize rows whose head dims ``_check_new_rows`` accepted."""
-        return tq.quantize(x, self.bits, seed, pack=self._pack, check=False)
+        return tq.quantize(x, self.quant_bits, seed, pack=self._pack, check=False)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The live window without writing, or None when empty."""

@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fuzz", help="run a differential fuzz campaign")
     f.add_argument("--kind", choices=list(kinds.trace_kinds()))
-    f.add_argument("--mode", choices=["fp16", "int8"])
+    f.add_argument("--mode", choices=list(kinds.all_modes()))
     f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
     f.add_argument("--budget", type=float, default=60.0, help="seconds in all (default 60)")
     f.add_argument("--seed", type=int, help="first seed (default: from the clock; printed)")
