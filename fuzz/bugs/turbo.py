@@ -150,9 +150,17 @@ class Turbo4SharedSigns(TurboKVCache):
 
 class TurboWriteInPlace(TurboKVCache):
     """A Turbo append that writes into the existing buffers' memory when the
-    rows fit (as an Fp16 decode may), without an ownership check and without
-    reporting it: a snapshot or held window sharing the buffer sees the
-    write."""
+    rows fit (as an Fp16 decode may), without an ownership check: a snapshot
+    or held window sharing the buffer sees the write. It reports the write
+    as in place (``last_write_inplace``), as an engine observing its write
+    path would; the catalog's variant hides that, leaving isolation alone to
+    catch it."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        fits = self.store is not None and self.live_len + int(keys.shape[2]) <= self.capacity
+        out = super().update_and_fetch(keys, values)
+        self.last_write_inplace = fits
+        return out
 
     def _appended(self, keys: mx.array, values: mx.array, n: int) -> tuple[Store, int]:
         prev = self.live_len
@@ -224,7 +232,8 @@ BUGS: tuple[InjectedBug, ...] = (
         "turbo_write_in_place", "spec.dense.inplace_write_allowed (Turbo writes always copy)",
         "semantics.md 2 'The two write paths': Int8 and Turbo modes always copy",
         "dense", ("turbo4asym", "turbo4"), "TurboKVCache._appended",
-        "a Turbo append writes into the shared buffers when the rows fit, unreported",
+        "a Turbo append writes into the shared buffers when the rows fit",
         {"dense": TurboWriteInPlace},
+        variants=(("isolation only, step 8", {"step": 8}, False),),
     ),
 )
