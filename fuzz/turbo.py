@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant
+from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz.dense import DenseMachine
 from fuzz.lockstep import Divergence, Lockstep
@@ -160,7 +160,7 @@ class TurboLockstep(Lockstep):
             if not self.window_matches(tokens, arrays, name):
                 what = "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
                 raise Divergence(index, op, what, list(tokens), self.identify(arrays))
-        if op["op"] == "trim" and s_obs["live_len"] and self.prev_world.cache.live_len != s_obs["live_len"]:
+        if op["op"] in ("trim", "trim_to") and 0 < s_obs["live_len"] < self.prev_world.cache.live_len:
             self.reached("physical trim")
 
     def check_expect(self, index: int, op: dict[str, Any]) -> None:
@@ -229,6 +229,13 @@ class TurboMachine(DenseMachine):
             head_dim = BAD_HEAD_DIMS.get(self.mode, BAD_HEAD_DIM)
         extra = {"hot_threshold": hot_threshold, "fold_block": fold_block} if self.mode == DELEGATED else {}
         self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads, **extra)
+
+    @rule(n=st.integers(1, 3))
+    def rollback(self, n: int) -> None:
+        """A speculative rejection: trim 1 to 3 rows (the physical trim the
+        Turbo modes keep, drawn more often than the shared trim rule does)."""
+        if self.lock.world.cache.live_len > n:
+            self.do({"op": "trim", "n": n})
 
     def teardown(self) -> None:
         super().teardown()
