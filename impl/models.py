@@ -32,10 +32,25 @@ from spec.errors import StateError, UnsupportedOperationError
 Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
 
 
-def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None, **kw: Any) -> Cache:
-    """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind."""
+def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] | None,
+           kw: dict[str, Any]) -> Cache:
+    """A dense-kind cache in ``mode``: ``classes["dense"]`` when given (it
+    must take the mode), else :func:`impl.turbo.make_cache`."""
+    cls = (classes or {}).get("dense")
+    if cls is None:
+        return make_cache(mode, step=step, inplace=inplace, **kw)
+    return cls(mode=mode, step=step, inplace=inplace, **kw)
+
+
+def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
+             classes: dict[str, type] | None = None, **kw: Any) -> Cache:
+    """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind
+    (``classes`` maps a kind, ``"dense"`` or ``"rotating"``, to the class to
+    build instead of ours: a subclass, e.g. an injected bug; ``kw``: the
+    Delegated mode's ``hot_threshold`` and ``fold_block``)."""
     from mlx_lm.models import cache as lm_cache
 
+    classes = classes or {}
     # RotatingKVCache before KVCache: check exact kinds, not a subclass chain.
     if type(c) is lm_cache.RotatingKVCache:
         if mode != "fp16":
@@ -43,9 +58,10 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None, **k
                 f"make_prompt_cache: layer {layer} is a sliding-window layer (max_size={c.max_size}); "
                 f"its RotatingKVCache supports mode 'fp16' only, got mode={mode!r}"
             )
-        return RotatingKVCache(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace)
+        ring = classes.get("rotating", RotatingKVCache)
+        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace)
     if type(c) is lm_cache.KVCache:
-        return make_cache(mode, step=step, inplace=inplace, **kw)
+        return _dense(mode, step, inplace, classes, kw)
     raise UnsupportedOperationError(
         f"make_prompt_cache: layer {layer} needs a {type(c).__name__}, which kvspec does not implement "
         "(supported: full-attention KVCache and sliding-window RotatingKVCache layers)"
@@ -58,6 +74,7 @@ def make_prompt_cache(
     step: int = 256,
     inplace: bool | None = None,
     max_kv_size: int | None = None,
+    classes: dict[str, type] | None = None,
     **kw: Any,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
@@ -81,6 +98,9 @@ def make_prompt_cache(
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
         max_kv_size: window of every layer's ring when the model has no
             ``make_cache``.
+        classes: ``{"dense": cls, "rotating": cls}`` to build subclasses of
+            ours instead (the injected-bug catalog's classes); default ours
+            (:func:`impl.turbo.make_cache` for the dense modes).
         **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
@@ -88,7 +108,7 @@ def make_prompt_cache(
     sliding-window layer; InvalidArgumentError for bad sizes.
     """
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace, **kw) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, classes, **kw) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -96,8 +116,9 @@ def make_prompt_cache(
                 f"make_prompt_cache: max_kv_size={max_kv_size} makes every layer a RotatingKVCache, "
                 f"which supports mode 'fp16' only, got mode={mode!r}"
             )
-        return [RotatingKVCache(max_size=max_kv_size, keep=4, step=step, inplace=inplace) for _ in range(n_layers)]
-    return [make_cache(mode, step=step, inplace=inplace, **kw) for _ in range(n_layers)]
+        ring = (classes or {}).get("rotating", RotatingKVCache)
+        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace) for _ in range(n_layers)]
+    return [_dense(mode, step, inplace, classes, kw) for _ in range(n_layers)]
 
 
 def _trimmable_rows(c: Any) -> int:

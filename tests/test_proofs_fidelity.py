@@ -220,7 +220,7 @@ def test_inplace_write_allowed(world: sd.DenseWorld, n: int) -> None:
 
 @given(world=worlds(), n=st.integers(0, 3))
 def test_buggy_inplace_rules_match_their_python(world: sd.DenseWorld, n: int) -> None:
-    from proofs import buggy
+    from proofs import dense_controls as buggy
 
     for rule, fn in (("no_length_check", buggy.inplace_no_length_check),
                      ("no_identity_check", buggy.inplace_no_identity_check)):
@@ -287,7 +287,7 @@ def test_trim_front_keep_sink(kind: str, world: sd.DenseWorld, n: int, keep: int
 @given(world=worlds(), n=st.integers(-2, 8), keep=st.integers(-2, 6),
        rule=st.sampled_from(["decreases_offset", "keep_unclamped"]))
 def test_buggy_front_trims_match_their_python(world: sd.DenseWorld, n: int, keep: int, rule: str) -> None:
-    from proofs import buggy
+    from proofs import dense_controls as buggy
 
     e = Enc(INT, window=True)
     _, c1 = dm.trim_front_keep_sink(e.d, e.c, e.x, e.y, dm.Rules(front=rule))
@@ -299,7 +299,7 @@ def test_buggy_front_trims_match_their_python(world: sd.DenseWorld, n: int, keep
 
 @given(world=worlds(), n=st.integers(-2, 8), rule=st.sampled_from(["forgets_offset", "keeps_rows"]))
 def test_buggy_trims_match_their_python(world: sd.DenseWorld, n: int, rule: str) -> None:
-    from proofs import buggy
+    from proofs import dense_controls as buggy
 
     e = Enc(INT, window=True)
     _, c1 = dm.trim(e.d, e.c, e.x, dm.Rules(trim=rule))
@@ -364,7 +364,7 @@ def test_holder_of_adopt_detach_is_empty(world: sd.DenseWorld) -> None:
 
 @given(world=worlds())
 def test_buggy_adopts_match_their_python(world: sd.DenseWorld) -> None:
-    from proofs import buggy
+    from proofs import dense_controls as buggy
 
     e = Enc(INT)
     for snap in world.holders.values():

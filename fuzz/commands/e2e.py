@@ -51,9 +51,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from impl.dense import KVCache
 from impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from impl.rotating import RotatingKVCache
+from impl.turbo import DelegatedKVCache, TurboKVCache
 
 VOCAB = 256
 HIDDEN = 64
@@ -152,19 +152,9 @@ def token_ids(seed: int, n: int) -> mx.array:
 # -- caches ----------------------------------------------------------------------
 def build_caches(model: Any, mode: str = "fp16", step: int = 256, inplace: bool | None = True,
                  factories: dict[str, Callable[..., Any]] | None = None) -> list[Any]:
-    """``impl.models.make_prompt_cache``, with each layer's cache rebuilt from
-    ``factories[kind]`` (an injected bug) when given."""
-    caches = make_prompt_cache(model, mode=mode, step=step, inplace=inplace)
-    if not factories:
-        return caches
-    out: list[Any] = []
-    for c in caches:
-        if isinstance(c, RotatingKVCache) and "rotating" in factories:
-            c = factories["rotating"](max_size=c.max_size, keep=c.keep, step=c.step, inplace=c.inplace)
-        elif isinstance(c, KVCache) and "dense" in factories:
-            c = factories["dense"](mode=c.mode, step=c.step, inplace=c.inplace)
-        out.append(c)
-    return out
+    """``impl.models.make_prompt_cache``, building each kind's layers from
+    ``factories[kind]`` (an injected bug's classes) when given."""
+    return make_prompt_cache(model, mode=mode, step=step, inplace=inplace, classes=factories)
 
 
 def mlx_lm_caches(model: Any) -> list[Any]:
@@ -582,16 +572,13 @@ TURBO_E2E: dict[str, dict[str, int]] = {
 
 
 def turbo_caches(model: Any, mode: str, factories: Factories = None) -> list[Any]:
-    """``make_prompt_cache`` in a Turbo ``mode`` (step 4), each layer rebuilt
-    from ``factories["dense"]`` when that is a subclass of the layer's class
-    (an injected Turbo bug)."""
-    kw = TURBO_E2E[mode]
-    caches = make_prompt_cache(model, mode=mode, step=4, **kw)
+    """``make_prompt_cache`` in a Turbo ``mode`` (step 4), built from
+    ``factories["dense"]`` when that is a Turbo class of this mode (an
+    injected Turbo bug; a bug of the Fp16/Int8 cache does not apply)."""
     bug = (factories or {}).get("dense")
-    if bug is None:
-        return caches
-    return [bug(mode=mode, step=4, inplace=None, **kw) if isinstance(bug, type) and issubclass(bug, type(c)) else c
-            for c in caches]
+    cls = DelegatedKVCache if mode == "turbo4delegated" else TurboKVCache
+    fits = isinstance(bug, type) and issubclass(bug, cls)
+    return make_prompt_cache(model, mode=mode, step=4, classes={"dense": bug} if fits else None, **TURBO_E2E[mode])
 
 
 def teacher_forced(model: Any, caches: list[Any], prompt: mx.array, tokens: list[int]) -> list[np.ndarray]:
