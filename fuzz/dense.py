@@ -90,6 +90,7 @@ class DenseMachine(KVMachine):
     lists, install into a non-empty cache)."""
 
     handles = Bundle("handles")
+    named_ops = ("snapshot", "restore", "drop", "detach", "install")
 
     @initialize(step=SMALL_STEPS, head_dim=HEAD_DIMS, kv_heads=KV_HEADS)
     def init(self, step: int, head_dim: int, kv_heads: int) -> None:

@@ -147,6 +147,18 @@ KINDS: dict[str, Kind] = {
             lockstep="fuzz.rotating:RotatingLockstep", machine="fuzz.rotating:RotatingMachine",
             bugs="fuzz.bugs.rotating:BUGS",
         ),
+        Kind(
+            "paged", "pool-backed cache (BlockPool): block tables by absolute position, refcounts, "
+            "copy-on-write, forks, trims through the pool",
+            modes=("fp16",),
+            # max_blocks 0: no maximum; chunk: blocks per pool growth
+            fields={"block_size": REQUIRED, "max_blocks": 0, "chunk": 1},
+            ops=("trim_front", "fork", "release"),
+            # a paged cache snapshots by fork (its spec refuses snapshot, restore and drop too)
+            refuses=("gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
+            campaigns=(("fp16", True), ("fp16", False)),
+            lockstep="fuzz.paged:PagedLockstep", machine="fuzz.paged:PagedMachine", bugs="fuzz.bugs.paged:BUGS",
+        ),
     )
 }
 

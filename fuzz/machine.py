@@ -155,5 +155,19 @@ class KVMachine(RuleBasedStateMachine):
     def drop(self, name: str) -> None:
         self.do({"op": "drop", "name": name})
 
+    #: ops that take a holder's name, for :meth:`misuse_name`
+    named_ops: ClassVar[tuple[str, ...]] = ("snapshot", "restore", "drop")
+
+    @rule(data=st.data())
+    def misuse_name(self, data: st.DataObject) -> None:
+        """A name used wrongly: an unknown one, one already in use, or one of
+        the other holder class (a handle to ``restore``, a snapshot to
+        ``install``). Both sides must refuse with the same error and change
+        nothing; the bundle rules above only ever use names the right way."""
+        names = sorted(self.lock.world.holders) + ["nope"]
+        name = data.draw(st.sampled_from(names), label="name")
+        op = data.draw(st.sampled_from(self.named_ops), label="op")
+        self.do({"op": op, "name": name})
+
 
 __all__ = ["APPEND_N", "HEAD_DIMS", "KV_HEADS", "SMALL_STEPS", "KVMachine", "precondition"]

@@ -19,3 +19,5 @@ def test_state_machine_agrees(kind, mode, inplace):
     assert machine.stats.get("copying writes", 0) > 0
     if inplace and mode == "fp16":
         assert machine.stats.get("in-place writes", 0) > 0
+    # names used wrongly (misuse_name) reach the refusals
+    assert machine.stats.get("refused restore", 0) > 0 and machine.stats.get("refused snapshot", 0) > 0

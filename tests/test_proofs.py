@@ -14,6 +14,7 @@ import pytest
 from proofs import cli, dense
 from proofs.core import ObligationResult
 from proofs.dense_model import Rules
+from proofs.paged import available as paged_available
 from proofs.rotating import available as rotating_available
 
 # kvtraces of negative controls -> the injected bug (fuzz/bugs/dense.py) that has
@@ -30,8 +31,13 @@ RING_SAME_BUG = {
     "mask_admits_extra_key": "mask_admits_extra_key",
     "mask_hides_sinks": "mask_hides_sinks",
 }
+PAGED_SAME_BUG = {
+    "paged_no_cow": "paged_no_cow",
+    "paged_release_frees_shared": "paged_release_frees_shared",
+}
 ROTATING = rotating_available()
-PROVABLE = [1, 2, 3, 4, 5, 7] if ROTATING else [1, 3, 4, 5]
+PAGED = paged_available()
+PROVABLE = [1, 3, 4, 5] + ([2, 7] if ROTATING else []) + ([6] if PAGED else [])
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +66,18 @@ def test_every_negative_control_refuted(results: list[ObligationResult], number:
         assert all(v == "refuted" for v in c.domains.values()), c.to_json()
 
 
-def test_paged_obligation_waits(results: list[ObligationResult]) -> None:
+def test_paged_obligation_proved_with_confirmed_controls(results: list[ObligationResult]) -> None:
     r = _by_number(results, 6)
-    assert r.status == "waits" and "paged" in r.waits_for
+    assert r.name == "paged copy on write" and r.status == "proved"
+    controls = {c.name: c for c in r.controls}
+    assert set(controls) == {"paged_no_cow", "paged_table_from_visible_len", "paged_trim_keeps_tail",
+                             "paged_release_frees_shared", "paged_cow_keeps_old_refcount"}
+    # the required control is refuted where the write isolation is stated
+    assert controls["paged_no_cow"].refuting_part.startswith("every block an append writes")
+    assert controls["paged_no_cow"].confirmed.startswith("confirmed on spec with the bug: b's window becomes")
+    assert controls["paged_release_frees_shared"].confirmed.startswith("confirmed")
+    for name in ("paged_trim_keeps_tail", "paged_release_frees_shared", "paged_cow_keeps_old_refcount"):
+        assert "refcount invariant: preserved by" in controls[name].refuting_part, name
 
 
 @pytest.mark.skipif(ROTATING, reason="spec/rotating.py is there: obligations 2 and 7 run")
@@ -105,7 +120,8 @@ def test_counterexample_traces_catch_the_same_injected_bug(results: list[Obligat
     from fuzz.trace import parse
 
     found = dict(_traces(results))
-    for control, bug_name in {**SAME_BUG, **(RING_SAME_BUG if ROTATING else {})}.items():
+    for control, bug_name in {**SAME_BUG, **(RING_SAME_BUG if ROTATING else {}),
+                              **(PAGED_SAME_BUG if PAGED else {})}.items():
         bug = by_name(bug_name)
         doc = found[control]
         res = replay(parse(doc), bug.factories)

@@ -25,7 +25,11 @@ anything.
 6. ``lru_prompt_cache``: two conversations fetched from mlx-lm's
    ``LRUPromptCache`` (a deep copy each) decode interleaved; each equals a
    fresh run.
-7. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
+7. ``prefix_sharing``: three requests fork one prompt's pool sequence
+   (paged cache, block size 4) and decode different continuations
+   interleaved; each equals the request alone on a dense cache, the prompt's
+   sequence never changes, and the pool holds fewer rows than dense caches.
+8. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
    greedy decoding under the same Turbo cache, byte for byte; the
    log-probabilities' deviation from the fp16 cache is reported per mode.
 
@@ -52,6 +56,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from impl.paged import BlockPool, PagedKVCache, fork_prompt_cache
 from impl.rotating import RotatingKVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache
 
@@ -563,6 +568,58 @@ def scenario_lru_prompt_cache(size: Size, factories: Factories = None) -> tuple[
     return tally, None
 
 
+def paged_caches(model: Any, block_size: int, factories: Factories = None) -> list[Any]:
+    """One block pool per layer (``factories["paged"]``, an injected bug,
+    when given), each holding the ``main`` sequence: ``PagedKVCache``."""
+    pool_class = (factories or {}).get("paged", BlockPool)
+    return [PagedKVCache(pool_class(block_size, chunk=4)) for _ in model.layers]
+
+
+def scenario_prefix_sharing(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """Prefix sharing on a pool: a 13-token prompt is prefilled once into
+    ``main`` (block size 4: its last block is a shared, partly filled tail).
+    Three requests fork ``main`` and decode different continuations,
+    interleaved one token each, so every first write lands in the shared
+    tail block (copy on write) and later ones go in place. Every stream's
+    tokens and log-probability bytes equal the same request run alone on a
+    dense cache; the prompt's own sequence never changes; the pool holds
+    fewer blocks than the dense caches hold rows."""
+    tally = Tally()
+    blocks_used = dense_rows = 0
+    for seed in size.seeds:
+        model = tiny_llama(seed)
+        system = token_ids(seed + 20, 13)
+        firsts = {f"r{i}": token_ids(seed + 21 + i, 2) for i in range(3)}
+        caches = paged_caches(model, 4, factories)
+        prefill(model, caches, system)
+        before = views(caches)
+        forks = {name: fork_prompt_cache(caches, name) for name in firsts}
+        got = interleaved(model, {name: (forks[name], first) for name, first in firsts.items()}, size.tokens)
+        tail = 13 // 4  # the prompt's partly filled last block: each request's first write copied it
+        for c, layer in zip(caches, zip(*forks.values())):
+            shared = c.pool.seqs["main"].table[tail]
+            require(all(f.pool.seqs[f.seq].table[tail] != shared for f in layer),
+                    f"seed {seed}: a request still writes into the prompt's shared tail block")
+        for name, first in firsts.items():
+            dense = build_caches(model, "fp16", 256, True)
+            prefill(model, dense, system)
+            compare(f"seed {seed}, request {name} on forked pool sequences vs alone on a dense cache",
+                    got[name], greedy(model, dense, first, size.tokens), tally)
+            dense_rows += sum(c.offset for c in dense)
+        blocks_used += sum(c.pool.in_use() for c in caches)
+        for f in forks["r0"]:  # one request ends: only its own blocks go back to the pool
+            f.release()
+        check_unchanged(f"seed {seed}, the prompt's sequence", before, views(caches))
+        for c in caches:
+            bad = c.pool.broken_invariants()
+            require(not bad, f"seed {seed}: pool invariants broken: {', '.join(bad)}")
+    rows = blocks_used * 4
+    require(rows < dense_rows, f"the pool holds {rows} rows in {blocks_used} blocks, dense caches {dense_rows}")
+    tally.note(f"3 forks of one prompt = each request alone on a dense cache (tokens, log-prob bytes); prompt unchanged "
+               f"after a release; pool {blocks_used} blocks in use ({rows} rows) vs {dense_rows} rows on dense caches")
+    return tally, None
+
+
 # -- the Turbo modes ---------------------------------------------------------------
 #: the Turbo modes and their cache parameters in the e2e runs (Delegated with
 #: small thresholds so that handoff and block folds happen within a stretch)
@@ -685,7 +742,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("sliding_window", "4 sliding_window", scenario_sliding_window),
     Scenario("mixed_rollback", "5 mixed_rollback", scenario_mixed_rollback),
     Scenario("lru_prompt_cache", "6 lru_prompt_cache", scenario_lru_prompt_cache),
-    Scenario("turbo", "7 turbo", scenario_turbo),
+    Scenario("prefix_sharing", "7 prefix_sharing", scenario_prefix_sharing),
+    Scenario("turbo", "8 turbo", scenario_turbo),
 ]
 
 

@@ -1,0 +1,124 @@
+"""Injected bugs of the paged cache (see fuzz/bugs/__init__.py): each a
+``BlockPool`` subclass that replaces exactly one method."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from fuzz.bugs import InjectedBug
+from impl.paged import BlockPool, Sequence, table_len
+from spec.errors import StateError
+
+
+class NoCopyOnWrite(BlockPool):
+    """A write into a block another sequence holds goes straight into it
+    (a prefix cache handing a shared block to a writer): the other
+    sequence's rows change under it."""
+
+    @staticmethod
+    def _needs_copy_on_write(refcount: int) -> bool:
+        return False
+
+
+class TableFromVisibleLen(BlockPool):
+    """The block table is sized from the visible length (``length -
+    start``) instead of the absolute length: after a front trim, a trim cuts
+    the table short and releases blocks whose rows are still visible; the
+    next write reuses them."""
+
+    def _table_entries(self, s: Sequence, length: int) -> int:
+        return table_len(max(0, length - s.start), self.block_size)
+
+
+class TrimKeepsTail(BlockPool):
+    """Trim cuts the table but never releases the tail blocks: a leak (their
+    refcounts stay raised with no table holding them)."""
+
+    def _truncate(self, s: Sequence, length: int) -> None:
+        keep = self._table_entries(s, length)
+        del s.table[keep:]
+        s.length = length
+
+
+class ReleaseFreesShared(BlockPool):
+    """Releasing a sequence frees each of its blocks whatever the refcount:
+    blocks other sequences still hold go back on the free list and the next
+    allocation hands them to a new writer."""
+
+    def release(self, seq: str) -> None:
+        s = self._require("release", seq)
+        for block in s.held():
+            self.refcounts[block] = 0
+            if block not in self.free:
+                self.free.append(block)
+        self.free.sort()
+        del self.seqs[seq]
+
+
+class CowKeepsOldRefcount(BlockPool):
+    """Copy-on-write copies the shared block and repoints the writer's
+    table, but leaves the old block's refcount raised: once its other
+    holders are gone it can never be freed (a leak)."""
+
+    def _copy_on_write(self, s: Sequence, b: int) -> int:
+        old, new = s.table[b], self._allocate()
+        self._copy_block(old, new)
+        s.table[b] = new
+        return new
+
+
+class ExhaustionHalfAllocates(BlockPool):
+    """Pool exhaustion is noticed only after the pool grew as far as it
+    could and the writer's table took the free blocks there were: the
+    refused append leaves blocks allocated to a sequence that did not grow."""
+
+    def _reserve(self, s: Sequence, needed: int, keys: mx.array, values: mx.array) -> None:
+        message = (f"append: pool exhausted: needs {needed} free blocks, has {len(self.free)} free of "
+                   f"{self.size} and max_blocks={self.max_blocks}")
+        extra = self._growth(needed)
+        if extra:
+            self._grow(extra, keys, values)
+        if len(self.free) < needed:
+            while self.free:
+                s.table.append(self._allocate())
+            raise StateError(message)
+
+
+BUGS: tuple[InjectedBug, ...] = (
+    InjectedBug(
+        "paged_no_cow", "semantics.md 4, copy on write (spec.paged.needs_copy_on_write)",
+        "public fault: prefix caches in paged engines handing a shared block to a writer", "paged", ("fp16",),
+        "BlockPool._needs_copy_on_write",
+        "a write into a block of refcount > 1 goes straight into it; the forked sequence sees the write",
+        {"paged": NoCopyOnWrite},
+        variants=(("isolation only", {}, False),),
+    ),
+    InjectedBug(
+        "paged_table_from_visible_len", "semantics.md 4, tables indexed by absolute position (spec.paged.table_len)",
+        "public fault: block tables sized from the visible length (slid-off rows come back)", "paged", ("fp16",),
+        "BlockPool._table_entries",
+        "after a front trim, trims size the table from length - start and drop blocks still visible",
+        {"paged": TableFromVisibleLen},
+    ),
+    InjectedBug(
+        "paged_trim_keeps_tail", "semantics.md 4, trim releases blocks past ceil(len / block_size)",
+        "public fault: freed blocks leaked by rollback", "paged", ("fp16",), "BlockPool._truncate",
+        "trim cuts the table without releasing the tail blocks (refcount invariant)", {"paged": TrimKeepsTail},
+    ),
+    InjectedBug(
+        "paged_release_frees_shared", "semantics.md 4, release lowers each refcount by one (spec.paged.release_block)",
+        "public fault: freed blocks still referenced", "paged", ("fp16",), "BlockPool.release",
+        "release frees blocks other sequences still hold", {"paged": ReleaseFreesShared},
+    ),
+    InjectedBug(
+        "paged_cow_keeps_old_refcount", "semantics.md 4, copy on write releases the shared block",
+        "public fault: copy-on-write refcount leak", "paged", ("fp16",), "BlockPool._copy_on_write",
+        "copy-on-write copies the block but leaves the old block's refcount raised", {"paged": CowKeepsOldRefcount},
+    ),
+    InjectedBug(
+        "paged_exhaustion_half_allocates", "semantics.md 5.5 atomicity (spec.paged.reserve: refuse before allocating)",
+        "public fault: allocation failures leaving partial block tables", "paged", ("fp16",), "BlockPool._reserve",
+        "a refused append leaves the pool grown and free blocks taken by the writer's table",
+        {"paged": ExhaustionHalfAllocates},
+    ),
+)

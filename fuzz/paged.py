@@ -1,0 +1,329 @@
+"""The paged cache's harness (kind ``paged``): the lockstep driver of
+``spec.paged`` against ``impl.paged.BlockPool`` and its state machine.
+
+Besides the common checks (refusals and their messages, returned windows,
+the in-place decision, trace checks) the driver compares after every op
+every sequence's window byte for byte (so a write that reaches another
+sequence's rows is an isolation failure), every sequence's block table,
+length and logical start, the refcounts, the free list and the pool size,
+which blocks an append allocated and which it copied on write, and the
+pool invariants on the implementation itself (refcount = tables holding the
+block, no block free and held, in use + free = size, tables well formed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine
+from fuzz.trace import TraceFormatError
+from impl.paged import BlockPool, PagedKVCache
+from spec import paged as sp
+from spec.errors import StateError
+
+
+def pool_config(cache: dict[str, Any]) -> dict[str, Any]:
+    """BlockPool / spec.paged.new_world arguments from a kvtrace cache
+    (``max_blocks`` 0 means no maximum)."""
+    return {"block_size": cache["block_size"], "max_blocks": cache["max_blocks"] or None,
+            "chunk": cache["chunk"], "inplace": cache["inplace"]}
+
+
+class PagedLockstep(Lockstep):
+    """Drives a spec ``PagedWorld`` and an impl ``BlockPool`` (one layer).
+    ``self.cache`` is a ``PagedKVCache`` on ``main`` (mlx-lm's protocol)."""
+
+    spec_module = sp
+
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        if cache["batch"] != 1:
+            raise TraceFormatError(f"field cache.batch: a paged sequence holds batch 1, got {cache['batch']}")
+
+    def __init__(self, cache: dict[str, Any], pool_factory=BlockPool):
+        super().__init__(cache)
+        cfg = pool_config(cache)
+        self.world = sp.new_world(**cfg)
+        self.prev_world = self.world
+        self.pool = pool_factory(**cfg)
+        self.cache = PagedKVCache(self.pool)
+        self.current_seq = sp.MAIN
+
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        self.current_index, self.current_seq = index, op.get("seq", sp.MAIN)
+        if op["op"] == "expect" and "of" not in op:
+            op = {**op, "of": self.current_seq}
+        before = self.world
+        super().step(index, op)
+        if self.world is not before:
+            self.step_stats(op)
+
+    def view_key(self, name: str) -> str:
+        return "seq:" + name
+
+    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
+        """The op on the spec world; the op's sequence is the one whose
+        ``capacity`` the observables report (also when a trace is annotated
+        without stepping)."""
+        self.current_seq = op.get("seq", sp.MAIN)
+        return super().spec_apply(op)
+
+    # -- the implementation side -----------------------------------------------
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        p, name, seq = self.pool, op["op"], op.get("seq", sp.MAIN)
+        if name == "append":
+            self.check_mask(op)
+            start = self.world.next_token  # the spec world before this op
+            k, v = self.input_rows(list(range(start, start + op["n"])))
+            self.returned = p.append(seq, k, v)
+            return self.returned
+        if name == "fetch":
+            return p.fetch(seq)
+        if name == "hold":
+            if self.returned is None:
+                raise StateError("hold: no append has returned a window yet")
+            self.held = self.returned
+            return None
+        if name == "release_hold":
+            self.held = None
+            return None
+        if name == "trim":
+            return p.trim(seq, op["n"])
+        if name == "trim_to":
+            return p.trim_to(seq, op["len"])
+        if name == "trim_front":
+            return p.trim_front(seq, op["n"], op.get("keep", 0))
+        if name == "fork":
+            return p.fork(op.get("from", sp.MAIN), op["as"])
+        if name == "release":
+            return p.release(seq)
+        if name in ("snapshot", "restore", "drop"):
+            raise sp.snapshots_by_fork(name)
+        raise sp.UnsupportedOperationError(f"{name}: not an operation of a paged cache")
+
+    def check_mask(self, op: dict[str, Any]) -> None:
+        """make_mask before the append, as an mlx-lm model calls it: causal
+        over the sequence's visible rows plus the new ones."""
+        seq = op.get("seq", sp.MAIN)
+        if seq not in self.pool.seqs:
+            return
+        n, live = op["n"], self.pool.seqs[seq].visible
+        got = PagedKVCache(self.pool, seq).make_mask(n, return_array=True)
+        want = mx.arange(live, live + n)[:, None] >= mx.arange(live + n)[None]
+        if got.shape != want.shape or not bool(mx.all(got == want)):
+            raise Divergence(self.current_index, op, f"make_mask({n}) differs", want.tolist(), got.tolist())
+
+    def impl_last_inplace(self) -> bool:
+        return self.pool.last_write.inplace
+
+    def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        super().compare_append(index, op, s, i)
+        w = self.pool.last_write
+        if self.check_inplace and (w.fresh, w.copied) != (s.fresh, s.copied):
+            raise Divergence(index, op, "blocks allocated / copied on write differ",
+                             f"fresh={list(s.fresh)} copied={list(s.copied)}",
+                             f"fresh={list(w.fresh)} copied={list(w.copied)}")
+        self.note_append(op, s)
+
+    def note_append(self, op: dict[str, Any], s: Any) -> None:
+        before = self.prev_world
+        seq = op.get("seq", sp.MAIN)
+        if s.copied:
+            self.reached("copies on write")
+        if s.fresh:
+            self.reached("fresh blocks")
+        old = before.seqs[seq]
+        if any(before.pool.refcounts[b] > 1 for b in old.held()):
+            self.reached("writes beside shared blocks")
+        if old.start > 0:
+            self.reached("writes after a front trim")
+        if len(before.seqs) >= 3:
+            self.reached("writes with 3+ sequences")
+
+    def step_stats(self, op: dict[str, Any]) -> None:
+        if op["op"] == "fork" and op.get("from", sp.MAIN) != sp.MAIN:
+            self.reached("forks of forks")
+        if op["op"] in ("trim", "trim_to", "trim_front"):
+            before, after = self.prev_world.pool, self.world.pool
+            if before.free != after.free:
+                self.reached(f"{op['op']} releasing blocks")
+        if op["op"] == "release" and self.prev_world.pool.free != self.world.pool.free:
+            self.reached("release freeing blocks")
+        if op["op"] == "fork":
+            self.reached("forks")
+
+    def compare_state(self, index: int, op: dict[str, Any]) -> None:
+        if self.refusals and self.refusals[-1][0] == index and "pool exhausted" in self.refusals[-1][1]:
+            self.reached("pool exhausted (refused)")
+        broken = sp.broken_invariants(self.world)
+        if broken:
+            raise Divergence(index, op, "the spec breaks its own invariants", broken, "-")
+        super().compare_state(index, op)
+        broken = self.pool.broken_invariants()
+        if broken:
+            raise Divergence(index, op, "pool invariants broken on the implementation", "none", list(broken))
+
+    # -- observables and views --------------------------------------------------
+    def _observables(self, seqs: dict[str, Any], refcounts: list[int], free: list[int], capacity: int) -> dict[str, Any]:
+        """With the write path unobserved (``check_inplace`` off: an engine
+        whose block ids cannot be seen) only lengths, starts and windows are
+        compared, so isolation alone must catch an unsafe write."""
+        if not self.check_inplace:
+            return {"sequences": {k: (length, start) for k, (_, length, start) in seqs.items()}, "capacity": capacity}
+        return {"sequences": seqs, "refcounts": refcounts, "free": free, "pool size": len(refcounts),
+                "capacity": capacity}
+
+    def spec_observables(self) -> dict[str, Any]:
+        w = self.world
+        seqs = {k: (list(s.table), s.length, s.start) for k, s in sorted(w.seqs.items())}
+        cur = w.seqs.get(self.current_seq)
+        cap = 0 if cur is None else sp.capacity_of(len(cur.table), w.pool.block_size)
+        return self._observables(seqs, list(w.pool.refcounts), list(w.pool.free), cap)
+
+    def impl_observables(self) -> dict[str, Any]:
+        p = self.pool
+        seqs = {k: (list(s.table), s.length, s.start) for k, s in sorted(p.seqs.items())}
+        cap = 0 if self.current_seq not in p.seqs else p.capacity(self.current_seq)
+        return self._observables(seqs, list(p.refcounts), list(p.free), cap)
+
+    def spec_views(self) -> dict[str, tuple[int, ...]]:
+        views = {self.view_key(k): self.world.window(k) for k in self.world.seqs}
+        if self.world.held is not None:
+            views["held"] = self.world.held
+        return views
+
+    def impl_views(self) -> dict[str, tuple[mx.array, mx.array] | None]:
+        views: dict[str, Any] = {self.view_key(k): self.pool.fetch(k) for k in self.pool.seqs}
+        if self.held is not None:
+            views["held"] = self.held
+        return views
+
+
+class PagedMachine(KVMachine):
+    """Several sequences on one pool, block size 1 to 4: decode and
+    multi-row appends on any sequence, forks biased towards forks of forks
+    and towards a write right after the fork, trims and front trims biased
+    to cross block edges, releases, and refused inputs (unknown sequences,
+    names in use, ``keep > 0``, pool exhaustion with a small ``max_blocks``).
+    Paged caches snapshot by fork: the base snapshot rules are off."""
+
+    kind = "paged"
+
+    @initialize(block_size=st.integers(1, 4), head_dim=HEAD_DIMS, kv_heads=KV_HEADS,
+                max_blocks=st.sampled_from([0, 0, 0, 6, 12]), chunk=st.integers(1, 3))
+    def init(self, block_size: int, head_dim: int, kv_heads: int, max_blocks: int, chunk: int) -> None:
+        self.setup(block_size=block_size, head_dim=head_dim, kv_heads=kv_heads, max_blocks=max_blocks, chunk=chunk)
+        self.forks: list[str] = []
+
+    # snapshots are forks here
+    def snapshot(self) -> None:  # type: ignore[override]
+        """Not a rule for paged caches."""
+
+    def restore(self) -> None:  # type: ignore[override]
+        """Not a rule for paged caches."""
+
+    def drop(self) -> None:  # type: ignore[override]
+        """Not a rule for paged caches."""
+
+    @property
+    def offset(self) -> int:
+        s = self.lock.world.seqs.get(sp.MAIN)
+        return 0 if s is None else s.length
+
+    def pick(self, data: st.DataObject, label: str = "seq") -> str:
+        """A sequence: the newest fork most often, any live one, or now and
+        then a name that does not exist (a refusal)."""
+        live = sorted(self.lock.world.seqs)
+        choices: list[Any] = [st.just("ghost")]
+        if live:
+            choices = [st.sampled_from(live)] * 6 + choices
+        newest = [f for f in self.forks if f in self.lock.world.seqs]
+        if newest:
+            choices = [st.just(newest[-1])] * 6 + choices
+        return data.draw(st.one_of(*choices), label=label)
+
+    def length_of(self, seq: str) -> tuple[int, int]:
+        s = self.lock.world.seqs.get(seq)
+        return (0, 0) if s is None else (s.length, s.start)
+
+    def edge_count(self, data: st.DataObject, seq: str, front: bool) -> int:
+        """A trim count that lands on, just before or just after a block
+        edge, or any small count (negative included)."""
+        length, start = self.length_of(seq)
+        bs = self.lock.world.pool.block_size
+        pos = start if front else length
+        to_edge = (bs - pos % bs) % bs if front else pos % bs
+        return data.draw(st.one_of(st.integers(-1, 5), st.sampled_from(
+            [to_edge, to_edge + 1, max(0, to_edge - 1), to_edge + bs, length - start])), label="n")
+
+    @rule()
+    def decode_again(self) -> None:
+        self.do({"op": "append", "n": 1})
+
+    @rule(data=st.data(), n=APPEND_N)
+    def append(self, data: st.DataObject, n: int) -> None:
+        self.do({"op": "append", "n": n, "seq": self.pick(data)})
+
+    @rule(data=st.data())
+    def decode_seq(self, data: st.DataObject) -> None:
+        self.do({"op": "append", "n": 1, "seq": self.pick(data)})
+
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        source = self.pick(data, "from")
+        name = data.draw(st.one_of(st.just(self.fresh_name("f")), st.just(sp.MAIN)), label="as")
+        self.do({"op": "fork", "from": source, "as": name})
+        if name in self.lock.world.seqs and name not in self.forks:
+            self.forks.append(name)
+
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def fork_then_write(self, data: st.DataObject, n: int) -> None:
+        """A fork and, at once, a write on the fork or on its source: the
+        write lands in a shared tail block."""
+        source = self.pick(data, "from")
+        name = self.fresh_name("f")
+        self.do({"op": "fork", "from": source, "as": name})
+        if name in self.lock.world.seqs:
+            self.forks.append(name)
+        self.do({"op": "append", "n": n, "seq": data.draw(st.sampled_from([name, source]), label="writer")})
+
+    @rule(data=st.data())
+    def fetch(self, data: st.DataObject) -> None:  # type: ignore[override]
+        self.do({"op": "fetch", "seq": self.pick(data)})
+
+    @rule(data=st.data())
+    def trim(self, data: st.DataObject) -> None:  # type: ignore[override]
+        seq = self.pick(data)
+        self.do({"op": "trim", "n": self.edge_count(data, seq, front=False), "seq": seq})
+
+    @rule(data=st.data())
+    def trim_to(self, data: st.DataObject) -> None:  # type: ignore[override]
+        seq = self.pick(data)
+        length, _ = self.length_of(seq)
+        self.do({"op": "trim_to", "len": data.draw(st.integers(-1, length + 1), label="len"), "seq": seq})
+
+    @rule(data=st.data())
+    def trim_front(self, data: st.DataObject) -> None:
+        seq = self.pick(data)
+        keep = data.draw(st.sampled_from([0, 0, 0, 0, 1]), label="keep")
+        self.do({"op": "trim_front", "n": self.edge_count(data, seq, front=True), "keep": keep, "seq": seq})
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        seq = self.pick(data)
+        # releasing main refuses every later decode: keep it mostly
+        if seq == sp.MAIN and data.draw(st.integers(0, 3), label="release main") != 0:
+            return
+        self.do({"op": "release", "seq": seq})
+
+    @invariant()
+    def pool_sound(self) -> None:
+        """The pool invariants on the implementation (also checked after
+        every op by the driver)."""
+        if self.lock is not None:
+            assert self.lock.pool.broken_invariants() == ()

@@ -1,0 +1,573 @@
+"""Pool-backed (paged) MLX KV cache (spec: ``spec.paged``, semantics.md 4).
+
+One :class:`BlockPool` per layer holds the K and V slabs ``[blocks,
+block_size, H, D]`` (K and V head dims may differ), grown by ``chunk``
+blocks up to ``max_blocks``, a refcount per block and a free list. Each
+sequence has a block table indexed by **absolute** position //
+block_size, a length (its offset) and a logical start. Several sequences
+share blocks after a :meth:`BlockPool.fork` (the paged form of a
+prompt-cache snapshot).
+
+Write rule (``spec.paged.needs_copy_on_write``, ``spec.paged.write_in_place``):
+a write into a block whose refcount is above 1 first copies the block into a
+fresh one and repoints the writer's table (copy on write); a write into a
+block that exactly one sequence holds, at that sequence's own next row, goes
+straight into the evaluated slab's memory through a NumPy view; otherwise
+(the in-place switch off) the slab is replaced by a functional update.
+
+Why an in-place write is safe here: the slabs are referenced by the pool
+only. Readers get :meth:`BlockPool.fetch`'s gather, which is evaluated into
+its own memory before it is returned, so no window a caller holds aliases a
+slab; and no other table points at a block of refcount 1. So the written
+slot is invisible to everyone but the writer, who does not see it yet.
+
+Batch is 1 per sequence (a paged engine batches across sequences); rows are
+stored in the dtype the model hands in, fixed by the pool's first write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from impl.dense import _check_int, _check_rows, inplace_switch_from_env
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+MAIN = "main"
+_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def block_index(position: int, block_size: int) -> int:
+    """``position // block_size`` (spec.paged.block_index): tables are
+    indexed by absolute position."""
+    return position // block_size
+
+
+def table_len(length: int, block_size: int) -> int:
+    """``ceil(length / block_size)`` (spec.paged.table_len)."""
+    return -(-length // block_size)
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    """A writable NumPy view of an evaluated MLX array's memory, as unsigned
+    integers of the same width (NumPy has no bfloat16; bytes are copied
+    exactly either way)."""
+    mx.eval(a)
+    return np.array(a.view(_UINT_OF_SIZE[a.dtype.size]), copy=False)
+
+
+@dataclass
+class Sequence:
+    """A sequence of the pool: block table (``None`` where a front trim
+    released a block wholly before the logical start), length, start."""
+
+    table: list[int | None] = field(default_factory=list)
+    length: int = 0
+    start: int = 0
+
+    @property
+    def visible(self) -> int:
+        return self.length - self.start
+
+    def held(self) -> list[int]:
+        return [b for b in self.table if b is not None]
+
+
+@dataclass(frozen=True)
+class WriteInfo:
+    """How the last append wrote: ``inplace`` when every row went in place,
+    the ``fresh`` blocks it allocated and the ``copied`` (old, new) blocks
+    of its copies on write (spec.paged.AppendResult)."""
+
+    inplace: bool
+    fresh: tuple[int, ...]
+    copied: tuple[tuple[int, int], ...]
+
+
+class BlockPool:
+    """The block pool of one layer, shared by named sequences.
+
+    ``block_size`` rows per block; ``chunk`` blocks per slab growth;
+    ``max_blocks`` the pool's ceiling (None: unbounded); ``inplace`` the
+    in-place switch (None: ``KV_INPLACE_WRITE``). Starts with one empty
+    sequence ``"main"``. Every refused operation raises one of
+    :mod:`spec.errors` and leaves every sequence, refcount, the free list
+    and the slabs exactly as they were.
+    """
+
+    def __init__(self, block_size: int, max_blocks: int | None = None, chunk: int = 16,
+                 inplace: bool | None = None):
+        block_size = _check_int("BlockPool", "block_size", block_size)
+        chunk = _check_int("BlockPool", "chunk", chunk)
+        if block_size < 1:
+            raise InvalidArgumentError(f"BlockPool: block_size must be >= 1, got {block_size}")
+        if chunk < 1:
+            raise InvalidArgumentError(f"BlockPool: chunk must be >= 1, got {chunk}")
+        if max_blocks is not None and _check_int("BlockPool", "max_blocks", max_blocks) < 0:
+            raise InvalidArgumentError(f"BlockPool: max_blocks must be None or >= 0, got {max_blocks}")
+        self.block_size = block_size
+        self.chunk = chunk
+        self.max_blocks = max_blocks
+        self.inplace = inplace_switch_from_env() if inplace is None else bool(inplace)
+        self.keys: mx.array | None = None  # [blocks, block_size, H, Dk]
+        self.values: mx.array | None = None  # [blocks, block_size, H, Dv]
+        self.refcounts: list[int] = []
+        self.free: list[int] = []  # increasing block ids
+        self.seqs: dict[str, Sequence] = {MAIN: Sequence()}
+        self.last_write: WriteInfo | None = None
+
+    # -- observables --------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Blocks in the pool (in use + free)."""
+        return len(self.refcounts)
+
+    def in_use(self) -> int:
+        return sum(1 for r in self.refcounts if r > 0)
+
+    def sequence(self, seq: str = MAIN) -> Sequence:
+        """The named sequence (StateError when there is none)."""
+        return self._require("sequence", seq)
+
+    def _require(self, op: str, seq: str) -> Sequence:
+        s = self.seqs.get(seq)
+        if s is None:
+            raise StateError(f"{op}: no sequence named {seq!r}")
+        return s
+
+    def capacity(self, seq: str = MAIN) -> int:
+        """``len(block table) * block_size`` (spec.paged.capacity_of)."""
+        return len(self._require("capacity", seq).table) * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slabs (every block, in use or free)."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- pool actions -------------------------------------------------------
+    def _release_block(self, block: int) -> None:
+        """spec.paged.release_block: refcount - 1, free at 0."""
+        self.refcounts[block] -= 1
+        if self.refcounts[block] == 0:
+            self.free.append(block)
+            self.free.sort()
+
+    def _allocate(self) -> int:
+        """spec.paged.allocate: the lowest free block, refcount 1."""
+        block = self.free.pop(0)
+        self.refcounts[block] = 1
+        return block
+
+    def _growth(self, needed: int) -> int:
+        """spec.paged.growth_blocks: whole chunks, capped at max_blocks."""
+        deficit = needed - len(self.free)
+        if deficit <= 0:
+            return 0
+        want = -(-deficit // self.chunk) * self.chunk
+        return want if self.max_blocks is None else max(0, min(want, self.max_blocks - self.size))
+
+    def _grow(self, blocks: int, keys: mx.array, values: mx.array) -> None:
+        """Add ``blocks`` zero blocks to both slabs (shaped and typed after
+        the incoming rows on the first growth) and to the free list."""
+        _, h, _, dk = keys.shape
+        dv = values.shape[3]
+        zk = mx.zeros((blocks, self.block_size, h, dk), dtype=keys.dtype)
+        zv = mx.zeros((blocks, self.block_size, h, dv), dtype=values.dtype)
+        self.keys = zk if self.keys is None else mx.concatenate([self.keys, zk], axis=0)
+        self.values = zv if self.values is None else mx.concatenate([self.values, zv], axis=0)
+        mx.eval(self.keys, self.values)
+        n = self.size
+        self.refcounts += [0] * blocks
+        self.free += list(range(n, n + blocks))
+
+    def _check_compatible(self, keys: mx.array, values: mx.array) -> None:
+        if keys.shape[0] != 1:
+            raise InvalidArgumentError(f"append: batch must be 1 per pool sequence, got keys of shape {tuple(keys.shape)}")
+        if self.keys is None:
+            return
+        for name, a, slab in (("keys", keys, self.keys), ("values", values, self.values)):
+            if a.shape[1] != slab.shape[2] or a.shape[3] != slab.shape[3] or a.dtype != slab.dtype:
+                raise InvalidArgumentError(
+                    f"append: {name} must match the pool's [H, D] = [{slab.shape[2]}, {slab.shape[3]}] and dtype "
+                    f"{slab.dtype}, got shape {tuple(a.shape)} and dtype {a.dtype}"
+                )
+
+    def _blocks_needed(self, s: Sequence, n: int) -> int:
+        """spec.paged.blocks_needed: one per new table entry, one per shared
+        block written into (copy on write)."""
+        bs = self.block_size
+        return sum(1 for b in range(block_index(s.length, bs), block_index(s.length + n - 1, bs) + 1)
+                   if b >= len(s.table) or self.refcounts[s.table[b]] > 1)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into the fresh block ``dst`` (its only holder is
+        the writer, so in place when the switch is on)."""
+        if self.inplace:
+            for slab in (self.keys, self.values):
+                raw = _raw(slab)
+                raw[dst] = raw[src]
+        else:
+            at = mx.array([dst])
+            self.keys = mx.slice_update(self.keys, self.keys[src : src + 1], at, axes=(0,))
+            self.values = mx.slice_update(self.values, self.values[src : src + 1], at, axes=(0,))
+
+    def _write(self, block: int, slot: int, keys: mx.array, values: mx.array, inplace: bool) -> None:
+        """Write rows ``[1, H, m, D]`` into slots ``[slot, slot + m)`` of
+        ``block``: through a NumPy view when ``inplace`` (the caller checked
+        spec.paged.write_in_place), else by a functional slab update."""
+        m = keys.shape[2]
+        rk, rv = keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)  # [m, H, D]
+        if inplace:
+            for slab, rows in ((self.keys, rk), (self.values, rv)):
+                _raw(slab)[block, slot : slot + m] = _raw(mx.contiguous(rows))
+        else:
+            at = mx.array([block, slot])
+            self.keys = mx.slice_update(self.keys, rk[None], at, axes=(0, 1))
+            self.values = mx.slice_update(self.values, rv[None], at, axes=(0, 1))
+
+    def _reserve(self, s: Sequence, needed: int, keys: mx.array, values: mx.array) -> None:
+        """spec.paged.reserve: make ``needed`` blocks free, growing the slabs
+        by whole chunks; StateError (pool exhausted) before any change when
+        ``max_blocks`` cannot cover them."""
+        extra = self._growth(needed)
+        if len(self.free) + extra < needed:
+            raise StateError(
+                f"append: pool exhausted: needs {needed} free blocks, has {len(self.free)} free of "
+                f"{self.size} and max_blocks={self.max_blocks}"
+            )
+        if extra:
+            self._grow(extra, keys, values)
+
+    @staticmethod
+    def _needs_copy_on_write(refcount: int) -> bool:
+        """spec.paged.needs_copy_on_write: the block is shared."""
+        return refcount > 1
+
+    def _copy_on_write(self, s: Sequence, b: int) -> int:
+        """Copy ``s``'s shared block at table index ``b`` into a fresh block,
+        repoint the table and release the shared block (spec.paged.append,
+        copy-on-write). Returns the copy's id."""
+        old, new = s.table[b], self._allocate()
+        self._copy_block(old, new)
+        self._release_block(old)
+        s.table[b] = new
+        return new
+
+    def _table_entries(self, s: Sequence, length: int) -> int:
+        """Entries ``s``'s table keeps for ``length`` rows:
+        ``table_len(length)`` by absolute position (spec.paged.table_len)."""
+        return table_len(length, self.block_size)
+
+    # -- sequence operations ------------------------------------------------
+    def append(self, seq: str, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``update_and_fetch`` of ``keys``/``values`` ``[1, H, n, D]`` (K
+        and V head dims may differ) on sequence ``seq``, at absolute
+        positions ``[length, length + n)`` (spec.paged.append). Returns the
+        window ``[1, H, visible, D]``, evaluated. ``last_write`` says how it
+        wrote.
+
+        Raises InvalidArgumentError for malformed rows (rank, batch, dtype,
+        shape against the pool's), StateError for an unknown sequence or an
+        exhausted pool; refused appends change nothing."""
+        s = self._require("append", seq)
+        n = _check_rows("append", keys, values)
+        self._check_compatible(keys, values)
+        self._reserve(s, self._blocks_needed(s, n), keys, values)
+        bs = self.block_size
+        fresh: list[int] = []
+        copied: list[tuple[int, int]] = []
+        all_inplace = True
+        i = 0
+        while i < n:
+            p = s.length + i
+            b, slot = block_index(p, bs), p % bs
+            m = min(n - i, bs - slot)
+            if b >= len(s.table):
+                s.table.append(self._allocate())
+                fresh.append(s.table[b])
+            elif self._needs_copy_on_write(self.refcounts[s.table[b]]):
+                old = s.table[b]
+                copied.append((old, self._copy_on_write(s, b)))
+            inplace = self.inplace and self.refcounts[s.table[b]] == 1  # spec.paged.write_in_place
+            all_inplace = all_inplace and inplace
+            self._write(s.table[b], slot, keys[:, :, i : i + m], values[:, :, i : i + m], inplace)
+            i += m
+        s.length += n
+        self.last_write = WriteInfo(all_inplace and not copied, tuple(fresh), tuple(copied))
+        window = self.fetch(seq)
+        assert window is not None
+        return window
+
+    def fetch(self, seq: str = MAIN) -> tuple[mx.array, mx.array] | None:
+        """Gather ``seq``'s table's blocks, flattened, sliced ``[start,
+        length)``: ``(keys, values)`` ``[1, H, visible, D]``, evaluated into
+        memory of their own; None when nothing is visible."""
+        s = self._require("fetch", seq)
+        if s.visible == 0 or self.keys is None:
+            return None
+        bs = self.block_size
+        rows = mx.array([s.table[block_index(p, bs)] * bs + p % bs for p in range(s.start, s.length)])
+        out = []
+        for slab in (self.keys, self.values):
+            flat = slab.reshape(-1, slab.shape[2], slab.shape[3])
+            out.append(mx.take(flat, rows, axis=0).transpose(1, 0, 2)[None])
+        mx.eval(*out)
+        return out[0], out[1]
+
+    def _truncate(self, s: Sequence, length: int) -> None:
+        keep = self._table_entries(s, length)
+        for block in s.table[keep:]:
+            if block is not None:
+                self._release_block(block)
+        del s.table[keep:]
+        s.length = length
+
+    def trim(self, seq: str, n: int) -> int:
+        """Trim ``clamp(n, 0, visible)`` rows from the end, releasing the
+        blocks past ``ceil(length / block_size)`` (spec.paged.trim).
+        Returns the rows removed."""
+        s = self._require("trim", seq)
+        n = max(0, min(_check_int("trim", "n", n), s.visible))
+        if n:
+            self._truncate(s, s.length - n)
+        return n
+
+    def trim_to(self, seq: str, length: int) -> int:
+        """``trim(length_now - length)``; InvalidArgumentError unless ``0 <=
+        length <= length_now`` (spec.paged.trim_to)."""
+        s = self._require("trim_to", seq)
+        length = _check_int("trim_to", "len", length)
+        if length < 0 or length > s.length:
+            raise InvalidArgumentError(f"trim_to: len must satisfy 0 <= len <= offset ({s.length}), got {length}")
+        return self.trim(seq, s.length - length)
+
+    def trim_front(self, seq: str, n: int, keep: int = 0) -> int:
+        """Move the logical start by ``clamp(n, 0, visible)`` and release
+        every block wholly before it (spec.paged.trim_front). ``keep > 0``
+        is refused (UnsupportedOperationError)."""
+        s = self._require("trim_front", seq)
+        n = _check_int("trim_front", "n", n)
+        keep = _check_int("trim_front", "keep", keep)
+        if keep > 0:
+            raise UnsupportedOperationError(
+                "trim_front: keep must be 0 on a paged sequence (no attention sinks before the logical start), "
+                f"got {keep}"
+            )
+        n = max(0, min(n, s.visible))
+        if n:
+            s.start += n
+            for b, block in enumerate(s.table):
+                if block is not None and b < s.start // self.block_size:  # spec.paged.wholly_before
+                    self._release_block(block)
+                    s.table[b] = None
+        return n
+
+    def fork(self, source: str, name: str) -> None:
+        """A new sequence ``name`` sharing every block of ``source``
+        (refcounts rise) (spec.paged.fork). StateError for an unknown source
+        or a name in use."""
+        s = self._require("fork", source)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"fork: as must be a non-empty string, got {name!r}")
+        if name in self.seqs:
+            raise StateError(f"fork: a sequence named {name!r} already exists")
+        for block in s.held():
+            self.refcounts[block] += 1
+        self.seqs[name] = Sequence(list(s.table), s.length, s.start)
+
+    def release(self, seq: str) -> None:
+        """Release every block of ``seq`` and forget it (spec.paged.release)."""
+        s = self._require("release", seq)
+        for block in s.held():
+            self._release_block(block)
+        del self.seqs[seq]
+
+    def create(self, seq: str) -> None:
+        """A new empty sequence (StateError when the name is in use)."""
+        if seq in self.seqs:
+            raise StateError(f"create: a sequence named {seq!r} already exists")
+        self.seqs[seq] = Sequence()
+
+    # -- invariants (spec.paged.INVARIANTS, on the implementation) -----------
+    def broken_invariants(self) -> tuple[str, ...]:
+        """Names of the pool invariants this pool breaks (empty when sound):
+        refcounts equal table holdings, the free list is exactly the blocks
+        of refcount 0 (once each, none held), in use + free = size, tables
+        well formed."""
+        bad = []
+        counts = [0] * self.size
+        for s in self.seqs.values():
+            for block in s.held():
+                if 0 <= block < self.size:
+                    counts[block] += 1
+        if counts != self.refcounts:
+            bad.append("refcounts_match_tables")
+        held = {b for s in self.seqs.values() for b in s.held()}
+        if (len(set(self.free)) != len(self.free) or held & set(self.free)
+                or set(self.free) != {i for i, r in enumerate(self.refcounts) if r == 0}):
+            bad.append("free_blocks_unheld")
+        if self.in_use() + len(self.free) != self.size:
+            bad.append("blocks_accounted")
+        bs = self.block_size
+        for s in self.seqs.values():
+            if (not 0 <= s.start <= s.length or len(s.table) != table_len(s.length, bs)
+                    or any((blk is None) != (b < s.start // bs) for b, blk in enumerate(s.table))
+                    or len(set(s.held())) != len(s.held())):
+                bad.append("tables_well_formed")
+                break
+        return tuple(bad)
+
+
+class PagedKVCache:
+    """mlx-lm's cache protocol on one pool sequence: a model decodes through
+    it like through ``mlx_lm.models.cache.KVCache``.
+
+    Reads gather the sequence's blocks (``[1, H, visible, D]``, the dtype the
+    model handed in). ``offset`` is the sequence's length (the absolute RoPE
+    position of the next row, unchanged by front trims). Trims go through the
+    pool: there is no dense buffer to rewind, so the dense-side part of a
+    trim is a no-op; ``trim(n)`` shortens the pool sequence and releases the
+    blocks past ``ceil(length / block_size)``, exactly as
+    :meth:`BlockPool.trim`. :meth:`fork` is the prompt-cache snapshot.
+    """
+
+    def __init__(self, pool: BlockPool | None = None, seq: str = MAIN, block_size: int = 16, **pool_args: Any):
+        self.pool = pool if pool is not None else BlockPool(block_size, **pool_args)
+        self.pool._require("PagedKVCache", seq)
+        self.seq = seq
+
+    @property
+    def offset(self) -> int:
+        return self.pool._require("offset", self.seq).length
+
+    @property
+    def live_len(self) -> int:
+        return self.pool._require("live_len", self.seq).visible
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.pool.append(self.seq, keys, values)
+
+    def fetch(self) -> tuple[mx.array, mx.array] | None:
+        return self.pool.fetch(self.seq)
+
+    def trim(self, n: int) -> int:
+        return self.pool.trim(self.seq, n)
+
+    def trim_to(self, length: int) -> int:
+        return self.pool.trim_to(self.seq, length)
+
+    def trim_front(self, n: int) -> int:
+        return self.pool.trim_front(self.seq, n)
+
+    def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        return self.pool.trim_front(self.seq, n, keep)
+
+    def fork(self, name: str) -> PagedKVCache:
+        """A cache on a new pool sequence sharing this one's blocks."""
+        self.pool.fork(self.seq, name)
+        return PagedKVCache(self.pool, name)
+
+    def release(self) -> None:
+        self.pool.release(self.seq)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.live_len == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks this sequence holds."""
+        if self.pool.keys is None:
+            return 0
+        per_block = (self.pool.keys.nbytes + self.pool.values.nbytes) // max(1, self.pool.size)
+        return per_block * len(self.pool._require("nbytes", self.seq).held())
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """The visible rows ``(keys, values)``, gathered (never the slabs)."""
+        window = self.fetch()
+        return () if window is None else window
+
+    @state.setter
+    def state(self, v: tuple[mx.array, ...]) -> None:
+        """Replace this sequence's rows by ``(keys, values)`` ``[1, H, T,
+        D]`` (length T, start 0); refused (nothing changed) when malformed."""
+        if not isinstance(v, (tuple, list)) or len(v) not in (0, 2):
+            raise InvalidArgumentError(f"state: state must be (keys, values) or (), got {type(v).__name__}")
+        if v:
+            _check_rows("state", v[0], v[1])
+            self.pool._check_compatible(v[0], v[1])
+        name = f"{self.seq}\x00state"
+        self.pool.create(name)
+        try:
+            if v:
+                self.pool.append(name, v[0], v[1])
+        except Exception:
+            self.pool.release(name)
+            raise
+        self.pool.release(self.seq)
+        self.pool.seqs[self.seq] = self.pool.seqs.pop(name)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.pool.block_size), str(self.offset), str(self.pool._require("meta_state", self.seq).start))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        raise UnsupportedOperationError("meta_state: a paged sequence's counters are set by its pool, not assigned")
+
+    @classmethod
+    def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> PagedKVCache:
+        """A cache on a fresh pool holding ``state``'s rows; ``meta_state``
+        (block_size, offset, start) gives the block size (default 16)."""
+        block_size = 16 if meta_state is None else int(meta_state[0])
+        cache = cls(block_size=block_size)
+        cache.state = state
+        return cache
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        """Attention mask for ``N`` new queries over ``visible + N`` keys,
+        as :meth:`impl.dense.KVCache.make_mask`."""
+        N = _check_int("make_mask", "N", N)
+        if N < 1:
+            raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
+        if window_size is None and not return_array:
+            return None if N == 1 else "causal"
+        live = self.live_len
+        q = mx.arange(live, live + N)[:, None]
+        k = mx.arange(live + N)[None]
+        mask = q >= k
+        if window_size is not None:
+            mask = mask & (q < k + window_size)
+        return mask
+
+
+def make_paged_prompt_cache(num_layers: int, block_size: int = 16, **pool_args: Any) -> list[PagedKVCache]:
+    """One pool per layer, each with its ``"main"`` sequence: the prompt
+    cache of a model whose layers are all full attention."""
+    num_layers = _check_int("make_paged_prompt_cache", "num_layers", num_layers)
+    return [PagedKVCache(BlockPool(block_size, **pool_args)) for _ in range(num_layers)]
+
+
+def fork_prompt_cache(caches: Iterable[PagedKVCache], name: str) -> list[PagedKVCache]:
+    """Fork every layer's sequence as ``name`` (all layers or none: a layer
+    that refuses undoes the forks already made)."""
+    caches = list(caches)
+    done: list[PagedKVCache] = []
+    try:
+        for c in caches:
+            done.append(c.fork(name))
+    except Exception:
+        for f in done:
+            f.release()
+        raise
+    return done

@@ -1,0 +1,266 @@
+"""The MLX block pool and its KVCache against spec/paged.py: byte-identical
+windows, the same block tables, refcounts, free list and write paths, with
+block sizes 1 to 4; in-place writes that really alias the slab; atomic
+refusals; an mlx-lm model decoding through pool sequences."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from impl.paged import BlockPool, PagedKVCache, fork_prompt_cache, make_paged_prompt_cache
+from spec import paged as sp
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+H, DK, DV = 2, 3, 2
+
+
+def rows(first: int, n: int, dtype=mx.float16) -> tuple[mx.array, mx.array]:
+    """``[1, H, n, D]`` rows whose every value names the token identity
+    (distinct per head and per K/V)."""
+    t = np.arange(first, first + n, dtype=np.float32)[None, None, :, None]
+    k = t * 8 + np.arange(H, dtype=np.float32)[None, :, None, None] + np.zeros((1, H, n, DK), np.float32)
+    v = -(t * 8 + np.arange(H, dtype=np.float32)[None, :, None, None]) + np.zeros((1, H, n, DV), np.float32)
+    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
+
+
+def expected(tokens: tuple[int, ...], dtype=mx.float16) -> tuple[np.ndarray, np.ndarray]:
+    ks, vs = zip(*(rows(t, 1, dtype) for t in tokens), strict=True) if tokens else ((), ())
+    k = mx.concatenate(ks, axis=2) if ks else None
+    v = mx.concatenate(vs, axis=2) if vs else None
+    return k, v
+
+
+def same_window(got, tokens: tuple[int, ...]) -> bool:
+    if not tokens:
+        return got is None
+    k, v = expected(tokens)
+    return bool(np.array_equal(np.array(got[0]), np.array(k)) and np.array_equal(np.array(got[1]), np.array(v)))
+
+
+def pool_state(pool: BlockPool):
+    """Everything a refused op must leave alone, slab bytes included."""
+    slabs = None if pool.keys is None else tuple(bytes(memoryview(a.view(mx.uint8))) for a in (pool.keys, pool.values))
+    seqs = {k: (list(s.table), s.length, s.start) for k, s in pool.seqs.items()}
+    return seqs, list(pool.refcounts), list(pool.free), slabs
+
+
+def apply_both(pool: BlockPool, world: sp.PagedWorld, op: dict):
+    """One op on the implementation and on the spec; both refuse alike."""
+    seq = op.get("seq", "main")
+    try:
+        result, world2 = sp.apply_op(world, op)
+    except (StateError, InvalidArgumentError, UnsupportedOperationError) as exc:
+        before = pool_state(pool)
+        with pytest.raises(type(exc)):
+            run_impl(pool, world, op, seq)
+        assert pool_state(pool) == before
+        return world, None
+    got = run_impl(pool, world, op, seq)
+    if op["op"] == "append":
+        w = pool.last_write
+        assert (w.inplace, w.fresh, w.copied) == (result.inplace, result.fresh, result.copied)
+        assert same_window(got, result.window)
+    elif op["op"] in ("trim", "trim_front", "trim_to"):
+        assert got == result
+    return world2, result
+
+
+def run_impl(pool: BlockPool, world: sp.PagedWorld, op: dict, seq: str):
+    name = op["op"]
+    if name == "append":
+        return pool.append(seq, *rows(world.next_token, op["n"]))
+    if name == "trim":
+        return pool.trim(seq, op["n"])
+    if name == "trim_to":
+        return pool.trim_to(seq, op["len"])
+    if name == "trim_front":
+        return pool.trim_front(seq, op["n"], op.get("keep", 0))
+    if name == "fork":
+        return pool.fork(op["from"], op["as"])
+    if name == "release":
+        return pool.release(seq)
+    raise AssertionError(name)
+
+
+def check_agree(pool: BlockPool, world: sp.PagedWorld) -> None:
+    assert pool.broken_invariants() == ()
+    assert pool.refcounts == list(world.pool.refcounts)
+    assert pool.free == list(world.pool.free)
+    assert set(pool.seqs) == set(world.seqs)
+    for name, s in world.seqs.items():
+        got = pool.seqs[name]
+        assert (tuple(got.table), got.length, got.start) == (s.table, s.length, s.start)
+        assert pool.capacity(name) == sp.capacity_of(len(s.table), world.pool.block_size)
+        assert same_window(pool.fetch(name), world.window(name))
+
+
+NAMES = ("main", "a", "b")
+OPS = st.one_of(
+    st.builds(lambda n, s: {"op": "append", "n": n, "seq": s}, st.integers(1, 5), st.sampled_from(NAMES)),
+    st.builds(lambda n, s: {"op": "append", "n": 1, "seq": s}, st.just(1), st.sampled_from(NAMES)),
+    st.builds(lambda n, s: {"op": "trim", "n": n, "seq": s}, st.integers(-1, 5), st.sampled_from(NAMES)),
+    st.builds(lambda n, s: {"op": "trim_to", "len": n, "seq": s}, st.integers(-1, 9), st.sampled_from(NAMES)),
+    st.builds(lambda n, k, s: {"op": "trim_front", "n": n, "keep": k, "seq": s},
+              st.integers(0, 5), st.sampled_from([0, 0, 0, 1]), st.sampled_from(NAMES)),
+    st.builds(lambda f, a: {"op": "fork", "from": f, "as": a}, st.sampled_from(NAMES), st.sampled_from(NAMES)),
+    st.builds(lambda s: {"op": "release", "seq": s}, st.sampled_from(NAMES)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([None, 3, 6]), st.integers(1, 3), st.booleans(), st.integers(1, 6),
+       st.lists(OPS, max_size=18))
+def test_pool_matches_spec(bs, max_blocks, chunk, inplace, prompt, ops):
+    pool = BlockPool(bs, max_blocks=max_blocks, chunk=chunk, inplace=inplace)
+    world = sp.new_world(bs, max_blocks, chunk, inplace)
+    # a shared prompt first: most random ops then land on shared blocks
+    preamble = [{"op": "append", "n": prompt}, {"op": "fork", "from": "main", "as": "a"}]
+    for op in preamble + ops:
+        world, _ = apply_both(pool, world, op)
+        check_agree(pool, world)
+
+
+def test_inplace_write_aliases_the_slab_and_spares_the_fork():
+    pool = BlockPool(4, chunk=2)
+    pool.append("main", *rows(0, 2))
+    slab = pool.keys
+    raw_before = np.array(slab[0, 2]).copy()
+    pool.append("main", *rows(2, 1))
+    assert pool.keys is slab  # no new slab: the row went into its memory
+    assert pool.last_write.inplace
+    assert not np.array_equal(np.array(slab[0, 2]), raw_before)
+    pool.fork("main", "b")
+    pool.append("b", *rows(3, 1))  # shared block: copy on write, into block 1
+    assert pool.last_write.copied == ((0, 1),) and not pool.last_write.inplace
+    assert same_window(pool.fetch("main"), (0, 1, 2))
+    assert same_window(pool.fetch("b"), (0, 1, 2, 3))
+
+
+def test_held_window_never_changes():
+    pool = BlockPool(2)
+    k, _ = pool.append("main", *rows(0, 3))
+    held = np.array(k).copy()
+    pool.trim("main", 2)
+    pool.append("main", *rows(3, 2))  # in place over the trimmed rows
+    assert pool.last_write.inplace
+    assert np.array_equal(np.array(k), held)
+
+
+def test_switch_off_writes_by_copy():
+    pool = BlockPool(2, inplace=False)
+    pool.append("main", *rows(0, 1))
+    slab = pool.keys
+    pool.append("main", *rows(1, 1))
+    assert not pool.last_write.inplace and pool.keys is not slab
+    assert same_window(pool.fetch(), (0, 1))
+
+
+def test_exhaustion_leaves_everything_as_it_was():
+    pool = BlockPool(2, max_blocks=3, chunk=2)
+    pool.append("main", *rows(0, 3))
+    pool.fork("main", "b")
+    pool.append("b", *rows(3, 1))  # copy of block 1 into block 2: pool full
+    before = pool_state(pool)
+    with pytest.raises(StateError, match=r"append: pool exhausted: needs 2 free blocks, has 0 free of 3"):
+        pool.append("main", *rows(4, 4))
+    assert pool_state(pool) == before
+    assert pool.broken_invariants() == ()
+
+
+def test_rows_kept_in_incoming_dtype_and_mismatch_refused():
+    pool = BlockPool(3)
+    k, _ = pool.append("main", *rows(0, 2, mx.bfloat16))
+    assert k.dtype == mx.bfloat16 and pool.keys.dtype == mx.bfloat16
+    assert pool.last_write.inplace  # bfloat16 in place through an integer view
+    k, _ = pool.append("main", *rows(2, 1, mx.bfloat16))
+    assert np.array_equal(np.array(k.astype(mx.float32)), np.array(expected((0, 1, 2))[0].astype(mx.float32)))
+    before = pool_state(pool)
+    with pytest.raises(InvalidArgumentError, match="dtype mlx.core.bfloat16, got shape"):
+        pool.append("main", *rows(3, 1, mx.float16))
+    with pytest.raises(InvalidArgumentError, match="batch must be 1"):
+        pool.append("main", mx.zeros((2, H, 1, DK), mx.bfloat16), mx.zeros((2, H, 1, DV), mx.bfloat16))
+    with pytest.raises(InvalidArgumentError, match=r"values must match the pool's \[H, D\] = \[2, 2\]"):
+        pool.append("main", mx.zeros((1, H, 1, DK), mx.bfloat16), mx.zeros((1, H, 1, 5), mx.bfloat16))
+    with pytest.raises(StateError, match="append: no sequence named 'x'"):
+        pool.append("x", *rows(3, 1, mx.bfloat16))
+    assert pool_state(pool) == before
+
+
+def test_invariant_check_sees_a_leak_and_a_freed_held_block():
+    pool = BlockPool(1)
+    pool.append("main", *rows(0, 2))
+    pool.refcounts[0] += 1
+    assert "refcounts_match_tables" in pool.broken_invariants()
+    pool.refcounts[0] -= 1
+    pool.free.append(1)
+    assert "free_blocks_unheld" in pool.broken_invariants()
+
+
+def test_cache_protocol_and_trim_through_the_pool():
+    cache = PagedKVCache(block_size=2, chunk=1)
+    assert cache.offset == 0 and cache.empty() and cache.state == ()
+    assert cache.make_mask(1) is None and cache.make_mask(3) == "causal"
+    cache.update_and_fetch(*rows(0, 5))
+    assert cache.offset == 5 and cache.size() == 5 and cache.is_trimmable()
+    assert cache.trim(2) == 2 and cache.offset == 3 and cache.pool.free == [2]
+    assert cache.trim_front(2) == 2 and cache.offset == 3 and cache.live_len == 1
+    mask = cache.make_mask(2, return_array=True)
+    assert mask.shape == (2, 3)
+    with pytest.raises(UnsupportedOperationError, match="keep must be 0"):
+        cache.trim_front_keep_sink(1, keep=1)
+    other = cache.fork("b")
+    assert same_window(other.fetch(), (2,))
+    k, v = cache.state
+    restored = PagedKVCache.from_state((k, v), cache.meta_state)
+    assert restored.offset == 1 and same_window(restored.fetch(), (2,))
+    assert cache.nbytes > 0
+
+
+def test_state_setter_is_atomic():
+    cache = PagedKVCache(block_size=2)
+    cache.update_and_fetch(*rows(0, 3))
+    before = pool_state(cache.pool)
+    with pytest.raises(InvalidArgumentError):
+        cache.state = (mx.zeros((1, H, 1, 7)), mx.zeros((1, H, 1, DV)))
+    assert pool_state(cache.pool) == before
+    cache.state = rows(7, 2)
+    assert cache.offset == 2 and same_window(cache.fetch(), (7, 8))
+    assert cache.pool.broken_invariants() == ()
+
+
+def test_mlx_lm_model_decodes_through_forked_pool_sequences():
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache as LmKVCache
+
+    mx.random.seed(3)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=48,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+                           head_dim=8, tie_word_embeddings=True)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    prompt = mx.array([[1, 5, 9, 2, 7]])
+
+    def decode(caches, first, n):
+        out, tok = [], mx.array([[first]])
+        for _ in range(n):
+            logits = model(tok, cache=caches)[:, -1]
+            t = int(mx.argmax(logits, axis=-1).item())
+            out.append((t, np.array(logits.astype(mx.float32)).tobytes()))
+            tok = mx.array([[t]])
+        return out
+
+    paged = make_paged_prompt_cache(2, block_size=3, chunk=2)
+    model(prompt, cache=paged)
+    streams = {}
+    for i, first in enumerate((3, 11, 40)):
+        streams[first] = decode(fork_prompt_cache(paged, f"r{i}"), first, 6)
+    for first, got in streams.items():
+        dense = [LmKVCache() for _ in range(2)]
+        model(prompt, cache=dense)
+        assert decode(dense, first, 6) == got
+    assert all(c.pool.broken_invariants() == () for c in paged)
