@@ -231,12 +231,13 @@ class TurboMachine(DenseMachine):
         extra = {"hot_threshold": hot_threshold, "fold_block": fold_block} if self.mode == DELEGATED else {}
         self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads, **extra)
 
-    @rule(n=st.integers(1, 3))
-    def rollback(self, n: int) -> None:
-        """A speculative rejection: trim 1 to 3 rows (the physical trim the
-        Turbo modes keep, drawn more often than the shared trim rule does)."""
-        if self.lock.world.cache.live_len > n:
-            self.do({"op": "trim", "n": n})
+    @rule(n=st.integers(2, 4), data=st.data())
+    def speculative_round(self, n: int, data: st.DataObject) -> None:
+        """A verification block and its rejection: append ``n`` rows, then
+        trim 1 to ``n - 1`` of them (the physical trim the Turbo modes keep,
+        and Delegated's folds right before it)."""
+        self.do({"op": "append", "n": n})
+        self.do({"op": "trim", "n": data.draw(st.integers(1, n - 1), label="rejected")})
 
     def teardown(self) -> None:
         super().teardown()
