@@ -161,7 +161,8 @@ def window(mode: str, store: Store, live: int, cold_offset: int, dtype: mx.Dtype
 def physical_trim(mode: str, store: Store | None, live: int, cold_offset: int, n: int) -> tuple[Store | None, int]:
     """Remove the last ``n`` of ``live`` rows (``0 < n <= live``) by cutting
     every array to exactly the rows that stay; Delegated takes the hot rows
-    first, then cold ones. Returns (store or None when nothing stays, new
+    first, then cold ones (spec.turbo.trim_split; the rows left are
+    spec.turbo.array_rows). Returns (store or None when nothing stays, new
     cold_offset)."""
     keep = live - n
     if keep == 0 or store is None:
