@@ -472,7 +472,8 @@ class _TurboBase:
             raise InvalidArgumentError(f"{op}: mode {mode!r} is not a mode of {cls.__name__}")
         names = tuple(x for x in meta_state[7].split(",") if x)
         if not isinstance(state, (tuple, list)) or len(state) != len(names):
-            raise InvalidArgumentError(f"{op}: state must hold {len(names)} arrays {names}, got {state!r:.80}")
+            got = f"{len(state)} arrays" if isinstance(state, (tuple, list)) else type(state).__name__
+            raise InvalidArgumentError(f"{op}: state must hold {len(names)} arrays {names}, got {got}")
         dtype = getattr(mx, meta_state[4], None) if meta_state[4] else None
         store = dict(zip(names, state)) if names else None
         holder = TurboSnapshot(mode, store, offset, 0, cold_offset, dtype, k_dim or None, v_dim or None)

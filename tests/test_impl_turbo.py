@@ -293,3 +293,61 @@ def test_bytes_per_token_against_fp16():
     assert out["turbo3asym"] == 2 * d + 3 * d / 8 + 4
     assert out["turbo4"] == 2 * (d / 2 + 8) < out["fp16"] / 3
     assert out["turbo4delegated"] == out["turbo4asym"]
+
+
+def test_constructor_defaults_and_exact_refusals():
+    assert (TurboKVCache().mode, TurboKVCache().step) == ("turbo4asym", 256)
+    d = DelegatedKVCache()
+    assert (d.mode, d.step, d.hot_threshold, d.fold_block) == ("turbo4delegated", 256, 256, 128)
+    with pytest.raises(InvalidArgumentError) as e:
+        DelegatedKVCache(hot_threshold="4")
+    assert str(e.value) == "DelegatedKVCache: hot_threshold must be an integer, got '4'"
+    with pytest.raises(InvalidArgumentError) as e:
+        DelegatedKVCache(fold_block=1.5)
+    assert str(e.value) == "DelegatedKVCache: fold_block must be an integer, got 1.5"
+    with pytest.raises(InvalidArgumentError) as e:
+        TurboKVCache("turbo4", step=0)
+    assert str(e.value) == "TurboKVCache: step must be >= 1, got 0"
+    with pytest.raises(UnsupportedOperationError) as e:
+        DelegatedKVCache("turbo4")
+    assert str(e.value) == "DelegatedKVCache: mode must be 'turbo4delegated', got 'turbo4'"
+    assert DelegatedKVCache(hot_threshold=0).hot_threshold == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shallow_and_deep_copies_read_the_same_window(mode):
+    c = cache(mode)
+    c.update_and_fetch(*rows(0, 5))
+    want = [raw(a).tobytes() for a in c.fetch()]
+    for dup in (copy.copy(c), copy.deepcopy(c)):
+        assert [raw(a).tobytes() for a in dup.fetch()] == want
+        assert (dup.offset, dup.cold_offset, dup.capacity, dup.row_counts()) == (
+            c.offset, c.cold_offset, c.capacity, c.row_counts())
+
+
+def test_from_state_refusals_name_the_problem():
+    c = cache("turbo4delegated")
+    c.update_and_fetch(*rows(0, 5))
+    state, meta = c.state, c.meta_state
+    assert c.state_names() == tuple(sorted(c.store)) and meta[7] == ",".join(sorted(c.store))
+    cases = [
+        (meta[:7], f"from_state: meta_state must have at least 8 fields, got {meta[:7]!r}"),
+        ((meta[0], "x", *meta[2:]), f"from_state: meta_state must hold integers, got {(meta[0], 'x', *meta[2:])!r}"),
+    ]
+    for bad, msg in cases:
+        with pytest.raises(InvalidArgumentError) as e:
+            DelegatedKVCache.from_state(state, bad)
+        assert str(e.value) == msg
+    with pytest.raises(InvalidArgumentError) as e:
+        TurboKVCache.from_state(state, meta)
+    assert str(e.value) == "from_state: mode 'turbo4delegated' is not a mode of TurboKVCache"
+    with pytest.raises(InvalidArgumentError) as e:
+        DelegatedKVCache.from_state(state[:3], meta)
+    assert str(e.value) == ("from_state: state must hold 5 arrays ('cold_norm', 'cold_packed', 'cold_rescale', "
+                            "'hot', 'keys'), got 3 arrays")
+    good = DelegatedKVCache.from_state(state, meta, op="load")
+    assert (good.hot_threshold, good.fold_block, good.cold_offset, good.dtype) == (3, 2, c.cold_offset, mx.float16)
+    empty = DelegatedKVCache.from_state((), cache("turbo4delegated").meta_state)
+    assert empty.empty() and empty.offset == 0 and empty.dtype is None
+    with pytest.raises(InvalidArgumentError, match="^load: "):
+        DelegatedKVCache.from_state(state[:3], meta, op="load")

@@ -41,7 +41,7 @@ def test_three_bit_byte_count_is_exact_iff_head_dim_is_a_multiple_of_8(d):
 def test_head_dim_rule():
     assert [d for d in range(1, 70) if st.head_dim_allowed(d, 4)] == [2, 4, 8, 16, 32, 64]
     assert [d for d in range(1, 70) if st.head_dim_allowed(d, 3)] == [8, 16, 32, 64]
-    assert not st.head_dim_allowed(16384, 4)
+    assert not st.head_dim_allowed(16384, 4) and st.head_dim_allowed(8192, 4) and not st.head_dim_allowed(1, 4)
 
 
 def test_handoff_and_block_folds():
