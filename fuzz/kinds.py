@@ -62,6 +62,9 @@ class Kind:
     #: may use them with ``"error": true``); any other op is a format error
     refuses: tuple[str, ...] = ()
     campaigns: tuple[tuple[str, bool], ...] = ()
+    #: events (``Lockstep.reached`` labels) every ``kvspec verify`` campaign
+    #: of the kind must reach: what the campaign exists to cover
+    must_reach: tuple[str, ...] = ()
     lockstep: str = ""
     machine: str = ""
     bugs: str = ""
@@ -140,10 +143,13 @@ KINDS: dict[str, Kind] = {
         Kind(
             "rotating", "sliding-window ring (RotatingKVCache): window W, sinks K, warm-up and steady state",
             modes=("fp16",),
-            fields={"max_size": REQUIRED, "keep": 0},
+            # undo: the ring's undo depth U (rows a trim can take back after a wrap)
+            fields={"max_size": REQUIRED, "keep": 0, "undo": 0},
             # the ring has no front trim, gathers or detached handles
             refuses=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),
+            must_reach=("undo=0", "undo=1", "undo=2", "undo=3", "undo=4", "rollbacks after a wrap",
+                        "rollbacks of exactly U rows", "rollbacks of a whole block", "restores over a non-empty undo log"),
             lockstep="fuzz.rotating:RotatingLockstep", machine="fuzz.rotating:RotatingMachine",
             bugs="fuzz.bugs.rotating:BUGS",
         ),

@@ -230,6 +230,15 @@ class PagedMachine(KVMachine):
     def drop(self) -> None:  # type: ignore[override]
         """Not a rule for paged caches."""
 
+    @rule(data=st.data())
+    def misuse_name(self, data: st.DataObject) -> None:  # type: ignore[override]
+        """A holder op on a paged cache (snapshot, restore, drop, with a
+        sequence's name or an unknown one): both sides must refuse it the
+        same way (a paged cache snapshots by fork) and change nothing."""
+        names = sorted(self.lock.world.seqs) + ["nope"]
+        name = data.draw(st.sampled_from(names), label="name")
+        self.do({"op": data.draw(st.sampled_from(self.named_ops), label="op"), "name": name})
+
     @property
     def offset(self) -> int:
         s = self.lock.world.seqs.get(sp.MAIN)
@@ -267,6 +276,19 @@ class PagedMachine(KVMachine):
 
     @rule(data=st.data(), n=APPEND_N)
     def append(self, data: st.DataObject, n: int) -> None:
+        self.do({"op": "append", "n": n, "seq": self.pick(data)})
+
+    @rule(data=st.data())
+    def burst(self, data: st.DataObject) -> None:
+        """With a pool ceiling: an append a few blocks longer than the free
+        blocks left (exhaustion, refused with nothing changed) or just
+        within them."""
+        pool = self.lock.world.pool
+        if pool.max_blocks is None:
+            return
+        room = len(pool.free) + pool.max_blocks - pool.size
+        extra = data.draw(st.integers(-1, 2), label="blocks past the room")
+        n = max(1, (room + extra) * pool.block_size)
         self.do({"op": "append", "n": n, "seq": self.pick(data)})
 
     @rule(data=st.data())
@@ -312,6 +334,16 @@ class PagedMachine(KVMachine):
         seq = self.pick(data)
         keep = data.draw(st.sampled_from([0, 0, 0, 0, 1]), label="keep")
         self.do({"op": "trim_front", "n": self.edge_count(data, seq, front=True), "keep": keep, "seq": seq})
+
+    @rule(data=st.data())
+    def slide_then_rollback(self, data: st.DataObject) -> None:
+        """A sliding window's eviction followed by a rollback on the same
+        sequence (speculative decoding on a slid window): the trim must keep
+        the table indexed by absolute position."""
+        seq = self.pick(data)
+        self.do({"op": "trim_front", "n": self.edge_count(data, seq, front=True), "seq": seq})
+        self.do({"op": "trim", "n": self.edge_count(data, seq, front=False), "seq": seq})
+        self.do({"op": "append", "n": data.draw(st.integers(1, 3), label="n"), "seq": seq})
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

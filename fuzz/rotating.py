@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
@@ -32,11 +32,13 @@ def mask_as_rows(mask: Any, n: int, length: int) -> list[list[bool]] | None:
 
 
 class RotatingLockstep(Lockstep):
-    """Drives a spec ``RotatingWorld`` and an impl ``RotatingKVCache``.
+    """Drives a spec ``RotatingWorld`` and an impl ``RotatingKVCache``, both
+    with the trace's undo depth ``undo``.
 
-    Besides the common checks it compares the ring cursor ``idx`` and, before
-    every append, ``make_mask`` (array and short forms) with the spec's
-    visibility rule over the keys the append will return."""
+    Besides the common checks it compares the ring cursor ``idx``, with an
+    undo log ``trimmable_rows()``, and, before every append, ``make_mask``
+    (array and short forms) with the spec's visibility rule over the keys
+    the append will return."""
 
     spec_module = sr
 
@@ -44,15 +46,21 @@ class RotatingLockstep(Lockstep):
     def check_cache(cls, cache: dict[str, Any]) -> None:
         if cache["keep"] >= cache["max_size"]:
             raise TraceFormatError(f"field cache.keep: must be < max_size ({cache['max_size']}), got {cache['keep']}")
+        undo = cache.get("undo", 0)
+        if not isinstance(undo, int) or isinstance(undo, bool) or undo < 0:
+            raise TraceFormatError(f"field cache.undo: must be an integer >= 0, got {undo!r}")
 
     def __init__(self, cache: dict[str, Any], cache_factory=RotatingKVCache):
         super().__init__(cache)
+        self.undo = cache.get("undo", 0)
         self.world = sr.RotatingWorld(
-            sr.new_cache(cache["max_size"], cache["keep"], cache["step"], cache["inplace"], cache["mode"])
+            sr.new_cache(cache["max_size"], cache["keep"], cache["step"], cache["inplace"], cache["mode"], self.undo)
         )
         self.prev_world = self.world
+        self.reached(f"undo={self.undo}")
         self.cache = cache_factory(
-            max_size=cache["max_size"], keep=cache["keep"], step=cache["step"], inplace=cache["inplace"], mode=cache["mode"]
+            max_size=cache["max_size"], keep=cache["keep"], step=cache["step"], inplace=cache["inplace"], mode=cache["mode"],
+            **({"undo": self.undo} if self.undo else {}),
         )
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
@@ -108,13 +116,31 @@ class RotatingLockstep(Lockstep):
         if op["n"] == 1 and (before.offset >= before.max_size) and (self.prev_world.holders or self.prev_world.held):
             self.reached("steady-state writes beside a holder")
 
+    def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        super().compare_result(index, op, s, i)
+        before = self.prev_world.cache
+        if op["op"] in ("trim", "trim_to") and s and before.wrapped:
+            self.reached("rollbacks after a wrap")
+            if s == before.undo:
+                self.reached("rollbacks of exactly U rows")
+            if before.log and before.log[-1].kind == "prefill" and s >= before.log[-1].rows:
+                self.reached("rollbacks of a whole block")
+        if op["op"] == "restore" and before.log:
+            self.reached("restores over a non-empty undo log")
+
     def spec_observables(self) -> dict[str, Any]:
         c = self.world.cache
-        return {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
+        out = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
+        if self.undo:
+            out["trimmable_rows"] = sr.trimmable_rows(c)
+        return out
 
     def impl_observables(self) -> dict[str, Any]:
         c = self.cache
-        return {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
+        out = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
+        if self.undo:
+            out["trimmable_rows"] = c.trimmable_rows()
+        return out
 
 
 def _mask_text(rows: list[list[bool]]) -> str:
@@ -122,9 +148,12 @@ def _mask_text(rows: list[list[bool]]) -> str:
 
 
 class RotatingMachine(KVMachine):
-    """Sliding-window ops with W 2 to 16, K 0 to 3, step 1 to 8: mixed decode
-    and multi-row appends, trims before and after the wrap, snapshots and held
-    windows in warm-up and in the steady state."""
+    """Sliding-window ops with W 2 to 16, K 0 to 3, step 1 to 8, undo depth U
+    0 to 4 (0 on mlx-lm targets, which have no undo log): mixed decode and
+    multi-row appends, trims before and after the wrap, snapshots and held
+    windows in warm-up and in the steady state; after a wrap, the
+    speculative pattern (append a block of up to U + 1 rows, then trim part
+    or all of it) and rollbacks of the latest decode steps up to the bound."""
 
     kind = "rotating"
 
@@ -137,7 +166,10 @@ class RotatingMachine(KVMachine):
     )
     def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int, kv_heads: int) -> None:
         keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
-        self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads)
+        extra = {}
+        if self.target is None or self.target.is_impl:
+            extra["undo"] = data.draw(st.integers(0, 4), label="undo")
+        self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads, **extra)
 
     @rule()
     def decode_again(self) -> None:
@@ -147,6 +179,39 @@ class RotatingMachine(KVMachine):
     @rule(n=st.integers(2, 9))
     def prefill(self, n: int) -> None:
         self.do({"op": "append", "n": n})
+
+    def _wrapped(self) -> bool:
+        return self.lock is not None and self.lock.world.cache.wrapped
+
+    @precondition(_wrapped)
+    @rule(data=st.data())
+    def speculate(self, data: st.DataObject) -> None:
+        """After a wrap: a verification block of 2 to U + 2 rows, then a trim
+        of part or all of it (the speculative rollback)."""
+        undo = self.lock.world.cache.undo
+        n = data.draw(st.integers(2, undo + 2), label="block")
+        self.do({"op": "append", "n": n})
+        reject = data.draw(st.one_of(st.sampled_from([n, n - 1]), st.integers(1, n)), label="reject")
+        self.do({"op": "trim", "n": reject})
+
+    @precondition(_wrapped)
+    @rule(data=st.data())
+    def draft_steps(self, data: st.DataObject) -> None:
+        """After a wrap: 1 to U + 1 decode steps (a draft model's), then
+        take them back (all of them at depth U is a rollback of exactly U)."""
+        undo = self.lock.world.cache.undo
+        n = data.draw(st.integers(1, undo + 1), label="steps")
+        for _ in range(n):
+            self.do({"op": "append", "n": 1})
+        self.do({"op": "trim", "n": n})
+
+    @precondition(_wrapped)
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        """After a wrap: trim at the bound, one row less, one row more, or one."""
+        bound = sr.trimmable_rows(self.lock.world.cache)
+        n = data.draw(st.sampled_from(sorted({bound, max(bound - 1, 1), bound + 1, 1})), label="n")
+        self.do({"op": "trim", "n": n})
 
     @invariant()
     def cursor_in_range(self) -> None:

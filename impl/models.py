@@ -43,11 +43,12 @@ def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] 
 
 
 def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
-             classes: dict[str, type] | None = None, **kw: Any) -> Cache:
+             classes: dict[str, type] | None = None, undo: int = 0, **kw: Any) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind
     (``classes`` maps a kind, ``"dense"`` or ``"rotating"``, to the class to
-    build instead of ours: a subclass, e.g. an injected bug; ``kw``: the
-    Delegated mode's ``hot_threshold`` and ``fold_block``)."""
+    build instead of ours: a subclass, e.g. an injected bug; ``undo`` is a
+    ring's undo depth; ``kw``: the Delegated mode's ``hot_threshold`` and
+    ``fold_block``)."""
     from mlx_lm.models import cache as lm_cache
 
     classes = classes or {}
@@ -59,7 +60,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
                 f"its RotatingKVCache supports mode 'fp16' only, got mode={mode!r}"
             )
         ring = classes.get("rotating", RotatingKVCache)
-        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace)
+        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo)
     if type(c) is lm_cache.KVCache:
         return _dense(mode, step, inplace, classes, kw)
     raise UnsupportedOperationError(
@@ -75,6 +76,7 @@ def make_prompt_cache(
     inplace: bool | None = None,
     max_kv_size: int | None = None,
     classes: dict[str, type] | None = None,
+    undo: int = 0,
     **kw: Any,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
@@ -101,6 +103,8 @@ def make_prompt_cache(
         classes: ``{"dense": cls, "rotating": cls}`` to build subclasses of
             ours instead (the injected-bug catalog's classes); default ours
             (:func:`impl.turbo.make_cache` for the dense modes).
+        undo: every ring's undo depth U (rows a trim can take back after a
+            wrap; 0: none).
         **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
@@ -108,7 +112,7 @@ def make_prompt_cache(
     sliding-window layer; InvalidArgumentError for bad sizes.
     """
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace, classes, **kw) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, classes, undo, **kw) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -117,7 +121,7 @@ def make_prompt_cache(
                 f"which supports mode 'fp16' only, got mode={mode!r}"
             )
         ring = (classes or {}).get("rotating", RotatingKVCache)
-        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace) for _ in range(n_layers)]
+        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo) for _ in range(n_layers)]
     return [_dense(mode, step, inplace, classes, kw) for _ in range(n_layers)]
 
 
@@ -138,8 +142,9 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
 
     Every layer is trimmed by the same count: ``min(n, rows the shortest
     layer can give back)``, and that count is returned. When any layer cannot
-    trim exactly (``is_trimmable()`` is False: a sliding-window ring that has
-    wrapped) nothing is trimmed in any layer and 0 is returned, so layers
+    trim exactly (``is_trimmable()`` is False, or the count is beyond a
+    ring's ``trimmable_rows()``: a wrapped ring beyond its undo depth)
+    nothing is trimmed in any layer and 0 is returned, so layers
     never disagree on the sequence they hold. ``n <= 0`` trims nothing.
     Raises InvalidArgumentError for a non-integer ``n``; StateError when a
     layer breaks its ``is_trimmable()`` promise.
@@ -148,8 +153,8 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
     if n <= 0 or not can_trim_prompt_cache(caches):
         return 0
     count = min(n, *(_trimmable_rows(c) for c in caches))
-    if count == 0:
-        return 0
+    if count == 0 or any(count > c.trimmable_rows() for c in caches if hasattr(c, "trimmable_rows")):
+        return 0  # a ring beyond its undo depth refuses for the whole list (semantics.md 6)
     trimmed = [c.trim(count) for c in caches]
     if any(t != count for t in trimmed):
         # is_trimmable() promised an exact trim; a layer that trimmed a

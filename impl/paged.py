@@ -527,9 +527,27 @@ class PagedKVCache:
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> PagedKVCache:
-        """A cache on a fresh pool holding ``state``'s rows; ``meta_state``
-        (block_size, offset, start) gives the block size (default 16)."""
-        block_size = 16 if meta_state is None else int(meta_state[0])
+        """A cache on a fresh pool holding ``state``'s rows at positions
+        ``[0, rows)``; ``meta_state`` (block_size, offset, start) gives the
+        block size (default 16). Raises InvalidArgumentError for a
+        malformed meta_state or one whose offset and start do not describe
+        exactly these rows from position 0 (a front-trimmed sequence is not
+        rebuilt: its rows would take other RoPE positions)."""
+        block_size, rows = 16, 0
+        if state:
+            rows = int(state[0].shape[2]) if isinstance(state[0], mx.array) and state[0].ndim == 4 else -1
+        if meta_state is not None:
+            try:
+                block_size, offset, start = (int(x) for x in meta_state)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"from_state: meta_state must be (block_size, offset, start) integers, got {meta_state!r}"
+                ) from None
+            if start != 0 or offset != rows:
+                raise InvalidArgumentError(
+                    f"from_state: meta_state must describe the rows from position 0 (start 0, offset {rows}), "
+                    f"got offset={offset}, start={start}"
+                )
         cache = cls(block_size=block_size)
         cache.state = state
         return cache

@@ -18,7 +18,7 @@ request is refused instead of silently changing precision.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -63,6 +63,71 @@ def ring_visible(query: int, key: int, window: int, keep: int) -> bool:
     return key <= query and (key < keep or query - key < window - keep)
 
 
+def prefill_kept(n_old: int, max_size: int, keep: int) -> list[int]:
+    """Which old rows (chronological index) a multi-row append keeps
+    (spec.rotating.prefill_kept): all while at most ``max_size - 1``, else
+    the sinks and the latest others."""
+    budget = max_size - 1
+    if n_old <= budget:
+        return list(range(n_old))
+    sinks = min(keep, n_old)
+    if budget > sinks:
+        return list(range(sinks)) + list(range(n_old - (budget - sinks), n_old))
+    return list(range(budget))
+
+
+@dataclass(frozen=True)
+class UndoRecord:
+    """One append's undo record (spec.rotating.UndoRecord): the counters
+    before it, where a decode wrote (-1 for a block), and the valid rows it
+    destroyed as ``[B, H, r, D]`` float16 slices (r <= 1; ``None`` for
+    none). ``whole`` is False for an append onto an oversized buffer."""
+
+    kind: str
+    rows: int
+    offset: int
+    idx: int
+    capacity: int
+    slot: int
+    saved_keys: mx.array | None
+    saved_values: mx.array | None
+    whole: bool
+
+    @property
+    def saved_rows(self) -> int:
+        return 0 if self.saved_keys is None else int(self.saved_keys.shape[SEQ_AXIS])
+
+
+def log_push(log: tuple[UndoRecord, ...], record: UndoRecord, undo: int) -> tuple[UndoRecord, ...]:
+    """spec.rotating.log_push: no log at depth 0; a record that is not whole
+    starts it afresh; records older than the latest ``undo`` rows go."""
+    if undo == 0:
+        return ()
+    if not record.whole:
+        return (record,)
+    log = log + (record,)
+    while sum(r.rows for r in log[1:]) >= undo:
+        log = log[1:]
+    return log
+
+
+def log_rows(log: tuple[UndoRecord, ...]) -> int:
+    """spec.rotating.log_rows: rows the log can roll back."""
+    covered = sum(r.rows for r in log)
+    return covered - 1 if log and not log[0].whole else covered
+
+
+def log_rewind(log: tuple[UndoRecord, ...], n: int) -> tuple[UndoRecord, ...]:
+    """spec.rotating.log_rewind: the log after a counters-only trim of ``n``."""
+    while n > 0 and log:
+        last = log[-1]
+        if n >= last.rows:
+            log, n = log[:-1], n - last.rows
+        else:
+            log, n = log[:-1] + (replace(last, rows=last.rows - n),), 0
+    return log
+
+
 @dataclass
 class RingSnapshot:
     """A snapshot of a ring: new handles to its buffers and its counters."""
@@ -91,25 +156,34 @@ class RotatingKVCache:
         step: growth granularity in rows (>= 1) during warm-up.
         inplace: the in-place switch; ``None`` reads ``KV_INPLACE_WRITE``.
         mode: ``"fp16"`` only.
+        undo: undo depth U in rows (>= 0; 0, the default: a wrapped ring
+            cannot trim). The log keeps at most U rows per K/V buffer, so a
+            trim of up to U rows after a wrap is exact
+            (``trimmable_rows()``; spec.rotating.trimmable_rows).
 
     Raises InvalidArgumentError for bad sizes and UnsupportedOperationError
     for another mode. Observables: ``offset``, ``idx``, ``capacity``,
-    ``last_write_inplace``.
+    ``last_write_inplace``, ``trimmable_rows()``.
     """
 
-    def __init__(self, max_size: int, keep: int = 0, step: int = 256, inplace: bool | None = None, mode: str = "fp16"):
+    def __init__(self, max_size: int, keep: int = 0, step: int = 256, inplace: bool | None = None, mode: str = "fp16",
+                 undo: int = 0):
         if mode != "fp16":
             raise UnsupportedOperationError(f"RotatingKVCache: mode must be 'fp16', got {mode!r}")
         max_size = _check_int("RotatingKVCache", "max_size", max_size)
         keep = _check_int("RotatingKVCache", "keep", keep)
         step = _check_int("RotatingKVCache", "step", step)
+        undo = _check_int("RotatingKVCache", "undo", undo)
+        if undo < 0:
+            raise InvalidArgumentError(f"RotatingKVCache: undo must be >= 0, got {undo}")
         if max_size < 1:
             raise InvalidArgumentError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         if keep < 0 or keep >= max_size:
             raise InvalidArgumentError(f"RotatingKVCache: keep must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
         if step < 1:
             raise InvalidArgumentError(f"RotatingKVCache: step must be >= 1, got {step}")
-        self.max_size, self.keep, self.step, self.mode = max_size, keep, step, mode
+        self.max_size, self.keep, self.step, self.mode, self.undo = max_size, keep, step, mode, undo
+        self._log: tuple[UndoRecord, ...] = ()
         self.inplace = inplace_switch_from_env() if inplace is None else bool(inplace)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -174,6 +248,7 @@ class RotatingKVCache:
 
     def _decode(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         W, K = self.max_size, self.keep
+        prior = (self.offset, self.idx, self.capacity, self.valid_len)
         if self.keys is not None and self.capacity > W:
             # An oversized buffer (after a multi-row append) is cut to its
             # sinks and latest W - K rows, in chronological order already.
@@ -191,6 +266,7 @@ class RotatingKVCache:
         if self.idx >= W:
             self.idx = K
         inplace = self._inplace_write_allowed()
+        self._log_decode(prior, self.idx)
         self._write_row(k, v, inplace)
         self.offset += 1
         self.idx += 1
@@ -211,6 +287,7 @@ class RotatingKVCache:
 
     def _prefill(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         old = self._chronological()
+        self._log_prefill(old, k.shape[SEQ_AXIS])
         if old is None:
             keys, values = k, v
             kept = 0
@@ -247,38 +324,155 @@ class RotatingKVCache:
         self._marker = (self.keys, self.values, self.idx)  # type: ignore[assignment]
         return out
 
+    # -- the undo log (spec.rotating: decode_record, prefill_record) ----------
+    def _log_decode(self, prior: tuple[int, int, int, int], slot: int) -> None:
+        """Record the decode about to write at ``slot``: the counters before
+        it and the row it overwrites when that row is valid; onto an
+        oversized buffer the record is not whole (spec.rotating.decode_record)."""
+        if self.undo == 0:
+            return
+        offset, idx, cap, valid = prior
+        sk = sv = None
+        if cap <= self.max_size and slot < valid:
+            sk, sv = (a[:, :, slot : slot + 1, :] for a in (self.keys, self.values))  # type: ignore[index]
+        record = UndoRecord("decode", 1, offset, idx, cap, slot, sk, sv, cap <= self.max_size)
+        self._log = log_push(self._log, record, self.undo)
+
+    def _log_prefill(self, old: tuple[mx.array, mx.array] | None, rows: int) -> None:
+        """Record the multi-row append about to go onto the chronological
+        rows ``old``: the counters before it and the old rows it drops (at
+        most one unless the buffer is oversized, then not whole;
+        spec.rotating.prefill_record)."""
+        if self.undo == 0:
+            return
+        whole = self.capacity <= self.max_size
+        sk = sv = None
+        n_old = 0 if old is None else int(old[0].shape[SEQ_AXIS])
+        dropped = sorted(set(range(n_old)) - set(prefill_kept(n_old, self.max_size, self.keep)))
+        if whole and dropped and old is not None:
+            a, b = dropped[0], dropped[-1] + 1
+            sk, sv = old[0][:, :, a:b, :], old[1][:, :, a:b, :]
+        record = UndoRecord("prefill", rows, self.offset, self.idx, self.capacity, -1, sk, sv, whole)
+        self._log = log_push(self._log, record, self.undo)
+
+    def log_saved_rows(self) -> int:
+        """Rows the undo log holds per K/V buffer (at most ``undo``)."""
+        return sum(r.saved_rows for r in self._log)
+
+    def _prior_layout(self, r: UndoRecord) -> tuple[mx.array, mx.array]:
+        """The buffers before the multi-row append ``r`` (spec.rotating.prior_layout):
+        each old row back to its slot in the prior's chronological order,
+        kept ones from the front of the buffer, dropped ones from the log,
+        zeros where nothing was valid. One gather per tensor."""
+        assert self.keys is not None and self.values is not None
+        W, K, cap = self.max_size, self.keep, self.capacity
+        order = chronological_slots(r.capacity, r.idx, K, r.offset != r.idx)
+        row_of = {j: i for i, j in enumerate(prefill_kept(len(order), W, K))}
+        dropped = [j for j in range(len(order)) if j not in row_of]
+        row_of.update({j: cap + t for t, j in enumerate(dropped[: r.saved_rows])})
+        zero = cap + r.saved_rows
+        src = [zero] * (r.capacity if r.capacity else min(cap, W))
+        for j, slot in enumerate(order):
+            src[slot] = row_of.get(j, zero)
+        out = []
+        for a, saved in ((self.keys, r.saved_keys), (self.values, r.saved_values)):
+            pad = mx.zeros((a.shape[0], a.shape[1], 1, a.shape[3]), dtype=a.dtype)
+            parts = [a] + ([saved] if saved is not None else []) + [pad]
+            out.append(mx.take(mx.concatenate(parts, axis=SEQ_AXIS), mx.array(src, dtype=mx.int32), axis=SEQ_AXIS))
+        return out[0], out[1]
+
+    def _undo_append(self, r: UndoRecord) -> None:
+        """Undo the newest append wholly (spec.rotating.undo_append): a decode
+        writes its saved row back into its slot (O(1) rows), a block gets
+        the prior layout back; counters from the record; no marker."""
+        if r.kind == "decode":
+            if r.saved_keys is not None:
+                start = mx.array([r.slot])
+                self._set_buffers(mx.slice_update(self.keys, r.saved_keys, start, axes=(SEQ_AXIS,)),
+                                  mx.slice_update(self.values, r.saved_values, start, axes=(SEQ_AXIS,)))
+        else:
+            self._set_buffers(*self._prior_layout(r))
+        self.offset, self.idx, self._log, self._marker = r.offset, r.idx, self._log[:-1], None
+
+    def _undo_part(self, r: UndoRecord, n: int) -> None:
+        """Undo the last ``n < r.rows`` rows of the newest block
+        (spec.rotating.undo_part): two rows or more left, cut the buffers to
+        them; one left, rebuild the prior ring and decode that row again."""
+        assert self.keys is not None and self.values is not None
+        if r.rows - n >= 2:
+            end = self.idx - n
+            self._set_buffers(self.keys[:, :, :end, :], self.values[:, :, :end, :])
+            self.offset, self.idx, self._marker = self.offset - n, end, None
+            self._log = self._log[:-1] + (replace(r, rows=r.rows - n),)
+            return
+        at = self.idx - r.rows
+        first = (self.keys[:, :, at : at + 1, :], self.values[:, :, at : at + 1, :])
+        self._set_buffers(*self._prior_layout(r))
+        self.offset, self.idx, self._log, self._marker = r.offset, r.idx, self._log[:-1], None
+        inplace = self.last_write_inplace
+        self._decode(*first)
+        self._marker = (self.keys, self.values, self.idx)  # type: ignore[assignment]
+        self.last_write_inplace = inplace
+
+    def _rollback(self, n: int) -> None:
+        """Take back ``n <= trimmable_rows()`` rows through the log, newest
+        append first (spec.rotating.rollback)."""
+        while n > 0:
+            r = self._log[-1]
+            if n >= r.rows:
+                self._undo_append(r)
+                n -= r.rows
+            else:
+                self._undo_part(r, n)
+                n = 0
+
     # -- trims ------------------------------------------------------------------
-    def is_trimmable(self) -> bool:
-        """True only while trim is exact: unwrapped and not oversized
-        (spec.rotating.is_trimmable)."""
+    def _counters_rewind_exact(self) -> bool:
+        """spec.rotating.counters_rewind_exact: unwrapped and not oversized."""
         return self.idx == self.offset and self.offset <= self.max_size and self.capacity <= self.max_size
 
+    def trimmable_rows(self) -> int:
+        """Rows a trim can take back exactly (spec.rotating.trimmable_rows):
+        ``offset`` while the counters alone rewind the ring, else what the
+        undo log covers, at most ``undo``."""
+        if self._counters_rewind_exact():
+            return self.offset
+        return min(self.undo, log_rows(self._log))
+
+    def is_trimmable(self) -> bool:
+        """True when some trim is exact (spec.rotating.is_trimmable)."""
+        return self._counters_rewind_exact() or self.trimmable_rows() > 0
+
     def trim(self, n: int) -> int:
-        """Rewind ``n`` rows (clamped to ``[0, offset]``) by moving offset and
-        idx; the buffers stay (O(1)). On a wrapped ring trims nothing and
+        """Rewind ``n`` rows (clamped to ``[0, offset]``) exactly
+        (spec.rotating.trim): by the counters while unwrapped (O(1)), else
+        through the undo log (O(n) rows for decode steps). The buffers stay,
+        also at offset 0. Beyond ``trimmable_rows()`` trims nothing and
         returns 0 (fail closed)."""
         n = _check_int("trim", "n", n)
-        if not self.is_trimmable():
-            return 0
         n = max(0, min(n, self.offset))
-        self.offset -= n
-        self.idx -= n
-        if self.offset == 0 and n:
-            self.keys = self.values = None
-            self._marker = None
+        if n == 0 or n > self.trimmable_rows():
+            return 0
+        if self._counters_rewind_exact():
+            self.offset -= n
+            self.idx -= n
+            self._log = log_rewind(self._log, n)
+        else:
+            self._rollback(n)
         return n
 
     def trim_to(self, length: int) -> int:
         """``trim(offset - length)``. Raises InvalidArgumentError unless
-        ``0 <= length <= offset``; StateError when ``length < offset`` and the
-        ring cannot trim exactly."""
+        ``0 <= length <= offset``; StateError (nothing changes) when
+        ``offset - length`` is beyond ``trimmable_rows()``."""
         length = _check_int("trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(f"trim_to: len must satisfy 0 <= len <= offset ({self.offset}), got {length}")
-        if length < self.offset and not self.is_trimmable():
+        if self.offset - length > self.trimmable_rows():
             raise StateError(
-                f"trim_to: cannot trim a wrapped sliding-window ring exactly (offset={self.offset}, "
-                f"idx={self.idx}, max_size={self.max_size}), got len={length}"
+                f"trim_to: cannot trim a wrapped sliding-window ring exactly by {self.offset - length} rows "
+                f"(offset={self.offset}, idx={self.idx}, max_size={self.max_size}, undo={self.undo}, "
+                f"rows it can roll back: {self.trimmable_rows()}), got len={length}"
             )
         return self.trim(self.offset - length)
 
@@ -343,6 +537,7 @@ class RotatingKVCache:
         self.values = None if snapshot.values is None else share(snapshot.values)
         self.offset, self.idx = snapshot.offset, snapshot.idx
         self._marker = None
+        self._log = ()  # a restored ring cannot roll back into another history
 
     # -- masks ------------------------------------------------------------------
     def _next_positions(self, n: int) -> list[int]:
@@ -412,17 +607,23 @@ class RotatingKVCache:
         self._check_snapshot("state", RingSnapshot(keys, values, rows, rows, self.max_size, self.keep))
         self.keys, self.values, self.offset, self.idx = keys, values, rows, rows
         self._marker = None
+        self._log = ()
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return tuple(map(str, (self.keep, self.max_size, self.step, self.offset, self.idx)))
+        """``(keep, max_size, step, offset, idx)`` as strings (mlx-lm's
+        layout), followed by ``undo`` when it is not 0."""
+        head = (self.keep, self.max_size, self.step, self.offset, self.idx)
+        return tuple(map(str, head + ((self.undo,) if self.undo else ())))
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        """Set (keep, max_size, step, offset, idx) over the loaded rows;
-        refused (nothing changes) when the counters do not fit them."""
+        """Set (keep, max_size, step, offset, idx[, undo]) over the loaded
+        rows, with an empty undo log; refused (nothing changes) when the
+        counters do not fit them."""
         other = type(self)._from_parts("meta_state", self.keys, self.values, v)
         self.keep, self.max_size, self.step, self.offset, self.idx = other.keep, other.max_size, other.step, other.offset, other.idx
+        self.undo, self._log = other.undo, ()
         self._marker = None
 
     @classmethod
@@ -430,7 +631,8 @@ class RotatingKVCache:
         """Rebuild a ring from ``state`` (``(keys, values)``, float16 ``[B, H,
         T, D]`` in physical slot order, or ``()``) and ``meta_state``
         (``(keep, max_size, step, offset, idx)`` as strings, mlx-lm's
-        layout). Raises InvalidArgumentError for a malformed state or
+        layout, optionally followed by ``undo``; the log starts empty: a
+        rebuilt ring cannot roll back into the saved one's history). Raises InvalidArgumentError for a malformed state or
         meta_state, or counters that do not fit the rows (the checks of
         :meth:`restore`)."""
         return cls._from_parts("from_state", *_state_pair("from_state", state), meta_state)
@@ -438,10 +640,15 @@ class RotatingKVCache:
     @classmethod
     def _from_parts(cls, op: str, keys: mx.array | None, values: mx.array | None, meta: Any) -> RotatingKVCache:
         try:
-            keep, max_size, step, offset, idx = (int(x) for x in meta)
+            ints = [int(x) for x in meta]
+            if len(ints) not in (5, 6):
+                raise ValueError
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{op}: meta_state must be five integers (keep, max_size, step, offset, idx), got {meta!r}") from None
-        obj = cls(max_size=max_size, keep=keep, step=step)
+            raise InvalidArgumentError(
+                f"{op}: meta_state must be five or six integers (keep, max_size, step, offset, idx[, undo]), got {meta!r}"
+            ) from None
+        keep, max_size, step, offset, idx = ints[:5]
+        obj = cls(max_size=max_size, keep=keep, step=step, undo=ints[5] if len(ints) == 6 else 0)
         obj._check_snapshot(op, RingSnapshot(keys, values, offset, idx, max_size, keep))
         obj.keys, obj.values, obj.offset, obj.idx = keys, values, offset, idx
         return obj
@@ -457,7 +664,8 @@ class RotatingKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes  # type: ignore[union-attr]
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return f"RotatingKVCache(W={self.max_size}, K={self.keep}, offset={self.offset}, idx={self.idx}, capacity={self.capacity})"
+        return (f"RotatingKVCache(W={self.max_size}, K={self.keep}, U={self.undo}, offset={self.offset}, idx={self.idx}, "
+                f"capacity={self.capacity})")
 
 
-__all__ = ["Any", "RingSnapshot", "RotatingKVCache", "chronological_slots", "ring_visible"]
+__all__ = ["Any", "RingSnapshot", "RotatingKVCache", "UndoRecord", "chronological_slots", "prefill_kept", "ring_visible"]

@@ -34,7 +34,9 @@ def obligations() -> list[tuple[int, Any]]:
     except ImportError:
         rotating = None  # type: ignore[assignment]
     if rotating is not None and rotating.available():
-        out += rotating.OBLIGATIONS
+        from proofs import rotating_undo
+
+        out += rotating.OBLIGATIONS + rotating_undo.OBLIGATIONS
     else:
         out.append((2, lambda: waiting(2, "ring slot and warm-up in place", ("ring_slot", "chronological_order", "rotating_inplace_allowed"),
                                        "ring slots, chronological order and the warm-up in-place rule", "spec/rotating.py")))
@@ -118,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return 0 if exc.code == 0 else 2
     t0 = time.perf_counter()
-    known = {number for number, _ in obligations()}
+    known = {n for n, _ in obligations()}
     if args.only and not set(args.only) <= known:
-        parser.error(f"--only: obligation numbers are {sorted(known)}, got {sorted(set(args.only) - known)}")
+        parser.error(f"--only: obligation numbers are {min(known)} to {max(known)}, got {sorted(set(args.only) - known)}")
     results = run_all(set(args.only) if args.only else None)
     ch = None
     if args.crosshair:

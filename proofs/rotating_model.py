@@ -213,21 +213,23 @@ def prefill(d: Domain, c: RingS, n: Any) -> RingS:
     return replace(c1, off=off, idx=cap, mk=z3.BoolVal(True), mkb=c1.ident, mki=cap)
 
 
-def is_trimmable(d: Domain, c: RingS) -> Any:
+def counters_rewind_exact(d: Domain, c: RingS) -> Any:
     return z3.And(c.idx == c.off, c.off <= c.W, c.cap <= c.W)
 
 
+is_trimmable = counters_rewind_exact  # at U = 0 the two coincide
+
+
 def trim(d: Domain, c: RingS, n: Any) -> tuple[Any, RingS]:
-    """Rewind ``clamp(n, 0, offset)`` rows while the ring is trimmable; a
-    wrapped ring trims nothing (fail closed)."""
+    """Rewind ``clamp(n, 0, offset)`` rows while the counters alone rewind
+    the ring (``counters_rewind_exact``; the buffers stay, also at offset
+    0); a wrapped ring without an undo log (U = 0) trims nothing (fail
+    closed). The log's rollback is :mod:`proofs.rotating_undo`."""
     k = d.clamp(n, 0, c.off)
-    moved = z3.And(is_trimmable(d, c), k != 0)
+    moved = z3.And(counters_rewind_exact(d, c), k != 0)
     with d.under(moved):
         c1 = replace(c, off=d.sub(c.off, k, "offset - n"), idx=d.sub(c.idx, k, "idx - n"))
-        empty = c1.off == 0
-        c2 = replace(c1, cap=z3.If(empty, 0, c1.cap), has=z3.And(c1.has, z3.Not(empty)),
-                     mk=z3.And(c1.mk, z3.Not(empty)))
-    return z3.If(moved, k, 0), select(moved, c2, c)
+    return z3.If(moved, k, 0), select(moved, c1, c)
 
 
 def holder_of(d: Domain, c: RingS) -> RingHolderS:

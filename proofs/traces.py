@@ -44,7 +44,8 @@ def new_world(kind: str, cache: dict[str, Any]) -> Any:
     """A fresh spec world for a kvtrace ``cache`` object (its defaults)."""
     mode, step, inplace = cache.get("mode", "fp16"), cache.get("step", 256), cache.get("inplace", True)
     if kind == "rotating":
-        return sr.RotatingWorld(sr.new_cache(cache["max_size"], cache.get("keep", 0), step, inplace, mode))
+        return sr.RotatingWorld(sr.new_cache(cache["max_size"], cache.get("keep", 0), step, inplace, mode,
+                                             cache.get("undo", 0)))
     return sd.new_world(mode, step, inplace)
 
 

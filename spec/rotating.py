@@ -15,6 +15,12 @@ ring order*, so the spec must say which entry sits in which slot.
 Valid rows are ``slots[:idx]`` while the ring is unwrapped (``idx ==
 offset``), else every slot (a wrapped ring, or an oversized buffer after a
 multi-row append).
+
+The undo log (``undo`` = U rows, 0 by default) makes rollback exact after a
+wrap: each append records the ring's counters before it and the valid rows
+it overwrote or dropped (``UndoRecord``); records older than the latest U
+rows are discarded, so the log holds at most U rows. ``trimmable_rows``
+gives the bound, ``trim``/``trim_to`` use it (semantics.md 3, Trim).
 """
 
 from __future__ import annotations
@@ -92,6 +98,37 @@ class RingMarker:
 
 
 @dataclass(frozen=True)
+class UndoRecord:
+    """What one append needs to be undone (the undo log's unit).
+
+    * ``kind``: ``"decode"`` (one row) or ``"prefill"`` (a multi-row append;
+      after a partial rollback it may cover fewer rows, still >= 2, or 1 when
+      the ring is unwrapped, where both layouts coincide);
+    * ``rows``: rows of the append still in the ring;
+    * ``offset``, ``idx``, ``capacity``: the ring's counters before it;
+    * ``slot``: where a decode wrote (after growth and wrap); -1 for a prefill;
+    * ``saved``: the valid rows the append destroyed, oldest first: the one a
+      decode overwrote (none during warm-up), the ones a multi-row append
+      dropped (at most one unless the buffer was oversized);
+    * ``whole``: the record can undo its append wholly. False when the append
+      went onto an oversized buffer (the transient state after a long
+      multi-row append): undoing it would bring back every row the cut or the
+      re-linearisation dropped, up to the whole previous chunk, more than the
+      log's U rows. Such an append starts the log afresh; only its later rows
+      can be rolled back.
+    """
+
+    kind: str
+    rows: int
+    offset: int
+    idx: int
+    capacity: int
+    slot: int
+    saved: tuple[Entry, ...]
+    whole: bool
+
+
+@dataclass(frozen=True)
 class RotatingCache:
     max_size: int
     keep: int = 0
@@ -104,6 +141,8 @@ class RotatingCache:
     ident: int | None = None
     marker: RingMarker | None = None
     next_ident: int = 0
+    undo: int = 0
+    log: tuple[UndoRecord, ...] = ()
 
     @property
     def capacity(self) -> int:
@@ -136,16 +175,19 @@ def _valid(e: Entry | None) -> Entry:
 
 
 def new_cache(max_size: int, keep: int = 0, step: int = 256, inplace: bool = True,
-              mode: Mode | str = Mode.FP16) -> RotatingCache:
-    """An empty ring. Raises InvalidArgumentError unless ``max_size >= 1``,
-    ``0 <= keep < max_size`` and ``step >= 1``."""
+              mode: Mode | str = Mode.FP16, undo: int = 0) -> RotatingCache:
+    """An empty ring with an undo log of ``undo`` rows (0: no log, a wrapped
+    ring fails closed). Raises InvalidArgumentError unless ``max_size >= 1``,
+    ``0 <= keep < max_size``, ``step >= 1`` and ``undo >= 0``."""
     if max_size < 1:
         raise InvalidArgumentError(f"max_size: must be >= 1, got {max_size}")
     if keep < 0 or keep >= max_size:
         raise InvalidArgumentError(f"keep: must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
     if step < 1:
         raise InvalidArgumentError(f"step: must be >= 1, got {step}")
-    return RotatingCache(max_size=max_size, keep=keep, step=step, inplace=inplace, mode=Mode(mode))
+    if undo < 0:
+        raise InvalidArgumentError(f"undo: must be >= 0, got {undo}")
+    return RotatingCache(max_size=max_size, keep=keep, step=step, inplace=inplace, mode=Mode(mode), undo=undo)
 
 
 def _new_buffer(cache: RotatingCache, slots: tuple[Entry | None, ...]) -> RotatingCache:
@@ -184,8 +226,10 @@ class RingAppendResult:
 
 
 def decode(cache: RotatingCache, token: int) -> tuple[RingAppendResult, RotatingCache]:
-    """Single-row append (semantics.md 3, steps 1 to 5)."""
+    """Single-row append (semantics.md 3, steps 1 to 5); logs what it
+    overwrites (:func:`decode_record`)."""
     W, K = cache.max_size, cache.keep
+    prior = cache
     if cache.capacity > W:
         # 1. cut an oversized buffer back to its sinks and latest W - K rows
         cache = replace(_new_buffer(cache, cache.slots[:K] + cache.slots[cache.capacity - (W - K):]), idx=W)
@@ -196,32 +240,51 @@ def decode(cache: RotatingCache, token: int) -> tuple[RingAppendResult, Rotating
     if cache.idx >= W:
         cache = replace(cache, idx=K)  # 3. wrap
     inplace = rotating_inplace_allowed(cache)
+    record = decode_record(prior, cache.idx)
     entry = Entry(cache.offset, token)
     slots = cache.slots[: cache.idx] + (entry,) + cache.slots[cache.idx + 1 :]
     cache = replace(cache, slots=slots) if inplace else _new_buffer(cache, slots)
     cache = replace(cache, offset=cache.offset + 1, idx=cache.idx + 1)
     assert cache.ident is not None
-    cache = replace(cache, marker=RingMarker(cache.ident, cache.idx))
+    cache = replace(cache, marker=RingMarker(cache.ident, cache.idx), log=log_push(cache.log, record, cache.undo))
     return RingAppendResult(cache.window(), cache.positions(), inplace), cache
+
+
+def prefill_kept(n_old: int, max_size: int, keep: int) -> tuple[int, ...]:
+    """Which of ``n_old`` old rows (chronological order) a multi-row append
+    keeps: all of them while at most ``max_size - 1``, else the sinks and
+    the latest others, ``max_size - 1`` rows in all.
+
+    pre: 0 <= keep < max_size
+    pre: n_old >= 0
+    post: len(__return__) == min(n_old, max_size - 1)
+    """
+    budget = max_size - 1
+    if n_old <= budget:
+        return tuple(range(n_old))
+    sinks = min(keep, n_old)
+    if budget > sinks:
+        return tuple(range(sinks)) + tuple(range(n_old - (budget - sinks), n_old))
+    return tuple(range(budget))
 
 
 def prefill(cache: RotatingCache, tokens: tuple[int, ...]) -> tuple[RingAppendResult, RotatingCache]:
     """Multi-row append: put the valid rows in chronological order, keep the
     sinks and the latest others so that at most ``max_size - 1`` old rows
-    remain, append every new row, store contiguously and return the whole
-    concatenation (it may exceed ``max_size``: clamping it starves the
-    earliest queries, a known bug)."""
+    remain (:func:`prefill_kept`), append every new row, store contiguously
+    and return the whole concatenation (it may exceed ``max_size``: clamping
+    it starves the earliest queries, a known bug). Logs the rows it drops
+    (:func:`prefill_record`)."""
     order = chronological_order(cache.capacity, cache.idx, cache.keep, cache.wrapped)
     old = tuple(cache.slots[i] for i in order)
-    budget = cache.max_size - 1
-    if len(old) > budget:
-        sinks = min(cache.keep, len(old))
-        old = old[:sinks] + old[len(old) - (budget - sinks):] if budget > sinks else old[:budget]
+    kept = prefill_kept(len(old), cache.max_size, cache.keep)
+    record = prefill_record(cache, old, kept, len(tokens))
     new = tuple(Entry(cache.offset + i, t) for i, t in enumerate(tokens))
-    cache = _new_buffer(cache, old + new)
-    cache = replace(cache, offset=cache.offset + len(tokens), idx=len(old) + len(new))
+    prior = cache
+    cache = _new_buffer(cache, tuple(old[j] for j in kept) + new)
+    cache = replace(cache, offset=prior.offset + len(tokens), idx=len(kept) + len(new))
     assert cache.ident is not None
-    cache = replace(cache, marker=RingMarker(cache.ident, cache.idx))
+    cache = replace(cache, marker=RingMarker(cache.ident, cache.idx), log=log_push(cache.log, record, cache.undo))
     return RingAppendResult(cache.window(), cache.positions(), False), cache
 
 
@@ -235,43 +298,207 @@ def append(cache: RotatingCache, tokens: tuple[int, ...]) -> tuple[RingAppendRes
     return prefill(cache, tokens)
 
 
-def is_trimmable(cache: RotatingCache) -> bool:
-    """Trim is exact only while the ring is unwrapped and not oversized.
-    **Decision** (semantics.md 3): otherwise trim fails closed."""
+# ---------------------------------------------------------------------------
+# The undo log
+
+
+def oversized(cache: RotatingCache) -> bool:
+    """The buffer is longer than the window (right after a multi-row append)."""
+    return cache.capacity > cache.max_size
+
+
+def decode_record(prior: RotatingCache, slot: int) -> UndoRecord:
+    """Undo record of a decode that writes at ``slot`` (after growth and
+    wrap) into ``prior``: the counters before it and the row it overwrites
+    when that row is valid (never during warm-up). Onto an oversized buffer
+    the decode's cut drops rows the log cannot hold: the record is not whole."""
+    if oversized(prior):
+        return UndoRecord("decode", 1, prior.offset, prior.idx, prior.capacity, slot, (), False)
+    saved = (_valid(prior.slots[slot]),) if slot < prior.valid_len else ()
+    return UndoRecord("decode", 1, prior.offset, prior.idx, prior.capacity, slot, saved, True)
+
+
+def prefill_record(prior: RotatingCache, old: tuple[Entry | None, ...], kept: tuple[int, ...],
+                   rows: int) -> UndoRecord:
+    """Undo record of a multi-row append of ``rows`` rows onto ``prior``
+    whose chronological old rows are ``old``, of which it keeps ``kept``:
+    the counters before it and the rows it drops (at most one unless
+    ``prior`` is oversized, in which case the record is not whole)."""
+    if oversized(prior):
+        return UndoRecord("prefill", rows, prior.offset, prior.idx, prior.capacity, -1, (), False)
+    dropped = tuple(_valid(old[j]) for j in range(len(old)) if j not in kept)
+    return UndoRecord("prefill", rows, prior.offset, prior.idx, prior.capacity, -1, dropped, True)
+
+
+def log_push(log: tuple[UndoRecord, ...], record: UndoRecord, undo: int) -> tuple[UndoRecord, ...]:
+    """The log after an append: no log at depth 0; a record that is not
+    whole starts it afresh; otherwise records older than the latest
+    ``undo`` rows are discarded (a rollback of at most ``undo`` rows never
+    reaches them), so the log holds at most ``undo`` records of at most one
+    saved row each."""
+    if undo == 0:
+        return ()
+    if not record.whole:
+        return (record,)
+    log = log + (record,)
+    while sum(r.rows for r in log[1:]) >= undo:
+        log = log[1:]
+    return log
+
+
+def log_rows(log: tuple[UndoRecord, ...]) -> int:
+    """Rows the log can roll back: every row its records cover, except the
+    first row of a record that is not whole (always the oldest)."""
+    covered = sum(r.rows for r in log)
+    return covered - 1 if log and not log[0].whole else covered
+
+
+def log_saved_rows(log: tuple[UndoRecord, ...]) -> int:
+    """Rows the log holds (its memory): at most the ring's undo depth."""
+    return sum(len(r.saved) for r in log)
+
+
+def log_rewind(log: tuple[UndoRecord, ...], n: int) -> tuple[UndoRecord, ...]:
+    """The log after the latest ``n`` rows were taken back by counters
+    alone: records wholly past the new offset go, a partly taken multi-row
+    append keeps its remaining rows."""
+    while n > 0 and log:
+        last = log[-1]
+        if n >= last.rows:
+            log, n = log[:-1], n - last.rows
+        else:
+            log, n = log[:-1] + (replace(last, rows=last.rows - n),), 0
+    return log
+
+
+def counters_rewind_exact(cache: RotatingCache) -> bool:
+    """Moving offset and idx back is an exact trim: the ring is unwrapped and
+    not oversized (``idx == offset <= max_size``, ``capacity <= max_size``),
+    so its valid rows are ``slots[:idx]`` at ``slot == position``."""
     return cache.idx == cache.offset and cache.offset <= cache.max_size and cache.capacity <= cache.max_size
 
 
-def trim(cache: RotatingCache, n: int) -> tuple[int, RotatingCache]:
-    """Rewind ``n`` rows (clamped to ``[0, offset]``) by moving offset and idx;
-    buffers stay. On a wrapped ring trims nothing and returns 0: moving the
-    counters there makes idx negative and corrupts the window (a known
-    public bug).
-
-    post: __return__[0] == 0 or is_trimmable(cache)
-    post: __return__[1].offset == cache.offset - __return__[0]
-    post: __return__[1].idx == cache.idx - __return__[0]
+def trimmable_rows(cache: RotatingCache) -> int:
+    """How many rows ``trim`` can take back exactly: every row (``offset``)
+    when the counters alone rewind the ring, else what the undo log covers,
+    at most ``undo``. **Decision** (semantics.md 3): beyond it trim fails
+    closed. (Its bounds are obligation 8 of the proofs and the exhaustive
+    replay check in tests/test_spec_rotating.py, not PEP 316 contracts: an
+    arbitrary ``RotatingCache`` with an arbitrary log is no reachable ring.)
     """
-    if not is_trimmable(cache):
-        return 0, cache
+    if counters_rewind_exact(cache):
+        return cache.offset
+    return min(cache.undo, log_rows(cache.log))
+
+
+def is_trimmable(cache: RotatingCache) -> bool:
+    """Some trim is exact: the counters alone rewind the ring (also when it
+    is empty), or the undo log covers at least one row."""
+    return counters_rewind_exact(cache) or trimmable_rows(cache) > 0
+
+
+def prior_layout(cache: RotatingCache, record: UndoRecord) -> tuple[Entry | None, ...]:
+    """The slots of the ring before the multi-row append ``record`` logged,
+    rebuilt from the kept old rows (the first ones of the buffer) and the
+    dropped ones (``record.saved``; ``None`` where the record is not whole):
+    each old row goes back to its slot in the chronological order of the
+    prior ring. Slots past the prior's valid rows are unwritten; an empty
+    prior keeps the current buffer's length up to ``max_size`` (a ring trim
+    keeps its buffers)."""
+    W, K = cache.max_size, cache.keep
+    order = chronological_order(record.capacity, record.idx, K, record.offset != record.idx)
+    kept = prefill_kept(len(order), W, K)
+    old: list[Entry | None] = [None] * len(order)
+    for i, j in enumerate(kept):
+        old[j] = cache.slots[i]
+    dropped = [j for j in range(len(order)) if j not in kept]
+    for j, entry in zip(dropped, record.saved, strict=False):
+        old[j] = entry
+    length = record.capacity if record.capacity else min(cache.capacity, W)
+    slots: list[Entry | None] = [None] * length
+    for j, slot in enumerate(order):
+        slots[slot] = old[j]
+    return tuple(slots)
+
+
+def undo_append(cache: RotatingCache, record: UndoRecord) -> RotatingCache:
+    """Undo the newest append wholly (``record`` is ``cache.log[-1]`` and
+    whole): a decode gets back the row it overwrote (its slot only), a
+    multi-row append the prior layout (:func:`prior_layout`); offset and idx
+    return to the record's. The rows land in a fresh buffer (a holder may
+    still share the current one), with no marker."""
+    if record.kind == "decode":
+        slots = cache.slots
+        if record.saved:
+            slots = slots[: record.slot] + record.saved + slots[record.slot + 1 :]
+    else:
+        slots = prior_layout(cache, record)
+    cache = _new_buffer(cache, slots)
+    return replace(cache, offset=record.offset, idx=record.idx, marker=None, log=cache.log[:-1])
+
+
+def undo_part(cache: RotatingCache, record: UndoRecord, n: int) -> RotatingCache:
+    """Undo the last ``n`` rows of the newest multi-row append (``0 < n <
+    record.rows``). Two rows or more remain: that shorter append would
+    have left the same layout, cut to its rows. One row remains: alone it
+    would have been a decode onto the prior ring, so rebuild the prior
+    (the slot that decode overwrites is the one a non-whole record lacks)
+    and decode it again."""
+    remaining = record.rows - n
+    if remaining >= 2:
+        cache = _new_buffer(cache, cache.slots[: cache.idx - n])
+        return replace(cache, offset=cache.offset - n, idx=cache.idx - n, marker=None,
+                       log=cache.log[:-1] + (replace(record, rows=remaining),))
+    first = _valid(cache.slots[cache.idx - record.rows])
+    prior = _new_buffer(cache, prior_layout(cache, record))
+    prior = replace(prior, offset=record.offset, idx=record.idx, marker=None, log=cache.log[:-1])
+    _, cache = decode(prior, first.token)
+    return cache
+
+
+def rollback(cache: RotatingCache, n: int) -> RotatingCache:
+    """Take back the latest ``n`` rows through the undo log (``0 < n <=
+    trimmable_rows(cache)``): undo whole appends newest first, then part of
+    a multi-row append."""
+    while n > 0:
+        record = cache.log[-1]
+        if n >= record.rows:
+            cache, n = undo_append(cache, record), n - record.rows
+        else:
+            cache, n = undo_part(cache, record, n), 0
+    return cache
+
+
+def trim(cache: RotatingCache, n: int) -> tuple[int, RotatingCache]:
+    """Rewind ``n`` rows (clamped to ``[0, offset]``) exactly: the ring
+    afterwards holds the window it would hold had the last ``n`` rows never
+    been appended, with that offset and idx. While the counters alone
+    rewind it (unwrapped, not oversized) only offset and idx move; else the
+    undo log rolls it back (:func:`rollback`). The buffers stay, also when
+    the window empties (the dense rule "drop the buffers at zero rows" is
+    the dense cache's). **Decision** (semantics.md 3): beyond
+    ``trimmable_rows`` trims nothing and returns 0 (moving the counters
+    there makes idx negative and corrupts the window, a known public bug).
+    """
     n = max(0, min(n, cache.offset))
-    if n == 0:
+    if n == 0 or n > trimmable_rows(cache):
         return 0, cache
-    cache = replace(cache, offset=cache.offset - n, idx=cache.idx - n)
-    if cache.offset == 0:
-        cache = replace(cache, slots=(), ident=None, marker=None)
-    return n, cache
+    if counters_rewind_exact(cache):
+        return n, replace(cache, offset=cache.offset - n, idx=cache.idx - n, log=log_rewind(cache.log, n))
+    return n, rollback(cache, n)
 
 
 def trim_to(cache: RotatingCache, length: int) -> tuple[int, RotatingCache]:
     """``trim(offset - length)``. Raises InvalidArgumentError unless ``0 <=
-    length <= offset``, StateError when the ring cannot trim exactly and
-    ``length < offset``."""
+    length <= offset``, StateError when ``offset - length`` is beyond
+    ``trimmable_rows`` (the ring would still hold the later rows)."""
     if length < 0 or length > cache.offset:
         raise InvalidArgumentError(f"trim_to: len must satisfy 0 <= len <= offset ({cache.offset}), got {length}")
-    if length < cache.offset and not is_trimmable(cache):
+    if cache.offset - length > trimmable_rows(cache):
         raise StateError(
-            f"trim_to: cannot trim a wrapped sliding-window ring exactly (offset={cache.offset}, "
-            f"idx={cache.idx}, max_size={cache.max_size}), got len={length}"
+            f"trim_to: cannot trim a wrapped sliding-window ring exactly by {cache.offset - length} rows "
+            f"(offset={cache.offset}, idx={cache.idx}, max_size={cache.max_size}, undo={cache.undo}, "
+            f"rows it can roll back: {trimmable_rows(cache)}), got len={length}"
         )
     return trim(cache, cache.offset - length)
 
@@ -310,12 +537,13 @@ def w_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
 
 
 def w_restore(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
-    """Adopt a snapshot's buffers, offset and cursor, with no marker."""
+    """Adopt a snapshot's buffers, offset and cursor, with no marker and an
+    empty undo log (a restored ring cannot roll back into another history)."""
     snap = world.holders.get(name)
     if snap is None:
         raise StateError(f"restore: no snapshot or handle named {name!r}")
     s = snap.cache
-    cache = replace(world.cache, slots=s.slots, offset=s.offset, idx=s.idx, ident=s.ident, marker=None)
+    cache = replace(world.cache, slots=s.slots, offset=s.offset, idx=s.idx, ident=s.ident, marker=None, log=())
     return None, replace(world, cache=cache)
 
 

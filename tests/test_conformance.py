@@ -120,3 +120,20 @@ def test_ops_a_class_lacks_make_replay_exit_2(tmp_path, capsys):
     assert main(["replay", str(p)]) == 0
     with pytest.raises(TraceFormatError, match="head_dim % 32"):
         replay(Trace(cache={**load(p).cache, "mode": "int8"}, ops=[]), target="mlx-lm")
+
+
+def test_findings_are_split_into_faults_and_contract_differences():
+    from fuzz.commands.conformance import CONTRACT, FAULT, category
+
+    assert category("capacity differs") == CONTRACT and category("trimmable differs") == CONTRACT
+    assert category("refusal differs") == CONTRACT
+    for what in ("live window differs", "return value differs", "idx differs", "offset differs",
+                 "view of held changed (isolation)", "make_mask(2, {}) differs", "returned window differs"):
+        assert category(what) == FAULT, what
+    doc = json.loads((FOLDER / REPORT).read_text())
+    findings = [f for c in doc["classes"] for f in c["findings"]]
+    assert all(f["category"] == category(f["what"]) for f in findings)
+    # the ring keeps its buffers on a trim to zero, as mlx-lm's does: that finding is withdrawn
+    rotating = next(c for c in doc["classes"] if c["cache_class"] == "RotatingKVCache")
+    assert not any(f["what"] == "capacity differs" for f in rotating["findings"])
+    assert rotating["withdrawn"] and not (FOLDER / "RotatingKVCache_02.json").exists()

@@ -52,6 +52,14 @@ def test_scenario_passes(name):
 
 
 # -- injected bugs make the scenarios fail ---------------------------------------
+def test_rollback_keeping_idx_breaks_speculative_window():
+    """The draft's rollbacks undo decode steps: a cursor left behind shows
+    in the draft's logits against the run that never had those rows."""
+    result = run_scenario("speculative_window", factories=bug_by_name("rollback_keeps_idx").factories)
+    assert not result.ok
+    assert "draft model" in result.detail and "never had the rolled-back rows" in result.detail
+
+
 def test_flagship_steady_state_inplace_breaks_sliding_window():
     result = run_scenario("sliding_window", factories=bug_by_name("steady_state_inplace").factories)
     assert not result.ok
@@ -181,6 +189,18 @@ def test_trim_prompt_cache_refuses_atomically_after_a_wrap():
     assert not can_trim_prompt_cache([ring, dense])
     assert trim_prompt_cache([ring, dense], 2) == 0
     assert [(c.offset, window_bytes(c)) for c in (ring, dense)] == before
+
+
+def test_trim_prompt_cache_with_an_undo_log_trims_within_the_bound_only():
+    ring, dense = RotatingKVCache(max_size=4, step=2, undo=2), KVCache(step=4)
+    for i in range(6):
+        ring.update_and_fetch(rows(1, i), rows(1, i))
+        dense.update_and_fetch(rows(1, i), rows(1, i))
+    assert can_trim_prompt_cache([ring, dense]) and ring.trimmable_rows() == 2
+    before = [(c.offset, window_bytes(c)) for c in (ring, dense)]
+    assert trim_prompt_cache([ring, dense], 3) == 0  # beyond the ring's bound: nobody trims
+    assert [(c.offset, window_bytes(c)) for c in (ring, dense)] == before
+    assert trim_prompt_cache([ring, dense], 2) == 2 and (ring.offset, dense.offset) == (4, 4)
 
 
 # -- copies are holders, not owners -------------------------------------------------

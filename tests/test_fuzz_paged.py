@@ -54,12 +54,16 @@ def test_expect_on_a_sequence_and_refusal_messages():
     assert "keep must be 0" in lock.refusals[-1][1]
 
 
-def test_machine_reaches_the_paged_edges():
-    machine = machine_for("paged")
-    run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=30, deadline=None,
+@pytest.mark.parametrize(("fixed", "edges"), [
+    ({}, ("copies on write", "forks of forks", "trim releasing blocks", "writes after a front trim",
+          "writes beside shared blocks", "in-place writes")),
+    ({"max_blocks": 6}, ("pool exhausted (refused)", "copies on write")),
+])
+def test_machine_reaches_the_paged_edges(fixed, edges):
+    machine = machine_for("paged", fixed=fixed)
+    run_state_machine_as_test(machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None,
                                                          derandomize=True, database=None))
-    for edge in ("copies on write", "forks of forks", "trim releasing blocks", "writes after a front trim",
-                 "writes beside shared blocks", "in-place writes", "pool exhausted (refused)"):
+    for edge in edges:
         assert machine.stats.get(edge, 0) > 0, (edge, machine.stats)
 
 

@@ -215,8 +215,12 @@ def test_cache_protocol_and_trim_through_the_pool():
     other = cache.fork("b")
     assert same_window(other.fetch(), (2,))
     k, v = cache.state
-    restored = PagedKVCache.from_state((k, v), cache.meta_state)
-    assert restored.offset == 1 and same_window(restored.fetch(), (2,))
+    with pytest.raises(InvalidArgumentError, match="from_state: meta_state must describe the rows from position 0"):
+        PagedKVCache.from_state((k, v), cache.meta_state)  # front-trimmed: start 2
+    restored = PagedKVCache.from_state((k, v), ("2", "1", "0"))
+    assert restored.offset == 1 and restored.pool.block_size == 2 and same_window(restored.fetch(), (2,))
+    with pytest.raises(InvalidArgumentError, match="integers"):
+        PagedKVCache.from_state((k, v), ("x",))
     assert cache.nbytes > 0
 
 

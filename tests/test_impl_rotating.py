@@ -1,5 +1,7 @@
 """Unit tests of impl.rotating.RotatingKVCache."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -95,3 +97,103 @@ def test_warmup_inplace_write_really_aliases_the_buffer():
     for t in range(2, 9):
         c.update_and_fetch(row(t), row(t))
     assert not c.last_write_inplace and c.keys is not keys  # steady state copies
+
+
+# ---------------------------------------------------------------------------
+# The undo log (spec.rotating: trimmable_rows, rollback)
+
+
+def kv(tokens, B=1, H=2, Dk=3, Dv=5):
+    """Rows whose keys carry the token and values 1000 + token (K and V head
+    dims differ, so a rollback mixing them up shows)."""
+    t = np.array(tokens, dtype=np.float16)[None, None, :, None]
+    k = np.broadcast_to(t, (B, H, len(tokens), Dk)).copy()
+    v = np.broadcast_to(t + 1000, (B, H, len(tokens), Dv)).copy()
+    return mx.array(k), mx.array(v)
+
+
+def window_of(c):
+    got = c.fetch()
+    if got is None:
+        return ()
+    k, v = (np.array(a) for a in got)
+    assert (v[..., 0] == k[..., 0] + 1000).all()
+    return tuple(int(x) for x in k[0, 0, :, 0])
+
+
+def lockstep_history(seed, ops=24):
+    """Random appends, trims (within and beyond the bound, trim_to) and
+    snapshot/restore on the MLX ring and the spec ring with the same undo
+    depth: windows, counters, capacity and the bound agree after every op."""
+    import random
+
+    from spec import rotating as sr
+
+    rng = random.Random(seed)
+    W = rng.randint(1, 6)
+    K, step, U = rng.randint(0, W - 1), rng.randint(1, 4), rng.randint(0, 4)
+    c, s = RotatingKVCache(W, keep=K, step=step, undo=U), sr.new_cache(W, keep=K, step=step, undo=U)
+    snaps, tok = [], 0
+    for _ in range(ops):
+        r = rng.random()
+        if r < 0.5:
+            n = rng.choice([1, 1, 1, 2, 3, W + 2])
+            c.update_and_fetch(*kv(range(tok, tok + n)))
+            _, s = sr.append(s, tuple(range(tok, tok + n)))
+            tok += n
+        elif r < 0.85:
+            n = rng.randint(-1, sr.trimmable_rows(s) + 1)
+            got = c.trim(n)
+            want, s = sr.trim(s, n)
+            assert got == want
+        elif r < 0.93:
+            snaps.append((c.snapshot(), s))
+        elif snaps:
+            snap, s = rng.choice(snaps)
+            c.restore(snap)
+            s = replace(s, log=())
+        assert window_of(c) == s.window(), (seed, W, K, U)
+        assert (c.offset, c.idx, c.capacity) == (s.offset, s.idx, s.capacity)
+        assert c.trimmable_rows() == sr.trimmable_rows(s) and c.is_trimmable() == sr.is_trimmable(s)
+        assert c.log_saved_rows() == sr.log_saved_rows(s.log) <= U
+
+
+def test_undo_log_agrees_with_the_spec():
+    for seed in range(150):
+        lockstep_history(seed)
+
+
+def test_rollback_after_wrap_and_memory_bound():
+    c = RotatingKVCache(4, keep=1, step=4, undo=3)
+    for t in range(6):
+        c.update_and_fetch(*kv([t]))
+    assert window_of(c) == (0, 4, 5, 3) and c.trimmable_rows() == 3 and c.log_saved_rows() == 2
+    c.update_and_fetch(*kv([6, 7, 8]))
+    assert c.trim(2) == 2 and window_of(c) == (0, 4, 5, 6) and c.idx == 4
+    with pytest.raises(StateError, match="cannot trim .* by 2 rows"):
+        c.trim_to(c.offset - 2)
+    assert c.trim(2) == 0 and window_of(c) == (0, 4, 5, 6)
+
+
+def test_trim_to_zero_keeps_the_buffers():
+    c = RotatingKVCache(4, step=2)
+    c.update_and_fetch(*kv([0, 1, 2]))
+    assert c.trim(3) == 3 and c.capacity == 3 and not c.empty() and window_of(c) == ()
+
+
+def test_undo_argument_and_state_round_trip():
+    with pytest.raises(InvalidArgumentError, match="undo must be >= 0, got -1"):
+        RotatingKVCache(4, undo=-1)
+    with pytest.raises(InvalidArgumentError, match="undo"):
+        RotatingKVCache(4, undo=1.5)
+    c = RotatingKVCache(3, step=1, undo=2)
+    for t in range(5):
+        c.update_and_fetch(*kv([t]))
+    assert c.meta_state == ("0", "3", "1", "5", "2", "2")
+    d = RotatingKVCache.from_state(c.state, c.meta_state)
+    assert d.undo == 2 and d.trimmable_rows() == 0 and window_of(d) == window_of(c)
+    d.update_and_fetch(*kv([5]))
+    assert d.trim(1) == 1 and window_of(d) == window_of(c)
+    assert RotatingKVCache(3).meta_state == ("0", "3", "256", "0", "0")
+    with pytest.raises(InvalidArgumentError, match="five or six integers"):
+        RotatingKVCache.from_state(c.state, ("0", "3", "1", "5"))

@@ -37,7 +37,7 @@ PAGED_SAME_BUG = {
 }
 ROTATING = rotating_available()
 PAGED = paged_available()
-PROVABLE = [1, 3, 4, 5] + ([2, 7] if ROTATING else []) + ([6] if PAGED else [])
+PROVABLE = [1, 3, 4, 5] + ([2, 7, 8] if ROTATING else []) + ([6] if PAGED else [])
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 
@@ -30,9 +32,6 @@ class WrappedTrimMovesCounters(RotatingKVCache):
         n = max(0, min(int(n), self.offset))
         self.offset -= n
         self.idx -= n
-        if self.offset == 0 and n:
-            self.keys = self.values = None
-            self._marker = None
         return n
 
 
@@ -112,6 +111,56 @@ class PrefillDropsSinks(RotatingKVCache):
         return tuple(a[:, :, n - (self.max_size - 1 - self.keep) - self.keep :, :] for a in got)
 
 
+class UndoLogOneShort(RotatingKVCache):
+    """The undo log keeps one row too few: once it covers U rows, the
+    oldest record has lost its saved row, so a rollback of exactly U rows
+    after a wrap leaves the overwriting row in that slot."""
+
+    def _short(self) -> None:
+        if self._log and sum(r.rows for r in self._log) >= self.undo:
+            self._log = (replace(self._log[0], saved_keys=None, saved_values=None),) + self._log[1:]
+
+    def _log_decode(self, prior, slot) -> None:
+        super()._log_decode(prior, slot)
+        self._short()
+
+    def _log_prefill(self, old, rows) -> None:
+        super()._log_prefill(old, rows)
+        self._short()
+
+
+class RollbackKeepsIdx(RotatingKVCache):
+    """Undoing a decode writes its saved row back but leaves the cursor
+    where it was: offset is rolled back, idx is not."""
+
+    def _undo_append(self, r) -> None:
+        idx = self.idx
+        super()._undo_append(r)
+        if r.kind == "decode":
+            self.idx = idx
+
+
+class UndoLogSurvivesRestore(RotatingKVCache):
+    """restore adopts the snapshot's rows and counters but keeps the undo
+    log of the history it replaces: a later rollback resurrects that
+    history's rows."""
+
+    def restore(self, snapshot) -> None:
+        log = self._log
+        super().restore(snapshot)
+        self._log = log
+
+
+class BlockDropsUnlogged(RotatingKVCache):
+    """A multi-row append logs its counters but not the old row it drops:
+    undoing the whole block leaves that slot empty (zeros)."""
+
+    def _log_prefill(self, old, rows) -> None:
+        super()._log_prefill(old, rows)
+        if self._log and self._log[-1].kind == "prefill":
+            self._log = self._log[:-1] + (replace(self._log[-1], saved_keys=None, saved_values=None),)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "steady_state_inplace", "semantics.md 3, single-row append 4 (steady state must copy)",
@@ -157,5 +206,26 @@ BUGS: tuple[InjectedBug, ...] = (
         "prefill_drops_sinks", "semantics.md 3, sinks are never evicted",
         "sliding-window eviction with sinks", "rotating", ("fp16",), "RotatingKVCache._chronological",
         "a multi-row append that trims old rows evicts the sinks", {"rotating": PrefillDropsSinks},
+    ),
+    InjectedBug(
+        "undo_log_one_short", "semantics.md 3, Trim (undo log: exact for n <= min(U, rows appended))",
+        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_decode/_log_prefill",
+        "the log keeps U - 1 rows: a rollback of exactly U rows after a wrap restores a wrong row",
+        {"rotating": UndoLogOneShort},
+    ),
+    InjectedBug(
+        "rollback_keeps_idx", "semantics.md 3, Trim (rollback restores offset and idx)",
+        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._undo_append",
+        "undoing a decode restores its row and offset but not the cursor idx", {"rotating": RollbackKeepsIdx},
+    ),
+    InjectedBug(
+        "undo_log_survives_restore", "semantics.md 3, Trim (a restored ring cannot roll back into another history)",
+        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache.restore",
+        "restore keeps the replaced history's undo log", {"rotating": UndoLogSurvivesRestore},
+    ),
+    InjectedBug(
+        "block_drops_unlogged", "semantics.md 3, Trim (the log records the rows a multi-row append drops)",
+        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_prefill",
+        "a multi-row append does not log the old row it drops", {"rotating": BlockDropsUnlogged},
     ),
 )

@@ -59,7 +59,24 @@ DEFAULT_OUT = "fuzz-failures/conformance"
 CLASSES: tuple[tuple[CacheClass, str], ...] = (
     (KVCACHE, "mlx-lm"), (QUANTIZED, "mlx-lm"), (CONCAT, "mlx-lm-concat"), (ROTATING, "mlx-lm"),
 )
-OBSERVABLES = ("offset", "live_start", "live_len", "capacity", "idx", "trimmable")
+OBSERVABLES = ("offset", "live_start", "live_len", "capacity", "idx", "trimmable", "trimmable_rows")
+#: Divergences that are contract differences, not faults: what a cache keeps
+#: allocated, and how it says no. Every other divergence (a wrong window or
+#: wrong bytes, a corrupted counter, a held view that changed, a wrong
+#: return value, a wrong mask) is a fault.
+CONTRACT_DIFFERENCES = {
+    "capacity differs": "capacity kept or dropped",
+    "trimmable differs": "refusal style (is_trimmable)",
+    "trimmable_rows differs": "refusal style (trimmable_rows)",
+    "refusal differs": "refusal style",
+    "refusal message differs": "refusal style (message)",
+}
+FAULT, CONTRACT = "fault", "contract difference"
+
+
+def category(what: str) -> str:
+    """``"fault"`` or ``"contract difference"`` for a divergence's ``what``."""
+    return CONTRACT if what in CONTRACT_DIFFERENCES else FAULT
 WAIVABLE = OBSERVABLES + ("masks",)
 _APPENDS = {"append n=1", "append n>1"}
 
@@ -93,6 +110,12 @@ class Finding:
     def confirmed(self) -> bool:
         return self.on_target == 1 and self.on_impl == 0
 
+    @property
+    def category(self) -> str:
+        """A fault (wrong window, bytes, counter, held view) or a contract
+        difference (capacity kept or dropped, a refusal style)."""
+        return category(self.what)
+
 
 @dataclass
 class ClassReport:
@@ -116,6 +139,7 @@ class ClassReport:
         for f, doc in zip(self.findings, out["findings"]):
             doc["replay"] = f.replay_command
             doc["confirmed"] = f.confirmed
+            doc["category"] = f.category
         return out
 
 
@@ -331,19 +355,25 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
     total = sum(r.seconds for r in reports)
     table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
                         f"budget {budget:.0f} s, {total:.0f} s run")
-    for col in ("class", "target", "ops covered", "ops skipped (not in the class)", "steps", "divergences", "search ended"):
+    for col in ("class", "target", "ops covered", "ops skipped (not in the class)", "steps", "faults",
+                "contract differences", "search ended"):
         table.add_column(col, overflow="fold")
     for r in reports:
         covered = ", ".join(f"{k} {v}" for k, v in sorted(r.covered.items(), key=lambda kv: -kv[1]))
+        faults = sum(f.category == FAULT for f in r.findings)
         table.add_row(r.cache_class, r.target, covered, ", ".join(r.skipped) or "-", str(r.steps),
-                      str(len(r.findings)), r.ended)
+                      str(faults), str(len(r.findings) - faults), r.ended)
     console.print(table)
-    found = Table(title="divergences (each trace replays 1 on its target, 0 on impl)")
-    for col in ("class", "#", "what goes wrong", "then", "trace", "replay"):
-        found.add_column(col, overflow="fold")
-    for r in reports:
-        for i, f in enumerate(r.findings, 1):
-            check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
-            waive = "".join(f" --waive {w}" for w in f.waived)
-            found.add_row(r.cache_class, str(i), f.summary, f.then, f"{f.trace}{waive}", check)
-    console.print(found)
+    for kind, title in ((FAULT, "faults: a wrong window or bytes, a corrupted counter, a held view that changed"),
+                        (CONTRACT, "contract differences: capacity kept or dropped, a refusal style")):
+        found = Table(title=f"{title} (each trace replays 1 on its target, 0 on impl)")
+        for col in ("class", "#", "what goes wrong", "then", "trace", "replay"):
+            found.add_column(col, overflow="fold")
+        for r in reports:
+            for i, f in enumerate(r.findings, 1):
+                if f.category != kind:
+                    continue
+                check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
+                waive = "".join(f" --waive {w}" for w in f.waived)
+                found.add_row(r.cache_class, str(i), f.summary, f.then, f"{f.trace}{waive}", check)
+        console.print(found)

@@ -29,7 +29,12 @@ anything.
    (paged cache, block size 4) and decode different continuations
    interleaved; each equals the request alone on a dense cache, the prompt's
    sequence never changes, and the pool holds fewer rows than dense caches.
-8. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
+8. ``speculative_window``: speculative decoding on gemma3 sliding-window
+   layers whose rings wrap every few tokens, with an undo log: every
+   rejected draft rolled back exactly after the wrap (tokens = greedy; each
+   main-model call = a run that never had the rolled-back rows, logit
+   bytes); mlx-lm's own caches drift there.
+9. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
    greedy decoding under the same Turbo cache, byte for byte; the
    log-probabilities' deviation from the fp16 cache is reported per mode.
 
@@ -149,6 +154,37 @@ def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3) ->
     return _finish(gemma3_text.Model(args))
 
 
+def _scale_post_norms(layer: Any, scale: float) -> None:
+    """Scale a gemma3 block's residual writes by ``scale``: its post-norms
+    multiply by ``1 + weight``, so ``weight -> scale * (1 + weight) - 1``
+    (0 makes the block the identity)."""
+    for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+        norm.weight = (scale * (1.0 + norm.weight.astype(mx.float32)) - 1.0).astype(norm.weight.dtype)
+
+
+def speculative_gemma3(seed: int, window: int, late_scale: float = LATE_LAYER_SCALE) -> tuple[Any, Any]:
+    """A gemma3 main model (two sliding-window layers of ``window`` tokens,
+    one global) whose later blocks write ``late_scale`` of their residual,
+    and its early-exit draft: the same embedding, first block, norm and
+    head, with blocks 1 and 2 made the identity (so the draft has the same
+    layer kinds, hence rings of its own)."""
+    from mlx_lm.models import gemma3_text
+
+    model = tiny_gemma3(seed, window)
+    for layer in model.layers[1:]:
+        _scale_post_norms(layer, late_scale)
+    draft = gemma3_text.Model(model.args)
+    draft.set_dtype(mx.float16)
+    for layer in draft.layers[1:]:
+        _scale_post_norms(layer, 0.0)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = [model.layers[0], *draft.model.layers[1:]]
+    draft.model.norm = model.model.norm
+    draft.lm_head = model.lm_head
+    mx.eval(model.parameters(), draft.parameters())
+    return model, draft
+
+
 def token_ids(seed: int, n: int) -> mx.array:
     """``n`` token ids drawn from a seeded NumPy generator, as uint32."""
     return mx.array(np.random.default_rng(seed).integers(0, VOCAB, n), dtype=mx.uint32)
@@ -156,10 +192,11 @@ def token_ids(seed: int, n: int) -> mx.array:
 
 # -- caches ----------------------------------------------------------------------
 def build_caches(model: Any, mode: str = "fp16", step: int = 256, inplace: bool | None = True,
-                 factories: dict[str, Callable[..., Any]] | None = None) -> list[Any]:
+                 factories: dict[str, Callable[..., Any]] | None = None, undo: int = 0) -> list[Any]:
     """``impl.models.make_prompt_cache``, building each kind's layers from
-    ``factories[kind]`` (an injected bug's classes) when given."""
-    return make_prompt_cache(model, mode=mode, step=step, inplace=inplace, classes=factories)
+    ``factories[kind]`` (an injected bug's classes) when given; ``undo`` is
+    every ring's undo depth."""
+    return make_prompt_cache(model, mode=mode, step=step, inplace=inplace, classes=factories, undo=undo)
 
 
 def mlx_lm_caches(model: Any) -> list[Any]:
@@ -620,6 +657,143 @@ def scenario_prefix_sharing(size: Size, factories: Factories = None) -> tuple[Ta
     return tally, None
 
 
+#: the rings' undo depth in the speculative_window scenario, and its draft length
+UNDO_DEPTH = 4
+#: its window: small, so that the rings wrap every few tokens
+SPEC_WINDOW = 6
+
+
+class _Recorder:
+    """A model that records each call's input tokens and output logits, and
+    (through its first ring's ``trim``) how many of each call's rows were
+    rolled back later, newest call first."""
+
+    def __init__(self, model: Any, ring: RotatingKVCache):
+        self.model, self.calls = model, []  # [tokens, logits, rows rolled back]
+        self.rollbacks_after_wrap = 0
+        trim = ring.trim
+
+        def counted(k: int) -> int:
+            wrapped = ring.wrapped
+            got = trim(k)
+            self.rollbacks_after_wrap += bool(got) and wrapped
+            left = got
+            for call in reversed(self.calls):
+                take = min(left, len(call[0]) - call[2])
+                call[2] += take
+                left -= take
+            return got
+
+        ring.trim = counted  # type: ignore[method-assign]
+
+    @property
+    def layers(self) -> Any:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        out = self.model(inputs, cache=cache)
+        self.calls.append([np.array(inputs)[0].tolist(), out, 0])
+        return out
+
+    def check_against_never(self, label: str) -> None:
+        """Every call's logits, for the rows that stayed, equal (bytes) a run
+        of the same calls without the rolled-back rows on fresh caches."""
+        never = build_caches(self.model, "fp16", 4, True)
+        for i, (tokens, logits, back) in enumerate(self.calls):
+            kept = tokens[: len(tokens) - back]
+            if not kept:
+                continue
+            want = self.model(mx.array(kept, dtype=mx.uint32)[None], cache=never)
+            require(np.array(logits[:, : len(kept), :]).tobytes() == np.array(want).tobytes(),
+                    f"{label}: call {i} ({len(tokens)} rows, {back} rolled back later): logits differ from a run "
+                    f"that never had the rolled-back rows")
+
+
+def _max_logprob_diff(a: list[bytes], b: list[bytes]) -> float:
+    return max((float(np.abs(np.frombuffer(x, np.float16).astype(np.float32) - np.frombuffer(y, np.float16)).max())
+                for x, y in zip(a, b)), default=0.0)
+
+
+def scenario_speculative_window(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """mlx-lm's speculative decoding on gemma3 (two sliding-window layers of
+    window 6, one global) with an early-exit draft of ``UNDO_DEPTH`` tokens
+    a round, on rings with undo depth ``UNDO_DEPTH``: every rejected draft
+    is rolled back exactly, also after the wrap. Checks: the tokens equal
+    plain greedy decoding's; every call of the main model gives logits
+    byte-identical to a run that was fed the same calls without the rows
+    later rolled back (a run that never had them); the rings wrap many
+    times and the rollbacks after a wrap are many. Log-probabilities are
+    not byte-compared with single-step greedy: after a wrap a decode step
+    reads the ring in physical order and a verification block reads it in
+    chronological order, so float sums differ in the last bits for any ring;
+    since every call equals the run that never rolled back, byte for byte,
+    that difference (reported) comes from the chunking, not the rollback.
+    The same scenario on mlx-lm's own caches is
+    run for the record: its trim is refused after the wrap and the stream
+    drifts (docs/mlx-lm.md)."""
+    from mlx_lm.generate import speculative_generate_step
+
+    tally = Tally()
+    W, U = SPEC_WINDOW, UNDO_DEPTH
+    n = 2 * size.tokens
+    drafted = accepted = rollbacks = 0
+    wraps: list[int] = []
+    spec_diff = 0.0
+    drift: list[str] = []
+    for seed in size.seeds:
+        model, draft = speculative_gemma3(seed, W)
+        prompt = token_ids(seed, 12)
+        label = f"seed {seed}, W={W}, U={U}"
+        plain = greedy(model, build_caches(model, "fp16", 4, True), prompt, n)
+        caches = build_caches(model, "fp16", 4, True, factories, U) + build_caches(draft, "fp16", 4, True, factories, U)
+        main_rings = _rotating(caches[: len(model.layers)])
+        require(len(main_rings) == 2 and len(_rotating(caches)) == 4, f"{label}: expected 2 rings per model")
+        main = _Recorder(model, main_rings[0])
+        drafter = _Recorder(draft, _rotating(caches[len(model.layers):])[0])
+        got = Stream()
+        for tok, logprobs, from_draft in speculative_generate_step(
+            prompt, main, drafter, num_draft_tokens=U, max_tokens=n, prompt_cache=caches,
+        ):
+            got.tokens.append(int(tok))
+            got.logprobs.append(np.array(logprobs).tobytes())
+            accepted += bool(from_draft)
+        drafted += len(drafter.calls) - 1  # the first draft call is its prefill
+        rollbacks += main.rollbacks_after_wrap
+        for i, (a, b) in enumerate(zip(got.tokens, plain.tokens)):
+            require(a == b, f"{label}: step {i}: speculative token {a}, greedy {b}")
+        require(len(got.tokens) == len(plain.tokens) == n, f"{label}: {len(got.tokens)} tokens, greedy {len(plain.tokens)}")
+        require(len(set(got.tokens)) >= min_distinct(n), f"{label}: stream collapsed")
+        tally.tokens.extend(got.tokens)
+        main.check_against_never(f"{label}, main model")
+        drafter.check_against_never(f"{label}, draft model")
+        ring = main_rings[0]
+        wraps.append((ring.offset - W) // (W - ring.keep) + 1)
+        spec_diff = max(spec_diff, _max_logprob_diff(got.logprobs, plain.logprobs))
+
+        # mlx-lm's own caches, same scenario (for the record)
+        lm = mlx_lm_caches(model) + mlx_lm_caches(draft)
+        lm_tokens = [int(t) for t, _, _ in speculative_generate_step(
+            prompt, model, draft, num_draft_tokens=U, max_tokens=n, prompt_cache=lm)]
+        first = next((i for i, (a, b) in enumerate(zip(lm_tokens, plain.tokens)) if a != b), None)
+        drift.append("none" if first is None else f"step {first}")
+    require(min(wraps) >= MIN_WRAPS.get(size, 20), f"the main rings wrapped {wraps} times (need {MIN_WRAPS.get(size, 20)} each)")
+    need = MIN_ROLLBACKS.get(size, 100)
+    require(rollbacks >= need, f"{rollbacks} rollbacks after a wrap (need {need})")
+    require(0 < accepted < drafted, f"speculation must both accept and reject drafts, got {accepted} of {drafted}")
+    tally.note(f"{accepted}/{drafted} drafts accepted; rings wrapped {min(wraps)}..{max(wraps)} times per seed; "
+               f"{rollbacks} rollbacks after a wrap (main model); tokens = greedy; every call of both models = a run "
+               f"that never had the rolled-back rows (logit bytes); max |log-prob - greedy| {spec_diff:.3g} (chunking, not rollback); "
+               f"mlx-lm's own caches leave greedy at {', '.join(drift)}")
+    return tally, accepted / max(drafted, 1)
+
+
+#: the fewest wraps per seed and rollbacks after a wrap the scenario needs, by size
+MIN_WRAPS = {SHORT: 8}
+MIN_ROLLBACKS = {SHORT: 20}
+
+
+
+
 # -- the Turbo modes ---------------------------------------------------------------
 #: the Turbo modes and their cache parameters in the e2e runs (Delegated with
 #: small thresholds so that handoff and block folds happen within a stretch)
@@ -743,7 +917,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("mixed_rollback", "5 mixed_rollback", scenario_mixed_rollback),
     Scenario("lru_prompt_cache", "6 lru_prompt_cache", scenario_lru_prompt_cache),
     Scenario("prefix_sharing", "7 prefix_sharing", scenario_prefix_sharing),
-    Scenario("turbo", "8 turbo", scenario_turbo),
+    Scenario("speculative_window", "8 speculative_window", scenario_speculative_window),
+    Scenario("turbo", "9 turbo", scenario_turbo),
 ]
 
 
