@@ -34,6 +34,8 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     base: type[KVMachine] = kinds.get(kind, mode).machine_class()
     if target is not None:
         target = resolve(target)
+        if not target.is_impl and base.plain is not None:
+            base = base.plain
         base = target.machine_base(kind, mode, base)
         if target.is_impl and not target.excluded:
             target = None  # the plain machine: no per-op target check
@@ -131,18 +133,8 @@ def annotate(trace: Trace) -> Trace:
     if refused:
         final["error"] = True
     elif final["op"] != "expect":
-        if final["op"] == "append":
-            final["inplace"] = last.inplace
-        elif final["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold"):
-            final["returns"] = list(last) if isinstance(last, tuple) else last
-        final["capacity"] = lock.spec_observables()["capacity"]
-    for key, window in lock.spec_views().items():
-        if key == "held":
-            continue
-        op: dict[str, Any] = {"op": "expect", "window": list(window)}
-        if key != "cache":
-            op["of"] = key.split(":", 1)[1]
-        trace.ops.append(op)
+        final.update(lock.predictions(final, last))
+    trace.ops.extend(lock.expect_ops())
     return trace
 
 
@@ -161,10 +153,13 @@ class CampaignReport:
 
 
 def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
-             batch: int = 25, steps: int = 40, target: Any = None) -> CampaignReport:
-    """Run seeded batches until ``budget`` seconds are spent or one fails.
-    ``target`` (name or ``fuzz.targets.Target``; None: ``impl``) picks the
-    implementation under test; non-impl configs are labelled with it."""
+             batch: int = 25, steps: int = 40, target: Any = None,
+             progress: Any = None) -> CampaignReport:
+    """Run seeded batches until ``budget`` seconds are spent or one fails;
+    at least one batch, so a campaign never checks nothing. ``target`` (name
+    or ``fuzz.targets.Target``; None: ``impl``) picks the implementation
+    under test; non-impl configs are labelled with it. ``progress(text)``
+    is called after every batch."""
     machine = machine_for(kind, mode, inplace, factories, target=target)
     label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
     if target is not None and getattr(target, "name", target) != "impl":
@@ -172,13 +167,15 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
     total = CampaignReport(label, 0.0, 0, 0, {})
     start = time.perf_counter()
     k = 0
-    while time.perf_counter() - start < budget:
+    while k == 0 or time.perf_counter() - start < budget:
         result = run_machine(machine, seed + k, max_examples=batch, steps=steps)
         k += 1
         total.examples += result.examples
         total.steps += result.steps
         for key, v in result.stats.items():
             total.stats[key] = total.stats.get(key, 0) + v
+        if progress is not None:
+            progress(f"{total.examples} examples, {total.steps} ops, {time.perf_counter() - start:.0f} s of {budget:.0f}")
         if result.failed:
             total.failure = result
             break
@@ -201,6 +198,25 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     first = str(result.error).splitlines()[0] if result.error is not None else ""
     result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
     path = save_failure(result.trace, out_dir, stem or bug.name)
+    if result.error is not None and not isinstance(result.error, (Divergence, AssertionError)):
+        # the state machine itself raised (a harness fault): no check caught the bug
+        alarm = (f"the harness raised {type(result.error).__name__}: {first} (trace {path}); "
+                 "that is not a divergence, so it does not count as catching the bug")
+        return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
     clean = replay(result.trace)
-    alarm = None if clean.ok else f"false alarm: its trace fails on the real implementation: {clean.divergence}"
+    alarm = None if clean.ok else clean_replay_failure(path, clean.divergence)
     return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
+
+
+def clean_replay_failure(path: Any, divergence: Any) -> str:
+    """What it means that a trace fails on the production implementation:
+    when the implementation disagrees with the spec, the implementation
+    diverges (the trace found a real bug, not a false alarm); only a trace
+    whose own checks fail on the spec points at the harness."""
+    first = str(divergence).splitlines()[0] if divergence is not None else "no divergence recorded"
+    detail = "; ".join(line.strip() for line in str(divergence).splitlines()[1:])
+    if divergence is not None and divergence.labels[0] == "trace expects" or "fails on the spec" in first:
+        return f"trace {path} does not hold on the spec at op {divergence.index} (a harness fault): {first}; {detail}"
+    index = divergence.index if divergence is not None else "?"
+    return (f"the implementation diverges from the spec at op {index} of trace {path} "
+            f"(replay it: kvspec replay {path}): {first}; {detail}")

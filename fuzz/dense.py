@@ -11,8 +11,10 @@ from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from fuzz.lockstep import Lockstep
 from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
-from impl.dense import CacheSnapshot, DetachedHandle, KVCache
-from impl.quant import dequantize_int8, quantize_int8
+from fuzz.masks import check_dense_masks
+from fuzz.quant_ref import int8_oracle
+from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
+from impl.quant import dequantize_int8
 from spec import dense as sd
 from spec.errors import InvalidArgumentError
 
@@ -29,14 +31,56 @@ class DenseLockstep(Lockstep):
 
     def __init__(self, cache: dict[str, Any], cache_factory=KVCache):
         super().__init__(cache)
-        self.world = sd.new_world(cache["mode"], cache["step"], cache["inplace"])
+        self.world = sd.new_world(cache["mode"], cache["step"], self.spec_inplace())
         self.prev_world = self.world
-        self.cache = cache_factory(mode=cache["mode"], step=cache["step"], inplace=cache["inplace"])
+        self.cache = self.build(cache_factory, mode=cache["mode"], step=cache["step"])
 
-    def stored_form(self, x: mx.array) -> mx.array:
-        if self.cfg["mode"] == "int8":
-            return dequantize_int8(*quantize_int8(x))
-        return x.astype(mx.float16)
+    def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
+        """Int8: the row quantized and read back by the NumPy oracle written
+        from the rule's text (fuzz.quant_ref), never by impl.quant."""
+        if mode == "int8":
+            if self.oracle_from_impl:
+                return dequantize_int8(*self.cache.quantize_rows(x), x.dtype)
+            return int8_oracle(x)
+        return x
+
+    #: Take the expected Int8 bytes from the implementation's own quantizer
+    #: instead of the independent oracle: what the harness did before the
+    #: oracle existed, kept to show what that misses (a quantizer bug).
+    oracle_from_impl = False
+
+    #: Compare make_mask with spec.dense.dense_mask_visible before every append.
+    check_dense_masks = True
+
+    def before_append(self, op: dict[str, Any]) -> None:
+        if self.check_dense_masks:
+            check_dense_masks(self, op, self.world.cache.live_len, self.cache)
+
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        self.current_index = index
+        super().step(index, op)
+
+    # -- memory sharing -----------------------------------------------------------
+    def spec_buffers(self) -> dict[str, Any]:
+        w = self.world
+        out: dict[str, Any] = {"cache": None if w.cache.buffer is None else w.cache.buffer.ident}
+        for name, holder in w.holders.items():
+            out["holder:" + name] = None if holder.buffer is None else holder.buffer.ident
+        if w.held is not None and w.cache.mode is sd.Mode.FP16 and w.held.buffer is not None:
+            # an Int8 window is dequantized: new memory, not a view
+            out["held"] = w.held.buffer.ident
+        return out
+
+    def impl_pointers(self) -> dict[str, int | None]:
+        def ptr(buffers: Any) -> int | None:
+            return None if buffers is None else data_pointer(buffers.keys)
+
+        out: dict[str, int | None] = {"cache": ptr(self.cache.buffers)}
+        for name, holder in self.holders.items():
+            out["holder:" + name] = ptr(getattr(holder, "buffers", None))
+        if self.held is not None and self.cfg["mode"] == "fp16":
+            out["held"] = data_pointer(self.held[0])
+        return out
 
     # -- implementation side ---------------------------------------------------
     def impl_apply(self, op: dict[str, Any]) -> Any:
@@ -92,9 +136,9 @@ class DenseMachine(KVMachine):
     handles = Bundle("handles")
     named_ops = ("snapshot", "restore", "drop", "detach", "install")
 
-    @initialize(step=SMALL_STEPS, head_dim=HEAD_DIMS, kv_heads=KV_HEADS)
-    def init(self, step: int, head_dim: int, kv_heads: int) -> None:
-        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads)
+    @initialize(step=SMALL_STEPS, data=st.data())
+    def init(self, step: int, data: st.DataObject) -> None:
+        self.setup(step=step, **self.draw_shape(data))
 
     @property
     def live_len(self) -> int:
@@ -159,3 +203,17 @@ class DenseMachine(KVMachine):
         c = self.lock.cache
         assert 0 <= c.live_start <= c.offset, (c.live_start, c.offset)
         assert c.live_len <= c.capacity or c.live_len == 0, (c.live_len, c.capacity)
+
+
+class PlainDenseMachine(DenseMachine):
+    """The dense machine as mlx-lm targets run it: batch 1, one or two kv
+    heads, one head dim, float16, drawn in the order their conformance
+    findings were recorded with (fixed seeds reproduce them)."""
+
+    @initialize(step=SMALL_STEPS, head_dim=HEAD_DIMS, kv_heads=KV_HEADS)
+    def init(self, step: int, head_dim: int, kv_heads: int) -> None:  # type: ignore[override]
+        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads)
+
+
+DenseMachine.plain = PlainDenseMachine
+

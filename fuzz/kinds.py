@@ -33,7 +33,12 @@ COMMON_OPS = ("append", "fetch", "hold", "release_hold", "trim", "trim_to",
 #: Cache fields every kind has, with their defaults (kvtrace ``cache``).
 COMMON_FIELDS: dict[str, Any] = {
     "mode": "fp16", "step": 256, "batch": 1, "kv_heads": 2, "head_dim": 8, "inplace": True,
+    "dtype": "float16",
 }
+#: Cache fields every kind may carry that have no default value: the key and
+#: value head dims (absent: ``head_dim``) and ``inplace_env``, a spelling of
+#: ``KV_INPLACE_WRITE`` the cache is built under (absent: ``inplace`` rules).
+OPTIONAL_FIELDS = ("k_head_dim", "v_head_dim", "inplace_env")
 #: A required field (no default) in :attr:`Kind.fields`.
 REQUIRED = None
 
@@ -95,7 +100,7 @@ class Kind:
     @property
     def cache_fields(self) -> tuple[str, ...]:
         """Every cache field a trace of this kind may carry, ``kind`` first."""
-        return ("kind", *COMMON_FIELDS, *self.fields)
+        return ("kind", *COMMON_FIELDS, *OPTIONAL_FIELDS, *self.fields)
 
     def defaults(self) -> dict[str, Any]:
         """Defaults of the optional cache fields."""
@@ -152,6 +157,18 @@ KINDS: dict[str, Kind] = {
                         "rollbacks of exactly U rows", "rollbacks of a whole block", "restores over a non-empty undo log"),
             lockstep="fuzz.rotating:RotatingLockstep", machine="fuzz.rotating:RotatingMachine",
             bugs="fuzz.bugs.rotating:BUGS",
+        ),
+        Kind(
+            "layers", "prompt cache: a list of layers of mixed kinds (dense, rings of their own window and "
+            "sinks); list-level append, atomic trim, snapshot and restore (semantics.md 6)",
+            # mode: the storage of the dense layers (rings are fp16)
+            modes=("fp16", "int8"),
+            fields={"layers": REQUIRED},
+            ops=("can_trim", "layer"),
+            refuses=("trim_to",),
+            campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
+            lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",
+            bugs="fuzz.bugs.layers:BUGS",
         ),
         Kind(
             "paged", "pool-backed cache (BlockPool): block tables by absolute position, refcounts, "

@@ -20,14 +20,18 @@ identities where possible.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from fuzz import rows as rowgen
+from spec.dense import inplace_switch
 from spec.errors import KVCacheError, StateError
+
+#: The environment variable of the in-place switch (spec.dense.inplace_switch).
+INPLACE_ENV = "KV_INPLACE_WRITE"
 
 
 @dataclass
@@ -52,9 +56,19 @@ class Divergence(Exception):
             f"  {second} {self.impl}"
         )
 
+    @property
+    def trace_check(self) -> bool:
+        """The trace's own check failed against the spec (the trace expects
+        something the spec does not do), as opposed to the implementation
+        disagreeing with the spec or with a check the spec satisfies."""
+        return self.labels[1] == "trace expects"
+
     def to_json(self) -> dict[str, Any]:
-        keys = ["spec" if "spec" in self.labels[0] else "trace", "impl" if "impl" in self.labels[1] else "trace"]
+        keys = ["trace" if self.labels[0] == "trace expects" else "spec",
+                "trace" if self.labels[1] == "trace expects" else "impl"]
         return {"index": self.index, "op": self.op, "what": self.what,
+                "kind": "trace check" if self.trace_check else "divergence",
+                "implementation": self.labels[1].removesuffix(" did") if keys[1] == "impl" else None,
                 keys[0]: _jsonable(self.spec), keys[1]: _jsonable(self.impl)}
 
 
@@ -99,11 +113,21 @@ class Lockstep:
     #: implementation, whose messages follow the spec's word for word; other
     #: targets word their errors their own way.
     compare_messages = False
+    #: Compare memory sharing (the cost contract, semantics.md 5.4): two
+    #: windows share memory in the implementation (same data pointer) iff
+    #: the spec says they hold the same buffer, and an in-place append keeps
+    #: the cache's memory. Bytes alone cannot tell an O(1) snapshot from a
+    #: deep copy.
+    check_sharing = True
 
     def __init__(self, cache: dict[str, Any]):
         self.cfg = cache
-        self.shape = (cache["batch"], cache["kv_heads"], cache["head_dim"])
-        self._expected: dict[int, tuple[bytes, bytes]] = {}
+        d = cache["head_dim"]
+        #: (B, H, K head dim, V head dim)
+        self.shape = (cache["batch"], cache["kv_heads"], cache.get("k_head_dim") or d, cache.get("v_head_dim") or d)
+        #: the rows' dtype (kvtrace ``dtype``): what the cache must hand back
+        self.dtype: str = cache.get("dtype", "float16")
+        self._expected: dict[tuple[int, str], tuple[bytes, bytes]] = {}
         self.stats: dict[str, int] = {}
         #: (op index, message) of every op both sides refused
         self.refusals: list[tuple[int, str]] = []
@@ -113,37 +137,77 @@ class Lockstep:
         self.returned: tuple[mx.array, mx.array] | None = None
         self.held: tuple[mx.array, mx.array] | None = None
 
+    def spec_inplace(self) -> bool:
+        """The in-place switch the spec runs with: the trace's ``inplace``,
+        or, when the trace sets ``inplace_env``, what spec.dense.inplace_switch
+        reads from that ``KV_INPLACE_WRITE`` spelling."""
+        env = self.cfg.get("inplace_env")
+        return self.cfg["inplace"] if env is None else inplace_switch(env)
+
+    def build(self, factory: Any, **kwargs: Any) -> Any:
+        """The implementation's cache: ``factory(inplace=..., **kwargs)``.
+        With ``inplace_env`` the cache is built with ``inplace=None`` while
+        ``KV_INPLACE_WRITE`` holds that spelling, so the implementation parses
+        the variable itself (the environment is restored afterwards)."""
+        env = self.cfg.get("inplace_env")
+        if env is None:
+            return factory(inplace=self.cfg["inplace"], **kwargs)
+        saved = os.environ.get(INPLACE_ENV)
+        os.environ[INPLACE_ENV] = env
+        try:
+            return factory(inplace=None, **kwargs)
+        finally:
+            if saved is None:
+                del os.environ[INPLACE_ENV]
+            else:
+                os.environ[INPLACE_ENV] = saved
+
     @classmethod
     def check_cache(cls, cache: dict[str, Any]) -> None:
         """Refuse (``TraceFormatError``) a cache configuration the schema
         allows but the kind cannot build; nothing by default."""
 
     # -- rows -----------------------------------------------------------------
-    def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
-        b, h, d = self.shape
-        return mx.array(rowgen.rows(tokens, "k", b, h, d)), mx.array(rowgen.rows(tokens, "v", b, h, d))
+    def wide_rows(self) -> bool:
+        """Rows beyond float16's range (fuzz.rows) for unquantized storage."""
+        return self.cfg.get("mode", "fp16") == "fp16"
 
-    def expected_row(self, token: int) -> tuple[bytes, bytes]:
-        """The bytes a reader must see for a token's K and V rows."""
-        got = self._expected.get(token)
+    def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
+        b, h, dk, dv = self.shape
+        wide = self.wide_rows()
+        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, self.dtype, wide), self.dtype),
+                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, self.dtype, wide), self.dtype))
+
+    def expected_row(self, token: int, mode: str | None = None) -> tuple[bytes, bytes]:
+        """The bytes a reader must see for a token's K and V rows (``mode``:
+        a layer's storage mode where layers differ; default the cache's)."""
+        mode = mode or self.cfg.get("mode", "fp16")
+        got = self._expected.get((token, mode))
         if got is None:
             k, v = self.input_rows([token])
-            k, v = self.stored_form(k), self.stored_form(v)
-            got = (np.asarray(k).tobytes(), np.asarray(v).tobytes())
-            self._expected[token] = got
+            k, v = self.stored_form(k, mode), self.stored_form(v, mode)
+            got = (rowgen.host(k).tobytes(), rowgen.host(v).tobytes())
+            self._expected[(token, mode)] = got
         return got
 
-    def stored_form(self, x: mx.array) -> mx.array:
-        """What a reader gets back for one row (identity in float16 modes)."""
-        return x.astype(mx.float16)
+    def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
+        """What a reader gets back for one row: unquantized storage hands
+        back the rows as given, in their dtype (semantics.md 2 "Storage
+        dtype")."""
+        return x
 
-    def identify(self, arrays: tuple[mx.array, mx.array] | None) -> list[Any]:
+    def identify(self, arrays: tuple[mx.array, mx.array] | None, mode: str | None = None) -> list[Any]:
         """Name each row of a fetched window by the token whose bytes it
         holds: an int, "zero" for an all-zero row nobody wrote, "?" else."""
         if arrays is None:
             return []
-        k, v = (np.asarray(a) for a in arrays)
-        lookup = {pair: t for t, pair in self._expected.items()}
+        k, v = (rowgen.host(a) for a in arrays)
+        mode = mode or self.cfg.get("mode", "fp16")
+        # every identity handed out so far, the failing op's own rows included
+        for t in range(getattr(self.world, "next_token", 0)):
+            if (t, mode) not in self._expected:
+                self.expected_row(t, mode)
+        lookup = {pair: t for (t, m), pair in self._expected.items() if m == mode}
         out: list[Any] = []
         for j in range(k.shape[2]):
             pair = (k[:, :, j : j + 1, :].tobytes(), v[:, :, j : j + 1, :].tobytes())
@@ -153,17 +217,20 @@ class Lockstep:
             out.append("?" if tok is None else tok)
         return out
 
-    def window_matches(self, tokens: tuple[int, ...], arrays: tuple[mx.array, mx.array] | None) -> bool:
+    def window_matches(self, tokens: tuple[int, ...], arrays: tuple[mx.array, mx.array] | None,
+                       mode: str | None = None) -> bool:
+        """The fetched window holds exactly ``tokens``' rows: the trace's
+        dtype, ``[B, H, n, Dk]`` / ``[B, H, n, Dv]``, byte for byte."""
         if arrays is None:
             return len(tokens) == 0
-        k, v = (np.asarray(a) for a in arrays)
-        if k.dtype != np.float16 or v.dtype != np.float16:
+        if any(rowgen.dtype_name(a) != self.dtype for a in arrays):
             return False
-        b, h, d = self.shape
-        if k.shape != (b, h, len(tokens), d) or v.shape != (b, h, len(tokens), d):
+        k, v = (rowgen.host(a) for a in arrays)
+        b, h, dk, dv = self.shape
+        if k.shape != (b, h, len(tokens), dk) or v.shape != (b, h, len(tokens), dv):
             return False
         for j, t in enumerate(tokens):
-            ek, ev = self.expected_row(t)
+            ek, ev = self.expected_row(t, mode)
             if k[:, :, j : j + 1, :].tobytes() != ek or v[:, :, j : j + 1, :].tobytes() != ev:
                 return False
         return True
@@ -172,7 +239,20 @@ class Lockstep:
     def reached(self, event: str) -> None:
         self.stats[event] = self.stats.get(event, 0) + 1
 
+    #: how reports name the implementation side (``impl``, or a target's name)
+    impl_name = "impl"
+
     def step(self, index: int, op: dict[str, Any]) -> None:
+        """Run ``op`` on both sides and compare; raises Divergence (its
+        second line names :attr:`impl_name`)."""
+        try:
+            self._step(index, op)
+        except Divergence as d:
+            if self.impl_name != "impl":
+                d.labels = tuple(f"{self.impl_name} did" if lab == "impl did" else lab for lab in d.labels)  # type: ignore[assignment]
+            raise
+
+    def _step(self, index: int, op: dict[str, Any]) -> None:
         self.reached("ops")
         if op["op"] == "expect":
             self.check_expect(index, op)
@@ -182,6 +262,7 @@ class Lockstep:
             spec_out = Outcome(result=s_result)
         except KVCacheError as exc:
             spec_out, s_world = Outcome(error=exc), None
+        self.pointer_before = self.impl_pointers().get("cache") if self.check_sharing else None
         try:
             impl_out = Outcome(result=self.impl_apply(op))
         except Divergence:
@@ -220,9 +301,29 @@ class Lockstep:
             raise Divergence(index, op, "returned window differs", list(s.window), self.identify(i))
         if self.check_inplace and s.inplace != self.impl_last_inplace():
             raise Divergence(index, op, "in-place decision differs", f"inplace={s.inplace}", f"inplace={self.impl_last_inplace()}")
+        if self.check_sharing and s.inplace and self.pointer_before is not None:
+            after = self.impl_pointers().get("cache")
+            if after != self.pointer_before:
+                raise Divergence(index, op, "an in-place write moved the cache's memory",
+                                 "same memory (in place)", f"data pointer {self.pointer_before:#x} -> {after:#x}")
         self.reached("in-place writes" if s.inplace else "copying writes")
 
+    def impl_caches(self) -> list[Any]:
+        """The implementation's caches (one; a list of layers has several)."""
+        return [self.cache]
+
+    def compare_switch(self, index: int, op: dict[str, Any]) -> None:
+        """Under ``inplace_env`` the switch every cache runs with is the
+        spec's reading of that spelling (spec.dense.inplace_switch)."""
+        env, want = self.cfg["inplace_env"], self.spec_inplace()
+        for c in self.impl_caches():
+            if getattr(c, "inplace", want) is not want:
+                raise Divergence(index, op, "in-place switch differs",
+                                 f"KV_INPLACE_WRITE={env!r}: inplace={want}", f"inplace={c.inplace}")
+
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
+        if "inplace_env" in self.cfg:
+            self.compare_switch(index, op)
         s_obs, i_obs = self.spec_observables(), self.impl_observables()
         for key in s_obs:
             if s_obs[key] != i_obs.get(key):
@@ -232,9 +333,97 @@ class Lockstep:
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
         for name, tokens in s_views.items():
             arrays = i_views[name]
-            if not self.window_matches(tokens, arrays):
-                what = "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
-                raise Divergence(index, op, what, list(tokens), self.identify(arrays))
+            mode = self.view_mode(name)
+            if not self.window_matches(tokens, arrays, mode):
+                what = self.view_label(name)
+                raise Divergence(index, op, what, list(tokens), self.identify(arrays, mode))
+        if self.check_sharing:
+            self.compare_sharing(index, op)
+
+    def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
+        """The spec's checks for ``op`` (which returned ``result`` on the
+        spec) that a written-out trace carries, so that another engine can
+        replay it without our spec: ``inplace`` of an append, ``returns``
+        of ops that return a value, ``capacity``."""
+        out: dict[str, Any] = {}
+        if op["op"] == "append":
+            out["inplace"] = result.inplace
+        elif op["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold"):
+            out["returns"] = list(result) if isinstance(result, tuple) else result
+        out["capacity"] = self.spec_observables()["capacity"]
+        return out
+
+    def expect_ops(self) -> list[dict[str, Any]]:
+        """``expect`` ops pinning the spec's live window and every holder's."""
+        out = []
+        for key, window in self.spec_views().items():
+            if key == "held":
+                continue
+            op: dict[str, Any] = {"op": "expect", "window": list(window)}
+            if key != "cache":
+                op["of"] = key.split(":", 1)[1]
+            out.append(op)
+        return out
+
+    def view_label(self, name: str) -> str:
+        """How a divergence names a window that differs."""
+        return "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
+
+    def view_mode(self, name: str) -> str | None:
+        """The storage mode of the window ``name`` (None: the cache's)."""
+        return None
+
+    def compare_sharing(self, index: int, op: dict[str, Any]) -> None:
+        """Memory sharing against the spec's buffers (:meth:`spec_buffers` /
+        :meth:`impl_pointers`): after an append, the cache shares memory
+        with a holder only if the spec says it still holds the same buffer
+        (a copying write made new memory); after an op that shares by
+        contract (:meth:`shared_by`: a snapshot, a restore, a hold), the
+        windows it shares also share memory in the implementation (O(1),
+        not a copy). (Other ops may give the cache a view of a holder's
+        memory where the spec gives it a new buffer, e.g. an undo-log trim;
+        the isolation and in-place checks cover what a later write does.)"""
+        s, i = self.spec_buffers(), self.impl_pointers()
+        names = [n for n in s if s[n] is not None and i.get(n) is not None]
+        if op["op"] == "append":
+            for a, b in self.written_pairs(names):
+                if i[a] == i[b] and s[a] != s[b]:
+                    raise Divergence(index, op, f"memory sharing of {a} and {b} differs",
+                                     f"the copying write gave {a} new memory, apart from {b}",
+                                     f"{a} and {b} share memory ({i[a]:#x})")
+        for a, b in self.shared_by(op):
+            if a in names and b in names and s[a] == s[b] and i[a] != i[b]:
+                raise Divergence(index, op, f"memory sharing of {a} and {b} differs",
+                                 f"{a} and {b} share one buffer (O(1))",
+                                 f"{a} and {b} hold different memory ({i[a]:#x}, {i[b]:#x}): a copy")
+        if len(names) > 1:
+            self.reached("sharing checked")
+
+    def written_pairs(self, names: list[str]) -> list[tuple[str, str]]:
+        """(the cache, a holder of it) for every holder among ``names``: an
+        append writes the cache, so where the spec gives it a new buffer
+        the implementation must not still share the holder's memory."""
+        return [("cache", n) for n in names if n != "cache"] if "cache" in names else []
+
+    def shared_by(self, op: dict[str, Any]) -> list[tuple[str, str]]:
+        """The windows ``op`` shares by contract: a snapshot and a restore
+        share the cache's buffers with the named holder, a hold the window
+        the last append returned."""
+        if op["op"] in ("snapshot", "restore"):
+            return [("cache", "holder:" + op["name"])]
+        if op["op"] == "hold":
+            return [("cache", "held")]
+        return []
+
+    def spec_buffers(self) -> dict[str, Any]:
+        """Window name -> the spec's buffer identity (None: no buffer, or
+        not modelled). Default: nothing is compared."""
+        return {}
+
+    def impl_pointers(self) -> dict[str, int | None]:
+        """Window name -> the data pointer of the implementation's keys
+        buffer behind it (``impl.dense.data_pointer``)."""
+        return {}
 
     def check_op_checks(self, index: int, op: dict[str, Any], spec_out: Outcome) -> None:
         if "returns" in op and spec_out.error is None:
@@ -258,9 +447,11 @@ class Lockstep:
         s_views, i_views = self.spec_views(), self.impl_views()
         key = "cache" if name is None else self.view_key(name)
         if key not in s_views:
+            from fuzz.trace import TraceFormatError
+
             names = sorted(k.split(":", 1)[1] for k in s_views if k.startswith("holder:"))
-            raise Divergence(index, op, f"expect: no snapshot, handle or sequence named {name!r}",
-                             f"holders are {names}", f"holders are {names}")
+            raise TraceFormatError(f"op {index} field 'of': no snapshot or handle named {name!r} at this op "
+                                   f"(live: {', '.join(names) or 'none'})")
         want = list(op["window"])
         have = list(s_views[key])
         same = sorted(want) == sorted(have) if op.get("order") == "set" else want == have

@@ -32,6 +32,23 @@ from fuzz.kinds import get as kind_entry
 SMALL_STEPS = st.integers(1, 8)
 HEAD_DIMS = st.sampled_from([8, 16])
 KV_HEADS = st.integers(1, 2)
+# Shapes and dtypes of our implementation's runs: batch 1 to 3 (1 most
+# often), kv heads 1 to 3, a value head dim that often differs from the
+# keys', and the three floating dtypes models hand in.
+BATCHES = st.one_of(st.just(1), st.integers(1, 3))
+ALL_KV_HEADS = st.integers(1, 3)
+V_HEAD_DIMS = st.sampled_from([None, None, 4, 8, 16])
+DTYPES = st.sampled_from(["float16", "float16", "bfloat16", "float32"])
+#: KV_INPLACE_WRITE spellings a run may build its cache under: the four off
+#: words in other cases and with blanks first (Hypothesis starts from the
+#: first), then plain, then other words and the empty string.
+_OFF_WORDS = ("0", "false", "off", "no")
+INPLACE_SPELLINGS = (
+    " OFF", "No", "\tfalse\n", "0 ", "Off", " no ", "FALSE", "\n0", "oFf\t", "NO",
+    *_OFF_WORDS,
+    "", " ", "1", "true", "on", "yes", "nope", "offf", "0.0", "disable",
+)
+INPLACE_ENV = st.sampled_from(INPLACE_SPELLINGS)
 # Decode steps dominate real traffic and are the only writes that may go in
 # place, so n = 1 is drawn most often; multi-row appends cross step edges.
 APPEND_N = st.one_of(st.just(1), st.just(1), st.integers(1, 9))
@@ -59,6 +76,9 @@ class KVMachine(RuleBasedStateMachine):
     #: machine sits below the registry that knows every kind's driver)
     make_lockstep: ClassVar[Any] = None
     covered: ClassVar[dict[str, int]] = {}
+    #: the kind's machine as mlx-lm targets run it (their shapes and draw
+    #: order); None: this machine
+    plain: ClassVar[Any] = None
     last_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     runs = 0
     stats: ClassVar[dict[str, int]] = {}
@@ -73,10 +93,31 @@ class KVMachine(RuleBasedStateMachine):
         self.cfg: dict[str, Any] = {}
         self.lock: Any = None
 
+    def draw_shape(self, data: st.DataObject, head_dims: Any = HEAD_DIMS) -> dict[str, Any]:
+        """Batch, kv heads, K and V head dims, dtype and (sometimes) a
+        ``KV_INPLACE_WRITE`` spelling for our implementation's runs; an
+        mlx-lm target keeps the shapes its findings were taken with (batch
+        1, kv heads 1 to 2, one head dim, float16)."""
+        shape: dict[str, Any] = {"head_dim": data.draw(head_dims, label="head_dim")}
+        if self.target is not None:
+            shape["kv_heads"] = data.draw(KV_HEADS, label="kv_heads")
+            return shape
+        shape["kv_heads"] = data.draw(ALL_KV_HEADS, label="kv_heads")
+        shape["batch"] = data.draw(BATCHES, label="batch")
+        v_head_dim = data.draw(V_HEAD_DIMS, label="v_head_dim")
+        if v_head_dim is not None and v_head_dim != shape["head_dim"]:
+            shape["v_head_dim"] = v_head_dim
+        shape["dtype"] = data.draw(DTYPES, label="dtype")
+        if self.inplace and self.mode == "fp16" and data.draw(st.integers(0, 2), label="env") == 0:
+            shape["inplace_env"] = data.draw(INPLACE_ENV, label="inplace_env")
+        return shape
+
     def setup(self, **cfg: Any) -> None:
         type(self).runs += 1
         defaults = kind_entry(self.kind, self.mode).defaults()
         self.cfg = {**defaults, "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg, **self.fixed}
+        # a field pinned to None is absent (e.g. no v_head_dim: keys' head dim)
+        self.cfg = {k: v for k, v in self.cfg.items() if v is not None}
         if "keep" in self.fixed or "max_size" in self.fixed:
             self.cfg["keep"] = min(self.cfg["keep"], self.cfg["max_size"] - 1)
         if self.make_lockstep is None:

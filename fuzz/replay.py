@@ -1,5 +1,5 @@
 """``kvspec replay``: run a kvtrace on the spec and an implementation in
-lockstep (docs/kvtrace.md, "Replay")."""
+lockstep (docs/kvtrace.md, "What replay compares after every op")."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from fuzz.lockstep import Divergence, Lockstep
 from fuzz.targets import resolve
 from fuzz.trace import Trace, TraceFormatError
 
-EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
+EXIT_OK, EXIT_DIVERGED, EXIT_INVALID, EXIT_TRACE_CHECK = 0, 1, 2, 3
+#: Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
 
 
 def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None, check_inplace: bool = True,
@@ -29,6 +31,12 @@ def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None
             raise ValueError(f"factories: injected bugs patch this project's classes, not target {tgt.name}")
         lock = tgt.make_lockstep(cache)
         lock.narrow_masks = False
+        lock.impl_name = tgt.name
+        # mlx-lm's conformance findings were taken without these checks:
+        # a dense cache's masks and memory sharing are this project's
+        # contract, not a report on another engine.
+        lock.check_dense_masks = False
+        lock.check_sharing = False
         return lock
     lock = _make_lockstep(cache, factories or {})
     lock.check_inplace = check_inplace

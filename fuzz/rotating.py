@@ -6,29 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from fuzz.lockstep import Divergence, Lockstep
+from fuzz.lockstep import Lockstep
 from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
+from fuzz.masks import check_ring_masks, mask_as_rows
 from fuzz.trace import TraceFormatError
+from impl.dense import data_pointer
 from impl.rotating import RotatingKVCache
 from spec import rotating as sr
 
-
-def mask_as_rows(mask: Any, n: int, length: int) -> list[list[bool]] | None:
-    """Expand what ``make_mask`` returned into rows of booleans."""
-    if mask is None:
-        return [[True] * length for _ in range(n)]
-    if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        return [[j <= length - n + i for j in range(length)] for i in range(n)]
-    arr = np.asarray(mask)
-    if arr.shape != (n, length):
-        return None
-    return arr.astype(bool).tolist()
+__all__ = ["RotatingLockstep", "RotatingMachine", "mask_as_rows"]
 
 
 class RotatingLockstep(Lockstep):
@@ -54,14 +43,12 @@ class RotatingLockstep(Lockstep):
         super().__init__(cache)
         self.undo = cache.get("undo", 0)
         self.world = sr.RotatingWorld(
-            sr.new_cache(cache["max_size"], cache["keep"], cache["step"], cache["inplace"], cache["mode"], self.undo)
+            sr.new_cache(cache["max_size"], cache["keep"], cache["step"], self.spec_inplace(), cache["mode"], self.undo)
         )
         self.prev_world = self.world
         self.reached(f"undo={self.undo}")
-        self.cache = cache_factory(
-            max_size=cache["max_size"], keep=cache["keep"], step=cache["step"], inplace=cache["inplace"], mode=cache["mode"],
-            **({"undo": self.undo} if self.undo else {}),
-        )
+        self.cache = self.build(cache_factory, max_size=cache["max_size"], keep=cache["keep"], step=cache["step"],
+                                mode=cache["mode"], **({"undo": self.undo} if self.undo else {}))
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         result = self.impl_common(op)
@@ -78,25 +65,23 @@ class RotatingLockstep(Lockstep):
         self.check_masks(op)
 
     def check_masks(self, op: dict[str, Any]) -> None:
-        """make_mask before the append, as an mlx-lm model calls it."""
-        n = op["n"]
-        c = self.world.cache
-        # The ring's own window, and a narrower one (a windowed layer served
-        # by a longer ring): with the full window a decode sees every key,
-        # so only a narrower one checks where each position sits.
-        windows: list[int | None] = [None]
-        if self.narrow_masks and c.max_size - 1 > c.keep:
-            windows.append(c.max_size - 1)
-        for window in windows:
-            want = [list(r) for r in sr.make_mask_spec(c, n, window)]
-            length = len(want[0])
-            for kwargs in ({"return_array": True}, {}):
-                kwargs = {**kwargs, **({} if window is None else {"window_size": window})}
-                got = mask_as_rows(self.cache.make_mask(n, **kwargs), n, length)
-                if got != want:
-                    raise Divergence(self.current_index, op, f"make_mask({n}, {kwargs}) differs",
-                                     _mask_text(want), "unexpected form" if got is None else _mask_text(got))
-        self.reached("masks checked")
+        """make_mask before the append, as an mlx-lm model calls it
+        (fuzz.masks.check_ring_masks)."""
+        check_ring_masks(self, op, self.world.cache, self.cache, self.narrow_masks)
+
+    # -- memory sharing -----------------------------------------------------------
+    def spec_buffers(self) -> dict[str, Any]:
+        w = self.world
+        out: dict[str, Any] = {"cache": w.cache.ident if w.cache.slots else None}
+        for name, holder in w.holders.items():
+            out["holder:" + name] = holder.cache.ident if holder.cache.slots else None
+        return out
+
+    def impl_pointers(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {"cache": None if self.cache.keys is None else data_pointer(self.cache.keys)}
+        for name, snap in self.holders.items():
+            out["holder:" + name] = None if getattr(snap, "keys", None) is None else data_pointer(snap.keys)
+        return out
 
     def step(self, index: int, op: dict[str, Any]) -> None:
         self.current_index = index
@@ -143,10 +128,6 @@ class RotatingLockstep(Lockstep):
         return out
 
 
-def _mask_text(rows: list[list[bool]]) -> str:
-    return " / ".join("".join("1" if x else "." for x in r) for r in rows)
-
-
 class RotatingMachine(KVMachine):
     """Sliding-window ops with W 2 to 16, K 0 to 3, step 1 to 8, undo depth U
     0 to 4 (0 on mlx-lm targets, which have no undo log): mixed decode and
@@ -161,15 +142,13 @@ class RotatingMachine(KVMachine):
         data=st.data(),
         max_size=st.one_of(st.integers(2, 6), st.integers(2, 16)),
         step=SMALL_STEPS,
-        head_dim=HEAD_DIMS,
-        kv_heads=KV_HEADS,
     )
-    def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int, kv_heads: int) -> None:
+    def init(self, data: st.DataObject, max_size: int, step: int) -> None:
         keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
         extra = {}
         if self.target is None or self.target.is_impl:
             extra["undo"] = data.draw(st.integers(0, 4), label="undo")
-        self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads, **extra)
+        self.setup(max_size=max_size, keep=keep, step=step, **self.draw_shape(data), **extra)
 
     @rule()
     def decode_again(self) -> None:
@@ -224,3 +203,25 @@ class RotatingMachine(KVMachine):
         assert 0 <= c.idx <= max(c.capacity, 0), (c.idx, c.capacity)
         if c.offset != c.idx:
             assert c.keep < c.idx, (c.keep, c.idx)
+
+
+class PlainRotatingMachine(RotatingMachine):
+    """The ring machine as mlx-lm targets run it (batch 1, one head dim,
+    float16), drawn in the order their conformance findings were recorded
+    with."""
+
+    @initialize(
+        data=st.data(),
+        max_size=st.one_of(st.integers(2, 6), st.integers(2, 16)),
+        step=SMALL_STEPS,
+        head_dim=HEAD_DIMS,
+        kv_heads=KV_HEADS,
+    )
+    def init(self, data: st.DataObject, max_size: int, step: int, head_dim: int,  # type: ignore[override]
+             kv_heads: int) -> None:
+        keep = data.draw(st.integers(0, min(3, max_size - 1)), label="keep")
+        self.setup(max_size=max_size, keep=keep, step=step, head_dim=head_dim, kv_heads=kv_heads)
+
+
+RotatingMachine.plain = PlainRotatingMachine
+

@@ -2,36 +2,98 @@
 
 kvtrace says a row's K and V are a function of its identity and the trace's
 configuration, so any machine replays the same bytes and a stale row can be
-told from a new one. Rows are float16 ``[B, H, 1, D]``; every seventh token
-has an all-zero K row and every eleventh an all-zero V row (the Int8
-``scale == 0`` rule), never both, so every token's (K, V) pair stays unique;
-the others are normal draws scaled by a per-token magnitude so the quantizers
-see a spread.
+told from a new one. Rows are ``[B, H, 1, D]`` (K and V may have different
+head dims); every seventh token has an all-zero K row and every eleventh an
+all-zero V row (the Int8 ``scale == 0`` rule), never both, so every token's
+(K, V) pair stays unique; the others are normal draws scaled by a per-token
+magnitude so the quantizers see a spread.
+
+The identity-to-bytes mapping per dtype (kvtrace ``dtype``):
+
+* ``float16``: the draw rounded to float16 (the bytes every float16 trace
+  has always had);
+* ``bfloat16``: the same draw rounded to bfloat16 (to nearest, ties to
+  even), carried in NumPy as the float32 of that value (NumPy has no
+  bfloat16; :func:`to_mx` makes it a bfloat16 ``mx.array`` exactly);
+* ``float32``: the draw rounded to float32.
+
+With ``wide`` (unquantized storage, any dtype but float16) every fifth
+nonzero row is scaled by 2**16, beyond float16's finite range: a cache that
+detours through float16 turns those rows into inf. Quantized modes never
+get wide rows (their range decision refuses them, and the spec's rows are
+identities, not values).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
+import mlx.core as mx
 import numpy as np
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 values -> the nearest bfloat16 values (ties to even), as float32."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32)
 
 
 @lru_cache(maxsize=65536)
-def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int) -> np.ndarray:
-    """float16 ``[batch, kv_heads, 1, head_dim]`` for ``which`` in {"k", "v"}."""
+def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
+        wide: bool = False) -> np.ndarray:
+    """``[batch, kv_heads, 1, head_dim]`` for ``which`` in {"k", "v"}: a
+    float16 array for ``dtype="float16"``, else float32 holding values exact
+    in ``dtype``."""
     shape = (batch, kv_heads, 1, head_dim)
+    host = np.float16 if dtype == "float16" else np.float32
     if (which == "k" and token % 7 == 3) or (which == "v" and token % 11 == 5 and token % 7 != 3):
-        return np.zeros(shape, dtype=np.float16)
+        return np.zeros(shape, dtype=host)
     rng = np.random.default_rng([token, 0 if which == "k" else 1, batch, kv_heads, head_dim])
     magnitude = float(2.0 ** rng.integers(-6, 6))
-    out = (rng.standard_normal(shape) * magnitude).astype(np.float16)
+    if wide and dtype != "float16" and token % 5 == 2:
+        magnitude *= 2.0**16
+    draw = rng.standard_normal(shape) * magnitude
+    if dtype == "float16":
+        out = draw.astype(np.float16)
+    elif dtype == "bfloat16":
+        out = round_to_bfloat16(draw.astype(np.float32))
+    elif dtype == "float32":
+        out = draw.astype(np.float32)
+    else:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out.setflags(write=False)
     return out
 
 
-def rows(tokens, which: str, batch: int, kv_heads: int, head_dim: int) -> np.ndarray:
-    """float16 ``[batch, kv_heads, len(tokens), head_dim]`` in token order."""
+def rows(tokens, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
+         wide: bool = False) -> np.ndarray:
+    """``[batch, kv_heads, len(tokens), head_dim]`` in token order (host
+    form: see :func:`row`)."""
     tokens = list(tokens)
     if not tokens:
-        return np.zeros((batch, kv_heads, 0, head_dim), dtype=np.float16)
-    return np.concatenate([row(t, which, batch, kv_heads, head_dim) for t in tokens], axis=2)
+        return np.zeros((batch, kv_heads, 0, head_dim), dtype=np.float16 if dtype == "float16" else np.float32)
+    return np.concatenate([row(t, which, batch, kv_heads, head_dim, dtype, wide) for t in tokens], axis=2)
+
+
+def to_mx(x: np.ndarray, dtype: str) -> mx.array:
+    """Rows in host form as an ``mx.array`` of ``dtype`` (exact)."""
+    return mx.array(x).astype(getattr(mx, dtype))
+
+
+def host(a) -> np.ndarray:
+    """A fetched array as NumPy, bit for bit: float16 and float32 as they
+    are, bfloat16 as the float32 of each value (exact and one-to-one);
+    anything else (a target's view object) through ``np.asarray``."""
+    if isinstance(a, mx.array) and a.dtype == mx.bfloat16:
+        return np.asarray(a.astype(mx.float32))
+    return np.asarray(a)
+
+
+def dtype_name(a) -> str:
+    """The kvtrace dtype name of a fetched array (NumPy's for a view object)."""
+    if isinstance(a, mx.array):
+        return str(a.dtype).rsplit(".", 1)[-1]
+    return str(np.asarray(a).dtype)

@@ -442,7 +442,7 @@ class _Declared:
         super().__init__(cache, lambda **_: cls.adapter(cache, target.trim_via))  # type: ignore[call-arg]
         self.check_inplace = False
 
-    def stored_form(self, x: mx.array) -> mx.array:
+    def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
         if self.cls.stored_form is not None:
             return self.cls.stored_form(x)
         return x.astype(mx.float16)

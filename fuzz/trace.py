@@ -1,20 +1,30 @@
 """kvtrace/1: load, validate and write operation traces.
 
-The format is specified in ``shared/reference/kvtrace.md``; its machine form
-is ``fuzz/kvtrace.schema.json`` (JSON Schema 2020-12), checked with the
-``jsonschema`` library. A file that fails validation raises
-:class:`TraceFormatError`, whose message names the op index and field.
+The format is specified in ``docs/kvtrace.md``; its machine form is
+``fuzz/kvtrace.schema.json`` (JSON Schema 2020-12), checked with the
+``jsonschema`` library. A document that fails raises
+:class:`TraceFormatError`, whose message lists every problem in document
+order, each naming the op index and field.
+
+A trace is untrusted input, so loading is strict and bounded (the limits
+below, documented in docs/kvtrace.md "Loading: strict, bounded, fast"):
+UTF-8 only, no duplicate keys, no ``NaN``/``Infinity``, bounded size,
+nesting, op count and buffer size. Validation is fast: ops are checked by a
+validator compiled from the schema's own op rules (:class:`_OpChecker`), and
+only the ops it rejects go through ``jsonschema`` for their messages.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 
 from fuzz import kinds
 
@@ -28,6 +38,20 @@ def cache_defaults(kind: str, mode: str | None = None) -> dict[str, Any]:
         return dict(kinds.COMMON_FIELDS)
 
 
+#: Largest trace file read, in bytes.
+MAX_BYTES = 64 * 2**20
+#: Deepest nesting of JSON arrays and objects (a trace needs 4).
+MAX_DEPTH = 64
+#: Most ops in one trace (also ``maxItems`` in the schema); checked before
+#: any op is validated.
+MAX_OPS = 1_000_000
+#: Most elements one K or V tensor of the trace's cache may need:
+#: ``rows * batch * kv_heads * head_dim`` (32 MiB of float16).
+MAX_ELEMENTS = 2**24
+#: Problems printed at most; the rest are counted.
+MAX_ERRORS_SHOWN = 20
+
+
 class TraceFormatError(Exception):
     """The document is not a valid kvtrace/1 trace (replay exit status 2)."""
 
@@ -38,34 +62,201 @@ def schema() -> dict[str, Any]:
     return json.loads(text)
 
 
-_VALIDATOR: jsonschema.Draft202012Validator | None = None
-
-
 def _strict_integer(checker: object, instance: object) -> bool:
     # JSON Schema counts 1.0 as an integer; a trace's counts and indices
     # must be written as integers.
     return isinstance(instance, int) and not isinstance(instance, bool)
 
 
-def _validator() -> jsonschema.Draft202012Validator:
-    global _VALIDATOR
-    if _VALIDATOR is None:
+_VALIDATORS: dict[str, Any] = {}
+
+
+def _validator(part: str = "document") -> Any:
+    """A cached ``jsonschema`` validator of the whole document, or of one op
+    (``part="op"``), with strict integers."""
+    if part not in _VALIDATORS:
         base = jsonschema.Draft202012Validator
         strict = jsonschema.validators.extend(base, type_checker=base.TYPE_CHECKER.redefine("integer", _strict_integer))
-        _VALIDATOR = strict(schema())
-    return _VALIDATOR
+        doc = schema()
+        if part == "op":
+            doc = {"$defs": doc["$defs"], "$ref": "#/$defs/op"}
+        _VALIDATORS[part] = strict(doc)
+    return _VALIDATORS[part]
 
 
-def _describe(err: jsonschema.ValidationError) -> str:
-    path = list(err.absolute_path)
-    where = "document"
+# -- the compiled op checker -----------------------------------------------------
+_TYPES = {
+    "integer": lambda x: _strict_integer(None, x),
+    "string": lambda x: isinstance(x, str),
+    "boolean": lambda x: isinstance(x, bool),
+    "array": lambda x: isinstance(x, list),
+    "object": lambda x: isinstance(x, dict),
+}
+_SUPPORTED = {"type", "minimum", "maximum", "minLength", "maxLength", "maxItems", "items", "enum", "const", "$ref",
+              "properties", "required", "additionalProperties"}
+
+
+class _OpChecker:
+    """Says whether one op is valid, exactly as the schema's ``$defs/op``
+    would, at a fraction of the cost. Built from the schema itself: the op
+    names, each ``if op is X then ...`` clause and the common properties; a
+    schema keyword it does not know makes construction fail (so a schema
+    change cannot silently loosen validation; tests/test_trace.py also
+    compares it with jsonschema on drawn ops)."""
+
+    def __init__(self, doc: dict[str, Any]):
+        self.defs = doc["$defs"]
+        op = self.defs["op"]
+        self.names = frozenset(op["properties"]["op"]["enum"])
+        common: dict[str, Any] = {}
+        self.rules: dict[str, tuple[frozenset[str], dict[str, Any]]] = {}
+        specific: dict[str, list[dict[str, Any]]] = {n: [] for n in self.names}
+        for entry in op["allOf"]:
+            if "if" not in entry:
+                common.update(entry["properties"])
+                continue
+            cond = entry["if"]["properties"]["op"]
+            names = [cond["const"]] if "const" in cond else cond["enum"]
+            for n in names:
+                if n in specific:  # a rule for an op no kind runs yet is inert
+                    specific[n].append(entry["then"])
+        for n in self.names:
+            props = dict(common)
+            required: set[str] = {"op"}
+            for then in specific[n]:
+                props.update(then.get("properties", {}))
+                required.update(then.get("required", ()))
+            props = {k: self._compile(v) for k, v in props.items()}
+            props["op"] = lambda x: True
+            self.rules[n] = (frozenset(required), props)
+
+    def _compile(self, s: dict[str, Any]) -> Any:
+        while "$ref" in s:
+            s = self.defs[s["$ref"].rsplit("/", 1)[1]]
+        unknown = set(s) - _SUPPORTED
+        if unknown:
+            raise ValueError(f"_OpChecker: schema keywords {sorted(unknown)} are not compiled")
+        checks = []
+        if "type" in s:
+            checks.append(_TYPES[s["type"]])
+        if "minimum" in s:
+            lo = s["minimum"]
+            checks.append(lambda x: x >= lo)
+        if "maximum" in s:
+            hi = s["maximum"]
+            checks.append(lambda x: x <= hi)
+        if "minLength" in s:
+            ml = s["minLength"]
+            checks.append(lambda x: len(x) >= ml)
+        if "maxLength" in s:
+            xl = s["maxLength"]
+            checks.append(lambda x: len(x) <= xl)
+        if "enum" in s:
+            allowed = s["enum"]
+            checks.append(lambda x: any(x == a and type(x) is type(a) for a in allowed))
+        if "const" in s:
+            const = s["const"]
+            checks.append(lambda x: x == const and type(x) is type(const))
+        if "maxItems" in s:
+            mi = s["maxItems"]
+            checks.append(lambda x: len(x) <= mi)
+        if "items" in s:
+            item = self._compile(s["items"])
+            checks.append(lambda x: all(item(v) for v in x))
+        if {"properties", "required", "additionalProperties"} & set(s):
+            props = {k: self._compile(v) for k, v in s.get("properties", {}).items()}
+            needed = frozenset(s.get("required", ()))
+            closed = s.get("additionalProperties", True)
+            if not isinstance(closed, bool):
+                raise ValueError("_OpChecker: additionalProperties must be true or false")
+
+            def obj(x: Any) -> bool:
+                if not isinstance(x, dict):
+                    return True  # these keywords apply to objects only
+                if not needed.issubset(x):
+                    return False
+                return all(props[k](v) if k in props else closed for k, v in x.items())
+
+            checks.append(obj)
+        return lambda x: all(c(x) for c in checks)
+
+    def ok(self, op: Any) -> bool:
+        if not isinstance(op, dict):
+            return False
+        name = op.get("op")
+        if not isinstance(name, str) or name not in self.names:
+            return False
+        required, props = self.rules[name]
+        if not required.issubset(op):
+            return False
+        for key, value in op.items():
+            check = props.get(key)
+            if check is None or not check(value):
+                return False
+        return True
+
+
+_CHECKER: _OpChecker | None = None
+
+
+def _op_checker() -> _OpChecker:
+    global _CHECKER
+    if _CHECKER is None:
+        _CHECKER = _OpChecker(schema())
+    return _CHECKER
+
+
+# -- messages ----------------------------------------------------------------------
+def _where(path: list[Any]) -> str:
     if path[:1] == ["ops"] and len(path) >= 2:
         where = f"op {path[1]}"
         if len(path) >= 3:
             where += f" field {'.'.join(str(p) for p in path[2:])!r}"
-    elif path:
-        where = "field " + ".".join(str(p) for p in path)
-    return f"{where}: {err.message}"
+        return where
+    if path:
+        return "field " + ".".join(str(p) for p in path)
+    return "document"
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _messages(errors: list[jsonschema.ValidationError], prefix: list[Any]) -> list[tuple[list[Any], str]]:
+    """One message per problem. Knock-on errors are dropped: a field of the
+    wrong type also leaves that field "unevaluated", and an op whose name is
+    missing or unknown has no rule for its other fields."""
+    out = []
+    real = [e for e in errors if e.validator != "unevaluatedProperties"]
+    for e in real or errors:
+        path = prefix + list(e.absolute_path)
+        if e.validator == "required" and e.validator_value == ["op"]:
+            msg = 'has no "op" (every op names its operation)'
+        elif list(e.absolute_path) == ["op"] and e.validator == "enum":
+            msg = f"unknown op {_short(repr(e.instance), 60)}; known: {', '.join(e.validator_value)}"
+        else:
+            msg = _short(e.message)
+        out.append((path, msg))
+    return out
+
+
+def _order(doc: Any, path: list[Any]) -> tuple[Any, ...]:
+    """Sort key: document order (the file's key order at the top level, op
+    index, then the path)."""
+    keys = list(doc) if isinstance(doc, dict) else []
+    head = keys.index(path[0]) if path and path[0] in keys else -1
+    return (head, *[(0, p) if isinstance(p, int) else (1, str(p)) for p in path[1:]])
+
+
+def _raise(problems: list[tuple[list[Any], str]], doc: Any, more: int = 0) -> None:
+    problems = sorted(problems, key=lambda pm: _order(doc, pm[0]))
+    shown = problems[:MAX_ERRORS_SHOWN]
+    hidden = len(problems) - len(shown) + more
+    lines = [f"{_where(p)}: {m}" for p, m in shown]
+    if hidden:
+        lines.append(f"... and {hidden} more")
+    head = lines[0] if len(lines) == 1 else f"{len(problems) + more} problems:\n  " + "\n  ".join(lines)
+    raise TraceFormatError(head)
 
 
 @dataclass
@@ -95,15 +286,69 @@ class Trace:
 
 
 def validate(doc: Any) -> None:
-    """Raise TraceFormatError naming the op index and field of the first
-    (most relevant) schema violation."""
-    errors = sorted(_validator().iter_errors(doc), key=lambda e: (list(e.absolute_path), e.message))
-    if errors:
-        # A field of the wrong type also leaves that field "unevaluated";
-        # name the type error, not the knock-on one.
-        primary = [e for e in errors if e.validator != "unevaluatedProperties"] or errors
-        best = jsonschema.exceptions.best_match(primary)
-        raise TraceFormatError(_describe(best))
+    """Raise TraceFormatError listing every schema violation in document
+    order (at most MAX_ERRORS_SHOWN, then a count), each naming the op
+    index and field. More than MAX_OPS ops is refused before any op is
+    looked at."""
+    ops = doc.get("ops") if isinstance(doc, dict) else None
+    if isinstance(ops, list) and len(ops) > MAX_OPS:
+        raise TraceFormatError(f"field ops: {len(ops)} ops, more than the limit of {MAX_OPS}")
+    if isinstance(ops, list):
+        head = {k: (v if k != "ops" else []) for k, v in doc.items()}
+    else:
+        head = doc
+    problems = _messages(list(_validator().iter_errors(head)), [])
+    more = 0
+    if isinstance(ops, list):
+        checker = _op_checker()
+        bad = [i for i, op in enumerate(ops) if not checker.ok(op)]
+        for i in bad[:MAX_ERRORS_SHOWN]:
+            found = _messages(list(_validator("op").iter_errors(ops[i])), ["ops", i])
+            if not found:  # pragma: no cover - the checker and the schema disagree
+                found = [(["ops", i], "rejected by the op checker")]
+            problems += found
+        more = max(0, len(bad) - MAX_ERRORS_SHOWN)
+    if problems:
+        _raise(problems, doc, more)
+
+
+def _rows_bound(cache: dict[str, Any], ops: list[dict[str, Any]]) -> int:
+    """An upper bound on the rows any one buffer of this trace can hold."""
+    appended = [op["n"] for op in ops if op["op"] == "append"]
+    rows = sum(appended) + cache["step"]
+    if cache["kind"] == "paged":
+        # a pool block per started block of every append, plus one copied
+        # on write, plus a growth chunk
+        bs = cache["block_size"]
+        rows = sum(n + 2 * bs for n in appended) + cache.get("chunk", 1) * bs
+    if cache["kind"] == "rotating":
+        rows = min(rows, cache["max_size"] + max(appended, default=0)) + cache.get("undo", 0)
+    return rows
+
+
+def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """Rules the schema cannot state: a ring's ``keep < max_size``, ops the
+    kind neither runs nor refuses by contract (fuzz/kinds.py: a paged op on
+    a dense cache), and the buffer bound MAX_ELEMENTS."""
+    problems: list[tuple[list[Any], str]] = []
+    if cache["kind"] == "rotating" and cache["keep"] >= cache["max_size"]:
+        problems.append((["cache", "keep"], f"must be < max_size ({cache['max_size']}), got {cache['keep']}"))
+    known = set(kind.all_ops) | set(kind.refuses)
+    for i, op in enumerate(ops):
+        if "seq" in op and "fork" not in kind.all_ops:
+            problems.append((["ops", i, "seq"], f"a {kind.kind} cache has no sequences (paged caches do)"))
+        if op["op"] not in known:
+            why = f"op {op['op']!r} is not an operation of a {kind.kind} cache (its ops: {', '.join(kind.all_ops)})"
+            problems.append((["ops", i], why))
+    if problems:
+        _raise(problems, {"cache": 0, "ops": 0})
+    rows = _rows_bound(cache, ops)
+    elements = rows * cache["batch"] * cache["kv_heads"] * cache["head_dim"]
+    if elements > MAX_ELEMENTS:
+        raise TraceFormatError(
+            f"field cache: buffers of up to {rows} rows x batch {cache['batch']} x kv_heads {cache['kv_heads']} x "
+            f"head_dim {cache['head_dim']} = {elements} elements per tensor, more than the limit of {MAX_ELEMENTS}"
+        )
 
 
 def parse(doc: Any) -> Trace:
@@ -120,21 +365,89 @@ def parse(doc: Any) -> Trace:
                 f"(its fields: {', '.join(kind.cache_fields)})"
             )
     cache = {**kind.defaults(), **doc["cache"]}
-    return Trace(cache=cache, ops=list(doc["ops"]), title=doc.get("title", ""))
+    ops = list(doc["ops"])
+    check_semantics(kind, cache, ops)
+    return Trace(cache=cache, ops=ops, title=doc.get("title", ""))
+
+
+# -- reading -----------------------------------------------------------------------
+def nesting_depth(data: bytes) -> int:
+    """Deepest nesting of arrays and objects in JSON text, brackets inside
+    strings not counted. Vectorized (escaped backslashes and quotes are
+    blanked first, so every remaining quote delimits a string): a 64 MiB
+    file takes well under a second."""
+    data = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    a = np.frombuffer(data, np.uint8)
+    in_string = (np.cumsum(a == ord('"')) % 2).astype(bool)
+    steps = (a == ord("[")).astype(np.int8) + (a == ord("{")) - (a == ord("]")) - (a == ord("}"))
+    steps[in_string] = 0
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (non-finite numbers are refused)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {_short(text, 40)} is out of range")
+    return value
+
+
+def loads(data: bytes | str, source: str = "trace") -> Trace:
+    """Decode and validate trace text strictly (see the module docstring).
+    Raises TraceFormatError naming the problem and where."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_BYTES:
+        raise TraceFormatError(f"{source}: {len(data)} bytes, more than the limit of {MAX_BYTES}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"not UTF-8: byte 0x{data[exc.start]:02x} at offset {exc.start}") from None
+    depth = nesting_depth(data)
+    if depth > MAX_DEPTH:
+        raise TraceFormatError(f"JSON nested {depth} levels deep, more than the limit of {MAX_DEPTH}")
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except _DuplicateKey as exc:
+        raise TraceFormatError(f"invalid JSON: key {_short(repr(exc.args[0]), 60)} appears twice in one object") from None
+    except (ValueError, RecursionError) as exc:
+        raise TraceFormatError(f"invalid JSON: {_short(str(exc))}") from None
+    return parse(doc)
 
 
 def load(path: str | Path) -> Trace:
     """Read and validate a trace file. Raises TraceFormatError for unreadable
-    files, bad JSON (with line and column) and schema violations."""
+    or oversized files, bad JSON (with line and column) and every schema
+    violation."""
+    p = Path(path)
     try:
-        text = Path(path).read_text()
+        size = p.stat().st_size
+        if size > MAX_BYTES:
+            raise TraceFormatError(f"cannot read {path}: {size} bytes, more than the limit of {MAX_BYTES}")
+        data = p.read_bytes()
     except OSError as exc:
-        raise TraceFormatError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    return parse(doc)
+        raise TraceFormatError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return loads(data, str(path))
 
 
 def write(trace: Trace, path: str | Path) -> Path:

@@ -1,7 +1,10 @@
 """Dense MLX KV cache, modes Fp16 and Int8 (spec: ``spec.dense``).
 
-Buffers are ``[B, H, capacity, D]`` along axis 2; Int8 keeps float16 scale
-sidecars ``[B, H, capacity, 1]`` in lockstep. Readers slice ``[0, live_len)``
+Buffers are ``[B, H, capacity, D]`` along axis 2 (keys and values may have
+different head dims ``Dk``/``Dv``); Int8 keeps float16 scale sidecars
+``[B, H, capacity, 1]`` in lockstep. Fp16 stores rows in the floating dtype
+they come in (float16, bfloat16 or float32) and Int8 dequantizes to it
+(semantics.md 2 "Storage dtype"; "fp16" names the unquantized mode). Readers slice ``[0, live_len)``
 with ``live_len = offset - live_start``.
 
 Writes are functional (``mx.slice_update``: MLX copies a buffer that anyone
@@ -21,12 +24,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.quant import dequantize_int8, quantize_int8
+from impl.quant import FLOAT16_MAX, dequantize_int8, int8_representable, quantize_int8
+from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 SEQ_AXIS = 2
 _OFF_VALUES = ("0", "false", "off", "no")
 _MODES = ("fp16", "int8")
+#: The floating dtypes a cache stores and returns (semantics.md 2 "Storage dtype").
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def inplace_switch_from_env() -> bool:
@@ -40,6 +46,18 @@ def regrow_capacity(prev: int, n: int, step: int) -> int:
     """Capacity after a growth: ``prev + ceil(n / step) * step``
     (spec.dense.regrow_capacity)."""
     return prev + -(-n // step) * step
+
+
+def check_inplace(op: str, inplace: Any) -> bool:
+    """The ``inplace`` argument of every cache: True, False or None (read
+    ``KV_INPLACE_WRITE``, spec.dense.inplace_switch). Anything else (a
+    string such as ``"no"``, an int) is refused: truthiness would turn
+    ``"no"`` into on."""
+    if inplace is not None and not isinstance(inplace, bool):
+        raise InvalidArgumentError(
+            f"{op}: inplace must be True, False or None (read KV_INPLACE_WRITE), got {inplace!r}"
+        )
+    return inplace_switch_from_env() if inplace is None else inplace
 
 
 def _check_int(op: str, name: str, value: Any) -> int:
@@ -60,7 +78,23 @@ def write_rows_inplace(dst: mx.array, src: mx.array, at: int) -> None:
     ``copy=False`` makes NumPy raise rather than silently write into a copy.
     """
     mx.eval(dst)
+    if dst.dtype == mx.bfloat16:
+        # NumPy has no bfloat16: write the 16-bit patterns through a uint16
+        # view of the same memory (an evaluated mx.view aliases its input).
+        dst, src = mx.view(dst, mx.uint16), mx.view(src.astype(mx.bfloat16), mx.uint16)
+        mx.eval(dst)
     np.array(dst, copy=False)[:, :, at : at + src.shape[SEQ_AXIS], :] = src
+
+
+def data_pointer(a: mx.array) -> int:
+    """Address of the first element of ``a``'s memory (evaluated first), read
+    through an aliasing NumPy view: two arrays with the same pointer share
+    memory. The memory-sharing observable of the cost contract."""
+    mx.eval(a)
+    if a.dtype == mx.bfloat16:
+        a = mx.view(a, mx.uint16)
+        mx.eval(a)
+    return int(np.array(a, copy=False).__array_interface__["data"][0])
 
 
 def _check_tensor(op: str, name: str, a: Any) -> None:
@@ -77,22 +111,52 @@ def _check_list(op: str, name: str, value: Any) -> list[Any]:
     return list(value)
 
 
+_DIMS = ((0, "batch B"), (1, "kv heads H"), (3, "head dim D"))
+
+
 def _check_rows(op: str, keys: Any, values: Any) -> int:
-    """Validate a ``[B, H, S, D]`` K/V pair; returns S."""
+    """Validate a ``[B, H, S, Dk]`` / ``[B, H, S, Dv]`` K/V pair (head dims
+    may differ; dtype float16, bfloat16 or float32, the same for both);
+    returns S. Messages name the dimension that disagrees."""
     for name, a in (("keys", keys), ("values", values)):
         if not isinstance(a, mx.array):
             raise InvalidArgumentError(f"{op}: {name} must be an mx.array, got {type(a).__name__}")
         if a.ndim != 4:
             raise InvalidArgumentError(f"{op}: {name} must have rank 4 [B, H, S, D], got shape {tuple(a.shape)}")
-        if not mx.issubdtype(a.dtype, mx.floating):
-            raise InvalidArgumentError(f"{op}: {name} must be a floating dtype, got {a.dtype}")
-    if keys.shape[:3] != values.shape[:3]:
-        raise InvalidArgumentError(
-            f"{op}: keys and values must agree on [B, H, S], got {tuple(keys.shape)} and {tuple(values.shape)}"
-        )
+        if a.dtype not in FLOAT_DTYPES:
+            raise InvalidArgumentError(
+                f"{op}: {name} dtype must be float16, bfloat16 or float32, got {a.dtype}"
+            )
+    if keys.dtype != values.dtype:
+        raise InvalidArgumentError(f"{op}: keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
+    for axis, dim in ((0, "batch B"), (1, "kv heads H"), (2, "rows S")):
+        if keys.shape[axis] != values.shape[axis]:
+            raise InvalidArgumentError(
+                f"{op}: keys and values must agree on {dim}, got {keys.shape[axis]} and {values.shape[axis]} "
+                f"(shapes {tuple(keys.shape)} and {tuple(values.shape)})"
+            )
     if keys.shape[2] < 1:
         raise InvalidArgumentError(f"{op}: n must be >= 1, got {keys.shape[2]}")
     return int(keys.shape[2])
+
+
+def check_matches_cache(op: str, name: str, have: tuple[int, ...], new: mx.array) -> None:
+    """An appended ``[B, H, S, D]`` tensor must match the cached
+    ``[B, H, _, D]`` ``have``; the message names the dimension (batch B,
+    kv heads H or head dim D) that does not."""
+    for axis, dim in _DIMS:
+        if have[axis] != new.shape[axis]:
+            raise InvalidArgumentError(
+                f"{op}: {name} {dim} must be {have[axis]} (the cache's), got {new.shape[axis]} "
+                f"(shape {tuple(new.shape)})"
+            )
+
+
+def check_dtype_matches(op: str, have: mx.Dtype, new: mx.Dtype) -> None:
+    """Rows appended to a cache that holds rows come in the cache's dtype
+    (mixing would cast silently, semantics.md 2 "Storage dtype")."""
+    if have != new:
+        raise InvalidArgumentError(f"{op}: dtype must be {have} (the cache's rows), got {new}")
 
 
 def share(a: mx.array) -> mx.array:
@@ -121,13 +185,24 @@ def copy_without_marker(cache: Any, memo: dict | None = None) -> Any:
 
 @dataclass
 class _Buffers:
-    """The cache's tensors. Fp16: ``keys``/``values`` float16. Int8: int8
-    ``keys``/``values`` plus float16 ``key_scales``/``value_scales``."""
+    """The cache's tensors. Fp16: ``keys``/``values`` in the rows' dtype.
+    Int8: int8 ``keys``/``values`` plus float16 ``key_scales``/
+    ``value_scales``; ``out_dtype`` is the dtype the window is dequantized
+    to (the dtype the rows came in; None in Fp16, where it is the buffers')."""
 
     keys: mx.array
     values: mx.array
     key_scales: mx.array | None = None
     value_scales: mx.array | None = None
+    out_dtype: mx.Dtype | None = None
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype of the rows this cache was handed and returns (Int8
+        rows loaded from ``state``, which records none: float16)."""
+        if self.out_dtype is not None:
+            return self.out_dtype
+        return self.keys.dtype if self.key_scales is None else mx.float16
 
     def arrays(self) -> tuple[mx.array, ...]:
         return tuple(a for a in (self.keys, self.values, self.key_scales, self.value_scales) if a is not None)
@@ -142,6 +217,7 @@ class _Buffers:
             fn(self.values),
             None if self.key_scales is None else fn(self.key_scales),
             None if self.value_scales is None else fn(self.value_scales),
+            self.out_dtype,
         )
 
     def shared(self) -> _Buffers:
@@ -149,11 +225,11 @@ class _Buffers:
         return self.map(share)
 
     def window(self, live_len: int) -> tuple[mx.array, mx.array]:
-        """Attention-ready float16 rows ``[0, live_len)``."""
+        """Attention-ready rows ``[0, live_len)`` in the rows' dtype."""
         k, v = self.keys[:, :, :live_len, :], self.values[:, :, :live_len, :]
         if self.key_scales is not None:
-            k = dequantize_int8(k, self.key_scales[:, :, :live_len, :])
-            v = dequantize_int8(v, self.value_scales[:, :, :live_len, :])  # type: ignore[index]
+            k = dequantize_int8(k, self.key_scales[:, :, :live_len, :], self.dtype)
+            v = dequantize_int8(v, self.value_scales[:, :, :live_len, :], self.dtype)  # type: ignore[index]
         return k, v
 
 
@@ -180,7 +256,7 @@ class CacheSnapshot:
         return self.offset - self.live_start
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        """The snapshot's window as float16 ``[B, H, live_len, D]``, or None."""
+        """The snapshot's window ``[B, H, live_len, D]`` in the rows' dtype, or None."""
         return None if self.buffers is None else self.buffers.window(self.live_len)
 
 
@@ -212,9 +288,11 @@ class KVCache:
     """Dense per-layer KV cache in mode ``"fp16"`` or ``"int8"``.
 
     Args:
-        mode: ``"fp16"`` (float16 storage) or ``"int8"`` (per-row symmetric
-            int8 with float16 scales, semantics.md 2 "Quantized storage").
-        step: growth granularity in rows (>= 1). Production engines use 256;
+        mode: ``"fp16"`` (unquantized: rows stored in the dtype they come
+            in) or ``"int8"`` (per-row symmetric int8 with float16 scales,
+            dequantized to the incoming dtype; semantics.md 2 "Quantized
+            storage", :mod:`impl.quant` for the range decision).
+        step: growth granularity in rows, 1 to ``MAX_STEP`` (2^20). Production engines use 256;
             tests use 1 to 8.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
 
@@ -225,17 +303,18 @@ class KVCache:
     ``live_start``, ``live_len``, ``capacity`` and ``last_write_inplace``.
     """
 
+    #: The Int8 quantizer (impl.quant.quantize_int8).
+    quantize_rows = staticmethod(quantize_int8)
+
     def __init__(self, mode: str = "fp16", step: int = 256, inplace: bool | None = None):
         if mode not in _MODES:
             raise UnsupportedOperationError(f"KVCache: mode must be one of {_MODES}, got {mode!r}")
         step = _check_int("KVCache", "step", step)
-        if step < 1:
-            raise InvalidArgumentError(f"KVCache: step must be >= 1, got {step}")
+        if step < 1 or step > MAX_STEP:
+            raise InvalidArgumentError(f"KVCache: step must be in [1, {MAX_STEP}], got {step}")
         self.mode = mode
         self.step = step
-        if inplace is not None and not isinstance(inplace, bool):
-            raise InvalidArgumentError(f"KVCache: inplace must be True, False or None (read KV_INPLACE_WRITE), got {inplace!r}")
-        self.inplace = inplace_switch_from_env() if inplace is None else inplace
+        self.inplace = check_inplace("KVCache", inplace)
         self._reset()
 
     def _reset(self) -> None:
@@ -258,21 +337,28 @@ class KVCache:
 
     # -- the write path ----------------------------------------------------
     def _encode(self, keys: mx.array, values: mx.array) -> _Buffers:
+        """Rows as stored: as given in Fp16; quantized in Int8, which refuses
+        a row that is not finite in float16 (impl.quant's range decision)."""
         if self.mode == "int8":
-            kq, ks = quantize_int8(keys)
-            vq, vs = quantize_int8(values)
-            return _Buffers(kq, vq, ks, vs)
-        return _Buffers(keys.astype(mx.float16), values.astype(mx.float16))
+            for name, a in (("keys", keys), ("values", values)):
+                ok, absmax = int8_representable(a)
+                if not ok:
+                    raise InvalidArgumentError(
+                        f"append: {name} must be finite within float16's range (|x| <= {FLOAT16_MAX:g}) "
+                        f"in mode int8 (no finite scale otherwise), got max |x| = {absmax:g}"
+                    )
+            kq, ks = self.quantize_rows(keys)
+            vq, vs = self.quantize_rows(values)
+            return _Buffers(kq, vq, ks, vs, keys.dtype)
+        return _Buffers(keys, values)
 
-    def _check_compatible(self, op: str, rows: _Buffers) -> None:
+    def _check_compatible(self, op: str, keys: mx.array, values: mx.array) -> None:
+        """Appended rows match the cached ``[B, H, _, D]`` and dtype."""
         if self.buffers is None:
             return
-        for name, have, new in (("keys", self.buffers.keys, rows.keys), ("values", self.buffers.values, rows.values)):
-            if (have.shape[0], have.shape[1], have.shape[3]) != (new.shape[0], new.shape[1], new.shape[3]):
-                raise InvalidArgumentError(
-                    f"{op}: {name} must match the cache's [B, H, _, D] = "
-                    f"{(have.shape[0], have.shape[1], have.shape[3])}, got {tuple(new.shape)}"
-                )
+        check_matches_cache(op, "keys", tuple(self.buffers.keys.shape), keys)
+        check_matches_cache(op, "values", tuple(self.buffers.values.shape), values)
+        check_dtype_matches(op, self.buffers.dtype, keys.dtype)
 
     def _grow(self, prev: int, n: int, rows: _Buffers) -> None:
         """Regrow rule (spec.dense.regrow_needed / regrow_capacity): cut a
@@ -292,7 +378,10 @@ class KVCache:
             old = old.map(lambda a: a[:, :, :prev, :])
         # arrays() lists keys, values[, key_scales, value_scales]: the
         # constructor's order.
-        self.buffers = _Buffers(*(mx.concatenate([a, b], axis=SEQ_AXIS) for a, b in zip(old.arrays(), grown.arrays())))
+        self.buffers = _Buffers(
+            *(mx.concatenate([a, b], axis=SEQ_AXIS) for a, b in zip(old.arrays(), grown.arrays())),
+            out_dtype=rows.out_dtype,
+        )
 
     def _owns_buffers(self) -> bool:
         m = self._marker
@@ -331,20 +420,23 @@ class KVCache:
                 (self.buffers.keys, self.buffers.values, self.buffers.key_scales, self.buffers.value_scales),
                 (rows.keys, rows.values, rows.key_scales, rows.value_scales),
             )
-        ))
+        ), out_dtype=self.buffers.out_dtype)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``S`` rows and return the window (spec.dense.append).
 
-        ``keys``: ``[B, H, S, Dk]``, ``values``: ``[B, H, S, Dv]``, any float
-        dtype (stored as float16, or int8 + scales). Returns float16
-        ``[B, H, live_len, D]`` windows (dequantized in Int8).
-        Raises InvalidArgumentError for a wrong rank, dtype, S < 1, or a
-        B/H/D that differs from the rows already cached.
+        ``keys``: ``[B, H, S, Dk]``, ``values``: ``[B, H, S, Dv]`` in
+        float16, bfloat16 or float32 (stored as given, or int8 + scales).
+        Returns the ``[B, H, live_len, Dk]`` / ``[..., Dv]`` window in that
+        dtype (dequantized in Int8).
+        Raises InvalidArgumentError for a wrong rank or dtype, S < 1, a
+        batch B, kv heads H, head dim or dtype that differs from the rows
+        already cached (the message names it), and in Int8 for rows beyond
+        float16's finite range.
         """
         n = _check_rows("append", keys, values)
+        self._check_compatible("append", keys, values)
         rows = self._encode(keys, values)
-        self._check_compatible("append", rows)
         prev = self.live_len
         if self.buffers is None or prev + n > self.buffers.capacity:
             self._grow(prev, n, rows)
@@ -360,8 +452,8 @@ class KVCache:
         return self.buffers.window(self.live_len)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        """The live window without writing: float16 ``[B, H, live_len, D]``
-        pair, or None when the cache holds no rows."""
+        """The live window without writing: ``[B, H, live_len, D]`` pair in
+        the rows' dtype, or None when the cache holds no rows."""
         return None if self.buffers is None else self.buffers.window(self.live_len)
 
     # -- the trim family ---------------------------------------------------
@@ -373,8 +465,8 @@ class KVCache:
     def trim(self, n: int) -> int:
         """Remove ``n`` rows from the end by a logical rewind (O(1): only the
         offset moves; buffers, sidecars and capacity stay; the next write
-        overwrites the abandoned rows; seed 000). ``n`` is clamped to
-        ``[0, live_len]``, so a negative n trims nothing. Returns the rows
+        overwrites the abandoned rows; speculative decoding relies on it).
+        ``n`` is clamped to ``[0, live_len]``, so a negative n trims nothing. Returns the rows
         removed. Raises InvalidArgumentError for a non-integer n."""
         n = _check_int("trim", "n", n)
         n = max(0, min(n, self.live_len))
@@ -485,11 +577,16 @@ class KVCache:
             if holder.live_len != 0:
                 raise InvalidArgumentError(f"{op}: live_len {holder.live_len} > 0 but no tensors")
             return
-        want = mx.float16 if self.mode == "fp16" else mx.int8
         for name, a in (("keys", b.keys), ("values", b.values)):
             _check_tensor(op, name, a)
-            if a.dtype != want:
-                raise InvalidArgumentError(f"{op}: {name} dtype must be {want}, got {a.dtype}")
+            if self.mode == "int8" and a.dtype != mx.int8:
+                raise InvalidArgumentError(f"{op}: {name} dtype must be {mx.int8}, got {a.dtype}")
+            if self.mode == "fp16" and a.dtype not in FLOAT_DTYPES:
+                raise InvalidArgumentError(f"{op}: {name} dtype must be float16, bfloat16 or float32, got {a.dtype}")
+        if b.keys.dtype != b.values.dtype:
+            raise InvalidArgumentError(f"{op}: keys and values must share a dtype, got {b.keys.dtype} and {b.values.dtype}")
+        if b.out_dtype is not None and b.out_dtype not in FLOAT_DTYPES:
+            raise InvalidArgumentError(f"{op}: dequantized dtype must be float16, bfloat16 or float32, got {b.out_dtype}")
         if b.keys.shape[:3] != b.values.shape[:3]:
             raise InvalidArgumentError(
                 f"{op}: keys and values must agree on [B, H, T], got {tuple(b.keys.shape)} and {tuple(b.values.shape)}"
@@ -628,6 +725,42 @@ class KVCache:
     def is_trimmable(self) -> bool:
         return True
 
+    def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
+        """mlx-lm's name for reading the window without writing (models that
+        share one layer's keys with another call it): :meth:`fetch`."""
+        return self.fetch()
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> KVCache:
+        """mlx-lm's ``kv_bits`` hook: a quantized copy of this cache. This
+        implementation stores ``bits=8`` (mode Int8: per-row symmetric, one
+        group per head_dim row, so ``group_size`` does not change the
+        storage; docs/mlx-lm.md). Returns ``self`` when already Int8, else a
+        new Int8 cache holding these rows quantized, with the same offset,
+        live_start and step. Raises UnsupportedOperationError for any other
+        ``bits`` (never silently keeps fp16)."""
+        bits = _check_int("to_quantized", "bits", bits)
+        _check_int("to_quantized", "group_size", group_size)
+        if bits != 8:
+            raise UnsupportedOperationError(
+                f"to_quantized: bits must be 8 (kvspec stores int8, mode 'int8', one group per head_dim row), got {bits}"
+            )
+        if self.mode == "int8":
+            return self
+        q = type(self)(mode="int8", step=self.step, inplace=self.inplace)
+        buffers = None
+        if self.buffers is not None:
+            k, v = self.buffers.window(self.live_len)
+            for name, a in (("keys", k), ("values", v)):
+                ok, absmax = int8_representable(a)
+                if not ok:
+                    raise InvalidArgumentError(
+                        f"to_quantized: {name} must be finite within float16's range (|x| <= {FLOAT16_MAX:g}) "
+                        f"to be stored as int8, got |x| up to {absmax}")
+            (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+            buffers = _Buffers(kq, vq, ks, vs)
+        q._adopt(CacheSnapshot("int8", buffers, self.offset, self.live_start))
+        return q
+
     def size(self) -> int:
         return self.offset
 
@@ -640,17 +773,27 @@ class KVCache:
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """Attention mask for ``N`` new queries (called before the update, as
-        mlx-lm does). ``None`` for a decode step without a window,
-        ``"causal"`` for a plain prefill, else a bool ``[N, live_len + N]``
-        array where query ``i`` sees key ``j`` iff ``j <= live_len + i`` and,
-        with ``window_size``, ``live_len + i - j < window_size``."""
+        mlx-lm does), over the ``live_len + N`` keys the append will return.
+        Query ``i`` sees key ``j`` iff ``j <= live_len + i`` and, with
+        ``window_size``, ``live_len + i - j < window_size``
+        (spec.dense.dense_mask_visible). Returns ``None`` when every key is
+        visible to the single query, ``"causal"`` when the plain causal mask
+        is exact, else (or with ``return_array``) a bool ``[N, live_len + N]``
+        array. Raises InvalidArgumentError for ``N < 1`` and for a
+        ``window_size`` that is not None or an integer >= 1
+        (spec.dense.check_window_size)."""
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
-        if window_size is None and not return_array:
+        window_size = check_window_size("make_mask", window_size)
+        L = self.live_len + N
+        # The window binds only when some query is window_size or more keys
+        # past the first: otherwise the plain causal mask is exact.
+        binds = window_size is not None and L > window_size
+        if not return_array and not binds:
             return None if N == 1 else "causal"
-        q = mx.arange(self.live_len, self.live_len + N)[:, None]
-        k = mx.arange(self.live_len + N)[None]
+        q = mx.arange(self.live_len, L)[:, None]
+        k = mx.arange(L)[None]
         mask = q >= k
         if window_size is not None:
             mask = mask & (q < k + window_size)

@@ -7,13 +7,10 @@ full-attention layers get a dense :class:`~impl.dense.KVCache`,
 sliding-window layers a :class:`~impl.rotating.RotatingKVCache` with the
 layer's window.
 
-:func:`trim_prompt_cache` is the rollback of speculative decoding and of
-prompt-cache reuse, applied to every layer at once. It is atomic
-(semantics.md 5, property 5): when one layer cannot trim exactly (a
-sliding-window ring that has wrapped, semantics.md 3 "Trim") it trims
-nothing in any layer and returns 0. mlx-lm's own ``trim_prompt_cache`` is
-also all-or-nothing, but returns the first layer's count, which hides a
-layer that trimmed fewer rows.
+The list-level operations (:func:`trim_prompt_cache`,
+:func:`can_trim_prompt_cache`, :func:`snapshot_prompt_cache`,
+:func:`restore_prompt_cache`) live in :mod:`impl.layers` (spec:
+``spec.layers``) and are re-exported here.
 
 mlx-lm is an optional dependency (``pip install 'kvspec[e2e]'``); it is
 imported only when a model defines ``make_cache``.
@@ -21,13 +18,23 @@ imported only when a model defines ``make_cache``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from impl.dense import KVCache, _check_int
+import mlx.core as mx
+
+from impl.dense import KVCache
+from impl.layers import (
+    can_trim_prompt_cache,
+    restore_prompt_cache,
+    snapshot_prompt_cache,
+    trim_prompt_cache,
+)
 from impl.rotating import RotatingKVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
-from spec.errors import StateError, UnsupportedOperationError
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
 
@@ -125,42 +132,166 @@ def make_prompt_cache(
     return [_dense(mode, step, inplace, classes, kw) for _ in range(n_layers)]
 
 
-def _trimmable_rows(c: Any) -> int:
-    """Rows a trimmable cache can give back: the live rows of a dense cache
-    (a front trim moves live_start), the offset of an unwrapped ring."""
-    return int(c.live_len) if hasattr(c, "live_len") else int(c.offset)
+# -- prompt-cache files -------------------------------------------------------------
+#: Format version of the kvspec part of a prompt-cache file.
+FILE_FORMAT = 1
+#: Metadata key (inside mlx-lm's user-metadata namespace "0.") holding the
+#: kvspec layer descriptions, and what each class entry says to mlx-lm.
+_META_KEY = "__kvspec__"
+_CLASSES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+_LOADER = "impl.models.load_prompt_cache"
 
 
-def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
-    """True when every layer can trim exactly (``is_trimmable()``) and the
-    list is non-empty."""
-    return len(caches) > 0 and all(c.is_trimmable() for c in caches)
+def _class_entry(name: str) -> str:
+    """What mlx-lm's loader sees as the layer's class name: not one of its
+    classes, so ``mlx_lm.models.cache.load_prompt_cache`` stops with a
+    KeyError whose text names our loader."""
+    return f"kvspec.{name} (this file holds kvspec caches: load it with {_LOADER})"
 
 
-def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
-    """Trim ``n`` tokens from the end of every layer, atomically.
+def _describe(layer: int, c: Any) -> dict[str, Any]:
+    name = type(c).__name__
+    if not isinstance(c, (KVCache, RotatingKVCache)) or name not in _CLASSES:
+        raise UnsupportedOperationError(
+            f"save_prompt_cache: layer {layer} is a {name}; kvspec files hold kvspec caches only "
+            f"({', '.join(_CLASSES)}); save mlx-lm's caches with mlx_lm.models.cache.save_prompt_cache"
+        )
+    return {"class": name, "meta_state": list(c.meta_state), "inplace": bool(c.inplace), "arrays": len(c.state)}
 
-    Every layer is trimmed by the same count: ``min(n, rows the shortest
-    layer can give back)``, and that count is returned. When any layer cannot
-    trim exactly (``is_trimmable()`` is False, or the count is beyond a
-    ring's ``trimmable_rows()``: a wrapped ring beyond its undo depth)
-    nothing is trimmed in any layer and 0 is returned, so layers
-    never disagree on the sequence they hold. ``n <= 0`` trims nothing.
-    Raises InvalidArgumentError for a non-integer ``n``; StateError when a
-    layer breaks its ``is_trimmable()`` promise.
+
+def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[str, str] | None = None) -> None:
+    """Save a list of kvspec caches (one per layer, any mix of dense Fp16,
+    Int8 and rings) to a safetensors file: mlx-lm's call shape.
+
+    Tensors: ``"{layer}.{j}"``, the layer's ``state`` (its live rows:
+    Fp16 ``(keys, values)``, Int8 ``(keys, key_scales, values,
+    value_scales)``, a ring ``(keys, values)`` in physical slot order).
+    Metadata (strings): the user's ``metadata`` under ``"0.<key>"`` as
+    mlx-lm stores it; under ``"0.__kvspec__"`` a JSON description of every
+    layer (class, ``meta_state``: mode, step, offset, live_start for a
+    dense cache, keep, max_size, step, offset, idx for a ring; the in-place
+    switch; how many arrays); and under ``"1.<layer>"`` a class entry that
+    makes mlx-lm's own loader stop with a message naming
+    :func:`load_prompt_cache`. docs/mlx-lm.md "Prompt-cache files".
+
+    Raises InvalidArgumentError for metadata that is not ``str -> str`` or
+    uses the reserved key, UnsupportedOperationError for a layer that is not
+    a kvspec cache. Nothing is written when refused.
     """
-    n = _check_int("trim_prompt_cache", "n", n)
-    if n <= 0 or not can_trim_prompt_cache(caches):
-        return 0
-    count = min(n, *(_trimmable_rows(c) for c in caches))
-    if count == 0 or any(count > c.trimmable_rows() for c in caches if hasattr(c, "trimmable_rows")):
-        return 0  # a ring beyond its undo depth refuses for the whole list (semantics.md 6)
-    trimmed = [c.trim(count) for c in caches]
-    if any(t != count for t in trimmed):
-        # is_trimmable() promised an exact trim; a layer that trimmed a
-        # different count breaks the protocol (nothing to undo it with).
-        raise StateError(f"trim_prompt_cache: layers trimmed {trimmed}, expected {count} each")
-    return count
+    if len(cache) == 0:
+        raise InvalidArgumentError("save_prompt_cache: cache must hold at least one layer, got []")
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgumentError(f"save_prompt_cache: metadata must map str to str, got {k!r}: {v!r}")
+        if k == _META_KEY:
+            raise InvalidArgumentError(f"save_prompt_cache: metadata key {_META_KEY!r} is reserved for kvspec")
+    layers = [_describe(i, c) for i, c in enumerate(cache)]
+    arrays: dict[str, mx.array] = {}
+    for i, c in enumerate(cache):
+        for j, a in enumerate(c.state):
+            arrays[f"{i}.{j}"] = a
+    header = {f"0.{k}": v for k, v in meta.items()}
+    header[f"0.{_META_KEY}"] = json.dumps({"format": FILE_FORMAT, "layers": layers})
+    for i, layer in enumerate(layers):
+        header[f"1.{i}"] = _class_entry(layer["class"])
+    header["2.0"] = ""  # mlx-lm's (empty) list of scalars
+    mx.eval(list(arrays.values()))
+    mx.save_safetensors(str(file), arrays, header)
 
 
-__all__ = ["can_trim_prompt_cache", "make_prompt_cache", "trim_prompt_cache"]
+def _bad(file: Any, what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"load_prompt_cache: {file}: {what}")
+
+
+def _layer_plan(file: Any, header: dict[str, str], arrays: dict[str, mx.array]) -> list[dict[str, Any]]:
+    """Parse and check the kvspec metadata against the tensors present."""
+    raw = header.get(f"0.{_META_KEY}")
+    if raw is None:
+        if any(k.startswith("1.") for k in header):
+            raise _bad(file, "no kvspec metadata: this looks like a file of mlx-lm's own caches; "
+                             "load it with mlx_lm.models.cache.load_prompt_cache")
+        raise _bad(file, f"no kvspec metadata (key '0.{_META_KEY}'): not a prompt-cache file of kvspec caches")
+    try:
+        desc = json.loads(raw)
+    except ValueError as exc:
+        raise _bad(file, f"kvspec metadata is not JSON ({exc})") from None
+    if not isinstance(desc, dict) or desc.get("format") != FILE_FORMAT or not isinstance(desc.get("layers"), list):
+        raise _bad(file, f"kvspec metadata must be {{'format': {FILE_FORMAT}, 'layers': [...]}}, got {raw[:120]!r}")
+    layers = desc["layers"]
+    want: set[str] = set()
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict) or set(layer) != {"class", "meta_state", "inplace", "arrays"}:
+            raise _bad(file, f"layer {i}: description must have class, meta_state, inplace, arrays; got {layer!r}")
+        if layer["class"] not in _CLASSES:
+            raise _bad(file, f"layer {i}: unknown class {layer['class']!r}; known: {', '.join(_CLASSES)}")
+        if not isinstance(layer["meta_state"], list) or not all(isinstance(x, str) for x in layer["meta_state"]):
+            raise _bad(file, f"layer {i}: meta_state must be a list of strings, got {layer['meta_state']!r}")
+        if not isinstance(layer["inplace"], bool):
+            raise _bad(file, f"layer {i}: inplace must be true or false, got {layer['inplace']!r}")
+        n = layer["arrays"]
+        if isinstance(n, bool) or not isinstance(n, int) or n not in (0, 2, 4):
+            raise _bad(file, f"layer {i}: arrays must be 0, 2 or 4, got {n!r}")
+        if header.get(f"1.{i}") != _class_entry(layer["class"]):
+            raise _bad(file, f"layer {i}: class entry '1.{i}' does not match the kvspec metadata")
+        for j in range(n):
+            if f"{i}.{j}" not in arrays:
+                raise _bad(file, f"layer {i}: tensor '{i}.{j}' is missing")
+            want.add(f"{i}.{j}")
+    extra = sorted(set(arrays) - want)
+    if extra:
+        raise _bad(file, f"tensors {extra[:5]} belong to no layer")
+    for k in header:
+        if k.startswith("1.") and (not k[2:].isdigit() or int(k[2:]) >= len(layers)):
+            raise _bad(file, f"class entry {k!r} belongs to no layer")
+    return layers
+
+
+def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
+    """Load a file written by :func:`save_prompt_cache` into kvspec caches
+    (mlx-lm's call shape): each layer comes back as its own class with its
+    mode, step, window, sinks, offset, live_start, cursor and in-place
+    switch, holding the same rows. Returns the list, or ``(list,
+    metadata)`` with ``return_metadata``.
+
+    Every layer is checked before the list is returned, so a damaged file
+    yields an error and no caches: InvalidArgumentError (naming the file,
+    the layer and what is wrong) for an unreadable or truncated file, a
+    file without kvspec metadata (one of mlx-lm's own caches: the message
+    says to use mlx-lm's loader), an unknown class, missing or extra
+    tensors, and tensors or counters that do not fit (wrong rank, shape or
+    dtype, a cursor out of range: the checks of ``from_state``);
+    UnsupportedOperationError for a mode this implementation lacks.
+    """
+    try:
+        arrays, header = mx.load(str(file), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise _bad(file, f"not a readable safetensors file ({exc})") from None
+    if not isinstance(arrays, dict):
+        raise _bad(file, "not a safetensors file")
+    layers = _layer_plan(file, header, arrays)
+    caches: list[Any] = []
+    for i, layer in enumerate(layers):
+        state = tuple(arrays[f"{i}.{j}"] for j in range(layer["arrays"]))
+        cls = _CLASSES[layer["class"]]
+        try:
+            c = cls.from_state(state, tuple(layer["meta_state"]))
+        except (InvalidArgumentError, UnsupportedOperationError) as exc:
+            raise type(exc)(f"load_prompt_cache: {file}: layer {i}: {exc}") from None
+        c.inplace = layer["inplace"]
+        caches.append(c)
+    if return_metadata:
+        meta = {k[2:]: v for k, v in header.items() if k.startswith("0.") and k != f"0.{_META_KEY}"}
+        return caches, meta
+    return caches
+
+
+__all__ = [
+    "can_trim_prompt_cache",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "restore_prompt_cache",
+    "save_prompt_cache",
+    "snapshot_prompt_cache",
+    "trim_prompt_cache",
+]

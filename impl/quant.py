@@ -1,12 +1,32 @@
 """Per-row quantizers of the quantized cache modes (semantics.md 2,
-"Quantized storage"). Quantization is per row, so trims and appends commute
-with it: a cache must return exactly what quantizing each live row on its own
-and dequantizing gives.
+"Quantized storage" and "Storage dtype"). Quantization is per row, so trims
+and appends commute with it: a cache must return exactly what quantizing each
+live row on its own and dequantizing gives.
+
+**Decision** (the range of Int8; semantics.md 2 "Storage dtype" says a
+quantized mode never turns a finite input into inf or NaN):
+
+* Int8 quantizes the row cast to float16 (the spec's rule). A row that is
+  not finite once cast (a bfloat16 or float32 value with ``|x| >= 65520``
+  overflows float16; an input inf or NaN) has no finite scale: the cache
+  refuses it (InvalidArgumentError naming keys or values, the largest
+  magnitude and the rule) instead of storing an infinite scale. See
+  :func:`int8_representable`.
+* Dequantization is the exact product ``q * scale`` (an int8 times a
+  float16 fits a float32 exactly) rounded once to the dtype the rows came in
+  (float16, bfloat16 or float32) and, for float16, saturated to +-65504: a
+  row whose absmax is 65504 has ``scale = 516`` and ``q = 127``, and
+  ``127 * 516 = 65532`` would round to inf in float16. For float16 output
+  this is the spec's ``fp16(q) * scale`` byte for byte wherever that is
+  finite.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+#: Largest finite float16.
+FLOAT16_MAX = 65504.0
 
 
 def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -15,7 +35,9 @@ def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     ``x``: ``[..., D]`` any float dtype; it is cast to float16 first.
     Returns ``(q, scale)``: ``q`` int8 ``[..., D]``, ``scale`` float16
     ``[..., 1]`` with ``scale = absmax / 127`` (1 where absmax is 0) and
-    ``q = clip(round(x / scale), -128, 127)``.
+    ``q = clip(round(x / scale), -128, 127)``. Rows that are not finite in
+    float16 give a non-finite scale: callers check
+    :func:`int8_representable` first.
     """
     x16 = x.astype(mx.float16)
     absmax = mx.max(mx.abs(x16), axis=-1, keepdims=True)
@@ -26,7 +48,22 @@ def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     return q, scale.astype(mx.float16)
 
 
-def dequantize_int8(q: mx.array, scale: mx.array) -> mx.array:
-    """``float16(q) * scale``: ``q`` int8 ``[..., D]``, ``scale`` float16
-    ``[..., 1]``; returns float16 ``[..., D]``."""
-    return q.astype(mx.float16) * scale
+def int8_representable(x: mx.array) -> tuple[bool, float]:
+    """``(ok, absmax)``: ``ok`` iff every value of ``x`` is finite once cast
+    to float16 (so every row's scale is finite); ``absmax`` is the largest
+    magnitude of ``x`` in its own dtype (inf or nan when ``x`` holds one).
+    Evaluates ``x`` (one host sync)."""
+    ok = mx.all(mx.isfinite(x.astype(mx.float16)))
+    absmax = mx.max(mx.abs(x.astype(mx.float32)))
+    mx.eval(ok, absmax)
+    return bool(ok.item()), float(absmax.item())
+
+
+def dequantize_int8(q: mx.array, scale: mx.array, dtype: mx.Dtype = mx.float16) -> mx.array:
+    """``q * scale`` rounded once to ``dtype`` (saturated to +-65504 for
+    float16): ``q`` int8 ``[..., D]``, ``scale`` float16 ``[..., 1]``;
+    returns ``dtype`` ``[..., D]`` (float16, bfloat16 or float32)."""
+    exact = q.astype(mx.float32) * scale.astype(mx.float32)
+    if dtype == mx.float16:
+        exact = mx.clip(exact, -FLOAT16_MAX, FLOAT16_MAX)
+    return exact.astype(dtype)

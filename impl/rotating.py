@@ -7,13 +7,16 @@ order and return everything so each new query sees a full window.
 
 In-place writes (through a NumPy view of the evaluated buffer) happen only
 during warm-up, when the slot being written was never valid, under the
-dense cache's ownership proof (seed 003). Once the window is full every
+dense cache's ownership proof. Once the window is full every
 write overwrites the oldest slot, which a prompt-cache snapshot may still
 hold, so steady-state writes always copy.
 
-Storage is float16 only: mode ``"fp16"``. (The reference engine falls back
-to Fp16 storage for quantized modes on sliding-window layers; here such a
-request is refused instead of silently changing precision.)
+Storage is unquantized only: mode ``"fp16"``, which names the mode, not a
+cast: rows are stored and returned in the dtype they come in (float16,
+bfloat16 or float32; semantics.md 2 "Storage dtype"). Keys and values may
+have different head dims. (The reference engine falls back to Fp16 storage
+for quantized modes on sliding-window layers; here such a request is refused
+instead of silently changing precision.)
 """
 
 from __future__ import annotations
@@ -25,15 +28,19 @@ import mlx.core as mx
 import numpy as np
 
 from impl.dense import (
+    FLOAT_DTYPES,
     SEQ_AXIS,
     _check_int,
     _check_rows,
     _check_tensor,
+    check_dtype_matches,
+    check_inplace,
+    check_matches_cache,
     copy_without_marker,
-    inplace_switch_from_env,
     share,
     write_rows_inplace,
 )
+from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -154,7 +161,8 @@ class RotatingKVCache:
         max_size: window W in rows (>= 1).
         keep: sink rows K, ``0 <= keep < max_size``; never evicted.
         step: growth granularity in rows (>= 1) during warm-up.
-        inplace: the in-place switch; ``None`` reads ``KV_INPLACE_WRITE``.
+        inplace: the in-place switch: True, False or None (reads
+            ``KV_INPLACE_WRITE``); validated like the dense cache's.
         mode: ``"fp16"`` only.
         undo: undo depth U in rows (>= 0; 0, the default: a wrapped ring
             cannot trim). The log keeps at most U rows per K/V buffer, so a
@@ -180,11 +188,11 @@ class RotatingKVCache:
             raise InvalidArgumentError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         if keep < 0 or keep >= max_size:
             raise InvalidArgumentError(f"RotatingKVCache: keep must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
-        if step < 1:
-            raise InvalidArgumentError(f"RotatingKVCache: step must be >= 1, got {step}")
+        if step < 1 or step > MAX_STEP:
+            raise InvalidArgumentError(f"RotatingKVCache: step must be in [1, {MAX_STEP}], got {step}")
         self.max_size, self.keep, self.step, self.mode, self.undo = max_size, keep, step, mode, undo
         self._log: tuple[UndoRecord, ...] = ()
-        self.inplace = inplace_switch_from_env() if inplace is None else bool(inplace)
+        self.inplace = check_inplace("RotatingKVCache", inplace)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
@@ -206,7 +214,7 @@ class RotatingKVCache:
         return self.capacity if self.wrapped else self.idx
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        """Valid rows in physical slot order, float16 ``[B, H, n, D]``."""
+        """Valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype."""
         if self.keys is None:  # keys and values are set and dropped together
             return None
         n = self.valid_len
@@ -257,8 +265,8 @@ class RotatingKVCache:
             self.idx = W
         if self.keys is None or (self.idx >= self.capacity and self.capacity < W):
             grow = min(self.step, W - self.capacity)
-            zk = mx.zeros((k.shape[0], k.shape[1], grow, k.shape[3]), dtype=mx.float16)
-            zv = mx.zeros((v.shape[0], v.shape[1], grow, v.shape[3]), dtype=mx.float16)
+            zk = mx.zeros((k.shape[0], k.shape[1], grow, k.shape[3]), dtype=k.dtype)
+            zv = mx.zeros((v.shape[0], v.shape[1], grow, v.shape[3]), dtype=v.dtype)
             if self.keys is None:
                 self._set_buffers(zk, zv)
             else:
@@ -308,18 +316,21 @@ class RotatingKVCache:
         return self.keys, self.values  # type: ignore[return-value]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``S`` rows (``[B, H, S, D]``, any float dtype, stored as
-        float16). S == 1 returns the valid rows in physical ring order; S > 1
-        returns the chronological concatenation of the kept old rows and all
-        new rows, which may be longer than ``max_size``.
-        Raises InvalidArgumentError for a wrong rank, dtype, S < 1, or a
-        B/H/D that differs from the cached rows."""
+        """Append ``S`` rows (keys ``[B, H, S, Dk]``, values ``[B, H, S, Dv]``
+        in float16, bfloat16 or float32, stored in that dtype). S == 1 returns
+        the valid rows in physical ring order; S > 1 returns the
+        chronological concatenation of the kept old rows and all new rows,
+        which may be longer than ``max_size``.
+        Raises InvalidArgumentError for a wrong rank or dtype, S < 1, or a
+        batch B, kv heads H, head dim or dtype that differs from the cached
+        rows (the message names it)."""
         n = _check_rows("append", keys, values)
         if self.keys is not None:
-            for name, have, new in (("keys", self.keys, keys), ("values", self.values, values)):
-                if (have.shape[0], have.shape[1], have.shape[3]) != (new.shape[0], new.shape[1], new.shape[3]):
-                    raise InvalidArgumentError(f"append: {name} must match the cache's [B, H, _, D], got {tuple(new.shape)}")
-        k, v = keys.astype(mx.float16), values.astype(mx.float16)
+            assert self.values is not None
+            check_matches_cache("append", "keys", tuple(self.keys.shape), keys)
+            check_matches_cache("append", "values", tuple(self.values.shape), values)
+            check_dtype_matches("append", self.keys.dtype, keys.dtype)
+        k, v = keys, values
         out = self._decode(k, v) if n == 1 else self._prefill(k, v)
         self._marker = (self.keys, self.values, self.idx)  # type: ignore[assignment]
         return out
@@ -514,8 +525,12 @@ class RotatingKVCache:
             return
         for name, a in (("keys", snap.keys), ("values", snap.values)):
             _check_tensor(op, name, a)
-            if a.dtype != mx.float16:
-                raise InvalidArgumentError(f"{op}: {name} dtype must be mlx.core.float16, got {a.dtype}")
+            if a.dtype not in FLOAT_DTYPES:
+                raise InvalidArgumentError(f"{op}: {name} dtype must be float16, bfloat16 or float32, got {a.dtype}")
+        if snap.keys.dtype != snap.values.dtype:
+            raise InvalidArgumentError(
+                f"{op}: keys and values must share a dtype, got {snap.keys.dtype} and {snap.values.dtype}"
+            )
         if snap.keys.shape[:3] != snap.values.shape[:3]:
             raise InvalidArgumentError(
                 f"{op}: keys and values must agree on [B, H, T], got {tuple(snap.keys.shape)} and {tuple(snap.values.shape)}"
@@ -573,23 +588,31 @@ class RotatingKVCache:
         array over the keys the append will return, in their (physical)
         order: query ``offset + i`` sees key ``p`` iff ``p <= q`` and ``p`` is
         a sink or ``q - p < window - keep`` (``window`` defaults to
-        ``max_size``)."""
+        ``max_size``). Raises InvalidArgumentError for ``N < 1`` and for a
+        ``window_size`` that is not None or an integer >= 1
+        (spec.dense.check_window_size)."""
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
+        window_size = check_window_size("make_mask", window_size)
         window = self.max_size if window_size is None else window_size
-        positions = self._next_positions(N)
-        rows = [[ring_visible(self.offset + i, p, window, self.keep) for p in positions] for i in range(N)]
-        mask = mx.array(np.array(rows).reshape(N, len(positions)))
+        positions = np.asarray(self._next_positions(N), dtype=np.int64)
+        # Built lazily in MLX, O(N + L) here (no per-element Python work).
+        p = mx.array(positions)[None, :]
+        q = (self.offset + mx.arange(N, dtype=mx.int64))[:, None]
+        mask = (p <= q) & ((p < self.keep) | ((q - p) < (window - self.keep)))
         if return_array:
             return mask
-        L = len(positions)
-        if N == 1 and all(rows[0]):
-            return None
-        causal = [[j <= L - N + i for j in range(L)] for i in range(N)]
-        if rows == causal:
-            return "causal"
-        return mask
+        # The window hides no causal key iff it spares the oldest non-sink
+        # from the last query (the pair with the largest distance).
+        nonsink = positions[positions >= self.keep]
+        none_hidden = nonsink.size == 0 or (self.offset + N - 1) - int(nonsink.min()) < window - self.keep
+        if not none_hidden:
+            return mask
+        # Every key is at or before each query's own position: a decode sees
+        # them all; a multi-row append returns its keys in time order, so
+        # its mask is exactly the causal one.
+        return None if N == 1 else "causal"
 
     # -- mlx-lm protocol --------------------------------------------------------
     @property
@@ -628,7 +651,7 @@ class RotatingKVCache:
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...]) -> RotatingKVCache:
-        """Rebuild a ring from ``state`` (``(keys, values)``, float16 ``[B, H,
+        """Rebuild a ring from ``state`` (``(keys, values)``, ``[B, H,
         T, D]`` in physical slot order, or ``()``) and ``meta_state``
         (``(keep, max_size, step, offset, idx)`` as strings, mlx-lm's
         layout, optionally followed by ``undo``; the log starts empty: a
@@ -655,6 +678,19 @@ class RotatingKVCache:
 
     def size(self) -> int:
         return min(self.offset, self.max_size)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
+        """mlx-lm's name for reading the valid rows without writing: :meth:`fetch`."""
+        return self.fetch()
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
+        """mlx-lm's ``kv_bits`` hook. The ring stores fp16 only (as mlx-lm's
+        own ring, which raises NotImplementedError): always refused with
+        UnsupportedOperationError, never silently kept fp16."""
+        raise UnsupportedOperationError(
+            f"to_quantized: the sliding-window RotatingKVCache stores fp16 only (got bits={bits!r}, "
+            f"group_size={group_size!r}); quantized storage (bits=8) is available on dense KVCache layers"
+        )
 
     def empty(self) -> bool:
         return self.keys is None

@@ -45,6 +45,10 @@ def obligations() -> list[tuple[int, Any]]:
     from proofs import turbo
 
     out += turbo.OBLIGATIONS
+    from proofs import layers
+
+    if layers.available():
+        out += layers.OBLIGATIONS
     try:
         from proofs import paged
     except ImportError:
@@ -58,12 +62,16 @@ def obligations() -> list[tuple[int, Any]]:
     return sorted(out, key=lambda x: x[0])
 
 
-def run_all(only: set[int] | None = None) -> list[ObligationResult]:
+def run_all(only: set[int] | None = None, progress: Any = None) -> list[ObligationResult]:
+    """Run the obligations (``only``: these numbers); ``progress(result)``
+    after each."""
     results = []
     for number, thunk in obligations():
         if only and number not in only:
             continue
         results.append(thunk())
+        if progress is not None:
+            progress(results[-1])
     return results
 
 
@@ -91,7 +99,7 @@ def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
         table.add_row("CrossHair (PEP 316 contracts, spec/)", crosshair.summary(),
                       "[green]ok[/]" if crosshair.ok else "[red]counterexample[/]" if crosshair.counterexamples else "[yellow]error[/]",
                       "-", f"{crosshair.seconds:.1f}")
-    console = Console(width=160)
+    console = Console()
     console.print(table)
     for r in results:
         for p in r.parts:
@@ -123,12 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     known = {n for n, _ in obligations()}
     if args.only and not set(args.only) <= known:
         parser.error(f"--only: obligation numbers are {min(known)} to {max(known)}, got {sorted(set(args.only) - known)}")
-    results = run_all(set(args.only) if args.only else None)
-    ch = None
-    if args.crosshair:
-        from proofs import crosshair_run
 
-        ch = crosshair_run.run()
+    def progress(r: ObligationResult) -> None:
+        print(f"prove: {r.number}. {r.name}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    print("kvspec prove: Z3 obligations" + (" and CrossHair" if args.crosshair else ""), file=sys.stderr, flush=True)
+    try:
+        results = run_all(set(args.only) if args.only else None, progress)
+        ch = None
+        if args.crosshair:
+            from proofs import crosshair_run
+
+            print("prove: CrossHair on spec/ contracts ...", file=sys.stderr, flush=True)
+            ch = crosshair_run.run()
+    except KeyboardInterrupt:
+        print("kvspec prove: interrupted (nothing is cached; rerun kvspec prove, or --only N)", file=sys.stderr)
+        return 130
     good = ok(results) and (ch is None or ch.ok)
     if args.json:
         doc: dict[str, Any] = {"obligations": [r.to_json() for r in results], "ok": good,

@@ -1,7 +1,7 @@
 """Counterexamples as kvtraces, replayed on the spec.
 
 A refuted negative control yields a sequence of operations. This module turns
-it into a kvtrace/1 document (``shared/reference/kvtrace.md``) whose checks
+it into a kvtrace/1 document (``docs/kvtrace.md``) whose checks
 (``inplace``, ``capacity``, ``returns``, ``expect``) come from replaying the
 ops on the correct spec, so the trace passes on a correct implementation and
 fails on one that has the buggy rule. It also replays the ops on the spec with

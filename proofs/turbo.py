@@ -1,5 +1,5 @@
-"""The Turbo modes' obligations (issue 12): 9 physical trim, 10 Delegated's
-fold schedule, 11 the 3-bit packing's byte count. Each names the spec
+"""The Turbo modes' obligations (issue 12): 10 physical trim, 11 Delegated's
+fold schedule, 12 the 3-bit packing's byte count. Each names the spec
 functions it proves (``spec.turbo``, ``spec.dense.trim`` in the Turbo modes);
 each negative control names the buggy rule it refutes.
 
@@ -44,7 +44,7 @@ from proofs.turbo_model import (
 )
 
 # ===========================================================================
-# Obligation 9: physical trim
+# Obligation 10: physical trim
 
 
 def trim_parts(rules: TurboRules = SPEC) -> list[tuple[str, PartBuilder]]:
@@ -99,14 +99,14 @@ def prove_trim() -> ObligationResult:
     parts = run_parts(trim_parts())
     controls = [control_from_parts(name, text, trim_parts(rules)) for name, text, rules in TRIM_CONTROLS]
     return ObligationResult(
-        9, "Turbo physical trim", ("trim", "trim_is_logical", "array_rows"),
+        10, "Turbo physical trim", ("trim", "trim_is_logical", "array_rows"),
         "after any trim every buffer and sidecar of a Turbo mode holds exactly the live rows "
         "(Delegated: K live_len, cold V cold_offset, hot V the rest); appends keep them in lockstep",
         overall(parts, controls), parts, controls, time.perf_counter() - t0)
 
 
 # ===========================================================================
-# Obligation 10: Delegated's fold schedule
+# Obligation 11: Delegated's fold schedule
 
 
 def _inv(c: Any) -> Any:
@@ -167,14 +167,14 @@ def prove_fold() -> ObligationResult:
     parts = run_parts(fold_parts())
     controls = [control_from_parts(name, text, fold_parts(rules)) for name, text, rules in FOLD_CONTROLS]
     return ObligationResult(
-        10, "Delegated fold schedule", ("fold_schedule", "handoff_fold", "fold_block_rows", "trim_split"),
+        11, "Delegated fold schedule", ("fold_schedule", "handoff_fold", "fold_block_rows", "trim_split"),
         "across appends, handoff and block folds and trims (hot first): 0 <= cold_offset <= offset and "
         "fetch = dequant(cold) ++ hot is the chronological window",
         overall(parts, controls), parts, controls, time.perf_counter() - t0)
 
 
 # ===========================================================================
-# Obligation 11: 3-bit packing
+# Obligation 12: 3-bit packing
 
 
 def pack_parts(rules: TurboRules = SPEC) -> list[tuple[str, PartBuilder]]:
@@ -211,9 +211,9 @@ def prove_pack() -> ObligationResult:
     parts = run_parts(pack_parts())
     controls = [control_from_parts(name, text, pack_parts(rules)) for name, text, rules in PACK_CONTROLS]
     return ObligationResult(
-        11, "3-bit packing byte count", ("packed_bytes", "head_dim_allowed"),
+        12, "3-bit packing byte count", ("packed_bytes", "head_dim_allowed"),
         "3 * head_dim // 8 bytes are exact iff head_dim % 8 == 0; the packer accepts no other head_dim",
         overall(parts, controls), parts, controls, time.perf_counter() - t0)
 
 
-OBLIGATIONS: list[tuple[int, Callable[[], ObligationResult]]] = [(9, prove_trim), (10, prove_fold), (11, prove_pack)]
+OBLIGATIONS: list[tuple[int, Callable[[], ObligationResult]]] = [(10, prove_trim), (11, prove_fold), (12, prove_pack)]

@@ -37,10 +37,17 @@ class Mode(str, Enum):
     TURBO4DELEGATED = "turbo4delegated"
 
 
+#: Largest growth granularity a cache accepts (rows). Growth allocates
+#: ``ceil(n / step) * step`` rows at once, so an unbounded step is an
+#: allocation of any size; 2^20 rows is far beyond the 256 engines use.
+MAX_STEP = 2**20
+
+
 def trim_is_logical(mode: Mode) -> bool:
     """Trim rule: Fp16 and Int8 rewind logically (O(1), capacity kept);
     the Turbo modes cut every buffer to the live rows (their packed sidecars
-    are read whole). Source: semantics.md 2 "Trim family", seed 000."""
+    are read whole). Source: semantics.md 2 "Trim family" (speculative
+    decoding relies on the O(1) rewind)."""
     return mode in (Mode.FP16, Mode.INT8)
 
 
@@ -67,6 +74,48 @@ def inplace_switch(env_value: str | None) -> bool:
     return env_value.strip().lower() not in ("0", "false", "off", "no")
 
 
+def check_window_size(op: str, window_size: object) -> int | None:
+    """A mask's ``window_size``: None (no window) or an integer >= 1 (a
+    window of 0 keys would hide even the query itself). Raises
+    InvalidArgumentError naming the value otherwise (0, negative, a float,
+    a bool). Shared by every cache's ``make_mask``."""
+    if window_size is None:
+        return None
+    if isinstance(window_size, bool) or not isinstance(window_size, int):
+        raise InvalidArgumentError(
+            f"{op}: window_size must be None or an integer >= 1, got {window_size!r}"
+        )
+    if window_size < 1:
+        raise InvalidArgumentError(f"{op}: window_size must be >= 1, got {window_size}")
+    return window_size
+
+
+def dense_mask_visible(query: int, key: int, window_size: int | None) -> bool:
+    """Mask rule of the dense cache (mlx-lm's causal mask): the query at
+    absolute position ``query`` sees the key at ``key`` iff ``key <= query``
+    and, with a window, ``query - key < window_size`` (so each query sees
+    ``min(query + 1, window_size)`` keys). A dense cache serving a windowed
+    layer that ignores the window is a known bug class.
+
+    pre: query >= 0 and key >= 0
+    pre: window_size is None or window_size >= 1
+    post: not __return__ or key <= query
+    post: not __return__ or window_size is None or query - key < window_size
+    """
+    return key <= query and (window_size is None or query - key < window_size)
+
+
+def dense_make_mask(live_len: int, n: int, window_size: int | None) -> tuple[tuple[bool, ...], ...]:
+    """The mask ``make_mask(n, window_size)`` of a dense cache holding
+    ``live_len`` rows must denote: row ``i`` (query ``live_len + i``),
+    column ``j`` (key ``j`` of the ``live_len + n`` rows the append will
+    return)."""
+    return tuple(
+        tuple(dense_mask_visible(live_len + i, j, window_size) for j in range(live_len + n))
+        for i in range(n)
+    )
+
+
 def regrow_needed(has_buffer: bool, prev: int, capacity: int, n: int) -> bool:
     """Regrow rule, guard: grow iff there is no buffer or ``prev + n`` rows
     do not fit (semantics.md 2, step 2).
@@ -82,7 +131,7 @@ def regrow_capacity(prev: int, n: int, step: int) -> int:
     """Regrow rule, result: cut the buffer to the live prefix, then append
     ``ceil(n / step) * step`` zero rows. Not necessarily a multiple of step.
     The older guard (cut only when ``prev % step != 0``) keeps a stale tail
-    after a logical trim: a known regression (seed 000, #1209).
+    after a logical trim: a known regression (public fix #1209).
 
     pre: prev >= 0
     pre: n >= 1
@@ -151,13 +200,14 @@ class DenseCache:
 
 
 def new_cache(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = True) -> DenseCache:
-    """An empty cache. Raises InvalidArgumentError when ``step < 1``.
+    """An empty cache. Raises InvalidArgumentError unless ``1 <= step <=
+    MAX_STEP``.
 
-    pre: isinstance(mode, Mode) and step >= 1
+    pre: isinstance(mode, Mode) and 1 <= step <= MAX_STEP
     post: is_empty(__return__) and __return__.marker is None
     """
-    if not isinstance(step, int) or step < 1:
-        raise InvalidArgumentError(f"step: must be an integer >= 1, got {step!r}")
+    if not isinstance(step, int) or step < 1 or step > MAX_STEP:
+        raise InvalidArgumentError(f"step: must be an integer in [1, {MAX_STEP}], got {step!r}")
     return DenseCache(mode=Mode(mode), step=step, inplace=inplace)
 
 
@@ -570,7 +620,7 @@ def w_cache_op(world: DenseWorld, fn, *args):
 
 
 def apply_op(world: DenseWorld, op: dict) -> tuple[object, DenseWorld]:
-    """Run one kvtrace op (``shared/reference/kvtrace.md``; ``expect`` is
+    """Run one kvtrace op (``docs/kvtrace.md``; ``expect`` is
     not an op of the cache) on ``world``: ``(result, new world)``. Raises
     the spec's refusal, or InvalidArgumentError for an op the dense cache
     does not have. Module functions are looked up at call time, so a test

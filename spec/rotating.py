@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec.dense import Entry, Mode
+from spec.dense import MAX_STEP, Entry, Mode
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -178,13 +178,13 @@ def new_cache(max_size: int, keep: int = 0, step: int = 256, inplace: bool = Tru
               mode: Mode | str = Mode.FP16, undo: int = 0) -> RotatingCache:
     """An empty ring with an undo log of ``undo`` rows (0: no log, a wrapped
     ring fails closed). Raises InvalidArgumentError unless ``max_size >= 1``,
-    ``0 <= keep < max_size``, ``step >= 1`` and ``undo >= 0``."""
+    ``0 <= keep < max_size``, ``1 <= step <= MAX_STEP`` and ``undo >= 0``."""
     if max_size < 1:
         raise InvalidArgumentError(f"max_size: must be >= 1, got {max_size}")
     if keep < 0 or keep >= max_size:
         raise InvalidArgumentError(f"keep: must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
-    if step < 1:
-        raise InvalidArgumentError(f"step: must be >= 1, got {step}")
+    if step < 1 or step > MAX_STEP:
+        raise InvalidArgumentError(f"step: must be in [1, {MAX_STEP}], got {step}")
     if undo < 0:
         raise InvalidArgumentError(f"undo: must be >= 0, got {undo}")
     return RotatingCache(max_size=max_size, keep=keep, step=step, inplace=inplace, mode=Mode(mode), undo=undo)
@@ -201,7 +201,7 @@ def rotating_inplace_allowed(cache: RotatingCache) -> bool:
     mode is Fp16, and the marker says the cache's own last write produced
     these buffers and left the cursor here. In the steady state the write
     overwrites the oldest slot, which a snapshot may still hold: it must copy
-    (writing in place there is the project's flagship injected bug; seed 003).
+    (writing in place there is the project's flagship injected bug).
 
     post: not __return__ or (cache.offset < cache.max_size and cache.idx == cache.offset)
     post: not __return__ or (cache.marker is not None and cache.marker.buffer == cache.ident)

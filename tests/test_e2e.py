@@ -66,6 +66,12 @@ def test_flagship_steady_state_inplace_breaks_sliding_window():
     assert "after branch A: snapshot of layer(s)" in result.detail and "isolation" in result.detail
 
 
+def test_float16_cast_breaks_bf16_models():
+    result = run_scenario("bf16_models", factories=bug_by_name("fp16_casts_rows").factories)
+    assert not result.ok
+    assert "bf16 seed 0, in-place on: step 0" in result.detail and "log-probabilities differ" in result.detail
+
+
 def test_inplace_after_trim_breaks_prompt_reuse():
     result = run_scenario("prompt_reuse", factories=bug_by_name("inplace_after_trim").factories)
     assert not result.ok

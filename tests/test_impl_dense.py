@@ -76,19 +76,19 @@ def test_refused_append_changes_nothing():
     c = KVCache("fp16", step=4)
     fill(c, 2)
     state = (c.offset, c.capacity, c.buffers)
-    with pytest.raises(InvalidArgumentError, match="append: keys must match"):
+    with pytest.raises(InvalidArgumentError, match="append: keys head dim D must be 8"):
         c.update_and_fetch(rows(1, d=16), rows(1, d=16))
     with pytest.raises(InvalidArgumentError, match="rank 4"):
         c.update_and_fetch(mx.zeros((2, 8)), mx.zeros((2, 8)))
-    with pytest.raises(InvalidArgumentError, match="floating"):
+    with pytest.raises(InvalidArgumentError, match="float16, bfloat16 or float32"):
         c.update_and_fetch(mx.zeros((1, 2, 1, 8), dtype=mx.int32), mx.zeros((1, 2, 1, 8), dtype=mx.int32))
-    with pytest.raises(InvalidArgumentError, match=r"\[B, H, S\]"):
+    with pytest.raises(InvalidArgumentError, match="keys and values must agree on rows S"):
         c.update_and_fetch(rows(1), rows(2))
     assert (c.offset, c.capacity, c.buffers) == state
 
 
 def test_bad_arguments_name_the_argument():
-    with pytest.raises(InvalidArgumentError, match="step must be >= 1"):
+    with pytest.raises(InvalidArgumentError, match=r"step must be in \[1, 1048576\]"):
         KVCache(step=0)
     with pytest.raises(UnsupportedOperationError, match="mode"):
         KVCache(mode="turbo4")

@@ -5,6 +5,8 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from impl.rotating import RotatingKVCache
 from spec.errors import InvalidArgumentError, StateError
@@ -97,6 +99,38 @@ def test_warmup_inplace_write_really_aliases_the_buffer():
     for t in range(2, 9):
         c.update_and_fetch(row(t), row(t))
     assert not c.last_write_inplace and c.keys is not keys  # steady state copies
+
+
+@settings(max_examples=150)
+@given(st.integers(1, 6).flatmap(lambda w: st.tuples(
+    st.just(w), st.integers(0, w - 1), st.integers(1, 3),
+    st.lists(st.integers(1, 4), max_size=8), st.integers(1, 5), st.one_of(st.none(), st.integers(1, 8)))))
+def test_make_mask_equals_the_spec_in_both_forms(case):
+    """The vectorized make_mask: the array form is the spec's matrix, and a
+    short form (None, "causal") is returned only when it is that matrix."""
+    from spec import rotating as sr
+
+    w, keep, step, appends, n, window = case
+    c = RotatingKVCache(max_size=w, keep=keep, step=step)
+    s = sr.new_cache(w, keep, step)
+    token = 0
+    for k in appends:
+        x = mx.zeros((1, 1, k, 2), dtype=mx.float16)
+        c.update_and_fetch(x, x)
+        _, s = sr.append(s, tuple(range(token, token + k)))
+        token += k
+    want = [list(r) for r in sr.make_mask_spec(s, n, window)]
+    assert np.array(c.make_mask(n, window_size=window, return_array=True)).tolist() == want
+    short = c.make_mask(n, window_size=window)
+    L = len(want[0])
+    if short is None:
+        assert n == 1 and all(want[0])
+    elif isinstance(short, str):
+        assert short == "causal" and want == [[j <= L - n + i for j in range(L)] for i in range(n)]
+    else:
+        assert np.array(short).tolist() == want
+        assert not (n == 1 and all(want[0]))
+        assert want != [[j <= L - n + i for j in range(L)] for i in range(n)]
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The Z3 encodings of proofs/turbo_model.py against spec/turbo.py on small
 concrete cases, the obligations' premises are satisfiable (no vacuous
-proof), and obligations 9-11 are proved with every negative control
+proof), and obligations 10-12 are proved with every negative control
 refuted."""
 
 from __future__ import annotations

@@ -48,7 +48,11 @@ def test_dense_argument_messages():
     assert message(c.gather_positions, [0.5]) == (InvalidArgumentError, "gather_positions: positions must be an integer, got 0.5")
     assert message(c.gather_within_tail, "x", [0]) == (InvalidArgumentError, "gather_within_tail: tail_len must be an integer, got 'x'")
     assert message(c.gather_within_tail, 1, [None]) == (InvalidArgumentError, "gather_within_tail: kept must be an integer, got None")
-    assert message(KVCache, step=0) == (InvalidArgumentError, "KVCache: step must be >= 1, got 0")
+    assert message(KVCache, step=0) == (InvalidArgumentError, "KVCache: step must be in [1, 1048576], got 0")
+    assert message(KVCache, step=10**12) == (
+        InvalidArgumentError, "KVCache: step must be in [1, 1048576], got 1000000000000")
+    assert message(RotatingKVCache, 4, step=10**12) == (
+        InvalidArgumentError, "RotatingKVCache: step must be in [1, 1048576], got 1000000000000")
     assert message(KVCache, step=2.0) == (InvalidArgumentError, "KVCache: step must be an integer, got 2.0")
     assert message(KVCache, mode="turbo4") == (
         UnsupportedOperationError, "KVCache: mode must be one of ('fp16', 'int8'), got 'turbo4'")
@@ -63,14 +67,14 @@ def test_append_validation_messages():
     assert message(c.update_and_fetch, rows(1), mx.zeros((1, 4))) == (
         InvalidArgumentError, "append: values must have rank 4 [B, H, S, D], got shape (1, 4)")
     assert message(c.update_and_fetch, mx.zeros((1, 1, 1, 4), dtype=mx.int8), rows(1)) == (
-        InvalidArgumentError, "append: keys must be a floating dtype, got mlx.core.int8")
+        InvalidArgumentError, "append: keys dtype must be float16, bfloat16 or float32, got mlx.core.int8")
     assert message(c.update_and_fetch, rows(2), rows(1)) == (
-        InvalidArgumentError, "append: keys and values must agree on [B, H, S], got (1, 1, 2, 4) and (1, 1, 1, 4)")
+        InvalidArgumentError, "append: keys and values must agree on rows S, got 2 and 1 (shapes (1, 1, 2, 4) and (1, 1, 1, 4))")
     assert message(c.update_and_fetch, rows(0), rows(0)) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert message(c.update_and_fetch, rows(1, d=8), rows(1, d=8)) == (
-        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D] = (1, 1, 4), got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: keys head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert message(c.update_and_fetch, rows(1), rows(1, d=8)) == (
-        InvalidArgumentError, "append: values must match the cache's [B, H, _, D] = (1, 1, 4), got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: values head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert c.offset == 1 and firsts(c.fetch()[0]) == [0]
 
 
@@ -89,8 +93,9 @@ def test_restore_and_install_messages():
     bad.buffers = snap.buffers.map(lambda a: a[0])
     assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys must have rank 4, got shape (1, 2, 4)")
     bad = copy.copy(snap)
-    bad.buffers = snap.buffers.map(lambda a: a.astype(mx.float32))
-    assert message(c.restore, bad) == (InvalidArgumentError, "restore: keys dtype must be mlx.core.float16, got mlx.core.float32")
+    bad.buffers = snap.buffers.map(lambda a: a.astype(mx.int32))
+    assert message(c.restore, bad) == (
+        InvalidArgumentError, "restore: keys dtype must be float16, bfloat16 or float32, got mlx.core.int32")
     bad = copy.copy(snap)
     bad.buffers = type(snap.buffers)(snap.buffers.keys, snap.buffers.values[:, :, :1, :])
     assert message(c.restore, bad) == (
@@ -122,7 +127,7 @@ def test_rotating_messages():
     assert message(RotatingKVCache, 0) == (InvalidArgumentError, "RotatingKVCache: max_size must be >= 1, got 0")
     assert message(RotatingKVCache, 4, keep=-1) == (
         InvalidArgumentError, "RotatingKVCache: keep must satisfy 0 <= keep < max_size (4), got -1")
-    assert message(RotatingKVCache, 4, step=0) == (InvalidArgumentError, "RotatingKVCache: step must be >= 1, got 0")
+    assert message(RotatingKVCache, 4, step=0) == (InvalidArgumentError, "RotatingKVCache: step must be in [1, 1048576], got 0")
     assert message(RotatingKVCache, 4.0) == (InvalidArgumentError, "RotatingKVCache: max_size must be an integer, got 4.0")
     c = RotatingKVCache(4, keep=1, step=2)
     decode(c, 2)
@@ -137,9 +142,9 @@ def test_rotating_messages():
     snap.idx = 3
     assert message(c.restore, snap) == (InvalidArgumentError, "restore: cursor must satisfy 0 <= idx <= offset, got idx=3, offset=2")
     assert message(c.update_and_fetch, rows(1, d=8), rows(1, d=8)) == (
-        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D], got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: keys head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert message(c.update_and_fetch, rows(1), rows(1, d=8)) == (
-        InvalidArgumentError, "append: values must match the cache's [B, H, _, D], got (1, 1, 1, 8)")
+        InvalidArgumentError, "append: values head dim D must be 4 (the cache's), got 8 (shape (1, 1, 1, 8))")
     assert c.offset == 2 and firsts(c.fetch()[0]) == [0, 1]
 
 
@@ -234,8 +239,8 @@ def test_dense_from_state_refusals():
         ((k, k), ("fp16", "4", "10", "0"), "from_state: cursor out of range: live_len 10 > capacity 3"),
         ((k, k), ("fp16", "4", "3", "5"), "from_state: cursor must satisfy 0 <= live_start <= offset, got live_start=5, offset=3"),
         ((k, k), ("int8", "4", "3", "0"), "from_state: state must hold 4 arrays in mode int8, got 2"),
-        ((k, k), ("fp16", "0", "3", "0"), "KVCache: step must be >= 1, got 0"),
-        ((k.astype(mx.int32),) * 2, ("fp16", "4", "3", "0"), "from_state: keys dtype must be mlx.core.float16, got mlx.core.int32"),
+        ((k, k), ("fp16", "0", "3", "0"), "KVCache: step must be in [1, 1048576], got 0"),
+        ((k.astype(mx.int32),) * 2, ("fp16", "4", "3", "0"), "from_state: keys dtype must be float16, bfloat16 or float32, got mlx.core.int32"),
         ((k, k), ("fp16", "4", "x", "0"), "from_state: meta_state must hold integers, got ('fp16', '4', 'x', '0')"),
         ((k, k), ("fp16", "4", "2", "0"), "from_state: state must hold exactly the live rows, got 3 rows for live_len 2"),
     ]
@@ -256,7 +261,7 @@ def test_rotating_restore_and_state_refusals():
     good = c.snapshot()
     before = (c.offset, c.idx, firsts(c.fetch()[0]))
     cases = [
-        (RingSnapshot(good.keys.astype(mx.int32), good.values, 5, 2, 4, 1), "restore: keys dtype must be mlx.core.float16, got mlx.core.int32"),
+        (RingSnapshot(good.keys.astype(mx.int32), good.values, 5, 2, 4, 1), "restore: keys dtype must be float16, bfloat16 or float32, got mlx.core.int32"),
         (RingSnapshot(good.keys, good.values[:, :, :3], 5, 2, 4, 1),
          "restore: keys and values must agree on [B, H, T], got (1, 1, 4, 4) and (1, 1, 3, 4)"),
         (RingSnapshot(good.keys, good.values, 9, 9, 4, 1),
@@ -296,7 +301,7 @@ def test_rotating_restore_and_state_refusals():
         InvalidArgumentError, "from_state: values must be an mx.array, got NoneType")
     with pytest.raises(InvalidArgumentError, match=r"^meta_state: meta_state must be five or six integers"):
         c.meta_state = ("1", "4")
-    with pytest.raises(InvalidArgumentError, match="state: keys dtype"):
+    with pytest.raises(InvalidArgumentError, match="state: keys and values must share a dtype"):
         c.state = (c.state[0].astype(mx.float32), c.state[1])
     assert (c.offset, c.idx, firsts(c.fetch()[0])) == before
 
@@ -327,7 +332,8 @@ def test_rotating_argument_messages_and_defaults():
     from spec.dense import Mode
 
     assert sr.new_cache(4).step == 256 and sr.new_cache(4, mode="int8").mode is Mode.INT8
-    assert message(sr.new_cache, 4, step=0) == (InvalidArgumentError, "step: must be >= 1, got 0")
+    assert message(sr.new_cache, 4, step=0) == (InvalidArgumentError, "step: must be in [1, 1048576], got 0")
+    assert message(sr.new_cache, 4, step=2**20 + 1) == (InvalidArgumentError, "step: must be in [1, 1048576], got 1048577")
     assert message(sr.append, sr.new_cache(4), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert str(sr.unsupported("gather_positions")) == "gather_positions: not an operation of the rotating cache"
 
@@ -353,7 +359,8 @@ def test_handle_messages_and_spec_gather_refusals():
     assert message(h.trim_to, 1.5) == (InvalidArgumentError, "handle_trim_to: len must be an integer, got 1.5")
     bad = copy.copy(h)
     bad.buffers = type(h.buffers)(h.buffers.keys, h.buffers.values.astype(mx.float32))
-    assert message(c.restore, bad) == (InvalidArgumentError, "restore: values dtype must be mlx.core.float16, got mlx.core.float32")
+    assert message(c.restore, bad) == (
+        InvalidArgumentError, "restore: keys and values must share a dtype, got mlx.core.float16 and mlx.core.float32")
     assert message(c.restore, None) == (InvalidArgumentError, "restore: expected a CacheSnapshot, got NoneType")
     from spec import dense as sd
 
@@ -370,8 +377,8 @@ def test_spec_defaults_and_unreachable_refusals():
 
     assert sd.new_cache().step == 256 and sd.new_world().cache.inplace is True and KVCache().step == 256
     assert sd.new_world().cache.step == 256 and sd.new_world().cache.mode is sd.Mode.FP16
-    assert message(sd.new_cache, step=0) == (InvalidArgumentError, "step: must be an integer >= 1, got 0")
-    assert message(sd.new_cache, step="4") == (InvalidArgumentError, "step: must be an integer >= 1, got '4'")
+    assert message(sd.new_cache, step=0) == (InvalidArgumentError, "step: must be an integer in [1, 1048576], got 0")
+    assert message(sd.new_cache, step="4") == (InvalidArgumentError, "step: must be an integer in [1, 1048576], got '4'")
     assert message(sd.append, sd.new_cache(), ()) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert message(sd.w_append, sd.new_world(), 0) == (InvalidArgumentError, "append: n must be >= 1, got 0")
     assert message(sr.w_append, sr.RotatingWorld(sr.new_cache(4)), 0) == (InvalidArgumentError, "append: n must be >= 1, got 0")
@@ -398,7 +405,7 @@ def test_install_and_append_messages_name_the_shapes():
     c = KVCache("fp16", step=2)
     c.update_and_fetch(rows(1, h=2), rows(1, h=2))
     assert message(c.update_and_fetch, rows(1, d=8, h=2), rows(1, d=8, h=2)) == (
-        InvalidArgumentError, "append: keys must match the cache's [B, H, _, D] = (1, 2, 4), got (1, 2, 1, 8)")
+        InvalidArgumentError, "append: keys head dim D must be 4 (the cache's), got 8 (shape (1, 2, 1, 8))")
     other = KVCache("int8", step=2)
     decode(other, 1)
     h = other.detach()

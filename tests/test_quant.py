@@ -2,10 +2,12 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from fuzz import quant_ref
 from impl.quant import dequantize_int8, quantize_int8
 
 ROWS = arrays(np.float16, st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 3), st.sampled_from([8, 16])),
@@ -48,29 +50,63 @@ def test_quantization_is_per_row():
         assert np.array_equal(np.array(s_all)[:, :, j : j + 1], np.array(s1))
 
 
-def _reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """quantize_int8 in NumPy float16 arithmetic (each op rounded to fp16)."""
-    absmax = np.max(np.abs(x), axis=-1, keepdims=True)
-    scale = (absmax / np.float16(127)).astype(np.float16)
-    scale = np.where(scale == 0, np.float16(1), scale)
-    q = np.clip(np.round((x / scale).astype(np.float16)), -128, 127).astype(np.int8)
-    return q, scale
+def first_difference(x: np.ndarray, got: np.ndarray, want: np.ndarray) -> str:
+    """'' when ``got`` and ``want`` agree bytewise (NaN-free), else the first
+    differing row: its input and both outputs."""
+    got = np.asarray(got, dtype=np.float64).reshape(len(x), -1)
+    want = np.asarray(want, dtype=np.float64).reshape(len(x), -1)
+    bad = np.flatnonzero(np.any((got != want) | (np.signbit(got) != np.signbit(want)), axis=1))
+    if not len(bad):
+        return ""
+    i = int(bad[0])
+    return (f"{len(bad)} rows differ; first: row {i}, input {x.reshape(len(x), -1)[i].tolist()}: "
+            f"implementation {got[i].tolist()}, reference {want[i].tolist()}")
 
 
 def test_int8_every_float16_magnitude():
-    """Every finite float16 value, both signs, as a row's absmax. Below about
-    1.6e-5 the scale ``absmax / 127`` is subnormal and rounds coarsely, so
-    ``x / scale`` reaches 190: the clip to [-128, 127] is what keeps such
-    rows from wrapping around int8 (a row of +7.6e-6 would read back as
-    negative). Exhaustive, because random rows almost never land there."""
+    """Every finite float16 value, both signs, as a row's absmax, against the
+    independent NumPy oracle (fuzz.quant_ref, written from the rule's text).
+    Below about 1.6e-5 the scale ``absmax / 127`` is subnormal and rounds
+    coarsely, so ``x / scale`` reaches 190: the clip to [-128, 127] is what
+    keeps such rows from wrapping around int8 (a row of +7.6e-6 would read
+    back as negative). Exhaustive, because random rows almost never land
+    there. The largest magnitudes read back saturated, never inf."""
     pos = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16)
     x = np.stack([pos, -pos, pos / np.float16(3)], axis=-1).astype(np.float16)  # absmax = pos
     x = np.concatenate([x, -x])[:, None, None, :]  # [2N, 1, 1, 3]
     q, scale = quantize_int8(mx.array(x))
-    ref_q, ref_scale = _reference(x)
-    assert np.array_equal(np.array(scale), ref_scale)
-    assert np.array_equal(np.array(q), ref_q)
+    ref_q, ref_scale = quant_ref.quantize(x)
+    assert not (msg := first_difference(x, np.array(scale), ref_scale)), "scale: " + msg
+    assert not (msg := first_difference(x, np.array(q), ref_q)), "q: " + msg
     assert int(np.abs(np.array(q).astype(np.int32)).max()) <= 128
+    back = np.array(dequantize_int8(q, scale)).astype(np.float64)
+    assert not (msg := first_difference(x, back, quant_ref.dequantize(ref_q, ref_scale))), "read back: " + msg
+    assert np.isfinite(back).all()
     # the sign of every nonzero value survives quantization
-    back = np.array(dequantize_int8(q, scale)).astype(np.float32)
-    assert np.all(np.sign(back[back != 0]) == np.sign(x.astype(np.float32)[back != 0]))
+    assert np.all(np.sign(back[back != 0]) == np.sign(x.astype(np.float64)[back != 0]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_every_bfloat16_magnitude_reads_back_in_its_dtype(dtype):
+    """Every bfloat16 value that is finite in float16 (both signs) as a row's
+    absmax; the row comes in as ``dtype`` and is read back in it."""
+    bits = np.arange(1, 0x7F80, dtype=np.uint32) << 16
+    pos = bits.view(np.float32)
+    with np.errstate(over="ignore"):
+        pos = pos[np.isfinite(pos.astype(np.float16))]
+    x = np.stack([pos, -pos / 3, pos / 7], axis=-1)
+    x = np.concatenate([x, -x])[:, None, None, :].astype(np.float32)
+    xm = mx.array(x).astype(getattr(mx, dtype))
+    x = np.array(xm.astype(mx.float32))  # what the cache was handed
+    q, scale = quantize_int8(xm)
+    back = np.array(dequantize_int8(q, scale, getattr(mx, dtype)).astype(mx.float32))
+    assert not (msg := first_difference(x, back, quant_ref.round_trip(x, dtype))), msg
+
+
+def test_first_difference_names_the_row():
+    x = np.zeros((3, 2))
+    got, want = np.zeros((3, 2)), np.zeros((3, 2))
+    got[1, 1] = 5.0
+    assert first_difference(x, got, want).startswith("1 rows differ; first: row 1")
+    assert first_difference(x, -0.0 * np.ones((3, 2)), want) != ""
+    assert first_difference(x, want, want) == ""

@@ -20,10 +20,13 @@ from impl.dense import KVCache
 from impl.models import make_prompt_cache
 from impl.rotating import RotatingKVCache
 
+#: a valid value for a required field that is not a count
+REQUIRED_EXAMPLES = {"layers": [{"kind": "dense"}]}
+
 
 def minimal_cache(kind: str) -> dict:
     entry = kinds.get(kind)
-    return {"kind": kind, **{f: 4 for f, v in entry.fields.items() if v is kinds.REQUIRED}}
+    return {"kind": kind, **{f: REQUIRED_EXAMPLES.get(f, 4) for f, v in entry.fields.items() if v is kinds.REQUIRED}}
 
 
 def foreign_fields() -> list[tuple[str, str]]:
@@ -39,7 +42,7 @@ def foreign_fields() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("kind,field", foreign_fields())
 def test_a_field_of_another_kind_is_refused(kind: str, field: str):
-    doc = {"kvtrace": 1, "cache": {**minimal_cache(kind), field: 1}, "ops": []}
+    doc = {"kvtrace": 1, "cache": {**minimal_cache(kind), field: REQUIRED_EXAMPLES.get(field, 1)}, "ops": []}
     with pytest.raises(TraceFormatError, match=rf"field cache\.{field}: not a field of kind {kind}"):
         parse(doc)
 

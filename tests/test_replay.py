@@ -37,15 +37,45 @@ def test_bug_traces_diverge_on_their_bug(name):
     assert not result.ok
 
 
-def test_divergence_exits_1_and_names_op(tmp_path, capsys):
+def test_a_failing_trace_check_exits_3_and_names_op(tmp_path, capsys):
+    """The trace expects what the spec does not do: not a divergence."""
     doc = {"kvtrace": 1, "cache": {"kind": "dense", "step": 4},
            "ops": [{"op": "append", "n": 2}, {"op": "expect", "window": [0, 2]}]}
-    assert main(["replay", write(tmp_path, doc)]) == 1
+    assert main(["replay", write(tmp_path, doc)]) == 3
     out = capsys.readouterr().out
-    assert "op 1" in out and "[0, 1]" in out
-    assert main(["replay", "--json", write(tmp_path, doc)]) == 1
+    assert out.startswith("trace check failed") and "op 1" in out and "[0, 1]" in out
+    assert "trace expects: [0, 2]" in out
+    assert main(["replay", "--json", write(tmp_path, doc)]) == 3
     got = json.loads(capsys.readouterr().out)
-    assert got["ok"] is False and got["divergence"]["index"] == 1
+    assert got["ok"] is False and got["divergence"]["index"] == 1 and got["exit"] == 3
+    assert got["divergence"]["kind"] == "trace check"
+
+
+def test_a_divergence_exits_1_and_names_every_row(capsys):
+    """The rows the failing op wrote are named (here the window is short,
+    not garbage: tokens 1 and 2, not '?')."""
+    path = Path(__file__).parent / "traces" / "prefill_clamps_return.json"
+    assert main(["replay", str(path), "--bug", "prefill_clamps_return"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("diverged") and "spec and impl disagree" in out
+    assert "impl did:  [1, 2]" in out and "?" not in out
+    assert main(["replay", "--json", str(path), "--bug", "prefill_clamps_return"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["divergence"]["kind"] == "divergence" and got["divergence"]["impl"] == [1, 2]
+
+
+def test_other_targets_are_named_in_the_report(capsys):
+    path = Path(__file__).parent / "traces" / "conformance" / "KVCache_01.json"
+    assert main(["replay", str(path), "--target", "mlx-lm"]) == 1
+    out = capsys.readouterr().out
+    assert "spec and mlx-lm disagree" in out and "mlx-lm did: -1" in out and "impl did" not in out
+
+
+def test_expect_of_an_unknown_name_is_a_trace_error(tmp_path, capsys):
+    doc = {"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "n": 1},
+                                                              {"op": "expect", "of": "nope", "window": [0]}]}
+    assert main(["replay", write(tmp_path, doc)]) == 2
+    assert "op 1 field 'of': no snapshot or handle named 'nope'" in capsys.readouterr().out
 
 
 def test_bug_flag_replays_against_injected_bug(capsys):

@@ -6,12 +6,13 @@ Each entry is a subclass of ``KVCache`` that breaks exactly one rule of
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
-from impl.dense import SEQ_AXIS, KVCache, _Buffers, _Marker
+from impl.dense import SEQ_AXIS, CacheSnapshot, KVCache, _Buffers, _Marker
 
 
 class InplaceAfterTrim(KVCache):
@@ -65,7 +66,8 @@ class OldRegrowGuard(KVCache):
             old = old.map(lambda a: a[:, :, :prev, :])
         parts = zip((old.keys, old.values, old.key_scales, old.value_scales),
                     (grown.keys, grown.values, grown.key_scales, grown.value_scales))
-        self.buffers = _Buffers(*(None if a is None else mx.concatenate([a, b], axis=SEQ_AXIS) for a, b in parts))
+        self.buffers = _Buffers(*(None if a is None else mx.concatenate([a, b], axis=SEQ_AXIS) for a, b in parts),
+                                out_dtype=rows.out_dtype)
 
 
 class Int8FrontTrimForgetsScales(KVCache):
@@ -132,10 +134,89 @@ class TrimToZeroKeepsBuffers(KVCache):
         return None
 
 
+# -- blind spots closed by issue 15 (each caught only by the check named) ------------
+
+
+class MaskIgnoresWindow(KVCache):
+    """A dense cache serving a windowed layer ignores ``window_size`` for a
+    decode step: ``make_mask(1, window_size=3)`` over 6 keys returns None
+    (every key visible). Caught only by the dense mask check."""
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if N == 1 and not return_array:
+            return None
+        return super().make_mask(N, window_size, return_array)
+
+
+class SnapshotDeepCopies(KVCache):
+    """The snapshot copies every buffer (O(n) instead of O(1)): the bytes are
+    identical, only the memory differs. Caught only by the sharing check."""
+
+    def snapshot(self) -> CacheSnapshot:
+        snap = super().snapshot()
+        if snap.buffers is not None:
+            snap.buffers = snap.buffers.map(lambda a: mx.array(a) + 0)
+            mx.eval(*snap.buffers.arrays())
+        return snap
+
+
+class CastsToFloat16(KVCache):
+    """The unquantized mode casts incoming rows to float16 (the old
+    behaviour): a bfloat16 model's rows change dtype, values beyond 65504
+    become inf. Caught only when the machines draw bfloat16 or float32."""
+
+    def _encode(self, keys: mx.array, values: mx.array) -> _Buffers:
+        if self.mode == "fp16":
+            return _Buffers(keys.astype(mx.float16), values.astype(mx.float16))
+        return super()._encode(keys, values)
+
+    def _check_compatible(self, op: str, keys: mx.array, values: mx.array) -> None:
+        super()._check_compatible(op, keys.astype(mx.float16) if self.mode == "fp16" else keys, values)
+
+
+def _env_switch_case_sensitive() -> bool:
+    value = os.environ.get("KV_INPLACE_WRITE")
+    return value is None or value not in ("0", "false", "off", "no")
+
+
+class EnvSwitchCaseSensitive(KVCache):
+    """``KV_INPLACE_WRITE`` parsed without case folding or blank stripping:
+    ``OFF`` or ``" no "`` leave in-place writes on. Caught only when the
+    machines build caches under drawn spellings (``inplace_env``)."""
+
+    def __init__(self, mode: str = "fp16", step: int = 256, inplace: bool | None = None):
+        super().__init__(mode, step, inplace)
+        if inplace is None:
+            self.inplace = _env_switch_case_sensitive()
+
+
+def _round_half_away(x: mx.array) -> mx.array:
+    return mx.sign(x) * mx.floor(mx.abs(x) + 0.5)
+
+
+def quantize_half_away(x: mx.array) -> tuple[mx.array, mx.array]:
+    """impl.quant.quantize_int8 with round half away from zero instead of
+    half to even (ties of ``x / scale`` go the wrong way)."""
+    x16 = x.astype(mx.float16)
+    absmax = mx.max(mx.abs(x16), axis=-1, keepdims=True)
+    scale = absmax / 127
+    scale = mx.where(scale == 0, 1, scale)
+    q = mx.clip(_round_half_away(x16 / scale), -128, 127).astype(mx.int8)
+    return q, scale.astype(mx.float16)
+
+
+class QuantizerRoundsHalfAway(KVCache):
+    """A rounding bug in the quantizer itself. An oracle that calls the
+    implementation's quantizer agrees with it; caught only by the
+    independent NumPy oracle (fuzz.quant_ref)."""
+
+    quantize_rows = staticmethod(quantize_half_away)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule 4 (prev == marker.live_len)",
-        "seed 000 + dense in-place write rule", "dense", ("fp16",), "KVCache._inplace_write_allowed",
+        "dense in-place write rule (speculative-decoding rollback)", "dense", ("fp16",), "KVCache._inplace_write_allowed",
         "in-place decode write after a logical trim overwrites a row a snapshot still sees",
         {"dense": InplaceAfterTrim},
     ),
@@ -147,12 +228,12 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "physical_trim_fp16", "semantics.md 2, Fp16/Int8 trim is a logical rewind (cost contract)",
-        "#1209 (seed 000)", "dense", ("fp16", "int8"), "KVCache.trim",
+        "public fix #1209", "dense", ("fp16", "int8"), "KVCache.trim",
         "trim re-slices the buffers: values right, capacity lost", {"dense": PhysicalTrimFp16},
     ),
     InjectedBug(
         "old_regrow_guard", "semantics.md 2, append step 2 (regrow rule)",
-        "#1209 regression (seed 000)", "dense", ("fp16", "int8"), "KVCache._grow",
+        "public fix #1209, the regression it fixed", "dense", ("fp16", "int8"), "KVCache._grow",
         "growth after a logical trim keeps the stale tail (cut only when prev % step != 0)",
         {"dense": OldRegrowGuard},
     ),
@@ -168,7 +249,7 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "inplace_switch_ignored", "semantics.md 2, ownership rule 1 (KV_INPLACE_WRITE)",
-        "seed 003: the switch restores the copying path everywhere", "dense", ("fp16",),
+        "the switch restores the copying path everywhere", "dense", ("fp16",),
         "KVCache._inplace_write_allowed", "the in-place switch is ignored", {"dense": InplaceSwitchIgnored},
         inplace=False,
     ),
@@ -186,5 +267,30 @@ BUGS: tuple[InjectedBug, ...] = (
         "trim_to_zero_keeps_buffers", "semantics.md 2, trim: at live_len 0 all buffers are dropped",
         "dense trim family", "dense", ("fp16", "int8"), "KVCache._drop_if_empty",
         "buffers survive a trim to zero rows", {"dense": TrimToZeroKeepsBuffers},
+    ),
+    InjectedBug(
+        "dense_mask_ignores_window", "spec.dense.dense_mask_visible (a window binds on a decode step)",
+        "a dense cache serving a windowed layer (issue 15, masks)", "dense", ("fp16",), "KVCache.make_mask",
+        "make_mask(1, window_size=w) returns None: every key visible", {"dense": MaskIgnoresWindow},
+    ),
+    InjectedBug(
+        "snapshot_deep_copies", "semantics.md 5.4, cost contract: a snapshot shares the buffers (O(1))",
+        "issue 15, memory sharing", "dense", ("fp16", "int8"), "KVCache.snapshot",
+        "the snapshot copies every buffer: same bytes, new memory", {"dense": SnapshotDeepCopies},
+    ),
+    InjectedBug(
+        "fp16_casts_rows", "semantics.md 2, Storage dtype (rows stored and returned in the incoming dtype)",
+        "issue 15, bf16 models decode differently with a float16 cache", "dense", ("fp16",), "KVCache._encode",
+        "unquantized rows are cast to float16", {"dense": CastsToFloat16},
+    ),
+    InjectedBug(
+        "env_switch_case_sensitive", "spec.dense.inplace_switch (any case, blanks ignored)",
+        "issue 15, the in-place switch", "dense", ("fp16",), "impl.dense.inplace_switch_from_env",
+        "KV_INPLACE_WRITE=OFF (or ' no ') leaves in-place writes on", {"dense": EnvSwitchCaseSensitive},
+    ),
+    InjectedBug(
+        "int8_round_half_away", "semantics.md 2, Quantized storage (round half to even)",
+        "issue 15, quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
+        "the quantizer rounds ties away from zero", {"dense": QuantizerRoundsHalfAway},
     ),
 )

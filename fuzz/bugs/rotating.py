@@ -111,6 +111,33 @@ class PrefillDropsSinks(RotatingKVCache):
         return tuple(a[:, :, n - (self.max_size - 1 - self.keep) - self.keep :, :] for a in got)
 
 
+class GrowthWithBatchOne(RotatingKVCache):
+    """The ring's warm-up growth builds its zero rows with batch 1 (a
+    hard-coded shape): a ring of batch 2 fails on its first decode step.
+    Caught only when the machines draw batch > 1."""
+
+    def _decode(self, k: mx.array, v: mx.array):
+        if self.keys is None:
+            grow = min(self.step, self.max_size)
+            self._set_buffers(mx.zeros((1, k.shape[1], grow, k.shape[3]), dtype=k.dtype),
+                              mx.zeros((1, v.shape[1], grow, v.shape[3]), dtype=v.dtype))
+        return super()._decode(k, v)
+
+
+class GrowthPadsValuesToKeyDim(RotatingKVCache):
+    """The ring's warm-up growth sizes the value buffer with the keys' head
+    dim (one shape for both): a model whose value head dim differs from its
+    key head dim fails. Caught only when the machines draw separate K and V
+    head dims."""
+
+    def _decode(self, k: mx.array, v: mx.array):
+        if self.keys is None:
+            grow = min(self.step, self.max_size)
+            self._set_buffers(mx.zeros((k.shape[0], k.shape[1], grow, k.shape[3]), dtype=k.dtype),
+                              mx.zeros((v.shape[0], v.shape[1], grow, k.shape[3]), dtype=v.dtype))
+        return super()._decode(k, v)
+
+
 class UndoLogOneShort(RotatingKVCache):
     """The undo log keeps one row too few: once it covers U rows, the
     oldest record has lost its saved row, so a rollback of exactly U rows
@@ -164,7 +191,7 @@ class BlockDropsUnlogged(RotatingKVCache):
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "steady_state_inplace", "semantics.md 3, single-row append 4 (steady state must copy)",
-        "seed 003 (#1963): the flagship", "rotating", ("fp16",), "RotatingKVCache._inplace_write_allowed",
+        "public fix #1963: the flagship", "rotating", ("fp16",), "RotatingKVCache._inplace_write_allowed",
         "decode writes in place after the window is full; snapshots of the full ring see the overwrite",
         {"rotating": SteadyStateInplace},
         variants=(("W=16", {"max_size": 16}, True), ("isolation only", {}, False),
@@ -193,7 +220,7 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "warmup_inplace_ignores_marker", "semantics.md 3, warm-up in place only under the ownership rule",
-        "seed 003 (#1963) ownership proof", "rotating", ("fp16",), "RotatingKVCache.restore",
+        "public fix #1963: the warm-up ownership proof", "rotating", ("fp16",), "RotatingKVCache.restore",
         "warm-up decode writes in place without the marker (after a restore)",
         {"rotating": WarmupInplaceIgnoresMarker},
     ),
@@ -206,6 +233,16 @@ BUGS: tuple[InjectedBug, ...] = (
         "prefill_drops_sinks", "semantics.md 3, sinks are never evicted",
         "sliding-window eviction with sinks", "rotating", ("fp16",), "RotatingKVCache._chronological",
         "a multi-row append that trims old rows evicts the sinks", {"rotating": PrefillDropsSinks},
+    ),
+    InjectedBug(
+        "ring_growth_batch_one", "semantics.md 3, decode step 2 (growth keeps the rows' [B, H, _, D])",
+        "issue 15, batch > 1", "rotating", ("fp16",), "RotatingKVCache._decode",
+        "the first growth allocates batch 1", {"rotating": GrowthWithBatchOne},
+    ),
+    InjectedBug(
+        "ring_values_key_head_dim", "semantics.md 2/3, keys and values keep their own head dims",
+        "issue 15, models with a distinct value head dim", "rotating", ("fp16",), "RotatingKVCache._decode",
+        "the value buffer is allocated with the keys' head dim", {"rotating": GrowthPadsValuesToKeyDim},
     ),
     InjectedBug(
         "undo_log_one_short", "semantics.md 3, Trim (undo log: exact for n <= min(U, rows appended))",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -43,9 +44,62 @@ def _target(args: argparse.Namespace) -> Any:
     return target
 
 
+def _usage_error(console: Console, message: str) -> int:
+    """A bad argument: one line naming it, exit 2 (never a traceback)."""
+    console.print(f"[bold red]error[/]: {escape(message)}")
+    return 2
+
+
+def _bug(console: Console, name: str, flag: str = "--bug") -> Any:
+    """The catalog entry ``name``, or None after printing the known names."""
+    from fuzz.bugs import UnknownBugError, by_name
+
+    try:
+        return by_name(name)
+    except UnknownBugError as exc:
+        _usage_error(console, f"{flag}: {exc}")
+        return None
+
+
+class _Ticker:
+    """Progress of a long command on stderr: a live status line on a
+    terminal, otherwise a plain line at most every ``every`` seconds."""
+
+    def __init__(self, console: Console, every: float = 5.0):
+        self.console, self.every = console, every
+        self.label: str | None = None
+        self.last = 0.0
+        self.status: Any = None
+
+    def start(self, label: str) -> None:
+        self.label, self.last = label, time.monotonic()
+        if self.console.is_terminal:
+            if self.status is None:
+                self.status = self.console.status(label)
+                self.status.start()
+            self.status.update(label)
+
+    def tick(self, text: str) -> None:
+        line = f"{self.label}: {text}"
+        if self.status is not None:
+            self.status.update(line)
+        elif time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            self.console.print(line, markup=False)
+
+    def done(self, text: str) -> None:
+        self.console.print(text, markup=False)
+        self.label = None
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
 # -- replay --------------------------------------------------------------------
 def cmd_replay(args: argparse.Namespace) -> int:
-    from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, replay
+    from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, EXIT_TRACE_CHECK, replay
     from fuzz.trace import TraceFormatError, load
 
     console = _console()
@@ -53,9 +107,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         trace = load(args.trace)
         factories = None
         if args.bug:
-            from fuzz.bugs import by_name
-
-            bug = by_name(args.bug)
+            bug = _bug(console, args.bug)
+            if bug is None:
+                return EXIT_INVALID
             if bug.kind != trace.cache["kind"]:
                 raise KeyError(f"--bug {bug.name} patches the {bug.kind} cache; this trace is kind {trace.cache['kind']}")
             factories = bug.factories
@@ -72,9 +126,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except KeyError as exc:
         console.print(f"[bold red]error[/]: {exc.args[0]}")
         return EXIT_INVALID
+    code = EXIT_OK
+    if not result.ok:
+        assert result.divergence is not None
+        code = EXIT_TRACE_CHECK if result.divergence.trace_check else EXIT_DIVERGED
     if args.json:
-        print(json.dumps({**result.to_json(), "trace": args.trace}))
-        return EXIT_OK if result.ok else EXIT_DIVERGED
+        print(json.dumps({**result.to_json(), "trace": args.trace, "exit": code}))
+        return code
     if result.ok:
         who = "implementation" if target.is_impl else f"target {target.name}"
         console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and {who} agree")
@@ -84,9 +142,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 # a typo in a name: say so rather than pass silently.
                 console.print(f'  note: op {i} was refused by both sides and has no "error": true: {escape(m)}')
         return EXIT_OK
-    console.print(f"[bold red]diverged[/] {args.trace}")
-    console.print(str(result.divergence))
-    return EXIT_DIVERGED
+    who = "impl" if target.is_impl else target.name
+    if code == EXIT_TRACE_CHECK:
+        console.print(f"[bold yellow]trace check failed[/] {args.trace}: the trace expects what the spec does not do")
+    else:
+        console.print(f"[bold red]diverged[/] {args.trace}: spec and {who} disagree")
+    console.print(escape(str(result.divergence)))
+    return code
 
 
 # -- fuzz ----------------------------------------------------------------------
@@ -104,33 +166,35 @@ def _inplace_settings(value: str) -> list[bool]:
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
+    """Exit 0 when every campaign ran examples and found nothing, 1 when one
+    failed (its minimal trace is written), 2 for bad arguments, 130 when
+    interrupted (the seed and a rerun command are printed)."""
     from fuzz.campaign import campaign, save_failure
 
     console = _console()
-    if args.budget <= 0:
-        console.print(f"[red]--budget: must be > 0 seconds, got {args.budget}[/]")
-        return 2
-    target = _target(args)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        target = _target(args)
+    except KeyError as exc:
+        return _usage_error(console, str(exc.args[0]))
     # an mlx-lm target runs the configs it has a class for (fuzz/targets.py)
     have = [(k, m) for k, m in CONFIGS if target.is_impl or target.cache_class(k, m) is not None]
     configs = [(k, m) for k, m in have if (args.kind in (None, k)) and (args.mode in (None, m))]
     if not configs:
-        console.print(f"[red]no implementation for kind={args.kind} mode={args.mode} on target {target.name}[/]; have {have}")
-        return 2
+        return _usage_error(console, f"no implementation for kind={args.kind} mode={args.mode} on target "
+                                     f"{target.name}; have {', '.join(f'{k}/{m}' for k, m in have)}")
     factories = None
     if args.bug:
-        from fuzz.bugs import by_name
-
-        bug = by_name(args.bug)
+        bug = _bug(console, args.bug)
+        if bug is None:
+            return 2
         factories = bug.factories
         if args.kind not in (None, bug.kind) or args.mode not in (None, *bug.modes):
-            console.print(f"[red]--bug {bug.name} affects kind {bug.kind}, modes {list(bug.modes)}; "
-                          f"got --kind {args.kind} --mode {args.mode}[/]")
-            return 2
+            return _usage_error(console, f"--bug {bug.name} affects kind {bug.kind}, modes {', '.join(bug.modes)}; "
+                                         f"got --kind {args.kind} --mode {args.mode}")
         configs = [(bug.kind, args.mode or bug.modes[0])]
         if not target.is_impl:
-            console.print(f"[red]--bug cannot be combined with --target {target.name}[/]")
-            return 2
+            return _usage_error(console, f"--bug cannot be combined with --target {target.name}")
     # mlx-lm has no in-place switch, and Int8 never writes in place: one
     # setting is enough there (both would run the same campaign twice)
     inplace_settings = _inplace_settings(args.inplace) if target.is_impl else [True]
@@ -138,34 +202,72 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     budget = args.budget / len(runs)
     on = "" if target.is_impl else f", target {target.name}"
-    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:.0f} s{on})")
-    for col in ("config", "examples", "steps", "ops/s", "result"):
-        table.add_column(col, no_wrap=True)
-    reached: list[str] = []
-    failed = []
-    for kind, mode, inplace in runs:
-        rep = campaign(kind, mode, inplace, budget, seed, factories, target=None if target.is_impl else target)
-        result = "ok"
-        if rep.failure is not None:
-            result = "FAILED"
-            failed.append((rep, kind, mode, inplace))
+    rerun = f"kvspec fuzz --seed {seed} --budget {args.budget:g}" + "".join(
+        f" --{k} {v}" for k, v in (("kind", args.kind), ("mode", args.mode), ("bug", args.bug)) if v) + (
+        f" --inplace {args.inplace}" if args.inplace != "both" else "") + ("" if target.is_impl else f" --target {target.name}")
+    err.print(f"kvspec fuzz: seed {seed}, {args.budget:g} s over {len(runs)} campaign{'s' * (len(runs) > 1)}{on}")
+    progress = _Ticker(err)
+    reports: list[tuple[Any, str, str, bool]] = []
+    interrupted: str | None = None
+    try:
+        for kind, mode, inplace in runs:
+            label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
+            progress.start(label)
+            rep = campaign(kind, mode, inplace, budget, seed, factories, target=None if target.is_impl else target,
+                           progress=progress.tick)
+            progress.done(f"{rep.config}: {rep.examples} examples, {rep.stats.get('ops', 0)} ops, "
+                          f"{'FAILED' if rep.failure is not None else 'ok'} ({rep.seconds:.1f} s)")
+            reports.append((rep, kind, mode, inplace))
+    except KeyboardInterrupt:
+        interrupted = progress.label or "?"
+    finally:
+        progress.stop()
+    rows = []
+    failed = False
+    for rep, kind, mode, inplace in reports:
         ops = rep.stats.get("ops", 0)
-        table.add_row(rep.config, str(rep.examples), str(ops), f"{ops / max(rep.seconds, 1e-9):.0f}", result)
-        reached.append(f"[bold]{rep.config}[/] reached: {_stats_text(rep.stats)}")
+        row: dict[str, Any] = {"config": rep.config, "examples": rep.examples, "steps": ops,
+                               "seconds": round(rep.seconds, 2), "result": "ok", "reached": rep.stats}
+        if rep.examples == 0:
+            row["result"], failed = "no examples", True  # a run that checked nothing never says ok
+        if rep.failure is not None:
+            failed = True
+            row["result"] = "FAILED"
+            row["failure"] = str(rep.failure.error).splitlines()[0]
+            if rep.failure.trace is not None:
+                stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
+                stem = stem if target.is_impl else f"{target.name}-{stem}"
+                path = save_failure(rep.failure.trace, args.out, stem)
+                extra = f" --bug {args.bug}" if args.bug else ""
+                extra += "" if target.is_impl else f" --target {target.name}"
+                row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
+        rows.append(row)
+    code = 130 if interrupted else (1 if failed else 0)
+    if args.json:
+        print(json.dumps({"seed": seed, "budget": args.budget, "target": target.name, "ok": code == 0,
+                          "interrupted": interrupted, "rerun": rerun, "runs": rows, "exit": code}))
+        return code
+    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:g} s{on})")
+    for col in ("config", "examples", "steps", "ops/s", "result"):
+        table.add_column(col, no_wrap=col != "config")
+    for row in rows:
+        rate = row["steps"] / max(row["seconds"], 1e-9)
+        style = "" if row["result"] == "ok" else "[bold red]"
+        table.add_row(row["config"], str(row["examples"]), str(row["steps"]), f"{rate:.0f}",
+                      f"{style}{row['result']}{'[/]' if style else ''}")
     console.print(table)
-    for line in reached:
-        console.print(line)
-    for rep, kind, mode, inplace in failed:
-        assert rep.failure is not None
-        console.print(f"[bold red]{rep.config}[/]: {str(rep.failure.error).splitlines()[0]}")
-        if rep.failure.trace is not None:
-            stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
-            stem = stem if target.is_impl else f"{target.name}-{stem}"
-            path = save_failure(rep.failure.trace, args.out, stem)
-            bug = f" --bug {args.bug}" if args.bug else ""
-            bug += "" if target.is_impl else f" --target {target.name}"
-            console.print(f"  minimal trace written to {path}\n  replay it: kvspec replay {path}{bug}")
-    return 1 if failed else 0
+    for row in rows:
+        console.print(f"[bold]{row['config']}[/] reached: {_stats_text(row['reached'])}")
+    for row in rows:
+        if row["result"] == "no examples":
+            console.print(f"[bold red]{row['config']}[/]: ran no example in its budget; nothing was checked")
+        if "failure" in row:
+            console.print(f"[bold red]{row['config']}[/]: {escape(row['failure'])}")
+            if "trace" in row:
+                console.print(f"  minimal trace written to {row['trace']}\n  replay it: {row['replay']}")
+    if interrupted:
+        console.print(f"[bold yellow]interrupted[/] during {interrupted}: seed {seed}\n  rerun: {rerun}")
+    return code
 
 
 # -- conformance ---------------------------------------------------------------
@@ -193,12 +295,19 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from fuzz.commands.verify import run_verify
 
-    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs)
+    if args.jobs is not None and args.jobs < 1:
+        _console().print(f"[red]--jobs: must be >= 1, got {args.jobs}[/]")
+        return 2
+    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs, jobs=args.jobs)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from fuzz.commands.mutants import main as mutants_main
 
+    console = _console()
+    for name in args.only or []:
+        if _bug(console, name, "--only") is None:
+            return 2
     return mutants_main(args.seeds, args.json, args.out, args.only)
 
 
@@ -211,11 +320,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_e2e(args: argparse.Namespace) -> int:
     from fuzz.commands.e2e import main as e2e_main
 
+    if args.bug and _bug(_console(), args.bug) is None:
+        return 2
     try:
         return e2e_main(long=args.long, as_json=args.json, bug=args.bug, only=args.only)
     except KeyError as exc:
-        _console().print(f"[bold red]error[/]: {exc.args[0]}")
-        return 2
+        return _usage_error(_console(), str(exc.args[0]))
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
@@ -227,84 +337,218 @@ def cmd_prove(args: argparse.Namespace) -> int:
     return prove_main(args.rest)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvspec", description="Verified KV caches: spec, proofs, MLX implementation, fuzzing.")
-    sub = p.add_subparsers(dest="command", required=True)
+# -- arguments ---------------------------------------------------------------------
+MAX_SECONDS = 7 * 24 * 3600.0
 
-    r = sub.add_parser("replay", help="replay a kvtrace on the spec and the implementation")
-    r.add_argument("trace")
+
+def positive_seconds(text: str) -> float:
+    """A budget in seconds: a finite number > 0 and at most a week."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be finite, > 0 and <= {MAX_SECONDS:g} seconds, got {text!r}")
+    return value
+
+
+def int_in(lo: int, hi: int):
+    """An argparse type: an integer in ``[lo, hi]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = f"integer in [{lo}, {hi}]"
+    return parse
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, defaults after every option's help."""
+
+
+EXIT_CODES = {
+    "replay": "exit status: 0 spec and implementation agree and every check holds; 1 they disagree (a "
+              "divergence); 2 invalid trace or arguments; 3 a check the trace carries fails on the spec "
+              "(the trace expects what the spec does not do)",
+    "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
+            "written and a replay command printed) or a campaign that ran no example; 2 bad arguments; "
+            "130 interrupted (seed and rerun command printed)",
+    "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
+                   "trustworthy); 1 otherwise; 2 bad arguments",
+    "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments; 130 interrupted (the checks "
+              "that finished are printed)",
+    "mutants": "exit status: 0 every injected bug caught in every seed with a clean trace; 1 otherwise; "
+               "2 bad arguments; 130 interrupted",
+    "bench": "exit status: 0 measured; 2 bad arguments",
+    "e2e": "exit status: 0 every scenario passes (with --bug: the bug went unnoticed); 1 a scenario "
+           "diverged (with --bug: the bug was caught); 2 bad arguments",
+}
+
+
+def _epilog(command: str, bug_names: list[str] | None, extra: str = "") -> str:
+    parts = [EXIT_CODES[command]]
+    if bug_names is not None and command in ("replay", "fuzz", "mutants", "e2e"):
+        parts.append("injected bugs (--bug / --only): " + ", ".join(bug_names))
+    if extra:
+        parts.append(extra)
+    return "\n\n".join(parts)
+
+
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvspec")
+    except metadata.PackageNotFoundError:  # running from a checkout without install
+        import tomllib
+        from pathlib import Path
+
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"])
+
+
+def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvspec`` parser. ``bug_names`` (the catalog, listed in the
+    help of the commands that take one) is given only when help is asked
+    for: reading the catalog loads MLX."""
+    p = argparse.ArgumentParser(
+        prog="kvspec", formatter_class=_Formatter,
+        description="Verified KV caches: an executable spec, proofs, MLX caches, and differential fuzzing of "
+                    "the caches against the spec. Trace format: docs/kvtrace.md; the contract: docs/semantics.md.")
+    p.add_argument("--version", action="version", version=f"kvspec {version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subs: dict[str, argparse.ArgumentParser] = {}
+
+    def add(name: str, help: str, description: str, extra: str = "") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=description, formatter_class=_Formatter,
+                            epilog=_epilog(name, bug_names, extra))
+        subs[name] = sp
+        return sp
+
+    r = add("replay", "replay a kvtrace on the spec and an implementation",
+            "Run a kvtrace (docs/kvtrace.md) on the executable spec and on an implementation in lockstep, "
+            "comparing every op's result, the windows of the cache and every snapshot, and the physical "
+            "observables; stop at the first disagreement and print it.")
+    r.add_argument("trace", help="the kvtrace file (JSON)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
-    r.add_argument("--bug", help="replay against an injected bug from the catalog instead of the real implementation")
+    r.add_argument("--bug", help="replay on an injected bug of the catalog instead of the real implementation")
     r.add_argument("--isolation-only", action="store_true",
                    help="do not compare in-place decisions: only a holder's bytes changing can reveal an unsafe write")
     r.add_argument("--target", default="impl", choices=TARGET_NAMES,
-                   help="implementation to replay on: impl (ours, default) or mlx-lm's caches (docs/conformance.md)")
+                   help="implementation to replay on: impl (ours) or mlx-lm's caches (docs/conformance.md)")
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
-                   help="do not compare this observable (or masks); repeatable; what a conformance finding was found with")
+                   help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     r.set_defaults(fn=cmd_replay)
 
-    f = sub.add_parser("fuzz", help="run a differential fuzz campaign")
-    f.add_argument("--kind", choices=list(kinds.trace_kinds()))
-    f.add_argument("--mode", choices=list(kinds.all_modes()))
+    f = add("fuzz", "run a differential fuzz campaign",
+            "Hypothesis state machines drive the spec and an implementation with random ops; the first "
+            "disagreement is shrunk to a minimal kvtrace, written to --out, with the command that replays it.")
+    f.add_argument("--kind", choices=list(kinds.trace_kinds()), help="cache kind (default: every kind)")
+    f.add_argument("--mode", choices=list(kinds.all_modes()), help="storage mode (default: every implemented mode)")
     f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
-    f.add_argument("--budget", type=float, default=60.0, help="seconds in all (default 60)")
-    f.add_argument("--seed", type=int, help="first seed (default: from the clock; printed)")
-    f.add_argument("--bug", help="fuzz an injected bug from the catalog (expect a failure)")
-    f.add_argument("--out", default=DEFAULT_OUT, help=f"folder for failure traces (default {DEFAULT_OUT})")
-    f.add_argument("--target", default="impl", choices=TARGET_NAMES, help="implementation to fuzz (default impl)")
+    f.add_argument("--budget", type=positive_seconds, default=60.0, help="seconds in all, split over the campaigns")
+    f.add_argument("--seed", type=int_in(0, 2**32 - 1), help="first seed (default: from the clock; printed first)")
+    f.add_argument("--bug", help="fuzz an injected bug of the catalog (expect a failure)")
+    f.add_argument("--out", default=DEFAULT_OUT, help="folder for failure traces")
+    f.add_argument("--target", default="impl", choices=TARGET_NAMES, help="implementation to fuzz")
+    f.add_argument("--json", action="store_true", help="print one JSON object")
     f.set_defaults(fn=cmd_fuzz)
 
-    c = sub.add_parser("conformance", help="fuzz mlx-lm's own caches against the spec and report what diverges")
-    c.add_argument("--budget", type=float, default=120.0, help="seconds in all, split over the classes (default 120)")
-    c.add_argument("--seed", type=int, default=CONFORMANCE_SEED, help=f"first seed (default {CONFORMANCE_SEED})")
+    c = add("conformance", "fuzz mlx-lm's own caches against the spec and report what diverges",
+            "Fuzz mlx-lm's cache classes against the spec and report every divergence with a minimal trace "
+            "(docs/conformance.md).")
+    c.add_argument("--budget", type=positive_seconds, default=120.0, help="seconds in all, split over the classes")
+    c.add_argument("--seed", type=int_in(0, 2**32 - 1), default=CONFORMANCE_SEED, help="first seed")
     c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
     c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="an mlx-lm class to fuzz (repeatable; default all)")
-    c.add_argument("--max-findings", type=int, default=8, help="divergences per class at most (default 8)")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--max-findings", type=int_in(1, 1000), default=8, help="divergences per class at most")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(fn=cmd_conformance)
 
-    v = sub.add_parser("verify", help="traces, fixed-seed campaigns, injected bugs, proofs: one table")
-    v.add_argument("--quick", action="store_true", help="short budgets (what make test runs)")
-    v.add_argument("--json", action="store_true")
-    v.add_argument("--skip-proofs", action="store_true")
-    v.add_argument("--out", default=DEFAULT_OUT)
+    v = add("verify", "traces, fixed-seed campaigns, injected bugs, proofs: one table",
+            "Everything that must hold, in one table: every regression trace, a fixed-seed campaign per "
+            "kind and mode, every injected bug caught, the real-decoding scenarios, the proofs and CrossHair. "
+            "The checks run in parallel (-j).")
+    v.add_argument("--quick", action="store_true", help="short budgets, no e2e scenarios (what make test runs)")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--skip-proofs", action="store_true", help="leave out the proofs and CrossHair")
+    v.add_argument("--out", default=DEFAULT_OUT, help="folder for traces")
+    v.add_argument("-j", "--jobs", type=int_in(1, 1024), default=None,
+                   help="processes to run the checks on (default: every core; 1 runs them in this process)")
     v.set_defaults(fn=cmd_verify)
 
-    mu = sub.add_parser("mutants", help="fuzz every injected bug of the catalog from N seeds: the kill matrix")
-    mu.add_argument("--seeds", type=int, default=5, help="seeds per bug (default 5)")
-    mu.add_argument("--json", action="store_true")
+    mu = add("mutants", "fuzz every injected bug of the catalog from N seeds: the kill matrix",
+             "Fuzz every injected bug (and its variants) from seeds 1..N; each must be caught in every seed, "
+             "and its minimal trace must replay clean on the real implementation.")
+    mu.add_argument("--seeds", type=int_in(1, 1000), default=5, help="seeds per bug")
+    mu.add_argument("--json", action="store_true", help="print one JSON object")
     mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the minimal traces")
-    mu.add_argument("--only", nargs="*", help="bug names (default: the whole catalog)")
+    mu.add_argument("--only", nargs="+", metavar="BUG", help="these bugs only (default: the whole catalog)")
     mu.set_defaults(fn=cmd_mutants)
 
-    be = sub.add_parser("bench", help="the cost contract as ratios: in-place vs copying decode, logical vs physical rollback")
-    be.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    be.add_argument("--json", action="store_true")
+    be = add("bench", "the cost contract as ratios: in-place vs copying decode, logical vs physical rollback",
+             "Measure the cost contract at growing context lengths, as ratios: decode in place vs copying, "
+             "and trim+append rollback with the logical trim vs a physical re-slice. Each step consumes keys "
+             "and values as a decoder does.")
+    be.add_argument("--contexts", type=int_in(1, 2**20), nargs="+", default=[1024, 8192, 32768],
+                    help="context lengths (rows); the last over the first is the ratio column")
+    be.add_argument("--json", action="store_true", help="print one JSON object")
     be.set_defaults(fn=cmd_bench)
 
-    e = sub.add_parser("e2e", help="real decoding: the caches inside mlx-lm models, byte-identical to the references")
+    e = add("e2e", "real decoding: the caches inside mlx-lm models, byte-identical to the references",
+            "Run small random-weight mlx-lm models with these caches through generate_step, speculative "
+            "decoding and LRUPromptCache, comparing every token and log-probability with the references.")
     e.add_argument("--long", action="store_true", help="longer streams, wider windows, four seeds (under ~3 min)")
-    e.add_argument("--json", action="store_true")
-    e.add_argument("--bug", help="run on an injected bug from the catalog (exit 0 when a scenario catches it)")
-    e.add_argument("--only", nargs="*", help="scenario names (default: all)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--bug", help="run on an injected bug of the catalog")
+    e.add_argument("--only", nargs="+", metavar="SCENARIO", help="scenario names (default: all)")
     e.set_defaults(fn=cmd_e2e)
 
-    pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec", add_help=False)
+    pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec (kvspec prove --help)",
+                        add_help=False)
     pr.add_argument("rest", nargs=argparse.REMAINDER)
     pr.set_defaults(fn=cmd_prove)
+    p.set_defaults(_subparsers=subs)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvspec`` command; returns the exit status (see each command's
+    ``--help``). Bad arguments exit 2 with the command's usage, never a
+    traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["prove"]:
         # prove's options belong to proofs.cli; argparse would eat them.
         from proofs.cli import main as prove_main
 
         return prove_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    bug_names = None
+    if "-h" in argv or "--help" in argv:
+        from fuzz.bugs import catalog
+
+        bug_names = [b.name for b in catalog()]
+    parser = build_parser(bug_names)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # report on the subcommand's own usage, with a suggestion
+        import difflib
+
+        sp = parser.get_default("_subparsers")[args.command]
+        known = [o for a in sp._actions for o in a.option_strings]
+        hints = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
+        sp.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        # commands with a summary catch Ctrl-C themselves; the rest stop here
+        print(f"kvspec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -314,7 +315,10 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
         cls, target = known[n]
         for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
             stale.unlink()
+        print(f"conformance: [{i + 1}/{len(names)}] {cls.name} on {target} (seed {seed + 1000 * i}, "
+              f"{budget / len(names):.0f} s) ...", file=sys.stderr, flush=True)
         reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings))
+        print(f"conformance: {cls.name}: {len(reports[-1].findings)} divergences", file=sys.stderr, flush=True)
     write_report(reports, seed, budget, out / REPORT)
     return reports
 
@@ -351,7 +355,7 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(highlight=False, width=200)
+    console = console or Console(highlight=False)
     total = sum(r.seconds for r in reports)
     table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
                         f"budget {budget:.0f} s, {total:.0f} s run")
@@ -364,10 +368,11 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
         table.add_row(r.cache_class, r.target, covered, ", ".join(r.skipped) or "-", str(r.steps),
                       str(faults), str(len(r.findings) - faults), r.ended)
     console.print(table)
+    traces = []
     for kind, title in ((FAULT, "faults: a wrong window or bytes, a corrupted counter, a held view that changed"),
                         (CONTRACT, "contract differences: capacity kept or dropped, a refusal style")):
         found = Table(title=f"{title} (each trace replays 1 on its target, 0 on impl)")
-        for col in ("class", "#", "what goes wrong", "then", "trace", "replay"):
+        for col in ("class", "#", "what goes wrong", "then", "replay"):
             found.add_column(col, overflow="fold")
         for r in reports:
             for i, f in enumerate(r.findings, 1):
@@ -375,5 +380,8 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
                     continue
                 check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
                 waive = "".join(f" --waive {w}" for w in f.waived)
-                found.add_row(r.cache_class, str(i), f.summary, f.then, f"{f.trace}{waive}", check)
+                found.add_row(r.cache_class, str(i), f.summary, f.then, check)
+                traces.append(f"{r.cache_class} #{i}: kvspec replay {f.trace} --target {r.target}{waive}")
         console.print(found)
+    for line in traces:  # whole lines: a path is never wrapped inside a cell
+        console.print(line, soft_wrap=True, markup=False)

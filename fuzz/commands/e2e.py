@@ -34,9 +34,11 @@ anything.
    rejected draft rolled back exactly after the wrap (tokens = greedy; each
    main-model call = a run that never had the rolled-back rows, logit
    bytes); mlx-lm's own caches drift there.
-9. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
-   greedy decoding under the same Turbo cache, byte for byte; the
-   log-probabilities' deviation from the fp16 cache is reported per mode.
+9. ``bf16_models``: bfloat16 llama and gemma3 (random weights): tokens and
+   bfloat16 log-probability bytes equal those with mlx-lm's own caches.
+10. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
+    greedy decoding under the same Turbo cache, byte for byte; the
+    log-probabilities' deviation from the fp16 cache is reported per mode.
 
 Random-weight models collapse under greedy decoding (a default-initialised
 2-layer llama repeats one token), so every weight is scaled by
@@ -98,16 +100,16 @@ LONG = Size(tokens=160, window=48, seeds=(0, 1, 2, 3))  # kvspec e2e --long
 
 
 # -- models ----------------------------------------------------------------------
-def _finish(model: Any) -> Any:
+def _finish(model: Any, dtype: mx.Dtype = mx.float16) -> Any:
     model.update(tree_map(lambda p: p * WEIGHT_SCALE, model.parameters()))
-    model.set_dtype(mx.float16)
+    model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 
 
 def tiny_llama(seed: int, *, layers: int = 2, layer_types: list[str] | None = None,
-               sliding_window: int | None = None, late_scale: float = 1.0) -> Any:
-    """A float16 llama (hidden 64, 4 query / 2 kv heads, vocab 256) with
+               sliding_window: int | None = None, late_scale: float = 1.0, dtype: mx.Dtype = mx.float16) -> Any:
+    """A llama (float16 unless ``dtype``) (hidden 64, 4 query / 2 kv heads, vocab 256) with
     random weights from ``mx.random.seed(seed)``. ``layer_types`` /
     ``sliding_window`` make sliding-window layers; ``late_scale`` scales the
     residual writes of layers 1.. (so an early-exit draft can agree)."""
@@ -123,7 +125,7 @@ def tiny_llama(seed: int, *, layers: int = 2, layer_types: list[str] | None = No
     for layer in model.model.layers[1:]:
         layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * late_scale
         layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * late_scale
-    return _finish(model)
+    return _finish(model, dtype)
 
 
 def early_exit_draft(model: Any) -> Any:
@@ -140,8 +142,8 @@ def early_exit_draft(model: Any) -> Any:
     return draft
 
 
-def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3) -> Any:
-    """A float16 gemma3 whose layers ``i % pattern != pattern - 1`` use a
+def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3, dtype: mx.Dtype = mx.float16) -> Any:
+    """A gemma3 (float16 unless ``dtype``) whose layers ``i % pattern != pattern - 1`` use a
     sliding window of ``window`` tokens (mlx-lm gives them a RotatingKVCache)."""
     from mlx_lm.models import gemma3_text
 
@@ -151,7 +153,7 @@ def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3) ->
         num_attention_heads=4, head_dim=16, num_key_value_heads=2, vocab_size=VOCAB, query_pre_attn_scalar=16,
         sliding_window=window, sliding_window_pattern=pattern, max_position_embeddings=4096,
     )
-    return _finish(gemma3_text.Model(args))
+    return _finish(gemma3_text.Model(args), dtype)
 
 
 def _scale_post_norms(layer: Any, scale: float) -> None:
@@ -248,7 +250,7 @@ def greedy(model: Any, caches: list[Any], prompt: mx.array, n: int) -> Stream:
     out = Stream()
     for tok, logprobs in generate_step(prompt, model, max_tokens=n, prompt_cache=caches):
         out.tokens.append(int(tok))
-        out.logprobs.append(np.array(logprobs).tobytes())
+        out.logprobs.append(logprob_bytes(logprobs))
         out.inplace_writes += sum(bool(getattr(c, "last_write_inplace", False)) for c in caches)
     return out
 
@@ -264,7 +266,7 @@ def interleaved(model: Any, runs: dict[str, tuple[list[Any], mx.array]], n: int)
     for steps in zip(*gens.values()):
         for name, (tok, logprobs) in zip(gens, steps):
             out[name].tokens.append(int(tok))
-            out[name].logprobs.append(np.array(logprobs).tobytes())
+            out[name].logprobs.append(logprob_bytes(logprobs))
             out[name].inplace_writes += sum(bool(getattr(c, "last_write_inplace", False)) for c in runs[name][0])
     return out
 
@@ -314,7 +316,7 @@ def speculative(model: Any, draft: Any, caches: list[Any], prompt: mx.array, n: 
         num_draft_tokens=NUM_DRAFT, max_tokens=n, prompt_cache=caches,
     ):
         out.tokens.append(int(tok))
-        out.logprobs.append(np.array(logprobs).tobytes())
+        out.logprobs.append(logprob_bytes(logprobs))
         accepted += bool(from_draft)
     # mlx-lm prefills the draft, then the main model; after that every
     # draft call drafts one token.
@@ -335,12 +337,22 @@ class Tally:
         self.checks.append(text)
 
 
+def logprob_bytes(logprobs: mx.array) -> bytes:
+    """A step's log-probabilities as bytes: float16 as they are; bfloat16
+    (NumPy has none) as the float32 of each value, exact and one-to-one."""
+    if logprobs.dtype == mx.bfloat16:
+        logprobs = logprobs.astype(mx.float32)
+    return np.array(logprobs).tobytes()
+
+
 def _first_diff(a: bytes, b: bytes) -> str:
-    x, y = np.frombuffer(a, dtype=np.float16), np.frombuffer(b, dtype=np.float16)
+    dtype = np.float16 if len(a) == 2 * VOCAB else np.float32
+    x, y = np.frombuffer(a, dtype=dtype), np.frombuffer(b, dtype=dtype)
     if x.shape != y.shape:
         return f"shapes {x.shape} vs {y.shape}"
     d = np.abs(x.astype(np.float32) - y.astype(np.float32))
-    return f"{int((x.view(np.uint16) != y.view(np.uint16)).sum())} of {x.size} entries differ, max |diff| {np.nanmax(d):.3g}"
+    bits = np.uint16 if dtype == np.float16 else np.uint32
+    return f"{int((x.view(bits) != y.view(bits)).sum())} of {x.size} entries differ, max |diff| {np.nanmax(d):.3g}"
 
 
 def min_distinct(n: int) -> int:
@@ -909,6 +921,30 @@ class Scenario:
     run: Callable[..., tuple[Tally, float | None]]
 
 
+def scenario_bf16_models(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """bfloat16 models (a llama, and a gemma3 with sliding-window layers):
+    our caches store and return the model's bfloat16 rows, so tokens and
+    log-probability bytes equal those with mlx-lm's own caches (KVCache;
+    RotatingKVCache for gemma3's windowed layers), in-place writes on and
+    off. A cache that cast rows to float16 decodes different tokens here."""
+    tally = Tally()
+    for seed in size.seeds:
+        models = (("llama", tiny_llama(seed, dtype=mx.bfloat16)),
+                  ("gemma3", tiny_gemma3(seed, size.window, dtype=mx.bfloat16)))
+        for label, model in models:
+            prompt, turn = token_ids(seed, 12), token_ids(seed + 1000, 5)
+            ref_caches = mlx_lm_caches(model)
+            ref = greedy(model, ref_caches, prompt, size.tokens) + greedy(model, ref_caches, turn, size.tokens)
+            for inplace in (True, False):
+                caches = build_caches(model, "fp16", 3, inplace, factories)
+                got = greedy(model, caches, prompt, size.tokens) + greedy(model, caches, turn, size.tokens)
+                compare(f"{label} bf16 seed {seed}, in-place {'on' if inplace else 'off'}", got, ref, tally)
+                dtypes = {str(c.fetch()[0].dtype) for c in caches}
+                require(dtypes == {"mlx.core.bfloat16"}, f"{label} bf16 seed {seed}: cached rows are {dtypes}")
+    tally.note("bf16 llama and gemma3: tokens and log-prob bytes = mlx-lm's caches (in-place on/off)")
+    return tally, None
+
+
 SCENARIOS: list[Scenario] = [
     Scenario("greedy", "1 greedy", scenario_greedy),
     Scenario("speculative", "2 speculative", scenario_speculative),
@@ -918,7 +954,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("lru_prompt_cache", "6 lru_prompt_cache", scenario_lru_prompt_cache),
     Scenario("prefix_sharing", "7 prefix_sharing", scenario_prefix_sharing),
     Scenario("speculative_window", "8 speculative_window", scenario_speculative_window),
-    Scenario("turbo", "9 turbo", scenario_turbo),
+    Scenario("bf16_models", "9 bf16_models", scenario_bf16_models),
+    Scenario("turbo", "10 turbo", scenario_turbo),
 ]
 
 
@@ -964,8 +1001,16 @@ def run_scenario(name: str, size: Size = SHORT, factories: Factories = None, **k
                           acceptance, time.perf_counter() - start, detail)
 
 
-def run_all(size: Size = SHORT, factories: Factories = None, names: list[str] | None = None) -> list[ScenarioResult]:
-    return [run_scenario(s.name, size, factories) for s in SCENARIOS if names is None or s.name in names]
+def run_all(size: Size = SHORT, factories: Factories = None, names: list[str] | None = None,
+            progress: Callable[[ScenarioResult], None] | None = None) -> list[ScenarioResult]:
+    """Run the scenarios (``names``: only these); ``progress(result)`` after each."""
+    out = []
+    for s in SCENARIOS:
+        if names is None or s.name in names:
+            out.append(run_scenario(s.name, size, factories))
+            if progress is not None:
+                progress(out[-1])
+    return out
 
 
 __all__ = [
@@ -995,7 +1040,13 @@ def main(long: bool = False, as_json: bool = False, bug: str | None = None, only
         by_name(name)
     start = time.perf_counter()
     size = LONG if long else DEFAULT
-    results = run_all(size, factories, only or None)
+    import sys
+
+    print(f"kvspec e2e: {'long' if long else 'default'} size, seeds {list(size.seeds)}"
+          + (f", bug {bug}" if bug else ""), file=sys.stderr, flush=True)
+    results = run_all(size, factories, only or None,
+                      lambda r: print(f"e2e: {r.name}: {'ok' if r.ok else 'DIVERGED'} ({r.seconds:.1f} s)",
+                                      file=sys.stderr, flush=True))
     total = time.perf_counter() - start
     ok = all(r.ok for r in results)
     if as_json:

@@ -5,7 +5,8 @@
 2. a fixed-seed fuzz campaign per implemented kind/mode and in-place setting
    finds no divergence;
 3. every injected bug of the catalog is caught, and its minimal trace
-   replays clean on the real implementation (no false alarm);
+   replays clean on the real implementation (when it does not, the
+   implementation diverges from the spec at the op named);
 4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``), except
    with ``--quick`` (``make test`` runs their short form);
 5. the proofs and the CrossHair contracts (``kvspec prove --crosshair``),
@@ -15,11 +16,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -39,10 +42,14 @@ class Check:
     ok: bool
     detail: str
     seconds: float
+    #: a kvtrace that reproduces what the check found (printed below the
+    #: table, whole: a path is never wrapped inside a cell)
+    trace: str | None = None
 
 
 def check_traces() -> list[Check]:
     from fuzz.bugs import catalog
+    from fuzz.campaign import clean_replay_failure
     from fuzz.replay import replay
     from fuzz.trace import TraceFormatError, load
 
@@ -53,7 +60,8 @@ def check_traces() -> list[Check]:
         try:
             trace = load(path)
             result = replay(trace)
-            ok, detail = result.ok, f"{result.ops_run} ops agree" if result.ok else str(result.divergence).splitlines()[0]
+            ok = result.ok
+            detail = f"{result.ops_run} ops agree" if ok else clean_replay_failure(path, result.divergence)
             bug = bugs.get(path.stem)
             if ok and bug is not None:
                 on_bug = replay(trace, bug.factories)
@@ -67,15 +75,18 @@ def check_traces() -> list[Check]:
     return out
 
 
-def check_campaigns(budget: float, require_reach: bool = True) -> list[Check]:
-    """One fixed-seed campaign per registry campaign: no divergence, and
-    (``require_reach``; off for ``--quick``, whose budget is too short to
-    promise it) every event of the kind's ``must_reach`` reached."""
+def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, require_reach: bool = True) -> list[Check]:
+    """One fixed-seed campaign per registry campaign (``only``: just that
+    ``(kind, mode, inplace)``): no divergence, and (``require_reach``; off
+    for ``--quick``, whose budget is too short to promise it) every event of
+    the kind's ``must_reach`` reached."""
     from fuzz.campaign import campaign, save_failure
 
     out = []
     for kind in kinds.KINDS.values():
         for mode, inplace in kind.campaigns:
+            if only is not None and only != (kind.kind, mode, inplace):
+                continue
             rep = campaign(kind.kind, mode, inplace, budget, CAMPAIGN_SEED)
             ops = rep.stats.get("ops", 0)
             missed = [label for label in kind.must_reach if not rep.stats.get(label)]
@@ -88,37 +99,36 @@ def check_campaigns(budget: float, require_reach: bool = True) -> list[Check]:
                 out.append(Check(f"fuzz {rep.config}", not (missed and require_reach), detail, rep.seconds))
             else:
                 detail = str(rep.failure.error).splitlines()[0]
+                path = None
                 if rep.failure.trace is not None:
-                    path = save_failure(rep.failure.trace, "fuzz-failures", rep.config.replace("/", "-"))
-                    detail += f" (kvspec replay {path})"
-                out.append(Check(f"fuzz {rep.config}", False, detail, rep.seconds))
+                    path = str(save_failure(rep.failure.trace, "fuzz-failures", rep.config.replace("/", "-")))
+                out.append(Check(f"fuzz {rep.config}", False, detail, rep.seconds, path))
     return out
 
 
-def check_bugs(out: str, seeds: int) -> list[Check]:
-    """The injected-bug catalog (and each entry's variants) from ``seeds``
-    fixed seeds: every entry must be caught in every seed, and its minimal
-    trace must pass on the real implementation."""
+def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Check]:
+    """The injected-bug catalog (and each entry's variants; ``names``: only
+    these entries) from ``seeds`` fixed seeds: every entry must be caught in
+    every seed, and its minimal trace must pass on the real implementation."""
     from fuzz.commands.mutants import run_mutants
 
     checks = []
-    for rep in run_mutants(seeds, out=str(Path(out) / "mutants")):
+    for rep in run_mutants(seeds, out=str(Path(out) / "mutants"), names=names):
         j = rep.to_json()
         if rep.caught:
-            detail = (f"caught in {seeds}/{seeds} seeds, examples med {j['median_examples']} worst "
-                      f"{j['worst_examples']}, trace {rep.trace}")
+            detail = f"caught in {seeds}/{seeds} seeds, examples med {j['median_examples']} worst {j['worst_examples']}"
         else:
             detail = "; ".join(rep.problems)
-        checks.append(Check(f"bug {rep.name}", rep.caught, detail, sum(rep.seconds)))
+        checks.append(Check(f"bug {rep.name}", rep.caught, detail, sum(rep.seconds), rep.trace))
     return checks
 
 
-def check_e2e() -> list[Check]:
+def check_e2e(names: list[str] | None = None) -> list[Check]:
     """The real-decoding scenarios (fuzz/commands/e2e.py) at their default size."""
     from fuzz.commands.e2e import DEFAULT, run_all
 
     checks = []
-    for r in run_all(DEFAULT):
+    for r in run_all(DEFAULT, names=names):
         extra = f", acceptance {r.acceptance:.0%}" if r.acceptance is not None else ""
         detail = f"{r.tokens} tokens, {r.distinct} distinct{extra}" if r.ok else r.detail
         checks.append(Check(f"e2e {r.name}", r.ok, detail, r.seconds))
@@ -134,13 +144,30 @@ def _crosshair_text(ch: dict) -> str:
     return ", ".join(parts) or json.dumps(ch)[:200]
 
 
-def check_proofs() -> list[Check]:
+def check_crosshair() -> list[Check]:
+    """CrossHair on the spec's contracts (``python -m proofs.crosshair_run``)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "proofs.crosshair_run", "--json"],
+                          check=False, capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - start
+    try:
+        ch = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return [Check("crosshair spec/ contracts", False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", seconds)]
+    return [Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", seconds)))]
+
+
+def check_proofs(crosshair: bool = True) -> list[Check]:
+    """The Z3 obligations (``kvspec prove --json``), in a subprocess; with
+    ``crosshair`` also the CrossHair contracts (:func:`check_crosshair`
+    runs them alone, so ``verify -j`` can run both at once)."""
     start = time.perf_counter()
     try:
         import proofs.cli  # noqa: F401
     except ImportError:
         return [Check("proofs", False, "proofs package missing", 0.0)]
-    proc = subprocess.run([sys.executable, "-c", "import sys; from proofs.cli import main; sys.exit(main(['--json', '--crosshair']))"],
+    flags = "['--json', '--crosshair']" if crosshair else "['--json']"
+    proc = subprocess.run([sys.executable, "-c", f"import sys; from proofs.cli import main; sys.exit(main({flags}))"],
                           check=False, capture_output=True, text=True, cwd=REPO)
     seconds = time.perf_counter() - start
     try:
@@ -179,31 +206,184 @@ def check_equivalents() -> list[Check]:
     return checks
 
 
-def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False) -> int:
-    start = time.perf_counter()
-    checks = check_traces()
-    checks += check_campaigns(4.0 if quick else 25.0, require_reach=not quick)
-    checks += check_bugs(out, 1 if quick else 5)
+# -- the plan: independent jobs, run inline or in a process pool ---------------------
+@dataclass(frozen=True)
+class Job:
+    """One independent unit of ``kvspec verify``: ``func(*args)`` returns
+    its checks. ``weight`` (expected seconds) orders the pool's queue,
+    longest first; the table keeps the plan's order whatever finishes first."""
+
+    label: str
+    func: str
+    args: tuple = ()
+    weight: float = 1.0
+
+
+def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False) -> list[Job]:
+    """Every job of a verify run, in table order."""
+    from fuzz.bugs import catalog
+
+    budget, seeds = (4.0, 1) if quick else (25.0, 5)
+    jobs = [Job("traces", "check_traces", (), 20.0)]
+    for kind in kinds.KINDS.values():
+        for mode, inplace in kind.campaigns:
+            label = f"fuzz {kind.kind}/{mode}/{'inplace' if inplace else 'copy'}"
+            jobs.append(Job(label, "check_campaigns", (budget, (kind.kind, mode, inplace), not quick), budget + 3))
+    for bug in catalog():
+        jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), 4.0 * seeds * (1 + len(bug.variants))))
     if not quick:
-        checks += check_e2e()
+        from fuzz.commands.e2e import SCENARIOS
+
+        jobs += [Job(f"e2e {s.name}", "check_e2e", ([s.name],), 15.0) for s in SCENARIOS]
     if not skip_proofs:
-        checks += check_proofs()
-        checks += check_equivalents()
+        jobs.append(Job("proofs", "check_proofs", (False,), 35.0))
+        jobs.append(Job("crosshair", "check_crosshair", (), 70.0))
+        jobs.append(Job("equivalent mutants", "check_equivalents", (), 5.0))
+    return jobs
+
+
+def run_job(job: Job) -> list[Check]:
+    """Run one job (in a pool worker or inline). A crash is a failed check."""
+    start = time.perf_counter()
+    try:
+        return globals()[job.func](*job.args)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check
+        return [Check(job.label, False, f"crashed: {type(exc).__name__}: {exc}", time.perf_counter() - start)]
+
+
+def default_jobs() -> int:
+    """Every core this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+class Progress:
+    """One line per finished job on stderr: a live rich bar on a terminal,
+    plain ``[done/total] label: ok (seconds)`` lines otherwise."""
+
+    def __init__(self, total: int, stream: Any = None, quiet: bool = False):
+        self.total, self.done, self.quiet = total, 0, quiet
+        self.stream = stream or sys.stderr
+        self.console = Console(file=self.stream, highlight=False)
+        self.bar: Any = None
+        if not quiet and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                    TextColumn("{task.description}"), console=self.console, transient=True)
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text, markup=False)
+
+    def finished(self, job: Job, checks: list[Check], seconds: float) -> None:
+        """``seconds``: since the run started."""
+        self.done += 1
+        bad = [c.name for c in checks if not c.ok]
+        verdict = "ok" if not bad else f"FAILED: {', '.join(bad)}"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=f"{job.label}: {verdict}")
+            if bad:
+                self.bar.console.print(f"{job.label}: {verdict}", markup=False)
+        else:
+            spent = sum(c.seconds for c in checks)
+            self.say(f"[{self.done}/{self.total}] {job.label}: {verdict} ({spent:.1f} s; {seconds:.0f} s elapsed)")
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, list[Check]]:
+    """Run ``jobs`` on ``workers`` processes (a forkserver pool: MLX hangs in
+    a plain forked child; 1 runs them inline). Returns index -> checks for
+    every job that finished; KeyboardInterrupt propagates with the partial
+    results attached as ``exc.partial``."""
+    results: dict[int, list[Check]] = {}
+    try:
+        start = time.perf_counter()
+        if workers <= 1:
+            for i, job in enumerate(jobs):
+                results[i] = run_job(job)
+                progress.finished(job, results[i], time.perf_counter() - start)
+            return results
+        import multiprocessing
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        ctx = multiprocessing.get_context("forkserver")
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].weight)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            started = {pool.submit(run_job, jobs[i]): i for i in order}
+            pending = set(started)
+            try:
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        i = started[fut]
+                        results[i] = fut.result()
+                        progress.finished(jobs[i], results[i], time.perf_counter() - start)
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
+                raise
+        return results
+    except KeyboardInterrupt as exc:
+        exc.partial = results  # type: ignore[attr-defined]
+        raise
+
+
+def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False,
+               jobs: int | None = None, width: int | None = None) -> int:
+    """Exit 0 when every check passes, 1 when one fails, 130 when
+    interrupted (Ctrl-C: the checks finished so far are printed)."""
+    start = time.perf_counter()
+    workers = default_jobs() if jobs is None else jobs
+    the_plan = plan(quick, out, skip_proofs)
+    progress = Progress(len(the_plan), quiet=False)
+    progress.say(f"kvspec verify{' --quick' if quick else ''}: {len(the_plan)} jobs on {workers} "
+                 f"process{'es' if workers > 1 else ''}; campaign seed {CAMPAIGN_SEED}, bug seeds "
+                 f"1..{1 if quick else 5}")
+    interrupted = False
+    try:
+        results = run_jobs(the_plan, workers, progress)
+    except KeyboardInterrupt as exc:
+        results, interrupted = getattr(exc, "partial", {}), True
+    finally:
+        progress.stop()
+    checks = [c for i in range(len(the_plan)) if i in results for c in results[i]]
+    missing = [the_plan[i].label for i in range(len(the_plan)) if i not in results]
     total = time.perf_counter() - start
-    ok = all(c.ok for c in checks)
+    ok = all(c.ok for c in checks) and not missing
     if as_json:
-        print(json.dumps({"ok": ok, "seconds": round(total, 1),
-                          "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2)} for c in checks]}))
+        print(json.dumps({"ok": ok, "seconds": round(total, 1), "jobs": workers, "interrupted": interrupted,
+                          "not_run": missing,
+                          "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2),
+                                      "trace": c.trace} for c in checks]}))
     else:
         table = Table(title="kvspec verify" + (" (quick)" if quick else ""))
-        table.add_column("check")
-        table.add_column("result")
-        table.add_column("time", justify="right")
-        table.add_column("detail", overflow="fold")
+        table.add_column("check", overflow="fold")
+        table.add_column("result", no_wrap=True)
+        table.add_column("time", justify="right", no_wrap=True)
+        table.add_column("detail", overflow="fold", ratio=1)
         for c in checks:
             table.add_row(escape(c.name), "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", f"{c.seconds:.1f}s", escape(c.detail))
-        console = Console(highlight=False, width=160)
+        console = Console(highlight=False, width=width)
         console.print(table)
         failed = [c.name for c in checks if not c.ok]
-        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s")
+        for c in checks:
+            if c.trace and not c.ok:
+                console.print(f"{escape(c.name)}: kvspec replay {escape(c.trace)}", soft_wrap=True)
+        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes)")
+        if interrupted:
+            console.print(f"[bold yellow]interrupted[/]: {len(missing)} of {len(the_plan)} jobs did not run: "
+                          f"{escape(', '.join(missing))}\n  rerun: kvspec verify{' --quick' if quick else ''}")
+    if interrupted:
+        return 130
     return 0 if ok else 1

@@ -1,0 +1,59 @@
+"""Injected bugs of the prompt cache as a list of layers (``impl.layers``'
+list-level operations, driven by ``fuzz.layers.ListOps``).
+
+See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fuzz.bugs import InjectedBug
+from fuzz.layers import ListOps
+
+
+class TrimsLayersThenRefuses(ListOps):
+    """The list trim walks the layers in order and trims each one that can
+    trim, then returns 0 when a later layer (a wrapped ring) cannot: the
+    dense layers are trimmed, the ring is not, and the caller is told that
+    nothing happened."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        if n <= 0:
+            return 0
+        count = min(n, *(c.live_len if hasattr(c, "live_len") else c.offset for c in caches))
+        for c in caches:
+            if not c.is_trimmable():
+                return 0
+            c.trim(count)
+        return count
+
+
+class TrimCountFromOffset(ListOps):
+    """The count every layer trims is taken from the offsets, not from the
+    rows each layer can give back: after a dense layer's front trim the
+    count exceeds its live rows, the rings trim it, the dense layer trims
+    fewer (and the protocol check raises with some layers already trimmed)."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        if n <= 0 or not all(c.is_trimmable() for c in caches):
+            return 0
+        count = min(n, *(c.offset for c in caches))
+        trimmed = [c.trim(count) for c in caches]
+        return trimmed[0]
+
+
+BUGS: tuple[InjectedBug, ...] = (
+    InjectedBug(
+        "list_trim_partial", "semantics.md 6, list trim is atomic (every layer trims the same count or none)",
+        "public bug class: a rollback that silently trims some layers only", "layers", ("fp16",),
+        "impl.layers.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
+        {"layers": {"layers": TrimsLayersThenRefuses}},
+    ),
+    InjectedBug(
+        "list_trim_count_from_offset", "semantics.md 6, the count comes from each layer's trimmable rows",
+        "dense front trim with sinks (live_start > 0) inside a mixed list", "layers", ("fp16",),
+        "impl.layers.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
+        {"layers": {"layers": TrimCountFromOffset}},
+    ),
+)

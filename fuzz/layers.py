@@ -1,0 +1,467 @@
+"""Lockstep and state machine for a prompt cache: a list of layers (kind
+``layers``, semantics.md 6, ``spec.layers``).
+
+A trace's cache is ``{"kind": "layers", "layers": [{"kind": "dense", ...},
+{"kind": "rotating", "max_size": 4, ...}], ...}``; the shape fields (batch,
+kv heads, head dims, dtype) and ``inplace`` are the list's, shared by every
+layer, as in a model. Its ops are list-level: ``append`` (every layer, as a
+forward pass does), ``trim`` (atomic, ``impl.impl_layers.trim_prompt_cache``),
+``can_trim``, ``snapshot`` / ``restore`` / ``drop`` of the whole list,
+``hold`` / ``release_hold``, ``fetch``, and ``layer`` (one layer's front
+trim or fetch).
+
+After every op the harness compares every layer as the per-kind harnesses
+do (window bytes, holders, offset, capacity, cursor, in-place decisions, the
+masks before each append) plus the list's own rule: ``can_trim`` and the
+count every trim returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
+
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.machine import APPEND_N, KVMachine
+from fuzz.masks import check_dense_masks, check_ring_masks
+from fuzz.quant_ref import int8_oracle
+from fuzz.trace import TraceFormatError
+from impl import layers as impl_layers
+from impl.dense import KVCache, data_pointer
+from impl.rotating import RotatingKVCache
+from spec import dense as sd
+from spec import layers as sl
+from spec import rotating as sr
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+
+class ListOps:
+    """The list-level operations under test (``impl.layers``). The bug
+    catalog passes a subclass that breaks one of them."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        return impl_layers.trim_prompt_cache(caches, n)
+
+    def can_trim(self, caches: list[Any]) -> bool:
+        return impl_layers.can_trim_prompt_cache(caches)
+
+    def snapshot(self, caches: list[Any]) -> list[Any]:
+        return impl_layers.snapshot_prompt_cache(caches)
+
+    def restore(self, caches: list[Any], snapshots: list[Any]) -> None:
+        impl_layers.restore_prompt_cache(caches, snapshots)
+
+
+def spec_pattern(layers: list[dict[str, Any]], mode: str = "fp16", step: int = 256) -> tuple[sl.Layer, ...]:
+    """A trace's ``layers`` list as spec layer descriptions; a layer without
+    ``mode`` / ``step`` takes the list's."""
+    out: list[sl.Layer] = []
+    for layer in layers:
+        if layer["kind"] == "dense":
+            out.append(sl.DenseLayer(layer.get("mode", mode), layer.get("step", step)))
+        else:
+            out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", step),
+                                    layer.get("undo", 0)))
+    return tuple(out)
+
+
+class LayersLockstep(Lockstep):
+    """Drives a spec ``LayersWorld`` and a list of implementation caches.
+
+    ``factories``: ``"dense"`` / ``"rotating"`` classes for the layers (so
+    every per-kind injected bug also runs inside a list) and ``"layers"``, a
+    :class:`ListOps` (sub)class for the list-level operations."""
+
+    spec_module = sl
+
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        for j, layer in enumerate(cache["layers"]):
+            if layer["kind"] == "rotating" and layer.get("keep", 0) >= layer["max_size"]:
+                raise TraceFormatError(
+                    f"field cache.layers.{j}.keep: must be < max_size ({layer['max_size']}), got {layer.get('keep', 0)}"
+                )
+
+    def __init__(self, cache: dict[str, Any], factories: dict[str, Any] | None = None):
+        super().__init__(cache)
+        factories = factories or {}
+        self.pattern = spec_pattern(cache["layers"], cache["mode"], cache["step"])
+        self.world = sl.new_world(self.pattern, self.spec_inplace())
+        self.prev_world = self.world
+        dense_cls = factories.get("dense", KVCache)
+        ring_cls = factories.get("rotating", RotatingKVCache)
+        self.caches: list[Any] = [
+            self.build(dense_cls, mode=p.mode, step=p.step) if isinstance(p, sl.DenseLayer)
+            else self.build(ring_cls, max_size=p.max_size, keep=p.keep, step=p.step,
+                            **({"undo": p.undo} if p.undo else {}))
+            for p in self.pattern
+        ]
+        self.list_ops: ListOps = factories.get("layers", ListOps)()
+        self.pointers_before: list[int | None] = []
+
+    def wide_rows(self) -> bool:
+        return all(self.layer_mode(j) == "fp16" for j in range(len(self.pattern)))
+
+    def stored_form(self, x: Any, mode: str = "fp16") -> Any:
+        return int8_oracle(x) if mode == "int8" else x
+
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        self.current_index = index
+        super().step(index, op)
+
+    def impl_caches(self) -> list[Any]:
+        return list(self.caches)
+
+    @property
+    def cache(self) -> Any:
+        """Layer 0 (the base class reads ``self.cache`` in a few places)."""
+        return self.caches[0]
+
+    def layer_mode(self, j: int) -> str:
+        p = self.pattern[j]
+        return p.mode if isinstance(p, sl.DenseLayer) else "fp16"
+
+    # -- implementation side ---------------------------------------------------
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        name = op["op"]
+        if name == "append":
+            self.before_append(op)
+            start = self.world.layers[0].next_token
+            tokens = list(range(start, start + op["n"]))
+            # each layer gets its own arrays, as in a model (a ring may keep
+            # a prefill's input as its buffer)
+            self.returned = tuple(c.update_and_fetch(*self.input_rows(tokens)) for c in self.caches)
+            return self.returned
+        if name == "fetch":
+            return tuple(c.fetch() for c in self.caches)
+        if name == "hold":
+            if self.returned is None:
+                raise StateError("hold: no append has returned a window yet")
+            self.held = self.returned
+            return None
+        if name == "release_hold":
+            self.held = None
+            return None
+        if name == "trim":
+            return self.list_ops.trim(self.caches, op["n"])
+        if name == "can_trim":
+            return self.list_ops.can_trim(self.caches)
+        if name == "snapshot":
+            if op["name"] in self.holders:
+                raise StateError(f"snapshot: name {op['name']!r} is already in use")
+            self.holders[op["name"]] = self.list_ops.snapshot(self.caches)
+            return None
+        if name in ("restore", "drop"):
+            snaps = self.holders.get(op["name"])
+            if snaps is None:
+                raise StateError(f"{name}: no snapshot or handle named {op['name']!r}")
+            if name == "restore":
+                self.list_ops.restore(self.caches, snaps)
+            else:
+                del self.holders[op["name"]]
+            return None
+        if name == "layer":
+            return self._layer_op(op["index"], op["do"])
+        raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
+
+    def _layer_op(self, index: Any, inner: dict[str, Any]) -> Any:
+        n_layers = len(self.caches)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_layers:
+            raise InvalidArgumentError(f"layer: index must satisfy 0 <= index < {n_layers}, got {index!r}")
+        if inner.get("op") not in sl.LAYER_OPS:
+            raise InvalidArgumentError(f"layer: op must be one of {sl.LAYER_OPS}, got {inner.get('op')!r}")
+        c = self.caches[index]
+        if inner["op"] == "fetch":
+            return c.fetch()
+        if not isinstance(c, KVCache):
+            raise UnsupportedOperationError(f"trim_front: not an operation of the rotating cache (layer {index})")
+        return c.trim_front_keep_sink(inner["n"], inner.get("keep", 0))
+
+    # -- checks -------------------------------------------------------------------
+    def before_append(self, op: dict[str, Any]) -> None:
+        """Every layer's ``make_mask`` against its kind's rule, before the
+        append (as a model calls it); each layer's data pointer."""
+        for j, (w, c) in enumerate(zip(self.world.layers, self.caches)):
+            if isinstance(w, sd.DenseWorld):
+                check_dense_masks(self, op, w.cache.live_len, c, f"layer {j}: ")
+            else:
+                check_ring_masks(self, op, w.cache, c, True, f"layer {j}: ")
+        self.pointers_before = [self._pointer(c) for c in self.caches]
+
+    @staticmethod
+    def _pointer(c: Any) -> int | None:
+        """Data pointer of a cache's or snapshot's keys buffer (None: none)."""
+        if hasattr(c, "buffers"):
+            return None if c.buffers is None else data_pointer(c.buffers.keys)
+        return None if getattr(c, "keys", None) is None else data_pointer(c.keys)
+
+    def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        if op["op"] == "append":
+            for j, (s_res, i_win) in enumerate(zip(s, i)):
+                if not self.window_matches(s_res.window, i_win, self.layer_mode(j)):
+                    raise Divergence(index, op, f"layer {j}: returned window differs", list(s_res.window),
+                                     self.identify(i_win, self.layer_mode(j)))
+            s_inplace = [r.inplace for r in s]
+            i_inplace = [c.last_write_inplace for c in self.caches]
+            if self.check_inplace and s_inplace != i_inplace:
+                raise Divergence(index, op, "in-place decisions differ", f"inplace={s_inplace}", f"inplace={i_inplace}")
+            if self.check_sharing:
+                for j, (inplace, before, c) in enumerate(zip(s_inplace, self.pointers_before, self.caches)):
+                    if inplace and before is not None and self._pointer(c) != before:
+                        raise Divergence(index, op, f"layer {j}: an in-place write moved the cache's memory",
+                                         "same memory (in place)", f"data pointer {before:#x} -> {self._pointer(c):#x}")
+            self.reached("list appends")
+        elif op["op"] in ("fetch", "layer") and (op["op"] == "fetch" or op["do"]["op"] == "fetch"):
+            return
+        elif s != i:
+            raise Divergence(index, op, "return value differs", s, i)
+        elif op["op"] == "trim":
+            self._count_trim(s)
+
+    def _count_trim(self, count: int) -> None:
+        before = self.prev_world
+        rings = [w.cache for w in before.layers if isinstance(w, sr.RotatingWorld)]
+        dense_layers = [w.cache for w in before.layers if isinstance(w, sd.DenseWorld)]
+        if count == 0 and any(not sr.is_trimmable(c) for c in rings) and any(c.live_len for c in dense_layers):
+            self.reached("list trim refused by a wrapped ring")
+        if count > 0 and any(c.live_start > 0 for c in dense_layers):
+            self.reached("list trim after a front trim")
+        if count > 0 and rings and dense_layers:
+            self.reached("mixed list trims")
+
+    def spec_observables(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"can_trim": sl.can_trim_prompt_cache(sl.caches_of(self.world))}
+        for j, w in enumerate(self.world.layers):
+            c = w.cache
+            if isinstance(w, sd.DenseWorld):
+                obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
+            else:
+                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c),
+                       "trimmable_rows": sr.trimmable_rows(c)}
+            out.update({f"layer {j} {k}": v for k, v in obs.items()})
+        return out
+
+    def impl_observables(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"can_trim": impl_layers.can_trim_prompt_cache(self.caches)}
+        for j, c in enumerate(self.caches):
+            if isinstance(c, KVCache):
+                obs = {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
+            else:
+                obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable(),
+                       "trimmable_rows": c.trimmable_rows()}
+            out.update({f"layer {j} {k}": v for k, v in obs.items()})
+        return out
+
+    def spec_views(self) -> dict[str, tuple[int, ...]]:
+        views: dict[str, tuple[int, ...]] = {}
+        for j, w in enumerate(self.world.layers):
+            views[f"layer {j}"] = w.cache.window()
+            for name, holder in w.holders.items():
+                views[f"holder:{name}:layer {j}"] = holder.window()
+            if w.held is not None:
+                views[f"held:layer {j}"] = w.held.window() if isinstance(w, sd.DenseWorld) else w.held
+        return views
+
+    def impl_views(self) -> dict[str, Any]:
+        views: dict[str, Any] = {}
+        for j, c in enumerate(self.caches):
+            views[f"layer {j}"] = c.fetch()
+            for name, snaps in self.holders.items():
+                views[f"holder:{name}:layer {j}"] = snaps[j].fetch()
+            if self.held is not None:
+                views[f"held:layer {j}"] = self.held[j]
+        return views
+
+    def view_mode(self, name: str) -> str | None:
+        return self.layer_mode(int(name.rsplit(" ", 1)[1]))
+
+    def view_label(self, name: str) -> str:
+        if name.startswith("layer "):
+            return f"{name}: live window differs"
+        return f"view of {name} changed (isolation)"
+
+    def check_expect(self, index: int, op: dict[str, Any]) -> None:
+        """``expect`` of one layer (``layer``, default 0), of the live list or
+        of a list snapshot (``of``)."""
+        j = op.get("layer", 0)
+        name = op.get("of")
+        key = f"layer {j}" if name is None else f"holder:{name}:layer {j}"
+        s_views, i_views = self.spec_views(), self.impl_views()
+        if key not in s_views:
+            names = sorted({k.split(":")[1] for k in s_views if k.startswith("holder:")})
+            raise Divergence(index, op, f"expect: no layer {j} or snapshot named {name!r}",
+                             f"holders are {names}", f"holders are {names}")
+        want, have = list(op["window"]), list(s_views[key])
+        if (sorted(want) != sorted(have)) if op.get("order") == "set" else want != have:
+            raise Divergence(index, op, "trace's 'expect' fails on the spec", have, want, ("spec says", "trace expects"))
+        mode = self.layer_mode(j)
+        if not self.window_matches(tuple(have), i_views.get(key), mode):
+            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want,
+                             self.identify(i_views.get(key), mode), ("trace expects", "impl did"))
+
+    def check_op_checks(self, index: int, op: dict[str, Any], spec_out: Any) -> None:
+        """A list op's own checks: ``returns`` (an append: every layer's
+        window, a list of lists), ``inplace`` (an append: every layer's
+        decision equals it); ``capacity`` is a per-cache check, refused."""
+        if "capacity" in op:
+            raise TraceFormatError(f"op {index} field 'capacity': a list of layers has one capacity per layer; "
+                                   "check it per layer with expect or a per-kind trace")
+        if spec_out.error is not None or op["op"] != "append":
+            super().check_op_checks(index, op, spec_out)
+            return
+        if "returns" in op:
+            got = [list(r.window) for r in spec_out.result]
+            if got != op["returns"]:
+                raise Divergence(index, op, "trace's 'returns' check fails", got, op["returns"],
+                                 ("spec says", "trace expects"))
+        if "inplace" in op:
+            got = [r.inplace for r in spec_out.result]
+            if any(g != op["inplace"] for g in got):
+                raise Divergence(index, op, "trace's 'inplace' check fails", f"inplace={got}",
+                                 f"inplace={op['inplace']} in every layer", ("spec says", "trace expects"))
+
+    def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
+        if op["op"] in ("trim", "can_trim"):
+            return {"returns": result}
+        return {}
+
+    def expect_ops(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for key, window in self.spec_views().items():
+            if key.startswith("held:"):
+                continue
+            layer = int(key.rsplit(" ", 1)[1])
+            op: dict[str, Any] = {"op": "expect", "window": list(window), "layer": layer}
+            if key.startswith("holder:"):
+                op["of"] = key.split(":")[1]
+            out.append(op)
+        return out
+
+    # -- memory sharing -----------------------------------------------------------
+    def written_pairs(self, names: list[str]) -> list[tuple[str, str]]:
+        return [(f"layer {j}", n) for j in range(len(self.caches)) if f"layer {j}" in names
+                for n in names if n.startswith("holder:") and n.endswith(f":layer {j}")]
+
+    def shared_by(self, op: dict[str, Any]) -> list[tuple[str, str]]:
+        if op["op"] in ("snapshot", "restore"):
+            return [(f"layer {j}", f"holder:{op['name']}:layer {j}") for j in range(len(self.caches))]
+        return []
+
+    def spec_buffers(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for j, w in enumerate(self.world.layers):
+            if isinstance(w, sd.DenseWorld):
+                out[f"layer {j}"] = None if w.cache.buffer is None else ("d", j, w.cache.buffer.ident)
+                for name, holder in w.holders.items():
+                    out[f"holder:{name}:layer {j}"] = None if holder.buffer is None else ("d", j, holder.buffer.ident)
+            else:
+                out[f"layer {j}"] = ("r", j, w.cache.ident) if w.cache.slots else None
+                for name, holder in w.holders.items():
+                    out[f"holder:{name}:layer {j}"] = ("r", j, holder.cache.ident) if holder.cache.slots else None
+        return out
+
+    def impl_pointers(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for j, c in enumerate(self.caches):
+            out[f"layer {j}"] = self._pointer(c)
+            for name, snaps in self.holders.items():
+                out[f"holder:{name}:layer {j}"] = self._pointer(snaps[j])
+        return out
+
+
+def dense_layer(step: int) -> dict[str, Any]:
+    """A dense layer in the list's mode."""
+    return {"kind": "dense", "step": step}
+
+
+def ring_layer(max_size: int, keep: int, step: int, undo: int = 0) -> dict[str, Any]:
+    """A ring layer; ``undo`` only when it has an undo log."""
+    return {"kind": "rotating", "max_size": max_size, "keep": keep, "step": step, **({"undo": undo} if undo else {})}
+
+
+@st.composite
+def layer_patterns(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Layer patterns engines build: all dense (1 to 3 layers); dense plus
+    rings of different windows (gemma-style, every ring its own W); rings
+    with sinks; rings with an undo log of 1 to 3 rows (exact rollback after
+    a wrap within its depth) or none. The first layer is dense (front trims
+    address it)."""
+    step = st.integers(1, 8)
+    shape = draw(st.sampled_from(["all dense", "dense + rings", "dense + rings", "dense + sink rings"]))
+    layers = [dense_layer(draw(step))]
+    if shape == "all dense":
+        layers += [dense_layer(draw(step)) for _ in range(draw(st.integers(0, 2)))]
+        return layers
+    windows = draw(st.lists(st.integers(2, 8), min_size=1, max_size=3, unique=True))
+    for w in windows:
+        keep = draw(st.integers(1, min(2, w - 1))) if shape == "dense + sink rings" else draw(st.integers(0, min(2, w - 1)))
+        undo = draw(st.sampled_from([0, 0, 1, 2, 3]))
+        layers.append(ring_layer(w, keep, draw(step), undo))
+    if draw(st.booleans()):
+        layers.append(dense_layer(draw(step)))
+    return layers
+
+
+class LayersMachine(KVMachine):
+    """List-level ops over mixed layer patterns: appends, atomic trims
+    (after a wrap, after a front trim of a dense layer), list snapshots
+    and restores, held windows."""
+
+    kind = "layers"
+
+    @initialize(layers=layer_patterns(), data=st.data())
+    def init(self, layers: list[dict[str, Any]], data: st.DataObject) -> None:
+        self.setup(layers=layers, **self.draw_shape(data))
+
+    @property
+    def offset(self) -> int:
+        return self.lock.world.layers[0].cache.offset
+
+    @rule(n=APPEND_N)
+    def append(self, n: int) -> None:
+        self.do({"op": "append", "n": n})
+
+    @rule()
+    def decode(self) -> None:
+        self.do({"op": "append", "n": 1})
+
+    @rule()
+    def decode_again(self) -> None:
+        """Rings need W decode steps to wrap."""
+        self.do({"op": "append", "n": 1})
+
+    @rule(n=st.integers(-1, 9))
+    def trim(self, n: int) -> None:
+        self.do({"op": "trim", "n": n})
+
+    @rule(data=st.data())
+    def misuse_name(self, data: st.DataObject) -> None:
+        """A list snapshot's name used wrongly: unknown, or already in use."""
+        names = sorted(self.lock.world.names) + ["nope"]
+        name = data.draw(st.sampled_from(names), label="name")
+        op = data.draw(st.sampled_from(self.named_ops), label="op")
+        self.do({"op": op, "name": name})
+
+    @rule()
+    def can_trim(self) -> None:
+        self.do({"op": "can_trim"})
+
+    @rule()
+    def hold(self) -> None:
+        if self.lock.world.layers[0].returned is not None:
+            self.do({"op": "hold"})
+
+    @rule(data=st.data())
+    def trim_to(self, data: st.DataObject) -> None:
+        """No list-level trim_to: a front trim of a dense layer instead."""
+        dense_at = [j for j, layer in enumerate(self.cfg["layers"]) if layer["kind"] == "dense"]
+        index = data.draw(st.sampled_from(dense_at), label="index")
+        n = data.draw(st.integers(0, 4), label="n")
+        keep = data.draw(st.integers(0, 2), label="keep")
+        self.do({"op": "layer", "index": index, "do": {"op": "trim_front", "n": n, "keep": keep}})
+
+
+
+__all__ = ["LayersLockstep", "LayersMachine", "ListOps", "layer_patterns", "spec_pattern"]

@@ -1,0 +1,96 @@
+"""A prompt cache as a list of layers: the list-level operations
+(spec: ``spec.layers``, semantics.md 6).
+
+Every function takes the list of per-layer caches a model uses (dense
+:class:`~impl.dense.KVCache` and sliding-window
+:class:`~impl.rotating.RotatingKVCache`, mixed) and applies one operation to
+all of them at once. :func:`trim_prompt_cache` is the rollback of
+speculative decoding and of prompt-cache reuse; it is atomic: when one layer
+cannot trim exactly (a ring that has wrapped) no layer is trimmed and 0 is
+returned (a ring with an undo log trims exactly within its depth after a
+wrap). mlx-lm's own ``trim_prompt_cache`` is also all-or-nothing, but
+returns the first layer's count, which hides a layer that trimmed fewer rows.
+:func:`impl.models.make_prompt_cache` builds such a list for an mlx-lm model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from impl.dense import _check_int
+from spec.errors import InvalidArgumentError, StateError
+from spec.layers import list_trim_count
+
+
+def _trim_bounds(c: Any) -> tuple[int, int]:
+    """``(rows, exact)`` of one layer (spec.layers.layer_trim_bounds): a
+    dense cache's live rows, both (a front trim moves live_start past rows
+    the offset still counts); a ring's offset, and ``trimmable_rows()`` (the
+    offset while unwrapped, what its undo log covers after a wrap)."""
+    if hasattr(c, "live_len"):
+        return int(c.live_len), int(c.live_len)
+    if hasattr(c, "trimmable_rows"):
+        return int(c.offset), int(c.trimmable_rows())
+    return int(c.offset), int(c.offset) if c.is_trimmable() else 0
+
+
+def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
+    """True when every layer can trim exactly (``is_trimmable()``) and the
+    list is non-empty (spec.layers.can_trim_prompt_cache)."""
+    return len(caches) > 0 and all(c.is_trimmable() for c in caches)
+
+
+def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
+    """Trim ``n`` tokens from the end of every layer, atomically
+    (spec.layers.trim_prompt_cache, semantics.md 6).
+
+    Every layer is trimmed by the same count, ``spec.layers.list_trim_count``:
+    ``min(n, every layer's rows)``, counted from a dense layer's live rows,
+    and that count is returned. When the count is beyond some layer's exact
+    bound (a sliding-window ring that has wrapped beyond its undo depth, or
+    has no undo log) nothing is trimmed in any layer and 0 is returned, so
+    layers never disagree on the sequence they hold. ``n <= 0`` trims
+    nothing. Raises InvalidArgumentError for a non-integer ``n``; StateError
+    when a layer breaks its promise of an exact trim.
+    """
+    n = _check_int("trim_prompt_cache", "n", n)
+    count = list_trim_count(n, tuple(_trim_bounds(c) for c in caches))
+    if count == 0:
+        return 0
+    trimmed = [c.trim(count) for c in caches]
+    if any(t != count for t in trimmed):
+        # the bounds promised an exact trim; a layer that trimmed a
+        # different count breaks the protocol (nothing to undo it with).
+        raise StateError(f"trim_prompt_cache: layers trimmed {trimmed}, expected {count} each")
+    return count
+
+
+def snapshot_prompt_cache(caches: Sequence[Any]) -> list[Any]:
+    """A snapshot of every layer (each O(1): new handles to the same
+    buffers), in layer order (spec.layers.w_snapshot)."""
+    return [c.snapshot() for c in caches]
+
+
+def restore_prompt_cache(caches: Sequence[Any], snapshots: Sequence[Any]) -> None:
+    """Every layer adopts its snapshot, all or none (spec.layers.w_restore):
+    a snapshot a layer refuses (wrong kind, shape, counters) leaves every
+    layer as it was. Raises InvalidArgumentError for a list of another
+    length and the layer's refusal otherwise."""
+    if len(snapshots) != len(caches):
+        raise InvalidArgumentError(
+            f"restore_prompt_cache: snapshots must hold one per layer ({len(caches)}), got {len(snapshots)}"
+        )
+    backups = [c.snapshot() for c in caches]
+    done = 0
+    try:
+        for c, snap in zip(caches, snapshots):
+            c.restore(snap)
+            done += 1
+    except Exception:
+        for c, backup in zip(caches[:done], backups[:done]):
+            c.restore(backup)
+        raise
+
+
+__all__ = ["can_trim_prompt_cache", "restore_prompt_cache", "snapshot_prompt_cache", "trim_prompt_cache"]

@@ -1,0 +1,296 @@
+"""Executable spec of a prompt cache: a list of per-layer caches
+(semantics.md 6).
+
+A model's prompt cache holds one cache per layer, often of mixed kinds:
+full-attention layers dense (:mod:`spec.dense`), sliding-window layers
+rotating (:mod:`spec.rotating`) with their own window and sinks. Engines
+call four list-level operations: :func:`make_prompt_cache` for a layer
+pattern, :func:`can_trim_prompt_cache`, :func:`trim_prompt_cache` and
+snapshot/restore of the whole list (:func:`w_snapshot`, :func:`w_restore`).
+
+**Decision** (semantics.md 6): a list-level trim is atomic. Every layer
+trims the same number of rows, or none trims and 0 is returned; a layer that
+cannot trim that many rows exactly (a ring that has wrapped beyond its undo
+depth, or has no undo log) makes the whole list refuse. The count is taken
+from the rows each layer holds (a dense layer's *live* rows, which a front
+trim reduces below its offset), never from the offset alone. Layers that disagree on how many
+tokens they hold corrupt every later step (a known public bug class: a
+rollback that trims some layers only).
+
+Every function is pure; refusals raise :mod:`spec.errors` types and change
+nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from spec import dense, rotating
+from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A full-attention layer: a dense cache in ``mode`` growing by ``step``."""
+
+    mode: str = "fp16"
+    step: int = 256
+
+
+@dataclass(frozen=True)
+class RingLayer:
+    """A sliding-window layer: a ring of ``max_size`` slots with ``keep``
+    sinks and an undo log of ``undo`` rows (0: none)."""
+
+    max_size: int
+    keep: int = 0
+    step: int = 256
+    undo: int = 0
+
+
+Layer = DenseLayer | RingLayer
+LayerCache = dense.DenseCache | rotating.RotatingCache
+LayerWorld = dense.DenseWorld | rotating.RotatingWorld
+
+
+def make_layer(layer: Layer, inplace: bool = True) -> LayerCache:
+    """The empty cache of one layer of a pattern. Raises the layer kind's
+    InvalidArgumentError / UnsupportedOperationError for bad sizes or modes."""
+    if isinstance(layer, DenseLayer):
+        return dense.new_cache(layer.mode, layer.step, inplace)
+    if isinstance(layer, RingLayer):
+        return rotating.new_cache(layer.max_size, layer.keep, layer.step, inplace, undo=layer.undo)
+    raise InvalidArgumentError(f"make_prompt_cache: a layer must be a DenseLayer or a RingLayer, got {layer!r}")
+
+
+def make_prompt_cache(pattern: tuple[Layer, ...], inplace: bool = True) -> tuple[LayerCache, ...]:
+    """One empty cache per layer of ``pattern``, in order. Raises
+    InvalidArgumentError for an empty pattern (a model has at least one
+    layer) or a bad layer."""
+    if len(pattern) < 1:
+        raise InvalidArgumentError("make_prompt_cache: pattern must hold at least one layer, got 0")
+    return tuple(make_layer(layer, inplace) for layer in pattern)
+
+
+def layer_trim_bounds(cache: LayerCache) -> tuple[int, int]:
+    """``(rows, exact)`` of one layer: ``rows`` is what its own ``trim``
+    clamps a request to, ``exact`` the most rows it takes back exactly. A
+    dense layer: its live rows, both (``live_len``: a front trim moved
+    ``live_start`` past rows the offset still counts). A ring: its offset,
+    and ``spec.rotating.trimmable_rows`` (the offset while unwrapped, what
+    its undo log covers after a wrap: 0 without one)."""
+    if isinstance(cache, dense.DenseCache):
+        return cache.live_len, cache.live_len
+    return cache.offset, rotating.trimmable_rows(cache)
+
+
+def layer_can_trim(cache: LayerCache) -> bool:
+    """Some trim of this layer is exact: always for a dense layer, for a ring
+    ``spec.rotating.is_trimmable``."""
+    return isinstance(cache, dense.DenseCache) or rotating.is_trimmable(cache)
+
+
+def can_trim_prompt_cache(caches: tuple[LayerCache, ...]) -> bool:
+    """True iff the list is non-empty and every layer can trim exactly."""
+    return len(caches) > 0 and all(layer_can_trim(c) for c in caches)
+
+
+def list_trim_count(n: int, bounds: tuple[tuple[int, int], ...]) -> int:
+    """The atomic list-level trim rule: the number of rows *every* layer
+    trims for a request of ``n``, given each layer's ``(rows, exact)``
+    (:func:`layer_trim_bounds`). The count is ``min(n, every layer's
+    rows)``; it is 0 (the list refuses) when ``n <= 0``, when the list is
+    empty, or when the count is beyond some layer's exact bound (a wrapped
+    ring beyond its undo depth, semantics.md 6): then no layer trims.
+
+    pre: all(0 <= e <= r for r, e in bounds)
+    post: __return__ >= 0
+    post: __return__ <= max(n, 0)
+    post: __return__ == 0 or all(__return__ <= e for r, e in bounds)
+    """
+    if n <= 0 or len(bounds) == 0:
+        return 0
+    count = n
+    for rows, _exact in bounds:
+        count = min(count, rows)
+    for _rows, exact in bounds:
+        if count > exact:
+            return 0
+    return count
+
+
+def _trim_layer(cache: LayerCache, count: int) -> tuple[int, LayerCache]:
+    if isinstance(cache, dense.DenseCache):
+        return dense.trim(cache, count)
+    return rotating.trim(cache, count)
+
+
+def trim_prompt_cache(caches: tuple[LayerCache, ...], n: int) -> tuple[int, tuple[LayerCache, ...]]:
+    """Trim ``n`` tokens from the end of every layer, atomically: every
+    layer trims :func:`list_trim_count` rows, which is returned (0: no layer
+    changed). Raises InvalidArgumentError for a non-integer ``n``. That
+    every layer then trims exactly that count is obligation 9
+    (``proofs/layers.py``)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidArgumentError(f"trim_prompt_cache: n must be an integer, got {n!r}")
+    count = list_trim_count(n, tuple(layer_trim_bounds(c) for c in caches))
+    if count == 0:
+        return 0, caches
+    out = []
+    for c in caches:
+        trimmed, c = _trim_layer(c, count)
+        assert trimmed == count, "list_trim_count promised an exact trim"
+        out.append(c)
+    return count, tuple(out)
+
+
+# -- the list with its holders ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayersWorld:
+    """The prompt cache as a list of per-layer worlds (each with its own
+    holders). List-level snapshots exist in every layer under the same name;
+    every layer sees the same token identities."""
+
+    layers: tuple[LayerWorld, ...]
+    names: frozenset[str] = field(default_factory=frozenset)
+
+
+def new_world(pattern: tuple[Layer, ...], inplace: bool = True) -> LayersWorld:
+    """A world holding :func:`make_prompt_cache` of ``pattern``."""
+    caches = make_prompt_cache(pattern, inplace)
+    return LayersWorld(tuple(
+        dense.DenseWorld(c) if isinstance(c, dense.DenseCache) else rotating.RotatingWorld(c) for c in caches
+    ))
+
+
+def caches_of(world: LayersWorld) -> tuple[LayerCache, ...]:
+    return tuple(w.cache for w in world.layers)
+
+
+def _module(w: LayerWorld):
+    return dense if isinstance(w, dense.DenseWorld) else rotating
+
+
+def w_append(world: LayersWorld, n: int) -> tuple[tuple[object, ...], LayersWorld]:
+    """Append ``n`` rows (the next ``n`` token identities) to every layer, as
+    a model's forward pass does. Returns each layer's append result."""
+    if n < 1:
+        raise InvalidArgumentError(f"append: n must be >= 1, got {n}")
+    results, layers = [], []
+    for w in world.layers:
+        r, w = _module(w).w_append(w, n)
+        results.append(r)
+        layers.append(w)
+    return tuple(results), replace(world, layers=tuple(layers))
+
+
+def w_trim(world: LayersWorld, n: int) -> tuple[int, LayersWorld]:
+    """List-level :func:`trim_prompt_cache`."""
+    count, caches = trim_prompt_cache(caches_of(world), n)
+    return count, replace(world, layers=tuple(replace(w, cache=c) for w, c in zip(world.layers, caches)))
+
+
+def w_snapshot(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
+    """Snapshot every layer under ``name`` (O(1) per layer). Raises
+    StateError when the name is in use."""
+    if name in world.names:
+        raise StateError(f"snapshot: name {name!r} is already in use")
+    layers = tuple(_module(w).w_snapshot(w, name)[1] for w in world.layers)
+    return None, LayersWorld(layers, world.names | {name})
+
+
+def _require(world: LayersWorld, op: str, name: str) -> None:
+    if name not in world.names:
+        raise StateError(f"{op}: no snapshot or handle named {name!r}")
+
+
+def w_restore(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
+    """Every layer adopts its snapshot ``name``; all or none (the name is
+    checked before any layer changes)."""
+    _require(world, "restore", name)
+    return None, replace(world, layers=tuple(_module(w).w_restore(w, name)[1] for w in world.layers))
+
+
+def w_drop(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
+    _require(world, "drop", name)
+    layers = tuple(_module(w).w_drop(w, name)[1] for w in world.layers)
+    return None, LayersWorld(layers, world.names - {name})
+
+
+def w_hold(world: LayersWorld) -> tuple[None, LayersWorld]:
+    """Every layer keeps the window its last append returned."""
+    return None, replace(world, layers=tuple(_module(w).w_hold(w)[1] for w in world.layers))
+
+
+def w_release_hold(world: LayersWorld) -> tuple[None, LayersWorld]:
+    return None, replace(world, layers=tuple(_module(w).w_release_hold(w)[1] for w in world.layers))
+
+
+#: Ops a trace may address to one layer (``{"op": "layer", "index": i,
+#: "do": {...}}``): only those that keep the layers' token counters in step.
+LAYER_OPS = ("trim_front", "fetch")
+
+
+def w_layer(world: LayersWorld, index: int, op: dict) -> tuple[object, LayersWorld]:
+    """Run a per-layer op (one of :data:`LAYER_OPS`) on layer ``index``.
+    Raises InvalidArgumentError for an index out of range or another op;
+    the layer kind's refusal otherwise (UnsupportedOperationError: a front
+    trim on a ring)."""
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(world.layers):
+        raise InvalidArgumentError(f"layer: index must satisfy 0 <= index < {len(world.layers)}, got {index!r}")
+    name = op.get("op")
+    if name not in LAYER_OPS:
+        raise InvalidArgumentError(f"layer: op must be one of {LAYER_OPS}, got {name!r}")
+    w = world.layers[index]
+    if name == "trim_front" and not isinstance(w, dense.DenseWorld):
+        raise UnsupportedOperationError(f"trim_front: not an operation of the rotating cache (layer {index})")
+    result, w = _module(w).apply_op(w, op)
+    layers = world.layers[:index] + (w,) + world.layers[index + 1:]
+    return result, replace(world, layers=layers)
+
+
+def apply_op(world: LayersWorld, op: dict) -> tuple[object, LayersWorld]:
+    """Run one list-level kvtrace op: ``append`` (every layer), ``fetch``
+    (every layer's window), ``trim`` (atomic), ``can_trim``, ``snapshot``,
+    ``restore``, ``drop``, ``hold``, ``release_hold``, ``layer`` (one
+    layer's op). Raises the spec's refusal, or InvalidArgumentError for an
+    op a prompt cache does not have."""
+    name = op["op"]
+    if name == "append":
+        return w_append(world, op["n"])
+    if name == "fetch":
+        return windows(world), world
+    if name == "trim":
+        return w_trim(world, op["n"])
+    if name == "can_trim":
+        return can_trim_prompt_cache(caches_of(world)), world
+    if name == "snapshot":
+        return w_snapshot(world, op["name"])
+    if name == "restore":
+        return w_restore(world, op["name"])
+    if name == "drop":
+        return w_drop(world, op["name"])
+    if name == "hold":
+        return w_hold(world)
+    if name == "release_hold":
+        return w_release_hold(world)
+    if name == "layer":
+        return w_layer(world, op["index"], op["do"])
+    raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
+
+
+def windows(world: LayersWorld) -> tuple[tuple[int, ...], ...]:
+    """Every layer's window (token identities, each in its layer's fetch order)."""
+    return tuple(w.cache.window() for w in world.layers)
+
+
+def view_of(world: LayersWorld, name: str | None) -> tuple[tuple[int, ...], ...]:
+    """Every layer's window of the live list (``name is None``) or of the
+    list-level snapshot ``name``."""
+    if name is None:
+        return windows(world)
+    _require(world, "expect", name)
+    return tuple(_module(w).view_of(w, name) if isinstance(w, dense.DenseWorld) else w.holders[name].window()
+                 for w in world.layers)

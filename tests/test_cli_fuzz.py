@@ -1,0 +1,188 @@
+"""The kvspec command under bad input: every malformed trace and argument
+vector exits 2 with a one-line reason, never a traceback and never a hang.
+
+Each case runs ``python -m fuzz.commands.cli`` in a subprocess with a time
+box, so a hang fails the test instead of the suite. The explicit cases are
+the ones users hit; Hypothesis draws more (damaged traces, bad flag values).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 90  # seconds per case: generous for a loaded 2-core machine; a hang exceeds it
+GOOD = {"kvtrace": 1, "cache": {"kind": "rotating", "max_size": 4, "keep": 1, "step": 2},
+        "ops": [{"op": "append", "n": 3}, {"op": "snapshot", "name": "s"}, {"op": "append", "n": 1},
+                {"op": "expect", "of": "s", "window": [0, 1, 2]}]}
+
+
+def kvspec(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def clean_refusal(proc: subprocess.CompletedProcess) -> str:
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out
+    assert proc.returncode == 2, out
+    assert out.strip(), "exit 2 without a message"
+    return out
+
+
+def trace_file(tmp_path: Path, content: bytes | str | dict, name: str = "t.json") -> str:
+    p = tmp_path / name
+    if isinstance(content, dict):
+        content = json.dumps(content)
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(p)
+
+
+BAD_TRACES = {
+    "n 10**12": {"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "n": 10**12}]},
+    "n 10**30": {"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "n": 10**30}]},
+    "head_dim 10**9": {"kvtrace": 1, "cache": {"kind": "dense", "head_dim": 10**9}, "ops": [{"op": "append", "n": 1}]},
+    "step 10**12": {"kvtrace": 1, "cache": {"kind": "dense", "step": 10**12}, "ops": [{"op": "append", "n": 1}]},
+    "op without op": {"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"as": "x"}]},
+    "unknown op": {"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "fork", "from": "main", "as": "b"}]},
+    "expect unknown name": {"kvtrace": 1, "cache": {"kind": "dense"},
+                            "ops": [{"op": "append", "n": 1}, {"op": "expect", "of": "nope", "window": [0]}]},
+    "keep >= max_size": {"kvtrace": 1, "cache": {"kind": "rotating", "max_size": 2, "keep": 2}, "ops": []},
+    "deep nesting": "[" * 100_000 + "]" * 100_000,
+    "not UTF-8": b'{"kvtrace": 1, "cache": {"kind": "\xff"}, "ops": []}',
+    "duplicate keys": '{"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [], "ops": []}',
+    "NaN": '{"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "trim", "n": NaN}]}',
+    "truncated": json.dumps(GOOD)[:40],
+    "empty file": "",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRACES))
+def test_bad_traces_exit_2(tmp_path, case):
+    out = clean_refusal(kvspec("replay", trace_file(tmp_path, BAD_TRACES[case])))
+    assert out.startswith("invalid kvtrace"), out
+
+
+BAD_ARGV = [
+    ["fuzz", "--bug", "nosuch"],
+    ["fuzz", "--budget", "nan"],
+    ["fuzz", "--budget", "inf"],
+    ["fuzz", "--budget", "0"],
+    ["fuzz", "--budget", "-5"],
+    ["fuzz", "--seeds", "3"],
+    ["fuzz", "--kind", "nosuch"],
+    ["fuzz", "--kind", "paged", "--mode", "int8"],
+    ["fuzz", "--bug", "steady_state_inplace", "--kind", "dense"],
+    ["mutants", "--seeds", "0"],
+    ["mutants", "--only", "nosuch"],
+    ["replay", "tests/traces/format_example.json", "--bug", "nosuch"],
+    ["replay", "tests/traces/format_example.json", "--bug", "steady_state_inplace"],
+    ["replay", "does/not/exist.json"],
+    ["replay", "tests/traces"],
+    ["replay"],
+    ["verify", "-j", "0"],
+    ["conformance", "--budget", "0"],
+    ["conformance", "--class", "NoSuchCache", "--budget", "1"],
+    ["e2e", "--only", "nosuch"],
+    ["e2e", "--bug", "nosuch"],
+    ["bench", "--contexts", "0"],
+    ["nosuch"],
+    [],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_ARGV, ids=[" ".join(a) or "(none)" for a in BAD_ARGV])
+def test_bad_arguments_exit_2(argv):
+    out = clean_refusal(kvspec(*argv))
+    if "nosuch" in argv and argv[0] in ("fuzz", "mutants", "replay") and "--kind" not in argv:
+        assert "known: inplace_after_trim" in out  # the valid names are listed
+    if argv[:3] == ["fuzz", "--kind", "nosuch"]:
+        assert "choose from 'dense', 'rotating'" in out
+
+
+def test_help_names_defaults_exit_codes_and_bugs():
+    proc = kvspec("fuzz", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "(default: 60.0)" in text and "exit status: 0" in text and "130 interrupted" in text
+    assert "steady_state_inplace" in text
+    version = kvspec("--version")
+    assert version.returncode == 0 and version.stdout.startswith("kvspec ")
+
+
+def test_a_tiny_budget_still_checks_something():
+    proc = kvspec("fuzz", "--kind", "dense", "--mode", "int8", "--budget", "1e-9", "--seed", "5", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and all(r["examples"] > 0 for r in doc["runs"])
+    assert proc.stderr.startswith("kvspec fuzz: seed 5")
+
+
+# -- drawn cases -------------------------------------------------------------------
+@st.composite
+def damaged_traces(draw) -> bytes:
+    """A valid trace damaged one way: a value replaced, bytes cut or
+    flipped, a key duplicated."""
+    doc = json.loads(json.dumps(GOOD))
+    how = draw(st.sampled_from(["value", "cut", "flip", "dup"]))
+    text = json.dumps(doc)
+    if how == "value":
+        where = draw(st.sampled_from(["cache.max_size", "cache.keep", "cache.step", "cache.kind", "ops.0.n",
+                                      "ops.3.of", "ops.3.window", "ops.1.name", "ops.0", "kvtrace", "ops"]))
+        bad = draw(st.one_of(st.sampled_from([0, -1, 10**12, 10**40, 1.5, True, None, "", "x" * 300, [], {}]),
+                             st.text(max_size=5)))
+        node = doc
+        parts = where.split(".")
+        for p in parts[:-1]:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = bad
+        else:
+            node[last] = bad
+        return json.dumps(doc).encode()
+    if how == "cut":
+        return text.encode()[: draw(st.integers(0, len(text) - 1))]
+    if how == "flip":
+        data = bytearray(text.encode())
+        i = draw(st.integers(0, len(data) - 1))
+        data[i] = draw(st.sampled_from([0x00, 0x7B, 0x5B, 0x22, 0xFF, 0xC3]))
+        return bytes(data)
+    return text.replace('"step": 2', '"step": 2, "step": 3').encode()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(damaged_traces())
+def test_damaged_traces_never_crash(tmp_path_factory, data):
+    path = trace_file(tmp_path_factory.mktemp("cli"), data)
+    proc = kvspec("replay", path)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out
+    assert proc.returncode in (0, 1, 2, 3), out
+    if proc.returncode == 2:
+        assert out.startswith("invalid kvtrace"), out
+
+
+NUMERIC = {"fuzz": ["--budget", "--seed"], "mutants": ["--seeds"], "conformance": ["--budget", "--seed", "--max-findings"],
+           "verify": ["-j"], "bench": ["--contexts"]}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted((c, f) for c, fs in NUMERIC.items() for f in fs)),
+       st.sampled_from(["nan", "inf", "-inf", "-1", "0", "", "abc", "1e400", "9" * 50, "0x10", "1.5"]))
+def test_bad_numbers_never_start_work(command_flag, value):
+    command, flag = command_flag
+    if flag in ("--seed",) and value in ("0",):
+        value = "-1"  # 0 is a valid seed
+    if flag == "--budget" and value == "1.5":
+        value = "-1.5"  # 1.5 s is a valid budget
+    clean_refusal(kvspec(command, f"{flag}={value}"))

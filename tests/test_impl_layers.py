@@ -1,0 +1,114 @@
+"""impl.layers' list-level operations against spec.layers (semantics.md 6)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from impl.dense import KVCache
+from impl.layers import (
+    can_trim_prompt_cache,
+    restore_prompt_cache,
+    snapshot_prompt_cache,
+    trim_prompt_cache,
+)
+from impl.rotating import RotatingKVCache
+from spec import layers
+from spec.errors import InvalidArgumentError, StateError
+from spec.layers import DenseLayer, RingLayer
+
+
+def build(pattern):
+    return [KVCache(p.mode, step=p.step) if isinstance(p, DenseLayer) else RotatingKVCache(p.max_size, p.keep, p.step)
+            for p in pattern]
+
+
+def tokens_rows(first, n):
+    x = np.arange(first, first + n, dtype=np.float32)[None, None, :, None]
+    return mx.array(np.broadcast_to(x, (2, 1, n, 3)).copy())
+
+
+def window(c):
+    got = c.fetch()
+    return () if got is None else tuple(int(t) for t in np.array(got[0])[0, 0, :, 0])
+
+
+OPS = st.one_of(
+    st.builds(lambda n: {"op": "append", "n": n}, st.integers(1, 4)),
+    st.builds(lambda n: {"op": "trim", "n": n}, st.integers(-1, 5)),
+    st.builds(lambda n, k: {"op": "layer", "index": 0, "do": {"op": "trim_front", "n": n, "keep": k}},
+              st.integers(0, 3), st.integers(0, 2)),
+    st.builds(lambda s: {"op": "snapshot", "name": s}, st.sampled_from("ab")),
+    st.builds(lambda s: {"op": "restore", "name": s}, st.sampled_from("ab")),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(OPS, max_size=20), st.integers(2, 5), st.integers(0, 1))
+def test_impl_list_ops_follow_the_spec(ops, window_size, keep):
+    pattern = (DenseLayer("fp16", 2), RingLayer(window_size, keep, 1), RingLayer(window_size + 2, 0, 2))
+    world, caches, snaps = layers.new_world(pattern), build(pattern), {}
+    for op in ops:
+        try:
+            result, new = layers.apply_op(world, op)
+        except (StateError, InvalidArgumentError):
+            continue
+        if op["op"] == "append":
+            for c in caches:
+                c.update_and_fetch(tokens_rows(world.layers[0].next_token, op["n"]),
+                                   tokens_rows(world.layers[0].next_token, op["n"]))
+        elif op["op"] == "trim":
+            assert can_trim_prompt_cache(caches) == layers.can_trim_prompt_cache(layers.caches_of(world))
+            assert trim_prompt_cache(caches, op["n"]) == result
+        elif op["op"] == "layer":
+            caches[0].trim_front_keep_sink(op["do"]["n"], op["do"]["keep"])
+        elif op["op"] == "snapshot":
+            snaps[op["name"]] = snapshot_prompt_cache(caches)
+        else:
+            restore_prompt_cache(caches, snaps[op["name"]])
+        world = new
+        assert tuple(c.offset for c in caches) == tuple(c.offset for c in layers.caches_of(world))
+        assert tuple(window(c) for c in caches) == layers.windows(world)
+
+
+def test_restore_is_all_or_none():
+    caches = build((DenseLayer(step=2), RingLayer(4, 0, 2)))
+    for c in caches:
+        c.update_and_fetch(tokens_rows(0, 3), tokens_rows(0, 3))
+    good = snapshot_prompt_cache(caches)
+    for c in caches:
+        c.update_and_fetch(tokens_rows(3, 1), tokens_rows(3, 1))
+    other = RotatingKVCache(5)
+    other.update_and_fetch(tokens_rows(0, 1), tokens_rows(0, 1))
+    with pytest.raises(InvalidArgumentError, match=r"\(max_size, keep\) must be \(4, 0\)"):
+        restore_prompt_cache(caches, [good[0], other.snapshot()])
+    assert [window(c) for c in caches] == [(0, 1, 2, 3), (0, 1, 2, 3)]  # the dense layer was put back
+    with pytest.raises(InvalidArgumentError, match="one per layer"):
+        restore_prompt_cache(caches, good[:1])
+    restore_prompt_cache(caches, good)
+    assert [window(c) for c in caches] == [(0, 1, 2), (0, 1, 2)]
+
+
+def test_trim_after_a_front_trim_counts_live_rows():
+    """Offset 6, 2 live rows in the dense layer, an unwrapped ring of 8: a
+    count taken from the offset (3) would trim the ring and then fail on the
+    dense layer, leaving the list disagreeing."""
+    caches = build((DenseLayer(step=2), RingLayer(8, 0, 2)))
+    for c in caches:
+        c.update_and_fetch(tokens_rows(0, 6), tokens_rows(0, 6))
+    caches[0].trim_front(4)
+    assert trim_prompt_cache(caches, 3) == 2
+    assert [c.offset for c in caches] == [4, 4] and window(caches[1]) == (0, 1, 2, 3)
+
+
+def test_trim_over_a_wrapped_ring_changes_no_layer():
+    caches = build((DenseLayer(step=2), RingLayer(4, 0, 2)))
+    for t in range(6):
+        for c in caches:
+            c.update_and_fetch(tokens_rows(t, 1), tokens_rows(t, 1))
+    assert not can_trim_prompt_cache(caches)
+    assert trim_prompt_cache(caches, 2) == 0
+    assert [c.offset for c in caches] == [6, 6] and window(caches[0]) == tuple(range(6))

@@ -1,0 +1,252 @@
+"""Storage dtype, shapes, the in-place switch and masks of both caches
+(semantics.md 2 "Storage dtype"; spec.dense.inplace_switch,
+spec.dense.dense_mask_visible, spec.dense.check_window_size)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import impl.dense as impl_dense
+from impl.dense import KVCache, data_pointer
+from impl.rotating import RotatingKVCache
+from spec import dense as spec_dense
+from spec.errors import InvalidArgumentError
+
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def rows(n, start=0, b=1, h=2, d=8, dtype=mx.float16, scale=1.0):
+    x = np.arange(start, start + n, dtype=np.float32)[None, None, :, None] * scale
+    x = np.broadcast_to(x, (b, h, n, d)) + np.arange(d, dtype=np.float32) / 8
+    return mx.array(x.copy()).astype(dtype)
+
+
+def as_f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def make(kind, **kw):
+    if kind == "dense":
+        return KVCache("fp16", step=kw.pop("step", 2), **kw)
+    return RotatingKVCache(kw.pop("max_size", 4), keep=kw.pop("keep", 1), step=kw.pop("step", 2), **kw)
+
+
+# -- storage dtype --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dense", "ring"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unquantized_caches_store_and_return_the_incoming_dtype(kind, dtype):
+    c = make(kind)
+    sent = []
+    for t in range(3):  # decode steps: growth, then in-place / copying writes
+        k = rows(1, t, dtype=dtype, scale=1e5 if dtype != mx.float16 else 1.0)
+        sent.append(k)
+        got_k, got_v = c.update_and_fetch(k, k)
+        assert got_k.dtype == dtype and got_v.dtype == dtype
+    want = np.concatenate([as_f32(k) for k in sent], axis=2)
+    assert np.array_equal(as_f32(c.fetch()[0]), want)  # byte identical: no float16 detour
+    assert np.isfinite(as_f32(c.fetch()[0])).all()
+
+
+@pytest.mark.parametrize("kind", ["dense", "ring"])
+def test_bfloat16_beyond_float16_range_is_stored_not_inf(kind):
+    c = make(kind)
+    k = mx.full((1, 1, 1, 4), 1e5, dtype=mx.bfloat16)
+    out, _ = c.update_and_fetch(k, k)
+    assert out.dtype == mx.bfloat16 and float(as_f32(out).max()) == float(as_f32(k).max())
+
+
+@pytest.mark.parametrize("kind", ["dense", "ring"])
+def test_append_of_another_dtype_is_refused_and_changes_nothing(kind):
+    c = make(kind)
+    c.update_and_fetch(rows(2, dtype=mx.bfloat16), rows(2, dtype=mx.bfloat16))
+    before = (c.offset, as_f32(c.fetch()[0]))
+    with pytest.raises(InvalidArgumentError, match=r"append: dtype must be mlx.core.bfloat16 .*got mlx.core.float16"):
+        c.update_and_fetch(rows(1), rows(1))
+    assert c.offset == before[0] and np.array_equal(as_f32(c.fetch()[0]), before[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_dequantizes_to_the_incoming_dtype(dtype):
+    c = KVCache("int8", step=2)
+    for t in range(3):
+        k, _ = c.update_and_fetch(rows(1, t, dtype=dtype), rows(1, t, dtype=dtype))
+        assert k.dtype == dtype
+    assert c.snapshot().fetch()[0].dtype == dtype
+    assert c.buffers.keys.dtype == mx.int8 and c.buffers.key_scales.dtype == mx.float16
+
+
+@pytest.mark.parametrize("bad", [1e5, float("inf"), float("nan")])
+def test_int8_refuses_rows_without_a_finite_scale(bad):
+    c = KVCache("int8", step=2)
+    c.update_and_fetch(rows(1, dtype=mx.bfloat16), rows(1, dtype=mx.bfloat16))
+    before = (c.offset, c.capacity, as_f32(c.fetch()[1]))
+    v = mx.array(np.full((1, 2, 1, 8), bad, dtype=np.float32)).astype(mx.bfloat16)
+    with pytest.raises(InvalidArgumentError, match=r"append: values must be finite within float16's range "
+                                                   r"\(\|x\| <= 65504\) in mode int8 .*got max \|x\| ="):
+        c.update_and_fetch(rows(1, 1, dtype=mx.bfloat16), v)
+    assert (c.offset, c.capacity) == before[:2] and np.array_equal(as_f32(c.fetch()[1]), before[2])
+
+
+def test_int8_float16_max_reads_back_finite():
+    """absmax 65504: scale 516, q 127, and 127 * 516 = 65532 rounds to inf in
+    float16; the dequantizer saturates instead (impl.quant's decision)."""
+    c = KVCache("int8", step=1)
+    x = mx.full((1, 1, 1, 4), 65504.0, dtype=mx.float16)
+    k, _ = c.update_and_fetch(x, -x)
+    assert np.isfinite(as_f32(k)).all() and float(as_f32(k).max()) == 65504.0
+
+
+# -- shapes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dense", "ring"])
+@pytest.mark.parametrize(("dim", "bad", "pattern"), [
+    ("b", {"b": 3}, r"append: keys batch B must be 2 \(the cache's\), got 3"),
+    ("h", {"h": 1}, r"append: keys kv heads H must be 2 \(the cache's\), got 1"),
+    ("dk", {"dk": 4}, r"append: keys head dim D must be 8 \(the cache's\), got 4"),
+    ("dv", {"dv": 8}, r"append: values head dim D must be 4 \(the cache's\), got 8"),
+])
+def test_mismatched_append_names_the_dimension(kind, dim, bad, pattern):
+    c = make(kind)
+    c.update_and_fetch(rows(2, b=2, d=8), rows(2, b=2, d=4))
+    before = (c.offset, c.capacity)
+    shape = {"b": 2, "h": 2, "dk": 8, "dv": 4} | bad
+    k = rows(1, 5, b=shape["b"], h=shape["h"], d=shape["dk"])
+    v = rows(1, 5, b=shape["b"], h=shape["h"], d=shape["dv"])
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        c.update_and_fetch(k, v)
+    assert (c.offset, c.capacity) == before
+
+
+@pytest.mark.parametrize("kind", ["dense", "ring"])
+def test_keys_and_values_disagreeing_on_batch_or_heads_are_refused(kind):
+    c = make(kind)
+    with pytest.raises(InvalidArgumentError, match="keys and values must agree on batch B, got 1 and 2"):
+        c.update_and_fetch(rows(1, b=1), rows(1, b=2))
+    with pytest.raises(InvalidArgumentError, match="keys and values must agree on kv heads H, got 2 and 3"):
+        c.update_and_fetch(rows(1, h=2), rows(1, h=3))
+    assert c.offset == 0 and c.empty()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_dense_growth_keeps_each_head_dim(mode):
+    c = KVCache(mode, step=2)
+    for t in range(7):
+        k, v = c.update_and_fetch(rows(1, t, b=3, h=1, d=8), rows(1, t, b=3, h=1, d=2))
+        assert k.shape == (3, 1, t + 1, 8) and v.shape == (3, 1, t + 1, 2)
+    c.trim(3)
+    k, v = c.update_and_fetch(rows(4, 9, b=3, h=1, d=8), rows(4, 9, b=3, h=1, d=2))
+    assert c.buffers.values.shape[3] == 2 and v.shape == (3, 1, 8, 2)
+
+
+def test_ring_growth_uses_the_real_batch():
+    """The issue's trace: batch 2, kv_heads 1, head_dim 8, max_size 4, step 2,
+    a single append of one row."""
+    c = RotatingKVCache(4, step=2)
+    k, v = c.update_and_fetch(rows(1, b=2, h=1, d=8), rows(1, b=2, h=1, d=3))
+    assert k.shape == (2, 1, 1, 8) and v.shape == (2, 1, 1, 3)
+    for t in range(1, 7):
+        k, v = c.update_and_fetch(rows(1, t, b=2, h=1, d=8), rows(1, t, b=2, h=1, d=3))
+    assert c.keys.shape == (2, 1, 4, 8) and c.values.shape == (2, 1, 4, 3)
+
+
+# -- the in-place switch ---------------------------------------------------------
+
+SPELLINGS = [None, "", " ", "0", "false", "off", "no", "FALSE", "Off", " no ", "\tNO\n", "oFf", " 0 ",
+             "1", "true", "on", "yes", "2", "disable", "nope", "0.0", "n o", "offf", "fals", "-", "none"]
+
+
+@pytest.mark.parametrize("value", SPELLINGS)
+def test_env_switch_parsing_matches_the_spec(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("KV_INPLACE_WRITE", raising=False)
+    else:
+        monkeypatch.setenv("KV_INPLACE_WRITE", value)
+    want = spec_dense.inplace_switch(value)
+    assert impl_dense.inplace_switch_from_env() is want
+    assert KVCache().inplace is want and RotatingKVCache(4).inplace is want
+
+
+@pytest.mark.parametrize("bad", ["no", "off", "", 0, 1, 1.0, "True"])
+def test_both_caches_refuse_the_same_inplace_values(bad):
+    for build in (lambda: KVCache(inplace=bad), lambda: RotatingKVCache(4, inplace=bad)):
+        with pytest.raises(InvalidArgumentError, match=r"inplace must be True, False or None"):
+            build()
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_both_caches_accept_the_same_inplace_values(good):
+    assert KVCache(inplace=good).inplace is good and RotatingKVCache(4, inplace=good).inplace is good
+
+
+# -- memory sharing through the data pointer --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace_write_keeps_memory_copying_write_moves_it(dtype):
+    c = KVCache("fp16", step=8, inplace=True)
+    c.update_and_fetch(rows(1, dtype=dtype), rows(1, dtype=dtype))
+    c.update_and_fetch(rows(1, 1, dtype=dtype), rows(1, 1, dtype=dtype))  # owns the buffer now
+    p = data_pointer(c.buffers.keys)
+    c.update_and_fetch(rows(1, 2, dtype=dtype), rows(1, 2, dtype=dtype))
+    assert c.last_write_inplace and data_pointer(c.buffers.keys) == p
+    snap = c.snapshot()
+    assert data_pointer(snap.buffers.keys) == p  # O(1) snapshot: same memory
+    c.trim(1)  # the snapshot still reads row 2: the next write must copy
+    c.update_and_fetch(rows(1, 3, dtype=dtype), rows(1, 3, dtype=dtype))
+    assert not c.last_write_inplace and data_pointer(c.buffers.keys) != p
+    assert data_pointer(snap.buffers.keys) == p
+    assert np.array_equal(as_f32(snap.fetch()[0])[0, 0, :, 0], [0, 1, 2])
+
+
+# -- masks --------------------------------------------------------------------------
+
+
+def denoted(mask, n, length):
+    """The bool matrix a make_mask return value denotes."""
+    if mask is None:
+        assert n == 1, "None is only a decode step's mask"
+        return np.ones((1, length), dtype=bool)
+    if isinstance(mask, str):
+        assert mask == "causal"
+        return np.tril(np.ones((n, length), dtype=bool), k=length - n)
+    return np.array(mask).astype(bool)
+
+
+@pytest.mark.parametrize("return_array", [False, True])
+def test_dense_mask_matches_the_spec(return_array):
+    for live in range(7):
+        c = KVCache("fp16", step=3)
+        if live:
+            c.update_and_fetch(rows(live), rows(live))
+        for n in range(1, 5):
+            for window in (None, *range(1, 9)):
+                got = denoted(c.make_mask(n, window_size=window, return_array=return_array), n, live + n)
+                want = np.array(spec_dense.dense_make_mask(live, n, window), dtype=bool)
+                assert got.shape == want.shape and np.array_equal(got, want), (live, n, window)
+
+
+def test_dense_mask_with_a_binding_window_is_an_array():
+    c = KVCache("fp16", step=8)
+    c.update_and_fetch(rows(5), rows(5))
+    m = c.make_mask(1, window_size=3)
+    assert m is not None and np.array(m).tolist() == [[False, False, False, True, True, True]]
+
+
+@pytest.mark.parametrize("kind", ["dense", "ring"])
+@pytest.mark.parametrize(("bad", "pattern"), [
+    (0, "window_size must be >= 1, got 0"),
+    (-2, "window_size must be >= 1, got -2"),
+    (2.5, "window_size must be None or an integer >= 1, got 2.5"),
+    (True, "window_size must be None or an integer >= 1, got True"),
+    ("3", "window_size must be None or an integer >= 1, got '3'"),
+])
+def test_bad_window_size_is_refused(kind, bad, pattern):
+    c = make(kind)
+    c.update_and_fetch(rows(2), rows(2))
+    with pytest.raises(InvalidArgumentError, match=f"make_mask: {pattern}"):
+        c.make_mask(1, window_size=bad)

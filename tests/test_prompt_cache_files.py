@@ -1,0 +1,381 @@
+"""Prompt-cache files (issue 16): save_prompt_cache / load_prompt_cache
+round-trip our caches through a real safetensors file, decoding after a load
+is byte-identical, mlx-lm's own loader refuses our files naming ours, and
+every damaged file is refused before a cache is returned. Also
+``to_quantized`` (mlx-lm's ``kv_bits`` hook) and the protocol's members."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("mlx_lm")
+
+from impl.dense import KVCache
+from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from impl.quant import dequantize_int8, quantize_int8
+from impl.rotating import RotatingKVCache
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "mlx-lm.md"
+
+
+def rows(n: int, seed: int, d: int = 4) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.standard_normal((1, 2, n, d)).astype(np.float16))
+
+
+def feed(c, n: int, seed: int):
+    return c.update_and_fetch(rows(n, seed), rows(n, seed + 1000))
+
+
+def window(c) -> bytes:
+    got = c.fetch()
+    return b"" if got is None else b"".join(np.array(a).tobytes() for a in got)
+
+
+def facts(c) -> tuple:
+    common = (type(c).__name__, c.step, c.inplace, c.offset, tuple(c.meta_state), window(c))
+    if isinstance(c, RotatingKVCache):
+        return (*common, c.max_size, c.keep, c.idx)
+    return (*common, c.mode, c.live_start, c.live_len)
+
+
+def mixed() -> list:
+    """Every layer kind and a range of states: dense Fp16 after a logical
+    trim and a front trim, Int8, a wrapped ring, an oversized ring after a
+    multi-row append, empty caches, a dense cache emptied by a trim."""
+    a = KVCache("fp16", step=3)
+    feed(a, 5, 1)
+    a.trim(2)
+    feed(a, 1, 2)
+    b = KVCache("int8", step=2, inplace=False)
+    feed(b, 3, 3)
+    b.trim_front_keep_sink(1, keep=1)
+    c = RotatingKVCache(max_size=4, keep=1, step=2)
+    for i in range(6):
+        feed(c, 1, 10 + i)
+    d = RotatingKVCache(max_size=4, keep=1, step=2)
+    feed(d, 2, 20)
+    feed(d, 5, 21)
+    e = KVCache("fp16")
+    f = RotatingKVCache(max_size=3)
+    g = KVCache("int8", step=4)
+    feed(g, 2, 30)
+    g.trim(2)
+    h = RotatingKVCache(max_size=3, keep=1, step=2, undo=2)  # the undo depth survives, not the log
+    for i in range(4):
+        feed(h, 1, 40 + i)
+    return [a, b, c, d, e, f, g, h]
+
+
+def test_round_trip_keeps_every_layer(tmp_path):
+    caches = mixed()
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), caches, {"model": "tiny", "turns": "3"})
+    loaded, meta = load_prompt_cache(str(path), return_metadata=True)
+    assert meta == {"model": "tiny", "turns": "3"}
+    assert [facts(c) for c in loaded] == [facts(c) for c in caches]
+    assert [type(c) for c in load_prompt_cache(path)] == [type(c) for c in caches]
+    # decoding after the load is byte-identical: decodes, a chunk, masks
+    for step, n in enumerate([1, 1, 3, 1, 1]):
+        for orig, back in zip(caches, loaded):
+            if isinstance(orig, RotatingKVCache):
+                m1, m2 = orig.make_mask(n, return_array=True), back.make_mask(n, return_array=True)
+                assert np.array_equal(np.array(m1), np.array(m2))
+            k1, v1 = feed(orig, n, 100 + step)
+            k2, v2 = feed(back, n, 100 + step)
+            assert np.array(k1).tobytes() == np.array(k2).tobytes()
+            assert np.array(v1).tobytes() == np.array(v2).tobytes()
+            assert facts(orig)[3:] == facts(back)[3:]
+
+
+def test_decoding_through_generate_step_is_byte_identical_after_a_load(tmp_path):
+    from fuzz.commands.e2e import greedy, tiny_gemma3, token_ids
+
+    model = tiny_gemma3(7, window=6)
+    prompt = token_ids(7, 11)
+    caches = make_prompt_cache(model, step=4)
+    assert {type(c) for c in caches} == {KVCache, RotatingKVCache}
+    greedy(model, caches, prompt, 6)  # the rings wrap
+    path = tmp_path / "conversation.safetensors"
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    turn = token_ids(8, 3)
+    want = greedy(model, caches, turn, 12)
+    got = greedy(model, loaded, turn, 12)
+    assert got.tokens == want.tokens
+    assert got.logprobs == want.logprobs
+    assert len(set(want.tokens)) > 3
+
+
+def test_mlx_lm_loader_refuses_our_file_naming_ours(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache as lm_load
+
+    path = tmp_path / "ours.safetensors"
+    save_prompt_cache(path, mixed()[:3])
+    with pytest.raises(KeyError, match=re.escape("load it with impl.models.load_prompt_cache")):
+        lm_load(str(path))
+
+
+def test_our_loader_refuses_mlx_lm_files_naming_theirs(tmp_path):
+    from mlx_lm.models.cache import KVCache as LmKVCache
+    from mlx_lm.models.cache import save_prompt_cache as lm_save
+
+    c = LmKVCache()
+    c.update_and_fetch(rows(3, 1), rows(3, 2))
+    path = tmp_path / "theirs.safetensors"
+    lm_save(str(path), [c])
+    with pytest.raises(InvalidArgumentError, match="load it with mlx_lm.models.cache.load_prompt_cache"):
+        load_prompt_cache(path)
+
+
+def test_save_refuses_what_it_cannot_write(tmp_path):
+    from mlx_lm.models.cache import KVCache as LmKVCache
+
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(UnsupportedOperationError, match="layer 1 is a KVCache; kvspec files hold kvspec caches only"):
+        save_prompt_cache(path, [KVCache(), LmKVCache()])
+    with pytest.raises(InvalidArgumentError, match="metadata must map str to str"):
+        save_prompt_cache(path, [KVCache()], {"n": 3})
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        save_prompt_cache(path, [KVCache()], {"__kvspec__": "x"})
+    with pytest.raises(InvalidArgumentError, match="at least one layer"):
+        save_prompt_cache(path, [])
+    assert not path.exists()
+
+
+# -- damaged files ------------------------------------------------------------------
+def saved(tmp_path) -> tuple[Path, dict, dict]:
+    path = tmp_path / "good.safetensors"
+    save_prompt_cache(path, mixed())
+    arrays, header = mx.load(str(path), return_metadata=True)
+    return path, arrays, header
+
+
+def rewrite(tmp_path, arrays, header, edit_layers=None) -> Path:
+    header = dict(header)
+    if edit_layers is not None:
+        desc = json.loads(header["0.__kvspec__"])
+        edit_layers(desc["layers"])
+        header["0.__kvspec__"] = json.dumps(desc)
+    path = tmp_path / "bad.safetensors"
+    mx.save_safetensors(str(path), arrays, header)
+    return path
+
+
+def refused(path, match, kind=InvalidArgumentError):
+    with pytest.raises(kind, match=match):
+        load_prompt_cache(path)
+
+
+def test_truncated_and_garbage_files_are_refused(tmp_path):
+    path, _, _ = saved(tmp_path)
+    data = path.read_bytes()
+    for i, cut in enumerate([len(data) - 50, len(data) // 2, 7, 0]):
+        p = tmp_path / f"cut{i}.safetensors"
+        p.write_bytes(data[:cut])
+        refused(p, "not a readable safetensors file")
+    p = tmp_path / "garbage.safetensors"
+    p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}" + data[24:])
+    refused(p, "not a readable safetensors file")
+    refused(tmp_path / "missing.safetensors", "not a readable safetensors file")
+
+
+def test_metadata_problems_are_refused(tmp_path):
+    _, arrays, header = saved(tmp_path)
+    no_meta = {k: v for k, v in header.items() if k != "0.__kvspec__"}
+    refused(rewrite(tmp_path, arrays, no_meta), "this looks like a file of mlx-lm's own caches")
+    refused(rewrite(tmp_path, arrays, {"x": "y"}), "no kvspec metadata")
+    refused(rewrite(tmp_path, arrays, {**header, "0.__kvspec__": "{"}), "kvspec metadata is not JSON")
+    refused(rewrite(tmp_path, arrays, {**header, "0.__kvspec__": '{"format": 2, "layers": []}'}), "'format': 1")
+
+    def unknown(layers):
+        layers[2]["class"] = "PagedKVCache"
+
+    refused(rewrite(tmp_path, arrays, header, unknown), "layer 2: unknown class 'PagedKVCache'; known: KVCache, RotatingKVCache")
+
+    def swapped(layers):
+        layers[0]["class"] = "RotatingKVCache"
+
+    refused(rewrite(tmp_path, arrays, header, swapped), "layer 0: class entry '1.0' does not match")
+    refused(rewrite(tmp_path, arrays, {**header, "1.9": "x"}), "class entry '1.9' belongs to no layer")
+
+    def bad_inplace(layers):
+        layers[1]["inplace"] = "yes"
+
+    refused(rewrite(tmp_path, arrays, header, bad_inplace), "layer 1: inplace must be true or false")
+
+    def bad_count(layers):
+        layers[1]["arrays"] = 3
+
+    refused(rewrite(tmp_path, arrays, header, bad_count), "layer 1: arrays must be 0, 2 or 4")
+
+
+def test_tensor_problems_are_refused(tmp_path):
+    _, arrays, header = saved(tmp_path)
+    missing = {k: v for k, v in arrays.items() if k != "1.2"}
+    refused(rewrite(tmp_path, missing, header), "layer 1: tensor '1.2' is missing")
+    refused(rewrite(tmp_path, {**arrays, "9.0": mx.zeros((1,))}, header), r"tensors \['9.0'\] belong to no layer")
+    short = {**arrays, "0.0": arrays["0.0"][:, :, :-1, :]}
+    refused(rewrite(tmp_path, short, header), r"layer 0: from_state: keys and values must agree on \[B, H, T\]")
+    heads = {**arrays, "0.1": mx.concatenate([arrays["0.1"], arrays["0.1"]], axis=1)}
+    refused(rewrite(tmp_path, heads, header), r"layer 0: from_state: keys and values must agree")
+    both = {**arrays, "0.0": arrays["0.0"][:, :, :-1, :], "0.1": arrays["0.1"][:, :, :-1, :]}
+    refused(rewrite(tmp_path, both, header), "layer 0: from_state: ")
+    flat = {**arrays, "2.0": arrays["2.0"][0]}
+    refused(rewrite(tmp_path, flat, header), "layer 2: from_state: keys must have rank 4")
+    as_f32 = {**arrays, "1.0": arrays["1.0"].astype(mx.float32)}
+    refused(rewrite(tmp_path, as_f32, header), "layer 1: from_state: keys dtype must be")
+    scales = {**arrays, "1.1": mx.concatenate([arrays["1.1"], arrays["1.1"]], axis=3)}
+    refused(rewrite(tmp_path, scales, header), r"layer 1: from_state: key_scales must be float16 of shape")
+    ring = {**arrays, "2.0": arrays["2.0"][:, :, :-1, :], "2.1": arrays["2.1"][:, :, :-1, :]}
+    refused(rewrite(tmp_path, ring, header), "layer 2: from_state: counters do not fit the ring")
+
+def test_counter_problems_are_refused(tmp_path):
+    _, arrays, header = saved(tmp_path)
+
+    def cursor(layers):  # ring: keep, max_size, step, offset, idx
+        layers[2]["meta_state"][4] = "99"
+
+    refused(rewrite(tmp_path, arrays, header, cursor), "layer 2: ")
+
+    def offset(layers):  # dense: mode, step, offset, live_start
+        layers[0]["meta_state"][2] = "1"
+
+    refused(rewrite(tmp_path, arrays, header, offset), "layer 0: ")
+
+    def mode(layers):
+        layers[0]["meta_state"][0] = "turbo4"
+
+    refused(rewrite(tmp_path, arrays, header, mode), "layer 0: ", UnsupportedOperationError)
+
+    def words(layers):
+        layers[3]["meta_state"][1] = "four"
+
+    refused(rewrite(tmp_path, arrays, header, words), "layer 3: ")
+
+    def step(layers):
+        layers[0]["meta_state"][1] = str(10**12)
+
+    refused(rewrite(tmp_path, arrays, header, step), r"layer 0: .*step must be in \[1, 1048576\]")
+
+
+# -- save and load at random points of a run --------------------------------------
+@st.composite
+def runs(draw):
+    kind = draw(st.sampled_from(["fp16", "int8", "ring"]))
+    step = draw(st.integers(1, 4))
+    if kind == "ring":
+        w = draw(st.integers(1, 6))
+        keep = draw(st.integers(0, w - 1))
+
+        def make():
+            return RotatingKVCache(max_size=w, keep=keep, step=step)
+    else:
+        def make():
+            return KVCache(kind, step=step)
+    ops = draw(st.lists(st.one_of(
+        st.tuples(st.just("append"), st.integers(1, 4)),
+        st.tuples(st.just("trim"), st.integers(0, 3)),
+        st.tuples(st.just("front"), st.integers(0, 2)),
+        st.tuples(st.just("reload"), st.just(0)),
+    ), min_size=1, max_size=14))
+    return make, ops
+
+
+@settings(max_examples=40)
+@given(runs())
+def test_save_and_load_anywhere_changes_nothing(tmp_path_factory, run):
+    make, ops = run
+    orig = make()
+    other = make()
+    path = tmp_path_factory.mktemp("pc") / "c.safetensors"
+    for i, (op, n) in enumerate(ops):
+        if op == "reload":
+            save_prompt_cache(path, [other])
+            (other,) = load_prompt_cache(path)
+        elif op == "append":
+            a, b = feed(orig, n, i), feed(other, n, i)
+            assert np.array(a[0]).tobytes() == np.array(b[0]).tobytes()
+            assert np.array(a[1]).tobytes() == np.array(b[1]).tobytes()
+        elif op == "trim":
+            assert orig.trim(n) == other.trim(n)
+        elif isinstance(orig, KVCache):
+            assert orig.trim_front_keep_sink(n, keep=1) == other.trim_front_keep_sink(n, keep=1)
+        assert facts(orig) == facts(other)
+
+
+# -- to_quantized -------------------------------------------------------------------
+def test_to_quantized_gives_our_int8_cache():
+    c = KVCache("fp16", step=3)
+    feed(c, 5, 1)
+    c.trim_front_keep_sink(1, keep=1)
+    q = c.to_quantized(group_size=64, bits=8)
+    assert isinstance(q, KVCache) and q.mode == "int8" and q is not c
+    assert (q.offset, q.live_start, q.step) == (c.offset, c.live_start, c.step)
+    k, v = c.fetch()
+    qk, qv = q.fetch()
+    assert np.array(qk).tobytes() == np.array(dequantize_int8(*quantize_int8(k))).tobytes()
+    assert np.array(qv).tobytes() == np.array(dequantize_int8(*quantize_int8(v))).tobytes()
+    assert q.to_quantized(bits=8) is q
+    assert c.mode == "fp16" and window(c) == b"".join(np.array(a).tobytes() for a in (k, v))
+    empty = KVCache().to_quantized(bits=8)
+    assert empty.mode == "int8" and empty.offset == 0
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 16])
+def test_to_quantized_refuses_other_widths(bits):
+    with pytest.raises(UnsupportedOperationError, match=f"bits must be 8 .*got {bits}"):
+        KVCache().to_quantized(bits=bits)
+    with pytest.raises(UnsupportedOperationError, match="stores fp16 only"):
+        RotatingKVCache(max_size=4).to_quantized(bits=8)
+
+
+def test_kv_bits_through_generate_step():
+    """mlx-lm's generate quantizes a prompt cache with kv_bits: 8 gives our
+    Int8 caches; 4 is refused instead of silently keeping fp16."""
+    from mlx_lm.generate import generate_step
+
+    from fuzz.commands.e2e import tiny_llama, token_ids
+
+    model = tiny_llama(3)
+    caches = make_prompt_cache(model, step=4)
+    toks = [int(t) for t, _ in generate_step(token_ids(3, 6), model, max_tokens=4, prompt_cache=caches,
+                                                kv_bits=8, kv_group_size=64, quantized_kv_start=0)]
+    assert len(toks) == 4 and all(isinstance(c, KVCache) and c.mode == "int8" for c in caches)
+    caches = make_prompt_cache(model, step=4)
+    with pytest.raises(UnsupportedOperationError, match="bits must be 8"):
+        list(generate_step(token_ids(3, 6), model, max_tokens=2, prompt_cache=caches, kv_bits=4,
+                           quantized_kv_start=0))
+
+
+# -- the protocol, member by member -------------------------------------------------
+def declared_missing() -> set[str]:
+    """Members docs/mlx-lm.md declares as not provided (its table)."""
+    text = DOCS.read_text()
+    part = text.split("## Protocol members we do not provide", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(\w+\.\w+)` \|", part, re.MULTILINE))
+
+
+@pytest.mark.parametrize("name", ["KVCache", "RotatingKVCache", "QuantizedKVCache"])
+def test_every_public_member_of_mlx_lm_caches_is_provided_or_declared(name):
+    import mlx_lm.models.cache as lm
+
+    lm_cls = getattr(lm, name)
+    lm_obj = lm_cls(max_size=4) if name == "RotatingKVCache" else lm_cls()
+    ours = {"KVCache": [KVCache("fp16")], "RotatingKVCache": [RotatingKVCache(max_size=4)],
+            "QuantizedKVCache": [KVCache("int8")]}[name]
+    members = {m for m in dir(lm_obj) if not m.startswith("_")}
+    declared = declared_missing()
+    undeclared = sorted(m for m in members if not all(hasattr(o, m) for o in ours) and f"{name}.{m}" not in declared)
+    assert undeclared == [], f"{name}: provide these or declare them in docs/mlx-lm.md: {undeclared}"
+    stale = sorted(d for d in declared if d.startswith(name + ".") and d.split(".")[1] not in members)
+    assert stale == [], f"docs/mlx-lm.md declares members mlx-lm no longer has: {stale}"
