@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
+from fuzz import rows as rowgen
 from fuzz.dense import DenseMachine
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import KV_HEADS, SMALL_STEPS
@@ -58,14 +58,19 @@ class TurboLockstep(Lockstep):
     spec_module = sturbo
     snapshot_class = TurboSnapshot
     handle_class = TurboHandle
+    #: memory sharing (data pointers) is not compared: Turbo writes always
+    #: copy, so no holder can see a write whatever it shares; isolation and
+    #: the in-place decision are compared instead
+    check_sharing = False
 
     def __init__(self, cache: dict[str, Any], cache_factory: Any = make_cache):
         super().__init__(cache)
         self.mode = sturbo.Mode(cache["mode"])
         kw = _cache_kw(cache)
-        self.world = sturbo.new_world(self.mode, cache["step"], head_dim=cache["head_dim"], **kw)
+        _, _, dk, dv = self.shape
+        self.world = sturbo.new_world(self.mode, cache["step"], head_dim=dv, k_head_dim=dk, **kw)
         self.prev_world = self.world
-        self.cache = cache_factory(mode=cache["mode"], step=cache["step"], inplace=cache["inplace"], **kw)
+        self.cache = self.build(cache_factory, mode=cache["mode"], step=cache["step"], **kw)
         self._forms: dict[tuple[int, bool, bool], tuple[bytes, bytes]] = {}
         #: the view whose cold offset ``window_matches`` uses by default
         self._view = "cache"
@@ -88,19 +93,22 @@ class TurboLockstep(Lockstep):
                 k = tq.roundtrip(k, bits, tq.K_SEED)
             if v_quant:
                 v = tq.roundtrip(v, bits, tq.V_SEED)
-            got = (np.asarray(k).tobytes(), np.asarray(v).tobytes())
+            got = (rowgen.host(k).tobytes(), rowgen.host(v).tobytes())
             self._forms[key] = got
         return got
 
     def window_matches(self, tokens: tuple[int, ...], arrays: tuple[mx.array, mx.array] | None,
-                       view: str | None = None) -> bool:
+                       mode: str | None = None, view: str | None = None) -> bool:
+        """The window holds ``tokens``' rows in the trace's dtype, each in the
+        form the oracle gives for its place in ``view`` (default: the view
+        being checked; ``mode`` is the base class's, one mode here)."""
         if arrays is None:
             return len(tokens) == 0
-        k, v = (np.asarray(a) for a in arrays)
-        if k.dtype != np.float16 or v.dtype != np.float16:
+        if any(rowgen.dtype_name(a) != self.dtype for a in arrays):
             return False
-        b, h, d = self.shape
-        if k.shape != (b, h, len(tokens), d) or v.shape != (b, h, len(tokens), d):
+        k, v = (rowgen.host(a) for a in arrays)
+        b, h, dk, dv = self.shape
+        if k.shape != (b, h, len(tokens), dk) or v.shape != (b, h, len(tokens), dv):
             return False
         cold = sturbo.view_cold(self.world, view or self._view)
         flags = sturbo.quantized_rows(self.mode, len(tokens), cold)
@@ -110,12 +118,12 @@ class TurboLockstep(Lockstep):
                 return False
         return True
 
-    def identify(self, arrays: tuple[mx.array, mx.array] | None) -> list[Any]:
+    def identify(self, arrays: tuple[mx.array, mx.array] | None, mode: str | None = None) -> list[Any]:
         """Each row as ``token`` (quantized where the oracle quantizes),
         ``token~hot``/``token~cold`` when it has the other form, "zero" or "?"."""
         if arrays is None:
             return []
-        k, v = (np.asarray(a) for a in arrays)
+        k, v = (rowgen.host(a) for a in arrays)
         out: list[Any] = []
         for j in range(k.shape[2]):
             pair = (k[:, :, j : j + 1, :].tobytes(), v[:, :, j : j + 1, :].tobytes())
@@ -131,7 +139,7 @@ class TurboLockstep(Lockstep):
 
     # -- the comparisons, view by view --------------------------------------------
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
-        if not self.window_matches(s.window, i, "returned"):
+        if not self.window_matches(s.window, i, view="returned"):
             raise Divergence(index, op, "returned window differs", list(s.window), self.identify(i))
         if self.check_inplace and self.impl_last_inplace():
             raise Divergence(index, op, "in-place decision differs", "inplace=False (Turbo writes copy)",
@@ -157,7 +165,7 @@ class TurboLockstep(Lockstep):
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
         for name, tokens in s_views.items():
             arrays = i_views[name]
-            if not self.window_matches(tokens, arrays, name):
+            if not self.window_matches(tokens, arrays, view=name):
                 what = "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
                 raise Divergence(index, op, what, list(tokens), self.identify(arrays))
         if op["op"] in ("trim", "trim_to") and 0 < s_obs["live_len"] < self.prev_world.cache.live_len:

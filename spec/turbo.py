@@ -197,8 +197,10 @@ class TurboWorld:
     holder_cold: dict[str, int] = field(default_factory=dict)
     held_cold: int = 0
     returned_cold: int = 0
-    #: the trace's head dim (K and V); None: rows are not checked
+    #: the trace's V head dim and K head dim (None: rows are not checked;
+    #: K's defaults to V's)
     head_dim: int | None = None
+    k_head_dim: int | None = None
 
     @property
     def mode(self) -> Mode:
@@ -231,9 +233,10 @@ class TurboWorld:
 
 
 def new_world(mode: Mode | str, step: int = 256, hot_threshold: int = DEFAULT_HOT_THRESHOLD,
-              fold_block: int = DEFAULT_FOLD_BLOCK, head_dim: int | None = None) -> TurboWorld:
-    """An empty Turbo world whose appends bring rows of ``head_dim`` (K and
-    V; None: unchecked). A head_dim the quantizer cannot take is not refused
+              fold_block: int = DEFAULT_FOLD_BLOCK, head_dim: int | None = None,
+              k_head_dim: int | None = None) -> TurboWorld:
+    """An empty Turbo world whose appends bring V rows of ``head_dim`` and K
+    rows of ``k_head_dim`` (default ``head_dim``; None: unchecked). A head_dim the quantizer cannot take is not refused
     here: every append is (:func:`check_append_head_dims`), as the
     implementation refuses it. Raises InvalidArgumentError for a non-Turbo
     mode, ``step < 1``, ``hot_threshold < 0`` or ``fold_block < 1``."""
@@ -245,7 +248,8 @@ def new_world(mode: Mode | str, step: int = 256, hot_threshold: int = DEFAULT_HO
     if not isinstance(fold_block, int) or fold_block < 1:
         raise InvalidArgumentError(f"fold_block: must be an integer >= 1, got {fold_block!r}")
     # Turbo writes always copy: the in-place switch is irrelevant (off).
-    return TurboWorld(sd.new_world(mode, step, inplace=False), hot_threshold, fold_block, head_dim=head_dim)
+    return TurboWorld(sd.new_world(mode, step, inplace=False), hot_threshold, fold_block, head_dim=head_dim,
+                      k_head_dim=k_head_dim)
 
 
 def _after_trim(cold_offset: int, live_before: int, removed: int) -> int:
@@ -261,7 +265,7 @@ def apply_op(world: TurboWorld, op: dict) -> tuple[object, TurboWorld]:
     live = before.cache.live_len
     folded = 0
     if name == "append" and op["n"] >= 1 and world.head_dim is not None:
-        check_append_head_dims(world.mode, world.head_dim, world.head_dim)
+        check_append_head_dims(world.mode, world.k_head_dim or world.head_dim, world.head_dim)
     if name == "append" and world.mode is Mode.TURBO4DELEGATED and op["n"] >= 1:
         folded = fold_schedule(world.cold_offset, live, op["n"], world.hot_threshold, world.fold_block)
     result, dense = sd.apply_op(before, op)
