@@ -136,14 +136,8 @@ class LayersLockstep(Lockstep):
             return self.returned
         if name == "fetch":
             return tuple(c.fetch() for c in self.caches)
-        if name == "hold":
-            if self.returned is None:
-                raise StateError("hold: no append has returned a window yet")
-            self.held = self.returned
-            return None
-        if name == "release_hold":
-            self.held = None
-            return None
+        if name in ("hold", "release_hold"):
+            return self.impl_hold(name)
         if name == "trim":
             return self.list_ops.trim(self.caches, op["n"])
         if name == "can_trim":

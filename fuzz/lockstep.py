@@ -491,14 +491,8 @@ class Lockstep:
             return self.returned
         if name == "fetch":
             return c.fetch()
-        if name == "hold":
-            if self.returned is None:
-                raise StateError("hold: no append has returned a window yet")
-            self.held = self.returned
-            return None
-        if name == "release_hold":
-            self.held = None
-            return None
+        if name in ("hold", "release_hold"):
+            return self.impl_hold(name)
         if name == "trim":
             return c.trim(op["n"])
         if name == "trim_to":
@@ -515,6 +509,17 @@ class Lockstep:
             del self.holders[op["name"]]
             return None
         return self._UNHANDLED
+
+    def impl_hold(self, name: str) -> None:
+        """``hold`` keeps the window the last append returned alive (as a
+        pipelined step does); ``release_hold`` lets it go. Every kind alike."""
+        if name == "release_hold":
+            self.held = None
+            return
+        if self.returned is None:
+            raise StateError("hold: no append has returned a window yet")
+        self.held = self.returned
+        return
 
     def holder(self, op: str, name: str, kind: type | None = None) -> Any:
         """The implementation's snapshot or handle called ``name``; with

@@ -24,7 +24,6 @@ from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine
 from fuzz.trace import TraceFormatError
 from impl.paged import BlockPool, PagedKVCache
 from spec import paged as sp
-from spec.errors import StateError
 
 
 def pool_config(cache: dict[str, Any]) -> dict[str, Any]:
@@ -84,14 +83,8 @@ class PagedLockstep(Lockstep):
             return self.returned
         if name == "fetch":
             return p.fetch(seq)
-        if name == "hold":
-            if self.returned is None:
-                raise StateError("hold: no append has returned a window yet")
-            self.held = self.returned
-            return None
-        if name == "release_hold":
-            self.held = None
-            return None
+        if name in ("hold", "release_hold"):
+            return self.impl_hold(name)
         if name == "trim":
             return p.trim(seq, op["n"])
         if name == "trim_to":
