@@ -135,6 +135,17 @@ KINDS: dict[str, Kind] = {
             lockstep="fuzz.dense:DenseLockstep", machine="fuzz.dense:DenseMachine", bugs="fuzz.bugs.dense:BUGS",
         ),
         Kind(
+            "turbo", "Turbo quantized modes of the dense cache: V (and Turbo4's K) quantized per row, "
+            "physical trims, copying writes, Delegated's cold/hot V with its fold schedule",
+            modes=("turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"),
+            trace_kind="dense",
+            fields={"hot_threshold": 256, "fold_block": 128},
+            ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
+            # Turbo writes always copy: the in-place switch would change nothing
+            campaigns=(("turbo4asym", True), ("turbo4", True), ("turbo3asym", True), ("turbo4delegated", True)),
+            lockstep="fuzz.turbo:TurboLockstep", machine="fuzz.turbo:TurboMachine", bugs="fuzz.bugs.turbo:BUGS",
+        ),
+        Kind(
             "rotating", "sliding-window ring (RotatingKVCache): window W, sinks K, warm-up and steady state",
             modes=("fp16",),
             # undo: the ring's undo depth U (rows a trim can take back after a wrap)

@@ -33,17 +33,29 @@ from impl.layers import (
     trim_prompt_cache,
 )
 from impl.rotating import RotatingKVCache
+from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
-Cache = KVCache | RotatingKVCache
+Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
+
+
+def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] | None,
+           kw: dict[str, Any]) -> Cache:
+    """A dense-kind cache in ``mode``: ``classes["dense"]`` when given (it
+    must take the mode), else :func:`impl.turbo.make_cache`."""
+    cls = (classes or {}).get("dense")
+    if cls is None:
+        return make_cache(mode, step=step, inplace=inplace, **kw)
+    return cls(mode=mode, step=step, inplace=inplace, **kw)
 
 
 def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
-             classes: dict[str, type] | None = None, undo: int = 0) -> Cache:
+             classes: dict[str, type] | None = None, undo: int = 0, **kw: Any) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind
     (``classes`` maps a kind, ``"dense"`` or ``"rotating"``, to the class to
     build instead of ours: a subclass, e.g. an injected bug; ``undo`` is a
-    ring's undo depth)."""
+    ring's undo depth; ``kw``: the Delegated mode's ``hot_threshold`` and
+    ``fold_block``)."""
     from mlx_lm.models import cache as lm_cache
 
     classes = classes or {}
@@ -57,7 +69,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
         ring = classes.get("rotating", RotatingKVCache)
         return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo)
     if type(c) is lm_cache.KVCache:
-        return classes.get("dense", KVCache)(mode=mode, step=step, inplace=inplace)
+        return _dense(mode, step, inplace, classes, kw)
     raise UnsupportedOperationError(
         f"make_prompt_cache: layer {layer} needs a {type(c).__name__}, which kvspec does not implement "
         "(supported: full-attention KVCache and sliding-window RotatingKVCache layers)"
@@ -72,6 +84,7 @@ def make_prompt_cache(
     max_kv_size: int | None = None,
     classes: dict[str, type] | None = None,
     undo: int = 0,
+    **kw: Any,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
     ``mlx_lm.models.cache.make_prompt_cache`` lays out mlx-lm's caches.
@@ -87,22 +100,26 @@ def make_prompt_cache(
 
     Args:
         model: an mlx-lm model (anything with ``layers``, or ``make_cache``).
-        mode: dense layers' storage, ``"fp16"`` or ``"int8"``.
+        mode: dense layers' storage: ``"fp16"``, ``"int8"``, ``"turbo4asym"``,
+            ``"turbo4"``, ``"turbo3asym"`` or ``"turbo4delegated"``
+            (:func:`impl.turbo.make_cache`).
         step: growth granularity in rows, for every layer.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
         max_kv_size: window of every layer's ring when the model has no
             ``make_cache``.
         classes: ``{"dense": cls, "rotating": cls}`` to build subclasses of
-            ours instead (the injected-bug catalog's classes); default ours.
+            ours instead (the injected-bug catalog's classes); default ours
+            (:func:`impl.turbo.make_cache` for the dense modes).
         undo: every ring's undo depth U (rows a trim can take back after a
             wrap; 0: none).
+        **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
     ``ArraysCache`` of state-space layers) and for ``mode="int8"`` on a
     sliding-window layer; InvalidArgumentError for bad sizes.
     """
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace, classes, undo) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, classes, undo, **kw) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -112,8 +129,7 @@ def make_prompt_cache(
             )
         ring = (classes or {}).get("rotating", RotatingKVCache)
         return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo) for _ in range(n_layers)]
-    dense = (classes or {}).get("dense", KVCache)
-    return [dense(mode=mode, step=step, inplace=inplace) for _ in range(n_layers)]
+    return [_dense(mode, step, inplace, classes, kw) for _ in range(n_layers)]
 
 
 # -- prompt-cache files -------------------------------------------------------------

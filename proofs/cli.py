@@ -42,6 +42,9 @@ def obligations() -> list[tuple[int, Any]]:
                                        "ring slots, chronological order and the warm-up in-place rule", "spec/rotating.py")))
         out.append((7, lambda: waiting(7, "sliding-window mask", ("mask_visible",),
                                        "each query sees min(query + 1, window) keys, sinks always", "spec/rotating.py")))
+    from proofs import turbo
+
+    out += turbo.OBLIGATIONS
     from proofs import layers
 
     if layers.available():

@@ -106,6 +106,13 @@ def test_missing_file_exits_2(capsys):
 
 
 def test_unimplemented_mode_exits_2(tmp_path, capsys):
-    doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": "turbo4"}, "ops": []}
+    doc = {"kvtrace": 1, "cache": {"kind": "rotating", "mode": "turbo4", "max_size": 4}, "ops": []}
     assert main(["replay", write(tmp_path, doc)]) == 2
     assert "is not one of" in capsys.readouterr().out
+
+
+def test_turbo_modes_of_the_dense_kind_replay(tmp_path):
+    for mode in ("turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"):
+        doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": mode},
+               "ops": [{"op": "append", "n": 2}, {"op": "trim", "n": 1, "capacity": 1}]}
+        assert main(["replay", write(tmp_path, doc)]) == 0

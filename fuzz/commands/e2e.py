@@ -36,6 +36,9 @@ anything.
    bytes); mlx-lm's own caches drift there.
 9. ``bf16_models``: bfloat16 llama and gemma3 (random weights): tokens and
    bfloat16 log-probability bytes equal those with mlx-lm's own caches.
+10. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
+    greedy decoding under the same Turbo cache, byte for byte; the
+    log-probabilities' deviation from the fp16 cache is reported per mode.
 
 Random-weight models collapse under greedy decoding (a default-initialised
 2-layer llama repeats one token), so every weight is scaled by
@@ -62,6 +65,7 @@ from mlx.utils import tree_map
 from impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from impl.paged import BlockPool, PagedKVCache, fork_prompt_cache
 from impl.rotating import RotatingKVCache
+from impl.turbo import DelegatedKVCache, TurboKVCache
 
 VOCAB = 256
 HIDDEN = 64
@@ -800,6 +804,116 @@ MIN_WRAPS = {SHORT: 8}
 MIN_ROLLBACKS = {SHORT: 20}
 
 
+
+
+# -- the Turbo modes ---------------------------------------------------------------
+#: the Turbo modes and their cache parameters in the e2e runs (Delegated with
+#: small thresholds so that handoff and block folds happen within a stretch)
+TURBO_E2E: dict[str, dict[str, int]] = {
+    "turbo4asym": {}, "turbo4": {}, "turbo3asym": {}, "turbo4delegated": {"hot_threshold": 6, "fold_block": 3},
+}
+
+
+def turbo_caches(model: Any, mode: str, factories: Factories = None) -> list[Any]:
+    """``make_prompt_cache`` in a Turbo ``mode`` (step 4), built from
+    ``factories["dense"]`` when that is a Turbo class of this mode (an
+    injected Turbo bug; a bug of the Fp16/Int8 cache does not apply)."""
+    bug = (factories or {}).get("dense")
+    cls = DelegatedKVCache if mode == "turbo4delegated" else TurboKVCache
+    fits = isinstance(bug, type) and issubclass(bug, cls)
+    return make_prompt_cache(model, mode=mode, step=4, classes={"dense": bug} if fits else None, **TURBO_E2E[mode])
+
+
+def teacher_forced(model: Any, caches: list[Any], prompt: mx.array, tokens: list[int]) -> list[np.ndarray]:
+    """Log-probabilities (float32) of each next token along a fixed stream:
+    after the prompt, then after each of ``tokens[:-1]`` fed one by one."""
+    out = []
+    x = prompt
+    for t in [None, *tokens[:-1]]:
+        if t is not None:
+            x = mx.array([t], dtype=mx.uint32)
+        logits = model(x[None], cache=caches)[0, -1].astype(mx.float32)
+        out.append(np.array(logits - mx.logsumexp(logits)))
+    return out
+
+
+@dataclass
+class Deviation:
+    """Log-probability deviation of a cache mode from fp16 along one stream."""
+
+    max_abs: float = 0.0
+    mean_max_abs: float = 0.0
+    top1: float = 1.0
+    steps: int = 0
+
+    def add(self, got: list[np.ndarray], ref: list[np.ndarray]) -> None:
+        per_step = [float(np.max(np.abs(a - b))) for a, b in zip(got, ref)]
+        agree = [int(np.argmax(a) == np.argmax(b)) for a, b in zip(got, ref)]
+        n = self.steps + len(per_step)
+        self.mean_max_abs = (self.mean_max_abs * self.steps + sum(per_step)) / n
+        self.top1 = (self.top1 * self.steps + sum(agree)) / n
+        self.max_abs = max(self.max_abs, *per_step)
+        self.steps = n
+
+    def __str__(self) -> str:
+        return f"max |dlogp| {self.max_abs:.3f} (mean per step {self.mean_max_abs:.3f}), top-1 agreement {self.top1:.0%}"
+
+
+def scenario_turbo(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """The Turbo modes inside a real model. Under a Turbo4Asym, Turbo4 or
+    Turbo3Asym cache, mlx-lm's speculative decoding (drafts accepted and
+    rejected: every reject is a physical trim) gives exactly the tokens and
+    log-probability bytes of plain greedy decoding with the same cache mode:
+    quantization is per row, so a rollback leaves exactly the rows a run
+    that never drafted holds.
+
+    Turbo4Delegated is reported, not compared byte for byte: which V rows
+    are cold depends on the sizes of the appends (the handoff fold happens at
+    a one-row append, the block folds after each append), and speculative
+    decoding appends verification blocks where greedy decoding appends single
+    rows, so the two runs hold the same rows with different ones quantized.
+    Its speculative-vs-greedy deviation is reported instead.
+
+    The log-probabilities' deviation from the fp16 cache along the fp16
+    greedy stream (teacher-forced) is reported per mode."""
+    tally = Tally()
+    drafted = accepted = 0
+    devs = {mode: Deviation() for mode in TURBO_E2E}
+    delegated_max, delegated_prefix = 0.0, 1.0
+    n = 2 * size.tokens
+    for seed in size.seeds:
+        model = tiny_llama(seed, late_scale=LATE_LAYER_SCALE)
+        draft = early_exit_draft(model)
+        prompt = token_ids(seed, 12)
+        ref = greedy(model, build_caches(model, "fp16", 4, True), prompt, n)
+        ref_lp = teacher_forced(model, build_caches(model, "fp16", 4, True), prompt, ref.tokens)
+        for mode in TURBO_E2E:
+            plain = greedy(model, turbo_caches(model, mode, factories), prompt, n)
+            caches = turbo_caches(model, mode, factories) + turbo_caches(draft, mode, factories)
+            spec = speculative(model, draft, caches, prompt, n)
+            if mode == "turbo4delegated":
+                same = 0  # steps until the two streams' tokens first differ
+                while same < min(len(spec.stream.tokens), len(plain.tokens)) and \
+                        spec.stream.tokens[same] == plain.tokens[same]:
+                    same += 1
+                as_f32 = [[np.frombuffer(b, np.float16).astype(np.float32) for b in st.logprobs[:same]]
+                          for st in (spec.stream, plain)]
+                delegated_max = max(delegated_max, *(float(np.max(np.abs(a - b))) for a, b in zip(*as_f32)), 0.0)
+                delegated_prefix = min(delegated_prefix, same / max(len(plain.tokens), 1))
+            else:
+                compare(f"seed {seed}, {mode}: speculative vs greedy", spec.stream, plain, tally)
+            drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+            devs[mode].add(teacher_forced(model, turbo_caches(model, mode, factories), prompt, ref.tokens), ref_lp)
+    require(accepted > 0 and accepted < drafted,
+            f"speculation must both accept and reject drafts, got {accepted} accepted of {drafted}")
+    tally.note(f"{accepted}/{drafted} drafts accepted; speculative = greedy bytes in turbo4asym, turbo4, turbo3asym")
+    tally.note(f"turbo4delegated speculative vs greedy (reported): max |dlogp| {delegated_max:.3f} while the "
+               f"tokens agree, shortest common prefix {delegated_prefix:.0%} of a stream")
+    for mode, dev in devs.items():
+        tally.note(f"{mode} vs fp16: {dev}")
+    return tally, accepted / max(drafted, 1)
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -841,6 +955,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("prefix_sharing", "7 prefix_sharing", scenario_prefix_sharing),
     Scenario("speculative_window", "8 speculative_window", scenario_speculative_window),
     Scenario("bf16_models", "9 bf16_models", scenario_bf16_models),
+    Scenario("turbo", "10 turbo", scenario_turbo),
 ]
 
 
