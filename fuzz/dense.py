@@ -19,7 +19,43 @@ from spec import dense as sd
 from spec.errors import InvalidArgumentError
 
 
-class DenseLockstep(Lockstep):
+class DenseOps:
+    """The dense family's own ops on the implementation side, after the ops
+    every kind shares (``Lockstep.impl_common``): front trims, gathers and
+    detached handles. Used by every driver of a dense-kind cache (Fp16/Int8
+    here, the Turbo modes in ``fuzz/turbo.py``); ``handle_class`` names the
+    driver's handle class."""
+
+    handle_class: Any
+    holders: dict[str, Any]
+
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        c, name = self.cache, op["op"]
+        result = self.impl_common(op)
+        if result is not self._UNHANDLED:
+            return result
+        if name == "trim_front":
+            return c.trim_front_keep_sink(op["n"], op.get("keep", 0))
+        if name == "gather_positions":
+            return c.gather_positions(list(op["positions"]))
+        if name == "gather_within_tail":
+            return c.gather_within_tail(op["tail"], list(op["kept"]))
+        if name == "detach":
+            self.fresh_name("detach", op["name"])
+            self.holders[op["name"]] = c.detach()
+            return None
+        if name == "install":
+            handle = self.holder("install", op["name"], self.handle_class)
+            c.install(handle)
+            del self.holders[op["name"]]
+            return None
+        if name == "handle_trim_to":
+            handle = self.holder("handle_trim_to", op["name"], self.handle_class)
+            return handle.trim_to(op["len"])
+        raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
+
+
+class DenseLockstep(DenseOps, Lockstep):
     """Drives a spec ``DenseWorld`` and an impl ``KVCache`` with the same ops.
 
     ``cache_factory`` builds the implementation under test (the injected-bug
@@ -82,31 +118,6 @@ class DenseLockstep(Lockstep):
             out["held"] = data_pointer(self.held[0])
         return out
 
-    # -- implementation side ---------------------------------------------------
-    def impl_apply(self, op: dict[str, Any]) -> Any:
-        c, name = self.cache, op["op"]
-        result = self.impl_common(op)
-        if result is not self._UNHANDLED:
-            return result
-        if name == "trim_front":
-            return c.trim_front_keep_sink(op["n"], op.get("keep", 0))
-        if name == "gather_positions":
-            return c.gather_positions(list(op["positions"]))
-        if name == "gather_within_tail":
-            return c.gather_within_tail(op["tail"], list(op["kept"]))
-        if name == "detach":
-            self.fresh_name("detach", op["name"])
-            self.holders[op["name"]] = c.detach()
-            return None
-        if name == "install":
-            handle = self.holder("install", op["name"], DetachedHandle)
-            c.install(handle)  # type: ignore[arg-type]
-            del self.holders[op["name"]]
-            return None
-        if name == "handle_trim_to":
-            handle = self.holder("handle_trim_to", op["name"], DetachedHandle)
-            return handle.trim_to(op["len"])  # type: ignore[attr-defined]
-        raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
 
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         super().compare_append(index, op, s, i)

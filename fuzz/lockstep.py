@@ -333,10 +333,9 @@ class Lockstep:
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
         for name, tokens in s_views.items():
             arrays = i_views[name]
-            mode = self.view_mode(name)
-            if not self.window_matches(tokens, arrays, mode):
-                what = self.view_label(name)
-                raise Divergence(index, op, what, list(tokens), self.identify(arrays, mode))
+            if not self.view_matches(name, tokens, arrays):
+                raise Divergence(index, op, self.view_label(name), list(tokens),
+                                 self.identify(arrays, self.view_mode(name)))
         if self.check_sharing:
             self.compare_sharing(index, op)
 
@@ -368,6 +367,11 @@ class Lockstep:
     def view_label(self, name: str) -> str:
         """How a divergence names a window that differs."""
         return "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
+
+    def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
+        """Whether the implementation's window ``name`` holds ``tokens``'
+        rows (a kind whose rows depend on where they sit overrides it)."""
+        return self.window_matches(tokens, arrays, self.view_mode(name))
 
     def view_mode(self, name: str) -> str | None:
         """The storage mode of the window ``name`` (None: the cache's)."""

@@ -26,13 +26,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz import rows as rowgen
-from fuzz.dense import DenseMachine
+from fuzz.dense import DenseMachine, DenseOps
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import KV_HEADS, SMALL_STEPS
 from impl import turbo_quant as tq
 from impl.turbo import TurboHandle, TurboSnapshot, make_cache
 from spec import turbo as sturbo
-from spec.errors import InvalidArgumentError
 
 TURBO_MODES = tuple(m.value for m in sturbo.TURBO_MODES)
 DELEGATED = sturbo.Mode.TURBO4DELEGATED.value
@@ -49,7 +48,7 @@ def _cache_kw(cfg: dict[str, Any]) -> dict[str, Any]:
             "fold_block": cfg.get("fold_block", sturbo.DEFAULT_FOLD_BLOCK)}
 
 
-class TurboLockstep(Lockstep):
+class TurboLockstep(DenseOps, Lockstep):
     """Drives a ``spec.turbo.TurboWorld`` and an ``impl.turbo`` cache with
     the same ops. ``cache_factory(mode=, step=, inplace=, [hot_threshold=,
     fold_block=])`` builds the implementation under test (the injected-bug
@@ -155,20 +154,13 @@ class TurboLockstep(Lockstep):
         if s.regrew and before.cache.buffer is not None:
             self.reached("regrow")
 
+    def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
+        return self.window_matches(tokens, arrays, view=name)
+
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
-        s_obs, i_obs = self.spec_observables(), self.impl_observables()
-        for key in s_obs:
-            if s_obs[key] != i_obs.get(key):
-                raise Divergence(index, op, f"{key} differs", f"{key}={s_obs[key]}", f"{key}={i_obs.get(key)}")
-        s_views, i_views = self.spec_views(), self.impl_views()
-        if set(s_views) != set(i_views):
-            raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
-        for name, tokens in s_views.items():
-            arrays = i_views[name]
-            if not self.window_matches(tokens, arrays, view=name):
-                what = "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
-                raise Divergence(index, op, what, list(tokens), self.identify(arrays))
-        if op["op"] in ("trim", "trim_to") and 0 < s_obs["live_len"] < self.prev_world.cache.live_len:
+        super().compare_state(index, op)
+        live = self.world.cache.live_len
+        if op["op"] in ("trim", "trim_to") and 0 < live < self.prev_world.cache.live_len:
             self.reached("physical trim")
 
     def check_expect(self, index: int, op: dict[str, Any]) -> None:
@@ -178,31 +170,6 @@ class TurboLockstep(Lockstep):
         finally:
             self._view = "cache"
 
-    # -- implementation side ---------------------------------------------------
-    def impl_apply(self, op: dict[str, Any]) -> Any:
-        c, name = self.cache, op["op"]
-        result = self.impl_common(op)
-        if result is not self._UNHANDLED:
-            return result
-        if name == "trim_front":
-            return c.trim_front_keep_sink(op["n"], op.get("keep", 0))
-        if name == "gather_positions":
-            return c.gather_positions(list(op["positions"]))
-        if name == "gather_within_tail":
-            return c.gather_within_tail(op["tail"], list(op["kept"]))
-        if name == "detach":
-            self.fresh_name("detach", op["name"])
-            self.holders[op["name"]] = c.detach()
-            return None
-        if name == "install":
-            handle = self.holder("install", op["name"], TurboHandle)
-            c.install(handle)
-            del self.holders[op["name"]]
-            return None
-        if name == "handle_trim_to":
-            handle = self.holder("handle_trim_to", op["name"], TurboHandle)
-            return handle.trim_to(op["len"])
-        raise InvalidArgumentError(f"{name}: not an operation of a dense cache")
 
     # -- observables ------------------------------------------------------------
     def spec_observables(self) -> dict[str, Any]:
