@@ -53,7 +53,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
              classes: dict[str, type] | None = None, undo: int = 0, **kw: Any) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind
     (``classes`` maps a kind, ``"dense"`` or ``"rotating"``, to the class to
-    build instead of ours: a subclass, e.g. an injected bug; ``undo`` is a
+    build instead of ours: a subclass, e.g. a test double; ``undo`` is a
     ring's undo depth; ``kw``: the Delegated mode's ``hot_threshold`` and
     ``fold_block``)."""
     from mlx_lm.models import cache as lm_cache
@@ -108,7 +108,7 @@ def make_prompt_cache(
         max_kv_size: window of every layer's ring when the model has no
             ``make_cache``.
         classes: ``{"dense": cls, "rotating": cls}`` to build subclasses of
-            ours instead (the injected-bug catalog's classes); default ours
+            ours instead (subclasses, e.g. test doubles); default ours
             (:func:`impl.turbo.make_cache` for the dense modes).
         undo: every ring's undo depth U (rows a trim can take back after a
             wrap; 0: none).
