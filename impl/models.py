@@ -138,7 +138,10 @@ FILE_FORMAT = 1
 #: Metadata key (inside mlx-lm's user-metadata namespace "0.") holding the
 #: kvspec layer descriptions, and what each class entry says to mlx-lm.
 _META_KEY = "__kvspec__"
-_CLASSES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+_CLASSES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache, "TurboKVCache": TurboKVCache,
+            "DelegatedKVCache": DelegatedKVCache}
+#: Most arrays a layer's ``state`` holds (a Turbo store: 7).
+_MAX_ARRAYS = 16
 _LOADER = "impl.models.load_prompt_cache"
 
 
@@ -151,32 +154,45 @@ def _class_entry(name: str) -> str:
 
 def _describe(layer: int, c: Any) -> dict[str, Any]:
     name = type(c).__name__
-    if not isinstance(c, (KVCache, RotatingKVCache)) or name not in _CLASSES:
+    if name == "PagedKVCache":
+        raise UnsupportedOperationError(
+            f"save_prompt_cache: layer {layer} is a PagedKVCache, whose blocks belong to its pool and may be "
+            "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
+            "through a dense cache (impl.dense.KVCache.from_state(layer.state))"
+        )
+    if name not in _CLASSES or not isinstance(c, _CLASSES[name]):
         raise UnsupportedOperationError(
             f"save_prompt_cache: layer {layer} is a {name}; kvspec files hold kvspec caches only "
             f"({', '.join(_CLASSES)}); save mlx-lm's caches with mlx_lm.models.cache.save_prompt_cache"
         )
-    return {"class": name, "meta_state": list(c.meta_state), "inplace": bool(c.inplace), "arrays": len(c.state)}
+    # Turbo writes always copy: no switch to keep (saved as false)
+    return {"class": name, "meta_state": list(c.meta_state), "inplace": bool(getattr(c, "inplace", False)),
+            "arrays": len(c.state)}
 
 
 def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[str, str] | None = None) -> None:
     """Save a list of kvspec caches (one per layer, any mix of dense Fp16,
-    Int8 and rings) to a safetensors file: mlx-lm's call shape.
+    Int8, Turbo and rings) to a safetensors file: mlx-lm's call shape.
 
     Tensors: ``"{layer}.{j}"``, the layer's ``state`` (its live rows:
     Fp16 ``(keys, values)``, Int8 ``(keys, key_scales, values,
-    value_scales)``, a ring ``(keys, values)`` in physical slot order).
+    value_scales)``, a ring ``(keys, values)`` in physical slot order, a
+    Turbo cache its packed codes, norms and rescales, sorted by name).
     Metadata (strings): the user's ``metadata`` under ``"0.<key>"`` as
     mlx-lm stores it; under ``"0.__kvspec__"`` a JSON description of every
     layer (class, ``meta_state``: mode, step, offset, live_start for a
-    dense cache, keep, max_size, step, offset, idx for a ring; the in-place
-    switch; how many arrays); and under ``"1.<layer>"`` a class entry that
-    makes mlx-lm's own loader stop with a message naming
-    :func:`load_prompt_cache`. docs/mlx-lm.md "Prompt-cache files".
+    dense cache, keep, max_size, step, offset, idx[, undo] for a ring, the
+    Turbo counters, dtype, head dims and array names; the in-place switch;
+    how many arrays); and under ``"1.<layer>"`` a class entry that makes
+    mlx-lm's own loader stop with a message naming
+    :func:`load_prompt_cache`. A file is a snapshot: a ring's undo log is
+    not saved (a restored ring cannot roll back into the history before the
+    restore, spec.rotating.w_restore). docs/mlx-lm.md "Prompt-cache files".
 
     Raises InvalidArgumentError for metadata that is not ``str -> str`` or
     uses the reserved key, UnsupportedOperationError for a layer that is not
-    a kvspec cache. Nothing is written when refused.
+    a kvspec cache or is a paged sequence (its blocks belong to its pool).
+    Nothing is written when refused.
     """
     if len(cache) == 0:
         raise InvalidArgumentError("save_prompt_cache: cache must hold at least one layer, got []")
@@ -230,8 +246,8 @@ def _layer_plan(file: Any, header: dict[str, str], arrays: dict[str, mx.array]) 
         if not isinstance(layer["inplace"], bool):
             raise _bad(file, f"layer {i}: inplace must be true or false, got {layer['inplace']!r}")
         n = layer["arrays"]
-        if isinstance(n, bool) or not isinstance(n, int) or n not in (0, 2, 4):
-            raise _bad(file, f"layer {i}: arrays must be 0, 2 or 4, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_ARRAYS:
+            raise _bad(file, f"layer {i}: arrays must be an integer in [0, {_MAX_ARRAYS}], got {n!r}")
         if header.get(f"1.{i}") != _class_entry(layer["class"]):
             raise _bad(file, f"layer {i}: class entry '1.{i}' does not match the kvspec metadata")
         for j in range(n):
@@ -278,7 +294,8 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
             c = cls.from_state(state, tuple(layer["meta_state"]))
         except (InvalidArgumentError, UnsupportedOperationError) as exc:
             raise type(exc)(f"load_prompt_cache: {file}: layer {i}: {exc}") from None
-        c.inplace = layer["inplace"]
+        if hasattr(c, "inplace"):
+            c.inplace = layer["inplace"]
         caches.append(c)
     if return_metadata:
         meta = {k[2:]: v for k, v in header.items() if k.startswith("0.") and k != f"0.{_META_KEY}"}

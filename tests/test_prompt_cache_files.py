@@ -21,13 +21,15 @@ pytest.importorskip("mlx_lm")
 from impl.dense import KVCache
 from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from impl.quant import dequantize_int8, quantize_int8
+from impl.paged import PagedKVCache
 from impl.rotating import RotatingKVCache
+from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "mlx-lm.md"
 
 
-def rows(n: int, seed: int, d: int = 4) -> mx.array:
+def rows(n: int, seed: int, d: int = 8) -> mx.array:
     rng = np.random.default_rng(seed)
     return mx.array(rng.standard_normal((1, 2, n, d)).astype(np.float16))
 
@@ -41,17 +43,26 @@ def window(c) -> bytes:
     return b"" if got is None else b"".join(np.array(a).tobytes() for a in got)
 
 
+def state_bytes(c) -> bytes:
+    return b"".join(np.array(a).tobytes() for a in c.state)
+
+
 def facts(c) -> tuple:
-    common = (type(c).__name__, c.step, c.inplace, c.offset, tuple(c.meta_state), window(c))
+    common = (type(c).__name__, c.step, getattr(c, "inplace", None), c.offset, tuple(c.meta_state), window(c))
     if isinstance(c, RotatingKVCache):
-        return (*common, c.max_size, c.keep, c.idx)
+        return (*common, c.max_size, c.keep, c.idx, c.undo)
+    if isinstance(c, (TurboKVCache, DelegatedKVCache)):
+        # the stored codes, norms and rescales too, not only what they decode to
+        return (*common, c.mode, c.cold_offset, c.dtype, state_bytes(c))
     return (*common, c.mode, c.live_start, c.live_len)
 
 
 def mixed() -> list:
     """Every layer kind and a range of states: dense Fp16 after a logical
     trim and a front trim, Int8, a wrapped ring, an oversized ring after a
-    multi-row append, empty caches, a dense cache emptied by a trim."""
+    multi-row append, empty caches, a dense cache emptied by a trim, a ring
+    with an undo depth, every Turbo mode (Delegated with cold and hot rows,
+    3-bit with K and V head dims that differ)."""
     a = KVCache("fp16", step=3)
     feed(a, 5, 1)
     a.trim(2)
@@ -73,7 +84,17 @@ def mixed() -> list:
     h = RotatingKVCache(max_size=3, keep=1, step=2, undo=2)  # the undo depth survives, not the log
     for i in range(4):
         feed(h, 1, 40 + i)
-    return [a, b, c, d, e, f, g, h]
+    t4a = make_cache("turbo4asym", step=3)
+    feed(t4a, 5, 50)
+    t4a.trim(1)
+    t4 = make_cache("turbo4", step=2)
+    feed(t4, 3, 51)
+    t3 = make_cache("turbo3asym", step=2)
+    t3.update_and_fetch(rows(3, 52, d=4), rows(3, 53))  # fp16 keys of head_dim 4, 3-bit values of 8
+    dg = make_cache("turbo4delegated", step=2, hot_threshold=2, fold_block=2)
+    for i in range(5):
+        feed(dg, 1, 54 + i)
+    return [a, b, c, d, e, f, g, h, t4a, t4, t3, dg, make_cache("turbo4")]
 
 
 def test_round_trip_keeps_every_layer(tmp_path):
@@ -90,8 +111,9 @@ def test_round_trip_keeps_every_layer(tmp_path):
             if isinstance(orig, RotatingKVCache):
                 m1, m2 = orig.make_mask(n, return_array=True), back.make_mask(n, return_array=True)
                 assert np.array_equal(np.array(m1), np.array(m2))
-            k1, v1 = feed(orig, n, 100 + step)
-            k2, v2 = feed(back, n, 100 + step)
+            d = 4 if getattr(orig, "mode", "") == "turbo3asym" else 8
+            k1, v1 = orig.update_and_fetch(rows(n, 100 + step, d), rows(n, 200 + step))
+            k2, v2 = back.update_and_fetch(rows(n, 100 + step, d), rows(n, 200 + step))
             assert np.array(k1).tobytes() == np.array(k2).tobytes()
             assert np.array(v1).tobytes() == np.array(v2).tobytes()
             assert facts(orig)[3:] == facts(back)[3:]
@@ -143,6 +165,13 @@ def test_save_refuses_what_it_cannot_write(tmp_path):
     path = tmp_path / "x.safetensors"
     with pytest.raises(UnsupportedOperationError, match="layer 1 is a KVCache; kvspec files hold kvspec caches only"):
         save_prompt_cache(path, [KVCache(), LmKVCache()])
+    paged = PagedKVCache(block_size=2)
+    paged.update_and_fetch(rows(3, 1), rows(3, 2))
+    with pytest.raises(UnsupportedOperationError, match="layer 1 is a PagedKVCache, whose blocks belong to its pool"):
+        save_prompt_cache(path, [KVCache(), paged])
+    # what the message offers works: the sequence's rows in a dense cache
+    dense = KVCache.from_state(paged.state)
+    assert window(dense) == window(paged)
     with pytest.raises(InvalidArgumentError, match="metadata must map str to str"):
         save_prompt_cache(path, [KVCache()], {"n": 3})
     with pytest.raises(InvalidArgumentError, match="reserved"):
@@ -200,13 +229,14 @@ def test_metadata_problems_are_refused(tmp_path):
     def unknown(layers):
         layers[2]["class"] = "PagedKVCache"
 
-    refused(rewrite(tmp_path, arrays, header, unknown), "layer 2: unknown class 'PagedKVCache'; known: KVCache, RotatingKVCache")
+    refused(rewrite(tmp_path, arrays, header, unknown),
+            "layer 2: unknown class 'PagedKVCache'; known: KVCache, RotatingKVCache, TurboKVCache, DelegatedKVCache")
 
     def swapped(layers):
         layers[0]["class"] = "RotatingKVCache"
 
     refused(rewrite(tmp_path, arrays, header, swapped), "layer 0: class entry '1.0' does not match")
-    refused(rewrite(tmp_path, arrays, {**header, "1.9": "x"}), "class entry '1.9' belongs to no layer")
+    refused(rewrite(tmp_path, arrays, {**header, "1.19": "x"}), "class entry '1.19' belongs to no layer")
 
     def bad_inplace(layers):
         layers[1]["inplace"] = "yes"
@@ -216,14 +246,30 @@ def test_metadata_problems_are_refused(tmp_path):
     def bad_count(layers):
         layers[1]["arrays"] = 3
 
-    refused(rewrite(tmp_path, arrays, header, bad_count), "layer 1: arrays must be 0, 2 or 4")
+    refused(rewrite(tmp_path, arrays, header, bad_count), r"tensors \['1.3'\] belong to no layer")
+
+    def more(layers):
+        layers[1]["arrays"] = 5
+
+    refused(rewrite(tmp_path, arrays, header, more), "layer 1: tensor '1.4' is missing")
+    for n in (-1, 17, True, "2"):
+        def count(layers, n=n):
+            layers[1]["arrays"] = n
+
+        refused(rewrite(tmp_path, arrays, header, count), r"layer 1: arrays must be an integer in \[0, 16\]")
+
+    def fewer(layers):  # Int8 keeps four arrays: two of them are not enough
+        layers[1]["arrays"] = 2
+
+    refused(rewrite(tmp_path, {k: v for k, v in arrays.items() if k not in ("1.2", "1.3")}, header, fewer),
+            "layer 1: from_state: ")
 
 
 def test_tensor_problems_are_refused(tmp_path):
     _, arrays, header = saved(tmp_path)
     missing = {k: v for k, v in arrays.items() if k != "1.2"}
     refused(rewrite(tmp_path, missing, header), "layer 1: tensor '1.2' is missing")
-    refused(rewrite(tmp_path, {**arrays, "9.0": mx.zeros((1,))}, header), r"tensors \['9.0'\] belong to no layer")
+    refused(rewrite(tmp_path, {**arrays, "19.0": mx.zeros((1,))}, header), r"tensors \['19.0'\] belong to no layer")
     short = {**arrays, "0.0": arrays["0.0"][:, :, :-1, :]}
     refused(rewrite(tmp_path, short, header), r"layer 0: from_state: keys and values must agree on \[B, H, T\]")
     heads = {**arrays, "0.1": mx.concatenate([arrays["0.1"], arrays["0.1"]], axis=1)}
@@ -238,6 +284,13 @@ def test_tensor_problems_are_refused(tmp_path):
     refused(rewrite(tmp_path, scales, header), r"layer 1: from_state: key_scales must be float16 of shape")
     ring = {**arrays, "2.0": arrays["2.0"][:, :, :-1, :], "2.1": arrays["2.1"][:, :, :-1, :]}
     refused(rewrite(tmp_path, ring, header), "layer 2: from_state: counters do not fit the ring")
+    # Turbo (layer 9: turbo4; its arrays sorted by name: k_norm, k_packed, k_rescale, v_norm, ...)
+    packed = {**arrays, "9.1": arrays["9.1"][..., :-1]}
+    refused(rewrite(tmp_path, packed, header), "layer 9: from_state: k_packed")
+    codes = {**arrays, "9.1": arrays["9.1"].astype(mx.int32)}
+    refused(rewrite(tmp_path, codes, header), "layer 9: from_state: k_packed")
+    rows_short = {**arrays, **{f"9.{j}": arrays[f"9.{j}"][:, :, :-1, :] for j in range(6)}}
+    refused(rewrite(tmp_path, rows_short, header), "layer 9: from_state: ")
 
 def test_counter_problems_are_refused(tmp_path):
     _, arrays, header = saved(tmp_path)
@@ -262,23 +315,69 @@ def test_counter_problems_are_refused(tmp_path):
 
     refused(rewrite(tmp_path, arrays, header, words), "layer 3: ")
 
+    def names(layers):  # Turbo: the array names must be the mode's
+        layers[9]["meta_state"][7] = "k_norm,k_packed,k_rescale,v_norm,v_packed,hot"
+
+    refused(rewrite(tmp_path, arrays, header, names), "layer 9: ")
+
+    def turbo_mode(layers):  # a Turbo layer's mode must be one of the class's
+        layers[8]["meta_state"][0] = "turbo4delegated"
+
+    refused(rewrite(tmp_path, arrays, header, turbo_mode), "layer 8: ")
+
+    def cold(layers):  # Delegated: cold rows beyond the offset
+        layers[11]["meta_state"][3] = "9"
+
+    refused(rewrite(tmp_path, arrays, header, cold), "layer 11: ")
+
     def step(layers):
         layers[0]["meta_state"][1] = str(10**12)
 
     refused(rewrite(tmp_path, arrays, header, step), r"layer 0: .*step must be in \[1, 1048576\]")
 
 
+def test_a_load_is_a_restore_the_undo_log_stays_behind(tmp_path):
+    """The file keeps a ring's undo depth, not its log (save_prompt_cache):
+    right after a load a wrapped ring can roll back nothing, exactly as
+    after restoring a snapshot; rows written after the load roll back."""
+    ring = RotatingKVCache(max_size=3, keep=1, step=2, undo=2)
+    for i in range(5):
+        feed(ring, 1, i)
+    assert ring.trimmable_rows() == 2
+    path = tmp_path / "ring.safetensors"
+    save_prompt_cache(path, [ring])
+    (back,) = load_prompt_cache(path)
+    ring.restore(ring.snapshot())
+    assert back.undo == ring.undo == 2
+    assert back.trimmable_rows() == ring.trimmable_rows() == 0
+    assert back.trim(1) == ring.trim(1) == 0  # fails closed: nothing moves
+    for c in (ring, back):
+        feed(c, 1, 9)
+    assert back.trimmable_rows() == ring.trimmable_rows() == 1
+    assert back.trim(1) == ring.trim(1) == 1
+    assert facts(back) == facts(ring)
+
+
 # -- save and load at random points of a run --------------------------------------
 @st.composite
 def runs(draw):
-    kind = draw(st.sampled_from(["fp16", "int8", "ring"]))
+    kind = draw(st.sampled_from(["fp16", "int8", "ring", "turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"]))
     step = draw(st.integers(1, 4))
     if kind == "ring":
         w = draw(st.integers(1, 6))
         keep = draw(st.integers(0, w - 1))
+        undo = draw(st.integers(0, 3))
 
         def make():
-            return RotatingKVCache(max_size=w, keep=keep, step=step)
+            return RotatingKVCache(max_size=w, keep=keep, step=step, undo=undo)
+    elif kind == "turbo4delegated":
+        hot, block = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+
+        def make():
+            return make_cache(kind, step=step, hot_threshold=hot, fold_block=block)
+    elif kind.startswith("turbo"):
+        def make():
+            return make_cache(kind, step=step)
     else:
         def make():
             return KVCache(kind, step=step)
@@ -294,6 +393,9 @@ def runs(draw):
 @settings(max_examples=40)
 @given(runs())
 def test_save_and_load_anywhere_changes_nothing(tmp_path_factory, run):
+    """A save and load anywhere in a run acts as restoring a snapshot taken
+    there (a ring's undo log included: a restored ring cannot roll back into
+    the history before the restore), for every layer class and mode."""
     make, ops = run
     orig = make()
     other = make()
@@ -302,6 +404,7 @@ def test_save_and_load_anywhere_changes_nothing(tmp_path_factory, run):
         if op == "reload":
             save_prompt_cache(path, [other])
             (other,) = load_prompt_cache(path)
+            orig.restore(orig.snapshot())
         elif op == "append":
             a, b = feed(orig, n, i), feed(other, n, i)
             assert np.array(a[0]).tobytes() == np.array(b[0]).tobytes()
@@ -311,6 +414,9 @@ def test_save_and_load_anywhere_changes_nothing(tmp_path_factory, run):
         elif isinstance(orig, KVCache):
             assert orig.trim_front_keep_sink(n, keep=1) == other.trim_front_keep_sink(n, keep=1)
         assert facts(orig) == facts(other)
+        assert orig.is_trimmable() == other.is_trimmable()
+        if isinstance(orig, RotatingKVCache):
+            assert orig.trimmable_rows() == other.trimmable_rows()
 
 
 # -- to_quantized -------------------------------------------------------------------
