@@ -48,9 +48,11 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     })
 
 
-def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False) -> settings:
+def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False, shrink: bool = True) -> settings:
     """Settings for one batch: no example database (runs are reproducible from
-    the seed alone), no deadline (MLX's first call compiles kernels)."""
+    the seed alone), no deadline (MLX's first call compiles kernels).
+    ``shrink=False`` reports the first failing example as found (shrinking
+    costs about ten times the search for a catalog bug)."""
     return settings(
         max_examples=max_examples,
         stateful_step_count=steps,
@@ -58,7 +60,8 @@ def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False) -> s
         database=None,
         derandomize=derandomize,
         suppress_health_check=list(HealthCheck),
-        phases=[Phase.generate, Phase.shrink],  # no explicit/reuse phases: no database
+        # no explicit/reuse phases: no database
+        phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
         print_blob=False,
         report_multiple_bugs=False,
     )
@@ -80,10 +83,12 @@ class RunResult:
     trace: Trace | None = None
 
 
-def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40) -> RunResult:
-    """Run one seeded batch of ``max_examples`` examples (shrinking on failure)."""
+def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40,
+                shrink: bool = True) -> RunResult:
+    """Run one seeded batch of ``max_examples`` examples (shrinking on
+    failure unless ``shrink=False``)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
-    test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps))
+    test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps, shrink=shrink))
     test = hyp_seed(seed)(test)
     start = time.perf_counter()
     error: BaseException | None = None
@@ -184,12 +189,15 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
 
 
 def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | None = None,
-              check_inplace: bool = True, stem: str | None = None):
+              check_inplace: bool = True, stem: str | None = None, shrink: bool = True):
     """Fuzz one injected bug; returns (caught, seconds, examples, trace path,
     false alarm message or None). ``fixed`` pins cache fields and
-    ``check_inplace=False`` leaves only isolation to catch unsafe writes."""
+    ``check_inplace=False`` leaves only isolation to catch unsafe writes.
+    The trace is the shrunk counterexample, or with ``shrink=False`` the
+    first failing run up to the failing op; either way it is replayed on
+    the real implementation, where it must pass."""
     machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
-    result = run_machine(machine, seed, max_examples=max_examples)
+    result = run_machine(machine, seed, max_examples=max_examples, shrink=shrink)
     if not result.failed or result.trace is None:
         return False, result.seconds, result.examples, None, None
     if result.examples_to_catch is None and result.error is not None:

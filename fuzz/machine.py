@@ -196,6 +196,23 @@ class KVMachine(RuleBasedStateMachine):
     def drop(self, name: str) -> None:
         self.do({"op": "drop", "name": name})
 
+    @rule(n=st.integers(1, 2))
+    def branch(self, n: int) -> None:
+        """Two continuations from one point, the first one's window still
+        alive while the second writes (best-of-n sampling, tree search and
+        prompt-cache reuse do this): snapshot, append, hold, restore,
+        append, drop. A write that lands in memory the other branch still
+        reads (an in-place write the ownership rule should have refused)
+        shows in the held window at the next comparison; the single rules
+        above reach this order too, but rarely."""
+        name = self.fresh_name("b")
+        self.do({"op": "snapshot", "name": name})
+        self.do({"op": "append", "n": n})
+        self.do({"op": "hold"})
+        self.do({"op": "restore", "name": name})
+        self.do({"op": "append", "n": n})
+        self.do({"op": "drop", "name": name})
+
     #: ops that take a holder's name, for :meth:`misuse_name`
     named_ops: ClassVar[tuple[str, ...]] = ("snapshot", "restore", "drop")
 

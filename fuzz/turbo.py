@@ -195,10 +195,12 @@ class TurboMachine(DenseMachine):
     """The dense machine's rules (front trims and gathers included: the
     Turbo modes answer 0 or compact, Delegated refuses gathers) on a Turbo
     cache, with small ``hot_threshold`` and ``fold_block`` for Delegated
-    and, in about one example in nine (index 4 of the draw, away from the
-    ends Hypothesis favours), a head_dim the quantizer refuses."""
+    and, in about one example in five (index 2 of the draw, away from the
+    ends Hypothesis favours), a head_dim the quantizer refuses (rarer, and
+    Hypothesis, which reuses earlier examples' choices, could go hundreds
+    of examples without one)."""
 
-    @initialize(step=SMALL_STEPS, head_dim=st.sampled_from([8, 16, 8, 16, 0, 8, 16, 8, 16]), kv_heads=KV_HEADS,
+    @initialize(step=SMALL_STEPS, head_dim=st.sampled_from([8, 16, 0, 16, 8]), kv_heads=KV_HEADS,
                 hot_threshold=THRESHOLDS, fold_block=BLOCKS)
     def init(self, step: int, head_dim: int, kv_heads: int, hot_threshold: int, fold_block: int) -> None:
         if head_dim == 0:

@@ -14,8 +14,9 @@ evaluated, as attention evaluates them): evaluating only the keys lets MLX
 keep the values lazy, and from ~16k rows on the logical rollback then pays
 for a values copy that a decoder never makes.
 
-Times are medians of repeated runs on this machine; only ratios mean
-anything across machines. Each row ends with the ratio of its last context
+Times are medians of repeated runs on this machine, taken round-robin over
+the contexts after a warm-up (so drift falls on every context alike); only
+ratios mean anything across machines. Each row ends with the ratio of its last context
 to its first (32k / 1k by default): about 1 for an O(1) operation, about the
 context ratio for an O(context) one.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 from rich.console import Console
@@ -34,6 +36,8 @@ from fuzz.bugs.dense import PhysicalTrimFp16
 from impl.dense import KVCache
 
 HEADS, DIM = 8, 128
+#: timed rounds per operation and context (medians of these)
+ROUNDS = 64
 
 
 def _rows(n: int) -> tuple[mx.array, mx.array]:
@@ -42,41 +46,63 @@ def _rows(n: int) -> tuple[mx.array, mx.array]:
     return k, k
 
 
-def _decode_seconds(context: int, inplace: bool, steps: int = 64) -> float:
+def _decode_round(context: int, inplace: bool) -> Callable[[], float]:
+    """A cache holding ``context`` rows; each call times one decode step."""
     cache = KVCache("fp16", step=256, inplace=inplace)
     cache.update_and_fetch(*_rows(context))
     one = _rows(1)
-    held = cache.update_and_fetch(*one)
-    mx.eval(*held)
-    times = []
-    for _ in range(steps):
+    held = [cache.update_and_fetch(*one)]
+    mx.eval(*held[0])
+
+    def tick() -> float:
         start = time.perf_counter()
         # The previous step's window stays alive until this step is
-        # evaluated, as in a pipelined decoder. (Rebinding `held` before the
-        # eval would let MLX donate the buffer and hide the copy's cost.)
+        # evaluated, as in a pipelined decoder. (Dropping it before the eval
+        # would let MLX donate the buffer and hide the copy's cost.)
         out = cache.update_and_fetch(*one)
         mx.eval(*out)
-        times.append(time.perf_counter() - start)
-        held = out
-    del held
-    return statistics.median(times)
+        seconds = time.perf_counter() - start
+        held[0] = out
+        return seconds
+
+    return tick
 
 
-def _rollback_seconds(cls: type[KVCache], context: int, k: int = 4, rounds: int = 64) -> float:
+def _rollback_round(cls: type[KVCache], context: int, k: int = 4) -> Callable[[], float]:
+    """A cache holding ``context`` rows; each call times one speculative
+    rollback: trim ``k`` rows, then append the verified ``k`` rows."""
     cache = cls("fp16", step=256, inplace=True)
     cache.update_and_fetch(*_rows(context))
     block = _rows(k)
-    times = []
-    for _ in range(rounds):
+
+    def tick() -> float:
         mx.eval(*cache.update_and_fetch(*block))  # the draft step's keys and values, consumed
         start = time.perf_counter()
         cache.trim(k)
         # the verified block's keys and values, consumed; nothing holds the
         # window afterwards (a rollback loop keeps no view of the old step)
         mx.eval(*cache.update_and_fetch(*block))
-        times.append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
         cache.trim(k)
-    return statistics.median(times)
+        return seconds
+
+    return tick
+
+
+def _interleaved(ticks: list[Callable[[], float]], rounds: int, warmup: int = 4) -> list[float]:
+    """Median seconds of each tick over ``rounds`` rounds, run round-robin
+    (round r starts at a different tick) after ``warmup`` untimed calls of
+    each: drift in the machine's load, clocks and caches then falls on
+    every context alike instead of on whichever was measured first."""
+    for tick in ticks:
+        for _ in range(warmup):
+            tick()
+    times: list[list[float]] = [[] for _ in ticks]
+    for r in range(rounds):
+        for j in range(len(ticks)):
+            i = (r + j) % len(ticks)
+            times[i].append(ticks[i]())
+    return [statistics.median(t) for t in times]
 
 
 ROWS = (
@@ -91,13 +117,20 @@ def run(contexts: list[int], as_json: bool = False) -> int:
     """Measure at each context length; print one row per operation with a
     column per context and the last/first ratio."""
     err = Console(stderr=True, highlight=False)
-    cols = []
-    for n in contexts:
-        err.print(f"bench: context {n} ...", markup=False)
-        inplace, copy = _decode_seconds(n, True), _decode_seconds(n, False)
-        logical, physical = _rollback_seconds(KVCache, n), _rollback_seconds(PhysicalTrimFp16, n)
-        cols.append({"context": n, "decode_inplace_ms": inplace * 1e3, "decode_copy_ms": copy * 1e3,
-                     "rollback_logical_ms": logical * 1e3, "rollback_physical_ms": physical * 1e3})
+    makers = {
+        "decode_inplace_ms": lambda n: _decode_round(n, True),
+        "decode_copy_ms": lambda n: _decode_round(n, False),
+        "rollback_logical_ms": lambda n: _rollback_round(KVCache, n),
+        "rollback_physical_ms": lambda n: _rollback_round(PhysicalTrimFp16, n),
+    }
+    cols: list[dict[str, float]] = [{"context": n} for n in contexts]
+    for key, make in makers.items():
+        err.print(f"bench: {key.removesuffix('_ms').replace('_', ' ')} at {', '.join(map(str, contexts))} ...",
+                  markup=False)
+        ticks = [make(n) for n in contexts]
+        for col, seconds in zip(cols, _interleaved(ticks, ROUNDS)):
+            col[key] = seconds * 1e3
+        del ticks
     first, last = cols[0], cols[-1]
     ratios = {key: last[key] / first[key] for _, key in ROWS}
     if as_json:

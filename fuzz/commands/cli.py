@@ -485,10 +485,11 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
 
     mu = add("mutants", "fuzz every injected bug of the catalog from N seeds: the kill matrix",
              "Fuzz every injected bug (and its variants) from seeds 1..N; each must be caught in every seed, "
-             "and its minimal trace must replay clean on the real implementation.")
+             "and every failing run must replay clean on the real implementation. Seed 1's counterexample "
+             "is shrunk to a minimal trace (the one reported); the others are kept as found.")
     mu.add_argument("--seeds", type=int_in(1, 1000), default=5, help="seeds per bug")
     mu.add_argument("--json", action="store_true", help="print one JSON object")
-    mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the minimal traces")
+    mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the traces, one folder per seed")
     mu.add_argument("--only", nargs="+", metavar="BUG", help="these bugs only (default: the whole catalog)")
     mu.set_defaults(fn=cmd_mutants)
 

@@ -1,9 +1,13 @@
 """``kvspec mutants``: the kill matrix of the injected-bug catalog.
 
 Every catalog entry is fuzzed from N fixed seeds (1..N). For each seed the
-fuzzer must catch it; the minimal counterexample is written out and replayed
-on the real implementation, where it must pass (when it does not, the
-implementation diverges from the spec at the op the report names). Reported
+fuzzer must catch it, and the failing run is written out as a kvtrace and
+replayed on the real implementation, where it must pass (when it does not,
+the implementation diverges from the spec at the op the report names). The
+first seed's counterexample is shrunk to a minimal trace (the one reported);
+the other seeds keep theirs as found, up to the failing op: shrinking costs
+about ten times the search, and the kill matrix asks only whether and how
+soon each seed catches the bug. Reported
 per entry: caught in every seed or not, examples and seconds to the first
 failing example (median and worst), and the trace of the first seed.
 """
@@ -55,11 +59,13 @@ class MutantReport:
 
 
 def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failures/mutants",
-                names: list[str] | None = None, progress=None, reports: list[MutantReport] | None = None
-                ) -> list[MutantReport]:
-    """Fuzz every entry (``names``: only these) from seeds 1..``seeds``.
-    ``progress(report)`` is called after each entry; finished entries are
-    appended to ``reports`` as they finish (what an interrupted run keeps)."""
+                names: list[str] | None = None, progress=None, reports: list[MutantReport] | None = None,
+                shrink_first: bool = True) -> list[MutantReport]:
+    """Fuzz every entry (``names``: only these) from seeds 1..``seeds``;
+    seed 1's counterexample is shrunk unless ``shrink_first=False`` (then
+    no seed's is). ``progress(report)`` is called after each entry; finished
+    entries are appended to ``reports`` as they finish (what an interrupted
+    run keeps)."""
     reports = [] if reports is None else reports
     runs = [(bug, "", None, True) for bug in catalog()]
     runs += [(bug, label, fixed, check) for bug in catalog() for label, fixed, check in bug.variants]
@@ -70,7 +76,7 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
         stem = bug.name + ("-" + "".join(c if c.isalnum() else "_" for c in variant) if variant else "")
         for seed in range(1, seeds + 1):
             caught, seconds, examples, path, alarm = catch_bug(bug, seed, max_examples, Path(out) / f"seed{seed}",
-                                                               fixed, check_inplace, stem)
+                                                               fixed, check_inplace, stem, shrink=shrink_first and seed == 1)
             if not caught:
                 rep.caught = False
                 rep.problems.append(f"seed {seed}: missed after {examples} examples")
