@@ -250,3 +250,54 @@ def test_bad_window_size_is_refused(kind, bad, pattern):
     c.update_and_fetch(rows(2), rows(2))
     with pytest.raises(InvalidArgumentError, match=f"make_mask: {pattern}"):
         c.make_mask(1, window_size=bad)
+
+
+# -- every storage mode refuses rows that do not fit the cached ones -------------
+# The checks above build the Fp16 dense cache and the ring only, and the
+# state machines hold one shape and dtype per run, so a compatibility check
+# skipped in one storage mode (e.g. "quantized buffers hold int8 codes, so
+# compare dtypes in Fp16 only") went unseen. Every mode of the dense kind,
+# and the ring, must refuse a row of another dtype or shape and keep its rows.
+
+def _every_mode():
+    from impl.dense import _MODES
+    from impl.turbo import DELEGATED, TURBO_MODES
+    return list(_MODES) + list(TURBO_MODES) + [DELEGATED, "ring"]
+
+
+def _make_mode(mode):
+    from impl.turbo import make_cache
+    if mode == "ring":
+        return RotatingKVCache(4, keep=1, step=2)
+    return make_cache(mode, step=2)
+
+
+@pytest.mark.parametrize("mode", _every_mode())
+@pytest.mark.parametrize(("have", "new"), [(mx.bfloat16, mx.float16), (mx.float16, mx.float32),
+                                           (mx.float32, mx.bfloat16)])
+def test_every_mode_refuses_an_append_of_another_dtype(mode, have, new):
+    c = _make_mode(mode)
+    c.update_and_fetch(rows(2, dtype=have), rows(2, dtype=have))
+    before = (c.offset, as_f32(c.fetch()[0]), as_f32(c.fetch()[1]))
+    with pytest.raises(InvalidArgumentError, match=r"append: dtype must be"):
+        c.update_and_fetch(rows(1, 2, dtype=new), rows(1, 2, dtype=new))
+    got = c.fetch()
+    assert c.offset == before[0] and got[0].dtype == have
+    assert np.array_equal(as_f32(got[0]), before[1]) and np.array_equal(as_f32(got[1]), before[2])
+
+
+@pytest.mark.parametrize("mode", _every_mode())
+@pytest.mark.parametrize("bad", [{"b": 3}, {"h": 1}, {"dk": 24}, {"dv": 32}])
+def test_every_mode_refuses_an_append_of_another_shape(mode, bad):
+    # head dims multiples of 8 (3-bit Turbo packing), equal in turbo4
+    shape = {"b": 2, "h": 2, "dk": 16, "dv": 16 if mode == "turbo4" else 8}
+    c = _make_mode(mode)
+    c.update_and_fetch(rows(2, b=2, d=shape["dk"]), rows(2, b=2, d=shape["dv"]))
+    before = (c.offset, as_f32(c.fetch()[0]), as_f32(c.fetch()[1]))
+    shape |= bad
+    with pytest.raises(InvalidArgumentError, match=r"append: "):
+        c.update_and_fetch(rows(1, 2, b=shape["b"], h=shape["h"], d=shape["dk"]),
+                           rows(1, 2, b=shape["b"], h=shape["h"], d=shape["dv"]))
+    got = c.fetch()
+    assert c.offset == before[0]
+    assert np.array_equal(as_f32(got[0]), before[1]) and np.array_equal(as_f32(got[1]), before[2])
