@@ -25,7 +25,8 @@ class RotatingLockstep(Lockstep):
     with the trace's undo depth ``undo``.
 
     Besides the common checks it compares the ring cursor ``idx``, with an
-    undo log ``trimmable_rows()``, and, before every append, ``make_mask``
+    undo log ``trimmable_rows()`` and ``log_saved_rows()`` (the log's memory),
+    and, before every append, ``make_mask``
     (array and short forms) with the spec's visibility rule over the keys
     the append will return."""
 
@@ -118,6 +119,9 @@ class RotatingLockstep(Lockstep):
         out = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
         if self.undo:
             out["trimmable_rows"] = sr.trimmable_rows(c)
+            # the log's memory (rows it holds per K/V buffer), not only what
+            # it can roll back: a row saved where none was valid is waste
+            out["log_saved_rows"] = sr.log_saved_rows(c.log)
         return out
 
     def impl_observables(self) -> dict[str, Any]:
@@ -125,6 +129,7 @@ class RotatingLockstep(Lockstep):
         out = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
         if self.undo:
             out["trimmable_rows"] = c.trimmable_rows()
+            out["log_saved_rows"] = c.log_saved_rows()
         return out
 
 
