@@ -301,3 +301,35 @@ def test_every_mode_refuses_an_append_of_another_shape(mode, bad):
     got = c.fetch()
     assert c.offset == before[0]
     assert np.array_equal(as_f32(got[0]), before[1]) and np.array_equal(as_f32(got[1]), before[2])
+
+
+@pytest.mark.parametrize("mode", _every_mode())
+@pytest.mark.parametrize(("k_kw", "v_kw", "pattern"), [
+    ({"b": 1}, {"b": 2}, "batch B"),
+    ({"h": 2}, {"h": 3}, "kv heads H"),
+    ({"n": 2}, {"n": 1}, "rows S"),
+    ({"dtype": mx.float16}, {"dtype": mx.bfloat16}, "share a dtype"),
+    ({"dtype": mx.float32}, {"dtype": mx.float16}, "share a dtype"),
+], ids=["batch", "heads", "rows", "f16-bf16", "f32-f16"])
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled"])
+def test_every_mode_refuses_keys_and_values_that_disagree(mode, k_kw, v_kw, pattern, filled):
+    """One append whose keys and values disagree on B, H, S or dtype is
+    refused in every mode, on an empty cache and on one holding rows of the
+    keys' shape, and changes nothing (the dtype agreement was tested nowhere:
+    dropped, an Int8 cache cast the values to the keys' dtype and a ring
+    stored a pair its own snapshot could not be restored from)."""
+    c = _make_mode(mode)
+    base = {"b": 1, "h": 2, "n": 1, "dtype": mx.float16}
+    k_args, v_args = base | k_kw, base | v_kw
+    if filled:
+        c.update_and_fetch(rows(2, b=k_args["b"], h=k_args["h"], dtype=k_args["dtype"]),
+                           rows(2, b=k_args["b"], h=k_args["h"], dtype=k_args["dtype"]))
+    before = None if c.fetch() is None else tuple(as_f32(a) for a in c.fetch())
+    offset = c.offset
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        c.update_and_fetch(rows(k_args.pop("n"), 2, **k_args), rows(v_args.pop("n"), 2, **v_args))
+    got = c.fetch()
+    assert c.offset == offset
+    assert (got is None) == (before is None)
+    if got is not None:
+        assert all(np.array_equal(as_f32(a), b) for a, b in zip(got, before))
