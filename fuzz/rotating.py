@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-
-import mlx.core as mx
 
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine

@@ -158,7 +158,7 @@ def test_make_prompt_cache_without_make_cache():
 
 
 class _WithMakeCache:
-    layers = [object(), object()]
+    layers = (object(), object())
 
     def make_cache(self):
         from mlx_lm.models.cache import KVCache as LmKVCache
@@ -168,7 +168,7 @@ class _WithMakeCache:
 
 
 class _Bare:
-    layers = [object(), object()]
+    layers = (object(), object())
 
 
 @pytest.mark.parametrize("model,kwargs", [(_WithMakeCache(), {}), (_Bare(), {"max_kv_size": 16}), (_Bare(), {})],
