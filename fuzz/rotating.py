@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from fuzz.lockstep import Lockstep
+from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
 from fuzz.masks import check_ring_masks, mask_as_rows
 from fuzz.trace import TraceFormatError
@@ -25,7 +26,9 @@ class RotatingLockstep(Lockstep):
     with the trace's undo depth ``undo``.
 
     Besides the common checks it compares the ring cursor ``idx``, with an
-    undo log ``trimmable_rows()``, and, before every append, ``make_mask``
+    undo log ``trimmable_rows()`` and ``log_saved_rows()`` (the log's memory),
+    after every op ``state`` against the valid rows, and, before every
+    append, ``make_mask``
     (array and short forms) with the spec's visibility rule over the keys
     the append will return."""
 
@@ -113,11 +116,37 @@ class RotatingLockstep(Lockstep):
         if op["op"] == "restore" and before.log:
             self.reached("restores over a non-empty undo log")
 
+    def compare_state(self, index: int, op: dict[str, Any]) -> None:
+        super().compare_state(index, op)
+        self.compare_protocol_state(index, op)
+
+    def compare_protocol_state(self, index: int, op: dict[str, Any]) -> None:
+        """mlx-lm's ``state`` (what a prompt-cache file saves and what
+        ``from_state`` rebuilds from) holds exactly the valid rows that
+        ``fetch`` returns, which the views compare with the spec: no unwritten
+        slot of a warm-up buffer grown past ``offset``."""
+        if not isinstance(self.cache, RotatingKVCache):  # an mlx-lm target's adapter
+            return
+        state, rows = self.cache.state, self.cache.fetch()
+        if rows is None:
+            if len(state) == 0:
+                return
+            raise Divergence(index, op, "state differs from the valid rows", "()",
+                             [tuple(a.shape) for a in state])
+        if len(state) == 2 and all(tuple(a.shape) == tuple(b.shape) and bool(mx.array_equal(a, b, equal_nan=True))
+                                   for a, b in zip(state, rows)):
+            return
+        raise Divergence(index, op, "state differs from the valid rows", [tuple(a.shape) for a in rows],
+                         [tuple(a.shape) for a in state])
+
     def spec_observables(self) -> dict[str, Any]:
         c = self.world.cache
         out = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c)}
         if self.undo:
             out["trimmable_rows"] = sr.trimmable_rows(c)
+            # the log's memory (rows it holds per K/V buffer), not only what
+            # it can roll back: a row saved where none was valid is waste
+            out["log_saved_rows"] = sr.log_saved_rows(c.log)
         return out
 
     def impl_observables(self) -> dict[str, Any]:
@@ -125,6 +154,7 @@ class RotatingLockstep(Lockstep):
         out = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable()}
         if self.undo:
             out["trimmable_rows"] = c.trimmable_rows()
+            out["log_saved_rows"] = c.log_saved_rows()
         return out
 
 

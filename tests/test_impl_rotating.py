@@ -231,3 +231,105 @@ def test_undo_argument_and_state_round_trip():
     assert RotatingKVCache(3).meta_state == ("0", "3", "256", "0", "0")
     with pytest.raises(InvalidArgumentError, match="five or six integers"):
         RotatingKVCache.from_state(c.state, ("0", "3", "1", "5"))
+
+
+# -- every load path starts a fresh history --------------------------------------
+# restore clears the undo log, but a ring is also loaded through the mlx-lm
+# protocol (the state setter alone, state then meta_state, from_state) and from
+# a prompt-cache file, which no state machine drives. Each must leave the ring
+# exactly as restore leaves it: the same rows and counters, no ownership
+# marker, and an empty undo log, so that no later rollback reaches the rows
+# of the history the load replaced.
+
+def _load_restore(c, k, v, meta):
+    from impl.rotating import RingSnapshot
+    n = int(k.shape[2])
+    c.restore(RingSnapshot(k, v, n, n, c.max_size, c.keep))
+    return c
+
+
+def _load_state(c, k, v, meta):
+    c.state = (k, v)
+    return c
+
+
+def _load_state_meta(c, k, v, meta):
+    c.state = (k, v)
+    c.meta_state = meta
+    return c
+
+
+def _load_from_state(c, k, v, meta):
+    return RotatingKVCache.from_state((k, v), meta)
+
+
+def _load_file(c, k, v, meta, tmp_path):
+    from impl.models import load_prompt_cache, save_prompt_cache
+    save_prompt_cache(tmp_path / "ring.safetensors", [RotatingKVCache.from_state((k, v), meta)])
+    return load_prompt_cache(tmp_path / "ring.safetensors")[0]
+
+
+@pytest.mark.parametrize("load", ["restore", "state", "state+meta_state", "from_state", "file"])
+@pytest.mark.parametrize(("W", "K", "U"), [(3, 0, 3), (4, 1, 2), (5, 2, 4)])
+def test_every_load_path_starts_a_fresh_history(load, W, K, U, tmp_path):
+    paths = {"restore": _load_restore, "state": _load_state, "state+meta_state": _load_state_meta,
+             "from_state": _load_from_state, "file": lambda *a: _load_file(*a, tmp_path)}
+    c = RotatingKVCache(W, keep=K, step=1, undo=U)
+    for t in range(2 * W + 1):  # wrapped, with a full undo log
+        c.update_and_fetch(*kv([t]))
+    assert c.trimmable_rows() > 0 and c.log_saved_rows() > 0
+    k, v = kv([100 + t for t in range(W - 1)])
+    meta = (str(K), str(W), "1", str(W - 1), str(W - 1), str(U))
+    got = paths[load](c, k, v, meta)
+    ref = _load_restore(RotatingKVCache(W, keep=K, step=1, undo=U), k, v, meta)
+    assert (got.offset, got.idx, got.undo, window_of(got)) == (ref.offset, ref.idx, ref.undo, window_of(ref))
+    assert got.log_saved_rows() == 0 and not got._owns_buffers()
+    for t in range(200, 200 + W + 1):  # past the wrap: now only the log can trim
+        for x in (got, ref):
+            x.update_and_fetch(*kv([t]))
+        assert (got.trimmable_rows(), got.log_saved_rows()) == (ref.trimmable_rows(), ref.log_saved_rows())
+    n = ref.trimmable_rows() + 1  # one beyond the bound is refused by both
+    assert got.trim(n) == ref.trim(n) == 0
+    n -= 1
+    assert got.trim(n) == ref.trim(n) == n
+    assert (got.offset, got.idx, window_of(got)) == (ref.offset, ref.idx, window_of(ref))
+
+
+def _agree(c, s, where):
+    from spec import rotating as sr
+    assert window_of(c) == s.window(), where
+    assert (c.offset, c.idx, c.capacity) == (s.offset, s.idx, s.capacity), where
+    assert c.trimmable_rows() == sr.trimmable_rows(s) and c.log_saved_rows() == sr.log_saved_rows(s.log), where
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_every_trim_of_every_short_history_agrees_with_the_spec(W):
+    """Bounded-exhaustive: from the empty ring, every history of one or two
+    appends (sizes 1, 2, W, W + 1, W + 2: warm-up, full, oversized), every
+    trim n in [0, offset + 1], then one decode, for every K, U in 0..4 and
+    steps 1 and 3, against the spec. Random histories rarely take a rollback
+    all the way back to the empty ring (an oversized first block with
+    U >= its rows), where the prior layout has capacity 0."""
+    import itertools
+
+    from spec import rotating as sr
+
+    sizes = sorted({1, 2, W, W + 1, W + 2})
+    for K, U, step in itertools.product(range(W), range(5), (1, 3)):
+        for hist in itertools.chain(((a,) for a in sizes), itertools.product(sizes, repeat=2) if W <= 2 else ()):
+            total = sum(hist)
+            for n in range(total + 2):
+                c, s = RotatingKVCache(W, keep=K, step=step, undo=U), sr.new_cache(W, keep=K, step=step, undo=U)
+                tok = 0
+                for a in hist:
+                    c.update_and_fetch(*kv(range(tok, tok + a)))
+                    _, s = sr.append(s, tuple(range(tok, tok + a)))
+                    tok += a
+                where = (W, K, U, step, hist, n)
+                got = c.trim(n)
+                want, s = sr.trim(s, n)
+                assert got == want, where
+                _agree(c, s, where)
+                c.update_and_fetch(*kv([tok]))
+                _, s = sr.append(s, (tok,))
+                _agree(c, s, where + ("decode",))

@@ -250,3 +250,86 @@ def test_bad_window_size_is_refused(kind, bad, pattern):
     c.update_and_fetch(rows(2), rows(2))
     with pytest.raises(InvalidArgumentError, match=f"make_mask: {pattern}"):
         c.make_mask(1, window_size=bad)
+
+
+# -- every storage mode refuses rows that do not fit the cached ones -------------
+# The checks above build the Fp16 dense cache and the ring only, and the
+# state machines hold one shape and dtype per run, so a compatibility check
+# skipped in one storage mode (e.g. "quantized buffers hold int8 codes, so
+# compare dtypes in Fp16 only") went unseen. Every mode of the dense kind,
+# and the ring, must refuse a row of another dtype or shape and keep its rows.
+
+def _every_mode():
+    from impl.dense import _MODES
+    from impl.turbo import DELEGATED, TURBO_MODES
+    return list(_MODES) + list(TURBO_MODES) + [DELEGATED, "ring"]
+
+
+def _make_mode(mode):
+    from impl.turbo import make_cache
+    if mode == "ring":
+        return RotatingKVCache(4, keep=1, step=2)
+    return make_cache(mode, step=2)
+
+
+@pytest.mark.parametrize("mode", _every_mode())
+@pytest.mark.parametrize(("have", "new"), [(mx.bfloat16, mx.float16), (mx.float16, mx.float32),
+                                           (mx.float32, mx.bfloat16)])
+def test_every_mode_refuses_an_append_of_another_dtype(mode, have, new):
+    c = _make_mode(mode)
+    c.update_and_fetch(rows(2, dtype=have), rows(2, dtype=have))
+    before = (c.offset, as_f32(c.fetch()[0]), as_f32(c.fetch()[1]))
+    with pytest.raises(InvalidArgumentError, match=r"append: dtype must be"):
+        c.update_and_fetch(rows(1, 2, dtype=new), rows(1, 2, dtype=new))
+    got = c.fetch()
+    assert c.offset == before[0] and got[0].dtype == have
+    assert np.array_equal(as_f32(got[0]), before[1]) and np.array_equal(as_f32(got[1]), before[2])
+
+
+@pytest.mark.parametrize("mode", _every_mode())
+@pytest.mark.parametrize("bad", [{"b": 3}, {"h": 1}, {"dk": 24}, {"dv": 32}])
+def test_every_mode_refuses_an_append_of_another_shape(mode, bad):
+    # head dims multiples of 8 (3-bit Turbo packing), equal in turbo4
+    shape = {"b": 2, "h": 2, "dk": 16, "dv": 16 if mode == "turbo4" else 8}
+    c = _make_mode(mode)
+    c.update_and_fetch(rows(2, b=2, d=shape["dk"]), rows(2, b=2, d=shape["dv"]))
+    before = (c.offset, as_f32(c.fetch()[0]), as_f32(c.fetch()[1]))
+    shape |= bad
+    with pytest.raises(InvalidArgumentError, match=r"append: "):
+        c.update_and_fetch(rows(1, 2, b=shape["b"], h=shape["h"], d=shape["dk"]),
+                           rows(1, 2, b=shape["b"], h=shape["h"], d=shape["dv"]))
+    got = c.fetch()
+    assert c.offset == before[0]
+    assert np.array_equal(as_f32(got[0]), before[1]) and np.array_equal(as_f32(got[1]), before[2])
+
+
+@pytest.mark.parametrize("mode", _every_mode())
+@pytest.mark.parametrize(("k_kw", "v_kw", "pattern"), [
+    ({"b": 1}, {"b": 2}, "batch B"),
+    ({"h": 2}, {"h": 3}, "kv heads H"),
+    ({"n": 2}, {"n": 1}, "rows S"),
+    ({"dtype": mx.float16}, {"dtype": mx.bfloat16}, "share a dtype"),
+    ({"dtype": mx.float32}, {"dtype": mx.float16}, "share a dtype"),
+], ids=["batch", "heads", "rows", "f16-bf16", "f32-f16"])
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled"])
+def test_every_mode_refuses_keys_and_values_that_disagree(mode, k_kw, v_kw, pattern, filled):
+    """One append whose keys and values disagree on B, H, S or dtype is
+    refused in every mode, on an empty cache and on one holding rows of the
+    keys' shape, and changes nothing (the dtype agreement was tested nowhere:
+    dropped, an Int8 cache cast the values to the keys' dtype and a ring
+    stored a pair its own snapshot could not be restored from)."""
+    c = _make_mode(mode)
+    base = {"b": 1, "h": 2, "n": 1, "dtype": mx.float16}
+    k_args, v_args = base | k_kw, base | v_kw
+    if filled:
+        c.update_and_fetch(rows(2, b=k_args["b"], h=k_args["h"], dtype=k_args["dtype"]),
+                           rows(2, b=k_args["b"], h=k_args["h"], dtype=k_args["dtype"]))
+    before = None if c.fetch() is None else tuple(as_f32(a) for a in c.fetch())
+    offset = c.offset
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        c.update_and_fetch(rows(k_args.pop("n"), 2, **k_args), rows(v_args.pop("n"), 2, **v_args))
+    got = c.fetch()
+    assert c.offset == offset
+    assert (got is None) == (before is None)
+    if got is not None:
+        assert all(np.array_equal(as_f32(a), b) for a, b in zip(got, before))

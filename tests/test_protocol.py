@@ -536,3 +536,28 @@ def test_int8_scales_and_state_containers_are_validated():
         InvalidArgumentError, "meta_state: meta_state must be (mode, step, offset, live_start), got None")
     assert (q.offset, q.step, q.capacity) == before
     assert np.array_equal(np.array(KVCache.from_state(q.state, meta).fetch()[0]), np.array(q.fetch()[0]))
+
+
+def test_rotating_meta_state_refusals_change_nothing():
+    """Well-formed meta_state whose counters do not fit the loaded rows is
+    refused by the setter with the ring as it was (every field, the rows):
+    only a malformed tuple was tested, which fails before any counter is
+    read, so a setter that moved offset/idx before the check passed."""
+    c = RotatingKVCache(4, keep=1, step=1, undo=2)
+    decode(c, 5)
+    def fields():
+        return (c.keep, c.max_size, c.step, c.offset, c.idx, c.undo, firsts(c.fetch()[0]), c.trimmable_rows())
+    before = fields()
+    bad = [
+        ("1", "4", "1", "9", "7"),       # idx > capacity
+        ("1", "4", "1", "2", "3"),       # idx > offset
+        ("1", "4", "1", "6", "1"),       # wrapped with the cursor on the sinks
+        ("1", "4", "1", "5", "-1"),      # negative cursor
+        ("1", "4", "1", "5", "2", "-1"),  # negative undo depth
+        ("4", "4", "1", "5", "2"),       # keep >= max_size
+        ("1", "8", "1", "5", "2"),       # wrapped ring whose capacity is below max_size
+    ]
+    for meta in bad:
+        with pytest.raises(InvalidArgumentError):
+            c.meta_state = meta
+        assert fields() == before, meta
