@@ -20,8 +20,8 @@ pytest.importorskip("mlx_lm")
 
 from impl.dense import KVCache
 from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache
-from impl.quant import dequantize_int8, quantize_int8
 from impl.paged import PagedKVCache
+from impl.quant import dequantize_int8, quantize_int8
 from impl.rotating import RotatingKVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
