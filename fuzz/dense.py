@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
-from fuzz.lockstep import Lockstep
+from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
 from fuzz.masks import check_dense_masks
-from fuzz.quant_ref import int8_oracle
+from fuzz.quant_ref import int8_oracle, quantize
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
 from impl.quant import dequantize_int8
 from spec import dense as sd
@@ -70,6 +71,8 @@ class DenseLockstep(DenseOps, Lockstep):
         self.world = sd.new_world(cache["mode"], cache["step"], self.spec_inplace())
         self.prev_world = self.world
         self.cache = self.build(cache_factory, mode=cache["mode"], step=cache["step"])
+        self.mode = cache["mode"]
+        self._stored: dict[int, tuple[np.ndarray, ...]] = {}
 
     def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
         """Int8: the row quantized and read back by the NumPy oracle written
@@ -95,6 +98,52 @@ class DenseLockstep(DenseOps, Lockstep):
     def step(self, index: int, op: dict[str, Any]) -> None:
         self.current_index = index
         super().step(index, op)
+
+    # -- Int8's stored form ------------------------------------------------------
+    #: Compare an Int8 cache's stored codes and scales (``state``) with the
+    #: oracle's quantization of the live rows, not only what they decode to:
+    #: a quantizer that stores other codes or scales which happen to decode
+    #: to the same values (a zero row's scale left 0 instead of 1) saves a
+    #: different prompt-cache file and feeds other engines other bytes.
+    check_stored_int8 = True
+
+    #: ops that change no stored row (the comparison is not repeated after them)
+    READ_ONLY_OPS = frozenset({"fetch", "snapshot", "drop", "hold", "release_hold", "handle_trim_to", "expect"})
+
+    def compare_state(self, index: int, op: dict[str, Any]) -> None:
+        super().compare_state(index, op)
+        if self.check_stored_int8 and self.mode == "int8" and op["op"] not in self.READ_ONLY_OPS:
+            self.compare_stored(index, op)
+
+    def stored_int8(self, token: int) -> tuple[np.ndarray, ...]:
+        """``(k codes, k scale, v codes, v scale)`` the oracle stores for a
+        token's rows (fuzz.quant_ref.quantize, from the rule's text)."""
+        got = self._stored.get(token)
+        if got is None:
+            k, v = self.input_rows([token])
+            kq, ks = quantize(np.asarray(k.astype(mx.float32), dtype=np.float64))
+            vq, vs = quantize(np.asarray(v.astype(mx.float32), dtype=np.float64))
+            got = self._stored[token] = (kq, ks, vq, vs)
+        return got
+
+    def compare_stored(self, index: int, op: dict[str, Any]) -> None:
+        tokens = self.world.cache.window()
+        state = self.cache.state
+        rows = 0 if not state else int(state[0].shape[2])
+        if rows != len(tokens):
+            raise Divergence(index, op, "state holds other rows than the live window", f"{len(tokens)} rows",
+                             f"{rows} rows")
+        if not tokens:
+            return
+        names = ("key codes", "key scales", "value codes", "value scales")
+        for j, (name, arr) in enumerate(zip(names, state)):
+            got = np.asarray(arr)
+            for i, t in enumerate(tokens):
+                want = self.stored_int8(t)[j]
+                if got.dtype != want.dtype or got[:, :, i : i + 1, :].tobytes() != want.tobytes():
+                    raise Divergence(index, op, f"stored Int8 {name} differ from the quantization rule",
+                                     f"token {t}: {want.reshape(-1)[:8].tolist()}",
+                                     f"row {i}: {got[:, :, i, :].reshape(-1)[:8].tolist()} ({got.dtype})")
 
     # -- memory sharing -----------------------------------------------------------
     def spec_buffers(self) -> dict[str, Any]:
