@@ -8,7 +8,9 @@ sequence's rows is an isolation failure), every sequence's block table,
 length and logical start, the refcounts, the free list and the pool size,
 which blocks an append allocated and which it copied on write, and the
 pool invariants on the implementation itself (refcount = tables holding the
-block, no block free and held, in use + free = size, tables well formed).
+block, no block free and held, in use + free = size, tables well formed),
+and mlx-lm's protocol accessors (``PagedKVCache`` offset, size, live_len,
+empty, nbytes) on every sequence against the spec's.
 """
 
 from __future__ import annotations
@@ -160,6 +162,36 @@ class PagedLockstep(Lockstep):
         broken = self.pool.broken_invariants()
         if broken:
             raise Divergence(index, op, "pool invariants broken on the implementation", "none", list(broken))
+        want, got = self.spec_protocol(), self.impl_protocol()
+        if want != got:
+            raise Divergence(index, op, "mlx-lm protocol accessors differ", want, got)
+
+    # -- the mlx-lm protocol of every sequence --------------------------------
+    _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+    def spec_protocol(self) -> dict[str, Any]:
+        """What ``PagedKVCache`` must answer on each spec sequence: offset and
+        size = length, live_len = visible, empty iff nothing is visible, and
+        (write path observed) nbytes = the blocks its table holds."""
+        _, h, dk, dv = self.shape
+        per_block = self.world.pool.block_size * h * (dk + dv) * self._ITEMSIZE[self.dtype]
+        out = {}
+        for name, s in sorted(self.world.seqs.items()):
+            got = {"offset": s.length, "size": s.length, "live_len": s.visible, "empty": s.visible == 0}
+            if self.check_inplace:
+                got["nbytes"] = per_block * len(s.held())
+            out[name] = got
+        return out
+
+    def impl_protocol(self) -> dict[str, Any]:
+        out = {}
+        for name in sorted(self.pool.seqs):
+            c = PagedKVCache(self.pool, name)
+            got = {"offset": c.offset, "size": c.size(), "live_len": c.live_len, "empty": c.empty()}
+            if self.check_inplace:
+                got["nbytes"] = c.nbytes
+            out[name] = got
+        return out
 
     # -- observables and views --------------------------------------------------
     def _observables(self, seqs: dict[str, Any], refcounts: list[int], free: list[int], capacity: int) -> dict[str, Any]:
