@@ -150,6 +150,35 @@ def test_held_window_never_changes():
     assert np.array_equal(np.array(k), held)
 
 
+def test_unread_windows_never_change():
+    """A window nobody has read yet (MLX is lazy) must not see later
+    in-place writes either: every reader (append's return, fetch, the
+    protocol's update_and_fetch, fetch and state) is checked only after its
+    rows were trimmed and rewritten in place, and after its block was
+    released and reused by another sequence."""
+    pool = BlockPool(2)
+    cache = PagedKVCache(pool)
+    readers = {
+        "append": lambda: pool.append("main", *rows(0, 3)),
+        "fetch": lambda: pool.fetch("main"),
+        "cache.fetch": cache.fetch,
+        "cache.state": lambda: cache.state,
+    }
+    windows = {}
+    for name, read in readers.items():
+        windows[name] = read()  # not evaluated by the test
+    windows["update_and_fetch"] = PagedKVCache(pool, "main").update_and_fetch(*rows(3, 1))
+    pool.trim("main", 3)
+    pool.append("main", *rows(10, 3))  # in place over the rows the windows hold
+    assert pool.last_write.inplace
+    pool.release("main")
+    pool.create("other")
+    pool.append("other", *rows(20, 4))  # the released blocks, reused in place
+    assert same_window(windows.pop("update_and_fetch"), (0, 1, 2, 3))
+    for name, got in windows.items():
+        assert same_window(got, (0, 1, 2)), name
+
+
 def test_switch_off_writes_by_copy():
     pool = BlockPool(2, inplace=False)
     pool.append("main", *rows(0, 1))
