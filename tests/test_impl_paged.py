@@ -112,7 +112,7 @@ OPS = st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 4), st.sampled_from([None, 3, 6]), st.integers(1, 3), st.booleans(), st.integers(1, 6),
+@given(st.integers(1, 4), st.sampled_from([None, 0, 1, 3, 6]), st.integers(1, 3), st.booleans(), st.integers(1, 6),
        st.lists(OPS, max_size=18))
 def test_pool_matches_spec(bs, max_blocks, chunk, inplace, prompt, ops):
     pool = BlockPool(bs, max_blocks=max_blocks, chunk=chunk, inplace=inplace)
@@ -198,6 +198,33 @@ def test_exhaustion_leaves_everything_as_it_was():
         pool.append("main", *rows(4, 4))
     assert pool_state(pool) == before
     assert pool.broken_invariants() == ()
+
+
+@pytest.mark.parametrize("max_blocks", [0, 1])
+def test_max_blocks_is_a_ceiling_down_to_zero(max_blocks):
+    """0 is a ceiling like any other (None is "no maximum"): a falsy check
+    would let a pool of max_blocks=0 grow without bound."""
+    pool = BlockPool(2, max_blocks=max_blocks, chunk=4)
+    for _ in range(max_blocks):
+        pool.append("main", *rows(0, 2))
+    before = pool_state(pool)
+    with pytest.raises(StateError, match="append: pool exhausted"):
+        pool.append("main", *rows(2, 1))
+    assert pool_state(pool) == before and pool.size == max_blocks
+
+
+def test_fork_prompt_cache_is_all_layers_or_none():
+    """A layer that refuses the fork (the name is in use there) undoes the
+    forks of the layers before it: no sequence, no raised refcount left."""
+    caches = make_paged_prompt_cache(3, block_size=2, chunk=1)
+    for c in caches:
+        c.update_and_fetch(*rows(0, 3))
+    caches[2].pool.create("r")
+    before = [pool_state(c.pool) for c in caches]
+    with pytest.raises(StateError, match="already exists"):
+        fork_prompt_cache(caches, "r")
+    assert [pool_state(c.pool) for c in caches] == before
+    assert all(c.pool.broken_invariants() == () for c in caches)
 
 
 def test_rows_kept_in_incoming_dtype_and_mismatch_refused():
