@@ -395,3 +395,39 @@ def test_every_row_count_rule_refuses_in_every_loader(mode):
             handle.store = {**handle.store, name: off_by_one(handle.store[name], label, least)}
             with pytest.raises(InvalidArgumentError):
                 cache(mode).install(handle)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_counter_rule_refuses_in_every_loader(mode):
+    """A holder whose counters break a rule (live_start other than 0, a
+    negative offset, an offset beyond the arrays' rows, a cold_offset that
+    does not match the cold/hot rows or is not 0 outside Delegated) is
+    refused by restore and install with InvalidArgumentError, the target
+    unchanged. Dropping the live_start rule let restore adopt live_start 2
+    and fetch rows 0..2 as the window of rows 2..4."""
+    c = cache(mode)
+    c.update_and_fetch(*rows(0, 7))
+    capacity = c.capacity
+    bad_counters = [{"live_start": 1}, {"live_start": 2}, {"offset": -1}, {"offset": capacity + 1},
+                    {"cold_offset": c.cold_offset + 1}]
+    if mode == "turbo4delegated":
+        bad_counters += [{"cold_offset": c.cold_offset - 1}, {"offset": c.offset - 1}, {"offset": c.offset + 1}]
+    for bad in bad_counters:
+        target = cache(mode)
+        target.update_and_fetch(*rows(50, 2))
+        before = (target.offset, target.live_start, target.cold_offset, target.row_counts())
+        snap = c.snapshot()
+        for k, v in bad.items():
+            setattr(snap, k, v)
+        with pytest.raises(InvalidArgumentError):
+            target.restore(snap)
+        assert (target.offset, target.live_start, target.cold_offset, target.row_counts()) == before, bad
+        donor = cache(mode)
+        donor.update_and_fetch(*rows(0, 7))
+        handle = donor.detach()
+        for k, v in bad.items():
+            setattr(handle, k, v)
+        fresh = cache(mode)
+        with pytest.raises(InvalidArgumentError):
+            fresh.install(handle)
+        assert fresh.empty() and fresh.offset == 0, bad
