@@ -292,6 +292,20 @@ def test_state_setter_is_atomic():
     assert cache.pool.broken_invariants() == ()
 
 
+def test_state_setter_refused_late_changes_nothing():
+    """A refusal that only the append inside the setter sees (the pool is
+    exhausted: the new rows need blocks while the old ones are still held)
+    leaves the sequence's rows, and the whole pool, as they were; a setter
+    that released the old rows first lost them."""
+    cache = PagedKVCache(block_size=2, max_blocks=3, chunk=1)
+    cache.update_and_fetch(*rows(0, 4))
+    before = pool_state(cache.pool)
+    with pytest.raises(StateError, match="pool exhausted"):
+        cache.state = rows(10, 5)
+    assert pool_state(cache.pool) == before
+    assert cache.offset == 4 and same_window(cache.fetch(), (0, 1, 2, 3))
+
+
 def test_mlx_lm_model_decodes_through_forked_pool_sequences():
     pytest.importorskip("mlx_lm")
     from mlx_lm.models import llama
