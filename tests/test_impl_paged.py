@@ -213,6 +213,17 @@ def test_max_blocks_is_a_ceiling_down_to_zero(max_blocks):
     assert pool_state(pool) == before and pool.size == max_blocks
 
 
+def test_make_paged_prompt_cache_passes_every_setting_to_every_layer():
+    """Each layer its own pool on ``main``, built with exactly the settings
+    asked for (a dropped block_size fell back to a default and an mlx-lm
+    decode, which reads only windows, could not tell)."""
+    caches = make_paged_prompt_cache(3, block_size=3, max_blocks=5, chunk=2, inplace=False)
+    assert len(caches) == 3 and len({id(c.pool) for c in caches}) == 3
+    for c in caches:
+        p = c.pool
+        assert (p.block_size, p.max_blocks, p.chunk, p.inplace, c.seq) == (3, 5, 2, False, "main")
+
+
 def test_fork_prompt_cache_is_all_layers_or_none():
     """A layer that refuses the fork (the name is in use there) undoes the
     forks of the layers before it: no sequence, no raised refcount left."""
