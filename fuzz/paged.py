@@ -16,7 +16,7 @@ at an append but read only a few ops later (MLX is lazy).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 from hypothesis import strategies as st
@@ -188,7 +188,7 @@ class PagedLockstep(Lockstep):
             raise Divergence(index, op, "mlx-lm protocol accessors differ", want, got)
 
     # -- the mlx-lm protocol of every sequence --------------------------------
-    _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+    _ITEMSIZE: ClassVar[dict[str, int]] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
     def spec_protocol(self) -> dict[str, Any]:
         """What ``PagedKVCache`` must answer on each spec sequence: offset and
