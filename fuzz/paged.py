@@ -8,12 +8,15 @@ sequence's rows is an isolation failure), every sequence's block table,
 length and logical start, the refcounts, the free list and the pool size,
 which blocks an append allocated and which it copied on write, and the
 pool invariants on the implementation itself (refcount = tables holding the
-block, no block free and held, in use + free = size, tables well formed).
+block, no block free and held, in use + free = size, tables well formed),
+mlx-lm's protocol accessors (``PagedKVCache`` offset, size, live_len,
+empty, nbytes) on every sequence against the spec's, and windows fetched
+at an append but read only a few ops later (MLX is lazy).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 from hypothesis import strategies as st
@@ -52,6 +55,9 @@ class PagedLockstep(Lockstep):
         self.pool = pool_factory(**cfg)
         self.cache = PagedKVCache(self.pool)
         self.current_seq = sp.MAIN
+        #: (op index, window fetched and never read, its tokens): see
+        #: :meth:`compare_unread`
+        self.unread: list[tuple[int, Any, tuple[int, ...]]] = []
 
     def step(self, index: int, op: dict[str, Any]) -> None:
         self.current_index, self.current_seq = index, op.get("seq", sp.MAIN)
@@ -114,8 +120,24 @@ class PagedLockstep(Lockstep):
     def impl_last_inplace(self) -> bool:
         return self.pool.last_write.inplace
 
+    #: ops an unread window waits before it is read
+    UNREAD_AGE = 4
+
+    def compare_unread(self, index: int, op: dict[str, Any]) -> None:
+        """MLX is lazy: a window that nobody has read yet must not come to
+        depend on slab memory later in-place writes change. Every append
+        fetches its sequence once more and leaves that window unread for
+        :attr:`UNREAD_AGE` ops (trims, rewrites in place, releases and block
+        reuse in between), then reads it: it must hold the rows it held."""
+        while self.unread and index - self.unread[0][0] >= self.UNREAD_AGE:
+            at, window, tokens = self.unread.pop(0)
+            if not self.window_matches(tokens, window):
+                raise Divergence(index, op, f"a window fetched at op {at} and read only now changed", list(tokens),
+                                 self.identify(window))
+
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         super().compare_append(index, op, s, i)
+        self.unread.append((index, self.pool.fetch(op.get("seq", sp.MAIN)), tuple(s.window)))
         w = self.pool.last_write
         if self.check_inplace and (w.fresh, w.copied) != (s.fresh, s.copied):
             raise Divergence(index, op, "blocks allocated / copied on write differ",
@@ -160,6 +182,37 @@ class PagedLockstep(Lockstep):
         broken = self.pool.broken_invariants()
         if broken:
             raise Divergence(index, op, "pool invariants broken on the implementation", "none", list(broken))
+        self.compare_unread(index, op)
+        want, got = self.spec_protocol(), self.impl_protocol()
+        if want != got:
+            raise Divergence(index, op, "mlx-lm protocol accessors differ", want, got)
+
+    # -- the mlx-lm protocol of every sequence --------------------------------
+    _ITEMSIZE: ClassVar[dict[str, int]] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+    def spec_protocol(self) -> dict[str, Any]:
+        """What ``PagedKVCache`` must answer on each spec sequence: offset and
+        size = length, live_len = visible, empty iff nothing is visible, and
+        (write path observed) nbytes = the blocks its table holds."""
+        _, h, dk, dv = self.shape
+        per_block = self.world.pool.block_size * h * (dk + dv) * self._ITEMSIZE[self.dtype]
+        out = {}
+        for name, s in sorted(self.world.seqs.items()):
+            got = {"offset": s.length, "size": s.length, "live_len": s.visible, "empty": s.visible == 0}
+            if self.check_inplace:
+                got["nbytes"] = per_block * len(s.held())
+            out[name] = got
+        return out
+
+    def impl_protocol(self) -> dict[str, Any]:
+        out = {}
+        for name in sorted(self.pool.seqs):
+            c = PagedKVCache(self.pool, name)
+            got = {"offset": c.offset, "size": c.size(), "live_len": c.live_len, "empty": c.empty()}
+            if self.check_inplace:
+                got["nbytes"] = c.nbytes
+            out[name] = got
+        return out
 
     # -- observables and views --------------------------------------------------
     def _observables(self, seqs: dict[str, Any], refcounts: list[int], free: list[int], capacity: int) -> dict[str, Any]:

@@ -112,7 +112,7 @@ OPS = st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 4), st.sampled_from([None, 3, 6]), st.integers(1, 3), st.booleans(), st.integers(1, 6),
+@given(st.integers(1, 4), st.sampled_from([None, 0, 1, 3, 6]), st.integers(1, 3), st.booleans(), st.integers(1, 6),
        st.lists(OPS, max_size=18))
 def test_pool_matches_spec(bs, max_blocks, chunk, inplace, prompt, ops):
     pool = BlockPool(bs, max_blocks=max_blocks, chunk=chunk, inplace=inplace)
@@ -150,6 +150,35 @@ def test_held_window_never_changes():
     assert np.array_equal(np.array(k), held)
 
 
+def test_unread_windows_never_change():
+    """A window nobody has read yet (MLX is lazy) must not see later
+    in-place writes either: every reader (append's return, fetch, the
+    protocol's update_and_fetch, fetch and state) is checked only after its
+    rows were trimmed and rewritten in place, and after its block was
+    released and reused by another sequence."""
+    pool = BlockPool(2)
+    cache = PagedKVCache(pool)
+    readers = {
+        "append": lambda: pool.append("main", *rows(0, 3)),
+        "fetch": lambda: pool.fetch("main"),
+        "cache.fetch": cache.fetch,
+        "cache.state": lambda: cache.state,
+    }
+    windows = {}
+    for name, read in readers.items():
+        windows[name] = read()  # not evaluated by the test
+    windows["update_and_fetch"] = PagedKVCache(pool, "main").update_and_fetch(*rows(3, 1))
+    pool.trim("main", 3)
+    pool.append("main", *rows(10, 3))  # in place over the rows the windows hold
+    assert pool.last_write.inplace
+    pool.release("main")
+    pool.create("other")
+    pool.append("other", *rows(20, 4))  # the released blocks, reused in place
+    assert same_window(windows.pop("update_and_fetch"), (0, 1, 2, 3))
+    for name, got in windows.items():
+        assert same_window(got, (0, 1, 2)), name
+
+
 def test_switch_off_writes_by_copy():
     pool = BlockPool(2, inplace=False)
     pool.append("main", *rows(0, 1))
@@ -169,6 +198,44 @@ def test_exhaustion_leaves_everything_as_it_was():
         pool.append("main", *rows(4, 4))
     assert pool_state(pool) == before
     assert pool.broken_invariants() == ()
+
+
+@pytest.mark.parametrize("max_blocks", [0, 1])
+def test_max_blocks_is_a_ceiling_down_to_zero(max_blocks):
+    """0 is a ceiling like any other (None is "no maximum"): a falsy check
+    would let a pool of max_blocks=0 grow without bound."""
+    pool = BlockPool(2, max_blocks=max_blocks, chunk=4)
+    for _ in range(max_blocks):
+        pool.append("main", *rows(0, 2))
+    before = pool_state(pool)
+    with pytest.raises(StateError, match="append: pool exhausted"):
+        pool.append("main", *rows(2, 1))
+    assert pool_state(pool) == before and pool.size == max_blocks
+
+
+def test_make_paged_prompt_cache_passes_every_setting_to_every_layer():
+    """Each layer its own pool on ``main``, built with exactly the settings
+    asked for (a dropped block_size fell back to a default and an mlx-lm
+    decode, which reads only windows, could not tell)."""
+    caches = make_paged_prompt_cache(3, block_size=3, max_blocks=5, chunk=2, inplace=False)
+    assert len(caches) == 3 and len({id(c.pool) for c in caches}) == 3
+    for c in caches:
+        p = c.pool
+        assert (p.block_size, p.max_blocks, p.chunk, p.inplace, c.seq) == (3, 5, 2, False, "main")
+
+
+def test_fork_prompt_cache_is_all_layers_or_none():
+    """A layer that refuses the fork (the name is in use there) undoes the
+    forks of the layers before it: no sequence, no raised refcount left."""
+    caches = make_paged_prompt_cache(3, block_size=2, chunk=1)
+    for c in caches:
+        c.update_and_fetch(*rows(0, 3))
+    caches[2].pool.create("r")
+    before = [pool_state(c.pool) for c in caches]
+    with pytest.raises(StateError, match="already exists"):
+        fork_prompt_cache(caches, "r")
+    assert [pool_state(c.pool) for c in caches] == before
+    assert all(c.pool.broken_invariants() == () for c in caches)
 
 
 def test_rows_kept_in_incoming_dtype_and_mismatch_refused():
@@ -234,6 +301,20 @@ def test_state_setter_is_atomic():
     cache.state = rows(7, 2)
     assert cache.offset == 2 and same_window(cache.fetch(), (7, 8))
     assert cache.pool.broken_invariants() == ()
+
+
+def test_state_setter_refused_late_changes_nothing():
+    """A refusal that only the append inside the setter sees (the pool is
+    exhausted: the new rows need blocks while the old ones are still held)
+    leaves the sequence's rows, and the whole pool, as they were; a setter
+    that released the old rows first lost them."""
+    cache = PagedKVCache(block_size=2, max_blocks=3, chunk=1)
+    cache.update_and_fetch(*rows(0, 4))
+    before = pool_state(cache.pool)
+    with pytest.raises(StateError, match="pool exhausted"):
+        cache.state = rows(10, 5)
+    assert pool_state(cache.pool) == before
+    assert cache.offset == 4 and same_window(cache.fetch(), (0, 1, 2, 3))
 
 
 def test_mlx_lm_model_decodes_through_forked_pool_sequences():

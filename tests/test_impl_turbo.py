@@ -351,3 +351,83 @@ def test_from_state_refusals_name_the_problem():
     assert empty.empty() and empty.offset == 0 and empty.dtype is None
     with pytest.raises(InvalidArgumentError, match="^load: "):
         DelegatedKVCache.from_state(state[:3], meta, op="load")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_row_count_rule_refuses_in_every_loader(mode):
+    """Each stored array in turn one row short or one row long: from_state,
+    restore and install all refuse it (InvalidArgumentError) and leave the
+    target as it was. The one exception is Delegated's K buffer, which may
+    hold more rows than offset (its capacity). A check dropped from the
+    row-count rules (e.g. Delegated's keys >= offset) loads a cache whose K
+    and V windows differ in length."""
+    def off_by_one(a: mx.array, label: str, least: int | None = None) -> mx.array:
+        """One row fewer than allowed (``least``: the fewest rows allowed,
+        default all of them) or one more."""
+        if label == "short":
+            return a[:, :, : (int(a.shape[2]) if least is None else least) - 1, :]
+        return mx.concatenate([a, a[:, :, -1:, :]], axis=2)
+
+    c = cache(mode)
+    c.update_and_fetch(*rows(0, 7))
+    if mode == "turbo4delegated":
+        assert 0 < c.cold_offset < c.offset  # cold and hot arrays both present
+    state, meta, names = list(c.state), c.meta_state, c.state_names()
+    for i, name in enumerate(names):
+        least = c.offset if (mode == "turbo4delegated" and name == "keys") else None  # Delegated K: >= offset
+        for label in ("short", "long"):
+            if label == "long" and mode == "turbo4delegated" and name == "keys":
+                continue
+            bad = off_by_one(state[i], label)
+            with pytest.raises(InvalidArgumentError):
+                type(c).from_state(tuple(state[:i] + [bad] + state[i + 1:]), meta)
+            target = cache(mode)
+            target.update_and_fetch(*rows(50, 2))
+            before = (target.offset, target.cold_offset, target.row_counts())
+            snap = c.snapshot()
+            snap.store = {**snap.store, name: off_by_one(snap.store[name], label, least)}
+            with pytest.raises(InvalidArgumentError):
+                target.restore(snap)
+            assert (target.offset, target.cold_offset, target.row_counts()) == before, (name, label)
+            donor = cache(mode)
+            donor.update_and_fetch(*rows(0, 7))
+            handle = donor.detach()
+            handle.store = {**handle.store, name: off_by_one(handle.store[name], label, least)}
+            with pytest.raises(InvalidArgumentError):
+                cache(mode).install(handle)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_counter_rule_refuses_in_every_loader(mode):
+    """A holder whose counters break a rule (live_start other than 0, a
+    negative offset, an offset beyond the arrays' rows, a cold_offset that
+    does not match the cold/hot rows or is not 0 outside Delegated) is
+    refused by restore and install with InvalidArgumentError, the target
+    unchanged. Dropping the live_start rule let restore adopt live_start 2
+    and fetch rows 0..2 as the window of rows 2..4."""
+    c = cache(mode)
+    c.update_and_fetch(*rows(0, 7))
+    capacity = c.capacity
+    bad_counters = [{"live_start": 1}, {"live_start": 2}, {"offset": -1}, {"offset": capacity + 1},
+                    {"cold_offset": c.cold_offset + 1}]
+    if mode == "turbo4delegated":
+        bad_counters += [{"cold_offset": c.cold_offset - 1}, {"offset": c.offset - 1}, {"offset": c.offset + 1}]
+    for bad in bad_counters:
+        target = cache(mode)
+        target.update_and_fetch(*rows(50, 2))
+        before = (target.offset, target.live_start, target.cold_offset, target.row_counts())
+        snap = c.snapshot()
+        for k, v in bad.items():
+            setattr(snap, k, v)
+        with pytest.raises(InvalidArgumentError):
+            target.restore(snap)
+        assert (target.offset, target.live_start, target.cold_offset, target.row_counts()) == before, bad
+        donor = cache(mode)
+        donor.update_and_fetch(*rows(0, 7))
+        handle = donor.detach()
+        for k, v in bad.items():
+            setattr(handle, k, v)
+        fresh = cache(mode)
+        with pytest.raises(InvalidArgumentError):
+            fresh.install(handle)
+        assert fresh.empty() and fresh.offset == 0, bad

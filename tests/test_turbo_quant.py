@@ -139,3 +139,31 @@ def test_a_row_quantizes_the_same_alone_or_in_a_batch(bits):
     for t in range(9):
         alone = tq.roundtrip(x[:, :, t : t + 1, :], bits, tq.V_SEED)
         assert np.array_equal(np.array(alone), np.array(whole[:, :, t : t + 1, :]))
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_every_magnitude_matches_the_reference(dtype, bits):
+    """Rows at every scale float32 and bfloat16 can hold, from where squares
+    underflow float32 (|x| ~ 1e-20) to where they overflow it (|x| ~ 1e20,
+    up to 1e38): the norm is the float64 reference's (saturated at float32's
+    maximum) and the row comes back within the Lloyd-Max error of itself.
+    The N(0, 1) rows of the other tests and the dtype's extremes cannot tell
+    a norm taken on the raw squares from one taken after the peak scaling."""
+    d = 16
+    base = np.random.default_rng(7).standard_normal((1, 1, 4, d))
+    for exp in range(-36, 39, 3):
+        x = mx.array(np.clip(base * 10.0 ** exp, -F32_MAX / 2, F32_MAX / 2).astype(np.float32)).astype(dtype)
+        exact = np.array(x.astype(mx.float32)).astype(np.float64)
+        q = tq.quantize(x, bits, tq.V_SEED)
+        norms = np.array(q.norm).reshape(-1)
+        back = np.array(tq.dequantize(q, bits, tq.V_SEED, d, dtype).astype(mx.float32)).astype(np.float64)
+        for i, row in enumerate(exact.reshape(-1, d)):
+            want = min(float(np.sqrt(np.sum(row * row))), F32_MAX)
+            assert abs(norms[i] - want) <= 1e-5 * want, (exp, i, norms[i], want)
+            if want < F32_MAX:
+                err = np.linalg.norm(back.reshape(-1, d)[i] - row) / want
+                assert err < 0.5, (exp, i, err)
