@@ -321,6 +321,43 @@ class Lockstep:
                 raise Divergence(index, op, "in-place switch differs",
                                  f"KV_INPLACE_WRITE={env!r}: inplace={want}", f"inplace={c.inplace}")
 
+    #: ops that change neither a cache's arrays nor its counters (checks
+    #: of the stored form are not repeated after them)
+    READ_ONLY_OPS = frozenset({"fetch", "snapshot", "drop", "hold", "release_hold", "handle_trim_to", "expect"})
+
+    def reload_class(self) -> type | None:
+        """The class whose ``from_state(state, meta_state)`` must give this
+        cache back, as a prompt-cache file load does; None where the kind
+        has no such round trip (a list of layers, a paged sequence)."""
+        return None
+
+    def compare_reload(self, index: int, op: dict[str, Any]) -> None:
+        """A save/load round trip is a fixpoint: ``from_state(state,
+        meta_state)`` loads, answers the same ``meta_state`` (mode, step,
+        counters, window and sinks, dtype, head dims, array names...) and
+        the same ``state`` arrays, value by value (the window follows from
+        these). The spec has no load op, so this is checked on the
+        implementation against itself after every op that writes: a field
+        dropped or swapped on save or load, or a ``state`` that holds other
+        rows than the valid ones, shows here."""
+        cls = self.reload_class()
+        if cls is None or op["op"] in self.READ_ONLY_OPS:
+            return
+        c = self.cache
+        try:
+            back = cls.from_state(c.state, c.meta_state)
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the divergence
+            raise Divergence(index, op, "state/meta_state do not load back", "a cache", repr(exc)) from None
+        if back.meta_state != c.meta_state:
+            raise Divergence(index, op, "a save/load round trip changes meta_state", list(c.meta_state),
+                             list(back.meta_state))
+        want, got = c.state, back.state
+        names = getattr(c, "state_names", lambda: tuple(range(len(want))))()
+        back_names = getattr(back, "state_names", lambda: tuple(range(len(got))))()
+        if names != back_names or len(want) != len(got) or any(
+                a.dtype != b.dtype or a.shape != b.shape or not bool(mx.array_equal(a, b)) for a, b in zip(want, got)):
+            raise Divergence(index, op, "a save/load round trip changes the arrays", list(names), list(back_names))
+
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
         if "inplace_env" in self.cfg:
             self.compare_switch(index, op)
@@ -338,6 +375,7 @@ class Lockstep:
                                  self.identify(arrays, self.view_mode(name)))
         if self.check_sharing:
             self.compare_sharing(index, op)
+        self.compare_reload(index, op)
 
     def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
         """The spec's checks for ``op`` (which returned ``result`` on the

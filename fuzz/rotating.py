@@ -120,6 +120,13 @@ class RotatingLockstep(Lockstep):
         super().compare_state(index, op)
         self.compare_protocol_state(index, op)
 
+    def reload_class(self) -> type | None:
+        """The class under test (an mlx-lm target's adapter has no kvspec
+        load). A reloaded ring keeps its undo depth but not its log (a load
+        is a restore), which the fixpoint's ``meta_state`` and arrays do
+        not show; tests/test_prompt_cache_files.py checks that part."""
+        return type(self.cache) if isinstance(self.cache, RotatingKVCache) else None
+
     def compare_protocol_state(self, index: int, op: dict[str, Any]) -> None:
         """mlx-lm's ``state`` (what a prompt-cache file saves and what
         ``from_state`` rebuilds from) holds exactly the valid rows that
