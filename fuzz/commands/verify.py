@@ -153,16 +153,24 @@ def _crosshair_text(ch: dict) -> str:
     return ", ".join(parts) or json.dumps(ch)[:200]
 
 
-def check_crosshair() -> list[Check]:
-    """CrossHair on the spec's contracts (``python -m proofs.crosshair_run``)."""
+def _run_json(label: str, argv: list[str]) -> tuple[Any, float, int]:
+    """Run ``python argv`` in the repository; returns (its stdout parsed as
+    JSON, seconds, exit code), or a failed check named ``label`` in place of
+    the document when stdout is not JSON."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "proofs.crosshair_run", "--json"],
-                          check=False, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run([sys.executable, *argv], check=False, capture_output=True, text=True, cwd=REPO)
     seconds = time.perf_counter() - start
     try:
-        ch = json.loads(proc.stdout)
+        return json.loads(proc.stdout), seconds, proc.returncode
     except json.JSONDecodeError:
-        return [Check("crosshair spec/ contracts", False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", seconds)]
+        return Check(label, False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", seconds), seconds, proc.returncode
+
+
+def check_crosshair() -> list[Check]:
+    """CrossHair on the spec's contracts (``python -m proofs.crosshair_run``)."""
+    ch, seconds, _ = _run_json("crosshair spec/ contracts", ["-m", "proofs.crosshair_run", "--json"])
+    if isinstance(ch, Check):
+        return [ch]
     return [Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", seconds)))]
 
 
@@ -170,19 +178,15 @@ def check_proofs(crosshair: bool = True) -> list[Check]:
     """The Z3 obligations (``kvspec prove --json``), in a subprocess; with
     ``crosshair`` also the CrossHair contracts (:func:`check_crosshair`
     runs them alone, so ``verify -j`` can run both at once)."""
-    start = time.perf_counter()
     try:
         import proofs.cli  # noqa: F401
     except ImportError:
         return [Check("proofs", False, "proofs package missing", 0.0)]
     flags = "['--json', '--crosshair']" if crosshair else "['--json']"
-    proc = subprocess.run([sys.executable, "-c", f"import sys; from proofs.cli import main; sys.exit(main({flags}))"],
-                          check=False, capture_output=True, text=True, cwd=REPO)
-    seconds = time.perf_counter() - start
-    try:
-        doc = json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        return [Check("proofs", False, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", seconds)]
+    doc, seconds, returncode = _run_json(
+        "proofs", ["-c", f"import sys; from proofs.cli import main; sys.exit(main({flags}))"])
+    if isinstance(doc, Check):
+        return [doc]
     checks = []
     for ob in doc.get("obligations", []):
         # An obligation that waits for a spec that does not exist yet (paged)
@@ -195,8 +199,8 @@ def check_proofs(crosshair: bool = True) -> list[Check]:
     ch = doc.get("crosshair")
     if ch is not None:
         checks.append(Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", 0.0))))
-    if proc.returncode != 0:
-        checks.append(Check("proofs", False, f"kvspec prove exited {proc.returncode}", seconds))
+    if returncode != 0:
+        checks.append(Check("proofs", False, f"kvspec prove exited {returncode}", seconds))
     return checks
 
 
