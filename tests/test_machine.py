@@ -71,10 +71,77 @@ def _int8_zero_scale():
     return Int8ZeroScale
 
 
+def _int8_zero_value_scale():
+    import mlx.core as mx
+
+    from impl.dense import KVCache
+
+    class Int8ZeroValueScale(KVCache):
+        """The zero-row scale bug on the values only (keys stored right)."""
+
+        @property
+        def state(self):
+            st = super().state
+            if len(st) != 4:
+                return st
+            k, ks, v, vs = st
+            return (k, ks, v, mx.where(mx.max(mx.abs(v), axis=-1, keepdims=True) == 0, mx.zeros_like(vs), vs))
+
+        @state.setter
+        def state(self, v):
+            KVCache.state.fset(self, v)
+
+    return Int8ZeroValueScale
+
+
+def _load_reverses_rows():
+    from impl.dense import KVCache
+
+    class LoadReversesRows(KVCache):
+        """from_state copies the rows back to front: same shapes, same
+        meta_state, other arrays once two rows differ."""
+
+        @classmethod
+        def from_state(cls, state, meta_state=None, op="from_state"):
+            state = tuple(a[:, :, ::-1, :] for a in state)
+            return super().from_state(state, meta_state, op)
+
+    return LoadReversesRows
+
+
+def _ring_state_oldest_first():
+    import mlx.core as mx
+
+    from impl.rotating import RotatingKVCache
+
+    class RingStateOldestFirst(RotatingKVCache):
+        """state answers the valid rows rotated by the cursor (oldest first)
+        instead of in slot order: the right shapes, other values once the
+        ring wraps (and it loads back as itself, so the save/load fixpoint
+        holds: only a comparison of the values with fetch sees it)."""
+
+        @property
+        def state(self):
+            got = self.fetch()
+            if got is None:
+                return ()
+            return tuple(mx.roll(a, -self.idx, axis=2) for a in got)
+
+        @state.setter
+        def state(self, v):
+            RotatingKVCache.state.fset(self, v)
+
+    return RingStateOldestFirst
+
+
 @pytest.mark.parametrize("kind,mode,make,message", [
     ("dense", "fp16", _load_drops_live_start, "do not load back|a save/load round trip changes meta_state"),
     ("rotating", "fp16", _ring_load_drops_undo, "a save/load round trip changes meta_state"),
     ("dense", "int8", _int8_zero_scale, "stored Int8 key scales differ"),
+    # every array of the stored form is compared, by value, not only its shape
+    ("dense", "int8", _int8_zero_value_scale, "stored Int8 value scales differ"),
+    ("dense", "fp16", _load_reverses_rows, "a save/load round trip changes the arrays"),
+    ("rotating", "fp16", _ring_state_oldest_first, "state differs from the valid rows|a save/load round trip changes the arrays"),
 ])
 def test_stored_form_checks_catch_their_bug(kind, mode, make, message):
     from fuzz.campaign import campaign
