@@ -32,3 +32,59 @@ def test_the_plan_covers_every_check_once():
     assert sum(label.startswith("fuzz ") for label in labels) == sum(len(k.campaigns) for k in kinds.KINDS.values())
     assert {"traces", "proofs", "crosshair", "equivalent mutants"} <= set(labels)
     assert verify.plan(quick=True, skip_proofs=True)[-1].label.startswith("bug ")
+
+
+# -- what verify and mutants ask of the fuzzer (seeds, budgets, shrinking) ---------
+def test_full_plan_fuzzes_each_bug_from_five_seeds_and_campaigns_for_the_budget():
+    plan = verify.plan(quick=False, skip_proofs=True)
+    bugs = [j for j in plan if j.func == "check_bugs"]
+    assert bugs and all(j.args[1] == 5 for j in bugs)
+    campaigns = [j for j in plan if j.func == "check_campaigns"]
+    assert campaigns and all(j.args[0] == verify.CAMPAIGN_BUDGET for j in campaigns)
+    quick = verify.plan(quick=True, skip_proofs=True)
+    assert all(j.args[1] == 1 for j in quick if j.func == "check_bugs")
+
+
+def test_verify_never_shrinks_and_mutants_shrinks_seed_one_only(monkeypatch, tmp_path):
+    from fuzz.commands import mutants
+
+    calls: list[tuple[int, bool]] = []
+
+    def fake_catch(bug, seed, max_examples, out_dir, fixed=None, check_inplace=True, stem=None, shrink=True):
+        calls.append((seed, shrink))
+        return True, 0.1, 1, None, None
+
+    monkeypatch.setattr(mutants, "catch_bug", fake_catch)
+    name = mutants.catalog()[0].name
+    mutants.run_mutants(3, out=str(tmp_path), names=[name])
+    assert calls and {s: sh for s, sh in calls} == {1: True, 2: False, 3: False}
+    calls.clear()
+    verify.check_bugs(str(tmp_path), 3, [name])
+    assert calls and not any(sh for _, sh in calls)
+
+
+def test_run_machine_passes_shrink_to_hypothesis(monkeypatch):
+    from hypothesis import Phase
+
+    from fuzz import campaign
+
+    seen = []
+    real = campaign.fuzz_settings
+
+    def spy(*args, **kw):
+        s = real(*args, **kw)
+        seen.append(tuple(s.phases))
+        return s
+
+    monkeypatch.setattr(campaign, "fuzz_settings", spy)
+    machine = campaign.machine_for("dense", "fp16")
+    campaign.run_machine(machine, seed=1, max_examples=1, steps=2, shrink=False)
+    campaign.run_machine(machine, seed=1, max_examples=1, steps=2)
+    assert seen == [(Phase.generate,), (Phase.generate, Phase.shrink)]
+
+
+def test_run_json_keeps_the_exit_status():
+    doc, _seconds, rc = verify._run_json("x", ["-c", "import json, sys; print(json.dumps({'ok': 1})); sys.exit(3)"])
+    assert doc == {"ok": 1} and rc == 3
+    bad, _seconds, rc = verify._run_json("x", ["-c", "import sys; print('no json'); sys.exit(2)"])
+    assert isinstance(bad, verify.Check) and not bad.ok and bad.name == "x" and rc == 2
