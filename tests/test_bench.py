@@ -32,3 +32,26 @@ def test_interleaved_takes_rounds_round_robin_after_a_warmup():
     assert bench._interleaved([tick("a"), tick("b")], rounds=3, warmup=2) == [1.0, 2.0]
     assert calls[:4] == ["a", "a", "b", "b"]  # the warm-up, untimed
     assert calls[4:] == ["a", "b", "b", "a", "a", "b"]  # each round starts one further on
+
+
+def test_interleaved_gives_each_tick_its_own_times():
+    """Three ticks, so a median of times filed under the call's slot rather
+    than the tick that made them cannot come out right by symmetry."""
+    ticks = [lambda v=v: v for v in (1.0, 2.0, 3.0)]
+    for rounds in (3, 4):
+        assert bench._interleaved(ticks, rounds=rounds, warmup=0) == [1.0, 2.0, 3.0]
+
+
+def test_each_row_measures_its_own_operation(capsys, monkeypatch):
+    from fuzz.bugs.dense import PhysicalTrimFp16
+    from impl.dense import KVCache
+
+    monkeypatch.setattr(bench, "ROUNDS", 2)
+    monkeypatch.setattr(bench, "_decode_round", lambda n, inplace: (lambda: 1.0 if inplace is True else 2.0))
+    which = {KVCache: 3.0, PhysicalTrimFp16: 4.0}
+    monkeypatch.setattr(bench, "_rollback_round", lambda cls, n: (lambda: which[cls]))
+    assert bench.run([16, 48], as_json=True) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for col in doc["rows"]:
+        assert (col["decode_inplace_ms"], col["decode_copy_ms"], col["rollback_logical_ms"],
+                col["rollback_physical_ms"]) == (1e3, 2e3, 3e3, 4e3)
