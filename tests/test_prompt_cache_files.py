@@ -119,6 +119,21 @@ def test_round_trip_keeps_every_layer(tmp_path):
             assert facts(orig)[3:] == facts(back)[3:]
 
 
+def test_the_file_describes_every_layer_as_it_is(tmp_path):
+    """The kvspec metadata other readers see: class, meta_state, array count,
+    and the in-place switch as the cache has it (Turbo caches have none and
+    always copy: saved as false, never a default of true)."""
+    caches = mixed()
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), caches)
+    _arrays, header = mx.load(str(path), return_metadata=True)
+    layers = json.loads(header["0.__kvspec__"])["layers"]
+    assert [(d["class"], d["meta_state"], d["inplace"], d["arrays"]) for d in layers] == [
+        (type(c).__name__, list(c.meta_state), bool(getattr(c, "inplace", False)), len(c.state)) for c in caches]
+    assert any(isinstance(c, (TurboKVCache, DelegatedKVCache)) for c in caches)
+    assert all(d["inplace"] is False for d, c in zip(layers, caches) if isinstance(c, (TurboKVCache, DelegatedKVCache)))
+
+
 def test_decoding_through_generate_step_is_byte_identical_after_a_load(tmp_path):
     from fuzz.commands.e2e import greedy, tiny_gemma3, token_ids
 
