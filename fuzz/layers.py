@@ -31,6 +31,7 @@ from fuzz.trace import TraceFormatError
 from impl import layers as impl_layers
 from impl.dense import KVCache, data_pointer
 from impl.rotating import RotatingKVCache
+from impl.write import inplace_keeps_memory
 from spec import dense as sd
 from spec import layers as sl
 from spec import rotating as sr
@@ -201,7 +202,7 @@ class LayersLockstep(Lockstep):
             i_inplace = [c.last_write_inplace for c in self.caches]
             if self.check_inplace and s_inplace != i_inplace:
                 raise Divergence(index, op, "in-place decisions differ", f"inplace={s_inplace}", f"inplace={i_inplace}")
-            if self.check_sharing:
+            if self.check_sharing and inplace_keeps_memory():  # not under CUDA's donate (fuzz.lockstep)
                 for j, (inplace, before, c) in enumerate(zip(s_inplace, self.pointers_before, self.caches)):
                     if inplace and before is not None and self._pointer(c) != before:
                         raise Divergence(index, op, f"layer {j}: an in-place write moved the cache's memory",

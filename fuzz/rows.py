@@ -31,6 +31,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from fuzz.device import device_read
+
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -87,8 +89,10 @@ def host(a) -> np.ndarray:
     """A fetched array as NumPy, bit for bit: float16 and float32 as they
     are, bfloat16 as the float32 of each value (exact and one-to-one);
     anything else (a target's view object) through ``np.asarray``."""
-    if isinstance(a, mx.array) and a.dtype == mx.bfloat16:
-        return np.asarray(a.astype(mx.float32))
+    if isinstance(a, mx.array):
+        a = device_read(a)  # on a GPU, read as a decoder reads it (fuzz.device)
+        if a.dtype == mx.bfloat16:
+            return np.asarray(a.astype(mx.float32))
     return np.asarray(a)
 
 

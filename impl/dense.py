@@ -7,10 +7,12 @@ they come in (float16, bfloat16 or float32) and Int8 dequantizes to it
 (semantics.md 2 "Storage dtype"; "fp16" names the unquantized mode). Readers slice ``[0, live_len)``
 with ``live_len = offset - live_start``.
 
-Writes are functional (``mx.slice_update``: MLX copies a buffer that anyone
-else still references) except Fp16 decode steps that the ownership rule
+Writes go through :mod:`impl.write`. They are copying writes (a static slice
+update: MLX copies a buffer that anyone else still references and reuses it
+otherwise) except Fp16 decode steps that the ownership rule
 (``spec.dense.inplace_write_allowed``) allows: those write the row straight
-into the evaluated buffer through a NumPy view. Trims are logical (O(1)).
+into the evaluated buffer (a NumPy view on the CPU, a device kernel on
+CUDA). Trims are logical (O(1)).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from impl.quant import FLOAT16_MAX, dequantize_int8, int8_representable, quantize_int8
+from impl.write import seq_index, write_copy, write_inplace
 from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -66,24 +69,24 @@ def _check_int(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def write_rows_inplace(dst: mx.array, src: mx.array, at: int) -> None:
+def write_rows_inplace(dst: mx.array, src: mx.array, at: int) -> mx.array:
     """Write ``src`` (``[B, H, n, D]``) into rows ``[at, at + n)`` of
-    ``dst``'s own memory, through a writable NumPy view: every array that
-    shares that memory (a snapshot, a held window) sees the write. Callers
-    must have proved that no one else can read those rows (the ownership
-    rule, spec.dense.inplace_write_allowed / spec.rotating.
-    rotating_inplace_allowed).
+    ``dst``'s own memory (:func:`impl.write.write_inplace`: a NumPy view on
+    the CPU and Apple unified memory, a device kernel completed before return
+    on CUDA): every array that shares that memory (a snapshot, a held window)
+    sees the write. Callers must have proved that no one else can read those
+    rows (the ownership rule, spec.dense.inplace_write_allowed /
+    spec.rotating.rotating_inplace_allowed). Returns the array that now holds
+    the rows (``dst`` itself except under CUDA's ``donate`` mechanism), which
+    the caller keeps as its buffer."""
+    return write_inplace(dst, src, seq_index(at, src.shape[SEQ_AXIS], SEQ_AXIS))
 
-    ``dst`` is evaluated first: a lazy array has no memory to alias yet.
-    ``copy=False`` makes NumPy raise rather than silently write into a copy.
-    """
-    mx.eval(dst)
-    if dst.dtype == mx.bfloat16:
-        # NumPy has no bfloat16: write the 16-bit patterns through a uint16
-        # view of the same memory (an evaluated mx.view aliases its input).
-        dst, src = mx.view(dst, mx.uint16), mx.view(src.astype(mx.bfloat16), mx.uint16)
-        mx.eval(dst)
-    np.array(dst, copy=False)[:, :, at : at + src.shape[SEQ_AXIS], :] = src
+
+def write_rows_copy(dst: mx.array, src: mx.array, at: int) -> mx.array:
+    """``dst`` with rows ``[at, at + n)`` replaced by ``src``, as a new array
+    (:func:`impl.write.write_copy`: a static slice update MLX donates when
+    nothing else holds ``dst``; ``dst`` itself is unchanged)."""
+    return write_copy(dst, src, seq_index(at, src.shape[SEQ_AXIS], SEQ_AXIS))
 
 
 def data_pointer(a: mx.array) -> int:
@@ -406,16 +409,20 @@ class KVCache:
         """Write rows into the existing buffers' memory: every holder sharing
         them sees it, which the ownership rule makes harmless."""
         assert self.buffers is not None
-        for dst, src in zip(self.buffers.arrays(), rows.arrays()):
-            write_rows_inplace(dst, src, at)
+        b = self.buffers
+        self.buffers = _Buffers(*(
+            None if dst is None else write_rows_inplace(dst, src, at)
+            for dst, src in zip((b.keys, b.values, b.key_scales, b.value_scales),
+                                (rows.keys, rows.values, rows.key_scales, rows.value_scales))
+        ), out_dtype=b.out_dtype)
 
     def _write_copy(self, at: int, rows: _Buffers) -> None:
-        """Functional slice update: new private buffers (MLX copies a buffer
-        that anyone else still references)."""
+        """Copying write (impl.write.write_copy): new buffers, the old ones
+        unchanged for whoever shares them; MLX reuses their memory when
+        nobody does."""
         assert self.buffers is not None
-        start = mx.array([at])
         self.buffers = _Buffers(*(
-            None if dst is None else mx.slice_update(dst, src, start, axes=(SEQ_AXIS,))
+            None if dst is None else write_rows_copy(dst, src, at)
             for dst, src in zip(
                 (self.buffers.keys, self.buffers.values, self.buffers.key_scales, self.buffers.value_scales),
                 (rows.keys, rows.values, rows.key_scales, rows.value_scales),

@@ -12,8 +12,10 @@ Write rule (``spec.paged.needs_copy_on_write``, ``spec.paged.write_in_place``):
 a write into a block whose refcount is above 1 first copies the block into a
 fresh one and repoints the writer's table (copy on write); a write into a
 block that exactly one sequence holds, at that sequence's own next row, goes
-straight into the evaluated slab's memory through a NumPy view; otherwise
-(the in-place switch off) the slab is replaced by a functional update.
+straight into the evaluated slab's memory (``impl.write.write_inplace``: a
+NumPy view on the CPU, a device kernel on CUDA); otherwise (the in-place
+switch off) the slab is replaced by a copying update that MLX donates when
+nothing else holds the slab (``impl.write.write_copy``).
 
 Why an in-place write is safe here: the slabs are referenced by the pool
 only. Readers get :meth:`BlockPool.fetch`'s gather, which is evaluated into
@@ -32,13 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from impl.dense import _check_int, _check_rows, inplace_switch_from_env
+from impl.write import write_copy, write_inplace
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MAIN = "main"
-_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def block_index(position: int, block_size: int) -> int:
@@ -50,14 +51,6 @@ def block_index(position: int, block_size: int) -> int:
 def table_len(length: int, block_size: int) -> int:
     """``ceil(length / block_size)`` (spec.paged.table_len)."""
     return -(-length // block_size)
-
-
-def _raw(a: mx.array) -> np.ndarray:
-    """A writable NumPy view of an evaluated MLX array's memory, as unsigned
-    integers of the same width (NumPy has no bfloat16; bytes are copied
-    exactly either way)."""
-    mx.eval(a)
-    return np.array(a.view(_UINT_OF_SIZE[a.dtype.size]), copy=False)
 
 
 @dataclass
@@ -206,28 +199,29 @@ class BlockPool:
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into the fresh block ``dst`` (its only holder is
         the writer, so in place when the switch is on)."""
-        if self.inplace:
-            for slab in (self.keys, self.values):
-                raw = _raw(slab)
-                raw[dst] = raw[src]
-        else:
-            at = mx.array([dst])
-            self.keys = mx.slice_update(self.keys, self.keys[src : src + 1], at, axes=(0,))
-            self.values = mx.slice_update(self.values, self.values[src : src + 1], at, axes=(0,))
+        # The block is gathered into its own memory first: a slice of the slab
+        # would keep the slab referenced and stop MLX from reusing it.
+        at = (slice(dst, dst + 1),)
+        blocks = [mx.take(slab, mx.array([src]), axis=0) for slab in (self.keys, self.values)]
+        mx.eval(*blocks)
+        write = write_inplace if self.inplace else write_copy
+        self.keys = write(self.keys, blocks[0], at)
+        self.values = write(self.values, blocks[1], at)
 
     def _write(self, block: int, slot: int, keys: mx.array, values: mx.array, inplace: bool) -> None:
         """Write rows ``[1, H, m, D]`` into slots ``[slot, slot + m)`` of
-        ``block``: through a NumPy view when ``inplace`` (the caller checked
-        spec.paged.write_in_place), else by a functional slab update."""
+        ``block``: in place when ``inplace`` (the caller checked
+        spec.paged.write_in_place), else by a copying slab update (both
+        through impl.write)."""
         m = keys.shape[2]
         rk, rv = keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)  # [m, H, D]
+        index = (slice(block, block + 1), slice(slot, slot + m))
         if inplace:
-            for slab, rows in ((self.keys, rk), (self.values, rv)):
-                _raw(slab)[block, slot : slot + m] = _raw(mx.contiguous(rows))
+            self.keys = write_inplace(self.keys, rk[None], index)
+            self.values = write_inplace(self.values, rv[None], index)
         else:
-            at = mx.array([block, slot])
-            self.keys = mx.slice_update(self.keys, rk[None], at, axes=(0, 1))
-            self.values = mx.slice_update(self.values, rv[None], at, axes=(0, 1))
+            self.keys = write_copy(self.keys, rk[None], index)
+            self.values = write_copy(self.values, rv[None], index)
 
     def _reserve(self, s: Sequence, needed: int, keys: mx.array, values: mx.array) -> None:
         """spec.paged.reserve: make ``needed`` blocks free, growing the slabs

@@ -38,6 +38,7 @@ from impl.dense import (
     check_matches_cache,
     copy_without_marker,
     share,
+    write_rows_copy,
     write_rows_inplace,
 )
 from spec.dense import MAX_STEP, check_window_size
@@ -245,14 +246,10 @@ class RotatingKVCache:
     def _write_row(self, k: mx.array, v: mx.array, inplace: bool) -> None:
         assert self.keys is not None and self.values is not None
         if inplace:
-            write_rows_inplace(self.keys, k, self.idx)
-            write_rows_inplace(self.values, v, self.idx)
+            self.keys = write_rows_inplace(self.keys, k, self.idx)
+            self.values = write_rows_inplace(self.values, v, self.idx)
         else:
-            start = mx.array([self.idx])
-            self._set_buffers(
-                mx.slice_update(self.keys, k, start, axes=(SEQ_AXIS,)),
-                mx.slice_update(self.values, v, start, axes=(SEQ_AXIS,)),
-            )
+            self._set_buffers(write_rows_copy(self.keys, k, self.idx), write_rows_copy(self.values, v, self.idx))
 
     def _decode(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         W, K = self.max_size, self.keep
@@ -398,9 +395,8 @@ class RotatingKVCache:
         the prior layout back; counters from the record; no marker."""
         if r.kind == "decode":
             if r.saved_keys is not None:
-                start = mx.array([r.slot])
-                self._set_buffers(mx.slice_update(self.keys, r.saved_keys, start, axes=(SEQ_AXIS,)),
-                                  mx.slice_update(self.values, r.saved_values, start, axes=(SEQ_AXIS,)))
+                self._set_buffers(write_rows_copy(self.keys, r.saved_keys, r.slot),
+                                  write_rows_copy(self.values, r.saved_values, r.slot))
         else:
             self._set_buffers(*self._prior_layout(r))
         self.offset, self.idx, self._log, self._marker = r.offset, r.idx, self._log[:-1], None

@@ -46,6 +46,7 @@ from impl.dense import (
     _check_rows,
     _check_tensor,
     regrow_capacity,
+    write_rows_copy,
 )
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 from spec.turbo import Mode, check_append_head_dims, fold_schedule
@@ -618,8 +619,7 @@ class TurboKVCache(_TurboBase):
                 head = [] if old is None else [old[k][:, :, :prev, :]]
                 out[k] = mx.concatenate([*head, r, pad], axis=SEQ_AXIS)
             return out, 0
-        start = mx.array([prev])
-        return {k: mx.slice_update(old[k], r, start, axes=(SEQ_AXIS,)) for k, r in rows.items()}, 0
+        return {k: write_rows_copy(old[k], r, prev) for k, r in rows.items()}, 0
 
     def gather_positions(self, positions: list[int]) -> int:
         """Keep exactly the listed live rows, in order; ``offset =
@@ -712,7 +712,7 @@ class DelegatedKVCache(_TurboBase):
             head = [] if old is None else [old["keys"][:, :, :prev, :]]
             out["keys"] = mx.concatenate([*head, keys, pad], axis=SEQ_AXIS)
         else:
-            out["keys"] = mx.slice_update(old["keys"], keys, mx.array([prev]), axes=(SEQ_AXIS,))
+            out["keys"] = write_rows_copy(old["keys"], keys, prev)
         hot_parts = ([old["hot"]] if old is not None and "hot" in old else []) + [values]
         hot = hot_parts[0] if len(hot_parts) == 1 else mx.concatenate(hot_parts, axis=SEQ_AXIS)
         folded = self._fold_count(prev, n)

@@ -42,11 +42,25 @@ class InjectedBug:
     #: fields, whether the in-place decision is observed). With the decision
     #: unobserved only isolation (a holder's bytes changing) can catch it.
     variants: tuple[tuple[str, dict[str, Any], bool], ...] = ()
+    #: ``gpu``: the bug breaks a GPU-only path (the CUDA write layer) and is
+    #: run only with ``--device gpu``; ``any``: everywhere.
+    device: str = "any"
 
 
 def catalog() -> list[InjectedBug]:
     """Every injected bug, kind by kind in registry order."""
     return [bug for kind in KINDS.values() for bug in kind.bug_list()]
+
+
+def runnable(bug: InjectedBug) -> bool:
+    """Whether ``bug`` can run on this process's device (a GPU-only bug needs
+    MLX's CUDA backend and the GPU as the default device)."""
+    if bug.device != "gpu":
+        return True
+    from fuzz.device import current
+    from impl.write import backend
+
+    return current() == "gpu" and backend() == "cuda"
 
 
 class UnknownBugError(KeyError):

@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
+from impl import write as kvwrite
 from impl.dense import SEQ_AXIS, CacheSnapshot, KVCache, _Buffers, _Marker
 
 
@@ -213,6 +214,58 @@ class QuantizerRoundsHalfAway(KVCache):
     quantize_rows = staticmethod(quantize_half_away)
 
 
+# -- GPU-only: the CUDA write layer (impl.write), run with --device gpu --------------
+class KernelOrderedByDepends(KVCache):
+    """The CUDA kernel write is not evaluated before the window is returned;
+    the window is made to depend on the kernel's token with ``mx.depends``
+    instead. MLX's CUDA backend records the kernel as a reader of the buffer,
+    so a device read of the window gets no edge to the kernel and can run
+    before the row is written."""
+
+    def _write_inplace(self, at: int, rows: _Buffers) -> None:
+        assert self.buffers is not None
+        tokens = []
+        for dst, src in zip(self.buffers.arrays(), rows.arrays()):
+            mx.eval(dst)
+            start = [0, 0, at, 0]
+            tokens.append(kvwrite.kernel_write(dst, src.astype(dst.dtype), start))
+        self._pending = tokens
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._pending: list[mx.array] = []
+        k, v = super().update_and_fetch(keys, values)
+        if self._pending:
+            k, v = mx.depends([k, v], self._pending)
+        return k, v
+
+
+class KernelRowOff(KVCache):
+    """The CUDA kernel write lands one row past the decode row (an
+    off-by-one in the start it is given; the row before it when there is no
+    room), and the decode row keeps whatever it held."""
+
+    def _write_inplace(self, at: int, rows: _Buffers) -> None:
+        assert self.buffers is not None
+        for dst, src in zip(self.buffers.arrays(), rows.arrays()):
+            where = at + 1 if at + 1 < dst.shape[SEQ_AXIS] else at - 1
+            mx.eval(dst, src)
+            mx.eval(kvwrite.kernel_write(dst, src.astype(dst.dtype), [0, 0, where, 0]))
+
+
+class KernelWriteWhereCopy(KVCache):
+    """The copying write is routed through the CUDA kernel straight into the
+    current buffers whenever they have room: a write the ownership rule says
+    must copy (after a trim, a restore, beside a snapshot that sees the row)
+    lands in memory another holder reads."""
+
+    def _write_copy(self, at: int, rows: _Buffers) -> None:
+        assert self.buffers is not None
+        if self.mode != "fp16":
+            return super()._write_copy(at, rows)
+        for dst, src in zip(self.buffers.arrays(), rows.arrays()):
+            kvwrite.write_inplace_kernel(dst, src, kvwrite.seq_index(at, src.shape[SEQ_AXIS]))
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule 4 (prev == marker.live_len)",
@@ -292,5 +345,22 @@ BUGS: tuple[InjectedBug, ...] = (
         "int8_round_half_away", "semantics.md 2, Quantized storage (round half to even)",
         "issue 15, quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
         "the quantizer rounds ties away from zero", {"dense": QuantizerRoundsHalfAway},
+    ),
+    InjectedBug(
+        "gpu_kernel_ordered_by_depends", "the write layer's ordering rule: a kernel write completes before any read of the window",
+        "measured on MLX 0.32 CUDA: reads ordered by mx.depends missed the write 97-100% of the time", "dense", ("fp16",),
+        "KVCache._write_inplace", "CUDA kernel write ordered only by mx.depends: a device read of the window can run first",
+        {"dense": KernelOrderedByDepends}, device="gpu",
+    ),
+    InjectedBug(
+        "gpu_kernel_row_off", "semantics.md 2, append step 3 (rows land at [prev, prev + n))",
+        "off-by-one in a device kernel's start", "dense", ("fp16",), "KVCache._write_inplace",
+        "CUDA kernel write lands one row off the decode row", {"dense": KernelRowOff}, device="gpu",
+    ),
+    InjectedBug(
+        "gpu_kernel_write_where_copy", "semantics.md 2, ownership rule (a copying write leaves shared buffers alone)",
+        "in-place write where the ownership rule says copy, on the GPU", "dense", ("fp16",), "KVCache._write_copy",
+        "CUDA kernel writes into shared buffers where the rule says copy", {"dense": KernelWriteWhereCopy},
+        device="gpu",
     ),
 )

@@ -52,13 +52,19 @@ def _usage_error(console: Console, message: str) -> int:
 
 def _bug(console: Console, name: str, flag: str = "--bug") -> Any:
     """The catalog entry ``name``, or None after printing the known names."""
+    from fuzz import device
     from fuzz.bugs import UnknownBugError, by_name
 
     try:
-        return by_name(name)
+        bug = by_name(name)
     except UnknownBugError as exc:
         _usage_error(console, f"{flag}: {exc}")
         return None
+    if bug.device == "gpu" and device.current() != "gpu":
+        _usage_error(console, f"{flag} {name}: a GPU-only injected bug (it breaks the CUDA write layer); "
+                              "run it with --device gpu on a machine with MLX's CUDA backend")
+        return None
+    return bug
 
 
 class _Ticker:
@@ -515,6 +521,9 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
                         add_help=False)
     pr.add_argument("rest", nargs=argparse.REMAINDER)
     pr.set_defaults(fn=cmd_prove)
+    for name in ("replay", "fuzz", "verify", "mutants", "bench", "e2e", "conformance"):
+        subs[name].add_argument("--device", choices=["cpu", "gpu"], default=None,
+                                help="MLX device to run the caches on (default: $KVSPEC_DEVICE, else MLX's default)")
     p.set_defaults(_subparsers=subs)
     return p
 
@@ -544,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
         known = [o for a in sp._actions for o in a.option_strings]
         hints = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
         sp.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
+    if hasattr(args, "device"):
+        from fuzz.device import DeviceError, select
+
+        try:
+            select(args.device)
+        except DeviceError as exc:
+            return _usage_error(_console(), str(exc))
     try:
         return int(args.fn(args))
     except KeyboardInterrupt:

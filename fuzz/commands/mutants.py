@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fuzz.bugs import InjectedBug, catalog
+from fuzz.bugs import InjectedBug, catalog, runnable
 from fuzz.campaign import catch_bug
 
 
@@ -67,8 +67,9 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
     entries are appended to ``reports`` as they finish (what an interrupted
     run keeps)."""
     reports = [] if reports is None else reports
-    runs = [(bug, "", None, True) for bug in catalog()]
-    runs += [(bug, label, fixed, check) for bug in catalog() for label, fixed, check in bug.variants]
+    bugs = [bug for bug in catalog() if runnable(bug)]  # GPU-only entries need --device gpu
+    runs = [(bug, "", None, True) for bug in bugs]
+    runs += [(bug, label, fixed, check) for bug in bugs for label, fixed, check in bug.variants]
     for bug, variant, fixed, check_inplace in runs:
         if names and bug.name not in names:
             continue
@@ -101,8 +102,12 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None) ->
     import time
 
     err = Console(stderr=True, highlight=False)
-    total = sum(1 + len(b.variants) for b in catalog() if not names or b.name in names)
+    total = sum(1 + len(b.variants) for b in catalog() if runnable(b) and (not names or b.name in names))
+    skipped = [b.name for b in catalog() if not runnable(b) and (not names or b.name in names)]
     err.print(f"kvspec mutants: {total} entries, seeds 1..{seeds}", markup=False)
+    if skipped:
+        err.print(f"kvspec mutants: {len(skipped)} GPU-only entries not run on this device (--device gpu on a CUDA "
+                  f"machine runs them): {', '.join(skipped)}", markup=False)
     start = time.perf_counter()
 
     def progress(rep: MutantReport) -> None:

@@ -232,9 +232,37 @@ class Job:
     weight: float = 1.0
 
 
+def check_campaigns_cuda(mechanism: str, budget: float, only: tuple[str, str, bool]) -> list[Check]:
+    """:func:`check_campaigns` with the CUDA in-place mechanism ``mechanism``
+    (``KV_CUDA_INPLACE``, impl.write) for this job only; each check's name
+    says which mechanism ran."""
+    saved = os.environ.get("KV_CUDA_INPLACE")
+    os.environ["KV_CUDA_INPLACE"] = mechanism
+    try:
+        checks = check_campaigns(budget, only)
+    finally:
+        if saved is None:
+            os.environ.pop("KV_CUDA_INPLACE", None)
+        else:
+            os.environ["KV_CUDA_INPLACE"] = saved
+    for c in checks:
+        c.name += f" [cuda {mechanism}]"
+    return checks
+
+
+def gpu_only_bugs_skipped() -> list[str]:
+    """Catalog entries this device cannot run (GPU-only ones off a CUDA GPU)."""
+    from fuzz.bugs import catalog, runnable
+
+    return [b.name for b in catalog() if not runnable(b)]
+
+
 def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False) -> list[Job]:
-    """Every job of a verify run, in table order."""
-    from fuzz.bugs import catalog
+    """Every job of a verify run, in table order. On a CUDA GPU the in-place
+    campaigns run once more with the ``kernel`` mechanism (the default is
+    ``donate``) and the GPU-only injected bugs join the catalog's."""
+    from fuzz.bugs import catalog, runnable
+    from impl.write import backend
 
     budget, seeds = (4.0, 1) if quick else (CAMPAIGN_BUDGET, 5)
     jobs = [Job("traces", "check_traces", (), 20.0)]
@@ -242,7 +270,16 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
         for mode, inplace in kind.campaigns:
             label = f"fuzz {kind.kind}/{mode}/{'inplace' if inplace else 'copy'}"
             jobs.append(Job(label, "check_campaigns", (budget, (kind.kind, mode, inplace), not quick), budget + 3))
+    if backend() == "cuda":
+        for kind in kinds.KINDS.values():
+            for mode, inplace in kind.campaigns:
+                if inplace:
+                    label = f"fuzz {kind.kind}/{mode}/inplace [cuda kernel]"
+                    jobs.append(Job(label, "check_campaigns_cuda", ("kernel", budget, (kind.kind, mode, inplace)),
+                                    budget + 3))
     for bug in catalog():
+        if not runnable(bug):
+            continue
         jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), 4.0 * seeds * (1 + len(bug.variants))))
     if not quick:
         from fuzz.commands.e2e import SCENARIOS
@@ -259,6 +296,9 @@ def run_job(job: Job) -> list[Check]:
     """Run one job (in a pool worker or inline). A crash is a failed check."""
     start = time.perf_counter()
     try:
+        from fuzz.device import select
+
+        select(None)  # the device the parent chose (KVSPEC_DEVICE), in this worker too
         return globals()[job.func](*job.args)
     except Exception as exc:  # noqa: BLE001 - reported as a failed check
         return [Check(job.label, False, f"crashed: {type(exc).__name__}: {exc}", time.perf_counter() - start)]
@@ -360,9 +400,14 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     workers = default_jobs() if jobs is None else jobs
     the_plan = plan(quick, out, skip_proofs)
     progress = Progress(len(the_plan), quiet=False)
+    from fuzz.device import current
+    from impl.write import backend, inplace_mechanism
+
+    where = f"device {current()} ({backend()}, in-place writes: {inplace_mechanism()})"
     progress.say(f"kvspec verify{' --quick' if quick else ''}: {len(the_plan)} jobs on {workers} "
-                 f"process{'es' if workers > 1 else ''}; campaign seed {CAMPAIGN_SEED}, bug seeds "
+                 f"process{'es' if workers > 1 else ''}; {where}; campaign seed {CAMPAIGN_SEED}, bug seeds "
                  f"1..{1 if quick else 5}")
+    skipped = gpu_only_bugs_skipped()
     interrupted = False
     try:
         results = run_jobs(the_plan, workers, progress)
@@ -376,7 +421,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     ok = all(c.ok for c in checks) and not missing
     if as_json:
         print(json.dumps({"ok": ok, "seconds": round(total, 1), "jobs": workers, "interrupted": interrupted,
-                          "not_run": missing,
+                          "not_run": missing, "device": where, "gpu_only_bugs_not_run": skipped,
                           "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2),
                                       "trace": c.trace} for c in checks]}))
     else:
@@ -393,7 +438,11 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         for c in checks:
             if c.trace and not c.ok:
                 console.print(f"{escape(c.name)}: kvspec replay {escape(c.trace)}", soft_wrap=True)
-        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes)")
+        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes; "
+                      f"{where})")
+        if skipped:
+            console.print(f"not run here: {len(skipped)} GPU-only injected bugs ({escape(', '.join(skipped))}); "
+                          "kvspec verify --device gpu on a machine with MLX's CUDA backend runs them", soft_wrap=True)
         if interrupted:
             console.print(f"[bold yellow]interrupted[/]: {len(missing)} of {len(the_plan)} jobs did not run: "
                           f"{escape(', '.join(missing))}\n  rerun: kvspec verify{' --quick' if quick else ''}")

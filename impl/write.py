@@ -1,0 +1,258 @@
+"""The write layer: every cache writes rows through these two functions.
+
+Two writes, chosen by the caller's ownership rule (``spec.dense.
+inplace_write_allowed``, ``spec.rotating.rotating_inplace_allowed``,
+``spec.paged.write_in_place``), which this module never second-guesses:
+
+* :func:`write_inplace` writes rows into the memory of an evaluated buffer.
+  Every array that shares that memory (a snapshot, a held window, a forked
+  sequence) sees the write; the ownership rule is what makes that harmless.
+* :func:`write_copy` returns a new array with the rows written, leaving the
+  input array unchanged. It is a *static* slice update on a fresh handle of
+  the input: when nothing else references the input's memory at evaluation
+  time, MLX donates it and writes in place (no whole-buffer copy); when
+  anything does (a snapshot, a held window, the graph of an unevaluated
+  read), MLX copies. That is MLX's own ownership rule (reference counts) and
+  it is always correct. A dynamic start (``mx.slice_update`` with an
+  ``mx.array`` start) is never used: on MLX's CUDA backend it never reuses
+  its input, so every write would copy the whole buffer.
+
+Where the in-place write goes depends on where arrays live
+(:func:`backend`, read at each call):
+
+* ``"cpu"`` and ``"metal"`` (host or Apple unified memory): a writable NumPy
+  view of the evaluated buffer (``np.array(a, copy=False)``, which raises
+  rather than silently writing into a copy). Host and device share the
+  pages, so the write is visible to every later reader. Metal kernels cannot
+  be built or tested where this project is developed, so Apple GPUs keep
+  this path.
+* ``"cuda"`` (MLX's CUDA backend; arrays in managed memory): a host write
+  through a NumPy view would migrate pages to the host and back (tens of ms a
+  step), so it is never used there. Two mechanisms, chosen by
+  ``KV_CUDA_INPLACE`` (read at each write; :func:`cuda_inplace`):
+
+  - ``donate`` (the default): the static slice update of :func:`write_copy`.
+    MLX writes into the buffer's own memory whenever nothing else references
+    it at evaluation (a decoder's steady state: measured flat from 1k to 32k
+    rows), and copies it otherwise. Always correct, ordered by MLX itself
+    (the output *is* the buffer, so every later read depends on it), and as
+    fast as mlx-lm's own cache; but beside a holder (a snapshot, a window the
+    caller keeps) the write the ownership rule allows becomes one copy, after
+    which the cache owns its memory again.
+  - ``kernel``: a device kernel (``mx.fast.cuda_kernel``) writes the rows into
+    the buffer's memory, beside holders too, exactly as on the CPU, and the
+    kernel is **evaluated before this function returns**. That costs one
+    host synchronisation per write (a decode step of a 28-layer model pays
+    28), so it is for engines that keep snapshots of a prompt cache and must
+    not copy it, not for plain decoding.
+
+Why no read of the window can run before a CUDA kernel write (``kernel``). MLX's CUDA
+backend orders work by the buffers each node declares it reads and writes.
+The kernel can only declare the buffer as an *input* (the generated
+signature says ``const T*``; the kernel casts that away), so MLX records no
+write to it, and a read that depends on the kernel only through
+``mx.depends`` gets no edge to it: such a read was measured missing the write
+97-100% of the time (``gpu_kernel_ordered_by_depends`` in the injected-bug
+catalog is that bug). So ordering is not left to the graph: ``mx.eval`` of
+the kernel's token blocks the host until the kernel has completed, and every
+read of the window is built by the caller after this function returned, so
+it is enqueued after a finished write. Reads enqueued *before* the write
+(an earlier step's attention not yet run) only read rows below the write:
+the ownership rule guarantees that the written rows were valid for no
+holder. The buffer itself is evaluated first, so no pending write to it
+(growth, an earlier copying write) can land after the kernel's.
+
+Shapes: an index is a tuple of Python ints and unit-step slices, one per
+leading axis of ``dst`` (like ``dst[index]``); ``src`` must broadcast to the
+region it selects and is cast to ``dst``'s dtype (float16, bfloat16, float32,
+int8 or the unsigned integer types). Errors: IndexError from MLX or NumPy for
+an index outside ``dst``; ValueError for a region ``src`` cannot fill.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from spec.errors import InvalidArgumentError
+
+Index = tuple[Any, ...]
+
+_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+#: How many in-place writes each mechanism has made in this process
+#: (``"numpy"``, ``"kernel"``, ``"donate"``); the dispatch tests and ``kvspec verify
+#: --device gpu`` read it to show which path ran.
+COUNTS = {"numpy": 0, "kernel": 0, "donate": 0}
+
+
+def backend() -> str:
+    """Where the default device's arrays live: ``"cuda"`` (MLX's CUDA backend,
+    managed memory), ``"metal"`` (Apple unified memory) or ``"cpu"``."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "metal"
+
+
+def _region(dst: mx.array, index: Index) -> tuple[list[int], list[int]]:
+    """(start, shape) of the region ``dst[index]`` selects, one entry per axis
+    of ``dst`` (an int index selects one row: shape 1). Raises IndexError for
+    a region outside ``dst``, ValueError for a stepped slice."""
+    if len(index) > dst.ndim:
+        raise IndexError(f"write: index has {len(index)} entries for an array of rank {dst.ndim}")
+    starts, shape = [], []
+    for axis, size in enumerate(dst.shape):
+        ix = index[axis] if axis < len(index) else slice(None)
+        if isinstance(ix, slice):
+            lo, hi, step = ix.indices(size)
+            if step != 1:
+                raise ValueError(f"write: axis {axis}: only unit-step slices are written, got step {step}")
+            starts.append(lo)
+            shape.append(max(0, hi - lo))
+        else:
+            i = int(ix)
+            if not 0 <= i < size:
+                raise IndexError(f"write: axis {axis}: index {i} outside [0, {size})")
+            starts.append(i)
+            shape.append(1)
+    return starts, shape
+
+
+def _uint_view(a: mx.array) -> mx.array:
+    return mx.view(a, _UINT_OF_SIZE[a.dtype.size])
+
+
+def write_inplace_numpy(dst: mx.array, src: mx.array, index: Index) -> None:
+    """The host path of :func:`write_inplace`: through a writable NumPy view of
+    ``dst``'s memory, as unsigned integers of the same width (NumPy has no
+    bfloat16; the bytes are copied exactly either way)."""
+    mx.eval(dst)
+    raw_dst = _uint_view(dst)
+    raw_src = _uint_view(mx.contiguous(src.astype(dst.dtype)))
+    mx.eval(raw_dst, raw_src)
+    np.array(raw_dst, copy=False)[index] = np.array(raw_src, copy=False)
+    COUNTS["numpy"] += 1
+
+
+_KERNEL_SOURCE = """
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) token[0] = 1;
+    size_t total = 1;
+    for (int k = 0; k < src_ndim; ++k) total *= (size_t)src_shape[k];
+    if (i >= total) return;
+    int64_t so = 0, dof = 0;
+    size_t rem = i;
+    for (int k = src_ndim - 1; k >= 0; --k) {
+        int64_t c = (int64_t)(rem % (size_t)src_shape[k]);
+        rem /= (size_t)src_shape[k];
+        so += c * src_strides[k];
+        dof += (c + (int64_t)start[k]) * dst_strides[k];
+    }
+    const_cast<T*>(dst)[dof] = src[so];
+"""
+
+_KERNEL: Any = None
+
+
+def kernel_write(dst: mx.array, src: mx.array, start: list[int]) -> mx.array:
+    """Launch the CUDA row-write kernel: ``src`` (already the region's shape,
+    ``dst``'s dtype and rank) goes into ``dst`` at ``start``, through
+    ``dst``'s strides. Returns the kernel's one-element int32 token; the
+    write has happened only once the token is evaluated."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = mx.fast.cuda_kernel(
+            name="kvspec_write_rows", input_names=["dst", "src", "start"], output_names=["token"],
+            source=_KERNEL_SOURCE, ensure_row_contiguous=False,
+        )
+    total = max(1, int(np.prod(src.shape)))
+    (token,) = _KERNEL(
+        inputs=[dst, src, mx.array(start, dtype=mx.int32)], template=[("T", dst.dtype)],
+        grid=(total, 1, 1), threadgroup=(min(256, total), 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32],
+    )
+    return token
+
+
+def write_inplace_kernel(dst: mx.array, src: mx.array, index: Index) -> None:
+    """The CUDA path of :func:`write_inplace`: a device kernel writes into
+    ``dst``'s memory, and is evaluated (completed) before this returns (the
+    module docstring says why that ordering is required)."""
+    starts, shape = _region(dst, index)
+    rows = mx.broadcast_to(src.astype(dst.dtype), shape) if list(src.shape) != shape else src.astype(dst.dtype)
+    mx.eval(dst, rows)
+    complete(kernel_write(dst, rows, starts))
+    COUNTS["kernel"] += 1
+
+
+def complete(token: mx.array) -> None:
+    """Block until the kernel that produced ``token`` has run (``mx.eval``
+    waits for the device): the ordering rule of the module docstring."""
+    mx.eval(token)
+
+
+CUDA_MECHANISMS = ("donate", "kernel")
+
+
+def cuda_inplace() -> str:
+    """The CUDA in-place mechanism, from ``KV_CUDA_INPLACE``: ``donate``
+    (unset or empty) or ``kernel``. Raises InvalidArgumentError for anything
+    else, naming the variable and the allowed values."""
+    value = os.environ.get("KV_CUDA_INPLACE", "").strip().lower() or "donate"
+    if value not in CUDA_MECHANISMS:
+        raise InvalidArgumentError(
+            f"KV_CUDA_INPLACE must be one of {', '.join(CUDA_MECHANISMS)} (unset: donate), got {value!r}"
+        )
+    return value
+
+
+def inplace_mechanism() -> str:
+    """Which mechanism :func:`write_inplace` uses now: ``numpy`` (CPU, Metal),
+    ``kernel`` or ``donate`` (CUDA, :func:`cuda_inplace`)."""
+    return cuda_inplace() if backend() == "cuda" else "numpy"
+
+
+def inplace_keeps_memory() -> bool:
+    """Whether an in-place write is guaranteed to leave the buffer's memory
+    where it was (``numpy`` and ``kernel``: yes; ``donate``: only when MLX
+    finds nothing else referencing it)."""
+    return inplace_mechanism() != "donate"
+
+
+def write_inplace(dst: mx.array, src: mx.array, index: Index) -> mx.array:
+    """Write ``src`` into ``dst[index]`` in ``dst``'s own memory and return the
+    array that now holds the rows: ``dst`` itself for the ``numpy`` and
+    ``kernel`` mechanisms (every array sharing that memory sees the write),
+    a donated update of it for ``donate`` (module docstring). The caller's
+    ownership rule must have proved that no holder can see those rows, and
+    must keep the returned array as its buffer. ``dst`` is evaluated first
+    (a lazy array has no memory to write into)."""
+    mech = inplace_mechanism()
+    if mech == "kernel":
+        write_inplace_kernel(dst, src, index)
+        return dst
+    if mech == "donate":
+        COUNTS["donate"] += 1
+        return write_copy(dst, src, index)
+    write_inplace_numpy(dst, src, index)
+    return dst
+
+
+def write_copy(dst: mx.array, src: mx.array, index: Index) -> mx.array:
+    """A new array equal to ``dst`` with ``src`` written at ``dst[index]``;
+    ``dst`` (and every array sharing its memory) is unchanged. A static slice
+    update on a fresh handle: MLX writes into ``dst``'s memory only when
+    nothing else references it at evaluation, else copies (module
+    docstring)."""
+    out = mx.array(dst)  # a new handle on the same graph node: dst's handle is not touched
+    out[index] = src.astype(dst.dtype)
+    return out
+
+
+def seq_index(at: int, n: int, axis: int = 2) -> Index:
+    """The index of rows ``[at, at + n)`` along ``axis`` (the cache's sequence
+    axis, 2 in ``[B, H, T, D]``)."""
+    return (slice(None),) * axis + (slice(at, at + n),)

@@ -1,0 +1,153 @@
+"""The write layer (impl.write): which mechanism each backend takes, checked
+on the CPU by standing in for the CUDA kernel (a CUDA array never takes the
+NumPy path, a CPU array never takes the kernel path), and what the copying
+write promises (the input and its sharers unchanged; MLX reuses the memory
+when nothing else holds it)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from impl import write as W
+from impl.dense import KVCache, data_pointer
+from impl.paged import BlockPool
+from impl.rotating import RotatingKVCache
+from spec.errors import InvalidArgumentError
+
+
+def rows(n, fill, d=4, h=2):
+    return mx.full((1, h, n, d), fill, dtype=mx.float16)
+
+
+class FakeKernel:
+    """Stands in for the CUDA kernel: writes through NumPy (so values stay
+    checkable), records every launch, and hands back a lazy token that the
+    layer must complete before it returns."""
+
+    def __init__(self, monkeypatch):
+        self.launches, self.completed = [], []
+        monkeypatch.setattr(W, "backend", lambda: "cuda")
+        monkeypatch.setattr(W, "kernel_write", self.kernel_write)
+        monkeypatch.setattr(W, "complete", self.completed.append)
+
+        def no_numpy(*a, **k):
+            raise AssertionError("a CUDA array took the NumPy path")
+
+        self.numpy_write = W.write_inplace_numpy
+        monkeypatch.setattr(W, "write_inplace_numpy", no_numpy)
+
+    def kernel_write(self, dst, src, start):
+        assert list(src.shape) == [min(s, dst.shape[i] - start[i]) for i, s in enumerate(src.shape)]
+        index = tuple(slice(a, a + n) for a, n in zip(start, src.shape))
+        self.numpy_write(dst, src, index)
+        token = mx.array([1]) + 0
+        self.launches.append(token)
+        return token
+
+
+def test_cpu_backend_takes_the_numpy_path_never_the_kernel(monkeypatch):
+    assert W.backend() == "cpu" and W.inplace_mechanism() == "numpy" and W.inplace_keeps_memory()
+
+    def no_kernel(*a, **k):
+        raise AssertionError("a CPU array took the kernel path")
+
+    monkeypatch.setattr(W, "kernel_write", no_kernel)
+    monkeypatch.setenv("KV_CUDA_INPLACE", "kernel")  # only read on CUDA
+    c = KVCache("fp16", step=8, inplace=True)
+    c.update_and_fetch(rows(3, 1), rows(3, 1))
+    before, keys = W.COUNTS["numpy"], c.buffers.keys
+    c.update_and_fetch(rows(1, 2), rows(1, 2))
+    assert c.last_write_inplace and c.buffers.keys is keys
+    assert W.COUNTS["numpy"] == before + 2  # keys and values
+
+
+def test_cuda_kernel_mechanism_never_takes_the_numpy_path_and_completes_each_write(monkeypatch):
+    fake = FakeKernel(monkeypatch)
+    monkeypatch.setenv("KV_CUDA_INPLACE", "kernel")
+    assert W.inplace_mechanism() == "kernel" and W.inplace_keeps_memory()
+    c = KVCache("fp16", step=8, inplace=True)
+    c.update_and_fetch(rows(3, 1), rows(3, 1))
+    snap = c.snapshot()
+    p = data_pointer(c.buffers.keys)
+    k, _ = c.update_and_fetch(rows(1, 2), rows(1, 2))
+    assert c.last_write_inplace and data_pointer(c.buffers.keys) == p  # beside a snapshot, in place
+    assert len(fake.launches) == 2 and fake.completed == fake.launches  # each token completed, in order
+    assert np.array(k)[0, 0, :, 0].tolist() == [1, 1, 1, 2]
+    assert np.array(snap.buffers.keys)[0, 0, :3, 0].tolist() == [1, 1, 1]
+
+
+def test_cuda_donate_mechanism_is_a_static_slice_update(monkeypatch):
+    FakeKernel(monkeypatch)
+    monkeypatch.delenv("KV_CUDA_INPLACE", raising=False)
+    assert W.inplace_mechanism() == "donate" and not W.inplace_keeps_memory()
+    c = KVCache("fp16", step=8, inplace=True)
+    c.update_and_fetch(rows(3, 1), rows(3, 1))
+    before = W.COUNTS["donate"]
+    p = data_pointer(c.buffers.keys)
+    k, _ = c.update_and_fetch(rows(1, 2), rows(1, 2))
+    del k, _
+    assert c.last_write_inplace and W.COUNTS["donate"] == before + 2
+    assert data_pointer(c.buffers.keys) == p  # nothing else held it: MLX reused the memory
+    snap = c.snapshot()
+    c.update_and_fetch(rows(1, 3), rows(1, 3))
+    assert data_pointer(c.buffers.keys) != data_pointer(snap.buffers.keys)  # beside a holder: MLX copied
+    assert np.array(c.fetch()[0])[0, 0, :, 0].tolist() == [1, 1, 1, 2, 3]
+
+
+def test_cuda_ring_warmup_and_paged_writes_take_the_kernel(monkeypatch):
+    fake = FakeKernel(monkeypatch)
+    monkeypatch.setenv("KV_CUDA_INPLACE", "kernel")
+    r = RotatingKVCache(max_size=4, step=2, inplace=True)
+    r.update_and_fetch(rows(1, 1), rows(1, 1))
+    r.update_and_fetch(rows(1, 2), rows(1, 2))
+    assert r.last_write_inplace and len(fake.launches) == 2
+    pool = BlockPool(block_size=2, inplace=True)
+    pool.create("a")
+    pool.append("a", rows(1, 5), rows(1, 5))
+    pool.fork("a", "b")
+    n = len(fake.launches)
+    pool.append("a", rows(1, 6), rows(1, 6))  # a shared block: copy on write, then the row
+    assert len(fake.launches) > n and fake.completed == fake.launches
+    assert np.array(pool.fetch("a")[0])[0, 0, :, 0].tolist() == [5, 6]
+    assert np.array(pool.fetch("b")[0])[0, 0, :, 0].tolist() == [5]
+
+
+def test_a_bad_cuda_mechanism_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("KV_CUDA_INPLACE", "fast")
+    with pytest.raises(InvalidArgumentError, match="KV_CUDA_INPLACE must be one of donate, kernel"):
+        W.cuda_inplace()
+    monkeypatch.setattr(W, "backend", lambda: "cuda")
+    c = KVCache("fp16", step=8, inplace=True)
+    c.update_and_fetch(rows(2, 1), rows(2, 1))
+    with pytest.raises(InvalidArgumentError):
+        c.update_and_fetch(rows(1, 2), rows(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_write_copy_leaves_the_input_and_its_sharers_unchanged(dtype):
+    a = mx.zeros((1, 2, 6, 3), dtype=dtype)
+    mx.eval(a)
+    view = a[:, :, :4]
+    b = W.write_copy(a, mx.ones((1, 2, 2, 3), dtype=dtype), W.seq_index(2, 2))
+    assert b.dtype == dtype
+    assert np.array(b.astype(mx.float32))[0, 0, :, 0].tolist() == [0, 0, 1, 1, 0, 0]
+    assert not np.array(a.astype(mx.float32)).any() and not np.array(view.astype(mx.float32)).any()
+
+
+def test_write_inplace_numpy_is_seen_by_every_sharer_bit_for_bit():
+    a = mx.zeros((1, 1, 4, 2), dtype=mx.bfloat16)
+    mx.eval(a)
+    share = a[:, :, :]
+    src = mx.array([[[[1.5, -0.0]]]], dtype=mx.bfloat16)
+    assert W.write_inplace(a, src, W.seq_index(1, 1)) is a
+    got = np.array(mx.view(share, mx.uint16))[0, 0, 1]
+    assert got.tolist() == np.array(mx.view(src, mx.uint16))[0, 0, 0].tolist()
+
+
+def test_region_refuses_what_the_kernel_cannot_write():
+    a = mx.zeros((2, 3))
+    with pytest.raises(IndexError, match="axis 0: index 2 outside"):
+        W._region(a, (2,))
+    with pytest.raises(ValueError, match="unit-step"):
+        W._region(a, (slice(None), slice(0, 3, 2)))
+    assert W._region(a, (1, slice(1, 3))) == ([1, 1], [1, 2])
