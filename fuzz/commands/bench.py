@@ -24,9 +24,11 @@ context ratio for an O(context) one.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from rich.console import Console
@@ -150,3 +152,170 @@ def run(contexts: list[int], as_json: bool = False) -> int:
                   f"physical / logical rollback at {contexts[-1]}: "
                   f"{last['rollback_physical_ms'] / last['rollback_logical_ms']:.1f}x")
     return 0
+
+
+def _ratio(row: dict, contexts: list[int]) -> float:
+    return row[contexts[-1]] / row[contexts[0]]
+
+
+def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, layers: int | None = None,
+              rounds: int | None = None, e2e_contexts: list[int] | None = None, tokens: int = 48, repeats: int = 2,
+              as_json: bool = False, record: str | None = None, e2e_size: str = "7b") -> int:
+    """The cache rows (:func:`run`'s), the decoder rows and the end-to-end
+    rows (fuzz.commands.bench_decoder) in one run; printed as tables, or one
+    JSON object; with ``record`` also written as a record (JSON, Markdown,
+    PNG) under that folder. Exit 0."""
+    import io
+    import platform
+    from contextlib import redirect_stdout
+    from datetime import date
+
+    from fuzz.commands import bench_decoder as bd
+    from fuzz.device import current
+    from impl.write import backend, inplace_mechanism
+
+    err = Console(stderr=True, highlight=False)
+    gpu = current() == "gpu"
+    layers = layers or (28 if gpu else 4)
+    rounds = rounds or (20 if gpu else 8)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        run(contexts, as_json=True)
+    doc: dict = {"date": date.today().isoformat(), "machine": platform.machine(), "node": platform.node(),
+                 "device": current(), "backend": backend(), "inplace_mechanism": inplace_mechanism(),
+                 "mlx": mx.__version__, "contexts": contexts, "cache_rows": json.loads(buf.getvalue())}
+    try:
+        import mlx_lm
+
+        doc["mlx_lm"] = mlx_lm.__version__
+    except ImportError:  # pragma: no cover - the e2e extra is installed by make
+        doc["mlx_lm"] = None
+    if gpu:
+        doc["gpu"] = mx.device_info().get("device_name") if hasattr(mx, "device_info") else "gpu"
+    if decoder:
+        rows = bd.run_decoder(contexts, layers, rounds, say=lambda m: err.print(m, markup=False))
+        doc["decoder"] = {"layers": layers, "rounds": rounds, "ms_per_step": {
+            name: {str(n): v for n, v in r.items()} for name, r in rows.items()},
+            "ratio_last_over_first": {name: _ratio(r, contexts) for name, r in rows.items()}}
+        floor = rows["attention only (floor)"]
+        doc["decoder"]["over_floor_ms"] = {name: {str(n): r[n] - floor[n] for n in contexts}
+                                           for name, r in rows.items()}
+    if e2e:
+        res = bd.run_e2e(e2e_contexts or [1024, 8192, 24576], tokens, repeats, size=e2e_size,
+                         say=lambda m: err.print(m, markup=False))
+        doc["e2e"] = {"tokens": tokens, "repeats": repeats, "rows": {
+            row: {name: {str(n): v for n, v in by.items()} for name, by in res[row].items()}
+            for row in res}}
+    if as_json:
+        print(json.dumps(doc))
+    else:
+        print_suite(doc)
+    if record:
+        path = write_record(doc, record)
+        err.print(f"bench: record written: {path}", markup=False)
+    return 0
+
+
+def print_suite(doc: dict) -> None:
+    console = Console(highlight=False)
+    contexts = doc["contexts"]
+    if "decoder" in doc:
+        d = doc["decoder"]
+        t = Table(title=f"decoder step, {d['layers']} layers, write + attention ({doc['device']}, "
+                        f"{doc['inplace_mechanism']}), medians in ms")
+        t.add_column("row", no_wrap=True)
+        for n in contexts:
+            t.add_column(str(n), justify="right")
+        t.add_column(f"{contexts[-1]} / {contexts[0]}", justify="right")
+        t.add_column(f"over floor at {contexts[-1]}", justify="right")
+        for name, r in d["ms_per_step"].items():
+            t.add_row(name, *(f"{r[str(n)]:.3f}" for n in contexts), f"{d['ratio_last_over_first'][name]:.2f}x",
+                      f"{d['over_floor_ms'][name][str(contexts[-1])]:+.3f}")
+        console.print(t)
+    if "e2e" in doc:
+        for row, by in doc["e2e"]["rows"].items():
+            if row == "acceptance" or not by:
+                continue
+            ctxs = sorted({int(n) for v in by.values() for n in v})
+            t = Table(title=f"end to end, {row}: tokens/s")
+            t.add_column("caches", no_wrap=True)
+            for n in ctxs:
+                t.add_column(str(n), justify="right")
+            for name, v in by.items():
+                t.add_row(name, *(f"{v[str(n)]:.1f}" if str(n) in v else "-" for n in ctxs))
+            console.print(t)
+
+
+def write_record(doc: dict, folder: str) -> str:
+    """``<folder>/<date>-<device>.json``, ``.md`` (the tables) and ``.png``
+    (cost vs context per decoder row, log-scale context). Returns the JSON
+    path."""
+    from pathlib import Path
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{doc['date']}-{doc['device']}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    buf = Console(record=True, width=160, file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the console
+    lines = [f"# kvspec bench, {doc['date']}", "",
+             f"- device: {doc['device']} ({doc['backend']}, in-place writes: {doc['inplace_mechanism']})"
+             + (f", {doc.get('gpu')}" if doc.get("gpu") else ""),
+             f"- MLX {doc['mlx']}, mlx-lm {doc.get('mlx_lm')}; machine {doc['machine']}", "",
+             f"Raw figures: `{stem.with_suffix('.json').name}`; plot: `{stem.with_suffix('.png').name}`.", ""]
+    contexts = doc["contexts"]
+    if "decoder" in doc:
+        d = doc["decoder"]
+        lines += [f"## Decoder step ({d['layers']} layers, write + attention), ms", "",
+                  "| row | " + " | ".join(map(str, contexts)) + f" | {contexts[-1]}/{contexts[0]} | over floor |",
+                  "| --- |" + " --- |" * (len(contexts) + 2)]
+        for name, r in d["ms_per_step"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{r[str(n)]:.3f}" for n in contexts)
+                         + f" | {d['ratio_last_over_first'][name]:.2f}x | {d['over_floor_ms'][name][str(contexts[-1])]:+.3f} |")
+        lines.append("")
+    cr = doc["cache_rows"]
+    lines += ["## Cache rows (no attention), ms", "", "| row | " + " | ".join(map(str, contexts)) + " | ratio |",
+              "| --- |" + " --- |" * (len(contexts) + 1)]
+    for label, key in ROWS:
+        lines.append(f"| {label} | " + " | ".join(f"{c[key]:.3f}" for c in cr["rows"])
+                     + f" | {cr['ratio_last_over_first'][key]:.2f}x |")
+    lines.append("")
+    if "e2e" in doc:
+        for row, by in doc["e2e"]["rows"].items():
+            if not by:
+                continue
+            ctxs = sorted({int(n) for v in by.values() for n in v})
+            unit = "share of tokens from the draft" if row == "acceptance" else "tokens/s"
+            lines += [f"## End to end, {row} ({unit})", "", "| caches | " + " | ".join(map(str, ctxs)) + " |",
+                      "| --- |" + " --- |" * len(ctxs)]
+            for name, v in by.items():
+                lines.append(f"| {name} | " + " | ".join(f"{v[str(n)]:.3g}" if str(n) in v else "-" for n in ctxs) + " |")
+            lines.append("")
+    del buf
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    if "decoder" in doc:
+        _plot(doc, stem.with_suffix(".png"))
+    return str(stem.with_suffix(".json"))
+
+
+def _plot(doc: dict, path: Any) -> None:
+    """Cost vs context of every decoder row (ms per step, log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = doc["contexts"]
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    for name, r in doc["decoder"]["ms_per_step"].items():
+        style = "--" if "mlx-lm" in name else ("-" if "ours" in name else ":")
+        ax.plot(contexts, [r[str(n)] for n in contexts], style, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (rows)")
+    ax.set_ylabel("ms per decoder step")
+    ax.set_title(f"kvspec bench {doc['date']}: {doc['decoder']['layers']} layers, {doc['device']} "
+                 f"({doc['inplace_mechanism']}), MLX {doc['mlx']}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

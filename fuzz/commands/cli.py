@@ -318,9 +318,13 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fuzz.commands.bench import run
+    from fuzz.commands.bench import run, run_suite
 
-    return run(args.contexts, args.json)
+    if not (args.decoder or args.e2e or args.record):
+        return run(args.contexts, args.json)
+    return run_suite(args.contexts, decoder=args.decoder, e2e=args.e2e, layers=args.layers, rounds=args.rounds,
+                     e2e_contexts=args.e2e_contexts, tokens=args.tokens, repeats=args.repeats, as_json=args.json,
+                     record=args.record)
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
@@ -506,6 +510,18 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     be.add_argument("--contexts", type=int_in(1, 2**20), nargs="+", default=[1024, 8192, 32768],
                     help="context lengths (rows); the last over the first is the ratio column")
     be.add_argument("--json", action="store_true", help="print one JSON object")
+    be.add_argument("--decoder", action="store_true",
+                    help="also the decoder rows: write + attention over --layers layers, ours beside mlx-lm's caches")
+    be.add_argument("--e2e", action="store_true",
+                    help="also tokens/s through mlx-lm with random-weight Qwen2.5-7B / Gemma-3-shaped models (GPU)")
+    be.add_argument("--layers", type=int_in(1, 256), default=None,
+                    help="layers per decoder step (default: 28 on a GPU, 4 on the CPU)")
+    be.add_argument("--rounds", type=int_in(2, 10000), default=None, help="timed rounds per row and context")
+    be.add_argument("--e2e-contexts", type=int_in(16, 2**20), nargs="+", default=[1024, 8192, 24576],
+                    help="prefill lengths of the end-to-end rows")
+    be.add_argument("--tokens", type=int_in(4, 100000), default=48, help="tokens decoded per end-to-end run")
+    be.add_argument("--repeats", type=int_in(1, 100), default=2, help="end-to-end runs per config (median)")
+    be.add_argument("--record", metavar="DIR", help="write the run as a record under DIR: JSON, Markdown, PNG plot")
     be.set_defaults(fn=cmd_bench)
 
     e = add("e2e", "real decoding: the caches inside mlx-lm models, byte-identical to the references",

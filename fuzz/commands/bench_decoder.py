@@ -1,0 +1,309 @@
+"""``kvspec bench --decoder`` and ``--e2e``: the caches as a decoder sees them,
+each row beside mlx-lm's own caches in the same run.
+
+Decoder rows (``--decoder``): one decode step over ``layers`` layers (28 by
+default, a Qwen2.5-7B depth), each layer writing through its cache and then
+reading the window with attention (``mlx_lm.models.base.
+scaled_dot_product_attention``, 32 query heads over 8 KV heads of 128, the
+model's dtype), all layers evaluated together as a decoder evaluates them.
+The ``attention only`` row is the floor: the same attention over windows
+nobody writes. Every other row is that plus the operation named:
+
+* decode in place / copying (the previous step's windows held, as a
+  pipelined decoder holds them);
+* rollback k = 1..4: trim k rows, then append k rows (speculative decoding);
+* ring warm-up (the window not yet full, writes in place) and steady state
+  (a wrapped ring, writes copy);
+* paged append beside a fork (the fork shares every full block);
+* Int8 and Turbo4 appends (mlx-lm's ``QuantizedKVCache`` at 8 bits beside
+  Int8).
+
+End-to-end rows (``--e2e``): tokens per second through mlx-lm with
+random-weight models at real shapes: greedy ``generate_step`` and
+``speculative_generate_step`` (a 0.5B-shaped draft, 3 draft tokens) on a
+28-layer Qwen2.5-7B-shaped target, at contexts of about 1k, 8k and 24k; and a
+Gemma-3-1B-shaped sliding-window model decoding inside its window. Random
+weights make the draft disagree with the target almost always, so every
+speculative round rolls the caches back: the logical vs physical trim row is
+the worst case for a physical trim.
+
+Times are medians over rounds taken round-robin across the compared rows
+(so drift falls on all of them alike); only ratios within one run mean
+anything across machines.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+Q_HEADS, KV_HEADS, DIM = 32, 8, 128
+
+
+# -- decoder micro rows -----------------------------------------------------------------
+def _attend(q: mx.array, cache: Any, kv: tuple[mx.array, mx.array]) -> mx.array:
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(q, kv[0], kv[1], cache=cache, scale=DIM**-0.5, mask=None)
+
+
+def _rows(n: int, dtype: Any, seed: int) -> mx.array:
+    a = mx.random.normal((1, KV_HEADS, n, DIM), key=mx.random.key(seed)).astype(dtype)
+    mx.eval(a)
+    return a
+
+
+class _Step:
+    """``layers`` caches holding ``context`` rows each; each call times one
+    decoder step: ``op(cache)`` per layer (the write, returning what
+    attention reads), attention per layer, one evaluation."""
+
+    def __init__(self, make: Callable[[], Any], context: int, layers: int, dtype: Any,
+                 op: Callable[[Any, mx.array], Any], queries: int = 1, hold: bool = False,
+                 prefill: Callable[[Any, mx.array], Any] | None = None):
+        self.caches = [make() for _ in range(layers)]
+        pre = _rows(context, dtype, 1)
+        for c in self.caches:
+            out = (prefill or (lambda c, r: c.update_and_fetch(r, r)))(c, pre)
+            mx.eval(out if out is not None else c.fetch())
+        self.q = mx.random.normal((1, Q_HEADS, queries, DIM), key=mx.random.key(2)).astype(dtype)
+        self.one = _rows(queries, dtype, 3)
+        mx.eval(self.q)
+        self.op, self.hold, self.held = op, hold, None
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        outs = [_attend(self.q, c, self.op(c, self.one)) for c in self.caches]
+        mx.eval(outs)
+        seconds = time.perf_counter() - start
+        # a pipelined decoder still holds the last step's windows when it
+        # writes the next row; dropping them lets MLX reuse the buffers
+        self.held = outs if self.hold else None
+        return seconds
+
+
+def _floor(context: int, layers: int, dtype: Any) -> Callable[[], float]:
+    ks = [_rows(context + 1, dtype, 10 + i) for i in range(layers)]
+    q = mx.random.normal((1, Q_HEADS, 1, DIM), key=mx.random.key(2)).astype(dtype)
+    mx.eval(q)
+
+    def tick() -> float:
+        start = time.perf_counter()
+        mx.eval([_attend(q, None, (k, k)) for k in ks])
+        return time.perf_counter() - start
+
+    return tick
+
+
+def _steady(c: Any, rows: mx.array) -> Any:
+    """One decode step (the cache grows by a row a call: a few dozen rows
+    over a row's rounds, nothing beside the context)."""
+    return c.update_and_fetch(rows, rows)
+
+
+def _rollback(k: int) -> Callable[[Any, mx.array], Any]:
+    def op(c: Any, rows: mx.array) -> Any:
+        c.trim(k)
+        return c.update_and_fetch(rows, rows)
+
+    return op
+
+
+def decoder_rows(context: int, layers: int, dtype: Any) -> dict[str, Callable[[], Callable[[], float]]]:
+    """Row name -> a maker of its tick at ``context`` (built lazily: one
+    row's caches at a time)."""
+    from mlx_lm.models import cache as mc
+
+    from impl.dense import KVCache
+    from impl.paged import PagedKVCache
+    from impl.rotating import RotatingKVCache
+    from impl.turbo import TurboKVCache
+
+    def ours(inplace: bool, mode: str = "fp16") -> Callable[[], Any]:
+        return lambda: KVCache(mode, step=256, inplace=inplace)
+
+    def paged_forked() -> Any:
+        c = PagedKVCache(block_size=16, inplace=True)
+        return c
+
+    def fork_prefill(c: Any, r: mx.array) -> Any:
+        out = c.update_and_fetch(r, r)
+        c.bench_fork = c.fork("draft")  # the fork holds every block written so far
+        return out
+
+    rows: dict[str, Callable[[], Callable[[], float]]] = {
+        "attention only (floor)": lambda: _floor(context, layers, dtype),
+        "decode in place: ours": lambda: _Step(ours(True), context, layers, dtype, _steady),
+        "decode in place: mlx-lm KVCache": lambda: _Step(mc.KVCache, context, layers, dtype, _steady),
+        "decode copying, previous step held: ours": lambda: _Step(ours(False), context, layers, dtype, _steady, hold=True),
+        "decode, previous step held: mlx-lm KVCache": lambda: _Step(mc.KVCache, context, layers, dtype, _steady, hold=True),
+    }
+    for k in (1, 2, 3, 4):
+        rows[f"rollback k={k}: ours"] = lambda k=k: _Step(ours(True), context, layers, dtype, _rollback(k), queries=k)
+        rows[f"rollback k={k}: mlx-lm KVCache"] = lambda k=k: _Step(mc.KVCache, context, layers, dtype, _rollback(k),
+                                                                   queries=k)
+    rows.update({
+        "ring warm-up: ours": lambda: _Step(lambda: RotatingKVCache(max_size=2 * context + 4096, keep=4, step=256,
+                                                                    inplace=True), context, layers, dtype, _steady),
+        "ring warm-up: mlx-lm RotatingKVCache": lambda: _Step(
+            lambda: mc.RotatingKVCache(max_size=2 * context + 4096, keep=4), context, layers, dtype, _steady),
+        "ring steady state: ours": lambda: _Step(lambda: RotatingKVCache(max_size=context, keep=4, step=256,
+                                                                         inplace=True), context, layers, dtype, _steady),
+        "ring steady state: mlx-lm RotatingKVCache": lambda: _Step(
+            lambda: mc.RotatingKVCache(max_size=context, keep=4), context, layers, dtype, _steady),
+        "paged append beside a fork: ours": lambda: _Step(paged_forked, context, layers, dtype, _steady,
+                                                          prefill=fork_prefill),
+        "int8 append: ours": lambda: _Step(ours(True, "int8"), context, layers, dtype, _steady),
+        "8-bit append: mlx-lm QuantizedKVCache": lambda: _Step(lambda: mc.QuantizedKVCache(group_size=64, bits=8),
+                                                                context, layers, dtype, _steady),
+        "turbo4 append: ours": lambda: _Step(lambda: TurboKVCache("turbo4", step=256), context, layers, dtype, _steady),
+    })
+    return rows
+
+
+def interleave(ticks: list[Callable[[], float]], rounds: int, warmup: int = 3) -> list[float]:
+    """Median seconds of each tick, ``rounds`` rounds round-robin after
+    ``warmup`` untimed calls of each (fuzz.commands.bench's method)."""
+    from fuzz.commands.bench import _interleaved
+
+    return _interleaved(ticks, rounds, warmup)
+
+
+def run_decoder(contexts: list[int], layers: int, rounds: int, dtype: Any = mx.float16,
+                only: list[str] | None = None, say: Callable[[str], None] = print) -> dict[str, dict[int, float]]:
+    """Row -> context -> median ms per decoder step. One row's caches exist
+    at a time (memory), its contexts measured round-robin."""
+    names = list(decoder_rows(contexts[0], layers, dtype))
+    if only:
+        names = [n for n in names if any(o in n for o in only)]
+    out: dict[str, dict[int, float]] = {}
+    for name in names:
+        say(f"bench --decoder: {name} at {', '.join(map(str, contexts))} ...")
+        ticks = [decoder_rows(n, layers, dtype)[name]() for n in contexts]
+        out[name] = {n: s * 1e3 for n, s in zip(contexts, interleave(ticks, rounds))}
+        del ticks
+    return out
+
+
+# -- end to end ------------------------------------------------------------------------
+def qwen_args(kind: str) -> Any:
+    """mlx-lm ModelArgs of a Qwen2.5-7B-shaped target or 0.5B-shaped draft."""
+    from mlx_lm.models import qwen2
+
+    if kind == "7b":
+        return qwen2.ModelArgs(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+                               num_attention_heads=28, rms_norm_eps=1e-6, vocab_size=152064, num_key_value_heads=4,
+                               rope_theta=1e6, tie_word_embeddings=False)
+    if kind == "0.5b":
+        return qwen2.ModelArgs(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                               num_attention_heads=14, rms_norm_eps=1e-6, vocab_size=152064, num_key_value_heads=2,
+                               rope_theta=1e6, tie_word_embeddings=True)
+    if kind == "tiny":  # the smoke test's
+        return qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                               num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=512, num_key_value_heads=2,
+                               rope_theta=1e6, tie_word_embeddings=True)
+    raise ValueError(f"qwen_args: kind must be 7b, 0.5b or tiny, got {kind!r}")
+
+
+def random_model(module: Any, args: Any, dtype: Any = mx.bfloat16) -> Any:
+    model = module.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def _prompt(n: int, vocab: int) -> mx.array:
+    return (mx.arange(n) * 7919 + 13) % (vocab - 1)
+
+
+def tokens_per_second(model: Any, cache_fn: Callable[[], list[Any]], context: int, tokens: int,
+                      draft: Any = None, draft_cache_fn: Callable[[], list[Any]] | None = None) -> dict[str, float]:
+    """Greedy decoding of ``tokens`` tokens after a prefill of ``context``:
+    tokens/s from the first token on (the prefill excluded), and, with a
+    draft, the share of tokens the draft proposed and the target accepted."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    prompt = _prompt(context, model.args.vocab_size)
+    cache = cache_fn()
+    if draft is not None:
+        assert draft_cache_fn is not None
+        gen = speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=tokens + 1,
+                                        prompt_cache=cache + draft_cache_fn())
+    else:
+        gen = generate_step(prompt, model, max_tokens=tokens + 1, prompt_cache=cache)
+    start, count, accepted = 0.0, 0, 0
+    for i, item in enumerate(gen):
+        if i == 0:
+            start = time.perf_counter()
+            continue
+        count += 1
+        if draft is not None and item[2]:
+            accepted += 1
+    seconds = time.perf_counter() - start
+    out = {"tokens_per_s": count / seconds}
+    if draft is not None:
+        out["accepted"] = accepted / max(count, 1)
+    return out
+
+
+def e2e_configs() -> dict[str, Callable[[Any], list[Any]]]:
+    """Config name -> prompt-cache maker for a model."""
+    from mlx_lm.models import cache as mc
+
+    from fuzz.bugs.dense import PhysicalTrimFp16
+    from impl.models import make_prompt_cache
+
+    return {
+        "mlx-lm caches": lambda m: mc.make_prompt_cache(m),
+        "ours, in place": lambda m: make_prompt_cache(m, mode="fp16", inplace=True),
+        "ours, inplace=False": lambda m: make_prompt_cache(m, mode="fp16", inplace=False),
+        "ours, physical trim": lambda m: make_prompt_cache(m, mode="fp16", inplace=True,
+                                                           classes={"dense": PhysicalTrimFp16}),
+    }
+
+
+def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
+            say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every end-to-end row: ``{"speculative": {config: {context: tps}},
+    "greedy": ..., "sliding window": ..., "acceptance": ...}``; each figure the
+    median of ``repeats`` runs taken round-robin across the configs."""
+    from mlx_lm.models import gemma3_text, qwen2
+
+    target = random_model(qwen2, qwen_args(size))
+    draft = random_model(qwen2, qwen_args("0.5b" if size == "7b" else "tiny"))
+    configs = e2e_configs()
+    out: dict[str, Any] = {"speculative": {}, "greedy": {}, "sliding window": {}, "acceptance": {}}
+    for context in contexts:
+        say(f"bench --e2e: Qwen2.5-{size}-shaped target at context {context} ...")
+        runs: dict[tuple[str, str], list[float]] = {}
+        for _ in range(repeats):
+            for name, make in configs.items():
+                spec = tokens_per_second(target, lambda make=make: make(target), context, tokens, draft,
+                                         lambda make=make: make(draft))
+                runs.setdefault(("speculative", name), []).append(spec["tokens_per_s"])
+                out["acceptance"].setdefault(name, {})[context] = spec["accepted"]
+                if name != "ours, physical trim":
+                    g = tokens_per_second(target, lambda make=make: make(target), context, tokens)
+                    runs.setdefault(("greedy", name), []).append(g["tokens_per_s"])
+        for (row, name), values in runs.items():
+            out[row].setdefault(name, {})[context] = statistics.median(values)
+    target = draft = None  # free the models before the next one
+    say("bench --e2e: Gemma-3-1B-shaped sliding-window model inside its window ...")
+    gargs = gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=1024) if size == "7b" else \
+        gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                              num_attention_heads=2, head_dim=32, vocab_size=512, sliding_window=64)
+    gemma = random_model(gemma3_text, gargs)
+    window = gargs.sliding_window
+    runs = {}
+    for _ in range(repeats):
+        for name, make in configs.items():
+            if name == "ours, physical trim":
+                continue
+            g = tokens_per_second(gemma, lambda make=make: make(gemma), window // 4, window // 2)
+            runs.setdefault(name, []).append(g["tokens_per_s"])
+    out["sliding window"] = {name: {window // 4: statistics.median(v)} for name, v in runs.items()}
+    return out
