@@ -55,3 +55,28 @@ def test_each_row_measures_its_own_operation(capsys, monkeypatch):
     for col in doc["rows"]:
         assert (col["decode_inplace_ms"], col["decode_copy_ms"], col["rollback_logical_ms"],
                 col["rollback_physical_ms"]) == (1e3, 2e3, 3e3, 4e3)
+
+
+def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(capsys, monkeypatch, tmp_path):
+    """One tiny run of ``kvspec bench --decoder --e2e --record``: every
+    decoder row at every context beside mlx-lm's, every end-to-end config,
+    and the record's JSON, Markdown and PNG (structure only, no timings)."""
+    from fuzz.commands import bench_decoder as bd
+
+    monkeypatch.setattr(bench, "ROUNDS", 2)
+    assert bench.run_suite([16, 40], decoder=True, e2e=True, layers=1, rounds=2, e2e_contexts=[16], tokens=4,
+                           repeats=1, as_json=True, record=str(tmp_path), e2e_size="tiny") == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["decoder"]["ms_per_step"]
+    assert set(rows) == set(bd.decoder_rows(16, 1, bench.mx.float16))
+    assert any("mlx-lm" in name for name in rows) and "attention only (floor)" in rows
+    for name, r in rows.items():
+        assert set(r) == {"16", "40"} and all(v > 0 for v in r.values()), name
+        assert doc["decoder"]["over_floor_ms"][name]["40"] == r["40"] - rows["attention only (floor)"]["40"]
+    for row in ("speculative", "greedy", "sliding window"):
+        assert {"mlx-lm caches", "ours, in place", "ours, inplace=False"} <= set(doc["e2e"]["rows"][row])
+    assert "ours, physical trim" in doc["e2e"]["rows"]["speculative"]
+    stem = tmp_path / f"{doc['date']}-{doc['device']}"
+    assert json.loads(stem.with_suffix(".json").read_text())["decoder"]["layers"] == 1
+    assert "| decode in place: ours |" in stem.with_suffix(".md").read_text()
+    assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -193,10 +193,12 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
     if gpu:
         doc["gpu"] = mx.device_info().get("device_name") if hasattr(mx, "device_info") else "gpu"
     if decoder:
-        rows = bd.run_decoder(contexts, layers, rounds, say=lambda m: err.print(m, markup=False))
+        rows = bd.run_decoder(contexts, layers, rounds, lambda t, r: _interleaved(t, r, warmup=3),
+                              say=lambda m: err.print(m, markup=False))
         doc["decoder"] = {"layers": layers, "rounds": rounds, "ms_per_step": {
             name: {str(n): v for n, v in r.items()} for name, r in rows.items()},
             "ratio_last_over_first": {name: _ratio(r, contexts) for name, r in rows.items()}}
+        doc["decoder"]["not_measured"] = dict(bd.UNSUPPORTED)
         floor = rows["attention only (floor)"]
         doc["decoder"]["over_floor_ms"] = {name: {str(n): r[n] - floor[n] for n in contexts}
                                            for name, r in rows.items()}
