@@ -130,10 +130,14 @@ def write_inplace_numpy(dst: mx.array, src: mx.array, index: Index) -> None:
     ``dst``'s memory, as unsigned integers of the same width (NumPy has no
     bfloat16; the bytes are copied exactly either way)."""
     mx.eval(dst)
-    raw_dst = _uint_view(dst)
-    raw_src = _uint_view(mx.contiguous(src.astype(dst.dtype)))
-    mx.eval(raw_dst, raw_src)
-    np.array(raw_dst, copy=False)[index] = np.array(raw_src, copy=False)
+    if dst.dtype == mx.bfloat16:
+        # NumPy has no bfloat16: the 16-bit patterns through uint16 views of
+        # the same memory (an evaluated mx.view aliases its input)
+        dst, src = _uint_view(dst), _uint_view(mx.contiguous(src.astype(mx.bfloat16)))
+        mx.eval(dst, src)
+    elif src.dtype != dst.dtype:
+        src = src.astype(dst.dtype)
+    np.array(dst, copy=False)[index] = src
     COUNTS["numpy"] += 1
 
 
