@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from impl.quant import FLOAT16_MAX, dequantize_int8, int8_representable, quantize_int8
-from impl.write import seq_index, write_copy, write_inplace
+from impl.write import inplace_mechanism, seq_index, write_copy, write_inplace
 from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -69,7 +69,7 @@ def _check_int(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def write_rows_inplace(dst: mx.array, src: mx.array, at: int) -> mx.array:
+def write_rows_inplace(dst: mx.array, src: mx.array, at: int, mechanism: str | None = None) -> mx.array:
     """Write ``src`` (``[B, H, n, D]``) into rows ``[at, at + n)`` of
     ``dst``'s own memory (:func:`impl.write.write_inplace`: a NumPy view on
     the CPU and Apple unified memory, a device kernel completed before return
@@ -78,8 +78,9 @@ def write_rows_inplace(dst: mx.array, src: mx.array, at: int) -> mx.array:
     rows (the ownership rule, spec.dense.inplace_write_allowed /
     spec.rotating.rotating_inplace_allowed). Returns the array that now holds
     the rows (``dst`` itself except under CUDA's ``donate`` mechanism), which
-    the caller keeps as its buffer."""
-    return write_inplace(dst, src, seq_index(at, src.shape[SEQ_AXIS], SEQ_AXIS))
+    the caller keeps as its buffer. ``mechanism``: as for
+    :func:`impl.write.write_inplace`."""
+    return write_inplace(dst, src, seq_index(at, src.shape[SEQ_AXIS], SEQ_AXIS), mechanism)
 
 
 def write_rows_copy(dst: mx.array, src: mx.array, at: int) -> mx.array:
@@ -132,26 +133,28 @@ def _check_rows(op: str, keys: Any, values: Any) -> int:
             )
     if keys.dtype != values.dtype:
         raise InvalidArgumentError(f"{op}: keys and values must share a dtype, got {keys.dtype} and {values.dtype}")
+    ks, vs = keys.shape, values.shape  # each .shape builds a new list: read once (the decode hot path)
     for axis, dim in ((0, "batch B"), (1, "kv heads H"), (2, "rows S")):
-        if keys.shape[axis] != values.shape[axis]:
+        if ks[axis] != vs[axis]:
             raise InvalidArgumentError(
-                f"{op}: keys and values must agree on {dim}, got {keys.shape[axis]} and {values.shape[axis]} "
-                f"(shapes {tuple(keys.shape)} and {tuple(values.shape)})"
+                f"{op}: keys and values must agree on {dim}, got {ks[axis]} and {vs[axis]} "
+                f"(shapes {tuple(ks)} and {tuple(vs)})"
             )
-    if keys.shape[2] < 1:
-        raise InvalidArgumentError(f"{op}: n must be >= 1, got {keys.shape[2]}")
-    return int(keys.shape[2])
+    if ks[2] < 1:
+        raise InvalidArgumentError(f"{op}: n must be >= 1, got {ks[2]}")
+    return int(ks[2])
 
 
 def check_matches_cache(op: str, name: str, have: tuple[int, ...], new: mx.array) -> None:
     """An appended ``[B, H, S, D]`` tensor must match the cached
     ``[B, H, _, D]`` ``have``; the message names the dimension (batch B,
     kv heads H or head dim D) that does not."""
+    shape = new.shape
     for axis, dim in _DIMS:
-        if have[axis] != new.shape[axis]:
+        if have[axis] != shape[axis]:
             raise InvalidArgumentError(
-                f"{op}: {name} {dim} must be {have[axis]} (the cache's), got {new.shape[axis]} "
-                f"(shape {tuple(new.shape)})"
+                f"{op}: {name} {dim} must be {have[axis]} (the cache's), got {shape[axis]} "
+                f"(shape {tuple(shape)})"
             )
 
 
@@ -408,13 +411,10 @@ class KVCache:
     def _write_inplace(self, at: int, rows: _Buffers) -> None:
         """Write rows into the existing buffers' memory: every holder sharing
         them sees it, which the ownership rule makes harmless."""
-        assert self.buffers is not None
-        b = self.buffers
-        self.buffers = _Buffers(*(
-            None if dst is None else write_rows_inplace(dst, src, at)
-            for dst, src in zip((b.keys, b.values, b.key_scales, b.value_scales),
-                                (rows.keys, rows.values, rows.key_scales, rows.value_scales))
-        ), out_dtype=b.out_dtype)
+        assert self.buffers is not None and self.buffers.key_scales is None  # Fp16 only (the ownership rule)
+        b, mech = self.buffers, inplace_mechanism()
+        self.buffers = _Buffers(write_rows_inplace(b.keys, rows.keys, at, mech),
+                                write_rows_inplace(b.values, rows.values, at, mech), out_dtype=b.out_dtype)
 
     def _write_copy(self, at: int, rows: _Buffers) -> None:
         """Copying write (impl.write.write_copy): new buffers, the old ones

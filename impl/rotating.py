@@ -41,6 +41,7 @@ from impl.dense import (
     write_rows_copy,
     write_rows_inplace,
 )
+from impl.write import inplace_mechanism
 from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -246,8 +247,9 @@ class RotatingKVCache:
     def _write_row(self, k: mx.array, v: mx.array, inplace: bool) -> None:
         assert self.keys is not None and self.values is not None
         if inplace:
-            self.keys = write_rows_inplace(self.keys, k, self.idx)
-            self.values = write_rows_inplace(self.values, v, self.idx)
+            mech = inplace_mechanism()
+            self.keys = write_rows_inplace(self.keys, k, self.idx, mech)
+            self.values = write_rows_inplace(self.values, v, self.idx, mech)
         else:
             self._set_buffers(write_rows_copy(self.keys, k, self.idx), write_rows_copy(self.values, v, self.idx))
 

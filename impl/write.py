@@ -52,8 +52,7 @@ The kernel can only declare the buffer as an *input* (the generated
 signature says ``const T*``; the kernel casts that away), so MLX records no
 write to it, and a read that depends on the kernel only through
 ``mx.depends`` gets no edge to it: such a read was measured missing the write
-97-100% of the time (``gpu_kernel_ordered_by_depends`` in the injected-bug
-catalog is that bug). So ordering is not left to the graph: ``mx.eval`` of
+97-100% of the time on MLX 0.32 CUDA. So ordering is not left to the graph: ``mx.eval`` of
 the kernel's token blocks the host until the kernel has completed, and every
 read of the window is built by the caller after this function returned, so
 it is enqueued after a finished write. Reads enqueued *before* the write
@@ -71,6 +70,7 @@ an index outside ``dst``; ValueError for a region ``src`` cannot fill.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -80,8 +80,6 @@ import numpy as np
 from spec.errors import InvalidArgumentError
 
 Index = tuple[Any, ...]
-
-_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 #: How many in-place writes each mechanism has made in this process
 #: (``"numpy"``, ``"kernel"``, ``"donate"``); the dispatch tests and ``kvspec verify
@@ -121,19 +119,15 @@ def _region(dst: mx.array, index: Index) -> tuple[list[int], list[int]]:
     return starts, shape
 
 
-def _uint_view(a: mx.array) -> mx.array:
-    return mx.view(a, _UINT_OF_SIZE[a.dtype.size])
-
-
 def write_inplace_numpy(dst: mx.array, src: mx.array, index: Index) -> None:
     """The host path of :func:`write_inplace`: through a writable NumPy view of
-    ``dst``'s memory, as unsigned integers of the same width (NumPy has no
-    bfloat16; the bytes are copied exactly either way)."""
+    ``dst``'s memory (bfloat16, which NumPy lacks, through uint16 views: the
+    bytes are copied exactly)."""
     mx.eval(dst)
     if dst.dtype == mx.bfloat16:
         # NumPy has no bfloat16: the 16-bit patterns through uint16 views of
         # the same memory (an evaluated mx.view aliases its input)
-        dst, src = _uint_view(dst), _uint_view(mx.contiguous(src.astype(mx.bfloat16)))
+        dst, src = mx.view(dst, mx.uint16), mx.view(mx.contiguous(src.astype(mx.bfloat16)), mx.uint16)
         mx.eval(dst, src)
     elif src.dtype != dst.dtype:
         src = src.astype(dst.dtype)
@@ -226,15 +220,17 @@ def inplace_keeps_memory() -> bool:
     return inplace_mechanism() != "donate"
 
 
-def write_inplace(dst: mx.array, src: mx.array, index: Index) -> mx.array:
+def write_inplace(dst: mx.array, src: mx.array, index: Index, mechanism: str | None = None) -> mx.array:
     """Write ``src`` into ``dst[index]`` in ``dst``'s own memory and return the
     array that now holds the rows: ``dst`` itself for the ``numpy`` and
     ``kernel`` mechanisms (every array sharing that memory sees the write),
     a donated update of it for ``donate`` (module docstring). The caller's
     ownership rule must have proved that no holder can see those rows, and
     must keep the returned array as its buffer. ``dst`` is evaluated first
-    (a lazy array has no memory to write into)."""
-    mech = inplace_mechanism()
+    (a lazy array has no memory to write into). ``mechanism``: what
+    :func:`inplace_mechanism` returned, when the caller read it once for
+    several writes (None: read it now)."""
+    mech = inplace_mechanism() if mechanism is None else mechanism
     if mech == "kernel":
         write_inplace_kernel(dst, src, index)
         return dst
@@ -251,7 +247,10 @@ def write_copy(dst: mx.array, src: mx.array, index: Index) -> mx.array:
     update on a fresh handle: MLX writes into ``dst``'s memory only when
     nothing else references it at evaluation, else copies (module
     docstring)."""
-    out = mx.array(dst)  # a new handle on the same graph node: dst's handle is not touched
+    # a new handle on dst's memory (copy.copy adds no graph node, unlike
+    # mx.array(dst), which is a copy): the assignment replaces this handle's
+    # array, never dst's
+    out = copy.copy(dst)
     out[index] = src.astype(dst.dtype)
     return out
 

@@ -24,7 +24,6 @@ context ratio for an O(context) one.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -258,7 +257,6 @@ def write_record(doc: dict, folder: str) -> str:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{doc['date']}-{doc['device']}"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    buf = Console(record=True, width=160, file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the console
     lines = [f"# kvspec bench, {doc['date']}", "",
              f"- device: {doc['device']} ({doc['backend']}, in-place writes: {doc['inplace_mechanism']})"
              + (f", {doc.get('gpu')}" if doc.get("gpu") else ""),
@@ -292,7 +290,6 @@ def write_record(doc: dict, folder: str) -> str:
             for name, v in by.items():
                 lines.append(f"| {name} | " + " | ".join(f"{v[str(n)]:.3g}" if str(n) in v else "-" for n in ctxs) + " |")
             lines.append("")
-    del buf
     stem.with_suffix(".md").write_text("\n".join(lines))
     if "decoder" in doc:
         _plot(doc, stem.with_suffix(".png"))
