@@ -265,3 +265,23 @@ def test_copies_of_a_cache_do_not_write_into_each_other(make, copier):
     assert not a.last_write_inplace and not b.last_write_inplace and cache.last_write_inplace
     assert window_bytes(a) == seen
     assert np.array(b.fetch()[0])[0, 0, -1, 0] == 20
+
+
+def test_speculative_on_a_gpu_compares_with_mlx_lm_caches_and_still_catches_a_bad_trim(monkeypatch):
+    """On a GPU a k-row verify rounds differently from one-row steps, so the
+    speculative scenario's reference is speculative decoding with mlx-lm's
+    caches (same shapes). Run here with the GPU branch forced: it passes,
+    and a trim that keeps one rejected row is still caught."""
+    from fuzz.commands import e2e
+    from impl.dense import KVCache
+
+    class TrimOneShort(KVCache):
+        def trim(self, n):
+            return super().trim(max(0, n - 1))
+
+    monkeypatch.setattr(e2e, "on_gpu", lambda: True)
+    ok = e2e.run_scenario("speculative", e2e.SHORT)
+    assert ok.ok and "mlx-lm's caches" in ok.detail, ok.detail
+    bad = e2e.run_scenario("speculative", e2e.SHORT, factories={"dense": TrimOneShort})
+    assert not bad.ok and "speculative vs mlx-lm's caches" in bad.detail, bad.detail
+    assert [n for n, _ in e2e.gpu_skipped()] == ["prefix_sharing", "speculative_window", "turbo"]

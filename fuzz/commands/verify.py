@@ -282,9 +282,10 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
             continue
         jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), 4.0 * seeds * (1 + len(bug.variants))))
     if not quick:
-        from fuzz.commands.e2e import SCENARIOS
+        from fuzz.commands.e2e import SCENARIOS, gpu_skipped
 
-        jobs += [Job(f"e2e {s.name}", "check_e2e", ([s.name],), 15.0) for s in SCENARIOS]
+        skip = {name for name, _ in gpu_skipped()}
+        jobs += [Job(f"e2e {s.name}", "check_e2e", ([s.name],), 15.0) for s in SCENARIOS if s.name not in skip]
     if not skip_proofs:
         jobs.append(Job("proofs", "check_proofs", (False,), 35.0))
         jobs.append(Job("crosshair", "check_crosshair", (), 70.0))
@@ -408,6 +409,9 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
                  f"process{'es' if workers > 1 else ''}; {where}; campaign seed {CAMPAIGN_SEED}, bug seeds "
                  f"1..{1 if quick else 5}")
     skipped = gpu_only_bugs_skipped()
+    from fuzz.commands.e2e import gpu_skipped
+
+    e2e_skipped = [] if quick else [name for name, _ in gpu_skipped()]
     interrupted = False
     try:
         results = run_jobs(the_plan, workers, progress)
@@ -422,6 +426,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     if as_json:
         print(json.dumps({"ok": ok, "seconds": round(total, 1), "jobs": workers, "interrupted": interrupted,
                           "not_run": missing, "device": where, "gpu_only_bugs_not_run": skipped,
+                          "e2e_not_run_on_gpu": e2e_skipped,
                           "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2),
                                       "trace": c.trace} for c in checks]}))
     else:
@@ -443,6 +448,10 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         if skipped:
             console.print(f"not run here: {len(skipped)} GPU-only injected bugs ({escape(', '.join(skipped))}); "
                           "kvspec verify --device gpu on a machine with MLX's CUDA backend runs them", soft_wrap=True)
+        if e2e_skipped:
+            console.print(f"not run on the GPU: e2e {escape(', '.join(e2e_skipped))} (they compare outputs of "
+                          "different kernel shapes bit for bit; GPU kernels round by shape; kvspec e2e says which)",
+                          soft_wrap=True)
         if interrupted:
             console.print(f"[bold yellow]interrupted[/]: {len(missing)} of {len(the_plan)} jobs did not run: "
                           f"{escape(', '.join(missing))}\n  rerun: kvspec verify{' --quick' if quick else ''}")
