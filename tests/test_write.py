@@ -194,3 +194,29 @@ def test_write_inplace_casts_and_broadcasts_its_source(mechanism, monkeypatch):
     mx.eval(a)
     W.write_inplace(a, mx.full((1, 1, 1, 1), 1.5, dtype=mx.float32), W.seq_index(1, 1))
     assert np.array(a)[0, :, :, :].tolist() == [[[0, 0], [1.5, 1.5], [0, 0]]] * 2
+
+
+REFUSED_SNAPSHOT_AFTER_DONATED_WRITE = {
+    "kvtrace": 1,
+    "cache": {"mode": "fp16", "step": 256, "batch": 1, "kv_heads": 1, "head_dim": 8, "inplace": True,
+              "dtype": "float16", "kind": "layers",
+              "layers": [{"kind": "dense", "step": 1}, {"kind": "rotating", "max_size": 2, "keep": 0, "step": 2}]},
+    "ops": [{"op": "append", "n": 1}, {"op": "snapshot", "name": "nope"}, {"op": "append", "n": 1},
+            {"op": "snapshot", "name": "nope", "error": True},
+            {"op": "expect", "window": [0, 1], "layer": 1}, {"op": "expect", "window": [0], "layer": 1, "of": "nope"}],
+}
+
+
+@pytest.mark.parametrize("mechanism", ["donate", "kernel"])
+def test_a_refused_snapshot_claims_no_sharing(mechanism, monkeypatch):
+    """Found on the H200: the ring's warm-up write beside a snapshot is one
+    copy under donate, and the harness then demanded that a *refused*
+    snapshot (its name in use) share memory with the cache. A refused op
+    shares nothing; the trace replays clean under both CUDA mechanisms."""
+    from fuzz.replay import replay
+    from fuzz.trace import parse
+
+    FakeKernel(monkeypatch)
+    monkeypatch.setenv("KV_CUDA_INPLACE", mechanism)
+    result = replay(parse(REFUSED_SNAPSHOT_AFTER_DONATED_WRITE))
+    assert result.ok, result.divergence
