@@ -158,6 +158,10 @@ class DenseLockstep(DenseOps, Lockstep):
             out["held"] = w.held.buffer.ident
         return out
 
+    def impl_values_pointer(self) -> int | None:
+        b = self.cache.buffers
+        return None if b is None else data_pointer(b.values)
+
     def impl_pointers(self) -> dict[str, int | None]:
         def ptr(buffers: Any) -> int | None:
             return None if buffers is None else data_pointer(buffers.keys)

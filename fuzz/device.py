@@ -30,13 +30,14 @@ def gpu_available() -> bool:
     return bool(mx.cuda.is_available() or mx.metal.is_available())
 
 
-def check(name: str) -> str:
+def check(name: str, source: str = "--device") -> str:
     """``name`` if it is a device this machine can run; DeviceError naming
-    the argument and the rule otherwise."""
+    ``source`` (the option or the variable it came from) and the rule
+    otherwise."""
     if name not in DEVICES:
-        raise DeviceError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+        raise DeviceError(f"{source} must be one of {', '.join(DEVICES)}, got {name!r}")
     if name == "gpu" and not gpu_available():
-        raise DeviceError("--device gpu: this MLX build has no GPU backend (mx.cuda and mx.metal are unavailable); "
+        raise DeviceError(f"{source} gpu: this MLX build has no GPU backend (mx.cuda and mx.metal are unavailable); "
                           "run on a machine with MLX's CUDA or Metal backend, or use --device cpu")
     return name
 
@@ -46,10 +47,12 @@ def select(name: str | None) -> str:
     ``KVSPEC_DEVICE``, else MLX's default) the default device of this process
     and of the worker processes it starts. Returns the device in use.
     Raises DeviceError (the environment or the argument is bad)."""
-    name = name if name is not None else (os.environ.get(ENV) or None)
+    source = "--device"
+    if name is None:
+        name, source = os.environ.get(ENV) or None, ENV
     if name is None:
         return current()
-    check(name)
+    check(name, source)
     os.environ[ENV] = name
     mx.set_default_device(mx.gpu if name == "gpu" else mx.cpu)
     return name

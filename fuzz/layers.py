@@ -100,7 +100,7 @@ class LayersLockstep(Lockstep):
             for p in self.pattern
         ]
         self.list_ops: ListOps = factories.get("layers", ListOps)()
-        self.pointers_before: list[int | None] = []
+        self.pointers_before: list[tuple[int, int] | None] = []
 
     def wide_rows(self) -> bool:
         return all(self.layer_mode(j) == "fp16" for j in range(len(self.pattern)))
@@ -183,7 +183,7 @@ class LayersLockstep(Lockstep):
                 check_dense_masks(self, op, w.cache.live_len, c, f"layer {j}: ")
             else:
                 check_ring_masks(self, op, w.cache, c, True, f"layer {j}: ")
-        self.pointers_before = [self._pointer(c) for c in self.caches]
+        self.pointers_before = [self._pointers(c) for c in self.caches]
 
     @staticmethod
     def _pointer(c: Any) -> int | None:
@@ -191,6 +191,14 @@ class LayersLockstep(Lockstep):
         if hasattr(c, "buffers"):
             return None if c.buffers is None else data_pointer(c.buffers.keys)
         return None if getattr(c, "keys", None) is None else data_pointer(c.keys)
+
+    @staticmethod
+    def _pointers(c: Any) -> tuple[int, int] | None:
+        """Data pointers of a cache's keys and values buffers (None: none):
+        what an in-place write must leave where it was."""
+        if hasattr(c, "buffers"):
+            return None if c.buffers is None else (data_pointer(c.buffers.keys), data_pointer(c.buffers.values))
+        return None if getattr(c, "keys", None) is None else (data_pointer(c.keys), data_pointer(c.values))
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         if op["op"] == "append":
@@ -204,9 +212,10 @@ class LayersLockstep(Lockstep):
                 raise Divergence(index, op, "in-place decisions differ", f"inplace={s_inplace}", f"inplace={i_inplace}")
             if self.check_sharing and inplace_keeps_memory():  # not under CUDA's donate (fuzz.lockstep)
                 for j, (inplace, before, c) in enumerate(zip(s_inplace, self.pointers_before, self.caches)):
-                    if inplace and before is not None and self._pointer(c) != before:
+                    if inplace and before is not None and self._pointers(c) != before:
                         raise Divergence(index, op, f"layer {j}: an in-place write moved the cache's memory",
-                                         "same memory (in place)", f"data pointer {before:#x} -> {self._pointer(c):#x}")
+                                         "same memory (in place)",
+                                         f"data pointers (keys, values) {before} -> {self._pointers(c)}")
             self.reached("list appends")
         elif op["op"] in ("fetch", "layer") and (op["op"] == "fetch" or op["do"]["op"] == "fetch"):
             return

@@ -266,6 +266,7 @@ class Lockstep:
         except KVCacheError as exc:
             spec_out, s_world = Outcome(error=exc), None
         self.pointer_before = self.impl_pointers().get("cache") if self.check_sharing else None
+        self.values_pointer_before = self.impl_values_pointer() if self.check_sharing else None
         try:
             impl_out = Outcome(result=self.impl_apply(op))
         except Divergence:
@@ -315,6 +316,10 @@ class Lockstep:
             elif after != self.pointer_before:
                 raise Divergence(index, op, "an in-place write moved the cache's memory",
                                  "same memory (in place)", f"data pointer {self.pointer_before:#x} -> {after:#x}")
+            elif self.values_pointer_before is not None and self.impl_values_pointer() != self.values_pointer_before:
+                raise Divergence(index, op, "an in-place write moved the cache's values memory",
+                                 "same memory (in place)",
+                                 f"values data pointer {self.values_pointer_before:#x} -> {self.impl_values_pointer():#x}")
         self.reached("in-place writes" if s.inplace else "copying writes")
 
     def impl_caches(self) -> list[Any]:
@@ -487,6 +492,11 @@ class Lockstep:
         """Window name -> the data pointer of the implementation's keys
         buffer behind it (``impl.dense.data_pointer``)."""
         return {}
+
+    def impl_values_pointer(self) -> int | None:
+        """The data pointer of the cache's values buffer (None: none, or not
+        modelled): an in-place write must leave it where it was too."""
+        return None
 
     def check_op_checks(self, index: int, op: dict[str, Any], spec_out: Outcome) -> None:
         if "returns" in op and spec_out.error is None:

@@ -80,6 +80,9 @@ class RotatingLockstep(Lockstep):
             out["holder:" + name] = holder.cache.ident if holder.cache.slots else None
         return out
 
+    def impl_values_pointer(self) -> int | None:
+        return None if self.cache.values is None else data_pointer(self.cache.values)
+
     def impl_pointers(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {"cache": None if self.cache.keys is None else data_pointer(self.cache.keys)}
         for name, snap in self.holders.items():

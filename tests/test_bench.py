@@ -80,3 +80,16 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert json.loads(stem.with_suffix(".json").read_text())["decoder"]["layers"] == 1
     assert "| decode in place: ours |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unwritable_record_folder_exits_2_before_the_bench_runs(capsys, monkeypatch, tmp_path):
+    from fuzz.commands.cli import main
+
+    def never(*a, **k):
+        raise AssertionError("the bench ran before the record folder was checked")
+
+    monkeypatch.setattr(bench, "run_suite", never)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--record", str(blocker / "sub"), "--contexts", "16", "32"]) == 2
+    assert "--record:" in capsys.readouterr().out

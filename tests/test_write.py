@@ -220,3 +220,24 @@ def test_a_refused_snapshot_claims_no_sharing(mechanism, monkeypatch):
     monkeypatch.setenv("KV_CUDA_INPLACE", mechanism)
     result = replay(parse(REFUSED_SNAPSHOT_AFTER_DONATED_WRITE))
     assert result.ok, result.divergence
+
+
+class ClaimsInPlaceButCopiesValues(KVCache):
+    """Reports an in-place write, writes keys in place, but copies the values
+    (a values buffer that moves)."""
+
+    def _write_inplace(self, at, rows):
+        b = self.buffers
+        keys = W.write_inplace(b.keys, rows.keys, W.seq_index(at, 1))
+        self.buffers = type(b)(keys, W.write_copy(b.values, rows.values, W.seq_index(at, 1)), out_dtype=b.out_dtype)
+
+
+def test_on_the_cpu_an_in_place_write_that_moves_either_buffer_diverges():
+    """The check that an in-place write keeps the cache's memory runs on the
+    CPU (it is only relaxed under CUDA's donate) and covers the values
+    buffer as well as the keys."""
+    from fuzz.campaign import campaign
+
+    assert W.inplace_keeps_memory()
+    rep = campaign("dense", "fp16", True, 20.0, 7, factories={"dense": ClaimsInPlaceButCopiesValues})
+    assert rep.failure is not None and "in-place write moved the cache's values memory" in str(rep.failure.error)

@@ -318,8 +318,20 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fuzz.commands.bench import run, run_suite
 
+    if args.record:
+        # made (or refused) before a run of minutes, not after it
+        try:
+            Path(args.record).mkdir(parents=True, exist_ok=True)
+            probe = Path(args.record) / ".kvspec-write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            return _usage_error(_console(), f"--record: {args.record} must be a folder this user can create and "
+                                            f"write into ({exc.strerror or exc})")
     if not (args.decoder or args.e2e or args.record):
         return run(args.contexts, args.json)
     return run_suite(args.contexts, decoder=args.decoder, e2e=args.e2e, layers=args.layers, rounds=args.rounds,
