@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from impl.quant import FLOAT16_MAX, dequantize_int8, int8_representable, quantize_int8
-from impl.write import inplace_mechanism, seq_index, write_copy, write_inplace
+from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
 from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -232,10 +232,11 @@ class _Buffers:
 
     def window(self, live_len: int) -> tuple[mx.array, mx.array]:
         """Attention-ready rows ``[0, live_len)`` in the rows' dtype."""
-        k, v = self.keys[:, :, :live_len, :], self.values[:, :, :live_len, :]
+        ix = seq_prefix(live_len)
+        k, v = self.keys[ix], self.values[ix]
         if self.key_scales is not None:
-            k = dequantize_int8(k, self.key_scales[:, :, :live_len, :], self.dtype)
-            v = dequantize_int8(v, self.value_scales[:, :, :live_len, :], self.dtype)  # type: ignore[index]
+            k = dequantize_int8(k, self.key_scales[ix], self.dtype)
+            v = dequantize_int8(v, self.value_scales[ix], self.dtype)  # type: ignore[index]
         return k, v
 
 

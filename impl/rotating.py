@@ -41,7 +41,7 @@ from impl.dense import (
     write_rows_copy,
     write_rows_inplace,
 )
-from impl.write import inplace_mechanism
+from impl.write import inplace_mechanism, seq_prefix
 from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -152,8 +152,8 @@ class RingSnapshot:
         if self.keys is None:
             return None
         assert self.values is not None
-        n = self.keys.shape[SEQ_AXIS] if self.offset != self.idx else self.idx
-        return self.keys[:, :, :n, :], self.values[:, :, :n, :]
+        ix = seq_prefix(self.keys.shape[SEQ_AXIS] if self.offset != self.idx else self.idx)
+        return self.keys[ix], self.values[ix]
 
 
 class RotatingKVCache:
@@ -219,8 +219,8 @@ class RotatingKVCache:
         """Valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype."""
         if self.keys is None:  # keys and values are set and dropped together
             return None
-        n = self.valid_len
-        return self.keys[:, :, :n, :], self.values[:, :, :n, :]
+        ix = seq_prefix(self.valid_len)
+        return self.keys[ix], self.values[ix]
 
     # -- writes -----------------------------------------------------------------
     def _set_buffers(self, keys: mx.array, values: mx.array) -> None:
