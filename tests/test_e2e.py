@@ -279,7 +279,7 @@ def test_speculative_on_a_gpu_compares_with_mlx_lm_caches_and_still_catches_a_ba
         def trim(self, n):
             return super().trim(max(0, n - 1))
 
-    monkeypatch.setattr(e2e, "on_gpu", lambda: True)
+    monkeypatch.setattr(e2e.checks, "on_gpu", lambda: True)  # where the scenarios and registry look it up
     ok = e2e.run_scenario("speculative", e2e.SHORT)
     assert ok.ok and "mlx-lm's caches" in ok.detail, ok.detail
     bad = e2e.run_scenario("speculative", e2e.SHORT, factories={"dense": TrimOneShort})

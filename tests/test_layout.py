@@ -44,6 +44,7 @@ def copy_of_repo(tmp_path: Path) -> Path:
     ("impl/quant.py", "import fuzz.rows  # noqa", "layers: fuzz over impl and proofs"),
     ("fuzz/lockstep.py", "import fuzz.replay  # noqa", "fuzz reads top-down"),
     ("fuzz/commands/mutants.py", "import fuzz.commands.verify  # noqa", "no import circles"),
+    ("fuzz/commands/e2e/models.py", "import fuzz.commands.e2e.checks  # noqa", "e2e reads top-down"),
 ])
 def test_a_reverse_import_breaks_a_contract(copy_of_repo: Path, module: str, line: str, contract: str):
     """Each contract is seen failing: one added import the wrong way."""

@@ -133,7 +133,7 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
 
 
 def check_e2e(names: list[str] | None = None) -> list[Check]:
-    """The real-decoding scenarios (fuzz/commands/e2e.py) at their default size."""
+    """The real-decoding scenarios (fuzz/commands/e2e/) at their default size."""
     from fuzz.commands.e2e import DEFAULT, run_all
 
     checks = []

@@ -1,0 +1,112 @@
+"""The scenario list, by name, and running them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fuzz.commands.e2e import checks
+from fuzz.commands.e2e.checks import SHORT, Divergence, Size, Tally
+from fuzz.commands.e2e.greedy import scenario_bf16_models, scenario_greedy
+from fuzz.commands.e2e.models import Factories
+from fuzz.commands.e2e.snapshots import (
+    scenario_lru_prompt_cache,
+    scenario_prefix_sharing,
+    scenario_prompt_reuse,
+)
+from fuzz.commands.e2e.speculative import scenario_speculative, scenario_speculative_window
+from fuzz.commands.e2e.turbo import scenario_turbo
+from fuzz.commands.e2e.windows import scenario_mixed_rollback, scenario_sliding_window
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    run: Callable[..., tuple[Tally, float | None]]
+    #: why the scenario's reference does not hold on a GPU ("" when it does):
+    #: it compares, bit for bit, outputs that a GPU computes with kernels of
+    #: different shapes (GPU matmul and attention round by shape; measured on
+    #: MLX 0.32 CUDA: log-probabilities 1 to 2 bfloat16 ulps apart with any
+    #: cache, mlx-lm's own included)
+    cpu_only: str = ""
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("greedy", "1 greedy", scenario_greedy),
+    Scenario("speculative", "2 speculative", scenario_speculative),
+    Scenario("prompt_reuse", "3 prompt_reuse", scenario_prompt_reuse),
+    Scenario("sliding_window", "4 sliding_window", scenario_sliding_window),
+    Scenario("mixed_rollback", "5 mixed_rollback", scenario_mixed_rollback),
+    Scenario("lru_prompt_cache", "6 lru_prompt_cache", scenario_lru_prompt_cache),
+    Scenario("prefix_sharing", "7 prefix_sharing", scenario_prefix_sharing,
+             "compares a batch of forked sequences with each sequence alone, bit for bit"),
+    Scenario("speculative_window", "8 speculative_window", scenario_speculative_window,
+             "compares a verify block's logits with one-row steps', bit for bit"),
+    Scenario("bf16_models", "9 bf16_models", scenario_bf16_models),
+    Scenario("turbo", "10 turbo", scenario_turbo, "compares speculative (k-row verify) with greedy decoding, bit for bit"),
+]
+
+
+def gpu_skipped(names: list[str] | None = None) -> list[tuple[str, str]]:
+    """(name, reason) of the scenarios that do not run on this device."""
+    if not checks.on_gpu():
+        return []
+    return [(s.name, s.cpu_only) for s in SCENARIOS if s.cpu_only and (names is None or s.name in names)]
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    title: str
+    ok: bool
+    tokens: int
+    distinct: int
+    acceptance: float | None
+    seconds: float
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.name, "ok": self.ok, "tokens": self.tokens, "distinct": self.distinct,
+            "acceptance": None if self.acceptance is None else round(self.acceptance, 3),
+            "seconds": round(self.seconds, 2), "detail": self.detail,
+        }
+
+
+def by_name(name: str) -> Scenario:
+    for s in SCENARIOS:
+        if s.name == name:
+            return s
+    raise KeyError(f"no e2e scenario named {name!r}; known: {[s.name for s in SCENARIOS]}")
+
+
+def run_scenario(name: str, size: Size = SHORT, factories: Factories = None, **kwargs: Any) -> ScenarioResult:
+    """Run one scenario; a failed check (Divergence) or any exception is a
+    failed result whose detail says what differed."""
+    scenario = by_name(name)
+    start = time.perf_counter()
+    try:
+        tally, acceptance = scenario.run(size, factories, **kwargs)
+        ok, detail = True, "; ".join(tally.checks)
+    except Divergence as exc:
+        tally, acceptance, ok, detail = Tally(), None, False, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a broken cache may raise anywhere inside the model
+        tally, acceptance, ok, detail = Tally(), None, False, f"{type(exc).__name__}: {exc}"
+    return ScenarioResult(scenario.name, scenario.title, ok, len(tally.tokens), len(set(tally.tokens)),
+                          acceptance, time.perf_counter() - start, detail)
+
+
+def run_all(size: Size = SHORT, factories: Factories = None, names: list[str] | None = None,
+            progress: Callable[[ScenarioResult], None] | None = None) -> list[ScenarioResult]:
+    """Run the scenarios (``names``: only these); ``progress(result)`` after each."""
+    out = []
+    skip = {name for name, _ in gpu_skipped()}
+    for s in SCENARIOS:
+        if (names is None or s.name in names) and s.name not in skip:
+            out.append(run_scenario(s.name, size, factories))
+            if progress is not None:
+                progress(out[-1])
+    return out

@@ -1,0 +1,210 @@
+"""Scenarios 2 and 8: mlx-lm's speculative decoding, on dense caches and on wrapping rings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from fuzz.commands.e2e import checks
+from fuzz.commands.e2e.checks import (
+    SHORT,
+    Size,
+    Stream,
+    Tally,
+    _max_logprob_diff,
+    compare,
+    min_distinct,
+    require,
+)
+from fuzz.commands.e2e.models import (
+    LATE_LAYER_SCALE,
+    Factories,
+    _rotating,
+    build_caches,
+    early_exit_draft,
+    mlx_lm_caches,
+    speculative_gemma3,
+    tiny_llama,
+    token_ids,
+)
+from fuzz.commands.e2e.streams import greedy, speculative
+from impl.rotating import RotatingKVCache
+
+
+def scenario_speculative(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """mlx-lm's speculative decoding with a one-layer early-exit draft gives
+    exactly plain greedy decoding's tokens and log-probability bytes with the
+    same cache mode (fp16, int8) and in-place setting; in-place on and off
+    agree. Both accepts and rejects (trims) must happen."""
+    tally = Tally()
+    drafted = accepted = 0
+    n = 2 * size.tokens
+    gpu = checks.on_gpu()
+    for seed in size.seeds:
+        model = tiny_llama(seed, late_scale=LATE_LAYER_SCALE)
+        draft = early_exit_draft(model)
+        prompt = token_ids(seed, 12)
+        if gpu:
+            # A GPU rounds a k-row verify differently from one-row steps, so
+            # the reference is the same speculative decoding with mlx-lm's
+            # caches: the same shapes, only the cache differs (fp16).
+            ref = speculative(model, draft, mlx_lm_caches(model) + mlx_lm_caches(draft), prompt, n)
+            for inplace in (True, False):
+                caches = build_caches(model, "fp16", 4, inplace, factories) + build_caches(draft, "fp16", 4, inplace,
+                                                                                           factories)
+                spec = speculative(model, draft, caches, prompt, n)
+                compare(f"seed {seed}, fp16, in-place {'on' if inplace else 'off'}: speculative vs mlx-lm's caches",
+                        spec.stream, ref.stream, tally)
+                drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+            continue
+        for mode in ("fp16", "int8"):
+            plain = {ip: greedy(model, build_caches(model, mode, 4, ip, factories), prompt, n) for ip in (True, False)}
+            compare(f"seed {seed}, {mode}: greedy in-place on vs off", plain[True], plain[False], tally)
+            for inplace in (True, False):
+                caches = build_caches(model, mode, 4, inplace, factories) + build_caches(draft, mode, 4, inplace, factories)
+                spec = speculative(model, draft, caches, prompt, n)
+                compare(f"seed {seed}, {mode}, in-place {'on' if inplace else 'off'}: speculative vs greedy",
+                        spec.stream, plain[inplace], tally)
+                drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+    require(accepted > 0 and accepted < drafted,
+            f"speculation must both accept and reject drafts, got {accepted} accepted of {drafted}")
+    tally.note(f"{accepted}/{drafted} drafts accepted; " + (
+        "speculative = speculative with mlx-lm's caches, bytes (GPU; fp16 x in-place on/off)" if gpu else
+        "speculative = greedy bytes (fp16/int8 x in-place on/off)"))
+    return tally, accepted / max(drafted, 1)
+
+
+#: the rings' undo depth in the speculative_window scenario, and its draft length
+UNDO_DEPTH = 4
+
+
+#: its window: small, so that the rings wrap every few tokens
+SPEC_WINDOW = 6
+
+
+class _Recorder:
+    """A model that records each call's input tokens and output logits, and
+    (through its first ring's ``trim``) how many of each call's rows were
+    rolled back later, newest call first."""
+
+    def __init__(self, model: Any, ring: RotatingKVCache):
+        self.model, self.calls = model, []  # [tokens, logits, rows rolled back]
+        self.rollbacks_after_wrap = 0
+        trim = ring.trim
+
+        def counted(k: int) -> int:
+            wrapped = ring.wrapped
+            got = trim(k)
+            self.rollbacks_after_wrap += bool(got) and wrapped
+            left = got
+            for call in reversed(self.calls):
+                take = min(left, len(call[0]) - call[2])
+                call[2] += take
+                left -= take
+            return got
+
+        ring.trim = counted  # type: ignore[method-assign]
+
+    @property
+    def layers(self) -> Any:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        out = self.model(inputs, cache=cache)
+        self.calls.append([np.array(inputs)[0].tolist(), out, 0])
+        return out
+
+    def check_against_never(self, label: str) -> None:
+        """Every call's logits, for the rows that stayed, equal (bytes) a run
+        of the same calls without the rolled-back rows on fresh caches."""
+        never = build_caches(self.model, "fp16", 4, True)
+        for i, (tokens, logits, back) in enumerate(self.calls):
+            kept = tokens[: len(tokens) - back]
+            if not kept:
+                continue
+            want = self.model(mx.array(kept, dtype=mx.uint32)[None], cache=never)
+            require(np.array(logits[:, : len(kept), :]).tobytes() == np.array(want).tobytes(),
+                    f"{label}: call {i} ({len(tokens)} rows, {back} rolled back later): logits differ from a run "
+                    f"that never had the rolled-back rows")
+
+
+def scenario_speculative_window(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """mlx-lm's speculative decoding on gemma3 (two sliding-window layers of
+    window 6, one global) with an early-exit draft of ``UNDO_DEPTH`` tokens
+    a round, on rings with undo depth ``UNDO_DEPTH``: every rejected draft
+    is rolled back exactly, also after the wrap. Checks: the tokens equal
+    plain greedy decoding's; every call of the main model gives logits
+    byte-identical to a run that was fed the same calls without the rows
+    later rolled back (a run that never had them); the rings wrap many
+    times and the rollbacks after a wrap are many. Log-probabilities are
+    not byte-compared with single-step greedy: after a wrap a decode step
+    reads the ring in physical order and a verification block reads it in
+    chronological order, so float sums differ in the last bits for any ring;
+    since every call equals the run that never rolled back, byte for byte,
+    that difference (reported) comes from the chunking, not the rollback.
+    The same scenario on mlx-lm's own caches is
+    run for the record: its trim is refused after the wrap and the stream
+    drifts (docs/mlx-lm.md)."""
+    from mlx_lm.generate import speculative_generate_step
+
+    tally = Tally()
+    W, U = SPEC_WINDOW, UNDO_DEPTH
+    n = 2 * size.tokens
+    drafted = accepted = rollbacks = 0
+    wraps: list[int] = []
+    spec_diff = 0.0
+    drift: list[str] = []
+    for seed in size.seeds:
+        model, draft = speculative_gemma3(seed, W)
+        prompt = token_ids(seed, 12)
+        label = f"seed {seed}, W={W}, U={U}"
+        plain = greedy(model, build_caches(model, "fp16", 4, True), prompt, n)
+        caches = build_caches(model, "fp16", 4, True, factories, U) + build_caches(draft, "fp16", 4, True, factories, U)
+        main_rings = _rotating(caches[: len(model.layers)])
+        require(len(main_rings) == 2 and len(_rotating(caches)) == 4, f"{label}: expected 2 rings per model")
+        main = _Recorder(model, main_rings[0])
+        drafter = _Recorder(draft, _rotating(caches[len(model.layers):])[0])
+        got = Stream()
+        for tok, logprobs, from_draft in speculative_generate_step(
+            prompt, main, drafter, num_draft_tokens=U, max_tokens=n, prompt_cache=caches,
+        ):
+            got.tokens.append(int(tok))
+            got.logprobs.append(np.array(logprobs).tobytes())
+            accepted += bool(from_draft)
+        drafted += len(drafter.calls) - 1  # the first draft call is its prefill
+        rollbacks += main.rollbacks_after_wrap
+        for i, (a, b) in enumerate(zip(got.tokens, plain.tokens)):
+            require(a == b, f"{label}: step {i}: speculative token {a}, greedy {b}")
+        require(len(got.tokens) == len(plain.tokens) == n, f"{label}: {len(got.tokens)} tokens, greedy {len(plain.tokens)}")
+        require(len(set(got.tokens)) >= min_distinct(n), f"{label}: stream collapsed")
+        tally.tokens.extend(got.tokens)
+        main.check_against_never(f"{label}, main model")
+        drafter.check_against_never(f"{label}, draft model")
+        ring = main_rings[0]
+        wraps.append((ring.offset - W) // (W - ring.keep) + 1)
+        spec_diff = max(spec_diff, _max_logprob_diff(got.logprobs, plain.logprobs))
+
+        # mlx-lm's own caches, same scenario (for the record)
+        lm = mlx_lm_caches(model) + mlx_lm_caches(draft)
+        lm_tokens = [int(t) for t, _, _ in speculative_generate_step(
+            prompt, model, draft, num_draft_tokens=U, max_tokens=n, prompt_cache=lm)]
+        first = next((i for i, (a, b) in enumerate(zip(lm_tokens, plain.tokens)) if a != b), None)
+        drift.append("none" if first is None else f"step {first}")
+    require(min(wraps) >= MIN_WRAPS.get(size, 20), f"the main rings wrapped {wraps} times (need {MIN_WRAPS.get(size, 20)} each)")
+    need = MIN_ROLLBACKS.get(size, 100)
+    require(rollbacks >= need, f"{rollbacks} rollbacks after a wrap (need {need})")
+    require(0 < accepted < drafted, f"speculation must both accept and reject drafts, got {accepted} of {drafted}")
+    tally.note(f"{accepted}/{drafted} drafts accepted; rings wrapped {min(wraps)}..{max(wraps)} times per seed; "
+               f"{rollbacks} rollbacks after a wrap (main model); tokens = greedy; every call of both models = a run "
+               f"that never had the rolled-back rows (logit bytes); max |log-prob - greedy| {spec_diff:.3g} (chunking, not rollback); "
+               f"mlx-lm's own caches leave greedy at {', '.join(drift)}")
+    return tally, accepted / max(drafted, 1)
+
+
+#: the fewest wraps per seed and rollbacks after a wrap the scenario needs, by size
+MIN_WRAPS = {SHORT: 8}
+
+
+MIN_ROLLBACKS = {SHORT: 20}
