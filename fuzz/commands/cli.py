@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -154,7 +155,64 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         console.print(f"[bold red]diverged[/] {args.trace}: spec and {who} disagree")
     console.print(escape(str(result.divergence)))
+    if target.is_impl:
+        console.print(f"  see it: {escape(render_command(args.trace, args.bug, args.isolation_only))}")
     return code
+
+
+def render_command(trace: str, bug: str | None = None, isolation_only: bool = False) -> str:
+    """The ``kvspec render`` command that draws a failing trace (what replay
+    and fuzz print after a divergence)."""
+    import shlex
+
+    out = str(Path(trace).with_suffix(".html"))
+    parts = ["kvspec", "render", trace, "--html", "-o", out]
+    if bug:
+        parts += ["--bug", bug]
+    if isolation_only:
+        parts.append("--isolation-only")
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+# -- render --------------------------------------------------------------------
+def cmd_render(args: argparse.Namespace) -> int:
+    from fuzz.render import page, svg, timeline
+    from fuzz.replay import EXIT_INVALID, EXIT_OK
+    from fuzz.trace import TraceFormatError, load
+
+    console = _console()
+    html = args.html or str(args.output or "").endswith((".html", ".htm"))
+    out = args.output or str(Path(args.trace).with_suffix(".html" if html else ".svg"))
+    try:
+        trace = load(args.trace)
+        factories = None
+        if args.bug:
+            bug = _bug(console, args.bug)
+            if bug is None:
+                return EXIT_INVALID
+            if bug.kind != trace.cache["kind"]:
+                raise KeyError(f"--bug {bug.name} patches the {bug.kind} cache; this trace is kind {trace.cache['kind']}")
+            factories = bug.factories
+        tl = timeline(trace, factories, args.bug, check_inplace=not args.isolation_only)
+    except TraceFormatError as exc:
+        console.print(f"[bold red]invalid kvtrace[/] {escape(args.trace)}: {escape(str(exc))}")
+        return EXIT_INVALID
+    except KeyError as exc:
+        console.print(f"[bold red]error[/]: {escape(str(exc.args[0]))}")
+        return EXIT_INVALID
+    text = page(tl, args.trace) if html else svg(tl)
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    except OSError as exc:
+        return _usage_error(console, f"-o/--output: cannot write {out}: {exc.strerror or exc}")
+    what = "no divergence"
+    if tl.divergence is not None:
+        what = f"first divergence at op {tl.divergence.index}: {tl.divergence.what}"
+        if tl.rule is not None:
+            what += f" ({tl.rule.cite()}, {tl.rule.function})"
+    console.print(f"wrote {escape(out)}: {len(tl.frames)} ops, {escape(what)}")
+    return EXIT_OK
 
 
 # -- fuzz ----------------------------------------------------------------------
@@ -247,6 +305,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 extra = f" --bug {args.bug}" if args.bug else ""
                 extra += "" if target.is_impl else f" --target {target.name}"
                 row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
+                if target.is_impl:
+                    row["render"] = render_command(str(path), args.bug)
         rows.append(row)
     code = 130 if interrupted else (1 if failed else 0)
     if args.json:
@@ -271,6 +331,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             console.print(f"[bold red]{row['config']}[/]: {escape(row['failure'])}")
             if "trace" in row:
                 console.print(f"  minimal trace written to {row['trace']}\n  replay it: {row['replay']}")
+                if "render" in row:
+                    console.print(f"  see it: {escape(row['render'])}")
     if interrupted:
         console.print(f"[bold yellow]interrupted[/] during {interrupted}: seed {seed}\n  rerun: {rerun}")
     return code
@@ -407,6 +469,8 @@ EXIT_CODES = {
     "mutants": "exit status: 0 every injected bug caught in every seed with a clean trace; 1 otherwise; "
                "2 bad arguments; 130 interrupted",
     "bench": "exit status: 0 measured; 2 bad arguments",
+    "render": "exit status: 0 the picture was written (whether or not the trace diverges); 2 invalid trace, "
+              "arguments or output path",
     "e2e": "exit status: 0 every scenario passes (with --bug: the bug went unnoticed); 1 a scenario "
            "diverged (with --bug: the bug was caught); 2 bad arguments",
 }
@@ -414,7 +478,7 @@ EXIT_CODES = {
 
 def _epilog(command: str, bug_names: list[str] | None, extra: str = "") -> str:
     parts = [EXIT_CODES[command]]
-    if bug_names is not None and command in ("replay", "fuzz", "mutants", "e2e"):
+    if bug_names is not None and command in ("replay", "render", "fuzz", "mutants", "e2e"):
         parts.append("injected bugs (--bug / --only): " + ", ".join(bug_names))
     if extra:
         parts.append(extra)
@@ -466,6 +530,19 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     r.set_defaults(fn=cmd_replay)
+
+    rd = add("render", "draw a kvtrace as a timeline (SVG, or an HTML page with --html)",
+             "Replay a kvtrace as `kvspec replay` does and draw the spec's state after every op: one column "
+             "per op, the live window and every holder's and sequence's view as rows of token identities, "
+             "the physical buffers (capacity, dead tail, ownership marker, ring cursor, undo log, block "
+             "tables), each write in place or copying, refusals, and the first divergence outlined with "
+             "the rule it broke and the spec function that states it (docs/render.md).")
+    rd.add_argument("trace", help="the kvtrace file (JSON)")
+    rd.add_argument("-o", "--output", help="file to write (default: the trace's name with .svg or .html)")
+    rd.add_argument("--html", action="store_true", help="write an HTML page (the picture, the divergence, the ops)")
+    rd.add_argument("--bug", help="replay on an injected bug of the catalog instead of the real implementation")
+    rd.add_argument("--isolation-only", action="store_true", help="do not compare in-place decisions (as replay)")
+    rd.set_defaults(fn=cmd_render)
 
     f = add("fuzz", "run a differential fuzz campaign",
             "Hypothesis state machines drive the spec and an implementation with random ops; the first "

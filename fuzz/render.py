@@ -1,0 +1,637 @@
+"""``kvspec render``: draw a kvtrace as a timeline (SVG or HTML).
+
+A trace is replayed exactly as ``kvspec replay`` does it (the spec and an
+implementation in lockstep, :func:`fuzz.replay.make_lockstep`), and the
+state the **spec** holds after every op is recorded as a :class:`Frame`:
+
+* one column per op, headed by the op;
+* one row per window the spec knows (the live window, each snapshot or
+  handle, the held window, each paged sequence, each layer of a list), its
+  cells the token identities a fetch returns (docs/kvtrace.md, "Token
+  identities");
+* one row per physical store: a dense buffer (live rows, the dead tail up to
+  the capacity, the ownership marker), a ring's slots (sinks, the write
+  cursor, the undo log), a paged block table (block ids and refcounts);
+* a badge per op: an append's write path (``in place`` or ``copy``, and
+  ``grew`` when it regrew), a refusal (the spec's message), a return value;
+* the first divergence: its column outlined, what the implementation held
+  beside what the spec says, and the rule it broke with the spec function
+  that states it (:func:`rule_for`).
+
+Everything drawn comes from the spec's state; the implementation is only
+asked where it first disagrees. The pictures of the docs site are drawn by
+the same code from the worked-example traces (docs/hooks.py).
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuzz.lockstep import Divergence
+from fuzz.replay import check_ops, make_lockstep
+from fuzz.trace import Trace
+from spec.errors import KVCacheError
+
+#: section of docs/semantics.md that states each spec module's rules
+SECTIONS = {"spec.dense": 2, "spec.turbo": 2, "spec.rotating": 3, "spec.paged": 4, "spec.layers": 6}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The rule a divergence broke: its name on docs/semantics.md, the spec
+    function that states it (``module.function``) and the page section."""
+
+    name: str
+    function: str
+    section: int
+
+    @property
+    def doc(self) -> str:
+        """The first sentence of the spec function's docstring."""
+        module, _, attr = self.function.rpartition(".")
+        fn = getattr(importlib.import_module(module), attr)
+        text = " ".join((fn.__doc__ or "").replace("``", "").split())
+        return text.split(". ")[0].rstrip(".") + "." if text else ""
+
+    def cite(self) -> str:
+        return f"semantics.md {self.section}, {self.name}"
+
+
+@dataclass
+class Cell:
+    """One box of a row: ``text`` (a token identity, a block id...), ``cls``
+    its style (``live``, ``dead``, ``empty``, ``sink``, ``wrong``...)."""
+
+    text: str
+    cls: str = "live"
+    token: int | None = None
+    tip: str = ""
+
+
+@dataclass
+class Row:
+    """A row of one column: a window (``view``) or a physical store."""
+
+    label: str
+    cells: list[Cell]
+    group: str = "view"
+    #: a marker drawn after this many cells (the ownership marker, the ring
+    #: cursor), with its label
+    marks: list[tuple[int, str]] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class Frame:
+    """The spec's state after op ``index``."""
+
+    index: int
+    op: dict[str, Any]
+    rows: list[Row]
+    observables: dict[str, Any]
+    #: ``in place``, ``copy``, ``refused``, ``returns``... with a detail
+    badges: list[tuple[str, str]]
+    refused: str | None = None
+    diverged: bool = False
+    #: the implementation's windows at the divergent op (name -> identities)
+    impl_rows: dict[str, list[Any]] = field(default_factory=dict)
+    run: bool = True
+
+
+@dataclass
+class Timeline:
+    title: str
+    cache: dict[str, Any]
+    frames: list[Frame]
+    divergence: Divergence | None = None
+    rule: Rule | None = None
+    bug: str | None = None
+    implementation: str = "impl"
+
+
+# -- the rule a divergence broke ----------------------------------------------------
+
+#: per spec module, the function of each kvtrace op (else ``w_<op>``, ``<op>``)
+OP_FUNCTIONS: dict[str, dict[str, str]] = {
+    "spec.dense": {"append": "append", "trim": "trim", "trim_to": "trim_to", "trim_front": "trim_front_keep_sink",
+                   "fetch": "view_of", "expect": "view_of"},
+    "spec.turbo": {"append": "apply_op", "fetch": "apply_op", "expect": "apply_op"},
+    "spec.rotating": {"trim": "trim", "trim_to": "trim_to", "fetch": "apply_op", "expect": "apply_op"},
+    "spec.paged": {"snapshot": "snapshots_by_fork", "restore": "snapshots_by_fork", "drop": "snapshots_by_fork"},
+    "spec.layers": {"trim": "trim_prompt_cache", "can_trim": "can_trim_prompt_cache", "layer": "w_layer",
+                    "fetch": "view_of", "expect": "view_of"},
+}
+
+
+def _function(module: str, *names: str) -> str:
+    mod = importlib.import_module(module)
+    for name in names:
+        if name and callable(getattr(mod, name, None)):
+            return f"{module}.{name}"
+    return f"{module}.apply_op"
+
+
+def op_function(module: str, op: dict[str, Any], world: Any = None) -> str:
+    """The spec function that runs ``op`` in ``module`` (``spec.rotating``
+    splits appends into ``decode`` and ``prefill``)."""
+    name = op.get("op", "")
+    if module == "spec.rotating" and name == "append":
+        return _function(module, "decode" if op.get("n") == 1 else "prefill")
+    special = OP_FUNCTIONS.get(module, {}).get(name, "")
+    return _function(module, special, f"w_{name}", name)
+
+
+def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> Rule:
+    """The rule on docs/semantics.md that the check ``what`` (a
+    :class:`Divergence`'s ``what``) enforces for ``op``, in spec module
+    ``module`` (``spec.dense``...); ``before`` is the spec world before the
+    op, where the rule depends on the state (a ring's warm-up or steady
+    state)."""
+    section = SECTIONS.get(module, 5)
+    w = what.lower()
+    sharing = any(s in w for s in ("in-place", "isolation", "memory sharing", "inplace", "in place"))
+    if module == "spec.layers" and sharing:
+        module = "spec.dense"
+    if sharing and op.get("op") == "append":
+        if module == "spec.rotating":
+            cache = getattr(before, "cache", None)
+            steady = cache is not None and cache.offset >= cache.max_size
+            return Rule("steady state copies" if steady else "warm-up in place",
+                        _function(module, "rotating_inplace_allowed"), section)
+        if module == "spec.paged":
+            return Rule("copy on write", _function(module, "needs_copy_on_write"), section)
+        return Rule("ownership rule", _function(module, "inplace_write_allowed", "apply_op"), 2)
+    if sharing:
+        return Rule("isolation", op_function(module, op), 5)
+    if "make_mask" in w or "mask" in w:
+        if module == "spec.rotating":
+            return Rule("mask", _function(module, "mask_visible"), section)
+        return Rule("mask", _function("spec.dense", "dense_mask_visible"), 2)
+    if "capacity" in w and op.get("op") == "append":
+        if module in ("spec.dense", "spec.turbo"):
+            return Rule("append: how much", _function("spec.dense", "regrow_capacity"), 2)
+        if module == "spec.paged":
+            return Rule("exhaustion", _function(module, "reserve"), section)
+    if ("trimmable" in w or "log_saved" in w) and module == "spec.rotating":
+        return Rule("undo log", _function(module, "trimmable_rows"), section)
+    if "refcount" in w or "free" in w or "pool size" in w:
+        return Rule("copy on write" if op.get("op") == "append" else op.get("op", "op table"),
+                    op_function(module, op), section)
+    if "refusal" in w:
+        return Rule("op table" if "error" in op else "refusals", op_function(module, op), section)
+    return Rule(str(op.get("op", "op table")), op_function(module, op), section)
+
+
+# -- the state the spec holds ------------------------------------------------------
+
+def _tok(e: Any) -> Cell:
+    if e is None:
+        return Cell("", "empty", tip="never written")
+    t = getattr(e, "token", e)
+    return Cell(str(t), "live", t if isinstance(t, int) else None)
+
+
+def _dense_rows(world: Any, prefix: str = "") -> list[Row]:
+    c = world.cache
+    cap = 0 if c.buffer is None else c.buffer.capacity
+    cells = [_tok(e) for e in c.entries]
+    cells += [Cell("", "dead", tip="dead row: never read") for _ in range(max(0, cap - len(cells)))]
+    marks = []
+    if c.marker is not None and c.buffer is not None and c.marker.buffer == c.buffer.ident:
+        marks.append((c.marker.live_len, "marker"))
+    elif c.marker is not None:
+        marks.append((c.marker.live_len, "stale marker"))
+    ident = "no buffer" if c.buffer is None else f"#{c.buffer.ident}"
+    note = f"{ident} cap {cap}" + (f", live from {c.live_start}" if c.live_start else "")
+    rows = [Row(f"{prefix}buffer", cells, "store", marks, note)]
+    if hasattr(world, "cold_offset"):
+        rows[0].note += f", cold {world.cold_offset}"
+    return rows
+
+
+def _ring_rows(world: Any, prefix: str = "") -> list[Row]:
+    c = world.cache
+    cells = []
+    for slot, e in enumerate(c.slots):
+        cell = _tok(e)
+        if slot < c.keep and e is not None:
+            cell.cls = "sink"
+        cells.append(cell)
+    marks = [(c.idx, "idx")]
+    note = f"#{c.ident} cap {len(c.slots)}, W {c.max_size}, K {c.keep}" + (" wrapped" if c.offset != c.idx else "")
+    rows = [Row(f"{prefix}ring slots", cells, "store", marks, note)]
+    if c.undo:
+        saved = [Cell(str(e.token), "saved", e.token) for r in c.log for e in r.saved]
+        kinds = ", ".join(f"{r.kind} {r.rows}" for r in c.log) or "empty"
+        rows.append(Row(f"{prefix}undo log", saved, "store", [], f"U {c.undo}: {kinds}"))
+    return rows
+
+
+def _paged_rows(world: Any) -> list[Row]:
+    rc = world.pool.refcounts
+    rows = []
+    for name, seq in sorted(world.seqs.items()):
+        cells = []
+        for b in seq.table:
+            if b is None:
+                cells.append(Cell("-", "dead", tip="released by a front trim"))
+            else:
+                cells.append(Cell(str(b), "shared" if rc[b] > 1 else "block", tip=f"block {b}, refcount {rc[b]}"))
+        rows.append(Row(f"table {name}", cells, "store", [], f"len {seq.length}, start {seq.start}"))
+    free = len(world.pool.free)
+    rows.append(Row("refcounts", [Cell(str(r), "shared" if r > 1 else ("block" if r else "empty"),
+                                       tip=f"block {i}") for i, r in enumerate(rc)], "store", [],
+                    f"pool {len(rc)} blocks, {free} free"))
+    return rows
+
+
+def physical_rows(world: Any) -> list[Row]:
+    """The physical stores of a spec world, whatever its kind."""
+    if hasattr(world, "layers"):
+        out = []
+        for j, w in enumerate(world.layers):
+            out += physical_rows_one(w, f"L{j} ")
+        return out
+    return physical_rows_one(world)
+
+
+def physical_rows_one(world: Any, prefix: str = "") -> list[Row]:
+    if hasattr(world, "pool"):
+        return _paged_rows(world)
+    cache = getattr(world, "cache", None)
+    if cache is None:
+        return []
+    if hasattr(cache, "slots"):
+        return _ring_rows(world, prefix)
+    if hasattr(cache, "entries"):
+        return _dense_rows(world, prefix)
+    return []
+
+
+def _view_label(name: str) -> str:
+    if name == "cache":
+        return "live window"
+    if name.startswith("holder:"):
+        return "holder " + name.split(":", 1)[1]
+    if name.startswith("seq:"):
+        return "seq " + name.split(":", 1)[1]
+    return name
+
+
+def _shorten(op: dict[str, Any]) -> str:
+    body = {k: v for k, v in op.items() if k != "op"}
+    args = " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in body.items())
+    return f"{op['op']} {args}".strip()
+
+
+# -- running the trace ---------------------------------------------------------------
+
+def timeline(trace: Trace, factories: dict[str, Any] | None = None, bug: str | None = None,
+             check_inplace: bool = True) -> Timeline:
+    """Replay ``trace`` (on an injected bug's classes with ``factories``) and
+    record the spec's state after every op up to the first divergence; the
+    ops after it are listed, not run. Raises TraceFormatError as replay does."""
+    check_ops(trace.cache, trace.ops)
+    lock = make_lockstep(trace.cache, factories, check_inplace)
+    module = lock.spec_module.__name__
+    seen: dict[str, Any] = {}
+    spec_apply = lock.spec_apply
+
+    def spy(op: dict[str, Any]) -> tuple[Any, Any]:
+        seen.clear()
+        try:
+            result, world = spec_apply(op)
+        except KVCacheError as exc:
+            seen["error"] = exc
+            raise
+        seen["result"], seen["world"] = result, world
+        return result, world
+
+    lock.spec_apply = spy  # type: ignore[method-assign]
+    frames: list[Frame] = []
+    out = Timeline(trace.title, trace.cache, frames, bug=bug, implementation=lock.impl_name)
+    for i, op in enumerate(trace.ops):
+        before = lock.world
+        seen.clear()
+        divergence = None
+        try:
+            lock.step(i, op)
+        except Divergence as d:
+            divergence = d
+            if "world" in seen and lock.world is before:
+                lock.world = seen["world"]  # the spec's state after the op, for the picture
+        frame = _frame(lock, i, op, seen)
+        frames.append(frame)
+        if divergence is not None:
+            frame.diverged = True
+            frame.badges.insert(0, ("diverged", (f"{divergence.what}: {divergence.labels[0]} {divergence.spec}, "
+                                                f"{divergence.labels[1]} {divergence.impl}")))
+            out.divergence = divergence
+            out.rule = rule_for(module, op, divergence.what, before)
+            try:
+                impl = lock.impl_views()
+                frame.impl_rows = {n: lock.identify(a, lock.view_mode(n)) for n, a in impl.items()}
+            except Exception:  # noqa: BLE001 - a broken implementation may not even fetch
+                frame.impl_rows = {}
+            for j in range(i + 1, len(trace.ops)):
+                frames.append(Frame(j, trace.ops[j], [], {}, [("not run", "after the first divergence")], run=False))
+            break
+    return out
+
+
+def _frame(lock: Any, index: int, op: dict[str, Any], seen: dict[str, Any]) -> Frame:
+    badges: list[tuple[str, str]] = []
+    refused = None
+    if "error" in seen:
+        refused = f"{type(seen['error']).__name__}: {seen['error']}"
+        badges.append(("refused", refused))
+    elif "result" in seen:
+        r = seen["result"]
+        if hasattr(r, "inplace"):
+            badges.append(("in place", "written into the buffer it shares") if r.inplace
+                          else ("copy", "a copying write into new private buffers"))
+            if getattr(r, "regrew", False):
+                badges.append(("grew", "the buffer regrew"))
+        elif op["op"] not in ("fetch", "snapshot", "restore", "drop", "hold", "release_hold", "detach",
+                              "install") and r is not None and not isinstance(r, (tuple, list)):
+            badges.append(("returns", json.dumps(r)))
+    elif op["op"] == "expect":
+        badges.append(("expect", json.dumps(op.get("window"))))
+    views = lock.spec_views()
+    rows = [Row(_view_label(name), [_tok(t) for t in toks], "view", note=name) for name, toks in views.items()]
+    rows += physical_rows(lock.world)
+    try:
+        obs = lock.spec_observables()
+    except Exception:  # noqa: BLE001 - a state the observables cannot describe
+        obs = {}
+    return Frame(index, op, rows, obs, badges, refused)
+
+
+# -- drawing ------------------------------------------------------------------------
+
+CELL = 18
+GUTTER = 150
+HEAD = 58
+PAD = 12
+
+STYLE = """
+.kvr text { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 10px; fill: #222; }
+.kvr .lab { font-size: 11px; fill: #444; }
+.kvr .op { font-size: 11px; font-weight: bold; }
+.kvr .small { font-size: 9px; fill: #555; }
+.kvr .live { stroke: #555; }
+.kvr .dead { fill: url(#kvr-hatch); stroke: #aaa; }
+.kvr .empty { fill: #fff; stroke: #ccc; stroke-dasharray: 2 2; }
+.kvr .sink { stroke: #000; stroke-width: 2; }
+.kvr .block { fill: #dfe9f7; stroke: #557; }
+.kvr .shared { fill: #f7d9a8; stroke: #a60; }
+.kvr .saved { fill: #e8e0f5; stroke: #649; }
+.kvr .wrong { fill: #ffb3b3; stroke: #c00; stroke-width: 2; }
+.kvr .b-inplace { fill: #c8f0c8; stroke: #2a2; }
+.kvr .b-copy { fill: #ffe0b0; stroke: #c70; }
+.kvr .b-refused { fill: #ffd0d0; stroke: #c00; }
+.kvr .b-diverged { fill: #d00; stroke: #900; }
+.kvr .b-diverged + text, .kvr g.b-diverged text { fill: #fff; font-weight: bold; }
+.kvr .b-other { fill: #eee; stroke: #999; }
+.kvr .col-diverged { fill: #fff0f0; stroke: #d00; stroke-width: 3; }
+.kvr .col { fill: #fafafa; stroke: #e4e4e4; }
+.kvr .col-notrun { fill: #f2f2f2; stroke: #e4e4e4; }
+.kvr .mark { stroke: #d00; stroke-width: 2.5; }
+.kvr .idx { stroke: #06c; stroke-width: 2.5; }
+.kvr .callout { fill: #fff5f5; stroke: #d00; stroke-width: 1.5; }
+"""
+
+
+def _esc(s: Any) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def _color(token: int | None) -> str:
+    if token is None:
+        return "#fff"
+    return f"hsl({(token * 47) % 360},65%,82%)"
+
+
+def _rows_of(tl: Timeline) -> list[tuple[str, str]]:
+    """Every (group, label) row of the timeline, in order of appearance:
+    windows first, then physical stores."""
+    order: dict[tuple[str, str], None] = {}
+    for f in tl.frames:
+        for r in f.rows:
+            if r.group == "view":
+                order.setdefault((r.group, r.label), None)
+    for f in tl.frames:
+        for r in f.rows:
+            if r.group != "view":
+                order.setdefault((r.group, r.label), None)
+    return list(order)
+
+
+def svg(tl: Timeline, standalone: bool = True) -> str:
+    """The timeline as one SVG document (``standalone=False``: an inline
+    ``<svg>`` element for an HTML page)."""
+    rows = _rows_of(tl)
+    widths = []
+    for f in tl.frames:
+        n = max([len(r.cells) for r in f.rows] + [len(v) for v in f.impl_rows.values()] + [3])
+        widths.append(max(n * CELL + 2 * PAD, 104))
+    row_h = []
+    for key in rows:
+        two = any(f.impl_rows and any(r.label == key[1] and r.group == "view" for r in f.rows) for f in tl.frames)
+        row_h.append(2 * CELL + 14 if two else (CELL + 30 if key[0] == "store" else CELL + 16))
+    obs_h = 50
+    top = HEAD + 44
+    height = top + sum(row_h) + obs_h + PAD
+    callout = []
+    if tl.divergence is not None:
+        d, rule = tl.divergence, tl.rule
+        callout = [
+            f"first divergence at op {d.index} {_shorten(d.op)}: {d.what}",
+            f"rule broken: {rule.cite()} (spec function {rule.function})" if rule else "",
+            f"  {rule.doc}" if rule and rule.doc else "",
+            f"{d.labels[0]}: {_short(d.spec)}",
+            f"{d.labels[1]}: {_short(d.impl)}",
+        ]
+        wide = max(80, (GUTTER + sum(widths) - 2 * PAD) // 6)
+        callout = [part for c in callout if c for part in _wrap(c, wide)]
+    call_h = (len(callout) * 15 + 16) if callout else 0
+    width = GUTTER + sum(widths) + PAD
+    width = max(width, max([len(c) * 6 + 40 for c in callout] + [560]))
+    title_lines = _wrap(tl.title, max(60, (width - 2 * PAD) // 7))[:4] if tl.title else []
+    title_h = 16 * len(title_lines)
+    total_h = height + call_h + title_h + PAD
+    out = []
+    attrs = f'width="{width}" height="{total_h}" viewBox="0 0 {width} {total_h}"'
+    ns = ' xmlns="http://www.w3.org/2000/svg"'
+    div = f' data-diverged-op="{tl.divergence.index}"' if tl.divergence is not None else ""
+    out.append(f'<svg{ns} class="kvr" {attrs} role="img"{div}>')
+    out.append(f"<title>{_esc(tl.title or 'kvtrace timeline')}</title>")
+    out.append(f"<style>{STYLE}</style>")
+    out.append('<defs><pattern id="kvr-hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+               'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eee"/>'
+               '<line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern></defs>')
+    out.append(f'<rect x="0" y="0" width="{width}" height="{total_h}" fill="#fff"/>')
+    y0 = PAD
+    for line in title_lines:
+        out.append(f'<text class="lab" x="{PAD}" y="{y0 + 10}">{_esc(line)}</text>')
+        y0 += 16
+    cfg = ", ".join(f"{k} {v}" for k, v in tl.cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype"))
+    out.append(f'<text class="small" x="{PAD}" y="{y0 + 10}">{_esc(cfg)}'
+               f'{" | injected bug " + _esc(tl.bug) if tl.bug else ""}</text>')
+    y0 += 16
+    # row labels
+    y = y0 + top
+    for (group, label), h in zip(rows, row_h):
+        out.append(f'<text class="lab" x="{PAD}" y="{y + 13}">{_esc(label)}</text>')
+        y += h
+    out.append(f'<text class="lab" x="{PAD}" y="{y + 13}">counters</text>')
+    x = GUTTER
+    for f, w in zip(tl.frames, widths):
+        cls = "col-diverged" if f.diverged else ("col" if f.run else "col-notrun")
+        extra = ' data-diverged="true"' if f.diverged else ""
+        out.append(f'<g class="opcol" data-op="{f.index}"{extra}>')
+        out.append(f'<rect class="{cls}" x="{x + 2}" y="{y0 + 2}" width="{w - 4}" height="{height - 4}" rx="4"/>')
+        out.append(f'<text class="op" x="{x + PAD}" y="{y0 + 16}">op {f.index}</text>')
+        label = _shorten(f.op)
+        chars = max(8, (w - 2 * PAD) // 6)
+        for k, part in enumerate(_wrap(label, chars)[:2]):
+            out.append(f'<text x="{x + PAD}" y="{y0 + 30 + 12 * k}"><title>{_esc(label)}</title>{_esc(part)}</text>')
+        bx, by = x + PAD, y0 + HEAD
+        for name, detail in f.badges:
+            bcls = {"in place": "b-inplace", "copy": "b-copy", "refused": "b-refused", "diverged": "b-diverged"}.get(name, "b-other")
+            text = name if name not in ("returns", "expect") else f"{name} {detail}"[: chars]
+            bw = len(text) * 6 + 8
+            if bx > x + PAD and bx + bw > x + w - 4:
+                bx, by = x + PAD, by + 18
+            out.append(f'<g class="badge {bcls}" data-badge="{_esc(name)}"><title>{_esc(detail)}</title>'
+                       f'<rect class="{bcls}" x="{bx}" y="{by}" width="{bw}" height="16" rx="3"/>'
+                       f'<text x="{bx + 4}" y="{by + 12}">{_esc(text)}</text></g>')
+            bx += bw + 4
+        y = y0 + top
+        by_key = {(r.group, r.label): r for r in f.rows}
+        for key, h in zip(rows, row_h):
+            r = by_key.get(key)
+            if r is not None:
+                out.append(_cells(r, x + PAD, y + 2, f.impl_rows.get(r.note) if f.diverged and r.group == "view"
+                                  else None, chars))
+            y += h
+        if f.run:
+            obs = [f"{k} {v}" for k, v in f.observables.items() if not isinstance(v, (dict, list))]
+            for k, part in enumerate(_wrap(", ".join(obs), chars)[:3]):
+                out.append(f'<text class="small" x="{x + PAD}" y="{y + 11 + 11 * k}">{_esc(part)}</text>')
+        out.append("</g>")
+        x += w
+    if callout:
+        cy = height + title_h + PAD
+        out.append(f'<g class="divergence"><rect class="callout" x="{PAD}" y="{cy}" width="{width - 2 * PAD}" '
+                   f'height="{call_h - 4}" rx="4"/>')
+        for k, line in enumerate(callout):
+            weight = ' font-weight="bold"' if k == 0 else ""
+            out.append(f'<text x="{PAD + 8}" y="{cy + 16 + 15 * k}"{weight}>{_esc(line)}</text>')
+        out.append("</g>")
+    out.append("</svg>")
+    text = "\n".join(out)
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n' + text + "\n") if standalone else text
+
+
+def _cells(r: Row, x: int, y: int, impl: list[Any] | None, chars: int = 20) -> str:
+    parts = [f'<g class="row" data-row="{_esc(r.label)}"><title>{_esc(r.label)}: {_esc(r.note)}</title>']
+    for j, c in enumerate(r.cells):
+        fill = _color(c.token) if c.cls in ("live", "sink") else None
+        style = f' style="fill:{fill}"' if fill else ""
+        tip = f"<title>{_esc(c.tip)}</title>" if c.tip else ""
+        parts.append(f'<rect class="{c.cls}"{style} x="{x + j * CELL}" y="{y}" width="{CELL - 2}" '
+                     f'height="{CELL - 2}" rx="2">{tip}</rect>')
+        if c.text:
+            parts.append(f'<text x="{x + j * CELL + 2}" y="{y + 12}">{_esc(c.text[:3])}</text>')
+    for pos, label in r.marks:
+        mx_ = x + pos * CELL - 1
+        cls = "idx" if label == "idx" else "mark"
+        parts.append(f'<line class="{cls}" x1="{mx_}" y1="{y - 3}" x2="{mx_}" y2="{y + CELL + 1}">'
+                     f"<title>{_esc(label)} at {pos}</title></line>")
+    if r.group == "store" and r.note:
+        for k, line in enumerate(_wrap(r.note, chars)[:2]):
+            parts.append(f'<text class="small" x="{x}" y="{y + CELL + 9 + 10 * k}">{_esc(line)}</text>')
+    if impl is not None:
+        want = [c.text for c in r.cells]
+        iy = y + CELL + 2
+        for j, t in enumerate(impl):
+            cls = "live" if j < len(want) and str(t) == want[j] else "wrong"
+            tok = t if isinstance(t, int) else None
+            style = f' style="fill:{_color(tok)}"' if cls == "live" else ""
+            parts.append(f'<rect class="{cls} impl"{style} x="{x + j * CELL}" y="{iy}" width="{CELL - 2}" '
+                         f'height="{CELL - 2}" rx="2"><title>implementation: {_esc(t)}</title></rect>')
+            parts.append(f'<text x="{x + j * CELL + 2}" y="{iy + 12}">{_esc(str(t)[:3])}</text>')
+        if len(impl) != len(want) or any(str(a) != b for a, b in zip(impl, want)):
+            parts.append(f'<text class="small" x="{x + max(len(impl), 1) * CELL + 2}" y="{iy + 12}" '
+                         f'fill="#c00">impl</text>')
+    parts.append("</g>")
+    return "".join(parts)
+
+
+def _short(x: Any, limit: int = 150) -> str:
+    s = str(x)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    words, lines, cur = text.split(" "), [], ""
+    for w in words:
+        while len(w) > width:
+            if cur:
+                lines.append(cur)
+                cur = ""
+            lines.append(w[:width])
+            w = w[width:]
+        if cur and len(cur) + 1 + len(w) > width:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}" if cur else w
+    if cur:
+        lines.append(cur)
+    return lines
+
+
+def page(tl: Timeline, source: str = "") -> str:
+    """A standalone HTML page: the timeline, the divergence with its rule, the
+    ops as a table."""
+    head = f"kvtrace {source}" if source else "kvtrace timeline"
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{_esc(head)}</title>",
+        '<link rel="icon" href="data:,">',
+        ("<style>body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}"
+        ".scroll{overflow-x:auto;border:1px solid #ddd;padding:4px}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}"
+        "tr.diverged{background:#ffe5e5;font-weight:bold}code{font-size:12px}"
+        ".divergence{border:2px solid #d00;background:#fff5f5;padding:.5em 1em;margin:1em 0}</style>"),
+        "</head><body>", f"<h1>{_esc(head)}</h1>",
+    ]
+    if tl.title:
+        parts.append(f"<p>{_esc(tl.title)}</p>")
+    if tl.divergence is not None and tl.rule is not None:
+        d, rule = tl.divergence, tl.rule
+        parts.append(
+            f'<div class="divergence" id="divergence"><p><b>First divergence at op {d.index}</b> '
+            f"<code>{_esc(json.dumps(d.op))}</code>: {_esc(d.what)}</p>"
+            f"<p>Rule broken: <b>{_esc(rule.name)}</b> ({_esc(rule.cite())}), stated by "
+            f"<code>{_esc(rule.function)}</code>: {_esc(rule.doc)}</p>"
+            f"<p>{_esc(d.labels[0])}: <code>{_esc(_short(d.spec, 400))}</code><br>"
+            f"{_esc(d.labels[1])}: <code>{_esc(_short(d.impl, 400))}</code></p></div>")
+    elif tl.frames:
+        parts.append(f"<p>spec and {_esc(tl.implementation)} agree on all {len(tl.frames)} ops.</p>")
+    parts.append(f'<div class="scroll">{svg(tl, standalone=False)}</div>')
+    parts.append("<h2>Ops</h2><table><tr><th>op</th><th>operation</th><th>spec</th><th>counters</th></tr>")
+    for f in tl.frames:
+        cls = ' class="diverged"' if f.diverged else ""
+        badges = "; ".join(f"{n}: {d}" if n in ("refused", "returns") else n for n, d in f.badges)
+        obs = ", ".join(f"{k} {v}" for k, v in f.observables.items())
+        parts.append(f"<tr{cls}><td>{f.index}</td><td><code>{_esc(json.dumps(f.op))}</code></td>"
+                     f"<td>{_esc(badges)}</td><td>{_esc(obs)}</td></tr>")
+    parts.append("</table></body></html>\n")
+    return "\n".join(parts)
