@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
 from fuzz import rows as rowgen
+from fuzz.protocol import refusal_category
 from impl.write import inplace_keeps_memory
 from spec.dense import inplace_switch
 from spec.errors import KVCacheError, StateError
@@ -274,12 +275,7 @@ class Lockstep:
         except Exception as exc:  # noqa: BLE001 - a crash is a divergence too
             impl_out = Outcome(error=exc)
 
-        if (spec_out.error is None) != (impl_out.error is None) or (
-            spec_out.error is not None and type(spec_out.error) is not type(impl_out.error)
-        ):
-            raise Divergence(index, op, "refusal differs", spec_out.describe(), impl_out.describe())
-        if self.compare_messages and spec_out.error is not None and str(spec_out.error) != str(impl_out.error):
-            raise Divergence(index, op, "refusal message differs", spec_out.describe(), impl_out.describe())
+        self.compare_refusal(index, op, spec_out, impl_out)
         if spec_out.error is not None:
             self.reached("refused " + op["op"])
             self.refusals.append((index, str(spec_out.error)))
@@ -293,6 +289,38 @@ class Lockstep:
         self.refused = spec_out.error is not None
         self.compare_state(index, op)
         self.check_op_checks(index, op, spec_out)
+
+    #: a target's own exception types -> refusal category (fuzz.targets)
+    refusal_categories: ClassVar[dict[type, str]] = {}
+
+    def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Outcome, impl_out: Outcome) -> None:
+        """Both sides refuse, or neither. With :attr:`compare_messages` (our
+        implementation) the refusal has the spec's exact type and words;
+        otherwise the two refusals fall in the same category
+        (:func:`refusal_category`), and an exception of no category is a
+        crash, never a refusal."""
+        s_err, i_err = spec_out.error, impl_out.error
+        if s_err is None and i_err is None:
+            return
+        if (s_err is None) != (i_err is None):
+            raise Divergence(index, op, "refusal differs", self.describe_side(spec_out),
+                             self.describe_side(impl_out))
+        if self.compare_messages:
+            if type(s_err) is not type(i_err):
+                raise Divergence(index, op, "refusal differs", spec_out.describe(), impl_out.describe())
+            if str(s_err) != str(i_err):
+                raise Divergence(index, op, "refusal message differs", spec_out.describe(), impl_out.describe())
+            return
+        if refusal_category(s_err) != refusal_category(i_err, self.refusal_categories):  # type: ignore[arg-type]
+            raise Divergence(index, op, "refusal category differs", self.describe_side(spec_out),
+                             self.describe_side(impl_out))
+
+    def describe_side(self, out: Outcome) -> str:
+        """An outcome, with a refusal's category (or "not a refusal")."""
+        if out.error is None or self.compare_messages:
+            return out.describe()
+        cat = refusal_category(out.error, self.refusal_categories)
+        return f"{out.describe()} ({cat or 'not a refusal: a crash'})"
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         """Compare an op's return values; appends are compared by window."""

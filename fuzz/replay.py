@@ -3,12 +3,12 @@ lockstep (docs/kvtrace.md, "What replay compares after every op")."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fuzz import kinds
 from fuzz.lockstep import Divergence, Lockstep
-from fuzz.targets import resolve
+from fuzz.targets import TargetError, resolve
 from fuzz.trace import Trace, TraceFormatError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID, EXIT_TRACE_CHECK = 0, 1, 2, 3
@@ -18,43 +18,20 @@ EXIT_INTERRUPTED = 130
 
 def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None, check_inplace: bool = True,
                   target: Any = "impl") -> Lockstep:
-    """The lockstep driver for the trace's cache kind. ``factories`` maps a
-    kind to the implementation class to use (the bug catalog swaps them);
-    ``check_inplace=False`` leaves the write path unobserved. ``target``
-    (a name or a ``fuzz.targets.Target``) picks the implementation family:
-    ``impl`` (ours) or an mlx-lm target, whose driver declares what it does
-    not compare. Raises TraceFormatError when the target has no class for
-    the trace's cache."""
+    """The lockstep driver for the trace's cache on ``target`` (a name or a
+    ``fuzz.targets.Target``; :meth:`Target.make_lockstep`). ``factories``
+    maps a kind to the implementation class to use (the bug catalog swaps
+    them; ``impl`` only); ``check_inplace=False`` leaves the write path
+    unobserved. Raises TraceFormatError (TargetCapabilityError) when the
+    target cannot build the trace's cache."""
     tgt = resolve(target)
-    if not tgt.is_impl:
-        if factories:
-            raise ValueError(f"factories: injected bugs patch this project's classes, not target {tgt.name}")
-        lock = tgt.make_lockstep(cache)
-        lock.narrow_masks = False
-        lock.impl_name = tgt.name
-        # mlx-lm's conformance findings were taken without these checks:
-        # a dense cache's masks and memory sharing are this project's
-        # contract, not a report on another engine.
-        lock.check_dense_masks = False
-        lock.check_sharing = False
-        return lock
-    lock = _make_lockstep(cache, factories or {})
-    lock.check_inplace = check_inplace
-    lock.compare_messages = True
-    return lock
-
-
-def _make_lockstep(cache: dict[str, Any], factories: dict[str, Any]) -> Lockstep:
-    """Our implementation's driver for the trace's kind (the registry's
-    entry); ``factories`` maps a kind to a patched class (injected bugs)."""
-    try:
-        kind = kinds.get(cache["kind"], cache["mode"])
-    except kinds.UnknownKindError as exc:
-        raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
-    driver = kind.lockstep_class()
-    driver.check_cache(cache)
-    factory = factories.get(kind.kind)
-    return driver(cache) if factory is None else driver(cache, factory)
+    if factories:
+        if not tgt.is_impl:
+            raise TargetError(f"factories: injected bugs patch this project's classes, not target {tgt.label}")
+        tgt = replace(tgt, factories=factories)
+    if not check_inplace:
+        tgt = replace(tgt, check_inplace=False)
+    return tgt.make_lockstep(cache)
 
 
 def check_ops(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
@@ -80,10 +57,14 @@ class ReplayResult:
     #: ops both sides refused, as (index, message): agreement, but a trace
     #: that did not mark them ``"error": true`` may hold a typo
     refusals: list[tuple[int, str]] = field(default_factory=list)
+    #: observables (or "masks") the target's class does not have or declares
+    #: no contract for: not compared in this run
+    not_compared: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.ok, "ops_run": self.ops_run,
-                               "refused": [{"index": i, "error": m} for i, m in self.refusals]}
+                               "refused": [{"index": i, "error": m} for i, m in self.refusals],
+                               "not_compared": self.not_compared}
         if self.divergence is not None:
             out["divergence"] = self.divergence.to_json()
         return out
@@ -91,19 +72,17 @@ class ReplayResult:
 
 def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace: bool = True,
            target: Any = "impl") -> ReplayResult:
-    """Run every op; stop at the first divergence. Raises TraceFormatError
-    when ``target`` cannot run the trace: no class for its cache, or an op
-    the class does not have (fuzz/targets.py says which and why)."""
-    tgt = resolve(target)
+    """Run every op; stop at the first divergence. The trace goes to the
+    registry (its kind's ops), to the target (which checks that it can run
+    the trace: its class, cache fields and ops, else TargetCapabilityError,
+    a TraceFormatError), to the kind's lockstep over spec and target."""
     check_ops(trace.cache, trace.ops)
+    tgt = resolve(target)
+    tgt.check(trace.cache, trace.ops)
     lock = make_lockstep(trace.cache, factories, check_inplace, tgt)
-    for i, op in enumerate(trace.ops):
-        reason = tgt.skip_reason(trace.cache, op)
-        if reason is not None:
-            raise TraceFormatError(f"op {i} {op['op']!r}: target {tgt.name} cannot run it: {reason}")
     for i, op in enumerate(trace.ops):
         try:
             lock.step(i, op)
         except Divergence as d:
-            return ReplayResult(False, i + 1, d, lock.stats, getattr(lock, "refusals", []))
-    return ReplayResult(True, len(trace.ops), None, lock.stats, getattr(lock, "refusals", []))
+            return ReplayResult(False, i + 1, d, lock.stats, lock.refusals, sorted(getattr(lock, "not_compared", ())))
+    return ReplayResult(True, len(trace.ops), None, lock.stats, lock.refusals, sorted(getattr(lock, "not_compared", ())))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,13 +20,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from fuzz import kinds
+from fuzz.targets import BUILTIN
 
 DEFAULT_OUT = "fuzz-failures"
 # the registry is data (fuzz/kinds.py): reading it loads no MLX
 CONFIGS = kinds.configs()
-# kept in step with fuzz.targets.TARGETS and fuzz.conformance (not imported
-# here: the parser must not load MLX)
-TARGET_NAMES = ["impl", "mlx-lm", "mlx-lm-concat", "mlx-lm-guarded"]
+# fuzz.targets loads no MLX: the parser may read the built-in target names
+TARGET_NAMES = list(BUILTIN)
+TARGET_HELP = ("implementation: " + ", ".join(TARGET_NAMES) + ", an installed kvspec.targets entry point, "
+               "SCHEME:REST for a registered target scheme, or MODULE:ATTR naming a cache class or a "
+               "Target in another package (docs/targets.md)")
 WAIVABLE = ["offset", "live_start", "live_len", "capacity", "idx", "trimmable", "trimmable_rows", "masks"]
 CONFORMANCE_SEED = 20261129
 
@@ -36,7 +40,7 @@ def _console() -> Console:
 
 def _target(args: argparse.Namespace) -> Any:
     """The ``--target`` (and ``--waive``) of a command as a fuzz.targets.Target.
-    Raises KeyError naming the known targets."""
+    Raises TargetError (a KeyError) naming the known targets."""
     from fuzz.targets import resolve
 
     target = resolve(getattr(args, "target", None) or "impl")
@@ -45,27 +49,43 @@ def _target(args: argparse.Namespace) -> Any:
     return target
 
 
-def _usage_error(console: Console, message: str) -> int:
-    """A bad argument: one line naming it, exit 2 (never a traceback)."""
-    console.print(f"[bold red]error[/]: {escape(message)}")
+def _usage_error(console: Console, message: str, as_json: bool = False, **extra: Any) -> int:
+    """A bad argument or a target that cannot do what was asked: one line
+    naming it, exit 2 (never a traceback); with ``as_json`` one JSON object
+    (``{"ok": false, "exit": 2, "error": message, ...}``)."""
+    if as_json:
+        print(json.dumps({"ok": False, "exit": 2, "error": message, **extra}))
+    else:
+        console.print(f"[bold red]error[/]: {escape(message)}")
     return 2
 
 
-def _bug(console: Console, name: str, flag: str = "--bug") -> Any:
-    """The catalog entry ``name``, or None after printing the known names."""
+class _UsageError(Exception):
+    """A bad argument found inside a command (exit 2 with its message)."""
+
+
+def _find_bug(name: str, flag: str = "--bug") -> Any:
+    """The catalog entry ``name``; raises _UsageError naming the problem."""
     from fuzz import device
     from fuzz.bugs import UnknownBugError, by_name
 
     try:
         bug = by_name(name)
     except UnknownBugError as exc:
-        _usage_error(console, f"{flag}: {exc}")
-        return None
+        raise _UsageError(f"{flag}: {exc}") from None
     if bug.device == "gpu" and device.current() != "gpu":
-        _usage_error(console, f"{flag} {name}: a GPU-only injected bug (it breaks the CUDA write layer); "
-                              "run it with --device gpu on a machine with MLX's CUDA backend")
-        return None
+        raise _UsageError(f"{flag} {name}: a GPU-only injected bug (it breaks the CUDA write layer); "
+                          "run it with --device gpu on a machine with MLX's CUDA backend")
     return bug
+
+
+def _bug(console: Console, name: str, flag: str = "--bug", as_json: bool = False) -> Any:
+    """The catalog entry ``name``, or None after printing the known names."""
+    try:
+        return _find_bug(name, flag)
+    except _UsageError as exc:
+        _usage_error(console, str(exc), as_json)
+        return None
 
 
 class _Ticker:
@@ -106,54 +126,60 @@ class _Ticker:
 
 # -- replay --------------------------------------------------------------------
 def cmd_replay(args: argparse.Namespace) -> int:
+    """Exit 0 agree, 1 diverged, 3 a trace check fails on the spec, 2 for an
+    invalid trace, a bad argument or a target that cannot run the trace
+    (every case in text and in ``--json``)."""
     from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, EXIT_TRACE_CHECK, replay
+    from fuzz.targets import TargetCapabilityError, TargetError
     from fuzz.trace import TraceFormatError, load
 
     console = _console()
+    target: Any = None
     try:
         trace = load(args.trace)
-        factories = None
-        if args.bug:
-            bug = _bug(console, args.bug)
-            if bug is None:
-                return EXIT_INVALID
-            if bug.kind != trace.cache["kind"]:
-                raise KeyError(f"--bug {bug.name} patches the {bug.kind} cache; this trace is kind {trace.cache['kind']}")
-            factories = bug.factories
         target = _target(args)
-        if factories and not target.is_impl:
-            raise KeyError(f"--bug: injected bugs patch this project's classes; it cannot be combined with --target {target.name}")
-        result = replay(trace, factories, check_inplace=not args.isolation_only, target=target)
+        if args.bug:
+            target = target.with_bug(_find_bug(args.bug))
+        result = replay(trace, check_inplace=not args.isolation_only, target=target)
+    except TargetCapabilityError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "exit": EXIT_INVALID, "unsupported": str(exc), "target": target.label,
+                              "trace": args.trace}))
+        else:
+            console.print(f"[bold red]target cannot run it[/] {args.trace}: {escape(str(exc))}")
+        return EXIT_INVALID
     except TraceFormatError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "invalid": str(exc), "trace": args.trace}))
+            print(json.dumps({"ok": False, "exit": EXIT_INVALID, "invalid": str(exc), "trace": args.trace}))
         else:
-            console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {exc}")
+            console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {escape(str(exc))}")
         return EXIT_INVALID
-    except KeyError as exc:
-        console.print(f"[bold red]error[/]: {exc.args[0]}")
-        return EXIT_INVALID
+    except (TargetError, _UsageError) as exc:
+        return _usage_error(console, str(exc), args.json, trace=args.trace)
     code = EXIT_OK
     if not result.ok:
         assert result.divergence is not None
         code = EXIT_TRACE_CHECK if result.divergence.trace_check else EXIT_DIVERGED
     if args.json:
-        print(json.dumps({**result.to_json(), "trace": args.trace, "exit": code}))
+        print(json.dumps({**result.to_json(), "trace": args.trace, "target": target.label, "exit": code}))
         return code
+    if result.not_compared:
+        console.print(f"note: target {escape(target.label)} does not compare {', '.join(result.not_compared)} "
+                      "(declared, or not an attribute of its class)")
     if result.ok:
-        who = "implementation" if target.is_impl else f"target {target.name}"
-        console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and {who} agree")
+        who = "implementation" if target.is_impl else f"target {target.label}"
+        console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and {escape(who)} agree")
         for i, m in result.refusals:
             if trace.ops[i].get("error") is not True:
                 # Agreement, but a refusal the trace did not ask for is often
                 # a typo in a name: say so rather than pass silently.
                 console.print(f'  note: op {i} was refused by both sides and has no "error": true: {escape(m)}')
         return EXIT_OK
-    who = "impl" if target.is_impl else target.name
+    who = "impl" if target.is_impl else target.label
     if code == EXIT_TRACE_CHECK:
         console.print(f"[bold yellow]trace check failed[/] {args.trace}: the trace expects what the spec does not do")
     else:
-        console.print(f"[bold red]diverged[/] {args.trace}: spec and {who} disagree")
+        console.print(f"[bold red]diverged[/] {args.trace}: spec and {escape(who)} disagree")
     console.print(escape(str(result.divergence)))
     if target.is_impl:
         console.print(f"  see it: {escape(render_command(args.trace, args.bug, args.isolation_only))}")
@@ -240,35 +266,35 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     try:
         target = _target(args)
     except KeyError as exc:
-        return _usage_error(console, str(exc.args[0]))
-    # an mlx-lm target runs the configs it has a class for (fuzz/targets.py)
-    have = [(k, m) for k, m in CONFIGS if target.is_impl or target.cache_class(k, m) is not None]
+        return _usage_error(console, str(exc.args[0]), args.json)
+    # a target runs the configs it has a class for (fuzz/targets.py)
+    have = target.configs()
     configs = [(k, m) for k, m in have if (args.kind in (None, k)) and (args.mode in (None, m))]
     if not configs:
         return _usage_error(console, f"no implementation for kind={args.kind} mode={args.mode} on target "
-                                     f"{target.name}; have {', '.join(f'{k}/{m}' for k, m in have)}")
+                                     f"{target.label}; have {', '.join(f'{k}/{m}' for k, m in have)}", args.json)
     factories = None
     if args.bug:
-        bug = _bug(console, args.bug)
+        bug = _bug(console, args.bug, as_json=args.json)
         if bug is None:
             return 2
         factories = bug.factories
         if args.kind not in (None, bug.kind) or args.mode not in (None, *bug.modes):
             return _usage_error(console, f"--bug {bug.name} affects kind {bug.kind}, modes {', '.join(bug.modes)}; "
-                                         f"got --kind {args.kind} --mode {args.mode}")
+                                         f"got --kind {args.kind} --mode {args.mode}", args.json)
         configs = [(bug.kind, args.mode or bug.modes[0])]
         if not target.is_impl:
-            return _usage_error(console, f"--bug cannot be combined with --target {target.name}")
+            return _usage_error(console, f"--bug cannot be combined with --target {target.label}", args.json)
     # mlx-lm has no in-place switch, and Int8 never writes in place: one
     # setting is enough there (both would run the same campaign twice)
     inplace_settings = _inplace_settings(args.inplace) if target.is_impl else [True]
     runs = [(k, m, ip) for k, m in configs for ip in (inplace_settings if m == "fp16" else inplace_settings[:1])]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     budget = args.budget / len(runs)
-    on = "" if target.is_impl else f", target {target.name}"
+    on = "" if target.is_impl else f", target {target.label}"
     rerun = f"kvspec fuzz --seed {seed} --budget {args.budget:g}" + "".join(
         f" --{k} {v}" for k, v in (("kind", args.kind), ("mode", args.mode), ("bug", args.bug)) if v) + (
-        f" --inplace {args.inplace}" if args.inplace != "both" else "") + ("" if target.is_impl else f" --target {target.name}")
+        f" --inplace {args.inplace}" if args.inplace != "both" else "") + ("" if target.is_impl else f" --target {target.label}")
     err.print(f"kvspec fuzz: seed {seed}, {args.budget:g} s over {len(runs)} campaign{'s' * (len(runs) > 1)}{on}")
     progress = _Ticker(err)
     reports: list[tuple[Any, str, str, bool]] = []
@@ -300,18 +326,23 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             row["failure"] = str(rep.failure.error).splitlines()[0]
             if rep.failure.trace is not None:
                 stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
-                stem = stem if target.is_impl else f"{target.name}-{stem}"
+                stem = stem if target.is_impl else re.sub(r"[^A-Za-z0-9_.-]+", "_", target.label) + f"-{stem}"
                 path = save_failure(rep.failure.trace, args.out, stem)
                 extra = f" --bug {args.bug}" if args.bug else ""
-                extra += "" if target.is_impl else f" --target {target.name}"
+                extra += "" if target.is_impl else f" --target {target.label}"
                 row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
                 if target.is_impl:
                     row["render"] = render_command(str(path), args.bug)
         rows.append(row)
     code = 130 if interrupted else (1 if failed else 0)
+    # what the target's classes declare they do not do: skipped and reported
+    declared = {} if target.is_impl else {
+        f"{c.name} ({c.kind}/{c.mode})": {"skipped": dict(c.skipped), "not_compared": dict(c.not_compared)}
+        for c in target.classes if (c.kind, c.mode) in configs}
     if args.json:
-        print(json.dumps({"seed": seed, "budget": args.budget, "target": target.name, "ok": code == 0,
-                          "interrupted": interrupted, "rerun": rerun, "runs": rows, "exit": code}))
+        print(json.dumps({"seed": seed, "budget": args.budget, "target": target.label, "ok": code == 0,
+                          "interrupted": interrupted, "rerun": rerun, "runs": rows, "declared": declared,
+                          "exit": code}))
         return code
     table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:g} s{on})")
     for col in ("config", "examples", "steps", "ops/s", "result"):
@@ -324,6 +355,11 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     console.print(table)
     for row in rows:
         console.print(f"[bold]{row['config']}[/] reached: {_stats_text(row['reached'])}")
+    for name, d in declared.items():
+        for what, items in (("skipped (not in the class)", d["skipped"]), ("not compared", d["not_compared"])):
+            if items:
+                console.print(f"[bold]{escape(name)}[/] {what}: "
+                              + "; ".join(f"{escape(k)} ({escape(v)})" for k, v in items.items()))
     for row in rows:
         if row["result"] == "no examples":
             console.print(f"[bold red]{row['config']}[/]: ran no example in its budget; nothing was checked")
@@ -525,8 +561,7 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     r.add_argument("--bug", help="replay on an injected bug of the catalog instead of the real implementation")
     r.add_argument("--isolation-only", action="store_true",
                    help="do not compare in-place decisions: only a holder's bytes changing can reveal an unsafe write")
-    r.add_argument("--target", default="impl", choices=TARGET_NAMES,
-                   help="implementation to replay on: impl (ours) or mlx-lm's caches (docs/conformance.md)")
+    r.add_argument("--target", default="impl", help=TARGET_HELP)
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     r.set_defaults(fn=cmd_replay)
@@ -554,7 +589,7 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int_in(0, 2**32 - 1), help="first seed (default: from the clock; printed first)")
     f.add_argument("--bug", help="fuzz an injected bug of the catalog (expect a failure)")
     f.add_argument("--out", default=DEFAULT_OUT, help="folder for failure traces")
-    f.add_argument("--target", default="impl", choices=TARGET_NAMES, help="implementation to fuzz")
+    f.add_argument("--target", default="impl", help=TARGET_HELP)
     f.add_argument("--json", action="store_true", help="print one JSON object")
     f.set_defaults(fn=cmd_fuzz)
 

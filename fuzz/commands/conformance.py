@@ -37,21 +37,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.campaign import machine_for, run_machine
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.replay import make_lockstep, replay
-from fuzz.targets import (
+from fuzz.adapters.mlx_lm import (
     CONCAT,
     INPLACE_REASON,
     KVCACHE,
     QUANTIZED,
     ROTATING,
-    CacheClass,
-    Target,
     mlx_lm_version,
-    op_class,
-    resolve,
 )
+from fuzz.campaign import machine_for, run_machine
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.replay import make_lockstep, replay
+from fuzz.targets import CacheClass, Target, op_class, resolve
 from fuzz.trace import Trace, write
 
 DEFAULT_SEED = 20261129
@@ -70,6 +67,7 @@ CONTRACT_DIFFERENCES = {
     "trimmable differs": "refusal style (is_trimmable)",
     "trimmable_rows differs": "refusal style (trimmable_rows)",
     "refusal differs": "refusal style",
+    "refusal category differs": "refusal style (category)",
     "refusal message differs": "refusal style (message)",
 }
 FAULT, CONTRACT = "fault", "contract difference"
