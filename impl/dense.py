@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -187,6 +188,34 @@ def copy_without_marker(cache: Any, memo: dict | None = None) -> Any:
     new.__dict__.update(fields if memo is None else copy.deepcopy(fields, memo))
     new._marker = None
     return new
+
+#: mlx-lm's writer of prompt-cache files, which cannot write kvspec caches
+_FOREIGN_SAVE = ("mlx_lm.models.cache", "save_prompt_cache")
+
+
+def refuse_foreign_save(cache: Any) -> None:
+    """Called by every kvspec cache's ``state`` getter: when the caller is
+    ``mlx_lm.models.cache.save_prompt_cache`` (it reads ``state`` first,
+    before writing anything), raise UnsupportedOperationError saying to use
+    ``impl.models.save_prompt_cache``. mlx-lm's writer stores ``state`` and
+    the class name only, without the counters of ``meta_state`` (offset,
+    live_start, a ring's cursor, the Turbo counters), so its loader could
+    not rebuild a kvspec cache from the file (docs/mlx-lm.md, "Prompt-cache
+    files"). Looks at most five frames up; any other caller is unaffected."""
+    frame = sys._getframe(2)
+    for _ in range(5):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name == _FOREIGN_SAVE[1] and frame.f_globals.get("__name__") == _FOREIGN_SAVE[0]:
+            raise UnsupportedOperationError(
+                f"mlx_lm.models.cache.save_prompt_cache cannot write a kvspec {type(cache).__name__}: it stores "
+                "`state` without the counters of `meta_state`, so no loader could rebuild the cache from its file; "
+                "save with impl.models.save_prompt_cache(file, cache) and load with impl.models.load_prompt_cache "
+                "(nothing was written)"
+            )
+        frame = frame.f_back
+
 
 
 @dataclass
@@ -653,7 +682,10 @@ class KVCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         """Live rows only, never the buffer objects themselves: Fp16
-        ``(keys, values)``; Int8 ``(keys, key_scales, values, value_scales)``."""
+        ``(keys, values)``; Int8 ``(keys, key_scales, values, value_scales)``.
+        Refused (UnsupportedOperationError) to mlx-lm's
+        ``save_prompt_cache`` (:func:`refuse_foreign_save`)."""
+        refuse_foreign_save(self)
         if self.buffers is None:
             return ()
         b = self.buffers.map(lambda a: a[:, :, : self.live_len, :])
@@ -738,20 +770,42 @@ class KVCache:
         share one layer's keys with another call it): :meth:`fetch`."""
         return self.fetch()
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> KVCache:
-        """mlx-lm's ``kv_bits`` hook: a quantized copy of this cache. This
-        implementation stores ``bits=8`` (mode Int8: per-row symmetric, one
-        group per head_dim row, so ``group_size`` does not change the
-        storage; docs/mlx-lm.md). Returns ``self`` when already Int8, else a
-        new Int8 cache holding these rows quantized, with the same offset,
-        live_start and step. Raises UnsupportedOperationError for any other
-        ``bits`` (never silently keeps fp16)."""
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
+        """mlx-lm's ``kv_bits`` hook (``maybe_quantize_kv_cache`` calls it
+        once the offset reaches ``quantized_kv_start``): a quantized copy of
+        this cache, for every ``bits`` mlx-lm takes, so ``kv_bits`` never
+        fails late (docs/mlx-lm.md, "Quantized caches").
+
+        * ``bits=8``: our Int8 storage (per-row symmetric, one group per
+          head_dim row, so ``group_size`` does not change it): ``self`` when
+          already Int8, else a new Int8 cache holding these rows quantized,
+          with the same offset, live_start and step.
+        * ``bits`` in 2, 3, 4, 5, 6 on an Fp16 cache: kvspec has no such
+          affine group storage, so the layer becomes mlx-lm's own
+          ``QuantizedKVCache(group_size, bits)`` holding these live rows
+          (exactly mlx-lm's ``KVCache.to_quantized``; decoding equals mlx-lm's
+          caches under the same ``kv_bits``, byte for byte). From then on the
+          layer is mlx-lm's: it trims, but has no snapshot.
+
+        Raises UnsupportedOperationError for ``bits`` other than 8 on an
+        Int8 cache (its rows are int8 already: build it ``mode="fp16"`` to
+        take ``kv_bits``), for a ``bits`` or ``group_size`` mlx-lm does not
+        take (bits 2, 3, 4, 5, 6, 8; group_size 32, 64, 128), and when
+        mlx-lm is not installed; never silently keeps fp16."""
         bits = _check_int("to_quantized", "bits", bits)
-        _check_int("to_quantized", "group_size", group_size)
-        if bits != 8:
+        group_size = _check_int("to_quantized", "group_size", group_size)
+        if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
             raise UnsupportedOperationError(
-                f"to_quantized: bits must be 8 (kvspec stores int8, mode 'int8', one group per head_dim row), got {bits}"
+                f"to_quantized: bits must be one of 2, 3, 4, 5, 6, 8 and group_size one of 32, 64, 128 "
+                f"(mlx's quantizer), got bits={bits}, group_size={group_size}"
             )
+        if bits != 8:
+            if self.mode != "fp16":
+                raise UnsupportedOperationError(
+                    f"to_quantized: this cache stores int8 (mode 'int8'); bits={bits} would re-quantize int8 codes: "
+                    "build the layer with mode='fp16' to take kv_bits, or use bits=8"
+                )
+            return self._to_mlx_lm_quantized(group_size, bits)
         if self.mode == "int8":
             return self
         q = type(self)(mode="int8", step=self.step, inplace=self.inplace)
@@ -767,6 +821,32 @@ class KVCache:
             (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
             buffers = _Buffers(kq, vq, ks, vs)
         q._adopt(CacheSnapshot("int8", buffers, self.offset, self.live_start))
+        return q
+
+    def _to_mlx_lm_quantized(self, group_size: int, bits: int) -> Any:
+        try:
+            from mlx_lm.models.cache import QuantizedKVCache
+        except ImportError:  # pragma: no cover - the e2e extra is installed by make
+            raise UnsupportedOperationError(
+                f"to_quantized: bits={bits} needs mlx-lm's QuantizedKVCache (pip install 'kvspec[e2e]'); "
+                "kvspec itself stores bits=8"
+            ) from None
+        if self.live_start != 0:
+            raise UnsupportedOperationError(
+                f"to_quantized: bits={bits} hands the layer to mlx-lm's QuantizedKVCache, whose offset counts its rows; "
+                f"this cache's window starts at live_start={self.live_start} (a front trim), which it cannot hold"
+            )
+        q = QuantizedKVCache(group_size=group_size, bits=bits)
+        q.offset = self.offset
+        if self.buffers is not None and self.live_len > 0:
+            k, v = self.buffers.window(self.live_len)
+            if k.shape[-1] % group_size or v.shape[-1] % group_size:
+                raise UnsupportedOperationError(
+                    f"to_quantized: group_size={group_size} must divide the head dims (keys {k.shape[-1]}, "
+                    f"values {v.shape[-1]}) for mlx's quantizer"
+                )
+            q.keys = mx.quantize(k, group_size=group_size, bits=bits)
+            q.values = mx.quantize(v, group_size=group_size, bits=bits)
         return q
 
     def size(self) -> int:

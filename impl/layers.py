@@ -15,11 +15,12 @@ returns the first layer's count, which hides a layer that trimmed fewer rows.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from impl.dense import _check_int
-from spec.errors import InvalidArgumentError, StateError
+from spec.errors import InvalidArgumentError, RollbackWarning, StateError
 from spec.layers import list_trim_count
 
 
@@ -41,7 +42,7 @@ def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
     return len(caches) > 0 and all(c.is_trimmable() for c in caches)
 
 
-def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
+def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> int:
     """Trim ``n`` tokens from the end of every layer, atomically
     (spec.layers.trim_prompt_cache, semantics.md 6).
 
@@ -53,10 +54,34 @@ def trim_prompt_cache(caches: Sequence[Any], n: int) -> int:
     layers never disagree on the sequence they hold. ``n <= 0`` trims
     nothing. Raises InvalidArgumentError for a non-integer ``n``; StateError
     when a layer breaks its promise of an exact trim.
+
+    A refusal is loud: each layer that cannot honour the rollback warns once
+    per cache (``spec.errors.RollbackWarning``), and with ``strict=True``
+    the refusal raises StateError naming those layers instead (nothing
+    trimmed either way).
     """
     n = _check_int("trim_prompt_cache", "n", n)
-    count = list_trim_count(n, tuple(_trim_bounds(c) for c in caches))
+    if not isinstance(strict, bool):
+        raise InvalidArgumentError(f"trim_prompt_cache: strict must be True or False, got {strict!r}")
+    bounds = tuple(_trim_bounds(c) for c in caches)
+    count = list_trim_count(n, bounds)
     if count == 0:
+        want = min([n, *(rows for rows, _ in bounds)]) if bounds else 0
+        refusing = [i for i, (_, exact) in enumerate(bounds) if want > exact]
+        if want > 0 and refusing:
+            if strict:
+                raise StateError(
+                    f"trim_prompt_cache: cannot roll back {want} rows exactly: layer(s) {refusing} can roll back "
+                    f"{[bounds[i][1] for i in refusing]} (a sliding-window ring wrapped beyond its undo log); "
+                    "nothing was trimmed"
+                )
+            for i in refusing:
+                warn = getattr(caches[i], "warn_refused_rollback", None)
+                if warn is not None:
+                    warn(want)
+                else:
+                    warnings.warn(f"trim_prompt_cache: layer {i} cannot roll back {want} rows exactly; "
+                                  "nothing was trimmed", RollbackWarning, stacklevel=2)
         return 0
     trimmed = [c.trim(count) for c in caches]
     if any(t != count for t in trimmed):

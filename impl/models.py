@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl.dense import KVCache
+from impl.dense import KVCache, _check_int
 from impl.layers import (
     can_trim_prompt_cache,
     restore_prompt_cache,
@@ -61,11 +61,9 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
     classes = classes or {}
     # RotatingKVCache before KVCache: check exact kinds, not a subclass chain.
     if type(c) is lm_cache.RotatingKVCache:
-        if mode != "fp16":
-            raise UnsupportedOperationError(
-                f"make_prompt_cache: layer {layer} is a sliding-window layer (max_size={c.max_size}); "
-                f"its RotatingKVCache supports mode 'fp16' only, got mode={mode!r}"
-            )
+        # A sliding-window layer stays a ring in every mode: the ring stores
+        # fp16 (the model's dtype) only; ``mode`` applies to the
+        # full-attention layers (docs/mlx-lm.md, "Quantized caches").
         ring = classes.get("rotating", RotatingKVCache)
         return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo)
     if type(c) is lm_cache.KVCache:
@@ -84,6 +82,7 @@ def make_prompt_cache(
     max_kv_size: int | None = None,
     classes: dict[str, type] | None = None,
     undo: int = 0,
+    num_draft_tokens: int = 0,
     **kw: Any,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
@@ -112,12 +111,27 @@ def make_prompt_cache(
             (:func:`impl.turbo.make_cache` for the dense modes).
         undo: every ring's undo depth U (rows a trim can take back after a
             wrap; 0: none).
+        num_draft_tokens: the ``num_draft_tokens`` of the speculative
+            decoding these caches serve (mlx-lm's
+            ``speculative_generate_step``; 0: none): every ring's undo log
+            holds ``max(undo, num_draft_tokens)`` rows, enough for every
+            rollback of a round to stay exact after the window wraps.
         **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
+    In a quantized ``mode`` (``"int8"``, the Turbo modes) the full-attention
+    layers store that mode and the sliding-window layers stay fp16
+    :class:`RotatingKVCache` rings (a ring has no quantized storage), so
+    gemma3 and other models with sliding-window layers take every mode.
+
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
-    ``ArraysCache`` of state-space layers) and for ``mode="int8"`` on a
-    sliding-window layer; InvalidArgumentError for bad sizes.
+    ``ArraysCache`` of state-space layers) and for a quantized ``mode`` with
+    ``max_kv_size`` (every layer a ring: nothing the mode applies to);
+    InvalidArgumentError for bad sizes.
     """
+    num_draft_tokens = _check_int("make_prompt_cache", "num_draft_tokens", num_draft_tokens)
+    if num_draft_tokens < 0:
+        raise InvalidArgumentError(f"make_prompt_cache: num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    undo = max(_check_int("make_prompt_cache", "undo", undo), num_draft_tokens)
     if hasattr(model, "make_cache"):
         return [_convert(i, c, mode, step, inplace, classes, undo, **kw) for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
@@ -224,10 +238,10 @@ def _layer_plan(file: Any, header: dict[str, str], arrays: dict[str, mx.array]) 
     """Parse and check the kvspec metadata against the tensors present."""
     raw = header.get(f"0.{_META_KEY}")
     if raw is None:
-        if any(k.startswith("1.") for k in header):
-            raise _bad(file, "no kvspec metadata: this looks like a file of mlx-lm's own caches; "
-                             "load it with mlx_lm.models.cache.load_prompt_cache")
-        raise _bad(file, f"no kvspec metadata (key '0.{_META_KEY}'): not a prompt-cache file of kvspec caches")
+        if any(k.startswith("1.") and v.startswith("kvspec.") for k, v in header.items()):
+            raise _bad(file, f"kvspec class entries but no kvspec metadata (key '0.{_META_KEY}'): the file is damaged")
+        raise _bad(file, f"no kvspec metadata (key '0.{_META_KEY}') and no mlx-lm class entries ('1.<layer>'): "
+                         "not a prompt-cache file")
     try:
         desc = json.loads(raw)
     except ValueError as exc:
@@ -270,11 +284,18 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
     switch, holding the same rows. Returns the list, or ``(list,
     metadata)`` with ``return_metadata``.
 
+    A file that ``mlx_lm.models.cache.save_prompt_cache`` wrote from
+    mlx-lm's own caches loads too: its ``KVCache`` layers become our Fp16
+    :class:`KVCache`, its ``RotatingKVCache`` layers our
+    :class:`RotatingKVCache`, each with the same rows and counters (decoding
+    after the load equals mlx-lm's caches continuing, byte for byte); any
+    other class (``QuantizedKVCache``, ``ArraysCache``, ...) is refused
+    with UnsupportedOperationError naming it and why.
+
     Every layer is checked before the list is returned, so a damaged file
     yields an error and no caches: InvalidArgumentError (naming the file,
     the layer and what is wrong) for an unreadable or truncated file, a
-    file without kvspec metadata (one of mlx-lm's own caches: the message
-    says to use mlx-lm's loader), an unknown class, missing or extra
+    file without kvspec metadata or mlx-lm class entries, an unknown class, missing or extra
     tensors, and tensors or counters that do not fit (wrong rank, shape or
     dtype, a cursor out of range: the checks of ``from_state``);
     UnsupportedOperationError for a mode this implementation lacks.
@@ -285,6 +306,9 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
         raise _bad(file, f"not a readable safetensors file ({exc})") from None
     if not isinstance(arrays, dict):
         raise _bad(file, "not a safetensors file")
+    if f"0.{_META_KEY}" not in header and any(
+            k.startswith("1.") and not v.startswith("kvspec.") for k, v in header.items()):
+        return _load_mlx_lm_file(file, return_metadata)
     layers = _layer_plan(file, header, arrays)
     caches: list[Any] = []
     for i, layer in enumerate(layers):
@@ -301,6 +325,72 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
         meta = {k[2:]: v for k, v in header.items() if k.startswith("0.") and k != f"0.{_META_KEY}"}
         return caches, meta
     return caches
+
+
+#: mlx-lm's cache classes a file of mlx-lm's may hold, and why kvspec does
+#: not load each it does not map (KVCache and RotatingKVCache are mapped)
+_UNMAPPED = {
+    "QuantizedKVCache": "kvspec has no affine group-quantized storage (its Int8 quantizes whole rows)",
+    "ArraysCache": "state-space layers keep no keys and values",
+    "ChunkedKVCache": "kvspec has no chunked-attention cache",
+    "ConcatenateKVCache": "kvspec has no concatenating cache",
+    "CacheList": "kvspec has no nested cache lists",
+    "BatchKVCache": "a batch cache: extract each sequence with mlx-lm first",
+    "BatchRotatingKVCache": "a batch cache: extract each sequence with mlx-lm first",
+}
+
+
+def _from_mlx_lm(file: Any, layer: int, c: Any) -> Cache:
+    """One of mlx-lm's loaded caches -> ours, holding the same rows and
+    counters: ``KVCache`` -> Fp16 :class:`KVCache` (its rows ``[0,
+    offset)``), ``RotatingKVCache`` -> :class:`RotatingKVCache` (window,
+    sinks, offset, cursor, the buffer in its physical order); step 256,
+    mlx-lm's. Any other class is refused naming it (``_UNMAPPED``)."""
+    from mlx_lm.models import cache as lm_cache
+
+    name = type(c).__name__
+    try:
+        if type(c) is lm_cache.KVCache:
+            if c.keys is None or c.offset == 0:
+                return KVCache("fp16", step=lm_cache.KVCache.step)
+            state = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+            return KVCache.from_state(state, ("fp16", str(lm_cache.KVCache.step), str(c.offset), "0"))
+        if type(c) is lm_cache.RotatingKVCache:
+            step = lm_cache.RotatingKVCache.step
+            if c.keys is None:
+                return RotatingKVCache(max_size=c.max_size, keep=c.keep, step=step)
+            rows = min(c.offset, int(c.keys.shape[2]))
+            state = (c.keys[..., :rows, :], c.values[..., :rows, :])
+            return RotatingKVCache.from_state(state, tuple(str(x) for x in (c.keep, c.max_size, step, c.offset, c._idx)))
+    except (InvalidArgumentError, UnsupportedOperationError) as exc:
+        raise type(exc)(f"load_prompt_cache: {file}: layer {layer} (mlx-lm's {name}): {exc}") from None
+    why = _UNMAPPED.get(name, "kvspec does not implement it")
+    raise UnsupportedOperationError(
+        f"load_prompt_cache: {file}: layer {layer} is mlx-lm's {name}, which kvspec cannot hold ({why}); "
+        "this file loads into mlx-lm's own caches with mlx_lm.models.cache.load_prompt_cache"
+    )
+
+
+def _load_mlx_lm_file(file: Any, return_metadata: bool) -> Any:
+    """A file written by ``mlx_lm.models.cache.save_prompt_cache`` from
+    mlx-lm's own caches: parsed by mlx-lm's loader, then every layer mapped
+    to ours (:func:`_from_mlx_lm`), all or none."""
+    try:
+        from mlx_lm.models.cache import load_prompt_cache as lm_load
+    except ImportError:  # pragma: no cover - the e2e extra is installed by make
+        raise UnsupportedOperationError(
+            f"load_prompt_cache: {file}: a file of mlx-lm's caches needs mlx-lm to parse it (pip install 'kvspec[e2e]')"
+        ) from None
+    try:
+        lm_caches, meta = lm_load(str(file), return_metadata=True)
+    except KeyError as exc:
+        raise UnsupportedOperationError(
+            f"load_prompt_cache: {file}: holds a cache class neither mlx-lm nor kvspec knows: {exc.args[0]!r}"
+        ) from None
+    except (ValueError, TypeError, IndexError) as exc:
+        raise _bad(file, f"a damaged file of mlx-lm's caches ({type(exc).__name__}: {exc})") from None
+    caches = [_from_mlx_lm(file, i, c) for i, c in enumerate(lm_caches)]
+    return (caches, dict(meta)) if return_metadata else caches
 
 
 __all__ = [

@@ -35,7 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl.dense import _check_int, _check_rows, inplace_switch_from_env
+from impl.dense import _check_int, _check_rows, inplace_switch_from_env, refuse_foreign_save
 from impl.write import write_copy, write_inplace
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -474,6 +474,19 @@ class PagedKVCache:
     def size(self) -> int:
         return self.offset
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
+        """mlx-lm's ``kv_bits`` hook: refused. The sequence's blocks belong to
+        its pool and may be shared with other sequences (docs/paged.md), and
+        the pool stores the model's float rows only; quantizing one
+        sequence would need its own copy of every shared block. Raises
+        UnsupportedOperationError (use dense caches, ``mode="int8"``, for
+        quantized storage)."""
+        raise UnsupportedOperationError(
+            f"to_quantized(bits={bits!r}): a PagedKVCache's blocks belong to its pool (shared with other sequences) "
+            "and the pool stores unquantized rows; for quantized storage use dense caches "
+            "(impl.models.make_prompt_cache(model, mode='int8'))"
+        )
+
     def empty(self) -> bool:
         return self.live_len == 0
 
@@ -487,7 +500,9 @@ class PagedKVCache:
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """The visible rows ``(keys, values)``, gathered (never the slabs)."""
+        """The visible rows ``(keys, values)``, gathered (never the slabs);
+        refused to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save)."""
+        refuse_foreign_save(self)
         window = self.fetch()
         return () if window is None else window
 

@@ -21,6 +21,7 @@ instead of silently changing precision.)
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,13 +38,14 @@ from impl.dense import (
     check_inplace,
     check_matches_cache,
     copy_without_marker,
+    refuse_foreign_save,
     share,
     write_rows_copy,
     write_rows_inplace,
 )
 from impl.write import inplace_mechanism, seq_prefix
 from spec.dense import MAX_STEP, check_window_size
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
 
 
 def _state_pair(op: str, v: Any) -> tuple[Any, Any]:
@@ -201,6 +203,11 @@ class RotatingKVCache:
         self.idx = 0
         self._marker: tuple[mx.array, mx.array, int] | None = None
         self.last_write_inplace = False
+        # a rollback loop uses this ring (a trim was asked); set once a
+        # refused rollback has been reported (RollbackWarning, once per cache)
+        self._rollbacks_seen = False
+        self.rollback_warned = False
+        self._quantize_warned = False
 
     # -- observables --------------------------------------------------------
     @property
@@ -449,18 +456,49 @@ class RotatingKVCache:
         return min(self.undo, log_rows(self._log))
 
     def is_trimmable(self) -> bool:
-        """True when some trim is exact (spec.rotating.is_trimmable)."""
-        return self._counters_rewind_exact() or self.trimmable_rows() > 0
+        """True when some trim is exact (spec.rotating.is_trimmable).
+
+        False on a wrapped ring without an undo log (``undo=0``: it never
+        rolls back again) that a rollback loop has trimmed before warns once
+        per cache (RollbackWarning): mlx-lm's speculative decoding asks this
+        before every rollback and then skips the rollback in every layer.
+        (A ring with an undo log warns in :meth:`trim`, where the count is
+        known: its log may be empty for a moment with nothing to roll back.)"""
+        ok = self._counters_rewind_exact() or self.trimmable_rows() > 0
+        if not ok and self.undo == 0 and self._rollbacks_seen:
+            self.warn_refused_rollback(None)
+        return ok
+
+    def warn_refused_rollback(self, n: int | None) -> None:
+        """Issue the once-per-cache RollbackWarning for a rollback of ``n``
+        rows (None: any rollback) this ring cannot honour exactly."""
+        if self.rollback_warned:
+            return
+        self.rollback_warned = True
+        asked = "any rollback" if n is None else f"a rollback of {n} rows"
+        warnings.warn(
+            f"RotatingKVCache(max_size={self.max_size}, undo={self.undo}) has wrapped and can roll back exactly "
+            f"{self.trimmable_rows()} rows: {asked} is refused (nothing trimmed), so a decoding loop that goes on "
+            f"leaves the stream it would have had; for speculative decoding build the caches with "
+            f"impl.models.make_prompt_cache(model, num_draft_tokens=k) (an undo log of k rows per ring). "
+            f"Reported once per cache.",
+            RollbackWarning, stacklevel=3,
+        )
 
     def trim(self, n: int) -> int:
         """Rewind ``n`` rows (clamped to ``[0, offset]``) exactly
         (spec.rotating.trim): by the counters while unwrapped (O(1)), else
         through the undo log (O(n) rows for decode steps). The buffers stay,
         also at offset 0. Beyond ``trimmable_rows()`` trims nothing and
-        returns 0 (fail closed)."""
+        returns 0 (fail closed), with a RollbackWarning once per cache."""
         n = _check_int("trim", "n", n)
         n = max(0, min(n, self.offset))
-        if n == 0 or n > self.trimmable_rows():
+        if n > 0:
+            self._rollbacks_seen = True
+        if n == 0:
+            return 0
+        if n > self.trimmable_rows():
+            self.warn_refused_rollback(n)
             return 0
         if self._counters_rewind_exact():
             self.offset -= n
@@ -615,7 +653,9 @@ class RotatingKVCache:
     # -- mlx-lm protocol --------------------------------------------------------
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """The buffers (valid rows, physical order) as new handles."""
+        """The buffers (valid rows, physical order) as new handles; refused
+        to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save)."""
+        refuse_foreign_save(self)
         got = self.fetch()
         return () if got is None else got
 
@@ -682,13 +722,26 @@ class RotatingKVCache:
         return self.fetch()
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
-        """mlx-lm's ``kv_bits`` hook. The ring stores fp16 only (as mlx-lm's
-        own ring, which raises NotImplementedError): always refused with
-        UnsupportedOperationError, never silently kept fp16."""
-        raise UnsupportedOperationError(
-            f"to_quantized: the sliding-window RotatingKVCache stores fp16 only (got bits={bits!r}, "
-            f"group_size={group_size!r}); quantized storage (bits=8) is available on dense KVCache layers"
-        )
+        """mlx-lm's ``kv_bits`` hook. The ring stores the model's float rows
+        only: a sliding-window layer stays this ring under ``kv_bits``, as
+        under ``make_prompt_cache(mode=...)`` (docs/mlx-lm.md, "Quantized
+        caches"), so ``generate(..., kv_bits=B)`` on a model with
+        sliding-window layers quantizes the full-attention layers and never
+        fails late (mlx-lm's own ring raises NotImplementedError once the
+        offset reaches ``quantized_kv_start``). Returns ``self`` and warns
+        once per cache (UserWarning) that the ring keeps its rows
+        unquantized. Raises InvalidArgumentError for a non-integer
+        ``bits`` or ``group_size``."""
+        bits = _check_int("to_quantized", "bits", bits)
+        _check_int("to_quantized", "group_size", group_size)
+        if not self._quantize_warned:
+            self._quantize_warned = True
+            warnings.warn(
+                f"to_quantized(bits={bits}): RotatingKVCache(max_size={self.max_size}) is a sliding-window layer and "
+                "keeps its rows unquantized (kv_bits applies to the full-attention layers; reported once per cache)",
+                UserWarning, stacklevel=2,
+            )
+        return self
 
     def empty(self) -> bool:
         return self.keys is None

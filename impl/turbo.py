@@ -45,6 +45,7 @@ from impl.dense import (
     _check_list,
     _check_rows,
     _check_tensor,
+    refuse_foreign_save,
     regrow_capacity,
     write_rows_copy,
 )
@@ -433,7 +434,10 @@ class _TurboBase:
     @property
     def state(self) -> tuple[mx.array, ...]:
         """The live arrays, sorted by name (see :meth:`state_names`); K's
-        buffer is cut to the live rows. Empty when the cache is empty."""
+        buffer is cut to the live rows. Empty when the cache is empty.
+        Refused to mlx-lm's ``save_prompt_cache``
+        (impl.dense.refuse_foreign_save)."""
+        refuse_foreign_save(self)
         if self.store is None:
             return ()
         # Delegated's cold and hot arrays hold exactly their rows already
@@ -487,6 +491,24 @@ class _TurboBase:
 
     def size(self) -> int:
         return self.offset
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
+        """mlx-lm's ``kv_bits`` hook: a Turbo cache is quantized already
+        (``quant_bits`` bits: 4 for the turbo4 modes, 3 for turbo3asym).
+        Returns ``self`` when ``bits`` equals them (``group_size`` does not
+        apply: Turbo quantizes whole rotated rows). Raises
+        UnsupportedOperationError for other ``bits`` (its rows are Turbo
+        codes already; re-quantizing them is not offered: build the caches
+        ``mode="fp16"`` to take ``kv_bits``, or pass the mode's bits)."""
+        bits = _check_int("to_quantized", "bits", bits)
+        _check_int("to_quantized", "group_size", group_size)
+        if bits != self.quant_bits:
+            raise UnsupportedOperationError(
+                f"to_quantized: this {type(self).__name__} stores mode {self.mode!r} ({self.quant_bits}-bit codes); "
+                f"bits={bits} would re-quantize them: build the layer with mode='fp16' to take kv_bits, "
+                f"or use bits={self.quant_bits}"
+            )
+        return self
 
     def empty(self) -> bool:
         return self.store is None

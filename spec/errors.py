@@ -22,3 +22,12 @@ class UnsupportedOperationError(KVCacheError):
 class StateError(KVCacheError):
     """The operation is not allowed in the cache's current state
     (e.g. ``install`` into a non-empty cache, an unknown snapshot name)."""
+
+
+class RollbackWarning(UserWarning):
+    """A rollback that a layer cannot honour exactly (a sliding-window ring
+    wrapped beyond its undo log, semantics.md 6): nothing was trimmed, so a
+    loop that goes on decoding (mlx-lm's speculative decoding) leaves the
+    stream it would have had without the rolled-back rows. Issued once per
+    cache; ``impl.models.trim_prompt_cache(..., strict=True)`` raises
+    StateError instead."""

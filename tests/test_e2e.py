@@ -143,8 +143,9 @@ def test_make_prompt_cache_layout_follows_the_model():
     caches = make_prompt_cache(gemma, step=4)
     assert [type(c) for c in caches] == [RotatingKVCache, RotatingKVCache, KVCache]
     assert [(c.max_size, c.keep, c.step) for c in caches[:2]] == [(6, 0, 4), (6, 0, 4)]
-    with pytest.raises(UnsupportedOperationError, match="layer 0 is a sliding-window layer"):
-        make_prompt_cache(gemma, mode="int8")
+    # a quantized mode applies to the global layer; the sliding-window layers stay fp16 rings
+    caches = make_prompt_cache(gemma, mode="int8", step=4)
+    assert [type(c) for c in caches] == [RotatingKVCache, RotatingKVCache, KVCache] and caches[2].mode == "int8"
 
 
 def test_make_prompt_cache_without_make_cache():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -162,16 +163,71 @@ def test_mlx_lm_loader_refuses_our_file_naming_ours(tmp_path):
         lm_load(str(path))
 
 
-def test_our_loader_refuses_mlx_lm_files_naming_theirs(tmp_path):
+def test_mlx_lm_save_of_our_caches_is_refused_up_front(tmp_path):
+    """mlx-lm's writer cannot store our counters: for every class and mode
+    it is refused before anything is written, naming our writer."""
+    from mlx_lm.models.cache import save_prompt_cache as lm_save
+
+    from impl.paged import BlockPool
+
+    pool = BlockPool(2, chunk=2)
+    seq = PagedKVCache(pool)
+    feed(seq, 3, 9)
+    for i, c in enumerate([*mixed(), seq]):
+        path = tmp_path / f"theirs{i}.safetensors"
+        with pytest.raises(UnsupportedOperationError,
+                           match=f"cannot write a kvspec {type(c).__name__}.*impl.models.save_prompt_cache"):
+            lm_save(str(path), [c])
+        assert not path.exists()
+    assert len(mixed()[0].state) == 2  # any other reader of `state` is unaffected
+
+
+def lm_history(model, prompt, n):
+    """mlx-lm's own caches after greedy decoding ``n`` tokens of ``prompt``."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
+
+    caches = lm_make_prompt_cache(model)
+    for _ in generate_step(prompt, model, max_tokens=n, prompt_cache=caches):
+        pass
+    return caches
+
+
+@pytest.mark.parametrize("model_name, n", [("llama", 5), ("gemma3", 0), ("gemma3", 2), ("gemma3", 9)])
+def test_mlx_lm_files_of_its_own_caches_load_into_ours(tmp_path, model_name, n):
+    """A file mlx-lm wrote from its own caches (dense KVCache; rings
+    oversized after the prompt block, unwrapped, wrapped) loads into our
+    classes; decoding on from them equals mlx-lm's caches decoding on from
+    the same file, tokens and log-probability bytes."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import load_prompt_cache as lm_load
+    from mlx_lm.models.cache import save_prompt_cache as lm_save
+
+    from fuzz.commands.e2e import tiny_gemma3, tiny_llama, token_ids
+
+    model = tiny_llama(4) if model_name == "llama" else tiny_gemma3(4, window=6)
+    prompt = token_ids(4, 3 if n == 2 else 8)
+    path = tmp_path / "theirs.safetensors"
+    lm_save(str(path), lm_history(model, prompt, n), {"who": "mlx-lm"})
+    ours, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta == {"who": "mlx-lm"}
+    want = {"llama": ["KVCache"] * 2, "gemma3": ["RotatingKVCache", "RotatingKVCache", "KVCache"]}[model_name]
+    assert [type(c).__name__ for c in ours] == want and all(c.__module__.startswith("impl.") for c in ours)
+    turn = token_ids(5, 2)
+    runs = [[(int(t), np.array(lp).tobytes()) for t, lp in generate_step(turn, model, max_tokens=12, prompt_cache=c)]
+            for c in (ours, lm_load(str(path)))]
+    assert runs[0] == runs[1]
+
+
+def test_mlx_lm_files_of_classes_we_lack_are_refused_naming_them(tmp_path):
     from mlx_lm.models.cache import KVCache as LmKVCache
     from mlx_lm.models.cache import save_prompt_cache as lm_save
 
     c = LmKVCache()
-    c.update_and_fetch(rows(3, 1), rows(3, 2))
-    path = tmp_path / "theirs.safetensors"
-    lm_save(str(path), [c])
-    with pytest.raises(InvalidArgumentError, match="load it with mlx_lm.models.cache.load_prompt_cache"):
-        load_prompt_cache(path)
+    c.update_and_fetch(rows(3, 1, d=32), rows(3, 2, d=32))
+    path = tmp_path / "quantized.safetensors"
+    lm_save(str(path), [c, c.to_quantized(group_size=32, bits=4)])
+    refused(path, "layer 1 is mlx-lm's QuantizedKVCache.*affine group-quantized", UnsupportedOperationError)
 
 
 def test_save_refuses_what_it_cannot_write(tmp_path):
@@ -236,8 +292,8 @@ def test_truncated_and_garbage_files_are_refused(tmp_path):
 def test_metadata_problems_are_refused(tmp_path):
     _, arrays, header = saved(tmp_path)
     no_meta = {k: v for k, v in header.items() if k != "0.__kvspec__"}
-    refused(rewrite(tmp_path, arrays, no_meta), "this looks like a file of mlx-lm's own caches")
-    refused(rewrite(tmp_path, arrays, {"x": "y"}), "no kvspec metadata")
+    refused(rewrite(tmp_path, arrays, no_meta), "kvspec class entries but no kvspec metadata")
+    refused(rewrite(tmp_path, arrays, {"x": "y"}), "no kvspec metadata .* and no mlx-lm class entries")
     refused(rewrite(tmp_path, arrays, {**header, "0.__kvspec__": "{"}), "kvspec metadata is not JSON")
     refused(rewrite(tmp_path, arrays, {**header, "0.__kvspec__": '{"format": 2, "layers": []}'}), "'format': 1")
 
@@ -452,18 +508,52 @@ def test_to_quantized_gives_our_int8_cache():
     assert empty.mode == "int8" and empty.offset == 0
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 6, 16])
-def test_to_quantized_refuses_other_widths(bits):
-    with pytest.raises(UnsupportedOperationError, match=f"bits must be 8 .*got {bits}"):
-        KVCache().to_quantized(bits=bits)
-    with pytest.raises(UnsupportedOperationError, match="stores fp16 only"):
-        RotatingKVCache(max_size=4).to_quantized(bits=8)
+@pytest.mark.parametrize("bits, group_size", [(1, 64), (7, 64), (16, 64), (4, 16), (8, 0)])
+def test_to_quantized_refuses_what_mlx_cannot_quantize(bits, group_size):
+    with pytest.raises(UnsupportedOperationError, match=f"got bits={bits}, group_size={group_size}"):
+        KVCache().to_quantized(bits=bits, group_size=group_size)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 6])
+def test_to_quantized_other_widths_hand_the_layer_to_mlx_lm(bits):
+    """bits other than 8 on an Fp16 cache: mlx-lm's QuantizedKVCache of the
+    same rows, exactly what mlx-lm's own KVCache.to_quantized builds."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache as LmKVCache
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    c, lm = KVCache("fp16", step=3), LmKVCache()
+    for i in range(5):
+        k = rows(1, i, d=32)
+        c.update_and_fetch(k, k)
+        lm.update_and_fetch(k, k)
+    q, want = c.to_quantized(group_size=32, bits=bits), lm.to_quantized(group_size=32, bits=bits)
+    assert type(q) is QuantizedKVCache and (q.bits, q.group_size, q.offset) == (bits, 32, 5)
+    x = rows(1, 99, d=32)
+    got, ref = q.update_and_fetch(x, x), want.update_and_fetch(x, x)
+
+    assert [np.array(a).tobytes() for _, a in tree_flatten(got)] == [np.array(a).tobytes() for _, a in tree_flatten(ref)]
+    with pytest.raises(UnsupportedOperationError, match="stores int8"):
+        KVCache("int8").to_quantized(bits=bits)
+
+
+def test_a_ring_keeps_itself_under_kv_bits_and_says_so_once():
+    ring = RotatingKVCache(max_size=4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = [ring.to_quantized(bits=4), ring.to_quantized(bits=8)]
+    assert got == [ring, ring]
+    assert len(record) == 1 and "keeps its rows unquantized" in str(record[0].message)
 
 
 def test_kv_bits_through_generate_step():
     """mlx-lm's generate quantizes a prompt cache with kv_bits: 8 gives our
-    Int8 caches; 4 is refused instead of silently keeping fp16."""
+    Int8 caches; 4 gives mlx-lm's QuantizedKVCache, and the stream equals
+    mlx-lm's own caches under kv_bits=4 byte for byte, whether the
+    quantization starts at the first token or mid-stream."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import QuantizedKVCache
+    from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
 
     from fuzz.commands.e2e import tiny_llama, token_ids
 
@@ -472,10 +562,15 @@ def test_kv_bits_through_generate_step():
     toks = [int(t) for t, _ in generate_step(token_ids(3, 6), model, max_tokens=4, prompt_cache=caches,
                                                 kv_bits=8, kv_group_size=64, quantized_kv_start=0)]
     assert len(toks) == 4 and all(isinstance(c, KVCache) and c.mode == "int8" for c in caches)
-    caches = make_prompt_cache(model, step=4)
-    with pytest.raises(UnsupportedOperationError, match="bits must be 8"):
-        list(generate_step(token_ids(3, 6), model, max_tokens=2, prompt_cache=caches, kv_bits=4,
-                           quantized_kv_start=0))
+    model = tiny_llama(3, head_dim=32)  # mlx's quantizer takes groups of 32 or more
+    for start in (0, 9):
+        runs = []
+        for caches in (make_prompt_cache(model, step=4), lm_make_prompt_cache(model)):
+            runs.append([(int(t), np.array(lp).tobytes()) for t, lp in generate_step(
+                token_ids(3, 6), model, max_tokens=8, prompt_cache=caches, kv_bits=4, kv_group_size=32,
+                quantized_kv_start=start)])
+            assert all(type(c) is QuantizedKVCache for c in caches)
+        assert runs[0] == runs[1]
 
 
 # -- the protocol, member by member -------------------------------------------------

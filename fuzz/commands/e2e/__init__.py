@@ -39,6 +39,12 @@ anything.
 10. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
     greedy decoding under the same Turbo cache, byte for byte; the
     log-probabilities' deviation from the fp16 cache is reported per mode.
+11. ``speculative_drift``: speculative decoding on rings whose undo log is
+    shorter than ``num_draft_tokens``: every refused rollback is loud (a
+    ``RollbackWarning``, once per ring).
+12. ``quantized_models``: gemma3 in Int8 and every Turbo mode (global layer
+    quantized, sliding-window layers fp16 rings); mlx-lm's ``kv_bits`` from
+    the first token.
 
 Random-weight models collapse under greedy decoding (a default-initialised
 2-layer llama repeats one token), so every weight is scaled by
@@ -58,8 +64,9 @@ The package, by what a reader looks for:
   ``Divergence``, the sizes);
 - ``streams``: decoding through mlx-lm's loops (``greedy``, ``interleaved``,
   ``speculative``, ``teacher_forced``);
-- one module per scenario family: ``greedy`` (1, 9), ``speculative`` (2, 8),
-  ``snapshots`` (3, 6, 7), ``windows`` (4, 5), ``turbo`` (10);
+- one module per scenario family: ``greedy`` (1, 9), ``speculative`` (2, 8, 11),
+  ``snapshots`` (3, 6, 7), ``windows`` (4, 5), ``turbo`` (10),
+  ``quantized`` (12);
 - ``registry``: ``SCENARIOS`` by name, ``run_scenario``, ``run_all``;
 - ``command``: ``kvspec e2e``.
 """

@@ -43,11 +43,13 @@ def _finish(model: Any, dtype: mx.Dtype = mx.float16) -> Any:
 
 
 def tiny_llama(seed: int, *, layers: int = 2, layer_types: list[str] | None = None,
-               sliding_window: int | None = None, late_scale: float = 1.0, dtype: mx.Dtype = mx.float16) -> Any:
+               sliding_window: int | None = None, late_scale: float = 1.0, dtype: mx.Dtype = mx.float16,
+               head_dim: int | None = None) -> Any:
     """A llama (float16 unless ``dtype``) (hidden 64, 4 query / 2 kv heads, vocab 256) with
     random weights from ``mx.random.seed(seed)``. ``layer_types`` /
     ``sliding_window`` make sliding-window layers; ``late_scale`` scales the
-    residual writes of layers 1.. (so an early-exit draft can agree)."""
+    residual writes of layers 1.. (so an early-exit draft can agree);
+    ``head_dim`` (default 16) widens the heads (mlx's quantizer needs 32)."""
     from mlx_lm.models import llama
 
     mx.random.seed(seed)
@@ -55,6 +57,7 @@ def tiny_llama(seed: int, *, layers: int = 2, layer_types: list[str] | None = No
         model_type="llama", hidden_size=HIDDEN, num_hidden_layers=layers, intermediate_size=2 * HIDDEN,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
         tie_word_embeddings=False, layer_types=layer_types, sliding_window=sliding_window,
+        **({} if head_dim is None else {"head_dim": head_dim}),
     )
     model = llama.Model(args)
     for layer in model.model.layers[1:]:
@@ -77,7 +80,8 @@ def early_exit_draft(model: Any) -> Any:
     return draft
 
 
-def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3, dtype: mx.Dtype = mx.float16) -> Any:
+def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3, dtype: mx.Dtype = mx.float16,
+                head_dim: int = 16) -> Any:
     """A gemma3 (float16 unless ``dtype``) whose layers ``i % pattern != pattern - 1`` use a
     sliding window of ``window`` tokens (mlx-lm gives them a RotatingKVCache)."""
     from mlx_lm.models import gemma3_text
@@ -85,7 +89,7 @@ def tiny_gemma3(seed: int, window: int, *, layers: int = 3, pattern: int = 3, dt
     mx.random.seed(seed)
     args = gemma3_text.ModelArgs(
         model_type="gemma3_text", hidden_size=HIDDEN, num_hidden_layers=layers, intermediate_size=2 * HIDDEN,
-        num_attention_heads=4, head_dim=16, num_key_value_heads=2, vocab_size=VOCAB, query_pre_attn_scalar=16,
+        num_attention_heads=4, head_dim=head_dim, num_key_value_heads=2, vocab_size=VOCAB, query_pre_attn_scalar=16,
         sliding_window=window, sliding_window_pattern=pattern, max_position_embeddings=4096,
     )
     return _finish(gemma3_text.Model(args), dtype)
@@ -131,11 +135,14 @@ Factories = dict[str, Callable[..., Any]] | None
 
 
 def build_caches(model: Any, mode: str = "fp16", step: int = 256, inplace: bool | None = True,
-                 factories: dict[str, Callable[..., Any]] | None = None, undo: int = 0) -> list[Any]:
+                 factories: dict[str, Callable[..., Any]] | None = None, undo: int = 0,
+                 num_draft_tokens: int = 0) -> list[Any]:
     """``impl.models.make_prompt_cache``, building each kind's layers from
     ``factories[kind]`` (an injected bug's classes) when given; ``undo`` is
-    every ring's undo depth."""
-    return make_prompt_cache(model, mode=mode, step=step, inplace=inplace, classes=factories, undo=undo)
+    every ring's undo depth, ``num_draft_tokens`` sizes it for speculative
+    decoding."""
+    return make_prompt_cache(model, mode=mode, step=step, inplace=inplace, classes=factories, undo=undo,
+                             num_draft_tokens=num_draft_tokens)
 
 
 def mlx_lm_caches(model: Any) -> list[Any]:

@@ -11,12 +11,17 @@ from fuzz.commands.e2e import checks
 from fuzz.commands.e2e.checks import SHORT, Divergence, Size, Tally
 from fuzz.commands.e2e.greedy import scenario_bf16_models, scenario_greedy
 from fuzz.commands.e2e.models import Factories
+from fuzz.commands.e2e.quantized import scenario_quantized_models
 from fuzz.commands.e2e.snapshots import (
     scenario_lru_prompt_cache,
     scenario_prefix_sharing,
     scenario_prompt_reuse,
 )
-from fuzz.commands.e2e.speculative import scenario_speculative, scenario_speculative_window
+from fuzz.commands.e2e.speculative import (
+    scenario_speculative,
+    scenario_speculative_drift,
+    scenario_speculative_window,
+)
 from fuzz.commands.e2e.turbo import scenario_turbo
 from fuzz.commands.e2e.windows import scenario_mixed_rollback, scenario_sliding_window
 
@@ -47,6 +52,8 @@ SCENARIOS: list[Scenario] = [
              "compares a verify block's logits with one-row steps', bit for bit"),
     Scenario("bf16_models", "9 bf16_models", scenario_bf16_models),
     Scenario("turbo", "10 turbo", scenario_turbo, "compares speculative (k-row verify) with greedy decoding, bit for bit"),
+    Scenario("speculative_drift", "11 speculative_drift", scenario_speculative_drift),
+    Scenario("quantized_models", "12 quantized_models", scenario_quantized_models),
 ]
 
 

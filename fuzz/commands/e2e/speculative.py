@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import mlx.core as mx
@@ -31,6 +32,7 @@ from fuzz.commands.e2e.models import (
 )
 from fuzz.commands.e2e.streams import greedy, speculative
 from impl.rotating import RotatingKVCache
+from spec.errors import RollbackWarning
 
 
 def scenario_speculative(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
@@ -92,12 +94,14 @@ class _Recorder:
     def __init__(self, model: Any, ring: RotatingKVCache):
         self.model, self.calls = model, []  # [tokens, logits, rows rolled back]
         self.rollbacks_after_wrap = 0
+        self.refused = 0  # rollbacks of rows the ring holds that it refused (trim returned 0)
         trim = ring.trim
 
         def counted(k: int) -> int:
             wrapped = ring.wrapped
             got = trim(k)
             self.rollbacks_after_wrap += bool(got) and wrapped
+            self.refused += 0 < k <= ring.offset and got == 0
             left = got
             for call in reversed(self.calls):
                 take = min(left, len(call[0]) - call[2])
@@ -152,7 +156,7 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
     tally = Tally()
     W, U = SPEC_WINDOW, UNDO_DEPTH
     n = 2 * size.tokens
-    drafted = accepted = rollbacks = 0
+    drafted = accepted = rollbacks = draft_refused = 0
     wraps: list[int] = []
     spec_diff = 0.0
     drift: list[str] = []
@@ -161,18 +165,28 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
         prompt = token_ids(seed, 12)
         label = f"seed {seed}, W={W}, U={U}"
         plain = greedy(model, build_caches(model, "fp16", 4, True), prompt, n)
-        caches = build_caches(model, "fp16", 4, True, factories, U) + build_caches(draft, "fp16", 4, True, factories, U)
+        # sized by num_draft_tokens (make_prompt_cache): every ring's undo log holds U rows
+        caches = (build_caches(model, "fp16", 4, True, factories, num_draft_tokens=U)
+                  + build_caches(draft, "fp16", 4, True, factories, num_draft_tokens=U))
+        require(all(r.undo == U for r in _rotating(caches)), f"{label}: num_draft_tokens={U} did not size the undo logs")
         main_rings = _rotating(caches[: len(model.layers)])
         require(len(main_rings) == 2 and len(_rotating(caches)) == 4, f"{label}: expected 2 rings per model")
         main = _Recorder(model, main_rings[0])
         drafter = _Recorder(draft, _rotating(caches[len(model.layers):])[0])
         got = Stream()
-        for tok, logprobs, from_draft in speculative_generate_step(
-            prompt, main, drafter, num_draft_tokens=U, max_tokens=n, prompt_cache=caches,
-        ):
-            got.tokens.append(int(tok))
-            got.logprobs.append(np.array(logprobs).tobytes())
-            accepted += bool(from_draft)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RollbackWarning)
+            for tok, logprobs, from_draft in speculative_generate_step(
+                prompt, main, drafter, num_draft_tokens=U, max_tokens=n, prompt_cache=caches,
+            ):
+                got.tokens.append(int(tok))
+                got.logprobs.append(np.array(logprobs).tobytes())
+                accepted += bool(from_draft)
+        loud = [w for w in caught if issubclass(w.category, RollbackWarning)]
+        require(main.refused == 0, f"{label}: the main model's ring refused {main.refused} rollbacks")
+        require(bool(loud) == bool(drafter.refused),
+                f"{label}: {drafter.refused} refused draft rollbacks, {len(loud)} RollbackWarnings")
+        draft_refused += drafter.refused
         drafted += len(drafter.calls) - 1  # the first draft call is its prefill
         rollbacks += main.rollbacks_after_wrap
         for i, (a, b) in enumerate(zip(got.tokens, plain.tokens)):
@@ -199,7 +213,8 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
     tally.note(f"{accepted}/{drafted} drafts accepted; rings wrapped {min(wraps)}..{max(wraps)} times per seed; "
                f"{rollbacks} rollbacks after a wrap (main model); tokens = greedy; every call of both models = a run "
                f"that never had the rolled-back rows (logit bytes); max |log-prob - greedy| {spec_diff:.3g} (chunking, not rollback); "
-               f"mlx-lm's own caches leave greedy at {', '.join(drift)}")
+               f"mlx-lm's own caches leave greedy at {', '.join(drift)}; main rings refused no rollback; "
+               f"draft rings refused {draft_refused} (after an all-accepted round, warned: docs/mlx-lm.md)")
     return tally, accepted / max(drafted, 1)
 
 
@@ -208,3 +223,53 @@ MIN_WRAPS = {SHORT: 8}
 
 
 MIN_ROLLBACKS = {SHORT: 20}
+
+
+#: the short undo depths of the speculative_drift scenario (below UNDO_DEPTH,
+#: the draft length): 0 (mlx-lm's loop sees is_trimmable() False) and 1 (it
+#: asks trim(k) of a ring that can roll back 1 row)
+SHORT_UNDO = (0, 1)
+
+
+def scenario_speculative_drift(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
+    """The speculative_window setting (gemma3, rings of window 6, drafts of
+    ``UNDO_DEPTH`` tokens) with undo logs shorter than the draft
+    (``SHORT_UNDO``): once a ring has wrapped, a rejected draft asks a
+    rollback the ring cannot honour, and mlx-lm's loop goes on. Checks:
+    that is loud: a ``RollbackWarning`` names the ring and
+    ``num_draft_tokens``, at most one per ring (once per cache), in every
+    run that wrapped; and the same model's caches built with
+    ``make_prompt_cache(..., num_draft_tokens=UNDO_DEPTH)`` give no warning
+    and greedy's tokens (scenario 8 checks those bytes)."""
+    from mlx_lm.generate import speculative_generate_step
+
+    tally = Tally()
+    W, U = SPEC_WINDOW, UNDO_DEPTH
+    n = size.tokens
+    warned_runs, rings_warned = 0, 0
+    for seed in size.seeds:
+        model, draft = speculative_gemma3(seed, W)
+        prompt = token_ids(seed, 3)  # rounds (and rollbacks) before the rings wrap
+        for undo in SHORT_UNDO:
+            label = f"seed {seed}, W={W}, undo={undo} < num_draft_tokens={U}"
+            caches = build_caches(model, "fp16", 4, True, factories, undo) + build_caches(draft, "fp16", 4, True,
+                                                                                        factories, undo)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RollbackWarning)
+                tokens = [int(t) for t, _, _ in speculative_generate_step(
+                    prompt, model, draft, num_draft_tokens=U, max_tokens=n, prompt_cache=caches)]
+            loud = [w for w in caught if issubclass(w.category, RollbackWarning)]
+            rings = _rotating(caches)
+            require(all(r.wrapped for r in rings), f"{label}: the rings did not wrap")
+            require(loud, f"{label}: rollbacks were refused after the wrap, silently (no RollbackWarning)")
+            require(len(loud) <= len(rings), f"{label}: {len(loud)} warnings for {len(rings)} rings (once per cache)")
+            require(all("num_draft_tokens" in str(w.message) for w in loud),
+                    f"{label}: the warning does not say how to size the undo log: {loud[:1]}")
+            require(len(set(tokens)) >= min_distinct(n), f"{label}: stream collapsed")
+            tally.tokens.extend(tokens)
+            warned_runs += 1
+            rings_warned += len(loud)
+    tally.note(f"undo {list(SHORT_UNDO)} < num_draft_tokens {U}: every run warned (RollbackWarning, "
+               f"{rings_warned} warnings over {warned_runs} runs, at most one per ring); "
+               f"num_draft_tokens={U} sizes the undo logs and stays silent (scenario 8)")
+    return tally, None
