@@ -29,8 +29,28 @@ import numpy as np
 
 from impl.quant import FLOAT16_MAX, dequantize_int8, int8_representable, quantize_int8
 from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
-from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+
+#: Largest growth granularity a cache accepts (rows): growth allocates
+#: ``ceil(n / step) * step`` rows at once, so an unbounded step is an
+#: allocation of any size. The spec states the same bound
+#: (``spec.dense.MAX_STEP``); impl keeps its own copy so that a change to
+#: either side is seen by the differential check (tests/test_layout.py).
+MAX_STEP = 2**20
+
+
+def check_window_size(op: str, window_size: object) -> int | None:
+    """A mask's ``window_size``: None (no window) or an int >= 1 (a window
+    of 0 keys would hide the query itself). Raises InvalidArgumentError
+    naming ``op`` and the value otherwise (0, negative, a float, a bool).
+    Rule: spec.dense.check_window_size (written here on its own)."""
+    if window_size is None:
+        return None
+    if type(window_size) is bool or not isinstance(window_size, int):
+        raise InvalidArgumentError(f"{op}: window_size must be None or an integer >= 1, got {window_size!r}")
+    if window_size < 1:
+        raise InvalidArgumentError(f"{op}: window_size must be >= 1, got {window_size}")
+    return window_size
 
 SEQ_AXIS = 2
 _OFF_VALUES = ("0", "false", "off", "no")

@@ -21,7 +21,6 @@ from typing import Any
 
 from impl.dense import _check_int
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError
-from spec.layers import list_trim_count
 
 
 def _trim_bounds(c: Any) -> tuple[int, int]:
@@ -40,6 +39,18 @@ def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
     """True when every layer can trim exactly (``is_trimmable()``) and the
     list is non-empty (spec.layers.can_trim_prompt_cache)."""
     return len(caches) > 0 and all(c.is_trimmable() for c in caches)
+
+
+def _list_trim_count(n: int, bounds: Sequence[tuple[int, int]]) -> int:
+    """The count every layer trims for a request of ``n`` given each layer's
+    ``(rows, exact)``: ``min(n, every layer's rows)``, or 0 (no layer trims)
+    when ``n <= 0``, the list is empty, or that count is beyond some
+    layer's exact bound. The rule of spec.layers.list_trim_count, written
+    here on its own (impl never calls the spec it is checked against)."""
+    if n <= 0 or not bounds:
+        return 0
+    count = min(n, *(rows for rows, _ in bounds))
+    return count if all(exact >= count for _, exact in bounds) else 0
 
 
 def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> int:
@@ -64,7 +75,7 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
     if not isinstance(strict, bool):
         raise InvalidArgumentError(f"trim_prompt_cache: strict must be True or False, got {strict!r}")
     bounds = tuple(_trim_bounds(c) for c in caches)
-    count = list_trim_count(n, bounds)
+    count = _list_trim_count(n, bounds)
     if count == 0:
         want = min([n, *(rows for rows, _ in bounds)]) if bounds else 0
         refusing = [i for i, (_, exact) in enumerate(bounds) if want > exact]

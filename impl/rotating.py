@@ -30,6 +30,7 @@ import numpy as np
 
 from impl.dense import (
     FLOAT_DTYPES,
+    MAX_STEP,
     SEQ_AXIS,
     _check_int,
     _check_rows,
@@ -37,6 +38,7 @@ from impl.dense import (
     check_dtype_matches,
     check_inplace,
     check_matches_cache,
+    check_window_size,
     copy_without_marker,
     refuse_foreign_save,
     share,
@@ -44,7 +46,6 @@ from impl.dense import (
     write_rows_inplace,
 )
 from impl.write import inplace_mechanism, seq_prefix
-from spec.dense import MAX_STEP, check_window_size
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
 
 

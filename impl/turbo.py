@@ -50,7 +50,6 @@ from impl.dense import (
     write_rows_copy,
 )
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
-from spec.turbo import Mode, check_append_head_dims, fold_schedule
 
 TURBO_MODES = ("turbo4asym", "turbo4", "turbo3asym")
 DELEGATED = "turbo4delegated"
@@ -243,7 +242,13 @@ class _TurboBase:
                 f"got {keys.dtype} and {values.dtype}"
             )
         dk, dv = int(keys.shape[3]), int(values.shape[3])
-        check_append_head_dims(Mode(self.mode), dk, dv)
+        if self.quant_k and dk != dv:
+            raise InvalidArgumentError(
+                f"append: keys head_dim must equal values head_dim in mode {self.mode}, got {dk} and {dv}"
+            )
+        tq.check_head_dim("values", dv, self.quant_bits)
+        if self.quant_k:
+            tq.check_head_dim("keys", dk, self.quant_bits)
         if self.store is not None:
             have = (*self._bh(), self.k_dim, self.v_dim)
             got = (int(keys.shape[0]), int(keys.shape[1]), dk, dv)
@@ -750,8 +755,19 @@ class DelegatedKVCache(_TurboBase):
 
     def _fold_count(self, prev: int, n: int) -> int:
         """Rows that fold cold at an append of ``n`` rows to ``prev`` live
-        rows (spec.turbo.fold_schedule)."""
-        return fold_schedule(self.cold_offset, prev, n, self.hot_threshold, self.fold_block)
+        rows: the rule of spec.turbo.fold_schedule (a loop of block folds
+        there), in closed form here so that the two are written apart. At a
+        handoff (``n == 1``, nothing cold, rows held) every held row folds;
+        then, with ``hot`` rows hot, ``k = ceil((hot - T) / B)`` blocks
+        fold when ``hot > T``, the last one possibly short:
+        ``min(k * B, hot)`` rows."""
+        cold, threshold, block = self.cold_offset, self.hot_threshold, self.fold_block
+        handoff = prev - cold if (n == 1 and cold == 0 and prev > 0) else 0
+        hot = prev - cold - handoff + n
+        if hot <= threshold:
+            return handoff
+        blocks = -(-(hot - threshold) // block)
+        return handoff + min(blocks * block, hot)
 
     def gather_positions(self, positions: list[int]) -> int:
         """Refused in Turbo4Delegated (UnsupportedOperationError), the

@@ -51,8 +51,10 @@ import mlx.core as mx
 
 from impl.codebooks import unit_centroids
 from spec.errors import InvalidArgumentError
-from spec.turbo import MAX_HEAD_DIM  # noqa: F401 - re-exported
-from spec.turbo import check_head_dim as spec_check_head_dim
+
+#: Largest head dim the quantizer takes (the Walsh-Hadamard rotation's
+#: length); the spec states the same bound (``spec.turbo.MAX_HEAD_DIM``).
+MAX_HEAD_DIM = 8192
 
 # Seeds of the sign vectors. Turbo4 rotates K with its own pair (K_SEED);
 # every quantized V uses V_SEED.
@@ -89,7 +91,16 @@ def check_head_dim(name: str, head_dim: int, bits: int) -> None:
     not a multiple of 8."""
     if bits not in (3, 4):
         raise InvalidArgumentError(f"turbo: bits must be 3 or 4, got {bits}")
-    spec_check_head_dim(name, head_dim, bits)
+    # impl's own statement of the rule (a power of two: one bit set)
+    if not 2 <= head_dim <= MAX_HEAD_DIM or head_dim.bit_count() != 1:
+        raise InvalidArgumentError(
+            f"{name}: head_dim must be a power of two in [2, {MAX_HEAD_DIM}] for the Walsh-Hadamard "
+            f"rotation, got {head_dim}"
+        )
+    if bits == 3 and head_dim % 8 != 0:
+        raise InvalidArgumentError(
+            f"{name}: head_dim must be a multiple of 8 for 3-bit packing (8 indices per 3 bytes), got {head_dim}"
+        )
 
 
 def packed_width(head_dim: int, bits: int) -> int:

@@ -42,6 +42,8 @@ def copy_of_repo(tmp_path: Path) -> Path:
     ("spec/errors.py", "import impl.dense  # noqa", "spec imports nothing of the project"),
     ("proofs/domain.py", "import impl.quant  # noqa", "proofs never import the implementation"),
     ("impl/quant.py", "import fuzz.rows  # noqa", "layers: fuzz over impl and proofs"),
+    ("impl/layers.py", "from spec.layers import list_trim_count  # noqa", "impl takes no rule from spec"),
+    ("impl/turbo.py", "import spec.turbo  # noqa", "impl takes no rule from spec"),
     ("fuzz/lockstep.py", "import fuzz.replay  # noqa", "fuzz reads top-down"),
     ("fuzz/commands/mutants.py", "import fuzz.commands.verify  # noqa", "no import circles"),
     ("fuzz/commands/e2e/models.py", "import fuzz.commands.e2e.checks  # noqa", "e2e reads top-down"),

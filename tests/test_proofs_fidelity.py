@@ -11,6 +11,7 @@ bv32 run is for).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -282,6 +283,24 @@ def test_trim_front_keep_sink(kind: str, world: sd.DenseWorld, n: int, keep: int
     assert evaluate(k, subs, e.d) == removed
     assert read_cache(c1, subs, e.d) == spec_cache(after, window=True)
     assert evaluate(dm.front_keep(e.d, e.c, e.x, e.y), subs, e.d) == max(0, min(keep, world.cache.live_len - removed)) or removed == 0
+
+
+def test_trim_front_keep_sink_small_box() -> None:
+    """Exhaustive over a small box (the drawn worlds above rarely clamp
+    ``keep`` at ``live_len - n``): caches of 0 to 5 rows, some front-trimmed
+    before, every n and keep from -1 to 6, in Fp16 and Int8."""
+    e = Enc(INT, window=True)
+    k, c1 = dm.trim_front_keep_sink(e.d, e.c, e.x, e.y)
+    for mode, rows, pre in itertools.product(("fp16", "int8"), range(6), range(3)):
+        world = sd.new_world(mode, 2, True)
+        if rows:
+            _, world = sd.apply_op(world, {"op": "append", "n": rows})
+        _, world = sd.apply_op(world, {"op": "trim_front", "n": pre, "keep": 1})
+        for n, keep in itertools.product(range(-1, 7), repeat=2):
+            removed, after = sd.trim_front_keep_sink(world.cache, n, keep)
+            subs = {**cache_subs(e.c, world.cache), e.x: z3.IntVal(n), e.y: z3.IntVal(keep)}
+            assert evaluate(k, subs, e.d) == removed, (mode, rows, pre, n, keep)
+            assert read_cache(c1, subs, e.d) == spec_cache(after, window=True), (mode, rows, pre, n, keep)
 
 
 @given(world=worlds(), n=st.integers(-2, 8), keep=st.integers(-2, 6),
