@@ -34,7 +34,7 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     base: type[KVMachine] = kinds.get(kind, mode).machine_class()
     if target is not None:
         target = resolve(target)
-        if not target.is_impl and base.plain is not None:
+        if not target.is_impl and base.plain is not None and not getattr(target, "full_shapes", False):
             base = base.plain
         base = target.machine_base(kind, mode, base)
         if target.is_impl and not target.excluded:

@@ -36,9 +36,12 @@ COMMON_FIELDS: dict[str, Any] = {
     "dtype": "float16",
 }
 #: Cache fields every kind may carry that have no default value: the key and
-#: value head dims (absent: ``head_dim``) and ``inplace_env``, a spelling of
-#: ``KV_INPLACE_WRITE`` the cache is built under (absent: ``inplace`` rules).
-OPTIONAL_FIELDS = ("k_head_dim", "v_head_dim", "inplace_env")
+#: value head dims (absent: ``head_dim``), ``inplace_env``, a spelling of
+#: ``KV_INPLACE_WRITE`` the cache is built under (absent: ``inplace`` rules),
+#: and ``rows``, the function that gives rows their contents (absent:
+#: ``numpy``, the rows every trace had before the field; ``portable``: the
+#: closed form of spec/rows.py, docs/kvtrace.md "Portable rows").
+OPTIONAL_FIELDS = ("k_head_dim", "v_head_dim", "inplace_env", "rows")
 #: A required field (no default) in :attr:`Kind.fields`.
 REQUIRED = None
 

@@ -179,8 +179,9 @@ class Lockstep:
     def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
         b, h, dk, dv = self.shape
         wide = self.wide_rows()
-        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, self.dtype, wide), self.dtype),
-                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, self.dtype, wide), self.dtype))
+        scheme = self.cfg.get("rows", "numpy")
+        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, self.dtype, wide, scheme), self.dtype),
+                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, self.dtype, wide, scheme), self.dtype))
 
     def expected_row(self, token: int, mode: str | None = None) -> tuple[bytes, bytes]:
         """The bytes a reader must see for a token's K and V rows (``mode``:

@@ -22,6 +22,16 @@ nonzero row is scaled by 2**16, beyond float16's finite range: a cache that
 detours through float16 turns those rows into inf. Quantized modes never
 get wide rows (their range decision refuses them, and the spec's rows are
 identities, not values).
+
+Two row schemes (kvtrace ``cache.rows``):
+
+* ``numpy`` (the default: every trace written before the field existed):
+  the seeded NumPy draws above;
+* ``portable``: the closed-form function of :mod:`spec.rows` (integer
+  arithmetic assembled into bit patterns, reproducible in any language:
+  docs/kvtrace.md "Portable rows"), computed here by a vectorized NumPy
+  copy of it (:func:`portable_bits`; tests/test_rows.py checks the two
+  agree). No portable row is all zero.
 """
 
 from __future__ import annotations
@@ -32,8 +42,63 @@ import mlx.core as mx
 import numpy as np
 
 from fuzz.device import device_read
+from spec import rows as portable
 
 DTYPES = ("float16", "bfloat16", "float32")
+#: kvtrace ``cache.rows``: which function gives a row its contents
+SCHEMES = ("numpy", "portable")
+_HOST_BITS = {"float16": (np.uint16, np.float16), "float32": (np.uint32, np.float32)}
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """spec.rows.mix32 on uint64 arrays holding 32-bit words."""
+    m = np.uint64(0xFFFFFFFF)
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x85EBCA6B)) & m
+    x = x ^ (x >> np.uint64(13))
+    x = (x * np.uint64(0xC2B2AE35)) & m
+    return x ^ (x >> np.uint64(16))
+
+
+def portable_bits(tokens, kv: int, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
+                  wide: bool = False) -> np.ndarray:
+    """spec.rows.element_bits for every element of ``[batch, kv_heads,
+    len(tokens), head_dim]`` (uint16 for float16 and bfloat16, uint32 for
+    float32), vectorized. Raises ValueError for an identity outside
+    ``[0, spec.rows.TOKEN_LIMIT)`` or an unknown dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    t = np.asarray(list(tokens), dtype=np.uint64).reshape(1, 1, -1, 1)
+    if t.size and int(t.max()) >= portable.TOKEN_LIMIT:
+        raise ValueError(f"token identity must lie in [0, {portable.TOKEN_LIMIT}), got {int(t.max())}")
+    b = np.arange(batch, dtype=np.uint64).reshape(-1, 1, 1, 1)
+    h = np.arange(kv_heads, dtype=np.uint64).reshape(1, -1, 1, 1)
+    c = np.arange(head_dim, dtype=np.uint64).reshape(1, 1, 1, -1)
+    place = ((np.uint64(kv) * np.uint64(64) + b) * np.uint64(64) + h) * np.uint64(1024) + c
+    z = (t * np.uint64(portable.MULTIPLIER)) & np.uint64(0xFFFFFF)
+    z = z ^ (z >> np.uint64(12))
+    digit = (np.uint64(kv) + b + h + c) & np.uint64(1)
+    salt = _mix32(place)
+    u = ((z >> (np.uint64(12) * digit)) & np.uint64(0xFFF)) ^ (salt & np.uint64(0xFFF))
+    x = _mix32(salt ^ t) >> np.uint64(16)
+    sign, e, m = u >> np.uint64(11), (u >> np.uint64(7)) & np.uint64(15), u & np.uint64(127)
+    if dtype == "float16":
+        out = (sign << np.uint64(15)) | ((np.uint64(7) + e) << np.uint64(10)) | (m << np.uint64(3)) | (x >> np.uint64(13))
+        return out.astype(np.uint16)
+    shift = np.where(wide & (t % np.uint64(5) == np.uint64(2)), np.uint64(24), np.uint64(0))
+    exp = np.uint64(119) + e + shift
+    if dtype == "bfloat16":
+        return ((sign << np.uint64(15)) | (exp << np.uint64(7)) | m).astype(np.uint16)
+    return ((sign << np.uint64(31)) | (exp << np.uint64(23)) | (m << np.uint64(16)) | x).astype(np.uint32)
+
+
+def _portable_host(tokens, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                   wide: bool) -> np.ndarray:
+    """Portable rows in host form (float16, or float32 for bfloat16 and float32)."""
+    bits = portable_bits(tokens, 0 if which == "k" else 1, batch, kv_heads, head_dim, dtype, wide)
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bits.view(_HOST_BITS[dtype][1])
 
 
 def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
@@ -45,12 +110,18 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=65536)
 def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
-        wide: bool = False) -> np.ndarray:
+        wide: bool = False, scheme: str = "numpy") -> np.ndarray:
     """``[batch, kv_heads, 1, head_dim]`` for ``which`` in {"k", "v"}: a
     float16 array for ``dtype="float16"``, else float32 holding values exact
-    in ``dtype``."""
+    in ``dtype``. ``scheme`` is the trace's ``rows`` (:data:`SCHEMES`)."""
     shape = (batch, kv_heads, 1, head_dim)
     host = np.float16 if dtype == "float16" else np.float32
+    if scheme == "portable":
+        out = _portable_host([token], which, batch, kv_heads, head_dim, dtype, wide)
+        out.setflags(write=False)
+        return out
+    if scheme != "numpy":
+        raise ValueError(f"rows must be one of {SCHEMES}, got {scheme!r}")
     if (which == "k" and token % 7 == 3) or (which == "v" and token % 11 == 5 and token % 7 != 3):
         return np.zeros(shape, dtype=host)
     rng = np.random.default_rng([token, 0 if which == "k" else 1, batch, kv_heads, head_dim])
@@ -71,13 +142,15 @@ def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype:
 
 
 def rows(tokens, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
-         wide: bool = False) -> np.ndarray:
+         wide: bool = False, scheme: str = "numpy") -> np.ndarray:
     """``[batch, kv_heads, len(tokens), head_dim]`` in token order (host
     form: see :func:`row`)."""
     tokens = list(tokens)
     if not tokens:
         return np.zeros((batch, kv_heads, 0, head_dim), dtype=np.float16 if dtype == "float16" else np.float32)
-    return np.concatenate([row(t, which, batch, kv_heads, head_dim, dtype, wide) for t in tokens], axis=2)
+    if scheme == "portable":
+        return _portable_host(tokens, which, batch, kv_heads, head_dim, dtype, wide)
+    return np.concatenate([row(t, which, batch, kv_heads, head_dim, dtype, wide, scheme) for t in tokens], axis=2)
 
 
 def to_mx(x: np.ndarray, dtype: str) -> mx.array:

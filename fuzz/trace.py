@@ -48,6 +48,9 @@ MAX_OPS = 1_000_000
 #: Most elements one K or V tensor of the trace's cache may need:
 #: ``rows * batch * kv_heads * head_dim`` (32 MiB of float16).
 MAX_ELEMENTS = 2**24
+#: Most rows one trace may append (token identities handed out): the bound
+#: below which portable rows are distinct (spec.rows.TOKEN_LIMIT, 2^24).
+MAX_TOKENS = 2**24
 #: Problems printed at most; the rest are counted.
 MAX_ERRORS_SHOWN = 20
 
@@ -342,6 +345,12 @@ def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str,
             problems.append((["ops", i], why))
     if problems:
         _raise(problems, {"cache": 0, "ops": 0})
+    appended = sum(op["n"] for op in ops if op["op"] == "append")
+    if appended > MAX_TOKENS:
+        raise TraceFormatError(
+            f"field ops: the appends hand out {appended} token identities, more than the limit of {MAX_TOKENS} "
+            "(rows are distinct for identities below it)"
+        )
     rows = _rows_bound(cache, ops)
     elements = rows * cache["batch"] * cache["kv_heads"] * cache["head_dim"]
     if elements > MAX_ELEMENTS:

@@ -183,6 +183,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     console.print(escape(str(result.divergence)))
     if target.is_impl:
         console.print(f"  see it: {escape(render_command(args.trace, args.bug, args.isolation_only))}")
+    elif result.divergence is not None and result.divergence.what.startswith("adapter "):
+        console.print(f"  the trace so far: ops 0 to {result.divergence.index} of {escape(args.trace)} reproduce it")
     return code
 
 
@@ -239,6 +241,58 @@ def cmd_render(args: argparse.Namespace) -> int:
             what += f" ({tl.rule.cite()}, {tl.rule.function})"
     console.print(f"wrote {escape(out)}: {len(tl.frames)} ops, {escape(what)}")
     return EXIT_OK
+
+
+# -- rows ----------------------------------------------------------------------
+def cmd_rows(args: argparse.Namespace) -> int:
+    """Print the K and V rows every append of a trace writes, one line per
+    token and side: ``TOKEN k|v`` and the ``B * H * D`` elements in C order
+    (batch, head, column), as bit patterns in hex (``--format hex``, the
+    default; what adapters compare with) or as values (``--format values``)."""
+    from fuzz.rows import rows as row_values
+    from fuzz.trace import TraceFormatError, load
+
+    console = _console()
+    try:
+        trace = load(args.trace)
+    except TraceFormatError as exc:
+        console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {exc}")
+        return 2
+    import numpy as np
+
+    cache = trace.cache
+    scheme = cache.get("rows", "numpy")
+    dtype = cache["dtype"]
+    b, h = cache["batch"], cache["kv_heads"]
+    dk, dv = cache.get("k_head_dim") or cache["head_dim"], cache.get("v_head_dim") or cache["head_dim"]
+    # what the harness hands in (fuzz.lockstep.Lockstep.wide_rows): wide
+    # rows for unquantized storage
+    wide = cache.get("mode", "fp16") == "fp16"
+    total = sum(op["n"] for op in trace.ops if op["op"] == "append")
+    first, count = args.first, total - args.first if args.count is None else args.count
+    if first < 0 or count < 0 or first + count > total:
+        return _usage_error(console, f"--first/--count: the trace appends tokens 0 to {total - 1}; "
+                                     f"got --first {first} --count {count}")
+    out = sys.stdout
+    out.write(f"# rows of {args.trace}: {scheme} rows, {dtype}, wide {'on' if wide else 'off'}, "
+              f"K [{b}, {h}, 1, {dk}], V [{b}, {h}, 1, {dv}]; tokens {first} to {first + count - 1}\n")
+    chunk = 4096
+    for start in range(first, first + count, chunk):
+        tokens = list(range(start, min(start + chunk, first + count)))
+        sides = [row_values(tokens, side, b, h, d, dtype, wide, scheme) for side, d in (("k", dk), ("v", dv))]
+        for j, t in enumerate(tokens):
+            for side, arr in zip("kv", sides):
+                x = np.ascontiguousarray(arr[:, :, j, :]).reshape(-1)
+                if args.format == "values":
+                    cells = [repr(float(v)) for v in x]
+                elif dtype == "float16":
+                    cells = [f"{v:04x}" for v in x.view(np.uint16)]
+                elif dtype == "bfloat16":
+                    cells = [f"{v >> 16:04x}" for v in x.astype(np.float32).view(np.uint32)]
+                else:
+                    cells = [f"{v:08x}" for v in x.view(np.uint32)]
+                out.write(f"{t} {side} {' '.join(cells)}\n")
+    return 0
 
 
 # -- fuzz ----------------------------------------------------------------------
@@ -498,6 +552,7 @@ EXIT_CODES = {
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
             "written and a replay command printed) or a campaign that ran no example; 2 bad arguments; "
             "130 interrupted (seed and rerun command printed)",
+    "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
                    "trustworthy); 1 otherwise; 2 bad arguments",
     "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments; 130 interrupted (the checks "
@@ -562,6 +617,10 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     r.add_argument("--isolation-only", action="store_true",
                    help="do not compare in-place decisions: only a holder's bytes changing can reveal an unsafe write")
     r.add_argument("--target", default="impl", help=TARGET_HELP)
+
+    r.add_argument("--target", default="impl", type=target_name,
+                   help="implementation to replay on: impl (ours), mlx-lm's caches (docs/conformance.md), or "
+                        "exec:PATH, an adapter program speaking kvproto/1 (docs/targets.md)")
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     r.set_defaults(fn=cmd_replay)

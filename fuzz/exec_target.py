@@ -1,0 +1,577 @@
+"""``exec:PATH``: a cache in another process, driven over kvproto/1.
+
+The line protocol (docs/targets.md "The line protocol"; machine form
+``fuzz/kvproto.schema.json``): kvspec starts the adapter ``PATH`` (with any
+arguments after it, split as a shell would), writes one JSON request per
+line on its stdin and reads one JSON reply per line from its stdout:
+
+* ``hello``: the adapter declares its name, how it reports windows
+  (``bytes``: raw little-endian element bytes, which kvspec names by token
+  identity; ``identities``: identities the adapter decoded from its own
+  bytes with the portable row function), and per kind the modes, dtypes,
+  cache fields, ops and observables it supports;
+* ``init``: a fresh cache from the trace's ``cache`` object (always with
+  ``"rows": "portable"``) and the ``wide`` flag of the rows;
+* ``op``: one trace op, with ``first``, the identity of the first row an
+  append writes (rows ``first .. first + n - 1``, portable rows);
+* ``bye``.
+
+Every reply to ``init`` and ``op`` carries the state after it: the
+observables, the live window, the held window and every snapshot's window.
+A refusal carries its category (``invalid_argument``, ``state``,
+``unsupported``), compared with the spec's error type, never by message.
+
+What the adapter does not declare is not run: a trace that needs it is
+refused with a reason (exit 2), and a campaign never generates it (the
+skipped ops are counted). An adapter that crashes, hangs (no reply within
+``KVSPEC_EXEC_TIMEOUT`` seconds, default 10) or breaks the protocol during
+an op is a divergence at that op (the trace up to it reproduces it); one
+that cannot start or answer ``hello`` is a usage error naming the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+
+from fuzz import kinds
+from fuzz.lockstep import Divergence
+from fuzz.trace import TraceFormatError
+from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
+
+#: The protocol version this client speaks.
+KVPROTO = 1
+#: Seconds to wait for one reply (environment variable KVSPEC_EXEC_TIMEOUT).
+DEFAULT_TIMEOUT = 10.0
+#: Longest reply line read (bytes): a window of 2^24 float32 elements in hex.
+MAX_LINE = 256 * 2**20
+
+#: refusal category -> the spec's error type (docs/targets.md)
+CATEGORIES: dict[str, type[KVCacheError]] = {
+    "invalid_argument": InvalidArgumentError,
+    "state": StateError,
+    "unsupported": UnsupportedOperationError,
+}
+#: the observables kvspec can compare, as a kind's lockstep names them
+OBSERVABLES = ("offset", "live_start", "live_len", "capacity", "idx")
+
+
+class ExecTargetError(Exception):
+    """The adapter cannot be used at all (it does not start, does not
+    answer ``hello``, speaks another version): a usage error, exit 2."""
+
+
+class AdapterFailure(Exception):
+    """The adapter crashed, hung or broke the protocol while running a
+    request; ``what`` is the one-line category."""
+
+    def __init__(self, what: str, detail: str):
+        super().__init__(f"{what}: {detail}")
+        self.what, self.detail = what, detail
+
+
+def schema() -> dict[str, Any]:
+    """The kvproto/1 JSON Schema shipped with the package."""
+    return json.loads(resources.files("fuzz").joinpath("kvproto.schema.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def validator(part: str) -> Any:
+    """A validator of one ``$defs`` entry (``request``, ``hello_reply``, ``reply``)."""
+    doc = schema()
+    return jsonschema.Draft202012Validator({"$defs": doc["$defs"], "$ref": f"#/$defs/{part}"})
+
+
+def timeout_seconds() -> float:
+    """KVSPEC_EXEC_TIMEOUT, or the default. Raises ExecTargetError naming the
+    variable when it is not a positive number."""
+    raw = os.environ.get("KVSPEC_EXEC_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise ExecTargetError(f"KVSPEC_EXEC_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class Session:
+    """One running adapter process: requests out, replies in, with a
+    timeout per reply; stderr goes to a temporary file whose tail is shown
+    when the adapter fails."""
+
+    def __init__(self, argv: list[str], timeout: float):
+        self.argv, self.timeout = argv, timeout
+        self.next_id = 0
+        self.stderr = tempfile.TemporaryFile()
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                         start_new_session=True)
+        except OSError as exc:
+            raise ExecTargetError(f"cannot start adapter {shlex.join(argv)}: {exc.strerror or exc}") from None
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self.buffer = b""
+        self.dead: str | None = None
+
+    def stderr_tail(self, limit: int = 600) -> str:
+        try:
+            self.stderr.seek(0)
+            text = self.stderr.read().decode("utf-8", "replace").strip()
+        except (OSError, ValueError):
+            return ""
+        return text[-limit:]
+
+    def _failure(self, what: str, detail: str) -> AdapterFailure:
+        self.close(kill=True)
+        tail = self.stderr_tail()
+        self.dead = f"{what}: {detail}"
+        return AdapterFailure(what, detail + (f"; its stderr ends: {tail}" if tail else ""))
+
+    def request(self, body: dict[str, Any], part: str = "reply") -> dict[str, Any]:
+        """Send one request (an ``id`` is added) and return its validated
+        reply. Raises AdapterFailure when the adapter exits, hangs or
+        answers something the schema refuses or with another id."""
+        if self.dead is not None:
+            raise AdapterFailure("adapter is not running", self.dead)
+        req = {"id": self.next_id, **body}
+        self.next_id += 1
+        line = (json.dumps(req, separators=(",", ":")) + "\n").encode()
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            code = self.proc.wait(timeout=self.timeout)
+            raise self._failure("adapter crashed", f"it exited ({_signal_name(code)}) before reading request "
+                                                   f"{req['request']!r}") from None
+        raw = self._read_line(req)
+        try:
+            reply = json.loads(raw)
+        except ValueError as exc:
+            raise self._failure("adapter broke the protocol", f"its reply to {req['request']!r} is not JSON "
+                                                              f"({exc}): {raw[:200]!r}") from None
+        errors = sorted(validator(part).iter_errors(reply), key=lambda e: list(e.absolute_path))
+        if errors:
+            where = "/".join(str(p) for p in errors[0].absolute_path) or "reply"
+            raise self._failure("adapter broke the protocol",
+                                f"its reply to {req['request']!r} fails kvproto/1 at {where}: {errors[0].message[:300]}")
+        if reply["id"] != req["id"]:
+            raise self._failure("adapter broke the protocol", f"reply id {reply['id']} to request id {req['id']}")
+        return reply
+
+    def _read_line(self, req: dict[str, Any]) -> bytes:
+        deadline = time.monotonic() + self.timeout
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise self._failure("adapter hung", f"no reply to request {req['request']!r} within "
+                                                        f"{self.timeout:g} s (KVSPEC_EXEC_TIMEOUT)")
+                chunk = self.proc.stdout.read(1 << 16)
+                if not chunk:  # EOF: the adapter exited
+                    try:
+                        code = self.proc.wait(timeout=self.timeout)
+                    except subprocess.TimeoutExpired:
+                        raise self._failure("adapter hung", "it closed its stdout but did not exit") from None
+                    raise self._failure("adapter crashed", f"it exited ({_signal_name(code)}) without replying to "
+                                                           f"request {req['request']!r}")
+                self.buffer += chunk
+                if len(self.buffer) > MAX_LINE:
+                    raise self._failure("adapter broke the protocol", f"a reply line longer than {MAX_LINE} bytes")
+        finally:
+            sel.close()
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            if not kill:
+                try:
+                    self.proc.stdin.write(b'{"id":%d,"request":"bye"}\n' % self.next_id)
+                    self.proc.stdin.flush()
+                    self.proc.stdin.close()
+                    self.proc.wait(timeout=1)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What an adapter's ``hello`` declares for one kind."""
+
+    modes: frozenset[str]
+    dtypes: frozenset[str]
+    fields: frozenset[str]
+    ops: frozenset[str]
+    observables: frozenset[str]
+
+
+@dataclass(frozen=True)
+class ExecTarget:
+    """``exec:PATH [ARGS]``: an adapter process speaking kvproto/1, in the
+    interface the drivers use for every target (``fuzz.targets``)."""
+
+    name: str
+    argv: tuple[str, ...]
+    adapter: str = ""
+    windows: str = "bytes"
+    declared: dict[str, Declared] = field(default_factory=dict, compare=False, hash=False)
+    excluded: frozenset[str] = frozenset()
+    waived: frozenset[str] = frozenset()
+    classes: tuple[Any, ...] = ()
+    #: a campaign draws our implementation's shapes and dtypes (what the
+    #: adapter declares), not the plain shapes of mlx-lm's findings
+    full_shapes = True
+
+    @property
+    def is_impl(self) -> bool:
+        return False
+
+    @property
+    def description(self) -> str:
+        return f"{self.adapter} over kvproto/1 ({shlex.join(self.argv)})"
+
+    # -- what it runs --------------------------------------------------------------
+    def cache_class(self, kind: str, mode: str) -> Declared | None:
+        d = self.declared.get(kind)
+        return d if d is not None and mode in d.modes else None
+
+    def cache_reason(self, cache: dict[str, Any]) -> str | None:
+        """Why the adapter cannot build this trace's cache (None: it can)."""
+        kind, mode = cache["kind"], cache.get("mode", "fp16")
+        d = self.declared.get(kind)
+        if d is None:
+            return f"it declares no kind {kind} (it has {', '.join(sorted(self.declared))})"
+        if mode not in d.modes:
+            return f"it declares no mode {mode} for kind {kind} (it has {', '.join(sorted(d.modes))})"
+        if cache.get("dtype", "float16") not in d.dtypes:
+            return f"it declares no dtype {cache.get('dtype')} (it has {', '.join(sorted(d.dtypes))})"
+        for name in cache:
+            if name not in d.fields and name != "rows":
+                return f"it declares no cache field {name!r} (it has {', '.join(sorted(d.fields))})"
+        return None
+
+    def require_class(self, cache: dict[str, Any]) -> Declared:
+        reason = self.cache_reason(cache)
+        if reason is not None:
+            raise TraceFormatError(f"field cache: target {self.name} cannot run this trace: {reason}")
+        return self.declared[cache["kind"]]
+
+    def skip_reason(self, cache: dict[str, Any], op: dict[str, Any]) -> str | None:
+        if op["op"] == "expect":
+            return None
+        if op["op"] in self.excluded:
+            return f"{op['op']} excluded"
+        d = self.declared.get(cache["kind"])
+        if d is None:
+            return f"adapter {self.adapter} declares no kind {cache['kind']}"
+        if op["op"] not in d.ops:
+            return f"adapter {self.adapter} does not declare op {op['op']!r} (it declares {', '.join(sorted(d.ops))})"
+        return None
+
+    def waiving(self, what: str) -> ExecTarget:
+        return replace(self, waived=self.waived | {what})
+
+    # -- drivers -------------------------------------------------------------------
+    def make_lockstep(self, cache: dict[str, Any]) -> Any:
+        """The kind's lockstep driver with the adapter as its implementation."""
+        declared = self.require_class(cache)
+        base = kinds.get(cache["kind"], cache.get("mode")).lockstep_class()
+        # the adapter computes its rows from identities: portable rows,
+        # whatever the trace's own scheme (docs/targets.md says why a
+        # verdict on an unquantized cache does not depend on it)
+        return exec_lockstep(base)({**cache, "rows": "portable"}, self, declared)
+
+    def machine_base(self, kind: str, mode: str, base: type) -> type:
+        return _exec_machine(base, self)
+
+    def session(self) -> Session:
+        """The adapter process, started on first use and kept for the next
+        lockstep (each ``init`` builds a fresh cache); a new one after a
+        failure."""
+        s = _SESSIONS.get(self.argv)
+        if s is None or s.dead is not None or s.proc.poll() is not None:
+            s = _SESSIONS[self.argv] = Session(list(self.argv), timeout_seconds())
+            try:
+                s.request({"request": "hello", "kvproto": KVPROTO}, "hello_reply")
+            except AdapterFailure as exc:
+                raise ExecTargetError(f"adapter {shlex.join(self.argv)} did not answer hello: {exc}") from None
+        return s
+
+
+_SESSIONS: dict[tuple[str, ...], Session] = {}
+
+
+def close_sessions() -> None:
+    """Stop every adapter process this process started (``bye``, then kill)."""
+    while _SESSIONS:
+        _, s = _SESSIONS.popitem()
+        s.close()
+
+
+def _declared(reply: dict[str, Any]) -> dict[str, Declared]:
+    out = {}
+    for kind, d in reply["kinds"].items():
+        out[kind] = Declared(frozenset(d["modes"]), frozenset(d["dtypes"]), frozenset(d["fields"]),
+                             frozenset(d["ops"]), frozenset(d["observables"]))
+    return out
+
+
+def resolve_exec(spec: str) -> ExecTarget:
+    """``exec:PATH [ARGS]`` -> an ExecTarget, after the adapter's ``hello``.
+    Raises ExecTargetError (usage error, exit 2) naming the reason: an empty
+    path, a program that does not start, a hello that is missing, malformed
+    or of another protocol version."""
+    rest = spec.removeprefix("exec:")
+    try:
+        argv = tuple(shlex.split(rest))
+    except ValueError as exc:
+        raise ExecTargetError(f"--target {spec}: cannot split the command line: {exc}") from None
+    if not argv:
+        raise ExecTargetError("--target exec:PATH: PATH is empty (give the adapter program, e.g. exec:./adapter)")
+    old = _SESSIONS.pop(argv, None)
+    if old is not None:
+        old.close()
+    session = Session(list(argv), timeout_seconds())
+    try:
+        reply = session.request({"request": "hello", "kvproto": KVPROTO}, "hello_reply")
+    except AdapterFailure as exc:
+        raise ExecTargetError(f"adapter {shlex.join(argv)} did not answer hello: {exc}") from None
+    _SESSIONS[argv] = session
+    unknown = sorted(set(reply["kinds"]) - set(kinds.trace_kinds()))
+    if unknown:
+        raise ExecTargetError(f"adapter {reply['adapter']} declares unknown kinds {unknown}")
+    return ExecTarget(f"exec:{rest.strip()}", argv, reply["adapter"], reply["windows"], _declared(reply))
+
+
+# -- the lockstep side ------------------------------------------------------------
+
+
+class IdWindow(list):
+    """A window the adapter reported as token identities (``windows:
+    identities``): compared as a list."""
+
+
+def _decode(w: Any, dtype: str, shape: tuple[int, int, int, int]) -> Any:
+    """A reply's window as the kind's drivers read windows: a pair of
+    ``mx.array`` ``[B, H, n, D]`` in the trace's dtype (bytes), or an
+    IdWindow. Raises AdapterFailure when the bytes do not fit the shape."""
+    if w is None:
+        return None
+    if isinstance(w, list):
+        return IdWindow(w)
+    b, h, dk, dv = shape
+    n = w["rows"]
+    bits = np.uint32 if dtype == "float32" else np.uint16
+    out = []
+    for side, d in (("k", dk), ("v", dv)):
+        raw = bytes.fromhex(w[side])
+        want = b * h * n * d * np.dtype(bits).itemsize
+        if len(raw) != want:
+            raise AdapterFailure("adapter broke the protocol",
+                                 f"a {side.upper()} window of {n} rows of [B={b}, H={h}, D={d}] {dtype} needs "
+                                 f"{want} bytes, got {len(raw)}")
+        a = np.frombuffer(raw, dtype=np.dtype(bits).newbyteorder("<")).astype(bits).reshape(b, h, n, d)
+        if dtype == "bfloat16":
+            out.append(mx.array(a).view(mx.bfloat16))
+        else:
+            out.append(mx.array(a.view(np.float16 if dtype == "float16" else np.float32)))
+    return tuple(out)
+
+
+class _Remote:
+    """The adapter's cache as the kind's driver sees ``self.cache``: the
+    observables of the last reply."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+        self.last_write_inplace: bool | None = None
+        self.inplace = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name in OBSERVABLES:
+            return self.__dict__["state"].get(name)
+        raise AttributeError(name)
+
+
+class _Exec:
+    """Mixin over a kind's lockstep driver (``exec_lockstep``): every op goes
+    to the adapter; what it declares is compared, the rest (memory sharing,
+    the save/load fixpoint, masks: Python-side contracts) is not."""
+
+    check_sharing = False
+    compare_messages = False
+    check_dense_masks = False
+    check_stored_int8 = False
+    impl_name = "adapter"
+
+    def __init__(self, cache: dict[str, Any], target: ExecTarget, declared: Declared):
+        self.target, self.declared = target, declared
+        remote = _Remote()
+        super().__init__(cache, lambda **_: remote)  # type: ignore[call-arg]
+        self.cache = remote
+        self.impl_name = target.name
+        self.check_inplace = "inplace" in declared.observables and "inplace" not in target.waived
+        self.not_compared = (set(OBSERVABLES) - set(declared.observables)) | set(target.waived)
+        self.current_index = -1
+        self.session = target.session()
+        self.remote_views: dict[str, Any] = {"cache": None}
+        try:
+            reply = self.session.request({"request": "init", "cache": dict(cache), "wide": bool(self.wide_rows())})
+        except AdapterFailure as exc:
+            raise TraceFormatError(f"field cache: target {target.name} failed building the cache: {exc}") from None
+        if not reply["ok"]:
+            e = reply["error"]
+            raise TraceFormatError(f"field cache: target {target.name} refused the cache ({e['category']}): "
+                                   f"{e['message']}")
+        self._absorb(reply)
+
+    def reload_class(self) -> None:
+        return None
+
+    def before_append(self, op: dict[str, Any]) -> None:
+        pass
+
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        self.current_index = index
+        super().step(index, op)  # type: ignore[misc]
+
+    def _absorb(self, reply: dict[str, Any]) -> None:
+        state = reply.get("state")
+        if state is None:
+            raise AdapterFailure("adapter broke the protocol", "a reply to init or op without its state")
+        self.cache.state = state
+        views = {"cache": _decode(state["cache"], self.dtype, self.shape)}
+        for name, w in state["holders"].items():
+            views["holder:" + name] = _decode(w, self.dtype, self.shape)
+        if state["held"] is not None:
+            views["held"] = _decode(state["held"], self.dtype, self.shape)
+        self.remote_views = views
+
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        body: dict[str, Any] = {"request": "op", "op": op}
+        if op["op"] == "append":
+            body["first"] = self.world.next_token  # the spec world before this op
+        try:
+            reply = self.session.request(body)
+            self._absorb(reply)
+            result = reply.get("result")
+            if op["op"] == "append" and reply["ok"]:
+                self.cache.last_write_inplace = reply.get("inplace")
+                result = _decode(result, self.dtype, self.shape)
+        except AdapterFailure as exc:
+            raise Divergence(self.current_index, op, exc.what, "a reply (the spec's outcome of this op)",
+                             exc.detail) from None
+        if not reply["ok"]:
+            e = reply["error"]
+            raise CATEGORIES[e["category"]](f"[{e['category']}] {e['message']}")
+        return result
+
+    def impl_last_inplace(self) -> bool | None:
+        return self.cache.last_write_inplace
+
+    def spec_observables(self) -> dict[str, Any]:
+        full = super().spec_observables()  # type: ignore[misc]
+        return {k: v for k, v in full.items() if k not in self.not_compared}
+
+    def impl_observables(self) -> dict[str, Any]:
+        return {k: self.cache.state.get(k) for k in OBSERVABLES}
+
+    def impl_views(self) -> dict[str, Any]:
+        return dict(self.remote_views)
+
+    def check_op_checks(self, index: int, op: dict[str, Any], spec_out: Any) -> None:
+        if "capacity" in op and "capacity" in self.not_compared:
+            op = {k: v for k, v in op.items() if k != "capacity"}
+        super().check_op_checks(index, op, spec_out)  # type: ignore[misc]
+
+    # -- windows reported as identities ------------------------------------------
+    def window_matches(self, tokens: tuple[int, ...], arrays: Any, mode: str | None = None) -> bool:
+        if isinstance(arrays, IdWindow):
+            return list(arrays) == list(tokens)
+        return super().window_matches(tokens, arrays, mode)  # type: ignore[misc]
+
+    def identify(self, arrays: Any, mode: str | None = None) -> list[Any]:
+        if isinstance(arrays, IdWindow):
+            return list(arrays)
+        return super().identify(arrays, mode)  # type: ignore[misc]
+
+    def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
+        if isinstance(arrays, IdWindow):
+            return list(arrays) == list(tokens)
+        return super().view_matches(name, tokens, arrays)  # type: ignore[misc]
+
+
+_EXEC: dict[type, type] = {}
+
+
+def exec_lockstep(base: type) -> type:
+    """``base`` (a kind's lockstep driver) run over an adapter process."""
+    if base not in _EXEC:
+        _EXEC[base] = type(f"Exec{base.__name__}", (_Exec, base), {})
+    return _EXEC[base]
+
+
+def _exec_machine(base: type, target: ExecTarget) -> type:
+    """The kind's machine drawing what the adapter declares: our shapes
+    (batch, heads, K and V head dims), its dtypes, portable rows; no
+    ``inplace_env`` unless declared."""
+
+    class ExecMachine(base):  # type: ignore[misc, valid-type]
+        def draw_shape(self, data: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            saved, self.target = self.target, None
+            try:
+                shape = super().draw_shape(data, *args, **kwargs)
+            finally:
+                self.target = saved
+            d = target.declared.get(self.kind)
+            if d is not None:
+                if shape.get("dtype", "float16") not in d.dtypes:
+                    shape["dtype"] = sorted(d.dtypes)[0]
+                for name in list(shape):
+                    if name not in d.fields:
+                        del shape[name]
+            return shape
+
+        def setup(self, **cfg: Any) -> None:
+            super().setup(**cfg, rows="portable")
+
+    ExecMachine.__name__ = f"Exec{base.__name__}"
+    return ExecMachine
