@@ -51,13 +51,13 @@ _HOST_BITS = {"float16": (np.uint16, np.float16), "float32": (np.uint32, np.floa
 
 
 def _mix32(x: np.ndarray) -> np.ndarray:
-    """spec.rows.mix32 on uint64 arrays holding 32-bit words."""
-    m = np.uint64(0xFFFFFFFF)
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x85EBCA6B)) & m
-    x = x ^ (x >> np.uint64(13))
-    x = (x * np.uint64(0xC2B2AE35)) & m
-    return x ^ (x >> np.uint64(16))
+    """spec.rows.mix32 on uint32 arrays (NumPy's uint32 products wrap mod
+    2^32, as C's do)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
 
 
 def portable_bits(tokens, kv: int, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
@@ -68,28 +68,27 @@ def portable_bits(tokens, kv: int, batch: int, kv_heads: int, head_dim: int, dty
     ``[0, spec.rows.TOKEN_LIMIT)`` or an unknown dtype."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    t = np.asarray(list(tokens), dtype=np.uint64).reshape(1, 1, -1, 1)
-    if t.size and int(t.max()) >= portable.TOKEN_LIMIT:
+    t = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+    if t.size and (int(t.max()) >= portable.TOKEN_LIMIT or int(t.min()) < 0):
         raise ValueError(f"token identity must lie in [0, {portable.TOKEN_LIMIT}), got {int(t.max())}")
-    b = np.arange(batch, dtype=np.uint64).reshape(-1, 1, 1, 1)
-    h = np.arange(kv_heads, dtype=np.uint64).reshape(1, -1, 1, 1)
-    c = np.arange(head_dim, dtype=np.uint64).reshape(1, 1, 1, -1)
-    place = ((np.uint64(kv) * np.uint64(64) + b) * np.uint64(64) + h) * np.uint64(1024) + c
-    z = (t * np.uint64(portable.MULTIPLIER)) & np.uint64(0xFFFFFF)
-    z = z ^ (z >> np.uint64(12))
-    digit = (np.uint64(kv) + b + h + c) & np.uint64(1)
-    salt = _mix32(place)
-    u = ((z >> (np.uint64(12) * digit)) & np.uint64(0xFFF)) ^ (salt & np.uint64(0xFFF))
-    x = _mix32(salt ^ t) >> np.uint64(16)
-    sign, e, m = u >> np.uint64(11), (u >> np.uint64(7)) & np.uint64(15), u & np.uint64(127)
+    u32 = np.uint32
+    t = t.astype(u32).reshape(1, 1, -1, 1)
+    b = np.arange(batch, dtype=u32).reshape(-1, 1, 1, 1)
+    h = np.arange(kv_heads, dtype=u32).reshape(1, -1, 1, 1)
+    c = np.arange(head_dim, dtype=u32).reshape(1, 1, 1, -1)
+    salt = _mix32(((u32(kv) * u32(64) + b) * u32(64) + h) * u32(1024) + c)  # mix32(place)
+    z = (t * u32(portable.MULTIPLIER)) & u32(0xFFFFFF)
+    z ^= z >> u32(12)
+    shift = u32(12) * ((u32(kv) + b + h + c) & u32(1))
+    u = ((z >> shift) & u32(0xFFF)) ^ (salt & u32(0xFFF))
+    x = _mix32(salt ^ t) >> u32(16)
+    sign, e, m = u >> u32(11), (u >> u32(7)) & u32(15), u & u32(127)
     if dtype == "float16":
-        out = (sign << np.uint64(15)) | ((np.uint64(7) + e) << np.uint64(10)) | (m << np.uint64(3)) | (x >> np.uint64(13))
-        return out.astype(np.uint16)
-    shift = np.where(wide & (t % np.uint64(5) == np.uint64(2)), np.uint64(24), np.uint64(0))
-    exp = np.uint64(119) + e + shift
+        return ((sign << u32(15)) | ((u32(7) + e) << u32(10)) | (m << u32(3)) | (x >> u32(13))).astype(np.uint16)
+    exp = u32(119) + e + np.where(wide & (t % u32(5) == u32(2)), u32(24), u32(0)).astype(u32)
     if dtype == "bfloat16":
-        return ((sign << np.uint64(15)) | (exp << np.uint64(7)) | m).astype(np.uint16)
-    return ((sign << np.uint64(31)) | (exp << np.uint64(23)) | (m << np.uint64(16)) | x).astype(np.uint32)
+        return ((sign << u32(15)) | (exp << u32(7)) | m).astype(np.uint16)
+    return (sign << u32(31)) | (exp << u32(23)) | (m << u32(16)) | x
 
 
 def _portable_host(tokens, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str,

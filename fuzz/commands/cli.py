@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -383,7 +384,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 stem = stem if target.is_impl else re.sub(r"[^A-Za-z0-9_.-]+", "_", target.label) + f"-{stem}"
                 path = save_failure(rep.failure.trace, args.out, stem)
                 extra = f" --bug {args.bug}" if args.bug else ""
-                extra += "" if target.is_impl else f" --target {target.label}"
+                extra += "" if target.is_impl else f" --target {shlex.quote(target.label)}"
                 row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
                 if target.is_impl:
                     row["render"] = render_command(str(path), args.bug)

@@ -1,0 +1,301 @@
+"""``exec:`` targets over kvproto/1 (docs/targets.md "The line protocol"),
+with the reference adapter in C (adapters/c/kvspec_dense.c), built here
+with ``cc``.
+
+The adapter passes every dense trace of tests/traces/ within its declared
+ops, and the rest are refused with the reason; a copy with an off-by-one
+planted in its trim clamp fails them and ``kvspec fuzz`` shrinks that to a
+one-op trace; a crashed or hung adapter is a divergence at the op, a
+missing or mute one a usage error; refusals are compared by category; the
+rows ``kvspec rows`` prints are the C code's, in every dtype."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fuzz import exec_target as ex
+from fuzz.commands.cli import main
+from fuzz.replay import replay
+from fuzz.targets import resolve
+from fuzz.trace import TraceFormatError, load, loads
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE = REPO / "adapters" / "c" / "kvspec_dense.c"
+TRACES = sorted((REPO / "tests" / "traces").glob("*.json"))
+
+#: planted variants: (name, line of the reference source, its replacement)
+VARIANTS = {
+    # the trim clamp off by one: a trim that reaches the start keeps one row
+    "broken_trim": ("    if (n > C.offset) n = C.offset;\n", "    if (n >= C.offset) n = C.offset - 1;\n"),
+    # dies on the second trim of a session
+    "crash": ("static int op_trim(long long n, long long *out) {\n",
+              ("static int op_trim(long long n, long long *out) {\n    static int calls;\n"
+               "    if (++calls == 2) abort();\n")),
+    # never answers a trim_to
+    "hang": ("    if (!strcmp(name, \"trim_to\")) {\n", "    if (!strcmp(name, \"trim_to\")) {\n        for (;;) pause();\n"),
+    # refuses a bad trim_to as a state error, not an invalid argument
+    "wrong_category": ("            return refuse(\"invalid_argument\", err_buf);\n",
+                       "            return refuse(\"state\", err_buf);\n"),
+}
+
+
+def build(out: Path, name: str = "kvspec_dense", variant: str | None = None) -> str:
+    src = SOURCE.read_text()
+    if variant is not None:
+        old, new = VARIANTS[variant]
+        assert src.count(old) == 1, f"the line {variant} patches is not in the adapter once"
+        src = src.replace(old, new)
+        if variant == "hang":
+            src = src.replace("#include <string.h>\n", "#include <string.h>\n#include <unistd.h>\n")
+    path = out / f"{name}.c"
+    path.write_text(src)
+    exe = out / name
+    cc = shutil.which("cc")
+    assert cc is not None, "the C adapter's tests need a C compiler (cc)"
+    subprocess.run([cc, "-std=c99", "-O0", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(path)],
+                   check=True, capture_output=True, text=True)
+    return str(exe)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("adapters")
+    built = {"good": build(out)}
+    for v in VARIANTS:
+        built[v] = build(out, v, v)
+    yield built
+    ex.close_sessions()
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    got = capsys.readouterr()
+    return code, got.out + got.err
+
+
+def run_json(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    got = capsys.readouterr()
+    return code, json.loads(got.out)
+
+
+def dense_fp16(path: Path) -> bool:
+    c = json.loads(path.read_text())["cache"]
+    return c["kind"] == "dense" and c.get("mode", "fp16") == "fp16"
+
+
+# -- the reference adapter ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("windows", ["bytes", "identities"])
+def test_reference_adapter_passes_the_dense_traces_within_its_ops(adapters, windows):
+    target = resolve(f"exec:{adapters['good']} --windows {windows}")
+    assert target.windows == windows
+    passed, refused = [], []
+    for path in filter(dense_fp16, TRACES):
+        trace = load(path)
+        try:
+            result = replay(trace, target=target)
+        except TraceFormatError as exc:
+            assert "does not declare op" in str(exc) or "declares no cache field" in str(exc), str(exc)
+            refused.append(path.name)
+            continue
+        assert result.ok, f"{path.name}: {result.divergence}"
+        passed.append(path.name)
+    assert len(passed) >= 12 and "trim_to_zero_keeps_buffers.json" in passed, passed
+    assert "dense_detach_install.json" in refused  # detach is not one of its ops
+
+
+def test_broken_trim_fails_the_traces(adapters, capsys):
+    failed = []
+    for path in filter(dense_fp16, TRACES):
+        code, out = run(capsys, "replay", str(path), "--target", f"exec:{adapters['broken_trim']}")
+        assert code in (0, 1, 2), out
+        if code == 1:
+            assert "diverged" in out and "exec:" in out
+            failed.append(path.name)
+    assert "trim_to_zero_keeps_buffers.json" in failed
+
+
+def test_fuzz_shrinks_the_broken_trim_to_one_op(adapters, capsys, tmp_path):
+    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['broken_trim']}", "--budget", "20",
+                            "--seed", "5", "--out", str(tmp_path))
+    assert code == 1 and report["runs"][0]["result"] == "FAILED", report
+    trace = load(report["runs"][0]["trace"])
+    assert trace.cache["rows"] == "portable"
+    ops = [op for op in trace.ops if op["op"] != "expect"]
+    assert len(ops) == 1 and ops[0]["op"] in ("trim", "trim_to"), ops
+    assert run(capsys, "replay", report["runs"][0]["trace"], "--target", f"exec:{adapters['broken_trim']}")[0] == 1
+    assert run(capsys, "replay", report["runs"][0]["trace"], "--target", f"exec:{adapters['good']}")[0] == 0
+    assert run(capsys, "replay", report["runs"][0]["trace"])[0] == 0  # and on our caches
+
+
+def test_fuzz_runs_the_reference_adapter_clean(adapters, capsys, tmp_path):
+    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['good']}", "--budget", "4", "--seed", "1",
+                            "--out", str(tmp_path))
+    assert code == 0, report
+    run_ = report["runs"][0]
+    assert run_["examples"] > 0 and run_["steps"] > 50
+    reached = run_["reached"]
+    assert reached.get("in-place writes", 0) > 0 and reached.get("copying writes", 0) > 0
+    assert reached.get("skipped detach", 0) > 0  # undeclared ops are skipped and counted
+
+
+# -- failures of the adapter -----------------------------------------------------------
+
+TRIMS = {"kvtrace": 1, "cache": {"kind": "dense", "step": 2, "kv_heads": 1, "head_dim": 4},
+         "ops": [{"op": "append", "n": 3}, {"op": "trim", "n": 1}, {"op": "trim", "n": 1},
+                 {"op": "trim_to", "len": 9}, {"op": "fetch"}]}
+
+
+def test_a_crash_is_a_divergence_at_its_op_with_the_trace_so_far(adapters, capsys, tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRIMS))
+    code, out = run(capsys, "replay", str(path), "--target", f"exec:{adapters['crash']}")
+    assert code == 1, out
+    assert "op 2" in out and "adapter crashed" in out and "SIGABRT" in out, out
+    assert "ops 0 to 2" in out
+
+
+def test_a_hang_times_out(adapters, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSPEC_EXEC_TIMEOUT", "0.5")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRIMS))
+    code, out = run(capsys, "replay", str(path), "--target", f"exec:{adapters['hang']}")
+    assert code == 1, out
+    assert "op 3" in out and "adapter hung" in out and "0.5 s" in out, out
+    monkeypatch.setenv("KVSPEC_EXEC_TIMEOUT", "soon")
+    code, out = run(capsys, "replay", str(path), "--target", f"exec:{adapters['good']}")
+    assert code == 2 and "KVSPEC_EXEC_TIMEOUT" in out, out
+
+
+def test_fuzz_reports_a_crash_with_a_minimal_trace(adapters, capsys, tmp_path):
+    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['crash']}", "--budget", "20", "--seed", "2",
+                            "--out", str(tmp_path))
+    assert code == 1, report
+    assert "adapter crashed" in report["runs"][0]["failure"]
+    trace = load(report["runs"][0]["trace"])
+    trims = [op for op in trace.ops if op["op"] in ("trim", "trim_to")]
+    assert len(trims) == 2 and len([op for op in trace.ops if op["op"] != "expect"]) == 2, trace.ops
+
+
+def test_refusals_are_compared_by_category(adapters, capsys, tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRIMS))
+    code, out = run(capsys, "replay", str(path), "--target", f"exec:{adapters['wrong_category']}")
+    assert code == 1 and "refusal differs" in out and "StateError" in out, out
+    code, out = run(capsys, "replay", str(path), "--target", f"exec:{adapters['good']}")
+    assert code == 0 and "note: op 3 was refused" in out, out  # same category, other words: agreement
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("exec:", "PATH is empty"),
+    ("exec:/nonexistent/adapter", "cannot start"),
+    ("exec:true", "did not answer hello"),
+    ("exec:echo hello", "did not answer hello"),
+    ("exec:cat", "did not answer hello"),
+])
+def test_an_adapter_that_cannot_be_used_is_a_usage_error(spec, why, capsys, monkeypatch):
+    monkeypatch.setenv("KVSPEC_EXEC_TIMEOUT", "2")
+    trace = str(REPO / "tests" / "traces" / "token_identities.json")
+    for argv in (["replay", trace, "--target", spec], ["fuzz", "--target", spec, "--budget", "1"]):
+        code, out = run(capsys, *argv)
+        assert code == 2 and why in out and "Traceback" not in out, out
+
+
+# -- the protocol ------------------------------------------------------------------------
+
+
+def test_requests_and_replies_follow_the_schema(adapters, monkeypatch):
+    """Everything kvspec sends validates against $defs/request (the replies
+    are checked on every call already)."""
+    sent = []
+    original = ex.Session.request
+
+    def checked(self, body, part="reply"):
+        req = {"id": self.next_id, **body}
+        errors = list(ex.validator("request").iter_errors(req))
+        assert not errors, (req, errors[0].message)
+        sent.append(req["request"])
+        return original(self, body, part)
+
+    monkeypatch.setattr(ex.Session, "request", checked)
+    ex.close_sessions()
+    target = resolve(f"exec:{adapters['good']}")
+    for name in ("token_identities", "dense_inplace_beside_snapshot", "fp16_casts_rows"):
+        assert replay(load(REPO / "tests" / "traces" / f"{name}.json"), target=target).ok
+    assert {"hello", "init", "op"} <= set(sent)
+
+
+WINDOW = st.one_of(
+    st.fixed_dictionaries({"rows": st.integers(0, 3), "k": st.sampled_from(["", "00ff", "0g", "abc"]),
+                           "v": st.sampled_from(["", "1c00"])}),
+    st.lists(st.one_of(st.integers(-1, 5), st.sampled_from(["zero", "?", "x"])), max_size=3),
+    st.integers(0, 3), st.none(),
+)
+REPLY = st.fixed_dictionaries(
+    {"id": st.one_of(st.integers(-1, 3), st.just(True)), "ok": st.one_of(st.booleans(), st.just(1))},
+    optional={
+        "result": st.one_of(st.integers(), st.booleans(), st.none(), WINDOW, st.floats(0, 1)),
+        "inplace": st.one_of(st.booleans(), st.just(0)),
+        "error": st.fixed_dictionaries({"category": st.sampled_from(["state", "invalid_argument", "unsupported", "x"]),
+                                        "message": st.text(max_size=3)}),
+        "state": st.fixed_dictionaries(
+            {"cache": WINDOW, "held": WINDOW, "holders": st.dictionaries(st.text(max_size=2), WINDOW, max_size=2)},
+            optional={"offset": st.one_of(st.integers(), st.just(1.0)), "capacity": st.integers(),
+                      "extra": st.just(1)}),
+        "extra": st.just(0),
+    })
+
+
+@given(REPLY)
+def test_the_fast_reply_check_agrees_with_the_schema(reply):
+    assert ex.reply_ok(reply) == ex.validator("reply").is_valid(reply)
+
+
+def test_kvspec_rows_match_the_c_code_in_every_dtype(adapters, capsys, tmp_path):
+    for dtype in ("float16", "bfloat16", "float32"):
+        for mode, wide in (("fp16", True), ("int8", False)):
+            if mode == "int8" and dtype != "float16":
+                continue
+            doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": mode, "batch": 2, "kv_heads": 3, "head_dim": 3,
+                                           "v_head_dim": 2, "dtype": dtype, "rows": "portable"},
+                   "ops": [{"op": "append", "n": 4}, {"op": "trim", "n": 1}, {"op": "append", "n": 3}]}
+            path = tmp_path / f"{dtype}-{mode}.json"
+            path.write_text(json.dumps(doc))
+            code, out = run(capsys, "rows", str(path))
+            assert code == 0, out
+            ours = [line for line in out.splitlines() if not line.startswith("#")]
+            argv = [adapters["good"], "--rows", dtype, "2", "3", "3", "2", "0", "7"] + (["wide"] if wide else [])
+            theirs = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.splitlines()
+            assert ours == theirs and len(ours) == 14, (dtype, mode)
+            width = 8 if dtype == "float32" else 4
+            assert all(len(cell) == width for cell in ours[0].split()[2:]) and len(ours[0].split()) == 2 + 18
+
+
+def test_kvspec_rows_of_a_numpy_trace_and_bad_ranges(capsys):
+    trace = str(REPO / "tests" / "traces" / "token_identities.json")
+    code, out = run(capsys, "rows", trace, "--format", "values", "--first", "3", "--count", "1")
+    assert code == 0 and "numpy rows" in out
+    assert out.splitlines()[1].startswith("3 k 0.0 ")  # a NumPy trace's 7th-token zero K row
+    code, out = run(capsys, "rows", trace, "--first", "3", "--count", "9")
+    assert code == 2 and "--first/--count" in out
+
+
+def test_identities_the_adapter_reports_are_trusted_only_as_identities(adapters):
+    """In ``identities`` mode a window is compared as a list of identities;
+    a stale row shows as the older identity it holds."""
+    target = resolve(f"exec:{adapters['broken_trim']} --windows identities")
+    doc = {"kvtrace": 1, "cache": {"kind": "dense", "step": 4, "kv_heads": 1, "head_dim": 2},
+           "ops": [{"op": "append", "n": 2}, {"op": "trim", "n": 2}]}
+    result = replay(loads(json.dumps(doc)), target=target)
+    assert not result.ok and result.divergence.index == 1
+    assert os.path.basename(adapters["broken_trim"]) in result.divergence.labels[1]
