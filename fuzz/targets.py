@@ -64,7 +64,10 @@ BUILTIN: dict[str, str] = {
 #: target schemes: ``"<scheme>:<rest>"`` -> ``"module:attr"`` of a callable
 #: ``(rest: str) -> Target``. Adding a kind of target is one entry here (or
 #: one entry point in group ``kvspec.target_schemes``).
-SCHEMES: dict[str, str] = {}
+SCHEMES: dict[str, str] = {
+    # an adapter program over the kvproto/1 line protocol (docs/targets.md "The line protocol")
+    "exec": "fuzz.adapters.exec:target",
+}
 
 
 class TargetError(KeyError):

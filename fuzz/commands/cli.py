@@ -618,10 +618,6 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     r.add_argument("--isolation-only", action="store_true",
                    help="do not compare in-place decisions: only a holder's bytes changing can reveal an unsafe write")
     r.add_argument("--target", default="impl", help=TARGET_HELP)
-
-    r.add_argument("--target", default="impl", type=target_name,
-                   help="implementation to replay on: impl (ours), mlx-lm's caches (docs/conformance.md), or "
-                        "exec:PATH, an adapter program speaking kvproto/1 (docs/targets.md)")
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     r.set_defaults(fn=cmd_replay)
@@ -638,6 +634,17 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     rd.add_argument("--bug", help="replay on an injected bug of the catalog instead of the real implementation")
     rd.add_argument("--isolation-only", action="store_true", help="do not compare in-place decisions (as replay)")
     rd.set_defaults(fn=cmd_render)
+
+    rw = add("rows", "print the rows a kvtrace appends (their bytes, per token)",
+             "Print the K and V contents of every row the trace's appends write, in the trace's dtype and row "
+             "scheme (cache.rows: numpy, or portable: docs/kvtrace.md \"Portable rows\"): one line per token "
+             "and side, the elements in C order (batch, head, column).")
+    rw.add_argument("trace", help="the kvtrace file (JSON)")
+    rw.add_argument("--format", choices=["hex", "values"], default="hex",
+                    help="hex: bit patterns (4 hex digits for float16 and bfloat16, 8 for float32); values: numbers")
+    rw.add_argument("--first", type=int_in(0, 2**24), default=0, help="first token identity printed")
+    rw.add_argument("--count", type=int_in(0, 2**24), default=None, help="tokens printed (default: to the last)")
+    rw.set_defaults(fn=cmd_rows)
 
     f = add("fuzz", "run a differential fuzz campaign",
             "Hypothesis state machines drive the spec and an implementation with random ops; the first "

@@ -1,4 +1,5 @@
-"""``exec:PATH``: a cache in another process, driven over kvproto/1.
+"""``exec:PATH``: a cache in another process, driven over kvproto/1 (the
+target scheme ``exec`` of ``fuzz.targets.SCHEMES``: :func:`target`).
 
 The line protocol (docs/targets.md "The line protocol"; machine form
 ``fuzz/kvproto.schema.json``): kvspec starts the adapter ``PATH`` (with any
@@ -40,7 +41,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -51,7 +52,7 @@ import numpy as np
 
 from fuzz import kinds
 from fuzz.lockstep import Divergence
-from fuzz.trace import TraceFormatError
+from fuzz.targets import CacheClass, Target, TargetCapabilityError, TargetError
 from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
 
 #: The protocol version this client speaks.
@@ -71,7 +72,7 @@ CATEGORIES: dict[str, type[KVCacheError]] = {
 OBSERVABLES = ("offset", "live_start", "live_len", "capacity", "idx")
 
 
-class ExecTargetError(Exception):
+class ExecTargetError(TargetError):
     """The adapter cannot be used at all (it does not start, does not
     answer ``hello``, speaks another version): a usage error, exit 2."""
 
@@ -195,7 +196,7 @@ class Session:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                          start_new_session=True)
         except OSError as exc:
-            raise ExecTargetError(f"cannot start adapter {shlex.join(argv)}: {exc.strerror or exc}") from None
+            raise TargetCapabilityError(f"cannot start adapter {shlex.join(argv)}: {exc.strerror or exc}") from None
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.buffer = b""
         self.dead: str | None = None
@@ -306,40 +307,25 @@ class Declared:
     observables: frozenset[str]
 
 
-@dataclass(frozen=True)
-class ExecTarget:
-    """``exec:PATH [ARGS]``: an adapter process speaking kvproto/1, in the
-    interface the drivers use for every target (``fuzz.targets``)."""
+def _not_built(cache: dict[str, Any]) -> Any:
+    raise TypeError("an exec target's cache lives in the adapter process (ExecTarget.make_lockstep)")
 
-    name: str
-    argv: tuple[str, ...]
+
+@dataclass(frozen=True)
+class ExecTarget(Target):
+    """``exec:PATH [ARGS]``: an adapter process speaking kvproto/1, as a
+    ``fuzz.targets.Target`` whose classes are what the adapter's ``hello``
+    declares (one per kind and mode: the ops it lacks skipped, the
+    observables it lacks not compared)."""
+
+    argv: tuple[str, ...] = ()
     adapter: str = ""
     windows: str = "bytes"
     declared: dict[str, Declared] = field(default_factory=dict, compare=False, hash=False)
-    excluded: frozenset[str] = frozenset()
-    waived: frozenset[str] = frozenset()
-    classes: tuple[Any, ...] = ()
+
     #: a campaign draws our implementation's shapes and dtypes (what the
     #: adapter declares), not the plain shapes of mlx-lm's findings
     full_shapes = True
-
-    @property
-    def is_impl(self) -> bool:
-        return False
-
-    @property
-    def slug(self) -> str:
-        """A file-name stem for the adapter: ``exec-<program name>``."""
-        return "exec-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(self.argv[0])).strip("-.")
-
-    @property
-    def description(self) -> str:
-        return f"{self.adapter} over kvproto/1 ({shlex.join(self.argv)})"
-
-    # -- what it runs --------------------------------------------------------------
-    def cache_class(self, kind: str, mode: str) -> Declared | None:
-        d = self.declared.get(kind)
-        return d if d is not None and mode in d.modes else None
 
     def cache_reason(self, cache: dict[str, Any]) -> str | None:
         """Why the adapter cannot build this trace's cache (None: it can)."""
@@ -356,36 +342,21 @@ class ExecTarget:
                 return f"it declares no cache field {name!r} (it has {', '.join(sorted(d.fields))})"
         return None
 
-    def require_class(self, cache: dict[str, Any]) -> Declared:
+    def require_class(self, cache: dict[str, Any]) -> CacheClass:
         reason = self.cache_reason(cache)
         if reason is not None:
-            raise TraceFormatError(f"field cache: target {self.name} cannot run this trace: {reason}")
-        return self.declared[cache["kind"]]
+            raise TargetCapabilityError(f"field cache: target {self.label} cannot run this trace: {reason}")
+        return super().require_class(cache)
 
-    def skip_reason(self, cache: dict[str, Any], op: dict[str, Any]) -> str | None:
-        if op["op"] == "expect":
-            return None
-        if op["op"] in self.excluded:
-            return f"{op['op']} excluded"
-        d = self.declared.get(cache["kind"])
-        if d is None:
-            return f"adapter {self.adapter} declares no kind {cache['kind']}"
-        if op["op"] not in d.ops:
-            return f"adapter {self.adapter} does not declare op {op['op']!r} (it declares {', '.join(sorted(d.ops))})"
-        return None
-
-    def waiving(self, what: str) -> ExecTarget:
-        return replace(self, waived=self.waived | {what})
-
-    # -- drivers -------------------------------------------------------------------
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
         """The kind's lockstep driver with the adapter as its implementation."""
-        declared = self.require_class(cache)
+        c = self.require_class(cache)
         base = kinds.get(cache["kind"], cache.get("mode")).lockstep_class()
+        base.check_cache(cache)
         # the adapter computes its rows from identities: portable rows,
         # whatever the trace's own scheme (docs/targets.md says why a
         # verdict on an unquantized cache does not depend on it)
-        return exec_lockstep(base)({**cache, "rows": "portable"}, self, declared)
+        return exec_lockstep(base)({**cache, "rows": "portable"}, self, self.declared[c.kind])
 
     def machine_base(self, kind: str, mode: str, base: type) -> type:
         return _exec_machine(base, self)
@@ -396,8 +367,8 @@ class ExecTarget:
         process per example keeps examples independent, so Hypothesis can
         shrink a failure that depends on what the adapter did before (a
         leak from one cache into the next shows within one example).
-        Raises ExecTargetError when the adapter does not answer ``hello`` as
-        it first did."""
+        Raises TargetCapabilityError when the adapter does not answer
+        ``hello`` as it first did."""
         old = _SESSIONS.pop(self.argv, None)
         if old is not None:
             old.close()
@@ -405,11 +376,26 @@ class ExecTarget:
         try:
             reply = s.request({"request": "hello", "kvproto": KVPROTO}, "hello_reply")
         except AdapterFailure as exc:
-            raise ExecTargetError(f"adapter {shlex.join(self.argv)} did not answer hello: {exc}") from None
+            raise TargetCapabilityError(f"adapter {shlex.join(self.argv)} did not answer hello: {exc}") from None
         if _declared(reply) != self.declared or reply["windows"] != self.windows:
-            raise ExecTargetError(f"adapter {shlex.join(self.argv)} declared other kinds, ops or windows than "
-                                  "in its first hello")
+            raise TargetCapabilityError(f"adapter {shlex.join(self.argv)} declared other kinds, ops or windows "
+                                        "than in its first hello")
         return s
+
+
+def _classes(adapter: str, declared: dict[str, Declared]) -> tuple[CacheClass, ...]:
+    """One CacheClass per declared (kind, mode): the kind's ops it does not
+    declare are skipped, the observables it does not declare not compared."""
+    out = []
+    for kind, d in declared.items():
+        entry_ops = {op for m in d.modes for op in kinds.get(kind, m).all_ops} - {"expect"}
+        ops = ", ".join(sorted(d.ops))
+        skipped = {op: f"not among the ops its hello declares ({ops})" for op in sorted(entry_ops - d.ops)}
+        not_compared = {o: "not among the observables its hello declares" for o in OBSERVABLES
+                        if o not in d.observables}
+        for mode in sorted(d.modes):
+            out.append(CacheClass(adapter, kind, mode, _not_built, skipped=skipped, not_compared=not_compared))
+    return tuple(out)
 
 
 _SESSIONS: dict[tuple[str, ...], Session] = {}
@@ -430,29 +416,41 @@ def _declared(reply: dict[str, Any]) -> dict[str, Declared]:
     return out
 
 
-def resolve_exec(spec: str) -> ExecTarget:
-    """``exec:PATH [ARGS]`` -> an ExecTarget, after the adapter's ``hello``.
-    Raises ExecTargetError (usage error, exit 2) naming the reason: an empty
-    path, a program that does not start, a hello that is missing, malformed
-    or of another protocol version."""
-    rest = spec.removeprefix("exec:")
+def target(rest: str) -> ExecTarget:
+    """The ``exec`` scheme (``--target exec:PATH [ARGS]``): an ExecTarget
+    after the adapter's ``hello``. Raises ExecTargetError (a TargetError:
+    usage error, exit 2) naming the reason: an empty path, a program that
+    does not start, a hello that is missing, malformed or of another
+    protocol version."""
     try:
         argv = tuple(shlex.split(rest))
     except ValueError as exc:
-        raise ExecTargetError(f"--target {spec}: cannot split the command line: {exc}") from None
+        raise ExecTargetError(f"--target exec:{rest}: cannot split the command line: {exc}") from None
     if not argv:
         raise ExecTargetError("--target exec:PATH: PATH is empty (give the adapter program, e.g. exec:./adapter)")
-    session = Session(list(argv), timeout_seconds())
+    try:
+        session = Session(list(argv), timeout_seconds())
+    except TargetCapabilityError as exc:
+        raise ExecTargetError(str(exc)) from None
     try:
         reply = session.request({"request": "hello", "kvproto": KVPROTO}, "hello_reply")
     except AdapterFailure as exc:
-        raise ExecTargetError(f"adapter {shlex.join(argv)} did not answer hello: {exc}") from None
+        raise ExecTargetError(f"--target exec:{rest}: adapter {shlex.join(argv)} did not answer hello: "
+                              f"{exc}") from None
     finally:
         session.close()
     unknown = sorted(set(reply["kinds"]) - set(kinds.trace_kinds()))
     if unknown:
-        raise ExecTargetError(f"adapter {reply['adapter']} declares unknown kinds {unknown}")
-    return ExecTarget(f"exec:{rest.strip()}", argv, reply["adapter"], reply["windows"], _declared(reply))
+        raise ExecTargetError(f"--target exec:{rest}: adapter {reply['adapter']} declares unknown kinds {unknown}")
+    for kind, d in reply["kinds"].items():
+        bad = sorted(set(d["modes"]) - set(kinds.modes_of(kind)))
+        if bad:
+            raise ExecTargetError(f"--target exec:{rest}: adapter {reply['adapter']} declares modes {bad} of "
+                                  f"kind {kind}, which the registry does not have")
+    declared = _declared(reply)
+    return ExecTarget(f"exec:{rest.strip()}", f"{reply['adapter']} over kvproto/1 ({shlex.join(argv)})",
+                      _classes(reply["adapter"], declared), argv=argv, adapter=reply["adapter"],
+                      windows=reply["windows"], declared=declared, spec=f"exec:{rest}")
 
 
 # -- the lockstep side ------------------------------------------------------------
@@ -514,6 +512,7 @@ class _Exec:
     compare_messages = False
     check_dense_masks = False
     check_stored_int8 = False
+    narrow_masks = False
     impl_name = "adapter"
 
     def __init__(self, cache: dict[str, Any], target: ExecTarget, declared: Declared):
@@ -521,20 +520,23 @@ class _Exec:
         remote = _Remote()
         super().__init__(cache, lambda **_: remote)  # type: ignore[call-arg]
         self.cache = remote
-        self.impl_name = target.name
+        self.impl_name = target.label
         self.check_inplace = "inplace" in declared.observables and "inplace" not in target.waived
-        self.not_compared = (set(OBSERVABLES) - set(declared.observables)) | set(target.waived)
+        # what the kind's spec side predicts (a ring has idx, a dense cache not)
+        predicted = set(super().spec_observables())  # type: ignore[misc]
+        self.not_compared = (predicted - set(declared.observables)) | (set(target.waived) & predicted)
         self.current_index = -1
         self.session = target.session()
         self.remote_views: dict[str, Any] = {"cache": None}
         try:
             reply = self.session.request({"request": "init", "cache": dict(cache), "wide": bool(self.wide_rows())})
         except AdapterFailure as exc:
-            raise TraceFormatError(f"field cache: target {target.name} failed building the cache: {exc}") from None
+            raise TargetCapabilityError(f"field cache: target {target.label} failed building the cache: "
+                                        f"{exc}") from None
         if not reply["ok"]:
             e = reply["error"]
-            raise TraceFormatError(f"field cache: target {target.name} refused the cache ({e['category']}): "
-                                   f"{e['message']}")
+            raise TargetCapabilityError(f"field cache: target {target.label} refused the cache "
+                                        f"({e['category']}): {e['message']}")
         self._absorb(reply)
 
     def reload_class(self) -> None:
