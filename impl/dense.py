@@ -18,6 +18,7 @@ CUDA). Trims are logical (O(1)).
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -842,6 +843,14 @@ class KVCache:
             buffers = _Buffers(kq, vq, ks, vs)
         q._adopt(CacheSnapshot("int8", buffers, self.offset, self.live_start))
         return q
+
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """mlx-lm's batching hook (``_merge_caches``): one batch cache from
+        one cache per sequence, :meth:`impl.batch.BatchKVCache.merge`
+        (spec.batch.merge). Raises what that raises."""
+        # impl.batch builds on this module; looked up at call time (no import cycle)
+        return importlib.import_module("impl.batch").BatchKVCache.merge(caches)
 
     def _to_mlx_lm_quantized(self, group_size: int, bits: int) -> Any:
         try:

@@ -356,12 +356,7 @@ def _from_mlx_lm(file: Any, layer: int, c: Any) -> Cache:
             state = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
             return KVCache.from_state(state, ("fp16", str(lm_cache.KVCache.step), str(c.offset), "0"))
         if type(c) is lm_cache.RotatingKVCache:
-            step = lm_cache.RotatingKVCache.step
-            if c.keys is None:
-                return RotatingKVCache(max_size=c.max_size, keep=c.keep, step=step)
-            rows = min(c.offset, int(c.keys.shape[2]))
-            state = (c.keys[..., :rows, :], c.values[..., :rows, :])
-            return RotatingKVCache.from_state(state, tuple(str(x) for x in (c.keep, c.max_size, step, c.offset, c._idx)))
+            return RotatingKVCache.from_mlx_lm(c, step=lm_cache.RotatingKVCache.step)
     except (InvalidArgumentError, UnsupportedOperationError) as exc:
         raise type(exc)(f"load_prompt_cache: {file}: layer {layer} (mlx-lm's {name}): {exc}") from None
     why = _UNMAPPED.get(name, "kvspec does not implement it")

@@ -21,6 +21,7 @@ instead of silently changing precision.)
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -743,6 +744,27 @@ class RotatingKVCache:
                 UserWarning, stacklevel=2,
             )
         return self
+
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """mlx-lm's batching hook (``_merge_caches``): one batch ring from one
+        ring per sequence, ``impl.batch.batch_rotating_class().merge``
+        (spec.batch.merge; no sinks, one window size)."""
+        # impl.batch builds on this module; looked up at call time (no import cycle)
+        return importlib.import_module("impl.batch").batch_rotating_class().merge(caches)
+
+    @classmethod
+    def from_mlx_lm(cls, c: Any, step: int = 256) -> RotatingKVCache:
+        """mlx-lm's ``RotatingKVCache`` ``c`` as ours, holding the same rows
+        in the same physical slots with the same window, sinks, offset and
+        cursor (its buffer as it is: unwrapped, wrapped or oversized after a
+        block). Raises InvalidArgumentError when its counters do not fit its
+        rows."""
+        if c.keys is None:
+            return cls(max_size=c.max_size, keep=c.keep, step=step)
+        rows = min(int(c.offset), int(c.keys.shape[SEQ_AXIS]))
+        state = (c.keys[..., :rows, :], c.values[..., :rows, :])
+        return cls.from_state(state, tuple(str(int(x)) for x in (c.keep, c.max_size, step, c.offset, c._idx)))
 
     def empty(self) -> bool:
         return self.keys is None

@@ -59,6 +59,10 @@ def obligations() -> list[tuple[int, Any]]:
         out.append((6, lambda: waiting(6, "paged copy on write", ("(paged spec)",),
                                        "a block is written in place only when exactly one sequence holds it",
                                        "a paged spec (spec/paged.py)")))
+    from proofs import batch
+
+    if batch.available():
+        out += batch.OBLIGATIONS
     return sorted(out, key=lambda x: x[0])
 
 

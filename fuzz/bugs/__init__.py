@@ -70,10 +70,21 @@ class UnknownBugError(KeyError):
         return str(self.args[0])
 
 
+def batch_bugs() -> list[InjectedBug]:
+    """The batch caches' injected bugs (``fuzz/bugs/batch.py``): not a
+    kvtrace kind, so not in :func:`catalog`; ``kvspec verify`` runs them
+    through the batch lockstep (``fuzz.batch.catch``) and ``kvspec e2e
+    --bug`` through the ``batch`` scenario."""
+    import importlib
+
+    return list(importlib.import_module("fuzz.bugs.batch").BUGS)
+
+
 def by_name(name: str) -> InjectedBug:
-    """The catalog entry called ``name``. Raises UnknownBugError listing the
-    known names."""
-    for bug in catalog():
+    """The catalog entry (or batch bug) called ``name``. Raises
+    UnknownBugError listing the known names."""
+    every = catalog() + batch_bugs()
+    for bug in every:
         if bug.name == name:
             return bug
-    raise UnknownBugError(f"no injected bug named {name!r}; known: {', '.join(b.name for b in catalog())}")
+    raise UnknownBugError(f"no injected bug named {name!r}; known: {', '.join(b.name for b in every)}")

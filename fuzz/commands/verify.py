@@ -132,6 +132,30 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
     return checks
 
 
+def check_batch(ring: bool, examples: int) -> list[Check]:
+    """The batch lockstep (``fuzz.batch``): ``examples`` programs of a batch
+    cache against B single caches and the spec's layout."""
+    from fuzz.batch import campaign
+
+    r = campaign(ring, max_examples=examples)
+    detail = f"{r.examples} programs, batch = B single caches" if r.ok else r.failure.splitlines()[0]
+    return [Check(f"batch lockstep/{'rotating' if ring else 'dense'}", r.ok, detail, r.seconds)]
+
+
+def check_batch_bugs(examples: int) -> list[Check]:
+    """Every injected batch bug (``fuzz/bugs/batch.py``) caught by the batch lockstep."""
+    from fuzz.batch import catch
+    from fuzz.bugs import batch_bugs
+
+    out = []
+    for bug in batch_bugs():
+        r = catch(bug, max_examples=examples, shrink=False)
+        detail = (f"caught after {r.examples} programs: {r.failure.splitlines()[0]}" if not r.ok
+                  else f"not caught in {r.examples} programs")
+        out.append(Check(f"bug {bug.name}", not r.ok, detail[:200], r.seconds))
+    return out
+
+
 def check_e2e(names: list[str] | None = None) -> list[Check]:
     """The real-decoding scenarios (fuzz/commands/e2e/) at their default size."""
     from fuzz.commands.e2e import DEFAULT, run_all
@@ -277,6 +301,10 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
                     label = f"fuzz {kind.kind}/{mode}/inplace [cuda kernel]"
                     jobs.append(Job(label, "check_campaigns_cuda", ("kernel", budget, (kind.kind, mode, inplace)),
                                     budget + 3))
+    examples = 40 if quick else 200
+    jobs += [Job(f"batch lockstep/{name}", "check_batch", (ring, examples), examples / 20)
+             for name, ring in (("dense", False), ("rotating", True))]
+    jobs.append(Job("batch bugs", "check_batch_bugs", (examples,), 6.0))
     for bug in catalog():
         if not runnable(bug):
             continue

@@ -45,6 +45,10 @@ anything.
 12. ``quantized_models``: gemma3 in Int8 and every Turbo mode (global layer
     quantized, sliding-window layers fp16 rings); mlx-lm's ``kv_bits`` from
     the first token.
+13. ``batch``: mlx-lm's ``batch_generate`` and ``BatchGenerator`` with our
+    caches (batch 3, ragged prompts and histories, a ring wrapping in one
+    sequence only, a sequence filtered out and one added mid-stream) =
+    mlx-lm's caches, byte for byte.
 
 Random-weight models collapse under greedy decoding (a default-initialised
 2-layer llama repeats one token), so every weight is scaled by
@@ -66,7 +70,7 @@ The package, by what a reader looks for:
   ``speculative``, ``teacher_forced``);
 - one module per scenario family: ``greedy`` (1, 9), ``speculative`` (2, 8, 11),
   ``snapshots`` (3, 6, 7), ``windows`` (4, 5), ``turbo`` (10),
-  ``quantized`` (12);
+  ``quantized`` (12), ``batch`` (13);
 - ``registry``: ``SCENARIOS`` by name, ``run_scenario``, ``run_all``;
 - ``command``: ``kvspec e2e``.
 """

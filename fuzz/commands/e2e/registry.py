@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuzz.commands.e2e import checks
+from fuzz.commands.e2e.batch import scenario_batch
 from fuzz.commands.e2e.checks import SHORT, Divergence, Size, Tally
 from fuzz.commands.e2e.greedy import scenario_bf16_models, scenario_greedy
 from fuzz.commands.e2e.models import Factories
@@ -54,6 +55,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("turbo", "10 turbo", scenario_turbo, "compares speculative (k-row verify) with greedy decoding, bit for bit"),
     Scenario("speculative_drift", "11 speculative_drift", scenario_speculative_drift),
     Scenario("quantized_models", "12 quantized_models", scenario_quantized_models),
+    Scenario("batch", "13 batch", scenario_batch),
 ]
 
 

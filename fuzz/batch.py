@@ -1,0 +1,296 @@
+"""Batch caches in lockstep with B single caches (``spec.batch``, semantics.md 7).
+
+A Hypothesis state machine drives a batch cache (``impl.batch.BatchKVCache``,
+or the batch ring) and, beside it, one single cache of ours per sequence
+(the reference: "a batch of B behaves as B independent caches") and the
+spec's layout arithmetic (``spec.batch``). Ops, with tiny sizes (batch 1
+to 3, 1 to 3 heads, K and V head dims that differ, step 1 to 8, ring
+windows 2 to 8, ragged lengths so that rings wrap in some rows only):
+
+* ``merge`` (the start, and again for ``extend``): single caches of ragged
+  lengths merged by ``merge`` (our ``KVCache.merge`` /
+  ``RotatingKVCache.merge``, or an injected bug's);
+* ``decode``: one row for every sequence;
+* ``block``: a right-padded block of ragged lengths (mlx-lm's ``prepare``
+  with ``right_padding``, the block, ``finalize``);
+* ``filter``: keep an ordered subset of the sequences;
+* ``extend``: merge fresh single caches and append them;
+* ``trim`` (dense): the same count from every sequence;
+* ``extract``: one sequence back as a single cache.
+
+After every op, for every sequence: its window (bytes) equals its single
+cache's, its offset equals the single's and the spec's, the layout equals
+the spec's, and (dense) the decode mask shows exactly the sequence's rows,
+never padding. A disagreement raises :class:`BatchDivergence` naming the op
+and the sequence. :func:`catch` runs the machine against an injected bug
+of ``fuzz/bugs/batch.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from impl.dense import KVCache
+from impl.rotating import RotatingKVCache
+from spec import batch as sb
+
+
+class BatchDivergence(AssertionError):
+    """The batch cache disagrees with its B single caches or with the spec."""
+
+
+def _bytes(window: Any) -> list[bytes]:
+    """A window's bytes; no window and an empty one (0 rows) are the same."""
+    if window is None or int(window[0].shape[2]) == 0:
+        return []
+    return [np.array(a).tobytes() for a in window]
+
+
+@dataclass
+class Shape:
+    heads: int
+    k_dim: int
+    v_dim: int
+    step: int
+    window: int  # rings only
+
+
+class Run:
+    """One lockstep run: the batch, the single caches, the spec layout and
+    the log of ops (for the failure message)."""
+
+    def __init__(self, ring: bool, shape: Shape, single: type, seed: int):
+        self.ring, self.shape, self.single = ring, shape, single
+        self.rng = np.random.default_rng(seed)
+        self.log: list[str] = []
+        self.singles: list[Any] = []
+        self.batch: Any = None
+        self.layout: sb.BatchLayout | None = None
+
+    # -- rows and singles ------------------------------------------------------
+    def rows(self, b: int, n: int) -> tuple[mx.array, mx.array]:
+        s = self.shape
+        k = self.rng.standard_normal((b, s.heads, n, s.k_dim)).astype(np.float16)
+        v = self.rng.standard_normal((b, s.heads, n, s.v_dim)).astype(np.float16)
+        return mx.array(k), mx.array(v)
+
+    def fresh(self, length: int) -> Any:
+        s = self.shape
+        c = (self.single(max_size=s.window, step=s.step) if self.ring else self.single("fp16", step=s.step))
+        if length:
+            c.update_and_fetch(*self.rows(1, length))
+        return c
+
+    def merged(self, lengths: tuple[int, ...]) -> tuple[list[Any], Any]:
+        """Single caches of ``lengths`` rows and their merge; merge reads
+        them (new buffers), so they go on as the references."""
+        singles = [self.fresh(n) for n in lengths]
+        return singles, type(singles[0]).merge(singles)
+
+    # -- ops -----------------------------------------------------------------------
+    def start(self, lengths: tuple[int, ...]) -> None:
+        self.log.append(f"merge {list(lengths)}")
+        self.singles, self.batch = self.merged(lengths)
+        self.layout = sb.merge(tuple(min(n, self.shape.window) if self.ring else n for n in lengths))
+        self.check("merge")
+
+    def decode(self) -> None:
+        self.log.append("decode")
+        k, v = self.rows(len(self.singles), 1)
+        self.batch.update_and_fetch(k, v)
+        for i, c in enumerate(self.singles):
+            c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+        assert self.layout is not None
+        self.layout = sb.append(self.layout, 1)
+        self.check("decode")
+
+    def block(self, lengths: tuple[int, ...]) -> None:
+        self.log.append(f"block {list(lengths)}")
+        width = max(lengths)
+        k, v = self.rows(len(self.singles), width)
+        pads = [width - n for n in lengths]
+        self.batch.prepare(lengths=list(lengths), right_padding=pads)
+        self.batch.update_and_fetch(k, v)
+        self.batch.finalize()
+        for i, (c, n) in enumerate(zip(self.singles, lengths)):
+            c.update_and_fetch(k[i : i + 1, :, :n], v[i : i + 1, :, :n])
+        assert self.layout is not None
+        self.layout = sb.append_ragged(self.layout, lengths)
+        self.check("block")
+
+    def filter(self, keep: tuple[int, ...]) -> None:
+        self.log.append(f"filter {list(keep)}")
+        self.batch.filter(list(keep))
+        self.singles = [self.singles[k] for k in keep]
+        assert self.layout is not None
+        self.layout = sb.filter(self.layout, keep)
+        self.check("filter")
+
+    def extend(self, lengths: tuple[int, ...]) -> None:
+        self.log.append(f"extend {list(lengths)}")
+        refs, other = self.merged(lengths)
+        self.batch.extend(other)
+        self.singles += refs
+        assert self.layout is not None
+        self.layout = sb.extend(self.layout, sb.merge(lengths))
+        self.check("extend")
+
+    def trim(self, n: int) -> None:
+        self.log.append(f"trim {n}")
+        assert self.layout is not None
+        want, self.layout = sb.trim(self.layout, n)
+        got = self.batch.trim(n)
+        if got != want:
+            self.fail("trim", f"trimmed {got}, spec says {want}")
+        for c in self.singles:
+            c.trim(want)
+        self.check("trim")
+
+    def extract(self, i: int) -> None:
+        self.log.append(f"extract {i}")
+        one = self.batch.extract(i)
+        if type(one) is not (RotatingKVCache if self.ring else KVCache):
+            self.fail("extract", f"sequence {i} came back as a {type(one).__name__}")
+        ref = self.singles[i]
+        got, want = self.window(one), self.window(ref)
+        if (one.offset, got) != (ref.offset, want):
+            self.fail("extract", f"sequence {i}: offset {one.offset}, window {len(got)} arrays; "
+                                 f"single cache offset {ref.offset}, window differs: {got != want}")
+
+    # -- checks ----------------------------------------------------------------------
+    def window(self, c: Any) -> list[bytes]:
+        """A single cache's window in chronological order (a ring's through
+        its chronological read: the batch ring keeps another physical order)."""
+        w = c._chronological() if self.ring else c.fetch()
+        if self.ring and w is not None:
+            n = c.size()
+            w = (w[0][..., -n:, :], w[1][..., -n:, :])
+        return _bytes(w)
+
+    def fail(self, op: str, what: str) -> None:
+        raise BatchDivergence(f"op {len(self.log) - 1} {op}: {what}\n  ops: {'; '.join(self.log)}")
+
+    def check(self, op: str) -> None:
+        offsets = [int(x) for x in np.array(self.batch.offset).tolist()]
+        want = [c.offset for c in self.singles]
+        if offsets != want:
+            self.fail(op, f"offsets {offsets}, single caches {want}")
+        if self.ring:
+            for i in range(len(self.singles)):
+                self.extract_silently(op, i)
+            return
+        assert self.layout is not None
+        if self.batch.layout != self.layout:
+            self.fail(op, f"layout {self.batch.layout}, spec says {self.layout}")
+        if list(sb.offsets(self.layout)) != want:
+            self.fail(op, f"spec offsets {sb.offsets(self.layout)}, single caches {want}")
+        for i, c in enumerate(self.singles):
+            if _bytes(self.batch.fetch_sequence(i)) != _bytes(c.fetch()):
+                self.fail(op, f"sequence {i}: window differs from its single cache's (offset {c.offset})")
+        mask = np.array(self.batch.make_mask(1, return_array=True))
+        idx = self.layout.idx
+        for i in range(len(self.singles)):
+            seen = [j for j in range(idx + 1) if mask[i, 0, 0, j]]
+            rule = [j for j in range(idx + 1) if sb.visible(self.layout, i, idx, j)]
+            if seen != rule:
+                self.fail(op, f"sequence {i}: a decode query sees positions {seen}, spec.batch.visible says {rule} "
+                              f"(padding {self.layout.pads[i]})")
+
+    def extract_silently(self, op: str, i: int) -> None:
+        one = self.batch.extract(i)
+        if (one.offset, self.window(one)) != (self.singles[i].offset, self.window(self.singles[i])):
+            self.fail(op, f"sequence {i}: extracted window or offset {one.offset} differs from its single cache's "
+                          f"({self.singles[i].offset})")
+
+
+LENGTHS = st.lists(st.integers(0, 6), min_size=1, max_size=3).map(tuple)
+
+
+@st.composite
+def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[str, Any]]]:
+    shape = Shape(draw(st.integers(1, 3)), draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4, 6])),
+                  draw(st.integers(1, 8)), draw(st.integers(2, 8)))
+    start = draw(LENGTHS.filter(lambda ls: max(ls) > 0) if ring else LENGTHS)
+    ops: list[tuple[str, Any]] = []
+    b = len(start)
+    names = ["decode", "block", "filter", "extend", "extract"] + ([] if ring else ["trim"])
+    for _ in range(draw(st.integers(1, 10))):
+        op = draw(st.sampled_from(names))
+        if op == "block":
+            ops.append((op, tuple(draw(st.integers(1, 4)) for _ in range(b))))
+        elif op == "filter":
+            keep = draw(st.lists(st.integers(0, b - 1), min_size=1, max_size=b, unique=True))
+            ops.append((op, tuple(sorted(keep) if ring else keep)))
+            b = len(keep)
+        elif op == "extend" and b < 3:
+            more = draw(st.lists(st.integers(1 if ring else 0, 6), min_size=1, max_size=3 - b).map(tuple))
+            ops.append((op, more))
+            b += len(more)
+        elif op == "extract":
+            ops.append((op, draw(st.integers(0, b - 1))))
+        elif op == "trim":
+            ops.append((op, draw(st.integers(0, 4))))
+        elif op == "decode":
+            ops.append((op, None))
+    return shape, start, ops
+
+
+def run_program(program: tuple[Shape, tuple[int, ...], list[tuple[str, Any]]], ring: bool,
+                single: type | None = None, seed: int = 0) -> None:
+    shape, start, ops = program
+    run = Run(ring, shape, single or (RotatingKVCache if ring else KVCache), seed)
+    run.start(start)
+    for name, arg in ops:
+        getattr(run, name)(*(() if arg is None else (arg,)))
+
+
+@dataclass
+class CampaignResult:
+    ok: bool
+    examples: int
+    seconds: float
+    failure: str = ""
+
+
+def campaign(ring: bool, single: type | None = None, max_examples: int = 150, seed: int = 0,
+             shrink: bool = True) -> CampaignResult:
+    """Run ``max_examples`` programs (Hypothesis, shrinking a failure);
+    ``single`` is the single-cache class whose ``merge`` builds the batch
+    (an injected bug's); ``shrink=False`` stops at the first failure
+    unshrunk."""
+    count = [0]
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    failure: list[str] = []
+    start = time.perf_counter()
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True, phases=phases,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(programs(ring), st.integers(0, 2**16))
+    def prop(program: Any, data_seed: int) -> None:
+        count[0] += 1
+        run_program(program, ring, single, seed + data_seed)
+
+    try:
+        prop()
+    except BatchDivergence as exc:
+        failure.append(str(exc))
+    except Exception as exc:  # noqa: BLE001 - a broken batch cache may raise anywhere
+        failure.append(f"raised {type(exc).__name__}: {exc}")
+    return CampaignResult(not failure, count[0], time.perf_counter() - start, failure[0] if failure else "")
+
+
+def catch(bug: Any, max_examples: int = 150, shrink: bool = True) -> CampaignResult:
+    """Run the campaign of ``bug``'s kind (``"batch"`` dense or
+    ``"batch_ring"``) with its factories; ``ok`` False means caught."""
+    ring = "rotating" in bug.factories
+    return campaign(ring, bug.factories["rotating" if ring else "dense"], max_examples, shrink=shrink)
+
+
+__all__ = ["BatchDivergence", "CampaignResult", "Run", "campaign", "catch", "programs", "run_program"]

@@ -1,0 +1,376 @@
+"""Batch caches for mlx-lm's batched generation (spec: ``spec.batch``,
+semantics.md 7).
+
+mlx-lm's ``batch_generate`` / ``BatchGenerator`` (and its server) merge the
+per-sequence caches of a batch with ``type(caches[0][l]).merge([...])``,
+decode all sequences at once, ``filter`` finished ones out, ``extend`` the
+batch with new ones and ``extract`` a sequence's cache when it finishes.
+This module gives our kinds that path:
+
+* :class:`BatchKVCache`: B dense Fp16 sequences, left-padded
+  (:class:`spec.batch.BatchLayout`); ``KVCache.merge`` builds it from our
+  dense caches and :meth:`BatchKVCache.extract` gives one back. The layout
+  is mlx-lm's own (same buffer positions, the same growth by ``step``), so
+  ``batch_generate`` with our caches produces exactly mlx-lm's tokens and
+  log-probabilities (``kvspec e2e``, scenario ``batch``).
+* :func:`batch_rotating_class`: the batch ring, mlx-lm's
+  ``BatchRotatingKVCache`` layout (a subclass: its decode and block paths),
+  built from our rings by ``RotatingKVCache.merge`` and extracted back into
+  our :class:`~impl.rotating.RotatingKVCache`.
+
+Quantized (Int8, Turbo) and paged layers refuse ``merge`` with the reason:
+a batch stores the model's float rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from impl.dense import KVCache, _check_int
+from impl.rotating import RotatingKVCache
+from spec import batch as sb
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
+
+SEQ = 2
+
+
+def _roll_right(x: mx.array, shifts: Sequence[int]) -> mx.array:
+    """Row ``b`` of ``x`` rolled ``shifts[b]`` positions right along the
+    sequence axis (mlx-lm's ``dynamic_roll``)."""
+    n = x.shape[SEQ]
+    s = mx.array(list(shifts))
+    idx = (mx.arange(n)[None, None, :, None] - s[:, None, None, None]) % n
+    return mx.take_along_axis(x, mx.broadcast_to(idx, x.shape), axis=SEQ)
+
+
+class BatchKVCache:
+    """B dense sequences in one ``[B, H, capacity, D]`` buffer pair,
+    sequence ``i`` at positions ``[pads[i], idx)`` (spec.batch).
+
+    Observables: ``offset`` (``mx.array`` of B offsets, what the model's
+    RoPE reads), ``left_padding`` (``mx.array``), ``layout`` (the
+    :class:`spec.batch.BatchLayout`, Python ints), ``size()`` = ``idx``.
+    Built by :meth:`merge` (or empty, from ``left_padding``); every
+    operation keeps ``layout`` valid (``0 <= pad <= idx``) and each
+    sequence's window equal to that of a single cache fed its rows.
+    """
+
+    step = 256
+
+    def __init__(self, left_padding: Sequence[int], step: int = 256):
+        pads = tuple(_check_int("BatchKVCache", "left_padding", p) for p in left_padding)
+        sb.check_layout(sb.BatchLayout(max(pads, default=0), pads) if pads else sb.BatchLayout(0, ()))
+        self.step = _check_int("BatchKVCache", "step", step)
+        if self.step < 1:
+            raise InvalidArgumentError(f"BatchKVCache: step must be >= 1, got {step}")
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        # empty: offsets are -pad (the padding is still to come, mlx-lm's convention)
+        self._pads = pads
+        self._idx = 0
+        self._right_padding: tuple[int, ...] | None = None
+
+    # -- layout --------------------------------------------------------------
+    @property
+    def layout(self) -> sb.BatchLayout:
+        """The spec layout. Before the first append the announced padding is
+        not in the buffer yet (``idx`` 0, offsets ``-pad``)."""
+        return sb.BatchLayout(self._idx, self._pads)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([self._idx - p for p in self._pads])
+
+    @property
+    def left_padding(self) -> mx.array:
+        return mx.array(list(self._pads))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._pads)
+
+    def _check(self) -> None:
+        if self.keys is not None:
+            sb.check_layout(self.layout)
+
+    # -- the model's path --------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` ``[B, H, S, D]`` (S positions for every
+        sequence) and return ``[B, H, idx, D]`` (spec.batch.append)."""
+        if keys.ndim != 4 or keys.shape[0] != self.batch_size or values.shape[:3] != keys.shape[:3]:
+            raise InvalidArgumentError(
+                f"update_and_fetch: keys and values must be [B={self.batch_size}, H, S, D] with the same B, H, S, "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        prev, n = self._idx, int(keys.shape[SEQ])
+        if self.keys is None or prev + n > int(self.keys.shape[SEQ]):
+            b, h, _, dk = keys.shape
+            steps = (self.step + n - 1) // self.step
+            new_k = mx.zeros((b, h, steps * self.step, dk), keys.dtype)
+            new_v = mx.zeros((b, h, steps * self.step, values.shape[3]), values.dtype)
+            if self.keys is not None:
+                assert self.values is not None
+                if prev % self.step != 0:
+                    self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=SEQ)
+                self.values = mx.concatenate([self.values, new_v], axis=SEQ)
+            else:
+                self.keys, self.values = new_k, new_v
+        assert self.values is not None
+        self._idx = prev + n
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        self._check()
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
+        if self.keys is None:
+            return None
+        assert self.values is not None
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def fetch_sequence(self, i: int) -> tuple[mx.array, mx.array] | None:
+        """Sequence ``i``'s window ``[1, H, offset_i, D]`` (spec.batch.positions)."""
+        if self.keys is None:
+            return None
+        assert self.values is not None
+        p = self._pads[i]
+        return self.keys[i : i + 1, :, p : self._idx, :], self.values[i : i + 1, :, p : self._idx, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
+        """``[B, 1, N, idx + N]`` bool: query ``q`` (position ``idx + q``) of
+        sequence ``b`` sees key ``j`` iff ``pads[b] <= j <= idx + q`` and,
+        with ``window_size``, ``idx + q - j < window_size``
+        (spec.batch.visible: padding is never visible)."""
+        N = _check_int("make_mask", "N", N)
+        if N < 1:
+            raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
+        keys = mx.arange(self._idx + N)
+        queries = mx.arange(self._idx, self._idx + N)[:, None] if self._idx else keys[:, None]
+        mask = queries >= keys[None]
+        if window_size is not None:
+            mask = mask & (queries < keys[None] + window_size)
+        return mask & (mx.expand_dims(self.left_padding, (1, 2, 3)) <= keys[None])
+
+    def prepare(self, *, left_padding: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
+                right_padding: Sequence[int] | None = None) -> None:
+        """mlx-lm's hooks before a block: ``left_padding`` (only while empty)
+        adds padding; ``right_padding`` announces a right-padded block,
+        which :meth:`finalize` turns into left padding (spec.batch.append_ragged)."""
+        if left_padding is not None:
+            if self.keys is not None:
+                raise InvalidArgumentError("prepare: left_padding can only be added to an empty BatchKVCache")
+            self._pads = tuple(p + int(q) for p, q in zip(self._pads, left_padding))
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = tuple(int(r) for r in right_padding)
+
+    def finalize(self) -> None:
+        if self._right_padding is not None:
+            assert self.keys is not None and self.values is not None
+            self.keys = _roll_right(self.keys, self._right_padding)
+            self.values = _roll_right(self.values, self._right_padding)
+            self._pads = tuple(p + r for p, r in zip(self._pads, self._right_padding))
+            self._right_padding = None
+            self._check()
+
+    # -- the batch's own operations ------------------------------------------------
+    @property
+    def state(self) -> tuple[Any, ...]:
+        kv = self.keys_and_values()
+        return () if kv is None else (*kv, self.offset, self.left_padding)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Take ``min(n, every offset)`` rows from every sequence
+        (spec.batch.trim: never into padding); returns the count."""
+        n = _check_int("trim", "n", n)
+        if self.keys is None:
+            return 0
+        count, layout = sb.trim(self.layout, n)
+        self._idx = layout.idx
+        return count
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        """Keep the sequences ``batch_indices`` (distinct, in that order) and
+        drop the columns none of them uses (spec.batch.filter)."""
+        keep = tuple(int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
+                                      else batch_indices))
+        layout = sb.filter(self.layout, keep)
+        drop = self._idx - layout.idx
+        if self.keys is not None:
+            assert self.values is not None
+            rows = mx.array(list(keep))
+            self.keys = self.keys[rows][..., drop:, :]
+            self.values = self.values[rows][..., drop:, :]
+        self._idx, self._pads = layout.idx, layout.pads
+
+    def extend(self, other: BatchKVCache) -> None:
+        """Append ``other``'s sequences, right-aligned on the longer buffer
+        (spec.batch.extend)."""
+        if not isinstance(other, BatchKVCache):
+            raise InvalidArgumentError(f"extend: other must be a BatchKVCache, got {type(other).__name__}")
+        if self.keys is None and other.keys is None:
+            self._pads = self._pads + other._pads
+            return
+        layout = sb.extend(self.layout, other.layout)
+        ref = self.keys if self.keys is not None else other.keys
+        vref = self.values if self.values is not None else other.values
+        assert ref is not None and vref is not None
+        width = max(int(c.keys.shape[SEQ]) for c in (self, other) if c.keys is not None)
+
+        def aligned(c: BatchKVCache) -> tuple[mx.array, mx.array]:
+            k, v = c.keys, c.values
+            if k is None:
+                k = mx.zeros((c.batch_size, ref.shape[1], 0, ref.shape[3]), ref.dtype)
+                v = mx.zeros((c.batch_size, vref.shape[1], 0, vref.shape[3]), vref.dtype)
+            assert v is not None
+            left = layout.idx - c._idx
+            right = width - int(k.shape[SEQ]) - left
+            if right < 0:
+                k, v, right = k[..., :right, :], v[..., :right, :], 0
+            if left or right:
+                pad = [(0, 0), (0, 0), (left, right), (0, 0)]
+                k, v = mx.pad(k, pad), mx.pad(v, pad)
+            return k, v
+
+        (ka, va), (kb, vb) = aligned(self), aligned(other)
+        self.keys, self.values = mx.concatenate([ka, kb]), mx.concatenate([va, vb])
+        self._idx, self._pads = layout.idx, layout.pads
+        self._check()
+
+    def extract(self, idx: int) -> KVCache:
+        """Sequence ``idx`` as our Fp16 :class:`~impl.dense.KVCache` holding
+        its window (offset = its rows; spec.batch.extract)."""
+        idx = _check_int("extract", "idx", idx)
+        offset, _ = sb.extract(self.layout, idx)
+        out = KVCache("fp16", step=self.step)
+        window = self.fetch_sequence(idx)
+        if window is not None and offset > 0:
+            out.update_and_fetch(mx.contiguous(window[0]), mx.contiguous(window[1]))
+        return out
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
+        """Our dense Fp16 caches (one per sequence, ragged lengths) as one
+        batch, left-padded to the longest (spec.batch.merge). Raises
+        UnsupportedOperationError for an Int8 cache (a batch stores float
+        rows) and for a cache whose window does not start at its first row
+        (a front trim: its offset is not its row count); InvalidArgumentError
+        for no caches or caches of different heads, head dims or dtypes."""
+        if not caches:
+            raise InvalidArgumentError("merge: caches must hold at least one cache, got []")
+        windows = []
+        for i, c in enumerate(caches):
+            if not isinstance(c, KVCache):
+                raise UnsupportedOperationError(
+                    f"merge: cache {i} is a {type(c).__name__}; a BatchKVCache merges dense KVCache layers")
+            if c.mode != "fp16":
+                raise UnsupportedOperationError(
+                    f"merge: cache {i} stores mode {c.mode!r}; a batch stores the model's float rows (Fp16 only)")
+            if c.live_start != 0:
+                raise UnsupportedOperationError(
+                    f"merge: cache {i} starts its window at live_start={c.live_start} (a front trim); a batch "
+                    "sequence's offset must be its row count")
+            windows.append(c.fetch())
+        lengths = tuple(0 if w is None else int(w[0].shape[SEQ]) for w in windows)
+        layout = sb.merge(lengths)
+        out = cls(list(layout.pads), step=max(getattr(caches[0], "step", 256), 1))
+        if layout.idx == 0:
+            out._pads = (0,) * len(caches)
+            return out
+        full = [w for w in windows if w is not None]
+        shapes = {(w[0].shape[1], w[0].shape[3], w[1].shape[3], w[0].dtype) for w in full}
+        if len(shapes) != 1:
+            raise InvalidArgumentError(f"merge: caches must share heads, head dims and dtype, got {sorted(map(str, shapes))}")
+        h, dk, dv, dtype = shapes.pop()
+        keys = mx.zeros((len(caches), h, layout.idx, dk), dtype)
+        values = mx.zeros((len(caches), h, layout.idx, dv), dtype)
+        for i, (p, w) in enumerate(zip(layout.pads, windows)):
+            if w is not None:
+                keys[i : i + 1, :, p:] = w[0]
+                values[i : i + 1, :, p:] = w[1]
+        out.keys, out.values, out._idx = keys, values, layout.idx
+        out._check()
+        return out
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"BatchKVCache(idx={self._idx}, pads={self._pads})"
+
+
+_RING_BATCH: list[type] = []
+
+
+def batch_rotating_class() -> type:
+    """The batch ring class (built once): mlx-lm's ``BatchRotatingKVCache``
+    with our ``merge`` (from our rings) and ``extract`` (into our ring).
+    Raises UnsupportedOperationError when mlx-lm is not installed."""
+    if _RING_BATCH:
+        return _RING_BATCH[0]
+    try:
+        from mlx_lm.models.cache import BatchRotatingKVCache as LmBatchRing
+    except ImportError:  # pragma: no cover - the e2e extra is installed by make
+        raise UnsupportedOperationError("batched rings need mlx-lm (pip install 'kvspec[e2e]')") from None
+
+    class BatchRotatingKVCache(LmBatchRing):  # type: ignore[misc, valid-type]
+        """mlx-lm's batch ring layout (every sequence's window of
+        ``max_size`` rows, one shared cursor, padding hidden by the mask),
+        merged from and extracted into our :class:`RotatingKVCache`."""
+
+        @classmethod
+        def merge(cls, caches: Sequence[Any]) -> Any:
+            """Our rings (no sinks, one window size) as one batch: each
+            sequence's last ``min(offset, max_size)`` rows in order,
+            left-padded (spec.batch.merge)."""
+            if not caches:
+                raise InvalidArgumentError("merge: caches must hold at least one cache, got []")
+            for i, c in enumerate(caches):
+                if not isinstance(c, RotatingKVCache):
+                    raise UnsupportedOperationError(
+                        f"merge: cache {i} is a {type(c).__name__}; a batch ring merges RotatingKVCache layers")
+                if c.keep:
+                    raise UnsupportedOperationError(
+                        f"merge: cache {i} keeps {c.keep} sinks; mlx-lm's batch ring has no sinks (keep=0 only)")
+            if len({c.max_size for c in caches}) != 1:
+                raise InvalidArgumentError(f"merge: rings must share max_size, got {[c.max_size for c in caches]}")
+            rows = [c._chronological() for c in caches]
+            lengths = tuple(c.size() for c in caches)
+            layout = sb.merge(lengths)
+            out = cls(caches[0].max_size, list(layout.pads))
+            if layout.idx == 0:
+                return out
+            ref = next(r for r in rows if r is not None)
+            keys = mx.zeros((len(caches), ref[0].shape[1], layout.idx, ref[0].shape[3]), ref[0].dtype)
+            values = mx.zeros((len(caches), ref[1].shape[1], layout.idx, ref[1].shape[3]), ref[1].dtype)
+            for i, (p, n, r) in enumerate(zip(layout.pads, lengths, rows)):
+                if r is not None and n:
+                    keys[i : i + 1, :, p : p + n] = r[0][..., -n:, :]
+                    values[i : i + 1, :, p : p + n] = r[1][..., -n:, :]
+            out.keys, out.values = keys, values
+            out.offset = mx.array([c.offset for c in caches])
+            out._idx = out._offset = layout.idx
+            return out
+
+        def extract(self, idx: int) -> RotatingKVCache:
+            """Sequence ``idx`` as our ring (its window in order, its offset)."""
+            return RotatingKVCache.from_mlx_lm(super().extract(idx))
+
+    _RING_BATCH.append(BatchRotatingKVCache)
+    return BatchRotatingKVCache
+
+
+__all__ = ["BatchKVCache", "batch_rotating_class"]

@@ -1,0 +1,138 @@
+"""Batch caches (issue 24): the spec's layout rules, their Z3 model against
+the spec, the lockstep of ``impl.batch`` against B single caches, the
+injected batch bugs caught, and the refusals."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import z3
+
+pytest.importorskip("mlx_lm")
+
+from fuzz.batch import campaign, catch
+from fuzz.bugs import batch_bugs, by_name
+from impl.batch import BatchKVCache
+from impl.dense import KVCache
+from impl.paged import BlockPool, PagedKVCache
+from impl.rotating import RotatingKVCache
+from impl.turbo import TurboKVCache
+from proofs import batch as pb
+from spec import batch as sb
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
+
+
+# -- the spec --------------------------------------------------------------------
+def test_merge_filter_extend_trim_by_hand():
+    lay = sb.merge((3, 0, 5))
+    assert lay == sb.BatchLayout(5, (2, 5, 0)) and sb.offsets(lay) == (3, 0, 5)
+    kept = sb.filter(lay, (1, 0))
+    assert kept == sb.BatchLayout(3, (3, 0)) and sb.offsets(kept) == (0, 3)
+    assert sb.extend(kept, sb.merge((1,))) == sb.BatchLayout(3, (3, 0, 2))
+    assert sb.append_ragged(sb.merge((2, 2)), (1, 3)) == sb.BatchLayout(5, (2, 0))
+    assert sb.trim(sb.merge((3, 1)), 2) == (1, sb.BatchLayout(2, (0, 2)))  # never past the shortest
+    assert [j for j in range(6) if sb.visible(lay, 0, 5, j)] == [2, 3, 4, 5]
+    for bad in (lambda: sb.merge(()), lambda: sb.filter(lay, (0, 0)), lambda: sb.filter(lay, (3,)),
+                lambda: sb.extract(lay, 3), lambda: sb.append_ragged(lay, (1,))):
+        with pytest.raises(InvalidArgumentError):
+            bad()
+
+
+def _val(expr):
+    return z3.simplify(expr).as_long() if not z3.is_bool(expr) else z3.is_true(z3.simplify(expr))
+
+
+def test_the_z3_model_is_the_spec():
+    """proofs/batch.py's encodings equal spec/batch.py on sampled integers."""
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = [rng.randint(0, 9) for _ in range(pb.B)]
+        idx, pads = pb.merge([z3.IntVal(n) for n in lengths])
+        assert sb.BatchLayout(_val(idx), tuple(_val(p) for p in pads)) == sb.merge(tuple(lengths))
+        lay = sb.merge(tuple(lengths))
+        zi, zp = z3.IntVal(lay.idx), [z3.IntVal(p) for p in lay.pads]
+        keep = tuple(rng.sample(range(pb.B), 2))
+        fi, fp = pb.filter_(zi, zp, [z3.IntVal(k) for k in keep])
+        assert sb.BatchLayout(_val(fi), tuple(_val(p) for p in fp)) == sb.filter(lay, keep)
+        other = sb.merge(tuple(rng.randint(0, 9) for _ in range(pb.B)))
+        ei, ep = pb.extend((zi, zp), (z3.IntVal(other.idx), [z3.IntVal(p) for p in other.pads]))
+        assert sb.BatchLayout(_val(ei), tuple(_val(p) for p in ep)) == sb.extend(lay, other)
+        block = tuple(rng.randint(0, 4) for _ in range(pb.B))
+        ri, rp = pb.append_ragged(zi, zp, [z3.IntVal(n) for n in block])
+        assert sb.BatchLayout(_val(ri), tuple(_val(p) for p in rp)) == sb.append_ragged(lay, block)
+        n = rng.randint(-2, 12)
+        assert _val(pb.trim_count(zi, zp, z3.IntVal(n))) == sb.trim_count(lay, n)
+        q, k = rng.randint(0, lay.idx), rng.randint(0, lay.idx)
+        assert _val(pb.visible(zp[0], z3.IntVal(q), z3.IntVal(k))) == sb.visible(lay, 0, q, k)
+
+
+def test_the_obligation_is_proved_and_every_control_refuted():
+    result = pb.prove_batch()
+    assert result.status == "proved", result
+    assert sorted(c.name for c in result.controls) == sorted(b.name for b in batch_bugs())
+    assert all(c.status == "refuted" for c in result.controls)
+
+
+# -- the lockstep ------------------------------------------------------------------
+@pytest.mark.parametrize("ring", [False, True])
+def test_batch_caches_agree_with_single_caches(ring):
+    result = campaign(ring, max_examples=60)
+    assert result.ok, result.failure
+    assert result.examples == 60
+
+
+@pytest.mark.parametrize("name", [b.name for b in batch_bugs()])
+def test_every_batch_bug_is_caught_by_the_lockstep(name):
+    result = catch(by_name(name), max_examples=200, shrink=False)
+    assert not result.ok, f"{name} not caught in {result.examples} programs"
+    assert result.examples < 100  # caught early, not by luck at the end
+
+
+# -- refusals and the protocol ---------------------------------------------------------
+def rows(n, h=2, d=4):
+    return mx.array(np.random.default_rng(n).standard_normal((1, h, n, d)).astype(np.float16))
+
+
+def test_merge_refuses_what_a_batch_cannot_hold():
+    int8 = KVCache("int8")
+    int8.update_and_fetch(rows(2), rows(2))
+    with pytest.raises(UnsupportedOperationError, match="stores mode 'int8'"):
+        KVCache.merge([KVCache(), int8])
+    front = KVCache()
+    front.update_and_fetch(rows(3), rows(3))
+    front.trim_front_keep_sink(1, keep=1)
+    with pytest.raises(UnsupportedOperationError, match="live_start=1"):
+        KVCache.merge([front])
+    with pytest.raises(UnsupportedOperationError, match="Turbo|float rows"):
+        TurboKVCache.merge([TurboKVCache("turbo4")])
+    with pytest.raises(UnsupportedOperationError, match="pool shares their blocks"):
+        PagedKVCache.merge([PagedKVCache(BlockPool(2))])
+    with pytest.raises(UnsupportedOperationError, match="sinks"):
+        RotatingKVCache.merge([RotatingKVCache(max_size=4, keep=1)])
+    a, b = KVCache(), KVCache()
+    a.update_and_fetch(rows(2), rows(2))
+    b.update_and_fetch(rows(2, h=1), rows(2, h=1))
+    with pytest.raises(InvalidArgumentError, match="share heads"):
+        KVCache.merge([a, b])
+
+
+def test_a_batch_filters_extends_and_extracts_our_caches():
+    caches = []
+    for n in (3, 1, 2):
+        c = KVCache(step=2)
+        c.update_and_fetch(rows(n), rows(n))
+        caches.append(c)
+    batch = KVCache.merge(caches)
+    assert isinstance(batch, BatchKVCache) and batch.offset.tolist() == [3, 1, 2]
+    mask = np.array(batch.make_mask(1))
+    assert mask[1, 0, 0].tolist() == [False, False, True, True]  # sequence 1: padding hidden
+    batch.filter([2, 1])
+    assert batch.layout == sb.BatchLayout(2, (0, 1))
+    one = batch.extract(0)
+    assert type(one) is KVCache and one.offset == 2
+    assert [np.array(a).tobytes() for a in one.fetch()] == [np.array(a).tobytes() for a in caches[2].fetch()]
+    batch.extend(KVCache.merge([KVCache()]))
+    assert batch.offset.tolist() == [2, 1, 0]
