@@ -50,6 +50,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     # answers with the next request's id
     "stale_id": [('            printf("{\\"id\\":%lld,\\"ok\\":%s", id, ok ? "true" : "false");\n',
                   '            printf("{\\"id\\":%lld,\\"ok\\":%s", id + 1, ok ? "true" : "false");\n')],
+    # declares a ring, which kvproto/1 does not drive
+    "declares_ring": [('"\\"kinds\\":{\\"dense\\":', '"\\"kinds\\":{\\"rotating\\":')],
     # refuses a bad trim_to as a state error, not an invalid argument
     "wrong_category": [("            return refuse(\"invalid_argument\", err_buf);\n",
                         "            return refuse(\"state\", err_buf);\n")],
@@ -380,3 +382,9 @@ def test_a_reply_to_another_request_breaks_the_protocol(adapters, capsys):
     trace = str(REPO / "tests" / "traces" / "token_identities.json")
     code, out = run(capsys, "replay", trace, "--target", f"exec:{adapters['stale_id']}")
     assert code == 2 and "reply id 2 to request id 1" in out and "Traceback" not in out, out
+
+
+def test_a_kind_the_protocol_does_not_drive_is_refused_at_hello(adapters, capsys):
+    trace = str(REPO / "tests" / "traces" / "token_identities.json")
+    code, out = run(capsys, "replay", trace, "--target", f"exec:{adapters['declares_ring']}")
+    assert code == 2 and "did not answer hello" in out and "'rotating'" in out, out
