@@ -194,14 +194,16 @@ class Run:
         for i, c in enumerate(self.singles):
             if _bytes(self.batch.fetch_sequence(i)) != _bytes(c.fetch()):
                 self.fail(op, f"sequence {i}: window differs from its single cache's (offset {c.offset})")
-        mask = np.array(self.batch.make_mask(1, return_array=True))
         idx = self.layout.idx
-        for i in range(len(self.singles)):
-            seen = [j for j in range(idx + 1) if mask[i, 0, 0, j]]
-            rule = [j for j in range(idx + 1) if sb.visible(self.layout, i, idx, j)]
-            if seen != rule:
-                self.fail(op, f"sequence {i}: a decode query sees positions {seen}, spec.batch.visible says {rule} "
-                              f"(padding {self.layout.pads[i]})")
+        for n, window in ((1, None), (3, None), (1, 2), (3, 2)):  # a decode step, a block; with a window
+            mask = np.array(self.batch.make_mask(n, return_array=True, window_size=window))
+            for i in range(len(self.singles)):
+                for q in range(n):
+                    seen = [j for j in range(idx + n) if mask[i, 0, q, j]]
+                    rule = [j for j in range(idx + n) if sb.visible(self.layout, i, idx + q, j, window)]
+                    if seen != rule:
+                        self.fail(op, f"sequence {i}: query {q} of {n} (window {window}) sees positions {seen}, "
+                                      f"spec.batch.visible says {rule} (padding {self.layout.pads[i]})")
 
     def extract_silently(self, op: str, i: int) -> None:
         one = self.batch.extract(i)

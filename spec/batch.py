@@ -69,10 +69,11 @@ def positions(layout: BatchLayout, i: int) -> range:
     return range(layout.pads[i], layout.idx)
 
 
-def visible(layout: BatchLayout, i: int, query: int, key: int) -> bool:
+def visible(layout: BatchLayout, i: int, query: int, key: int, window: int | None = None) -> bool:
     """Whether the query at buffer position ``query`` of sequence ``i`` sees
-    the key at position ``key``: causal, and never padding (rule 2)."""
-    return layout.pads[i] <= key <= query
+    the key at position ``key``: causal, never padding (rule 2), and with a
+    ``window``, among the query's latest ``window`` positions."""
+    return layout.pads[i] <= key <= query and (window is None or query - key < window)
 
 
 def merge(lengths: tuple[int, ...]) -> BatchLayout:

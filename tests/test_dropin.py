@@ -52,6 +52,9 @@ def test_a_refused_list_rollback_warns_once_per_cache_and_strict_raises():
         trim_prompt_cache(caches, 2, strict=True)
     assert [c.offset for c in caches] == offsets
     assert trim_prompt_cache(caches, 1, strict=True) == 1  # within the undo log: exact, silent
+    bare = wrapped_pair(undo=0)
+    got = refusals(lambda: trim_prompt_cache(bare, 1))  # a one-row rollback is as loud
+    assert len(got) == 1 and [c.offset for c in bare] == [5, 5]
     with pytest.raises(InvalidArgumentError, match="strict must be True or False"):
         trim_prompt_cache(caches, 1, strict=1)
 
