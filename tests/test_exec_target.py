@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -388,3 +389,32 @@ def test_a_kind_the_protocol_does_not_drive_is_refused_at_hello(adapters, capsys
     trace = str(REPO / "tests" / "traces" / "token_identities.json")
     code, out = run(capsys, "replay", trace, "--target", f"exec:{adapters['declares_ring']}")
     assert code == 2 and "did not answer hello" in out and "'rotating'" in out, out
+
+
+def test_any_name_a_trace_may_use_reaches_the_adapter_intact(adapters):
+    """Names are any string of 1 to 128 characters: NUL, quotes,
+    backslashes, newlines, non-ASCII (an adapter that cut a name at NUL
+    showed as 'holders differ')."""
+    names = ["a\x00b", "a", 'q"\\', "é😀\n", "\x01"]
+    ops: list[dict] = [{"op": "append", "n": 2}]
+    for i, name in enumerate(names):
+        ops += [{"op": "snapshot", "name": name}, {"op": "append", "n": 1}]
+    ops += [{"op": "restore", "name": "a\x00b"}, {"op": "expect", "window": [0, 1]},
+            {"op": "drop", "name": "a"}, {"op": "expect", "of": "a\x00b", "window": [0, 1]}]
+    doc = {"kvtrace": 1, "cache": {"kind": "dense", "step": 2, "kv_heads": 1, "head_dim": 2}, "ops": ops}
+    result = replay(loads(json.dumps(doc)), target=resolve(f"exec:{adapters['good']}"))
+    assert result.ok, result.divergence
+
+
+def test_kvspec_rows_into_a_closed_pipe_is_quiet(tmp_path):
+    """``kvspec rows T | head``: more than a pipe holds, the reader gone."""
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"kvtrace": 1, "cache": {"kind": "dense", "head_dim": 16, "rows": "portable"},
+                                "ops": [{"op": "append", "n": 3000}]}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", "rows", str(path)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"# rows of")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err

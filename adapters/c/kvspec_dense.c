@@ -128,6 +128,8 @@ static int hex4(uint32_t *v) {
     return 1;
 }
 
+static size_t jlen; /* the length of the last string read (a name may hold NUL) */
+
 static char *jstring(void) {
     size_t cap = 16, len = 0;
     char *out = malloc(cap);
@@ -162,6 +164,7 @@ static char *jstring(void) {
     }
     if (*jp != '"') jerr = 1; else jp++;
     out[len] = 0;
+    jlen = len;
     return out;
 }
 
@@ -194,7 +197,7 @@ static J *jvalue(int depth) {
             jerr = 1; return j;
         }
     }
-    if (*jp == '"') { J *j = jnew(J_STR); j->str = jstring(); return j; }
+    if (*jp == '"') { J *j = jnew(J_STR); j->str = jstring(); j->num = (long long)jlen; return j; }
     if (!strncmp(jp, "true", 4)) { jp += 4; J *j = jnew(J_BOOL); j->num = 1; return j; }
     if (!strncmp(jp, "false", 5)) { jp += 5; return jnew(J_BOOL); }
     if (!strncmp(jp, "null", 4)) { jp += 4; return jnew(J_NULL); }
@@ -236,16 +239,18 @@ static const char *jstr(const J *o, const char *key) {
 }
 
 /* ---- JSON output ---- */
-static void put_str(const char *s) {
+static void put_strn(const char *s, size_t n) {
     putchar('"');
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
         if (ch == '"' || ch == '\\') { putchar('\\'); putchar(ch); }
         else if (ch < 0x20) printf("\\u%04x", ch);
         else putchar(ch);
     }
     putchar('"');
 }
+
+static void put_str(const char *s) { put_strn(s, strlen(s)); }
 
 /* ---- the cache ---- */
 typedef struct {
@@ -255,7 +260,7 @@ typedef struct {
 
 typedef struct { Buf *buf; int len; } View; /* rows [0, len) of buf; buf NULL: empty */
 
-typedef struct { char *name; View view; } Holder;
+typedef struct { char *name; size_t len; View view; } Holder; /* names are byte strings of len bytes */
 
 static struct {
     int ready, step, B, H, Dk, Dv, esize, dtype, inplace, wide;
@@ -329,8 +334,9 @@ static void clear_all(void) {
     memset(&C, 0, sizeof(C));
 }
 
-static int find_holder(const char *name) {
-    for (int i = 0; i < C.nholders; i++) if (!strcmp(C.holders[i].name, name)) return i;
+static int find_holder(const char *name, size_t len) {
+    for (int i = 0; i < C.nholders; i++)
+        if (C.holders[i].len == len && !memcmp(C.holders[i].name, name, len)) return i;
     return -1;
 }
 
@@ -395,7 +401,7 @@ static void put_state(void) {
     printf(",\"holders\":{");
     for (int i = 0; i < C.nholders; i++) {
         if (i) putchar(',');
-        put_str(C.holders[i].name); putchar(':');
+        put_strn(C.holders[i].name, C.holders[i].len); putchar(':');
         put_window(C.holders[i].view);
     }
     printf("}}");
@@ -456,10 +462,12 @@ static int do_op(const J *op, long long first, long long *result, int *has_resul
         return 1;
     }
     if (!strcmp(name, "release_hold")) { buf_release(C.held.buf); C.held.buf = NULL; C.has_held = 0; return 1; }
-    const char *hn = jstr(op, "name");
+    J *hj = jget(op, "name");
     if (!strcmp(name, "snapshot") || !strcmp(name, "restore") || !strcmp(name, "drop")) {
-        if (!hn) return refuse("invalid_argument", "name: missing");
-        int i = find_holder(hn);
+        if (!hj || hj->t != J_STR) return refuse("invalid_argument", "name: missing");
+        const char *hn = hj->str;
+        size_t hlen = (size_t)hj->num;
+        int i = find_holder(hn, hlen);
         if (!strcmp(name, "snapshot")) {
             if (i >= 0) return refuse("state", "snapshot: name is already in use");
             if (C.nholders == C.capholders) {
@@ -467,7 +475,9 @@ static int do_op(const J *op, long long first, long long *result, int *has_resul
                 C.holders = realloc(C.holders, C.capholders * sizeof(Holder));
             }
             Holder *h = &C.holders[C.nholders++];
-            h->name = strdup(hn); h->view.buf = buf_ref(C.buf); h->view.len = C.offset;
+            h->name = malloc(hlen + 1);
+            memcpy(h->name, hn, hlen + 1);
+            h->len = hlen; h->view.buf = buf_ref(C.buf); h->view.len = C.offset;
             return 1;
         }
         if (i < 0) return refuse("state", "no snapshot named so");

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 import sys
@@ -250,7 +251,6 @@ def cmd_rows(args: argparse.Namespace) -> int:
     token and side: ``TOKEN k|v`` and the ``B * H * D`` elements in C order
     (batch, head, column), as bit patterns in hex (``--format hex``, the
     default; what adapters compare with) or as values (``--format values``)."""
-    from fuzz.rows import rows as row_values
     from fuzz.trace import TraceFormatError, load
 
     console = _console()
@@ -259,8 +259,6 @@ def cmd_rows(args: argparse.Namespace) -> int:
     except TraceFormatError as exc:
         console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {exc}")
         return 2
-    import numpy as np
-
     cache = trace.cache
     scheme = cache.get("rows", "numpy")
     dtype = cache["dtype"]
@@ -274,6 +272,20 @@ def cmd_rows(args: argparse.Namespace) -> int:
     if first < 0 or count < 0 or first + count > total:
         return _usage_error(console, f"--first/--count: the trace appends tokens 0 to {total - 1}; "
                                      f"got --first {first} --count {count}")
+    try:
+        _write_rows(args, trace, scheme, dtype, (b, h, dk, dv), wide, first, count)
+    except BrokenPipeError:  # `kvspec rows T | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _write_rows(args: argparse.Namespace, trace: Any, scheme: str, dtype: str, shape: tuple[int, int, int, int],
+                wide: bool, first: int, count: int) -> None:
+    import numpy as np
+
+    from fuzz.rows import rows as row_values
+
+    b, h, dk, dv = shape
     out = sys.stdout
     out.write(f"# rows of {args.trace}: {scheme} rows, {dtype}, wide {'on' if wide else 'off'}, "
               f"K [{b}, {h}, 1, {dk}], V [{b}, {h}, 1, {dv}]; tokens {first} to {first + count - 1}\n")
@@ -293,7 +305,7 @@ def cmd_rows(args: argparse.Namespace) -> int:
                 else:
                     cells = [f"{v:08x}" for v in x.view(np.uint32)]
                 out.write(f"{t} {side} {' '.join(cells)}\n")
-    return 0
+    out.flush()
 
 
 # -- fuzz ----------------------------------------------------------------------
