@@ -7,12 +7,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: verify test fuzz prove bench mutants e2e conformance mutation lint clean
+.PHONY: verify test fuzz prove bench mutants e2e conformance mutation lint clean docs docs-serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,e2e,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,e2e,bench,docs]'
 	touch $(STAMP)
 
 verify: $(STAMP)
@@ -46,8 +46,17 @@ mutation: $(STAMP)
 	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children $$(nproc 2>/dev/null || echo 2) || true
 	$(BIN)/python -m fuzz.commands.mutation_report  # exit 1 if a survivor is not triaged
 
+# The docs site (mkdocs.yml): strict, so a broken link, anchor, picture or
+# API reference fails; tables and pictures are generated from the registry
+# and the spec (fuzz/docgen.py). Output: site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict -a 127.0.0.1:8000
+
 lint: $(STAMP)
 	$(BIN)/ruff check spec impl fuzz proofs tests
 
 clean:
-	rm -rf $(VENV) fuzz-failures *.egg-info
+	rm -rf $(VENV) fuzz-failures *.egg-info site docs-artifacts

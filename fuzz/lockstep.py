@@ -197,8 +197,7 @@ class Lockstep:
 
     def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
         """What a reader gets back for one row: unquantized storage hands
-        back the rows as given, in their dtype (semantics.md 2 "Storage
-        dtype")."""
+        back the rows as given, in their dtype (semantics.md 2 "Storage")."""
         return x
 
     def identify(self, arrays: tuple[mx.array, mx.array] | None, mode: str | None = None) -> list[Any]:

@@ -2,7 +2,7 @@
 ``impl.quant`` (so a rounding bug in the implementation's quantizer cannot
 hide behind an oracle that calls it).
 
-The rule (semantics.md 2, "Quantized storage" and "Storage dtype"; the range
+The rule (semantics.md 2, "Storage" and "Storage dtype"; the range
 decision is :mod:`impl.quant`'s docstring), per row of ``head_dim`` values:
 
 1. cast the row to float16 (round to nearest, ties to even);

@@ -2,7 +2,7 @@
 ``turbo4``, ``turbo3asym``, ``turbo4delegated``): the lockstep driver of
 ``spec.turbo`` against ``impl.turbo`` and its state machine.
 
-Oracle (semantics.md 2, "Quantized storage"): every fetched row is
+Oracle (semantics.md 2, "Storage"): every fetched row is
 byte-identical to the row of its token quantized and dequantized *on its
 own* by the same quantizer (``impl.turbo_quant.roundtrip``): V in every
 Turbo mode, K too in Turbo4 (with K's sign vectors); in Delegated only the

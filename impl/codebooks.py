@@ -1,5 +1,4 @@
-"""Lloyd-Max codebooks of the Turbo quantizer (semantics.md 2, "Quantized
-storage").
+"""Lloyd-Max codebooks of the Turbo quantizer (semantics.md 2, "Storage").
 
 After the random rotation every coordinate of a unit-norm row of dimension
 ``d`` is close to N(0, 1/d). The optimal scalar quantizer for a Gaussian

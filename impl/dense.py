@@ -4,7 +4,7 @@ Buffers are ``[B, H, capacity, D]`` along axis 2 (keys and values may have
 different head dims ``Dk``/``Dv``); Int8 keeps float16 scale sidecars
 ``[B, H, capacity, 1]`` in lockstep. Fp16 stores rows in the floating dtype
 they come in (float16, bfloat16 or float32) and Int8 dequantizes to it
-(semantics.md 2 "Storage dtype"; "fp16" names the unquantized mode). Readers slice ``[0, live_len)``
+(semantics.md 2 "Storage"; "fp16" names the unquantized mode). Readers slice ``[0, live_len)``
 with ``live_len = offset - live_start``.
 
 Writes go through :mod:`impl.write`. They are copying writes (a static slice
@@ -56,7 +56,7 @@ def check_window_size(op: str, window_size: object) -> int | None:
 SEQ_AXIS = 2
 _OFF_VALUES = ("0", "false", "off", "no")
 _MODES = ("fp16", "int8")
-#: The floating dtypes a cache stores and returns (semantics.md 2 "Storage dtype").
+#: The floating dtypes a cache stores and returns (semantics.md 2 "Storage").
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -182,7 +182,7 @@ def check_matches_cache(op: str, name: str, have: tuple[int, ...], new: mx.array
 
 def check_dtype_matches(op: str, have: mx.Dtype, new: mx.Dtype) -> None:
     """Rows appended to a cache that holds rows come in the cache's dtype
-    (mixing would cast silently, semantics.md 2 "Storage dtype")."""
+    (mixing would cast silently, semantics.md 2 "Storage")."""
     if have != new:
         raise InvalidArgumentError(f"{op}: dtype must be {have} (the cache's rows), got {new}")
 
@@ -347,8 +347,7 @@ class KVCache:
     Args:
         mode: ``"fp16"`` (unquantized: rows stored in the dtype they come
             in) or ``"int8"`` (per-row symmetric int8 with float16 scales,
-            dequantized to the incoming dtype; semantics.md 2 "Quantized
-            storage", :mod:`impl.quant` for the range decision).
+            dequantized to the incoming dtype; semantics.md 2 "Storage", :mod:`impl.quant` for the range decision).
         step: growth granularity in rows, 1 to ``MAX_STEP`` (2^20). Production engines use 256;
             tests use 1 to 8.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
@@ -666,7 +665,7 @@ class KVCache:
 
     def _adopt(self, holder: CacheSnapshot) -> None:
         # Adopted buffers are shared with the holder: no marker, so the next
-        # write copies (semantics.md 2, "What breaks the proof").
+        # write copies (semantics.md 2, "restore").
         self.buffers = None if holder.buffers is None else holder.buffers.shared()
         self.offset, self.live_start = holder.offset, holder.live_start
         self._marker = None

@@ -1,9 +1,9 @@
 """Per-row quantizers of the quantized cache modes (semantics.md 2,
-"Quantized storage" and "Storage dtype"). Quantization is per row, so trims
+"Storage"). Quantization is per row, so trims
 and appends commute with it: a cache must return exactly what quantizing each
 live row on its own and dequantizing gives.
 
-**Decision** (the range of Int8; semantics.md 2 "Storage dtype" says a
+**Decision** (the range of Int8; semantics.md 2 "Storage" says a
 quantized mode never turns a finite input into inf or NaN):
 
 * Int8 quantizes the row cast to float16 (the spec's rule). A row that is

@@ -13,7 +13,7 @@ hold, so steady-state writes always copy.
 
 Storage is unquantized only: mode ``"fp16"``, which names the mode, not a
 cast: rows are stored and returned in the dtype they come in (float16,
-bfloat16 or float32; semantics.md 2 "Storage dtype"). Keys and values may
+bfloat16 or float32; semantics.md 2 "Storage"). Keys and values may
 have different head dims. (The reference engine falls back to Fp16 storage
 for quantized modes on sliding-window layers; here such a request is refused
 instead of silently changing precision.)

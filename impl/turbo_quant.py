@@ -1,5 +1,5 @@
 """The Turbo (PolarQuant-style) per-row quantizer in MLX (semantics.md 2,
-"Quantized storage").
+"Turbo modes").
 
 Per row ``x`` of ``head_dim = d`` coordinates:
 

@@ -46,7 +46,7 @@ MAX_STEP = 2**20
 def trim_is_logical(mode: Mode) -> bool:
     """Trim rule: Fp16 and Int8 rewind logically (O(1), capacity kept);
     the Turbo modes cut every buffer to the live rows (their packed sidecars
-    are read whole). Source: semantics.md 2 "Trim family" (speculative
+    are read whole). Source: semantics.md 2 "trim(n)" (speculative
     decoding relies on the O(1) rewind)."""
     return mode in (Mode.FP16, Mode.INT8)
 
@@ -227,7 +227,7 @@ def inplace_write_allowed(cache: DenseCache, n: int) -> bool:
     the recorded length means no trim or rollback happened since. Every holder
     was made at an earlier moment and sees only rows below its live_len then,
     which is at most ``marker.live_len``; so the row written was never valid
-    for any holder (semantics.md 2, "The two write paths").
+    for any holder (semantics.md 2, "ownership rule").
 
     post: not __return__ or (n == 1 and cache.marker is not None and cache.live_len == cache.marker.live_len)
     post: not __return__ or (cache.buffer is not None and cache.marker.buffer == cache.buffer.ident)

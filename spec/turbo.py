@@ -1,5 +1,5 @@
 """Executable spec of the Turbo modes' physical layout (semantics.md 2,
-"Quantized storage" and "Trim family").
+"Turbo modes").
 
 The abstract window of every Turbo mode is the dense one: this module runs
 ``spec.dense`` for it (entries, offset, capacity of the K buffer) and adds

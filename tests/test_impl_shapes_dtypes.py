@@ -1,5 +1,5 @@
 """Storage dtype, shapes, the in-place switch and masks of both caches
-(semantics.md 2 "Storage dtype"; spec.dense.inplace_switch,
+(semantics.md 2 "Storage"; spec.dense.inplace_switch,
 spec.dense.dense_mask_visible, spec.dense.check_window_size)."""
 
 from __future__ import annotations

@@ -201,3 +201,13 @@ def test_proofs_import_only_spec() -> None:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     assert not alias.name.startswith(("impl", "fuzz")), (path.name, alias.name)
+
+
+def test_the_docs_obligations_record_is_current(results: list[ObligationResult]) -> None:
+    """docs/proofs.md's tables are drawn from docs/generated/obligations.json:
+    it must name every obligation and control this run has, with its status."""
+    from fuzz.docgen import OBLIGATIONS_PATH, obligations_from
+
+    recorded = json.loads(OBLIGATIONS_PATH.read_text())
+    assert recorded == obligations_from(results), (
+        "docs/generated/obligations.json is stale: python -m fuzz.docgen obligations")

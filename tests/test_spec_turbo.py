@@ -1,5 +1,5 @@
 """Unit tests of spec/turbo.py: the Turbo modes' physical layout and
-Delegated's fold schedule (semantics.md 2, "Quantized storage")."""
+Delegated's fold schedule (semantics.md 2, "Storage")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """An independent NumPy reference of the Turbo quantizer (semantics.md 2,
-"Quantized storage"), written from the rule, not from impl/turbo_quant.py:
+"Turbo modes"), written from the rule, not from impl/turbo_quant.py:
 an explicit Hadamard matrix (scipy.linalg.hadamard), nearest centroid by
 argmin of distances, packing bit by bit in Python integers, float64
 arithmetic throughout."""

@@ -268,56 +268,56 @@ class KernelWriteWhereCopy(KVCache):
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
-        "inplace_after_trim", "semantics.md 2, ownership rule 4 (prev == marker.live_len)",
+        "inplace_after_trim", "semantics.md 2, ownership rule (live_len == marker.live_len)",
         "dense in-place write rule (speculative-decoding rollback)", "dense", ("fp16",), "KVCache._inplace_write_allowed",
         "in-place decode write after a logical trim overwrites a row a snapshot still sees",
         {"dense": InplaceAfterTrim},
     ),
     InjectedBug(
-        "inplace_after_restore", "semantics.md 2, restore holds no ownership marker",
+        "inplace_after_restore", "semantics.md 2, restore (no ownership marker)",
         "dense in-place write rule (buffers the cache did not produce)", "dense", ("fp16",), "KVCache._adopt",
         "restore adopts a marker for shared buffers; the next decode writes into them",
         {"dense": InplaceAfterRestore},
     ),
     InjectedBug(
-        "physical_trim_fp16", "semantics.md 2, Fp16/Int8 trim is a logical rewind (cost contract)",
+        "physical_trim_fp16", "semantics.md 2, trim is logical (Fp16/Int8 move counters only; #1209)",
         "public fix #1209", "dense", ("fp16", "int8"), "KVCache.trim",
         "trim re-slices the buffers: values right, capacity lost", {"dense": PhysicalTrimFp16},
     ),
     InjectedBug(
-        "old_regrow_guard", "semantics.md 2, append step 2 (regrow rule)",
+        "old_regrow_guard", "semantics.md 2, append: how much (cut the buffer to [0, prev) before growing)",
         "public fix #1209, the regression it fixed", "dense", ("fp16", "int8"), "KVCache._grow",
         "growth after a logical trim keeps the stale tail (cut only when prev % step != 0)",
         {"dense": OldRegrowGuard},
     ),
     InjectedBug(
-        "int8_front_trim_scales", "semantics.md 2, trim_front_keep_sink (Int8 scales move in lockstep)",
+        "int8_front_trim_scales", "semantics.md 2, front trim (Int8 scales move with their rows)",
         "sliding-window eviction with sinks", "dense", ("int8",), "KVCache.trim_front_keep_sink",
         "front trim leaves the scale sidecars behind", {"dense": Int8FrontTrimForgetsScales},
     ),
     InjectedBug(
-        "int8_writes_in_place", "semantics.md 2, ownership rule 3 (Fp16 only)",
+        "int8_writes_in_place", "semantics.md 2, ownership rule (Fp16 only)",
         "dense in-place write rule", "dense", ("int8",), "KVCache._inplace_write_allowed",
         "Int8 decode rows go in place", {"dense": Int8WritesInPlace},
     ),
     InjectedBug(
-        "inplace_switch_ignored", "semantics.md 2, ownership rule 1 (KV_INPLACE_WRITE)",
+        "inplace_switch_ignored", "semantics.md 2, the switch (KV_INPLACE_WRITE)",
         "the switch restores the copying path everywhere", "dense", ("fp16",),
         "KVCache._inplace_write_allowed", "the in-place switch is ignored", {"dense": InplaceSwitchIgnored},
         inplace=False,
     ),
     InjectedBug(
-        "negative_trim_grows_offset", "semantics.md 2, trim(n): n = clamp(n, 0, live_len)",
+        "negative_trim_grows_offset", "semantics.md 2, trim(n) (n = clamp(n, 0, live_len))",
         "mlx-lm KVCache.trim (semantics.md 6)", "dense", ("fp16", "int8"), "KVCache.trim",
         "a negative trim grows the offset", {"dense": NegativeTrimGrowsOffset},
     ),
     InjectedBug(
-        "front_trim_rewinds_offset", "semantics.md 2, trim_front_keep_sink: offset never decreases",
+        "front_trim_rewinds_offset", "semantics.md 2, front trim (the offset never decreases)",
         "sliding-window eviction with sinks (RoPE positions)", "dense", ("fp16", "int8"),
         "KVCache.trim_front_keep_sink", "front trim moves the offset back", {"dense": FrontTrimRewindsOffset},
     ),
     InjectedBug(
-        "trim_to_zero_keeps_buffers", "semantics.md 2, trim: at live_len 0 all buffers are dropped",
+        "trim_to_zero_keeps_buffers", "semantics.md 2, trim(n) (at live_len 0 every buffer is dropped)",
         "dense trim family", "dense", ("fp16", "int8"), "KVCache._drop_if_empty",
         "buffers survive a trim to zero rows", {"dense": TrimToZeroKeepsBuffers},
     ),
@@ -332,7 +332,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "the snapshot copies every buffer: same bytes, new memory", {"dense": SnapshotDeepCopies},
     ),
     InjectedBug(
-        "fp16_casts_rows", "semantics.md 2, Storage dtype (rows stored and returned in the incoming dtype)",
+        "fp16_casts_rows", "semantics.md 2, Storage (rows stored and returned in the incoming dtype)",
         "issue 15, bf16 models decode differently with a float16 cache", "dense", ("fp16",), "KVCache._encode",
         "unquantized rows are cast to float16", {"dense": CastsToFloat16},
     ),
@@ -342,18 +342,18 @@ BUGS: tuple[InjectedBug, ...] = (
         "KV_INPLACE_WRITE=OFF (or ' no ') leaves in-place writes on", {"dense": EnvSwitchCaseSensitive},
     ),
     InjectedBug(
-        "int8_round_half_away", "semantics.md 2, Quantized storage (round half to even)",
+        "int8_round_half_away", "semantics.md 2, Storage (Int8: round half to even)",
         "issue 15, quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
         "the quantizer rounds ties away from zero", {"dense": QuantizerRoundsHalfAway},
     ),
     InjectedBug(
-        "gpu_kernel_ordered_by_depends", "the write layer's ordering rule: a kernel write completes before any read of the window",
+        "gpu_kernel_ordered_by_depends", "semantics.md 5.1, window: a kernel write completes before any read of the window (the write layer's ordering rule)",
         "measured on MLX 0.32 CUDA: reads ordered by mx.depends missed the write 97-100% of the time", "dense", ("fp16",),
         "KVCache._write_inplace", "CUDA kernel write ordered only by mx.depends: a device read of the window can run first",
         {"dense": KernelOrderedByDepends}, device="gpu",
     ),
     InjectedBug(
-        "gpu_kernel_row_off", "semantics.md 2, append step 3 (rows land at [prev, prev + n))",
+        "gpu_kernel_row_off", "semantics.md 2, append: the write (rows land at [prev, prev + n))",
         "off-by-one in a device kernel's start", "dense", ("fp16",), "KVCache._write_inplace",
         "CUDA kernel write lands one row off the decode row", {"dense": KernelRowOff}, device="gpu",
     ),

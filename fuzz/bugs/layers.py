@@ -45,13 +45,13 @@ class TrimCountFromOffset(ListOps):
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
-        "list_trim_partial", "semantics.md 6, list trim is atomic (every layer trims the same count or none)",
+        "list_trim_partial", "semantics.md 6, atomic (every layer trims the same count or none)",
         "public bug class: a rollback that silently trims some layers only", "layers", ("fp16",),
         "impl.layers.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
         {"layers": {"layers": TrimsLayersThenRefuses}},
     ),
     InjectedBug(
-        "list_trim_count_from_offset", "semantics.md 6, the count comes from each layer's trimmable rows",
+        "list_trim_count_from_offset", "semantics.md 6, the count (from each layer's trimmable rows)",
         "dense front trim with sinks (live_start > 0) inside a mixed list", "layers", ("fp16",),
         "impl.layers.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
         {"layers": {"layers": TrimCountFromOffset}},

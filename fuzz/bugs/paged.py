@@ -94,24 +94,24 @@ BUGS: tuple[InjectedBug, ...] = (
         variants=(("isolation only", {}, False),),
     ),
     InjectedBug(
-        "paged_table_from_visible_len", "semantics.md 4, tables indexed by absolute position (spec.paged.table_len)",
+        "paged_table_from_visible_len", "semantics.md 4, where a row lives (tables indexed by absolute position; spec.paged.table_len)",
         "public fault: block tables sized from the visible length (slid-off rows come back)", "paged", ("fp16",),
         "BlockPool._table_entries",
         "after a front trim, trims size the table from length - start and drop blocks still visible",
         {"paged": TableFromVisibleLen},
     ),
     InjectedBug(
-        "paged_trim_keeps_tail", "semantics.md 4, trim releases blocks past ceil(len / block_size)",
+        "paged_trim_keeps_tail", "semantics.md 4, trim (releases blocks past ceil(len / block_size))",
         "public fault: freed blocks leaked by rollback", "paged", ("fp16",), "BlockPool._truncate",
         "trim cuts the table without releasing the tail blocks (refcount invariant)", {"paged": TrimKeepsTail},
     ),
     InjectedBug(
-        "paged_release_frees_shared", "semantics.md 4, release lowers each refcount by one (spec.paged.release_block)",
+        "paged_release_frees_shared", "semantics.md 4, fork / release (release lowers each refcount by one; spec.paged.release_block)",
         "public fault: freed blocks still referenced", "paged", ("fp16",), "BlockPool.release",
         "release frees blocks other sequences still hold", {"paged": ReleaseFreesShared},
     ),
     InjectedBug(
-        "paged_cow_keeps_old_refcount", "semantics.md 4, copy on write releases the shared block",
+        "paged_cow_keeps_old_refcount", "semantics.md 4, copy on write (releases the shared block)",
         "public fault: copy-on-write refcount leak", "paged", ("fp16",), "BlockPool._copy_on_write",
         "copy-on-write copies the block but leaves the old block's refcount raised", {"paged": CowKeepsOldRefcount},
     ),

@@ -190,7 +190,7 @@ class BlockDropsUnlogged(RotatingKVCache):
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
-        "steady_state_inplace", "semantics.md 3, single-row append 4 (steady state must copy)",
+        "steady_state_inplace", "semantics.md 3, steady state copies",
         "public fix #1963: the flagship", "rotating", ("fp16",), "RotatingKVCache._inplace_write_allowed",
         "decode writes in place after the window is full; snapshots of the full ring see the overwrite",
         {"rotating": SteadyStateInplace},
@@ -198,70 +198,70 @@ BUGS: tuple[InjectedBug, ...] = (
                   ("isolation only, W=16", {"max_size": 16}, False)),
     ),
     InjectedBug(
-        "wrapped_trim_moves_counters", "semantics.md 3, Trim (Decision: fail closed on a wrapped ring)",
+        "wrapped_trim_moves_counters", "semantics.md 3, trim (Decision: fail closed on a wrapped ring)",
         "mlx-lm RotatingKVCache.trim on a wrapped ring", "rotating", ("fp16",), "RotatingKVCache.trim",
         "trim after a wrap moves offset and idx; the cursor leaves [keep, W) and the window is corrupted",
         {"rotating": WrappedTrimMovesCounters},
     ),
     InjectedBug(
-        "prefill_physical_order", "semantics.md 3, multi-row append (chronological order)",
+        "prefill_physical_order", "semantics.md 3, valid rows in time order (a multi-row append reads them chronologically)",
         "public fault: appending after a wrap in physical order", "rotating", ("fp16",), "RotatingKVCache._chronological",
         "multi-row append after a wrap keeps the ring's physical order", {"rotating": PrefillPhysicalOrder},
     ),
     InjectedBug(
-        "prefill_clamps_return", "semantics.md 3, multi-row append returns the whole concatenation",
+        "prefill_clamps_return", "semantics.md 3, multi-row append (returns the whole concatenation)",
         "public fault: clamping the return to W", "rotating", ("fp16",), "RotatingKVCache._prefill",
         "multi-row append returns only the last W rows", {"rotating": PrefillClampsReturn},
     ),
     InjectedBug(
-        "mask_admits_extra_key", "semantics.md 3, Masks (exactly the window's keys)",
+        "mask_admits_extra_key", "semantics.md 3, mask (exactly the window's keys)",
         "public fault: window mask admitting W+1 keys", "rotating", ("fp16",), "RotatingKVCache.make_mask",
         "the window mask admits W + 1 keys", {"rotating": MaskAdmitsExtraKey},
     ),
     InjectedBug(
-        "warmup_inplace_ignores_marker", "semantics.md 3, warm-up in place only under the ownership rule",
+        "warmup_inplace_ignores_marker", "semantics.md 3, warm-up in place (only under the marker)",
         "public fix #1963: the warm-up ownership proof", "rotating", ("fp16",), "RotatingKVCache.restore",
         "warm-up decode writes in place without the marker (after a restore)",
         {"rotating": WarmupInplaceIgnoresMarker},
     ),
     InjectedBug(
-        "mask_hides_sinks", "semantics.md 3, Masks (sinks stay visible to every query)",
+        "mask_hides_sinks", "semantics.md 3, mask (sinks stay visible to every query)",
         "public fault: sinks hidden from later queries of a chunk", "rotating", ("fp16",),
         "RotatingKVCache.make_mask", "the mask applies the window to the sinks too", {"rotating": MaskHidesSinks},
     ),
     InjectedBug(
-        "prefill_drops_sinks", "semantics.md 3, sinks are never evicted",
+        "prefill_drops_sinks", "semantics.md 3, multi-row append (keeps the sinks)",
         "sliding-window eviction with sinks", "rotating", ("fp16",), "RotatingKVCache._chronological",
         "a multi-row append that trims old rows evicts the sinks", {"rotating": PrefillDropsSinks},
     ),
     InjectedBug(
-        "ring_growth_batch_one", "semantics.md 3, decode step 2 (growth keeps the rows' [B, H, _, D])",
+        "ring_growth_batch_one", "semantics.md 3, decode (one row) (growth keeps the rows' [B, H, _, D])",
         "issue 15, batch > 1", "rotating", ("fp16",), "RotatingKVCache._decode",
         "the first growth allocates batch 1", {"rotating": GrowthWithBatchOne},
     ),
     InjectedBug(
-        "ring_values_key_head_dim", "semantics.md 2/3, keys and values keep their own head dims",
+        "ring_values_key_head_dim", "semantics.md 3, decode (one row) (keys and values keep their own head dims)",
         "issue 15, models with a distinct value head dim", "rotating", ("fp16",), "RotatingKVCache._decode",
         "the value buffer is allocated with the keys' head dim", {"rotating": GrowthPadsValuesToKeyDim},
     ),
     InjectedBug(
-        "undo_log_one_short", "semantics.md 3, Trim (undo log: exact for n <= min(U, rows appended))",
+        "undo_log_one_short", "semantics.md 3, what a trim can take back (exact for n <= min(U, rows appended))",
         "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_decode/_log_prefill",
         "the log keeps U - 1 rows: a rollback of exactly U rows after a wrap restores a wrong row",
         {"rotating": UndoLogOneShort},
     ),
     InjectedBug(
-        "rollback_keeps_idx", "semantics.md 3, Trim (rollback restores offset and idx)",
+        "rollback_keeps_idx", "semantics.md 3, rollback (offset and idx return to the record's)",
         "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._undo_append",
         "undoing a decode restores its row and offset but not the cursor idx", {"rotating": RollbackKeepsIdx},
     ),
     InjectedBug(
-        "undo_log_survives_restore", "semantics.md 3, Trim (a restored ring cannot roll back into another history)",
+        "undo_log_survives_restore", "semantics.md 3, restore clears the log",
         "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache.restore",
         "restore keeps the replaced history's undo log", {"rotating": UndoLogSurvivesRestore},
     ),
     InjectedBug(
-        "block_drops_unlogged", "semantics.md 3, Trim (the log records the rows a multi-row append drops)",
+        "block_drops_unlogged", "semantics.md 3, undo log (records the rows a multi-row append drops)",
         "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_prefill",
         "a multi-row append does not log the old row it drops", {"rotating": BlockDropsUnlogged},
     ),

@@ -222,7 +222,7 @@ BUGS: tuple[InjectedBug, ...] = (
         {"dense": FoldOneTooFew},
     ),
     InjectedBug(
-        "turbo4_shared_signs", "semantics.md 2: Turbo4 quantizes K with an independent pair of sign vectors",
+        "turbo4_shared_signs", "semantics.md 2, what is quantized (Turbo4 quantizes K with its own pair of sign vectors)",
         "semantics.md 2 'Quantized storage' (Turbo4: K with a different seed)",
         "dense", ("turbo4",), "TurboKVCache._encode_keys",
         "Turbo4 rotates K with V's sign vectors",

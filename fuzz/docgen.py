@@ -1,0 +1,648 @@
+"""The docs site's generated parts: tables from the registry, the schema, the
+catalog and the commands' records, and pictures drawn by running the spec.
+
+MkDocs loads this file as a hook module (``mkdocs.yml``: ``hooks``):
+
+* a line ``<!-- kvspec: table NAME -->`` in a page becomes the table
+  :data:`TABLES` ``[NAME]`` draws now, from the live registry
+  (``fuzz/kinds.py``), the kvtrace schema, the injected-bug catalog, the
+  commands' exit codes, the proof obligations' record
+  (``docs/generated/obligations.json``, kept current by
+  ``tests/test_proofs.py``), the conformance report and the latest benchmark
+  record; a new kind, mode, field, op or bug appears by itself, and one
+  without a description fails the build;
+* ``<!-- kvspec: picture NAME -->`` becomes a picture of :data:`PICTURES`:
+  a worked-example trace drawn by :mod:`fuzz.render` (the spec's state op by
+  op), a mask matrix from ``spec.rotating.mask_visible``, or the
+  layers-by-kinds picture drawn from the registry;
+* a link to a file of the repository outside ``docs/`` becomes a link to its
+  API reference (``spec/``, ``impl/``) or a code span naming it; a link to a
+  path that does not exist fails the build;
+* ``index.md`` is the README, and ``api/*.md`` list every module of
+  ``spec/`` and ``impl/`` for mkdocstrings.
+
+``python -m fuzz.docgen obligations`` rewrites the obligations record from a
+run of the proofs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from fuzz import kinds
+
+ROOT = Path(__file__).resolve().parents[1]
+OBLIGATIONS_PATH = ROOT / "docs" / "generated" / "obligations.json"
+MARKER = re.compile(r"^<!-- kvspec: (table|picture) ([a-z0-9_]+) -->$", re.MULTILINE)
+
+
+class DocsError(Exception):
+    """A page asks for something the generators do not know, or the registry
+    has something the docs do not describe (the build fails)."""
+
+
+# -- what every op and field means (a new one must be described here) ---------------
+
+OP_TEXT = {
+    "append": "`update_and_fetch` of n new rows with the next n identities; n = 1 is a decode step",
+    "fetch": "read the live window (paged: of `seq`) without writing",
+    "hold": "keep the window the last append returned alive, as a pipelined step does, until the next "
+            "`hold` or `release_hold`; it is checked for isolation after every later op",
+    "release_hold": "let the held window go",
+    "trim": "remove n rows from the end; returns how many went (0 for n <= 0)",
+    "trim_to": "trim to `len` rows of offset: `trim(offset - len)`; refused unless `0 <= len <= offset`",
+    "trim_front": "`trim_front_keep_sink(n, keep)`: evict n rows after the first `keep`",
+    "gather_positions": "keep exactly these rows of the live window, in order",
+    "gather_within_tail": "of the last `tail` rows keep those at `kept` (indices into the tail)",
+    "snapshot": "prompt-cache snapshot sharing the cache's buffers",
+    "restore": "the live cache adopts the snapshot's buffers and window",
+    "drop": "release a snapshot or a detached handle",
+    "detach": "move the cache's tensors into a detached handle; the cache is empty afterwards",
+    "install": "install a detached handle into the empty cache (consumes the handle)",
+    "handle_trim_to": "physical `trim_to(len)` of a detached handle",
+    "fork": "paged: a new sequence `as` sharing every block of `from` (refcounts rise)",
+    "release": "paged: drop sequence `seq`; each of its blocks' refcount falls by one",
+    "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`)",
+    "layer": "layers: run one op (`do`: `trim_front` or `fetch`) on layer `index` of the list",
+    "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "
+              "`of` (paged: `seq` also names the sequence); `order: set` ignores the order; `layer` picks a "
+              "layer of a list (default 0)",
+}
+
+FIELD_TEXT = {
+    "kind": "the cache kind",
+    "mode": "the storage mode",
+    "step": "growth granularity in rows",
+    "batch": "B",
+    "kv_heads": "H",
+    "head_dim": "D, the head dim of keys and values",
+    "k_head_dim": "the keys' head dim when it differs from the values' (absent: `head_dim`)",
+    "v_head_dim": "the values' head dim when it differs from the keys' (absent: `head_dim`)",
+    "dtype": "the dtype rows are handed in (and stored, in the unquantized paths)",
+    "inplace": "the in-place switch; `false` is `KV_INPLACE_WRITE=0`",
+    "rows": "the row contents: `numpy` (NumPy's seeded draws) or `portable` (a closed form any language can "
+            "reproduce, `spec/rows.py`)",
+    "inplace_env": "build the cache with `KV_INPLACE_WRITE` set to this spelling (and no `inplace=`); its switch "
+                   "must equal `spec.dense.inplace_switch(spelling)`",
+    "hot_threshold": "Turbo4Delegated: hot V rows kept before a fold (docs/turbo.md)",
+    "fold_block": "Turbo4Delegated: rows one block fold moves from hot to cold",
+    "max_size": "the window W",
+    "keep": "sink rows K, `0 <= keep < max_size`",
+    "undo": "undo-log depth U in rows (exact rollback after a wrap)",
+    "layers": "the layer pattern of a prompt cache: a list of `{\"kind\": \"dense\", ...}` and "
+              "`{\"kind\": \"rotating\", \"max_size\": W, ...}` objects (docs/layers.md)",
+    "block_size": "rows per pool block",
+    "max_blocks": "most blocks the pool may grow to (0: no maximum)",
+    "chunk": "blocks added per pool growth",
+}
+
+CHECK_TEXT = {
+    "returns": "the op's return value (an append's: the window it returned, as identities)",
+    "error": "`true`: the spec refuses the op (and so must the implementation); `false`: it succeeds",
+    "inplace": "an append's write path: `true` in place, `false` a copying write",
+    "capacity": "the cache's capacity (physical rows) after the op",
+    "seq": "paged: the sequence the op acts on (default `main`)",
+}
+
+
+# -- tables ---------------------------------------------------------------------------
+
+def _code(xs: Any) -> str:
+    return ", ".join(f"`{x}`" for x in xs) if xs else ""
+
+
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    return "\n".join([_row(head), _row(["---"] * len(head)), *(_row(r) for r in rows)])
+
+
+def kinds_table() -> str:
+    """One row per registry entry: trace kind, modes, own fields, ops, page."""
+    rows = []
+    for k in kinds.KINDS.values():
+        fields = ", ".join(f"`{f}`" + (" (required)" if v is kinds.REQUIRED else f" = {json.dumps(v)}")
+                           for f, v in k.fields.items())
+        rows.append([f"`{k.name}`", f"`{k.kind}`", _code(k.modes), fields or "—", _code(k.ops) or "—",
+                     _code(k.refuses) or "—", f"[{k.files['docs']}]({Path(k.files['docs']).name})"])
+    return _table(["entry", "kvtrace kind", "modes", "own cache fields", "own ops", "refuses by contract",
+                   "page"], rows)
+
+
+def _schema() -> dict[str, Any]:
+    return json.loads(kinds.SCHEMA_PATH.read_text())
+
+
+def _values(s: dict[str, Any], defs: dict[str, Any]) -> str:
+    while "$ref" in s:
+        s = defs[s["$ref"].rsplit("/", 1)[1]]
+    if "enum" in s:
+        return _code(s["enum"])
+    if "const" in s:
+        return f"`{json.dumps(s['const'])}`"
+    t = s.get("type", "")
+    lo, hi = s.get("minimum"), s.get("maximum")
+    if lo is not None or hi is not None:
+        return f"{t} {'' if lo is None else lo} to {'' if hi is None else f'{hi:,}'}".strip()
+    if t == "array":
+        return f"list of {_values(s.get('items', {}), defs) or 'items'}"
+    return str(t)
+
+
+def fields_table() -> str:
+    """Every kvtrace cache field: which kinds have it, its values (schema),
+    its default (registry), what it means."""
+    doc = _schema()
+    defs = doc["$defs"]
+    props = defs["cache"]["properties"]
+    names: dict[str, list[str]] = {}
+    for k in kinds.KINDS.values():
+        for f in k.cache_fields:
+            names.setdefault(f, [])
+            if k.name not in names[f]:
+                names[f].append(k.name)
+    rows = []
+    every = set(kinds.KINDS)
+    for f, owners in names.items():
+        if f not in FIELD_TEXT:
+            raise DocsError(f"cache field {f!r} (registry) has no description in fuzz/docgen.py FIELD_TEXT")
+        where = "all" if set(owners) == every else ", ".join(owners)
+        if f == "kind":
+            default = "required"
+        elif f in kinds.COMMON_FIELDS:
+            default = f"`{json.dumps(kinds.COMMON_FIELDS[f])}`"
+        elif f in kinds.OPTIONAL_FIELDS:
+            default = "unset"
+        else:
+            vals = {json.dumps(k.fields[f]) if k.fields[f] is not kinds.REQUIRED else "required"
+                    for k in kinds.KINDS.values() if f in k.fields}
+            default = ", ".join(sorted(v if v == "required" else f"`{v}`" for v in vals))
+        if f == "mode":
+            values = "; ".join(f"{k.name}: {_code(k.modes)}" for k in kinds.KINDS.values())
+        else:
+            values = _values(props.get(f, {}), defs) if f in props else ""
+        rows.append([f"`{f}`", where, values, default, FIELD_TEXT[f]])
+    return _table(["field", "entries", "values", "default", "meaning"], rows)
+
+
+def _op_rules() -> dict[str, dict[str, Any]]:
+    doc = _schema()
+    defs = doc["$defs"]
+    out: dict[str, dict[str, Any]] = {}
+    for entry in defs["op"]["allOf"]:
+        if "if" not in entry:
+            continue
+        cond = entry["if"]["properties"]["op"]
+        for n in [cond["const"]] if "const" in cond else cond["enum"]:
+            rule = out.setdefault(n, {"required": [], "optional": []})
+            then = entry["then"]
+            for p in then.get("properties", {}):
+                (rule["required"] if p in then.get("required", ()) else rule["optional"]).append(p)
+    return out
+
+
+def ops_table() -> str:
+    """Every op some kind runs: its arguments (schema), which entries run it
+    and which refuse it by contract (registry), what it does."""
+    rules = _op_rules()
+    rows = []
+    for op in kinds.all_ops():
+        if op not in OP_TEXT:
+            raise DocsError(f"op {op!r} (registry) has no description in fuzz/docgen.py OP_TEXT")
+        r = rules.get(op, {"required": [], "optional": []})
+        args = ", ".join([f"`{a}`" for a in r["required"]] + [f"`{a}` (optional)" for a in r["optional"]])
+        if op != "release" and "fork" in kinds.all_ops():
+            args += (", " if args else "") + "`seq` (paged)"
+        runs = [k.name for k in kinds.KINDS.values() if op in k.all_ops]
+        refuses = [k.name for k in kinds.KINDS.values() if op in k.refuses]
+        rows.append([f"`{op}`", args, ", ".join(runs), ", ".join(refuses) or "—", OP_TEXT[op]])
+    return _table(["op", "arguments", "run by", "refused by contract", "what it does"], rows)
+
+
+def checks_table() -> str:
+    """The checks every op may carry (the schema's common op members)."""
+    doc = _schema()
+    defs = doc["$defs"]
+    common = [e for e in defs["op"]["allOf"] if "if" not in e]
+    rows = []
+    for e in common:
+        for name, s in e["properties"].items():
+            if name not in CHECK_TEXT:
+                raise DocsError(f"op member {name!r} (schema) has no description in fuzz/docgen.py CHECK_TEXT")
+            rows.append([f"`{name}`", _values(s, defs), CHECK_TEXT[name]])
+    return _table(["member", "values", "checks"], rows)
+
+
+def exit_codes_table() -> str:
+    """Each command's exit statuses, as its ``--help`` prints them."""
+    from fuzz.commands.cli import EXIT_CODES
+
+    rows = [[f"`kvspec {name}`", text.removeprefix("exit status: ")] for name, text in EXIT_CODES.items()]
+    from proofs import cli as proofs_cli
+
+    doc = " ".join((proofs_cli.__doc__ or "").split())
+    m = re.search(r"Exit status (.*?\.)", doc)
+    if m:
+        rows.append(["`kvspec prove`", m.group(1)])
+    return _table(["command", "exit status"], rows)
+
+
+def bugs_table() -> str:
+    """The injected-bug catalog: every entry, the rule it breaks and where it
+    comes from."""
+    from fuzz.bugs import catalog
+
+    rows = [[f"`{b.name}`", f"{b.kind}/{', '.join(b.modes)}", b.clause, b.source, f"`{b.replaces}`",
+             b.description, "GPU only" if b.device == "gpu" else ""] for b in catalog()]
+    return _table(["bug", "kind / modes", "rule broken", "comes from", "replaces", "what goes wrong", ""], rows)
+
+
+def kill_matrix_table() -> str:
+    """What ``kvspec mutants`` must catch: every bug in every configuration
+    it is fuzzed in (its first mode, every variant)."""
+    from fuzz.bugs import catalog
+
+    rows = []
+    for b in catalog():
+        configs = [f"{b.kind}/{b.modes[0]}" + ("" if b.inplace else " inplace off")]
+        for label, fields, observed in b.variants:
+            configs.append(f"{label}" + ("" if observed else " (in-place decision unobserved)"))
+        rows.append([f"`{b.name}`", len(configs), "; ".join(configs)])
+    return _table(["bug", "runs", "configurations (each caught from every seed)"], rows)
+
+
+def obligations_record() -> dict[str, Any]:
+    if not OBLIGATIONS_PATH.exists():
+        raise DocsError(f"{OBLIGATIONS_PATH.relative_to(ROOT)} is missing: python -m fuzz.docgen obligations")
+    return json.loads(OBLIGATIONS_PATH.read_text())
+
+
+def obligations_table() -> str:
+    rows = [[o["number"], o["name"], _code(o["proves"]), o["statement"], o["status"]]
+            for o in obligations_record()["obligations"]]
+    return _table(["#", "obligation", "proves (spec functions)", "states", "status"], rows)
+
+
+def controls_table() -> str:
+    from fuzz.bugs import catalog
+
+    bugs = {b.name for b in catalog()}
+    rows = [[o["number"], f"`{c['name']}`", c["rule"], c["status"], f"`{c['name']}`" if c["name"] in bugs else "—"]
+            for o in obligations_record()["obligations"] for c in o["controls"]]
+    return _table(["obligation", "negative control", "the buggy rule", "status", "catalog bug of that name"], rows)
+
+
+def conformance_table() -> str:
+    """mlx-lm's cache classes: what was fuzzed and found (the committed
+    report of ``kvspec conformance``)."""
+    from fuzz.commands.conformance import CLASSES
+
+    report = json.loads((ROOT / "tests/traces/conformance/report.json").read_text())
+    by = {c["cache_class"]: c for c in report["classes"]}
+    rows = []
+    for cls, target in CLASSES:
+        c = by.get(cls.name)
+        if c is None:
+            raise DocsError(f"conformance class {cls.name} is not in tests/traces/conformance/report.json")
+        rows.append([f"`{cls.name}`", target, f"{c['kind']}/{c['mode']}", f"{c['examples']:,}", f"{c['steps']:,}",
+                     len(c["findings"]), ", ".join(sorted({f["what"] for f in c["findings"]})) or "—"])
+    head = f"mlx-lm {report['mlx_lm']}, seed {report['seed']}, budget {report['budget']:g} s"
+    return head + "\n\n" + _table(["class", "target", "kind/mode", "examples", "ops", "findings", "what differs"],
+                                  rows)
+
+
+def bench_table() -> str:
+    """The latest benchmark record under docs/benchmarks/."""
+    records = sorted((ROOT / "docs/benchmarks").glob("*.json"))
+    if not records:
+        raise DocsError("docs/benchmarks/ holds no record (kvspec bench --record docs/benchmarks)")
+    rec = json.loads(records[-1].read_text())
+    out = [(f"Record `{records[-1].name}`: {rec.get('gpu') or rec.get('machine')}, mlx {rec.get('mlx')}, "
+           f"mlx-lm {rec.get('mlx_lm')}.")]
+    cr = rec.get("cache_rows")
+    if cr:
+        rows = [[r["context"], f"{r['decode_inplace_ms']:.3f}", f"{r['decode_copy_ms']:.3f}",
+                 f"{r['rollback_logical_ms']:.3f}", f"{r['rollback_physical_ms']:.3f}"] for r in cr["rows"]]
+        out.append(_table(["context", "decode in place (ms)", "decode copying (ms)", "rollback logical (ms)",
+                           "rollback physical (ms)"], rows))
+    dec = rec.get("decoder")
+    if dec:
+        ctxs = sorted({c for v in dec["ms_per_step"].values() for c in v}, key=int)
+        rows = [[name, *(f"{v.get(c, float('nan')):.3f}" for c in ctxs)] for name, v in dec["ms_per_step"].items()]
+        out.append(f"Decoder step, {dec['layers']} layers (ms per step):\n\n" + _table(["row", *ctxs], rows))
+    return "\n\n".join(out)
+
+
+TABLES = {
+    "kinds": kinds_table, "fields": fields_table, "ops": ops_table, "checks": checks_table,
+    "exit_codes": exit_codes_table, "bugs": bugs_table, "kill_matrix": kill_matrix_table,
+    "obligations": obligations_table, "controls": controls_table, "conformance": conformance_table,
+    "bench": bench_table,
+}
+
+
+# -- pictures ------------------------------------------------------------------------
+
+#: name -> (worked-example trace, injected bug or None, caption)
+PICTURES: dict[str, tuple[str, str | None, str]] = {
+    "dense_trim_regrow": ("tests/traces/worked_dense_trim_regrow.json", None,
+                          ("A dense cache: a logical trim keeps the capacity (dead tail hatched), the marker moves "
+                          "with the cache's own writes, an append after the trim regrows from the live rows.")),
+    "dense_snapshot_sharing": ("tests/traces/dense_inplace_beside_snapshot.json", None,
+                               "Snapshots share the buffer; decode rows go in place above every holder's rows."),
+    "ring_wrap": ("tests/traces/rotating_worked_example.json", None,
+                  ("A ring (W 4, one sink): warm-up in place, a snapshot of the full ring, the wrap (steady-state "
+                  "writes copy), a multi-row append after the wrap.")),
+    "ring_undo_rollback": ("tests/traces/worked_ring_undo_rollback.json", None,
+                           ("A ring with an undo log (U 3): decodes past the wrap save the rows they overwrite; a "
+                           "trim after the wrap rolls back exactly.")),
+    "paged_fork_cow": ("tests/traces/worked_paged_fork_cow.json", None,
+                       ("A block table: a fork shares every block (refcount 2), a write into a shared block copies "
+                       "it first, a release lowers the refcounts.")),
+    "delegated_fold": ("tests/traces/worked_delegated_fold.json", None,
+                       ("Turbo4Delegated: hot V rows fold into the cold part block by block; a trim across the fold "
+                       "takes hot rows first, then cold.")),
+    "list_trim_refused": ("tests/traces/worked_list_trim_refused.json", None,
+                          ("A prompt cache of a dense layer and a ring: once the ring has wrapped, the list trim "
+                          "refuses for every layer (returns 0).")),
+    "steady_state_bug": ("tests/traces/steady_state_inplace.json", "steady_state_inplace",
+                         ("A counterexample: the injected bug steady_state_inplace writes in place once the ring is "
+                         "full; the divergent op is outlined with the rule it breaks.")),
+}
+#: name -> (window, keep, keys before the chunk, chunk length): masks drawn from spec.rotating.mask_visible
+MASKS = {"mask_sinks": (4, 1, 5, 3)}
+SPECIAL = ("architecture",)
+
+
+def picture_names() -> list[str]:
+    return [*PICTURES, *MASKS, *SPECIAL]
+
+
+def picture(name: str) -> str:
+    """The SVG text of picture ``name``."""
+    if name in PICTURES:
+        from fuzz.bugs import by_name
+        from fuzz.render import svg, timeline
+        from fuzz.trace import load
+
+        path, bug, _ = PICTURES[name]
+        factories = by_name(bug).factories if bug else None
+        tl = timeline(load(ROOT / path), factories, bug)
+        if bug is None and tl.divergence is not None:
+            raise DocsError(f"picture {name}: {path} diverges on the implementation: {tl.divergence}")
+        return svg(tl)
+    if name in MASKS:
+        return mask_svg(*MASKS[name])
+    if name == "architecture":
+        return architecture_svg()
+    raise DocsError(f"no picture named {name!r}; known: {', '.join(picture_names())}")
+
+
+def caption(name: str) -> str:
+    if name in PICTURES:
+        return PICTURES[name][2]
+    if name in MASKS:
+        w, k, before, n = MASKS[name]
+        return (f"make_mask for a chunk of {n} queries after {before} rows in a ring of W {w} with {k} sink: "
+                "query q sees key p iff p <= q and (p < keep or q - p < W - keep) (spec.rotating.mask_visible).")
+    return ("Layers by kinds, drawn from the registry (fuzz/kinds.py): every entry's file in every layer; a "
+            "missing file is dashed.")
+
+
+def mask_svg(window: int, keep: int, before: int, n: int) -> str:
+    """The visibility matrix of a chunk of ``n`` queries after ``before``
+    rows: rows are queries, columns keys by absolute position, filled where
+    ``spec.rotating.mask_visible`` says the query sees the key."""
+    from spec.rotating import mask_visible
+
+    keys = before + n
+    c, left, top = 22, 70, 40
+    w, h = left + keys * c + 20, top + n * c + 40
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" class="kvr-mask" width="{w}" height="{h}" '
+           f'viewBox="0 0 {w} {h}" role="img"><title>mask W {window} K {keep}</title>'),
+           f'<rect width="{w}" height="{h}" fill="#fff"/>',
+           '<style>text{font-family:ui-monospace,monospace;font-size:10px;fill:#222}</style>']
+    for p in range(keys):
+        out.append(f'<text x="{left + p * c + 6}" y="{top - 8}">{p}</text>')
+    out.append(f'<text x="{left}" y="14">keys (absolute position); sinks outlined</text>')
+    for i in range(n):
+        q = before + i
+        out.append(f'<text x="8" y="{top + i * c + 14}">query {q}</text>')
+        for p in range(keys):
+            seen = mask_visible(q, p, window, keep)
+            fill = "#4a8" if seen else "#f4f4f4"
+            stroke = ' stroke="#000" stroke-width="2"' if p < keep else ' stroke="#ccc"'
+            out.append(f'<rect class="{"seen" if seen else "hidden"}" x="{left + p * c}" y="{top + i * c}" '
+                       f'width="{c - 2}" height="{c - 2}" fill="{fill}"{stroke}/>')
+    out.append(f'<text x="{left}" y="{h - 12}">each query sees min(q + 1, W) = {window} keys</text></svg>')
+    return "\n".join(out)
+
+
+def architecture_svg() -> str:
+    """Layers (rows) by registry entries (columns): every file of every kind,
+    drawn from :attr:`fuzz.kinds.Kind.files`; a file that does not exist is
+    dashed, so a new kind appears as a new column by itself."""
+    layers = ["docs", "bugs", "harness", "impl", "proofs", "proof model", "spec"]
+    entries = list(kinds.KINDS.values())
+    cw, rh, left, top = 170, 34, 110, 54
+    w = left + cw * len(entries) + 20
+    h = top + rh * (len(layers) + 1) + 50
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" class="kvr-arch" width="{w}" height="{h}" '
+           f'viewBox="0 0 {w} {h}" role="img"><title>layers by kinds</title>'),
+           f'<rect width="{w}" height="{h}" fill="#fff"/>',
+           '<style>text{font-family:ui-monospace,monospace;font-size:11px;fill:#222}.k{font-weight:bold}</style>']
+    for j, k in enumerate(entries):
+        x = left + j * cw
+        out.append(f'<text class="k" x="{x + 6}" y="{top - 24}">{k.name}</text>')
+        out.append(f'<text x="{x + 6}" y="{top - 10}">{", ".join(k.modes)[:26]}</text>')
+    rows = layers[:3] + ["registry"] + layers[3:]
+    for i, layer in enumerate(rows):
+        y = top + i * rh
+        out.append(f'<text x="8" y="{y + 20}">{layer}</text>')
+        if layer == "registry":
+            out.append(f'<rect x="{left}" y="{y + 3}" width="{cw * len(entries) - 6}" height="{rh - 6}" '
+                       'fill="#fdf3d0" stroke="#b90"/>')
+            out.append(f'<text x="{left + 8}" y="{y + 21}">fuzz/kinds.py: one Kind entry per column '
+                       f'({len(entries)} entries)</text>')
+            continue
+        for j, k in enumerate(entries):
+            path = k.files[layer]
+            x = left + j * cw
+            there = (ROOT / path).exists()
+            style = 'fill="#e3f1e3" stroke="#393"' if there else 'fill="#fff" stroke="#999" stroke-dasharray="4 3"'
+            out.append(f'<g class="file" data-exists="{str(there).lower()}"><rect x="{x}" y="{y + 3}" '
+                       f'width="{cw - 6}" height="{rh - 6}" rx="3" {style}/>'
+                       f'<text x="{x + 6}" y="{y + 21}">{path}</text></g>')
+    y = top + len(rows) * rh + 16
+    out.append(f'<text x="8" y="{y}">imports point down: fuzz over impl and proofs, both over spec '
+               '(import-linter contracts in pyproject.toml)</text></svg>')
+    return "\n".join(out)
+
+
+# -- MkDocs hooks -----------------------------------------------------------------------
+
+def expand(markdown: str, page: str = "") -> str:
+    """Replace every marker in ``markdown`` with what it asks for."""
+
+    def sub(m: re.Match[str]) -> str:
+        what, name = m.group(1), m.group(2)
+        if what == "table":
+            if name not in TABLES:
+                raise DocsError(f"{page}: no table named {name!r}; known: {', '.join(TABLES)}")
+            return TABLES[name]()
+        if name not in picture_names():
+            raise DocsError(f"{page}: no picture named {name!r}; known: {', '.join(picture_names())}")
+        prefix = "../" * page.count("/")
+        return (f'<figure class="kvspec-picture" markdown="span">\n'
+                f'![{name}]({prefix}pictures/{name}.svg)\n'
+                f"<figcaption>{caption(name)}</figcaption>\n</figure>")
+
+    return MARKER.sub(sub, markdown)
+
+
+LINK = re.compile(r"\]\(((?:\.\./)+)([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def rewrite_links(markdown: str, page: str) -> str:
+    """Links from a page to repository files outside ``docs/``: a module of
+    ``spec/`` or ``impl/`` links to its API reference; any other existing
+    file becomes a code span; a path that does not exist raises DocsError."""
+    depth = page.count("/")
+
+    def sub(m: re.Match[str]) -> str:
+        ups, path = m.group(1), m.group(2)
+        base = (ROOT / "docs" / Path(page).parent / ups / path).resolve()
+        if not base.exists():
+            raise DocsError(f"{page}: link to {ups}{path}: no such file in the repository")
+        rel = base.relative_to(ROOT).as_posix()
+        prefix = "../" * depth
+        if rel.endswith(".py") and rel.split("/")[0] in ("spec", "impl") and not rel.endswith("__init__.py"):
+            module = rel[:-3].replace("/", ".")
+            return f"]({prefix}api/{rel.split('/')[0]}.md#{module})"
+        return f"]({prefix}source.md#{_anchor(rel)})"
+
+    return LINK.sub(sub, markdown)
+
+
+def _anchor(rel: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", rel.lower()).strip("-")
+
+
+def source_files() -> list[str]:
+    """Repository files outside docs/ that pages link to (the source index)."""
+    found: set[str] = set()
+    for md in (ROOT / "docs").rglob("*.md"):
+        page = md.relative_to(ROOT / "docs").as_posix()
+        for m in LINK.finditer(md.read_text()):
+            base = (ROOT / "docs" / Path(page).parent / m.group(1) / m.group(2)).resolve()
+            if base.exists() and base.is_relative_to(ROOT):
+                found.add(base.relative_to(ROOT).as_posix())
+    return sorted(found)
+
+
+def source_page() -> str:
+    """A page listing the repository files pages cite, each with its module
+    docstring's first paragraph: what a link to a file outside the docs
+    leads to."""
+    out = ["# Source files cited by these pages", "",
+           ("The pages link here for files outside `docs/`; `spec/` and `impl/` modules link to the "
+           "[API reference](api/spec.md) instead."), ""]
+    for rel in source_files():
+        path = ROOT / rel
+        out.append(f'## `{rel}` {{#{_anchor(rel)}}}')
+        out.append("")
+        text = ""
+        if path.is_file() and path.suffix == ".py":
+            import ast
+
+            text = ast.get_docstring(ast.parse(path.read_text())) or ""
+        elif path.is_file() and path.suffix == ".json":
+            try:
+                doc = json.loads(path.read_text())
+                text = doc.get("title") or doc.get("description") or ""
+            except (ValueError, AttributeError):
+                text = ""
+        elif path.is_dir():
+            text = f"a folder of {len(list(path.iterdir()))} files"
+        para = text.strip().split("\n\n")[0] if text else ""
+        out.append(para.replace("\n", " ") or "(no description)")
+        out.append("")
+    return "\n".join(out)
+
+
+def api_page(package: str) -> str:
+    titles = {"spec": "The executable spec (`spec/`)", "impl": "The MLX caches (`impl/`)"}
+    out = [f"# {titles[package]}", "",
+           "Generated by mkdocstrings from the docstrings; every module of the package is listed.", ""]
+    for path in sorted((ROOT / package).glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = f"{package}.{path.stem}"
+        out += [f"## `{module}` {{#{module}}}", "", f"::: {module}", "    options:", "      show_root_heading: false",
+                "      heading_level: 3", ""]
+    return "\n".join(out)
+
+
+def index_page() -> str:
+    """The README as the site's front page (its ``docs/x.md`` names become links)."""
+    text = (ROOT / "README.md").read_text()
+    return re.sub(r"`docs/([a-z0-9_-]+)\.md`", r"[`docs/\1.md`](\1.md)", text)
+
+
+def on_files(files: Any, config: Any) -> Any:  # pragma: no cover - run by MkDocs
+    from mkdocs.structure.files import File
+
+    generated = {"index.md": index_page(), "api/spec.md": api_page("spec"), "api/impl.md": api_page("impl"),
+                 "source.md": source_page()}
+    for name in picture_names():
+        generated[f"pictures/{name}.svg"] = picture(name)
+    for path, content in generated.items():
+        old = files.get_file_from_path(path)
+        if old is not None:
+            files.remove(old)
+        files.append(File.generated(config, path, content=content))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:  # pragma: no cover
+    name = page.file.src_uri
+    try:
+        return rewrite_links(expand(markdown, name), name)
+    except DocsError as exc:
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError(str(exc)) from None
+
+
+# -- the obligations record ---------------------------------------------------------------
+
+def obligations_from(results: list[Any]) -> dict[str, Any]:
+    """The record of ``kvspec prove``'s results the docs show (no timings)."""
+    return {"obligations": [
+        {"number": r.number, "name": r.name, "proves": list(r.proves), "statement": r.statement,
+         "status": r.status,
+         "controls": [{"name": c.name, "rule": c.rule, "status": c.status} for c in r.controls]}
+        for r in results]}
+
+
+def write_obligations(results: list[Any]) -> Path:
+    OBLIGATIONS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    OBLIGATIONS_PATH.write_text(json.dumps(obligations_from(results), indent=1) + "\n")
+    return OBLIGATIONS_PATH
+
+
+if __name__ == "__main__":  # pragma: no cover - a maintenance command
+    import sys
+
+    if sys.argv[1:] == ["obligations"]:
+        from proofs.cli import run_all
+
+        print(f"wrote {write_obligations(run_all())}")
+    else:
+        print("usage: python -m fuzz.docgen obligations", file=sys.stderr)
+        raise SystemExit(2)

@@ -1,0 +1,403 @@
+"""The docs are checked against the code (docs/review.md, "Before approving").
+
+* The site builds with ``mkdocs build --strict`` (a broken link, anchor,
+  picture or API reference fails), once per session (tests/docsite.py).
+* Every registered kind, mode, cache field, op, injected bug, proof
+  obligation, command and conformance class shows on its page: generic over
+  the registry, so what other changes add is checked by itself.
+* Every ``semantics.md N`` citation in the code, the docs and the traces
+  names a section (and item) that exists; a cited rule (``semantics.md N,
+  RULE`` in a bug's clause or a trace title, ``semantics.md N, "RULE"`` in
+  prose) names a row of that section; every spec function the contract
+  links to exists.
+* A worked example's printed output (``<!-- output of: kvspec ... -->``
+  before a fenced block) is what the command prints now.
+* The pictures are drawn and every page that asks for one gets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fuzz import docgen, kinds
+from fuzz.bugs import catalog
+from tests.docsite import REPO, build
+
+SEMANTICS = (REPO / "docs" / "semantics.md").read_text()
+
+
+# -- the site's pages as tables ---------------------------------------------------------
+class _Tables(HTMLParser):
+    """Cell texts of every <table> in a page, and the page's text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: list[str] = []
+        self.text: list[str] = []
+        self._cell: list[str] | None = None
+        self._depth = 0
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "table":
+            self._depth += 1
+        if tag in ("td", "th") and self._depth:
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self._depth -= 1
+        if tag in ("td", "th") and self._cell is not None:
+            self.cells.append(" ".join("".join(self._cell).split()))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def page(name: str) -> _Tables:
+    site, _ = build()
+    path = site / ("index.html" if name == "index" else f"{name}/index.html")
+    assert path.exists(), f"the site has no page {name}"
+    parser = _Tables()
+    parser.feed(path.read_text())
+    return parser
+
+
+def in_a_table(name: str, needle: str) -> bool:
+    return any(needle == c or needle in c.split(", ") or needle in c.split() for c in page(name).cells)
+
+
+def test_site_builds_strict_without_warnings():
+    _, log = build()
+    assert "WARNING" not in log, log
+
+
+def test_every_kind_and_mode_on_the_architecture_page():
+    for k in kinds.KINDS.values():
+        assert in_a_table("architecture", k.name), f"kind {k.name} missing from docs/architecture.md"
+        for m in k.modes:
+            assert in_a_table("architecture", m), f"mode {m} of {k.name} missing from docs/architecture.md"
+
+
+def test_every_mode_named_on_the_contract_page():
+    for m in kinds.all_modes():
+        assert f"`{m}`" in SEMANTICS, f"mode {m} is not named on docs/semantics.md"
+
+
+def test_every_field_and_op_on_the_kvtrace_page():
+    for k in kinds.KINDS.values():
+        for f in k.cache_fields:
+            assert in_a_table("kvtrace", f), f"cache field {f} ({k.name}) missing from docs/kvtrace.md"
+    for op in kinds.all_ops():
+        assert in_a_table("kvtrace", op), f"op {op} missing from docs/kvtrace.md"
+    schema = kinds.SCHEMA_PATH.read_text()
+    for member in ("returns", "error", "inplace", "capacity", "seq"):
+        assert member in schema and in_a_table("kvtrace", member), member
+
+
+def test_every_bug_in_the_catalog_and_kill_matrix_tables():
+    cells = page("fuzzing").cells
+    for b in catalog():
+        assert sum(c == b.name for c in cells) >= 2, f"bug {b.name} missing from docs/fuzzing.md's tables"
+
+
+def test_every_obligation_and_control_on_the_proofs_page():
+    from proofs.cli import obligations
+
+    cells = page("proofs").cells
+    for number, _ in obligations():
+        assert str(number) in cells, f"obligation {number} missing from docs/proofs.md"
+    record = docgen.obligations_record()
+    assert sorted(o["number"] for o in record["obligations"]) == sorted(n for n, _ in obligations())
+    for o in record["obligations"]:
+        for c in o["controls"]:
+            assert c["name"] in cells, f"negative control {c['name']} missing from docs/proofs.md"
+
+
+def test_every_command_and_exit_code_on_the_cli_page():
+    from fuzz.commands.cli import EXIT_CODES, build_parser
+
+    parser = build_parser()
+    commands = parser.get_default("_subparsers")
+    for name in [*commands, "prove"]:
+        assert in_a_table("cli", f"kvspec {name}") or f"kvspec {name}" in " ".join(page("cli").cells), name
+    for name, text in EXIT_CODES.items():
+        assert " ".join(text.removeprefix("exit status: ").split()) in page("cli").cells, name
+
+
+def test_every_conformance_class_on_its_page():
+    from fuzz.commands.conformance import CLASSES
+
+    for cls, _ in CLASSES:
+        assert in_a_table("conformance", cls.name), cls.name
+
+
+def test_latest_bench_record_rows_on_the_gpu_page():
+    import json
+
+    rec = json.loads(max((REPO / "docs/benchmarks").glob("*.json")).read_text())
+    cells = page("gpu").cells
+    for name in rec["decoder"]["ms_per_step"]:
+        assert name in cells, f"bench row {name!r} missing from docs/gpu.md"
+
+
+def test_every_kind_page_is_in_the_nav():
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:", lambda loader, suffix, node: None)
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    config = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=Loader)
+    pages: list[str] = []
+
+    def walk(x: object) -> None:
+        if isinstance(x, str):
+            pages.append(x)
+        elif isinstance(x, list):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(config["nav"])
+    for k in kinds.KINDS.values():
+        assert Path(k.files["docs"]).name in pages, f"{k.files['docs']} is not in mkdocs.yml's nav"
+    for md in (REPO / "docs").glob("*.md"):
+        assert md.name in pages, f"docs/{md.name} is not in mkdocs.yml's nav"
+
+
+# -- generated parts fail on what they cannot describe -------------------------------------
+def test_an_undescribed_op_or_field_fails_the_build(monkeypatch):
+    entry = kinds.KINDS["paged"]
+    from dataclasses import replace
+
+    monkeypatch.setitem(kinds.KINDS, "paged", replace(entry, ops=(*entry.ops, "teleport")))
+    with pytest.raises(docgen.DocsError, match="teleport"):
+        docgen.ops_table()
+    monkeypatch.setitem(kinds.KINDS, "paged", replace(entry, fields={**entry.fields, "warp": 1}))
+    with pytest.raises(docgen.DocsError, match="warp"):
+        docgen.fields_table()
+
+
+def test_a_new_kind_appears_in_the_tables_and_the_picture(monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setitem(kinds.KINDS, "chunked", replace(kinds.KINDS["dense"], name="chunked", trace_kind="chunked"))
+    assert "`chunked`" in docgen.kinds_table()
+    svg = docgen.architecture_svg()
+    assert "spec/chunked.py" in svg and 'data-exists="false"' in svg
+
+
+def test_unknown_markers_and_dead_links_fail():
+    with pytest.raises(docgen.DocsError, match="no table"):
+        docgen.expand("<!-- kvspec: table nosuch -->", "x.md")
+    with pytest.raises(docgen.DocsError, match="no picture"):
+        docgen.expand("<!-- kvspec: picture nosuch -->", "x.md")
+    with pytest.raises(docgen.DocsError, match="no such file"):
+        docgen.rewrite_links("see [x](../spec/nosuch.py)", "semantics.md")
+    assert "api/spec.md#spec.dense" in docgen.rewrite_links("[d](../spec/dense.py)", "semantics.md")
+
+
+# -- citations ------------------------------------------------------------------------------
+def _sections() -> dict[str, str]:
+    """Section number -> its text, and "N.M" -> item M of section N's list."""
+    out: dict[str, str] = {}
+    parts = re.split(r"^## (\d+)\. ", SEMANTICS, flags=re.MULTILINE)
+    for num, body in zip(parts[1::2], parts[2::2]):
+        out[num] = body
+        for m in re.finditer(r"^(\d+)\. \*\*([^*]+)\*\*", body, re.MULTILINE):
+            out[f"{num}.{m.group(1)}"] = m.group(2)
+    return out
+
+
+def _rows(section: str) -> set[str]:
+    """Rule names of a section: first cells of its tables, bold paragraph leads."""
+    body = _sections()[section]
+    names = set()
+    for line in body.splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            names.add(line.split("|")[1].strip().strip("`").lower())
+        m = re.match(r"^\*\*([^*]+?)\.?\*\*", line)
+        if m:
+            names.add(m.group(1).lower())
+    return names
+
+
+def _rule_resolves(section: str, rule: str) -> bool:
+    sections = _sections()
+    if section not in sections:
+        return False
+    if "." in section:
+        return rule.lower().startswith(sections[section].lower())
+    cited = " ".join(rule.split()).strip("`").lower()
+    head = cited.split(" (")[0]
+
+    def bounded(text: str, prefix: str) -> bool:
+        return text.startswith(prefix) and (len(text) == len(prefix) or text[len(prefix)] in " :,(;")
+
+    return any(bounded(cited, r) or (len(head) >= 4 and bounded(r, head)) for r in _rows(section))
+
+
+def _cited_text() -> list[tuple[str, str]]:
+    files = [*REPO.glob("README.md"), *(REPO / "docs").rglob("*.md")]
+    for pkg in ("spec", "impl", "fuzz", "proofs", "tests"):
+        files += (REPO / pkg).rglob("*.py")
+    files += (REPO / "tests" / "traces").rglob("*.json")
+    return [(str(f.relative_to(REPO)), f.read_text()) for f in files if f.name != "test_docs.py"]
+
+
+CITE = re.compile(r"semantics\.md[ ,]*(?:section )?(\d+(?:\.\d+)?)\b")
+
+
+def test_every_cited_section_exists():
+    sections = _sections()
+    bad = [f"{path}: semantics.md {m.group(1)}" for path, text in _cited_text()
+           for m in CITE.finditer(text) if m.group(1) not in sections]
+    assert not bad, "citations of sections docs/semantics.md does not have:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_every_quoted_rule_citation_resolves():
+    bad = []
+    for path, text in _cited_text():
+        for m in re.finditer(r'semantics\.md\s+(\d+(?:\.\d+)?),?\s+"([^"]+)"', text):
+            if not _rule_resolves(m.group(1), m.group(2)):
+                bad.append(f'{path}: semantics.md {m.group(1)}, "{m.group(2)}"')
+    assert not bad, "citations of rules docs/semantics.md does not have:\n" + "\n".join(sorted(set(bad)))
+
+
+def _clause_problems(clause: str) -> list[str]:
+    problems = []
+    refs = list(re.finditer(r"semantics\.md (\d+(?:\.\d+)?)[, ]+([^;]+?)(?=$|; )", clause))
+    specs = re.findall(r"\bspec\.[a-z_]+\.[a-z_]+", clause)
+    if not refs and not specs:
+        problems.append("cites neither a semantics.md rule nor a spec function")
+    for m in refs:
+        if not _rule_resolves(m.group(1), m.group(2)):
+            problems.append(f"semantics.md {m.group(1)} has no rule {m.group(2)!r}")
+    for ref in specs:
+        module, _, fn = ref.rpartition(".")
+        if not callable(getattr(importlib.import_module(module), fn, None)):
+            problems.append(f"{ref} does not exist")
+    return problems
+
+
+@pytest.mark.parametrize("bug", catalog(), ids=lambda b: b.name)
+def test_every_bug_clause_resolves(bug):
+    assert not _clause_problems(bug.clause), (bug.clause, _clause_problems(bug.clause))
+
+
+def test_trace_titles_cite_rules_that_exist():
+    """A bug's trace is titled ``injected bug NAME (CLAUSE): ...``; the
+    clause must resolve as the catalog's do."""
+    import json
+
+    bad = []
+    for path in sorted((REPO / "tests" / "traces").glob("*.json")):
+        title = json.loads(path.read_text()).get("title", "")
+        m = re.match(r"injected bug (\w+) \((.*?)\): ", title)
+        if m and _clause_problems(m.group(2)):
+            bad.append(f"{path.name}: {m.group(2)!r}: {_clause_problems(m.group(2))}")
+    assert not bad, "\n".join(bad)
+
+
+def test_a_bad_clause_is_caught():
+    assert _clause_problems("semantics.md 3, single-row append 4 (steady state must copy)")
+    assert _clause_problems("semantics.md 9, ownership rule")
+    assert _clause_problems("spec.dense.no_such_rule (x)")
+    assert not _clause_problems("semantics.md 3, steady state copies")
+
+
+def test_every_spec_function_the_contract_links_exists():
+    bad = []
+    for m in re.finditer(r"\[([^\]\n]+)\]\(\.\./spec/([a-z_]+)\.py\)", SEMANTICS):
+        module = importlib.import_module(f"spec.{m.group(2)}")
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", m.group(1)):
+            if not hasattr(module, name):
+                bad.append(f"spec.{m.group(2)}.{name}")
+    assert not bad, f"docs/semantics.md links spec functions that do not exist: {bad}"
+
+
+# -- worked examples ----------------------------------------------------------------------
+EXAMPLE = re.compile(r"<!-- output of: (kvspec [^>]+?) -->\n```[a-z]*\n(.*?)```", re.DOTALL)
+
+
+def _examples() -> list[tuple[str, str, str]]:
+    out = []
+    for md in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for m in EXAMPLE.finditer(md.read_text()):
+            out.append((md.name, m.group(1), m.group(2)))
+    return out
+
+
+def test_the_docs_have_worked_examples():
+    assert len(_examples()) >= 3
+
+
+@pytest.mark.parametrize("where,command,shown", _examples(), ids=lambda x: x if "\n" not in x else "")
+def test_worked_example_prints_what_the_page_shows(where, command, shown):
+    from fuzz.commands.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(shlex.split(command)[1:])
+    got = "\n".join(line.rstrip() for line in buf.getvalue().strip().splitlines())
+    want = "\n".join(line.rstrip() for line in shown.strip().splitlines())
+    assert got == want, f"{where}: `{command}` now prints:\n{got}"
+
+
+def test_turbo_page_claims_about_prompt_caches():
+    """docs/turbo.md: a Turbo mode on a model with sliding-window layers is
+    refused naming the layer; on an all-full-attention model every layer is
+    a Turbo cache."""
+    from mlx_lm.models import cache as lm
+
+    from impl.models import make_prompt_cache
+    from impl.turbo import TurboKVCache
+    from spec.errors import UnsupportedOperationError
+
+    class Sliding:
+        layers = (0, 1)
+
+        def make_cache(self):
+            return [lm.KVCache(), lm.RotatingKVCache(max_size=4, keep=0)]
+
+    class Full:
+        layers = (0, 1)
+
+    with pytest.raises(UnsupportedOperationError, match="layer 1 is a sliding-window layer"):
+        make_prompt_cache(Sliding(), mode="turbo4")
+    with pytest.raises(UnsupportedOperationError):
+        make_prompt_cache(Sliding(), mode="int8")
+    assert all(isinstance(c, TurboKVCache) for c in make_prompt_cache(Full(), mode="turbo4"))
+    text = (REPO / "docs" / "turbo.md").read_text()
+    assert "sliding-window layers stay rings" not in text and "UnsupportedOperationError" in text
+
+
+# -- pictures -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", docgen.picture_names())
+def test_every_picture_is_drawn_and_asked_for(name):
+    site, _ = build()
+    svg = (site / "pictures" / f"{name}.svg").read_text()
+    root = ET.fromstring(svg.split("?>", 1)[-1])
+    assert root.tag.endswith("svg") and len(list(root.iter())) > 20
+    pages = [md for md in (REPO / "docs").rglob("*.md") if f"<!-- kvspec: picture {name} -->" in md.read_text()]
+    assert pages, f"no page shows picture {name}"
+    for md in pages:
+        html = (site / md.stem / "index.html").read_text()
+        assert f"pictures/{name}.svg" in html
+    if name in docgen.PICTURES:
+        cols = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if "opcol" in g.get("class", "")]
+        assert cols, name
