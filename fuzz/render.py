@@ -330,6 +330,8 @@ def timeline(trace: Trace, factories: dict[str, Any] | None = None, bug: str | N
             frame.diverged = True
             frame.badges.insert(0, ("diverged", (f"{divergence.what}: {divergence.labels[0]} {divergence.spec}, "
                                                 f"{divergence.labels[1]} {divergence.impl}")))
+            who = divergence.labels[1].removesuffix(" did").removesuffix(" expects")
+            frame.badges.append((f"{who}: {_short(divergence.impl, 24)}", f"{divergence.labels[1]}: {divergence.impl}"))
             out.divergence = divergence
             out.rule = rule_for(module, op, divergence.what, before)
             try:
@@ -396,6 +398,8 @@ STYLE = """
 .kvr .b-refused { fill: #ffd0d0; stroke: #c00; }
 .kvr .b-diverged { fill: #d00; stroke: #900; }
 .kvr .b-diverged + text, .kvr g.b-diverged text { fill: #fff; font-weight: bold; }
+.kvr .b-impl { fill: #fff; stroke: #d00; stroke-width: 1.5; }
+.kvr g.badge text { stroke: none; }
 .kvr .b-other { fill: #eee; stroke: #999; }
 .kvr .col-diverged { fill: #fff0f0; stroke: #d00; stroke-width: 3; }
 .kvr .col { fill: #fafafa; stroke: #e4e4e4; }
@@ -444,7 +448,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
         two = any(f.impl_rows and any(r.label == key[1] and r.group == "view" for r in f.rows) for f in tl.frames)
         row_h.append(2 * CELL + 14 if two else (CELL + 30 if key[0] == "store" else CELL + 16))
     obs_h = 50
-    top = HEAD + 44
+    top = HEAD + 62
     height = top + sum(row_h) + obs_h + PAD
     callout = []
     if tl.divergence is not None:
@@ -502,14 +506,17 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
             out.append(f'<text x="{x + PAD}" y="{y0 + 30 + 12 * k}"><title>{_esc(label)}</title>{_esc(part)}</text>')
         bx, by = x + PAD, y0 + HEAD
         for name, detail in f.badges:
-            bcls = {"in place": "b-inplace", "copy": "b-copy", "refused": "b-refused", "diverged": "b-diverged"}.get(name, "b-other")
-            text = name if name not in ("returns", "expect") else f"{name} {detail}"[: chars]
+            bcls = {"in place": "b-inplace", "copy": "b-copy", "refused": "b-refused", "diverged": "b-diverged"}.get(
+                name, "b-impl" if detail.startswith(tuple(f"{lab}:" for lab in ("impl did", "mlx-lm did", "trace expects")))
+                or ": " in name else "b-other")
+            text = (name if name not in ("returns", "expect") else f"{name} {detail}")[: max(chars, 12)]
             bw = len(text) * 6 + 8
             if bx > x + PAD and bx + bw > x + w - 4:
                 bx, by = x + PAD, by + 18
+            tfill = ' style="fill:#fff;font-weight:bold"' if bcls == "b-diverged" else ""
             out.append(f'<g class="badge {bcls}" data-badge="{_esc(name)}"><title>{_esc(detail)}</title>'
                        f'<rect class="{bcls}" x="{bx}" y="{by}" width="{bw}" height="16" rx="3"/>'
-                       f'<text x="{bx + 4}" y="{by + 12}">{_esc(text)}</text></g>')
+                       f'<text x="{bx + 4}" y="{by + 12}"{tfill}>{_esc(text)}</text></g>')
             bx += bw + 4
         y = y0 + top
         by_key = {(r.group, r.label): r for r in f.rows}
@@ -566,9 +573,9 @@ def _cells(r: Row, x: int, y: int, impl: list[Any] | None, chars: int = 20) -> s
             parts.append(f'<rect class="{cls} impl"{style} x="{x + j * CELL}" y="{iy}" width="{CELL - 2}" '
                          f'height="{CELL - 2}" rx="2"><title>implementation: {_esc(t)}</title></rect>')
             parts.append(f'<text x="{x + j * CELL + 2}" y="{iy + 12}">{_esc(str(t)[:3])}</text>')
-        if len(impl) != len(want) or any(str(a) != b for a, b in zip(impl, want)):
-            parts.append(f'<text class="small" x="{x + max(len(impl), 1) * CELL + 2}" y="{iy + 12}" '
-                         f'fill="#c00">impl</text>')
+        differs = len(impl) != len(want) or any(str(a) != b for a, b in zip(impl, want))
+        parts.append(f'<text class="small" x="{x + max(len(impl), 1) * CELL + 2}" y="{iy + 12}" '
+                     f'fill="{"#c00" if differs else "#555"}">impl{" differs" if differs else ""}</text>')
     parts.append("</g>")
     return "".join(parts)
 

@@ -359,12 +359,13 @@ def test_worked_example_prints_what_the_page_shows(where, command, shown):
 
 
 def test_turbo_page_claims_about_prompt_caches():
-    """docs/turbo.md: a Turbo mode on a model with sliding-window layers is
-    refused naming the layer; on an all-full-attention model every layer is
-    a Turbo cache."""
+    """docs/turbo.md: a Turbo mode gives full-attention layers a Turbo cache
+    and keeps sliding-window layers fp16 rings; with ``max_kv_size`` (every
+    layer a ring) it is refused."""
     from mlx_lm.models import cache as lm
 
     from impl.models import make_prompt_cache
+    from impl.rotating import RotatingKVCache
     from impl.turbo import TurboKVCache
     from spec.errors import UnsupportedOperationError
 
@@ -377,13 +378,13 @@ def test_turbo_page_claims_about_prompt_caches():
     class Full:
         layers = (0, 1)
 
-    with pytest.raises(UnsupportedOperationError, match="layer 1 is a sliding-window layer"):
-        make_prompt_cache(Sliding(), mode="turbo4")
-    with pytest.raises(UnsupportedOperationError):
-        make_prompt_cache(Sliding(), mode="int8")
+    got = make_prompt_cache(Sliding(), mode="turbo4")
+    assert isinstance(got[0], TurboKVCache) and type(got[1]) is RotatingKVCache and got[1].mode == "fp16"
     assert all(isinstance(c, TurboKVCache) for c in make_prompt_cache(Full(), mode="turbo4"))
-    text = (REPO / "docs" / "turbo.md").read_text()
-    assert "sliding-window layers stay rings" not in text and "UnsupportedOperationError" in text
+    with pytest.raises(UnsupportedOperationError):
+        make_prompt_cache(Full(), mode="turbo4", max_kv_size=8)
+    text = " ".join((REPO / "docs" / "turbo.md").read_text().split())
+    assert "sliding-window layers (gemma3, a llama with `layer_types`) stay fp16 rings" in text
 
 
 # -- pictures -----------------------------------------------------------------------------
