@@ -242,6 +242,9 @@ def _rule_resolves(section: str, rule: str) -> bool:
         return False
     if "." in section:
         return rule.lower().startswith(sections[section].lower())
+    item = re.match(r"rule (\d+)\b", rule)
+    if item:  # "semantics.md 7, rule 2": item 2 of the section's numbered rules
+        return f"{section}.{item.group(1)}" in sections
     cited = " ".join(rule.split()).strip("`").lower()
     head = cited.split(" (")[0]
 
@@ -318,6 +321,8 @@ def test_a_bad_clause_is_caught():
     assert _clause_problems("semantics.md 9, ownership rule")
     assert _clause_problems("spec.dense.no_such_rule (x)")
     assert not _clause_problems("semantics.md 3, steady state copies")
+    assert not _clause_problems("spec.batch.visible (semantics.md 7, rule 2)")
+    assert _clause_problems("spec.batch.visible (semantics.md 7, rule 9)")
 
 
 def test_every_spec_function_the_contract_links_exists():
