@@ -174,6 +174,21 @@ def test_fuzz_runs_the_reference_adapter_clean(adapters):
     assert reached.get("skipped detach", 0) > 0  # undeclared ops are skipped and counted
 
 
+def test_the_inplace_switch_reaches_the_adapter(adapters, capsys, tmp_path):
+    """With the switch off the spec never writes in place: the reference
+    adapter must copy too, and a copy that always copies agrees."""
+    from fuzz.campaign import machine_for, run_machine
+
+    for name in ("good", "always_copies"):
+        machine = machine_for("dense", "fp16", False, target=resolve(f"exec:{adapters[name]}"))
+        result = run_machine(machine, seed=4, max_examples=8, steps=25)
+        assert not result.failed and result.stats.get("copying writes", 0) > 0, (name, result.error)
+        assert result.stats.get("in-place writes", 0) == 0
+    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['good']}", "--budget", "1", "--seed", "1",
+                            "--inplace", "off", "--out", str(tmp_path))
+    assert code == 0 and [r["config"].rsplit("/", 1)[1] for r in report["runs"]] == ["copy"], report
+
+
 # -- failures of the adapter -----------------------------------------------------------
 
 TRIMS = {"kvtrace": 1, "cache": {"kind": "dense", "step": 2, "kv_heads": 1, "head_dim": 4},

@@ -327,6 +327,12 @@ class ExecTarget(Target):
     #: adapter declares), not the plain shapes of mlx-lm's findings
     full_shapes = True
 
+    @property
+    def takes_inplace(self) -> bool:
+        """Whether the adapter takes the ``inplace`` switch (then a campaign
+        runs both settings, as for our caches)."""
+        return any("inplace" in d.fields for d in self.declared.values())
+
     def cache_reason(self, cache: dict[str, Any]) -> str | None:
         """Why the adapter cannot build this trace's cache (None: it can)."""
         kind, mode = cache["kind"], cache.get("mode", "fp16")

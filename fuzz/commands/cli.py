@@ -354,7 +354,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             return _usage_error(console, f"--bug cannot be combined with --target {target.label}", args.json)
     # mlx-lm has no in-place switch, and Int8 never writes in place: one
     # setting is enough there (both would run the same campaign twice)
-    inplace_settings = _inplace_settings(args.inplace) if target.is_impl else [True]
+    # an exec: adapter that takes the "inplace" cache field runs both settings too
+    switchable = target.is_impl or getattr(target, "takes_inplace", False)
+    inplace_settings = _inplace_settings(args.inplace) if switchable else [True]
     runs = [(k, m, ip) for k, m in configs for ip in (inplace_settings if m == "fp16" else inplace_settings[:1])]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     budget = args.budget / len(runs)
