@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, KVMachine
+from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, StateProtocolMachine
 from fuzz.masks import check_dense_masks
 from fuzz.quant_ref import int8_oracle, quantize
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
@@ -194,13 +194,13 @@ class DenseLockstep(DenseOps, Lockstep):
         return {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
 
 
-class DenseMachine(KVMachine):
+class DenseMachine(StateProtocolMachine):
     """Every dense-cache operation of semantics.md section 2, with refused
     inputs mixed in (negative lengths, out-of-range and unsorted index
     lists, install into a non-empty cache)."""
 
     handles = Bundle("handles")
-    named_ops = ("snapshot", "restore", "drop", "detach", "install")
+    named_ops = ("snapshot", "restore", "drop", "detach", "install", "state_restore")
 
     @initialize(step=SMALL_STEPS, data=st.data())
     def init(self, step: int, data: st.DataObject) -> None:

@@ -30,6 +30,10 @@ from typing import Any
 #: Ops every kind runs (``expect`` is the trace's own assertion).
 COMMON_OPS = ("append", "fetch", "hold", "release_hold", "trim", "trim_to",
               "snapshot", "restore", "drop", "expect")
+#: mlx-lm's snapshot protocol as ops (docs/kvtrace.md): ``saved = c.state``
+#: (with ``c.meta_state`` where the class has one) and ``c.state = saved``;
+#: the kinds whose classes have that protocol list them in ``ops``.
+STATE_OPS = ("state_snapshot", "state_restore")
 #: Cache fields every kind has, with their defaults (kvtrace ``cache``).
 COMMON_FIELDS: dict[str, Any] = {
     "mode": "fp16", "step": 256, "batch": 1, "kv_heads": 2, "head_dim": 8, "inplace": True,
@@ -69,6 +73,9 @@ class Kind:
     #: ops of other kinds that this kind's spec refuses by contract (a trace
     #: may use them with ``"error": true``); any other op is a format error
     refuses: tuple[str, ...] = ()
+    #: ops of the trace kind this entry's implementation does not run, with
+    #: the reason (replay exits 2 on them; campaigns never generate them)
+    without: dict[str, str] = field(default_factory=dict)
     campaigns: tuple[tuple[str, bool], ...] = ()
     #: events (``Lockstep.reached`` labels) every ``kvspec verify`` campaign
     #: of the kind must reach: what the campaign exists to cover
@@ -132,7 +139,8 @@ KINDS: dict[str, Kind] = {
             "dense", "dense cache (KVCache): growth by step, logical trims, front trims with sinks, "
             "gathers, snapshots, detached handles",
             modes=("fp16", "int8"),
-            ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
+            ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to",
+                 *STATE_OPS),
             # Int8 never writes in place: the switch would change nothing
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
             lockstep="fuzz.dense:DenseLockstep", machine="fuzz.dense:DenseMachine", bugs="fuzz.bugs.dense:BUGS",
@@ -143,7 +151,10 @@ KINDS: dict[str, Kind] = {
             modes=("turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"),
             trace_kind="dense",
             fields={"hot_threshold": 256, "fold_block": 128},
-            ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
+            ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to",
+                 *STATE_OPS),
+            without={op: "the Turbo modes have a state getter and from_state (prompt-cache files) but no state "
+                         "setter: a saved state is loaded with from_state, not assigned" for op in STATE_OPS},
             # Turbo writes always copy: the in-place switch would change nothing
             campaigns=(("turbo4asym", True), ("turbo4", True), ("turbo3asym", True), ("turbo4delegated", True)),
             lockstep="fuzz.turbo:TurboLockstep", machine="fuzz.turbo:TurboMachine", bugs="fuzz.bugs.turbo:BUGS",
@@ -153,6 +164,7 @@ KINDS: dict[str, Kind] = {
             modes=("fp16",),
             # undo: the ring's undo depth U (rows a trim can take back after a wrap)
             fields={"max_size": REQUIRED, "keep": 0, "undo": 0},
+            ops=STATE_OPS,
             # the ring has no front trim, gathers or detached handles
             refuses=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),

@@ -84,6 +84,49 @@ def _jsonable(x: Any) -> Any:
     return repr(x)
 
 
+class StateHolder:
+    """A snapshot taken through mlx-lm's protocol: exactly the objects
+    ``c.state`` returned (and ``c.meta_state``, where the class has one),
+    kept without a copy, as programs keep ``[c.state for c in cache]``.
+    ``fetch()`` reads its window by loading it into a fresh cache of the
+    same class (``fresh.state = saved``), which reads and never writes."""
+
+    def __init__(self, state: Any, meta: Any, fresh: Any):
+        self.state, self.meta, self._fresh = state, meta, fresh
+
+    def load_into(self, cache: Any) -> None:
+        """``cache.state = saved`` (then ``cache.meta_state = meta``)."""
+        cache.state = self.state
+        if self.meta is not None:
+            cache.meta_state = self.meta
+
+    def fetch(self) -> Any:
+        """The saved window, or :class:`Unreadable` when the class cannot
+        load its own saved state back (the comparison reports it)."""
+        try:
+            reader = self._fresh()
+            self.load_into(reader)
+            return reader.fetch()
+        except Exception as exc:  # noqa: BLE001 - any failure to load back is the finding
+            return Unreadable(exc)
+
+
+@dataclass
+class Unreadable:
+    """A holder whose window cannot be read back (its state does not load)."""
+
+    error: BaseException
+
+    def describe(self) -> str:
+        return f"loading it back raised {type(self.error).__name__}: {self.error}"
+
+
+def take_state(cache: Any, fresh: Any) -> StateHolder:
+    """``saved = c.state`` (with ``c.meta_state`` where the class has one)."""
+    meta = cache.meta_state if hasattr(type(cache), "meta_state") else None
+    return StateHolder(cache.state, meta, fresh)
+
+
 @dataclass
 class Outcome:
     """What one side did with one op: a result or a refusal."""
@@ -153,6 +196,7 @@ class Lockstep:
         With ``inplace_env`` the cache is built with ``inplace=None`` while
         ``KV_INPLACE_WRITE`` holds that spelling, so the implementation parses
         the variable itself (the environment is restored afterwards)."""
+        self._built = (factory, kwargs)
         env = self.cfg.get("inplace_env")
         if env is None:
             return factory(inplace=self.cfg["inplace"], **kwargs)
@@ -205,6 +249,8 @@ class Lockstep:
         holds: an int, "zero" for an all-zero row nobody wrote, "?" else."""
         if arrays is None:
             return []
+        if isinstance(arrays, Unreadable):
+            return [arrays.describe()]
         k, v = (rowgen.host(a) for a in arrays)
         mode = mode or self.cfg.get("mode", "fp16")
         # every identity handed out so far, the failing op's own rows included
@@ -227,6 +273,8 @@ class Lockstep:
         dtype, ``[B, H, n, Dk]`` / ``[B, H, n, Dv]``, byte for byte."""
         if arrays is None:
             return len(tokens) == 0
+        if isinstance(arrays, Unreadable):
+            return False
         if any(rowgen.dtype_name(a) != self.dtype for a in arrays):
             return False
         k, v = (rowgen.host(a) for a in arrays)
@@ -365,7 +413,8 @@ class Lockstep:
 
     #: ops that change neither a cache's arrays nor its counters (checks
     #: of the stored form are not repeated after them)
-    READ_ONLY_OPS = frozenset({"fetch", "snapshot", "drop", "hold", "release_hold", "handle_trim_to", "expect"})
+    READ_ONLY_OPS = frozenset({"fetch", "snapshot", "drop", "hold", "release_hold", "handle_trim_to", "expect",
+                               "state_snapshot"})
 
     def reload_class(self) -> type | None:
         """The class whose ``from_state(state, meta_state)`` must give this
@@ -421,6 +470,8 @@ class Lockstep:
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
         for name, tokens in s_views.items():
             arrays = i_views[name]
+            if isinstance(arrays, Unreadable):
+                raise Divergence(index, op, self.view_label(name), list(tokens), arrays.describe())
             if not self.view_matches(name, tokens, arrays):
                 raise Divergence(index, op, self.view_label(name), list(tokens),
                                  self.identify(arrays, self.view_mode(name)))
@@ -436,7 +487,8 @@ class Lockstep:
         out: dict[str, Any] = {}
         if op["op"] == "append":
             out["inplace"] = result.inplace
-        elif op["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold"):
+        elif op["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold",
+                              "state_snapshot", "state_restore"):
             out["returns"] = list(result) if isinstance(result, tuple) else result
         out["capacity"] = self.spec_observables()["capacity"]
         return out
@@ -455,7 +507,11 @@ class Lockstep:
 
     def view_label(self, name: str) -> str:
         """How a divergence names a window that differs."""
-        return "live window differs" if name == "cache" else f"view of {name} changed (isolation)"
+        if name == "cache":
+            return "live window differs"
+        if isinstance(self.holders.get(name.removeprefix("holder:")), StateHolder):
+            return f"view of state snapshot {name} changed (isolation)"
+        return f"view of {name} changed (isolation)"
 
     def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
         """Whether the implementation's window ``name`` holds ``tokens``'
@@ -603,13 +659,29 @@ class Lockstep:
             self.holders[op["name"]] = c.snapshot()
             return None
         if name == "restore":
-            c.restore(self.holder("restore", op["name"], self.snapshot_class))
+            snap = self.holder("restore", op["name"], self.snapshot_class)
+            if isinstance(snap, StateHolder):  # restore takes snapshots only (the spec's rule)
+                raise StateError(f"restore: {op['name']!r} is a state snapshot, not a snapshot")
+            c.restore(snap)
             return None
         if name == "drop":
             self.holder("drop", op["name"])
             del self.holders[op["name"]]
             return None
+        if name == "state_snapshot":
+            self.fresh_name("state_snapshot", op["name"])
+            self.holders[op["name"]] = take_state(c, self.fresh_cache)
+            return None
+        if name == "state_restore":
+            self.holder("state_restore", op["name"], StateHolder).load_into(c)
+            return None
         return self._UNHANDLED
+
+    def fresh_cache(self) -> Any:
+        """A new, empty cache of the class under test, built as the live one
+        was (what a state snapshot is read back through)."""
+        factory, kwargs = self._built
+        return self.build(factory, **kwargs)
 
     def impl_hold(self, name: str) -> None:
         """``hold`` keeps the window the last append returned alive (as a
@@ -630,10 +702,16 @@ class Lockstep:
         if holder is None:
             raise StateError(f"{op}: no snapshot or handle named {name!r}")
         if kind is not None and type(holder) is not kind:
-            have = "handle" if isinstance(holder, self.handle_class or ()) else "snapshot"
-            want = "handle" if kind is self.handle_class else "snapshot"
-            raise StateError(f"{op}: {name!r} is a {have}, not a {want}")
+            raise StateError(f"{op}: {name!r} is a {self.holder_kind(holder)}, not a {self.holder_kind(kind)}")
         return holder
+
+    def holder_kind(self, holder: Any) -> str:
+        """How the spec names a holder (or a holder class): ``snapshot``,
+        ``state snapshot`` or ``handle``."""
+        cls = holder if isinstance(holder, type) else type(holder)
+        if issubclass(cls, StateHolder):
+            return "state snapshot"
+        return "handle" if self.handle_class is not None and issubclass(cls, self.handle_class) else "snapshot"
 
     def fresh_name(self, op: str, name: str) -> None:
         if name in self.holders:

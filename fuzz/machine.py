@@ -128,6 +128,9 @@ class KVMachine(RuleBasedStateMachine):
         if self.target is not None and self.target.skip_reason(self.cfg, op) is not None:
             self.lock.reached("skipped " + op["op"])
             return
+        if op["op"] in kind_entry(self.kind, self.mode).without:
+            self.lock.reached("skipped " + op["op"])
+            return
         type(self).covered[op["op"]] = type(self).covered.get(op["op"], 0) + 1
         self.ops.append(op)
         try:
@@ -228,4 +231,44 @@ class KVMachine(RuleBasedStateMachine):
         self.do({"op": op, "name": name})
 
 
-__all__ = ["APPEND_N", "HEAD_DIMS", "KV_HEADS", "SMALL_STEPS", "KVMachine", "precondition"]
+class StateProtocolMachine(KVMachine):
+    """The rules of mlx-lm's snapshot protocol, for the kinds whose classes
+    have it (``fuzz.kinds.STATE_OPS``): a snapshot kept as ``saved =
+    c.state`` (no copy, as programs keep ``[c.state for c in cache]``), a
+    restore as ``c.state = saved``. The spec's answer is the snapshot rule:
+    the saved rows never change, whatever the cache does next."""
+
+    states = Bundle("states")
+    named_ops: ClassVar[tuple[str, ...]] = ("snapshot", "restore", "drop", "state_restore")
+
+    @rule(target=states)
+    def state_snapshot(self) -> str:
+        name = self.fresh_name("st")
+        self.do({"op": "state_snapshot", "name": name})
+        return name
+
+    @rule(name=states)
+    def state_restore(self, name: str) -> None:
+        self.do({"op": "state_restore", "name": name})
+
+    @rule(name=consumes(states))
+    def drop_state(self, name: str) -> None:
+        self.do({"op": "drop", "name": name})
+
+    @rule(data=st.data())
+    def reuse_state(self, data: st.DataObject) -> None:
+        """How programs reuse a prompt cache through the protocol: keep
+        ``saved = c.state``, go on (or not), restore ``c.state = saved``,
+        rewind part of it and decode. The single rules above reach this
+        order too, but rarely in a short budget."""
+        name = self.fresh_name("st")
+        self.do({"op": "state_snapshot", "name": name})
+        if data.draw(st.booleans(), label="go on"):
+            self.do({"op": "append", "n": data.draw(st.integers(1, 3), label="n")})
+        self.do({"op": "state_restore", "name": name})
+        self.do({"op": "trim", "n": data.draw(st.integers(1, 3), label="rewind")})
+        for _ in range(data.draw(st.integers(1, 3), label="decodes")):
+            self.do({"op": "append", "n": 1})
+
+
+__all__ = ["APPEND_N", "HEAD_DIMS", "KV_HEADS", "SMALL_STEPS", "KVMachine", "StateProtocolMachine", "precondition"]

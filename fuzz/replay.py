@@ -46,6 +46,9 @@ def check_ops(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
             raise TraceFormatError(
                 f"op {i} field 'op': kind {kind.kind} has no op {op['op']!r}; its ops: {', '.join(kind.all_ops)}"
             )
+        if op["op"] in kind.without:
+            raise TraceFormatError(f"op {i} {op['op']!r}: mode {cache.get('mode')} cannot run it: "
+                                   f"{kind.without[op['op']]}")
 
 
 @dataclass

@@ -89,6 +89,7 @@ OP_FAMILIES = {
     "snapshot": ("snapshot", "restore", "drop"),
     "hold": ("hold", "release_hold"),
     "detach": ("detach", "install", "handle_trim_to"),
+    "state_snapshot": ("state_snapshot", "state_restore"),
 }
 
 #: The methods a cache class needs for each op (docs/targets.md); an op whose
@@ -108,6 +109,9 @@ OP_METHODS: dict[str, tuple[str, ...]] = {
     "detach": ("detach", "install"),
     "install": ("detach", "install"),
     "handle_trim_to": ("detach", "install"),
+    # mlx-lm's snapshot protocol: the state getter and its setter
+    "state_snapshot": ("state", "state.setter"),
+    "state_restore": ("state", "state.setter"),
 }
 #: what every class must have: without these nothing can be compared
 REQUIRED_METHODS = ("update_and_fetch", "fetch", "offset")
@@ -403,6 +407,11 @@ def _as_target(obj: Any, spec: str) -> Target:
 
 
 def _has(cls: type, name: str) -> bool:
+    """``name`` is a member of ``cls``; ``"x.setter"``: ``x`` is a property
+    with a setter (or a plain attribute, which assignment sets)."""
+    if name.endswith(".setter"):
+        attr = inspect.getattr_static(cls, name.removesuffix(".setter"), None)
+        return attr is not None and (not isinstance(attr, property) or attr.fset is not None)
     return hasattr(cls, name)
 
 
@@ -442,7 +451,7 @@ def class_target(cls: type, spec: str = "") -> Target:
         if op in own_ops and op not in skipped:
             lacking = [m for m in methods if not _has(cls, m)]
             if lacking:
-                skipped[op] = f"no {' / '.join(lacking)} method"
+                skipped[op] = f"no {' / '.join(lacking)} " + ("member" if op.startswith("state_") else "method")
     fields: dict[str, tuple[Any, str]] = {}
     if kind == "rotating" and not _has(cls, "trimmable_rows"):
         fields["undo"] = (0, "no trimmable_rows(): no undo log")

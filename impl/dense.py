@@ -239,6 +239,10 @@ def refuse_foreign_save(cache: Any) -> None:
 
 
 
+#: the dtypes an Int8 cache dequantizes to, by their meta_state names
+_DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+
+
 @dataclass
 class _Buffers:
     """The cache's tensors. Fp16: ``keys``/``values`` in the rows' dtype.
@@ -255,7 +259,8 @@ class _Buffers:
     @property
     def dtype(self) -> mx.Dtype:
         """The dtype of the rows this cache was handed and returns (Int8
-        rows loaded from ``state``, which records none: float16)."""
+        rows loaded from ``state`` alone, which records none: float16; the
+        fifth field of an Int8 ``meta_state`` names it)."""
         if self.out_dtype is not None:
             return self.out_dtype
         return self.keys.dtype if self.key_scales is None else mx.float16
@@ -723,7 +728,15 @@ class KVCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (self.mode, str(self.step), str(self.offset), str(self.live_start))
+        """``(mode, step, offset, live_start)`` as strings; an Int8 cache
+        whose rows came in another dtype than float16 adds a fifth field,
+        that dtype (``"bfloat16"``, ``"float32"``): ``state`` holds int8
+        codes and float16 scales, which do not say what a reader gets back
+        (docs/mlx-lm.md, "The state protocol")."""
+        head = (self.mode, str(self.step), str(self.offset), str(self.live_start))
+        if self.mode == "int8" and self.buffers is not None and self.buffers.dtype != mx.float16:
+            return head + (_DTYPE_NAMES[self.buffers.dtype],)
+        return head
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
@@ -750,17 +763,25 @@ class KVCache:
         rows; UnsupportedOperationError for an unknown mode."""
         if meta_state is None:
             return cls._build(op, "fp16", 256, state, None, 0)
-        if not isinstance(meta_state, (tuple, list)) or len(meta_state) != 4:
-            raise InvalidArgumentError(f"{op}: meta_state must be (mode, step, offset, live_start), got {meta_state!r}")
+        if not isinstance(meta_state, (tuple, list)) or len(meta_state) not in (4, 5) or (
+                len(meta_state) == 5 and meta_state[0] != "int8"):
+            raise InvalidArgumentError(f"{op}: meta_state must be (mode, step, offset, live_start), or for int8 "
+                                       f"(mode, step, offset, live_start, dtype), got {meta_state!r}")
         try:
-            step, offset, live_start = (int(x) for x in meta_state[1:])
+            step, offset, live_start = (int(x) for x in meta_state[1:4])
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"{op}: meta_state must hold integers, got {meta_state!r}") from None
-        return cls._build(op, meta_state[0], step, state, offset, live_start)
+        out_dtype = None
+        if len(meta_state) == 5:
+            out_dtype = next((d for d, name in _DTYPE_NAMES.items() if name == meta_state[4]), None)
+            if out_dtype is None:
+                raise InvalidArgumentError(f"{op}: meta_state dtype must be one of {', '.join(_DTYPE_NAMES.values())}, "
+                                           f"got {meta_state[4]!r}")
+        return cls._build(op, meta_state[0], step, state, offset, live_start, out_dtype)
 
     @classmethod
     def _build(cls, op: str, mode: str, step: int, state: tuple[mx.array, ...], offset: int | None,
-               live_start: int) -> KVCache:
+               live_start: int, out_dtype: mx.Dtype | None = None) -> KVCache:
         obj = cls(mode=mode, step=step)
         want = 4 if mode == "int8" else 2
         if not isinstance(state, (tuple, list)):
@@ -769,7 +790,8 @@ class KVCache:
             raise InvalidArgumentError(f"{op}: state must hold {want} arrays in mode {mode}, got {len(state)}")
         buffers = None
         if state:
-            buffers = _Buffers(state[0], state[2], state[1], state[3]) if mode == "int8" else _Buffers(state[0], state[1])
+            buffers = (_Buffers(state[0], state[2], state[1], state[3], out_dtype) if mode == "int8"
+                       else _Buffers(state[0], state[1]))
             for name, a in (("keys", buffers.keys), ("values", buffers.values)):
                 _check_tensor(op, name, a)
         rows = 0 if buffers is None else buffers.capacity

@@ -450,7 +450,7 @@ class Holder:
     """Anything besides the cache that keeps a reference to its buffers.
     Its view (``entries``) is fixed for as long as it lives (isolation)."""
 
-    kind: str  # "snapshot", "handle" or "held"
+    kind: str  # "snapshot", "state snapshot", "handle" or "held"
     entries: tuple[Entry, ...]
     offset: int
     live_start: int
@@ -581,6 +581,36 @@ def w_restore(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
     return None, replace(world, cache=adopt(world.cache, snap))
 
 
+def w_state_snapshot(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    """A snapshot taken through mlx-lm's protocol (``saved = c.state``, with
+    ``c.meta_state`` where the class has one): the snapshot rule holds as
+    for ``snapshot``, its rows never change (semantics.md 7, "The ``state``
+    protocol"); only ``state_restore`` takes it back."""
+    _fresh_name(world, "state_snapshot", name)
+    return None, replace(world, holders={**world.holders, name: state_of(world.cache)})
+
+
+def state_of(cache: DenseCache) -> Holder:
+    """What ``c.state`` hands out: the live rows only, never the buffer
+    objects themselves (views of the same memory, so the same buffer
+    identity, cut to ``live_len``): a cache loaded from it has capacity
+    ``live_len``. ``None`` buffer for an empty cache (``state == ()``).
+
+    post: __return__.buffer is None or __return__.buffer.capacity == cache.live_len
+    """
+    buf = None if cache.buffer is None or cache.live_len == 0 else Buffer(cache.buffer.ident, cache.live_len)
+    return Holder("state snapshot", cache.entries, cache.offset, cache.live_start, buf)
+
+
+def w_state_restore(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
+    """``c.state = saved``: the live cache adopts the saved rows and window
+    with no marker, exactly as ``restore`` (the adopted arrays are shared,
+    so the next write must copy: a later write never reaches the saved
+    rows)."""
+    saved = _require(world, "state_restore", name, "state snapshot")
+    return None, replace(world, cache=adopt(world.cache, saved))
+
+
 def w_drop(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
     _require(world, "drop", name)
     holders = {k: v for k, v in world.holders.items() if k != name}
@@ -650,6 +680,10 @@ def apply_op(world: DenseWorld, op: dict) -> tuple[object, DenseWorld]:
         return w_restore(world, op["name"])
     if name == "drop":
         return w_drop(world, op["name"])
+    if name == "state_snapshot":
+        return w_state_snapshot(world, op["name"])
+    if name == "state_restore":
+        return w_state_restore(world, op["name"])
     if name == "detach":
         return w_detach(world, op["name"])
     if name == "install":

@@ -505,9 +505,12 @@ def trim_to(cache: RotatingCache, length: int) -> tuple[int, RotatingCache]:
 
 @dataclass(frozen=True)
 class RingHolder:
-    """A snapshot of a ring: the whole cache state at that moment."""
+    """A snapshot of a ring: the whole cache state at that moment. ``kind``
+    is ``"snapshot"`` or ``"state snapshot"`` (taken through mlx-lm's
+    ``state`` protocol; only ``state_restore`` takes it back)."""
 
     cache: RotatingCache
+    kind: str = "snapshot"
 
     def window(self) -> tuple[int, ...]:
         return self.cache.window()
@@ -536,12 +539,40 @@ def w_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
     return None, replace(world, holders={**world.holders, name: RingHolder(world.cache)})
 
 
-def w_restore(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
+def w_state_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
+    """``saved = c.state`` (with ``c.meta_state``): a snapshot whose rows
+    never change, as ``snapshot`` (semantics.md 7, "The ``state``
+    protocol")."""
+    if name in world.holders:
+        raise StateError(f"state_snapshot: name {name!r} is already in use")
+    return None, replace(world, holders={**world.holders, name: RingHolder(state_of(world.cache), "state snapshot")})
+
+
+def state_of(cache: RotatingCache) -> RotatingCache:
+    """What ``c.state`` hands out: the valid slots only (slot 0 to
+    ``valid_len``, physical order), so a ring loaded from it has capacity
+    ``valid_len``; slots past the cursor of a warm-up buffer are not saved.
+
+    post: __return__.capacity == cache.valid_len
+    """
+    return replace(cache, slots=cache.slots[: cache.valid_len])
+
+
+def w_state_restore(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
+    """``c.state = saved``: as ``restore`` (no marker, empty undo log)."""
+    return w_restore(world, name, "state_restore", "state snapshot")
+
+
+def w_restore(world: RotatingWorld, name: str, op: str = "restore",
+              kind: str = "snapshot") -> tuple[None, RotatingWorld]:
     """Adopt a snapshot's buffers, offset and cursor, with no marker and an
-    empty undo log (a restored ring cannot roll back into another history)."""
+    empty undo log (a restored ring cannot roll back into another history).
+    Raises StateError for an unknown name or a holder of the other kind."""
     snap = world.holders.get(name)
     if snap is None:
-        raise StateError(f"restore: no snapshot or handle named {name!r}")
+        raise StateError(f"{op}: no snapshot or handle named {name!r}")
+    if snap.kind != kind:
+        raise StateError(f"{op}: {name!r} is a {snap.kind}, not a {kind}")
     s = snap.cache
     cache = replace(world.cache, slots=s.slots, offset=s.offset, idx=s.idx, ident=s.ident, marker=None, log=())
     return None, replace(world, cache=cache)
@@ -593,6 +624,10 @@ def apply_op(world: RotatingWorld, op: dict) -> tuple[object, RotatingWorld]:
         return w_restore(world, op["name"])
     if name == "drop":
         return w_drop(world, op["name"])
+    if name == "state_snapshot":
+        return w_state_snapshot(world, op["name"])
+    if name == "state_restore":
+        return w_state_restore(world, op["name"])
     raise unsupported(name)
 
 

@@ -48,7 +48,7 @@ def test_negative_trim_is_found_by_fuzzing(tmp_path):
 
 
 def test_wrapped_trim_is_found_by_fuzzing(tmp_path):
-    found = _findings(ROTATING, 1, 4, tmp_path)
+    found = _findings(ROTATING, 1, 5, tmp_path)
     wrapped = []
     for f in found:
         if f.op.get("op") == "trim" and f.op["n"] > 0 and f.what == "return value differs":

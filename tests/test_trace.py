@@ -172,6 +172,7 @@ _FIELDS = {
     "handle_trim_to": ["name", "len"], "fork": ["from", "as"], "release": ["seq"],
     "expect": ["window", "of", "order", "layer"], "fetch": [], "hold": [], "release_hold": [],
     "can_trim": [], "layer": ["index", "do"],
+    "state_snapshot": ["name"], "state_restore": ["name"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 

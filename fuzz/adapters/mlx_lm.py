@@ -12,7 +12,9 @@
 
 An adapter presents an mlx-lm cache through the methods of the target API
 (``update_and_fetch``, ``fetch``, ``trim``, ``snapshot``/``restore``,
-``make_mask``, ``is_trimmable`` and the observables). Everything mlx-lm does
+``make_mask``, ``is_trimmable``, the ``state`` getter and setter and the
+observables). ``snapshot`` is a deep copy (as mlx-lm's server copies a
+prompt cache); ``state_snapshot`` keeps what ``state`` returns, uncopied. Everything mlx-lm does
 differently *on purpose* is declared here, per class, and nowhere else: ops
 the class does not have (``CacheClass.skipped``, with the reason) are never
 generated for it and make a replay exit 2; observables with no contract in
@@ -150,6 +152,18 @@ class MlxLmAdapter:
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner.make_mask(*args, **kwargs)
+
+    # -- the state protocol (kvtrace state_snapshot / state_restore) ------------
+    @property
+    def state(self) -> Any:
+        """``inner.state`` exactly as mlx-lm returns it (no copy): what a
+        program keeps as ``[c.state for c in cache]``."""
+        return self.inner.state
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        """``inner.state = v``, as a program restores a kept prompt cache."""
+        self.inner.state = v
 
 
 @dataclass

@@ -164,7 +164,8 @@ def next_target(target: Target, error: BaseException) -> tuple[Target | None, st
     if what.startswith("make_mask("):
         return target.waiving("masks"), "stopped checking make_mask"
     if what.startswith("view of "):
-        family = "hold" if what.startswith("view of held ") else "snapshot"
+        family = ("hold" if what.startswith("view of held ") else
+                  "state_snapshot" if what.startswith("view of state snapshot ") else "snapshot")
         return target.excluding(family), f"stopped generating {family}"
     cls = op_class(error.op)
     if cls in target.excluded:
