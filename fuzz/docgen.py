@@ -61,7 +61,7 @@ OP_TEXT = {
     "restore": "the live cache adopts the snapshot's buffers and window",
     "drop": "release a snapshot or a detached handle",
     "state_snapshot": "dense, rotating: mlx-lm's protocol, `saved = c.state` (and `c.meta_state` where the class "
-                      "has one), kept uncopied; its rows must never change (semantics.md 7, \"The `state` protocol\")",
+                      "has one), kept uncopied; its rows must never change (semantics.md 8, \"The state protocol\")",
     "state_restore": "dense, rotating: `c.state = saved` (then `c.meta_state`); refuses a plain snapshot, and "
                      "`restore` refuses a state snapshot",
     "detach": "move the cache's tensors into a detached handle; the cache is empty afterwards",

@@ -584,7 +584,7 @@ def w_restore(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
 def w_state_snapshot(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
     """A snapshot taken through mlx-lm's protocol (``saved = c.state``, with
     ``c.meta_state`` where the class has one): the snapshot rule holds as
-    for ``snapshot``, its rows never change (semantics.md 7, "The ``state``
+    for ``snapshot``, its rows never change (semantics.md 8, "The state
     protocol"); only ``state_restore`` takes it back."""
     _fresh_name(world, "state_snapshot", name)
     return None, replace(world, holders={**world.holders, name: state_of(world.cache)})

@@ -541,7 +541,7 @@ def w_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
 
 def w_state_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
     """``saved = c.state`` (with ``c.meta_state``): a snapshot whose rows
-    never change, as ``snapshot`` (semantics.md 7, "The ``state``
+    never change, as ``snapshot`` (semantics.md 8, "The state
     protocol")."""
     if name in world.holders:
         raise StateError(f"state_snapshot: name {name!r} is already in use")

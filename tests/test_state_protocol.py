@@ -1,5 +1,5 @@
 """mlx-lm's snapshot protocol under the harness (kvtrace ``state_snapshot`` /
-``state_restore``; semantics.md 7, "The state protocol"): the spec's
+``state_restore``; semantics.md 8, "The state protocol"): the spec's
 answer is the snapshot rule, our caches keep it, mlx-lm's do not, and the
 conformance search finds that by itself."""
 
