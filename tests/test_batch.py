@@ -136,3 +136,11 @@ def test_a_batch_filters_extends_and_extracts_our_caches():
     assert [np.array(a).tobytes() for a in one.fetch()] == [np.array(a).tobytes() for a in caches[2].fetch()]
     batch.extend(KVCache.merge([KVCache()]))
     assert batch.offset.tolist() == [2, 1, 0]
+
+
+def test_the_cli_refuses_a_batch_bug_where_there_is_no_kvtrace_kind(capsys):
+    from fuzz.commands.cli import main
+
+    assert main(["fuzz", "--bug", "batch_padding_visible", "--budget", "1"]) == 2
+    assert "kvspec e2e --only batch --bug batch_padding_visible" in capsys.readouterr().out
+    assert main(["replay", "tests/traces/rotating_prefill_after_wrap.json", "--bug", "batch_merge_shifts_offset"]) == 2

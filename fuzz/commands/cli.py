@@ -66,8 +66,10 @@ class _UsageError(Exception):
     """A bad argument found inside a command (exit 2 with its message)."""
 
 
-def _find_bug(name: str, flag: str = "--bug") -> Any:
-    """The catalog entry ``name``; raises _UsageError naming the problem."""
+def _find_bug(name: str, flag: str = "--bug", batch_ok: bool = False) -> Any:
+    """The catalog entry ``name``; raises _UsageError naming the problem. A
+    batch-cache bug (``fuzz/bugs/batch.py``) has no kvtrace kind: only
+    ``batch_ok`` commands (``kvspec e2e``) take it."""
     from fuzz import device
     from fuzz.bugs import UnknownBugError, by_name
 
@@ -75,16 +77,20 @@ def _find_bug(name: str, flag: str = "--bug") -> Any:
         bug = by_name(name)
     except UnknownBugError as exc:
         raise _UsageError(f"{flag}: {exc}") from None
+    if bug.kind == "batch" and not batch_ok:
+        raise _UsageError(f"{flag} {name}: a batch-cache bug has no kvtrace kind to fuzz or replay; see it caught "
+                          f"with kvspec e2e --only batch --bug {name} (kvspec verify runs it through the batch "
+                          "lockstep, row 'batch bugs')")
     if bug.device == "gpu" and device.current() != "gpu":
         raise _UsageError(f"{flag} {name}: a GPU-only injected bug (it breaks the CUDA write layer); "
                           "run it with --device gpu on a machine with MLX's CUDA backend")
     return bug
 
 
-def _bug(console: Console, name: str, flag: str = "--bug", as_json: bool = False) -> Any:
+def _bug(console: Console, name: str, flag: str = "--bug", as_json: bool = False, batch_ok: bool = False) -> Any:
     """The catalog entry ``name``, or None after printing the known names."""
     try:
-        return _find_bug(name, flag)
+        return _find_bug(name, flag, batch_ok)
     except _UsageError as exc:
         _usage_error(console, str(exc), as_json)
         return None
@@ -509,7 +515,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_e2e(args: argparse.Namespace) -> int:
     from fuzz.commands.e2e import main as e2e_main
 
-    if args.bug and _bug(_console(), args.bug) is None:
+    if args.bug and _bug(_console(), args.bug, batch_ok=True) is None:
         return 2
     try:
         return e2e_main(long=args.long, as_json=args.json, bug=args.bug, only=args.only)
