@@ -53,6 +53,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
                   '            printf("{\\"id\\":%lld,\\"ok\\":%s", id + 1, ok ? "true" : "false");\n')],
     # declares a ring, which kvproto/1 does not drive
     "declares_ring": [('"\\"kinds\\":{\\"dense\\":', '"\\"kinds\\":{\\"rotating\\":')],
+    # reports windows one row longer than the bytes it sends
+    "short_window": [('    printf("{\\"rows\\":%d", rows);\n', '    printf("{\\"rows\\":%d", rows + 1);\n')],
     # refuses a bad trim_to as a state error, not an invalid argument
     "wrong_category": [("            return refuse(\"invalid_argument\", err_buf);\n",
                         "            return refuse(\"state\", err_buf);\n")],
@@ -433,3 +435,9 @@ def test_kvspec_rows_into_a_closed_pipe_is_quiet(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err
+
+
+def test_windows_that_do_not_fit_their_shape_break_the_protocol(adapters, capsys):
+    trace = str(REPO / "tests" / "traces" / "token_identities.json")
+    code, out = run(capsys, "replay", trace, "--target", f"exec:{adapters['short_window']}")
+    assert code == 2 and "window of 1 rows" in out and "needs" in out and "Traceback" not in out, out

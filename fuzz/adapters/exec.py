@@ -539,7 +539,11 @@ class _Exec:
             e = reply["error"]
             raise TargetCapabilityError(f"field cache: target {target.label} refused the cache "
                                         f"({e['category']}): {e['message']}")
-        self._absorb(reply)
+        try:
+            self._absorb(reply)
+        except AdapterFailure as exc:  # a state whose windows do not fit the cache's shape
+            raise TargetCapabilityError(f"field cache: target {target.label} failed building the cache: "
+                                        f"{exc}") from None
 
     def reload_class(self) -> None:
         return None
