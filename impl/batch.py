@@ -18,8 +18,10 @@ This module gives our kinds that path:
   built from our rings by ``RotatingKVCache.merge`` and extracted back into
   our :class:`~impl.rotating.RotatingKVCache`.
 
-Quantized (Int8, Turbo) and paged layers refuse ``merge`` with the reason:
-a batch stores the model's float rows.
+An Int8 ``KVCache`` and a ring with sinks refuse ``merge`` with the reason
+(a batch stores the model's float rows; mlx-lm's batch ring has no sinks).
+Turbo and paged caches have no ``merge``, so mlx-lm's probe
+(``hasattr(cache, "merge")``, its server's test for batching) says no.
 """
 
 from __future__ import annotations

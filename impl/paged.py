@@ -474,17 +474,6 @@ class PagedKVCache:
     def size(self) -> int:
         return self.offset
 
-    @classmethod
-    def merge(cls, caches: Any) -> Any:
-        """mlx-lm's batching hook: refused. The pool already serves many
-        sequences (its blocks shared by reference); mlx-lm's batch layout
-        would copy every sequence into one dense buffer. Raises
-        UnsupportedOperationError."""
-        raise UnsupportedOperationError(
-            "merge: PagedKVCache sequences cannot join mlx-lm's batch layout (the pool shares their blocks); "
-            "decode pool sequences as separate requests, or batch dense caches (impl.models.make_prompt_cache)"
-        )
-
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
         """mlx-lm's ``kv_bits`` hook: refused. The sequence's blocks belong to
         its pool and may be shared with other sequences (docs/paged.md), and

@@ -497,16 +497,6 @@ class _TurboBase:
     def size(self) -> int:
         return self.offset
 
-    @classmethod
-    def merge(cls, caches: Any) -> Any:
-        """mlx-lm's batching hook: refused. A batch cache stores the model's
-        float rows (impl.batch); Turbo codes are not batched. Raises
-        UnsupportedOperationError (batch with ``mode="fp16"`` caches)."""
-        raise UnsupportedOperationError(
-            f"merge: {cls.__name__} layers cannot join a batch: batch caches store the model's float rows "
-            "(impl.batch.BatchKVCache); build the caches for batched generation with mode='fp16'"
-        )
-
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
         """mlx-lm's ``kv_bits`` hook: a Turbo cache is quantized already
         (``quant_bits`` bits: 4 for the turbo4 modes, 3 for turbo3asym).

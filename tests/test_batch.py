@@ -106,10 +106,9 @@ def test_merge_refuses_what_a_batch_cannot_hold():
     front.trim_front_keep_sink(1, keep=1)
     with pytest.raises(UnsupportedOperationError, match="live_start=1"):
         KVCache.merge([front])
-    with pytest.raises(UnsupportedOperationError, match="Turbo|float rows"):
-        TurboKVCache.merge([TurboKVCache("turbo4")])
-    with pytest.raises(UnsupportedOperationError, match="pool shares their blocks"):
-        PagedKVCache.merge([PagedKVCache(BlockPool(2))])
+    # no merge at all: mlx-lm's probe (hasattr(cache, "merge"), its server's test for batching) says no,
+    # and its _merge_caches refuses naming the class
+    assert not hasattr(TurboKVCache("turbo4"), "merge") and not hasattr(PagedKVCache(BlockPool(2)), "merge")
     with pytest.raises(UnsupportedOperationError, match="sinks"):
         RotatingKVCache.merge([RotatingKVCache(max_size=4, keep=1)])
     a, b = KVCache(), KVCache()
