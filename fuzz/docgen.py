@@ -380,6 +380,15 @@ PICTURES: dict[str, tuple[str, str | None, str]] = {
 #: name -> (window, keep, keys before the chunk, chunk length): masks drawn from spec.rotating.mask_visible
 MASKS = {"mask_sinks": (4, 1, 5, 3)}
 SPECIAL = ("architecture",)
+#: the pages each picture must appear on (tests/test_docs.py): its kind's
+#: page and the contract, the counterexample on the review pages
+PICTURE_PAGES = {
+    "dense_trim_regrow": ("dense.md", "semantics.md"), "dense_snapshot_sharing": ("dense.md",),
+    "ring_wrap": ("rotating.md", "semantics.md"), "ring_undo_rollback": ("rotating.md", "semantics.md"),
+    "mask_sinks": ("rotating.md", "semantics.md"), "paged_fork_cow": ("paged.md", "semantics.md"),
+    "delegated_fold": ("turbo.md", "semantics.md"), "list_trim_refused": ("layers.md", "semantics.md"),
+    "steady_state_bug": ("render.md", "review.md"), "architecture": ("architecture.md",),
+}
 
 
 def picture_names() -> list[str]:

@@ -353,7 +353,15 @@ def _frame(lock: Any, index: int, op: dict[str, Any], seen: dict[str, Any]) -> F
         badges.append(("refused", refused))
     elif "result" in seen:
         r = seen["result"]
-        if hasattr(r, "inplace"):
+        if isinstance(r, tuple) and r and all(hasattr(x, "inplace") for x in r):
+            # a list of layers: one result per layer
+            paths = {x.inplace for x in r}
+            if len(paths) == 1:
+                badges.append(("in place", "every layer wrote in place") if r[0].inplace
+                              else ("copy", "every layer wrote by a copying write"))
+            else:
+                badges += [(f"L{j} {'in place' if x.inplace else 'copy'}", f"layer {j}") for j, x in enumerate(r)]
+        elif hasattr(r, "inplace"):
             badges.append(("in place", "written into the buffer it shares") if r.inplace
                           else ("copy", "a copying write into new private buffers"))
             if getattr(r, "regrew", False):
@@ -507,7 +515,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
         bx, by = x + PAD, y0 + HEAD
         for name, detail in f.badges:
             bcls = {"in place": "b-inplace", "copy": "b-copy", "refused": "b-refused", "diverged": "b-diverged"}.get(
-                name, "b-impl" if detail.startswith(tuple(f"{lab}:" for lab in ("impl did", "mlx-lm did", "trace expects")))
+                name.split(" ", 1)[1] if name.startswith("L") and name[1:2].isdigit() else name, "b-impl" if detail.startswith(tuple(f"{lab}:" for lab in ("impl did", "mlx-lm did", "trace expects")))
                 or ": " in name else "b-other")
             text = (name if name not in ("returns", "expect") else f"{name} {detail}")[: max(chars, 12)]
             bw = len(text) * 6 + 8

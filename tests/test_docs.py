@@ -401,6 +401,9 @@ def test_every_picture_is_drawn_and_asked_for(name):
     assert root.tag.endswith("svg") and len(list(root.iter())) > 20
     pages = [md for md in (REPO / "docs").rglob("*.md") if f"<!-- kvspec: picture {name} -->" in md.read_text()]
     assert pages, f"no page shows picture {name}"
+    assert name in docgen.PICTURE_PAGES, f"picture {name}: say which pages must show it (docgen.PICTURE_PAGES)"
+    for want in docgen.PICTURE_PAGES[name]:
+        assert REPO / "docs" / want in pages, f"docs/{want} no longer shows picture {name}"
     for md in pages:
         html = (site / md.stem / "index.html").read_text()
         assert f"pictures/{name}.svg" in html

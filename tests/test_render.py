@@ -46,12 +46,41 @@ def test_every_shipped_trace_draws(path):
     assert all(c.text.isdigit() for c in first_view.cells)
 
 
+@pytest.mark.parametrize("path", TRACES, ids=[str(p.relative_to(HERE / "traces")) for p in TRACES])
+def test_the_picture_is_the_spec_state_op_by_op(path):
+    """Independently of the renderer: after every op, the windows drawn are
+    exactly the spec's windows (names and token identities); an append's
+    badge agrees with the trace's own ``inplace`` check and the counters
+    with its ``capacity`` check, where the trace carries them."""
+    from fuzz.replay import make_lockstep
+
+    trace = load(path)
+    tl = timeline(trace)
+    lock = make_lockstep(trace.cache)
+    for i, (op, frame) in enumerate(zip(trace.ops, tl.frames)):
+        lock.step(i, op)
+        views = {r.note: [c.text for c in r.cells] for r in frame.rows if r.group == "view"}
+        assert views == {n: [str(t) for t in toks] for n, toks in lock.spec_views().items()}, (i, op)
+        badges = [b for b, _ in frame.badges]
+        if op["op"] == "append" and "inplace" in op and not op.get("error"):
+            assert ("in place" if op["inplace"] else "copy") in badges, (i, op, badges)
+        if "capacity" in op:
+            assert frame.observables.get("capacity") == op["capacity"], (i, op)
+        if op.get("error") is True:
+            assert "refused" in badges, (i, op, badges)
+
+
 @pytest.mark.parametrize("name", sorted(BUGS))
 def test_a_bug_trace_draws_its_divergence_and_rule(name):
     trace = load(HERE / "traces" / f"{name}.json")
     tl = timeline(trace, BUGS[name].factories, name)
     d, rule = tl.divergence, tl.rule
     assert d is not None and rule is not None
+    from fuzz.replay import replay
+
+    # the same divergence replay reports, at the same op
+    got = replay(trace, BUGS[name].factories).divergence
+    assert got is not None and (got.index, got.what) == (d.index, d.what)
     doc = svg(tl)
     cols = columns(doc)
     flagged = [c for c in cols if c.get("data-diverged") == "true"]
