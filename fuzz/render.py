@@ -455,7 +455,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     for key in rows:
         two = any(f.impl_rows and any(r.label == key[1] and r.group == "view" for r in f.rows) for f in tl.frames)
         row_h.append(2 * CELL + 14 if two else (CELL + 30 if key[0] == "store" else CELL + 16))
-    obs_h = 50
+    obs_h = 56
     top = HEAD + 62
     height = top + sum(row_h) + obs_h + PAD
     callout = []
@@ -474,7 +474,9 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     width = GUTTER + sum(widths) + PAD
     width = max(width, max([len(c) * 6 + 40 for c in callout] + [560]))
     title_lines = _wrap(tl.title, max(60, (width - 2 * PAD) // 7))[:4] if tl.title else []
-    title_h = 16 * len(title_lines)
+    cfg = ", ".join(f"{k} {v}" for k, v in tl.cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype"))
+    cfg_lines = _wrap(cfg + (f" | injected bug {tl.bug}" if tl.bug else ""), max(60, (width - 2 * PAD) // 6))
+    title_h = 16 * len(title_lines) + 12 * len(cfg_lines)
     total_h = height + call_h + title_h + PAD
     out = []
     attrs = f'width="{width}" height="{total_h}" viewBox="0 0 {width} {total_h}"'
@@ -491,10 +493,9 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     for line in title_lines:
         out.append(f'<text class="lab" x="{PAD}" y="{y0 + 10}">{_esc(line)}</text>')
         y0 += 16
-    cfg = ", ".join(f"{k} {v}" for k, v in tl.cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype"))
-    out.append(f'<text class="small" x="{PAD}" y="{y0 + 10}">{_esc(cfg)}'
-               f'{" | injected bug " + _esc(tl.bug) if tl.bug else ""}</text>')
-    y0 += 16
+    for line in cfg_lines:
+        out.append(f'<text class="small" x="{PAD}" y="{y0 + 10}">{_esc(line)}</text>')
+        y0 += 12
     # row labels
     y = y0 + top
     for (group, label), h in zip(rows, row_h):
@@ -536,7 +537,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
             y += h
         if f.run:
             obs = [f"{k} {v}" for k, v in f.observables.items() if not isinstance(v, (dict, list))]
-            for k, part in enumerate(_wrap(", ".join(obs), chars)[:3]):
+            for k, part in enumerate(_wrap(", ".join(obs), chars)[:4]):
                 out.append(f'<text class="small" x="{x + PAD}" y="{y + 11 + 11 * k}">{_esc(part)}</text>')
         out.append("</g>")
         x += w
