@@ -28,3 +28,18 @@ settings.register_profile(
     "mutation", settings.get_profile("ci"), phases=[Phase.explicit, Phase.reuse, Phase.generate]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which engines the recorded transformers traces were replayed on
+    (tests/test_transformers_traces.py): ours always, transformers where
+    PyTorch is installed."""
+    import sys
+
+    mod = sys.modules.get("tests.test_transformers_traces")
+    if mod is None or not any(mod.DONE.values()):
+        return
+    on = f"and against transformers ({mod.DONE['transformers']})" if mod.DONE["transformers"] else (
+        "only (PyTorch/transformers not installed: optional extra 'transformers')")
+    terminalreporter.write_line(f"kvspec: recorded transformers traces replayed against our caches "
+                                f"({mod.DONE['ours']}) {on}")

@@ -457,7 +457,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from fuzz.commands.conformance import print_report, run_conformance, to_json
 
     try:
-        reports = run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings)
+        reports = run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings, args.target)
     except KeyError as exc:
         _console().print(f"[bold red]error[/]: {exc.args[0]}")
         return 2
@@ -686,6 +686,9 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--budget", type=positive_seconds, default=120.0, help="seconds in all, split over the classes")
     c.add_argument("--seed", type=int_in(0, 2**32 - 1), default=CONFORMANCE_SEED, help="first seed")
     c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
+    c.add_argument("--target", default=None,
+                   help="the engine whose classes to fuzz (default: mlx-lm's KVCache, QuantizedKVCache, "
+                        "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
     c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="an mlx-lm class to fuzz (repeatable; default all)")
     c.add_argument("--max-findings", type=int_in(1, 1000), default=8, help="divergences per class at most")

@@ -200,7 +200,8 @@ def diagnose(trace: Trace, target: Target) -> tuple[Divergence | None, str]:
         try:
             lock.step(i, op)
         except Divergence as d:
-            line = f"op {d.index} {describe_op(d.op)}: {d.what}: mlx-lm {_short(d.impl)}, spec {_short(d.spec)}"
+            who = "mlx-lm" if target.name.startswith("mlx-lm") else target.label
+            line = f"op {d.index} {describe_op(d.op)}: {d.what}: {who} {_short(d.impl)}, spec {_short(d.spec)}"
             if d.what not in ("refusal differs",) and not d.what.startswith("make_mask("):
                 extra = [x for x in differences_after(lock) if not _same_fact(x, d)]
                 if extra:
@@ -278,7 +279,7 @@ def _record(cls: CacheClass, target_name: str, target: Target, failure: Any, out
     if d is None:  # pragma: no cover - a shrunk failure always replays
         d, line = error, str(error).splitlines()[0]
     waive = f" --waive {' --waive '.join(waived)}" if waived else ""
-    trace.title = (f"mlx-lm {mlx_lm_version()} {cls.name} does not conform "
+    trace.title = (f"{engine_of(target_name)} {cls.name} does not conform "
                    f"(kvspec replay --target {target_name}{waive}): {line}")[:600]
     path = write(trace, out / f"{cls.name}_{number:02d}.json")
     plain = resolve(target_name)
@@ -295,14 +296,35 @@ def _waived(target: Target, waived: list[str]) -> Target:
     return target
 
 
+def engine_of(target_name: str) -> str:
+    """The engine and version a target's classes come from (report titles)."""
+    if target_name.startswith("mlx-lm"):
+        return f"mlx-lm {mlx_lm_version()}"
+    if target_name == "transformers":
+        from fuzz.adapters.transformers import transformers_version
+
+        return transformers_version()
+    return target_name
+
+
+def classes_of(target: str | None) -> tuple[tuple[CacheClass, str], ...]:
+    """(class, target name) pairs to fuzz: mlx-lm's by default, else every
+    class of ``target`` (any target of docs/targets.md)."""
+    if target is None or target == "mlx-lm":
+        return CLASSES
+    return tuple((c, target) for c in resolve(target).classes)
+
+
 def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | Path = DEFAULT_OUT,
-                    only: list[str] | None = None, max_findings: int = 8) -> list[ClassReport]:
-    """Fuzz every mlx-lm class (or those named in ``only``), ``budget``
+                    only: list[str] | None = None, max_findings: int = 8,
+                    target: str | None = None) -> list[ClassReport]:
+    """Fuzz every class of ``target`` (default: mlx-lm's four classes, or
+    those named in ``only``), ``budget``
     seconds in all, split evenly. Stale ``<Class>_NN.json`` traces of the
     classes run are removed from ``out`` first, and ``out/report.json``
     (:func:`write_report`) lists every trace left there, so the folder is
     the report. Raises KeyError for an unknown class name."""
-    known = {c.name: (c, t) for c, t in CLASSES}
+    known = {c.name: (c, t) for c, t in classes_of(target)}
     names = list(known) if not only else list(only)
     for n in names:
         if n not in known:
