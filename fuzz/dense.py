@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, SMALL_STEPS, StateProtocolMachine
+from fuzz.machine import (
+    APPEND_N,
+    HEAD_DIMS,
+    KV_HEADS,
+    SMALL_STEPS,
+    LifecycleRules,
+    StateProtocolMachine,
+    without_lifecycle,
+)
 from fuzz.masks import check_dense_masks
 from fuzz.quant_ref import int8_oracle, quantize
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
@@ -30,6 +38,15 @@ class DenseOps:
     handle_class: Any
     holders: dict[str, Any]
 
+    @property
+    def consumed_handles(self) -> dict[str, Any]:
+        """Handles ``install`` consumed, by name: an ``install`` of such a
+        name hands the very handle in again (spec: refused, nothing changes)."""
+        spent = self.__dict__.get("_consumed")
+        if spent is None:
+            spent = self.__dict__["_consumed"] = {}
+        return spent
+
     def impl_apply(self, op: dict[str, Any]) -> Any:
         c, name = self.cache, op["op"]
         result = self.impl_common(op)
@@ -46,9 +63,16 @@ class DenseOps:
             self.holders[op["name"]] = c.detach()
             return None
         if name == "install":
+            spent = self.consumed_handles.get(op["name"])
+            if op["name"] not in self.holders and spent is not None:
+                # the handle install consumed, handed in again: the cache
+                # itself must refuse it (the harness does not)
+                c.install(spent)
+                return None
             handle = self.holder("install", op["name"], self.handle_class)
             c.install(handle)
             del self.holders[op["name"]]
+            self.consumed_handles[op["name"]] = handle
             return None
         if name == "handle_trim_to":
             handle = self.holder("handle_trim_to", op["name"], self.handle_class)
@@ -194,7 +218,7 @@ class DenseLockstep(DenseOps, Lockstep):
         return {"offset": c.offset, "live_start": c.live_start, "live_len": c.live_len, "capacity": c.capacity}
 
 
-class DenseMachine(StateProtocolMachine):
+class DenseMachine(LifecycleRules, StateProtocolMachine):
     """Every dense-cache operation of semantics.md section 2, with refused
     inputs mixed in (negative lengths, out-of-range and unsorted index
     lists, install into a non-empty cache)."""
@@ -254,6 +278,19 @@ class DenseMachine(StateProtocolMachine):
     def install(self, name: str) -> None:
         self.do({"op": "install", "name": name})
 
+    @rule(data=st.data())
+    def reinstall(self, data: st.DataObject) -> None:
+        """A consumed handle handed to ``install`` again (a prompt-cache
+        store that keeps the handle after installing it), often right after
+        emptying the cache so that only the handle's being spent refuses it."""
+        spent = sorted(self.lock.world.consumed - set(self.lock.world.holders))
+        if not spent:
+            return
+        name = data.draw(st.sampled_from(spent), label="name")
+        if data.draw(st.booleans(), label="empty first"):
+            self.do({"op": "detach", "name": self.fresh_name("h")})
+        self.do({"op": "install", "name": name})
+
     @rule(name=handles, data=st.data())
     def handle_trim_to(self, name: str, data: st.DataObject) -> None:
         holder = self.lock.world.holders.get(name)
@@ -284,6 +321,7 @@ class DenseMachine(StateProtocolMachine):
         assert c.live_len <= c.capacity or c.live_len == 0, (c.live_len, c.capacity)
 
 
+@without_lifecycle
 class PlainDenseMachine(DenseMachine):
     """The dense machine as mlx-lm targets run it: batch 1, one or two kv
     heads, one head dim, float16, drawn in the order their conformance

@@ -65,7 +65,19 @@ OP_TEXT = {
     "state_restore": "dense, rotating: `c.state = saved` (then `c.meta_state`); refuses a plain snapshot, and "
                      "`restore` refuses a state snapshot",
     "detach": "move the cache's tensors into a detached handle; the cache is empty afterwards",
-    "install": "install a detached handle into the empty cache (consumes the handle)",
+    "install": "install a detached handle into the empty cache (consumes the handle); an `install` of a name whose "
+               "handle was consumed hands that very handle in again: refused (StateError), nothing changes",
+    "copy": "`copy.deepcopy` (`deep`, default true) or `copy.copy` of the cache, held under `name` like a snapshot "
+            "(`restore` from it adopts its window); `live: copy` goes on writing the copy with the original held "
+            "(mlx-lm's `LRUPromptCache` deep-copies on every fetch). The snapshot rule: the copy shares the buffers "
+            "and owns nothing, so its first write copies (`spec.dense.w_copy`, `spec.rotating.w_copy`)",
+    "append_mismatch": "n rows with one more batch row or kv head, twice the K or V head dim, or another dtype "
+                       "(`differs`) than the cached rows': refused (InvalidArgumentError, each cache's own words), "
+                       "nothing changes; only on a cache holding a buffer (`spec.dense.w_append_mismatch`)",
+    "reload": "save and load the cache (`via`): a prompt-cache file (`impl.models`; the loaded layer goes on as the "
+              "live cache) or mlx-lm's load order on the cache (`state`, then `meta_state`; not the Turbo classes). "
+              "Same window, counters and switch; fresh buffers of the live rows, no marker, a ring's undo log empty "
+              "(`spec.dense.w_reload`, `spec.rotating.w_reload`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
     "fork": "paged: a new sequence `as` sharing every block of `from` (refcounts rise)",
     "release": "paged: drop sequence `seq`; each of its blocks' refcount falls by one",

@@ -34,6 +34,12 @@ COMMON_OPS = ("append", "fetch", "hold", "release_hold", "trim", "trim_to",
 #: (with ``c.meta_state`` where the class has one) and ``c.state = saved``;
 #: the kinds whose classes have that protocol list them in ``ops``.
 STATE_OPS = ("state_snapshot", "state_restore")
+#: Ops of the cache's life outside the decode loop (issue 26): ``copy``
+#: (copy.copy / copy.deepcopy of the cache, as mlx-lm's prompt-cache
+#: helpers make them), ``append_mismatch`` (rows whose batch, heads, head
+#: dim or dtype differ from the cached rows') and ``reload`` (a prompt-cache
+#: file save and load, or mlx-lm's load order ``state`` then ``meta_state``).
+LIFECYCLE_OPS = ("copy", "append_mismatch", "reload")
 #: Cache fields every kind has, with their defaults (kvtrace ``cache``).
 COMMON_FIELDS: dict[str, Any] = {
     "mode": "fp16", "step": 256, "batch": 1, "kv_heads": 2, "head_dim": 8, "inplace": True,
@@ -140,7 +146,7 @@ KINDS: dict[str, Kind] = {
             "gathers, snapshots, detached handles",
             modes=("fp16", "int8"),
             ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to",
-                 *STATE_OPS),
+                 *STATE_OPS, *LIFECYCLE_OPS),
             # Int8 never writes in place: the switch would change nothing
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
             lockstep="fuzz.dense:DenseLockstep", machine="fuzz.dense:DenseMachine", bugs="fuzz.bugs.dense:BUGS",
@@ -152,7 +158,7 @@ KINDS: dict[str, Kind] = {
             trace_kind="dense",
             fields={"hot_threshold": 256, "fold_block": 128},
             ops=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to",
-                 *STATE_OPS),
+                 *STATE_OPS, *LIFECYCLE_OPS),
             without={op: "the Turbo modes have a state getter and from_state (prompt-cache files) but no state "
                          "setter: a saved state is loaded with from_state, not assigned" for op in STATE_OPS},
             # Turbo writes always copy: the in-place switch would change nothing
@@ -164,7 +170,7 @@ KINDS: dict[str, Kind] = {
             modes=("fp16",),
             # undo: the ring's undo depth U (rows a trim can take back after a wrap)
             fields={"max_size": REQUIRED, "keep": 0, "undo": 0},
-            ops=STATE_OPS,
+            ops=(*STATE_OPS, *LIFECYCLE_OPS),
             # the ring has no front trim, gathers or detached handles
             refuses=("trim_front", "gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),

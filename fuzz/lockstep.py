@@ -19,6 +19,7 @@ identities where possible.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -72,6 +73,12 @@ class Divergence(Exception):
                 "kind": "trace check" if self.trace_check else "divergence",
                 "implementation": self.labels[1].removesuffix(" did") if keys[1] == "impl" else None,
                 keys[0]: _jsonable(self.spec), keys[1]: _jsonable(self.impl)}
+
+
+def is_cache_copy(holder: Any) -> bool:
+    """Whether a held object is a copy of a cache (the ``copy`` op), not a
+    snapshot or handle: it can take appends."""
+    return callable(getattr(holder, "update_and_fetch", None))
 
 
 def _jsonable(x: Any) -> Any:
@@ -338,6 +345,9 @@ class Lockstep:
         self.compare_state(index, op)
         self.check_op_checks(index, op, spec_out)
 
+    #: ops whose refusal each cache words its own way (naming the dimension
+    #: or dtype at fault): their type is compared, not their words
+    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset({"append_mismatch"})
     #: a target's own exception types -> refusal category (fuzz.targets)
     refusal_categories: ClassVar[dict[type, str]] = {}
 
@@ -356,7 +366,7 @@ class Lockstep:
         if self.compare_messages:
             if type(s_err) is not type(i_err):
                 raise Divergence(index, op, "refusal differs", spec_out.describe(), impl_out.describe())
-            if str(s_err) != str(i_err):
+            if str(s_err) != str(i_err) and op["op"] not in self.OWN_WORDED_OPS:
                 raise Divergence(index, op, "refusal message differs", spec_out.describe(), impl_out.describe())
             return
         if refusal_category(s_err) != refusal_category(i_err, self.refusal_categories):  # type: ignore[arg-type]
@@ -488,7 +498,7 @@ class Lockstep:
         if op["op"] == "append":
             out["inplace"] = result.inplace
         elif op["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold",
-                              "state_snapshot", "state_restore"):
+                              "state_snapshot", "state_restore", "copy", "append_mismatch", "reload"):
             out["returns"] = list(result) if isinstance(result, tuple) else result
         out["capacity"] = self.spec_observables()["capacity"]
         return out
@@ -659,10 +669,33 @@ class Lockstep:
             self.holders[op["name"]] = c.snapshot()
             return None
         if name == "restore":
+            held = self.holders.get(op["name"])
+            if held is not None and is_cache_copy(held):
+                # a held copy of the cache (``copy``): restore from it
+                c.restore(held.snapshot())
+                return None
             snap = self.holder("restore", op["name"], self.snapshot_class)
             if isinstance(snap, StateHolder):  # restore takes snapshots only (the spec's rule)
                 raise StateError(f"restore: {op['name']!r} is a state snapshot, not a snapshot")
             c.restore(snap)
+            return None
+        if name == "copy":
+            self.fresh_name("copy", op["name"])
+            dup = copy.deepcopy(c) if op.get("deep", True) else copy.copy(c)
+            if op.get("live", "original") == "copy":
+                # the trace goes on with the copy (LRUPromptCache hands out a
+                # deep copy); the original is held
+                self.holders[op["name"]] = c
+                self.cache = dup
+            else:
+                self.holders[op["name"]] = dup
+            return None
+        if name == "append_mismatch":
+            k, v = self.mismatched_rows(op["n"], op["differs"])
+            self.returned = c.update_and_fetch(k, v)
+            return None
+        if name == "reload":
+            self.cache = self.reloaded(c, op.get("via", "file"))
             return None
         if name == "drop":
             self.holder("drop", op["name"])
@@ -682,6 +715,65 @@ class Lockstep:
         was (what a state snapshot is read back through)."""
         factory, kwargs = self._built
         return self.build(factory, **kwargs)
+
+    def mismatched_rows(self, n: int, differs: str) -> tuple[mx.array, mx.array]:
+        """Rows of the next ``n`` token identities in a shape or dtype the
+        cache does not hold: one more batch row or kv head, a K or V head
+        dim twice the cached one, or another float dtype."""
+        b, h, dk, dv = self.shape
+        dtype = self.dtype
+        if differs == "batch":
+            b += 1
+        elif differs == "kv_heads":
+            h += 1
+        elif differs == "k_head_dim":
+            dk *= 2
+        elif differs == "v_head_dim":
+            dv *= 2
+        else:
+            dtype = "float32" if dtype != "float32" else "float16"
+        start = self.world.next_token
+        tokens = list(range(start, start + n))
+        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, dtype, False), dtype),
+                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, dtype, False), dtype))
+
+    def reloaded(self, c: Any, via: str) -> Any:
+        """The cache saved and loaded back. ``file``: through a prompt-cache
+        file (``impl.models.save_prompt_cache`` / ``load_prompt_cache``, a
+        temporary file); the loaded layer takes the place of the live cache
+        (an injected bug's class is kept: the file layer builds the base
+        class, whose methods would hide the bug). ``state``: mlx-lm's load
+        order on the cache itself, ``state`` then ``meta_state``."""
+        if via == "state":
+            if not callable(getattr(getattr(type(c), "state", None), "fset", None)):
+                from fuzz.trace import TraceFormatError
+
+                raise TraceFormatError(f"reload: via 'state' needs a state setter, which {type(c).__name__} lacks "
+                                       "(it loads by from_state: use via 'file')")
+            state, meta = c.state, c.meta_state
+            c.state = state
+            c.meta_state = meta
+            return c
+        import tempfile
+        from pathlib import Path
+
+        from impl.models import _CLASSES, load_prompt_cache, save_prompt_cache
+
+        under_test = type(c)
+        # an injected bug's subclass is saved as the kvspec class it derives
+        # from (the file names classes), then loaded back as itself
+        base = next((k for k in under_test.__mro__ if _CLASSES.get(k.__name__) is k), under_test)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "prompt.safetensors"
+            c.__class__ = base
+            try:
+                save_prompt_cache(path, [c])
+            finally:
+                c.__class__ = under_test
+            (loaded,) = load_prompt_cache(path)
+        if type(loaded) is not under_test and issubclass(under_test, type(loaded)):
+            loaded.__class__ = under_test
+        return loaded
 
     def impl_hold(self, name: str) -> None:
         """``hold`` keeps the window the last append returned alive (as a
@@ -729,6 +821,11 @@ class Lockstep:
 
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
         """The op on the spec world: ``(result, new world)`` (pure)."""
+        if op["op"] == "append_mismatch" and not self.spec_module.holds_buffer(self.world):
+            from fuzz.trace import TraceFormatError
+
+            raise TraceFormatError("append_mismatch: only on a cache holding a buffer (an empty cache takes any "
+                                   "shape; the spec cannot follow rows of another shape)")
         return self.spec_module.apply_op(self.world, op)
 
     def impl_apply(self, op: dict[str, Any]) -> Any:

@@ -271,4 +271,83 @@ class StateProtocolMachine(KVMachine):
             self.do({"op": "append", "n": 1})
 
 
-__all__ = ["APPEND_N", "HEAD_DIMS", "KV_HEADS", "SMALL_STEPS", "KVMachine", "StateProtocolMachine", "precondition"]
+#: what an ``append_mismatch`` may change (spec.dense.ROW_FIELDS)
+MISMATCH_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype")
+
+
+class LifecycleRules:
+    """Rules for the cache's life outside the decode loop (kinds that run
+    ``fuzz.kinds.LIFECYCLE_OPS``): copies of the cache as mlx-lm's
+    prompt-cache helpers make them, rows of another shape or dtype, and
+    save/load through a prompt-cache file or mlx-lm's load order. Mixed into
+    a kind's machine; the plain machines of mlx-lm targets leave them out
+    (:func:`without_lifecycle`)."""
+
+    snapshots: Any
+    lock: Any
+
+    @rule(target=KVMachine.snapshots, deep=st.booleans(), live=st.sampled_from(["copy", "copy", "original"]))
+    def copy_cache(self, deep: bool, live: str) -> str:
+        """``copy.deepcopy`` (LRUPromptCache on every fetch) or ``copy.copy``
+        of the cache; the trace goes on writing the copy (the original held,
+        like the store's entry) or the original (the copy held). Checked
+        against the snapshot rule: shared memory, no ownership."""
+        name = self.fresh_name("c")  # type: ignore[attr-defined]
+        self.do({"op": "copy", "name": name, "deep": deep, "live": live})  # type: ignore[attr-defined]
+        return name
+
+    @rule(deep=st.sampled_from([True, True, False]))
+    def prompt_cache_fetch(self, deep: bool) -> None:
+        """mlx-lm's ``LRUPromptCache`` pattern: fetch a (deep) copy of a
+        stored prompt cache, decode on it while the store keeps the
+        original: copy, two decode steps, then a decode on the original
+        restored from the store (after one decode on the original, so that
+        it owns its buffers when copied). A copy that still owns the buffers writes
+        its rows in place into the memory the stored original reads."""
+        name = self.fresh_name("c")  # type: ignore[attr-defined]
+        self.do({"op": "append", "n": 1})  # type: ignore[attr-defined]
+        self.do({"op": "copy", "name": name, "deep": deep, "live": "copy"})  # type: ignore[attr-defined]
+        self.do({"op": "append", "n": 1})  # type: ignore[attr-defined]
+        self.do({"op": "append", "n": 1})  # type: ignore[attr-defined]
+        self.do({"op": "restore", "name": name})  # type: ignore[attr-defined]
+        self.do({"op": "append", "n": 1})  # type: ignore[attr-defined]
+        self.do({"op": "drop", "name": name})  # type: ignore[attr-defined]
+
+    @rule(n=st.integers(1, 3), first=st.sampled_from(MISMATCH_FIELDS))
+    def append_mismatch(self, n: int, first: str) -> None:
+        """Rows whose batch, kv heads, K or V head dim or dtype differ from
+        the cached rows', each in turn (from ``first``): refused, nothing
+        changes (only while the cache holds a buffer: an empty cache takes
+        any shape)."""
+        if not self.lock.spec_module.holds_buffer(self.lock.world):
+            return
+        at = MISMATCH_FIELDS.index(first)
+        for differs in MISMATCH_FIELDS[at:] + MISMATCH_FIELDS[:at]:
+            self.do({"op": "append_mismatch", "n": n, "differs": differs})  # type: ignore[attr-defined]
+
+    #: the load paths :meth:`reload` takes, in order
+    reload_paths: ClassVar[tuple[str, ...]] = ("state", "file")
+
+    @rule()
+    def reload(self) -> None:
+        """Save and load the cache through every load path in turn: mlx-lm's
+        load order (``state`` then ``meta_state``) and a prompt-cache file;
+        the trace goes on with what was loaded, so every later op compares
+        the loaded cache's behaviour with the spec's (not only its
+        counters)."""
+        for via in self.reload_paths:
+            self.do({"op": "reload", "via": via})  # type: ignore[attr-defined]
+
+
+def without_lifecycle(cls: type) -> type:
+    """``cls`` with the :class:`LifecycleRules` rules hidden (Hypothesis
+    collects rules by attribute, so a plain attribute shadows one): for
+    machines run against mlx-lm's caches, whose draw order fixed seeds
+    reproduce."""
+    for name in ("copy_cache", "prompt_cache_fetch", "append_mismatch", "reload", "reinstall"):
+        setattr(cls, name, None)
+    return cls
+
+
+__all__ = ["APPEND_N", "HEAD_DIMS", "KV_HEADS", "SMALL_STEPS", "KVMachine", "LifecycleRules", "StateProtocolMachine",
+           "precondition", "without_lifecycle"]

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import HEAD_DIMS, KV_HEADS, SMALL_STEPS, StateProtocolMachine
+from fuzz.machine import (
+    HEAD_DIMS,
+    KV_HEADS,
+    SMALL_STEPS,
+    LifecycleRules,
+    StateProtocolMachine,
+    without_lifecycle,
+)
 from fuzz.masks import check_ring_masks, mask_as_rows
 from fuzz.trace import TraceFormatError
 from impl.dense import data_pointer
@@ -168,7 +175,7 @@ class RotatingLockstep(Lockstep):
         return out
 
 
-class RotatingMachine(StateProtocolMachine):
+class RotatingMachine(LifecycleRules, StateProtocolMachine):
     """Sliding-window ops with W 2 to 16, K 0 to 3, step 1 to 8, undo depth U
     0 to 4 (0 on mlx-lm targets, which have no undo log): mixed decode and
     multi-row appends, trims before and after the wrap, snapshots and held
@@ -245,6 +252,7 @@ class RotatingMachine(StateProtocolMachine):
             assert c.keep < c.idx, (c.keep, c.idx)
 
 
+@without_lifecycle
 class PlainRotatingMachine(RotatingMachine):
     """The ring machine as mlx-lm targets run it (batch 1, one head dim,
     float16), drawn in the order their conformance findings were recorded

@@ -208,6 +208,10 @@ class TurboMachine(DenseMachine):
     Hypothesis, which reuses earlier examples' choices, could go hundreds
     of examples without one)."""
 
+    #: a prompt-cache file only: the Turbo classes load by ``from_state``
+    #: (no ``state`` setter, so mlx-lm's load order is not theirs)
+    reload_paths = ("file",)
+
     @initialize(step=SMALL_STEPS, head_dim=st.sampled_from([8, 16, 0, 16, 8]), kv_heads=KV_HEADS,
                 hot_threshold=THRESHOLDS, fold_block=BLOCKS)
     def init(self, step: int, head_dim: int, kv_heads: int, hot_threshold: int, fold_block: int) -> None:

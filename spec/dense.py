@@ -528,6 +528,9 @@ class DenseWorld:
     held: Holder | None = None
     returned: Holder | None = None
     next_token: int = 0
+    #: names of handles ``install`` consumed: installing one again is
+    #: refused (the handle is spent), not "no such name"
+    consumed: frozenset[str] = frozenset()
 
 
 def new_world(mode: Mode | str = Mode.FP16, step: int = 256, inplace: bool = True) -> DenseWorld:
@@ -573,6 +576,62 @@ def w_snapshot(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
     """Prompt-cache snapshot: new handles to the same buffers, O(1)."""
     _fresh_name(world, "snapshot", name)
     return None, replace(world, holders={**world.holders, name: holder_of(world.cache, "snapshot")})
+
+
+def w_copy(world: DenseWorld, name: str, live: str) -> tuple[None, DenseWorld]:
+    """``copy.copy`` or ``copy.deepcopy`` of the cache (mlx-lm's prompt-cache
+    helpers; ``LRUPromptCache`` deep-copies on every fetch), held under
+    ``name``. The snapshot rule: the copy shares the buffers (O(1); a deep
+    copy of an array is a new handle to its memory) and the window, and
+    owns nothing, so it carries no ownership marker. ``live`` says which of
+    the two the trace goes on writing: ``"original"`` (the copy is held, a
+    snapshot; the cache keeps its marker) or ``"copy"`` (the original is
+    held; the live cache is the copy: no marker, its first write copies).
+    Raises StateError for a name in use; then nothing changes."""
+    if live not in ("copy", "original"):
+        raise InvalidArgumentError(f"copy: live must be 'copy' or 'original', got {live!r}")
+    _fresh_name(world, "copy", name)
+    holders = {**world.holders, name: holder_of(world.cache, "snapshot")}
+    cache = replace(world.cache, marker=None) if live == "copy" else world.cache
+    return None, replace(world, cache=cache, holders=holders)
+
+
+#: What an append's rows may differ in from the rows a cache holds
+#: (kvtrace ``append_mismatch``'s ``differs``).
+ROW_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype")
+
+
+def w_append_mismatch(world: DenseWorld, n: int, differs: str) -> tuple[None, DenseWorld]:
+    """An append of ``n`` rows whose ``differs`` (batch, kv heads, K or V
+    head dim, dtype) is not that of the rows the cache holds: refused with
+    InvalidArgumentError while the cache holds a buffer (a cast or a
+    broadcast would change the rows silently, semantics.md 2 "Storage
+    dtype"), and nothing changes. (A cache without a buffer takes any
+    shape; a trace gives this op only on a cache holding one.)"""
+    if differs not in ROW_FIELDS:
+        raise InvalidArgumentError(f"append_mismatch: differs must be one of {', '.join(ROW_FIELDS)}, got {differs!r}")
+    if n < 1:
+        raise InvalidArgumentError(f"append: n must be >= 1, got {n}")
+    raise InvalidArgumentError(f"append: {differs} must be the cached rows' (a cache holding rows keeps their shape and dtype)")
+
+
+def holds_buffer(world: DenseWorld) -> bool:
+    """Whether the cache holds a buffer (then an append's rows must match it)."""
+    return world.cache.buffer is not None
+
+
+def w_reload(world: DenseWorld, via: str) -> tuple[None, DenseWorld]:
+    """The cache saved and loaded back: ``via="file"`` through a prompt-cache
+    file (``impl.models.save_prompt_cache`` / ``load_prompt_cache``; the
+    loaded cache replaces the live one), ``via="state"`` in mlx-lm's load
+    order (``cache.state = saved``, then ``cache.meta_state = saved``).
+    Either way the cache goes on with the same window, offset, live_start,
+    mode, step and in-place switch, in fresh private buffers of exactly its
+    live rows and with no ownership marker: a load acts as a restore from a
+    copy (semantics.md 2), so its first write copies; holders keep theirs."""
+    if via not in ("file", "state"):
+        raise InvalidArgumentError(f"reload: via must be 'file' or 'state', got {via!r}")
+    return None, replace(world, cache=replace(_compacted(world.cache), marker=None))
 
 
 def w_restore(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
@@ -627,14 +686,19 @@ def w_detach(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
 
 
 def w_install(world: DenseWorld, name: str) -> tuple[None, DenseWorld]:
-    """Install a detached handle into the empty cache; the handle is consumed."""
+    """Install a detached handle into the empty cache; the handle is
+    consumed: installing it again is refused (StateError), whatever the
+    cache holds then, and changes nothing."""
+    if name in world.consumed and name not in world.holders:
+        raise StateError("install: the handle was already installed")
     handle = _require(world, "install", name, "handle")
     if not is_empty(world.cache):
         raise StateError(
             f"install: requires an empty cache, got offset={world.cache.offset}, live_len={world.cache.live_len}"
         )
     holders = {k: v for k, v in world.holders.items() if k != name}
-    return None, replace(world, cache=adopt(world.cache, handle), holders=holders)
+    return None, replace(world, cache=adopt(world.cache, handle), holders=holders,
+                         consumed=world.consumed | {name})
 
 
 def w_handle_trim_to(world: DenseWorld, name: str, length: int) -> tuple[int, DenseWorld]:
@@ -684,6 +748,12 @@ def apply_op(world: DenseWorld, op: dict) -> tuple[object, DenseWorld]:
         return w_state_snapshot(world, op["name"])
     if name == "state_restore":
         return w_state_restore(world, op["name"])
+    if name == "copy":
+        return w_copy(world, op["name"], op.get("live", "original"))
+    if name == "append_mismatch":
+        return w_append_mismatch(world, op["n"], op["differs"])
+    if name == "reload":
+        return w_reload(world, op.get("via", "file"))
     if name == "detach":
         return w_detach(world, op["name"])
     if name == "install":

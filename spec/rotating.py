@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec.dense import MAX_STEP, Entry, Mode
+from spec.dense import MAX_STEP, Entry, Mode, w_append_mismatch
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -539,6 +539,41 @@ def w_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
     return None, replace(world, holders={**world.holders, name: RingHolder(world.cache)})
 
 
+def w_copy(world: RotatingWorld, name: str, live: str) -> tuple[None, RotatingWorld]:
+    """``copy.copy``/``copy.deepcopy`` of the ring held under ``name``
+    (spec.dense.w_copy): the copy shares the buffers, counters and undo log
+    by value and carries no ownership marker; with ``live == "copy"`` the
+    trace goes on writing the copy (no marker: its first warm-up write
+    copies, and it keeps the undo log), else the copy is held as a
+    snapshot. Raises StateError for a name in use."""
+    if live not in ("copy", "original"):
+        raise InvalidArgumentError(f"copy: live must be 'copy' or 'original', got {live!r}")
+    if name in world.holders:
+        raise StateError(f"copy: name {name!r} is already in use")
+    holders = {**world.holders, name: RingHolder(world.cache)}
+    cache = replace(world.cache, marker=None) if live == "copy" else world.cache
+    return None, replace(world, cache=cache, holders=holders)
+
+
+def holds_buffer(world: RotatingWorld) -> bool:
+    """Whether the ring holds a buffer (then an append's rows must match it)."""
+    return bool(world.cache.slots)
+
+
+def w_reload(world: RotatingWorld, via: str) -> tuple[None, RotatingWorld]:
+    """The ring saved and loaded back (spec.dense.w_reload): its valid rows
+    in physical order become fresh private buffers of exactly that many
+    slots; offset, cursor, window, sinks, step, undo depth and switch stay;
+    no marker and an empty undo log (a file is a snapshot: a loaded ring
+    cannot roll back into the history before the save)."""
+    if via not in ("file", "state"):
+        raise InvalidArgumentError(f"reload: via must be 'file' or 'state', got {via!r}")
+    c = world.cache
+    valid = c.slots[: c.valid_len]
+    loaded = _new_buffer(c, valid) if valid else replace(c, slots=(), ident=None)
+    return None, replace(world, cache=replace(loaded, marker=None, log=()))
+
+
 def w_state_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
     """``saved = c.state`` (with ``c.meta_state``): a snapshot whose rows
     never change, as ``snapshot`` (semantics.md 8, "The state
@@ -628,6 +663,12 @@ def apply_op(world: RotatingWorld, op: dict) -> tuple[object, RotatingWorld]:
         return w_state_snapshot(world, op["name"])
     if name == "state_restore":
         return w_state_restore(world, op["name"])
+    if name == "copy":
+        return w_copy(world, op["name"], op.get("live", "original"))
+    if name == "append_mismatch":
+        return w_append_mismatch(world, op["n"], op["differs"])  # type: ignore[arg-type]
+    if name == "reload":
+        return w_reload(world, op.get("via", "file"))
     raise unsupported(name)
 
 

@@ -223,6 +223,10 @@ class TurboWorld:
         return self.dense.held
 
     @property
+    def consumed(self) -> frozenset[str]:
+        return self.dense.consumed
+
+    @property
     def returned(self) -> sd.Holder | None:
         return self.dense.returned
 
@@ -256,6 +260,11 @@ def _after_trim(cold_offset: int, live_before: int, removed: int) -> int:
     return cold_offset - trim_split(cold_offset, live_before, removed)[1]
 
 
+def holds_buffer(world: TurboWorld) -> bool:
+    """Whether the cache holds arrays (then an append's rows must match them)."""
+    return sd.holds_buffer(world.dense)
+
+
 def apply_op(world: TurboWorld, op: dict) -> tuple[object, TurboWorld]:
     """Run one kvtrace op: ``spec.dense.apply_op`` for the window and the K
     buffer, plus the cold offsets (Delegated): folds at appends, hot-first
@@ -280,7 +289,7 @@ def apply_op(world: TurboWorld, op: dict) -> tuple[object, TurboWorld]:
         cold = _after_trim(cold, live, int(result))  # type: ignore[arg-type]
     elif name == "hold":
         w = replace(w, held_cold=world.returned_cold)
-    elif name == "snapshot":
+    elif name in ("snapshot", "copy"):
         w = replace(w, holder_cold={**world.holder_cold, op["name"]: cold})
     elif name == "restore":
         cold = world.holder_cold[op["name"]]

@@ -156,8 +156,10 @@ def test_world_snapshot_restore_detach_install():
     assert n == 2 and sd.view_of(w, "h") == (0, 1)
     _, w = sd.w_install(w, "h")
     assert w.cache.window() == (0, 1) and "h" not in w.holders
-    with pytest.raises(StateError, match="no snapshot or handle"):
+    with pytest.raises(StateError, match="already installed"):  # the consumed handle, handed in again
         sd.w_install(w, "h")
+    with pytest.raises(StateError, match="no snapshot or handle"):
+        sd.w_install(w, "never")
 
 
 def test_install_requires_an_empty_cache():

@@ -173,6 +173,7 @@ _FIELDS = {
     "expect": ["window", "of", "order", "layer"], "fetch": [], "hold": [], "release_hold": [],
     "can_trim": [], "layer": ["index", "do"],
     "state_snapshot": ["name"], "state_restore": ["name"],
+    "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "reload": ["via"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -186,6 +187,9 @@ _VALID = {
     "order": st.sampled_from(["exact", "set"]),
     "any": _values,
     "do": st.sampled_from([{"op": "fetch"}, {"op": "trim_front", "n": 1}, {"op": "trim_front", "n": 1, "keep": 0}]),
+    "live": st.sampled_from(["original", "copy"]),
+    "differs": st.sampled_from(["batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype"]),
+    "via": st.sampled_from(["file", "state"]),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -196,12 +200,16 @@ _BAD = {
     "order": st.sampled_from(["other", 1]),
     "any": st.nothing(),
     "do": st.sampled_from([{}, {"op": "append"}, {"op": "fetch", "x": 1}, {"op": "trim_front", "n": "a"}, 3]),
+    "live": st.sampled_from(["both", 1, None]),
+    "differs": st.sampled_from(["heads", "", 2]),
+    "via": st.sampled_from(["disk", True]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
          "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
-         "layer": "count", "index": "int", "do": "do"}
-_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}}
+         "layer": "count", "index": "int", "do": "do", "deep": "bool", "live": "live", "differs": "differs",
+         "via": "via"}
+_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via"}}
 
 
 @st.composite
@@ -213,12 +221,12 @@ def _ops(draw):
     for f in _FIELDS[name] + draw(st.lists(st.sampled_from(["returns", "error", "inplace", "capacity"]), max_size=2)):
         if f in _OPTIONAL.get(name, ()) and draw(st.booleans()):
             continue
-        kind = "count" if (name, f) == ("append", "n") else _KIND[f]
+        kind = "count" if (name, f) in (("append", "n"), ("append_mismatch", "n")) else _KIND[f]
         op[f] = draw(_VALID[kind])
     how = draw(st.sampled_from(["none", "none", "value", "value", "remove", "add"]))
     if how == "value":
         f = draw(st.sampled_from(sorted(op)))
-        kind = "count" if (name, f) == ("append", "n") else _KIND.get(f, "any")
+        kind = "count" if (name, f) in (("append", "n"), ("append_mismatch", "n")) else _KIND.get(f, "any")
         op[f] = draw(st.one_of(_BAD[kind], _values))
     elif how == "remove":
         del op[draw(st.sampled_from(sorted(op)))]

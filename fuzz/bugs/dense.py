@@ -6,6 +6,7 @@ Each entry is a subclass of ``KVCache`` that breaks exactly one rule of
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -13,7 +14,8 @@ import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
 from impl import write as kvwrite
-from impl.dense import SEQ_AXIS, CacheSnapshot, KVCache, _Buffers, _Marker
+from impl.dense import SEQ_AXIS, CacheSnapshot, DetachedHandle, KVCache, _Buffers, _Marker
+from spec.errors import InvalidArgumentError, StateError
 
 
 class InplaceAfterTrim(KVCache):
@@ -266,6 +268,61 @@ class KernelWriteWhereCopy(KVCache):
             kvwrite.write_inplace_kernel(dst, src, kvwrite.seq_index(at, src.shape[SEQ_AXIS]))
 
 
+# -- the cache's life outside the decode loop (issue 26): each caught only by the
+# -- op named (copy, install of a consumed handle, append_mismatch, reload)
+
+
+class DeepcopyKeepsMarker(KVCache):
+    """``copy.deepcopy`` copies every field, the ownership marker included
+    (the default deep copy): the copy's marker names its own (deep-copied)
+    buffer handles, which alias the original's memory, so the copy passes
+    the ownership rule and writes its decode rows in place into memory the
+    original (mlx-lm's ``LRUPromptCache`` entry) still holds."""
+
+    def __deepcopy__(self, memo: dict) -> KVCache:
+        new = type(self).__new__(type(self))
+        new.__dict__.update(copy.deepcopy(dict(self.__dict__), memo))
+        return new
+
+
+class InstallKeepsHandle(KVCache):
+    """``install`` adopts the handle's buffers but neither empties the
+    handle nor marks it consumed: the same handle installs again (into this
+    cache once emptied, or another), a second owner of one buffer."""
+
+    def install(self, handle: Any) -> None:
+        if not isinstance(handle, DetachedHandle):
+            raise InvalidArgumentError(f"install: expected a DetachedHandle, got {type(handle).__name__}")
+        if not self.empty() or self.offset != 0:
+            raise StateError(f"install: requires an empty cache, got offset={self.offset}, live_len={self.live_len}")
+        self._check_holder("install", handle)
+        self._adopt(handle)
+
+
+class AppendBatchUnchecked(KVCache):
+    """The append's shape check compares kv heads and head dims with the
+    cached rows but not the batch: rows of another batch reach the write,
+    which fails deep in MLX (or broadcasts) instead of a clear refusal."""
+
+    def _check_compatible(self, op: str, keys: mx.array, values: mx.array) -> None:
+        if self.buffers is None:
+            return
+        for name, have, new in (("keys", self.buffers.keys, keys), ("values", self.buffers.values, values)):
+            if have.shape[1] != new.shape[1] or have.shape[3] != new.shape[3]:
+                raise InvalidArgumentError(f"{op}: {name} must match the cache's heads and head dim")
+        if self.buffers.dtype != keys.dtype:
+            raise InvalidArgumentError(f"{op}: dtype must be {self.buffers.dtype} (the cache's rows), got {keys.dtype}")
+
+
+class Int8LoadForgetsRowsDtype(KVCache):
+    """Loading rows over an Int8 cache in mlx-lm's order (``state``, then
+    ``meta_state``) rebuilds the buffers from codes and scales, which do not
+    record the rows' dtype: bfloat16 or float32 rows come back as float16."""
+
+    def _keep_rows_dtype(self, other: KVCache) -> None:
+        return None
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule (live_len == marker.live_len)",
@@ -362,5 +419,27 @@ BUGS: tuple[InjectedBug, ...] = (
         "in-place write where the ownership rule says copy, on the GPU", "dense", ("fp16",), "KVCache._write_copy",
         "CUDA kernel writes into shared buffers where the rule says copy", {"dense": KernelWriteWhereCopy},
         device="gpu",
+    ),
+    InjectedBug(
+        "deepcopy_keeps_marker", "semantics.md 2, a copy of a cache owns nothing (spec.dense.w_copy: no marker)",
+        "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch", "dense", ("fp16",),
+        "KVCache.__deepcopy__", "a deep copy keeps the ownership marker and writes in place into the original's memory",
+        {"dense": DeepcopyKeepsMarker},
+    ),
+    InjectedBug(
+        "install_keeps_handle", "semantics.md 2, install consumes the handle (installing it again is refused)",
+        "prompt-cache stores that keep a handle after installing it", "dense", ("fp16", "int8"), "KVCache.install",
+        "a consumed handle installs again", {"dense": InstallKeepsHandle},
+    ),
+    InjectedBug(
+        "append_batch_unchecked", "semantics.md 2, appended rows match the cached [B, H, D] and dtype",
+        "batched serving: a request joins a cache of another batch", "dense", ("fp16",),
+        "KVCache._check_compatible", "rows of another batch are not refused", {"dense": AppendBatchUnchecked},
+    ),
+    InjectedBug(
+        "int8_load_forgets_rows_dtype", "semantics.md 2, Storage dtype (a load keeps the rows' dtype)",
+        "mlx-lm's load order (state, then meta_state) on a bfloat16 model", "dense", ("int8",),
+        "KVCache._keep_rows_dtype", "Int8 rows loaded over the cache come back as float16",
+        {"dense": Int8LoadForgetsRowsDtype},
     ),
 )

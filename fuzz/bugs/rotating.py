@@ -6,6 +6,7 @@ See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -188,6 +189,25 @@ class BlockDropsUnlogged(RotatingKVCache):
             self._log = self._log[:-1] + (replace(self._log[-1], saved_keys=None, saved_values=None),)
 
 
+def _keeping_log(setter: Any) -> Any:
+    def set_keeping_log(self: RotatingKVCache, v: Any) -> None:
+        log = self._log
+        setter(self, v)
+        self._log = log
+
+    return set_keeping_log
+
+
+class LoadKeepsUndoLog(RotatingKVCache):
+    """mlx-lm's load order (``state``, then ``meta_state``) over a ring keeps
+    its undo log: a trim after the load rolls back into the history before
+    it (a file is a snapshot: a loaded ring holds no log)."""
+
+    state = property(RotatingKVCache.state.fget, _keeping_log(RotatingKVCache.state.fset))  # type: ignore[assignment]
+    meta_state = property(RotatingKVCache.meta_state.fget,  # type: ignore[assignment]
+                          _keeping_log(RotatingKVCache.meta_state.fset))
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "steady_state_inplace", "semantics.md 3, steady state copies",
@@ -264,5 +284,11 @@ BUGS: tuple[InjectedBug, ...] = (
         "block_drops_unlogged", "semantics.md 3, undo log (records the rows a multi-row append drops)",
         "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_prefill",
         "a multi-row append does not log the old row it drops", {"rotating": BlockDropsUnlogged},
+    ),
+    InjectedBug(
+        "load_keeps_undo_log", "semantics.md 3, a load acts as a restore (spec.rotating.w_reload: empty undo log)",
+        "mlx-lm's load_prompt_cache sets state, then meta_state", "rotating", ("fp16",),
+        "RotatingKVCache.state/meta_state setters", "loading over a ring keeps its undo log",
+        {"rotating": LoadKeepsUndoLog},
     ),
 )
