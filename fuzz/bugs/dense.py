@@ -421,23 +421,23 @@ BUGS: tuple[InjectedBug, ...] = (
         device="gpu",
     ),
     InjectedBug(
-        "deepcopy_keeps_marker", "semantics.md 2, a copy of a cache owns nothing (spec.dense.w_copy: no marker)",
+        "deepcopy_keeps_marker", "spec.dense.w_copy (a copy shares the buffers and owns nothing)",
         "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch", "dense", ("fp16",),
         "KVCache.__deepcopy__", "a deep copy keeps the ownership marker and writes in place into the original's memory",
         {"dense": DeepcopyKeepsMarker},
     ),
     InjectedBug(
-        "install_keeps_handle", "semantics.md 2, install consumes the handle (installing it again is refused)",
+        "install_keeps_handle", "spec.dense.w_install (a consumed handle is refused)",
         "prompt-cache stores that keep a handle after installing it", "dense", ("fp16", "int8"), "KVCache.install",
         "a consumed handle installs again", {"dense": InstallKeepsHandle},
     ),
     InjectedBug(
-        "append_batch_unchecked", "semantics.md 2, appended rows match the cached [B, H, D] and dtype",
+        "append_batch_unchecked", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
         "batched serving: a request joins a cache of another batch", "dense", ("fp16",),
         "KVCache._check_compatible", "rows of another batch are not refused", {"dense": AppendBatchUnchecked},
     ),
     InjectedBug(
-        "int8_load_forgets_rows_dtype", "semantics.md 2, Storage dtype (a load keeps the rows' dtype)",
+        "int8_load_forgets_rows_dtype", "spec.dense.w_reload (a load keeps the rows' dtype)",
         "mlx-lm's load order (state, then meta_state) on a bfloat16 model", "dense", ("int8",),
         "KVCache._keep_rows_dtype", "Int8 rows loaded over the cache come back as float16",
         {"dense": Int8LoadForgetsRowsDtype},

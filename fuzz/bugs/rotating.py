@@ -286,7 +286,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "a multi-row append does not log the old row it drops", {"rotating": BlockDropsUnlogged},
     ),
     InjectedBug(
-        "load_keeps_undo_log", "semantics.md 3, a load acts as a restore (spec.rotating.w_reload: empty undo log)",
+        "load_keeps_undo_log", "spec.rotating.w_reload (a load acts as a restore: empty undo log)",
         "mlx-lm's load_prompt_cache sets state, then meta_state", "rotating", ("fp16",),
         "RotatingKVCache.state/meta_state setters", "loading over a ring keeps its undo log",
         {"rotating": LoadKeepsUndoLog},
