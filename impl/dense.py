@@ -730,18 +730,9 @@ class KVCache:
     def state(self, v: tuple[mx.array, ...]) -> None:
         """Load live rows (offset = their count, live_start 0) in this
         cache's mode; validated as ``from_state`` validates, and nothing
-        changes when refused. Int8 rows keep the dtype this cache's rows
-        came in (codes and scales record none; a cache without rows reads
-        them back as float16)."""
+        changes when refused."""
         other = type(self)._build("state", self.mode, self.step, v, None, 0)
-        self._keep_rows_dtype(other)
         self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
-
-    def _keep_rows_dtype(self, other: KVCache) -> None:
-        """Int8: ``other`` (rows loaded over this cache) dequantizes to the
-        dtype of this cache's rows, which its codes do not record."""
-        if self.mode == "int8" and self.buffers is not None and other.buffers is not None:
-            other.buffers.out_dtype = self.buffers.dtype
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -762,7 +753,6 @@ class KVCache:
         if v is None:
             raise InvalidArgumentError("meta_state: meta_state must be (mode, step, offset, live_start), got None")
         other = type(self).from_state(self.state, v, op="meta_state")
-        self._keep_rows_dtype(other)
         self.mode, self.step = other.mode, other.step
         self.buffers, self.offset, self.live_start, self._marker = other.buffers, other.offset, other.live_start, None
 

@@ -180,14 +180,8 @@ def _describe(layer: int, c: Any) -> dict[str, Any]:
             f"({', '.join(_CLASSES)}); save mlx-lm's caches with mlx_lm.models.cache.save_prompt_cache"
         )
     # Turbo writes always copy: no switch to keep (saved as false)
-    out = {"class": name, "meta_state": list(c.meta_state), "inplace": bool(getattr(c, "inplace", False)),
-           "arrays": len(c.state)}
-    buffers = getattr(c, "buffers", None)
-    if name == "KVCache" and c.mode == "int8" and buffers is not None:
-        # Int8 keeps codes and float16 scales; the dtype the rows came in
-        # (what the window dequantizes to) is in neither: record it
-        out["rows_dtype"] = str(buffers.dtype).rsplit(".", 1)[-1]
-    return out
+    return {"class": name, "meta_state": list(c.meta_state), "inplace": bool(getattr(c, "inplace", False)),
+            "arrays": len(c.state)}
 
 
 def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[str, str] | None = None) -> None:
@@ -240,10 +234,6 @@ def _bad(file: Any, what: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"load_prompt_cache: {file}: {what}")
 
 
-#: the dtypes rows come in (a layer description's ``rows_dtype``)
-_ROWS_DTYPES = ("float16", "bfloat16", "float32")
-
-
 def _layer_plan(file: Any, header: dict[str, str], arrays: dict[str, mx.array]) -> list[dict[str, Any]]:
     """Parse and check the kvspec metadata against the tensors present."""
     raw = header.get(f"0.{_META_KEY}")
@@ -261,13 +251,8 @@ def _layer_plan(file: Any, header: dict[str, str], arrays: dict[str, mx.array]) 
     layers = desc["layers"]
     want: set[str] = set()
     for i, layer in enumerate(layers):
-        if not isinstance(layer, dict) or not {"class", "meta_state", "inplace", "arrays"} <= set(layer) <= {
-                "class", "meta_state", "inplace", "arrays", "rows_dtype"}:
-            raise _bad(file, f"layer {i}: description must have class, meta_state, inplace, arrays (and may have "
-                             f"rows_dtype); got {layer!r}")
-        if layer.get("rows_dtype", "float16") not in _ROWS_DTYPES:
-            raise _bad(file, f"layer {i}: rows_dtype must be one of {', '.join(_ROWS_DTYPES)}, "
-                             f"got {layer['rows_dtype']!r}")
+        if not isinstance(layer, dict) or set(layer) != {"class", "meta_state", "inplace", "arrays"}:
+            raise _bad(file, f"layer {i}: description must have class, meta_state, inplace, arrays; got {layer!r}")
         if layer["class"] not in _CLASSES:
             raise _bad(file, f"layer {i}: unknown class {layer['class']!r}; known: {', '.join(_CLASSES)}")
         if not isinstance(layer["meta_state"], list) or not all(isinstance(x, str) for x in layer["meta_state"]):
@@ -335,8 +320,6 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
             raise type(exc)(f"load_prompt_cache: {file}: layer {i}: {exc}") from None
         if hasattr(c, "inplace"):
             c.inplace = layer["inplace"]
-        if "rows_dtype" in layer and getattr(c, "buffers", None) is not None:
-            c.buffers.out_dtype = getattr(mx, layer["rows_dtype"])
         caches.append(c)
     if return_metadata:
         meta = {k[2:]: v for k, v in header.items() if k.startswith("0.") and k != f"0.{_META_KEY}"}

@@ -314,15 +314,6 @@ class AppendBatchUnchecked(KVCache):
             raise InvalidArgumentError(f"{op}: dtype must be {self.buffers.dtype} (the cache's rows), got {keys.dtype}")
 
 
-class Int8LoadForgetsRowsDtype(KVCache):
-    """Loading rows over an Int8 cache in mlx-lm's order (``state``, then
-    ``meta_state``) rebuilds the buffers from codes and scales, which do not
-    record the rows' dtype: bfloat16 or float32 rows come back as float16."""
-
-    def _keep_rows_dtype(self, other: KVCache) -> None:
-        return None
-
-
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule (live_len == marker.live_len)",
@@ -435,11 +426,5 @@ BUGS: tuple[InjectedBug, ...] = (
         "append_batch_unchecked", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
         "batched serving: a request joins a cache of another batch", "dense", ("fp16",),
         "KVCache._check_compatible", "rows of another batch are not refused", {"dense": AppendBatchUnchecked},
-    ),
-    InjectedBug(
-        "int8_load_forgets_rows_dtype", "spec.dense.w_reload (a load keeps the rows' dtype)",
-        "mlx-lm's load order (state, then meta_state) on a bfloat16 model", "dense", ("int8",),
-        "KVCache._keep_rows_dtype", "Int8 rows loaded over the cache come back as float16",
-        {"dense": Int8LoadForgetsRowsDtype},
     ),
 )
