@@ -70,6 +70,23 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "ownership": [("    int inplace = C.inplace && n == 1 && C.marker_buf == C.buf->id && prev == C.marker_len;\n",
                    "    int inplace = C.inplace && n == 1 && C.marker_buf == C.buf->id;\n"),
                   ("\\\"capacity\\\",\\\"inplace\\\"]", "\\\"capacity\\\"]")],
+    # misreports one observable, each on its own, after a trim (the state line's
+    # offset, live_start and live_len are compared only if the client reads them)
+    "offset": [("           C.offset, C.offset, C.buf ? C.buf->cap : 0);\n",
+                "           C.marker_len, C.offset, C.buf ? C.buf->cap : 0);\n")],
+    "live_len": [("           C.offset, C.offset, C.buf ? C.buf->cap : 0);\n",
+                  "           C.offset, C.marker_len, C.buf ? C.buf->cap : 0);\n")],
+    "live_start": [('\\"live_start\\":0,', '\\"live_start\\":%d,'),
+                   ("           C.offset, C.offset, C.buf ? C.buf->cap : 0);\n",
+                    "           C.offset, C.offset != C.marker_len, C.offset, C.buf ? C.buf->cap : 0);\n")],
+    # a refused trim_to still moves the offset back one row (a refusal must change nothing)
+    "refusal_mutates": [("        if (len < 0 || len > C.offset) {\n",
+                         "        if (len < 0 || len > C.offset) {\n            if (C.offset > 0) C.offset--;\n")],
+    # a multi-row append writes its rows in reverse order
+    "reversed_rows": [("    for (int i = 0; i < n; i++) write_row(C.buf, prev + i, (uint32_t)(first + i));\n",
+                       "    for (int i = 0; i < n; i++) write_row(C.buf, prev + (int)n - 1 - i, (uint32_t)(first + i));\n")],
+    # answers hello with another protocol version
+    "kvproto2": [('\\"kvproto\\":1,\\"adapter', '\\"kvproto\\":2,\\"adapter')],
     # a regrow copies the values with the keys' head dim
     "values_layout": [("        int D = s ? C.Dv : C.Dk;\n        unsigned char *d = s ? dst->v : dst->k, *from = s ? src->v : src->k;\n",
                        "        int D = C.Dk;\n        unsigned char *d = s ? dst->v : dst->k, *from = s ? src->v : src->k;\n")],
@@ -382,18 +399,41 @@ PLANTED = {
     "values_layout": ({"step": 1, "head_dim": 4, "v_head_dim": 2, "kv_heads": 2}, [{"op": "append", "n": 1}, {"op": "append", "n": 1}],
                       1, "returned window differs"),
     "garbage": ({"step": 2}, [{"op": "append", "n": 2}, {"op": "trim_to", "len": 1}], 1, "adapter broke the protocol"),
+    **{name: ({"step": 4}, [{"op": "append", "n": 3}, {"op": "trim", "n": 1}], 1, f"{name} differs")
+       for name in ("offset", "live_start", "live_len")},
+    "refusal_mutates": ({"step": 4}, [{"op": "append", "n": 3}, {"op": "trim_to", "len": 5}], 1, "offset differs"),
+    "reversed_rows": ({"step": 4}, [{"op": "append", "n": 2}], 0, "returned window differs"),
 }
 
 
+@pytest.mark.parametrize("windows", ["bytes", "identities"])
 @pytest.mark.parametrize("variant", sorted(PLANTED))
-def test_each_planted_adapter_bug_is_a_divergence(adapters, variant):
+def test_each_planted_adapter_bug_is_a_divergence(adapters, variant, windows):
+    """In both window forms: an adapter reporting identities decodes each
+    whole row (a row wrong past its first element is not its identity)
+    and keeps their order."""
     cache, ops, index, what = PLANTED[variant]
     doc = {"kvtrace": 1, "cache": {"kind": "dense", "kv_heads": 1, "head_dim": 4, **cache}, "ops": ops}
     trace = loads(json.dumps(doc))
-    assert replay(trace, target=resolve(f"exec:{adapters['good']}")).ok
-    result = replay(trace, target=resolve(f"exec:{adapters[variant]}"))
+    assert replay(trace, target=resolve(f"exec:{adapters['good']} --windows {windows}")).ok
+    result = replay(trace, target=resolve(f"exec:{adapters[variant]} --windows {windows}"))
     assert not result.ok and result.divergence.index == index and result.divergence.what.startswith(what), \
         result.divergence
+
+
+def test_every_observable_has_a_planted_misreport():
+    """Each observable the client compares (and the in-place decision) has
+    a planted adapter that gets only it wrong, caught above: a client that
+    silently stops comparing one fails there."""
+    assert set(ex.OBSERVABLES) | {"inplace"} <= {v.split(" ")[0].replace("in-place", "inplace")
+                                                  for _, _, _, v in PLANTED.values()}
+
+
+def test_another_protocol_version_is_refused_at_hello(adapters, capsys):
+    trace = str(REPO / "tests" / "traces" / "token_identities.json")
+    for argv in (["replay", trace], ["fuzz", "--budget", "1"]):
+        code, out = run(capsys, *argv, "--target", f"exec:{adapters['kvproto2']}")
+        assert code == 2 and "did not answer hello" in out and "kvproto" in out and "Traceback" not in out, out
 
 
 def test_a_reply_to_another_request_breaks_the_protocol(adapters, capsys):
