@@ -869,7 +869,7 @@ class KVCache:
                         f"to_quantized: {name} must be finite within float16's range (|x| <= {FLOAT16_MAX:g}) "
                         f"to be stored as int8, got |x| up to {absmax}")
             (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
-            buffers = _Buffers(kq, vq, ks, vs)
+            buffers = _Buffers(kq, vq, ks, vs, k.dtype)  # dequantizes to the rows' dtype (bfloat16 stays bfloat16)
         q._adopt(CacheSnapshot("int8", buffers, self.offset, self.live_start))
         return q
 

@@ -508,6 +508,22 @@ def test_to_quantized_gives_our_int8_cache():
     assert empty.mode == "int8" and empty.offset == 0
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_to_quantized_keeps_the_rows_dtype(dtype):
+    """An Int8 copy of a bfloat16 (or float32) cache dequantizes to that
+    dtype, as an Int8 cache fed those rows does (a cast to float16 changes a
+    bfloat16 model's output; the copy had lost it)."""
+    c, ref = KVCache("fp16", step=3), KVCache("int8", step=3)
+    for x in (c, ref):
+        x.update_and_fetch(rows(5, 1).astype(dtype), rows(5, 2).astype(dtype))
+    q = c.to_quantized(bits=8)
+    assert [a.dtype for a in q.fetch()] == [dtype, dtype]
+    assert [np.array(a.astype(mx.float32)).tobytes() for a in q.fetch()] == \
+        [np.array(a.astype(mx.float32)).tobytes() for a in ref.fetch()]
+    q.update_and_fetch(rows(1, 3).astype(dtype), rows(1, 4).astype(dtype))  # and it takes the model's next rows
+    assert q.offset == 6
+
+
 @pytest.mark.parametrize("bits, group_size", [(1, 64), (7, 64), (16, 64), (4, 16), (8, 0)])
 def test_to_quantized_refuses_what_mlx_cannot_quantize(bits, group_size):
     with pytest.raises(UnsupportedOperationError, match=f"got bits={bits}, group_size={group_size}"):
