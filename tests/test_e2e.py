@@ -174,23 +174,24 @@ class _Bare:
 
 @pytest.mark.parametrize("model,kwargs", [(_WithMakeCache(), {}), (_Bare(), {"max_kv_size": 16}), (_Bare(), {})],
                          ids=["make_cache", "max_kv_size", "bare"])
-@pytest.mark.parametrize("step,inplace,undo", [(8, False, 3), (3, True, 1), (256, None, 0)])
-def test_make_prompt_cache_passes_every_argument_on_every_layout(model, kwargs, step, inplace, undo, monkeypatch):
+@pytest.mark.parametrize("step,inplace,undo,drafts", [(8, False, 3, 5), (3, True, 1, 0), (256, None, 0, 2)])
+def test_make_prompt_cache_passes_every_argument_on_every_layout(model, kwargs, step, inplace, undo, drafts,
+                                                                 monkeypatch):
     """Each layout branch (the model's make_cache, max_kv_size rings, all
     dense) gives every layer the step, in-place switch and, for a ring, the
-    undo depth, window and sinks it was asked for: a branch that drops one
-    (the max_kv_size rings built without undo, make_cache rings built
-    without the layer's keep) is otherwise seen by no test, since every
-    scenario and campaign builds its rings through one branch only, with
-    keep 0."""
+    undo depth (``max(undo, num_draft_tokens)``), window and sinks it was
+    asked for: a branch that drops one (the max_kv_size rings built without
+    undo or without num_draft_tokens, make_cache rings built without the
+    layer's keep) is otherwise seen by no test, since every scenario and
+    campaign builds its rings through one branch only, with keep 0."""
     monkeypatch.setenv("KV_INPLACE_WRITE", "0")
-    caches = make_prompt_cache(model, step=step, inplace=inplace, undo=undo, **kwargs)
+    caches = make_prompt_cache(model, step=step, inplace=inplace, undo=undo, num_draft_tokens=drafts, **kwargs)
     want_inplace = False if inplace is None else inplace
     want_window = (8, 2) if isinstance(model, _WithMakeCache) else (kwargs.get("max_kv_size"), 4)
     for c in caches:
         assert (c.step, c.inplace) == (step, want_inplace), c
         if isinstance(c, RotatingKVCache):
-            assert (c.undo, c.max_size, c.keep) == (undo, *want_window), c
+            assert (c.undo, c.max_size, c.keep) == (max(undo, drafts), *want_window), c
         else:
             assert c.mode == "fp16", c
     assert any(isinstance(c, RotatingKVCache) for c in caches) == (model.__class__ is _WithMakeCache
