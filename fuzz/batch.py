@@ -8,7 +8,7 @@ to 3, 1 to 3 heads, K and V head dims that differ, step 1 to 8, ring
 windows 2 to 8, ragged lengths so that rings wrap in some rows only):
 
 * ``merge`` (the start, and again for ``extend``): single caches of ragged
-  lengths merged by ``merge`` (our ``KVCache.merge`` /
+  lengths (a block, then decode steps: a ring may have wrapped) merged by ``merge`` (our ``KVCache.merge`` /
   ``RotatingKVCache.merge``, or an injected bug's);
 * ``decode``: one row for every sequence;
 * ``block``: a right-padded block of ragged lengths (mlx-lm's ``prepare``
@@ -82,10 +82,17 @@ class Run:
         return mx.array(k), mx.array(v)
 
     def fresh(self, length: int) -> Any:
+        """A single cache of ``length`` rows: a prompt block of a random part
+        of them, then decode steps, so that a ring longer than its window
+        has wrapped (physical order is not chronological) before a merge
+        reads it, as after a conversation's turns."""
         s = self.shape
         c = (self.single(max_size=s.window, step=s.step) if self.ring else self.single("fp16", step=s.step))
-        if length:
-            c.update_and_fetch(*self.rows(1, length))
+        block = int(self.rng.integers(0, length + 1)) if length else 0
+        if block:
+            c.update_and_fetch(*self.rows(1, block))
+        for _ in range(length - block):
+            c.update_and_fetch(*self.rows(1, 1))
         return c
 
     def merged(self, lengths: tuple[int, ...]) -> tuple[list[Any], Any]:
