@@ -69,6 +69,27 @@ def test_the_z3_model_is_the_spec():
         assert _val(pb.visible(zp[0], z3.IntVal(q), z3.IntVal(k))) == sb.visible(lay, 0, q, k)
 
 
+def test_the_mask_rule_is_mlx_lms_batch_mask():
+    """spec.batch.visible (with and without a window) equals the mask
+    mlx-lm's model code builds for a left-padded batch
+    (``create_causal_mask(N, offset, window_size, left_padding=...)``), on
+    every small layout: an independent pin of the rule, since the lockstep
+    checks the implementation against the spec and the Z3 model has no
+    window (a spec and an implementation agreeing on ``<= window`` passed)."""
+    from mlx_lm.models.base import create_causal_mask
+
+    for idx in range(5):
+        for pads in {(p, q) for p in range(idx + 1) for q in (0, idx)}:
+            lay = sb.BatchLayout(idx, pads)
+            for n in (1, 3):
+                for window in (None, 1, 2, 4):
+                    want = np.array(create_causal_mask(n, idx, window_size=window, left_padding=mx.array(pads)))
+                    for i in range(2):
+                        for q in range(n):
+                            got = [sb.visible(lay, i, idx + q, j, window) for j in range(idx + n)]
+                            assert got == want[i, 0, q].tolist(), (lay, i, q, n, window)
+
+
 def test_the_obligation_is_proved_and_every_control_refuted():
     result = pb.prove_batch()
     assert result.status == "proved", result
