@@ -182,37 +182,48 @@ def test_mlx_lm_save_of_our_caches_is_refused_up_front(tmp_path):
     assert len(mixed()[0].state) == 2  # any other reader of `state` is unaffected
 
 
-def lm_history(model, prompt, n):
+def lm_history(model, prompt, n, max_kv_size=None):
     """mlx-lm's own caches after greedy decoding ``n`` tokens of ``prompt``."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
 
-    caches = lm_make_prompt_cache(model)
+    if max_kv_size is None:
+        caches = lm_make_prompt_cache(model)
+    else:  # mlx-lm's max_kv_size rings (4 sinks), whether or not the model has make_cache
+        from mlx_lm.models.cache import RotatingKVCache as LmRing
+
+        caches = [LmRing(max_size=max_kv_size, keep=4) for _ in model.layers]
     for _ in generate_step(prompt, model, max_tokens=n, prompt_cache=caches):
         pass
     return caches
 
 
-@pytest.mark.parametrize("model_name, n", [("llama", 5), ("gemma3", 0), ("gemma3", 2), ("gemma3", 9)])
+@pytest.mark.parametrize("model_name, n", [("llama", 5), ("gemma3", 0), ("gemma3", 2), ("gemma3", 9), ("llama_rings", 9)])
 def test_mlx_lm_files_of_its_own_caches_load_into_ours(tmp_path, model_name, n):
     """A file mlx-lm wrote from its own caches (dense KVCache; rings
-    oversized after the prompt block, unwrapped, wrapped) loads into our
-    classes; decoding on from them equals mlx-lm's caches decoding on from
-    the same file, tokens and log-probability bytes."""
+    oversized after the prompt block, unwrapped, wrapped; max_kv_size rings
+    with 4 sinks, wrapped) loads into our classes with the same counters
+    (window, sinks, offset: decoding alone may not show a wrong window or
+    lost sinks); decoding on from them equals mlx-lm's caches decoding on
+    from the same file, tokens and log-probability bytes."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import load_prompt_cache as lm_load
     from mlx_lm.models.cache import save_prompt_cache as lm_save
 
     from fuzz.commands.e2e import tiny_gemma3, tiny_llama, token_ids
 
-    model = tiny_llama(4) if model_name == "llama" else tiny_gemma3(4, window=6)
+    model = tiny_gemma3(4, window=6) if model_name == "gemma3" else tiny_llama(4)
     prompt = token_ids(4, 3 if n == 2 else 8)
     path = tmp_path / "theirs.safetensors"
-    lm_save(str(path), lm_history(model, prompt, n), {"who": "mlx-lm"})
+    lm_save(str(path), lm_history(model, prompt, n, 7 if model_name == "llama_rings" else None), {"who": "mlx-lm"})
     ours, meta = load_prompt_cache(path, return_metadata=True)
     assert meta == {"who": "mlx-lm"}
-    want = {"llama": ["KVCache"] * 2, "gemma3": ["RotatingKVCache", "RotatingKVCache", "KVCache"]}[model_name]
+    want = {"llama": ["KVCache"] * 2, "gemma3": ["RotatingKVCache", "RotatingKVCache", "KVCache"],
+            "llama_rings": ["RotatingKVCache"] * 2}[model_name]
     assert [type(c).__name__ for c in ours] == want and all(c.__module__.startswith("impl.") for c in ours)
+    for c, theirs in zip(ours, lm_load(str(path))):
+        assert (c.offset, getattr(c, "max_size", None), getattr(c, "keep", None)) == (
+            theirs.offset, getattr(theirs, "max_size", None), getattr(theirs, "keep", None)), c
     turn = token_ids(5, 2)
     runs = [[(int(t), np.array(lp).tobytes()) for t, lp in generate_step(turn, model, max_tokens=12, prompt_cache=c)]
             for c in (ours, lm_load(str(path)))]
