@@ -21,6 +21,7 @@ import copy
 import importlib
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -837,11 +838,16 @@ class KVCache:
           caches under the same ``kv_bits``, byte for byte). From then on the
           layer is mlx-lm's: it trims, but has no snapshot.
 
-        Raises UnsupportedOperationError for ``bits`` other than 8 on an
-        Int8 cache (its rows are int8 already: build it ``mode="fp16"`` to
-        take ``kv_bits``), for a ``bits`` or ``group_size`` mlx-lm does not
-        take (bits 2, 3, 4, 5, 6, 8; group_size 32, 64, 128), and when
-        mlx-lm is not installed; never silently keeps fp16."""
+        * ``bits`` other than 8 on an Int8 cache: ``self``, with one
+          UserWarning per cache saying the layer keeps its int8 storage
+          (re-quantizing int8 codes would lose rows; a cache built
+          ``mode="int8"`` has chosen its quantization). Raising here would
+          fail late: mlx-lm calls this hook only once the offset reaches
+          ``quantized_kv_start``, thousands of tokens into a conversation.
+
+        Raises UnsupportedOperationError for a ``bits`` or ``group_size``
+        mlx-lm does not take (bits 2, 3, 4, 5, 6, 8; group_size 32, 64,
+        128), and when mlx-lm is not installed; never silently keeps fp16."""
         bits = _check_int("to_quantized", "bits", bits)
         group_size = _check_int("to_quantized", "group_size", group_size)
         if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
@@ -851,10 +857,14 @@ class KVCache:
             )
         if bits != 8:
             if self.mode != "fp16":
-                raise UnsupportedOperationError(
-                    f"to_quantized: this cache stores int8 (mode 'int8'); bits={bits} would re-quantize int8 codes: "
-                    "build the layer with mode='fp16' to take kv_bits, or use bits=8"
-                )
+                if not self.__dict__.get("_quantize_warned"):
+                    self._quantize_warned = True
+                    warnings.warn(
+                        f"to_quantized(bits={bits}): this cache stores int8 (mode 'int8') and keeps it "
+                        "(re-quantizing int8 codes would lose rows; build the layer with mode='fp16' to take "
+                        "kv_bits; reported once per cache)", UserWarning, stacklevel=2,
+                    )
+                return self
             return self._to_mlx_lm_quantized(group_size, bits)
         if self.mode == "int8":
             return self

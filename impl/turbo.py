@@ -32,6 +32,7 @@ Use :func:`make_cache` to build any dense-mode cache by name.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import mlx.core as mx
@@ -499,19 +500,23 @@ class _TurboBase:
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
         """mlx-lm's ``kv_bits`` hook: a Turbo cache is quantized already
-        (``quant_bits`` bits: 4 for the turbo4 modes, 3 for turbo3asym).
-        Returns ``self`` when ``bits`` equals them (``group_size`` does not
-        apply: Turbo quantizes whole rotated rows). Raises
-        UnsupportedOperationError for other ``bits`` (its rows are Turbo
-        codes already; re-quantizing them is not offered: build the caches
-        ``mode="fp16"`` to take ``kv_bits``, or pass the mode's bits)."""
+        (``quant_bits`` bits: 4 for the turbo4 modes, 3 for turbo3asym), so
+        it returns ``self`` (``group_size`` does not apply: Turbo quantizes
+        whole rotated rows). For ``bits`` other than ``quant_bits`` it warns
+        once per cache (UserWarning) that the layer keeps its Turbo codes
+        (re-quantizing them would lose rows): raising would fail late, as
+        mlx-lm calls this hook only once the offset reaches
+        ``quantized_kv_start`` (docs/mlx-lm.md, "Quantized caches").
+        Raises InvalidArgumentError for a non-integer ``bits`` or
+        ``group_size``."""
         bits = _check_int("to_quantized", "bits", bits)
         _check_int("to_quantized", "group_size", group_size)
-        if bits != self.quant_bits:
-            raise UnsupportedOperationError(
-                f"to_quantized: this {type(self).__name__} stores mode {self.mode!r} ({self.quant_bits}-bit codes); "
-                f"bits={bits} would re-quantize them: build the layer with mode='fp16' to take kv_bits, "
-                f"or use bits={self.quant_bits}"
+        if bits != self.quant_bits and not self.__dict__.get("_quantize_warned"):
+            self._quantize_warned = True
+            warnings.warn(
+                f"to_quantized(bits={bits}): this {type(self).__name__} stores mode {self.mode!r} "
+                f"({self.quant_bits}-bit codes) and keeps them (build the layer with mode='fp16' to take kv_bits; "
+                "reported once per cache)", UserWarning, stacklevel=2,
             )
         return self
 

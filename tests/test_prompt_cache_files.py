@@ -560,8 +560,25 @@ def test_to_quantized_other_widths_hand_the_layer_to_mlx_lm(bits):
     got, ref = q.update_and_fetch(x, x), want.update_and_fetch(x, x)
 
     assert [np.array(a).tobytes() for _, a in tree_flatten(got)] == [np.array(a).tobytes() for _, a in tree_flatten(ref)]
-    with pytest.raises(UnsupportedOperationError, match="stores int8"):
-        KVCache("int8").to_quantized(bits=bits)
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache("int8"), lambda: TurboKVCache("turbo4"), lambda: TurboKVCache("turbo3asym")],
+                         ids=["int8", "turbo4", "turbo3asym"])
+def test_a_quantized_mode_keeps_itself_under_other_kv_bits_and_says_so_once(make):
+    """mlx-lm calls to_quantized only once the offset reaches
+    quantized_kv_start: a layer whose mode already quantizes keeps its own
+    storage (and its rows) with one warning per cache, never a late error."""
+    c = make()
+    k = rows(1, 3, d=8)
+    c.update_and_fetch(k, k)
+    before = [np.array(a).tobytes() for a in c.fetch()]
+    bits = 6 if getattr(c, "mode", "") == "int8" else 2
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = [c.to_quantized(bits=bits), c.to_quantized(bits=bits)]
+    assert got == [c, c]
+    assert len(record) == 1 and "keeps" in str(record[0].message), [str(r.message) for r in record]
+    assert [np.array(a).tobytes() for a in c.fetch()] == before
 
 
 def test_a_ring_keeps_itself_under_kv_bits_and_says_so_once():
