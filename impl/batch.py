@@ -48,6 +48,16 @@ def _roll_right(x: mx.array, shifts: Sequence[int]) -> mx.array:
     return mx.take_along_axis(x, mx.broadcast_to(idx, x.shape), axis=SEQ)
 
 
+def _shared_shape(windows: Sequence[tuple[mx.array, mx.array]]) -> tuple[int, int, int, mx.Dtype]:
+    """The heads, K and V head dims and dtype every window shares. Raises
+    InvalidArgumentError when they differ (a batch buffer holds one shape
+    and dtype: a mismatch would broadcast one head into all, or cast)."""
+    shapes = {(int(w[0].shape[1]), int(w[0].shape[3]), int(w[1].shape[3]), w[0].dtype) for w in windows}
+    if len(shapes) != 1:
+        raise InvalidArgumentError(f"merge: caches must share heads, head dims and dtype, got {sorted(map(str, shapes))}")
+    return shapes.pop()
+
+
 class BatchKVCache:
     """B dense sequences in one ``[B, H, capacity, D]`` buffer pair,
     sequence ``i`` at positions ``[pads[i], idx)`` (spec.batch).
@@ -285,11 +295,7 @@ class BatchKVCache:
         if layout.idx == 0:
             out._pads = (0,) * len(caches)
             return out
-        full = [w for w in windows if w is not None]
-        shapes = {(w[0].shape[1], w[0].shape[3], w[1].shape[3], w[0].dtype) for w in full}
-        if len(shapes) != 1:
-            raise InvalidArgumentError(f"merge: caches must share heads, head dims and dtype, got {sorted(map(str, shapes))}")
-        h, dk, dv, dtype = shapes.pop()
+        h, dk, dv, dtype = _shared_shape([w for w in windows if w is not None])
         keys = mx.zeros((len(caches), h, layout.idx, dk), dtype)
         values = mx.zeros((len(caches), h, layout.idx, dv), dtype)
         for i, (p, w) in enumerate(zip(layout.pads, windows)):
@@ -337,7 +343,10 @@ def batch_rotating_class() -> type:
         def merge(cls, caches: Sequence[Any]) -> Any:
             """Our rings (no sinks, one window size) as one batch: each
             sequence's last ``min(offset, max_size)`` rows in order,
-            left-padded (spec.batch.merge)."""
+            left-padded (spec.batch.merge). Raises UnsupportedOperationError
+            for a cache that is not our ring or keeps sinks;
+            InvalidArgumentError for no caches, rings of different
+            ``max_size``, or of different heads, head dims or dtypes."""
             if not caches:
                 raise InvalidArgumentError("merge: caches must hold at least one cache, got []")
             for i, c in enumerate(caches):
@@ -355,9 +364,9 @@ def batch_rotating_class() -> type:
             out = cls(caches[0].max_size, list(layout.pads))
             if layout.idx == 0:
                 return out
-            ref = next(r for r in rows if r is not None)
-            keys = mx.zeros((len(caches), ref[0].shape[1], layout.idx, ref[0].shape[3]), ref[0].dtype)
-            values = mx.zeros((len(caches), ref[1].shape[1], layout.idx, ref[1].shape[3]), ref[1].dtype)
+            h, dk, dv, dtype = _shared_shape([r for r in rows if r is not None])
+            keys = mx.zeros((len(caches), h, layout.idx, dk), dtype)
+            values = mx.zeros((len(caches), h, layout.idx, dv), dtype)
             for i, (p, n, r) in enumerate(zip(layout.pads, lengths, rows)):
                 if r is not None and n:
                     keys[i : i + 1, :, p : p + n] = r[0][..., -n:, :]

@@ -139,6 +139,63 @@ def test_merge_refuses_what_a_batch_cannot_hold():
         KVCache.merge([a, b])
 
 
+def _filled(cls, n, h=2, dk=4, dv=4, dtype=mx.float16, **kw):
+    c = cls(**kw)
+    k = mx.array(np.random.default_rng(n).standard_normal((1, h, n, dk))).astype(dtype)
+    v = mx.array(np.random.default_rng(n + 1).standard_normal((1, h, n, dv))).astype(dtype)
+    c.update_and_fetch(k, v)
+    return c
+
+
+def _snap(c):
+    return (c.offset, [np.array(a.astype(mx.float32)).tobytes() for a in c.state])
+
+
+MERGE_REFUSALS = {
+    # name: (caches, error, message) -- one per guard of KVCache.merge / RotatingKVCache.merge
+    "dense_no_caches": (list, KVCache, InvalidArgumentError, "at least one cache"),
+    "dense_not_dense": (lambda: [_filled(KVCache, 2), _filled(RotatingKVCache, 2, max_size=4)], KVCache,
+                        UnsupportedOperationError, "cache 1 is a RotatingKVCache"),
+    "dense_heads": (lambda: [_filled(KVCache, 2), _filled(KVCache, 2, h=1)], KVCache, InvalidArgumentError,
+                    "share heads"),
+    "dense_k_dim": (lambda: [_filled(KVCache, 2), _filled(KVCache, 3, dk=2)], KVCache, InvalidArgumentError,
+                    "head dims"),
+    "dense_v_dim": (lambda: [_filled(KVCache, 2), _filled(KVCache, 3, dv=6)], KVCache, InvalidArgumentError,
+                    "head dims"),
+    "dense_dtype": (lambda: [_filled(KVCache, 2), _filled(KVCache, 3, dtype=mx.bfloat16)], KVCache,
+                    InvalidArgumentError, "dtype"),
+    "ring_no_caches": (list, RotatingKVCache, InvalidArgumentError, "at least one cache"),
+    "ring_not_ring": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(KVCache, 2)], RotatingKVCache,
+                      UnsupportedOperationError, "cache 1 is a KVCache"),
+    "ring_windows": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(RotatingKVCache, 2, max_size=5)],
+                     RotatingKVCache, InvalidArgumentError, "share max_size"),
+    "ring_heads": (lambda: [_filled(RotatingKVCache, 3, max_size=4), _filled(RotatingKVCache, 2, h=1, max_size=4)],
+                   RotatingKVCache, InvalidArgumentError, "share heads"),
+    "ring_v_dim": (lambda: [_filled(RotatingKVCache, 3, max_size=4), _filled(RotatingKVCache, 2, dv=2, max_size=4)],
+                   RotatingKVCache, InvalidArgumentError, "head dims"),
+    "ring_dtype": (lambda: [_filled(RotatingKVCache, 3, max_size=4),
+                            _filled(RotatingKVCache, 2, dtype=mx.bfloat16, max_size=4)],
+                   RotatingKVCache, InvalidArgumentError, "dtype"),
+    "ring_sinks": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(RotatingKVCache, 2, max_size=4, keep=1)],
+                   RotatingKVCache, UnsupportedOperationError, "cache 1 keeps 1 sinks"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGE_REFUSALS))
+def test_every_merge_guard_refuses_and_leaves_the_caches_as_they_were(name):
+    """Each guard of merge, one case apiece (a guard removed, e.g. caches of
+    two dtypes merged into one buffer with a silent cast, or rings of two
+    windows merged on the first one's, passed every other test; the ring's
+    merge had no shape or dtype guard at all: one head broadcast into all,
+    bfloat16 cast to float16)."""
+    make, cls, err, msg = MERGE_REFUSALS[name]
+    caches = make()
+    before = [_snap(c) for c in caches]
+    with pytest.raises(err, match=msg):
+        cls.merge(caches)
+    assert [_snap(c) for c in caches] == before
+
+
 def test_a_batch_filters_extends_and_extracts_our_caches():
     caches = []
     for n in (3, 1, 2):
