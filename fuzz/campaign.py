@@ -149,43 +149,130 @@ def save_failure(trace: Trace, folder: str | Path, stem: str) -> Path:
 
 @dataclass
 class CampaignReport:
+    """One configuration's campaign. ``seconds`` is the search (what a
+    budget buys); ``shrink_seconds`` the time spent shrinking a failure to
+    its minimal trace, timed apart (it is not part of the budget)."""
+
     config: str
     seconds: float
     examples: int
     steps: int
     stats: dict[str, int]
     failure: RunResult | None = None
+    shrink_seconds: float = 0.0
+    batches: int = 0
+
+
+class Campaign:
+    """A campaign run one seeded batch at a time (:meth:`batch`), so that
+    several can share a budget round-robin (:func:`interleaved`). Batch
+    ``k`` runs seed ``seed + k``: a configuration's batches are the same
+    whether it runs alone or beside others."""
+
+    def __init__(self, kind: str, mode: str, inplace: bool, seed: int, factories: dict[str, Any] | None = None,
+                 batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None):
+        self.machine = machine_for(kind, mode, inplace, factories, target=target)
+        label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
+        if target is not None and getattr(target, "name", target) != "impl":
+            label = f"{getattr(target, 'name', target)}:{label}"
+        self.report = CampaignReport(label, 0.0, 0, 0, {})
+        self.seed, self.batch_size, self.steps, self.progress = seed, batch, steps, progress
+
+    @property
+    def failed(self) -> bool:
+        return self.report.failure is not None
+
+    def batch(self, budget: float | None = None) -> CampaignReport:
+        """Run the next batch and add it to :attr:`report`. A failing batch
+        is shrunk; its search part (to the first failing example) counts in
+        ``seconds``, the rest in ``shrink_seconds``."""
+        total = self.report
+        progress = self.progress
+
+        def found(examples: int) -> None:
+            if progress is not None:
+                progress(f"failure found after {total.examples + examples} examples, {total.seconds + time.perf_counter() - start:.0f} s; "
+                         "shrinking it to a minimal trace (timed apart from the budget)")
+
+        self.machine.on_failure = staticmethod(found) if progress is not None else None
+        start = time.perf_counter()
+        result = run_machine(self.machine, self.seed + total.batches, max_examples=self.batch_size, steps=self.steps)
+        total.batches += 1
+        total.examples += result.examples
+        total.steps += result.steps
+        for key, v in result.stats.items():
+            total.stats[key] = total.stats.get(key, 0) + v
+        search = result.seconds
+        if result.failed:
+            total.failure = result
+            if result.seconds_to_catch is not None:
+                search = min(result.seconds, result.seconds_to_catch)
+            total.shrink_seconds += result.seconds - search
+        total.seconds += search
+        if progress is not None:
+            of = "" if budget is None else f" of {budget:.0f}"
+            shrink = f" (+{total.shrink_seconds:.0f} s shrinking)" if total.shrink_seconds >= 0.5 else ""
+            progress(f"{total.examples} examples, {total.steps} ops, {total.seconds:.0f} s{of}{shrink}")
+        return total
 
 
 def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
              batch: int = 25, steps: int = 40, target: Any = None,
              progress: Any = None) -> CampaignReport:
-    """Run seeded batches until ``budget`` seconds are spent or one fails;
-    at least one batch, so a campaign never checks nothing. ``target`` (name
-    or ``fuzz.targets.Target``; None: ``impl``) picks the implementation
-    under test; non-impl configs are labelled with it. ``progress(text)``
-    is called after every batch."""
-    machine = machine_for(kind, mode, inplace, factories, target=target)
-    label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
-    if target is not None and getattr(target, "name", target) != "impl":
-        label = f"{getattr(target, 'name', target)}:{label}"
-    total = CampaignReport(label, 0.0, 0, 0, {})
-    start = time.perf_counter()
-    k = 0
-    while k == 0 or time.perf_counter() - start < budget:
-        result = run_machine(machine, seed + k, max_examples=batch, steps=steps)
-        k += 1
-        total.examples += result.examples
-        total.steps += result.steps
-        for key, v in result.stats.items():
-            total.stats[key] = total.stats.get(key, 0) + v
-        if progress is not None:
-            progress(f"{total.examples} examples, {total.steps} ops, {time.perf_counter() - start:.0f} s of {budget:.0f}")
-        if result.failed:
-            total.failure = result
-            break
-    total.seconds = time.perf_counter() - start
-    return total
+    """Run seeded batches until ``budget`` seconds of search are spent or
+    one fails; at least one batch, so a campaign never checks nothing.
+    Shrinking a failure is timed apart (``shrink_seconds``). ``target``
+    (name or ``fuzz.targets.Target``; None: ``impl``) picks the
+    implementation under test; non-impl configs are labelled with it.
+    ``progress(text)`` is called after every batch and when a failure is
+    found."""
+    run = Campaign(kind, mode, inplace, seed, factories, batch, steps, target, progress)
+    while run.report.batches == 0 or (not run.failed and run.report.seconds < budget):
+        run.batch(budget)
+    return run.report
+
+
+def interleaved(runs: list[Campaign], budget: float, progress: Any = None) -> list[CampaignReport]:
+    """Share ``budget`` seconds of search among ``runs`` round-robin, one
+    batch of each in turn, each stopping at its slice (``budget / len(runs)``)
+    or its first failure: every configuration runs within the first seconds,
+    whatever its place in the list (a bug of the last one is not left for
+    the end of the budget). ``progress(campaign)`` is called before each
+    batch."""
+    share = budget / max(len(runs), 1)
+    while True:
+        live = [r for r in runs if r.report.batches == 0 or (not r.failed and r.report.seconds < share)]
+        if not live:
+            return [r.report for r in runs]
+        for r in live:
+            if progress is not None:
+                progress(r)
+            r.batch(share)
+
+
+class FoundInWorker(Exception):
+    """A failure found in a pool worker, carried back as its text (the
+    harness's own exceptions are not all picklable)."""
+
+
+def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | None = None,
+              target: str | None = None) -> list[CampaignReport]:
+    """A process-pool worker of ``kvspec fuzz -j``: the campaigns ``runs``
+    (``(kind, mode, inplace, seed)``) interleaved over ``budget`` seconds
+    of search, on the injected bug ``bug`` (a catalog name) and the target
+    ``target`` (a name; None: impl). Failures come back as
+    :class:`FoundInWorker` with their trace."""
+    from fuzz.bugs import by_name
+    from fuzz.device import select
+
+    select(None)  # the parent's device (KVSPEC_DEVICE), in this worker too
+    factories = by_name(bug).factories if bug else None
+    camps = [Campaign(k, m, ip, seed, factories, target=target) for k, m, ip, seed in runs]
+    reports = interleaved(camps, budget)
+    for rep in reports:
+        if rep.failure is not None and rep.failure.error is not None:
+            rep.failure.error = FoundInWorker(str(rep.failure.error))
+    return reports
 
 
 def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | None = None,

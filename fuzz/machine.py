@@ -85,6 +85,9 @@ class KVMachine(RuleBasedStateMachine):
     #: (examples run, perf_counter time) when the first failure was seen,
     #: before shrinking: what "examples and seconds to catch" report.
     first_failure: tuple[int, float] | None = None
+    #: called with the examples run so far when the first failure is seen
+    #: (a campaign's progress line says shrinking starts); None: nobody
+    on_failure: ClassVar[Any] = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,6 +141,8 @@ class KVMachine(RuleBasedStateMachine):
         except Exception:
             if type(self).first_failure is None:
                 type(self).first_failure = (type(self).runs, time.perf_counter())
+                if type(self).on_failure is not None:
+                    type(self).on_failure(type(self).runs)
             raise
 
     def fresh_name(self, prefix: str) -> str:

@@ -236,11 +236,33 @@ def _messages(errors: list[jsonschema.ValidationError], prefix: list[Any]) -> li
         if e.validator == "required" and e.validator_value == ["op"]:
             msg = 'has no "op" (every op names its operation)'
         elif list(e.absolute_path) == ["op"] and e.validator == "enum":
-            msg = f"unknown op {_short(repr(e.instance), 60)}; known: {', '.join(e.validator_value)}"
+            msg = (f"unknown op {_short(repr(e.instance), 60)}{_did_you_mean(e.instance, e.validator_value)}; "
+                   f"known: {', '.join(e.validator_value)}")
+        elif e.validator == "enum":
+            msg = _short(e.message) + _did_you_mean(e.instance, e.validator_value)
+        elif e.validator in ("additionalProperties", "unevaluatedProperties") and isinstance(e.instance, dict):
+            known = list(e.schema.get("properties") or {})
+            extra = [k for k in e.instance if k not in known]
+            msg = _short(e.message) + "".join(_did_you_mean(k, known) for k in extra[:1])
+        elif e.validator == "required" and isinstance(e.instance, dict):
+            missing = [k for k in e.validator_value if k not in e.instance]
+            close = [k for k in e.instance if missing and _did_you_mean(k, missing)]
+            msg = _short(e.message) + (f" (is {close[0]!r} a misspelling of it?)" if close else "")
         else:
             msg = _short(e.message)
-        out.append((path, msg))
+        if (path, msg) not in out:
+            out.append((path, msg))
     return out
+
+
+def _did_you_mean(word: Any, known: Any) -> str:
+    """`` (did you mean 'x'?)`` for a misspelled name, else the empty string."""
+    import difflib
+
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, [k for k in known if isinstance(k, str)], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _order(doc: Any, path: list[Any]) -> tuple[Any, ...]:

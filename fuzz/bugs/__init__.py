@@ -87,4 +87,9 @@ def by_name(name: str) -> InjectedBug:
     for bug in every:
         if bug.name == name:
             return bug
-    raise UnknownBugError(f"no injected bug named {name!r}; known: {', '.join(b.name for b in every)}")
+    import difflib
+
+    known = [b.name for b in every]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise UnknownBugError(f"no injected bug named {name!r}{hint}; kvspec mutants --list names the {len(known)} known ones")

@@ -25,6 +25,9 @@ from fuzz import kinds
 from fuzz.targets import BUILTIN
 
 DEFAULT_OUT = "fuzz-failures"
+#: the example database ``kvspec fuzz`` uses unless --db or $KVSPEC_DB says
+#: otherwise: Hypothesis's own folder (ignored by git), a subfolder for us
+DEFAULT_DB = ".hypothesis/kvspec-examples"
 # the registry is data (fuzz/kinds.py): reading it loads no MLX
 CONFIGS = kinds.configs()
 # fuzz.targets loads no MLX: the parser may read the built-in target names
@@ -118,7 +121,7 @@ class _Ticker:
         line = f"{self.label}: {text}"
         if self.status is not None:
             self.status.update(line)
-        elif time.monotonic() - self.last >= self.every:
+        elif time.monotonic() - self.last >= self.every or text.startswith("failure found"):
             self.last = time.monotonic()
             self.console.print(line, markup=False)
 
@@ -133,66 +136,139 @@ class _Ticker:
 
 
 # -- replay --------------------------------------------------------------------
-def cmd_replay(args: argparse.Namespace) -> int:
-    """Exit 0 agree, 1 diverged, 3 a trace check fails on the spec, 2 for an
-    invalid trace, a bad argument or a target that cannot run the trace
-    (every case in text and in ``--json``)."""
+def _trace_paths(items: list[str]) -> tuple[list[str], list[str]]:
+    """The kvtrace files named by ``items`` (files as given; a folder: every
+    ``*.json`` below it, sorted, but a conformance ``report.json``), and the
+    folders that hold none."""
+    files, missing = [], []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(str(f) for f in p.rglob("*.json") if f.name != "report.json")
+            files += found
+            if not found:
+                missing.append(f"{item} (a folder with no *.json)")
+        else:
+            files.append(item)  # a file that cannot be read: load() says why
+    return files, missing
+
+
+#: with several traces, the exit status is the worst one's, in this order
+_REPLAY_SEVERITY = (2, 1, 3, 0)
+
+
+def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bool) -> tuple[int, dict[str, Any]]:
+    """Replay one trace; print its lines (not with ``quiet``: --json);
+    return its exit status and its JSON object."""
     from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, EXIT_TRACE_CHECK, replay
     from fuzz.targets import TargetCapabilityError, TargetError
     from fuzz.trace import TraceFormatError, load
 
-    console = _console()
     target: Any = None
     try:
-        trace = load(args.trace)
+        trace = load(path)
         target = _target(args)
         if args.bug:
             target = target.with_bug(_find_bug(args.bug))
+        start = time.perf_counter()
         result = replay(trace, check_inplace=not args.isolation_only, target=target)
+        seconds = time.perf_counter() - start
     except TargetCapabilityError as exc:
-        if args.json:
-            print(json.dumps({"ok": False, "exit": EXIT_INVALID, "unsupported": str(exc), "target": target.label,
-                              "trace": args.trace}))
-        else:
-            console.print(f"[bold red]target cannot run it[/] {args.trace}: {escape(str(exc))}")
-        return EXIT_INVALID
+        if not quiet:
+            console.print(f"[bold red]target cannot run it[/] {escape(path)}: {escape(str(exc))}")
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "unsupported": str(exc), "target": target.label,
+                              "trace": path}
     except TraceFormatError as exc:
-        if args.json:
-            print(json.dumps({"ok": False, "exit": EXIT_INVALID, "invalid": str(exc), "trace": args.trace}))
-        else:
-            console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {escape(str(exc))}")
-        return EXIT_INVALID
+        if not quiet:
+            console.print(f"[bold red]invalid kvtrace[/] {escape(path)}: {escape(str(exc))}")
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "invalid": str(exc), "trace": path}
     except (TargetError, _UsageError) as exc:
-        return _usage_error(console, str(exc), args.json, trace=args.trace)
+        if not quiet:
+            console.print(f"[bold red]error[/]: {escape(str(exc))}")
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "error": str(exc), "trace": path}
     code = EXIT_OK
     if not result.ok:
         assert result.divergence is not None
         code = EXIT_TRACE_CHECK if result.divergence.trace_check else EXIT_DIVERGED
-    if args.json:
-        print(json.dumps({**result.to_json(), "trace": args.trace, "target": target.label, "exit": code}))
-        return code
+    doc = {**result.to_json(), "trace": path, "target": target.label, "exit": code, "seconds": round(seconds, 3),
+           "kind": trace.cache["kind"]}
+    if quiet:
+        return code, doc
     if result.not_compared:
         console.print(f"note: target {escape(target.label)} does not compare {', '.join(result.not_compared)} "
                       "(declared, or not an attribute of its class)")
     if result.ok:
         who = "implementation" if target.is_impl else f"target {target.label}"
-        console.print(f"[green]ok[/] {args.trace}: {result.ops_run} ops, spec and {escape(who)} agree")
+        console.print(f"[green]ok[/] {escape(path)}: {result.ops_run} ops, spec and {escape(who)} agree")
         for i, m in result.refusals:
             if trace.ops[i].get("error") is not True:
                 # Agreement, but a refusal the trace did not ask for is often
                 # a typo in a name: say so rather than pass silently.
                 console.print(f'  note: op {i} was refused by both sides and has no "error": true: {escape(m)}')
-        return EXIT_OK
+        return code, doc
     who = "impl" if target.is_impl else target.label
     if code == EXIT_TRACE_CHECK:
-        console.print(f"[bold yellow]trace check failed[/] {args.trace}: the trace expects what the spec does not do")
+        console.print(f"[bold yellow]trace check failed[/] {escape(path)}: the trace expects what the spec does not do")
     else:
-        console.print(f"[bold red]diverged[/] {args.trace}: spec and {escape(who)} disagree")
+        console.print(f"[bold red]diverged[/] {escape(path)}: spec and {escape(who)} disagree")
     console.print(escape(str(result.divergence)))
     if target.is_impl:
-        console.print(f"  see it: {escape(render_command(args.trace, args.bug, args.isolation_only))}")
+        console.print(f"  see it: {escape(render_command(path, args.bug, args.isolation_only))}")
     elif result.divergence is not None and result.divergence.what.startswith("adapter "):
-        console.print(f"  the trace so far: ops 0 to {result.divergence.index} of {escape(args.trace)} reproduce it")
+        console.print(f"  the trace so far: ops 0 to {result.divergence.index} of {escape(path)} reproduce it")
+    return code, doc
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Exit 0 agree, 1 diverged, 3 a trace check fails on the spec, 2 for an
+    invalid trace, a bad argument or a target that cannot run the trace
+    (every case in text and in ``--json``); with several traces, the most
+    severe of theirs (2 over 1 over 3 over 0)."""
+    from fuzz.commands.reports import Case, write_junit, write_sarif
+
+    console = _console()
+    for flag in ("junit_xml", "sarif"):
+        problem = _report_path_problem(getattr(args, flag, None))
+        if problem:
+            return _usage_error(console, f"--{flag.replace('_', '-')}: {problem}", args.json)
+    if args.sarif and (args.target or "impl") == "impl":
+        return _usage_error(console, "--sarif reports divergences of a third-party target: give --target", args.json)
+    paths, empty = _trace_paths(args.trace)
+    if empty and not paths:
+        return _usage_error(console, f"trace: no kvtrace files in {', '.join(empty)}", args.json)
+    many = len(paths) > 1 or any(Path(t).is_dir() for t in args.trace)
+    results = [_replay_one(path, args, console, quiet=args.json) for path in paths]
+    codes = [c for c, _ in results]
+    code = next(c for c in _REPLAY_SEVERITY if c in codes or c == 0)
+    if args.junit_xml:
+        cases = []
+        for c, doc in results:
+            detail = doc.get("invalid") or doc.get("error") or doc.get("unsupported") or ""
+            if doc.get("divergence"):
+                d = doc["divergence"]
+                detail = f"op {d['index']} {json.dumps(d['op'])}: {d['what']}\n{json.dumps(d)}"
+            cases.append(Case("replay", doc["trace"], c == 0, float(doc.get("seconds", 0.0)),
+                              detail or f"{doc.get('ops_run', 0)} ops agree"))
+        write_junit(args.junit_xml, cases)
+    if args.sarif:
+        findings = []
+        for c, doc in results:
+            d = doc.get("divergence")
+            if c == 1 and d:
+                findings.append({"trace": doc["trace"], "target": doc["target"], "index": d["index"], "op": d["op"],
+                                 "what": d["what"], "spec": d.get("spec"), "impl": d.get("impl"),
+                                 "replay": f"kvspec replay {shlex.quote(doc['trace'])} --target "
+                                           f"{shlex.quote(doc['target'])}"})
+        write_sarif(args.sarif, findings, version())
+    if args.json:
+        if not many:
+            print(json.dumps(results[0][1]))
+        else:
+            print(json.dumps({"ok": code == 0, "exit": code, "count": len(results),
+                              "failed": sum(c != 0 for c in codes), "traces": [d for _, d in results]}))
+    elif many:
+        bad = sum(c != 0 for c in codes)
+        console.print(f"{len(results) - bad} of {len(results)} traces ok" + (f", {bad} not" if bad else ""))
     return code
 
 
@@ -328,11 +404,67 @@ def _inplace_settings(value: str) -> list[bool]:
     return {"on": [True], "off": [False], "both": [True, False]}[value]
 
 
+def _fuzz_shares(runs: list[tuple[str, str, bool]], seed: int, jobs: int) -> list[list[tuple[str, str, bool, int]]]:
+    """The campaigns of each of ``jobs`` workers: with fewer workers than
+    campaigns, campaign ``i`` goes to worker ``i % jobs`` (each worker
+    interleaves its own); with more, the campaigns are repeated under other
+    seeds (``seed + 1_000_003 * copy``) so every worker searches."""
+    if jobs <= len(runs):
+        return [[(*r, seed) for r in runs[w::jobs]] for w in range(jobs)]
+    return [[(*runs[w % len(runs)], seed + 1_000_003 * (w // len(runs)))] for w in range(jobs)]
+
+
+def _merge(reports: list[Any]) -> Any:
+    """One configuration's reports from several workers as one."""
+    first = reports[0]
+    for rep in reports[1:]:
+        first.examples += rep.examples
+        first.steps += rep.steps
+        first.seconds += rep.seconds
+        first.shrink_seconds += rep.shrink_seconds
+        first.batches += rep.batches
+        for k, v in rep.stats.items():
+            first.stats[k] = first.stats.get(k, 0) + v
+        if first.failure is None and rep.failure is not None:
+            first.failure, first.examples_to_catch = rep.failure, rep.examples_to_catch
+    return first
+
+
+def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float, bug: str | None,
+                   target: str | None, progress: Any, database: str | None = None) -> list[Any]:
+    """``shares`` on a forkserver pool (MLX hangs in a plain forked child);
+    the reports of every finished worker, in the order of ``shares``."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from fuzz.campaign import run_share
+
+    ctx = multiprocessing.get_context("forkserver")
+    done: dict[int, list[Any]] = {}
+    pool = ProcessPoolExecutor(max_workers=len(shares), mp_context=ctx)
+    try:
+        futs = {pool.submit(run_share, share, budget, bug, target, database): w for w, share in enumerate(shares)}
+        for fut in as_completed(futs):
+            w = futs[fut]
+            done[w] = fut.result()
+            progress(f"worker {w + 1}/{len(shares)} finished: " + ", ".join(
+                f"{r.config} {r.steps} ops{' FAILED' if r.failure is not None else ''}" for r in done[w]))
+    except BaseException as exc:
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        exc.partial = [r for w in sorted(done) for r in done[w]]  # type: ignore[attr-defined]
+        raise
+    pool.shutdown()
+    return [r for w in sorted(done) for r in done[w]]
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """Exit 0 when every campaign ran examples and found nothing, 1 when one
     failed (its minimal trace is written), 2 for bad arguments, 130 when
     interrupted (the seed and a rerun command are printed)."""
-    from fuzz.campaign import campaign, save_failure
+    from fuzz.campaign import Campaign, interleaved, save_failure
+    from fuzz.commands.reports import Case, print_table, rerun, write_junit, write_sarif
 
     console = _console()
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -340,6 +472,19 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         target = _target(args)
     except KeyError as exc:
         return _usage_error(console, str(exc.args[0]), args.json)
+    for flag in ("junit_xml", "sarif"):
+        problem = _report_path_problem(getattr(args, flag, None))
+        if problem:
+            return _usage_error(console, f"--{flag.replace('_', '-')}: {problem}", args.json)
+    if args.sarif and target.is_impl:
+        return _usage_error(console, "--sarif reports divergences of a third-party target: give --target", args.json)
+    from fuzz.campaign import open_database
+
+    db_spec = args.db if args.db is not None else os.environ.get("KVSPEC_DB", DEFAULT_DB)
+    try:
+        database = open_database(db_spec)
+    except ValueError as exc:
+        return _usage_error(console, str(exc), args.json)
     # a target runs the configs it has a class for (fuzz/targets.py)
     have = target.configs()
     configs = [(k, m) for k, m in have if (args.kind in (None, k)) and (args.mode in (None, m))]
@@ -359,40 +504,49 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         if not target.is_impl:
             return _usage_error(console, f"--bug cannot be combined with --target {target.label}", args.json)
     # mlx-lm has no in-place switch, and Int8 never writes in place: one
-    # setting is enough there (both would run the same campaign twice)
+    # setting is enough there (both would run the same campaign twice);
     # an exec: adapter that takes the "inplace" cache field runs both settings too
     switchable = target.is_impl or getattr(target, "takes_inplace", False)
     inplace_settings = _inplace_settings(args.inplace) if switchable else [True]
     runs = [(k, m, ip) for k, m in configs for ip in (inplace_settings if m == "fp16" else inplace_settings[:1])]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
-    budget = args.budget / len(runs)
+    jobs = args.jobs or 1
     on = "" if target.is_impl else f", target {target.label}"
-    rerun = f"kvspec fuzz --seed {seed} --budget {args.budget:g}" + "".join(
-        f" --{k} {v}" for k, v in (("kind", args.kind), ("mode", args.mode), ("bug", args.bug)) if v) + (
-        f" --inplace {args.inplace}" if args.inplace != "both" else "") + ("" if target.is_impl else f" --target {target.label}")
-    err.print(f"kvspec fuzz: seed {seed}, {args.budget:g} s over {len(runs)} campaign{'s' * (len(runs) > 1)}{on}")
+    again = rerun("fuzz", getattr(args, "argv", None) or ["fuzz"], {"--seed": str(seed)})
+    err.print(f"kvspec fuzz: seed {seed}, {args.budget:g} s of search over {len(runs)} campaign{'s' * (len(runs) > 1)}"
+              f"{on}" + (f", {jobs} processes" if jobs > 1 else ", interleaved") + "; shrinking is timed apart; "
+              + ("no example database" if database is None else f"example database {db_spec} (saved failures replay first)"))
     progress = _Ticker(err)
-    reports: list[tuple[Any, str, str, bool]] = []
+    reports: list[Any] = []
     interrupted: str | None = None
+    camps = [Campaign(k, m, ip, seed, factories, target=None if target.is_impl else target, progress=progress.tick,
+                      database=database) for k, m, ip in runs] if jobs == 1 else []
     try:
-        for kind, mode, inplace in runs:
-            label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
-            progress.start(label)
-            rep = campaign(kind, mode, inplace, budget, seed, factories, target=None if target.is_impl else target,
-                           progress=progress.tick)
-            progress.done(f"{rep.config}: {rep.examples} examples, {rep.stats.get('ops', 0)} ops, "
-                          f"{'FAILED' if rep.failure is not None else 'ok'} ({rep.seconds:.1f} s)")
-            reports.append((rep, kind, mode, inplace))
-    except KeyboardInterrupt:
+        if jobs == 1:
+            progress.start("fuzz")
+            interleaved(camps, args.budget, progress=lambda c: setattr(progress, "label", c.report.config))
+        else:
+            progress.start(f"fuzz on {jobs} processes")
+            got = _run_fuzz_pool(_fuzz_shares(runs, seed, jobs), args.budget, args.bug,
+                                 None if target.is_impl else target.label, progress.tick, db_spec)
+            reports = [_merge([r for r in got if r.config == c]) for c in dict.fromkeys(r.config for r in got)]
+    except KeyboardInterrupt as exc:
         interrupted = progress.label or "?"
+        reports = list(getattr(exc, "partial", []))
     finally:
         progress.stop()
+    if jobs == 1:
+        reports = [c.report for c in camps if c.report.batches]
+    by_config = {f"{k}/{m}/{'inplace' if ip else 'copy'}": (k, m, ip) for k, m, ip in runs}
     rows = []
     failed = False
-    for rep, kind, mode, inplace in reports:
+    sarif_findings: list[dict[str, Any]] = []
+    for rep in reports:
+        kind, mode, inplace = by_config[rep.config.split(":", 1)[-1]]
         ops = rep.stats.get("ops", 0)
         row: dict[str, Any] = {"config": rep.config, "examples": rep.examples, "steps": ops,
-                               "seconds": round(rep.seconds, 2), "result": "ok", "reached": rep.stats}
+                               "seconds": round(rep.seconds, 2), "shrink_seconds": round(rep.shrink_seconds, 2),
+                               "examples_to_catch": rep.examples_to_catch, "result": "ok", "reached": rep.stats}
         if rep.examples == 0:
             row["result"], failed = "no examples", True  # a run that checked nothing never says ok
         if rep.failure is not None:
@@ -408,26 +562,41 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
                 if target.is_impl:
                     row["render"] = render_command(str(path), args.bug)
+                else:
+                    sarif_findings.append(_sarif_finding(rep.failure.trace, path, target, row["replay"]))
         rows.append(row)
     code = 130 if interrupted else (1 if failed else 0)
     # what the target's classes declare they do not do: skipped and reported
     declared = {} if target.is_impl else {
         f"{c.name} ({c.kind}/{c.mode})": {"skipped": dict(c.skipped), "not_compared": dict(c.not_compared)}
         for c in target.classes if (c.kind, c.mode) in configs}
+    if args.junit_xml:
+        cases = [Case("fuzz", r["config"], r["result"] == "ok", r["seconds"] + r["shrink_seconds"],
+                      r.get("failure", r["result"]) + (f"\nminimal trace: {r['trace']}\nreplay it: {r['replay']}"
+                                                       if "trace" in r else "")) for r in rows]
+        cases += [Case("fuzz", f"{k}/{m}/{'inplace' if ip else 'copy'}", False, 0.0, skipped="interrupted before it ran")
+                  for k, m, ip in runs if not any(r["config"].endswith(f"{k}/{m}/{'inplace' if ip else 'copy'}")
+                                                 for r in rows)]
+        write_junit(args.junit_xml, cases)
+    if args.sarif:
+        write_sarif(args.sarif, sarif_findings, version())
     if args.json:
-        print(json.dumps({"seed": seed, "budget": args.budget, "target": target.label, "ok": code == 0,
-                          "interrupted": interrupted, "rerun": rerun, "runs": rows, "declared": declared,
+        print(json.dumps({"seed": seed, "budget": args.budget, "jobs": jobs, "target": target.label, "ok": code == 0,
+                          "database": "none" if database is None else db_spec,
+                          "interrupted": interrupted, "rerun": again, "runs": rows, "declared": declared,
                           "exit": code}))
         return code
-    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:g} s{on})")
-    for col in ("config", "examples", "steps", "ops/s", "result"):
-        table.add_column(col, no_wrap=col != "config")
+    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:g} s of search{on}"
+                        + (f", {jobs} processes" if jobs > 1 else "") + ")")
+    for col in ("config", "examples", "steps", "ops/s", "shrinking", "result"):
+        table.add_column(col, no_wrap=col != "config", justify="right" if col in ("examples", "steps", "ops/s") else "left")
     for row in rows:
         rate = row["steps"] / max(row["seconds"], 1e-9)
         style = "" if row["result"] == "ok" else "[bold red]"
         table.add_row(row["config"], str(row["examples"]), str(row["steps"]), f"{rate:.0f}",
+                      f"{row['shrink_seconds']:.1f} s" if row["shrink_seconds"] else "-",
                       f"{style}{row['result']}{'[/]' if style else ''}")
-    console.print(table)
+    print_table(console, table)
     for row in rows:
         console.print(f"[bold]{row['config']}[/] reached: {_stats_text(row['reached'])}")
     for name, d in declared.items():
@@ -445,29 +614,71 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 if "render" in row:
                     console.print(f"  see it: {escape(row['render'])}")
     if interrupted:
-        console.print(f"[bold yellow]interrupted[/] during {interrupted}: seed {seed}\n  rerun: {rerun}")
+        console.print(f"[bold yellow]interrupted[/] during {escape(interrupted)}: seed {seed}\n  rerun: {escape(again)}")
     return code
+
+
+def _sarif_finding(trace: Any, path: Any, target: Any, replay_cmd: str) -> dict[str, Any]:
+    """A SARIF finding for a divergence written to ``path``: the trace is
+    replayed on ``target`` for the op and both sides."""
+    from fuzz.replay import replay
+
+    result = replay(trace, target=target)
+    d = result.divergence
+    if d is None:
+        return {"trace": str(path), "target": target.label, "index": None, "op": {}, "what": "no longer diverges",
+                "spec": None, "impl": None, "replay": replay_cmd, "level": "warning"}
+    j = d.to_json()
+    return {"trace": str(path), "target": target.label, "index": d.index, "op": d.op, "what": d.what,
+            "spec": j.get("spec", j.get("trace")), "impl": j.get("impl", j.get("trace")), "replay": replay_cmd}
+
+
+def _report_path_problem(path: str | None) -> str | None:
+    if not path:
+        return None
+    from fuzz.commands.reports import writable
+
+    return writable(path)
 
 
 # -- conformance ---------------------------------------------------------------
 def cmd_conformance(args: argparse.Namespace) -> int:
     """Exit 0 when every divergence found replays 1 on its target and 0 on
-    impl (the report is trustworthy), 1 otherwise, 2 for bad arguments.
-    Divergences themselves are the report, not an error."""
+    impl (the report is trustworthy), 1 otherwise, 2 for bad arguments, 130
+    when interrupted (the classes that finished are printed)."""
     from fuzz.commands.conformance import print_report, run_conformance, to_json
+    from fuzz.commands.reports import rerun, write_sarif
 
+    problem = _report_path_problem(args.sarif)
+    if problem:
+        return _usage_error(_console(), f"--sarif: {problem}")
+    reports: list[Any] = []
+    interrupted = False
     try:
-        reports = run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings, args.target)
+        run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings, args.target,
+                        reports=reports)
     except KeyError as exc:
-        _console().print(f"[bold red]error[/]: {exc.args[0]}")
+        _console().print(f"[bold red]error[/]: {escape(str(exc.args[0]))}")
         return 2
+    except KeyboardInterrupt:
+        interrupted = True
     doc = to_json(reports, args.seed, args.budget)
+    code = 130 if interrupted else (0 if doc["ok"] else 1)
+    doc["exit"], doc["interrupted"] = code, interrupted
+    if args.sarif:
+        write_sarif(args.sarif, [{"trace": f.trace, "target": f.target, "index": f.index, "op": f.op,
+                                  "what": f.what, "spec": f.summary, "impl": f.then, "replay": f.replay_command,
+                                  "level": "error" if f.category == "fault" else "warning"}
+                                 for r in reports for f in r.findings if f.trace], version())
     if args.json:
         print(json.dumps(doc))
     else:
         print_report(reports, args.seed, args.budget)
         _console().print(f"minimal traces in {args.out}/ (replay commands: kvspec conformance --json)")
-    return 0 if doc["ok"] else 1
+        if interrupted:
+            _console().print(f"[bold yellow]interrupted[/]: {len(reports)} classes finished\n  rerun: "
+                             f"{escape(rerun('conformance', getattr(args, 'argv', None) or ['conformance']))}")
+    return code
 
 
 # -- verify --------------------------------------------------------------------
@@ -477,17 +688,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         _console().print(f"[red]--jobs: must be >= 1, got {args.jobs}[/]")
         return 2
-    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs, jobs=args.jobs)
+    problem = _report_path_problem(args.junit_xml)
+    if problem:
+        return _usage_error(_console(), f"--junit-xml: {problem}")
+    return run_verify(quick=args.quick, as_json=args.json, out=args.out, skip_proofs=args.skip_proofs, jobs=args.jobs,
+                      patterns=args.pattern, exitfirst=args.exitfirst, list_only=args.list, junit_xml=args.junit_xml,
+                      argv=getattr(args, "argv", None))
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from fuzz.commands.mutants import main as mutants_main
 
     console = _console()
+    if args.list:
+        from fuzz.bugs import catalog
+
+        if args.json:
+            print(json.dumps({"bugs": [{"name": b.name, "kind": b.kind, "modes": list(b.modes), "device": b.device,
+                                        "variants": [v[0] for v in b.variants], "clause": b.clause,
+                                        "description": b.description} for b in catalog()]}))
+            return 0
+        for b in catalog():  # one line each: names are what a reader copies
+            extra = f", {len(b.variants)} variants" if b.variants else ""
+            gpu = ", GPU only" if b.device == "gpu" else ""
+            console.print(f"{b.name} ({b.kind} {'/'.join(b.modes)}{extra}{gpu}): {escape(b.description)}",
+                          soft_wrap=True)
+        return 0
+    problem = _report_path_problem(args.junit_xml)
+    if problem:
+        return _usage_error(console, f"--junit-xml: {problem}")
     for name in args.only or []:
         if _bug(console, name, "--only") is None:
             return 2
-    return mutants_main(args.seeds, args.json, args.out, args.only)
+    return mutants_main(args.seeds, args.json, args.out, args.only, junit_xml=args.junit_xml,
+                        argv=getattr(args, "argv", None))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -562,8 +796,32 @@ def int_in(lo: int, hi: int):
     return parse
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written, defaults after every option's help."""
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; an option's default after its help, once:
+    not where the help already says its default, nor for a flag or an
+    option without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or action.option_strings == [] or isinstance(action, argparse._StoreConstAction)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a value outside an option's choices."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            from fuzz.commands.reports import suggest
+
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{suggest(value, action.choices)} "
+                                                 f"(choose from {choices})")
+        super()._check_value(action, value)
+
+
 
 
 EXIT_CODES = {
@@ -588,10 +846,10 @@ EXIT_CODES = {
 }
 
 
-def _epilog(command: str, bug_names: list[str] | None, extra: str = "") -> str:
+def _epilog(command: str, extra: str = "") -> str:
     parts = [EXIT_CODES[command]]
-    if bug_names is not None and command in ("replay", "render", "fuzz", "mutants", "e2e"):
-        parts.append("injected bugs (--bug / --only): " + ", ".join(bug_names))
+    if command in ("replay", "render", "fuzz", "mutants", "e2e"):
+        parts.append("injected bugs (--bug / --only): kvspec mutants --list names them")
     if extra:
         parts.append(extra)
     return "\n\n".join(parts)
@@ -610,21 +868,19 @@ def version() -> str:
             return str(tomllib.load(fh)["project"]["version"])
 
 
-def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``kvspec`` parser. ``bug_names`` (the catalog, listed in the
-    help of the commands that take one) is given only when help is asked
-    for: reading the catalog loads MLX."""
-    p = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvspec`` parser (builds without loading MLX)."""
+    p = _Parser(
         prog="kvspec", formatter_class=_Formatter,
         description="Verified KV caches: an executable spec, proofs, MLX caches, and differential fuzzing of "
                     "the caches against the spec. Trace format: docs/kvtrace.md; the contract: docs/semantics.md.")
     p.add_argument("--version", action="version", version=f"kvspec {version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     subs: dict[str, argparse.ArgumentParser] = {}
 
     def add(name: str, help: str, description: str, extra: str = "") -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=description, formatter_class=_Formatter,
-                            epilog=_epilog(name, bug_names, extra))
+                            epilog=_epilog(name, extra))
         subs[name] = sp
         return sp
 
@@ -632,8 +888,11 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
             "Run a kvtrace (docs/kvtrace.md) on the executable spec and on an implementation in lockstep, "
             "comparing every op's result, the windows of the cache and every snapshot, and the physical "
             "observables; stop at the first disagreement and print it.")
-    r.add_argument("trace", help="the kvtrace file (JSON)")
-    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("trace", nargs="+", help="kvtrace files (JSON) and folders (every *.json below them)")
+    r.add_argument("--json", action="store_true",
+                   help="print one JSON object (several traces: one with a list; docs/json.md)")
+    r.add_argument("--junit-xml", metavar="PATH", help="also write a JUnit XML report, one test case per trace")
+    r.add_argument("--sarif", metavar="PATH", help="also write the divergences of a --target as SARIF 2.1.0")
     r.add_argument("--bug", help="replay on an injected bug of the catalog instead of the real implementation")
     r.add_argument("--isolation-only", action="store_true",
                    help="do not compare in-place decisions: only a holder's bytes changing can reveal an unsafe write")
@@ -672,12 +931,23 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     f.add_argument("--kind", choices=list(kinds.trace_kinds()), help="cache kind (default: every kind)")
     f.add_argument("--mode", choices=list(kinds.all_modes()), help="storage mode (default: every implemented mode)")
     f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
-    f.add_argument("--budget", type=positive_seconds, default=60.0, help="seconds in all, split over the campaigns")
+    f.add_argument("--budget", type=positive_seconds, default=60.0,
+                   help="seconds of search, shared by the campaigns round-robin (each gets its slice from the "
+                        "first seconds); shrinking a failure is timed apart and reported (default: 60)")
+    f.add_argument("-j", "--jobs", type=int_in(1, 1024), default=1,
+                   help="processes (forkserver pool): each runs its share of the campaigns for the whole "
+                        "budget; more processes than campaigns repeat them under other seeds (default: 1)")
     f.add_argument("--seed", type=int_in(0, 2**32 - 1), help="first seed (default: from the clock; printed first)")
     f.add_argument("--bug", help="fuzz an injected bug of the catalog (expect a failure)")
     f.add_argument("--out", default=DEFAULT_OUT, help="folder for failure traces")
     f.add_argument("--target", default="impl", help=TARGET_HELP)
-    f.add_argument("--json", action="store_true", help="print one JSON object")
+    f.add_argument("--db", metavar="WHERE",
+                   help="the Hypothesis example database every process shares: a folder, redis://HOST:PORT (many "
+                        "machines; hypothesis[redis]) or none; saved failures replay first "
+                        f"(default: $KVSPEC_DB, else {DEFAULT_DB})")
+    f.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
+    f.add_argument("--junit-xml", metavar="PATH", help="also write a JUnit XML report, one test case per campaign")
+    f.add_argument("--sarif", metavar="PATH", help="with --target: also write its divergences as SARIF 2.1.0")
     f.set_defaults(fn=cmd_fuzz)
 
     c = add("conformance", "fuzz mlx-lm's own caches against the spec and report what diverges",
@@ -686,21 +956,31 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--budget", type=positive_seconds, default=120.0, help="seconds in all, split over the classes")
     c.add_argument("--seed", type=int_in(0, 2**32 - 1), default=CONFORMANCE_SEED, help="first seed")
     c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
-    c.add_argument("--target", default=None,
-                   help="the engine whose classes to fuzz (default: mlx-lm's KVCache, QuantizedKVCache, "
-                        "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
     c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="an mlx-lm class to fuzz (repeatable; default all)")
     c.add_argument("--max-findings", type=int_in(1, 1000), default=8, help="divergences per class at most")
-    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--target", default=None,
+                   help="the engine whose classes to fuzz (default: mlx-lm's KVCache, QuantizedKVCache, "
+                        "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
+    c.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
+    c.add_argument("--sarif", metavar="PATH",
+                   help="also write the divergences as SARIF 2.1.0 (faults as errors, contract differences as warnings)")
     c.set_defaults(fn=cmd_conformance)
 
     v = add("verify", "traces, fixed-seed campaigns, injected bugs, proofs: one table",
             "Everything that must hold, in one table: every regression trace, a fixed-seed campaign per "
             "kind and mode, every injected bug caught, the real-decoding scenarios, the proofs and CrossHair. "
             "The checks run in parallel (-j).")
-    v.add_argument("--quick", action="store_true", help="short budgets, no e2e scenarios (what make test runs)")
-    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--quick", action="store_true",
+                   help="4 s campaigns without the must-reach requirement, one seed per injected bug, no e2e "
+                        "scenarios (tests/test_reports.py runs it on one campaign)")
+    v.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
+    v.add_argument("-k", dest="pattern", metavar="PATTERN", action="append",
+                   help="only the jobs whose label contains PATTERN (a shell glob when it has * ? or [); "
+                        "repeatable: any of them; `kvspec verify --list` shows the labels")
+    v.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed check")
+    v.add_argument("--list", action="store_true", help="list the jobs' labels and exit")
+    v.add_argument("--junit-xml", metavar="PATH", help="also write a JUnit XML report, one test case per check")
     v.add_argument("--skip-proofs", action="store_true", help="leave out the proofs and CrossHair")
     v.add_argument("--out", default=DEFAULT_OUT, help="folder for traces")
     v.add_argument("-j", "--jobs", type=int_in(1, 1024), default=None,
@@ -712,7 +992,9 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
              "and every failing run must replay clean on the real implementation. Seed 1's counterexample "
              "is shrunk to a minimal trace (the one reported); the others are kept as found.")
     mu.add_argument("--seeds", type=int_in(1, 1000), default=5, help="seeds per bug")
-    mu.add_argument("--json", action="store_true", help="print one JSON object")
+    mu.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
+    mu.add_argument("--junit-xml", metavar="PATH", help="also write a JUnit XML report, one test case per entry")
+    mu.add_argument("--list", action="store_true", help="list the injected bugs (name, kind, modes, what) and exit")
     mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the traces, one folder per seed")
     mu.add_argument("--only", nargs="+", metavar="BUG", help="these bugs only (default: the whole catalog)")
     mu.set_defaults(fn=cmd_mutants)
@@ -723,7 +1005,7 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
              "and values as a decoder does.")
     be.add_argument("--contexts", type=int_in(1, 2**20), nargs="+", default=[1024, 8192, 32768],
                     help="context lengths (rows); the last over the first is the ratio column")
-    be.add_argument("--json", action="store_true", help="print one JSON object")
+    be.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     be.add_argument("--decoder", action="store_true",
                     help="also the decoder rows: write + attention over --layers layers, ours beside mlx-lm's caches")
     be.add_argument("--e2e", action="store_true",
@@ -742,7 +1024,7 @@ def build_parser(bug_names: list[str] | None = None) -> argparse.ArgumentParser:
             "Run small random-weight mlx-lm models with these caches through generate_step, speculative "
             "decoding and LRUPromptCache, comparing every token and log-probability with the references.")
     e.add_argument("--long", action="store_true", help="longer streams, wider windows, four seeds (under ~3 min)")
-    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     e.add_argument("--bug", help="run on an injected bug of the catalog")
     e.add_argument("--only", nargs="+", metavar="SCENARIO", help="scenario names (default: all)")
     e.set_defaults(fn=cmd_e2e)
@@ -768,13 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
         from proofs.cli import main as prove_main
 
         return prove_main(argv[1:])
-    bug_names = None
-    if "-h" in argv or "--help" in argv:
-        from fuzz.bugs import catalog
-
-        bug_names = [b.name for b in catalog()]
-    parser = build_parser(bug_names)
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv
     if extra:
         # report on the subcommand's own usage, with a suggestion
         import difflib

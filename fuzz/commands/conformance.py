@@ -317,21 +317,36 @@ def classes_of(target: str | None) -> tuple[tuple[CacheClass, str], ...]:
 
 def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | Path = DEFAULT_OUT,
                     only: list[str] | None = None, max_findings: int = 8,
-                    target: str | None = None) -> list[ClassReport]:
+                    target: str | None = None, reports: list[ClassReport] | None = None) -> list[ClassReport]:
     """Fuzz every class of ``target`` (default: mlx-lm's four classes, or
     those named in ``only``), ``budget``
     seconds in all, split evenly. Stale ``<Class>_NN.json`` traces of the
     classes run are removed from ``out`` first, and ``out/report.json``
     (:func:`write_report`) lists every trace left there, so the folder is
-    the report. Raises KeyError for an unknown class name."""
+    the report. Raises KeyError for an unknown class name. Finished
+    classes are appended to ``reports`` as they finish (what an
+    interrupted run keeps; the report is written for them too)."""
     known = {c.name: (c, t) for c, t in classes_of(target)}
     names = list(known) if not only else list(only)
     for n in names:
         if n not in known:
-            raise KeyError(f"--class: unknown class {n!r}; known: {', '.join(known)}")
+            import difflib
+
+            close = difflib.get_close_matches(n, list(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise KeyError(f"--class: unknown class {n!r}{hint}; known: {', '.join(known)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    reports = []
+    reports = [] if reports is None else reports
+    try:
+        _run_classes(names, known, budget, seed, out, max_findings, reports)
+    finally:
+        write_report(reports, seed, budget, out / REPORT)
+    return reports
+
+
+def _run_classes(names: list[str], known: dict[str, Any], budget: float, seed: int, out: Path, max_findings: int,
+                 reports: list[ClassReport]) -> None:
     for i, n in enumerate(names):
         cls, target = known[n]
         for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
@@ -340,8 +355,6 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
               f"{budget / len(names):.0f} s) ...", file=sys.stderr, flush=True)
         reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings))
         print(f"conformance: {cls.name}: {len(reports[-1].findings)} divergences", file=sys.stderr, flush=True)
-    write_report(reports, seed, budget, out / REPORT)
-    return reports
 
 
 #: the machine-readable report written beside the traces (not a trace)
@@ -388,7 +401,9 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
         faults = sum(f.category == FAULT for f in r.findings)
         table.add_row(r.cache_class, r.target, covered, ", ".join(r.skipped) or "-", str(r.steps),
                       str(faults), str(len(r.findings) - faults), r.ended)
-    console.print(table)
+    from fuzz.commands.reports import print_table
+
+    print_table(console, table)
     traces = []
     for kind, title in ((FAULT, "faults: a wrong window or bytes, a corrupted counter, a held view that changed"),
                         (CONTRACT, "contract differences: capacity kept or dropped, a refusal style")):
@@ -403,6 +418,6 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
                 waive = "".join(f" --waive {w}" for w in f.waived)
                 found.add_row(r.cache_class, str(i), f.summary, f.then, check)
                 traces.append(f"{r.cache_class} #{i}: kvspec replay {f.trace} --target {r.target}{waive}")
-        console.print(found)
+        print_table(console, found)
     for line in traces:  # whole lines: a path is never wrapped inside a cell
         console.print(line, soft_wrap=True, markup=False)

@@ -95,7 +95,8 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
     return reports
 
 
-def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None) -> int:
+def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, junit_xml: str | None = None,
+         argv: list[str] | None = None) -> int:
     """Exit 0 when every entry is caught in every seed with a clean trace,
     1 otherwise, 130 when interrupted (the entries finished are printed)."""
     import sys
@@ -123,6 +124,14 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None) ->
         interrupted = True
     ok = bool(reports) and all(r.caught for r in reports) and not interrupted
     code = 130 if interrupted else (0 if ok else 1)
+    from fuzz.commands.reports import Case, print_table, rerun, write_junit
+
+    if junit_xml:
+        cases = [Case(f"{r.bug.kind}/{r.bug.modes[0]}", r.name, r.caught, sum(r.seconds),
+                      "; ".join(r.problems) if r.problems else
+                      f"caught in {seeds}/{seeds} seeds, examples median {r.to_json()['median_examples']}"
+                      + (f"; trace {r.trace}" if r.trace else "")) for r in reports]
+        write_junit(junit_xml, cases)
     if as_json:
         print(json.dumps({"seeds": seeds, "ok": ok, "interrupted": interrupted, "exit": code,
                           "mutants": [r.to_json() for r in reports]}))
@@ -139,7 +148,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None) ->
             f"{j['median_seconds']}/{j['worst_seconds']}",
         )
     console = Console(highlight=False)
-    console.print(table)
+    print_table(console, table)
     for r in reports:
         if r.trace:
             console.print(f"{escape(r.name)}: {escape(r.trace)}", soft_wrap=True)
@@ -149,7 +158,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None) ->
                   f"({time.perf_counter() - start:.0f} s)")
     if interrupted:
         missing = total - len(reports)
-        console.print(f"[bold yellow]interrupted[/]: {missing} entries not run\n  rerun: kvspec mutants --seeds {seeds}"
-                      + (f" --only {' '.join(names)}" if names else ""))
+        again = rerun("mutants", argv or ["mutants", "--seeds", str(seeds)] + (["--only", *names] if names else []))
+        console.print(f"[bold yellow]interrupted[/]: {missing} entries not run\n  rerun: {escape(again)}", soft_wrap=True)
     sys.stdout.flush()
     return code

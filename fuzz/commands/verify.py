@@ -381,11 +381,17 @@ class Progress:
             self.bar.stop()
 
 
-def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, list[Check]]:
+class StopFirst(Exception):
+    """``verify -x``: a check failed; the pool stops."""
+
+
+def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool = False) -> dict[int, list[Check]]:
     """Run ``jobs`` on ``workers`` processes (a forkserver pool: MLX hangs in
     a plain forked child; 1 runs them inline). Returns index -> checks for
-    every job that finished; KeyboardInterrupt propagates with the partial
-    results attached as ``exc.partial``."""
+    every job that finished; with ``exitfirst`` it returns after the first
+    job with a failed check (the others do not run, or are stopped).
+    KeyboardInterrupt propagates with the partial results attached as
+    ``exc.partial``."""
     results: dict[int, list[Check]] = {}
     try:
         start = time.perf_counter()
@@ -393,6 +399,8 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, lis
             for i, job in enumerate(jobs):
                 results[i] = run_job(job)
                 progress.finished(job, results[i], time.perf_counter() - start)
+                if exitfirst and not all(c.ok for c in results[i]):
+                    break
             return results
         import multiprocessing
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -409,6 +417,13 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, lis
                         i = started[fut]
                         results[i] = fut.result()
                         progress.finished(jobs[i], results[i], time.perf_counter() - start)
+                        if exitfirst and not all(c.ok for c in results[i]):
+                            raise StopFirst
+            except StopFirst:
+                for fut in pending:
+                    fut.cancel()
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
             except BaseException:
                 for fut in pending:
                     fut.cancel()
@@ -421,13 +436,44 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress) -> dict[int, lis
         raise
 
 
+def select(jobs: list[Job], patterns: list[str] | None) -> list[Job]:
+    """``verify -k``: the jobs whose label contains one of ``patterns`` (a
+    shell glob, matched against the whole label, when it has ``*?[``)."""
+    from fnmatch import fnmatchcase
+
+    if not patterns:
+        return jobs
+
+    def hit(label: str, pat: str) -> bool:
+        return fnmatchcase(label, pat) if any(ch in pat for ch in "*?[") else pat in label
+
+    return [j for j in jobs if any(hit(j.label, p) for p in patterns)]
+
+
 def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-failures", skip_proofs: bool = False,
-               jobs: int | None = None, width: int | None = None) -> int:
-    """Exit 0 when every check passes, 1 when one fails, 130 when
+               jobs: int | None = None, width: int | None = None, patterns: list[str] | None = None,
+               exitfirst: bool = False, list_only: bool = False, junit_xml: str | None = None,
+               argv: list[str] | None = None) -> int:
+    """Exit 0 when every check passes, 1 when one fails (with
+    ``exitfirst``: the first), 2 when ``patterns`` select no job, 130 when
     interrupted (Ctrl-C: the checks finished so far are printed)."""
     start = time.perf_counter()
     workers = default_jobs() if jobs is None else jobs
-    the_plan = plan(quick, out, skip_proofs)
+    full = plan(quick, out, skip_proofs)
+    the_plan = select(full, patterns)
+    if list_only:
+        for job in the_plan:
+            print(job.label)
+        return 0
+    if not the_plan:
+        from fuzz.commands.reports import suggest
+
+        hint = suggest(patterns[0], [j.label for j in full]) if patterns else ""
+        Console(stderr=True, highlight=False).print(
+            f"error: -k {' '.join(patterns or [])}: no job's label matches{hint}; kvspec verify --list shows them",
+            markup=False)
+        return 2
+    workers = min(workers, len(the_plan))
     progress = Progress(len(the_plan), quiet=False)
     from fuzz.device import current
     from impl.write import backend, inplace_mechanism
@@ -442,7 +488,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     e2e_skipped = [] if quick else [name for name, _ in gpu_skipped()]
     interrupted = False
     try:
-        results = run_jobs(the_plan, workers, progress)
+        results = run_jobs(the_plan, workers, progress, exitfirst)
     except KeyboardInterrupt as exc:
         results, interrupted = getattr(exc, "partial", {}), True
     finally:
@@ -450,9 +496,21 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     checks = [c for i in range(len(the_plan)) if i in results for c in results[i]]
     missing = [the_plan[i].label for i in range(len(the_plan)) if i not in results]
     total = time.perf_counter() - start
+    stopped = exitfirst and bool(missing) and not interrupted and any(not c.ok for c in checks)
     ok = all(c.ok for c in checks) and not missing
+    from fuzz.commands.reports import Case, rerun, write_junit
+
+    again = rerun("verify", argv or ["verify"] + (["--quick"] if quick else []))
+    if junit_xml:
+        cases = [Case(c.name.split(" ", 1)[0], c.name, c.ok, c.seconds,
+                      c.detail + (f"\nreplay it: kvspec replay {c.trace}" if c.trace and not c.ok else "")) for c in checks]
+        why = "interrupted" if interrupted else "stopped at the first failure (-x)"
+        cases += [Case(label.split(" ", 1)[0], label, False, 0.0, skipped=why) for label in missing]
+        write_junit(junit_xml, cases)
+    code = 130 if interrupted else (0 if ok else 1)
     if as_json:
-        print(json.dumps({"ok": ok, "seconds": round(total, 1), "jobs": workers, "interrupted": interrupted,
+        print(json.dumps({"ok": ok, "exit": code, "seconds": round(total, 1), "jobs": workers,
+                          "interrupted": interrupted, "stopped_at_first_failure": stopped, "selected": patterns or [],
                           "not_run": missing, "device": where, "gpu_only_bugs_not_run": skipped,
                           "e2e_not_run_on_gpu": e2e_skipped,
                           "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2),
@@ -466,7 +524,9 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         for c in checks:
             table.add_row(escape(c.name), "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", f"{c.seconds:.1f}s", escape(c.detail))
         console = Console(highlight=False, width=width)
-        console.print(table)
+        from fuzz.commands.reports import print_table
+
+        print_table(console, table)
         failed = [c.name for c in checks if not c.ok]
         for c in checks:
             if c.trace and not c.ok:
@@ -480,9 +540,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
             console.print(f"not run on the GPU: e2e {escape(', '.join(e2e_skipped))} (they compare outputs of "
                           "different kernel shapes bit for bit; GPU kernels round by shape; kvspec e2e says which)",
                           soft_wrap=True)
-        if interrupted:
-            console.print(f"[bold yellow]interrupted[/]: {len(missing)} of {len(the_plan)} jobs did not run: "
-                          f"{escape(', '.join(missing))}\n  rerun: kvspec verify{' --quick' if quick else ''}")
-    if interrupted:
-        return 130
-    return 0 if ok else 1
+        if interrupted or stopped:
+            why = "[bold yellow]interrupted[/]" if interrupted else "[bold red]stopped at the first failure[/] (-x)"
+            console.print(f"{why}: {len(missing)} of {len(the_plan)} jobs did not run: "
+                          f"{escape(', '.join(missing))}\n  rerun: {escape(again)}", soft_wrap=True)
+    return code

@@ -92,7 +92,11 @@ def by_name(name: str) -> Scenario:
     for s in SCENARIOS:
         if s.name == name:
             return s
-    raise KeyError(f"no e2e scenario named {name!r}; known: {[s.name for s in SCENARIOS]}")
+    import difflib
+
+    close = difflib.get_close_matches(name, [s.name for s in SCENARIOS], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise KeyError(f"no e2e scenario named {name!r}{hint}; known: {[s.name for s in SCENARIOS]}")
 
 
 def run_scenario(name: str, size: Size = SHORT, factories: Factories = None, **kwargs: Any) -> ScenarioResult:
