@@ -22,7 +22,7 @@ from fuzz.machine import (
 )
 from fuzz.masks import check_dense_masks
 from fuzz.quant_ref import int8_oracle, quantize
-from impl.dense import CacheSnapshot, DetachedHandle, KVCache, data_pointer
+from impl.dense import CacheSnapshot, DetachedHandle, KVCache
 from impl.quant import dequantize_int8
 from spec import dense as sd
 from spec.errors import InvalidArgumentError
@@ -154,7 +154,7 @@ class DenseLockstep(DenseOps, Lockstep):
 
     def compare_stored(self, index: int, op: dict[str, Any]) -> None:
         tokens = self.world.cache.window()
-        state = self.cache.state
+        state = self.step_state()
         rows = 0 if not state else int(state[0].shape[2])
         if rows != len(tokens):
             raise Divergence(index, op, "state holds other rows than the live window", f"{len(tokens)} rows",
@@ -184,17 +184,17 @@ class DenseLockstep(DenseOps, Lockstep):
 
     def impl_values_pointer(self) -> int | None:
         b = self.cache.buffers
-        return None if b is None else data_pointer(b.values)
+        return None if b is None else self.pointer(b.values)
 
     def impl_pointers(self) -> dict[str, int | None]:
         def ptr(buffers: Any) -> int | None:
-            return None if buffers is None else data_pointer(buffers.keys)
+            return None if buffers is None else self.pointer(buffers.keys)
 
         out: dict[str, int | None] = {"cache": ptr(self.cache.buffers)}
         for name, holder in self.holders.items():
             out["holder:" + name] = ptr(getattr(holder, "buffers", None))
         if self.held is not None and self.cfg["mode"] == "fp16":
-            out["held"] = data_pointer(self.held[0])
+            out["held"] = self.pointer(self.held[0])
         return out
 
 

@@ -29,7 +29,7 @@ from fuzz.masks import check_dense_masks, check_ring_masks
 from fuzz.quant_ref import int8_oracle
 from fuzz.trace import TraceFormatError
 from impl import layers as impl_layers
-from impl.dense import KVCache, data_pointer
+from impl.dense import KVCache
 from impl.rotating import RotatingKVCache
 from impl.write import inplace_keeps_memory
 from spec import dense as sd
@@ -185,20 +185,18 @@ class LayersLockstep(Lockstep):
                 check_ring_masks(self, op, w.cache, c, True, f"layer {j}: ")
         self.pointers_before = [self._pointers(c) for c in self.caches]
 
-    @staticmethod
-    def _pointer(c: Any) -> int | None:
+    def _pointer(self, c: Any) -> int | None:
         """Data pointer of a cache's or snapshot's keys buffer (None: none)."""
         if hasattr(c, "buffers"):
-            return None if c.buffers is None else data_pointer(c.buffers.keys)
-        return None if getattr(c, "keys", None) is None else data_pointer(c.keys)
+            return None if c.buffers is None else self.pointer(c.buffers.keys)
+        return None if getattr(c, "keys", None) is None else self.pointer(c.keys)
 
-    @staticmethod
-    def _pointers(c: Any) -> tuple[int, int] | None:
+    def _pointers(self, c: Any) -> tuple[int, int] | None:
         """Data pointers of a cache's keys and values buffers (None: none):
         what an in-place write must leave where it was."""
         if hasattr(c, "buffers"):
-            return None if c.buffers is None else (data_pointer(c.buffers.keys), data_pointer(c.buffers.values))
-        return None if getattr(c, "keys", None) is None else (data_pointer(c.keys), data_pointer(c.values))
+            return None if c.buffers is None else (self.pointer(c.buffers.keys), self.pointer(c.buffers.values))
+        return None if getattr(c, "keys", None) is None else (self.pointer(c.keys), self.pointer(c.values))
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         if op["op"] == "append":

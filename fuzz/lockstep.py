@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import numpy as np
 
 from fuzz import rows as rowgen
 from fuzz.protocol import refusal_category
+from impl.dense import data_pointer
 from impl.write import inplace_keeps_memory
 from spec.dense import inplace_switch
 from spec.errors import KVCacheError, StateError
@@ -190,6 +192,18 @@ class Lockstep:
         self.holders: dict[str, Any] = {}
         self.returned: tuple[mx.array, mx.array] | None = None
         self.held: tuple[mx.array, mx.array] | None = None
+        #: this step's reads (:meth:`prefetch`): id -> (array, host form);
+        #: the implementation's windows and ``state`` as read after the op
+        self._memo: dict[int, tuple[Any, Any]] = {}
+        self._step_views: dict[str, Any] | None = None
+        self._step_state: Any = None
+        self._step_reload: Any = None
+        self._pointers_memo: dict[int, tuple[Any, int]] = {}
+        #: checks waiting for this step's evaluation (:meth:`defer`)
+        self._deferred: list[tuple[list[Any], Any]] | None = None
+        #: expected bytes of whole windows, by (tokens, mode)
+        self._windows: dict[tuple[tuple[int, ...], str], tuple[bytes, bytes]] = {}
+        self._expected_arrays: dict[tuple[int, str], tuple[Any, Any]] = {}
 
     def spec_inplace(self) -> bool:
         """The in-place switch the spec runs with: the trace's ``inplace``,
@@ -241,10 +255,132 @@ class Lockstep:
         got = self._expected.get((token, mode))
         if got is None:
             k, v = self.input_rows([token])
-            k, v = self.stored_form(k, mode), self.stored_form(v, mode)
-            got = (rowgen.host(k).tobytes(), rowgen.host(v).tobytes())
+            hk, hv = rowgen.host_many([self.stored_form(k, mode), self.stored_form(v, mode)])
+            got = (hk.tobytes(), hv.tobytes())
             self._expected[(token, mode)] = got
+            self._expected_arrays[(token, mode)] = (hk, hv)
         return got
+
+    def expected_window(self, tokens: tuple[int, ...], mode: str | None = None) -> tuple[bytes, bytes]:
+        """The bytes of a whole window holding ``tokens``' rows (C order of
+        ``[B, H, n, D]``), K and V: what :meth:`window_matches` compares a
+        window's bytes with, in one comparison, not one per row. Windows
+        recur from op to op (a snapshot's does not change), so they are
+        kept."""
+        mode = mode or self.cfg.get("mode", "fp16")
+        key = (tokens, mode)
+        got = self._windows.get(key)
+        if got is None:
+            for t in tokens:
+                self.expected_row(t, mode)
+            ks = [self._expected_arrays[(t, mode)][0] for t in tokens]
+            vs = [self._expected_arrays[(t, mode)][1] for t in tokens]
+            got = (np.concatenate(ks, axis=2).tobytes(), np.concatenate(vs, axis=2).tobytes())
+            if len(self._windows) > 4096:
+                self._windows.clear()
+            self._windows[key] = got
+        return got
+
+    # -- reading the implementation, one MLX round trip per step ----------------
+    def host(self, a: Any) -> Any:
+        """``rows.host(a)``, from this step's reads when :meth:`prefetch`
+        read ``a`` (the same array object) after the op."""
+        hit = self._memo.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1]
+        return rowgen.host(a)
+
+    def read_all(self, arrays: list[Any], evaluate: list[Any] = ()) -> None:
+        """Read ``arrays`` to the host in one ``mx.eval`` (with ``evaluate``,
+        arrays only evaluated) and keep their host forms for this step."""
+        todo = [a for a in dict.fromkeys(arrays, None) if isinstance(a, mx.array) and id(a) not in self._memo]
+        forms = [rowgen.read_form(a) for a in todo]
+        lazy = forms + [a for a in evaluate if isinstance(a, mx.array)]
+        if lazy:
+            mx.eval(*lazy)
+        for a, f in zip(todo, forms):
+            self._memo[id(a)] = (a, np.asarray(f))
+
+    def prefetch(self, op: dict[str, Any], outcome: Outcome) -> None:
+        """After the op: read every window the checks will compare (the
+        returned one, the live window, every holder's), and evaluate
+        ``state`` and the save/load round trip's comparison
+        (:meth:`compare_reload`), all in one MLX evaluation. A read that
+        raises is left for the check that makes it (it raises there, where
+        it always did)."""
+        try:
+            views = self.impl_views()
+            arrays = rowgen.mx_arrays(outcome.result) if outcome.error is None else []
+            arrays += rowgen.mx_arrays(views)
+            cls = self.reload_class()
+            state = self.cache.state if cls is not None else None
+            evaluate = rowgen.mx_arrays(state)
+            reload = None
+            if cls is not None and op["op"] not in self.READ_ONLY_OPS:
+                try:
+                    back = cls.from_state(state, self.cache.meta_state)
+                    got = back.state
+                    equal = ([mx.array_equal(a, b) for a, b in zip(state, got)]
+                             if self._same_layout(state, got) else None)
+                    reload = (back, got, equal)
+                    evaluate += equal or []
+                except Exception:  # noqa: BLE001 - compare_reload loads again and reports it
+                    reload = None
+            evaluate += self.more_to_evaluate(views, state)
+            evaluate += [a for pending, _ in self._deferred or [] for a in pending]
+            self.read_all(arrays, evaluate)
+        except Exception:  # noqa: BLE001 - the checks read again and report it
+            self._memo.clear()
+            return
+        self._step_views, self._step_state, self._step_reload = views, state, reload
+
+    def more_to_evaluate(self, views: dict[str, Any], state: Any) -> list[Any]:
+        """Lazy arrays a kind's own checks will evaluate after this op (made
+        from ``views`` and ``state``), for :meth:`prefetch`'s one
+        evaluation; none by default."""
+        return []
+
+    def pointer(self, a: mx.array) -> int:
+        """``impl.dense.data_pointer(a)``, kept per array object for this
+        lockstep: an evaluated MLX array's memory never moves, and reading
+        a bfloat16 array's pointer costs an MLX evaluation of its own. The
+        arrays are held, so no id is reused while it is kept."""
+        if not inplace_keeps_memory():
+            return data_pointer(a)  # CUDA: holding the array would stop MLX donating it
+        hit = self._pointers_memo.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1]
+        p = data_pointer(a)
+        self._pointers_memo[id(a)] = (a, p)
+        return p
+
+    def defer(self, arrays: list[Any], check: Any) -> None:
+        """Run ``check()`` once ``arrays`` (lazy results taken now, e.g. the
+        masks ``make_mask`` returns before an append) are evaluated: inside
+        a step, right after the op, in the step's one evaluation and before
+        any other comparison; outside one, at once."""
+        if self._deferred is None:
+            if arrays:
+                mx.eval(*arrays)
+            check()
+            return
+        self._deferred.append((arrays, check))
+
+    def run_deferred(self) -> None:
+        pending, self._deferred = self._deferred or [], None
+        lazy = [a for arrays, _ in pending for a in arrays]
+        if lazy:
+            mx.eval(*lazy)  # already evaluated by prefetch, unless it failed
+        for _, check in pending:
+            check()
+
+    def step_views(self) -> dict[str, Any]:
+        """``impl_views()`` as :meth:`prefetch` read them after this op."""
+        return self._step_views if self._step_views is not None else self.impl_views()
+
+    def step_state(self) -> Any:
+        """The implementation cache's ``state`` as read after this op."""
+        return self._step_state if self._step_state is not None else self.cache.state
 
     def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
         """What a reader gets back for one row: unquantized storage hands
@@ -258,7 +394,7 @@ class Lockstep:
             return []
         if isinstance(arrays, Unreadable):
             return [arrays.describe()]
-        k, v = (rowgen.host(a) for a in arrays)
+        k, v = (self.host(a) for a in arrays)
         mode = mode or self.cfg.get("mode", "fp16")
         # every identity handed out so far, the failing op's own rows included
         for t in range(getattr(self.world, "next_token", 0)):
@@ -284,15 +420,16 @@ class Lockstep:
             return False
         if any(rowgen.dtype_name(a) != self.dtype for a in arrays):
             return False
-        k, v = (rowgen.host(a) for a in arrays)
+        k, v = (self.host(a) for a in arrays)
         b, h, dk, dv = self.shape
         if k.shape != (b, h, len(tokens), dk) or v.shape != (b, h, len(tokens), dv):
             return False
-        for j, t in enumerate(tokens):
-            ek, ev = self.expected_row(t, mode)
-            if k[:, :, j : j + 1, :].tobytes() != ek or v[:, :, j : j + 1, :].tobytes() != ev:
-                return False
-        return True
+        if not tokens:
+            return True
+        ek, ev = self.expected_window(tuple(tokens), mode)
+        # tobytes() is C order whatever the view's strides: row j of the
+        # window is where row j of the expected concatenation is
+        return k.tobytes() == ek and v.tobytes() == ev
 
     # -- the step -------------------------------------------------------------
     def reached(self, event: str) -> None:
@@ -312,6 +449,15 @@ class Lockstep:
             raise
 
     def _step(self, index: int, op: dict[str, Any]) -> None:
+        self._memo.clear()
+        self._step_views = self._step_state = self._step_reload = None
+        self._deferred = []
+        try:
+            self._run_step(index, op)
+        finally:
+            self._deferred = None
+
+    def _run_step(self, index: int, op: dict[str, Any]) -> None:
         self.reached("ops")
         if op["op"] == "expect":
             self.check_expect(index, op)
@@ -329,6 +475,8 @@ class Lockstep:
             raise
         except Exception as exc:  # noqa: BLE001 - a crash is a divergence too
             impl_out = Outcome(error=exc)
+        self.prefetch(op, impl_out)
+        self.run_deferred()
 
         self.compare_refusal(index, op, spec_out, impl_out)
         if spec_out.error is not None:
@@ -453,20 +601,33 @@ class Lockstep:
                 raise Divergence(index, op, "an op counted read-only (no save/load check) changed meta_state",
                                  list(before), list(c.meta_state))
             return
-        try:
-            back = cls.from_state(c.state, c.meta_state)
-        except Exception as exc:  # noqa: BLE001 - any failure to load is the divergence
-            raise Divergence(index, op, "state/meta_state do not load back", "a cache", repr(exc)) from None
+        want = self.step_state()
+        loaded = self._step_reload
+        if loaded is None:
+            try:
+                back = cls.from_state(want, c.meta_state)
+            except Exception as exc:  # noqa: BLE001 - any failure to load is the divergence
+                raise Divergence(index, op, "state/meta_state do not load back", "a cache", repr(exc)) from None
+            loaded = (back, back.state, None)
+        back, got, equal = loaded
         if back.meta_state != c.meta_state:
             raise Divergence(index, op, "a save/load round trip changes meta_state", list(c.meta_state),
                              list(back.meta_state))
-        want, got = c.state, back.state
         names = getattr(c, "state_names", lambda: tuple(range(len(want))))()
         back_names = getattr(back, "state_names", lambda: tuple(range(len(got))))()
-        if names != back_names or len(want) != len(got) or any(
-                a.dtype != b.dtype or a.shape != b.shape or not bool(mx.array_equal(a, b)) for a, b in zip(want, got)):
+        same = names == back_names and self._same_layout(want, got)
+        if same:
+            if equal is None:
+                equal = [mx.array_equal(a, b) for a, b in zip(want, got)]
+                mx.eval(*equal)  # one evaluation for every array of the state
+            same = all(bool(e) for e in equal)
+        if not same:
             raise Divergence(index, op, "a save/load round trip changes the arrays", list(names), list(back_names))
         self._reloaded_meta = c.meta_state
+
+    @staticmethod
+    def _same_layout(want: Any, got: Any) -> bool:
+        return len(want) == len(got) and all(a.dtype == b.dtype and a.shape == b.shape for a, b in zip(want, got))
 
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
         if "inplace_env" in self.cfg:
@@ -475,7 +636,7 @@ class Lockstep:
         for key in s_obs:
             if s_obs[key] != i_obs.get(key):
                 raise Divergence(index, op, f"{key} differs", f"{key}={s_obs[key]}", f"{key}={i_obs.get(key)}")
-        s_views, i_views = self.spec_views(), self.impl_views()
+        s_views, i_views = self.spec_views(), self.step_views()
         if set(s_views) != set(i_views):
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
         for name, tokens in s_views.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from fuzz.lockstep import Divergence
@@ -40,15 +41,33 @@ def mask_text(rows: list[list[bool]]) -> str:
     return " / ".join("".join("1" if x else "." for x in r) for r in rows)
 
 
-def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, window: int | None,
-             want: list[list[bool]], prefix: str) -> None:
-    length = len(want[0])
-    for kwargs in ({"return_array": True}, {}):
-        kwargs = {**kwargs, **({} if window is None else {"window_size": window})}
-        got = mask_as_rows(cache.make_mask(n, **kwargs), n, length)
-        if got != want:
-            raise Divergence(lock.current_index, op, f"{prefix}make_mask({n}, {kwargs}) differs",
-                             mask_text(want), "unexpected form" if got is None else mask_text(got))
+def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tuple[int | None, list[list[bool]]]],
+             prefix: str) -> None:
+    """``make_mask`` in array and short form for each ``(window, want)`` of
+    ``cases``, called now (before the append, as a model calls it) and
+    compared in order once the step's one MLX evaluation has evaluated the
+    array masks (``lock.defer``; at once outside a step)."""
+    calls = []
+    for window, want in cases:
+        for kwargs in ({"return_array": True}, {}):
+            kwargs = {**kwargs, **({} if window is None else {"window_size": window})}
+            calls.append((kwargs, want, cache.make_mask(n, **kwargs)))
+    index = lock.current_index
+
+    def check() -> None:
+        for kwargs, want, mask in calls:
+            got = mask_as_rows(mask, n, len(want[0]))
+            if got != want:
+                raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs",
+                                 mask_text(want), "unexpected form" if got is None else mask_text(got))
+
+    lazy = [m for _, _, m in calls if isinstance(m, mx.array)]
+    if hasattr(lock, "defer"):
+        lock.defer(lazy, check)
+    else:
+        if lazy:
+            mx.eval(*lazy)
+        check()
 
 
 def dense_windows(live_len: int) -> list[int | None]:
@@ -62,9 +81,9 @@ def check_dense_masks(lock: Any, op: dict[str, Any], live_len: int, cache: Any, 
     """``cache.make_mask`` (array and short forms) for the append ``op``
     against spec.dense.dense_make_mask, for each of :func:`dense_windows`."""
     n = op["n"]
-    for window in dict.fromkeys(dense_windows(live_len)):
-        want = [list(r) for r in sd.dense_make_mask(live_len, n, window)]
-        _compare(lock, op, cache, n, window, want, prefix)
+    cases = [(window, [list(r) for r in sd.dense_make_mask(live_len, n, window)])
+             for window in dict.fromkeys(dense_windows(live_len))]
+    _compare(lock, op, cache, n, cases, prefix)
     lock.reached("dense masks checked")
 
 
@@ -78,7 +97,6 @@ def check_ring_masks(lock: Any, op: dict[str, Any], spec_cache: sr.RotatingCache
     windows: list[int | None] = [None]
     if narrow and spec_cache.max_size - 1 > spec_cache.keep:
         windows.append(spec_cache.max_size - 1)
-    for window in windows:
-        want = [list(r) for r in sr.make_mask_spec(spec_cache, n, window)]
-        _compare(lock, op, cache, n, window, want, prefix)
+    cases = [(window, [list(r) for r in sr.make_mask_spec(spec_cache, n, window)]) for window in windows]
+    _compare(lock, op, cache, n, cases, prefix)
     lock.reached("masks checked")

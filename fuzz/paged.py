@@ -114,8 +114,15 @@ class PagedLockstep(Lockstep):
         n, live = op["n"], self.pool.seqs[seq].visible
         got = PagedKVCache(self.pool, seq).make_mask(n, return_array=True)
         want = mx.arange(live, live + n)[:, None] >= mx.arange(live + n)[None]
-        if got.shape != want.shape or not bool(mx.all(got == want)):
-            raise Divergence(self.current_index, op, f"make_mask({n}) differs", want.tolist(), got.tolist())
+        index = self.current_index
+        same = None if got.shape != want.shape else mx.all(got == want)
+
+        def check() -> None:
+            if same is None or not bool(same):
+                raise Divergence(index, op, f"make_mask({n}) differs", want.tolist(), got.tolist())
+
+        # compared after the op, in the step's one MLX evaluation (Lockstep.defer)
+        self.defer([] if same is None else [same], check)
 
     def impl_last_inplace(self) -> bool:
         return self.pool.last_write.inplace

@@ -21,7 +21,6 @@ from fuzz.machine import (
 )
 from fuzz.masks import check_ring_masks, mask_as_rows
 from fuzz.trace import TraceFormatError
-from impl.dense import data_pointer
 from impl.rotating import RotatingKVCache
 from spec import rotating as sr
 
@@ -88,12 +87,12 @@ class RotatingLockstep(Lockstep):
         return out
 
     def impl_values_pointer(self) -> int | None:
-        return None if self.cache.values is None else data_pointer(self.cache.values)
+        return None if self.cache.values is None else self.pointer(self.cache.values)
 
     def impl_pointers(self) -> dict[str, int | None]:
-        out: dict[str, int | None] = {"cache": None if self.cache.keys is None else data_pointer(self.cache.keys)}
+        out: dict[str, int | None] = {"cache": None if self.cache.keys is None else self.pointer(self.cache.keys)}
         for name, snap in self.holders.items():
-            out["holder:" + name] = None if getattr(snap, "keys", None) is None else data_pointer(snap.keys)
+            out["holder:" + name] = None if getattr(snap, "keys", None) is None else self.pointer(snap.keys)
         return out
 
     def step(self, index: int, op: dict[str, Any]) -> None:
@@ -137,6 +136,18 @@ class RotatingLockstep(Lockstep):
         not show; tests/test_prompt_cache_files.py checks that part."""
         return type(self.cache) if isinstance(self.cache, RotatingKVCache) else None
 
+    _protocol_equal: Any = ()
+
+    def more_to_evaluate(self, views: dict[str, Any], state: Any) -> list[Any]:
+        """``state`` equal to the fetched rows, array by array (lazy; empty
+        when their count or shapes differ), for compare_protocol_state."""
+        rows = views.get("cache")
+        self._protocol_equal = []
+        if isinstance(self.cache, RotatingKVCache) and rows is not None and state is not None and len(state) == 2 \
+                and all(tuple(a.shape) == tuple(b.shape) for a, b in zip(state, rows)):
+            self._protocol_equal = [mx.array_equal(a, b, equal_nan=True) for a, b in zip(state, rows)]
+        return self._protocol_equal
+
     def compare_protocol_state(self, index: int, op: dict[str, Any]) -> None:
         """mlx-lm's ``state`` (what a prompt-cache file saves and what
         ``from_state`` rebuilds from) holds exactly the valid rows that
@@ -144,15 +155,17 @@ class RotatingLockstep(Lockstep):
         slot of a warm-up buffer grown past ``offset``."""
         if not isinstance(self.cache, RotatingKVCache):  # an mlx-lm target's adapter
             return
-        state, rows = self.cache.state, self.cache.fetch()
+        state, rows = self.step_state(), self.step_views()["cache"]
         if rows is None:
             if len(state) == 0:
                 return
             raise Divergence(index, op, "state differs from the valid rows", "()",
                              [tuple(a.shape) for a in state])
-        if len(state) == 2 and all(tuple(a.shape) == tuple(b.shape) and bool(mx.array_equal(a, b, equal_nan=True))
-                                   for a, b in zip(state, rows)):
-            return
+        equal = self._protocol_equal if self._step_state is state else self.more_to_evaluate({"cache": rows}, state)
+        if equal:
+            mx.eval(*equal)  # already evaluated by the step's prefetch, or both at once here
+            if all(bool(e) for e in equal):
+                return
         raise Divergence(index, op, "state differs from the valid rows", [tuple(a.shape) for a in rows],
                          [tuple(a.shape) for a in state])
 

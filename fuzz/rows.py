@@ -37,6 +37,7 @@ Two row schemes (kvtrace ``cache.rows``):
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -157,15 +158,43 @@ def to_mx(x: np.ndarray, dtype: str) -> mx.array:
     return mx.array(x).astype(getattr(mx, dtype))
 
 
+def read_form(a: mx.array) -> mx.array:
+    """The array :func:`host` converts for ``a`` (lazy): ``a`` read as a
+    decoder reads it on this device, bfloat16 widened to float32 (exact)."""
+    a = device_read(a)  # on a GPU, read as a decoder reads it (fuzz.device)
+    return a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
+
+
 def host(a) -> np.ndarray:
     """A fetched array as NumPy, bit for bit: float16 and float32 as they
     are, bfloat16 as the float32 of each value (exact and one-to-one);
     anything else (a target's view object) through ``np.asarray``."""
     if isinstance(a, mx.array):
-        a = device_read(a)  # on a GPU, read as a decoder reads it (fuzz.device)
-        if a.dtype == mx.bfloat16:
-            return np.asarray(a.astype(mx.float32))
+        return np.asarray(read_form(a))
     return np.asarray(a)
+
+
+def host_many(arrays: list[Any]) -> list[np.ndarray]:
+    """:func:`host` of each of ``arrays``, the MLX arrays among them
+    evaluated in one ``mx.eval`` (one round trip to MLX's scheduler, not
+    one per array: on the CPU that round trip, not the copy, is what a
+    read costs)."""
+    forms = [read_form(a) if isinstance(a, mx.array) else a for a in arrays]
+    lazy = [f for f in forms if isinstance(f, mx.array)]
+    if lazy:
+        mx.eval(*lazy)
+    return [np.asarray(f) for f in forms]
+
+
+def mx_arrays(x: Any) -> list[mx.array]:
+    """Every ``mx.array`` inside ``x`` (nested tuples, lists, dict values)."""
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [a for item in x for a in mx_arrays(item)]
+    if isinstance(x, dict):
+        return [a for item in x.values() for a in mx_arrays(item)]
+    return []
 
 
 def dtype_name(a) -> str:

@@ -107,7 +107,7 @@ class TurboLockstep(DenseOps, Lockstep):
             return len(tokens) == 0
         if any(rowgen.dtype_name(a) != self.dtype for a in arrays):
             return False
-        k, v = (rowgen.host(a) for a in arrays)
+        k, v = (self.host(a) for a in arrays)
         b, h, dk, dv = self.shape
         if k.shape != (b, h, len(tokens), dk) or v.shape != (b, h, len(tokens), dv):
             return False
@@ -124,7 +124,7 @@ class TurboLockstep(DenseOps, Lockstep):
         ``token~hot``/``token~cold`` when it has the other form, "zero" or "?"."""
         if arrays is None:
             return []
-        k, v = (rowgen.host(a) for a in arrays)
+        k, v = (self.host(a) for a in arrays)
         out: list[Any] = []
         for j in range(k.shape[2]):
             pair = (k[:, :, j : j + 1, :].tobytes(), v[:, :, j : j + 1, :].tobytes())
