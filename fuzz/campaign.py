@@ -40,7 +40,14 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
         if target.is_impl and not target.excluded:
             target = None  # the plain machine: no per-op target check
     name = f"{base.__name__}_{mode}_{'inplace' if inplace else 'copy'}"
+    # the example database's key (Hypothesis hashes it into the machine's
+    # digest): the configuration and the classes under test, so a failure
+    # saved from an injected bug is replayed only on that bug
+    bugs = ",".join(f"{k}={v.__module__}.{v.__qualname__}" for k, v in sorted((factories or {}).items()))
+    key = (f"kvspec {kind}/{mode}/{'inplace' if inplace else 'copy'} target={getattr(target, 'name', 'impl')} "
+           f"factories={bugs} check_inplace={check_inplace} fixed={sorted((fixed or {}).items())}")
     return type(name, (base,), {
+        "_hypothesis_internal_add_digest": key.encode(),
         "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
         "fixed": dict(fixed or {}), "target": target, "covered": {},
         "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
@@ -48,20 +55,52 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     })
 
 
-def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False, shrink: bool = True) -> settings:
-    """Settings for one batch: no example database (runs are reproducible from
-    the seed alone), no deadline (MLX's first call compiles kernels).
-    ``shrink=False`` reports the first failing example as found (shrinking
-    costs about ten times the search for a catalog bug)."""
+def open_database(where: str | None) -> Any:
+    """The Hypothesis example database ``where`` names: None or ``none``:
+    none; ``redis://HOST:PORT[/DB]``: a Redis server shared by many
+    machines (``hypothesis[redis]``); anything else: a local folder
+    (``DirectoryBasedExampleDatabase``, safe for many processes of one
+    machine). Raises ValueError naming what is wrong."""
+    if where is None or where == "none":
+        return None
+    if where.startswith("redis://"):
+        try:
+            import redis
+            from hypothesis.extra.redis import RedisExampleDatabase
+        except ImportError as exc:
+            raise ValueError(f"--db {where}: needs the redis client (pip install 'hypothesis[redis]'): {exc}") from None
+        client = redis.Redis.from_url(where, socket_connect_timeout=5)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise ValueError(f"--db {where}: cannot reach the Redis server: {exc}") from None
+        return RedisExampleDatabase(client, key_prefix=b"kvspec-examples")
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    folder = Path(where)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--db {where}: exists and is not a folder")
+    return DirectoryBasedExampleDatabase(str(folder))
+
+
+def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False, shrink: bool = True,
+                  database: Any = None) -> settings:
+    """Settings for one batch: no deadline (MLX's first call compiles
+    kernels); by default no example database (runs are reproducible from
+    the seed alone). With ``database`` (:func:`open_database`) its saved
+    failures of this configuration are replayed first (Hypothesis's reuse
+    phase) and every new failure is saved there. ``shrink=False`` reports
+    the first failing example as found (shrinking costs about ten times the
+    search for a catalog bug)."""
+    phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
     return settings(
         max_examples=max_examples,
         stateful_step_count=steps,
         deadline=None,
-        database=None,
+        database=database,
         derandomize=derandomize,
         suppress_health_check=list(HealthCheck),
-        # no explicit/reuse phases: no database
-        phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
+        phases=([Phase.reuse] if database is not None else []) + phases,
         print_blob=False,
         report_multiple_bugs=False,
     )
@@ -84,12 +123,18 @@ class RunResult:
 
 
 def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40,
-                shrink: bool = True) -> RunResult:
+                shrink: bool = True, database: Any = None) -> RunResult:
     """Run one seeded batch of ``max_examples`` examples (shrinking on
-    failure unless ``shrink=False``)."""
+    failure unless ``shrink=False``; ``database``: see :func:`fuzz_settings`)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
-    test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps, shrink=shrink))
-    test = hyp_seed(seed)(test)
+    test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps, shrink=shrink,
+                                                                  database=database))
+    if database is None:
+        test = hyp_seed(seed)(test)
+    else:
+        # hypothesis.seed() also turns the example database off; keep both
+        # (the seed attribute is what seed() sets)
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
     start = time.perf_counter()
     error: BaseException | None = None
     try:
@@ -161,6 +206,8 @@ class CampaignReport:
     failure: RunResult | None = None
     shrink_seconds: float = 0.0
     batches: int = 0
+    #: examples run until the first failing one, over every batch (None: no failure)
+    examples_to_catch: int | None = None
 
 
 class Campaign:
@@ -170,13 +217,14 @@ class Campaign:
     whether it runs alone or beside others."""
 
     def __init__(self, kind: str, mode: str, inplace: bool, seed: int, factories: dict[str, Any] | None = None,
-                 batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None):
+                 batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None, database: Any = None):
         self.machine = machine_for(kind, mode, inplace, factories, target=target)
         label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
         if target is not None and getattr(target, "name", target) != "impl":
             label = f"{getattr(target, 'name', target)}:{label}"
         self.report = CampaignReport(label, 0.0, 0, 0, {})
         self.seed, self.batch_size, self.steps, self.progress = seed, batch, steps, progress
+        self.database = database
 
     @property
     def failed(self) -> bool:
@@ -196,7 +244,9 @@ class Campaign:
 
         self.machine.on_failure = staticmethod(found) if progress is not None else None
         start = time.perf_counter()
-        result = run_machine(self.machine, self.seed + total.batches, max_examples=self.batch_size, steps=self.steps)
+        before = total.examples
+        result = run_machine(self.machine, self.seed + total.batches, max_examples=self.batch_size, steps=self.steps,
+                             database=self.database)
         total.batches += 1
         total.examples += result.examples
         total.steps += result.steps
@@ -205,6 +255,7 @@ class Campaign:
         search = result.seconds
         if result.failed:
             total.failure = result
+            total.examples_to_catch = before + (result.examples_to_catch or result.examples)
             if result.seconds_to_catch is not None:
                 search = min(result.seconds, result.seconds_to_catch)
             total.shrink_seconds += result.seconds - search
@@ -256,18 +307,20 @@ class FoundInWorker(Exception):
 
 
 def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | None = None,
-              target: str | None = None) -> list[CampaignReport]:
+              target: str | None = None, database: str | None = None) -> list[CampaignReport]:
     """A process-pool worker of ``kvspec fuzz -j``: the campaigns ``runs``
     (``(kind, mode, inplace, seed)``) interleaved over ``budget`` seconds
     of search, on the injected bug ``bug`` (a catalog name) and the target
-    ``target`` (a name; None: impl). Failures come back as
-    :class:`FoundInWorker` with their trace."""
+    ``target`` (a name; None: impl), sharing the example database
+    ``database`` (:func:`open_database`) with every other worker. Failures
+    come back as :class:`FoundInWorker` with their trace."""
     from fuzz.bugs import by_name
     from fuzz.device import select
 
     select(None)  # the parent's device (KVSPEC_DEVICE), in this worker too
     factories = by_name(bug).factories if bug else None
-    camps = [Campaign(k, m, ip, seed, factories, target=target) for k, m, ip, seed in runs]
+    db = open_database(database)
+    camps = [Campaign(k, m, ip, seed, factories, target=target, database=db) for k, m, ip, seed in runs]
     reports = interleaved(camps, budget)
     for rep in reports:
         if rep.failure is not None and rep.failure.error is not None:

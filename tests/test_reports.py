@@ -25,7 +25,8 @@ TIMEOUT = 240
 
 
 def kvspec(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"}
+    # no example database: these runs must not replay each other's failures
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100", "KVSPEC_DB": "none"}
     return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
@@ -201,7 +202,7 @@ def test_fuzz_shares_repeat_campaigns_under_other_seeds():
 
 
 def test_the_rerun_hint_after_ctrl_c_keeps_every_option(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVSPEC_DB": "none"}
     out = tmp_path / "failures"
     argv = ["fuzz", "--kind", "rotating", "--inplace", "on", "--budget", "300", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=REPO, env=env,

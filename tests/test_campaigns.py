@@ -1,0 +1,110 @@
+"""Campaigns beyond one process: the Hypothesis example database every
+worker shares (docs/campaigns.md). A failure one worker finds is replayed
+first by the next, from a local folder or from a real ``redis-server`` on
+the loopback address; killing a worker loses nothing it found."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUG = "inplace_after_trim"
+TIMEOUT = 240
+
+
+def fuzz(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", "fuzz", "--bug", BUG, "--inplace", "on",
+                             *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 1, out + err  # the bug is caught
+    (run,) = json.loads(out)["runs"]
+    return run
+
+
+def test_a_failure_saved_in_a_folder_is_replayed_first(tmp_path):
+    db = str(tmp_path / "db")
+    control = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", "none", "--out", str(tmp_path)))
+    assert control["examples_to_catch"] > 1  # this seed does not catch it at once by itself
+    first = finish(fuzz("--budget", "30", "--seed", "3", "--json", "--db", db, "--out", str(tmp_path)))
+    assert first["result"] == "FAILED" and any((tmp_path / "db").iterdir())
+    again = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", db, "--out", str(tmp_path)))
+    assert again["examples_to_catch"] == 1, again  # the saved failure ran first
+
+
+def test_a_bad_database_is_refused_before_any_work(tmp_path):
+    (tmp_path / "f").write_text("")
+    for where, needle in ((str(tmp_path / "f"), "is not a folder"), ("redis://127.0.0.1:1", "cannot reach")):
+        proc = fuzz("--budget", "5", "--db", where)
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 2 and needle in out + err and "Traceback" not in err
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server on 127.0.0.1 (Debian's package), started and
+    stopped here; skipped with the reason when it is not installed."""
+    pytest.importorskip("redis", reason="the redis client is missing: pip install 'hypothesis[redis]'")
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (Debian package redis-server; .ci/run installs it with apt-get)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"redis-server did not start on port {port}")
+            time.sleep(0.1)
+    try:
+        yield f"redis://127.0.0.1:{port}", client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_two_workers_share_one_redis_database_and_a_killed_worker_loses_nothing(redis_url, tmp_path):
+    url, client = redis_url
+    control = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", "none", "--out", str(tmp_path)))
+    assert control["examples_to_catch"] > 1
+    # worker A finds the bug and is killed (SIGKILL) while it shrinks
+    a = fuzz("--budget", "300", "--seed", "3", "--db", url, "--out", str(tmp_path / "a"))
+    deadline = time.monotonic() + TIMEOUT
+    line = ""
+    while "failure found" not in line and time.monotonic() < deadline and a.poll() is None:
+        line = a.stderr.readline()
+    assert "failure found" in line, "worker A never found the bug"
+    while not client.keys(b"kvspec-examples*") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.keys(b"kvspec-examples*"), "worker A saved nothing in Redis"
+    a.send_signal(signal.SIGKILL)
+    a.wait(timeout=60)
+    assert a.returncode == -signal.SIGKILL
+    # worker B, another process with the seed that alone needs more examples,
+    # replays A's failure first
+    b = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", url, "--out", str(tmp_path / "b")))
+    assert b["examples_to_catch"] == 1, b
+    assert json.loads(Path(b["trace"]).read_text())["ops"]  # and writes its kvtrace as always
