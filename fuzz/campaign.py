@@ -43,7 +43,7 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     # the example database's key (Hypothesis hashes it into the machine's
     # digest): the configuration and the classes under test, so a failure
     # saved from an injected bug is replayed only on that bug
-    bugs = ",".join(f"{k}={v.__module__}.{v.__qualname__}" for k, v in sorted((factories or {}).items()))
+    bugs = _describe_factories(factories or {})
     key = (f"kvspec {kind}/{mode}/{'inplace' if inplace else 'copy'} target={getattr(target, 'name', 'impl')} "
            f"factories={bugs} check_inplace={check_inplace} fixed={sorted((fixed or {}).items())}")
     return type(name, (base,), {
@@ -53,6 +53,15 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
         "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
         "make_lockstep": staticmethod(make_lockstep),
     })
+
+
+def _describe_factories(factories: Any) -> str:
+    """The classes (or nested maps of classes) of ``factories`` by name:
+    part of the example database's key."""
+    if isinstance(factories, dict):
+        return "{" + ",".join(f"{k}={_describe_factories(v)}" for k, v in sorted(factories.items(), key=str)) + "}"
+    name = getattr(factories, "__qualname__", None)
+    return f"{getattr(factories, '__module__', '?')}.{name}" if name else repr(type(factories))
 
 
 def open_database(where: str | None) -> Any:

@@ -542,7 +542,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     failed = False
     sarif_findings: list[dict[str, Any]] = []
     for rep in reports:
-        kind, mode, inplace = by_config[rep.config.split(":", 1)[-1]]
+        kind, mode, inplace = by_config[rep.config.rsplit(":", 1)[-1]]
         ops = rep.stats.get("ops", 0)
         row: dict[str, Any] = {"config": rep.config, "examples": rep.examples, "steps": ops,
                                "seconds": round(rep.seconds, 2), "shrink_seconds": round(rep.shrink_seconds, 2),
