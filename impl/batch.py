@@ -58,6 +58,17 @@ def _shared_shape(windows: Sequence[tuple[mx.array, mx.array]]) -> tuple[int, in
     return shapes.pop()
 
 
+def _not_ours(i: int, c: Any, want: str) -> UnsupportedOperationError:
+    """The refusal of a sequence cache a batch cannot take, naming its class
+    with its module (mlx-lm's caches have our class names)."""
+    cls = type(c)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    hint = (" mlx-lm's caches and kvspec's cannot share a batch: give every sequence kvspec caches "
+            "(impl.models.make_prompt_cache; batch_generate builds mlx-lm's for a sequence given none)"
+            if cls.__module__.startswith("mlx_lm") else "")
+    return UnsupportedOperationError(f"merge: cache {i} is a {name}; {want}.{hint}")
+
+
 class BatchKVCache:
     """B dense sequences in one ``[B, H, capacity, D]`` buffer pair,
     sequence ``i`` at positions ``[pads[i], idx)`` (spec.batch).
@@ -279,8 +290,7 @@ class BatchKVCache:
         windows = []
         for i, c in enumerate(caches):
             if not isinstance(c, KVCache):
-                raise UnsupportedOperationError(
-                    f"merge: cache {i} is a {type(c).__name__}; a BatchKVCache merges dense KVCache layers")
+                raise _not_ours(i, c, "a BatchKVCache merges kvspec's dense impl.dense.KVCache layers")
             if c.mode != "fp16":
                 raise UnsupportedOperationError(
                     f"merge: cache {i} stores mode {c.mode!r}; a batch stores the model's float rows (Fp16 only)")
@@ -351,8 +361,7 @@ def batch_rotating_class() -> type:
                 raise InvalidArgumentError("merge: caches must hold at least one cache, got []")
             for i, c in enumerate(caches):
                 if not isinstance(c, RotatingKVCache):
-                    raise UnsupportedOperationError(
-                        f"merge: cache {i} is a {type(c).__name__}; a batch ring merges RotatingKVCache layers")
+                    raise _not_ours(i, c, "a batch ring merges kvspec's impl.rotating.RotatingKVCache layers")
                 if c.keep:
                     raise UnsupportedOperationError(
                         f"merge: cache {i} keeps {c.keep} sinks; mlx-lm's batch ring has no sinks (keep=0 only)")

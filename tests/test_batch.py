@@ -148,14 +148,20 @@ def _filled(cls, n, h=2, dk=4, dv=4, dtype=mx.float16, **kw):
 
 
 def _snap(c):
-    return (c.offset, [np.array(a.astype(mx.float32)).tobytes() for a in c.state])
+    return (c.offset, [np.array(a.astype(mx.float32)).tobytes() if isinstance(a, mx.array) else a for a in c.state])
+
+
+def _lm(name):
+    from mlx_lm.models import cache
+
+    return getattr(cache, name)
 
 
 MERGE_REFUSALS = {
     # name: (caches, error, message) -- one per guard of KVCache.merge / RotatingKVCache.merge
     "dense_no_caches": (list, KVCache, InvalidArgumentError, "at least one cache"),
     "dense_not_dense": (lambda: [_filled(KVCache, 2), _filled(RotatingKVCache, 2, max_size=4)], KVCache,
-                        UnsupportedOperationError, "cache 1 is a RotatingKVCache"),
+                        UnsupportedOperationError, r"cache 1 is a impl\.rotating\.RotatingKVCache; "),
     "dense_heads": (lambda: [_filled(KVCache, 2), _filled(KVCache, 2, h=1)], KVCache, InvalidArgumentError,
                     "share heads"),
     "dense_k_dim": (lambda: [_filled(KVCache, 2), _filled(KVCache, 3, dk=2)], KVCache, InvalidArgumentError,
@@ -164,9 +170,14 @@ MERGE_REFUSALS = {
                     "head dims"),
     "dense_dtype": (lambda: [_filled(KVCache, 2), _filled(KVCache, 3, dtype=mx.bfloat16)], KVCache,
                     InvalidArgumentError, "dtype"),
+    "dense_mlx_lms": (lambda: [_filled(KVCache, 2), _filled(_lm("KVCache"), 2)], KVCache, UnsupportedOperationError,
+                      r"cache 1 is a mlx_lm\.models\.cache\.KVCache; .*cannot share a batch"),
+    "ring_mlx_lms": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(_lm("RotatingKVCache"), 2, max_size=4)],
+                     RotatingKVCache, UnsupportedOperationError,
+                     r"cache 1 is a mlx_lm\.models\.cache\.RotatingKVCache; .*cannot share a batch"),
     "ring_no_caches": (list, RotatingKVCache, InvalidArgumentError, "at least one cache"),
     "ring_not_ring": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(KVCache, 2)], RotatingKVCache,
-                      UnsupportedOperationError, "cache 1 is a KVCache"),
+                      UnsupportedOperationError, r"cache 1 is a impl\.dense\.KVCache; "),
     "ring_windows": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(RotatingKVCache, 2, max_size=5)],
                      RotatingKVCache, InvalidArgumentError, "share max_size"),
     "ring_heads": (lambda: [_filled(RotatingKVCache, 3, max_size=4), _filled(RotatingKVCache, 2, h=1, max_size=4)],
