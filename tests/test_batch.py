@@ -207,6 +207,32 @@ def test_every_merge_guard_refuses_and_leaves_the_caches_as_they_were(name):
     assert [_snap(c) for c in caches] == before
 
 
+def test_announced_left_padding_is_mlx_lms():
+    """An empty batch built with ``left_padding`` and given more by
+    ``prepare(left_padding=...)`` (mlx-lm's protocol; the lockstep starts
+    from merges only, so a prepare replacing the padding instead of adding
+    to it passed) holds what mlx-lm's BatchKVCache holds after the same
+    calls: offsets and padding before and after the first block, and the
+    mask; a prepare after rows is refused."""
+    from mlx_lm.models.cache import BatchKVCache as LmBatch
+
+    ours, theirs = BatchKVCache([1, 0, 2]), LmBatch([1, 0, 2])
+    for c in (ours, theirs):
+        c.prepare(left_padding=[2, 1, 0])
+    assert ours.offset.tolist() == theirs.offset.tolist() == [-3, -1, -2]
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    k = mx.array(np.random.default_rng(0).standard_normal((3, 2, 5, 4)).astype(np.float16))
+    for c in (ours, theirs):
+        c.update_and_fetch(k, k)
+    assert ours.offset.tolist() == theirs.offset.tolist() == [2, 4, 3]
+    assert ours.layout == sb.BatchLayout(5, (3, 1, 2))
+    for n in (1, 2):
+        assert np.array(ours.make_mask(n, return_array=True)).tolist() == \
+            np.array(theirs.make_mask(n, return_array=True)).tolist()
+    with pytest.raises(InvalidArgumentError, match="only be added to an empty BatchKVCache"):
+        ours.prepare(left_padding=[1, 1, 1])
+
+
 def test_a_batch_filters_extends_and_extracts_our_caches():
     caches = []
     for n in (3, 1, 2):
