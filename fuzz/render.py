@@ -166,7 +166,7 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
             return Rule("copy on write", _function(module, "needs_copy_on_write"), section)
         return Rule("ownership rule", _function(module, "inplace_write_allowed", "apply_op"), 2)
     if sharing:
-        return Rule("isolation", op_function(module, op), 5)
+        return Rule("Isolation", op_function(module, op), 5)
     if "make_mask" in w or "mask" in w:
         if module == "spec.rotating":
             return Rule("mask", _function(module, "mask_visible"), section)
@@ -183,6 +183,14 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
                     op_function(module, op), section)
     if "refusal" in w:
         return Rule("op table" if "error" in op else "refusals", op_function(module, op), section)
+    if module == "spec.paged" and op.get("op") == "append":
+        # a refused append ran out of blocks; any other lands rows in the table
+        return (Rule("exhaustion", _function(module, "reserve"), section) if op.get("error") is True
+                else Rule("where a row lives", op_function(module, op), section))
+    if module == "spec.layers" and op.get("op") in ("trim", "can_trim"):
+        # section 6 states the list's rules by the function's signature
+        fn = op_function(module, op)
+        return Rule(fn.rpartition(".")[2], fn, section)
     return Rule(str(op.get("op", "op table")), op_function(module, op), section)
 
 

@@ -53,11 +53,13 @@ def test_the_picture_is_the_spec_state_op_by_op(path):
     badge agrees with the trace's own ``inplace`` check and the counters
     with its ``capacity`` check, where the trace carries them."""
     from fuzz.replay import make_lockstep
+    from spec.dense import regrow_needed
 
     trace = load(path)
     tl = timeline(trace)
     lock = make_lockstep(trace.cache)
     for i, (op, frame) in enumerate(zip(trace.ops, tl.frames)):
+        before = lock.world
         lock.step(i, op)
         views = {r.note: [c.text for c in r.cells] for r in frame.rows if r.group == "view"}
         assert views == {n: [str(t) for t in toks] for n, toks in lock.spec_views().items()}, (i, op)
@@ -68,6 +70,11 @@ def test_the_picture_is_the_spec_state_op_by_op(path):
             assert frame.observables.get("capacity") == op["capacity"], (i, op)
         if op.get("error") is True:
             assert "refused" in badges, (i, op, badges)
+        c = getattr(before, "cache", None)
+        if op["op"] == "append" and hasattr(c, "entries") and op.get("error") is not True:
+            # a dense buffer regrows where spec.dense.regrow_needed says so, and the badge says it
+            grew = regrow_needed(c.buffer is not None, c.live_len, c.capacity, op["n"])
+            assert ("grew" in badges) == grew, (i, op, badges)
 
 
 @pytest.mark.parametrize("name", sorted(BUGS))
@@ -147,3 +154,158 @@ def test_replay_prints_the_render_command(capsys):
     out = capsys.readouterr().out
     cmd = out.split("see it: ", 1)[1].split("\n")[0].split()
     assert cmd[:3] == ["kvspec", "render", src] and "--bug" in cmd and "--html" in cmd
+
+
+def _expected_stores(world, prefix=""):
+    """The physical stores of a spec world, read from the spec's own state
+    (not the renderer's): label -> (cell texts in physical order, the cells
+    that must be styled ``sink`` or ``shared``)."""
+    def tok(e):
+        return "" if e is None else str(getattr(e, "token", e))
+
+    if hasattr(world, "layers"):
+        out = {}
+        for j, w in enumerate(world.layers):
+            out.update(_expected_stores(w, f"L{j} "))
+        return out
+    if hasattr(world, "pool"):
+        rc = world.pool.refcounts
+        out = {f"table {n}": ([("-" if b is None else str(b)) for b in s.table],
+                              {i for i, b in enumerate(s.table) if b is not None and rc[b] > 1})
+               for n, s in world.seqs.items()}
+        out["refcounts"] = ([str(r) for r in rc], {i for i, r in enumerate(rc) if r > 1})
+        return out
+    c = world.cache
+    if hasattr(c, "slots"):  # a ring: slots in physical order, the sinks outlined
+        out = {f"{prefix}ring slots": ([tok(e) for e in c.slots],
+                                       {i for i, e in enumerate(c.slots) if i < c.keep and e is not None})}
+        if c.undo:
+            out[f"{prefix}undo log"] = ([tok(e) for r in c.log for e in r.saved], set())
+        return out
+    cap = 0 if c.buffer is None else c.buffer.capacity
+    return {f"{prefix}buffer": ([tok(e) for e in c.entries] + [""] * max(0, cap - len(c.entries)), set())}
+
+
+def _drawn(col):
+    """label -> [(cell class, cell text)] of the spec's rows a column draws
+    (the implementation's cells under a divergent window left out)."""
+    rows = {}
+    for g in col.iter(f"{NS}g"):
+        if g.get("class") != "row":
+            continue
+        cells = []
+        impl = False
+        for el in g:
+            if el.tag == f"{NS}rect":
+                impl = "impl" in el.get("class", "")
+                if not impl:
+                    cells.append([el.get("class"), ""])
+            elif el.tag == f"{NS}text" and el.get("class") is None and not impl and cells:
+                cells[-1][1] = el.text or ""
+        rows[g.get("data-row")] = cells
+    return rows
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[str(p.relative_to(HERE / "traces")) for p in TRACES])
+def test_the_svg_draws_the_spec_state_op_by_op(path):
+    """What the SVG draws (not the renderer's model of it), column by column,
+    against the spec's state after the op read independently: every window
+    as its token identities, every store in physical order (a ring's slots
+    as they lie, its whole undo log, a dense buffer's dead tail up to the
+    capacity, block tables and refcounts), sinks and shared blocks styled as
+    such."""
+    from fuzz.replay import make_lockstep
+
+    trace = load(path)
+    cols = columns(svg(timeline(trace)))
+    lock = make_lockstep(trace.cache)
+    for i, (op, col) in enumerate(zip(trace.ops, cols)):
+        lock.step(i, op)
+        drawn = _drawn(col)
+        for name, toks in lock.spec_views().items():
+            label = {"cache": "live window"}.get(name, name.replace("holder:", "holder ").replace("seq:", "seq "))
+            assert [t for _, t in drawn.pop(label)] == [str(t)[:3] for t in toks], (i, op, label)
+        for label, (texts, styled) in _expected_stores(lock.world).items():
+            cells = drawn.pop(label)
+            assert [t for _, t in cells] == [t[:3] for t in texts], (i, op, label)
+            marked = {j for j, (cls, _) in enumerate(cells) if cls in ("sink", "shared")}
+            assert marked == styled, (i, op, label, marked, styled)
+        assert not drawn, (i, op, sorted(drawn))
+
+
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_the_divergent_column_is_drawn_from_both_sides(name):
+    """Read independently of the renderer (a lockstep of its own): the rule
+    is the divergent op's own (not a neighbour's) and names a rule of the
+    section it cites; the divergent column is outlined, the ops after it
+    greyed as not run; every cell where the implementation's window differs
+    from the spec's is drawn as wrong, and only those."""
+    from fuzz.lockstep import Divergence
+    from fuzz.render import rule_for
+    from fuzz.replay import make_lockstep
+    from tests.test_docs import _rule_resolves, _sections
+
+    trace = load(HERE / "traces" / f"{name}.json")
+    tl = timeline(trace, BUGS[name].factories, name)
+    lock = make_lockstep(trace.cache, BUGS[name].factories)
+    d = None
+    for i, op in enumerate(trace.ops):
+        before = lock.world
+        try:
+            lock.step(i, op)
+        except Divergence as exc:
+            d = exc
+            break
+    assert d is not None and d.index == tl.divergence.index
+    module = lock.spec_module.__name__
+    assert tl.rule == rule_for(module, trace.ops[d.index], d.what, before)
+    section = str(tl.rule.section)
+    items = [v for k, v in _sections().items() if k.startswith(section + ".")]
+    stated = f"`{tl.rule.function.rpartition('.')[2]}`" in _sections()[section]  # the section names the function
+    assert stated or _rule_resolves(section, tl.rule.name) or any(tl.rule.name.lower() == v.lower() for v in items), \
+        f"{tl.rule.cite()}: no such rule in that section of docs/semantics.md"
+    cols = columns(svg(tl))
+    classes = [next(r.get("class") for r in c.iter(f"{NS}rect")) for c in cols]
+    assert classes == ["col"] * d.index + ["col-diverged"] + ["col-notrun"] * (len(cols) - d.index - 1)
+    try:
+        impl = {n: [str(t) for t in lock.identify(a, lock.view_mode(n))] for n, a in lock.impl_views().items()}
+    except Exception:  # noqa: BLE001 - a broken implementation may not fetch
+        return
+    spec = {n: [str(t) for t in toks] for n, toks in tl_views(tl, d.index).items()}
+    rows = {g.get("data-row"): g for g in cols[d.index].iter(f"{NS}g") if g.get("class") == "row"}
+    for n, got in impl.items():
+        want = spec.get(n)
+        if want is None:
+            continue
+        label = {"cache": "live window"}.get(n, n.replace("holder:", "holder ").replace("seq:", "seq "))
+        wrong = [j for j, r in enumerate(x for x in rows[label] if x.tag == f"{NS}rect" and "impl" in x.get("class", ""))
+                 if "wrong" in r.get("class")]
+        assert wrong == [j for j, t in enumerate(got) if j >= len(want) or t != want[j]], (n, got, want)
+
+
+def tl_views(tl, index):
+    return {r.note: [c.text for c in r.cells] for r in tl.frames[index].rows if r.group == "view"}
+
+
+def test_a_long_trace_draws_every_op(tmp_path, capsys):
+    """No silent cap on the timeline: a 300-op trace draws 300 columns and
+    the command says so."""
+    ops = [{"op": "append", "n": 1} if i % 3 else {"op": "trim", "n": 1} for i in range(300)]
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"kvtrace": 1, "cache": {"kind": "dense", "step": 4}, "ops": ops}))
+    cols = columns(svg(timeline(load(path))))
+    assert [int(c.get("data-op")) for c in cols] == list(range(300))
+    assert main(["render", str(path), "-o", str(tmp_path / "long.svg")]) == 0
+    assert "300 ops" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["steady_state_inplace", "paged_no_cow", "list_trim_partial"])
+def test_the_html_page_highlights_the_divergent_op(name):
+    """The HTML variant marks the same op as the SVG: its ops table has
+    exactly one highlighted row, the divergent op's, and its inline picture
+    outlines that column."""
+    tl = timeline(load(HERE / "traces" / f"{name}.json"), BUGS[name].factories, name)
+    html = page(tl, name)
+    rows = re.findall(r'<tr class="diverged"><td>(\d+)</td>', html)
+    assert rows == [str(tl.divergence.index)]
+    assert html.count('data-diverged="true"') == 1 and f'data-diverged-op="{tl.divergence.index}"' in html
