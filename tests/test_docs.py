@@ -410,3 +410,112 @@ def test_every_picture_is_drawn_and_asked_for(name):
     if name in docgen.PICTURES:
         cols = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if "opcol" in g.get("class", "")]
         assert cols, name
+
+
+# -- the glossary and the API reference -----------------------------------------------
+#: acronyms a reader of these pages is assumed to know (everything else used on a
+#: page must be a glossary term)
+COMMON_ACRONYMS = {"Z3", "MLX", "JSON", "GPU", "CUDA", "CPU", "API", "PR", "README", "CLI", "CI", "KV", "PNG",
+                   "SVG", "HTML", "GB", "MB", "PEP", "PEP316", "C99", "H200", "B0", "L2", "URL", "RAM", "OS", "LLM",
+                   "DIR", "SIZE"}  # the last two: command-line metavars
+#: the field's multi-word terms the pages use with a meaning of their own (docs/review.md, render.md)
+GLOSSARY_TERMS = ("ownership rule", "ownership marker", "public fault kind", "the reference engine", "live window",
+                  "dead tail", "holder", "copy-on-write", "undo log", "block table", "refcount", "fold", "sink",
+                  "injected bug", "kill matrix", "negative control", "divergence", "token identity")
+
+
+def _glossary_terms() -> set[str]:
+    terms = set()
+    for line in (REPO / "docs" / "glossary.md").read_text().splitlines():
+        if line.startswith("| **"):
+            terms |= {t.lower() for t in re.findall(r"\*\*([^*]+)\*\*", line)}
+    return terms
+
+
+def test_every_term_the_pages_use_is_in_the_glossary():
+    """An acronym or a public fix number (``#1209``) used in a page's prose,
+    and each of the field's terms, is a glossary row: removing a row the
+    pages still use fails here."""
+    terms = _glossary_terms()
+    missing = set()
+    for md in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        text = re.sub(r"```.*?```", "", md.read_text(), flags=re.DOTALL)
+        text = re.sub(r"`[^`\n]*`|\]\([^)]*\)|<[^>]*>", "", text)
+        for word in re.findall(r"(?<![\w/#.-])(#\d{3,5}|[A-Z][A-Z0-9]{1,5})(?![\w/-])", text):
+            if word not in COMMON_ACRONYMS and word.lower() not in terms:
+                missing.add(f"{word} ({md.name})")
+    missing |= {t for t in GLOSSARY_TERMS if t not in terms}
+    assert not missing, f"used on a page but not in docs/glossary.md: {sorted(missing)}"
+
+
+def test_the_api_reference_documents_every_module():
+    """Every module of spec/ and impl/ has its section on the API pages, and
+    every public function or class with a docstring defined in it is
+    rendered there (mkdocstrings gives each its id)."""
+    import ast
+
+    site, _ = build()
+    missing = []
+    for package in ("spec", "impl"):
+        html = (site / "api" / package / "index.html").read_text()
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            if f'id="{module}"' not in html:
+                missing.append(module)
+                continue
+            for node in ast.parse(path.read_text()).body:
+                if (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")
+                        and ast.get_docstring(node) and f'id="{module}.{node.name}"' not in html):
+                    missing.append(f"{module}.{node.name}")
+    assert not missing, f"missing from the API reference: {missing}"
+
+
+def _md_rows(table: str) -> list[list[str]]:
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| ---")]
+    return [[c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", ln)[1:-1]] for ln in lines[1:]]
+
+
+def test_each_generated_row_describes_its_own_entry():
+    """A row of a generated table carries its own entry's text, not a
+    neighbour's: the op, field and check tables' descriptions, the bug
+    table's clause and description."""
+    ops = {r[0].strip("`"): r[-1] for r in _md_rows(docgen.ops_table())}
+    assert ops == {op: docgen.OP_TEXT[op] for op in kinds.all_ops()}
+    fields = {r[0].strip("`"): r[-1] for r in _md_rows(docgen.fields_table())}
+    assert fields == {f: docgen.FIELD_TEXT[f] for f in fields} and len(fields) == len(
+        {f for k in kinds.KINDS.values() for f in k.cache_fields})
+    checks = {r[0].strip("`"): r[-1] for r in _md_rows(docgen.checks_table())}
+    assert checks == {c: docgen.CHECK_TEXT[c] for c in checks}
+    bugs = {r[0].strip("`"): (r[2], r[5]) for r in _md_rows(docgen.bugs_table())}
+    assert bugs == {b.name: (b.clause, b.description) for b in catalog()}
+
+
+def test_a_counterexample_picture_shows_its_divergence():
+    """A picture drawn on an injected bug outlines exactly one divergent
+    column (the op replay reports); a worked example's picture none."""
+    from fuzz.bugs import by_name
+    from fuzz.replay import replay
+    from fuzz.trace import load
+
+    for name, (path, bug, _) in docgen.PICTURES.items():
+        root = ET.fromstring(docgen.picture(name).split("?>", 1)[-1])
+        flagged = [g.get("data-op") for g in root.iter("{http://www.w3.org/2000/svg}g")
+                   if g.get("data-diverged") == "true"]
+        if bug is None:
+            assert flagged == [], name
+        else:
+            d = replay(load(REPO / path), by_name(bug).factories).divergence
+            assert d is not None and flagged == [str(d.index)], (name, flagged)
+
+
+def test_the_architecture_picture_marks_what_exists():
+    """Each file box of the layers-by-kinds picture is dashed exactly when
+    the registry's file is missing."""
+    root = ET.fromstring(docgen.architecture_svg())
+    boxes = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "file"]
+    assert len(boxes) == sum(len(k.files) for k in kinds.KINDS.values()), len(boxes)
+    for g in boxes:
+        path = "".join(g.itertext()).strip()
+        assert g.get("data-exists") == str((REPO / path).exists()).lower(), path
