@@ -182,7 +182,8 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
         return Rule("copy on write" if op.get("op") == "append" else op.get("op", "op table"),
                     op_function(module, op), section)
     if "refusal" in w:
-        return Rule("op table" if "error" in op else "refusals", op_function(module, op), section)
+        table = "the op table" if section == 2 else "op table"  # section 2's row is named so
+        return Rule(table if "error" in op else "refusals", op_function(module, op), section)
     if module == "spec.paged" and op.get("op") == "append":
         # a refused append ran out of blocks; any other lands rows in the table
         return (Rule("exhaustion", _function(module, "reserve"), section) if op.get("error") is True

@@ -1,6 +1,7 @@
 """kvspec render: every shipped trace draws; a bug's trace draws its first
 divergence with the rule it broke and the spec function stating it."""
 
+import contextlib
 import importlib
 import json
 import re
@@ -267,6 +268,9 @@ def test_the_divergent_column_is_drawn_from_both_sides(name):
     cols = columns(svg(tl))
     classes = [next(r.get("class") for r in c.iter(f"{NS}rect")) for c in cols]
     assert classes == ["col"] * d.index + ["col-diverged"] + ["col-notrun"] * (len(cols) - d.index - 1)
+    if lock.world is before:  # the spec's state after the op names the op's own rows
+        with contextlib.suppress(Exception):
+            lock.world = lock.spec_apply(trace.ops[d.index])[1]
     try:
         impl = {n: [str(t) for t in lock.identify(a, lock.view_mode(n))] for n, a in lock.impl_views().items()}
     except Exception:  # noqa: BLE001 - a broken implementation may not fetch
