@@ -176,3 +176,16 @@ def test_target_check_names_the_gap():
     with pytest.raises(TargetCapabilityError, match="no class for paged"):
         t.check({**ring, "kind": "paged"}, [])
     assert replay(Trace(cache={**ring, "undo": 0}, ops=[{"op": "append", "n": 1}]), target=t).ok
+
+
+def test_module_attr_follows_a_dotted_attribute_path(userpkg, monkeypatch):
+    """``module:a.b`` resolves ``b`` inside ``a``, never ``a`` itself."""
+    import types
+
+    from usercache.cache import ListCache
+
+    mod = types.ModuleType("nested_target_mod")
+    mod.ns = types.SimpleNamespace(Cache=ListCache)
+    monkeypatch.setitem(sys.modules, "nested_target_mod", mod)
+    t = resolve("nested_target_mod:ns.Cache")
+    assert t.label == "nested_target_mod:ns.Cache" and t.cache_class("dense", "fp16").name == "ListCache"
