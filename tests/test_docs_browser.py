@@ -137,7 +137,8 @@ def test_generated_tables_have_their_rows(server, browser):
             assert f in seen["kvtrace"], f"kvtrace page: no table row for field {f}"
         assert seen["architecture"].count(k.name) == 1, f"architecture page: kind {k.name}"
     for b in catalog():
-        assert seen["fuzzing"].count(b.name) == 2, f"fuzzing page: bug {b.name} (catalog and kill matrix)"
+        # >= 2: the catalog and the kill matrix (a hand-written table may name a bug too)
+        assert seen["fuzzing"].count(b.name) >= 2, f"fuzzing page: bug {b.name} (catalog and kill matrix)"
     for o in docgen.obligations_record()["obligations"]:
         assert seen["proofs"].count(str(o["number"])) >= 1 + len(o["controls"]), f"proofs page: {o['number']}"
     assert not errors, errors
