@@ -456,9 +456,11 @@ def test_dense_state_round_trip_keeps_keys_and_values_apart():
     assert message(KVCache.from_state, (k3, k3)) == (InvalidArgumentError, "from_state: keys must have rank 4, got shape (1, 3, 4)")
     assert message(KVCache.from_state, (c.state[0], None)) == (InvalidArgumentError, "from_state: values must be an mx.array, got NoneType")
     assert message(KVCache.from_state, c.state, ("fp16", "2", "3")) == (
-        InvalidArgumentError, "from_state: meta_state must be (mode, step, offset, live_start), got ('fp16', '2', '3')")
+        InvalidArgumentError, ("from_state: meta_state must be (mode, step, offset, live_start), or for int8 "
+        "(mode, step, offset, live_start, dtype), got ('fp16', '2', '3')"))
     assert message(KVCache.from_state, c.state, "fp16") == (
-        InvalidArgumentError, "from_state: meta_state must be (mode, step, offset, live_start), got 'fp16'")
+        InvalidArgumentError, ("from_state: meta_state must be (mode, step, offset, live_start), or for int8 "
+        "(mode, step, offset, live_start, dtype), got 'fp16'"))
     before = (c.offset, firsts(c.fetch()[0]))
     with pytest.raises(InvalidArgumentError, match=r"^state: keys must have rank 4"):
         c.state = (k3, k3)
