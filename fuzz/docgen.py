@@ -99,8 +99,9 @@ FIELD_TEXT = {
     "v_head_dim": "the values' head dim when it differs from the keys' (absent: `head_dim`)",
     "dtype": "the dtype rows are handed in (and stored, in the unquantized paths)",
     "inplace": "the in-place switch; `false` is `KV_INPLACE_WRITE=0`",
-    "rows": "the row contents: `numpy` (NumPy's seeded draws) or `portable` (a closed form any language can "
-            "reproduce, `spec/rows.py`)",
+    "rows": "the row contents: `numpy` (NumPy's seeded draws), `portable` (a closed form any language can "
+            "reproduce, `spec/rows.py`) or `ranged` (NumPy draws across the dtype's whole magnitude range: tiny, "
+            "huge, negative zeros, mixed scales in a row; the Turbo machine's rows)",
     "inplace_env": "build the cache with `KV_INPLACE_WRITE` set to this spelling (and no `inplace=`); its switch "
                    "must equal `spec.dense.inplace_switch(spelling)`",
     "hot_threshold": "Turbo4Delegated: hot V rows kept before a fold (docs/turbo.md)",

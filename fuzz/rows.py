@@ -23,7 +23,7 @@ detours through float16 turns those rows into inf. Quantized modes never
 get wide rows (their range decision refuses them, and the spec's rows are
 identities, not values).
 
-Two row schemes (kvtrace ``cache.rows``):
+Three row schemes (kvtrace ``cache.rows``):
 
 * ``numpy`` (the default: every trace written before the field existed):
   the seeded NumPy draws above;
@@ -31,7 +31,13 @@ Two row schemes (kvtrace ``cache.rows``):
   arithmetic assembled into bit patterns, reproducible in any language:
   docs/kvtrace.md "Portable rows"), computed here by a vectorized NumPy
   copy of it (:func:`portable_bits`; tests/test_rows.py checks the two
-  agree). No portable row is all zero.
+  agree). No portable row is all zero;
+* ``ranged``: seeded NumPy draws across the dtype's whole magnitude range
+  (:func:`ranged_row`), for the quantizers' range rules: by token, tiny rows
+  (float16 subnormals, bfloat16/float32 near the smallest normal), huge
+  rows (up to the dtype's largest finite value), rows with negative zeros
+  (one in thirteen all ``-0.0``), rows mixing every scale of the range in
+  one row, and ordinary draws; the NumPy scheme's all-zero K and V rows too.
 """
 
 from __future__ import annotations
@@ -47,7 +53,12 @@ from spec import rows as portable
 
 DTYPES = ("float16", "bfloat16", "float32")
 #: kvtrace ``cache.rows``: which function gives a row its contents
-SCHEMES = ("numpy", "portable")
+SCHEMES = ("numpy", "portable", "ranged")
+#: exponent ranges (powers of two) of each dtype's finite values: float16's
+#: smallest subnormal to its largest binade; bfloat16 and float32 from the
+#: smallest normal (MLX may flush float32 subnormals to zero)
+EXPONENTS = {"float16": (-24, 15), "bfloat16": (-126, 127), "float32": (-126, 127)}
+LARGEST = {"float16": 65504.0, "bfloat16": (2 - 2.0**-7) * 2.0**127, "float32": float(np.finfo(np.float32).max)}
 _HOST_BITS = {"float16": (np.uint16, np.float16), "float32": (np.uint32, np.float32)}
 
 
@@ -120,25 +131,61 @@ def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype:
         out = _portable_host([token], which, batch, kv_heads, head_dim, dtype, wide)
         out.setflags(write=False)
         return out
-    if scheme != "numpy":
+    if scheme not in ("numpy", "ranged"):
         raise ValueError(f"rows must be one of {SCHEMES}, got {scheme!r}")
     if (which == "k" and token % 7 == 3) or (which == "v" and token % 11 == 5 and token % 7 != 3):
         return np.zeros(shape, dtype=host)
+    if scheme == "ranged":
+        out = _cast(ranged_row(token, which, shape, dtype), dtype)
+        out.setflags(write=False)
+        return out
     rng = np.random.default_rng([token, 0 if which == "k" else 1, batch, kv_heads, head_dim])
     magnitude = float(2.0 ** rng.integers(-6, 6))
     if wide and dtype != "float16" and token % 5 == 2:
         magnitude *= 2.0**16
-    draw = rng.standard_normal(shape) * magnitude
-    if dtype == "float16":
-        out = draw.astype(np.float16)
-    elif dtype == "bfloat16":
-        out = round_to_bfloat16(draw.astype(np.float32))
-    elif dtype == "float32":
-        out = draw.astype(np.float32)
-    else:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out = _cast(rng.standard_normal(shape) * magnitude, dtype)
     out.setflags(write=False)
     return out
+
+
+def _cast(draw: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 draws -> host form of ``dtype`` (float16, or float32 values
+    exact in bfloat16/float32)."""
+    if dtype == "float16":
+        return draw.astype(np.float16)
+    if dtype == "bfloat16":
+        return round_to_bfloat16(draw.astype(np.float32))
+    if dtype == "float32":
+        return draw.astype(np.float32)
+    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def ranged_row(token: int, which: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """The ``ranged`` scheme's draw (float64, finite in ``dtype``), by
+    ``token % 6``: 0 tiny (a binade among the lowest four of
+    :data:`EXPONENTS`), 1 huge (the row's largest value within a factor 2 of
+    the dtype's largest finite value), 2 negative zeros among ordinary
+    values (every coordinate ``-0.0`` when ``token % 13 == 2``), 3 every
+    coordinate at its own scale across the whole range, else ordinary."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    rng = np.random.default_rng([token, 0 if which == "k" else 1, *shape, DTYPES.index(dtype), 7])
+    lo, hi = EXPONENTS[dtype]
+    draw = rng.standard_normal(shape)
+    kind = token % 6
+    if kind == 0:
+        return draw * 2.0 ** int(rng.integers(lo, lo + 4))
+    if kind == 1:
+        peak = np.max(np.abs(draw)) or 1.0
+        return np.clip(draw / peak * LARGEST[dtype] * float(rng.uniform(0.5, 1.0)), -LARGEST[dtype], LARGEST[dtype])
+    if kind == 2:
+        if token % 13 == 2:
+            return np.full(shape, -0.0)
+        return np.where(rng.random(shape) < 0.5, -0.0, draw)
+    if kind == 3:
+        return np.clip(draw * 2.0 ** rng.integers(lo, hi, size=shape).astype(np.float64),
+                       -LARGEST[dtype], LARGEST[dtype])
+    return draw * 2.0 ** int(rng.integers(-6, 6))
 
 
 def rows(tokens, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",

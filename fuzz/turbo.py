@@ -11,6 +11,17 @@ exactly. Which rows are cold is the spec's prediction for that view (the
 live cache, each snapshot and handle, the held window), so a fold of the
 wrong rows shows up as bytes, and a wrong ``cold_offset`` as an observable.
 
+That oracle is the implementation's own quantizer, so it cannot see a bug
+the quantizer and the cache share. An independent one does
+(:meth:`TurboLockstep.check_reference`, the NumPy reference of
+``fuzz.turbo_ref``): the first time a row is stored quantized, its stored
+packed indices, norm and rescale are checked against the rule (the nibble
+order, the norm's scaling, the rescale), and its values in the window the
+append returned against the reference's dequantization, within the stated
+tolerance. The machine draws the ``ranged`` rows (``fuzz.rows``) as often
+as the ordinary ones: tiny, huge (up to the dtype's largest value),
+negative-zero and mixed-scale rows.
+
 Observables after every op, besides the dense ones (offset, live_start,
 live_len, capacity): ``cold_offset`` and the row count of every buffer and
 sidecar (``spec.turbo.array_rows``), so a sidecar that is not cut in
@@ -24,10 +35,12 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz import rows as rowgen
+from fuzz import turbo_ref
 from fuzz.dense import DenseMachine, DenseOps
 from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import KV_HEADS, SMALL_STEPS
@@ -73,6 +86,8 @@ class TurboLockstep(DenseOps, Lockstep):
         self.prev_world = self.world
         self.cache = self.build(cache_factory, mode=cache["mode"], step=cache["step"], **kw)
         self._forms: dict[tuple[int, bool, bool], tuple[bytes, bytes]] = {}
+        #: (token, stored array prefix) pairs the reference has checked
+        self._checked: set[tuple[int, str]] = set()
         #: the view whose cold offset ``window_matches`` uses by default
         self._view = "cache"
 
@@ -155,6 +170,46 @@ class TurboLockstep(DenseOps, Lockstep):
                 self.reached("block fold")
         if s.regrew and before.cache.buffer is not None:
             self.reached("regrow")
+        self.check_reference(index, op, s.window, i)
+
+    def check_reference(self, index: int, op: dict[str, Any], tokens: tuple[int, ...],
+                        window: tuple[mx.array, mx.array]) -> None:
+        """The independent oracle (``fuzz.turbo_ref``): every row stored
+        quantized for the first time (V's, Turbo4's K, Delegated's cold V)
+        is checked in the cache's store (packed indices, norm, rescale) and
+        in ``window``, the append's returned window of ``tokens``."""
+        c, bits = self.cache, sturbo.bits_of(self.mode)
+        store = c.store
+        if store is None:
+            return
+        if self.mode is sturbo.Mode.TURBO4DELEGATED:
+            plan = [("cold_", tq.V_SEED, "v", 1, tokens[: c.cold_offset])]
+        else:
+            plan = [("v_", tq.V_SEED, "v", 1, tokens)]
+            if sturbo.keys_quantized(self.mode):
+                plan.append(("k_", tq.K_SEED, "k", 0, tokens))
+        b, h, dk, dv = self.shape
+        for prefix, seed, which, at, toks in plan:
+            todo = [j for j, t in enumerate(toks) if (t, prefix) not in self._checked]
+            if not todo:
+                continue
+            d = dv if which == "v" else dk
+            x = rowgen.rows([toks[j] for j in todo], which, b, h, d, self.dtype, self.wide_rows(),
+                            self.cfg.get("rows", "numpy")).astype(np.float64)
+            got = [np.asarray(store[prefix + name][:, :, : len(toks), :]) if prefix + name in store else None
+                   for name in ("packed", "norm", "rescale")]
+            packed, norm, rescale = (None if a is None else a[:, :, todo, :] for a in got)
+            self.reached("reference-checked rows")
+            wrong = turbo_ref.check_stored(x, packed, norm, rescale, bits, seed)
+            if wrong is None:
+                values = self.host(window[at])[:, :, todo, :].astype(np.float64)
+                idx = turbo_ref.unpack_rows(packed, bits, d)
+                wrong = turbo_ref.check_values(x, idx, values, bits, seed, self.dtype)
+            if wrong is not None:
+                rows = [toks[j] for j in todo]
+                raise Divergence(index, op, f"stored {which.upper()} rows differ from the reference quantizer",
+                                 f"tokens {rows} quantized by fuzz.turbo_ref", wrong)
+            self._checked.update((toks[j], prefix) for j in todo)
 
     def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
         return self.window_matches(tokens, arrays, view=name)
@@ -213,12 +268,16 @@ class TurboMachine(DenseMachine):
     reload_paths = ("file",)
 
     @initialize(step=SMALL_STEPS, head_dim=st.sampled_from([8, 16, 0, 16, 8]), kv_heads=KV_HEADS,
-                hot_threshold=THRESHOLDS, fold_block=BLOCKS)
-    def init(self, step: int, head_dim: int, kv_heads: int, hot_threshold: int, fold_block: int) -> None:
+                hot_threshold=THRESHOLDS, fold_block=BLOCKS, rows=st.sampled_from(["ranged", "numpy"]),
+                dtype=st.sampled_from(["float16", "bfloat16", "float32"]))
+    def init(self, step: int, head_dim: int, kv_heads: int, hot_threshold: int, fold_block: int, rows: str,
+             dtype: str) -> None:
+        """Rows across the whole magnitude range (``ranged``) as often as
+        ordinary ones, in every float dtype."""
         if head_dim == 0:
             head_dim = BAD_HEAD_DIMS.get(self.mode, BAD_HEAD_DIM)
         extra = {"hot_threshold": hot_threshold, "fold_block": fold_block} if self.mode == DELEGATED else {}
-        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads, **extra)
+        self.setup(step=step, head_dim=head_dim, kv_heads=kv_heads, rows=rows, dtype=dtype, **extra)
 
     @rule(n=st.integers(2, 4), data=st.data())
     def speculative_round(self, n: int, data: st.DataObject) -> None:

@@ -1,5 +1,5 @@
 """The Turbo quantizer (impl/turbo_quant.py) against the independent NumPy
-reference in tests/turbo_reference.py.
+reference in fuzz/turbo_ref.py (the fuzzer's oracle for Turbo rows too).
 
 Stated tolerance: MLX computes in float32 and the reference in float64, so a
 coordinate lying within float32 rounding of a decision threshold may pick the
@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from fuzz import turbo_ref as ref
 from impl import turbo_quant as tq
 from spec.errors import InvalidArgumentError
-from tests import turbo_reference as ref
 
 
 def _rows(d: int, n: int = 64, seed: int = 0) -> np.ndarray:

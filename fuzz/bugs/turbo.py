@@ -177,6 +177,47 @@ class TurboWriteInPlace(TurboKVCache):
         return dict(self.store), 0
 
 
+def _pack_high_first(idx: mx.array, bits: int) -> mx.array:
+    """A 4-bit packer that puts the even coordinate in the high nibble."""
+    if bits != 4:
+        return tq.pack_indices(idx, bits)
+    d = int(idx.shape[-1])
+    q = idx.astype(mx.uint8).reshape(*idx.shape[:-1], d // 2, 2)
+    return mx.left_shift(q[..., 0], 4) | q[..., 1]
+
+
+def _unpack_high_first(packed: mx.array, bits: int, head_dim: int) -> mx.array:
+    if bits != 4:
+        return tq.unpack_indices(packed, bits, head_dim)
+    p = packed.astype(mx.uint32)
+    return mx.stack([mx.right_shift(p, 4), p & 0xF], axis=-1).reshape(*packed.shape[:-1], head_dim)
+
+
+class NibbleOrderSwapped(TurboKVCache):
+    """4-bit packing with the nibbles the other way round (even coordinate
+    high), unpacked the same way: every window the cache hands back is
+    right, but its stored rows (``state``, prompt-cache files) are not the
+    format, so another reader of them gets the coordinates pairwise
+    swapped. The byte oracle, which reads rows back through a quantizer,
+    cannot see it; the reference's check of the stored bytes does."""
+
+    _pack = staticmethod(_pack_high_first)
+    _unpack = staticmethod(_unpack_high_first)
+
+
+class NormScaledWrong(TurboKVCache):
+    """The stored norm sidecar is the norm of ``x / max|x|`` (the scaled
+    row the sum of squares is taken on), the peak's factor forgotten; the
+    rescale is computed from the true norm. At 4 bits the window (which
+    dequantizes by the rescale) stays right; the stored norm is wrong by
+    ``max|x|`` in every nonzero row."""
+
+    def _quantize(self, x: mx.array, seed: int) -> tq.Quantized:
+        q = super()._quantize(x, seed)
+        peak = mx.max(mx.abs(x.astype(mx.float32)), axis=-1, keepdims=True)
+        return tq.Quantized(q.packed, q.norm / mx.where(peak == 0, 1, peak), q.rescale)
+
+
 CLAUSE_TRIM = "spec.dense.trim / spec.turbo.array_rows (Turbo trims are physical: every buffer cut to the live rows)"
 
 BUGS: tuple[InjectedBug, ...] = (
@@ -235,5 +276,19 @@ BUGS: tuple[InjectedBug, ...] = (
         "a Turbo append writes into the shared buffers when the rows fit",
         {"dense": TurboWriteInPlace},
         variants=(("isolation only, step 8", {"step": 8}, False),),
+    ),
+    InjectedBug(
+        "turbo_nibble_order", "semantics.md 2, Turbo row storage (4 bits: the even coordinate in the low nibble)",
+        "a packer and unpacker written the same wrong way round agree with each other (issue 26)",
+        "dense", ("turbo4asym", "turbo4"), "TurboKVCache._pack, _unpack",
+        "4-bit indices packed even coordinate high, unpacked the same way: right windows, wrong stored rows",
+        {"dense": NibbleOrderSwapped},
+    ),
+    InjectedBug(
+        "turbo_norm_scaled", "semantics.md 2, Turbo row storage (the norm sidecar is the row's length)",
+        "the sum of squares taken on x / max|x| for range, its factor forgotten (issue 26)",
+        "dense", ("turbo4asym", "turbo4"), "TurboKVCache._quantize",
+        "the stored norm is the row's length over max|x|; the rescale (which 4-bit windows use) stays right",
+        {"dense": NormScaledWrong},
     ),
 )
