@@ -4,6 +4,8 @@ what was reached, and turn a failure into a minimal kvtrace file."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,12 +131,66 @@ class RunResult:
     stats: dict[str, int] = field(default_factory=dict)
     error: BaseException | None = None
     trace: Trace | None = None
+    #: shrinking was stopped by its limit (:func:`shrink_limit`)
+    shrink_cut: bool = False
+
+
+#: the start of the warning Hypothesis prints when its own shrink limit
+#: stops it (:func:`shrink_limit` reports the cut itself)
+_SLOW_SHRINK_WARNING = "WARNING: Hypothesis has spent more than"
+
+
+@dataclass
+class ShrinkLimit:
+    """What :func:`shrink_limit` saw: ``cut`` is True once the limit
+    stopped a shrink."""
+
+    seconds: float | None
+    cut: bool = False
+
+
+@contextmanager
+def shrink_limit(seconds: float | None) -> Iterator[ShrinkLimit]:
+    """Within the block, Hypothesis stops shrinking a failure after
+    ``seconds`` (None: its own limit, five minutes) and reports the smallest
+    failing example found so far, which the machine replays last as usual.
+    A slow implementation (an ``exec:`` adapter that takes milliseconds an
+    op) would otherwise shrink for minutes after a budget of seconds.
+    Hypothesis has no public setting for this: its engine reads the module
+    constant ``MAX_SHRINKING_SECONDS`` when shrinking starts, and prints a
+    warning when the limit stops it, which is dropped here and recorded as
+    :attr:`ShrinkLimit.cut` (the caller reports it)."""
+    seen = ShrinkLimit(seconds)
+    if seconds is None:
+        yield seen
+        return
+    from hypothesis.internal.conjecture import engine
+    from hypothesis.reporting import current_reporter, with_reporter
+
+    if not isinstance(getattr(engine, "MAX_SHRINKING_SECONDS", None), (int, float)):
+        raise TypeError("this Hypothesis has no MAX_SHRINKING_SECONDS: the shrink limit cannot be applied")
+    outer = current_reporter()
+
+    def reporter(value: object) -> None:
+        if str(value).startswith(_SLOW_SHRINK_WARNING):
+            seen.cut = True
+        else:
+            outer(value)
+
+    old = engine.MAX_SHRINKING_SECONDS
+    engine.MAX_SHRINKING_SECONDS = max(float(seconds), 0.0)  # type: ignore[assignment]
+    try:
+        with with_reporter(reporter):
+            yield seen
+    finally:
+        engine.MAX_SHRINKING_SECONDS = old
 
 
 def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40,
-                shrink: bool = True, database: Any = None) -> RunResult:
+                shrink: bool = True, database: Any = None, shrink_seconds: float | None = None) -> RunResult:
     """Run one seeded batch of ``max_examples`` examples (shrinking on
-    failure unless ``shrink=False``; ``database``: see :func:`fuzz_settings`)."""
+    failure unless ``shrink=False``, for at most ``shrink_seconds`` when
+    given: :func:`shrink_limit`; ``database``: see :func:`fuzz_settings`)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
     test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps, shrink=shrink,
                                                                   database=database))
@@ -146,8 +202,10 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
         test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
     start = time.perf_counter()
     error: BaseException | None = None
+    limit = ShrinkLimit(shrink_seconds)
     try:
-        test()
+        with shrink_limit(shrink_seconds) as limit:
+            test()
     except Exception as exc:  # noqa: BLE001 - Divergence, or an assertion from an invariant
         error = exc
     seconds = time.perf_counter() - start
@@ -156,7 +214,7 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     caught = machine.first_failure
     return RunResult(error is not None, seconds, machine.runs, executed,
                      caught[0] if caught else None, caught[1] - start if caught else None,
-                     dict(machine.stats), error, trace)
+                     dict(machine.stats), error, trace, shrink_cut=limit.cut)
 
 
 def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | None:
@@ -214,6 +272,9 @@ class CampaignReport:
     stats: dict[str, int]
     failure: RunResult | None = None
     shrink_seconds: float = 0.0
+    #: True when the shrink limit stopped shrinking: the trace is the
+    #: smallest failing run found by then, not a minimal one
+    shrink_cut: bool = False
     batches: int = 0
     #: examples run until the first failing one, over every batch (None: no failure)
     examples_to_catch: int | None = None
@@ -223,10 +284,12 @@ class Campaign:
     """A campaign run one seeded batch at a time (:meth:`batch`), so that
     several can share a budget round-robin (:func:`interleaved`). Batch
     ``k`` runs seed ``seed + k``: a configuration's batches are the same
-    whether it runs alone or beside others."""
+    whether it runs alone or beside others. ``shrink_budget`` caps the
+    seconds spent shrinking its failure (None: Hypothesis's own limit)."""
 
     def __init__(self, kind: str, mode: str, inplace: bool, seed: int, factories: dict[str, Any] | None = None,
-                 batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None, database: Any = None):
+                 batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None, database: Any = None,
+                 shrink_budget: float | None = None):
         self.machine = machine_for(kind, mode, inplace, factories, target=target)
         label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
         if target is not None and getattr(target, "name", target) != "impl":
@@ -234,6 +297,7 @@ class Campaign:
         self.report = CampaignReport(label, 0.0, 0, 0, {})
         self.seed, self.batch_size, self.steps, self.progress = seed, batch, steps, progress
         self.database = database
+        self.shrink_budget = shrink_budget
 
     @property
     def failed(self) -> bool:
@@ -254,8 +318,9 @@ class Campaign:
         self.machine.on_failure = staticmethod(found) if progress is not None else None
         start = time.perf_counter()
         before = total.examples
+        left = None if self.shrink_budget is None else max(self.shrink_budget - total.shrink_seconds, 0.0)
         result = run_machine(self.machine, self.seed + total.batches, max_examples=self.batch_size, steps=self.steps,
-                             database=self.database)
+                             database=self.database, shrink_seconds=left)
         total.batches += 1
         total.examples += result.examples
         total.steps += result.steps
@@ -268,10 +333,13 @@ class Campaign:
             if result.seconds_to_catch is not None:
                 search = min(result.seconds, result.seconds_to_catch)
             total.shrink_seconds += result.seconds - search
+            total.shrink_cut = result.shrink_cut
         total.seconds += search
         if progress is not None:
             of = "" if budget is None else f" of {budget:.0f}"
             shrink = f" (+{total.shrink_seconds:.0f} s shrinking)" if total.shrink_seconds >= 0.5 else ""
+            if total.shrink_cut:
+                shrink += f"; shrinking stopped at its limit of {self.shrink_budget:g} s (the trace is not minimal)"
             progress(f"{total.examples} examples, {total.steps} ops, {total.seconds:.0f} s{of}{shrink}")
         return total
 
@@ -316,12 +384,14 @@ class FoundInWorker(Exception):
 
 
 def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | None = None,
-              target: str | None = None, database: str | None = None) -> list[CampaignReport]:
+              target: str | None = None, database: str | None = None,
+              shrink_budget: float | None = None) -> list[CampaignReport]:
     """A process-pool worker of ``kvspec fuzz -j``: the campaigns ``runs``
     (``(kind, mode, inplace, seed)``) interleaved over ``budget`` seconds
     of search, on the injected bug ``bug`` (a catalog name) and the target
     ``target`` (a name; None: impl), sharing the example database
-    ``database`` (:func:`open_database`) with every other worker. Failures
+    ``database`` (:func:`open_database`) with every other worker, each
+    failure shrunk for at most ``shrink_budget`` seconds. Failures
     come back as :class:`FoundInWorker` with their trace."""
     from fuzz.bugs import by_name
     from fuzz.device import select
@@ -329,7 +399,8 @@ def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | 
     select(None)  # the parent's device (KVSPEC_DEVICE), in this worker too
     factories = by_name(bug).factories if bug else None
     db = open_database(database)
-    camps = [Campaign(k, m, ip, seed, factories, target=target, database=db) for k, m, ip, seed in runs]
+    camps = [Campaign(k, m, ip, seed, factories, target=target, database=db, shrink_budget=shrink_budget)
+             for k, m, ip, seed in runs]
     reports = interleaved(camps, budget)
     for rep in reports:
         if rep.failure is not None and rep.failure.error is not None:

@@ -85,6 +85,13 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     # a multi-row append writes its rows in reverse order
     "reversed_rows": [("    for (int i = 0; i < n; i++) write_row(C.buf, prev + i, (uint32_t)(first + i));\n",
                        "    for (int i = 0; i < n; i++) write_row(C.buf, prev + (int)n - 1 - i, (uint32_t)(first + i));\n")],
+    # the broken trim of an adapter that takes 6 ms a request (a slow engine
+    # behind kvproto): shrinking its failure would take minutes unbounded
+    "slow_broken_trim": [("    if (n > C.offset) n = C.offset;\n", "    if (n >= C.offset) n = C.offset - 1;\n"),
+                         ("#include <string.h>\n", "#include <string.h>\n#include <time.h>\n"),
+                         ("        jp = line; jerr = 0;\n",
+                          ("        jp = line; jerr = 0;\n"
+                           "        nanosleep(&(struct timespec){0, 6000000L}, NULL);\n"))],
     # answers hello with another protocol version
     "kvproto2": [('\\"kvproto\\":1,\\"adapter', '\\"kvproto\\":2,\\"adapter')],
     # a regrow copies the values with the keys' head dim
@@ -179,6 +186,32 @@ def test_fuzz_shrinks_the_broken_trim_to_one_op(adapters, capsys, tmp_path):
     assert run(capsys, "replay", report["runs"][0]["trace"], "--target", f"exec:{adapters['broken_trim']}")[0] == 1
     assert run(capsys, "replay", report["runs"][0]["trace"], "--target", f"exec:{adapters['good']}")[0] == 0
     assert run(capsys, "replay", report["runs"][0]["trace"])[0] == 0  # and on our caches
+
+
+def test_shrinking_a_slow_adapter_stops_at_the_shrink_budget(adapters, capsys, tmp_path):
+    """--shrink-budget bounds the shrinking (a slow adapter would shrink
+    for minutes): the run ends about budget + shrink budget after it
+    starts, the table and JSON say the shrink was cut, and the trace
+    written is still a failing run that replays as one."""
+    import time
+
+    start = time.perf_counter()
+    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['slow_broken_trim']}", "--budget", "20",
+                            "--shrink-budget", "1.5", "--seed", "5", "--inplace", "on", "--out", str(tmp_path))
+    took = time.perf_counter() - start
+    row = report["runs"][0]
+    assert code == 1 and row["result"] == "FAILED", report
+    assert row["shrink_cut"] is True and 1.5 <= row["shrink_seconds"] < 6, row
+    assert took < row["seconds"] + 6, (took, row)  # search + the 1.5 s cap + one example's overshoot
+    assert run(capsys, "replay", row["trace"], "--target", f"exec:{adapters['slow_broken_trim']}")[0] == 1
+    # the same failure shrunk under the default limit (the budget) is not cut
+    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['broken_trim']}", "--budget", "20",
+                            "--seed", "5", "--inplace", "on", "--out", str(tmp_path))
+    assert code == 1 and report["runs"][0]["shrink_cut"] is False, report
+    with pytest.raises(SystemExit) as exit_:
+        main(["fuzz", "--target", f"exec:{adapters['good']}", "--budget", "1", "--shrink-budget=-1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--shrink-budget" in err and ">= 0" in err, err
 
 
 def test_fuzz_runs_the_reference_adapter_clean(adapters):

@@ -422,6 +422,7 @@ def _merge(reports: list[Any]) -> Any:
         first.steps += rep.steps
         first.seconds += rep.seconds
         first.shrink_seconds += rep.shrink_seconds
+        first.shrink_cut = first.shrink_cut or rep.shrink_cut
         first.batches += rep.batches
         for k, v in rep.stats.items():
             first.stats[k] = first.stats.get(k, 0) + v
@@ -431,7 +432,8 @@ def _merge(reports: list[Any]) -> Any:
 
 
 def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float, bug: str | None,
-                   target: str | None, progress: Any, database: str | None = None) -> list[Any]:
+                   target: str | None, progress: Any, database: str | None = None,
+                   shrink_budget: float | None = None) -> list[Any]:
     """``shares`` on a forkserver pool (MLX hangs in a plain forked child);
     the reports of every finished worker, in the order of ``shares``."""
     import multiprocessing
@@ -443,7 +445,8 @@ def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float
     done: dict[int, list[Any]] = {}
     pool = ProcessPoolExecutor(max_workers=len(shares), mp_context=ctx)
     try:
-        futs = {pool.submit(run_share, share, budget, bug, target, database): w for w, share in enumerate(shares)}
+        futs = {pool.submit(run_share, share, budget, bug, target, database, shrink_budget): w
+                for w, share in enumerate(shares)}
         for fut in as_completed(futs):
             w = futs[fut]
             done[w] = fut.result()
@@ -513,14 +516,16 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     jobs = args.jobs or 1
     on = "" if target.is_impl else f", target {target.label}"
     again = rerun("fuzz", getattr(args, "argv", None) or ["fuzz"], {"--seed": str(seed)})
+    shrink_budget = args.shrink_budget if args.shrink_budget is not None else args.budget
     err.print(f"kvspec fuzz: seed {seed}, {args.budget:g} s of search over {len(runs)} campaign{'s' * (len(runs) > 1)}"
-              f"{on}" + (f", {jobs} processes" if jobs > 1 else ", interleaved") + "; shrinking is timed apart; "
+              f"{on}" + (f", {jobs} processes" if jobs > 1 else ", interleaved")
+              + f"; shrinking is timed apart, at most {shrink_budget:g} s a campaign; "
               + ("no example database" if database is None else f"example database {db_spec} (saved failures replay first)"))
     progress = _Ticker(err)
     reports: list[Any] = []
     interrupted: str | None = None
     camps = [Campaign(k, m, ip, seed, factories, target=None if target.is_impl else target, progress=progress.tick,
-                      database=database) for k, m, ip in runs] if jobs == 1 else []
+                      database=database, shrink_budget=shrink_budget) for k, m, ip in runs] if jobs == 1 else []
     try:
         if jobs == 1:
             progress.start("fuzz")
@@ -528,7 +533,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         else:
             progress.start(f"fuzz on {jobs} processes")
             got = _run_fuzz_pool(_fuzz_shares(runs, seed, jobs), args.budget, args.bug,
-                                 None if target.is_impl else target.label, progress.tick, db_spec)
+                                 None if target.is_impl else target.label, progress.tick, db_spec, shrink_budget)
             reports = [_merge([r for r in got if r.config == c]) for c in dict.fromkeys(r.config for r in got)]
     except KeyboardInterrupt as exc:
         interrupted = progress.label or "?"
@@ -546,6 +551,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         ops = rep.stats.get("ops", 0)
         row: dict[str, Any] = {"config": rep.config, "examples": rep.examples, "steps": ops,
                                "seconds": round(rep.seconds, 2), "shrink_seconds": round(rep.shrink_seconds, 2),
+                               "shrink_cut": rep.shrink_cut,
                                "examples_to_catch": rep.examples_to_catch, "result": "ok", "reached": rep.stats}
         if rep.examples == 0:
             row["result"], failed = "no examples", True  # a run that checked nothing never says ok
@@ -594,7 +600,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         rate = row["steps"] / max(row["seconds"], 1e-9)
         style = "" if row["result"] == "ok" else "[bold red]"
         table.add_row(row["config"], str(row["examples"]), str(row["steps"]), f"{rate:.0f}",
-                      f"{row['shrink_seconds']:.1f} s" if row["shrink_seconds"] else "-",
+                      (f"{row['shrink_seconds']:.1f} s" + (" (cut)" if row["shrink_cut"] else ""))
+                      if row["shrink_seconds"] else "-",
                       f"{style}{row['result']}{'[/]' if style else ''}")
     print_table(console, table)
     for row in rows:
@@ -610,7 +617,11 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         if "failure" in row:
             console.print(f"[bold red]{row['config']}[/]: {escape(row['failure'])}")
             if "trace" in row:
-                console.print(f"  minimal trace written to {row['trace']}\n  replay it: {row['replay']}")
+                if row["shrink_cut"]:
+                    console.print(f"  shrinking stopped at its limit of {shrink_budget:g} s (--shrink-budget): "
+                                  f"the trace is the smallest failing run found by then, not a minimal one")
+                console.print(f"  {'trace' if row['shrink_cut'] else 'minimal trace'} written to {row['trace']}"
+                              f"\n  replay it: {row['replay']}")
                 if "render" in row:
                     console.print(f"  see it: {escape(row['render'])}")
     if interrupted:
@@ -781,6 +792,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def nonnegative_seconds(text: str) -> float:
+    """A limit in seconds: a finite number >= 0 and at most a week (0: none of it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be finite, >= 0 and <= {MAX_SECONDS:g} seconds, got {text!r}")
+    return value
+
+
 def int_in(lo: int, hi: int):
     """An argparse type: an integer in ``[lo, hi]``."""
     def parse(text: str) -> int:
@@ -934,6 +956,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--budget", type=positive_seconds, default=60.0,
                    help="seconds of search, shared by the campaigns round-robin (each gets its slice from the "
                         "first seconds); shrinking a failure is timed apart and reported (default: 60)")
+    f.add_argument("--shrink-budget", type=nonnegative_seconds, default=None, metavar="S",
+                   help="seconds a campaign may spend shrinking its failure, reported apart; when they run out "
+                        "the smallest failing run found so far is written (default: the --budget)")
     f.add_argument("-j", "--jobs", type=int_in(1, 1024), default=1,
                    help="processes (forkserver pool): each runs its share of the campaigns for the whole "
                         "budget; more processes than campaigns repeat them under other seeds (default: 1)")
