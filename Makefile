@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: verify test fuzz prove bench mutants e2e conformance mutation lint clean docs docs-serve
+.PHONY: verify test fuzz prove bench mutants e2e conformance mutation mutation-changed lint clean docs docs-serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ mutation: $(STAMP)
 	rm -rf mutants
 	HYPOTHESIS_PROFILE=mutation $(BIN)/mutmut run --max-children $$(nproc 2>/dev/null || echo 2) || true
 	$(BIN)/python -m fuzz.commands.mutation_report  # exit 1 if a survivor is not triaged
+
+# Mutation of the lines changed since git revision BASE (a PR's lines):
+# survivors with file:line and the mutation (docs/mutation.md).
+BASE ?= main
+mutation-changed: $(STAMP)
+	HYPOTHESIS_PROFILE=mutation $(BIN)/kvspec mutants --changed $(BASE) --max-children $$(nproc 2>/dev/null || echo 2)
 
 # The docs site (mkdocs.yml): strict, so a broken link, anchor, picture or
 # API reference fails; tables and pictures are generated from the registry

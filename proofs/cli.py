@@ -83,8 +83,19 @@ def ok(results: list[ObligationResult]) -> bool:
     return all(r.status in ("proved", "waits") for r in results)
 
 
+def _crosshair_status(ch: Any) -> str:
+    if ch.counterexamples:
+        return "[red]counterexample[/]"
+    if ch.count("not confirmed") or ch.count("precondition unmet"):
+        return "[red]not confirmed[/]"
+    if not ch.ok:
+        return "[yellow]error[/]"
+    return f"[yellow]warn ({len(ch.warnings)})[/]" if ch.warnings else "[green]ok[/]"
+
+
 def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="kvspec prove: Z3 (int and bv32) with negative controls")
@@ -101,10 +112,12 @@ def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
                       f"{r.seconds:.1f}")
     if crosshair is not None:
         table.add_row("CrossHair (PEP 316 contracts, spec/)", crosshair.summary(),
-                      "[green]ok[/]" if crosshair.ok else "[red]counterexample[/]" if crosshair.counterexamples else "[yellow]error[/]",
-                      "-", f"{crosshair.seconds:.1f}")
+                      _crosshair_status(crosshair), "-", f"{crosshair.seconds:.1f}")
     console = Console()
     console.print(table)
+    if crosshair is not None:
+        for w in crosshair.warnings:
+            console.print(f"[yellow]warning[/] CrossHair: {escape(w)}", soft_wrap=True, highlight=False)
     for r in results:
         for p in r.parts:
             if p.status != "proved":

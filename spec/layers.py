@@ -103,6 +103,13 @@ def list_trim_count(n: int, bounds: tuple[tuple[int, int], ...]) -> int:
     empty, or when the count is beyond some layer's exact bound (a wrapped
     ring beyond its undo depth, semantics.md 6): then no layer trims.
 
+    CrossHair checks the contract with at most 3 layers (the first ``pre:``
+    line); the bound loses nothing: each postcondition is about the minimum
+    over the layers and one layer's exact bound, so a counterexample with more
+    layers stays one when cut to the layer holding the minimum and the layer
+    it breaks (two layers); 3 also covers a layer that is neither.
+
+    pre: len(bounds) <= 3
     pre: all(0 <= e <= r for r, e in bounds)
     post: __return__ >= 0
     post: __return__ <= max(n, 0)

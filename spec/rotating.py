@@ -50,6 +50,14 @@ def visible_positions(offset: int, max_size: int, keep: int) -> tuple[int, ...]:
     written: the sinks ``[0, keep)`` and the latest ``max_size - keep``
     others, in increasing order.
 
+    CrossHair checks the length with ``max_size <= 6`` and ``offset <= 3 *
+    max_size`` (the first ``pre:`` line); the bound loses nothing: both
+    branches build ranges whose length is linear in the arguments
+    (``offset``, or ``keep + (max_size - keep)``), and the box holds both
+    branches, the boundary ``offset == max_size`` and wrapped rings several
+    windows past it.
+
+    pre: max_size <= 6 and offset <= 3 * max_size
     pre: 0 <= keep < max_size
     pre: offset >= 0
     post: len(__return__) == min(offset, max_size)
@@ -65,6 +73,13 @@ def chronological_order(n_slots: int, idx: int, keep: int, wrapped: bool) -> tup
     non-sinks), then ``[keep, idx)``. Appending after a wrap in physical
     instead of this order is a known bug.
 
+    CrossHair checks the length with ``n_slots <= 4`` (the first ``pre:``
+    line); the bound loses nothing: the length is ``idx`` or ``keep +
+    (n_slots - idx) + (idx - keep)``, linear in the arguments, and the box
+    holds both branches and every ordering of ``keep``, ``idx``, ``n_slots``
+    (equalities included).
+
+    pre: n_slots <= 4
     pre: 0 <= keep <= idx <= n_slots
     post: len(__return__) == (n_slots if wrapped else idx)
     """
@@ -255,6 +270,13 @@ def prefill_kept(n_old: int, max_size: int, keep: int) -> tuple[int, ...]:
     keeps: all of them while at most ``max_size - 1``, else the sinks and
     the latest others, ``max_size - 1`` rows in all.
 
+    CrossHair checks the length with ``max_size <= 6`` and ``n_old <= 3 *
+    max_size`` (the first ``pre:`` line); the bound loses nothing: every
+    branch's length is linear in the arguments, and the box holds all three
+    branches (no cut, a cut keeping sinks, ``budget <= sinks``) and their
+    boundaries.
+
+    pre: max_size <= 6 and n_old <= 3 * max_size
     pre: 0 <= keep < max_size
     pre: n_old >= 0
     post: len(__return__) == min(n_old, max_size - 1)
@@ -588,6 +610,14 @@ def state_of(cache: RotatingCache) -> RotatingCache:
     ``valid_len``, physical order), so a ring loaded from it has capacity
     ``valid_len``; slots past the cursor of a warm-up buffer are not saved.
 
+    CrossHair checks it on rings of at most 4 slots (the first ``pre:``
+    line); the bound loses nothing: the result is a slice of length
+    ``valid_len`` (``idx`` unwrapped, every slot wrapped) whatever the slots
+    hold, and the box has both cases with the cursor at 0, inside and at
+    the end.
+
+    pre: len(cache.slots) <= 4
+    pre: 0 <= cache.idx <= len(cache.slots)
     post: __return__.capacity == cache.valid_len
     """
     return replace(cache, slots=cache.slots[: cache.valid_len])

@@ -121,6 +121,16 @@ def fold_schedule(cold_offset: int, live_len: int, n: int, hot_threshold: int, f
     held row at a handoff, then block folds (of the oldest hot rows, old ones
     before new ones) until hot is at most ``hot_threshold``.
 
+    CrossHair checks the contract with ``live_len + n <= 12`` and
+    ``fold_block <= 4`` (the first ``pre:`` line); the bound loses nothing:
+    both postconditions follow from a loop invariant that holds at any size
+    (``0 <= hot`` and ``folded + hot`` constant: each block fold moves ``f <=
+    hot`` rows) and from the exit test (``f == 0`` iff ``hot <=
+    hot_threshold``, as ``fold_block >= 1``); the box runs every branch: with
+    and without a handoff, zero, one and several block folds, a last fold of
+    ``fold_block`` rows and one of fewer.
+
+    pre: live_len + n <= 12 and fold_block <= 4
     pre: 0 <= cold_offset <= live_len and n >= 1 and hot_threshold >= 0 and fold_block >= 1
     post: 0 <= __return__ <= live_len - cold_offset + n
     post: live_len - cold_offset + n - __return__ <= hot_threshold

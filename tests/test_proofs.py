@@ -183,6 +183,31 @@ def test_crosshair_runner_reports_a_counterexample(tmp_path: Path) -> None:
     assert [c.status for c in conds] == ["counterexample"] and conds[0].function == "grow"
 
 
+def test_crosshair_explained_conditions_warn_and_unexplained_ones_fail() -> None:
+    from proofs.crosshair_run import (
+        EXPLAINED,
+        Condition,
+        CrosshairResult,
+        contract_files,
+        contract_functions,
+    )
+
+    def result(*statuses: str) -> CrosshairResult:
+        res = CrosshairResult(diff={"status": "same"}, diff_control={"status": "differ"})
+        res.conditions = [Condition("spec/x.py", i, "f", "post: True", s, "why") for i, s in enumerate(statuses)]
+        return res
+
+    assert result("confirmed").ok and not result("confirmed").warnings
+    warned = result("confirmed", "explained")
+    assert warned.ok and warned.warnings == ["spec/x.py:1 f: post: True: not confirmed by CrossHair: why"]
+    assert "1 explained (warnings)" in warned.summary()
+    assert not result("confirmed", "not confirmed").ok
+    assert not result("precondition unmet").ok
+    # every explained function exists and has a contract
+    have = {(str(p.relative_to(p.parents[1])), name) for p in contract_files() for name, _, _ in contract_functions(p)}
+    assert set(EXPLAINED) <= have
+
+
 def test_crosshair_diffbehavior_and_its_control() -> None:
     from proofs import crosshair_run
 

@@ -272,6 +272,23 @@ def test_verify_exitfirst_stops_at_the_first_failed_check(monkeypatch, capsys, t
     assert ran == ["traces", "equivalents"]
 
 
+def test_verify_shows_a_check_with_warnings_as_warn_never_ok(monkeypatch, capsys):
+    from fuzz.commands import verify
+
+    def equivalents():
+        return [verify.Check("equivalent mutant m", True, "proved", 0.1,
+                             warnings=("spec/x.py:3 f: post: [1] == 1: not confirmed by CrossHair: why",))]
+
+    monkeypatch.setattr(verify, "check_equivalents", equivalents)
+    code = verify.run_verify(quick=True, as_json=True, jobs=1, patterns=["equivalent mutants"])
+    doc = valid("verify", json.loads(capsys.readouterr().out))
+    assert code == 0 and doc["checks"][0]["warnings"] == ["spec/x.py:3 f: post: [1] == 1: not confirmed by CrossHair: why"]
+    verify.run_verify(quick=True, as_json=False, jobs=1, patterns=["equivalent mutants"])
+    out = capsys.readouterr().out
+    assert "warn (1)" in out and " ok " not in out.split("equivalent mutant m", 1)[1].splitlines()[0]
+    assert "warning equivalent mutant m: spec/x.py:3 f: post: [1] == 1: not confirmed by CrossHair: why" in out
+
+
 # -- mutants, e2e, conformance, bench: JSON, JUnit, Ctrl-C --------------------------------
 def test_mutants_json_and_junit(tmp_path):
     proc = kvspec("mutants", "--only", "inplace_after_trim", "--seeds", "1", "--json", "--out", str(tmp_path),

@@ -711,6 +711,14 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     from fuzz.commands.mutants import main as mutants_main
 
     console = _console()
+    if args.changed is not None:
+        clash = [flag for flag, on in (("--list", args.list), ("--only", args.only), ("--junit-xml", args.junit_xml)) if on]
+        if clash:
+            return _usage_error(console, f"--changed: mutates source lines, not the injected-bug catalog; "
+                                         f"drop {', '.join(clash)}")
+        from fuzz.commands.mutation_changed import main as changed_main
+
+        return changed_main(args.changed, args.json, args.max_children)
     if args.list:
         from fuzz.bugs import catalog
 
@@ -858,8 +866,8 @@ EXIT_CODES = {
                    "trustworthy); 1 otherwise; 2 bad arguments",
     "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments; 130 interrupted (the checks "
               "that finished are printed)",
-    "mutants": "exit status: 0 every injected bug caught in every seed with a clean trace; 1 otherwise; "
-               "2 bad arguments; 130 interrupted",
+    "mutants": "exit status: 0 every injected bug caught in every seed with a clean trace (with --changed: no "
+               "mutant of the changed lines survives); 1 otherwise; 2 bad arguments; 130 interrupted",
     "bench": "exit status: 0 measured; 2 bad arguments",
     "render": "exit status: 0 the picture was written (whether or not the trace diverges); 2 invalid trace, "
               "arguments or output path",
@@ -1022,6 +1030,11 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--list", action="store_true", help="list the injected bugs (name, kind, modes, what) and exit")
     mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the traces, one folder per seed")
     mu.add_argument("--only", nargs="+", metavar="BUG", help="these bugs only (default: the whole catalog)")
+    mu.add_argument("--changed", metavar="BASE",
+                    help="instead of the catalog: mutmut on the lines of spec/ and impl/ changed since git revision "
+                         "BASE; report each surviving mutant with file:line and its diff (docs/mutation.md)")
+    mu.add_argument("--max-children", type=int_in(1, 64), default=2,
+                    help="with --changed: mutants run in parallel (default 2)")
     mu.set_defaults(fn=cmd_mutants)
 
     be = add("bench", "the cost contract as ratios: in-place vs copying decode, logical vs physical rollback",

@@ -53,6 +53,10 @@ class Check:
     #: a kvtrace that reproduces what the check found (printed below the
     #: table, whole: a path is never wrapped inside a cell)
     trace: str | None = None
+    #: passed, but with exceptions a reader must see, each with its reason
+    #: (a CrossHair condition not confirmed and explained): shown as "warn",
+    #: never "ok"
+    warnings: tuple[str, ...] = ()
 
 
 def check_traces() -> list[Check]:
@@ -169,7 +173,7 @@ def check_e2e(names: list[str] | None = None) -> list[Check]:
 
 
 def _crosshair_text(ch: dict) -> str:
-    keys = ("confirmed", "not_confirmed", "precondition_unmet", "counterexamples")
+    keys = ("confirmed", "not_confirmed", "explained", "precondition_unmet", "counterexamples")
     parts = [f"{k.replace('_', ' ')} {len(v) if isinstance(v, list) else v}" for k in keys if (v := ch.get(k)) is not None]
     diff = (ch.get("diffbehavior") or {}).get("status")
     if diff:
@@ -195,7 +199,8 @@ def check_crosshair() -> list[Check]:
     ch, seconds, _ = _run_json("crosshair spec/ contracts", ["-m", "proofs.crosshair_run", "--json"])
     if isinstance(ch, Check):
         return [ch]
-    return [Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", seconds)))]
+    return [Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", seconds)),
+                  warnings=tuple(ch.get("warnings", ())))]
 
 
 def check_proofs(crosshair: bool = True) -> list[Check]:
@@ -222,7 +227,8 @@ def check_proofs(crosshair: bool = True) -> list[Check]:
                             float(ob.get("seconds", 0.0))))
     ch = doc.get("crosshair")
     if ch is not None:
-        checks.append(Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", 0.0))))
+        checks.append(Check("crosshair spec/ contracts", bool(ch.get("ok")), _crosshair_text(ch), float(ch.get("seconds", 0.0)),
+                            warnings=tuple(ch.get("warnings", ()))))
     if returncode != 0:
         checks.append(Check("proofs", False, f"kvspec prove exited {returncode}", seconds))
     return checks
@@ -514,7 +520,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
                           "not_run": missing, "device": where, "gpu_only_bugs_not_run": skipped,
                           "e2e_not_run_on_gpu": e2e_skipped,
                           "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2),
-                                      "trace": c.trace} for c in checks]}))
+                                      "trace": c.trace, "warnings": list(c.warnings)} for c in checks]}))
     else:
         table = Table(title="kvspec verify" + (" (quick)" if quick else ""))
         table.add_column("check", overflow="fold")
@@ -522,7 +528,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         table.add_column("time", justify="right", no_wrap=True)
         table.add_column("detail", overflow="fold", ratio=1)
         for c in checks:
-            table.add_row(escape(c.name), "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", f"{c.seconds:.1f}s", escape(c.detail))
+            status = "[bold red]FAIL[/]" if not c.ok else f"[yellow]warn ({len(c.warnings)})[/]" if c.warnings else "[green]ok[/]"
+            table.add_row(escape(c.name), status, f"{c.seconds:.1f}s", escape(c.detail))
         console = Console(highlight=False, width=width)
         from fuzz.commands.reports import print_table
 
@@ -531,6 +538,9 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         for c in checks:
             if c.trace and not c.ok:
                 console.print(f"{escape(c.name)}: kvspec replay {escape(c.trace)}", soft_wrap=True)
+        for c in checks:
+            for w in c.warnings:
+                console.print(f"[yellow]warning[/] {escape(c.name)}: {escape(w)}", soft_wrap=True)
         console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes; "
                       f"{where})")
         if skipped:

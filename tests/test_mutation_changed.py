@@ -1,0 +1,126 @@
+"""``kvspec mutants --changed BASE`` on a sample PR in a temp clone of this
+repository (never in the worktree): a planted weak test leaves a survivor,
+reported with its file:line and its mutation; a change whose mutants are all
+killed reports none (exit 0). The clone's ``[tool.mutmut]`` test selection
+is narrowed to the planted test file so that each run is a handful of
+mutants and a few seconds; everything else (source paths, fork-server
+isolation) is the repository's own configuration."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from fuzz.commands import mutation_changed as mc
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "fuzz" / "schemas" / "mutants-changed.schema.json").read_text())
+
+STRONG = '''
+
+def sample_blocks_needed(length: int, block_size: int) -> int:
+    """Blocks of ``block_size`` rows that hold ``length`` rows."""
+    return -(-length // block_size)
+'''
+STRONG_TEST = '''
+from spec.paged import sample_blocks_needed
+
+
+def test_sample_blocks_needed_every_small_case():
+    for bs in range(1, 5):
+        for n in range(0, 13):
+            assert sample_blocks_needed(n, bs) == (n + bs - 1) // bs
+'''
+WEAK = '''
+
+def sample_clamp_offset(offset: int, capacity: int) -> int:
+    """``offset`` clamped to ``[0, capacity]``."""
+    return max(0, min(offset, capacity))
+'''
+WEAK_TEST = '''
+from spec.paged import sample_clamp_offset
+
+
+def test_sample_clamp_offset_inside():  # planted weak test: never at or beyond an edge
+    assert sample_clamp_offset(3, 8) == 3
+'''
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("pr") / "kvspec"
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(repo)], check=True)
+    _git(repo, "config", "user.email", "t@example.invalid")
+    _git(repo, "config", "user.name", "test")
+    _git(repo, "checkout", "--quiet", "-b", "sample-pr")
+    py = repo / "pyproject.toml"
+    text = py.read_text()
+    text = re.sub(r"pytest_add_cli_args_test_selection = \[.*?\]\n",
+                  'pytest_add_cli_args_test_selection = ["tests/test_sample_pr.py"]\n', text, flags=re.DOTALL)
+    py.write_text(text)
+    # commit 1: the strong change
+    (repo / "spec" / "paged.py").write_text((repo / "spec" / "paged.py").read_text() + STRONG)
+    (repo / "tests" / "test_sample_pr.py").write_text(STRONG_TEST)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "--quiet", "-m", "sample: a change its tests pin down")
+    return repo
+
+
+def test_all_killed_reports_none(clone: Path) -> None:
+    report = mc.run_changed(clone, "HEAD~1", max_children=2)
+    assert set(report.changed) == {"spec/paged.py"}
+    assert report.mutants, "the change must breed mutants, or this test checks nothing"
+    assert report.survivors == [], [m.to_json() for m in report.survivors]
+    assert all(m.file == "spec/paged.py" and m.line in report.changed["spec/paged.py"] for m in report.mutants)
+    doc = report.to_json()
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["ok"] and doc["exit"] == 0 and doc["survived"] == 0
+
+
+def test_planted_weak_test_survivor_reported(clone: Path) -> None:
+    # uncommitted, on top of the strong commit: only the weak change is new
+    paged = clone / "spec" / "paged.py"
+    paged.write_text(paged.read_text() + WEAK)
+    (clone / "tests" / "test_sample_pr.py").write_text(STRONG_TEST + WEAK_TEST)
+    line = paged.read_text().splitlines().index("    return max(0, min(offset, capacity))") + 1
+    report = mc.run_changed(clone, "HEAD", max_children=2)
+    assert report.changed == {"spec/paged.py": set(range(line - 4, line + 1))}
+    assert report.survivors, "the planted weak test must leave a survivor"
+    for m in report.mutants:
+        assert m.line == line and m.source == "return max(0, min(offset, capacity))"
+    for m in report.survivors:
+        assert "-    return max(0, min(offset, capacity))" in m.diff
+        assert re.search(r"^\+    return .*$", m.diff, re.MULTILINE)
+    doc = report.to_json()
+    jsonschema.validate(doc, SCHEMA)
+    assert not doc["ok"] and doc["exit"] == 1
+    assert {s["line"] for s in doc["survivors"]} == {line}
+
+
+def test_cli_exit_status_and_bad_revision(clone: Path) -> None:
+    # this tree's CLI (not the clone's committed copy), run in the clone
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from fuzz.commands.cli import main; "
+            "raise SystemExit(main(['mutants', '--changed', 'no-such-rev', '--json']))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=clone, capture_output=True, text=True, check=False)
+    assert p.returncode == 2, p.stderr
+    doc = json.loads(p.stdout)
+    assert "no-such-rev" in doc["error"] and "--changed" in doc["error"]
+    jsonschema.validate(doc, SCHEMA)
+
+
+def test_parse_diff_hunks() -> None:
+    diff = ("diff --git a/spec/x.py b/spec/x.py\n--- a/spec/x.py\n+++ b/spec/x.py\n"
+            "@@ -3,0 +4,2 @@\n+a\n+b\n@@ -10 +12 @@\n-c\n+d\n@@ -20,3 +22,0 @@\n-e\n"
+            "--- a/impl/gone.py\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-f\n"
+            "--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-g\n+h\n")
+    assert mc.parse_diff(diff) == {"spec/x.py": {4, 5, 12}}
