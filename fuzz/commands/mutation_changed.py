@@ -29,6 +29,7 @@ checkout, mutmut failing to run the clean tests).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -231,8 +232,10 @@ def run_changed(root: Path, base: str, max_children: int = 2, python: str | None
         _copy_tree(root, work)
         lines_file, result_file = Path(tmp) / "changed.json", Path(tmp) / "result.json"
         lines_file.write_text(json.dumps({p: sorted(v) for p, v in report.changed.items()}))
+        # make mutation's Hypothesis profile (no shrinking) unless the caller chose one
+        env = {**os.environ, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutation")}
         p = subprocess.run([python or sys.executable, "-c", DRIVER, str(lines_file), str(max_children), str(result_file)],
-                           cwd=work, capture_output=True, text=True, check=False)
+                           cwd=work, capture_output=True, text=True, check=False, env=env)
         if log is not None:
             log(p.stdout + p.stderr)
         if p.returncode != 0 or not result_file.exists():
