@@ -47,7 +47,7 @@ def junit(path: Path) -> ET.Element:
 
 
 # -- help, names ---------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["replay", "fuzz", "verify", "mutants", "conformance", "e2e", "bench"])
+@pytest.mark.parametrize("command", ["replay", "fuzz", "verify", "mutants", "conformance", "e2e", "bench", "campaign"])
 def test_help_says_each_default_once_and_lists_no_bug_names(command):
     proc = kvspec(command, "--help")
     assert proc.returncode == 0, proc.stderr

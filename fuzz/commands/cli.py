@@ -653,6 +653,27 @@ def _report_path_problem(path: str | None) -> str | None:
 
 
 # -- conformance ---------------------------------------------------------------
+def cmd_campaign(args: argparse.Namespace) -> int:
+    """HypoFuzz on the state machines for --budget seconds (fuzz/commands/campaign.py)."""
+    from fuzz.campaign import open_database
+    from fuzz.commands.campaign import run_campaign
+
+    console = _console()
+    db_spec = args.db if args.db is not None else os.environ.get("KVSPEC_DB", DEFAULT_DB)
+    if db_spec == "none":
+        return _usage_error(console, "--db none: a campaign needs an example database (HypoFuzz's workers and "
+                                     "dashboard share it); give a folder or redis://HOST:PORT", args.json)
+    if not db_spec.startswith("redis://"):
+        db_spec = str(Path(db_spec).resolve())  # HypoFuzz runs from the checkout's root
+    try:
+        open_database(db_spec)
+    except ValueError as exc:
+        return _usage_error(console, str(exc), args.json)
+    if args.bug and _bug(console, args.bug, as_json=args.json) is None:
+        return 2
+    return run_campaign(args, console, _usage_error, db_spec)
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     """Exit 0 when every divergence found replays 1 on its target and 0 on
     impl (the report is trustworthy), 1 otherwise, 2 for bad arguments, 130
@@ -861,6 +882,9 @@ EXIT_CODES = {
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
             "written and a replay command printed) or a campaign that ran no example; 2 bad arguments; "
             "130 interrupted (seed and rerun command printed)",
+    "campaign": "exit status: 0 HypoFuzz ran the budget and found nothing; 1 a failure (its kvtrace is written "
+                "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign') or "
+                "failing to start; 130 interrupted (what was found is printed)",
     "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
                    "trustworthy); 1 otherwise; 2 bad arguments",
@@ -878,7 +902,7 @@ EXIT_CODES = {
 
 def _epilog(command: str, extra: str = "") -> str:
     parts = [EXIT_CODES[command]]
-    if command in ("replay", "render", "fuzz", "mutants", "e2e"):
+    if command in ("replay", "render", "fuzz", "mutants", "e2e", "campaign"):
         parts.append("injected bugs (--bug / --only): kvspec mutants --list names them")
     if extra:
         parts.append(extra)
@@ -982,6 +1006,32 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--junit-xml", metavar="PATH", help="also write a JUnit XML report, one test case per campaign")
     f.add_argument("--sarif", metavar="PATH", help="with --target: also write its divergences as SARIF 2.1.0")
     f.set_defaults(fn=cmd_fuzz)
+
+    cp = add("campaign", "fuzz on every core under HypoFuzz, with its dashboard",
+             "Run the state machines (every campaign of `kvspec verify`, or one injected bug's) under HypoFuzz, "
+             "a coverage-guided fuzzer that spends its processes on the machines still finding new behaviour, "
+             "for --budget seconds, with its dashboard (a web page: inputs, coverage, failures per machine). "
+             "Each failure is written to --out as a kvtrace, with the command that replays it. Needs the "
+             "optional extra 'campaign' (HypoFuzz is AGPL-3.0): pip install 'kvspec[campaign]'. Many "
+             "machines share one campaign through a Redis example database (docs/campaigns.md).")
+    cp.add_argument("--budget", type=positive_seconds, default=600.0, help="seconds to run (default: 600)")
+    cp.add_argument("-j", "--jobs", type=int_in(1, 1024), default=None,
+                    help="worker processes (default: every core)")
+    cp.add_argument("--only", action="append", metavar="PREFIX",
+                    help="campaigns whose kind/mode/inplace|copy label starts with PREFIX (e.g. dense, "
+                         "rotating/fp16/copy); repeatable (default: all)")
+    cp.add_argument("--bug", help="fuzz an injected bug of the catalog in its configuration (expect a failure)")
+    cp.add_argument("--out", default=DEFAULT_OUT, help="folder for failure traces and HypoFuzz's log")
+    cp.add_argument("--db", metavar="WHERE",
+                    help=f"the example database: a folder or redis://HOST:PORT shared by many machines "
+                         f"(default: $KVSPEC_DB, else {DEFAULT_DB})")
+    cp.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve HypoFuzz's dashboard while the campaign runs")
+    cp.add_argument("--host", default="127.0.0.1", help="the dashboard's address (default: 127.0.0.1)")
+    cp.add_argument("--port", type=int_in(0, 65535), default=9999,
+                    help="the dashboard's port; 0: a free one (default: 9999)")
+    cp.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
+    cp.set_defaults(fn=cmd_campaign)
 
     c = add("conformance", "fuzz mlx-lm's own caches against the spec and report what diverges",
             "Fuzz mlx-lm's cache classes against the spec and report every divergence with a minimal trace "

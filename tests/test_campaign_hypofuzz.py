@@ -1,0 +1,127 @@
+"""``kvspec campaign``: the state machines under HypoFuzz (docs/campaigns.md).
+
+A short campaign on one process with an injected bug: while it runs, its
+dashboard serves the page and reports progress (inputs run) for our
+machine; the failure comes out as a kvtrace that ``kvspec replay``
+reproduces on the bug and that passes on the real implementation. Without
+HypoFuzz the command exits 2 naming the extra. HypoFuzz is installed by
+``make test`` (the Makefile installs the extra 'campaign'); the test skips,
+saying so, only where it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fuzz.commands.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+BUG = "negative_trim_grows_offset"
+NODE = "fuzz/hypofuzz_targets.py::Test_dense_fp16_inplace::runTest"
+
+needs_hypofuzz = pytest.mark.skipif(importlib.util.find_spec("hypofuzz") is None,
+                                    reason="HypoFuzz (the extra 'campaign') is not installed: pip install -e '.[campaign]'")
+
+
+def valid(doc: dict) -> dict:
+    """``doc`` follows fuzz/schemas/campaign.schema.json (docs/json.md)."""
+    import jsonschema
+
+    schema = json.loads((REPO / "fuzz" / "schemas" / "campaign.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+    return doc
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            return resp.read()
+    except OSError:
+        return None
+
+
+@needs_hypofuzz
+def test_a_campaign_serves_its_dashboard_and_writes_a_trace_that_replays(tmp_path, capsys):
+    """The campaign runs until its first failure's trace is written and the
+    dashboard has reported progress; then it is interrupted as a user would
+    (Ctrl-C: exit 130, what was found is reported). HypoFuzz shrinks on in
+    the worker meanwhile; the trace is whatever failing run was last
+    written, so it need not be minimal, but it must fail on the bug."""
+    import signal
+
+    port = _port()
+    out, db = tmp_path / "out", tmp_path / "db"
+    cmd = [sys.executable, "-m", "fuzz.commands.cli", "campaign", "--bug", BUG, "-j", "1", "--budget", "300",
+           "--port", str(port), "--out", str(out), "--db", str(db), "--json"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    page, progress = None, None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            page = page or _get(f"http://127.0.0.1:{port}/")
+            raw = _get(f"http://127.0.0.1:{port}/api/tests/")
+            if raw:
+                tests = json.loads(raw)
+                reports = [r for rs in tests.get(NODE, {}).get("reports_by_worker", {}).values() for r in rs]
+                if reports and sum(reports[-1]["status_counts"].values()) > 0:
+                    progress = reports[-1]
+            if page and progress and list(out.glob("campaign-*.json")):
+                break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert page is not None and b"<html" in page.lower(), page  # HypoFuzz's dashboard page
+    assert progress is not None, f"the dashboard never reported inputs for {NODE}; {stderr[-2000:]}"
+    report = valid(json.loads(stdout))
+    assert proc.returncode == 130 and report["exit"] == 130, (report, stderr[-2000:])
+    assert report["dashboard"] == f"http://127.0.0.1:{port}/"
+    assert report["progress"][NODE]["inputs"] > 0, report["progress"]
+    assert report["campaigns"] == ["dense/fp16/inplace"] and len(report["failures"]) == 1, report
+    trace = report["failures"][0]["trace"]
+    assert report["failures"][0]["replay"] == f"kvspec replay {trace} --bug {BUG}"
+    assert main(["replay", trace, "--bug", BUG]) == 1  # reproduced on the bug
+    assert main(["replay", trace]) == 0  # and clean on the real implementation
+    ops = [op for op in json.loads(Path(trace).read_text())["ops"] if op["op"] != "expect"]
+    assert any(op["op"] == "trim" and op["n"] < 0 for op in ops), ops  # the bug needs a negative trim
+    capsys.readouterr()
+
+
+def test_without_hypofuzz_the_command_names_the_extra(monkeypatch, capsys):
+    from fuzz.commands import campaign
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(campaign.importlib.util, "find_spec", lambda name, *a: None if name == "hypofuzz" else real(name, *a))
+    assert main(["campaign", "--budget", "1", "--json"]) == 2
+    err = valid(json.loads(capsys.readouterr().out))["error"]
+    assert "'campaign'" in err and "pip install 'kvspec[campaign]'" in err, err
+
+
+def test_campaign_refuses_bad_arguments(capsys, tmp_path):
+    assert main(["campaign", "--db", "none", "--budget", "1"]) == 2
+    assert "needs an example database" in capsys.readouterr().out
+    assert main(["campaign", "--only", "nosuchkind", "--budget", "1", "--db", str(tmp_path)]) == 2
+    assert "matches no campaign" in capsys.readouterr().out
+    assert main(["campaign", "--bug", "nosuchbug", "--budget", "1", "--db", str(tmp_path)]) == 2
+    assert "nosuchbug" in capsys.readouterr().out
