@@ -65,8 +65,8 @@ def regrow_capacity_multiple_of_step(prev: int, n: int, step: int) -> int:
 
 
 _SAMPLED = ("CrossHair does not exhaust the paths of a symbolic DenseCache (entries tuple, buffer, marker, "
-            "mode) within the limit, even with at most 3 entries (tried); its pre:/post: lines are evaluated on "
-            "reachable caches by tests/test_contracts_sampled.py")
+            "mode) within the limit (append and trim bounded to at most 3 entries were tried: still not confirmed); "
+            "its pre:/post: lines are evaluated on reachable caches by tests/test_contracts_sampled.py")
 
 #: ``(file, function)`` -> why CrossHair cannot confirm its contract and what
 #: checks it instead (see the module docstring).
