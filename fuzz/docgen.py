@@ -78,6 +78,10 @@ OP_TEXT = {
               "live cache) or mlx-lm's load order on the cache (`state`, then `meta_state`; not the Turbo classes). "
               "Same window, counters and switch; fresh buffers of the live rows, no marker, a ring's undo log empty "
               "(`spec.dense.w_reload`, `spec.rotating.w_reload`)",
+    "restore_mixed": "layers: a list restore of snapshot `name` whose list hands layer `layer` (never 0 in the "
+                     "machine) the snapshot layer `from` took, of another kind or window: that layer refuses it after "
+                     "the layers before it took theirs; refused (InvalidArgumentError, the layer's words), nothing "
+                     "changed in any layer, ownership and undo logs included (`spec.layers.w_restore_mixed`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
     "fork": "paged: a new sequence `as` sharing every block of `from` (refcounts rise)",
     "release": "paged: drop sequence `seq`; each of its blocks' refcount falls by one",

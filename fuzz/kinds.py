@@ -185,7 +185,7 @@ KINDS: dict[str, Kind] = {
             # mode: the storage of the dense layers (rings are fp16)
             modes=("fp16", "int8"),
             fields={"layers": REQUIRED},
-            ops=("can_trim", "layer"),
+            ops=("can_trim", "layer", "restore_mixed"),
             refuses=("trim_to",),
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
             lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",

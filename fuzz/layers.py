@@ -157,9 +157,38 @@ class LayersLockstep(Lockstep):
             else:
                 del self.holders[op["name"]]
             return None
+        if name == "restore_mixed":
+            return self._restore_mixed(op)
         if name == "layer":
             return self._layer_op(op["index"], op["do"])
         raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
+
+    #: a layer's refusal of another layer's snapshot is in that layer's words
+    OWN_WORDED_OPS = Lockstep.OWN_WORDED_OPS | {"restore_mixed"}
+
+    def _restore_mixed(self, op: dict[str, Any]) -> None:
+        """The list restore of snapshot ``name`` with layer ``layer``'s entry
+        replaced by layer ``from``'s: the list operation under test must
+        refuse it (the layer does) and leave every layer as it was. The
+        trace's preconditions (indices, a pair that cannot swap snapshots)
+        are the spec's (``spec.layers.w_restore_mixed``), checked here
+        before the list is touched."""
+        snaps = self.holders.get(op["name"])
+        if snaps is None:
+            raise StateError(f"restore: no snapshot or handle named {op['name']!r}")
+        layer, source = op["layer"], op["from"]
+        n_layers = len(self.caches)
+        for field_name, j in (("layer", layer), ("from", source)):
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_layers:
+                raise InvalidArgumentError(
+                    f"restore_mixed: {field_name} must satisfy 0 <= {field_name} < {n_layers}, got {j!r}")
+        if sl.layers_interchangeable(self.world.layers[layer], self.world.layers[source]):
+            raise InvalidArgumentError(f"restore_mixed: layers {layer} and {source} take each other's snapshots; "
+                                       "pick layers of another kind or window")
+        mixed = list(snaps)
+        mixed[layer] = snaps[source]
+        self.reached("late list refusals")
+        self.list_ops.restore(self.caches, mixed)
 
     def _layer_op(self, index: Any, inner: dict[str, Any]) -> Any:
         n_layers = len(self.caches)
@@ -445,6 +474,26 @@ class LayersMachine(KVMachine):
         name = data.draw(st.sampled_from(names), label="name")
         op = data.draw(st.sampled_from(self.named_ops), label="op")
         self.do({"op": op, "name": name})
+
+    @rule(n=st.integers(1, 3), data=st.data())
+    def restore_refused_late(self, n: int, data: st.DataObject) -> None:
+        """A list restore that a later layer refuses after the layers before
+        it took their snapshots: snapshot the list, decode ``n`` rows, then
+        restore with one layer (never layer 0) handed another kind's or
+        window's snapshot. Refused, and every layer (the earlier ones
+        included) must still hold the ``n`` new rows."""
+        layers = self.lock.world.layers
+        pairs = [(k, j) for k in range(1, len(layers)) for j in range(len(layers))
+                 if not sl.layers_interchangeable(layers[k], layers[j])]
+        if not pairs:
+            return
+        k, j = data.draw(st.sampled_from(pairs), label="layer, from")
+        name = self.fresh_name("m")
+        self.do({"op": "snapshot", "name": name})
+        for _ in range(n):
+            self.do({"op": "append", "n": 1})
+        self.do({"op": "restore_mixed", "name": name, "layer": k, "from": j})
+        self.do({"op": "drop", "name": name})
 
     @rule()
     def can_trim(self) -> None:

@@ -77,6 +77,46 @@ class Divergence(Exception):
                 keys[0]: _jsonable(self.spec), keys[1]: _jsonable(self.impl)}
 
 
+def reload_through_file(caches: list[Any], save: Any = None, load: Any = None, env: str | None = None) -> list[Any]:
+    """``caches`` saved to a temporary prompt-cache file and loaded back
+    (``save``/``load``: ``impl.models.save_prompt_cache`` /
+    ``load_prompt_cache`` unless an injected bug replaces one). An injected
+    bug's class is the class under test on both sides: while the file is
+    written and read, the file layer's class table names it under its own
+    name (so its ``meta_state``, ``state`` and ``from_state`` are the ones
+    fuzzed; saving it as the kvspec class it derives from would hide a bug
+    in them). ``env``: ``KV_INPLACE_WRITE`` during the load (a process
+    whose switch differs from the file's: the loaded layers keep the
+    file's)."""
+    import tempfile
+    from pathlib import Path
+
+    from impl import models
+
+    save = save or models.save_prompt_cache
+    load = load or models.load_prompt_cache
+    added = {type(c).__name__: type(c) for c in caches if type(c).__name__ not in models._CLASSES}
+    saved_env = os.environ.get(INPLACE_ENV)
+    models._CLASSES.update(added)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "prompt.safetensors"
+            save(path, list(caches))
+            if env is not None:
+                os.environ[INPLACE_ENV] = env
+            try:
+                return list(load(path))
+            finally:
+                if env is not None:
+                    if saved_env is None:
+                        del os.environ[INPLACE_ENV]
+                    else:
+                        os.environ[INPLACE_ENV] = saved_env
+    finally:
+        for name in added:
+            del models._CLASSES[name]
+
+
 def is_cache_copy(holder: Any) -> bool:
     """Whether a held object is a copy of a cache (the ``copy`` op), not a
     snapshot or handle: it can take appends."""
@@ -900,11 +940,9 @@ class Lockstep:
 
     def reloaded(self, c: Any, via: str) -> Any:
         """The cache saved and loaded back. ``file``: through a prompt-cache
-        file (``impl.models.save_prompt_cache`` / ``load_prompt_cache``, a
-        temporary file); the loaded layer takes the place of the live cache
-        (an injected bug's class is kept: the file layer builds the base
-        class, whose methods would hide the bug). ``state``: mlx-lm's load
-        order on the cache itself, ``state`` then ``meta_state``."""
+        file (:func:`reload_through_file`); the loaded layer takes the place
+        of the live cache. ``state``: mlx-lm's load order on the cache
+        itself, ``state`` then ``meta_state``."""
         if via == "state":
             if not callable(getattr(getattr(type(c), "state", None), "fset", None)):
                 from fuzz.trace import TraceFormatError
@@ -915,25 +953,7 @@ class Lockstep:
             c.state = state
             c.meta_state = meta
             return c
-        import tempfile
-        from pathlib import Path
-
-        from impl.models import _CLASSES, load_prompt_cache, save_prompt_cache
-
-        under_test = type(c)
-        # an injected bug's subclass is saved as the kvspec class it derives
-        # from (the file names classes), then loaded back as itself
-        base = next((k for k in under_test.__mro__ if _CLASSES.get(k.__name__) is k), under_test)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "prompt.safetensors"
-            c.__class__ = base
-            try:
-                save_prompt_cache(path, [c])
-            finally:
-                c.__class__ = under_test
-            (loaded,) = load_prompt_cache(path)
-        if type(loaded) is not under_test and issubclass(under_test, type(loaded)):
-            loaded.__class__ = under_test
+        (loaded,) = reload_through_file([c])
         return loaded
 
     def impl_hold(self, name: str) -> None:

@@ -109,14 +109,24 @@ def snapshot_prompt_cache(caches: Sequence[Any]) -> list[Any]:
 
 
 def restore_prompt_cache(caches: Sequence[Any], snapshots: Sequence[Any]) -> None:
-    """Every layer adopts its snapshot, all or none (spec.layers.w_restore):
-    a snapshot a layer refuses (wrong kind, shape, counters) leaves every
-    layer as it was. Raises InvalidArgumentError for a list of another
+    """Every layer adopts its snapshot, all or none (spec.layers.w_restore,
+    spec.layers.w_restore_mixed): a snapshot a layer refuses (wrong kind,
+    shape, counters) leaves every layer exactly as it was (each layer's
+    check runs before any layer changes; a failure past the checks rolls
+    the earlier layers back). Raises InvalidArgumentError for a list of another
     length and the layer's refusal otherwise."""
     if len(snapshots) != len(caches):
         raise InvalidArgumentError(
             f"restore_prompt_cache: snapshots must hold one per layer ({len(caches)}), got {len(snapshots)}"
         )
+    # every layer's own check first, before any layer changes: a refusal
+    # then leaves every layer exactly as it was (its ownership of its
+    # buffers and a ring's undo log included, which a rollback through
+    # restore would drop)
+    for c, snap in zip(caches, snapshots):
+        check = getattr(c, "_check_holder", None) or getattr(c, "_check_snapshot", None)
+        if check is not None:
+            check("restore", snap)
     backups = [c.snapshot() for c in caches]
     done = 0
     try:

@@ -468,8 +468,10 @@ class _TurboBase:
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...], op: str = "from_state") -> Any:
         """Rebuild a cache from ``state`` and ``meta_state`` (as written by
-        the properties of the same names). Raises InvalidArgumentError for a
-        malformed meta_state or arrays that do not fit it."""
+        the properties of the same names), an instance of ``cls`` (a
+        subclass's ``from_state`` builds the subclass). Raises
+        InvalidArgumentError for a malformed meta_state or arrays that do not
+        fit it."""
         if not isinstance(meta_state, (tuple, list)) or len(meta_state) < 8:
             raise InvalidArgumentError(f"{op}: meta_state must have at least 8 fields, got {meta_state!r}")
         mode = meta_state[0]
@@ -480,7 +482,9 @@ class _TurboBase:
             raise InvalidArgumentError(f"{op}: meta_state must hold integers, got {meta_state!r}") from None
         obj = make_cache(mode, step=step, **dict(zip(("hot_threshold", "fold_block"), extra)))
         if not isinstance(obj, cls):
-            raise InvalidArgumentError(f"{op}: mode {mode!r} is not a mode of {cls.__name__}")
+            if not issubclass(cls, type(obj)):
+                raise InvalidArgumentError(f"{op}: mode {mode!r} is not a mode of {cls.__name__}")
+            obj.__class__ = cls  # a subclass's from_state builds the subclass
         names = tuple(x for x in meta_state[7].split(",") if x)
         if not isinstance(state, (tuple, list)) or len(state) != len(names):
             got = f"{len(state)} arrays" if isinstance(state, (tuple, list)) else type(state).__name__

@@ -220,6 +220,39 @@ def w_restore(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
     return None, replace(world, layers=tuple(_module(w).w_restore(w, name)[1] for w in world.layers))
 
 
+def layers_interchangeable(a: LayerWorld, b: LayerWorld) -> bool:
+    """Whether a snapshot one layer took fits another layer: both dense, or
+    both rings of the same ``(max_size, keep)`` (what a layer's restore
+    checks first)."""
+    if isinstance(a, dense.DenseWorld) != isinstance(b, dense.DenseWorld):
+        return False
+    if isinstance(a, dense.DenseWorld):
+        return a.cache.mode == b.cache.mode  # type: ignore[union-attr]
+    return (a.cache.max_size, a.cache.keep) == (b.cache.max_size, b.cache.keep)  # type: ignore[union-attr]
+
+
+def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> tuple[None, LayersWorld]:
+    """A list restore from snapshot ``name`` whose list hands layer
+    ``layer`` the snapshot layer ``source`` took (a store that mixed up its
+    entries): layer ``layer`` refuses it, after the layers before it have
+    taken theirs, and the list restore is all or none: InvalidArgumentError,
+    and nothing changed in any layer (semantics.md 6, "a restore one layer
+    refuses late"). Raises
+    StateError for an unknown name; InvalidArgumentError for layer indices
+    out of range or a pair of layers whose snapshots are interchangeable
+    (:func:`layers_interchangeable`: then the restore is no refusal)."""
+    _require(world, "restore", name)
+    n_layers = len(world.layers)
+    for field_name, j in (("layer", layer), ("from", source)):
+        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_layers:
+            raise InvalidArgumentError(f"restore_mixed: {field_name} must satisfy 0 <= {field_name} < {n_layers}, got {j!r}")
+    if layers_interchangeable(world.layers[layer], world.layers[source]):
+        raise InvalidArgumentError(f"restore_mixed: layers {layer} and {source} take each other's snapshots; "
+                                   "pick layers of another kind or window")
+    raise InvalidArgumentError(f"restore: layer {layer} refuses the snapshot of layer {source} "
+                               "(another kind or window); nothing changed in any layer")
+
+
 def w_drop(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
     _require(world, "drop", name)
     layers = tuple(_module(w).w_drop(w, name)[1] for w in world.layers)
@@ -277,6 +310,8 @@ def apply_op(world: LayersWorld, op: dict) -> tuple[object, LayersWorld]:
         return w_snapshot(world, op["name"])
     if name == "restore":
         return w_restore(world, op["name"])
+    if name == "restore_mixed":
+        return w_restore_mixed(world, op["name"], op["layer"], op["from"])
     if name == "drop":
         return w_drop(world, op["name"])
     if name == "hold":

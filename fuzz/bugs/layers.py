@@ -43,6 +43,17 @@ class TrimCountFromOffset(ListOps):
         return trimmed[0]
 
 
+class RestoreWithoutRollback(ListOps):
+    """The list restore walks the layers in order and lets a layer's
+    refusal propagate: the layers before the refusing one keep the
+    snapshot they adopted, the later ones do not, and the caller sees an
+    error as if nothing had happened."""
+
+    def restore(self, caches: list[Any], snapshots: list[Any]) -> None:
+        for c, snap in zip(caches, snapshots):
+            c.restore(snap)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "list_trim_partial", "semantics.md 6, atomic (every layer trims the same count or none)",
@@ -55,5 +66,11 @@ BUGS: tuple[InjectedBug, ...] = (
         "dense front trim with sinks (live_start > 0) inside a mixed list", "layers", ("fp16",),
         "impl.layers.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
         {"layers": {"layers": TrimCountFromOffset}},
+    ),
+    InjectedBug(
+        "list_restore_partial", "spec.layers.w_restore_mixed (a list restore a layer refuses changes no layer)",
+        "a prompt-cache store handing one layer another layer's snapshot (issue 26)", "layers", ("fp16",),
+        "impl.layers.restore_prompt_cache", "a layer's refusal leaves the layers before it restored",
+        {"layers": {"layers": RestoreWithoutRollback}},
     ),
 )

@@ -218,6 +218,17 @@ class NormScaledWrong(TurboKVCache):
         return tq.Quantized(q.packed, q.norm / mx.where(peak == 0, 1, peak), q.rescale)
 
 
+class SaveDropsFoldBlock(DelegatedKVCache):
+    """A Delegated ``meta_state`` without ``fold_block`` (hot_threshold
+    only); ``from_state`` takes a missing field as its default (128), so a
+    file saved and loaded by this class round-trips its own counters (the
+    reloaded meta_state equals the saved one: both lack the field) while
+    the loaded cache folds in blocks of 128, not the saved cache's."""
+
+    def _extra_meta(self) -> tuple[str, ...]:
+        return (str(self.hot_threshold),)
+
+
 CLAUSE_TRIM = "spec.dense.trim / spec.turbo.array_rows (Turbo trims are physical: every buffer cut to the live rows)"
 
 BUGS: tuple[InjectedBug, ...] = (
@@ -290,5 +301,12 @@ BUGS: tuple[InjectedBug, ...] = (
         "dense", ("turbo4asym", "turbo4"), "TurboKVCache._quantize",
         "the stored norm is the row's length over max|x|; the rescale (which 4-bit windows use) stays right",
         {"dense": NormScaledWrong},
+    ),
+    InjectedBug(
+        "delegated_save_drops_fold_block", "spec.dense.w_reload (a load keeps every setting of the saved cache)",
+        "a meta_state field dropped on both sides of a prompt-cache file round-trips its own counters (issue 26)",
+        "dense", ("turbo4delegated",), "DelegatedKVCache._extra_meta",
+        "a Delegated save drops fold_block and its load takes the default: the loaded cache folds other blocks",
+        {"dense": SaveDropsFoldBlock},
     ),
 )
