@@ -77,9 +77,11 @@ OP_TEXT = {
     "reload": "save and load the cache (`via`): a prompt-cache file (`impl.models`; the loaded layer goes on as the "
               "live cache) or mlx-lm's load order on the cache (`state`, then `meta_state`; not the Turbo classes). "
               "Same window, counters and switch; fresh buffers of the live rows, no marker, a ring's undo log empty "
-              "(`spec.dense.w_reload`, `spec.rotating.w_reload`)",
+              "(`spec.dense.w_reload`, `spec.rotating.w_reload`). A prompt cache (layers) reloads the whole list "
+              "(`spec.layers.w_reload`); `env`: `KV_INPLACE_WRITE` while the file loads, and every layer keeps the "
+              "file's switch",
     "restore_mixed": "layers: a list restore of snapshot `name` whose list hands layer `layer` (never 0 in the "
-                     "machine) the snapshot layer `from` took, of another kind or window: that layer refuses it after "
+                     "machine) the snapshot layer `source` took, of another kind or window: that layer refuses it after "
                      "the layers before it took theirs; refused (InvalidArgumentError, the layer's words), nothing "
                      "changed in any layer, ownership and undo logs included (`spec.layers.w_restore_mixed`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
@@ -115,6 +117,10 @@ FIELD_TEXT = {
     "undo": "undo-log depth U in rows (exact rollback after a wrap)",
     "layers": "the layer pattern of a prompt cache: a list of `{\"kind\": \"dense\", ...}` and "
               "`{\"kind\": \"rotating\", \"max_size\": W, ...}` objects (docs/layers.md)",
+    "build": "who builds a prompt cache's layers: `list` (each layer on its own, per-layer `mode`, `step`, `undo`) "
+             "or `make_prompt_cache` (`impl.models.make_prompt_cache` for a model whose `make_cache()` gives the "
+             "layout: the list's mode and step, every ring's undo depth `num_draft_tokens`)",
+    "num_draft_tokens": "the `num_draft_tokens` argument of `make_prompt_cache` (every ring's undo depth)",
     "block_size": "rows per pool block",
     "max_blocks": "most blocks the pool may grow to (0: no maximum)",
     "chunk": "blocks added per pool growth",

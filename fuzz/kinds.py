@@ -184,8 +184,12 @@ KINDS: dict[str, Kind] = {
             "sinks); list-level append, atomic trim, snapshot and restore (semantics.md 6)",
             # mode: the storage of the dense layers (rings are fp16)
             modes=("fp16", "int8"),
-            fields={"layers": REQUIRED},
-            ops=("can_trim", "layer", "restore_mixed"),
+            # build: "list" (the harness builds each layer) or
+            # "make_prompt_cache" (impl.models.make_prompt_cache builds the
+            # list for a model whose make_cache() gives the layout: the
+            # model-level configuration); num_draft_tokens: its argument
+            fields={"layers": REQUIRED, "build": "list", "num_draft_tokens": 0},
+            ops=("can_trim", "layer", "restore_mixed", "reload"),
             refuses=("trim_to",),
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
             lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",

@@ -23,7 +23,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from fuzz.lockstep import Divergence, Lockstep
+from fuzz.lockstep import Divergence, Lockstep, reload_through_file
 from fuzz.machine import APPEND_N, KVMachine
 from fuzz.masks import check_dense_masks, check_ring_masks
 from fuzz.quant_ref import int8_oracle
@@ -39,8 +39,10 @@ from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationEr
 
 
 class ListOps:
-    """The list-level operations under test (``impl.layers``). The bug
-    catalog passes a subclass that breaks one of them."""
+    """The list-level operations under test (``impl.layers``) and the model
+    glue around a prompt cache (``impl.models``: ``make_prompt_cache``, the
+    prompt-cache file's save and load). The bug catalog passes a subclass
+    that breaks one of them."""
 
     def trim(self, caches: list[Any], n: int) -> int:
         return impl_layers.trim_prompt_cache(caches, n)
@@ -54,18 +56,58 @@ class ListOps:
     def restore(self, caches: list[Any], snapshots: list[Any]) -> None:
         impl_layers.restore_prompt_cache(caches, snapshots)
 
+    def make_prompt_cache(self, model: Any, **kw: Any) -> list[Any]:
+        from impl.models import make_prompt_cache
 
-def spec_pattern(layers: list[dict[str, Any]], mode: str = "fp16", step: int = 256) -> tuple[sl.Layer, ...]:
+        return make_prompt_cache(model, **kw)
+
+    def save_prompt_cache(self, file: Any, caches: list[Any]) -> None:
+        from impl.models import save_prompt_cache
+
+        save_prompt_cache(file, caches)
+
+    def load_prompt_cache(self, file: Any) -> list[Any]:
+        from impl.models import load_prompt_cache
+
+        return load_prompt_cache(file)
+
+
+def spec_pattern(layers: list[dict[str, Any]], mode: str = "fp16", step: int = 256,
+                 num_draft_tokens: int = 0) -> tuple[sl.Layer, ...]:
     """A trace's ``layers`` list as spec layer descriptions; a layer without
-    ``mode`` / ``step`` takes the list's."""
+    ``mode`` / ``step`` takes the list's, a ring without ``undo`` the list's
+    ``num_draft_tokens`` (what ``make_prompt_cache`` gives every ring)."""
     out: list[sl.Layer] = []
     for layer in layers:
         if layer["kind"] == "dense":
             out.append(sl.DenseLayer(layer.get("mode", mode), layer.get("step", step)))
         else:
             out.append(sl.RingLayer(layer["max_size"], layer.get("keep", 0), layer.get("step", step),
-                                    layer.get("undo", 0)))
+                                    layer.get("undo", num_draft_tokens)))
     return tuple(out)
+
+
+#: kvtrace ``cache.build`` of a prompt cache: who builds the layers
+BUILDS = ("list", "make_prompt_cache")
+
+
+class LayoutModel:
+    """A stand-in for an mlx-lm model: ``make_cache()`` gives mlx-lm's own
+    per-layer caches for the trace's layout (``KVCache`` for a dense layer,
+    ``RotatingKVCache(max_size, keep)`` for a ring), which
+    ``impl.models.make_prompt_cache`` turns into ours, as for gemma3 or a
+    llama with ``layer_types``."""
+
+    def __init__(self, layers: list[dict[str, Any]]):
+        self.layout = [dict(layer) for layer in layers]
+        self.layers = self.layout
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models import cache as lm_cache
+
+        return [lm_cache.KVCache() if layer["kind"] == "dense"
+                else lm_cache.RotatingKVCache(max_size=layer["max_size"], keep=layer.get("keep", 0))
+                for layer in self.layout]
 
 
 class LayersLockstep(Lockstep):
@@ -79,7 +121,18 @@ class LayersLockstep(Lockstep):
 
     @classmethod
     def check_cache(cls, cache: dict[str, Any]) -> None:
+        build = cache.get("build", "list")
+        if build not in BUILDS:
+            raise TraceFormatError(f"field cache.build: must be one of {', '.join(BUILDS)}, got {build!r}")
+        drafts = cache.get("num_draft_tokens", 0)
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 0:
+            raise TraceFormatError(f"field cache.num_draft_tokens: must be an integer >= 0, got {drafts!r}")
         for j, layer in enumerate(cache["layers"]):
+            own = sorted(set(layer) & {"mode", "step", "undo"})
+            if build == "make_prompt_cache" and own:
+                raise TraceFormatError(
+                    f"field cache.layers.{j}.{own[0]}: with build make_prompt_cache every layer takes the list's "
+                    "mode and step and every ring undo num_draft_tokens (one call builds them all)")
             if layer["kind"] == "rotating" and layer.get("keep", 0) >= layer["max_size"]:
                 raise TraceFormatError(
                     f"field cache.layers.{j}.keep: must be < max_size ({layer['max_size']}), got {layer.get('keep', 0)}"
@@ -88,18 +141,27 @@ class LayersLockstep(Lockstep):
     def __init__(self, cache: dict[str, Any], factories: dict[str, Any] | None = None):
         super().__init__(cache)
         factories = factories or {}
-        self.pattern = spec_pattern(cache["layers"], cache["mode"], cache["step"])
+        drafts = cache.get("num_draft_tokens", 0)
+        self.pattern = spec_pattern(cache["layers"], cache["mode"], cache["step"], drafts)
         self.world = sl.new_world(self.pattern, self.spec_inplace())
         self.prev_world = self.world
         dense_cls = factories.get("dense", KVCache)
         ring_cls = factories.get("rotating", RotatingKVCache)
-        self.caches: list[Any] = [
-            self.build(dense_cls, mode=p.mode, step=p.step) if isinstance(p, sl.DenseLayer)
-            else self.build(ring_cls, max_size=p.max_size, keep=p.keep, step=p.step,
-                            **({"undo": p.undo} if p.undo else {}))
-            for p in self.pattern
-        ]
-        self.list_ops: ListOps = factories.get("layers", ListOps)()
+        ops = factories.get("layers", ListOps)
+        self.list_ops: ListOps = ops()
+        if cache.get("build", "list") == "make_prompt_cache":
+            self.reached("lists built by make_prompt_cache")
+            classes = {k: factories[k] for k in ("dense", "rotating") if k in factories}
+            self.caches: list[Any] = self.build(self.list_ops.make_prompt_cache, model=LayoutModel(cache["layers"]),
+                                                mode=cache["mode"], step=cache["step"], num_draft_tokens=drafts,
+                                                classes=classes or None)
+        else:
+            self.caches = [
+                self.build(dense_cls, mode=p.mode, step=p.step) if isinstance(p, sl.DenseLayer)
+                else self.build(ring_cls, max_size=p.max_size, keep=p.keep, step=p.step,
+                                **({"undo": p.undo} if p.undo else {}))
+                for p in self.pattern
+            ]
         self.pointers_before: list[tuple[int, int] | None] = []
 
     def wide_rows(self) -> bool:
@@ -159,6 +221,8 @@ class LayersLockstep(Lockstep):
             return None
         if name == "restore_mixed":
             return self._restore_mixed(op)
+        if name == "reload":
+            return self._reload(op)
         if name == "layer":
             return self._layer_op(op["index"], op["do"])
         raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
@@ -168,7 +232,7 @@ class LayersLockstep(Lockstep):
 
     def _restore_mixed(self, op: dict[str, Any]) -> None:
         """The list restore of snapshot ``name`` with layer ``layer``'s entry
-        replaced by layer ``from``'s: the list operation under test must
+        replaced by layer ``source``'s: the list operation under test must
         refuse it (the layer does) and leave every layer as it was. The
         trace's preconditions (indices, a pair that cannot swap snapshots)
         are the spec's (``spec.layers.w_restore_mixed``), checked here
@@ -176,9 +240,9 @@ class LayersLockstep(Lockstep):
         snaps = self.holders.get(op["name"])
         if snaps is None:
             raise StateError(f"restore: no snapshot or handle named {op['name']!r}")
-        layer, source = op["layer"], op["from"]
+        layer, source = op["layer"], op["source"]
         n_layers = len(self.caches)
-        for field_name, j in (("layer", layer), ("from", source)):
+        for field_name, j in (("layer", layer), ("source", source)):
             if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_layers:
                 raise InvalidArgumentError(
                     f"restore_mixed: {field_name} must satisfy 0 <= {field_name} < {n_layers}, got {j!r}")
@@ -189,6 +253,27 @@ class LayersLockstep(Lockstep):
         mixed[layer] = snaps[source]
         self.reached("late list refusals")
         self.list_ops.restore(self.caches, mixed)
+
+    def _reload(self, op: dict[str, Any]) -> None:
+        """The whole list saved and loaded back: ``via: file`` through a
+        prompt-cache file of every layer (``ListOps.save_prompt_cache`` /
+        ``load_prompt_cache``; ``env``: ``KV_INPLACE_WRITE`` while loading,
+        a process whose switch differs from the file's), ``via: state`` in
+        mlx-lm's load order on every layer (``state``, then
+        ``meta_state``). The loaded list goes on as the live one."""
+        via, env = op.get("via", "file"), op.get("env")
+        if via not in ("file", "state"):
+            raise InvalidArgumentError(f"reload: via must be 'file' or 'state', got {via!r}")
+        if env is not None and not isinstance(env, str):
+            raise TraceFormatError(f"reload: env must be a string (a KV_INPLACE_WRITE spelling), got {env!r}")
+        if via == "state":
+            for c in self.caches:
+                state, meta = c.state, c.meta_state
+                c.state = state
+                c.meta_state = meta
+            return
+        self.caches = reload_through_file(self.caches, self.list_ops.save_prompt_cache,
+                                          self.list_ops.load_prompt_cache, env)
 
     def _layer_op(self, index: Any, inner: dict[str, Any]) -> Any:
         n_layers = len(self.caches)
@@ -272,6 +357,10 @@ class LayersLockstep(Lockstep):
                 obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": sr.is_trimmable(c),
                        "trimmable_rows": sr.trimmable_rows(c)}
             out.update({f"layer {j} {k}": v for k, v in obs.items()})
+        switch = self.spec_inplace()
+        for j, p in enumerate(self.pattern):
+            out[f"layer {j} settings"] = (("dense", p.mode, p.step, switch) if isinstance(p, sl.DenseLayer)
+                                          else ("rotating", p.max_size, p.keep, p.step, p.undo, switch))
         return out
 
     def impl_observables(self) -> dict[str, Any]:
@@ -283,6 +372,10 @@ class LayersLockstep(Lockstep):
                 obs = {"offset": c.offset, "idx": c.idx, "capacity": c.capacity, "trimmable": c.is_trimmable(),
                        "trimmable_rows": c.trimmable_rows()}
             out.update({f"layer {j} {k}": v for k, v in obs.items()})
+        for j, c in enumerate(self.caches):
+            out[f"layer {j} settings"] = (
+                ("dense", c.mode, c.step, c.inplace) if isinstance(c, KVCache)
+                else ("rotating", c.max_size, c.keep, c.step, getattr(c, "undo", 0), c.inplace))
         return out
 
     def spec_views(self) -> dict[str, tuple[int, ...]]:
@@ -444,7 +537,31 @@ class LayersMachine(KVMachine):
 
     @initialize(layers=layer_patterns(), data=st.data())
     def init(self, layers: list[dict[str, Any]], data: st.DataObject) -> None:
-        self.setup(layers=layers, **self.draw_shape(data))
+        """Half the examples build the list through ``make_prompt_cache`` (the
+        model-level configuration: a random layout of full-attention and
+        sliding layers, the list's step and mode, ``num_draft_tokens`` 0 to
+        3 for every ring's undo log, the in-place switch or a spelling of
+        it); the others build each layer on its own (per-layer steps and
+        undo depths)."""
+        extra: dict[str, Any] = {}
+        if data.draw(st.sampled_from(BUILDS), label="build") == "make_prompt_cache":
+            layers = [{k: v for k, v in layer.items() if k not in ("mode", "step", "undo")} for layer in layers]
+            extra = {"build": "make_prompt_cache", "step": data.draw(st.integers(1, 8), label="step"),
+                     "num_draft_tokens": data.draw(st.integers(0, 3), label="num_draft_tokens")}
+        self.setup(layers=layers, **extra, **self.draw_shape(data))
+
+    @rule(via=st.sampled_from(["file", "state"]))
+    def reload(self, via: str) -> None:
+        """The whole list saved and loaded back, through a prompt-cache file
+        (loaded in a process whose ``KV_INPLACE_WRITE`` says the opposite of
+        the list's switch: every layer keeps the file's) or in mlx-lm's
+        load order (``state``, then ``meta_state``); the list goes on with
+        what was loaded, so its behaviour is compared from then on, and
+        every layer's settings at once."""
+        op: dict[str, Any] = {"op": "reload", "via": via}
+        if via == "file":
+            op["env"] = "0" if self.lock.spec_inplace() else "1"
+        self.do(op)
 
     @property
     def offset(self) -> int:
@@ -487,12 +604,12 @@ class LayersMachine(KVMachine):
                  if not sl.layers_interchangeable(layers[k], layers[j])]
         if not pairs:
             return
-        k, j = data.draw(st.sampled_from(pairs), label="layer, from")
+        k, j = data.draw(st.sampled_from(pairs), label="layer, source")
         name = self.fresh_name("m")
         self.do({"op": "snapshot", "name": name})
         for _ in range(n):
             self.do({"op": "append", "n": 1})
-        self.do({"op": "restore_mixed", "name": name, "layer": k, "from": j})
+        self.do({"op": "restore_mixed", "name": name, "layer": k, "source": j})
         self.do({"op": "drop", "name": name})
 
     @rule()
@@ -515,4 +632,4 @@ class LayersMachine(KVMachine):
 
 
 
-__all__ = ["LayersLockstep", "LayersMachine", "ListOps", "layer_patterns", "spec_pattern"]
+__all__ = ["BUILDS", "LayersLockstep", "LayersMachine", "LayoutModel", "ListOps", "layer_patterns", "spec_pattern"]

@@ -243,7 +243,7 @@ def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> t
     (:func:`layers_interchangeable`: then the restore is no refusal)."""
     _require(world, "restore", name)
     n_layers = len(world.layers)
-    for field_name, j in (("layer", layer), ("from", source)):
+    for field_name, j in (("layer", layer), ("source", source)):
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_layers:
             raise InvalidArgumentError(f"restore_mixed: {field_name} must satisfy 0 <= {field_name} < {n_layers}, got {j!r}")
     if layers_interchangeable(world.layers[layer], world.layers[source]):
@@ -251,6 +251,18 @@ def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> t
                                    "pick layers of another kind or window")
     raise InvalidArgumentError(f"restore: layer {layer} refuses the snapshot of layer {source} "
                                "(another kind or window); nothing changed in any layer")
+
+
+def w_reload(world: LayersWorld, via: str) -> tuple[None, LayersWorld]:
+    """The whole list saved and loaded back (``via``: ``"file"``, a
+    prompt-cache file of every layer; ``"state"``, mlx-lm's load order on
+    each layer): each layer as its kind's reload says
+    (``spec.dense.w_reload``, ``spec.rotating.w_reload``): same window,
+    counters and settings (mode, step, window, sinks, undo depth, in-place
+    switch, whatever the loading process's ``KV_INPLACE_WRITE``), fresh
+    buffers without ownership, a ring's undo log empty; list snapshots
+    stay. Raises InvalidArgumentError for another ``via``."""
+    return None, replace(world, layers=tuple(_module(w).w_reload(w, via)[1] for w in world.layers))
 
 
 def w_drop(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
@@ -310,8 +322,10 @@ def apply_op(world: LayersWorld, op: dict) -> tuple[object, LayersWorld]:
         return w_snapshot(world, op["name"])
     if name == "restore":
         return w_restore(world, op["name"])
+    if name == "reload":
+        return w_reload(world, op.get("via", "file"))
     if name == "restore_mixed":
-        return w_restore_mixed(world, op["name"], op["layer"], op["from"])
+        return w_restore_mixed(world, op["name"], op["layer"], op["source"])
     if name == "drop":
         return w_drop(world, op["name"])
     if name == "hold":

@@ -21,7 +21,7 @@ from impl.models import make_prompt_cache
 from impl.rotating import RotatingKVCache
 
 #: a valid value for a required field that is not a count
-REQUIRED_EXAMPLES = {"layers": [{"kind": "dense"}]}
+REQUIRED_EXAMPLES = {"layers": [{"kind": "dense"}], "build": "make_prompt_cache"}
 
 
 def minimal_cache(kind: str) -> dict:

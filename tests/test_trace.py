@@ -173,7 +173,8 @@ _FIELDS = {
     "expect": ["window", "of", "order", "layer"], "fetch": [], "hold": [], "release_hold": [],
     "can_trim": [], "layer": ["index", "do"],
     "state_snapshot": ["name"], "state_restore": ["name"],
-    "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "reload": ["via"],
+    "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "reload": ["via", "env"],
+    "restore_mixed": ["name", "layer", "source"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -190,6 +191,7 @@ _VALID = {
     "live": st.sampled_from(["original", "copy"]),
     "differs": st.sampled_from(["batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype"]),
     "via": st.sampled_from(["file", "state"]),
+    "env": st.sampled_from(["0", "1", " OFF", "x" * 64]),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -203,13 +205,14 @@ _BAD = {
     "live": st.sampled_from(["both", 1, None]),
     "differs": st.sampled_from(["heads", "", 2]),
     "via": st.sampled_from(["disk", True]),
+    "env": st.sampled_from([0, None, "x" * 65]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
          "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
          "layer": "count", "index": "int", "do": "do", "deep": "bool", "live": "live", "differs": "differs",
-         "via": "via"}
-_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via"}}
+         "via": "via", "source": "int", "env": "env"}
+_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via", "env"}}
 
 
 @st.composite

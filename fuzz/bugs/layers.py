@@ -54,6 +54,36 @@ class RestoreWithoutRollback(ListOps):
             c.restore(snap)
 
 
+class RingsGetLayerStep(ListOps):
+    """``make_prompt_cache`` building the sliding-window layers with the
+    step of mlx-lm's own layer cache (``RotatingKVCache.step``, 256), not
+    the ``step`` argument: one layer kind gets a wrong setting, the
+    full-attention layers are right."""
+
+    def make_prompt_cache(self, model: Any, **kw: Any) -> list[Any]:
+        from impl.rotating import RotatingKVCache
+
+        caches = super().make_prompt_cache(model, **kw)
+        return [type(c)(max_size=c.max_size, keep=c.keep, step=256, inplace=c.inplace, undo=c.undo)
+                if isinstance(c, RotatingKVCache) else c for c in caches]
+
+
+class LoadIgnoresInplace(ListOps):
+    """A prompt-cache load that leaves each layer's in-place switch to the
+    loading process's ``KV_INPLACE_WRITE`` (the line restoring the file's
+    ``inplace`` missing): a list saved with the switch off writes in place
+    once loaded where the variable is unset or on."""
+
+    def load_prompt_cache(self, file: Any) -> list[Any]:
+        from impl.dense import inplace_switch_from_env
+
+        caches = super().load_prompt_cache(file)
+        for c in caches:
+            if hasattr(c, "inplace"):
+                c.inplace = inplace_switch_from_env()
+        return caches
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "list_trim_partial", "semantics.md 6, atomic (every layer trims the same count or none)",
@@ -72,5 +102,18 @@ BUGS: tuple[InjectedBug, ...] = (
         "a prompt-cache store handing one layer another layer's snapshot (issue 26)", "layers", ("fp16",),
         "impl.layers.restore_prompt_cache", "a layer's refusal leaves the layers before it restored",
         {"layers": {"layers": RestoreWithoutRollback}},
+    ),
+    InjectedBug(
+        "make_prompt_cache_ring_step", "spec.layers.make_prompt_cache (every layer takes the list's settings)",
+        "make_prompt_cache passing a wrong setting to one layer kind (issue 26)", "layers", ("fp16",),
+        "impl.models.make_prompt_cache", "the sliding-window layers get mlx-lm's layer step (256), not step",
+        {"layers": {"layers": RingsGetLayerStep}},
+    ),
+    InjectedBug(
+        "load_ignores_inplace", "spec.layers.w_reload (a loaded layer keeps the file's in-place switch)",
+        "a prompt-cache file load that ignores the saved in-place switch (issue 26)", "layers", ("fp16",),
+        "impl.models.load_prompt_cache", "each loaded layer's switch comes from the loading process's "
+        "KV_INPLACE_WRITE, not from the file",
+        {"layers": {"layers": LoadIgnoresInplace}}, inplace=False,
     ),
 )
