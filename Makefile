@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml
 verify: $(STAMP)
 	$(BIN)/kvspec verify
 
+# On every core (pytest-xdist). --dist loadgroup: each test file is one
+# group run whole on one worker (its module fixtures built once), except the
+# files tests/conftest.py's SPREAD names, whose tests go one by one to
+# whichever worker is free. The slowest tests are listed at the end.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadgroup --durations=15
 
 fuzz: $(STAMP)
 	$(BIN)/kvspec fuzz --budget $${BUDGET:-120}

@@ -8,11 +8,21 @@ example database is kept, so a CI result depends on the code alone. Campaigns
 profile without the shrink phase: a mutant is killed by the first failing
 example, and minimising that example only costs time per mutant (it is what
 made most mutmut runs hit their timeout).
+
+The ``kvspec fuzz`` runs the tests start (in process or as a subprocess)
+inherit ``KVSPEC_DB=none`` unless the environment sets it: without it they
+would share the default example database ``.hypothesis/kvspec-examples`` in
+the checkout, so a failure one test saved would replay first in another and
+a result would depend on which tests ran before (and, under pytest-xdist, on
+which worker ran them). Tests of the database pass ``--db`` themselves.
 """
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+TRACES_KEY = pytest.StashKey[dict]()
 
 settings.register_profile(
     "ci",
@@ -28,18 +38,64 @@ settings.register_profile(
     "mutation", settings.get_profile("ci"), phases=[Phase.explicit, Phase.reuse, Phase.generate]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+os.environ.setdefault("KVSPEC_DB", "none")
+
+#: Files whose tests share no module fixture and no state: under ``make
+#: test``'s ``--dist loadgroup`` each of their tests goes to whichever
+#: worker is free (one file would otherwise hold one core for minutes).
+#: Every other file is one xdist group, run whole on one worker, so its
+#: module fixtures (the proofs run, the browser, the compiled adapters) are
+#: built once and its tests run in file order.
+SPREAD = frozenset({"test_bugs.py"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+#: where test_transformers_traces counts its replays (module attribute DONE)
+TRACES_MODULE = "tests.test_transformers_traces"
+
+
+def traces_done() -> dict[str, int]:
+    """This process's replay counts (zero where the module did not run)."""
+    import sys
+
+    mod = sys.modules.get(TRACES_MODULE)
+    return dict(mod.DONE) if mod is not None else {"ours": 0, "transformers": 0}
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker hands its counts to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["kvspec_traces_done"] = traces_done()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller adds up each worker's counts (pytest-xdist hook; only
+    called where xdist is running)."""
+    got = getattr(node, "workeroutput", {}).get("kvspec_traces_done", {})
+    total = node.config.stash.setdefault(TRACES_KEY, {"ours": 0, "transformers": 0})
+    for key, n in got.items():
+        total[key] = total.get(key, 0) + n
 
 
 def pytest_terminal_summary(terminalreporter):
     """Say which engines the recorded transformers traces were replayed on
     (tests/test_transformers_traces.py): ours always, transformers where
     PyTorch is installed."""
-    import sys
-
-    mod = sys.modules.get("tests.test_transformers_traces")
-    if mod is None or not any(mod.DONE.values()):
+    done = terminalreporter.config.stash.get(TRACES_KEY, None) or traces_done()
+    if not any(done.values()):
         return
-    on = f"and against transformers ({mod.DONE['transformers']})" if mod.DONE["transformers"] else (
+    on = f"and against transformers ({done['transformers']})" if done["transformers"] else (
         "only (PyTorch/transformers not installed: optional extra 'transformers')")
     terminalreporter.write_line(f"kvspec: recorded transformers traces replayed against our caches "
-                                f"({mod.DONE['ours']}) {on}")
+                                f"({done['ours']}) {on}")

@@ -1,10 +1,19 @@
 """The docs site, built once per test session (tests/test_docs.py and
 tests/test_docs_browser.py share it): ``mkdocs build --strict`` into
-``docs-artifacts/site`` (ignored by git)."""
+``docs-artifacts/site`` (ignored by git).
+
+Under pytest-xdist (``make test``) the two files may run on two workers at
+once: the build holds an exclusive lock on ``docs-artifacts/site.lock``, and
+the worker that builds first records its run id (``PYTEST_XDIST_TESTRUNUID``,
+the same in every worker of one run) with the build's exit status and log,
+so the other worker waits for that build and reuses it instead of building
+into the same folder at the same time."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -20,9 +29,21 @@ def build() -> tuple[Path, str]:
     strict build fails. (Not ``-q``: MkDocs' quiet mode also stops strict
     mode from counting warnings, so a broken link would pass.)"""
     out = ARTIFACTS / "site"
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-                         check=False, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, f"mkdocs build --strict failed:\n{log}"
+    ARTIFACTS.mkdir(exist_ok=True)
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    stamp = ARTIFACTS / "site.build.json"
+    with open(ARTIFACTS / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = json.loads(stamp.read_text()) if run_id and stamp.exists() else {}
+        if done.get("run") == run_id and run_id:
+            code, log = done["code"], done["log"]
+        else:
+            stamp.unlink(missing_ok=True)
+            env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+            run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+                                 check=False, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+            code, log = run.returncode, run.stdout + run.stderr
+            if run_id:
+                stamp.write_text(json.dumps({"run": run_id, "code": code, "log": log}))
+    assert code == 0, f"mkdocs build --strict failed:\n{log}"
     return out, log

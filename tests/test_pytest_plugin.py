@@ -34,13 +34,14 @@ def _installed() -> bool:
 
 
 @pytest.fixture
-def suite(pytester, tmp_path):
+def suite(pytester, tmp_path, monkeypatch):
     """A user's project: the package ``usercache`` and a conftest with a
     Hypothesis profile ``user`` whose example database is a folder."""
     write_package(pytester.path)
     db = tmp_path / "hypothesis-db"
     pytester.makeconftest(CONFTEST.format(db=db))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(pytester.path), str(REPO), os.environ.get("PYTHONPATH", "")])
+    # for this test only (a later test in the same worker must not inherit it)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path), str(REPO), os.environ.get("PYTHONPATH", "")]))
     return pytester, db
 
 
