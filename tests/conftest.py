@@ -46,7 +46,7 @@ os.environ.setdefault("KVSPEC_DB", "none")
 #: Every other file is one xdist group, run whole on one worker, so its
 #: module fixtures (the proofs run, the browser, the compiled adapters) are
 #: built once and its tests run in file order.
-SPREAD = frozenset({"test_bugs.py"})
+SPREAD = frozenset({"test_bugs.py", "test_reports.py", "test_campaigns.py", "test_e2e.py"})
 
 
 def pytest_configure(config):

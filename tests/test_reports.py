@@ -208,15 +208,20 @@ def test_the_rerun_hint_after_ctrl_c_keeps_every_option(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    line = ""
-    while time.monotonic() < deadline and "kvspec fuzz: seed" not in line:
+    line = seed_line = ""
+    # Ctrl-C once the campaign has reported progress (on a loaded machine,
+    # under pytest-xdist, a fixed sleep after the seed line can land before
+    # the campaign has started)
+    while time.monotonic() < deadline and not (seed_line and "examples" in line):
         line = proc.stderr.readline()
-    time.sleep(3)
+        if "kvspec fuzz: seed" in line:
+            seed_line = line
+    assert seed_line, "the campaign never printed its seed"
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, stdout
     text = " ".join(stdout.split())
-    seed = line.split("seed ")[1].split(",")[0]
+    seed = seed_line.split("seed ")[1].split(",")[0]
     assert f"rerun: kvspec fuzz --kind rotating --inplace on --budget 300 --out {out} --seed {seed}" in text
     assert "rotating/fp16/inplace" in text  # the partial campaign is in the table
 
