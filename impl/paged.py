@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 
 from impl.dense import _check_int, _check_rows, inplace_switch_from_env, refuse_foreign_save
-from impl.write import write_copy, write_inplace
+from impl.write import inplace_keeps_memory, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MAIN = "main"
@@ -53,6 +53,100 @@ def table_len(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
+class BlockTable(list):
+    """A block table: a list of block ids (``None`` where a front trim
+    released a block), which records the lowest index changed since the
+    device mirror was last brought up to date (:meth:`BlockPool.fetch`
+    gathers through that mirror). Every mutating list method marks; reads
+    are a plain list's."""
+
+    dirty_from: int = 0
+
+    def _mark(self, i: int) -> None:
+        self.dirty_from = min(self.dirty_from, max(0, i))
+
+    def _mark_index(self, index: Any) -> None:
+        if isinstance(index, slice):
+            self._mark(index.indices(len(self))[0])
+        else:
+            self._mark(index if index >= 0 else len(self) + index)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._mark_index(index)
+        super().__setitem__(index, value)
+
+    def __delitem__(self, index: Any) -> None:
+        self._mark_index(index)
+        super().__delitem__(index)
+
+    def append(self, value: Any) -> None:
+        self._mark(len(self))
+        super().append(value)
+
+    def extend(self, values: Any) -> None:
+        self._mark(len(self))
+        super().extend(values)
+
+    def __iadd__(self, values: Any) -> Self:
+        self.extend(values)
+        return self
+
+    def insert(self, index: Any, value: Any) -> None:
+        self._mark(0)
+        super().insert(index, value)
+
+    def pop(self, index: Any = -1) -> Any:
+        self._mark(0)
+        return super().pop(index)
+
+    def remove(self, value: Any) -> None:
+        self._mark(0)
+        super().remove(value)
+
+    def clear(self) -> None:
+        self._mark(0)
+        super().clear()
+
+    def sort(self, *a: Any, **k: Any) -> None:
+        self._mark(0)
+        super().sort(*a, **k)
+
+    def reverse(self) -> None:
+        self._mark(0)
+        super().reverse()
+
+
+class _TableMirror:
+    """The device copy of a block table (int32, ``None`` as 0: only blocks
+    wholly before the logical start are ``None``, and no gather reads them),
+    with spare capacity, kept up to date by writing only the entries from
+    the table's ``dirty_from`` on (a static slice update MLX donates: O(new
+    entries) a step, no host read)."""
+
+    def __init__(self) -> None:
+        self.array: mx.array | None = None
+        self.of: BlockTable | None = None
+        self.synced = 0  # entries [0, synced) of array equal the table's
+
+    def sync(self, table: BlockTable) -> mx.array:
+        if self.of is not table:  # a table assigned whole: resync it all
+            self.of, self.synced = table, 0
+        lo = min(table.dirty_from, self.synced, len(table))
+        n = len(table)
+        if self.array is None or n > self.array.shape[0]:
+            cap = max(16, 2 * n)
+            grown = mx.zeros((cap,), dtype=mx.int32)
+            if self.array is not None and lo:
+                grown = write_copy(grown, self.array[:lo], (slice(0, lo),))
+            self.array = grown
+        if n > lo:
+            self.array = write_copy(self.array, mx.array([0 if b is None else b for b in table[lo:n]],
+                                                         dtype=mx.int32), (slice(lo, n),))
+        self.synced = n
+        table.dirty_from = n
+        return self.array
+
+
 @dataclass
 class Sequence:
     """A sequence of the pool: block table (``None`` where a front trim
@@ -61,6 +155,11 @@ class Sequence:
     table: list[int | None] = field(default_factory=list)
     length: int = 0
     start: int = 0
+    mirror: _TableMirror = field(default_factory=_TableMirror, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.table, BlockTable):
+            self.table = BlockTable(self.table)
 
     @property
     def visible(self) -> int:
@@ -298,18 +397,36 @@ class BlockPool:
 
     def fetch(self, seq: str = MAIN) -> tuple[mx.array, mx.array] | None:
         """Gather ``seq``'s table's blocks, flattened, sliced ``[start,
-        length)``: ``(keys, values)`` ``[1, H, visible, D]``, evaluated into
-        memory of their own; None when nothing is visible."""
+        length)``: ``(keys, values)`` ``[1, H, visible, D]`` in memory of
+        their own (a gather never aliases a slab); None when nothing is
+        visible.
+
+        The gather goes through the device mirror of the block table
+        (:class:`_TableMirror`): the host work is O(table entries changed
+        since the last fetch), never a list of every position, and no slab
+        is read on the host. Where an in-place write goes into a slab behind
+        MLX's graph (the NumPy view, the CUDA kernel: impl.write.
+        inplace_keeps_memory) the gather is evaluated before it is returned,
+        so no later in-place write can reach a window already handed out;
+        under CUDA's ``donate`` (and with the in-place switch off) every
+        write is a graph node that the gather depends on, so the gather is
+        left lazy for the caller's evaluation, as a dense cache's window is."""
         s = self._require("fetch", seq)
         if s.visible == 0 or self.keys is None:
             return None
+        if not isinstance(s.table, BlockTable):
+            s.table = BlockTable(s.table)
         bs = self.block_size
-        rows = mx.array([s.table[block_index(p, bs)] * bs + p % bs for p in range(s.start, s.length)])
+        first, end = block_index(s.start, bs), table_len(s.length, bs)
+        blocks = s.mirror.sync(s.table)[first:end]
+        lo, hi = s.start - first * bs, s.length - first * bs
         out = []
         for slab in (self.keys, self.values):
-            flat = slab.reshape(-1, slab.shape[2], slab.shape[3])
-            out.append(mx.take(flat, rows, axis=0).transpose(1, 0, 2)[None])
-        mx.eval(*out)
+            rows = mx.take(slab, blocks, axis=0)  # [blocks, bs, H, D]
+            rows = rows.reshape(-1, slab.shape[2], slab.shape[3])[lo:hi]
+            out.append(rows.transpose(1, 0, 2)[None])
+        if self.inplace and inplace_keeps_memory():
+            mx.eval(*out)
         return out[0], out[1]
 
     def _truncate(self, s: Sequence, length: int) -> None:

@@ -59,6 +59,20 @@ def int8_representable(x: mx.array) -> tuple[bool, float]:
     return bool(ok.item()), float(absmax.item())
 
 
+def int8_rows_representable(keys: mx.array, values: mx.array) -> str | None:
+    """The append path's form of :func:`int8_representable`: None when
+    every value of ``keys`` and ``values`` is finite once cast to float16,
+    else the name of the first that is not (``"keys"`` or ``"values"``).
+    One host read of one flag for both (on a GPU each host read is a
+    synchronisation, paid per layer per decode step); the magnitudes are
+    read only for a refusal's message. Reads only the incoming rows, never
+    a cache buffer."""
+    ok = mx.all(mx.isfinite(keys.astype(mx.float16))) & mx.all(mx.isfinite(values.astype(mx.float16)))
+    if bool(ok.item()):
+        return None
+    return "keys" if not int8_representable(keys)[0] else "values"
+
+
 def dequantize_int8(q: mx.array, scale: mx.array, dtype: mx.Dtype = mx.float16) -> mx.array:
     """``q * scale`` rounded once to ``dtype`` (saturated to +-65504 for
     float16): ``q`` int8 ``[..., D]``, ``scale`` float16 ``[..., 1]``;

@@ -282,7 +282,11 @@ class RotatingKVCache:
         if self.idx >= W:
             self.idx = K
         inplace = self._inplace_write_allowed()
-        self._log_decode(prior, self.idx)
+        saved = self._log_decode(prior, self.idx)
+        if saved:
+            # the write's rows depend on the saved copy: MLX computes the copy
+            # first and lets go of the buffer, so the write may still reuse it
+            k, v = mx.depends([k, v], saved)
         self._write_row(k, v, inplace)
         self.offset += 1
         self.idx += 1
@@ -344,18 +348,26 @@ class RotatingKVCache:
         return out
 
     # -- the undo log (spec.rotating: decode_record, prefill_record) ----------
-    def _log_decode(self, prior: tuple[int, int, int, int], slot: int) -> None:
+    def _log_decode(self, prior: tuple[int, int, int, int], slot: int) -> list[mx.array]:
         """Record the decode about to write at ``slot``: the counters before
         it and the row it overwrites when that row is valid; onto an
-        oversized buffer the record is not whole (spec.rotating.decode_record)."""
+        oversized buffer the record is not whole (spec.rotating.decode_record).
+        Returns the saved rows (empty when none were saved)."""
         if self.undo == 0:
-            return
+            return []
         offset, idx, cap, valid = prior
         sk = sv = None
         if cap <= self.max_size and slot < valid:
-            sk, sv = (a[:, :, slot : slot + 1, :] for a in (self.keys, self.values))  # type: ignore[index]
+            # Gathered into memory of its own, evaluated before the write that
+            # follows is built: a slice would share the buffer's memory and
+            # stop MLX from reusing it, so every steady-state decode would
+            # copy the whole ring (and under an in-place mechanism a lazy
+            # slice could read the slot after the write landed).
+            at = mx.array([slot], dtype=mx.int32)
+            sk, sv = (mx.take(a, at, axis=SEQ_AXIS) for a in (self.keys, self.values))  # type: ignore[arg-type]
         record = UndoRecord("decode", 1, offset, idx, cap, slot, sk, sv, cap <= self.max_size)
         self._log = log_push(self._log, record, self.undo)
+        return [] if sk is None else [sk, sv]
 
     def _log_prefill(self, old: tuple[mx.array, mx.array] | None, rows: int) -> None:
         """Record the multi-row append about to go onto the chronological

@@ -279,12 +279,17 @@ class _TurboBase:
         InvalidArgumentError for a wrong rank or dtype, S < 1, a head_dim the
         quantizer cannot take (not a power of two; 3-bit: not a multiple of
         8; Turbo4: Dk != Dv), or rows that differ from those cached in B, H,
-        D or dtype. Everything is computed before the cache changes: a
-        refused or failing append leaves it as it was.
+        D or dtype. Every check runs before the cache changes: a refused
+        append leaves it as it was.
+
+        The new arrays are left lazy (as a dense cache's are): evaluating
+        them here, while ``self.store`` still held the old arrays, made MLX
+        copy every array whole at each append (a static slice update reuses
+        its input only when nothing else references it), and cost a host
+        synchronisation per layer on a GPU.
         """
         n = self._check_new_rows(keys, values)
         store, cold_offset = self._appended(keys, values, n)
-        mx.eval(*store.values())
         self.store, self.cold_offset = store, cold_offset
         self.offset += n
         self.dtype, self.k_dim, self.v_dim = keys.dtype, int(keys.shape[3]), int(values.shape[3])

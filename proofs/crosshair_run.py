@@ -40,7 +40,6 @@ import ast
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -50,8 +49,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-_local = Path(sys.executable).with_name("crosshair")
-CROSSHAIR = str(_local) if _local.exists() else (shutil.which("crosshair") or "crosshair")
+#: How CrossHair's CLI is run: through this interpreter (``python -m
+#: crosshair``), never a PATH lookup: where the package travels as a wheel on
+#: PYTHONPATH (the GPU machine) no ``crosshair`` script is installed.
+CROSSHAIR = [sys.executable, "-m", "crosshair"]
 LINE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<level>\w+): (?P<msg>.*)$")
 DIFF_TARGET = ("spec.dense.regrow_capacity", "impl.dense.regrow_capacity")
 DIFF_CONTROL = ("spec.dense.regrow_capacity", "proofs.crosshair_run.regrow_capacity_multiple_of_step")
@@ -178,7 +179,10 @@ def _classify(msg: str) -> str:
 
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # the checkout first, then whatever PYTHONPATH already holds: where
+        # CrossHair and Z3 travel as wheels on PYTHONPATH (the GPU machine),
+        # replacing it would hide them from ``python -m crosshair``
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout}s: {' '.join(cmd)}"
@@ -222,7 +226,7 @@ def check_file(path: Path, per_condition_timeout: float) -> tuple[list[Condition
 
 def check_targets(targets: list[str], per_condition_timeout: float) -> tuple[list[Condition], list[str]]:
     """``crosshair check`` on ``targets`` (files or ``module.function``)."""
-    rc, out = _run([CROSSHAIR, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={per_condition_timeout}",
+    rc, out = _run([*CROSSHAIR, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={per_condition_timeout}",
                     "--report_all", *targets], timeout=600)
     conds: list[Condition] = []
     errors: list[str] = []
@@ -244,7 +248,7 @@ def check_targets(targets: list[str], per_condition_timeout: float) -> tuple[lis
 
 
 def diffbehavior(a: str, b: str, per_condition_timeout: float) -> dict[str, Any]:
-    rc, out = _run([CROSSHAIR, "diffbehavior", a, b, f"--per_condition_timeout={per_condition_timeout}"], timeout=300)
+    rc, out = _run([*CROSSHAIR, "diffbehavior", a, b, f"--per_condition_timeout={per_condition_timeout}"], timeout=300)
     status = "same" if rc == 0 else "differ" if rc == 1 else "error"
     return {"a": a, "b": b, "status": status, "exit": rc, "output": out.strip()[-1500:]}
 

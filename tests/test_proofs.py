@@ -5,6 +5,9 @@ the matching injected bug of the catalog fails."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -236,3 +239,22 @@ def test_the_docs_obligations_record_is_current(results: list[ObligationResult])
     recorded = json.loads(OBLIGATIONS_PATH.read_text())
     assert recorded == obligations_from(results), (
         "docs/generated/obligations.json is stale: python -m fuzz.docgen obligations")
+
+
+def test_crosshair_runs_through_this_interpreter_keeping_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU machine CrossHair is a wheel on PYTHONPATH: no ``crosshair``
+    # script on PATH, and a PYTHONPATH replaced by the checkout alone hides it.
+    from proofs import crosshair_run
+
+    seen = {}
+
+    def run(cmd, **kw):
+        seen["cmd"], seen["env"] = cmd, kw["env"]
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("PYTHONPATH", "/wheels/crosshair")
+    monkeypatch.setattr(crosshair_run.subprocess, "run", run)
+    crosshair_run.diffbehavior(*crosshair_run.DIFF_TARGET, 1)
+    assert seen["cmd"][:3] == [sys.executable, "-m", "crosshair"]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [str(crosshair_run.ROOT), "/wheels/crosshair"]

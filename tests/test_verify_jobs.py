@@ -88,3 +88,23 @@ def test_run_json_keeps_the_exit_status():
     assert doc == {"ok": 1} and rc == 3
     bad, _seconds, rc = verify._run_json("x", ["-c", "import sys; print('no json'); sys.exit(2)"])
     assert isinstance(bad, verify.Check) and not bad.ok and bad.name == "x" and rc == 2
+
+
+def test_a_job_past_its_wall_clock_limit_fails_naming_it_instead_of_hanging(monkeypatch):
+    import time
+
+    monkeypatch.setenv("KVSPEC_VERIFY_JOB_LIMIT", "3")
+    jobs = [verify.Job("fuzz dense/fp16/copy", "check_campaigns", (120.0, ("dense", "fp16", False)), 123.0),
+            verify.Job("equivalents", "check_equivalents", (), 1.0)]
+    start = time.perf_counter()
+    results = verify.run_jobs(jobs, 2, verify.Progress(len(jobs), quiet=True))
+    assert time.perf_counter() - start < 60
+    (stopped,) = results[0]
+    assert not stopped.ok and stopped.name == "fuzz dense/fp16/copy"
+    assert "wall-clock limit of 3 s" in stopped.detail and "fuzz dense/fp16/copy" in stopped.detail
+    assert results[1] and all(c.ok for c in results[1])
+
+
+def test_every_job_has_a_limit_above_its_expected_time():
+    for job in verify.plan(quick=False):
+        assert verify.job_limit(job) >= max(120.0, 2 * job.weight), job.label

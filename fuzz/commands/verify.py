@@ -112,10 +112,30 @@ def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, re
             else:
                 detail = str(rep.failure.error).splitlines()[0]
                 path = None
-                if rep.failure.trace is not None:
+                if rep.failure.trace is None:
+                    detail += "; no kvtrace was recorded (the failure came outside a rule)"
+                else:
                     path = str(save_failure(rep.failure.trace, "fuzz-failures", rep.config.replace("/", "-")))
+                    detail += f"; kvtrace {path}: {_replay_verdict(path)}"
                 out.append(Check(f"fuzz {rep.config}", False, detail, rep.seconds, path))
     return out
+
+
+def _replay_verdict(path: str) -> str:
+    """Whether the saved kvtrace of a failed campaign fails again on replay
+    (a deterministic divergence) or replays clean (a failure that depends
+    on timing: on a GPU, an ordering or aliasing race)."""
+    from fuzz.replay import replay
+    from fuzz.trace import load
+
+    try:
+        result = replay(load(path))
+    except Exception as exc:  # noqa: BLE001 - reported in the check's detail
+        return f"replay raised {type(exc).__name__}: {exc}"
+    if result.ok:
+        return (f"replays clean ({result.ops_run} ops): the failure did not recur, so it depends on timing "
+                "(on a GPU: an ordering or aliasing race)")
+    return f"fails again on replay at op {result.divergence.index if result.divergence else '?'}"
 
 
 def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Check]:
@@ -262,14 +282,14 @@ class Job:
     weight: float = 1.0
 
 
-def check_campaigns_cuda(mechanism: str, budget: float, only: tuple[str, str, bool]) -> list[Check]:
-    """:func:`check_campaigns` with the CUDA in-place mechanism ``mechanism``
+def _under_mechanism(mechanism: str, fn: Any, *args: Any) -> list[Check]:
+    """``fn(*args)`` with the CUDA in-place mechanism ``mechanism``
     (``KV_CUDA_INPLACE``, impl.write) for this job only; each check's name
     says which mechanism ran."""
     saved = os.environ.get("KV_CUDA_INPLACE")
     os.environ["KV_CUDA_INPLACE"] = mechanism
     try:
-        checks = check_campaigns(budget, only)
+        checks = fn(*args)
     finally:
         if saved is None:
             os.environ.pop("KV_CUDA_INPLACE", None)
@@ -278,6 +298,21 @@ def check_campaigns_cuda(mechanism: str, budget: float, only: tuple[str, str, bo
     for c in checks:
         c.name += f" [cuda {mechanism}]"
     return checks
+
+
+def check_campaigns_cuda(mechanism: str, budget: float, only: tuple[str, str, bool]) -> list[Check]:
+    """:func:`check_campaigns` under the CUDA in-place mechanism ``mechanism``."""
+    return _under_mechanism(mechanism, check_campaigns, budget, only)
+
+
+def check_bugs_cuda(mechanism: str, out: str, seeds: int, names: list[str]) -> list[Check]:
+    """:func:`check_bugs` under the CUDA in-place mechanism ``mechanism``.
+    On CUDA verify runs the catalog's (device-independent) bugs under
+    ``kernel``: there an in-place write aliases the buffer exactly as the
+    NumPy view does on the CPU, so an ownership-rule bug (an in-place write
+    that a holder sees) is observable as it is on the CPU; under ``donate``
+    MLX copies beside a holder and hides it."""
+    return _under_mechanism(mechanism, check_bugs, out, seeds, names)
 
 
 def gpu_only_bugs_skipped() -> list[str]:
@@ -314,7 +349,11 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     for bug in catalog():
         if not runnable(bug):
             continue
-        jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), 4.0 * seeds * (1 + len(bug.variants))))
+        weight = 4.0 * seeds * (1 + len(bug.variants))
+        if backend() == "cuda" and bug.device != "gpu":
+            jobs.append(Job(f"bug {bug.name}", "check_bugs_cuda", ("kernel", out, seeds, [bug.name]), weight))
+        else:
+            jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), weight))
     if not quick:
         from fuzz.commands.e2e import SCENARIOS, gpu_skipped
 
@@ -374,6 +413,9 @@ class Progress:
         self.done += 1
         bad = [c.name for c in checks if not c.ok]
         verdict = "ok" if not bad else f"FAILED: {', '.join(bad)}"
+        traces = [c.trace for c in checks if not c.ok and c.trace]
+        if traces:  # printed as soon as the job ends: a run cut short still names them
+            verdict += f" (kvtrace: {', '.join(traces)})"
         if self.bar is not None:
             self.bar.update(self.task, advance=1, description=f"{job.label}: {verdict}")
             if bad:
@@ -391,11 +433,33 @@ class StopFirst(Exception):
     """``verify -x``: a check failed; the pool stops."""
 
 
+def job_limit(job: Job) -> float:
+    """Wall-clock seconds ``job`` may run in a pool worker before it is
+    stopped and failed with a message naming it (a hung MLX evaluation or a
+    runaway search must not hang the whole run): four times its expected
+    seconds, at least two minutes. ``KVSPEC_VERIFY_JOB_LIMIT`` (seconds)
+    overrides it for every job."""
+    env = os.environ.get("KVSPEC_VERIFY_JOB_LIMIT", "").strip()
+    if env:
+        return float(env)
+    return max(120.0, 4.0 * job.weight)
+
+
+def _job_worker(job: Job, conn: Any) -> None:
+    """A pool worker's body: run ``job`` and send its checks back."""
+    try:
+        conn.send(run_job(job))
+    finally:
+        conn.close()
+
+
 def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool = False) -> dict[int, list[Check]]:
-    """Run ``jobs`` on ``workers`` processes (a forkserver pool: MLX hangs in
-    a plain forked child; 1 runs them inline). Returns index -> checks for
-    every job that finished; with ``exitfirst`` it returns after the first
-    job with a failed check (the others do not run, or are stopped).
+    """Run ``jobs`` on ``workers`` processes (one forkserver process per job:
+    MLX hangs in a plain forked child; 1 runs them inline). A job that runs
+    past :func:`job_limit` is killed and reported as a failed check naming
+    it (as is a worker that dies). Returns index -> checks for every job
+    that finished; with ``exitfirst`` it returns after the first job with a
+    failed check (the others do not run, or are stopped).
     KeyboardInterrupt propagates with the partial results attached as
     ``exc.partial``."""
     results: dict[int, list[Check]] = {}
@@ -409,33 +473,52 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
                     break
             return results
         import multiprocessing
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+        from multiprocessing.connection import wait
 
         ctx = multiprocessing.get_context("forkserver")
-        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].weight)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            started = {pool.submit(run_job, jobs[i]): i for i in order}
-            pending = set(started)
-            try:
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        i = started[fut]
-                        results[i] = fut.result()
-                        progress.finished(jobs[i], results[i], time.perf_counter() - start)
-                        if exitfirst and not all(c.ok for c in results[i]):
-                            raise StopFirst
-            except StopFirst:
-                for fut in pending:
-                    fut.cancel()
-                for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.terminate()
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.terminate()
-                raise
+        queue = sorted(range(len(jobs)), key=lambda i: -jobs[i].weight)
+        running: dict[int, tuple[Any, Any, float]] = {}  # index -> (process, reader, started)
+        try:
+            while queue or running:
+                while queue and len(running) < workers:
+                    i = queue.pop(0)
+                    reader, writer = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_job_worker, args=(jobs[i], writer), daemon=True)
+                    proc.start()
+                    writer.close()
+                    running[i] = (proc, reader, time.perf_counter())
+                ready = wait([r for _, r, _ in running.values()], timeout=1.0)
+                now = time.perf_counter()
+                for i, (proc, reader, began) in list(running.items()):
+                    job, checks = jobs[i], None
+                    if reader in ready:
+                        try:
+                            checks = reader.recv()
+                        except EOFError:  # the worker died without an answer
+                            proc.join(5)
+                            checks = [Check(job.label, False, f"the worker running job {job.label!r} died "
+                                            f"(exit code {proc.exitcode}) without a result", now - began)]
+                    elif now - began > job_limit(job):
+                        proc.kill()
+                        checks = [Check(job.label, False, f"job {job.label!r} ran past its wall-clock limit of "
+                                        f"{job_limit(job):.0f} s and was stopped (a hang or a runaway search; "
+                                        f"rerun it alone: kvspec verify -k {job.label!r} -j 1)", now - began)]
+                    if checks is None:
+                        continue
+                    proc.join(5)
+                    reader.close()
+                    del running[i]
+                    results[i] = checks
+                    progress.finished(job, checks, now - start)
+                    if exitfirst and not all(c.ok for c in checks):
+                        raise StopFirst
+        except StopFirst:
+            pass
+        finally:
+            for proc, reader, _ in running.values():
+                proc.kill()
+                proc.join(5)
+                reader.close()
         return results
     except KeyboardInterrupt as exc:
         exc.partial = results  # type: ignore[attr-defined]
