@@ -284,9 +284,13 @@ class RotatingKVCache:
         inplace = self._inplace_write_allowed()
         saved = self._log_decode(prior, self.idx)
         if saved:
-            # the write's rows depend on the saved copy: MLX computes the copy
-            # first and lets go of the buffer, so the write may still reuse it
-            k, v = mx.depends([k, v], saved)
+            # The saved row is scheduled before the write is built: once its
+            # gather is enqueued it lets go of the buffer, so the write (a
+            # static slice update) may reuse the buffer instead of copying the
+            # whole ring; the stream runs the gather first. No host wait
+            # (async_eval); a lazy copy, or mx.depends, kept the buffer
+            # referenced and made every steady-state decode copy the ring.
+            mx.async_eval(*saved)
         self._write_row(k, v, inplace)
         self.offset += 1
         self.idx += 1
@@ -358,11 +362,9 @@ class RotatingKVCache:
         offset, idx, cap, valid = prior
         sk = sv = None
         if cap <= self.max_size and slot < valid:
-            # Gathered into memory of its own, evaluated before the write that
-            # follows is built: a slice would share the buffer's memory and
-            # stop MLX from reusing it, so every steady-state decode would
-            # copy the whole ring (and under an in-place mechanism a lazy
-            # slice could read the slot after the write landed).
+            # Gathered into memory of its own (a slice would share the
+            # buffer's memory and stop MLX from reusing it; _decode schedules
+            # the gather before the write).
             at = mx.array([slot], dtype=mx.int32)
             sk, sv = (mx.take(a, at, axis=SEQ_AXIS) for a in (self.keys, self.values))  # type: ignore[arg-type]
         record = UndoRecord("decode", 1, offset, idx, cap, slot, sk, sv, cap <= self.max_size)

@@ -72,7 +72,14 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert any("mlx-lm" in name for name in rows) and "attention only (floor)" in rows
     for name, r in rows.items():
         assert set(r) == {"16", "40"} and all(v > 0 for v in r.values()), name
-        assert doc["decoder"]["over_floor_ms"][name]["40"] == r["40"] - rows["attention only (floor)"]["40"]
+        floor = rows[bd.floor_of(name)]
+        assert doc["decoder"]["over_floor_ms"][name]["40"] == r["40"] - floor["40"]
+    # a rollback of k rows is measured against attention with k queries, not one
+    assert bd.floor_of("rollback k=3: ours") == "attention only, 3 queries (floor of rollback k=3)"
+    assert bd.floor_of("rollback k=1: ours") == bd.floor_of("decode in place: ours") == "attention only (floor)"
+    assert all(bd.floor_of(n) in rows for n in rows)
+    # the random-weight target and draft agree on most tokens (acceptance > 0: trims are exercised)
+    assert all(0 < a < 1 for by in doc["e2e"]["rows"]["acceptance"].values() for a in by.values())
     for row in ("speculative", "greedy", "sliding window"):
         assert {"mlx-lm caches", "ours, in place", "ours, inplace=False"} <= set(doc["e2e"]["rows"][row])
     assert "ours, physical trim" in doc["e2e"]["rows"]["speculative"]
@@ -93,3 +100,34 @@ def test_an_unwritable_record_folder_exits_2_before_the_bench_runs(capsys, monke
     blocker.write_text("")
     assert main(["bench", "--record", str(blocker / "sub"), "--contexts", "16", "32"]) == 2
     assert "--record:" in capsys.readouterr().out
+
+
+def test_a_record_without_matplotlib_is_written_and_plotted_later(capsys, monkeypatch, tmp_path):
+    """The GPU machine has no matplotlib: the record's JSON and Markdown are
+    written and say how to draw the PNG; ``kvspec bench --plot`` draws it."""
+    import builtins
+
+    from fuzz.commands.cli import main
+
+    doc = {"date": "2026-12-01", "device": "gpu", "backend": "cuda", "inplace_mechanism": "donate", "mlx": "0",
+           "machine": "x", "contexts": [16, 32],
+           "cache_rows": {"rows": [{key: 1.0 for _, key in bench.ROWS}] * 2,
+                          "ratio_last_over_first": {key: 1.0 for _, key in bench.ROWS}},
+           "decoder": {"layers": 1, "ms_per_step": {"attention only (floor)": {"16": 1.0, "32": 1.5}},
+                       "ratio_last_over_first": {"attention only (floor)": 1.5},
+                       "over_floor_ms": {"attention only (floor)": {"16": 0.0, "32": 0.0}}}}
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    path = bench.write_record(doc, str(tmp_path))
+    monkeypatch.undo()
+    png = tmp_path / "2026-12-01-gpu.png"
+    assert not png.exists() and "kvspec bench --plot" in (tmp_path / "2026-12-01-gpu.md").read_text()
+    assert main(["bench", "--plot", path]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["bench", "--plot", str(tmp_path / "2026-12-01-gpu.md")]) == 2

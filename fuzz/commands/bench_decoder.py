@@ -86,19 +86,20 @@ class _Step:
         return seconds
 
 
-def _floor(context: int, layers: int, dtype: Any) -> Callable[[], float]:
+def _floor(context: int, layers: int, dtype: Any, queries: int = 1) -> Callable[[], float]:
     """Attention only: the same attention over the same kind of windows (a
-    cache's buffer of ``context + 1`` rows, read through its window), with
-    no write. Fresh arrays of exactly the window's length are a different
+    cache's buffer of ``context + queries`` rows, read through its window),
+    with no write, for ``queries`` queries (a rollback of k rows attends
+    with k). Fresh arrays of exactly the window's length are a different
     layout from a cache's window and timed differently."""
     from impl.dense import KVCache
 
     caches = [KVCache("fp16", step=256, inplace=False) for _ in range(layers)]
-    pre = _rows(context + 1, dtype, 1)
+    pre = _rows(context + queries, dtype, 1)
     for c in caches:
         mx.eval(c.update_and_fetch(pre, pre))
     windows = [c.fetch() for c in caches]
-    q = mx.random.normal((1, Q_HEADS, 1, DIM), key=mx.random.key(2)).astype(dtype)
+    q = mx.random.normal((1, Q_HEADS, queries, DIM), key=mx.random.key(2)).astype(dtype)
     mx.eval(q)
 
     def tick() -> float:
@@ -121,6 +122,17 @@ def _rollback(k: int) -> Callable[[Any, mx.array], Any]:
         return c.update_and_fetch(rows, rows)
 
     return op
+
+
+def floor_of(name: str) -> str:
+    """The attention-only row a decoder row is measured against: the floor
+    with as many queries as the row attends with (rollback k: k queries)."""
+    import re
+
+    m = re.match(r"rollback k=(\d+):", name)
+    if m and m.group(1) != "1":
+        return f"attention only, {m.group(1)} queries (floor of rollback k={m.group(1)})"
+    return "attention only (floor)"
 
 
 def decoder_rows(context: int, layers: int, dtype: Any) -> dict[str, Callable[[], Callable[[], float]]]:
@@ -152,6 +164,8 @@ def decoder_rows(context: int, layers: int, dtype: Any) -> dict[str, Callable[[]
         "decode copying, previous step held: ours": lambda: _Step(ours(False), context, layers, dtype, _steady, hold=True),
         "decode, previous step held: mlx-lm KVCache": lambda: _Step(mc.KVCache, context, layers, dtype, _steady, hold=True),
     }
+    for k in (2, 3, 4):
+        rows[f"attention only, {k} queries (floor of rollback k={k})"] = lambda k=k: _floor(context, layers, dtype, k)
     for k in (1, 2, 3, 4):
         rows[f"rollback k={k}: ours"] = lambda k=k: _Step(ours(True), context, layers, dtype, _rollback(k), queries=k)
         rows[f"rollback k={k}: mlx-lm KVCache"] = lambda k=k: _Step(mc.KVCache, context, layers, dtype, _rollback(k),
@@ -217,7 +231,7 @@ def qwen_args(kind: str) -> Any:
     if kind == "tiny":  # the smoke test's
         return qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                                num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=512, num_key_value_heads=2,
-                               rope_theta=1e6, tie_word_embeddings=True)
+                               rope_theta=1e6, tie_word_embeddings=False)
     raise ValueError(f"qwen_args: kind must be 7b, 0.5b or tiny, got {kind!r}")
 
 
@@ -226,6 +240,58 @@ def random_model(module: Any, args: Any, dtype: Any = mx.bfloat16) -> Any:
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+#: scale of every block's output projections (attention ``o_proj``, MLP
+#: ``down_proj``) in :func:`agreeing_pair`: small enough that the residual
+#: stream stays the token's embedding, so the next token is a function of the
+#: current one that both models share
+BLOCK_OUTPUT_SCALE = 1e-3
+#: share of the vocabulary on which the draft's next token differs from the
+#: target's in :func:`agreeing_pair` (pairs of lm_head rows swapped)
+DRAFT_DISAGREES = 0.25
+
+
+def _next_token_map(vocab: int) -> mx.array:
+    """A fixed permutation ``g`` of the vocabulary (an affine map with a
+    multiplier coprime to ``vocab``): the random-weight models' next token."""
+    import math
+
+    a = 7919
+    while math.gcd(a, vocab) != 1:
+        a += 2
+    return (mx.arange(vocab) * a + 13) % vocab
+
+
+def agreeing_pair(target: Any, draft: Any, disagree: float = DRAFT_DISAGREES,
+                  scale: float = BLOCK_OUTPUT_SCALE) -> None:
+    """Make a random-weight target and draft (mlx-lm qwen2 Models, untied
+    heads, one vocabulary) predict the same next token on ``1 - disagree``
+    of the vocabulary, keeping every shape and every FLOP of attention and
+    MLP: each block's output projections are scaled by ``scale``, so the
+    residual stream carries the current token's embedding ``e_x`` through
+    the blocks (the blocks still compute everything; their output is small);
+    the target's lm_head row ``y`` is ``e_{g^-1(y)}``, so its greedy next
+    token is ``g(x)`` (random embeddings: ``<e_x, e_x>`` beats every
+    ``<e_x, e_z>`` by a wide margin); the draft's lm_head is the target's
+    rule on its own embedding with pairs of rows ``(y, y + 1)`` swapped for a
+    ``disagree`` share of ``y``: there it proposes ``g(x) +- 1``. In place."""
+    vocab = target.args.vocab_size
+    g = _next_token_map(vocab)
+    inv = mx.zeros((vocab,), dtype=mx.int32).at[g].add(mx.arange(vocab, dtype=mx.int32))  # g^-1
+    period = max(2, round(2 / disagree)) if disagree > 0 else 0
+    swap = mx.arange(vocab)
+    if period:
+        y = mx.arange(vocab)
+        first = (y % period == 0) & (y + 1 < vocab)
+        second = (y % period == 1)
+        swap = mx.where(first, y + 1, mx.where(second, y - 1, y))
+    for model, rows in ((target, inv), (draft, inv[swap])):
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * scale
+            layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * scale
+        model.lm_head.weight = model.model.embed_tokens.weight[rows]
+        mx.eval(model.parameters())
 
 
 def _prompt(n: int, vocab: int) -> mx.array:
@@ -286,7 +352,11 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
     from mlx_lm.models import gemma3_text, qwen2
 
     target = random_model(qwen2, qwen_args(size))
-    draft = random_model(qwen2, qwen_args("0.5b" if size == "7b" else "tiny"))
+    dargs = qwen_args("0.5b" if size == "7b" else "tiny")
+    dargs.tie_word_embeddings = False  # its own lm_head (same matmul as the tied one): agreeing_pair sets it
+    draft = random_model(qwen2, dargs)
+    if not target.args.tie_word_embeddings:
+        agreeing_pair(target, draft)
     configs = e2e_configs()
     out: dict[str, Any] = {"speculative": {}, "greedy": {}, "sliding window": {}, "acceptance": {}}
     for context in contexts:

@@ -779,11 +779,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except OSError as exc:
             return _usage_error(_console(), f"--record: {args.record} must be a folder this user can create and "
                                             f"write into ({exc.strerror or exc})")
+    if args.plot:
+        from fuzz.commands.bench import plot_record
+
+        try:
+            path = plot_record(args.plot)
+        except (OSError, ValueError, KeyError) as exc:
+            return _usage_error(_console(), f"--plot: {args.plot} must be a record's JSON with decoder rows ({exc})")
+        _console().print(f"bench: plot written: {path}", markup=False)
+        return 0
     if not (args.decoder or args.e2e or args.record):
         return run(args.contexts, args.json)
     return run_suite(args.contexts, decoder=args.decoder, e2e=args.e2e, layers=args.layers, rounds=args.rounds,
                      e2e_contexts=args.e2e_contexts, tokens=args.tokens, repeats=args.repeats, as_json=args.json,
-                     record=args.record)
+                     record=args.record, e2e_size=args.e2e_size)
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
@@ -1106,6 +1115,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--tokens", type=int_in(4, 100000), default=48, help="tokens decoded per end-to-end run")
     be.add_argument("--repeats", type=int_in(1, 100), default=2, help="end-to-end runs per config (median)")
     be.add_argument("--record", metavar="DIR", help="write the run as a record under DIR: JSON, Markdown, PNG plot")
+    be.add_argument("--e2e-size", choices=["7b", "tiny"], default="7b",
+                    help="end-to-end model shapes: Qwen2.5-7B / 0.5B and Gemma-3-1B (default), or toy shapes (a smoke run)")
+    be.add_argument("--plot", metavar="JSON",
+                    help="only draw the PNG plot of an existing record's JSON (beside it) and exit; for a record "
+                         "made where matplotlib is missing")
     be.set_defaults(fn=cmd_bench)
 
     e = add("e2e", "real decoding: the caches inside mlx-lm models, byte-identical to the references",
