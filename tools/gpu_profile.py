@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
 
 def first_buffer(c: Any) -> mx.array | None:

@@ -273,8 +273,8 @@ def write_record(doc: dict, folder: str) -> str:
         d = doc["decoder"]
         ratio_of = d.get("over_floor_ratio", {})
         lines += [f"## Decoder step ({d['layers']} layers, write + attention), ms", "",
-                  "Each row's over-floor cost is against the attention-only floor with as many queries as the "
-                  "row attends with (rollback k: k queries); the write is what the cache controls.", "",
+                  ("Each row's over-floor cost is against the attention-only floor with as many queries as the "
+                  "row attends with (rollback k: k queries); the write is what the cache controls."), "",
                   "| row | " + " | ".join(map(str, contexts))
                   + f" | {contexts[-1]}/{contexts[0]} | over floor at {contexts[0]} | over floor at {contexts[-1]} "
                   f"| over-floor {contexts[-1]}/{contexts[0]} |",
@@ -308,8 +308,8 @@ def write_record(doc: dict, folder: str) -> str:
         try:
             _plot(doc, png)
         except ImportError:  # the GPU machine has no matplotlib: draw it later from the JSON
-            lines += [f"The plot was not drawn here (no matplotlib): `kvspec bench --plot {stem.with_suffix('.json').name}` "
-                      "draws it from the JSON.", ""]
+            lines += [(f"The plot was not drawn here (no matplotlib): `kvspec bench --plot {stem.with_suffix('.json').name}` "
+                      "draws it from the JSON."), ""]
             Console(stderr=True, highlight=False).print(
                 f"bench: no matplotlib here: {png.name} not drawn; `kvspec bench --plot "
                 f"{stem.with_suffix('.json')}` draws it from the JSON", markup=False)
@@ -326,7 +326,7 @@ def plot_record(json_path: str) -> str:
 
     path = Path(json_path)
     doc = json.loads(path.read_text())
-    doc["decoder"]["ms_per_step"]  # noqa: B018 - KeyError: no decoder rows to plot
+    doc["decoder"]["ms_per_step"]
     png = path.with_suffix(".png")
     _plot(doc, png)
     return str(png)
