@@ -108,12 +108,12 @@ def test_a_campaign_serves_its_dashboard_and_writes_a_trace_that_replays(tmp_pat
     capsys.readouterr()
 
 
-def test_without_hypofuzz_the_command_names_the_extra(monkeypatch, capsys):
+def test_without_hypofuzz_the_command_names_the_extra(monkeypatch, capsys, tmp_path):
     from fuzz.commands import campaign
 
     real = importlib.util.find_spec
     monkeypatch.setattr(campaign.importlib.util, "find_spec", lambda name, *a: None if name == "hypofuzz" else real(name, *a))
-    assert main(["campaign", "--budget", "1", "--json"]) == 2
+    assert main(["campaign", "--budget", "1", "--db", str(tmp_path), "--json"]) == 2
     err = valid(json.loads(capsys.readouterr().out))["error"]
     assert "'campaign'" in err and "pip install 'kvspec[campaign]'" in err, err
 
