@@ -110,3 +110,51 @@ def test_first_difference_names_the_row():
     assert first_difference(x, got, want).startswith("1 rows differ; first: row 1")
     assert first_difference(x, -0.0 * np.ones((3, 2)), want) != ""
     assert first_difference(x, want, want) == ""
+
+
+# -- the append path's finiteness check (impl.quant.int8_rows_representable) --
+# One element out of float16's range anywhere in keys or values (any batch,
+# head, row or column; any incoming float dtype) names that tensor; a check
+# of only the keys, only some rows or heads, or in the incoming dtype's own
+# range (bfloat16 and float32 hold 1e5 finite) misses some of these.
+SHAPE = (2, 2, 3, 4)
+PLACES = [(b, h, t, d) for b in range(2) for h in range(2) for t in range(3) for d in (0, 3)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("bad", [1e5, 65520.0, float("inf"), float("-inf"), float("nan")])
+def test_rows_check_finds_one_bad_element_anywhere_and_names_its_tensor(dtype, bad):
+    from impl.quant import int8_rows_representable
+
+    if dtype == mx.float16 and bad == 65520.0:  # rounds to inf on the way in: the same case as inf
+        bad = float("inf")
+    # large but finite in float16 whatever the dtype (65280 is exact in bfloat16 too), both signs
+    fine = mx.array(np.where(np.arange(48).reshape(SHAPE) % 2, 65280.0, -65280.0)).astype(dtype)
+    assert int8_rows_representable(fine, fine) is None
+    for place in PLACES:
+        x = np.zeros(SHAPE, dtype=np.float32)
+        x[place] = bad
+        one = mx.array(x).astype(dtype)
+        assert int8_rows_representable(one, fine) == "keys", (place, dtype, bad)
+        assert int8_rows_representable(fine, one) == "values", (place, dtype, bad)
+        assert int8_rows_representable(one, one) == "keys", (place, dtype, bad)  # the first named, as documented
+
+
+@pytest.mark.parametrize("name", ["keys", "values"])
+@pytest.mark.parametrize("row", [0, 2, 4])
+def test_int8_append_refuses_a_bad_element_in_any_row_of_a_prefill(name, row):
+    """Through the cache: a 5-row prefill with one bad element in row ``row``
+    of one head is refused naming the tensor, and the cache keeps its rows."""
+    from impl.dense import KVCache
+    from spec.errors import InvalidArgumentError
+
+    c = KVCache("int8", step=4)
+    c.update_and_fetch(mx.ones((1, 2, 3, 8), dtype=mx.bfloat16), mx.ones((1, 2, 3, 8), dtype=mx.bfloat16))
+    before = (c.offset, c.capacity, np.array(c.fetch()[0].astype(mx.float32)))
+    good = np.ones((1, 2, 5, 8), dtype=np.float32)
+    bad = good.copy()
+    bad[0, 1, row, 5] = 3e5
+    k, v = (bad, good) if name == "keys" else (good, bad)
+    with pytest.raises(InvalidArgumentError, match=f"append: {name} must be finite within float16's range"):
+        c.update_and_fetch(mx.array(k).astype(mx.bfloat16), mx.array(v).astype(mx.bfloat16))
+    assert (c.offset, c.capacity) == before[:2] and np.array_equal(np.array(c.fetch()[0].astype(mx.float32)), before[2])
