@@ -188,3 +188,35 @@ def test_traces_replay_with_portable_rows_too(name):
     doc["cache"]["rows"] = "portable"
     result = replay(loads(json.dumps(doc)))
     assert result.ok, result.divergence
+
+
+@pytest.mark.parametrize("dtype", fr.DTYPES)
+def test_ranged_rows_reach_every_end_of_the_range(dtype):
+    """The ``ranged`` scheme is there for the quantizers' range rules, so
+    over a few dozen identities its rows must reach each end it promises:
+    negative zeros (some among ordinary values, some rows all ``-0.0``),
+    tiny rows (drawn within the lowest four binades of the dtype's range),
+    huge rows (peak within a factor 2 of its largest finite value, never
+    beyond it) and rows that mix scales far apart; every value finite in
+    ``dtype``. A scheme that stopped drawing one of them (a ``0.0`` for the
+    ``-0.0``, a huge row scaled down, a tiny one scaled up) passed every
+    other test and left the Turbo oracle without its edge."""
+    lo, hi = fr.EXPONENTS[dtype]
+    top = fr.LARGEST[dtype]
+    neg_zero = all_neg_zero = tiny = huge = mixed = 0
+    for t in range(78):
+        for which in ("k", "v"):
+            x = fr.rows([t], which, 2, 2, 16, dtype, scheme="ranged").astype(np.float64)
+            assert np.isfinite(x).all() and np.abs(x).max() <= top, (t, which)
+            zero = x == 0
+            neg_zero += int((zero & np.signbit(x)).any())
+            all_neg_zero += int(zero.all() and np.signbit(x).all())
+            nonzero = np.abs(x[~zero])
+            if nonzero.size:
+                # a tiny row is tiny throughout, a huge row huge in bulk (a
+                # mixed-scale row has a tiny and a huge coordinate or two)
+                tiny += int(nonzero.max() < 2.0 ** (lo + 6))
+                huge += int(nonzero.max() >= top / 2 and np.median(nonzero) >= top / 64)
+                mixed += int(nonzero.max() / nonzero.min() >= 2.0 ** ((hi - lo) // 2))
+    assert neg_zero >= 10 and all_neg_zero >= 2, (neg_zero, all_neg_zero)
+    assert tiny >= 10 and huge >= 10 and mixed >= 10, (tiny, huge, mixed)
