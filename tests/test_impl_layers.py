@@ -112,3 +112,26 @@ def test_trim_over_a_wrapped_ring_changes_no_layer():
     assert not can_trim_prompt_cache(caches)
     assert trim_prompt_cache(caches, 2) == 0
     assert [c.offset for c in caches] == [6, 6] and window(caches[0]) == tuple(range(6))
+
+
+def test_a_failure_past_the_checks_rolls_the_earlier_layers_back():
+    """Every layer's check passes, then a later layer's restore itself fails
+    (a copy out of memory, a layer class without a check of its own): the
+    layers restored before it are put back, the error propagates. Our own
+    layers never fail past their checks, so neither the fuzzer nor the
+    other tests reach this rollback; a restore that dropped it passed."""
+
+    class FailingRing(RotatingKVCache):
+        def restore(self, snapshot):
+            raise MemoryError("planted: the restore failed past its check")
+
+    caches = [KVCache(step=2), FailingRing(4, step=2)]
+    for c in caches:
+        c.update_and_fetch(tokens_rows(0, 3), tokens_rows(0, 3))
+    good = snapshot_prompt_cache(caches)
+    for c in caches:
+        c.update_and_fetch(tokens_rows(3, 1), tokens_rows(3, 1))
+    with pytest.raises(MemoryError, match="planted"):
+        restore_prompt_cache(caches, good)
+    assert [window(c) for c in caches] == [(0, 1, 2, 3), (0, 1, 2, 3)]
+    assert [c.offset for c in caches] == [4, 4]

@@ -124,3 +124,30 @@ def test_parse_diff_hunks() -> None:
             "--- a/impl/gone.py\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-f\n"
             "--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-g\n+h\n")
     assert mc.parse_diff(diff) == {"spec/x.py": {4, 5, 12}}
+
+
+def test_a_new_file_and_a_changed_first_line_count(clone: Path) -> None:
+    """Every line of a new file of a mutated package counts once it is
+    tracked (``git add -N`` is enough; an untracked file is not part of the
+    change), and a change to a function's ``def`` line alone counts that
+    line (a default value is a mutable node there). A diff restricted to
+    modified files (``--diff-filter=M``) passed every other test here."""
+    new = clone / "spec" / "sample_new.py"
+    body = "def twice(x: int) -> int:\n    return 2 * x\n\n\ndef half(x: int = 2) -> int:\n    return x // 2\n"
+    new.write_text(body)
+    paged = clone / "spec" / "paged.py"
+    before = paged.read_text()
+    lines = before.splitlines(keepends=True)
+    at = lines.index("def sample_blocks_needed(length: int, block_size: int) -> int:\n")
+    lines[at] = "def sample_blocks_needed(length: int, block_size: int = 4) -> int:\n"
+    paged.write_text("".join(lines))
+    try:
+        assert "spec/sample_new.py" not in mc.changed_lines(clone, "HEAD")
+        _git(clone, "add", "-N", "spec/sample_new.py")
+        changed = mc.changed_lines(clone, "HEAD")
+        assert changed["spec/sample_new.py"] == set(range(1, 7)), changed
+        assert at + 1 in changed["spec/paged.py"], changed
+    finally:
+        _git(clone, "rm", "--cached", "--quiet", "spec/sample_new.py")
+        new.unlink()
+        paged.write_text(before)
