@@ -125,3 +125,50 @@ def test_campaign_refuses_bad_arguments(capsys, tmp_path):
     assert "matches no campaign" in capsys.readouterr().out
     assert main(["campaign", "--bug", "nosuchbug", "--budget", "1", "--db", str(tmp_path)]) == 2
     assert "nosuchbug" in capsys.readouterr().out
+
+
+#: a stand-in for HypoFuzz's hub, as it behaves: spawned workers, and a hub
+#: that never looks at them (worker 0 exits at once when told to die)
+FAKE_HUB = """
+import multiprocessing, os, sys, time
+
+def worker(die):
+    if die:
+        time.sleep(1.5)
+        os._exit(137)
+    time.sleep(600)
+
+if __name__ == '__main__':
+    multiprocessing.set_start_method('spawn', force=True)
+    die = os.environ.get('FAKE_HUB_DIE') == '1'
+    procs = [multiprocessing.Process(target=worker, args=(die and i == 0,)) for i in range(2)]
+    for p in procs:
+        p.start()
+    print('using 2 processes to fuzz 1 test', flush=True)
+    while True:
+        time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("die", [True, False])
+def test_a_worker_that_dies_is_not_reported_as_no_failure(monkeypatch, capsys, tmp_path, die):
+    """HypoFuzz's hub never checks its workers: one killed mid-run (for
+    memory, a crash in native code) leaves it waiting, and the campaign
+    said "no failure" (exit 0) for a search that had stopped. Here a
+    stand-in hub whose first worker dies after 1.5 s: exit 2 naming the
+    death; the same hub whose workers live: exit 0."""
+    from fuzz.commands import campaign
+
+    script = tmp_path / "hub.py"
+    script.write_text(FAKE_HUB)
+    monkeypatch.setattr(campaign, "LAUNCH", f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    monkeypatch.setattr(campaign, "hypofuzz_missing", lambda: None)
+    monkeypatch.setenv("FAKE_HUB_DIE", "1" if die else "0")
+    code = main(["campaign", "--budget", "5", "-j", "2", "--no-dashboard", "--db", str(tmp_path / "db"),
+                 "--out", str(tmp_path / "out"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    if die:
+        assert code == 2, doc
+        assert "HypoFuzz process died" in doc["error"] and "did not run its budget" in doc["error"], doc
+    else:
+        assert code == 0 and doc["ok"] and doc["failures"] == [], doc

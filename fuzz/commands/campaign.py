@@ -69,6 +69,31 @@ def dashboard_progress(url: str, timeout: float = 5.0) -> dict[str, dict[str, An
     return out
 
 
+def spawned_children(session: int) -> set[int]:
+    """Process ids of the live processes of ``session`` that multiprocessing
+    spawned (``spawn_main`` on their command line): HypoFuzz's workers, its
+    manager and its dashboard, every one of which lives until the campaign
+    stops it. Read from Linux's ``/proc`` (an empty set elsewhere, where
+    no death can be seen); a zombie has no command line and is not live."""
+    out: set[int] = set()
+    root = Path("/proc")
+    if not root.is_dir():
+        return out
+    for entry in root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the fields after the command's closing parenthesis: state ppid pgrp session ...
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != session:
+                continue
+            if b"spawn_main" in (entry / "cmdline").read_bytes():
+                out.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """Stop HypoFuzz and its workers (their own process group): SIGINT,
     then SIGKILL after 10 s."""
@@ -88,7 +113,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_spec: str) -> int:
     """Exit 0: ran the budget and found nothing; 1: a failure (its kvtrace
-    written); 2: bad arguments or HypoFuzz missing or failing to start;
+    written); 2: bad arguments, HypoFuzz missing or failing to start, or a
+    process HypoFuzz spawned dying during the run (:func:`spawned_children`);
     130: interrupted (what was found so far is reported). ``args.bug`` is
     a catalog name the caller checked."""
     from rich.markup import escape
@@ -140,9 +166,18 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
     start = time.monotonic()
     progress: dict[str, dict[str, Any]] = {}
     interrupted = False
+    # HypoFuzz's hub never looks at its workers: one that dies (killed for
+    # memory, a crash in native code) leaves the hub waiting and the
+    # campaign would report "no failure" for a search that stopped
+    seen: set[int] = set()
+    died: dict[int, float] = {}
     try:
         while time.monotonic() - start < args.budget and proc.poll() is None:
             time.sleep(min(1.0, max(args.budget - (time.monotonic() - start), 0.05)))
+            if proc.poll() is None:
+                live = spawned_children(proc.pid)
+                died.update((pid, time.monotonic() - start) for pid in seen - live - set(died))
+                seen |= live
             if url is not None:
                 try:
                     progress = dashboard_progress(url, timeout=2.0) or progress
@@ -175,6 +210,11 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
     found = sorted(out.glob(f"campaign-*-{run}.json"))
     extra = f" --bug {args.bug}" if args.bug else ""
     failures = [{"trace": str(p), "replay": f"kvspec replay {p}{extra}"} for p in found]
+    if died and not failures and not interrupted:
+        pids = ", ".join(f"{pid} after {t:.0f} s" for pid, t in sorted(died.items(), key=lambda kv: kv[1]))
+        return usage_error(console, f"a HypoFuzz process died during the campaign (pid {pids}): the search did not "
+                                    f"run its budget, so 'no failure' would be unfounded (its log: {log_path})",
+                           args.json)
     code = 130 if interrupted else (1 if failures else 0)
     if args.json:
         print(json.dumps({"ok": code == 0, "exit": code, "seconds": round(seconds, 1), "jobs": jobs,

@@ -892,8 +892,8 @@ EXIT_CODES = {
             "written and a replay command printed) or a campaign that ran no example; 2 bad arguments; "
             "130 interrupted (seed and rerun command printed)",
     "campaign": "exit status: 0 HypoFuzz ran the budget and found nothing; 1 a failure (its kvtrace is written "
-                "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign') or "
-                "failing to start; 130 interrupted (what was found is printed)",
+                "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign'), "
+                "failing to start or one of its processes dying during the run; 130 interrupted (what was found is printed)",
     "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
                    "trustworthy); 1 otherwise; 2 bad arguments",
