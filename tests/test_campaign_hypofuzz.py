@@ -140,35 +140,47 @@ def worker(die):
 
 if __name__ == '__main__':
     multiprocessing.set_start_method('spawn', force=True)
-    die = os.environ.get('FAKE_HUB_DIE') == '1'
-    procs = [multiprocessing.Process(target=worker, args=(die and i == 0,)) for i in range(2)]
+    die = os.environ.get('FAKE_HUB_DIE')
+    procs = [multiprocessing.Process(target=worker, args=(die == 'worker' and i == 0,)) for i in range(2)]
     for p in procs:
         p.start()
     print('using 2 processes to fuzz 1 test', flush=True)
+    if die == 'hub':
+        time.sleep(1.5)
+        print('Traceback (most recent call last): planted', flush=True)
+        for p in procs:
+            p.kill()
+        sys.exit(3)
     while True:
         time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("die", [True, False])
+@pytest.mark.parametrize("die", ["worker", "hub", None])
 def test_a_worker_that_dies_is_not_reported_as_no_failure(monkeypatch, capsys, tmp_path, die):
     """HypoFuzz's hub never checks its workers: one killed mid-run (for
     memory, a crash in native code) leaves it waiting, and the campaign
     said "no failure" (exit 0) for a search that had stopped. Here a
     stand-in hub whose first worker dies after 1.5 s: exit 2 naming the
-    death; the same hub whose workers live: exit 0."""
+    death; a hub that exits by itself (an error of its own) after 1.5 s:
+    exit 2 naming its exit status (a check of that early exit could be
+    dropped and every other test passed); the same hub whose workers live:
+    exit 0."""
     from fuzz.commands import campaign
 
     script = tmp_path / "hub.py"
     script.write_text(FAKE_HUB)
     monkeypatch.setattr(campaign, "LAUNCH", f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
     monkeypatch.setattr(campaign, "hypofuzz_missing", lambda: None)
-    monkeypatch.setenv("FAKE_HUB_DIE", "1" if die else "0")
+    monkeypatch.setenv("FAKE_HUB_DIE", die or "")
     code = main(["campaign", "--budget", "5", "-j", "2", "--no-dashboard", "--db", str(tmp_path / "db"),
                  "--out", str(tmp_path / "out"), "--json"])
     doc = json.loads(capsys.readouterr().out)
-    if die:
+    if die == "worker":
         assert code == 2, doc
         assert "HypoFuzz process died" in doc["error"] and "did not run its budget" in doc["error"], doc
+    elif die == "hub":
+        assert code == 2, doc
+        assert "HypoFuzz stopped after" in doc["error"] and "(exit 3)" in doc["error"], doc
     else:
         assert code == 0 and doc["ok"] and doc["failures"] == [], doc
