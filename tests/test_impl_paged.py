@@ -349,3 +349,34 @@ def test_mlx_lm_model_decodes_through_forked_pool_sequences():
         model(prompt, cache=dense)
         assert decode(dense, first, 6) == got
     assert all(c.pool.broken_invariants() == () for c in paged)
+
+
+@pytest.mark.parametrize("bs", [1, 2, 3, 4])
+def test_a_fetch_gathers_exactly_the_blocks_that_hold_the_visible_rows(bs, monkeypatch):
+    """The gather through the block table's device mirror takes the blocks
+    from ``start // bs`` to ``ceil(length / bs)``, no more: a block too many
+    at a block boundary is sliced off again (the window is right) but costs
+    a block of reads at every fetch; one too few loses rows."""
+    import impl.paged as P
+
+    pool = BlockPool(bs, chunk=2)
+    taken = []
+    real_take = mx.take
+
+    def spy(a, idx, *args, **kw):
+        if a is pool.keys:
+            taken.append(int(idx.shape[0]))
+        return real_take(a, idx, *args, **kw)
+
+    monkeypatch.setattr(P.mx, "take", spy)
+    for length in range(1, 3 * bs + 2):
+        for start in range(length):
+            pool = BlockPool(bs, chunk=2)
+            pool.append("main", *rows(0, length))
+            pool.trim_front("main", start)
+            taken.clear()
+            k, _ = pool.fetch("main")
+            want = sp.table_len(length, bs) - start // bs
+            assert taken == [want], (bs, length, start, taken)
+            assert k.shape[2] == length - start
+            assert np.array_equal(np.array(k[0, 0, :, 0]), np.arange(start, length, dtype=np.float16) * 8)  # head 0's key names its token
