@@ -18,12 +18,12 @@ $(STAMP): pyproject.toml
 verify: $(STAMP)
 	$(BIN)/kvspec verify
 
-# On every core (pytest-xdist). --dist loadgroup: each test file is one
-# group run whole on one worker (its module fixtures built once), except the
-# files tests/conftest.py's SPREAD names, whose tests go one by one to
-# whichever worker is free. The slowest tests are listed at the end.
+# On every core (pytest-xdist). --dist loadfile: each test file runs whole
+# on one worker (its module fixtures built once), except the files
+# tests/conftest.py's SPREAD names, whose tests go one by one to whichever
+# worker is free. The slowest tests are listed at the end.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -n auto --dist loadfile --durations=15
 
 fuzz: $(STAMP)
 	$(BIN)/kvspec fuzz --budget $${BUDGET:-120}

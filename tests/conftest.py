@@ -41,23 +41,30 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("KVSPEC_DB", "none")
 
 #: Files whose tests share no module fixture and no state: under ``make
-#: test``'s ``--dist loadgroup`` each of their tests goes to whichever
-#: worker is free (one file would otherwise hold one core for minutes).
-#: Every other file is one xdist group, run whole on one worker, so its
-#: module fixtures (the proofs run, the browser, the compiled adapters) are
-#: built once and its tests run in file order.
+#: test``'s ``--dist loadfile`` each of their tests goes to whichever worker
+#: is free (test_bugs.py alone would otherwise hold one core for minutes).
+#: Every other file runs whole on one worker, in file order, so its module
+#: fixtures (the proofs run, the browser, the compiled adapters) are built
+#: once.
 SPREAD = frozenset({"test_bugs.py", "test_reports.py", "test_campaigns.py", "test_e2e.py"})
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, except that a test of a :data:`SPREAD` file is
+    a unit of its own. (Not ``--dist loadgroup`` with ``xdist_group``
+    marks: pytest-xdist 3.8 groups by rewriting ``item._nodeid``, which
+    pytest 9 no longer reads, so the marks are silently ignored.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
+    class FilesOrSpreadTests(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path.rsplit("/", 1)[-1] in SPREAD else path
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    return FilesOrSpreadTests(config, log)
 
 
 #: where test_transformers_traces counts its replays (module attribute DONE)
