@@ -135,3 +135,24 @@ def test_a_failure_past_the_checks_rolls_the_earlier_layers_back():
         restore_prompt_cache(caches, good)
     assert [window(c) for c in caches] == [(0, 1, 2, 3), (0, 1, 2, 3)]
     assert [c.offset for c in caches] == [4, 4]
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_the_list_reload_through_state_reloads_every_layer(position):
+    """``reload`` with ``via: state`` in the layers machine sets every
+    layer's ``state`` then ``meta_state``: a ring that keeps its undo log
+    across that load (the rotating catalog's ``load_keeps_undo_log``) is
+    caught first or last in the list. A harness loop that reloaded all but
+    the last layer passed every test (the catalog's list bugs reload through
+    a file)."""
+    from fuzz.bugs import by_name
+    from fuzz.replay import replay
+    from fuzz.trace import parse
+
+    ring, dense = {"kind": "rotating", "max_size": 2, "undo": 1}, {"kind": "dense"}
+    doc = {"kvtrace": 1, "cache": {"kind": "layers", "mode": "fp16", "step": 1, "head_dim": 8,
+                                   "layers": [ring, dense] if position == 0 else [dense, ring]},
+           "ops": [{"op": "append", "n": 1}] * 3 + [{"op": "reload", "via": "state"}, {"op": "trim", "n": 1}]}
+    assert replay(parse(doc)).ok
+    result = replay(parse(doc), factories={"layers": by_name("load_keeps_undo_log").factories})
+    assert not result.ok and result.divergence.index == 3, result.divergence
