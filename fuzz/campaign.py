@@ -298,6 +298,13 @@ class Campaign:
         self.seed, self.batch_size, self.steps, self.progress = seed, batch, steps, progress
         self.database = database
         self.shrink_budget = shrink_budget
+        # a pinned sweep only without a database (a saved example must
+        # replay under the fields it was found with) and on our
+        # implementation (a target may lack the field)
+        entry = kinds.get(kind, mode)
+        self.sweep = entry.sweep if database is None and self.machine.target is None and \
+            (target is None or getattr(resolve(target), "is_impl", False)) else None
+        self.fixed = dict(self.machine.fixed)
 
     @property
     def failed(self) -> bool:
@@ -319,7 +326,12 @@ class Campaign:
         start = time.perf_counter()
         before = total.examples
         left = None if self.shrink_budget is None else max(self.shrink_budget - total.shrink_seconds, 0.0)
-        result = run_machine(self.machine, self.seed + total.batches, max_examples=self.batch_size, steps=self.steps,
+        size = self.batch_size
+        if self.sweep is not None:
+            name, values = self.sweep
+            self.machine.fixed = {**self.fixed, name: values[total.batches % len(values)]}
+            size = max(1, self.batch_size // len(values))
+        result = run_machine(self.machine, self.seed + total.batches, max_examples=size, steps=self.steps,
                              database=self.database, shrink_seconds=left)
         total.batches += 1
         total.examples += result.examples

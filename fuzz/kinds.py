@@ -86,6 +86,13 @@ class Kind:
     #: events (``Lockstep.reached`` labels) every ``kvspec verify`` campaign
     #: of the kind must reach: what the campaign exists to cover
     must_reach: tuple[str, ...] = ()
+    #: ``(field, values)``: a cache field whose every value is a must_reach
+    #: edge, which a campaign pins batch by batch (batch k: ``values[k %
+    #: len]``, in batches of ``batch // len(values)`` examples) instead of
+    #: leaving it to Hypothesis's draws, which skew to some values: every
+    #: value then runs within the first ``batch`` examples, even on a device
+    #: that runs only a few dozen in a verify campaign
+    sweep: tuple[str, tuple[Any, ...]] | None = None
     lockstep: str = ""
     machine: str = ""
     bugs: str = ""
@@ -176,6 +183,7 @@ KINDS: dict[str, Kind] = {
             campaigns=(("fp16", True), ("fp16", False)),
             must_reach=("undo=0", "undo=1", "undo=2", "undo=3", "undo=4", "rollbacks after a wrap",
                         "rollbacks of exactly U rows", "rollbacks of a whole block", "restores over a non-empty undo log"),
+            sweep=("undo", (0, 1, 2, 3, 4)),
             lockstep="fuzz.rotating:RotatingLockstep", machine="fuzz.rotating:RotatingMachine",
             bugs="fuzz.bugs.rotating:BUGS",
         ),
