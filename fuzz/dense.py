@@ -238,6 +238,25 @@ class DenseMachine(LifecycleRules, StateProtocolMachine):
     def append(self, n: int) -> None:
         self.do({"op": "append", "n": n})
 
+    @rule(data=st.data())
+    def regrow_after_trim(self, data: st.DataObject) -> None:
+        """Regrow after trim, as its own rule (the edge of the #1209 class,
+        which random trims and appends reach in ~150 examples, too late for
+        a device ten times slower): trim back to a step boundary or one row
+        short of the end, then append more rows than the capacity left, so
+        the buffer grows from a trimmed prefix (its dead tail must not
+        survive: spec.dense.regrow_capacity)."""
+        c = self.lock.world.cache
+        live, step = c.live_len, c.step
+        lens = sorted({x for x in ((live - 1) // step * step, live - 1) if x >= 1})
+        if not lens:
+            self.do({"op": "append", "n": data.draw(st.integers(2, 9), label="n")})
+            return
+        keep = data.draw(st.sampled_from(lens), label="len")
+        self.do({"op": "trim", "n": live - keep})
+        room = self.lock.world.cache.capacity - self.lock.world.cache.live_len
+        self.do({"op": "append", "n": room + data.draw(st.integers(1, step), label="over")})
+
     @rule(n=st.integers(0, 4), keep=st.integers(0, 3))
     def trim_front(self, n: int, keep: int) -> None:
         self.do({"op": "trim_front", "n": n, "keep": keep})

@@ -1,6 +1,7 @@
 """kvspec verify -j: the same checks, order and verdicts on a process pool
 as in one process; a crashing job is a failed check, not a crash."""
 
+from fuzz.bugs import by_name
 from fuzz.commands import verify
 
 
@@ -106,5 +107,16 @@ def test_a_job_past_its_wall_clock_limit_fails_naming_it_instead_of_hanging(monk
 
 
 def test_every_job_has_a_limit_above_its_expected_time():
-    for job in verify.plan(quick=False):
-        assert verify.job_limit(job) >= max(120.0, 2 * job.weight), job.label
+    for quick in (False, True):
+        seeds = 1 if quick else 5
+        for job in verify.plan(quick=quick):
+            if job.label.startswith("bug "):
+                # a bug job's limit follows its own size: seeds x variants x
+                # a per-seed allowance (a fixed floor that a slower device
+                # passed killed old_regrow_guard on the GPU)
+                bug = by_name(job.label[4:])
+                assert verify.job_limit(job) == verify.BUG_SEED_SECONDS * seeds * (1 + len(bug.variants)), job.label
+                assert verify.job_limit(job) >= 2 * job.weight, job.label
+            else:
+                assert verify.job_limit(job) >= max(120.0, 2 * job.weight), job.label
+

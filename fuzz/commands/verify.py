@@ -42,6 +42,14 @@ CAMPAIGN_SEED = 20261129
 #: ``must_reach`` events, which a campaign that misses them fails on.
 CAMPAIGN_BUDGET = 8.0
 BUG_SEED = 1
+#: examples a seed may run to catch a catalog bug in verify (``kvspec
+#: mutants`` allows 2000): every bug is caught within 40 on seeds 1-5 on
+#: the CPU (docs/fuzzing.md), so a device ten times slower still catches it
+#: and a miss ends as "missed after N examples", not as a killed job
+BUG_EXAMPLES = 400
+#: wall-clock seconds per seed and variant of a bug job (its limit is this
+#: times seeds times variants: it follows the job's own size, not a floor)
+BUG_SEED_SECONDS = 60.0
 
 
 @dataclass
@@ -146,7 +154,8 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
     from fuzz.commands.mutants import run_mutants
 
     checks = []
-    for rep in run_mutants(seeds, out=str(Path(out) / "mutants"), names=names, shrink_first=False):
+    for rep in run_mutants(seeds, max_examples=BUG_EXAMPLES, out=str(Path(out) / "mutants"), names=names,
+                           shrink_first=False):
         j = rep.to_json()
         if rep.caught:
             detail = f"caught in {seeds}/{seeds} seeds, examples med {j['median_examples']} worst {j['worst_examples']}"
@@ -280,6 +289,8 @@ class Job:
     func: str
     args: tuple = ()
     weight: float = 1.0
+    #: wall-clock seconds it may run (None: :func:`job_limit`'s default)
+    limit: float | None = None
 
 
 def _under_mechanism(mechanism: str, fn: Any, *args: Any) -> list[Check]:
@@ -350,10 +361,11 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
         if not runnable(bug):
             continue
         weight = 4.0 * seeds * (1 + len(bug.variants))
+        limit = BUG_SEED_SECONDS * seeds * (1 + len(bug.variants))
         if backend() == "cuda" and bug.device != "gpu":
-            jobs.append(Job(f"bug {bug.name}", "check_bugs_cuda", ("kernel", out, seeds, [bug.name]), weight))
+            jobs.append(Job(f"bug {bug.name}", "check_bugs_cuda", ("kernel", out, seeds, [bug.name]), weight, limit))
         else:
-            jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), weight))
+            jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), weight, limit))
     if not quick:
         from fuzz.commands.e2e import SCENARIOS, gpu_skipped
 
@@ -436,12 +448,15 @@ class StopFirst(Exception):
 def job_limit(job: Job) -> float:
     """Wall-clock seconds ``job`` may run in a pool worker before it is
     stopped and failed with a message naming it (a hung MLX evaluation or a
-    runaway search must not hang the whole run): four times its expected
-    seconds, at least two minutes. ``KVSPEC_VERIFY_JOB_LIMIT`` (seconds)
-    overrides it for every job."""
+    runaway search must not hang the whole run): the job's own ``limit``
+    (a bug job: :data:`BUG_SEED_SECONDS` per seed and variant), else four
+    times its expected seconds, at least two minutes.
+    ``KVSPEC_VERIFY_JOB_LIMIT`` (seconds) overrides it for every job."""
     env = os.environ.get("KVSPEC_VERIFY_JOB_LIMIT", "").strip()
     if env:
         return float(env)
+    if job.limit is not None:
+        return job.limit
     return max(120.0, 4.0 * job.weight)
 
 
