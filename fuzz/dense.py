@@ -249,13 +249,33 @@ class DenseMachine(LifecycleRules, StateProtocolMachine):
         c = self.lock.world.cache
         live, step = c.live_len, c.step
         lens = sorted({x for x in ((live - 1) // step * step, live - 1) if x >= 1})
-        if not lens:
-            self.do({"op": "append", "n": data.draw(st.integers(2, 9), label="n")})
-            return
+        if not lens:  # nothing to trim back to yet: fill past a step first
+            self.do({"op": "append", "n": step + data.draw(st.integers(1, 3), label="n")})
+            c = self.lock.world.cache
+            live = c.live_len
+            lens = sorted({x for x in ((live - 1) // step * step, live - 1) if x >= 1})
+            if not lens:  # the append was refused (a shape the mode cannot take)
+                return
         keep = data.draw(st.sampled_from(lens), label="len")
         self.do({"op": "trim", "n": live - keep})
         room = self.lock.world.cache.capacity - self.lock.world.cache.live_len
         self.do({"op": "append", "n": room + data.draw(st.integers(1, step), label="over")})
+
+    @rule(target=StateProtocolMachine.snapshots, data=st.data())
+    def reject_beside_snapshot(self, data: st.DataObject) -> str:
+        """Speculative rollback beside a prompt-cache snapshot: snapshot,
+        trim 1 to 3 rows (the rejected drafts), decode one row. The row it
+        writes is one the snapshot still sees, so the ownership rule must
+        make it copy (spec.dense.inplace_write_allowed); random rules reach
+        that order in ~30 examples (inplace_after_trim), this one at once."""
+        if self.live_len < 2:
+            self.do({"op": "append", "n": data.draw(st.integers(2, 4), label="prefill")})
+            self.do({"op": "append", "n": 1})  # a decode: the cache's own write, its marker
+        name = self.fresh_name("s")
+        self.do({"op": "snapshot", "name": name})
+        self.do({"op": "trim", "n": data.draw(st.integers(1, min(3, max(self.live_len - 1, 1))), label="n")})
+        self.do({"op": "append", "n": 1})
+        return name
 
     @rule(n=st.integers(0, 4), keep=st.integers(0, 3))
     def trim_front(self, n: int, keep: int) -> None:

@@ -347,7 +347,7 @@ class LifecycleRules:
 #: rules that exist to reach a rare edge within a few examples (regrow after
 #: trim, a whole rejected block): hidden with the lifecycle rules from the
 #: machines mlx-lm targets run, whose fixed seeds reproduce their findings
-EDGE_RULES = ("regrow_after_trim", "reject_block")
+EDGE_RULES = ("regrow_after_trim", "reject_block", "reject_beside_snapshot")
 
 
 def without_lifecycle(cls: type) -> type:
