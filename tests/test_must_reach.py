@@ -47,3 +47,32 @@ def test_rare_edge_bugs_are_caught_within_40_examples(name: str, tmp_path) -> No
         assert caught and alarm is None, (seed, n, alarm)
         examples.append(n)
     assert max(examples) <= 40, examples
+
+
+def test_a_campaign_goes_on_past_its_budget_until_its_edges_are_reached() -> None:
+    """verify's campaigns (``reach``): a device that runs few examples in
+    the budget (the H200 ran 20 in 8 s and missed undo=4) keeps searching
+    up to ``reach_budget`` while an edge is missing, instead of failing
+    with NOT REACHED; without ``reach`` the budget alone decides."""
+    from fuzz.campaign import campaign
+
+    entry = kinds.get("rotating", "fp16")
+    short = campaign("rotating", "fp16", True, 0.0, 20261129)
+    assert short.batches == 1 and [label for label in entry.must_reach if not short.stats.get(label)]
+    full = campaign("rotating", "fp16", True, 0.0, 20261129, reach=entry.must_reach, reach_budget=300.0)
+    assert full.failure is None and full.batches > 1
+    assert not [label for label in entry.must_reach if not full.stats.get(label)], full.stats
+
+
+def test_verify_campaigns_go_on_until_their_edges_are_reached(monkeypatch) -> None:
+    """The wiring in ``kvspec verify``: with a budget too short to reach the
+    ring's edges, the check still passes (it searched on, up to
+    REACH_FACTOR budgets); with no room to go on it fails NOT REACHED."""
+    from fuzz.commands import verify
+
+    monkeypatch.setattr(verify, "REACH_FACTOR", 10**6)
+    [check] = verify.check_campaigns(1e-4, ("rotating", "fp16", True))
+    assert check.ok, check.detail
+    monkeypatch.setattr(verify, "REACH_FACTOR", 0)
+    [check] = verify.check_campaigns(1e-4, ("rotating", "fp16", True))
+    assert not check.ok and "NOT REACHED" in check.detail, check.detail
