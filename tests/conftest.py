@@ -18,6 +18,7 @@ which worker ran them). Tests of the database pass ``--db`` themselves.
 """
 
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -39,6 +40,13 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("KVSPEC_DB", "none")
+# A suite started in the background of a non-interactive shell (`make test &`,
+# `( .ci/run & )`) inherits SIGINT ignored, and so would every child it
+# starts: the tests that press Ctrl-C on a `kvspec fuzz` or `kvspec campaign`
+# child would wait for an exit that never comes. Give Ctrl-C back its
+# default meaning, as in a terminal (children then start with it too).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: Files whose tests share no module fixture and no state: under ``make
 #: test``'s ``--dist loadfile`` each of their tests goes to whichever worker
