@@ -236,8 +236,8 @@ def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> t
     ``layer`` the snapshot layer ``source`` took (a store that mixed up its
     entries): layer ``layer`` refuses it, after the layers before it have
     taken theirs, and the list restore is all or none: InvalidArgumentError,
-    and nothing changed in any layer (semantics.md 6, "a restore one layer
-    refuses late"). Raises
+    and nothing changed in any layer (semantics.md 6, "restore_mixed": a restore
+    one layer refuses late). Raises
     StateError for an unknown name; InvalidArgumentError for layer indices
     out of range or a pair of layers whose snapshots are interchangeable
     (:func:`layers_interchangeable`: then the restore is no refusal)."""
