@@ -16,7 +16,7 @@ from hypothesis.stateful import get_state_machine_test
 
 from fuzz import kinds
 from fuzz.lockstep import Divergence
-from fuzz.machine import KVMachine
+from fuzz.machine import EDGE_RULES, KVMachine
 from fuzz.replay import make_lockstep, replay
 from fuzz.targets import resolve
 from fuzz.trace import Trace, cache_defaults, write
@@ -43,7 +43,6 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
             # the rare-edge rules bias our own campaigns toward the
             # catalog's edges; one step of them is several ops the shrinker
             # cannot split, so a third party's trace would not be minimal
-            from fuzz.machine import EDGE_RULES
             base = type(base.__name__, (base,), {rule: None for rule in EDGE_RULES if hasattr(base, rule)})
         if target.is_impl and not target.excluded:
             target = None  # the plain machine: no per-op target check
