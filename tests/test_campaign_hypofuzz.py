@@ -57,25 +57,41 @@ def _get(url: str) -> bytes | None:
         return None
 
 
-@needs_hypofuzz
-def test_a_campaign_serves_its_dashboard_and_writes_a_trace_that_replays(tmp_path, capsys):
-    """The campaign runs until its first failure's trace is written and the
-    dashboard has reported progress; then it is interrupted as a user would
-    (Ctrl-C: exit 130, what was found is reported). HypoFuzz shrinks on in
-    the worker meanwhile; the trace is whatever failing run was last
-    written, so it need not be minimal, but it must fail on the bug."""
-    import signal
-
+def _campaign(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+    """``kvspec campaign`` on one process with its dashboard on a free port,
+    its failures to ``tmp_path/out``, started as a user would."""
     port = _port()
     out, db = tmp_path / "out", tmp_path / "db"
-    cmd = [sys.executable, "-m", "fuzz.commands.cli", "campaign", "--bug", BUG, "-j", "1", "--budget", "300",
-           "--port", str(port), "--out", str(out), "--db", str(db), "--json"]
+    cmd = [sys.executable, "-m", "fuzz.commands.cli", "campaign", "-j", "1", "--port", str(port),
+           "--out", str(out), "--db", str(db), "--json", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    page, progress = None, None
+    return proc, port, out
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@needs_hypofuzz
+def test_a_campaign_serves_its_dashboard_and_stops_on_ctrl_c(tmp_path):
+    """A campaign with no bug runs its budget; meanwhile its dashboard
+    serves the page and reports inputs run for our machine. Interrupted as
+    a user would (Ctrl-C): exit 130, and the report carries that progress.
+    (No bug, so the search cannot end by itself before the dashboard is
+    read: that race failed this test on a loaded CI machine.)"""
+    import signal
+
+    proc, port, _ = _campaign(tmp_path, "--only", "dense/fp16/inplace", "--budget", "300")
+    page, progress, stdout, stderr = None, None, "", ""
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and proc.poll() is None and not (page and progress):
             page = page or _get(f"http://127.0.0.1:{port}/")
             raw = _get(f"http://127.0.0.1:{port}/api/tests/")
             if raw:
@@ -83,21 +99,34 @@ def test_a_campaign_serves_its_dashboard_and_writes_a_trace_that_replays(tmp_pat
                 reports = [r for rs in tests.get(NODE, {}).get("reports_by_worker", {}).values() for r in rs]
                 if reports and sum(reports[-1]["status_counts"].values()) > 0:
                     progress = reports[-1]
-            if page and progress and list(out.glob("campaign-*.json")):
-                break
             time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert page is not None and b"<html" in page.lower(), page  # HypoFuzz's dashboard page
+        stdout, stderr = _finish(proc, 60)
+    assert page is not None and b"<html" in page.lower(), (proc.returncode, page, stderr[-2000:])
     assert progress is not None, f"the dashboard never reported inputs for {NODE}; {stderr[-2000:]}"
     report = valid(json.loads(stdout))
-    assert proc.returncode == 130 and report["exit"] == 130, (report, stderr[-2000:])
+    assert proc.returncode == 130 and report["exit"] == 130 and report["interrupted"], (report, stderr[-2000:])
     assert report["dashboard"] == f"http://127.0.0.1:{port}/"
     assert report["progress"][NODE]["inputs"] > 0, report["progress"]
+    assert report["campaigns"] == ["dense/fp16/inplace"] and report["failures"] == [], report
+
+
+@needs_hypofuzz
+def test_a_campaign_on_a_bug_ends_by_itself_with_a_trace_that_replays(tmp_path, capsys):
+    """With an injected bug the search ends by itself once HypoFuzz has
+    found and shrunk the failure (exit 1); the report still carries the
+    dashboard's progress (the campaign waits for a dashboard that started
+    after the failure was found), and the failure is a kvtrace that
+    ``kvspec replay`` reproduces on the bug and that passes on the real
+    implementation. The trace is whatever failing run was last written, so
+    it need not be minimal, but it must fail on the bug."""
+    proc, port, _ = _campaign(tmp_path, "--bug", BUG, "--budget", "240")
+    stdout, stderr = _finish(proc, 400)  # budget 240 s + the dashboard wait (60 s) + stopping
+    report = valid(json.loads(stdout))
+    assert proc.returncode == 1 and report["exit"] == 1 and not report["interrupted"], (report, stderr[-2000:])
+    assert report["dashboard"] == f"http://127.0.0.1:{port}/"
+    assert report["progress"][NODE]["inputs"] > 0 and report["progress"][NODE]["failures"] >= 1, report["progress"]
     assert report["campaigns"] == ["dense/fp16/inplace"] and len(report["failures"]) == 1, report
     trace = report["failures"][0]["trace"]
     assert report["failures"][0]["replay"] == f"kvspec replay {trace} --bug {BUG}"

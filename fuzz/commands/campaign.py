@@ -37,6 +37,9 @@ LAUNCH = ("import multiprocessing, sys\n"
           "fuzz.main(args=sys.argv[1:], prog_name='kvspec campaign')\n")
 #: what HypoFuzz prints when its workers stop because every test has failed
 ALL_FAILED = "Found a failing input for every test"
+#: seconds a search that ended by itself waits for its dashboard to report
+#: (:func:`_final_progress`)
+DASHBOARD_WAIT = 60.0
 TARGETS = Path(__file__).resolve().parents[1] / "hypofuzz_targets.py"
 
 
@@ -194,10 +197,7 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
     finally:
         exited_early = proc.poll() is not None
         if url is not None and not exited_early:  # the progress at the end, before the dashboard stops
-            try:
-                progress = dashboard_progress(url, timeout=2.0) or progress
-            except (OSError, ValueError, KeyboardInterrupt):
-                pass
+            progress = _final_progress(url, progress, len(chosen), wait=0.0 if interrupted else DASHBOARD_WAIT)
         _stop(proc)
         log.close()
     seconds = time.monotonic() - start
@@ -237,6 +237,32 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
     if interrupted:
         console.print("[bold yellow]interrupted[/]: the traces above are what was found")
     return code
+
+
+def _final_progress(url: str, progress: dict[str, dict[str, Any]], tests: int,
+                    wait: float) -> dict[str, dict[str, Any]]:
+    """The dashboard's last word before the campaign stops it. A search can
+    end (every machine failed and was shrunk) before the dashboard, a
+    process of its own, has started on a busy machine; the report would
+    then carry no progress at all. So wait up to ``wait`` seconds for the
+    dashboard to report inputs for each of the ``tests`` campaigns (one
+    read, no wait, after Ctrl-C)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            progress = dashboard_progress(url, timeout=2.0) or progress
+        except (OSError, ValueError):
+            pass
+        except KeyboardInterrupt:
+            return progress
+        if len(progress) >= tests and all(p["inputs"] > 0 for p in progress.values()):
+            return progress
+        if time.monotonic() >= deadline:
+            return progress
+        try:
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            return progress
 
 
 def _free_port(host: str) -> int:
