@@ -20,6 +20,7 @@ identities where possible.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from fuzz import rows as rowgen
+from fuzz.device import current as current_device
 from fuzz.protocol import refusal_category
 from impl.dense import data_pointer
 from impl.write import inplace_keeps_memory
@@ -115,6 +117,22 @@ def reload_through_file(caches: list[Any], save: Any = None, load: Any = None, e
     finally:
         for name in added:
             del models._CLASSES[name]
+
+
+def host_pointer(a: mx.array) -> int:
+    """``impl.dense.data_pointer(a)`` for an array in host memory (the CPU),
+    without its second evaluation for bfloat16 (NumPy has no bfloat16, so
+    ``data_pointer`` reads it through a ``uint16`` view, one more MLX round
+    trip): a C-contiguous array's address is read through the buffer
+    protocol (the same memory ``np.array(a, copy=False)`` aliases); any
+    other array through ``data_pointer``."""
+    if a.dtype == mx.bfloat16:
+        mx.eval(a)
+        try:
+            return ctypes.addressof(ctypes.c_char.from_buffer(memoryview(a)))
+        except (TypeError, ValueError, BufferError):  # not C-contiguous (a window of a longer buffer)
+            pass
+    return data_pointer(a)
 
 
 def is_cache_copy(holder: Any) -> bool:
@@ -281,12 +299,25 @@ class Lockstep:
         """Rows beyond float16's range (fuzz.rows) for unquantized storage."""
         return self.cfg.get("mode", "fp16") == "fp16"
 
-    def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
+    def host_rows(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V rows of ``tokens`` in host form (``fuzz.rows.rows``:
+        float16, or float32 holding bfloat16 or float32 values)."""
         b, h, dk, dv = self.shape
         wide = self.wide_rows()
         scheme = self.cfg.get("rows", "numpy")
-        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, self.dtype, wide, scheme), self.dtype),
-                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, self.dtype, wide, scheme), self.dtype))
+        return (rowgen.rows(tokens, "k", b, h, dk, self.dtype, wide, scheme),
+                rowgen.rows(tokens, "v", b, h, dv, self.dtype, wide, scheme))
+
+    def input_rows(self, tokens: list[int]) -> tuple[mx.array, mx.array]:
+        k, v = self.host_rows(tokens)
+        return rowgen.to_mx(k, self.dtype), rowgen.to_mx(v, self.dtype)
+
+    def stored_identity(self, mode: str) -> bool:
+        """Whether :meth:`stored_form` hands rows back as given in ``mode``
+        (unquantized storage): then a reader's expected bytes are the rows'
+        own host form. True for ``fp16`` and wherever ``stored_form`` is
+        not overridden."""
+        return type(self).stored_form is Lockstep.stored_form or mode == "fp16"
 
     def expected_row(self, token: int, mode: str | None = None) -> tuple[bytes, bytes]:
         """The bytes a reader must see for a token's K and V rows (``mode``:
@@ -294,8 +325,13 @@ class Lockstep:
         mode = mode or self.cfg.get("mode", "fp16")
         got = self._expected.get((token, mode))
         if got is None:
-            k, v = self.input_rows([token])
-            hk, hv = rowgen.host_many([self.stored_form(k, mode), self.stored_form(v, mode)])
+            if self.stored_identity(mode) and current_device() == "cpu":
+                # the rows' own host form: what host() of the MLX rows gives
+                # back bit for bit (tests/test_rows.py), without a round trip
+                hk, hv = self.host_rows([token])
+            else:
+                k, v = self.input_rows([token])
+                hk, hv = rowgen.host_many([self.stored_form(k, mode), self.stored_form(v, mode)])
             got = (hk.tobytes(), hv.tobytes())
             self._expected[(token, mode)] = got
             self._expected_arrays[(token, mode)] = (hk, hv)
@@ -333,13 +369,14 @@ class Lockstep:
     def read_all(self, arrays: list[Any], evaluate: list[Any] = ()) -> None:
         """Read ``arrays`` to the host in one ``mx.eval`` (with ``evaluate``,
         arrays only evaluated) and keep their host forms for this step."""
-        todo = [a for a in dict.fromkeys(arrays, None) if isinstance(a, mx.array) and id(a) not in self._memo]
-        forms = [rowgen.read_form(a) for a in todo]
+        memo = self._memo
+        todo = [a for a in dict.fromkeys(arrays, None) if isinstance(a, mx.array) and id(a) not in memo]
+        forms = rowgen.read_forms(todo)
         lazy = forms + [a for a in evaluate if isinstance(a, mx.array)]
         if lazy:
             mx.eval(*lazy)
         for a, f in zip(todo, forms):
-            self._memo[id(a)] = (a, np.asarray(f))
+            memo[id(a)] = (a, np.asarray(f))
 
     def prefetch(self, op: dict[str, Any], outcome: Outcome) -> None:
         """After the op: read every window the checks will compare (the
@@ -390,7 +427,7 @@ class Lockstep:
         hit = self._pointers_memo.get(id(a))
         if hit is not None and hit[0] is a:
             return hit[1]
-        p = data_pointer(a)
+        p = host_pointer(a)
         self._pointers_memo[id(a)] = (a, p)
         return p
 

@@ -95,6 +95,7 @@ class KVMachine(RuleBasedStateMachine):
         self.names = 0
         self.cfg: dict[str, Any] = {}
         self.lock: Any = None
+        self.without: dict[str, str] = {}
 
     def draw_shape(self, data: st.DataObject, head_dims: Any = HEAD_DIMS) -> dict[str, Any]:
         """Batch, kv heads, K and V head dims, dtype and (sometimes) a
@@ -126,12 +127,14 @@ class KVMachine(RuleBasedStateMachine):
         if self.make_lockstep is None:
             raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
         self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
+        #: ops of the trace kind this kind's implementation does not run (fuzz.kinds)
+        self.without = kind_entry(self.kind, self.mode).without
 
     def do(self, op: dict[str, Any]) -> None:
         if self.target is not None and self.target.skip_reason(self.cfg, op) is not None:
             self.lock.reached("skipped " + op["op"])
             return
-        if op["op"] in kind_entry(self.kind, self.mode).without:
+        if op["op"] in self.without:
             self.lock.reached("skipped " + op["op"])
             return
         type(self).covered[op["op"]] = type(self).covered.get(op["op"], 0) + 1

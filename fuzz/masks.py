@@ -10,6 +10,7 @@ array: itself) and compared with the kind's spec rule: for a dense cache
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -23,30 +24,57 @@ from spec import rotating as sr
 def mask_as_rows(mask: Any, n: int, length: int) -> list[list[bool]] | None:
     """Expand what ``make_mask`` returned into rows of booleans (None for a
     form that denotes no ``[n, length]`` matrix)."""
+    got = mask_matrix(mask, n, length)
+    return None if got is None else got.tolist()
+
+
+@lru_cache(maxsize=4096)
+def _causal(n: int, length: int) -> np.ndarray:
+    """The matrix ``"causal"`` denotes: query ``i`` sees key ``j`` iff ``j <= length - n + i``."""
+    out = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]
+    out.setflags(write=False)
+    return out
+
+
+def mask_matrix(mask: Any, n: int, length: int) -> np.ndarray | None:
+    """What ``make_mask`` returned as an ``[n, length]`` boolean matrix (None
+    for a form that denotes none): ``None`` (one query, sees every key),
+    ``"causal"``, or an array of that shape (nonzero: visible)."""
     if mask is None:
-        if n != 1:
-            return None  # no mask for several queries means none is causal
-        return [[True] * length]
+        return np.ones((1, length), dtype=bool) if n == 1 else None  # several queries: no mask is not causal
     if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        return [[j <= length - n + i for j in range(length)] for i in range(n)]
+        return _causal(n, length) if mask == "causal" else None
     arr = np.asarray(mask)
     if arr.shape != (n, length):
         return None
-    return arr.astype(bool).tolist()
+    return arr.astype(bool)
 
 
-def mask_text(rows: list[list[bool]]) -> str:
+def mask_text(rows: Any) -> str:
     return " / ".join("".join("1" if x else "." for x in r) for r in rows)
 
 
-def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tuple[int | None, list[list[bool]]]],
+def _spec_matrix(rows: tuple[tuple[bool, ...], ...]) -> np.ndarray:
+    out = np.array(rows, dtype=bool).reshape(len(rows), -1)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _dense_mask(live_len: int, n: int, window: int | None) -> np.ndarray:
+    """spec.dense.dense_make_mask as a boolean matrix, kept per arguments
+    (a pure function: a decode loop asks for the same ones op after op)."""
+    return _spec_matrix(sd.dense_make_mask(live_len, n, window))
+
+
+def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tuple[int | None, np.ndarray]],
              prefix: str) -> None:
     """``make_mask`` in array and short form for each ``(window, want)`` of
-    ``cases``, called now (before the append, as a model calls it) and
-    compared in order once the step's one MLX evaluation has evaluated the
-    array masks (``lock.defer``; at once outside a step)."""
+    ``cases`` (``want``: the spec's ``[n, length]`` boolean matrix), called
+    now (before the append, as a model calls it) and compared in order once
+    the step's one MLX evaluation has evaluated the array masks
+    (``lock.defer``; at once outside a step): whole matrices, one NumPy
+    comparison each."""
     calls = []
     for window, want in cases:
         for kwargs in ({"return_array": True}, {}):
@@ -56,8 +84,8 @@ def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tupl
 
     def check() -> None:
         for kwargs, want, mask in calls:
-            got = mask_as_rows(mask, n, len(want[0]))
-            if got != want:
+            got = mask_matrix(mask, n, want.shape[1])
+            if got is None or not np.array_equal(got, want):
                 raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs",
                                  mask_text(want), "unexpected form" if got is None else mask_text(got))
 
@@ -81,8 +109,7 @@ def check_dense_masks(lock: Any, op: dict[str, Any], live_len: int, cache: Any, 
     """``cache.make_mask`` (array and short forms) for the append ``op``
     against spec.dense.dense_make_mask, for each of :func:`dense_windows`."""
     n = op["n"]
-    cases = [(window, [list(r) for r in sd.dense_make_mask(live_len, n, window)])
-             for window in dict.fromkeys(dense_windows(live_len))]
+    cases = [(window, _dense_mask(live_len, n, window)) for window in dict.fromkeys(dense_windows(live_len))]
     _compare(lock, op, cache, n, cases, prefix)
     lock.reached("dense masks checked")
 
@@ -97,6 +124,6 @@ def check_ring_masks(lock: Any, op: dict[str, Any], spec_cache: sr.RotatingCache
     windows: list[int | None] = [None]
     if narrow and spec_cache.max_size - 1 > spec_cache.keep:
         windows.append(spec_cache.max_size - 1)
-    cases = [(window, [list(r) for r in sr.make_mask_spec(spec_cache, n, window)]) for window in windows]
+    cases = [(window, _spec_matrix(sr.make_mask_spec(spec_cache, n, window))) for window in windows]
     _compare(lock, op, cache, n, cases, prefix)
     lock.reached("masks checked")

@@ -48,6 +48,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from fuzz.device import current as device_current
 from fuzz.device import device_read
 from spec import rows as portable
 
@@ -212,6 +213,14 @@ def read_form(a: mx.array) -> mx.array:
     return a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
 
 
+def read_forms(arrays: list[mx.array]) -> list[mx.array]:
+    """:func:`read_form` of each of ``arrays`` (MLX arrays), the device
+    asked once for them all."""
+    if device_current() == "gpu":
+        return [read_form(a) for a in arrays]
+    return [a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in arrays]
+
+
 def host(a) -> np.ndarray:
     """A fetched array as NumPy, bit for bit: float16 and float32 as they
     are, bfloat16 as the float32 of each value (exact and one-to-one);
@@ -233,19 +242,31 @@ def host_many(arrays: list[Any]) -> list[np.ndarray]:
     return [np.asarray(f) for f in forms]
 
 
-def mx_arrays(x: Any) -> list[mx.array]:
-    """Every ``mx.array`` inside ``x`` (nested tuples, lists, dict values)."""
+def mx_arrays(x: Any, out: list[mx.array] | None = None) -> list[mx.array]:
+    """Every ``mx.array`` inside ``x`` (nested tuples, lists, dict values),
+    appended to ``out`` when given (and returned)."""
+    if out is None:
+        out = []
     if isinstance(x, mx.array):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [a for item in x for a in mx_arrays(item)]
-    if isinstance(x, dict):
-        return [a for item in x.values() for a in mx_arrays(item)]
-    return []
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for item in x:
+            mx_arrays(item, out)
+    elif isinstance(x, dict):
+        for item in x.values():
+            mx_arrays(item, out)
+    return out
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def dtype_name(a) -> str:
     """The kvtrace dtype name of a fetched array (NumPy's for a view object)."""
     if isinstance(a, mx.array):
-        return str(a.dtype).rsplit(".", 1)[-1]
+        d = a.dtype
+        name = _DTYPE_NAMES.get(d)
+        if name is None:
+            name = _DTYPE_NAMES[d] = str(d).rsplit(".", 1)[-1]
+        return name
     return str(np.asarray(a).dtype)

@@ -521,6 +521,9 @@ class _Declared:
     def stored_form(self, x: Any, mode: str = "fp16") -> Any:
         return x if self.cls.stored_form is None else self.cls.stored_form(x)
 
+    def stored_identity(self, mode: str) -> bool:
+        return self.cls.stored_form is None
+
     def spec_observables(self) -> dict[str, Any]:
         full = super().spec_observables()  # type: ignore[misc]
         return {k: v for k, v in full.items() if k not in self.not_compared}
