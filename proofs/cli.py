@@ -24,6 +24,15 @@ def waiting(number: int, name: str, proves: tuple[str, ...], statement: str, wai
     return ObligationResult(number, name, proves, statement, "waits", [], [], 0.0, waits_for)
 
 
+#: every obligation's name by number (the ``name`` of its result, which
+#: tests/test_proofs.py checks): ``kvspec verify`` labels one job per
+#: obligation with it before any runs
+TITLES = {1: "ownership soundness", 2: "ring slot and warm-up in place", 3: "regrow rule", 4: "trim then append",
+          5: "front trim", 6: "paged copy on write", 7: "sliding-window mask", 8: "ring rollback (undo log)",
+          9: "atomic list trim", 10: "Turbo physical trim", 11: "Delegated fold schedule",
+          12: "3-bit packing byte count", 13: "batch layout"}
+
+
 def obligations() -> list[tuple[int, Any]]:
     """(number, thunk) for every obligation, in number order."""
     from proofs import dense

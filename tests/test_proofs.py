@@ -241,6 +241,22 @@ def test_the_docs_obligations_record_is_current(results: list[ObligationResult])
         "docs/generated/obligations.json is stale: python -m fuzz.docgen obligations")
 
 
+def test_titles_name_every_obligation_as_its_result_does(results: list[ObligationResult]) -> None:
+    # kvspec verify labels one job per obligation with cli.TITLES before any runs
+    assert {r.number: r.name for r in results} == {n: cli.TITLES[n] for n, _ in cli.obligations()}
+
+
+def test_crosshair_on_some_files_without_the_diff() -> None:
+    from proofs import crosshair_run
+
+    res = crosshair_run.run(files=["spec/paged.py"], diff=False, workers=1)
+    assert res.ok and res.files == ["spec/paged.py"] and not res.with_diff and "diffbehavior" not in res.summary()
+    assert res.count("confirmed") == len(res.conditions) > 0 and {c.file for c in res.conditions} == {"spec/paged.py"}
+    # a whole run still requires the diff and its control
+    res.with_diff = True
+    assert not res.ok
+
+
 def test_crosshair_runs_through_this_interpreter_keeping_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
     # On the GPU machine CrossHair is a wheel on PYTHONPATH: no ``crosshair``
     # script on PATH, and a PYTHONPATH replaced by the checkout alone hides it.

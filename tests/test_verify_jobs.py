@@ -31,8 +31,49 @@ def test_the_plan_covers_every_check_once():
     assert len(labels) == len(set(labels))
     assert sum(label.startswith("bug ") for label in labels) == len([b for b in catalog() if runnable(b)])
     assert sum(label.startswith("fuzz ") for label in labels) == sum(len(k.campaigns) for k in kinds.KINDS.values())
-    assert {"traces", "proofs", "crosshair", "equivalent mutants"} <= set(labels)
+    assert {"traces", "crosshair diffbehavior", "equivalent mutants"} <= set(labels)
     assert verify.plan(quick=True, skip_proofs=True)[-1].label.startswith("bug ")
+
+
+def test_the_proofs_are_one_job_per_obligation_and_per_contract_file():
+    # split so that the pool balances them (one proofs job was the critical path)
+    from proofs import crosshair_run
+    from proofs.cli import TITLES, obligations
+
+    jobs = verify.proof_jobs()
+    numbers = sorted({n for n, _ in obligations()})
+    assert [j.args for j in jobs if j.func == "check_obligation"] == [(n,) for n in numbers]
+    assert [j.label for j in jobs if j.func == "check_obligation"] == [f"proof {TITLES[n]}" for n in numbers]
+    files = [str(p.relative_to(crosshair_run.ROOT)) for p in crosshair_run.contract_files()]
+    assert [j.args for j in jobs if j.func == "check_crosshair_file"] == [(f,) for f in files]
+    assert [j.func for j in jobs].count("check_crosshair_diff") == 1
+    assert all(j.label in {k.label for k in verify.plan()} for j in jobs)
+    # every expected time is a measured one (a missing entry would run it late)
+    assert set(verify.PROOF_SECONDS) >= set(numbers) and set(verify.CROSSHAIR_SECONDS) >= set(files)
+
+
+def test_an_obligation_job_fails_when_a_negative_control_survives(monkeypatch):
+    from proofs import dense
+    from proofs.dense_model import Rules
+
+    (good,) = verify.check_obligation(5)
+    assert good.ok and good.name == "proof front trim" and good.detail == "proved, negative control refuted"
+    monkeypatch.setattr(dense, "FRONT_CONTROLS", [("not_a_bug", "the spec itself", Rules())])
+    (bad,) = verify.check_obligation(5)
+    assert not bad.ok and "control not_a_bug: not refuted" in bad.detail
+    (missing,) = verify.check_obligation(99)
+    assert not missing.ok and "no obligation numbered 99" in missing.detail
+
+
+def test_a_crosshair_file_job_fails_on_a_counterexample(tmp_path):
+    bad = tmp_path / "bad_contract.py"
+    bad.write_text('def grow(x: int) -> int:\n    """\n    pre: x >= 0\n    post: __return__ > x\n    """\n    return x\n')
+    (check,) = verify.check_crosshair_file(str(bad))
+    assert not check.ok and "counterexamples 1" in check.detail
+    good = tmp_path / "good_contract.py"
+    good.write_text(bad.read_text().replace("return x", "return x + 1"))
+    (check,) = verify.check_crosshair_file(str(good))
+    assert check.ok and "confirmed 1" in check.detail and not check.warnings
 
 
 # -- what verify and mutants ask of the fuzzer (seeds, budgets, shrinking) ---------
@@ -82,13 +123,6 @@ def test_run_machine_passes_shrink_to_hypothesis(monkeypatch):
     campaign.run_machine(machine, seed=1, max_examples=1, steps=2, shrink=False)
     campaign.run_machine(machine, seed=1, max_examples=1, steps=2)
     assert seen == [(Phase.generate,), (Phase.generate, Phase.shrink)]
-
-
-def test_run_json_keeps_the_exit_status():
-    doc, _seconds, rc = verify._run_json("x", ["-c", "import json, sys; print(json.dumps({'ok': 1})); sys.exit(3)"])
-    assert doc == {"ok": 1} and rc == 3
-    bad, _seconds, rc = verify._run_json("x", ["-c", "import sys; print('no json'); sys.exit(2)"])
-    assert isinstance(bad, verify.Check) and not bad.ok and bad.name == "x" and rc == 2
 
 
 def test_a_job_past_its_wall_clock_limit_fails_naming_it_instead_of_hanging(monkeypatch):
