@@ -70,23 +70,36 @@ OP_TEXT = {
     "copy": "`copy.deepcopy` (`deep`, default true) or `copy.copy` of the cache, held under `name` like a snapshot "
             "(`restore` from it adopts its window); `live: copy` goes on writing the copy with the original held "
             "(mlx-lm's `LRUPromptCache` deep-copies on every fetch). The snapshot rule: the copy shares the buffers "
-            "and owns nothing, so its first write copies (`spec.dense.w_copy`, `spec.rotating.w_copy`)",
+            "and owns nothing, so its first write copies (`spec.dense.w_copy`, `spec.rotating.w_copy`); layers: "
+            "a copy of the whole list (`impl.layers.copy_prompt_cache`, `spec.layers.w_copy`); paged: refused "
+            "(UnsupportedOperationError; `fork` is the paged copy, `spec.paged.copy_refused`)",
     "append_mismatch": "n rows with one more batch row or kv head, twice the K or V head dim, or another dtype "
                        "(`differs`) than the cached rows': refused (InvalidArgumentError, each cache's own words), "
-                       "nothing changes; only on a cache holding a buffer (`spec.dense.w_append_mismatch`)",
+                       "nothing changes; only on a cache holding a buffer (`spec.dense.w_append_mismatch`); layers: every "
+                       "layer is handed the rows and every layer must refuse them (`spec.layers.w_append_mismatch`); paged: "
+                       "the pool's rows, once its slabs exist (`spec.paged.append_mismatch`)",
     "reload": "save and load the cache (`via`): a prompt-cache file (`impl.models`; the loaded layer goes on as the "
               "live cache) or mlx-lm's load order on the cache (`state`, then `meta_state`; not the Turbo classes). "
               "Same window, counters and switch; fresh buffers of the live rows, no marker, a ring's undo log empty "
               "(`spec.dense.w_reload`, `spec.rotating.w_reload`). A prompt cache (layers) reloads the whole list "
               "(`spec.layers.w_reload`); `env`: `KV_INPLACE_WRITE` while the file loads, and every layer keeps the "
-              "file's switch",
+              "file's switch; paged: through a file only, refused (UnsupportedOperationError: a file cannot hold a "
+              "sequence whose blocks its pool may share, `spec.paged.reload`)",
     "restore_mixed": "layers: a list restore of snapshot `name` whose list hands layer `layer` (never 0 in the "
                      "machine) the snapshot layer `source` took, of another kind or window: that layer refuses it after "
                      "the layers before it took theirs; refused (InvalidArgumentError, the layer's words), nothing "
                      "changed in any layer, ownership and undo logs included (`spec.layers.w_restore_mixed`)",
+    "trim_refused_late": "layers: a list trim of n rows in which layer `layer` (never 0 in the machine) refuses its "
+                         "own trim after the layers before it trimmed (`how`: its `trim` raises, or `short`: trims "
+                         "nothing and returns 0): refused (StateError) with every layer as it was, ownership and undo "
+                         "logs included; 0 with nothing asked when the list's count is 0 "
+                         "(`spec.layers.w_trim_refused_late`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
     "fork": "paged: a new sequence `as` sharing every block of `from` (refcounts rise)",
     "release": "paged: drop sequence `seq`; each of its blocks' refcount falls by one",
+    "handle_reuse": "paged: the handle (`PagedKVCache`) of sequence `seq` that a release consumed, used again "
+                    "(`use`: `append` a row, `fetch`, `trim` a row, `release`), also after a new sequence took the "
+                    "name: refused (StateError), nothing changes (`spec.paged.handle_reuse`)",
     "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`)",
     "layer": "layers: run one op (`do`: `trim_front` or `fetch`) on layer `index` of the list",
     "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "

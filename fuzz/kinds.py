@@ -197,7 +197,7 @@ KINDS: dict[str, Kind] = {
             # list for a model whose make_cache() gives the layout: the
             # model-level configuration); num_draft_tokens: its argument
             fields={"layers": REQUIRED, "build": "list", "num_draft_tokens": 0},
-            ops=("can_trim", "layer", "restore_mixed", "reload"),
+            ops=("can_trim", "layer", "restore_mixed", "trim_refused_late", "copy", "append_mismatch", "reload"),
             refuses=("trim_to",),
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
             lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",
@@ -209,7 +209,7 @@ KINDS: dict[str, Kind] = {
             modes=("fp16",),
             # max_blocks 0: no maximum; chunk: blocks per pool growth
             fields={"block_size": REQUIRED, "max_blocks": 0, "chunk": 1},
-            ops=("trim_front", "fork", "release"),
+            ops=("trim_front", "fork", "release", "handle_reuse", *LIFECYCLE_OPS),
             # a paged cache snapshots by fork (its spec refuses snapshot, restore and drop too)
             refuses=("gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),

@@ -23,8 +23,8 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from fuzz.lockstep import Divergence, Lockstep, reload_through_file
-from fuzz.machine import APPEND_N, KVMachine
+from fuzz.lockstep import Divergence, Lockstep, is_cache_copy, reload_through_file
+from fuzz.machine import APPEND_N, KVMachine, LifecycleRules
 from fuzz.masks import check_dense_masks, check_ring_masks
 from fuzz.quant_ref import int8_oracle
 from fuzz.trace import TraceFormatError
@@ -55,6 +55,9 @@ class ListOps:
 
     def restore(self, caches: list[Any], snapshots: list[Any]) -> None:
         impl_layers.restore_prompt_cache(caches, snapshots)
+
+    def copy(self, caches: list[Any], deep: bool) -> list[Any]:
+        return impl_layers.copy_prompt_cache(caches, deep)
 
     def make_prompt_cache(self, model: Any, **kw: Any) -> list[Any]:
         from impl.models import make_prompt_cache
@@ -163,6 +166,8 @@ class LayersLockstep(Lockstep):
                 for p in self.pattern
             ]
         self.pointers_before: list[tuple[int, int] | None] = []
+        #: names of list snapshots dropped so far (``misuse_name`` reuses them)
+        self.dropped: set[str] = set()
 
     def wide_rows(self) -> bool:
         return all(self.layer_mode(j) == "fp16" for j in range(len(self.pattern)))
@@ -215,20 +220,97 @@ class LayersLockstep(Lockstep):
             if snaps is None:
                 raise StateError(f"{name}: no snapshot or handle named {op['name']!r}")
             if name == "restore":
-                self.list_ops.restore(self.caches, snaps)
+                self.list_ops.restore(self.caches, self.as_snapshots(snaps))
             else:
                 del self.holders[op["name"]]
+                self.dropped.add(op["name"])
             return None
+        if name == "copy":
+            return self._copy(op)
+        if name == "append_mismatch":
+            return self._append_mismatch(op)
         if name == "restore_mixed":
             return self._restore_mixed(op)
+        if name == "trim_refused_late":
+            return self._trim_refused_late(op)
         if name == "reload":
             return self._reload(op)
         if name == "layer":
             return self._layer_op(op["index"], op["do"])
         raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
 
-    #: a layer's refusal of another layer's snapshot is in that layer's words
-    OWN_WORDED_OPS = Lockstep.OWN_WORDED_OPS | {"restore_mixed"}
+    #: a layer's refusal of another layer's snapshot, or of its part of a
+    #: list trim, is in that layer's words
+    OWN_WORDED_OPS = Lockstep.OWN_WORDED_OPS | {"restore_mixed", "trim_refused_late"}
+
+    def next_identity(self) -> int:
+        return self.world.layers[0].next_token
+
+    @staticmethod
+    def as_snapshots(held: list[Any]) -> list[Any]:
+        """A held list as the snapshots a list restore takes: a list
+        snapshot as it is, a held copy of the list (``copy``) as a snapshot
+        of each copied layer."""
+        return [c.snapshot() if is_cache_copy(c) else c for c in held]
+
+    def _copy(self, op: dict[str, Any]) -> None:
+        """A copy of the whole list (``ListOps.copy``,
+        ``impl.layers.copy_prompt_cache``) held under ``name``; ``live:
+        copy`` goes on with the copy and holds the original."""
+        live = op.get("live", "original")
+        if live not in ("copy", "original"):
+            raise InvalidArgumentError(f"copy: live must be 'copy' or 'original', got {live!r}")
+        if op["name"] in self.holders:
+            raise StateError(f"copy: name {op['name']!r} is already in use")
+        dup = self.list_ops.copy(self.caches, op.get("deep", True))
+        if live == "copy":
+            self.holders[op["name"]], self.caches = self.caches, dup
+        else:
+            self.holders[op["name"]] = dup
+        self.reached("list copies")
+
+    def _append_mismatch(self, op: dict[str, Any]) -> str:
+        """The same rows of another shape or dtype handed to every layer, as
+        a forward pass would: each layer must refuse them. The first
+        refusal is raised once every layer has refused; a layer that takes
+        the rows is named in the result (the spec refuses: the refusal
+        comparison reports it)."""
+        k, v = self.mismatched_rows(op["n"], op["differs"])
+        refusals, took = [], []
+        for j, c in enumerate(self.caches):
+            try:
+                c.update_and_fetch(k, v)
+            except Exception as exc:  # noqa: BLE001 - each layer's refusal, compared below
+                refusals.append(exc)
+            else:
+                took.append(j)
+        if took:
+            return f"layer(s) {took} took rows of another {op['differs']}"
+        raise refusals[0]
+
+    def _trim_refused_late(self, op: dict[str, Any]) -> int:
+        """The list trim under test (``ListOps.trim``) of ``n`` rows while
+        layer ``layer`` refuses its own part (``how``: its ``trim`` raises
+        StateError, or trims nothing and returns 0, as a ring failing closed
+        would), after the layers before it trimmed: the list trim must end
+        with every layer as it was. The refusing ``trim`` is the layer's
+        for this call only."""
+        layer, how = op["layer"], op.get("how", "raises")
+        # the trace's arguments, as the spec checks them (before the list is touched)
+        sl.check_late_trim(op["n"], layer, how, len(self.caches))
+        c = self.caches[layer]
+
+        def refuse(n: int) -> int:
+            if how == "raises":
+                raise StateError(f"trim: layer {layer} refuses to trim {n} rows")
+            return 0
+
+        c.trim = refuse
+        try:
+            self.reached("late list refusals")
+            return self.list_ops.trim(self.caches, op["n"])
+        finally:
+            vars(c).pop("trim", None)
 
     def _restore_mixed(self, op: dict[str, Any]) -> None:
         """The list restore of snapshot ``name`` with layer ``layer``'s entry
@@ -249,8 +331,8 @@ class LayersLockstep(Lockstep):
         if sl.layers_interchangeable(self.world.layers[layer], self.world.layers[source]):
             raise InvalidArgumentError(f"restore_mixed: layers {layer} and {source} take each other's snapshots; "
                                        "pick layers of another kind or window")
-        mixed = list(snaps)
-        mixed[layer] = snaps[source]
+        mixed = self.as_snapshots(snaps)
+        mixed[layer] = mixed[source]
         self.reached("late list refusals")
         self.list_ops.restore(self.caches, mixed)
 
@@ -528,10 +610,12 @@ def layer_patterns(draw: st.DrawFn) -> list[dict[str, Any]]:
     return layers
 
 
-class LayersMachine(KVMachine):
+class LayersMachine(LifecycleRules, KVMachine):
     """List-level ops over mixed layer patterns: appends, atomic trims
     (after a wrap, after a front trim of a dense layer), list snapshots
-    and restores, held windows."""
+    and restores, held windows; copies of the whole list, rows of another
+    shape or dtype and reloads (:class:`fuzz.machine.LifecycleRules`), and
+    list restores and trims one layer refuses late."""
 
     kind = "layers"
 
@@ -586,8 +670,9 @@ class LayersMachine(KVMachine):
 
     @rule(data=st.data())
     def misuse_name(self, data: st.DataObject) -> None:
-        """A list snapshot's name used wrongly: unknown, or already in use."""
-        names = sorted(self.lock.world.names) + ["nope"]
+        """A list snapshot's name used wrongly: unknown, dropped already, or
+        already in use."""
+        names = sorted(self.lock.world.names) + sorted(self.lock.dropped) + ["nope"]
         name = data.draw(st.sampled_from(names), label="name")
         op = data.draw(st.sampled_from(self.named_ops), label="op")
         self.do({"op": op, "name": name})
@@ -611,6 +696,23 @@ class LayersMachine(KVMachine):
             self.do({"op": "append", "n": 1})
         self.do({"op": "restore_mixed", "name": name, "layer": k, "source": j})
         self.do({"op": "drop", "name": name})
+
+    @rule(n=st.integers(1, 4), data=st.data())
+    def trim_refused_late(self, n: int, data: st.DataObject) -> None:
+        """A list trim that a later layer (never layer 0) refuses after the
+        layers before it trimmed (its trim raises, or trims nothing): decode
+        ``n`` rows so that there is something to trim, then the trim.
+        Refused, and every layer must still hold those rows, with its
+        ownership and a ring's undo log (the next decode shows both)."""
+        layers = len(self.lock.world.layers)
+        if layers < 2:
+            return
+        for _ in range(n):
+            self.do({"op": "append", "n": 1})
+        self.do({"op": "trim_refused_late", "n": data.draw(st.integers(1, n), label="rows"),
+                 "layer": data.draw(st.integers(1, layers - 1), label="layer"),
+                 "how": data.draw(st.sampled_from(sl.LATE_TRIM_REFUSALS), label="how")})
+        self.do({"op": "append", "n": 1})
 
     @rule()
     def can_trim(self) -> None:

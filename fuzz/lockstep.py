@@ -954,6 +954,11 @@ class Lockstep:
         factory, kwargs = self._built
         return self.build(factory, **kwargs)
 
+    def next_identity(self) -> int:
+        """The token identity the next appended row takes (the spec world's
+        counter)."""
+        return self.world.next_token
+
     def mismatched_rows(self, n: int, differs: str) -> tuple[mx.array, mx.array]:
         """Rows of the next ``n`` token identities in a shape or dtype the
         cache does not hold: one more batch row or kv head, a K or V head
@@ -970,7 +975,7 @@ class Lockstep:
             dv *= 2
         else:
             dtype = "float32" if dtype != "float32" else "float16"
-        start = self.world.next_token
+        start = self.next_identity()
         tokens = list(range(start, start + n))
         return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, dtype, False), dtype),
                 rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, dtype, False), dtype))

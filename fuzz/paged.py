@@ -16,17 +16,19 @@ at an append but read only a few ops later (MLX is lazy).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine
+from fuzz.lockstep import Divergence, Lockstep, reload_through_file
+from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine, LifecycleRules
 from fuzz.trace import TraceFormatError
 from impl.paged import BlockPool, PagedKVCache
 from spec import paged as sp
+from spec.errors import StateError
 
 
 def pool_config(cache: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +54,17 @@ class PagedLockstep(Lockstep):
         cfg = pool_config(cache)
         self.world = sp.new_world(**cfg)
         self.prev_world = self.world
+        # the bug catalog hands in a BlockPool subclass, or a PagedKVCache
+        # subclass (the handle class: copies, spent handles, the file layer)
+        self.cache_class: type = PagedKVCache
+        if isinstance(pool_factory, type) and issubclass(pool_factory, PagedKVCache):
+            self.cache_class, pool_factory = pool_factory, BlockPool
         self.pool = pool_factory(**cfg)
-        self.cache = PagedKVCache(self.pool)
+        self.cache = self.cache_class(self.pool)
+        #: the handle of each live sequence (main's, and the one made at its
+        #: fork), and the handles releases consumed, by name
+        self.handles: dict[str, Any] = {sp.MAIN: self.cache}
+        self.spent: dict[str, Any] = {}
         self.current_seq = sp.MAIN
         #: (op index, window fetched and never read, its tokens): see
         #: :meth:`compare_unread`
@@ -98,12 +109,54 @@ class PagedLockstep(Lockstep):
         if name == "trim_front":
             return p.trim_front(seq, op["n"], op.get("keep", 0))
         if name == "fork":
-            return p.fork(op.get("from", sp.MAIN), op["as"])
+            p.fork(op.get("from", sp.MAIN), op["as"])
+            self.handles[op["as"]] = self.cache_class(p, op["as"])
+            if op["as"] == sp.MAIN:
+                self.cache = self.handles[sp.MAIN]
+            return None
         if name == "release":
-            return p.release(seq)
+            p.release(seq)
+            if seq in self.handles:
+                self.spent[seq] = self.handles.pop(seq)
+            return None
         if name in ("snapshot", "restore", "drop"):
             raise sp.snapshots_by_fork(name)
+        if name in ("copy", "reload", "handle_reuse"):
+            return self.lifecycle(op, seq)
+        if name == "append_mismatch":
+            return p.append(seq, *self.mismatched_rows(op["n"], op["differs"]))
         raise sp.UnsupportedOperationError(f"{name}: not an operation of a paged cache")
+
+    def lifecycle(self, op: dict[str, Any], seq: str) -> None:
+        """A sequence's handle outside the decode loop: ``copy`` (copy.copy /
+        copy.deepcopy of its handle), ``reload`` (through a prompt-cache
+        file) and ``handle_reuse`` (the handle a release consumed, used
+        again). The spec refuses each (``spec.paged.copy_refused``,
+        ``reload``, ``handle_reuse``); a handle that goes through returns
+        None here and the refusal comparison reports it."""
+        name = op["op"]
+        if name == "handle_reuse":
+            use, handle = op.get("use", "append"), self.spent.get(seq)
+            if handle is None or use not in sp.HANDLE_REUSES:
+                sp.handle_reuse(self.world, seq, use)  # the trace's own mistake: refused as the spec words it
+            if use == "append":
+                handle.update_and_fetch(*self.input_rows([self.world.next_token]))
+            elif use == "fetch":
+                handle.fetch()
+            elif use == "trim":
+                handle.trim(1)
+            else:
+                handle.release()
+            return
+        handle = self.handles.get(seq)
+        if handle is None:
+            raise StateError(f"{name}: no sequence named {seq!r}")
+        if name == "copy":
+            copy.deepcopy(handle) if op.get("deep", True) else copy.copy(handle)
+            return
+        if op.get("via", "file") != "file":
+            sp.reload(self.world, seq, op.get("via"))  # not a paged op: refused as the spec words it
+        reload_through_file([handle])
 
     def check_mask(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it: causal
@@ -257,15 +310,24 @@ class PagedLockstep(Lockstep):
         return views
 
 
-class PagedMachine(KVMachine):
+class PagedMachine(LifecycleRules, KVMachine):
     """Several sequences on one pool, block size 1 to 4: decode and
     multi-row appends on any sequence, forks biased towards forks of forks
     and towards a write right after the fork, trims and front trims biased
     to cross block edges, releases, and refused inputs (unknown sequences,
     names in use, ``keep > 0``, pool exhaustion with a small ``max_blocks``).
-    Paged caches snapshot by fork: the base snapshot rules are off."""
+    Paged caches snapshot by fork: the base snapshot rules are off. The
+    lifecycle rules (:class:`fuzz.machine.LifecycleRules`) copy a handle
+    (refused: ``fork`` is the paged copy), hand the pool rows of another
+    shape or dtype and reload through a prompt-cache file (refused), and
+    spent handles are used again (:meth:`reuse_released`)."""
 
     kind = "paged"
+    #: a paged sequence reloads through no path (spec.paged.reload): the
+    #: file's refusal is fuzzed; mlx-lm's load order is not a paged op
+    reload_paths = ("file",)
+    #: copies are refused here: the store pattern has nothing to go on with
+    prompt_cache_fetch = None
 
     @initialize(block_size=st.integers(1, 4), head_dim=HEAD_DIMS, kv_heads=KV_HEADS,
                 max_blocks=st.sampled_from([0, 0, 0, 6, 12]), chunk=st.integers(1, 3))
@@ -326,6 +388,25 @@ class PagedMachine(KVMachine):
     @rule()
     def decode_again(self) -> None:
         self.do({"op": "append", "n": 1})
+
+    @rule(data=st.data())
+    def reuse_released(self, data: st.DataObject) -> None:
+        """A handle that a release consumed, used again (a scheduler that
+        keeps a finished request's cache object): fork a sequence, write to
+        it, release it, often fork a new sequence under the same name, then
+        append, fetch, trim or release through the old handle. Refused,
+        nothing changed: the old handle must not reach the new sequence's
+        blocks."""
+        name = self.fresh_name("f")
+        self.do({"op": "fork", "from": self.pick(data, "from"), "as": name})
+        if name not in self.lock.world.seqs:
+            return
+        self.do({"op": "append", "n": data.draw(st.integers(1, 3), label="n"), "seq": name})
+        self.do({"op": "release", "seq": name})
+        if data.draw(st.booleans(), label="name taken again"):
+            self.do({"op": "fork", "from": self.pick(data, "from"), "as": name})
+        self.do({"op": "handle_reuse", "seq": name,
+                 "use": data.draw(st.sampled_from(sp.HANDLE_REUSES), label="use")})
 
     @rule(data=st.data(), n=APPEND_N)
     def append(self, data: st.DataObject, n: int) -> None:

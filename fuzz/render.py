@@ -121,9 +121,23 @@ OP_FUNCTIONS: dict[str, dict[str, str]] = {
                    "fetch": "view_of", "expect": "view_of"},
     "spec.turbo": {"append": "apply_op", "fetch": "apply_op", "expect": "apply_op"},
     "spec.rotating": {"trim": "trim", "trim_to": "trim_to", "fetch": "apply_op", "expect": "apply_op"},
-    "spec.paged": {"snapshot": "snapshots_by_fork", "restore": "snapshots_by_fork", "drop": "snapshots_by_fork"},
+    "spec.paged": {"snapshot": "snapshots_by_fork", "restore": "snapshots_by_fork", "drop": "snapshots_by_fork",
+                   "copy": "copy_refused"},
     "spec.layers": {"trim": "trim_prompt_cache", "can_trim": "can_trim_prompt_cache", "layer": "w_layer",
                     "fetch": "view_of", "expect": "view_of"},
+}
+
+
+#: the docs/semantics.md rule of each lifecycle op whose refusal is its own
+#: rule (a list's layers each refusing rows; a paged handle refused outright)
+LIFECYCLE_RULES: dict[tuple[str, str], str] = {
+    ("spec.layers", "append_mismatch"): "rows of another batch",
+    ("spec.layers", "copy"): "a copy of the list copies every layer",
+    ("spec.layers", "trim_refused_late"): "trim_refused_late",
+    ("spec.paged", "copy"): "copies",
+    ("spec.paged", "handle_reuse"): "handle reuse",
+    ("spec.paged", "append_mismatch"): "append mismatch",
+    ("spec.paged", "reload"): "prompt-cache files",
 }
 
 
@@ -181,6 +195,9 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
     if "refcount" in w or "free" in w or "pool size" in w:
         return Rule("copy on write" if op.get("op") == "append" else op.get("op", "op table"),
                     op_function(module, op), section)
+    named = LIFECYCLE_RULES.get((module, op.get("op", "")))
+    if named is not None:
+        return Rule(named, op_function(module, op), section)
     if "refusal" in w:
         table = "the op table" if section == 2 else "op table"  # section 2's row is named so
         return Rule(table if "error" in op else "refusals", op_function(module, op), section)

@@ -15,6 +15,7 @@ returns the first layer's count, which hides a layer that trimmed fewer rows.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -63,8 +64,10 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
     bound (a sliding-window ring that has wrapped beyond its undo depth, or
     has no undo log) nothing is trimmed in any layer and 0 is returned, so
     layers never disagree on the sequence they hold. ``n <= 0`` trims
-    nothing. Raises InvalidArgumentError for a non-integer ``n``; StateError
-    when a layer breaks its promise of an exact trim.
+    nothing. Raises InvalidArgumentError for a non-integer ``n``. A layer
+    that refuses late, after the layers before it trimmed (its ``trim``
+    raises, or trims another count than its bounds promised: StateError),
+    leaves every layer exactly as it was (spec.layers.w_trim_refused_late).
 
     A refusal is loud: each layer that cannot honour the rollback warns once
     per cache (``spec.errors.RollbackWarning``), and with ``strict=True``
@@ -94,12 +97,56 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
                     warnings.warn(f"trim_prompt_cache: layer {i} cannot roll back {want} rows exactly; "
                                   "nothing was trimmed", RollbackWarning, stacklevel=2)
         return 0
-    trimmed = [c.trim(count) for c in caches]
-    if any(t != count for t in trimmed):
-        # the bounds promised an exact trim; a layer that trimmed a
-        # different count breaks the protocol (nothing to undo it with).
-        raise StateError(f"trim_prompt_cache: layers trimmed {trimmed}, expected {count} each")
+    # a layer may still refuse late (its trim raises, or gives back another
+    # count than its bounds promised) after the layers before it trimmed:
+    # then every layer goes back to exactly what it was (spec.layers.w_trim_refused_late)
+    saved = [_fields(c) for c in caches]
+    done = 0
+    try:
+        for c in caches:
+            got = c.trim(count)
+            if got != count:
+                raise StateError(f"trim_prompt_cache: layer {done} trimmed {got} rows, expected {count} "
+                                 "(it broke its promise of an exact trim); nothing was trimmed in any layer")
+            done += 1
+    except BaseException:
+        for c, fields in zip(caches[: done + 1], saved):
+            _put_back(c, fields)
+        raise
     return count
+
+
+def _fields(c: Any) -> dict[str, Any]:
+    """A layer's fields as they are (a shallow copy of ``vars(c)``): what
+    :func:`_put_back` restores when a later layer refuses its trim. Exact
+    for kvspec caches, whose trims only reassign fields and never write into
+    memory in place (a dense trim moves the offset; a ring's rollback writes
+    its saved rows through copies), so the old field values still hold the
+    old contents, ownership marker and undo log."""
+    return dict(vars(c))
+
+
+def _put_back(c: Any, fields: dict[str, Any]) -> None:
+    state = vars(c)
+    state.clear()
+    state.update(fields)
+
+
+def copy_prompt_cache(caches: Sequence[Any], deep: bool = True) -> list[Any]:
+    """A copy of every layer, as a prompt-cache store keeps one: ``deep``,
+    ``copy.deepcopy`` of the list (one memo for every layer, as mlx-lm's
+    ``LRUPromptCache`` deep-copies a stored prompt cache on every fetch);
+    else ``copy.copy`` of each layer. Each layer's copy shares its buffers
+    (O(1) per layer) and owns nothing, so its first write copies and never
+    reaches the original's rows (spec.layers.w_copy). ``copy.copy`` of the
+    list itself is not a copy of the prompt cache: both lists would hold the
+    same layer objects. Raises InvalidArgumentError for a ``deep`` that is
+    not a bool."""
+    if not isinstance(deep, bool):
+        raise InvalidArgumentError(f"copy_prompt_cache: deep must be True or False, got {deep!r}")
+    if deep:
+        return copy.deepcopy(list(caches))
+    return [copy.copy(c) for c in caches]
 
 
 def snapshot_prompt_cache(caches: Sequence[Any]) -> list[Any]:
@@ -139,4 +186,4 @@ def restore_prompt_cache(caches: Sequence[Any], snapshots: Sequence[Any]) -> Non
         raise
 
 
-__all__ = ["can_trim_prompt_cache", "restore_prompt_cache", "snapshot_prompt_cache", "trim_prompt_cache"]
+__all__ = ["can_trim_prompt_cache", "copy_prompt_cache", "restore_prompt_cache", "snapshot_prompt_cache", "trim_prompt_cache"]

@@ -168,12 +168,9 @@ def _class_entry(name: str) -> str:
 
 def _describe(layer: int, c: Any) -> dict[str, Any]:
     name = type(c).__name__
-    if name == "PagedKVCache":
-        raise UnsupportedOperationError(
-            f"save_prompt_cache: layer {layer} is a PagedKVCache, whose blocks belong to its pool and may be "
-            "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
-            "through a dense cache (impl.dense.KVCache.from_state(layer.state))"
-        )
+    refuse = getattr(c, "refuse_prompt_cache_file", None)
+    if refuse is not None:  # a cache a file cannot hold (impl.paged.PagedKVCache)
+        refuse(layer)
     if name not in _CLASSES or not isinstance(c, _CLASSES[name]):
         raise UnsupportedOperationError(
             f"save_prompt_cache: layer {layer} is a {name}; kvspec files hold kvspec caches only "

@@ -548,42 +548,82 @@ class PagedKVCache:
 
     def __init__(self, pool: BlockPool | None = None, seq: str = MAIN, block_size: int = 16, **pool_args: Any):
         self.pool = pool if pool is not None else BlockPool(block_size, **pool_args)
-        self.pool._require("PagedKVCache", seq)
+        #: the pool's sequence this handle was made for: once it is released
+        #: the handle is spent, also when a new sequence takes the name
+        self._sequence = self.pool._require("PagedKVCache", seq)
         self.seq = seq
+
+    def _live(self, op: str) -> Sequence:
+        """The handle's sequence; StateError (nothing changes) once a
+        release consumed it (spec.paged.handle_reuse): a spent handle never
+        reaches a sequence that took its name later."""
+        s = self.pool.seqs.get(self.seq)
+        if s is not self._sequence:
+            raise StateError(f"{op}: the handle of sequence {self.seq!r} was consumed by its release "
+                             f"(take a new handle: PagedKVCache(pool, {self.seq!r}))")
+        return s
+
+    def __copy__(self) -> PagedKVCache:
+        raise _copy_refused(False)
+
+    def __deepcopy__(self, memo: dict) -> PagedKVCache:
+        raise _copy_refused(True)
 
     @property
     def offset(self) -> int:
-        return self.pool._require("offset", self.seq).length
+        return self._live("offset").length
 
     @property
     def live_len(self) -> int:
-        return self.pool._require("live_len", self.seq).visible
+        return self._live("live_len").visible
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._live("append")
         return self.pool.append(self.seq, keys, values)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
+        self._live("fetch")
         return self.pool.fetch(self.seq)
 
     def trim(self, n: int) -> int:
+        self._live("trim")
         return self.pool.trim(self.seq, n)
 
     def trim_to(self, length: int) -> int:
+        self._live("trim_to")
         return self.pool.trim_to(self.seq, length)
 
     def trim_front(self, n: int) -> int:
+        self._live("trim_front")
         return self.pool.trim_front(self.seq, n)
 
     def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        self._live("trim_front")
         return self.pool.trim_front(self.seq, n, keep)
 
     def fork(self, name: str) -> PagedKVCache:
         """A cache on a new pool sequence sharing this one's blocks."""
+        self._live("fork")
         self.pool.fork(self.seq, name)
-        return PagedKVCache(self.pool, name)
+        return type(self)(self.pool, name)
 
     def release(self) -> None:
+        """Release the sequence: its blocks go back to the pool and this
+        handle (and every other of the sequence) is spent."""
+        self._live("release")
         self.pool.release(self.seq)
+
+    def refuse_prompt_cache_file(self, layer: int) -> None:
+        """Called by ``impl.models.save_prompt_cache`` for each layer:
+        refused (UnsupportedOperationError, nothing written). A sequence's
+        blocks belong to its pool and may be shared with other sequences
+        (forks), so a file cannot hold it alone; its rows go through a dense
+        cache (docs/paged.md, "Prompt-cache files")."""
+        raise UnsupportedOperationError(
+            f"save_prompt_cache: layer {layer} is a PagedKVCache, whose blocks belong to its pool and may be "
+            "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
+            "through a dense cache (impl.dense.KVCache.from_state(layer.state))"
+        )
 
     def is_trimmable(self) -> bool:
         return True
@@ -613,7 +653,7 @@ class PagedKVCache:
         if self.pool.keys is None:
             return 0
         per_block = (self.pool.keys.nbytes + self.pool.values.nbytes) // max(1, self.pool.size)
-        return per_block * len(self.pool._require("nbytes", self.seq).held())
+        return per_block * len(self._live("nbytes").held())
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -626,7 +666,9 @@ class PagedKVCache:
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
         """Replace this sequence's rows by ``(keys, values)`` ``[1, H, T,
-        D]`` (length T, start 0); refused (nothing changed) when malformed."""
+        D]`` (length T, start 0); refused (nothing changed) when malformed.
+        The sequence stays the same object (its handles stay live)."""
+        old = self._live("state")
         if not isinstance(v, (tuple, list)) or len(v) not in (0, 2):
             raise InvalidArgumentError(f"state: state must be (keys, values) or (), got {type(v).__name__}")
         if v:
@@ -640,15 +682,23 @@ class PagedKVCache:
         except Exception:
             self.pool.release(name)
             raise
-        self.pool.release(self.seq)
-        self.pool.seqs[self.seq] = self.pool.seqs.pop(name)
+        new = self.pool.seqs.pop(name)
+        for block in old.held():
+            self.pool._release_block(block)
+        old.table, old.length, old.start, old.mirror = new.table, new.length, new.start, new.mirror
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (str(self.pool.block_size), str(self.offset), str(self.pool._require("meta_state", self.seq).start))
+        s = self._live("meta_state")
+        return (str(self.pool.block_size), str(s.length), str(s.start))
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
+        """Refused (UnsupportedOperationError, nothing changes): a paged
+        sequence's counters are set by its pool. So mlx-lm's load order
+        (``state``, then ``meta_state``) does not load a paged sequence; a
+        sequence is never saved to a prompt-cache file either
+        (:meth:`refuse_prompt_cache_file`; docs/paged.md)."""
         raise UnsupportedOperationError("meta_state: a paged sequence's counters are set by its pool, not assigned")
 
     @classmethod
@@ -693,6 +743,15 @@ class PagedKVCache:
         if window_size is not None:
             mask = mask & (q < k + window_size)
         return mask
+
+
+def _copy_refused(deep: bool) -> UnsupportedOperationError:
+    """``copy.copy`` / ``copy.deepcopy`` of a PagedKVCache (spec.paged.copy_refused)."""
+    how = "copy.deepcopy" if deep else "copy.copy"
+    return UnsupportedOperationError(
+        f"copy: {how} of a PagedKVCache is refused: its blocks belong to its pool and may be shared with other "
+        "sequences (a shallow copy would write the same sequence, a deep copy would copy the whole pool and alias "
+        "its memory); fork(name) is the paged copy (O(table), copy-on-write)")
 
 
 def make_paged_prompt_cache(num_layers: int, block_size: int = 16, **pool_args: Any) -> list[PagedKVCache]:

@@ -253,6 +253,76 @@ def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> t
                                "(another kind or window); nothing changed in any layer")
 
 
+def w_copy(world: LayersWorld, name: str, live: str) -> tuple[None, LayersWorld]:
+    """A copy of the whole list (``impl.layers.copy_prompt_cache``:
+    ``copy.deepcopy`` of the list, as mlx-lm's ``LRUPromptCache`` makes on
+    every fetch, or ``copy.copy`` of each layer), held under ``name`` like a
+    list snapshot: every layer as its kind's copy rule says
+    (``spec.dense.w_copy``, ``spec.rotating.w_copy``): the copy shares each
+    layer's buffers and owns nothing. ``live`` says which list the trace
+    goes on writing (``"copy"``: the copy, with the original held). Raises
+    InvalidArgumentError for another ``live``, StateError for a name in use;
+    then nothing changes."""
+    if live not in ("copy", "original"):
+        raise InvalidArgumentError(f"copy: live must be 'copy' or 'original', got {live!r}")
+    if name in world.names:
+        raise StateError(f"copy: name {name!r} is already in use")
+    layers = tuple(_module(w).w_copy(w, name, live)[1] for w in world.layers)
+    return None, LayersWorld(layers, world.names | {name})
+
+
+def holds_buffer(world: LayersWorld) -> bool:
+    """Whether every layer holds a buffer (then every layer must refuse rows
+    of another shape or dtype: :func:`w_append_mismatch`)."""
+    return all(_module(w).holds_buffer(w) for w in world.layers)
+
+
+def w_append_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[None, LayersWorld]:
+    """A forward pass handing every layer rows whose ``differs`` (batch, kv
+    heads, K or V head dim, dtype) is not the cached rows': every layer
+    refuses them (``spec.dense.w_append_mismatch``, the rule of each kind)
+    and nothing changes in any layer; InvalidArgumentError. Only on a list
+    whose every layer holds a buffer (:func:`holds_buffer`)."""
+    return dense.w_append_mismatch(world.layers[0], n, differs)  # type: ignore[arg-type,return-value]
+
+
+#: How a layer refuses its part of a list trim (kvtrace ``trim_refused_late``'s
+#: ``how``): its ``trim`` raises, or gives back fewer rows than its bounds
+#: promised (none: a ring failing closed).
+LATE_TRIM_REFUSALS = ("raises", "short")
+
+
+def check_late_trim(n: object, layer: object, how: object, layers: int) -> None:
+    """The arguments of :func:`w_trim_refused_late` on a list of ``layers``
+    layers: InvalidArgumentError for a non-integer ``n``, a layer index
+    out of range or a ``how`` not in :data:`LATE_TRIM_REFUSALS`."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidArgumentError(f"trim_prompt_cache: n must be an integer, got {n!r}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+        raise InvalidArgumentError(f"trim_refused_late: layer must satisfy 0 <= layer < {layers}, got {layer!r}")
+    if how not in LATE_TRIM_REFUSALS:
+        raise InvalidArgumentError(f"trim_refused_late: how must be one of {', '.join(LATE_TRIM_REFUSALS)}, "
+                                   f"got {how!r}")
+
+
+def w_trim_refused_late(world: LayersWorld, n: int, layer: int, how: str) -> tuple[int, LayersWorld]:
+    """A list trim of ``n`` rows in which layer ``layer`` refuses its own
+    trim (``how``: its ``trim`` raises, or trims fewer rows than its bounds
+    promised) after the layers before it have trimmed: a layer that breaks
+    its promise of an exact trim. The list trim is all or none
+    (semantics.md 6, "trim_refused_late"): when :func:`list_trim_count` is
+    0 no layer is asked and 0 is returned; otherwise StateError, and every
+    layer is exactly as it was (contents, counters, ownership of its
+    buffers, a ring's undo log). Raises InvalidArgumentError for a
+    non-integer ``n``, a layer index out of range or another ``how``."""
+    check_late_trim(n, layer, how, len(world.layers))
+    count = list_trim_count(n, tuple(layer_trim_bounds(c) for c in caches_of(world)))
+    if count == 0:
+        return 0, world
+    raise StateError(f"trim_prompt_cache: layer {layer} refused its trim of {count} rows after the layers before "
+                     "it trimmed; nothing was trimmed in any layer")
+
+
 def w_reload(world: LayersWorld, via: str) -> tuple[None, LayersWorld]:
     """The whole list saved and loaded back (``via``: ``"file"``, a
     prompt-cache file of every layer; ``"state"``, mlx-lm's load order on
@@ -326,6 +396,12 @@ def apply_op(world: LayersWorld, op: dict) -> tuple[object, LayersWorld]:
         return w_reload(world, op.get("via", "file"))
     if name == "restore_mixed":
         return w_restore_mixed(world, op["name"], op["layer"], op["source"])
+    if name == "trim_refused_late":
+        return w_trim_refused_late(world, op["n"], op["layer"], op.get("how", "raises"))
+    if name == "copy":
+        return w_copy(world, op["name"], op.get("live", "original"))
+    if name == "append_mismatch":
+        return w_append_mismatch(world, op["n"], op["differs"])
     if name == "drop":
         return w_drop(world, op["name"])
     if name == "hold":

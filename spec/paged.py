@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from spec.dense import Entry
+from spec.dense import Entry, w_append_mismatch
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MAIN = "main"
@@ -196,6 +196,9 @@ class PagedWorld:
     #: (a pipelined step's view; it must never change)
     returned: tuple[int, ...] | None = None
     held: tuple[int, ...] | None = None
+    #: names of sequences a release consumed: their handles are spent
+    #: (:func:`handle_reuse`), also once a new sequence takes the name
+    spent: frozenset[str] = frozenset()
 
     def window(self, seq: str = MAIN) -> tuple[int, ...]:
         """Token identities a fetch of ``seq`` returns (the abstract view)."""
@@ -471,7 +474,7 @@ def release(world: PagedWorld, seq: str) -> tuple[None, PagedWorld]:
         pool = release_block(pool, block)
     seqs = {k: v for k, v in world.seqs.items() if k != seq}
     windows = {k: v for k, v in world.windows.items() if k != seq}
-    return None, replace(world, pool=pool, seqs=seqs, windows=windows)
+    return None, replace(world, pool=pool, seqs=seqs, windows=windows, spent=world.spent | {seq})
 
 
 def fetch(world: PagedWorld, seq: str = MAIN) -> tuple[tuple[int, ...], PagedWorld]:
@@ -495,6 +498,79 @@ def snapshots_by_fork(op: str) -> UnsupportedOperationError:
     """A paged cache takes snapshots by ``fork`` (a named sequence sharing
     the blocks): ``snapshot``, ``restore`` and ``drop`` are refused."""
     return UnsupportedOperationError(f"{op}: a paged cache snapshots by fork and release, not {op}")
+
+
+#: What a spent handle is used for again (kvtrace ``handle_reuse``'s ``do``).
+HANDLE_REUSES = ("append", "fetch", "trim", "release")
+
+
+def handle_reuse(world: PagedWorld, seq: str, use: str) -> tuple[None, PagedWorld]:
+    """The handle (``PagedKVCache``) of sequence ``seq`` that a release
+    consumed, used again (``use``: append a row, fetch, trim a row,
+    release): refused with StateError and nothing changes, also once a new
+    sequence (a fork ``as`` that name) took the name: a spent handle never
+    reaches another sequence's blocks (semantics.md 4, "handle reuse").
+    StateError too when no release consumed a handle of that name (the
+    trace holds none); InvalidArgumentError for another ``use``."""
+    if use not in HANDLE_REUSES:
+        raise InvalidArgumentError(f"handle_reuse: use must be one of {', '.join(HANDLE_REUSES)}, got {use!r}")
+    if seq not in world.spent:
+        raise StateError(f"handle_reuse: no handle of a released sequence named {seq!r}")
+    raise StateError(f"{use}: the handle of sequence {seq!r} was consumed by its release "
+                     f"(take a new handle: PagedKVCache(pool, {seq!r}))")
+
+
+def copy_refused(deep: bool) -> UnsupportedOperationError:
+    """``copy.copy`` / ``copy.deepcopy`` of a paged sequence's cache is
+    refused (semantics.md 4, "copies"): its blocks belong to the pool and
+    may be shared with other sequences, so a shallow copy would be a second
+    writer of the same sequence and a deep copy a copy of the whole pool
+    aliasing its memory. ``fork`` is the paged copy."""
+    how = "copy.deepcopy" if deep else "copy.copy"
+    return UnsupportedOperationError(
+        f"copy: {how} of a PagedKVCache is refused: its blocks belong to its pool and may be shared with other "
+        "sequences (a shallow copy would write the same sequence, a deep copy would copy the whole pool and alias "
+        "its memory); fork(name) is the paged copy (O(table), copy-on-write)")
+
+
+def holds_buffer(world: PagedWorld) -> bool:
+    """Whether the pool has its slabs (its first growth fixed the rows'
+    kv heads, head dims and dtype: an append's rows must match them)."""
+    return world.pool.size > 0
+
+
+def append_mismatch(world: PagedWorld, seq: str, n: int, differs: str) -> tuple[None, PagedWorld]:
+    """An append to ``seq`` of ``n`` rows whose ``differs`` (batch, kv heads,
+    K or V head dim, dtype) is not the pool's (a batch other than 1 on any
+    pool; the rest once the pool has its slabs, :func:`holds_buffer`):
+    refused with InvalidArgumentError, nothing changes (the rule of
+    ``spec.dense.w_append_mismatch``; StateError first for an unknown
+    sequence)."""
+    _require(world, "append", seq)
+    w_append_mismatch(world, n, differs)  # type: ignore[arg-type]  # always raises
+    raise AssertionError("unreachable")
+
+
+def reload(world: PagedWorld, seq: str, via: str) -> tuple[None, PagedWorld]:
+    """Save and load sequence ``seq`` (semantics.md 4, "prompt-cache files"):
+    refused with UnsupportedOperationError, nothing written, nothing
+    changed. ``via="file"``: a prompt-cache file cannot hold a paged
+    sequence alone (its blocks belong to the pool and may be shared with
+    forks; its rows go through a dense cache). ``via="state"`` (mlx-lm's
+    load order, ``state`` then ``meta_state``) is not a paged op: the
+    ``meta_state`` assignment is refused (a sequence's counters are its
+    pool's) after ``state`` replaced the rows, so a trace cannot ask for it
+    (InvalidArgumentError)."""
+    _require(world, "reload", seq)
+    if via == "state":
+        raise InvalidArgumentError("reload: via 'state' is not an operation of a paged cache (mlx-lm's load order "
+                                   "assigns meta_state, which a paged sequence refuses: its counters are its pool's)")
+    if via != "file":
+        raise InvalidArgumentError(f"reload: via must be 'file' or 'state', got {via!r}")
+    raise UnsupportedOperationError(
+        "save_prompt_cache: layer 0 is a PagedKVCache, whose blocks belong to its pool and may be "
+        "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
+        "through a dense cache (impl.dense.KVCache.from_state(layer.state))")
 
 
 def apply_op(world: PagedWorld, op: dict) -> tuple[object, PagedWorld]:
@@ -529,6 +605,15 @@ def apply_op(world: PagedWorld, op: dict) -> tuple[object, PagedWorld]:
         return release_hold(world)
     if name in ("snapshot", "restore", "drop"):
         raise snapshots_by_fork(name)
+    if name == "copy":
+        _require(world, "copy", seq)
+        raise copy_refused(op.get("deep", True))
+    if name == "append_mismatch":
+        return append_mismatch(world, seq, op["n"], op["differs"])
+    if name == "reload":
+        return reload(world, seq, op.get("via", "file"))
+    if name == "handle_reuse":
+        return handle_reuse(world, seq, op.get("use", "append"))
     raise UnsupportedOperationError(f"{name}: not an operation of a paged cache")
 
 

@@ -137,6 +137,60 @@ def test_a_failure_past_the_checks_rolls_the_earlier_layers_back():
     assert [c.offset for c in caches] == [4, 4]
 
 
+@pytest.mark.parametrize("how", ["raises", "short"])
+def test_a_layer_refusing_its_trim_late_changes_no_layer(how):
+    """The last layer refuses its part of a list trim after the others
+    trimmed (its trim raises, or trims nothing): StateError, and every
+    layer keeps its rows, offset and ownership (the next decode of the
+    dense layer still goes in place) and the ring its undo log (a trim of
+    one row after the wrap still rolls back exactly)."""
+
+    class RefusingRing(RotatingKVCache):
+        refuse = False
+
+        def trim(self, n):
+            if not self.refuse:
+                return super().trim(n)
+            if how == "raises":
+                raise StateError("planted: the ring refuses its trim")
+            return 0
+
+    caches = [KVCache(step=4), RefusingRing(2, step=1, undo=1)]
+    for t in range(3):  # the ring wraps; its undo log holds the last decode
+        for c in caches:
+            c.update_and_fetch(tokens_rows(t, 1), tokens_rows(t, 1))
+    before = [window(c) for c in caches]
+    caches[1].refuse = True
+    with pytest.raises(StateError, match="planted" if how == "raises" else "broke its promise"):
+        trim_prompt_cache(caches, 1)
+    assert [window(c) for c in caches] == before and [c.offset for c in caches] == [3, 3]
+    caches[1].refuse = False
+    caches[0].update_and_fetch(tokens_rows(3, 1), tokens_rows(3, 1))
+    assert caches[0].last_write_inplace
+    caches[0].trim(1)
+    assert trim_prompt_cache(caches, 1) == 1 and [c.offset for c in caches] == [2, 2]
+
+
+def test_copy_prompt_cache_copies_every_layer():
+    """A copy of the list (deep, and shallow per layer) holds new layer
+    objects whose windows do not move when the original writes."""
+    from impl.layers import copy_prompt_cache
+
+    caches = [KVCache(step=2), RotatingKVCache(3, step=1)]
+    for c in caches:
+        c.update_and_fetch(tokens_rows(0, 2), tokens_rows(0, 2))
+    for deep in (True, False):
+        dup = copy_prompt_cache(caches, deep)
+        assert all(a is not b for a, b in zip(dup, caches))
+        for c in caches:
+            c.update_and_fetch(tokens_rows(2, 1), tokens_rows(2, 1))
+        assert [window(c) for c in dup] == [(0, 1), (0, 1)]
+        for c in caches:
+            c.trim(1)
+    with pytest.raises(InvalidArgumentError, match="deep must be"):
+        copy_prompt_cache(caches, 1)
+
+
 @pytest.mark.parametrize("position", [0, 1])
 def test_the_list_reload_through_state_reloads_every_layer(position):
     """``reload`` with ``via: state`` in the layers machine sets every

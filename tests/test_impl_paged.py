@@ -380,3 +380,63 @@ def test_a_fetch_gathers_exactly_the_blocks_that_hold_the_visible_rows(bs, monke
             assert taken == [want], (bs, length, start, taken)
             assert k.shape[2] == length - start
             assert np.array_equal(np.array(k[0, 0, :, 0]), np.arange(start, length, dtype=np.float16) * 8)  # head 0's key names its token
+
+
+def test_copies_of_a_sequence_handle_are_refused_naming_fork():
+    """``copy.copy`` would be a second writer of the same sequence and
+    ``copy.deepcopy`` a whole pool whose slabs alias this one's memory
+    (before the refusal both happened: a deep copy's in-place decode wrote
+    into the original's slab): refused, the pool unchanged."""
+    import copy
+
+    cache = PagedKVCache(block_size=2)
+    cache.update_and_fetch(*rows(0, 3))
+    before = pool_state(cache.pool)
+    for fn, how in ((copy.copy, "copy.copy"), (copy.deepcopy, "copy.deepcopy")):
+        with pytest.raises(UnsupportedOperationError, match=rf"{how} of a PagedKVCache is refused.*fork\(name\)"):
+            fn(cache)
+    with pytest.raises(UnsupportedOperationError, match="fork"):
+        copy.deepcopy([cache])  # a prompt-cache list, as LRUPromptCache deep-copies it
+    assert pool_state(cache.pool) == before
+
+
+def test_a_released_sequence_handle_is_spent_even_once_its_name_is_taken():
+    """The handle a fork returned, used after its release: refused, also
+    after a new fork took the name (which the old handle would otherwise
+    write into); the new handle and the other sequences' are unaffected,
+    and a state assignment keeps the sequence's handles live."""
+    cache = PagedKVCache(block_size=2)
+    cache.update_and_fetch(*rows(0, 3))
+    old = cache.fork("f")
+    old.release()
+    new = cache.fork("f")
+    before = pool_state(cache.pool)
+    for use in (lambda h: h.update_and_fetch(*rows(9, 1)), lambda h: h.fetch(), lambda h: h.trim(1),
+                lambda h: h.release(), lambda h: h.offset):
+        with pytest.raises(StateError, match="the handle of sequence 'f' was consumed by its release"):
+            use(old)
+    assert pool_state(cache.pool) == before
+    assert same_window(new.update_and_fetch(*rows(3, 1)), (0, 1, 2, 3))
+    other = PagedKVCache(cache.pool, "f")
+    new.state = rows(7, 2)
+    assert other.offset == 2 and same_window(other.fetch(), (7, 8))
+
+
+def test_a_paged_sequence_refuses_the_load_order_and_files_naming_the_rule(tmp_path):
+    """mlx-lm's load order (``state``, then ``meta_state``) and a prompt-cache
+    file: the ``meta_state`` assignment is refused (a sequence's counters
+    are its pool's), and so is the file (its blocks belong to the pool),
+    through the handle's own refusal also for a subclass the file layer
+    would otherwise know by name."""
+    from impl.models import save_prompt_cache
+
+    class Subclass(PagedKVCache):
+        pass
+
+    cache = Subclass(block_size=2)
+    cache.update_and_fetch(*rows(0, 2))
+    with pytest.raises(UnsupportedOperationError, match="counters are set by its pool"):
+        cache.meta_state = cache.meta_state
+    with pytest.raises(UnsupportedOperationError, match="layer 0 is a PagedKVCache, whose blocks belong to its pool"):
+        save_prompt_cache(tmp_path / "p.safetensors", [cache])
+    assert not (tmp_path / "p.safetensors").exists()

@@ -174,7 +174,8 @@ _FIELDS = {
     "can_trim": [], "layer": ["index", "do"],
     "state_snapshot": ["name"], "state_restore": ["name"],
     "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "reload": ["via", "env"],
-    "restore_mixed": ["name", "layer", "source"],
+    "restore_mixed": ["name", "layer", "source"], "trim_refused_late": ["n", "layer", "how"],
+    "handle_reuse": ["seq", "use"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -191,6 +192,8 @@ _VALID = {
     "live": st.sampled_from(["original", "copy"]),
     "differs": st.sampled_from(["batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype"]),
     "via": st.sampled_from(["file", "state"]),
+    "how": st.sampled_from(["raises", "short"]),
+    "use": st.sampled_from(["append", "fetch", "trim", "release"]),
     "env": st.sampled_from(["0", "1", " OFF", "x" * 64]),
 }
 _BAD = {
@@ -205,14 +208,17 @@ _BAD = {
     "live": st.sampled_from(["both", 1, None]),
     "differs": st.sampled_from(["heads", "", 2]),
     "via": st.sampled_from(["disk", True]),
+    "how": st.sampled_from(["both", 1]),
+    "use": st.sampled_from(["write", 1]),
     "env": st.sampled_from([0, None, "x" * 65]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
          "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
          "layer": "count", "index": "int", "do": "do", "deep": "bool", "live": "live", "differs": "differs",
-         "via": "via", "source": "int", "env": "env"}
-_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via", "env"}}
+         "via": "via", "source": "int", "env": "env", "how": "how", "use": "use"}
+_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
+             "trim_refused_late": {"how"}, "handle_reuse": {"use"}}
 
 
 @st.composite

@@ -6,10 +6,16 @@ See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
 from fuzz.layers import ListOps
+from impl.layers import _list_trim_count, _trim_bounds
+from impl.rotating import RotatingKVCache
+from spec.errors import StateError
 
 
 class TrimsLayersThenRefuses(ListOps):
@@ -84,6 +90,45 @@ class LoadIgnoresInplace(ListOps):
         return caches
 
 
+class TrimWithoutRollback(ListOps):
+    """The list trim as it was before late refusals were fuzzed: the count
+    is checked against every layer's bounds up front, then each layer
+    trims in turn, and a layer that refuses late (its trim raises, or gives
+    back another count) leaves the layers before it trimmed."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        bounds = tuple(_trim_bounds(c) for c in caches)
+        count = _list_trim_count(n, bounds)
+        if count == 0:
+            return 0
+        trimmed = [c.trim(count) for c in caches]
+        if any(t != count for t in trimmed):
+            raise StateError(f"trim_prompt_cache: layers trimmed {trimmed}, expected {count} each")
+        return count
+
+
+class CopyListNotLayers(ListOps):
+    """The prompt-cache store copies the list, not its layers
+    (``copy.copy(prompt_cache)`` / ``list(prompt_cache)``): the "copy" holds
+    the very layer objects of the original, so every write through one is a
+    write through the other."""
+
+    def copy(self, caches: list[Any], deep: bool) -> list[Any]:
+        return copy.copy(caches)
+
+
+class RingCastsRows(RotatingKVCache):
+    """A sliding-window layer that casts rows of another dtype to its
+    buffer's instead of refusing them (the full-attention layers refuse):
+    float32 rows handed to a float16 ring are rounded silently, and the
+    list's layers disagree on what they accepted."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is not None and keys.dtype != self.keys.dtype:
+            keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)  # type: ignore[union-attr]
+        return super().update_and_fetch(keys, values)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "list_trim_partial", "semantics.md 6, atomic (every layer trims the same count or none)",
@@ -115,5 +160,23 @@ BUGS: tuple[InjectedBug, ...] = (
         "impl.models.load_prompt_cache", "each loaded layer's switch comes from the loading process's "
         "KV_INPLACE_WRITE, not from the file",
         {"layers": {"layers": LoadIgnoresInplace}}, inplace=False,
+    ),
+    InjectedBug(
+        "list_trim_refused_late_partial", "spec.layers.w_trim_refused_late (a list trim a layer refuses late changes no layer)",
+        "a layer that breaks its promise of an exact trim inside a list (issue 26)", "layers", ("fp16",),
+        "impl.layers.trim_prompt_cache", "a layer's late refusal leaves the layers before it trimmed",
+        {"layers": {"layers": TrimWithoutRollback}},
+    ),
+    InjectedBug(
+        "list_copy_shares_layers", "spec.layers.w_copy (a copy of the list copies every layer)",
+        "prompt-cache stores that keep copy.copy(prompt_cache) (issue 26)", "layers", ("fp16",),
+        "impl.layers.copy_prompt_cache", "the copy is a new list of the same layer objects",
+        {"layers": {"layers": CopyListNotLayers}},
+    ),
+    InjectedBug(
+        "list_ring_casts_rows", "spec.layers.w_append_mismatch (every layer refuses rows of another shape or dtype)",
+        "a sliding-window layer casting rows of another dtype (issue 26)", "layers", ("fp16",),
+        "RotatingKVCache.update_and_fetch", "the ring layers cast rows of another dtype instead of refusing them",
+        {"layers": {"rotating": RingCastsRows}},
     ),
 )

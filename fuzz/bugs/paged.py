@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
-from impl.paged import BlockPool, Sequence, table_len
-from spec.errors import StateError
+from impl.paged import BlockPool, PagedKVCache, Sequence, table_len
+from spec.errors import InvalidArgumentError, StateError
 
 
 class NoCopyOnWrite(BlockPool):
@@ -84,6 +86,63 @@ class ExhaustionHalfAllocates(BlockPool):
             raise StateError(message)
 
 
+# -- a sequence's handle outside the decode loop (issue 26): each caught only by
+# -- the op named (copy, append_mismatch, handle_reuse, reload)
+
+
+class CopyAliasesSequence(PagedKVCache):
+    """``copy.copy`` and ``copy.deepcopy`` of a sequence's handle left to
+    Python's defaults: a shallow copy is a second handle on the same
+    sequence (a write through the copy is a write through the original), a
+    deep copy copies the whole pool with slabs that alias the original's
+    memory (its in-place writes land there)."""
+
+    def __copy__(self) -> PagedKVCache:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> PagedKVCache:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(dict(self.__dict__), memo))
+        return new
+
+
+class PoolDtypeUnchecked(BlockPool):
+    """The pool's shape check compares kv heads and head dims with the
+    slabs' but not the dtype: rows of another dtype are cast into the
+    slabs silently instead of refused."""
+
+    def _check_compatible(self, keys: mx.array, values: mx.array) -> None:
+        if keys.shape[0] != 1:
+            raise InvalidArgumentError(f"append: batch must be 1 per pool sequence, got keys of shape {tuple(keys.shape)}")
+        if self.keys is None:
+            return
+        for name, a, slab in (("keys", keys, self.keys), ("values", values, self.values)):
+            if a.shape[1] != slab.shape[2] or a.shape[3] != slab.shape[3]:
+                raise InvalidArgumentError(f"append: {name} must match the pool's [H, D]")
+
+
+class SpentHandleByName(PagedKVCache):
+    """A handle that finds its sequence by name only: once its sequence is
+    released the handle goes on working as soon as a new sequence (a fork)
+    takes the name, and writes into that sequence's blocks."""
+
+    def _live(self, op: str) -> Sequence:
+        return self.pool._require(op, self.seq)
+
+
+class FileSavesSequence(PagedKVCache):
+    """The file layer's refusal of a paged sequence dropped: the sequence
+    is written as its gathered rows and loads back as a fresh pool of its
+    own, without the blocks it shared with its forks, its start or its
+    block table."""
+
+    def refuse_prompt_cache_file(self, layer: int) -> None:
+        return None
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "paged_no_cow", "semantics.md 4, copy on write (spec.paged.needs_copy_on_write)",
@@ -120,5 +179,30 @@ BUGS: tuple[InjectedBug, ...] = (
         "public fault: allocation failures leaving partial block tables", "paged", ("fp16",), "BlockPool._reserve",
         "a refused append leaves the pool grown and free blocks taken by the writer's table",
         {"paged": ExhaustionHalfAllocates},
+    ),
+    InjectedBug(
+        "paged_copy_aliases_sequence", "spec.paged.copy_refused (fork is the paged copy)",
+        "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch (issue 26)", "paged", ("fp16",),
+        "PagedKVCache.__copy__/__deepcopy__", "copies of a sequence's handle alias the sequence or the pool's memory",
+        {"paged": CopyAliasesSequence},
+    ),
+    InjectedBug(
+        "paged_dtype_unchecked", "spec.paged.append_mismatch (rows match the pool's [H, D] and dtype)",
+        "a request in another dtype joining a shared pool (issue 26)", "paged", ("fp16",),
+        "BlockPool._check_compatible", "rows of another dtype are cast into the slabs, not refused",
+        {"paged": PoolDtypeUnchecked},
+    ),
+    InjectedBug(
+        "paged_spent_handle_by_name", "spec.paged.handle_reuse (a released sequence's handle is spent)",
+        "schedulers that keep a finished request's cache object (issue 26)", "paged", ("fp16",),
+        "PagedKVCache._live", "a released sequence's handle finds its sequence by name: refused as an unknown name, and "
+        "once a fork takes the name it writes into that sequence",
+        {"paged": SpentHandleByName},
+    ),
+    InjectedBug(
+        "paged_file_saves_sequence", "spec.paged.reload (a file cannot hold a paged sequence)",
+        "prompt-cache files of pool-backed caches (issue 26)", "paged", ("fp16",),
+        "PagedKVCache.refuse_prompt_cache_file", "a sequence is saved as its gathered rows and loads as a pool of its own",
+        {"paged": FileSavesSequence},
     ),
 )
