@@ -151,6 +151,15 @@ def _check_rows(op: str, keys: Any, values: Any) -> int:
     """Validate a ``[B, H, S, Dk]`` / ``[B, H, S, Dv]`` K/V pair (head dims
     may differ; dtype float16, bfloat16 or float32, the same for both);
     returns S. Messages name the dimension that disagrees."""
+    if type(keys) is mx.array and type(values) is mx.array:
+        # the decode path's pair passes every rule below: accept it in one
+        # pass (each .shape and .dtype read builds a new object)
+        ks, vs = keys.shape, values.shape
+        if (len(ks) == 4 and len(vs) == 4 and ks[0] == vs[0] and ks[1] == vs[1] and ks[2] == vs[2]
+                and ks[2] >= 1):
+            kd = keys.dtype
+            if kd in FLOAT_DTYPES and kd == values.dtype:
+                return ks[2]
     for name, a in (("keys", keys), ("values", values)):
         if not isinstance(a, mx.array):
             raise InvalidArgumentError(f"{op}: {name} must be an mx.array, got {type(a).__name__}")
@@ -273,7 +282,10 @@ class _Buffers:
         return self.keys.dtype if self.key_scales is None else mx.float16
 
     def arrays(self) -> tuple[mx.array, ...]:
-        return tuple(a for a in (self.keys, self.values, self.key_scales, self.value_scales) if a is not None)
+        # no generator: the decode path calls this twice per layer per step
+        if self.key_scales is None:
+            return (self.keys, self.values)
+        return (self.keys, self.values, self.key_scales, self.value_scales)  # type: ignore[return-value]
 
     def __deepcopy__(self, memo: dict) -> _Buffers:
         """A deep copy: each array deep-copied (a new handle to its memory),
@@ -430,11 +442,15 @@ class KVCache:
 
     def _check_compatible(self, op: str, keys: mx.array, values: mx.array) -> None:
         """Appended rows match the cached ``[B, H, _, D]`` and dtype."""
-        if self.buffers is None:
+        b = self.buffers
+        if b is None:
             return
-        check_matches_cache(op, "keys", tuple(self.buffers.keys.shape), keys)
-        check_matches_cache(op, "values", tuple(self.buffers.values.shape), values)
-        check_dtype_matches(op, self.buffers.dtype, keys.dtype)
+        bk, bv, ks, vs = b.keys.shape, b.values.shape, keys.shape, values.shape
+        if not (ks[0] == bk[0] and ks[1] == bk[1] and ks[3] == bk[3] and vs[0] == bv[0] and vs[1] == bv[1]
+                and vs[3] == bv[3]):
+            check_matches_cache(op, "keys", tuple(bk), keys)
+            check_matches_cache(op, "values", tuple(bv), values)
+        check_dtype_matches(op, b.dtype, keys.dtype)
 
     def _grow(self, prev: int, n: int, rows: _Buffers) -> None:
         """Regrow rule (spec.dense.regrow_needed / regrow_capacity): cut a
@@ -460,22 +476,26 @@ class KVCache:
         )
 
     def _owns_buffers(self) -> bool:
-        m = self._marker
-        if m is None or self.buffers is None:
+        m, b = self._marker, self.buffers
+        if m is None or b is None:
             return False
-        current = self.buffers.arrays()
-        return len(current) == len(m.arrays) and all(a is b for a, b in zip(current, m.arrays))
+        if b.key_scales is None:
+            return len(m.arrays) == 2 and m.arrays[0] is b.keys and m.arrays[1] is b.values
+        current = b.arrays()
+        return len(current) == len(m.arrays) and all(x is y for x, y in zip(current, m.arrays))
 
     def _inplace_write_allowed(self, n: int) -> bool:
         """Ownership rule (spec.dense.inplace_write_allowed): switch on,
         a decode step, Fp16, and the marker names these very buffers and the
         current live_len. Why it is safe: see the spec's docstring."""
+        m = self._marker
         return (
             self.inplace
             and n == 1
             and self.mode == "fp16"
+            and m is not None
+            and m.live_len == self.offset - self.live_start  # cheapest first: a rollback's write fails here
             and self._owns_buffers()
-            and self.live_len == self._marker.live_len  # type: ignore[union-attr]
         )
 
     def _write_inplace(self, at: int, rows: _Buffers) -> None:
@@ -490,14 +510,13 @@ class KVCache:
         """Copying write (impl.write.write_copy): new buffers, the old ones
         unchanged for whoever shares them; MLX reuses their memory when
         nobody does."""
-        assert self.buffers is not None
-        self.buffers = _Buffers(*(
-            None if dst is None else write_rows_copy(dst, src, at)
-            for dst, src in zip(
-                (self.buffers.keys, self.buffers.values, self.buffers.key_scales, self.buffers.value_scales),
-                (rows.keys, rows.values, rows.key_scales, rows.value_scales),
-            )
-        ), out_dtype=self.buffers.out_dtype)
+        b = self.buffers
+        assert b is not None
+        index = seq_index(at, rows.keys.shape[SEQ_AXIS], SEQ_AXIS)  # one index for every array
+        scales = (None, None) if b.key_scales is None else (
+            write_copy(b.key_scales, rows.key_scales, index), write_copy(b.value_scales, rows.value_scales, index))  # type: ignore[arg-type]
+        self.buffers = _Buffers(write_copy(b.keys, rows.keys, index), write_copy(b.values, rows.values, index),
+                                *scales, out_dtype=b.out_dtype)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``S`` rows and return the window (spec.dense.append).
@@ -514,8 +533,8 @@ class KVCache:
         n = _check_rows("append", keys, values)
         self._check_compatible("append", keys, values)
         rows = self._encode(keys, values)
-        prev = self.live_len
-        if self.buffers is None or prev + n > self.buffers.capacity:
+        prev = self.offset - self.live_start  # live_len, read once (the decode path runs per layer per step)
+        if self.buffers is None or prev + n > self.buffers.keys.shape[SEQ_AXIS]:
             self._grow(prev, n, rows)
         inplace = self._inplace_write_allowed(n)
         if inplace:
@@ -524,9 +543,10 @@ class KVCache:
             self._write_copy(prev, rows)
         self.offset += n
         self.last_write_inplace = inplace
-        assert self.buffers is not None
-        self._marker = _Marker(self.buffers.arrays(), self.live_len)
-        return self.buffers.window(self.live_len)
+        b = self.buffers
+        assert b is not None
+        self._marker = _Marker(b.arrays(), prev + n)
+        return b.window(prev + n)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The live window without writing: ``[B, H, live_len, D]`` pair in

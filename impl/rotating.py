@@ -226,10 +226,11 @@ class RotatingKVCache:
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """Valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype."""
-        if self.keys is None:  # keys and values are set and dropped together
+        keys = self.keys
+        if keys is None:  # keys and values are set and dropped together
             return None
-        ix = seq_prefix(self.valid_len)
-        return self.keys[ix], self.values[ix]
+        ix = seq_prefix(keys.shape[SEQ_AXIS] if self.offset != self.idx else self.idx)  # valid_len
+        return keys[ix], self.values[ix]  # type: ignore[index]
 
     # -- writes -----------------------------------------------------------------
     def _set_buffers(self, keys: mx.array, values: mx.array) -> None:
@@ -264,15 +265,18 @@ class RotatingKVCache:
 
     def _decode(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         W, K = self.max_size, self.keep
-        prior = (self.offset, self.idx, self.capacity, self.valid_len)
-        if self.keys is not None and self.capacity > W:
+        # the capacity read once (the decode path runs per layer per step)
+        cap = 0 if self.keys is None else self.keys.shape[SEQ_AXIS]
+        prior = (self.offset, self.idx, cap, cap if self.offset != self.idx else self.idx)
+        if self.keys is not None and cap > W:
             # An oversized buffer (after a multi-row append) is cut to its
             # sinks and latest W - K rows, in chronological order already.
             cut = self.capacity - (W - K)
             self._set_buffers(*(mx.concatenate([a[:, :, :K, :], a[:, :, cut:, :]], axis=SEQ_AXIS) for a in (self.keys, self.values)))  # type: ignore[index]
             self.idx = W
-        if self.keys is None or (self.idx >= self.capacity and self.capacity < W):
-            grow = min(self.step, W - self.capacity)
+            cap = W
+        if self.keys is None or (self.idx >= cap and cap < W):
+            grow = min(self.step, W - cap)
             zk = mx.zeros((k.shape[0], k.shape[1], grow, k.shape[3]), dtype=k.dtype)
             zv = mx.zeros((v.shape[0], v.shape[1], grow, v.shape[3]), dtype=v.dtype)
             if self.keys is None:
@@ -282,7 +286,7 @@ class RotatingKVCache:
         if self.idx >= W:
             self.idx = K
         inplace = self._inplace_write_allowed()
-        saved = self._log_decode(prior, self.idx)
+        saved = self._log_decode(prior, self.idx) if self.undo else None
         if saved:
             # The saved row is scheduled before the write is built: once its
             # gather is enqueued it lets go of the buffer, so the write (a
@@ -343,8 +347,11 @@ class RotatingKVCache:
         n = _check_rows("append", keys, values)
         if self.keys is not None:
             assert self.values is not None
-            check_matches_cache("append", "keys", tuple(self.keys.shape), keys)
-            check_matches_cache("append", "values", tuple(self.values.shape), values)
+            bk, bv, ks, vs = self.keys.shape, self.values.shape, keys.shape, values.shape
+            if not (ks[0] == bk[0] and ks[1] == bk[1] and ks[3] == bk[3] and vs[0] == bv[0] and vs[1] == bv[1]
+                    and vs[3] == bv[3]):
+                check_matches_cache("append", "keys", tuple(bk), keys)
+                check_matches_cache("append", "values", tuple(bv), values)
             check_dtype_matches("append", self.keys.dtype, keys.dtype)
         k, v = keys, values
         out = self._decode(k, v) if n == 1 else self._prefill(k, v)

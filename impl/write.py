@@ -198,7 +198,10 @@ def cuda_inplace() -> str:
     """The CUDA in-place mechanism, from ``KV_CUDA_INPLACE``: ``donate``
     (unset or empty) or ``kernel``. Raises InvalidArgumentError for anything
     else, naming the variable and the allowed values."""
-    value = os.environ.get("KV_CUDA_INPLACE", "").strip().lower() or "donate"
+    value = os.environ.get("KV_CUDA_INPLACE")
+    if not value:  # the common case, read per decode write: nothing to parse
+        return "donate"
+    value = value.strip().lower() or "donate"
     if value not in CUDA_MECHANISMS:
         raise InvalidArgumentError(
             f"KV_CUDA_INPLACE must be one of {', '.join(CUDA_MECHANISMS)} (unset: donate), got {value!r}"
