@@ -261,9 +261,9 @@ def test_the_python_of_a_decode_step_stays_small(path, cuda_donate):
     for step in range(5):  # the median of several: a growth step every `step` rows is amortised
         k, v = rows(1, 30 + step), rows(1, 40 + step, DV)
         mx.eval(k, v)
-        out = []
+        out: list = []
 
-        def one_step():
+        def one_step(k=k, v=v, out=out):
             if rollback:
                 c.trim(1)
             out.append(c.update_and_fetch(k, v))
