@@ -77,27 +77,22 @@ def int8_rows_representable(keys: mx.array, values: mx.array) -> str | None:
     return "keys" if not int8_representable(keys)[0] else "values"
 
 
-@elementwise
-def _dequantize_to_float16(q: mx.array, scale: mx.array) -> mx.array:
-    # An int8 and a float16 are exact in float16 and IEEE multiplication
-    # rounds the exact product once: the float16 product *is* ``q * scale``
-    # rounded once to float16, with no float32 intermediate (which made the
-    # window's dequantization three float32 passes over every live row). A
-    # product beyond 65504 rounds to 65504 or to inf, and clipping after the
-    # cast equals clipping before it (the cast is monotone and keeps +-65504).
-    return mx.clip(q.astype(mx.float16) * scale, -FLOAT16_MAX, FLOAT16_MAX)
+def _dequantizer(dtype: mx.Dtype) -> Any:
+    """The rule of :func:`dequantize_int8` for one output dtype, as one
+    kernel on CUDA (impl.fused: every append dequantizes the whole window,
+    and op by op the chain is five passes over it, four of them float32)."""
 
-
-def _widening(dtype: mx.Dtype) -> Any:
     @elementwise
     def dequantize(q: mx.array, scale: mx.array) -> mx.array:
-        # exact in float32 (8 and 11 significant bits), rounded once to dtype
-        return (q.astype(mx.float32) * scale.astype(mx.float32)).astype(dtype)
+        exact = q.astype(mx.float32) * scale.astype(mx.float32)  # exact: 8 and 11 significant bits
+        if dtype == mx.float16:
+            exact = mx.clip(exact, -FLOAT16_MAX, FLOAT16_MAX)
+        return exact.astype(dtype)
 
     return dequantize
 
 
-_WIDE = {mx.bfloat16: _widening(mx.bfloat16), mx.float32: _widening(mx.float32)}
+_DEQUANTIZERS = {dt: _dequantizer(dt) for dt in (mx.float16, mx.bfloat16, mx.float32)}
 
 
 def dequantize_int8(q: mx.array, scale: mx.array, dtype: mx.Dtype = mx.float16) -> mx.array:
@@ -106,13 +101,5 @@ def dequantize_int8(q: mx.array, scale: mx.array, dtype: mx.Dtype = mx.float16) 
     returns ``dtype`` ``[..., D]`` (float16, bfloat16 or float32). One
     kernel on CUDA (:mod:`impl.fused`): every append dequantizes the whole
     window."""
-    if scale.dtype == mx.float16:
-        if dtype == mx.float16:
-            return _dequantize_to_float16(q, scale)
-        wide = _WIDE.get(dtype)
-        if wide is not None:
-            return wide(q, scale)
-    exact = q.astype(mx.float32) * scale.astype(mx.float32)
-    if dtype == mx.float16:
-        exact = mx.clip(exact, -FLOAT16_MAX, FLOAT16_MAX)
-    return exact.astype(dtype)
+    fn = _DEQUANTIZERS.get(dtype)
+    return (fn or _dequantizer(dtype))(q, scale)
