@@ -32,6 +32,10 @@ import mlx.core as mx
 
 from impl import write
 
+#: Fuse on CUDA (True, the default). ``tools/gpu_profile.py`` turns it off
+#: for its op-by-op rows, to measure what fusion changes in one run.
+ENABLED = True
+
 
 class Elementwise:
     """``fn`` (arrays -> array, elementwise ops only) callable as ``fn``
@@ -44,7 +48,7 @@ class Elementwise:
         self.__name__ = getattr(fn, "__name__", "elementwise")
 
     def __call__(self, *arrays: Any) -> mx.array:
-        return (self.fused if write.backend() == "cuda" else self.eager)(*arrays)
+        return (self.fused if ENABLED and write.backend() == "cuda" else self.eager)(*arrays)
 
 
 def elementwise(fn: Callable[..., mx.array]) -> Elementwise:

@@ -1,9 +1,11 @@
 """A short profile of the decode hot paths, for a GPU session (tools/gpu_session.sh).
 
 For each path (dense in place, ring warm-up, paged beside a fork, Int8,
-Turbo4, each beside mlx-lm's cache where it has one) and each context: one
-decoder step over ``--layers`` layers, the write then attention per layer,
-split into
+Turbo4, rollback k=1, each beside mlx-lm's cache where it has one; Int8 and
+Turbo4 also with their window's elementwise chains run op by op, ``op by
+op``, beside the fused default of impl.fused) and each context: one decoder
+step over ``--layers`` layers, the write then attention per layer, split
+into
 
 * ``host_ms``: building the step (every layer's ``update_and_fetch`` and
   attention call, nothing evaluated): Python work and any host reads or
@@ -70,11 +72,36 @@ def paths(context: int) -> dict[str, Any]:
         "ring warm-up: mlx-lm RotatingKVCache": lambda: mc.RotatingKVCache(max_size=2 * context + 4096, keep=4),
         "paged beside a fork: ours": lambda: PagedKVCache(block_size=16, inplace=True),
         "int8: ours": lambda: KVCache("int8", step=256),
+        "int8: ours, op by op": lambda: KVCache("int8", step=256),
         "turbo4: ours": lambda: TurboKVCache("turbo4", step=256),
+        "turbo4: ours, op by op": lambda: TurboKVCache("turbo4", step=256),
+        "rollback k=1: ours": lambda: KVCache("fp16", step=256, inplace=True),
+        "rollback k=1: mlx-lm KVCache": mc.KVCache,
     }
 
 
+def step_op(name: str):
+    """What one layer does per step on path ``name``: an append, or (the
+    rollback rows) trim 1 then append 1."""
+    if name.startswith("rollback"):
+        def rollback(c: Any, rows: mx.array) -> Any:
+            c.trim(1)
+            return c.update_and_fetch(rows, rows)
+        return rollback
+    return lambda c, rows: c.update_and_fetch(rows, rows)
+
+
 def profile(name: str, make: Any, context: int, layers: int, rounds: int) -> dict[str, float]:
+    from impl import fused
+
+    fused.ENABLED = not name.endswith("op by op")  # the window's elementwise chains fused on CUDA, or not
+    try:
+        return _profile(name, make, context, layers, rounds)
+    finally:
+        fused.ENABLED = True
+
+
+def _profile(name: str, make: Any, context: int, layers: int, rounds: int) -> dict[str, float]:
     from fuzz.commands.bench_decoder import DIM, KV_HEADS, Q_HEADS, _attend
 
     dtype = mx.float16
@@ -91,10 +118,11 @@ def profile(name: str, make: Any, context: int, layers: int, rounds: int) -> dic
         caches.append(c)
     del pre
     host, step, moved = [], [], 0
+    op = step_op(name)
     for r in range(rounds + 3):
         before = [pointer(first_buffer(c)) for c in caches[:4]]
         t0 = time.perf_counter()
-        outs = [_attend(q, c, c.update_and_fetch(one, one)) for c in caches]
+        outs = [_attend(q, c, op(c, one)) for c in caches]
         t1 = time.perf_counter()
         mx.eval(outs)
         t2 = time.perf_counter()
