@@ -43,6 +43,10 @@ from typing import Any
 
 DETECTED = ("killed", "timeout", "segfault", "suspicious", "caught by type check")
 SURVIVING = ("survived", "no tests")
+#: a mutant that timed out is re-run alone with this many times mutmut's
+#: limits (its wall-clock timeout is load-dependent); only a second timeout
+#: counts as detected
+TIMEOUT_RETRY_FACTOR = 5
 HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,(?P<count>\d+))? @@")
 
 
@@ -110,6 +114,7 @@ from mutmut.stats import status_by_exit_code
 
 changed = json.loads(Path(sys.argv[1]).read_text())
 max_children = int(sys.argv[2])
+RETRY_FACTOR = int(sys.argv[4])
 config().only_mutate = sorted(changed)  # other files are copied, not parsed (do_not_mutate still applies)
 state()._covered_lines = {str((Path("mutants") / p).absolute()): set(v) for p, v in changed.items()}
 mm.set_mutant_under_test("mutant_generation")
@@ -125,13 +130,25 @@ def metas():
         m.load()
         yield path, m
 
-names = [k for _, m in metas() for k in m.exit_code_by_key]
-if names:
+def run(names, children):
     try:
-        mm._run(names, max_children)
+        mm._run(names, children)
     except SystemExit as e:
         if e.code not in (0, None):
             raise
+
+names = [k for _, m in metas() for k in m.exit_code_by_key]
+if names:
+    run(names, max_children)
+    # mutmut also stops a mutant on wall time ((its tests' time + timeout_constant)
+    # x timeout_multiplier): on a busy machine a survivor can time out, which
+    # counts as detected. A timeout is re-run alone with RETRY_FACTOR times the
+    # limit; only a second timeout stands.
+    timeouts = [k for _, m in metas() for k, code in m.exit_code_by_key.items()
+                if status_by_exit_code[code] == "timeout"]
+    if timeouts:
+        config().timeout_multiplier *= RETRY_FACTOR
+        run(timeouts, 1)
 out = []
 for path, m in metas():
     for name, code in m.exit_code_by_key.items():
@@ -234,7 +251,8 @@ def run_changed(root: Path, base: str, max_children: int = 2, python: str | None
         lines_file.write_text(json.dumps({p: sorted(v) for p, v in report.changed.items()}))
         # make mutation's Hypothesis profile (no shrinking) unless the caller chose one
         env = {**os.environ, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutation")}
-        p = subprocess.run([python or sys.executable, "-c", DRIVER, str(lines_file), str(max_children), str(result_file)],
+        p = subprocess.run([python or sys.executable, "-c", DRIVER, str(lines_file), str(max_children), str(result_file),
+                            str(TIMEOUT_RETRY_FACTOR)],
                            cwd=work, capture_output=True, text=True, check=False, env=env)
         if log is not None:
             log(p.stdout + p.stderr)
