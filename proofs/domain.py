@@ -198,6 +198,31 @@ class Check:
 # with another. So a check is a short portfolio of seeds.
 SEEDS = ((0, 2_000), (2, 2_000), (3, 4_000), (4, 8_000), (5, None))
 
+#: Z3 resource units (``rlimit``) per millisecond of budget: the rate at
+#: which Z3 counted them over a whole ``kvspec prove`` run on this project's
+#: 2-core machine was about 1,300 per CPU millisecond (2026-12-01; 250 to
+#: 5,600 from one check to the next). Every budget below is a number of
+#: milliseconds turned into units: Z3 counts units deterministically, so a
+#: check does the same work, and reaches the same verdict, however loaded
+#: the machine is (with wall-clock budgets a check got a quarter of its CPU
+#: at load average 10 on two cores, and obligations 2 and 8 came out
+#: "unknown").
+RLIMIT_PER_MS = 1_500
+#: a wall-clock guard of this many times the budget stops a check that the
+#: machine starves even of its units' worth (reported as Z3's "timeout")
+WALL_GUARD = 20
+
+
+def budget(solver: z3.Solver, ms: int) -> None:
+    """Give ``solver``'s next checks about ``ms`` milliseconds of CPU each,
+    as :data:`RLIMIT_PER_MS` deterministic resource units, under a
+    wall-clock guard of :data:`WALL_GUARD` times ``ms``. Z3 answers
+    ``unknown`` with reason "max. resource limit exceeded" when the units
+    run out."""
+    ms = max(1, int(ms))
+    solver.set("rlimit", ms * RLIMIT_PER_MS)
+    solver.set("timeout", ms * WALL_GUARD)
+
 
 def check_valid(
     dom: Domain, premises: list[Any], goal: Any, timeout_ms: int = 30_000, label: str = ""
@@ -206,7 +231,8 @@ def check_valid(
     obligations added to the goal and its stored-value assumptions and facts
     to the premises)? ``refuted`` carries the model of a counterexample and,
     when an overflow obligation is what fails, names it. Tries the seeds of
-    :data:`SEEDS` in turn within ``timeout_ms`` in all."""
+    :data:`SEEDS` in turn, each with its budget of :func:`budget` units
+    (the last one what is left), ``timeout_ms`` worth in all."""
     import time
 
     t0 = time.perf_counter()
@@ -217,12 +243,14 @@ def check_valid(
     obligations = [o for _, o in dom.obligations]
     s.add(z3.Not(z3.And(goal, *obligations)))
     r, reason = z3.unknown, ""
-    for seed, budget in SEEDS:
-        left = timeout_ms - int((time.perf_counter() - t0) * 1000)
+    left = timeout_ms
+    for seed, ms in SEEDS:
         if left <= 0:
             break
+        give = left if ms is None else min(ms, left)
+        left -= give
         s.set("random_seed", seed)
-        s.set("timeout", left if budget is None else min(budget, left))
+        budget(s, give)
         r = s.check()
         if r != z3.unknown:
             break

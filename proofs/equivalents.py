@@ -32,6 +32,8 @@ from typing import Any
 
 import z3
 
+from proofs.domain import budget
+
 Ints = dict[str, Any]
 
 
@@ -59,7 +61,7 @@ class Equivalence:
         v = _vars(*self.variables)
         premises, original, mutant = self.build(v, control)
         s = z3.Solver()
-        s.set("timeout", 10_000)
+        budget(s, 10_000)
         s.add(*premises)
         s.add(original != mutant)
         r = s.check()

@@ -33,7 +33,7 @@ import z3
 
 from proofs import traces
 from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain
+from proofs.domain import Domain, budget
 from proofs.paged_model import (
     PAGED_SPEC,
     BlockV,
@@ -204,7 +204,7 @@ def _small_block_size(part: PartBuilder) -> int:
     d = Domain("int")
     premises, goal = part(d)
     s = z3.Solver()
-    s.set(timeout=10_000)
+    budget(s, 10_000)
     s.add(*premises, z3.Not(goal), z3.Int("block_size") <= 4, z3.Int("block_size") >= 2)
     if s.check() != z3.sat:
         return 2

@@ -33,7 +33,7 @@ import z3
 
 from proofs import traces
 from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import INT, Domain
+from proofs.domain import INT, Domain, budget
 from proofs.rotating_model import ring_slot
 from spec.rotating import log_push as _spec_log_push
 
@@ -182,7 +182,7 @@ def _find(build: PartBuilder, extra: list[Any]) -> Any:
     d = Domain(INT)
     premises, goal = build(d)
     s = z3.Solver()
-    s.set(timeout=20_000)
+    budget(s, 20_000)
     s.add(*premises, z3.Not(goal), *extra)
     return s.model() if s.check() == z3.sat else None
 
