@@ -58,6 +58,10 @@ def _git(cwd: Path, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
+    return _make_clone(tmp_path_factory)
+
+
+def _make_clone(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("pr") / "kvspec"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(repo)], check=True)
     _git(repo, "config", "user.email", "t@example.invalid")
@@ -105,6 +109,36 @@ def test_planted_weak_test_survivor_reported(clone: Path) -> None:
     jsonschema.validate(doc, SCHEMA)
     assert not doc["ok"] and doc["exit"] == 1
     assert {s["line"] for s in doc["survivors"]} == {line}
+
+
+SLOW_WEAK_TEST = '''
+import time
+from spec.paged import sample_clamp_offset
+
+def test_sample_clamp_offset_slowly():  # planted weak test that takes 2 s of wall time
+    time.sleep(2.0)
+    assert sample_clamp_offset(3, 8) == 3
+'''
+
+
+def test_a_survivor_past_the_first_wall_clock_limit_is_still_reported(tmp_path_factory) -> None:
+    """mutmut also stops a mutant on wall time ((its tests' time + 1 s) x
+    ``timeout_multiplier``), so on a busy machine a survivor became a
+    "timeout" (detected) and the planted weak test reported nothing. Here
+    the clone's multiplier is 0.2: 0.6 s for a test that sleeps 2 s, so the
+    first pass times out every mutant; the re-run alone at 5x the limit
+    (3 s) lets the survivor be seen. With the re-run off
+    (``TIMEOUT_RETRY_FACTOR = 1``) the report had no survivor."""
+    repo = _make_clone(tmp_path_factory)
+    py = repo / "pyproject.toml"
+    py.write_text(re.sub(r"timeout_multiplier = [0-9.]+", "timeout_multiplier = 0.2", py.read_text()))
+    paged = repo / "spec" / "paged.py"
+    paged.write_text(paged.read_text() + WEAK)
+    (repo / "tests" / "test_sample_pr.py").write_text(STRONG_TEST + SLOW_WEAK_TEST)
+    line = paged.read_text().splitlines().index("    return max(0, min(offset, capacity))") + 1
+    report = mc.run_changed(repo, "HEAD", max_children=2)
+    assert report.mutants, "the change must breed mutants"
+    assert {m.line for m in report.survivors} == {line}, [m.to_json() for m in report.mutants]
 
 
 def test_cli_exit_status_and_bad_revision(clone: Path) -> None:
