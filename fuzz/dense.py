@@ -21,7 +21,7 @@ from fuzz.machine import (
     without_lifecycle,
 )
 from fuzz.masks import check_dense_masks
-from fuzz.quant_ref import int8_oracle, quantize
+from fuzz.quant_ref import int8_oracle, int8_oracle_host, quantize
 from impl.dense import CacheSnapshot, DetachedHandle, KVCache
 from impl.quant import dequantize_int8
 from spec import dense as sd
@@ -107,6 +107,14 @@ class DenseLockstep(DenseOps, Lockstep):
             return int8_oracle(x)
         return x
 
+    def host_stored_rows(self, token: int, mode: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Int8: the NumPy oracle on the rows' host form (no MLX round
+        trip); the others as the base class."""
+        if mode == "int8" and not self.oracle_from_impl:
+            k, v = self.host_rows([token])
+            return int8_oracle_host(k, self.dtype), int8_oracle_host(v, self.dtype)
+        return super().host_stored_rows(token, mode)
+
     #: Take the expected Int8 bytes from the implementation's own quantizer
     #: instead of the independent oracle: what the harness did before the
     #: oracle existed, kept to show what that misses (a quantizer bug).
@@ -146,9 +154,10 @@ class DenseLockstep(DenseOps, Lockstep):
         token's rows (fuzz.quant_ref.quantize, from the rule's text)."""
         got = self._stored.get(token)
         if got is None:
-            k, v = self.input_rows([token])
-            kq, ks = quantize(np.asarray(k.astype(mx.float32), dtype=np.float64))
-            vq, vs = quantize(np.asarray(v.astype(mx.float32), dtype=np.float64))
+            # the rows' host form is exactly their float32 values (fuzz.rows)
+            k, v = self.host_rows([token])
+            kq, ks = quantize(np.asarray(k, dtype=np.float64))
+            vq, vs = quantize(np.asarray(v, dtype=np.float64))
             got = self._stored[token] = (kq, ks, vq, vs)
         return got
 

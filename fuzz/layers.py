@@ -26,7 +26,7 @@ from hypothesis.stateful import initialize, rule
 from fuzz.lockstep import Divergence, Lockstep, is_cache_copy, reload_through_file
 from fuzz.machine import APPEND_N, KVMachine, LifecycleRules
 from fuzz.masks import check_dense_masks, check_ring_masks
-from fuzz.quant_ref import int8_oracle
+from fuzz.quant_ref import int8_oracle, int8_oracle_host
 from fuzz.trace import TraceFormatError
 from impl import layers as impl_layers
 from impl.dense import KVCache
@@ -174,6 +174,13 @@ class LayersLockstep(Lockstep):
 
     def stored_form(self, x: Any, mode: str = "fp16") -> Any:
         return int8_oracle(x) if mode == "int8" else x
+
+    def host_stored_rows(self, token: int, mode: str) -> Any:
+        """Int8 layers: the NumPy oracle on the rows' host form (no MLX round trip)."""
+        if mode == "int8":
+            k, v = self.host_rows([token])
+            return int8_oracle_host(k, self.dtype), int8_oracle_host(v, self.dtype)
+        return super().host_stored_rows(token, mode)
 
     def step(self, index: int, op: dict[str, Any]) -> None:
         self.current_index = index

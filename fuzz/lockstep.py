@@ -312,6 +312,14 @@ class Lockstep:
         k, v = self.host_rows(tokens)
         return rowgen.to_mx(k, self.dtype), rowgen.to_mx(v, self.dtype)
 
+    def host_stored_rows(self, token: int, mode: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """What ``host(stored_form(row))`` gives for the token's K and V rows,
+        computed on the host without MLX (no round trip to its scheduler),
+        or None where only :meth:`stored_form` can say. Unquantized storage
+        (:meth:`stored_identity`): the rows' own host form, bit for bit
+        what MLX hands back (tests/test_fast_checks.py)."""
+        return self.host_rows([token]) if self.stored_identity(mode) else None
+
     def stored_identity(self, mode: str) -> bool:
         """Whether :meth:`stored_form` hands rows back as given in ``mode``
         (unquantized storage): then a reader's expected bytes are the rows'
@@ -325,10 +333,9 @@ class Lockstep:
         mode = mode or self.cfg.get("mode", "fp16")
         got = self._expected.get((token, mode))
         if got is None:
-            if self.stored_identity(mode) and current_device() == "cpu":
-                # the rows' own host form: what host() of the MLX rows gives
-                # back bit for bit (tests/test_rows.py), without a round trip
-                hk, hv = self.host_rows([token])
+            host = self.host_stored_rows(token, mode) if current_device() == "cpu" else None
+            if host is not None:
+                hk, hv = host
             else:
                 k, v = self.input_rows([token])
                 hk, hv = rowgen.host_many([self.stored_form(k, mode), self.stored_form(v, mode)])

@@ -89,3 +89,13 @@ def int8_oracle(x: mx.array) -> mx.array:
     dtype = str(x.dtype).rsplit(".", 1)[-1]
     wide = np.asarray(x.astype(mx.float32), dtype=np.float64)
     return mx.array(round_trip(wide, dtype).astype(np.float32)).astype(x.dtype)
+
+
+def int8_oracle_host(x: np.ndarray, dtype: str) -> np.ndarray:
+    """:func:`int8_oracle` on the host: rows ``x`` in host form
+    (``fuzz.rows.rows``: float16, or float32 holding bfloat16 or float32
+    values) -> what ``fuzz.rows.host`` reads back from ``int8_oracle`` of
+    the same rows as an ``mx.array`` of ``dtype``, bit for bit (the values
+    are exact in ``dtype``, so no cast rounds them)."""
+    out = round_trip(np.asarray(x, dtype=np.float64), dtype)
+    return out.astype(np.float16 if dtype == "float16" else np.float32)

@@ -46,6 +46,7 @@ from fuzz.lockstep import Divergence, Lockstep
 from fuzz.machine import KV_HEADS, SMALL_STEPS
 from impl import turbo_quant as tq
 from impl.turbo import TurboHandle, TurboSnapshot, make_cache
+from spec import rows as portable_rows
 from spec import turbo as sturbo
 
 TURBO_MODES = tuple(m.value for m in sturbo.TURBO_MODES)
@@ -86,6 +87,8 @@ class TurboLockstep(DenseOps, Lockstep):
         self.prev_world = self.world
         self.cache = self.build(cache_factory, mode=cache["mode"], step=cache["step"], **kw)
         self._forms: dict[tuple[int, bool, bool], tuple[bytes, bytes]] = {}
+        self._form_arrays: dict[tuple[int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._window_forms: dict[tuple[tuple[int, ...], tuple[tuple[bool, bool], ...]], tuple[bytes, bytes]] = {}
         #: (token, stored array prefix) pairs the reference has checked
         self._checked: set[tuple[int, str]] = set()
         #: the view whose cold offset ``window_matches`` uses by default
@@ -103,14 +106,59 @@ class TurboLockstep(DenseOps, Lockstep):
         key = (token, k_quant, v_quant)
         got = self._forms.get(key)
         if got is None:
+            self.row_forms([key])
+            got = self._forms[key]
+        return got
+
+    def row_forms(self, keys: list[tuple[int, bool, bool]]) -> None:
+        """:meth:`row_form` of every ``(token, k_quant, v_quant)`` of ``keys``
+        not yet known, each row quantized on its own (one quantizer call per
+        row, as one row at a time), read back in one MLX evaluation."""
+        todo = [key for key in dict.fromkeys(keys) if key not in self._forms]
+        if not todo:
+            return
+        # and the forms the next appends will ask for (the next tokens in
+        # the forms asked for now), so that a decode loop's reads of them
+        # share this evaluation instead of one each
+        last = max(t for t, _, _ in todo)
+        ahead = [(t, kq, vq) for t in range(last + 1, last + 1 + self.FORMS_AHEAD)
+                 for kq, vq in dict.fromkeys((kq, vq) for _, kq, vq in todo)]
+        todo += [key for key in ahead if key not in self._forms and (self.cfg.get("rows") != "portable"
+                                                                     or key[0] < portable_rows.TOKEN_LIMIT)]
+        bits = sturbo.bits_of(self.mode)
+        lazy = []
+        for token, k_quant, v_quant in todo:
             k, v = self.input_rows([token])
-            bits = sturbo.bits_of(self.mode)
             if k_quant:
                 k = tq.roundtrip(k, bits, tq.K_SEED)
             if v_quant:
                 v = tq.roundtrip(v, bits, tq.V_SEED)
-            got = (rowgen.host(k).tobytes(), rowgen.host(v).tobytes())
-            self._forms[key] = got
+            lazy += [k, v]
+        forms = rowgen.host_many(lazy)
+        for j, key in enumerate(todo):
+            hk, hv = forms[2 * j], forms[2 * j + 1]
+            self._forms[key] = (hk.tobytes(), hv.tobytes())
+            self._form_arrays[key] = (hk, hv)
+
+    #: tokens past the last one asked for whose forms :meth:`row_forms` computes along
+    FORMS_AHEAD = 8
+
+    def window_form(self, tokens: tuple[int, ...], flags: tuple[tuple[bool, bool], ...]) -> tuple[bytes, bytes]:
+        """The bytes of a whole window of ``tokens``' rows, row ``j`` in the
+        form ``flags[j]`` (quantized K, quantized V) gives it: the rows of
+        :meth:`row_form` concatenated in C order of ``[B, H, n, D]``, kept
+        per window (a snapshot's recurs op after op)."""
+        key = (tokens, flags)
+        got = self._window_forms.get(key)
+        if got is None:
+            keys = [(t, kq, vq) for t, (kq, vq) in zip(tokens, flags)]
+            self.row_forms(keys)
+            ks = [self._form_arrays[k][0] for k in keys]
+            vs = [self._form_arrays[k][1] for k in keys]
+            got = (np.concatenate(ks, axis=2).tobytes(), np.concatenate(vs, axis=2).tobytes())
+            if len(self._window_forms) > 4096:
+                self._window_forms.clear()
+            self._window_forms[key] = got
         return got
 
     def window_matches(self, tokens: tuple[int, ...], arrays: tuple[mx.array, mx.array] | None,
@@ -126,13 +174,14 @@ class TurboLockstep(DenseOps, Lockstep):
         b, h, dk, dv = self.shape
         if k.shape != (b, h, len(tokens), dk) or v.shape != (b, h, len(tokens), dv):
             return False
+        if not tokens:
+            return True
         cold = sturbo.view_cold(self.world, view or self._view)
-        flags = sturbo.quantized_rows(self.mode, len(tokens), cold)
-        for j, (t, (kq, vq)) in enumerate(zip(tokens, flags)):
-            ek, ev = self.row_form(t, kq, vq)
-            if k[:, :, j : j + 1, :].tobytes() != ek or v[:, :, j : j + 1, :].tobytes() != ev:
-                return False
-        return True
+        flags = tuple((bool(kq), bool(vq)) for kq, vq in sturbo.quantized_rows(self.mode, len(tokens), cold))
+        # one comparison of the whole window (tobytes() is C order whatever
+        # the view's strides: row j is where row j of the expected rows is)
+        ek, ev = self.window_form(tuple(tokens), flags)
+        return k.tobytes() == ek and v.tobytes() == ev
 
     def identify(self, arrays: tuple[mx.array, mx.array] | None, mode: str | None = None) -> list[Any]:
         """Each row as ``token`` (quantized where the oracle quantizes),
@@ -196,7 +245,9 @@ class TurboLockstep(DenseOps, Lockstep):
             d = dv if which == "v" else dk
             x = rowgen.rows([toks[j] for j in todo], which, b, h, d, self.dtype, self.wide_rows(),
                             self.cfg.get("rows", "numpy")).astype(np.float64)
-            got = [np.asarray(store[prefix + name][:, :, : len(toks), :]) if prefix + name in store else None
+            # the store as read after the op (prefetch evaluated it: no
+            # round trip of its own), cut to the window's rows on the host
+            got = [np.asarray(store[prefix + name])[:, :, : len(toks), :] if prefix + name in store else None
                    for name in ("packed", "norm", "rescale")]
             packed, norm, rescale = (None if a is None else a[:, :, todo, :] for a in got)
             self.reached("reference-checked rows")
@@ -213,6 +264,12 @@ class TurboLockstep(DenseOps, Lockstep):
 
     def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
         return self.window_matches(tokens, arrays, view=name)
+
+    def more_to_evaluate(self, views: dict[str, Any], state: Any) -> list[Any]:
+        """The quantized store, which :meth:`check_reference` reads after an
+        append: evaluated with the step's other reads."""
+        store = getattr(self.cache, "store", None)
+        return [a for a in store.values() if isinstance(a, mx.array)] if isinstance(store, dict) else []
 
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
         super().compare_state(index, op)

@@ -39,13 +39,28 @@ def test_expected_rows_without_mlx_are_the_bytes_mlx_hands_back(dtype, scheme):
         assert lock.expected_row(t) == (mk.tobytes(), mv.tobytes())
 
 
-def test_int8_expected_rows_still_go_through_the_oracle():
-    lock = DenseLockstep({"mode": "int8", "step": 4, "batch": 1, "kv_heads": 1, "head_dim": 8, "inplace": True,
-                          "dtype": "float16"})
-    k, v = lock.input_rows([1])
-    mk, mv = rowgen.host_many([lock.stored_form(k, "int8"), lock.stored_form(v, "int8")])
-    assert lock.expected_row(1) == (mk.tobytes(), mv.tobytes())
-    assert lock.expected_row(1) != (lock.host_rows([1])[0].tobytes(), lock.host_rows([1])[1].tobytes())
+@pytest.mark.parametrize("dtype", rowgen.DTYPES)
+def test_int8_expected_rows_on_the_host_are_the_oracle_through_mlx(dtype):
+    """The Int8 oracle on the rows' host form (what ``expected_row`` and the
+    stored-codes check now use) equals the oracle through MLX (what they
+    used before), and the stored codes and scales the oracle's quantization
+    of the MLX rows' float32 values."""
+    from fuzz.layers import LayersLockstep
+    from fuzz.quant_ref import quantize
+
+    lock = DenseLockstep({"mode": "int8", "step": 4, "batch": 2, "kv_heads": 1, "head_dim": 8, "v_head_dim": 16,
+                          "inplace": True, "dtype": dtype})
+    layers = LayersLockstep({"mode": "int8", "step": 4, "batch": 2, "kv_heads": 1, "head_dim": 8, "v_head_dim": 16,
+                             "inplace": True, "dtype": dtype, "layers": [{"kind": "dense"}]})
+    for t in range(60):
+        k, v = lock.input_rows([t])
+        mk, mv = rowgen.host_many([lock.stored_form(k, "int8"), lock.stored_form(v, "int8")])
+        assert lock.expected_row(t) == (mk.tobytes(), mv.tobytes()), t
+        assert layers.expected_row(t, "int8") == (mk.tobytes(), mv.tobytes()), t
+        codes = quantize(np.asarray(k.astype(mx.float32), dtype=np.float64))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(lock.stored_int8(t)[:2], codes)), t
+        if t % 7 != 3:  # every seventh K row is all zero: its form is the row itself
+            assert lock.expected_row(t)[0] != lock.host_rows([t])[0].tobytes()
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
