@@ -211,17 +211,22 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     limit = ShrinkLimit(shrink_seconds)
     # what was alive before the batch (modules, the rows and masks kept
     # per token) is never garbage, so the collector skips it during the
-    # batch: a full collection scanned every such object (0.2 s each, about
-    # a tenth of a batch); everything made during the batch is collected as
-    # before, and it all goes back to the collector afterwards
-    gc.freeze()
+    # batch: a full collection scanned every such object (0.2 s each on a
+    # loaded 2-core machine; collection took a tenth of a batch's CPU);
+    # everything made during the batch is collected as before, and it all
+    # goes back to the collector afterwards (unless the process had frozen
+    # objects of its own: then its freezing is left as it is)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     try:
         with shrink_limit(shrink_seconds) as limit:
             test()
     except Exception as exc:  # noqa: BLE001 - Divergence, or an assertion from an invariant
         error = exc
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
     seconds = time.perf_counter() - start
     executed = machine.stats.get("ops", 0)
     trace = failure_trace(machine, error) if error is not None else None

@@ -98,3 +98,25 @@ def test_mask_matrix_expands_as_the_row_lists_did():
                 got = mask_matrix(mask, n, length)
                 assert (None if got is None else got.tolist()) == old(mask, n, length)
                 assert mask_as_rows(mask, n, length) == old(mask, n, length)
+
+
+def test_a_batch_leaves_the_garbage_collector_as_it_found_it():
+    """run_machine freezes what was alive before a batch and unfreezes it
+    after, and leaves a process's own freezing alone."""
+    import gc
+
+    from fuzz.campaign import machine_for, run_machine
+
+    machine = machine_for("dense", "fp16", True)
+    assert gc.get_freeze_count() == 0
+    run_machine(machine, seed=1, max_examples=2, steps=5)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        run_machine(machine, seed=1, max_examples=2, steps=5)
+        # neither unfrozen nor frozen further (a frozen object freed during
+        # the batch leaves the count)
+        assert 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
