@@ -33,7 +33,8 @@ from impl.quant import (
     FLOAT16_MAX,
     dequantize_int8,
     int8_representable,
-    int8_rows_representable,
+    int8_rows_flag,
+    int8_rows_refused,
     quantize_int8,
 )
 from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
@@ -428,15 +429,21 @@ class KVCache:
         """Rows as stored: as given in Fp16; quantized in Int8, which refuses
         a row that is not finite in float16 (impl.quant's range decision)."""
         if self.mode == "int8":
-            bad = int8_rows_representable(keys, values)  # one host read for both (a GPU sync per layer)
+            # One host read for both (a GPU sync per layer: the refusal must be
+            # raised by this call, docs/gpu.md). The flag is scheduled first and
+            # read once the quantized rows are built, so the device computes it
+            # meanwhile; nothing of the cache changes before the read.
+            flag = int8_rows_flag(keys, values)
+            mx.async_eval(flag)
+            kq, ks = self.quantize_rows(keys)
+            vq, vs = self.quantize_rows(values)
+            bad = int8_rows_refused(keys, values, flag)
             if bad is not None:
                 absmax = int8_representable(keys if bad == "keys" else values)[1]
                 raise InvalidArgumentError(
                     f"append: {bad} must be finite within float16's range (|x| <= {FLOAT16_MAX:g}) "
                     f"in mode int8 (no finite scale otherwise), got max |x| = {absmax:g}"
                 )
-            kq, ks = self.quantize_rows(keys)
-            vq, vs = self.quantize_rows(values)
             return _Buffers(kq, vq, ks, vs, keys.dtype)
         return _Buffers(keys, values)
 

@@ -23,10 +23,12 @@ quantized mode never turns a finite input into inf or NaN):
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
 
+from impl import fused, write
 from impl.fused import elementwise
 
 #: Largest finite float16.
@@ -42,7 +44,23 @@ def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     ``q = clip(round(x / scale), -128, 127)``. Rows that are not finite in
     float16 give a non-finite scale: callers check
     :func:`int8_representable` first.
+
+    A decode step's rows (``x.shape[-2] == 1``) are quantized by one
+    compiled function on CUDA (``mx.compile``, traced once per shape; its
+    elementwise runs fused around the reduction, the bytes unchanged:
+    impl.fused).
     """
+    if x.ndim >= 2 and x.shape[-2] == 1 and fused.ENABLED and write.backend() == "cuda":
+        return _decode_quantizer()(x)
+    return _quantize_int8(x)
+
+
+@cache
+def _decode_quantizer() -> Any:
+    return mx.compile(_quantize_int8)
+
+
+def _quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     x16 = x.astype(mx.float16)
     absmax = mx.max(mx.abs(x16), axis=-1, keepdims=True)
     # Python scalars are weakly typed in MLX: the arithmetic stays float16.
@@ -71,8 +89,22 @@ def int8_rows_representable(keys: mx.array, values: mx.array) -> str | None:
     synchronisation, paid per layer per decode step); the magnitudes are
     read only for a refusal's message. Reads only the incoming rows, never
     a cache buffer."""
-    ok = mx.all(mx.isfinite(keys.astype(mx.float16))) & mx.all(mx.isfinite(values.astype(mx.float16)))
-    if bool(ok.item()):
+    return int8_rows_refused(keys, values, int8_rows_flag(keys, values))
+
+
+def int8_rows_flag(keys: mx.array, values: mx.array) -> mx.array:
+    """The lazy flag of :func:`int8_rows_representable` (a bool scalar:
+    every value of both finite in float16). The append path schedules it
+    (``mx.async_eval``) before it builds the quantized rows, and reads it
+    after, so the device computes the flag while the host builds."""
+    return mx.all(mx.isfinite(keys.astype(mx.float16))) & mx.all(mx.isfinite(values.astype(mx.float16)))
+
+
+def int8_rows_refused(keys: mx.array, values: mx.array, flag: mx.array) -> str | None:
+    """Read ``flag`` (:func:`int8_rows_flag` of these rows; the one host
+    read): None when it is set, else the name of the first of ``keys``,
+    ``values`` that is not finite in float16."""
+    if bool(flag.item()):
         return None
     return "keys" if not int8_representable(keys)[0] else "values"
 

@@ -157,7 +157,7 @@ def test_a_decode_rows_compiled_quantizer_keeps_its_bytes(dtype, monkeypatch):
 #: written and the window dequantized), on CUDA: were 36 (Int8) and 86
 #: (Turbo4), each a launch per layer per step
 APPEND_KERNELS = {
-    "int8": (lambda: KVCache("int8", step=8), 26),
+    "int8": (lambda: KVCache("int8", step=8), 14),
     "turbo4": (lambda: TurboKVCache("turbo4", step=8), 50),
 }
 
@@ -171,3 +171,17 @@ def test_a_decode_append_launches_few_kernels_on_cuda(kind, on_cuda, tmp_path):
     mx.eval(c.update_and_fetch(x, x), one)
     launched = kernels(*c.update_and_fetch(one, one), path=tmp_path)
     assert len(launched) <= bound, (kind, len(launched), launched)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_int8s_compiled_decode_quantizer_keeps_its_bytes(dtype, monkeypatch):
+    from impl.quant import quantize_int8
+
+    for scale in (0.0, 1e-7, 1.0, 300.0, 6.5e4):
+        x = (mx.random.normal((2, 3, 1, 16), key=mx.random.key(7)) * scale).astype(dtype)
+        monkeypatch.setattr(W, "backend", lambda: "cpu")
+        eager = quantize_int8(x)
+        monkeypatch.setattr(W, "backend", lambda: "cuda")
+        compiled = quantize_int8(x)
+        for a, b in zip(eager, compiled, strict=True):
+            assert a.dtype == b.dtype and np.array(a).tobytes() == np.array(b).tobytes(), (dtype, scale)
