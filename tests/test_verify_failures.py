@@ -99,3 +99,5 @@ def test_a_failed_jobs_trace_path_is_printed_when_it_ends():
                             verify.Check("fuzz other", True, "y", 1.0, "fuzz-failures/ok.json")], 1.0)
     text = " ".join(out.getvalue().split())  # rich wraps at its width
     assert "FAILED: fuzz paged" in text and "(kvtrace: fuzz-failures/p.json)" in text and "ok.json" not in text
+    progress.finished(job, [verify.Check("fuzz paged", True, "x", 2.0)], 3.0, cpu=1.5)
+    assert "(2.0 s, 1.5 s CPU; 3 s elapsed)" in " ".join(out.getvalue().split()) and progress.cpu == 1.5

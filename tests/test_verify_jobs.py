@@ -15,8 +15,12 @@ def test_pool_and_inline_agree():
             verify.Job("broken", "no_such_check", (), 9.0)]
     quiet = verify.Progress(len(jobs), quiet=True)
     inline = verify.run_jobs(jobs, 1, quiet)
-    pooled = verify.run_jobs(jobs, 2, verify.Progress(len(jobs), quiet=True))
+    pool_progress = verify.Progress(len(jobs), quiet=True)
+    pooled = verify.run_jobs(jobs, 2, pool_progress)
     assert names_and_verdicts(inline, 3) == names_and_verdicts(pooled, 3)
+    # each job's CPU seconds come back with its checks (the traces replay
+    # for more than a second of CPU), inline and from the pool's processes
+    assert quiet.cpu > 1.0 and pool_progress.cpu > 1.0
     got = names_and_verdicts(pooled, 3)
     assert got[-1] == ("broken", False) and sum(ok for _, ok in got) == len(got) - 1
     assert len(got) > 30  # every trace and equivalence, not a vacuous plan

@@ -449,6 +449,10 @@ class Progress:
 
     def __init__(self, total: int, stream: Any = None, quiet: bool = False):
         self.total, self.done, self.quiet = total, 0, quiet
+        #: CPU seconds of the finished jobs (their processes and the
+        #: processes they waited for), summed: half of it is what the run
+        #: takes on two cores of its own, whatever the load was
+        self.cpu = 0.0
         self.stream = stream or sys.stderr
         self.console = Console(file=self.stream, highlight=False)
         self.bar: Any = None
@@ -465,9 +469,11 @@ class Progress:
         if not self.quiet:
             self.console.print(text, markup=False)
 
-    def finished(self, job: Job, checks: list[Check], seconds: float) -> None:
-        """``seconds``: since the run started."""
+    def finished(self, job: Job, checks: list[Check], seconds: float, cpu: float | None = None) -> None:
+        """``seconds``: since the run started; ``cpu``: the job's CPU seconds
+        (None: not measured, a job that was stopped or died)."""
         self.done += 1
+        self.cpu += cpu or 0.0
         bad = [c.name for c in checks if not c.ok]
         verdict = "ok" if not bad else f"FAILED: {', '.join(bad)}"
         traces = [c.trace for c in checks if not c.ok and c.trace]
@@ -479,7 +485,8 @@ class Progress:
                 self.bar.console.print(f"{job.label}: {verdict}", markup=False)
         else:
             spent = sum(c.seconds for c in checks)
-            self.say(f"[{self.done}/{self.total}] {job.label}: {verdict} ({spent:.1f} s; {seconds:.0f} s elapsed)")
+            used = f", {cpu:.1f} s CPU" if cpu is not None else ""
+            self.say(f"[{self.done}/{self.total}] {job.label}: {verdict} ({spent:.1f} s{used}; {seconds:.0f} s elapsed)")
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -513,10 +520,22 @@ FORKSERVER_PRELOAD = ("numpy", "hypothesis", "hypothesis.stateful", "hypothesis.
                       "rich.table")
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process and of the processes it
+    has waited for (a job's ``crosshair`` or e2e subprocesses)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _job_worker(job: Job, conn: Any) -> None:
-    """A pool worker's body: run ``job`` and send its checks back."""
+    """A pool worker's body: run ``job`` and send its checks back, with the
+    CPU seconds it took (the process is the job's alone: a forked child's
+    counters start at zero)."""
     try:
-        conn.send(run_job(job))
+        checks = run_job(job)
+        conn.send((checks, _cpu_seconds()))
     finally:
         conn.close()
 
@@ -535,8 +554,9 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
         start = time.perf_counter()
         if workers <= 1:
             for i, job in enumerate(jobs):
+                cpu = _cpu_seconds()
                 results[i] = run_job(job)
-                progress.finished(job, results[i], time.perf_counter() - start)
+                progress.finished(job, results[i], time.perf_counter() - start, _cpu_seconds() - cpu)
                 if exitfirst and not all(c.ok for c in results[i]):
                     break
             return results
@@ -559,10 +579,10 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
                 ready = wait([r for _, r, _ in running.values()], timeout=1.0)
                 now = time.perf_counter()
                 for i, (proc, reader, began) in list(running.items()):
-                    job, checks = jobs[i], None
+                    job, checks, cpu = jobs[i], None, None
                     if reader in ready:
                         try:
-                            checks = reader.recv()
+                            checks, cpu = reader.recv()
                         except EOFError:  # the worker died without an answer
                             proc.join(5)
                             checks = [Check(job.label, False, f"the worker running job {job.label!r} died "
@@ -578,7 +598,7 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
                     reader.close()
                     del running[i]
                     results[i] = checks
-                    progress.finished(job, checks, now - start)
+                    progress.finished(job, checks, now - start, cpu)
                     if exitfirst and not all(c.ok for c in checks):
                         raise StopFirst
         except StopFirst:
@@ -667,7 +687,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         write_junit(junit_xml, cases)
     code = 130 if interrupted else (0 if ok else 1)
     if as_json:
-        print(json.dumps({"ok": ok, "exit": code, "seconds": round(total, 1), "jobs": workers,
+        print(json.dumps({"ok": ok, "exit": code, "seconds": round(total, 1), "cpu_seconds": round(progress.cpu, 1),
+                          "jobs": workers,
                           "interrupted": interrupted, "stopped_at_first_failure": stopped, "selected": patterns or [],
                           "not_run": missing, "device": where, "gpu_only_bugs_not_run": skipped,
                           "e2e_not_run_on_gpu": e2e_skipped,
@@ -693,8 +714,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         for c in checks:
             for w in c.warnings:
                 console.print(f"[yellow]warning[/] {escape(c.name)}: {escape(w)}", soft_wrap=True)
-        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes; "
-                      f"{where})")
+        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes, "
+                      f"{progress.cpu:.0f} s of CPU in the jobs; {where})")
         if skipped:
             console.print(f"not run here: {len(skipped)} GPU-only injected bugs ({escape(', '.join(skipped))}); "
                           "kvspec verify --device gpu on a machine with MLX's CUDA backend runs them", soft_wrap=True)
