@@ -83,8 +83,9 @@ OP_TEXT = {
               "Same window, counters and switch; fresh buffers of the live rows, no marker, a ring's undo log empty "
               "(`spec.dense.w_reload`, `spec.rotating.w_reload`). A prompt cache (layers) reloads the whole list "
               "(`spec.layers.w_reload`); `env`: `KV_INPLACE_WRITE` while the file loads, and every layer keeps the "
-              "file's switch; paged: through a file only, refused (UnsupportedOperationError: a file cannot hold a "
-              "sequence whose blocks its pool may share, `spec.paged.reload`)",
+              "file's switch; paged (`seq`): through a file refused (UnsupportedOperationError: a file cannot hold a "
+              "sequence whose blocks its pool may share), in mlx-lm's order on a sequence that starts at 0 its "
+              "rows come back in fresh blocks (`spec.paged.reload`, `load_state`)",
     "restore_mixed": "layers: a list restore of snapshot `name` whose list hands layer `layer` (never 0 in the "
                      "machine) the snapshot layer `source` took, of another kind or window: that layer refuses it after "
                      "the layers before it took theirs; refused (InvalidArgumentError, the layer's words), nothing "

@@ -85,8 +85,13 @@ class PagedLockstep(Lockstep):
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
         """The op on the spec world; the op's sequence is the one whose
         ``capacity`` the observables report (also when a trace is annotated
-        without stepping)."""
+        without stepping). A ``reload`` in mlx-lm's load order is given only
+        on a sequence that starts at position 0 (``spec.paged.reload``)."""
         self.current_seq = op.get("seq", sp.MAIN)
+        s = self.world.seqs.get(self.current_seq)
+        if op["op"] == "reload" and op.get("via") == "state" and s is not None and s.start > 0:
+            raise TraceFormatError("reload: via 'state' only on a sequence that starts at position 0 (a front-trimmed "
+                                   "sequence comes back from position 0 and its counters are refused)")
         return super().spec_apply(op)
 
     # -- the implementation side -----------------------------------------------
@@ -154,8 +159,15 @@ class PagedLockstep(Lockstep):
         if name == "copy":
             copy.deepcopy(handle) if op.get("deep", True) else copy.copy(handle)
             return
-        if op.get("via", "file") != "file":
-            sp.reload(self.world, seq, op.get("via"))  # not a paged op: refused as the spec words it
+        via = op.get("via", "file")
+        if via == "state":  # mlx-lm's load order on the sequence's handle
+            state, meta = handle.state, handle.meta_state
+            handle.state = state
+            handle.meta_state = meta
+            self.reached("loads in mlx-lm's order")
+            return
+        if via != "file":
+            sp.reload(self.world, seq, via)  # refused as the spec words it
         reload_through_file([handle])
 
     def check_mask(self, op: dict[str, Any]) -> None:
@@ -323,9 +335,16 @@ class PagedMachine(LifecycleRules, KVMachine):
     spent handles are used again (:meth:`reuse_released`)."""
 
     kind = "paged"
-    #: a paged sequence reloads through no path (spec.paged.reload): the
-    #: file's refusal is fuzzed; mlx-lm's load order is not a paged op
-    reload_paths = ("file",)
+    @rule(data=st.data())
+    def reload(self, data: st.DataObject) -> None:  # type: ignore[override]
+        """A sequence saved and loaded: through a prompt-cache file (refused)
+        and, when it starts at position 0, in mlx-lm's load order on its
+        handle (its rows come back in fresh private blocks)."""
+        seq = self.pick(data)
+        self.do({"op": "reload", "via": "file", "seq": seq})
+        s = self.lock.world.seqs.get(seq)
+        if s is not None and s.start == 0:
+            self.do({"op": "reload", "via": "state", "seq": seq})
     #: copies are refused here: the store pattern has nothing to go on with
     prompt_cache_fetch = None
 

@@ -694,12 +694,18 @@ class PagedKVCache:
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        """Refused (UnsupportedOperationError, nothing changes): a paged
-        sequence's counters are set by its pool. So mlx-lm's load order
-        (``state``, then ``meta_state``) does not load a paged sequence; a
-        sequence is never saved to a prompt-cache file either
-        (:meth:`refuse_prompt_cache_file`; docs/paged.md)."""
-        raise UnsupportedOperationError("meta_state: a paged sequence's counters are set by its pool, not assigned")
+        """Accepted, changing nothing, when ``v`` describes what the sequence
+        holds (the pool's block size, its offset and start: mlx-lm's load
+        order, ``state`` then ``meta_state``, on a sequence that starts at
+        position 0); any other counters are refused
+        (UnsupportedOperationError, nothing changes): a paged sequence's
+        counters are set by its pool. A sequence is never saved to a
+        prompt-cache file (:meth:`refuse_prompt_cache_file`; docs/paged.md)."""
+        got = tuple(v) if isinstance(v, (tuple, list)) else None
+        if got != self.meta_state:
+            raise UnsupportedOperationError(
+                f"meta_state: a paged sequence's counters are set by its pool, not assigned (got {v!r}, the "
+                f"sequence holds {self.meta_state!r})")
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, ...], meta_state: tuple[str, ...] | None = None) -> PagedKVCache:

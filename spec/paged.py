@@ -551,20 +551,47 @@ def append_mismatch(world: PagedWorld, seq: str, n: int, differs: str) -> tuple[
     raise AssertionError("unreachable")
 
 
+def load_state(world: PagedWorld, seq: str) -> PagedWorld:
+    """``cache.state = rows`` on sequence ``seq`` with its own window's rows:
+    a new table of fresh blocks (the lowest free, the pool grown by chunks
+    as for an append) holds them from position 0, then the old table's
+    blocks are released (a block a fork shares stays with the fork), so the
+    sequence keeps its window in private blocks; length = rows, start 0.
+    Raises StateError (pool exhausted, nothing changed) when the new blocks
+    do not fit beside the old ones."""
+    s, window = _require(world, "state", seq)
+    bs = world.pool.block_size
+    tokens = [e.token for e in window]
+    pool = reserve(world.pool, "append", table_len(len(tokens), bs))
+    table: list[int] = []
+    for i, token in enumerate(tokens):
+        if block_slot(i, bs) == 0:
+            block, pool = allocate(pool)
+            table.append(block)
+        pool = write_slot(pool, table[-1], block_slot(i, bs), token)
+    for block in s.held():
+        pool = release_block(pool, block)
+    s = Sequence(tuple(table), len(tokens), 0)
+    window = tuple(Entry(i, t) for i, t in enumerate(tokens))
+    return replace(world, pool=pool, seqs={**world.seqs, seq: s}, windows={**world.windows, seq: window})
+
+
 def reload(world: PagedWorld, seq: str, via: str) -> tuple[None, PagedWorld]:
-    """Save and load sequence ``seq`` (semantics.md 4, "prompt-cache files"):
-    refused with UnsupportedOperationError, nothing written, nothing
-    changed. ``via="file"``: a prompt-cache file cannot hold a paged
-    sequence alone (its blocks belong to the pool and may be shared with
-    forks; its rows go through a dense cache). ``via="state"`` (mlx-lm's
-    load order, ``state`` then ``meta_state``) is not a paged op: the
-    ``meta_state`` assignment is refused (a sequence's counters are its
-    pool's) after ``state`` replaced the rows, so a trace cannot ask for it
-    (InvalidArgumentError)."""
+    """Save and load sequence ``seq`` (semantics.md 4, "prompt-cache files").
+    ``via="file"``: refused with UnsupportedOperationError, nothing written,
+    nothing changed: a prompt-cache file cannot hold a paged sequence alone
+    (its blocks belong to the pool and may be shared with forks; its rows go
+    through a dense cache). ``via="state"``, mlx-lm's load order on the
+    sequence's handle (``state = saved``, then ``meta_state = saved``): the
+    rows load as :func:`load_state` says and the ``meta_state`` assignment
+    is accepted because it describes exactly what the sequence then holds
+    (the pool's block size, offset = rows, start 0), which holds for a
+    sequence that starts at position 0 (a front-trimmed one would come back
+    from position 0 with its counters refused: a trace gives this path only
+    on a sequence with ``start == 0``)."""
     _require(world, "reload", seq)
     if via == "state":
-        raise InvalidArgumentError("reload: via 'state' is not an operation of a paged cache (mlx-lm's load order "
-                                   "assigns meta_state, which a paged sequence refuses: its counters are its pool's)")
+        return None, load_state(world, seq)
     if via != "file":
         raise InvalidArgumentError(f"reload: via must be 'file' or 'state', got {via!r}")
     raise UnsupportedOperationError(

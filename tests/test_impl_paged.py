@@ -422,21 +422,32 @@ def test_a_released_sequence_handle_is_spent_even_once_its_name_is_taken():
     assert other.offset == 2 and same_window(other.fetch(), (7, 8))
 
 
-def test_a_paged_sequence_refuses_the_load_order_and_files_naming_the_rule(tmp_path):
-    """mlx-lm's load order (``state``, then ``meta_state``) and a prompt-cache
-    file: the ``meta_state`` assignment is refused (a sequence's counters
-    are its pool's), and so is the file (its blocks belong to the pool),
-    through the handle's own refusal also for a subclass the file layer
-    would otherwise know by name."""
+def test_a_paged_sequence_loads_in_mlx_lm_order_and_refuses_files_naming_the_rule(tmp_path):
+    """mlx-lm's load order (``state``, then ``meta_state``) on a sequence
+    that starts at position 0: its rows come back in fresh blocks (a fork's
+    shared blocks stay with the fork) and the counters it then holds are
+    accepted; other counters are refused, nothing changed. A prompt-cache
+    file is refused (its blocks belong to the pool), through the handle's
+    own refusal also for a subclass the file layer would otherwise know by
+    name."""
     from impl.models import save_prompt_cache
 
     class Subclass(PagedKVCache):
         pass
 
     cache = Subclass(block_size=2)
-    cache.update_and_fetch(*rows(0, 2))
+    cache.update_and_fetch(*rows(0, 3))
+    fork = cache.fork("f")
+    state, meta = cache.state, cache.meta_state
+    cache.state = state
+    cache.meta_state = meta
+    assert cache.meta_state == meta and same_window(cache.fetch(), (0, 1, 2)) and same_window(fork.fetch(), (0, 1, 2))
+    assert not set(cache.pool.sequence("main").held()) & set(cache.pool.sequence("f").held())
+    assert cache.pool.broken_invariants() == ()
+    before = pool_state(cache.pool)
     with pytest.raises(UnsupportedOperationError, match="counters are set by its pool"):
-        cache.meta_state = cache.meta_state
+        cache.meta_state = ("2", "5", "1")
+    assert pool_state(cache.pool) == before
     with pytest.raises(UnsupportedOperationError, match="layer 0 is a PagedKVCache, whose blocks belong to its pool"):
         save_prompt_cache(tmp_path / "p.safetensors", [cache])
     assert not (tmp_path / "p.safetensors").exists()

@@ -8,7 +8,7 @@ import copy
 import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
-from impl.paged import BlockPool, PagedKVCache, Sequence, table_len
+from impl.paged import BlockPool, BlockTable, PagedKVCache, Sequence, table_len
 from spec.errors import InvalidArgumentError, StateError
 
 
@@ -143,6 +143,27 @@ class FileSavesSequence(PagedKVCache):
         return None
 
 
+def _load_releasing_first(self: PagedKVCache, v: tuple[mx.array, ...]) -> None:
+    s = self._live("state")
+    rows = [mx.array(a) for a in v]  # read before the blocks go back to the pool
+    mx.eval(*rows)
+    for block in s.held():
+        self.pool._release_block(block)
+    s.table, s.length, s.start = BlockTable([]), 0, 0
+    if rows:
+        self.pool.append(self.seq, rows[0], rows[1])
+
+
+class StateLoadReleasesFirst(PagedKVCache):
+    """``cache.state = rows`` gives the sequence's blocks back to the pool
+    before it writes the rows, which then land in the blocks just freed
+    instead of fresh ones (and a refusal on the way, an exhausted pool,
+    would leave the sequence empty): the block tables, free list and the
+    write path differ from the rule's."""
+
+    state = property(PagedKVCache.state.fget, _load_releasing_first)  # type: ignore[assignment]
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "paged_no_cow", "semantics.md 4, copy on write (spec.paged.needs_copy_on_write)",
@@ -204,5 +225,11 @@ BUGS: tuple[InjectedBug, ...] = (
         "prompt-cache files of pool-backed caches (issue 26)", "paged", ("fp16",),
         "PagedKVCache.refuse_prompt_cache_file", "a sequence is saved as its gathered rows and loads as a pool of its own",
         {"paged": FileSavesSequence},
+    ),
+    InjectedBug(
+        "paged_state_load_releases_first", "spec.paged.load_state (fresh blocks first, the old ones released after)",
+        "mlx-lm's load order (state, then meta_state) on a pool sequence (issue 26)", "paged", ("fp16",),
+        "PagedKVCache.state (setter)", "the setter frees the sequence's blocks before writing the rows into them",
+        {"paged": StateLoadReleasesFirst},
     ),
 )
