@@ -74,6 +74,7 @@ OP_TEXT = {
             "a copy of the whole list (`impl.layers.copy_prompt_cache`, `spec.layers.w_copy`); paged: refused "
             "(UnsupportedOperationError; `fork` is the paged copy, `spec.paged.copy_refused`)",
     "append_mismatch": "n rows with one more batch row or kv head, twice the K or V head dim, or another dtype "
+                       "for both, for the keys alone (`k_dtype`) or for the values alone (`v_dtype`) "
                        "(`differs`) than the cached rows': refused (InvalidArgumentError, each cache's own words), "
                        "nothing changes; only on a cache holding a buffer (`spec.dense.w_append_mismatch`); layers: every "
                        "layer is handed the rows and every layer must refuse them (`spec.layers.w_append_mismatch`); paged: "

@@ -969,9 +969,11 @@ class Lockstep:
     def mismatched_rows(self, n: int, differs: str) -> tuple[mx.array, mx.array]:
         """Rows of the next ``n`` token identities in a shape or dtype the
         cache does not hold: one more batch row or kv head, a K or V head
-        dim twice the cached one, or another float dtype."""
+        dim twice the cached one, or another float dtype (for both arrays,
+        or for the keys or the values alone)."""
         b, h, dk, dv = self.shape
-        dtype = self.dtype
+        dtype = kdt = vdt = self.dtype
+        other = "float32" if dtype != "float32" else "float16"
         if differs == "batch":
             b += 1
         elif differs == "kv_heads":
@@ -980,12 +982,16 @@ class Lockstep:
             dk *= 2
         elif differs == "v_head_dim":
             dv *= 2
+        elif differs == "k_dtype":
+            kdt = other
+        elif differs == "v_dtype":
+            vdt = other
         else:
-            dtype = "float32" if dtype != "float32" else "float16"
+            kdt = vdt = other
         start = self.next_identity()
         tokens = list(range(start, start + n))
-        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, dtype, False), dtype),
-                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, dtype, False), dtype))
+        return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, kdt, False), kdt),
+                rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, vdt, False), vdt))
 
     def reloaded(self, c: Any, via: str) -> Any:
         """The cache saved and loaded back. ``file``: through a prompt-cache

@@ -280,7 +280,7 @@ class StateProtocolMachine(KVMachine):
 
 
 #: what an ``append_mismatch`` may change (spec.dense.ROW_FIELDS)
-MISMATCH_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype")
+MISMATCH_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype", "k_dtype", "v_dtype")
 
 
 class LifecycleRules:

@@ -598,7 +598,9 @@ def w_copy(world: DenseWorld, name: str, live: str) -> tuple[None, DenseWorld]:
 
 #: What an append's rows may differ in from the rows a cache holds
 #: (kvtrace ``append_mismatch``'s ``differs``).
-ROW_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype")
+#: ``k_dtype`` / ``v_dtype``: only the keys' (values') dtype differs, the other
+#: array's is the cached one (a check of one array's dtype passes them)
+ROW_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype", "k_dtype", "v_dtype")
 
 
 def w_append_mismatch(world: DenseWorld, n: int, differs: str) -> tuple[None, DenseWorld]:

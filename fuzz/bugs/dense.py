@@ -314,6 +314,18 @@ class AppendBatchUnchecked(KVCache):
             raise InvalidArgumentError(f"{op}: dtype must be {self.buffers.dtype} (the cache's rows), got {keys.dtype}")
 
 
+class PairDtypeCast(KVCache):
+    """An append whose values' dtype is not the keys' casts the values to the
+    keys' dtype instead of refusing the pair: the compatibility check then
+    compares the keys' dtype with the cache's and passes, and the values are
+    stored cast (a cast changes the model's output)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.dtype != values.dtype:
+            values = values.astype(keys.dtype)
+        return super().update_and_fetch(keys, values)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "inplace_after_trim", "semantics.md 2, ownership rule (live_len == marker.live_len)",
@@ -426,5 +438,11 @@ BUGS: tuple[InjectedBug, ...] = (
         "append_batch_unchecked", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
         "batched serving: a request joins a cache of another batch", "dense", ("fp16",),
         "KVCache._check_compatible", "rows of another batch are not refused", {"dense": AppendBatchUnchecked},
+    ),
+    InjectedBug(
+        "pair_dtype_cast", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
+        "a K/V pair whose values' dtype differs from the keys' is cast, not refused", "dense", ("fp16",),
+        "KVCache.update_and_fetch", "values of another dtype than the keys are cast to the keys' dtype",
+        {"dense": PairDtypeCast},
     ),
 )
