@@ -524,6 +524,12 @@ class _Declared:
     def stored_identity(self, mode: str) -> bool:
         return self.cls.stored_form is None
 
+    def host_stored_rows(self, token: int, mode: str) -> Any:
+        # the target's own stored form decides (its class's quantizer, e.g.
+        # mlx-lm's QuantizedKVCache), never this project's Int8 oracle: the
+        # rows' host form where it stores them as given, else stored_form
+        return self.host_rows([token]) if self.cls.stored_form is None else None  # type: ignore[attr-defined]
+
     def spec_observables(self) -> dict[str, Any]:
         full = super().spec_observables()  # type: ignore[misc]
         return {k: v for k, v in full.items() if k not in self.not_compared}

@@ -24,7 +24,7 @@ CONFTEST = '''
 from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-settings.register_profile("user", max_examples=50, stateful_step_count=20,
+settings.register_profile("user", max_examples=50, stateful_step_count=50,
                           database=DirectoryBasedExampleDatabase("{db}"))
 '''
 
