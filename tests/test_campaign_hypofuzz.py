@@ -65,7 +65,9 @@ def _campaign(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]
     cmd = [sys.executable, "-m", "fuzz.commands.cli", "campaign", "-j", "1", "--port", str(port),
            "--out", str(out), "--db", str(db), "--json", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            # CI set as a CI service sets it: Hypothesis then loads its "ci"
+                            # profile (derandomize=True), under which HypoFuzz collected no test
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "CI": "true"})
     return proc, port, out
 
 
