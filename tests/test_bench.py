@@ -72,7 +72,7 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert any("mlx-lm" in name for name in rows) and "attention only (floor)" in rows
     for name, r in rows.items():
         assert set(r) == {"16", "40"} and all(v > 0 for v in r.values()), name
-        floor = rows[bd.floor_of(name)]
+        floor = doc["decoder"]["floor_in_group_ms"][name]  # its floor, measured in its own round-robin
         assert doc["decoder"]["over_floor_ms"][name]["40"] == r["40"] - floor["40"]
     # a rollback of k rows is measured against attention with k queries, not one
     assert bd.floor_of("rollback k=3: ours") == "attention only, 3 queries (floor of rollback k=3)"
@@ -87,6 +87,33 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert json.loads(stem.with_suffix(".json").read_text())["decoder"]["layers"] == 1
     assert "| decode in place: ours |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_comparison_is_measured_in_one_round_robin_with_its_floor():
+    """Ours, mlx-lm's and their floor at every context go to one
+    interleaved measurement (drift falls on all alike), not one row after
+    another; each row's over-floor cost uses the floor of its own round."""
+    from fuzz.commands import bench_decoder as bd
+
+    calls: list[int] = []
+
+    def interleave(ticks, rounds):
+        calls.append(len(ticks))
+        return [0.001 * (len(calls) + i) for i in range(len(ticks))]
+
+    only = ["decode in place", "rollback k=2", "attention only (floor)"]
+    rows, floors = bd.run_decoder([16, 24], 1, 1, interleave, only=only, say=lambda m: None)
+    groups = bd.groups(list(bd.decoder_rows(16, 1, bench.mx.float16)))
+    assert ["attention only (floor)", "decode in place: ours", "decode in place: mlx-lm KVCache"] in groups
+    assert ["attention only, 2 queries (floor of rollback k=2)", "rollback k=2: ours",
+            "rollback k=2: mlx-lm KVCache"] in groups
+    # decode in place: floor + ours + mlx-lm at 2 contexts; rollback k=2 likewise
+    assert sorted(calls) == [6, 6]
+    assert floors["rollback k=2: ours"] == rows["attention only, 2 queries (floor of rollback k=2)"]
+    assert floors["decode in place: ours"] == floors["decode in place: mlx-lm KVCache"]
+    assert set(rows) == {"attention only (floor)", "decode in place: ours", "decode in place: mlx-lm KVCache",
+                         "attention only, 2 queries (floor of rollback k=2)", "rollback k=2: ours",
+                         "rollback k=2: mlx-lm KVCache"}
 
 
 def test_an_unwritable_record_folder_exits_2_before_the_bench_runs(capsys, monkeypatch, tmp_path):

@@ -52,8 +52,10 @@ if [ "$PHASE" = all ] || [ "$PHASE" = verify ]; then
   COLUMNS=200 timeout -s INT -k 30 "$cap" $PY -m fuzz.commands.cli verify --device "$DEVICE" "${VERIFY_ARGS[@]}" \
     --junit-xml "$OUT/verify-junit.xml" > "$OUT/verify.txt" 2> "$OUT/verify.log"
   rc=$?
-  # the kvtraces of failed checks (the table names them) come back with the rest
-  [ -d fuzz-failures ] && cp -r fuzz-failures "$OUT/" 2>/dev/null
+  # the kvtraces of failed checks (the table names them) come back as one archive:
+  # a device call returns a limited number of files, and the mutation jobs leave
+  # hundreds there (copied as files, they crowded out the bench record)
+  [ -d fuzz-failures ] && tar czf "$OUT/fuzz-failures.tar.gz" fuzz-failures 2>/dev/null
   say "verify exit $rc (0 all passed, 1 a check failed, 130/124 stopped at the cap)"
   tail -n 40 "$OUT/verify.txt" | tee -a "$OUT/session.log"
   [ $rc = 0 ] || status=1

@@ -192,16 +192,19 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
     if gpu:
         doc["gpu"] = mx.device_info().get("device_name") if hasattr(mx, "device_info") else "gpu"
     if decoder:
-        rows = bd.run_decoder(contexts, layers, rounds, lambda t, r: _interleaved(t, r, warmup=3),
-                              say=lambda m: err.print(m, markup=False))
+        rows, floors = bd.run_decoder(contexts, layers, rounds, lambda t, r: _interleaved(t, r, warmup=3),
+                                      say=lambda m: err.print(m, markup=False))
         doc["decoder"] = {"layers": layers, "rounds": rounds, "ms_per_step": {
             name: {str(n): v for n, v in r.items()} for name, r in rows.items()},
             "ratio_last_over_first": {name: _ratio(r, contexts) for name, r in rows.items()}}
         doc["decoder"]["not_measured"] = dict(bd.UNSUPPORTED)
         # each row against the attention-only floor with its own number of
-        # queries (a rollback of k rows attends with k queries: bd.floor_of)
+        # queries (a rollback of k rows attends with k queries: bd.floor_of),
+        # as measured in the row's own round-robin (bd.run_decoder)
         doc["decoder"]["floor_of"] = {name: bd.floor_of(name) for name in rows}
-        over = {name: {n: r[n] - rows.get(bd.floor_of(name), r)[n] for n in contexts} for name, r in rows.items()}
+        doc["decoder"]["floor_in_group_ms"] = {name: {str(n): v for n, v in f.items()} for name, f in floors.items()}
+        over = {name: {n: r[n] - floors.get(name, rows.get(bd.floor_of(name), r))[n] for n in contexts}
+                for name, r in rows.items()}
         doc["decoder"]["over_floor_ms"] = {name: {str(n): v for n, v in o.items()} for name, o in over.items()}
         # the over-floor cost (what the cache's write costs) has its own 32k/1k ratio; a
         # ratio of near-zero costs is noise, so it is given only where the first is >= 0.05 ms

@@ -27,9 +27,11 @@ weights make the draft disagree with the target almost always, so every
 speculative round rolls the caches back: the logical vs physical trim row is
 the worst case for a physical trim.
 
-Times are medians over rounds taken round-robin across the compared rows
-(so drift falls on all of them alike); only ratios within one run mean
-anything across machines.
+Times are medians over rounds taken round-robin across the compared rows:
+each comparison (ours, mlx-lm's, and the attention-only floor they are
+measured against) at every context in one round-robin, so drift in the
+machine's load or clocks falls on all of them alike; only ratios within one
+run mean anything across machines.
 """
 
 from __future__ import annotations
@@ -189,26 +191,80 @@ def decoder_rows(context: int, layers: int, dtype: Any) -> dict[str, Callable[[]
     return rows
 
 
+def comparison_of(name: str) -> str:
+    """The comparison a decoder row belongs to: its name before the colon
+    (``rollback k=2: ours`` and ``rollback k=2: mlx-lm KVCache`` are one);
+    a floor row is its own."""
+    return name.split(":")[0]
+
+
+def groups(names: list[str]) -> list[list[str]]:
+    """The rows measured together, each comparison with its floor: every
+    row of one comparison (ours beside mlx-lm's) and the attention-only
+    floor it is measured against (:func:`floor_of`), in one round-robin.
+    A floor no chosen row is measured against forms its own group."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        if name.startswith("attention only"):
+            continue
+        g = out.setdefault(comparison_of(name), [floor_of(name)])
+        g.append(name)
+    lone = [n for n in names if n.startswith("attention only") and not any(n == g[0] for g in out.values())]
+    return [[n] for n in lone] + list(out.values())
+
+
 def run_decoder(contexts: list[int], layers: int, rounds: int,
                 interleave: Callable[[list[Callable[[], float]], int], list[float]], dtype: Any = mx.float16,
-                only: list[str] | None = None, say: Callable[[str], None] = print) -> dict[str, dict[int, float]]:
-    """Row -> context -> median ms per decoder step. One row's caches exist
-    at a time (memory), its contexts measured round-robin by ``interleave``
-    (ticks, rounds) -> median seconds per tick (fuzz.commands.bench's)."""
+                only: list[str] | None = None, say: Callable[[str], None] = print,
+                ) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """``(rows, floors)``: row -> context -> median ms per decoder step, and
+    row -> context -> the median ms of the row's floor measured in the same
+    round-robin (what its over-floor cost is taken against).
+
+    Each comparison (:func:`groups`: ours, mlx-lm's, their floor) is
+    measured at every context in one round-robin by ``interleave`` (ticks,
+    rounds) -> median seconds per tick (fuzz.commands.bench's), so drift in
+    the machine's load or clocks falls on ours and mlx-lm's alike; one
+    group's caches exist at a time (memory). A floor measured in several
+    groups is reported as the median of its groups' medians."""
     names = list(decoder_rows(contexts[0], layers, dtype))
     if only:
         names = [n for n in names if any(o in n for o in only)]
     out: dict[str, dict[int, float]] = {}
-    for name in names:
-        say(f"bench --decoder: {name} at {', '.join(map(str, contexts))} ...")
-        try:
-            ticks = [decoder_rows(n, layers, dtype)[name]() for n in contexts]
-            out[name] = {n: s * 1e3 for n, s in zip(contexts, interleave(ticks, rounds))}
-        except RuntimeError as exc:  # an op this backend lacks (mlx-lm's 8-bit attention on CUDA)
-            say(f"bench --decoder: {name}: not measured on this backend: {str(exc).splitlines()[0]}")
-            UNSUPPORTED[name] = str(exc).splitlines()[0]
+    floors: dict[str, dict[int, float]] = {}
+    floor_runs: dict[str, list[dict[int, float]]] = {}
+    for group in groups(names):
+        say(f"bench --decoder: {', '.join(group)} at {', '.join(map(str, contexts))} ...")
+        ticks: list[Callable[[], float]] = []
+        measured: list[str] = []
+        for name in group:
+            try:
+                row = [decoder_rows(n, layers, dtype)[name]() for n in contexts]
+                for tick in row:  # an op this backend lacks fails here (mlx-lm's 8-bit attention on CUDA)
+                    tick()
+            except RuntimeError as exc:
+                say(f"bench --decoder: {name}: not measured on this backend: {str(exc).splitlines()[0]}")
+                UNSUPPORTED[name] = str(exc).splitlines()[0]
+                continue
+            ticks += row
+            measured.append(name)
+        medians = interleave(ticks, rounds) if ticks else []
+        by_row = {name: {n: medians[i * len(contexts) + j] * 1e3 for j, n in enumerate(contexts)}
+                  for i, name in enumerate(measured)}
         ticks = []
-    return out
+        floor = group[0]
+        if floor in by_row:
+            floor_runs.setdefault(floor, []).append(by_row[floor])
+        for name in measured:
+            if name != floor:
+                out[name] = by_row[name]
+                if floor in by_row:
+                    floors[name] = by_row[floor]
+    for floor, runs in floor_runs.items():
+        out[floor] = {n: statistics.median(r[n] for r in runs) for n in contexts}
+        floors[floor] = out[floor]
+    # the rows in decoder_rows' order
+    return {n: out[n] for n in names if n in out}, floors
 
 
 #: rows the last :func:`run_decoder` could not run here, with MLX's reason
