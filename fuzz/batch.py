@@ -194,8 +194,10 @@ class Run:
                 self.extract_silently(op, i)
             return
         assert self.layout is not None
-        if self.batch.layout != self.layout:
-            self.fail(op, f"layout {self.batch.layout}, spec says {self.layout}")
+        got = self.batch.layout  # impl's own record (impl.batch.BatchLayout): compared field by field
+        if (got.idx, tuple(got.pads)) != (self.layout.idx, self.layout.pads):
+            self.fail(op, f"layout idx={got.idx} pads={tuple(got.pads)}, spec says idx={self.layout.idx} "
+                          f"pads={self.layout.pads}")
         if list(sb.offsets(self.layout)) != want:
             self.fail(op, f"spec offsets {sb.offsets(self.layout)}, single caches {want}")
         for i, c in enumerate(self.singles):

@@ -8,7 +8,7 @@ batch with new ones and ``extract`` a sequence's cache when it finishes.
 This module gives our kinds that path:
 
 * :class:`BatchKVCache`: B dense Fp16 sequences, left-padded
-  (:class:`spec.batch.BatchLayout`); ``KVCache.merge`` builds it from our
+  (:class:`BatchLayout`, the fields of spec.batch's); ``KVCache.merge`` builds it from our
   dense caches and :meth:`BatchKVCache.extract` gives one back. The layout
   is mlx-lm's own (same buffer positions, the same growth by ``step``), so
   ``batch_generate`` with our caches produces exactly mlx-lm's tokens and
@@ -27,16 +27,81 @@ Turbo and paged caches have no ``merge``, so mlx-lm's probe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from impl.dense import KVCache, _check_int
 from impl.rotating import RotatingKVCache
-from spec import batch as sb
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 SEQ = 2
+
+
+# -- the layout arithmetic -------------------------------------------------------------
+# This module's own implementation of the batch layout rules (semantics.md 7,
+# rules 1-3), not spec.batch's functions: the batch harness (fuzz.batch)
+# compares this cache's layout with spec.batch's after every op, which is a
+# check only while the two sides are written apart (the contract "impl takes
+# no rule from spec" in pyproject.toml). The buffer's idx is its positions;
+# pads[i] the left padding of sequence i; sequence i's offset is idx - pads[i].
+@dataclass(frozen=True)
+class BatchLayout:
+    """A batch's layout as this cache holds it: ``idx`` positions in the
+    shared buffer, ``pads[i]`` the left padding of sequence ``i`` (Python
+    ints). The same fields as :class:`spec.batch.BatchLayout`, compared field
+    by field by the harness."""
+
+    idx: int
+    pads: tuple[int, ...]
+
+
+def _check_layout(idx: int, pads: tuple[int, ...]) -> None:
+    """Raise InvalidArgumentError unless the batch holds a sequence and
+    ``0 <= pad <= idx`` for every pad."""
+    if len(pads) == 0:
+        raise InvalidArgumentError("batch: a batch holds at least one sequence, got pads=()")
+    if idx < 0 or not all(0 <= p <= idx for p in pads):
+        raise InvalidArgumentError(f"batch: pads must satisfy 0 <= pad <= idx ({idx}), got {pads}")
+
+
+def _merged(lengths: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(idx, pads) of sequences of ``lengths`` rows left-padded to the
+    longest (rule 3: each keeps its offset)."""
+    width = 0
+    for n in lengths:
+        width = max(width, n)
+    return width, tuple(width - n for n in lengths)
+
+
+def _trim_count(idx: int, pads: tuple[int, ...], n: int) -> int:
+    """Rows a trim of ``n`` takes from every sequence: never into any
+    sequence's padding (the shortest offset bounds it), none for n <= 0."""
+    if n <= 0:
+        return 0
+    shortest = min(idx - p for p in pads)
+    return min(shortest, n)
+
+
+def _filtered(idx: int, pads: tuple[int, ...], keep: tuple[int, ...]) -> tuple[int, tuple[int, ...], int]:
+    """(idx, pads, dropped columns) after keeping the sequences ``keep`` in
+    that order: the leading columns no kept sequence uses are dropped.
+    Raises InvalidArgumentError unless ``keep`` is distinct indices in
+    range, at least one."""
+    if len(keep) == 0 or len(set(keep)) < len(keep) or not all(0 <= k < len(pads) for k in keep):
+        raise InvalidArgumentError(f"filter: keep must be distinct indices in [0, {len(pads)}), got {keep}")
+    kept = [pads[k] for k in keep]
+    drop = min(kept)
+    return idx - drop, tuple(p - drop for p in kept), drop
+
+
+def _extended(a: tuple[int, tuple[int, ...]], b: tuple[int, tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
+    """(idx, pads) of ``a``'s sequences then ``b``'s, each buffer
+    right-aligned on the wider one (the narrower one's columns move right)."""
+    (ia, pa), (ib, pb) = a, b
+    width = max(ia, ib)
+    return width, tuple(p + (width - ia) for p in pa) + tuple(p + (width - ib) for p in pb)
 
 
 def _roll_right(x: mx.array, shifts: Sequence[int]) -> mx.array:
@@ -85,7 +150,7 @@ class BatchKVCache:
 
     def __init__(self, left_padding: Sequence[int], step: int = 256):
         pads = tuple(_check_int("BatchKVCache", "left_padding", p) for p in left_padding)
-        sb.check_layout(sb.BatchLayout(max(pads, default=0), pads) if pads else sb.BatchLayout(0, ()))
+        _check_layout(max(pads, default=0), pads)
         self.step = _check_int("BatchKVCache", "step", step)
         if self.step < 1:
             raise InvalidArgumentError(f"BatchKVCache: step must be >= 1, got {step}")
@@ -98,10 +163,11 @@ class BatchKVCache:
 
     # -- layout --------------------------------------------------------------
     @property
-    def layout(self) -> sb.BatchLayout:
-        """The spec layout. Before the first append the announced padding is
-        not in the buffer yet (``idx`` 0, offsets ``-pad``)."""
-        return sb.BatchLayout(self._idx, self._pads)
+    def layout(self) -> BatchLayout:
+        """The layout (:class:`BatchLayout`). Before the first append the
+        announced padding is not in the buffer yet (``idx`` 0, offsets
+        ``-pad``)."""
+        return BatchLayout(self._idx, self._pads)
 
     @property
     def offset(self) -> mx.array:
@@ -117,7 +183,7 @@ class BatchKVCache:
 
     def _check(self) -> None:
         if self.keys is not None:
-            sb.check_layout(self.layout)
+            _check_layout(self._idx, self._pads)
 
     # -- the model's path --------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -214,8 +280,8 @@ class BatchKVCache:
         n = _check_int("trim", "n", n)
         if self.keys is None:
             return 0
-        count, layout = sb.trim(self.layout, n)
-        self._idx = layout.idx
+        count = _trim_count(self._idx, self._pads, n)
+        self._idx -= count
         return count
 
     def filter(self, batch_indices: Sequence[int]) -> None:
@@ -223,14 +289,13 @@ class BatchKVCache:
         drop the columns none of them uses (spec.batch.filter)."""
         keep = tuple(int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
                                       else batch_indices))
-        layout = sb.filter(self.layout, keep)
-        drop = self._idx - layout.idx
+        idx, pads, drop = _filtered(self._idx, self._pads, keep)
         if self.keys is not None:
             assert self.values is not None
             rows = mx.array(list(keep))
             self.keys = self.keys[rows][..., drop:, :]
             self.values = self.values[rows][..., drop:, :]
-        self._idx, self._pads = layout.idx, layout.pads
+        self._idx, self._pads = idx, pads
 
     def extend(self, other: BatchKVCache) -> None:
         """Append ``other``'s sequences, right-aligned on the longer buffer
@@ -240,7 +305,7 @@ class BatchKVCache:
         if self.keys is None and other.keys is None:
             self._pads = self._pads + other._pads
             return
-        layout = sb.extend(self.layout, other.layout)
+        idx, pads = _extended((self._idx, self._pads), (other._idx, other._pads))
         ref = self.keys if self.keys is not None else other.keys
         vref = self.values if self.values is not None else other.values
         assert ref is not None and vref is not None
@@ -252,7 +317,7 @@ class BatchKVCache:
                 k = mx.zeros((c.batch_size, ref.shape[1], 0, ref.shape[3]), ref.dtype)
                 v = mx.zeros((c.batch_size, vref.shape[1], 0, vref.shape[3]), vref.dtype)
             assert v is not None
-            left = layout.idx - c._idx
+            left = idx - c._idx
             right = width - int(k.shape[SEQ]) - left
             if right < 0:
                 k, v, right = k[..., :right, :], v[..., :right, :], 0
@@ -263,14 +328,16 @@ class BatchKVCache:
 
         (ka, va), (kb, vb) = aligned(self), aligned(other)
         self.keys, self.values = mx.concatenate([ka, kb]), mx.concatenate([va, vb])
-        self._idx, self._pads = layout.idx, layout.pads
+        self._idx, self._pads = idx, pads
         self._check()
 
     def extract(self, idx: int) -> KVCache:
         """Sequence ``idx`` as our Fp16 :class:`~impl.dense.KVCache` holding
         its window (offset = its rows; spec.batch.extract)."""
         idx = _check_int("extract", "idx", idx)
-        offset, _ = sb.extract(self.layout, idx)
+        if not 0 <= idx < len(self._pads):
+            raise InvalidArgumentError(f"extract: idx must be in [0, {len(self._pads)}), got {idx}")
+        offset = self._idx - self._pads[idx]
         out = KVCache("fp16", step=self.step)
         window = self.fetch_sequence(idx)
         if window is not None and offset > 0:
@@ -300,19 +367,19 @@ class BatchKVCache:
                     "sequence's offset must be its row count")
             windows.append(c.fetch())
         lengths = tuple(0 if w is None else int(w[0].shape[SEQ]) for w in windows)
-        layout = sb.merge(lengths)
-        out = cls(list(layout.pads), step=max(getattr(caches[0], "step", 256), 1))
-        if layout.idx == 0:
+        width, pads = _merged(lengths)
+        out = cls(list(pads), step=max(getattr(caches[0], "step", 256), 1))
+        if width == 0:
             out._pads = (0,) * len(caches)
             return out
         h, dk, dv, dtype = _shared_shape([w for w in windows if w is not None])
-        keys = mx.zeros((len(caches), h, layout.idx, dk), dtype)
-        values = mx.zeros((len(caches), h, layout.idx, dv), dtype)
-        for i, (p, w) in enumerate(zip(layout.pads, windows)):
+        keys = mx.zeros((len(caches), h, width, dk), dtype)
+        values = mx.zeros((len(caches), h, width, dv), dtype)
+        for i, (p, w) in enumerate(zip(pads, windows)):
             if w is not None:
                 keys[i : i + 1, :, p:] = w[0]
                 values[i : i + 1, :, p:] = w[1]
-        out.keys, out.values, out._idx = keys, values, layout.idx
+        out.keys, out.values, out._idx = keys, values, width
         out._check()
         return out
 
@@ -369,20 +436,20 @@ def batch_rotating_class() -> type:
                 raise InvalidArgumentError(f"merge: rings must share max_size, got {[c.max_size for c in caches]}")
             rows = [c._chronological() for c in caches]
             lengths = tuple(c.size() for c in caches)
-            layout = sb.merge(lengths)
-            out = cls(caches[0].max_size, list(layout.pads))
-            if layout.idx == 0:
+            width, pads = _merged(lengths)
+            out = cls(caches[0].max_size, list(pads))
+            if width == 0:
                 return out
             h, dk, dv, dtype = _shared_shape([r for r in rows if r is not None])
-            keys = mx.zeros((len(caches), h, layout.idx, dk), dtype)
-            values = mx.zeros((len(caches), h, layout.idx, dv), dtype)
-            for i, (p, n, r) in enumerate(zip(layout.pads, lengths, rows)):
+            keys = mx.zeros((len(caches), h, width, dk), dtype)
+            values = mx.zeros((len(caches), h, width, dv), dtype)
+            for i, (p, n, r) in enumerate(zip(pads, lengths, rows)):
                 if r is not None and n:
                     keys[i : i + 1, :, p : p + n] = r[0][..., -n:, :]
                     values[i : i + 1, :, p : p + n] = r[1][..., -n:, :]
             out.keys, out.values = keys, values
             out.offset = mx.array([c.offset for c in caches])
-            out._idx = out._offset = layout.idx
+            out._idx = out._offset = width
             return out
 
         def extract(self, idx: int) -> RotatingKVCache:
@@ -393,4 +460,4 @@ def batch_rotating_class() -> type:
     return BatchRotatingKVCache
 
 
-__all__ = ["BatchKVCache", "batch_rotating_class"]
+__all__ = ["BatchKVCache", "BatchLayout", "batch_rotating_class"]
