@@ -216,6 +216,48 @@ class QuantizerRoundsHalfAway(KVCache):
     quantize_rows = staticmethod(quantize_half_away)
 
 
+# -- harness mutants (issue 26): each caught only by one of the harness's cheaper
+# -- checks (fuzz.harness_mutants pairs them), so a weakened check misses it
+
+
+class MaskWindowFromNewestQuery(KVCache):
+    """A multi-row mask whose window is measured from the newest query for
+    every row (``mask & (L - 1 < k + window_size)`` instead of ``q < k +
+    window_size``): the last query's row is right, every earlier row of a
+    prefill chunk sees too few keys (none at all with window 1). A decode
+    step (one query) is unaffected. Caught only by the mask check comparing
+    whole ``[N, L]`` matrices, never by one comparing the newest row."""
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        mask = super().make_mask(N, window_size, return_array)
+        if not isinstance(mask, mx.array) or window_size is None:
+            return mask
+        L = self.live_len + N
+        q = mx.arange(self.live_len, L)[:, None]
+        k = mx.arange(L)[None]
+        return (q >= k) & (L - 1 < k + window_size)
+
+
+class Int8DequantizesInFloat16(KVCache):
+    """The append's Int8 window dequantized in float16, the scale's dtype
+    (``(fp16(q) * scale).astype(dtype)``), instead of the exact product
+    rounded once to the rows' dtype: float16 rows are unchanged, but
+    bfloat16 and float32 rows are rounded to float16 first (11 significant
+    bits, then 8 for bfloat16: double rounding). The stored codes and
+    scales are right, so the stored-codes check cannot see it; caught only
+    by comparing the window with the independent oracle (fuzz.quant_ref)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k, v = super().update_and_fetch(keys, values)
+        b = self.buffers
+        if self.mode != "int8" or b is None or b.key_scales is None or b.dtype == mx.float16:
+            return k, v
+        ix = slice(0, self.live_len)
+        return tuple(  # type: ignore[return-value]
+            (q[:, :, ix, :].astype(mx.float16) * s[:, :, ix, :]).astype(b.dtype)
+            for q, s in ((b.keys, b.key_scales), (b.values, b.value_scales)))
+
+
 # -- GPU-only: the CUDA write layer (impl.write), run with --device gpu --------------
 class KernelOrderedByDepends(KVCache):
     """The CUDA kernel write is not evaluated before the window is returned;
@@ -405,6 +447,18 @@ BUGS: tuple[InjectedBug, ...] = (
         "int8_round_half_away", "semantics.md 2, Storage (Int8: round half to even)",
         "issue 15, quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
         "the quantizer rounds ties away from zero", {"dense": QuantizerRoundsHalfAway},
+    ),
+    InjectedBug(
+        "mask_window_from_newest_query", "spec.dense.dense_mask_visible (query i's window ends at live_len + i)",
+        "a multi-row mask that measures every row's window from the newest query (issue 26, harness mutants)",
+        "dense", ("fp16",), "KVCache.make_mask",
+        "make_mask(N > 1, window_size=w): every row's window ends at the last query", {"dense": MaskWindowFromNewestQuery},
+    ),
+    InjectedBug(
+        "int8_dequantizes_in_float16", "semantics.md 2, Storage (Int8 reads back q * scale rounded once to the rows' dtype)",
+        "a dequantizer computing in the scale's dtype (issue 26, harness mutants)", "dense", ("int8",),
+        "impl.quant.dequantize_int8", "bfloat16 and float32 rows read back through float16 (rounded twice)",
+        {"dense": Int8DequantizesInFloat16},
     ),
     InjectedBug(
         "gpu_kernel_ordered_by_depends", "semantics.md 5.1, window: a kernel write completes before any read of the window (the write layer's ordering rule)",

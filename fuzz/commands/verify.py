@@ -1,7 +1,9 @@
 """``kvspec verify``: everything that must hold, in one table.
 
 1. every regression trace in ``tests/traces/`` replays clean, and a trace
-   named after an injected bug also diverges on that bug;
+   named after an injected bug also diverges on that bug; each of the
+   harness's cheaper checks catches the catalog bug paired with it, and only
+   it does (``fuzz.harness_mutants``);
 2. a fixed-seed fuzz campaign per implemented kind/mode and in-place setting
    finds no divergence;
 3. every injected bug of the catalog is caught in each of 5 seeds, and each
@@ -95,6 +97,30 @@ def check_traces() -> list[Check]:
         out.append(Check(f"trace {path.name}", ok, detail, time.perf_counter() - start))
     if not out:
         out.append(Check("traces", False, f"no traces in {TRACES}", 0.0))
+    return out
+
+
+def check_harness_mutants() -> list[Check]:
+    """The harness's cheaper checks, each checked by the catalog bug only it
+    catches (fuzz.harness_mutants): the bug's trace diverges on that check
+    and, with the check switched off, passes; and the Int8 expected rows
+    stay the same with impl.quant's functions wrong and change with
+    fuzz.quant_ref's wrong."""
+    from fuzz.harness_mutants import CHECKS, check_int8_oracle, check_pairing
+
+    out = []
+    for check in CHECKS:
+        start = time.perf_counter()
+        problems = check_pairing(check)
+        only = f", and missed with {check.switch[1]} off" if check.switch else ""
+        detail = "; ".join(problems) or f"{check.bug}'s trace diverges on this check ({check.where}){only}"
+        out.append(Check(f"harness check: {check.name}", not problems, detail, time.perf_counter() - start))
+    start = time.perf_counter()
+    problems = check_int8_oracle()
+    detail = "; ".join(problems) or ("unchanged with impl.quant's quantizer and dequantizer wrong, changed with "
+                                     "fuzz.quant_ref's wrong (float16, bfloat16, float32)")
+    out.append(Check("harness check: Int8 oracle independent of impl.quant", not problems, detail,
+                     time.perf_counter() - start))
     return out
 
 
@@ -387,7 +413,7 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     from impl.write import backend
 
     budget, seeds = (4.0, 1) if quick else (CAMPAIGN_BUDGET, 5)
-    jobs = [Job("traces", "check_traces", (), 20.0)]
+    jobs = [Job("traces", "check_traces", (), 20.0), Job("harness mutants", "check_harness_mutants", (), 5.0)]
     for kind in kinds.KINDS.values():
         for mode, inplace in kind.campaigns:
             label = f"fuzz {kind.kind}/{mode}/{'inplace' if inplace else 'copy'}"
