@@ -68,6 +68,23 @@ def test_an_oracle_that_reads_back_through_float16_fails_its_pairing(monkeypatch
     assert any("diverges on another check" in p and "live window differs" in p for p in problems), problems
 
 
+def test_stored_codes_from_the_cache_s_quantizer_fail_their_pairing(monkeypatch):
+    """The stored-codes check's expected codes and scales taken from the
+    cache's own quantizer (the weakening the Int8 rows had): they agree
+    with a quantizer that stores a zero row's scale as 0."""
+    import numpy as np
+
+    def from_impl(self, token):
+        k, v = self.input_rows([token])
+        (kq, ks), (vq, vs) = self.cache.quantize_rows(k), self.cache.quantize_rows(v)
+        return tuple(np.asarray(a) for a in (kq, ks, vq, vs))
+
+    monkeypatch.setattr(DenseLockstep, "stored_int8", from_impl)
+    (check,) = [c for c in hm.CHECKS if c.bug == "int8_zero_row_scale_zero"]
+    problems = hm.check_pairing(check)
+    assert problems and "no longer catches int8_zero_row_scale_zero" in problems[0]
+
+
 def test_a_list_mismatch_that_stops_at_the_first_refusal_fails_its_pairing(monkeypatch):
     """The weakening of the breaker's report (B14): the first layer's
     refusal raised at once, the later layers never handed the rows."""

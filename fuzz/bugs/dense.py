@@ -258,6 +258,26 @@ class Int8DequantizesInFloat16(KVCache):
             for q, s in ((b.keys, b.key_scales), (b.values, b.value_scales)))
 
 
+def quantize_zero_scale(x: mx.array) -> tuple[mx.array, mx.array]:
+    """impl.quant.quantize_int8 with the zero-row guard on the codes instead
+    of the scale: an all-zero row stores codes 0 (right) and scale 0 (the
+    rule: 1). It decodes to the same zeros."""
+    x16 = x.astype(mx.float16)
+    scale = mx.max(mx.abs(x16), axis=-1, keepdims=True) / 127
+    q = mx.where(scale == 0, 0, mx.clip(mx.round(x16 / mx.where(scale == 0, 1, scale)), -128, 127))
+    return q.astype(mx.int8), scale.astype(mx.float16)
+
+
+class Int8ZeroRowScaleZero(KVCache):
+    """A zero row's scale stored as 0 instead of 1: every window is right
+    (0 * 0 = 0), but the stored scales, what ``state`` saves to a
+    prompt-cache file and hands other engines, break the rule. Caught only
+    by the stored-codes check (the expected codes and scales quantized by
+    fuzz.quant_ref from the rows' host values)."""
+
+    quantize_rows = staticmethod(quantize_zero_scale)
+
+
 # -- GPU-only: the CUDA write layer (impl.write), run with --device gpu --------------
 class KernelOrderedByDepends(KVCache):
     """The CUDA kernel write is not evaluated before the window is returned;
@@ -459,6 +479,12 @@ BUGS: tuple[InjectedBug, ...] = (
         "a dequantizer computing in the scale's dtype (issue 26, harness mutants)", "dense", ("int8",),
         "impl.quant.dequantize_int8", "bfloat16 and float32 rows read back through float16 (rounded twice)",
         {"dense": Int8DequantizesInFloat16},
+    ),
+    InjectedBug(
+        "int8_zero_row_scale_zero", "semantics.md 2, Storage (a zero row's scale is 1)",
+        "a zero-row guard on the codes instead of the scale (issue 26, harness mutants)", "dense", ("int8",),
+        "impl.quant.quantize_int8", "an all-zero row is stored with scale 0: same window, other stored bytes",
+        {"dense": Int8ZeroRowScaleZero},
     ),
     InjectedBug(
         "gpu_kernel_ordered_by_depends", "semantics.md 5.1, window: a kernel write completes before any read of the window (the write layer's ordering rule)",
