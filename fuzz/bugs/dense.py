@@ -473,6 +473,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "a multi-row mask that measures every row's window from the newest query (issue 26, harness mutants)",
         "dense", ("fp16",), "KVCache.make_mask",
         "make_mask(N > 1, window_size=w): every row's window ends at the last query", {"dense": MaskWindowFromNewestQuery},
+        inplace=False,  # the write path has no part in a mask (and no switch spelling to shrink)
     ),
     InjectedBug(
         "int8_dequantizes_in_float16", "semantics.md 2, Storage (Int8 reads back q * scale rounded once to the rows' dtype)",
