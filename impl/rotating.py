@@ -640,6 +640,23 @@ class RotatingKVCache:
         # ending at slot idx, where position q lands.
         return [j if j < K else q - ((idx - j) % (W - K)) for j in range(W)]
 
+    def _decode_sees_every_key(self, window: int) -> bool:
+        """Whether a decode's query (position ``offset``) sees every key the
+        decode returns under a ``window`` (sinks always seen): the oldest
+        non-sink key is within ``window - keep`` of it. The keys are
+        :meth:`_next_positions`'s for one row: unwrapped, positions ``[0,
+        q]`` (oldest non-sink ``keep``, if ``q >= keep``); wrapped, the sinks
+        and the latest ``W - keep`` positions (oldest ``q - (W - keep - 1)``).
+        Arithmetic only: make_mask is called once per layer per step."""
+        W, K, q, idx = self.max_size, self.keep, self.offset, self.idx
+        if self.capacity > W:
+            idx = W
+        if idx >= W:
+            idx = K
+        if q == idx:  # unwrapped
+            return q < K or q - K < window - K
+        return W - K - 1 < window - K
+
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """Mask for ``N`` queries about to be appended (mlx-lm calls it
         before ``update_and_fetch``). Returns ``None`` (decode, every key
@@ -655,6 +672,8 @@ class RotatingKVCache:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
         window_size = check_window_size("make_mask", window_size)
         window = self.max_size if window_size is None else window_size
+        if N == 1 and not return_array and self._decode_sees_every_key(window):
+            return None  # a decode step's common case, decided in O(1) (no positions built)
         positions = np.asarray(self._next_positions(N), dtype=np.int64)
         # Built lazily in MLX, O(N + L) here (no per-element Python work).
         p = mx.array(positions)[None, :]
