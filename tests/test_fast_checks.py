@@ -4,7 +4,10 @@ expected bytes of unquantized rows without an MLX round trip, a bfloat16
 data pointer without a second evaluation, masks compared as whole matrices.
 Each replaced form is computed here beside the new one on the same inputs;
 the injected-bug catalog (tests/test_bugs.py) shows the checks still fail on
-the bugs they exist for."""
+the bugs they exist for. On a correct implementation a weakened check gives
+the same bytes too, so these tests cannot see a weakening:
+tests/test_harness_mutants.py can (each cheaper check against the bug only
+it catches, and the Int8 oracle with impl.quant swapped out)."""
 
 from __future__ import annotations
 
