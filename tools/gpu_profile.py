@@ -15,6 +15,11 @@ into
   (read outside the timing): a private buffer copied whole where MLX could
   have reused it shows as every layer moving at every step.
 
+Then, per context, the MLX primitives those paths are made of, alone
+(:func:`primitives`: a copy, the paged gather, a Turbo-like table lookup, the
+Hadamard transform), with the bandwidth each reaches: where a growing row
+comes from a slow primitive rather than from the cache.
+
 Medians over ``--rounds`` steps after a warm-up. One JSON object on stdout
 (and ``--out``). Diagnostics, not the record: ``kvspec bench`` is.
 
@@ -136,6 +141,50 @@ def _profile(name: str, make: Any, context: int, layers: int, rounds: int) -> di
             "moved_of_4_layers_per_step": moved / rounds}
 
 
+def primitives(context: int, layers: int, rounds: int) -> dict[str, dict[str, float]]:
+    """The MLX operations the growing rows are made of, alone, over
+    ``layers`` windows of ``context`` rows (fp16 ``[1, 8, T, 128]``): a
+    contiguous copy (the bandwidth floor), the paged gather of whole blocks
+    (``take`` on axis 0 of a ``[blocks, 16, 8, 128]`` slab, then the
+    transpose attention reads), a per-byte table lookup like Turbo4's
+    window decode (``take`` of a ``[256, 2]`` table by uint8 codes), and the
+    Hadamard transform. Median ms, and GB/s over the bytes each must move."""
+    from fuzz.commands.bench_decoder import DIM, KV_HEADS
+
+    T, bs = context, 16
+    dtype = mx.float16
+    win = [mx.random.normal((1, KV_HEADS, T, DIM), key=mx.random.key(i)).astype(dtype) for i in range(layers)]
+    nb = (T + bs - 1) // bs
+    slabs = [mx.random.normal((nb + 8, bs, KV_HEADS, DIM), key=mx.random.key(100 + i)).astype(dtype)
+             for i in range(layers)]
+    blocks = mx.array(list(range(nb)), dtype=mx.int32)
+    codes = [mx.random.randint(0, 256, (1, KV_HEADS, T, DIM // 2), key=mx.random.key(200 + i)).astype(mx.uint8)
+             for i in range(layers)]
+    table = mx.random.normal((256, 2)).astype(dtype)
+    mx.eval(win, slabs, codes, table, blocks)
+    window_bytes = KV_HEADS * T * DIM * 2
+    ops = {
+        "copy (floor)": (lambda i: mx.contiguous(win[i] * 1), 2 * window_bytes),
+        "paged gather of blocks": (lambda i: mx.contiguous(
+            mx.take(slabs[i], blocks, axis=0).reshape(-1, KV_HEADS, DIM)[:T].transpose(1, 0, 2)[None]),
+            2 * window_bytes),
+        "table lookup by uint8 code": (lambda i: mx.take(table, codes[i].astype(mx.int32), axis=0),
+                                       window_bytes // 4 + window_bytes),
+        "hadamard transform": (lambda i: mx.hadamard_transform(win[i]), 2 * window_bytes),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, (op, nbytes) in ops.items():
+        times = []
+        for r in range(rounds + 3):
+            t0 = time.perf_counter()
+            mx.eval([op(i) for i in range(layers)])
+            if r >= 3:
+                times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+        out[name] = {"ms": ms, "GB_per_s": layers * nbytes / (ms * 1e-3) / 1e9}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
@@ -159,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             doc["paths"].setdefault(name, {})[str(n)] = got
             print(f"profile: {name} at {n}: {got}", file=sys.stderr, flush=True)
             mx.clear_cache()
+    for n in args.contexts:
+        try:
+            doc.setdefault("primitives", {})[str(n)] = got = primitives(n, args.layers, args.rounds)
+        except Exception as exc:  # noqa: BLE001 - the paths above are kept
+            got = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        print(f"profile: primitives at {n}: {got}", file=sys.stderr, flush=True)
+        mx.clear_cache()
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

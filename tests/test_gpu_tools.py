@@ -1,0 +1,38 @@
+"""The GPU session's tools run here at toy sizes (a GPU session is short:
+a tool that fails for a silly reason there costs the session)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_profile_measures_every_path_and_primitive_at_toy_sizes(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_profile", REPO / "tools/gpu_profile.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "profile.json"
+    assert mod.main(["--device", "cpu", "--contexts", "16", "40", "--layers", "1", "--rounds", "1",
+                     "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["paths"]) == set(mod.paths(16))
+    for name, by in doc["paths"].items():
+        for n, got in by.items():
+            assert "error" not in got and got["step_ms"] > 0, (name, n, got)
+    for n in ("16", "40"):
+        prims = doc["primitives"][n]
+        assert "error" not in prims, prims
+        assert {"copy (floor)", "paged gather of blocks", "table lookup by uint8 code", "hadamard transform"} \
+            == set(prims)
+        assert all(p["ms"] > 0 and p["GB_per_s"] > 0 for p in prims.values())
+
+
+def test_gpu_session_script_parses():
+    proc = subprocess.run(["bash", "-n", str(REPO / "tools/gpu_session.sh")], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
