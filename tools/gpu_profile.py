@@ -145,8 +145,9 @@ def primitives(context: int, layers: int, rounds: int) -> dict[str, dict[str, fl
     """The MLX operations the growing rows are made of, alone, over
     ``layers`` windows of ``context`` rows (fp16 ``[1, 8, T, 128]``): a
     contiguous copy (the bandwidth floor), the paged gather of whole blocks
-    (``take`` on axis 0 of a ``[blocks, 16, 8, 128]`` slab, then the
-    transpose attention reads), a per-byte table lookup like Turbo4's
+    (``take`` on axis 0 of a ``[blocks, 16, 8, 128]`` slab by a table of two
+    runs of consecutive blocks, then the transpose attention reads; and the
+    same rows as slices of the runs joined by one concatenate), a per-byte table lookup like Turbo4's
     window decode (``take`` of a ``[256, 2]`` table by uint8 codes), and the
     Hadamard transform. Median ms, and GB/s over the bytes each must move."""
     from fuzz.commands.bench_decoder import DIM, KV_HEADS
@@ -157,7 +158,11 @@ def primitives(context: int, layers: int, rounds: int) -> dict[str, dict[str, fl
     nb = (T + bs - 1) // bs
     slabs = [mx.random.normal((nb + 8, bs, KV_HEADS, DIM), key=mx.random.key(100 + i)).astype(dtype)
              for i in range(layers)]
-    blocks = mx.array(list(range(nb)), dtype=mx.int32)
+    # a table of two runs of consecutive blocks, as a fork's sequence has (the
+    # shared prefix, then blocks of its own elsewhere in the slab)
+    half = nb // 2
+    table_ids = list(range(half)) + list(range(half + 8, nb + 8))
+    blocks = mx.array(table_ids, dtype=mx.int32)
     codes = [mx.random.randint(0, 256, (1, KV_HEADS, T, DIM // 2), key=mx.random.key(200 + i)).astype(mx.uint8)
              for i in range(layers)]
     table = mx.random.normal((256, 2)).astype(dtype)
@@ -168,6 +173,9 @@ def primitives(context: int, layers: int, rounds: int) -> dict[str, dict[str, fl
         "paged gather of blocks": (lambda i: mx.contiguous(
             mx.take(slabs[i], blocks, axis=0).reshape(-1, KV_HEADS, DIM)[:T].transpose(1, 0, 2)[None]),
             2 * window_bytes),
+        "paged gather by runs (slices, one concatenate)": (lambda i: mx.contiguous(
+            mx.concatenate([slabs[i][:half], slabs[i][half + 8:nb + 8]], axis=0)
+            .reshape(-1, KV_HEADS, DIM)[:T].transpose(1, 0, 2)[None]), 2 * window_bytes),
         "table lookup by uint8 code": (lambda i: mx.take(table, codes[i].astype(mx.int32), axis=0),
                                        window_bytes // 4 + window_bytes),
         "hadamard transform": (lambda i: mx.hadamard_transform(win[i]), 2 * window_bytes),
