@@ -92,16 +92,30 @@ OP_TEXT = {
                      "the layers before it took theirs; refused (InvalidArgumentError, the layer's words), nothing "
                      "changed in any layer, ownership and undo logs included (`spec.layers.w_restore_mixed`)",
     "trim_refused_late": "layers: a list trim of n rows in which layer `layer` (never 0 in the machine) refuses its "
-                         "own trim after the layers before it trimmed (`how`: its `trim` raises, or `short`: trims "
-                         "nothing and returns 0): refused (StateError) with every layer as it was, ownership and undo "
+                         "own trim after the layers before it trimmed (`how`: its `trim` raises, `short`: trims "
+                         "nothing and returns 0, or `partial`: really trims, then raises, so the refusing layer "
+                         "must be put back too): refused (StateError) with every layer as it was, ownership and undo "
                          "logs included; 0 with nothing asked when the list's count is 0 "
                          "(`spec.layers.w_trim_refused_late`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
     "fork": "paged: a new sequence `as` sharing every block of `from` (refcounts rise)",
     "release": "paged: drop sequence `seq`; each of its blocks' refcount falls by one",
     "handle_reuse": "paged: the handle (`PagedKVCache`) of sequence `seq` that a release consumed, used again "
-                    "(`use`: `append` a row, `fetch`, `trim` a row, `release`), also after a new sequence took the "
+                    "(`use`: any public method or property of the handle, `spec.paged.HANDLE_REUSES`: `append` a "
+                    "row, `fetch`, `trim`, `trim_to`, `trim_front`, `trim_front_keep_sink`, `fork`, `release`, "
+                    "`offset`, `live_len`, `size`, `empty`, `nbytes`, `state` / `meta_state` read or assigned "
+                    "(`set_state`, `set_meta_state`), `make_mask`), also after a new sequence took the "
                     "name: refused (StateError), nothing changes (`spec.paged.handle_reuse`)",
+    "state_assign": "paged: `cache.state = (keys, values)` on sequence `seq`'s handle with n new rows (n 0: "
+                    "`state = ()`): fresh blocks hold them from position 0, the old blocks released only after; "
+                    "refused (StateError: unknown sequence, pool exhausted) with nothing changed, the old blocks "
+                    "still the sequence's (`spec.paged.state_assign`)",
+    "append_pair_mismatch": "n rows as a K/V pair whose values disagree with its keys (`differs`: another "
+                            "`dtype`, one more `batch` row or kv head (`kv_heads`), one more row (`rows`)), the keys "
+                            "as the cache holds them: refused (InvalidArgumentError, each cache's own words) on any "
+                            "cache, empty or not, nothing changes (`spec.dense.w_append_pair_mismatch`); layers: "
+                            "every layer refuses (`spec.layers.w_append_pair_mismatch`); paged: "
+                            "`spec.paged.append_pair_mismatch`",
     "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`)",
     "layer": "layers: run one op (`do`: `trim_front` or `fetch`) on layer `index` of the list",
     "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "

@@ -37,9 +37,11 @@ STATE_OPS = ("state_snapshot", "state_restore")
 #: Ops of the cache's life outside the decode loop (issue 26): ``copy``
 #: (copy.copy / copy.deepcopy of the cache, as mlx-lm's prompt-cache
 #: helpers make them), ``append_mismatch`` (rows whose batch, heads, head
-#: dim or dtype differ from the cached rows') and ``reload`` (a prompt-cache
-#: file save and load, or mlx-lm's load order ``state`` then ``meta_state``).
-LIFECYCLE_OPS = ("copy", "append_mismatch", "reload")
+#: dim or dtype differ from the cached rows'), ``append_pair_mismatch`` (a K/V
+#: pair whose values disagree with its keys: dtype, batch, heads or rows) and
+#: ``reload`` (a prompt-cache file save and load, or mlx-lm's load order
+#: ``state`` then ``meta_state``).
+LIFECYCLE_OPS = ("copy", "append_mismatch", "append_pair_mismatch", "reload")
 #: Cache fields every kind has, with their defaults (kvtrace ``cache``).
 COMMON_FIELDS: dict[str, Any] = {
     "mode": "fp16", "step": 256, "batch": 1, "kv_heads": 2, "head_dim": 8, "inplace": True,
@@ -197,7 +199,7 @@ KINDS: dict[str, Kind] = {
             # list for a model whose make_cache() gives the layout: the
             # model-level configuration); num_draft_tokens: its argument
             fields={"layers": REQUIRED, "build": "list", "num_draft_tokens": 0},
-            ops=("can_trim", "layer", "restore_mixed", "trim_refused_late", "copy", "append_mismatch", "reload"),
+            ops=("can_trim", "layer", "restore_mixed", "trim_refused_late", *LIFECYCLE_OPS),
             refuses=("trim_to",),
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
             lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",
@@ -209,7 +211,7 @@ KINDS: dict[str, Kind] = {
             modes=("fp16",),
             # max_blocks 0: no maximum; chunk: blocks per pool growth
             fields={"block_size": REQUIRED, "max_blocks": 0, "chunk": 1},
-            ops=("trim_front", "fork", "release", "handle_reuse", *LIFECYCLE_OPS),
+            ops=("trim_front", "fork", "release", "handle_reuse", "state_assign", *LIFECYCLE_OPS),
             # a paged cache snapshots by fork (its spec refuses snapshot, restore and drop too)
             refuses=("gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),

@@ -169,8 +169,9 @@ class LayersLockstep(Lockstep):
         #: names of list snapshots dropped so far (``misuse_name`` reuses them)
         self.dropped: set[str] = set()
 
-    def wide_rows(self) -> bool:
-        return all(self.layer_mode(j) == "fp16" for j in range(len(self.pattern)))
+    def wide_rows(self) -> bool | str:
+        modes = {self.layer_mode(j) for j in range(len(self.pattern))}
+        return True if modes == {"fp16"} else "edge" if modes <= {"fp16", "int8"} else False
 
     def stored_form(self, x: Any, mode: str = "fp16") -> Any:
         return int8_oracle(x) if mode == "int8" else x
@@ -234,7 +235,7 @@ class LayersLockstep(Lockstep):
             return None
         if name == "copy":
             return self._copy(op)
-        if name == "append_mismatch":
+        if name in ("append_mismatch", "append_pair_mismatch"):
             return self._append_mismatch(op)
         if name == "restore_mixed":
             return self._restore_mixed(op)
@@ -281,8 +282,10 @@ class LayersLockstep(Lockstep):
         a forward pass would: each layer must refuse them. The first
         refusal is raised once every layer has refused; a layer that takes
         the rows is named in the result (the spec refuses: the refusal
-        comparison reports it)."""
-        k, v = self.mismatched_rows(op["n"], op["differs"])
+        comparison reports it). ``append_pair_mismatch``: a pair whose
+        values disagree with its keys, the same way."""
+        rows = self.pair_mismatched_rows if op["op"] == "append_pair_mismatch" else self.mismatched_rows
+        k, v = rows(op["n"], op["differs"])
         refusals, took = [], []
         for j, c in enumerate(self.caches):
             try:
@@ -299,15 +302,20 @@ class LayersLockstep(Lockstep):
         """The list trim under test (``ListOps.trim``) of ``n`` rows while
         layer ``layer`` refuses its own part (``how``: its ``trim`` raises
         StateError, or trims nothing and returns 0, as a ring failing closed
-        would), after the layers before it trimmed: the list trim must end
-        with every layer as it was. The refusing ``trim`` is the layer's
-        for this call only."""
+        would, or ``partial``: runs its real trim, then raises StateError),
+        after the layers before it trimmed: the list trim must end with
+        every layer as it was, the refusing one too. The refusing ``trim``
+        is the layer's for this call only."""
         layer, how = op["layer"], op.get("how", "raises")
         # the trace's arguments, as the spec checks them (before the list is touched)
         sl.check_late_trim(op["n"], layer, how, len(self.caches))
         c = self.caches[layer]
+        real_trim = c.trim
 
         def refuse(n: int) -> int:
+            if how == "partial":
+                got = real_trim(n)
+                raise StateError(f"trim: layer {layer} trimmed {got} rows, then refused")
             if how == "raises":
                 raise StateError(f"trim: layer {layer} refuses to trim {n} rows")
             return 0
@@ -707,7 +715,8 @@ class LayersMachine(LifecycleRules, KVMachine):
     @rule(n=st.integers(1, 4), data=st.data())
     def trim_refused_late(self, n: int, data: st.DataObject) -> None:
         """A list trim that a later layer (never layer 0) refuses after the
-        layers before it trimmed (its trim raises, or trims nothing): decode
+        layers before it trimmed (its trim raises, trims nothing, or trims
+        for real and then raises): decode
         ``n`` rows so that there is something to trim, then the trim.
         Refused, and every layer must still hold those rows, with its
         ownership and a ring's undo log (the next decode shows both)."""

@@ -295,9 +295,12 @@ class Lockstep:
         allows but the kind cannot build; nothing by default."""
 
     # -- rows -----------------------------------------------------------------
-    def wide_rows(self) -> bool:
-        """Rows beyond float16's range (fuzz.rows) for unquantized storage."""
-        return self.cfg.get("mode", "fp16") == "fp16"
+    def wide_rows(self) -> bool | str:
+        """Rows beyond float16's range (fuzz.rows) for unquantized storage;
+        Int8: rows up to float16's largest value (``"edge"``: never refused,
+        and they reach the read-back's float16 saturation)."""
+        mode = self.cfg.get("mode", "fp16")
+        return True if mode == "fp16" else "edge" if mode == "int8" else False
 
     def host_rows(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The K and V rows of ``tokens`` in host form (``fuzz.rows.rows``:
@@ -579,7 +582,7 @@ class Lockstep:
 
     #: ops whose refusal each cache words its own way (naming the dimension
     #: or dtype at fault): their type is compared, not their words
-    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset({"append_mismatch"})
+    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset({"append_mismatch", "append_pair_mismatch"})
     #: a target's own exception types -> refusal category (fuzz.targets)
     refusal_categories: ClassVar[dict[type, str]] = {}
 
@@ -743,7 +746,8 @@ class Lockstep:
         if op["op"] == "append":
             out["inplace"] = result.inplace
         elif op["op"] not in ("fetch", "snapshot", "restore", "drop", "detach", "install", "hold", "release_hold",
-                              "state_snapshot", "state_restore", "copy", "append_mismatch", "reload"):
+                              "state_snapshot", "state_restore", "copy", "append_mismatch", "reload",
+                              "state_assign", "append_pair_mismatch"):
             out["returns"] = list(result) if isinstance(result, tuple) else result
         out["capacity"] = self.spec_observables()["capacity"]
         return out
@@ -939,6 +943,9 @@ class Lockstep:
             k, v = self.mismatched_rows(op["n"], op["differs"])
             self.returned = c.update_and_fetch(k, v)
             return None
+        if name == "append_pair_mismatch":
+            self.returned = c.update_and_fetch(*self.pair_mismatched_rows(op["n"], op["differs"]))
+            return None
         if name == "reload":
             self.cache = self.reloaded(c, op.get("via", "file"))
             return None
@@ -992,6 +999,26 @@ class Lockstep:
         tokens = list(range(start, start + n))
         return (rowgen.to_mx(rowgen.rows(tokens, "k", b, h, dk, kdt, False), kdt),
                 rowgen.to_mx(rowgen.rows(tokens, "v", b, h, dv, vdt, False), vdt))
+
+    def pair_mismatched_rows(self, n: int, differs: str) -> tuple[mx.array, mx.array]:
+        """A K/V pair of the next ``n`` token identities whose keys are the
+        trace's shape and dtype (the cached rows') and whose values disagree
+        with them (spec.dense.PAIR_FIELDS): another float dtype, one more
+        batch row, one more kv head, or one more row than the keys."""
+        b, h, dk, dv = self.shape
+        vb, vh, vdt = b, h, self.dtype
+        start = self.next_identity()
+        k_tokens = v_tokens = list(range(start, start + n))
+        if differs == "dtype":
+            vdt = "float32" if self.dtype != "float32" else "float16"
+        elif differs == "batch":
+            vb += 1
+        elif differs == "kv_heads":
+            vh += 1
+        else:  # rows: the values carry one row more than the keys
+            v_tokens = list(range(start, start + n + 1))
+        return (rowgen.to_mx(rowgen.rows(k_tokens, "k", b, h, dk, self.dtype, False), self.dtype),
+                rowgen.to_mx(rowgen.rows(v_tokens, "v", vb, vh, dv, vdt, False), vdt))
 
     def reloaded(self, c: Any, via: str) -> Any:
         """The cache saved and loaded back. ``file``: through a prompt-cache

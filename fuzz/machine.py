@@ -281,6 +281,8 @@ class StateProtocolMachine(KVMachine):
 
 #: what an ``append_mismatch`` may change (spec.dense.ROW_FIELDS)
 MISMATCH_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype", "k_dtype", "v_dtype")
+#: what the values of an ``append_pair_mismatch`` differ in from its keys (spec.dense.PAIR_FIELDS)
+PAIR_FIELDS = ("dtype", "batch", "kv_heads", "rows")
 
 
 class LifecycleRules:
@@ -333,6 +335,17 @@ class LifecycleRules:
         for differs in MISMATCH_FIELDS[at:] + MISMATCH_FIELDS[:at]:
             self.do({"op": "append_mismatch", "n": n, "differs": differs})  # type: ignore[attr-defined]
 
+    @rule(n=st.integers(1, 3), first=st.sampled_from(PAIR_FIELDS))
+    def append_pair_mismatch(self, n: int, first: str) -> None:
+        """K/V pairs whose values disagree with their keys (another dtype,
+        batch, kv heads or rows than the keys, the keys as the cache holds
+        them), each in turn (from ``first``): refused, nothing changes, on
+        any cache, empty or not (a pair is checked against itself, not only
+        against the cached rows)."""
+        at = PAIR_FIELDS.index(first)
+        for differs in PAIR_FIELDS[at:] + PAIR_FIELDS[:at]:
+            self.do({"op": "append_pair_mismatch", "n": n, "differs": differs})  # type: ignore[attr-defined]
+
     #: the load paths :meth:`reload` takes, in order
     reload_paths: ClassVar[tuple[str, ...]] = ("state", "file")
 
@@ -358,7 +371,8 @@ def without_lifecycle(cls: type) -> type:
     collects rules by attribute, so a plain attribute shadows one): for
     machines run against mlx-lm's caches, whose draw order fixed seeds
     reproduce."""
-    for name in ("copy_cache", "prompt_cache_fetch", "append_mismatch", "reload", "reinstall", *EDGE_RULES):
+    for name in ("copy_cache", "prompt_cache_fetch", "append_mismatch", "append_pair_mismatch", "reload", "reinstall",
+                 *EDGE_RULES):
         setattr(cls, name, None)
     return cls
 

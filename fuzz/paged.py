@@ -17,6 +17,7 @@ at an append but read only a few ops later (MLX is lazy).
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -36,6 +37,39 @@ def pool_config(cache: dict[str, Any]) -> dict[str, Any]:
     (``max_blocks`` 0 means no maximum)."""
     return {"block_size": cache["block_size"], "max_blocks": cache["max_blocks"] or None,
             "chunk": cache["chunk"], "inplace": cache["inplace"]}
+
+
+#: Public members of the handle class that do not reach its sequence, with
+#: why they are not reuses (everything else public is: :func:`handle_api`).
+NOT_REUSES = {
+    "is_trimmable": "a constant of the class (True), asked before any sequence exists",
+    "to_quantized": "refused on every handle, spent or not (UnsupportedOperationError)",
+    "refuse_prompt_cache_file": "the file layer's hook: refuses on every handle, spent or not",
+    "from_state": "a classmethod: builds a new cache on a new pool, never a handle's sequence",
+}
+#: the ``use`` a method is drawn as, where it is not the method's name
+REUSE_OF_METHOD = {"update_and_fetch": "append"}
+
+
+def handle_api(cls: type = PagedKVCache) -> dict[str, tuple[str, str]]:
+    """Every way of using a handle of ``cls`` again, derived from the class
+    itself rather than listed by hand: ``use`` (kvtrace ``handle_reuse``) ->
+    (member name, ``"call"`` / ``"get"`` / ``"set"``). Each public method
+    and each property (read, and assigned as ``set_<name>`` where it has a
+    setter), less :data:`NOT_REUSES`. A member added to the class is drawn
+    at once (and ``spec.paged.HANDLE_REUSES`` must answer it:
+    tests/test_fuzz_paged.py holds the two to the same set)."""
+    uses: dict[str, tuple[str, str]] = {}
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or name in NOT_REUSES:
+            continue
+        if isinstance(member, property):
+            uses[name] = (name, "get")
+            if member.fset is not None:
+                uses["set_" + name] = (name, "set")
+        elif callable(member):
+            uses[REUSE_OF_METHOD.get(name, name)] = (name, "call")
+    return uses
 
 
 class PagedLockstep(Lockstep):
@@ -128,8 +162,12 @@ class PagedLockstep(Lockstep):
             raise sp.snapshots_by_fork(name)
         if name in ("copy", "reload", "handle_reuse"):
             return self.lifecycle(op, seq)
+        if name == "state_assign":
+            return self.assign_state(op, seq)
         if name == "append_mismatch":
             return p.append(seq, *self.mismatched_rows(op["n"], op["differs"]))
+        if name == "append_pair_mismatch":
+            return p.append(seq, *self.pair_mismatched_rows(op["n"], op["differs"]))
         raise sp.UnsupportedOperationError(f"{name}: not an operation of a paged cache")
 
     def lifecycle(self, op: dict[str, Any], seq: str) -> None:
@@ -142,16 +180,10 @@ class PagedLockstep(Lockstep):
         name = op["op"]
         if name == "handle_reuse":
             use, handle = op.get("use", "append"), self.spent.get(seq)
-            if handle is None or use not in sp.HANDLE_REUSES:
+            api = handle_api(type(handle)) if handle is not None else {}
+            if handle is None or use not in sp.HANDLE_REUSES or use not in api:
                 sp.handle_reuse(self.world, seq, use)  # the trace's own mistake: refused as the spec words it
-            if use == "append":
-                handle.update_and_fetch(*self.input_rows([self.world.next_token]))
-            elif use == "fetch":
-                handle.fetch()
-            elif use == "trim":
-                handle.trim(1)
-            else:
-                handle.release()
+            self.use_handle(handle, seq, *api[use])
             return
         handle = self.handles.get(seq)
         if handle is None:
@@ -169,6 +201,56 @@ class PagedLockstep(Lockstep):
         if via != "file":
             sp.reload(self.world, seq, via)  # refused as the spec words it
         reload_through_file([handle])
+
+    def assign_state(self, op: dict[str, Any], seq: str) -> None:
+        """``handle.state = (keys, values)`` on ``seq``'s handle with
+        ``n`` rows of the next token identities (``n == 0``: ``state =
+        ()``): the setter under test, against ``spec.paged.state_assign``
+        (a refusal, e.g. the pool exhausted, changes nothing)."""
+        handle = self.handles.get(seq)
+        if handle is None:
+            raise StateError(f"state: no sequence named {seq!r}")
+        n = op["n"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            sp.state_assign(self.world, seq, n)  # the trace's own mistake: refused as the spec words it
+        start = self.world.next_token
+        handle.state = self.input_rows(list(range(start, start + n))) if n else ()
+        self.reached("state assignments")
+
+    def reuse_argument(self, member: str, param: str, seq: str) -> Any:
+        """The value a reused handle's ``member`` gets for its required
+        parameter ``param`` (one row, a count of 1, position 0, a fresh
+        sequence name). Raises TraceFormatError for a parameter this table
+        does not know: a new method must be given one, never skipped."""
+        if param in ("n", "N"):
+            return 1
+        if param in ("length", "keep"):
+            return 0
+        if param == "name":
+            return f"{seq}.reused"
+        raise TraceFormatError(f"handle_reuse: no value for parameter {param!r} of PagedKVCache.{member} "
+                               "(fuzz.paged.PagedLockstep.reuse_argument)")
+
+    def use_handle(self, handle: Any, seq: str, member: str, how: str) -> None:
+        """``handle``'s ``member`` called (its required parameters from
+        :meth:`reuse_argument`; ``update_and_fetch`` one row of the next
+        token), read, or assigned (``state``: one row of the next token;
+        ``meta_state``: counters of one row from position 0)."""
+        if how == "get":
+            getattr(handle, member)
+            return
+        if how == "set":
+            rows = self.input_rows([self.world.next_token])
+            value = rows if member == "state" else (str(self.world.pool.block_size), "1", "0")
+            setattr(handle, member, value)
+            return
+        fn = getattr(handle, member)
+        if member == "update_and_fetch":
+            fn(*self.input_rows([self.world.next_token]))
+            return
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        fn(*(self.reuse_argument(member, p.name, seq) for p in params))
 
     def check_mask(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it: causal
@@ -414,9 +496,12 @@ class PagedMachine(LifecycleRules, KVMachine):
         """A handle that a release consumed, used again (a scheduler that
         keeps a finished request's cache object): fork a sequence, write to
         it, release it, often fork a new sequence under the same name, then
-        append, fetch, trim or release through the old handle. Refused,
-        nothing changed: the old handle must not reach the new sequence's
-        blocks."""
+        use the old handle again, in every way in turn (from a drawn one):
+        each of its public methods and properties
+        (:func:`handle_api`, derived from the class: append, fetch, every
+        trim, fork, release, the protocol accessors, ``state`` and
+        ``meta_state`` read or assigned, ``make_mask``). Refused, nothing
+        changed: the old handle must not reach the new sequence's blocks."""
         name = self.fresh_name("f")
         self.do({"op": "fork", "from": self.pick(data, "from"), "as": name})
         if name not in self.lock.world.seqs:
@@ -425,8 +510,34 @@ class PagedMachine(LifecycleRules, KVMachine):
         self.do({"op": "release", "seq": name})
         if data.draw(st.booleans(), label="name taken again"):
             self.do({"op": "fork", "from": self.pick(data, "from"), "as": name})
-        self.do({"op": "handle_reuse", "seq": name,
-                 "use": data.draw(st.sampled_from(sp.HANDLE_REUSES), label="use")})
+        uses = sorted(handle_api(self.lock.cache_class))
+        at = uses.index(data.draw(st.sampled_from(uses), label="first use"))
+        for use in uses[at:] + uses[:at]:  # each refused, nothing changed: every one in turn
+            self.do({"op": "handle_reuse", "seq": name, "use": use})
+
+    @rule(data=st.data())
+    def state_assign(self, data: st.DataObject) -> None:
+        """``cache.state = rows`` on a sequence's handle (mlx-lm's snapshot
+        restore, a prompt cache loaded into a live handle) with new rows:
+        often a sequence sharing blocks with a fork, with a pool ceiling
+        often just past the room left (refused late, after the rows were
+        checked: the old blocks must still be the sequence's), then a
+        decode on it. A sequence holding no block gets a row first."""
+        seq = self.pick(data)
+        s = self.lock.world.seqs.get(seq)
+        if s is not None and not s.held():  # something to replace: the old blocks matter
+            self.do({"op": "append", "n": 1, "seq": seq})
+            s = self.lock.world.seqs.get(seq)
+        pool = self.lock.world.pool
+        held = 0 if s is None else len(s.held())
+        # fewer, as many or more rows than the sequence's blocks hold (more: the new blocks cannot reuse them)
+        n = data.draw(st.one_of(st.sampled_from([held * pool.block_size + 1, (held + 1) * pool.block_size]),
+                                st.integers(0, 4)), label="rows")
+        if pool.max_blocks is not None and data.draw(st.booleans(), label="at the ceiling"):
+            room = len(pool.free) + pool.max_blocks - pool.size
+            n = max(0, (room + data.draw(st.integers(0, 1), label="blocks past the room")) * pool.block_size)
+        self.do({"op": "state_assign", "n": n, "seq": seq})
+        self.do({"op": "append", "n": 1, "seq": seq})
 
     @rule(data=st.data(), n=APPEND_N)
     def append(self, data: st.DataObject, n: int) -> None:

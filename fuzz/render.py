@@ -132,11 +132,14 @@ OP_FUNCTIONS: dict[str, dict[str, str]] = {
 #: rule (a list's layers each refusing rows; a paged handle refused outright)
 LIFECYCLE_RULES: dict[tuple[str, str], str] = {
     ("spec.layers", "append_mismatch"): "rows of another batch",
+    ("spec.layers", "append_pair_mismatch"): "rows of another batch",
     ("spec.layers", "copy"): "a copy of the list copies every layer",
     ("spec.layers", "trim_refused_late"): "trim_refused_late",
     ("spec.paged", "copy"): "copies",
     ("spec.paged", "handle_reuse"): "handle reuse",
+    ("spec.paged", "state_assign"): "state assignment",
     ("spec.paged", "append_mismatch"): "append mismatch",
+    ("spec.paged", "append_pair_mismatch"): "append mismatch",
     ("spec.paged", "reload"): "prompt-cache files",
 }
 

@@ -21,7 +21,13 @@ With ``wide`` (unquantized storage, any dtype but float16) every fifth
 nonzero row is scaled by 2**16, beyond float16's finite range: a cache that
 detours through float16 turns those rows into inf. Quantized modes never
 get wide rows (their range decision refuses them, and the spec's rows are
-identities, not values).
+identities, not values). Int8 gets ``wide="edge"`` rows instead: every
+fifth nonzero row scaled to float16's edge, its largest value exactly
+65504 (the largest finite float16; bfloat16's largest below it, 65280, for
+bfloat16 rows) every other time, and just below it (0.99 to 1 of it)
+otherwise: representable by the quantizer's rule (finite in float16, so
+never refused), and at 65504 the dequantized product ``127 * 516`` is past
+float16's range, so the read-back's saturation is exercised.
 
 Three row schemes (kvtrace ``cache.rows``):
 
@@ -60,6 +66,9 @@ SCHEMES = ("numpy", "portable", "ranged")
 #: smallest normal (MLX may flush float32 subnormals to zero)
 EXPONENTS = {"float16": (-24, 15), "bfloat16": (-126, 127), "float32": (-126, 127)}
 LARGEST = {"float16": 65504.0, "bfloat16": (2 - 2.0**-7) * 2.0**127, "float32": float(np.finfo(np.float32).max)}
+#: the largest value of each dtype that is finite once rounded to float16
+#: (``wide="edge"`` rows, Int8's range rule)
+EDGE = {"float16": 65504.0, "bfloat16": 65280.0, "float32": 65504.0}
 _HOST_BITS = {"float16": (np.uint16, np.float16), "float32": (np.uint32, np.float32)}
 
 
@@ -122,14 +131,16 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=65536)
 def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
-        wide: bool = False, scheme: str = "numpy") -> np.ndarray:
+        wide: bool | str = False, scheme: str = "numpy") -> np.ndarray:
     """``[batch, kv_heads, 1, head_dim]`` for ``which`` in {"k", "v"}: a
     float16 array for ``dtype="float16"``, else float32 holding values exact
-    in ``dtype``. ``scheme`` is the trace's ``rows`` (:data:`SCHEMES`)."""
+    in ``dtype``. ``scheme`` is the trace's ``rows`` (:data:`SCHEMES`);
+    ``wide``: False, True (beyond float16's range) or ``"edge"`` (up to
+    float16's largest value; numpy scheme only)."""
     shape = (batch, kv_heads, 1, head_dim)
     host = np.float16 if dtype == "float16" else np.float32
     if scheme == "portable":
-        out = _portable_host([token], which, batch, kv_heads, head_dim, dtype, wide)
+        out = _portable_host([token], which, batch, kv_heads, head_dim, dtype, wide is True)
         out.setflags(write=False)
         return out
     if scheme not in ("numpy", "ranged"):
@@ -142,7 +153,13 @@ def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype:
         return out
     rng = np.random.default_rng([token, 0 if which == "k" else 1, batch, kv_heads, head_dim])
     magnitude = float(2.0 ** rng.integers(-6, 6))
-    if wide and dtype != "float16" and token % 5 == 2:
+    if wide == "edge" and token % 5 == 2:
+        draw = rng.standard_normal(shape)
+        edge = EDGE[dtype] * (1.0 if token % 10 == 2 else float(rng.uniform(0.99, 1.0)))
+        out = _cast(draw / (np.max(np.abs(draw)) or 1.0) * edge, dtype)
+        out.setflags(write=False)
+        return out
+    if wide is True and dtype != "float16" and token % 5 == 2:
         magnitude *= 2.0**16
     out = _cast(rng.standard_normal(shape) * magnitude, dtype)
     out.setflags(write=False)
@@ -190,14 +207,14 @@ def ranged_row(token: int, which: str, shape: tuple[int, ...], dtype: str) -> np
 
 
 def rows(tokens, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
-         wide: bool = False, scheme: str = "numpy") -> np.ndarray:
+         wide: bool | str = False, scheme: str = "numpy") -> np.ndarray:
     """``[batch, kv_heads, len(tokens), head_dim]`` in token order (host
     form: see :func:`row`)."""
     tokens = list(tokens)
     if not tokens:
         return np.zeros((batch, kv_heads, 0, head_dim), dtype=np.float16 if dtype == "float16" else np.float32)
     if scheme == "portable":
-        return _portable_host(tokens, which, batch, kv_heads, head_dim, dtype, wide)
+        return _portable_host(tokens, which, batch, kv_heads, head_dim, dtype, wide is True)
     return np.concatenate([row(t, which, batch, kv_heads, head_dim, dtype, wide, scheme) for t in tokens], axis=2)
 
 

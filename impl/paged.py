@@ -649,18 +649,22 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this sequence holds."""
+        """Bytes of the blocks this sequence holds. StateError on a spent
+        handle (spec.paged.handle_reuse), also before the pool has slabs."""
+        s = self._live("nbytes")
         if self.pool.keys is None:
             return 0
         per_block = (self.pool.keys.nbytes + self.pool.values.nbytes) // max(1, self.pool.size)
-        return per_block * len(self._live("nbytes").held())
+        return per_block * len(s.held())
 
     @property
     def state(self) -> tuple[mx.array, ...]:
         """The visible rows ``(keys, values)``, gathered (never the slabs);
-        refused to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save)."""
+        refused to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save)
+        and on a spent handle (StateError, spec.paged.handle_reuse)."""
         refuse_foreign_save(self)
-        window = self.fetch()
+        self._live("state")
+        window = self.pool.fetch(self.seq)
         return () if window is None else window
 
     @state.setter
@@ -736,7 +740,9 @@ class PagedKVCache:
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """Attention mask for ``N`` new queries over ``visible + N`` keys,
-        as :meth:`impl.dense.KVCache.make_mask`."""
+        as :meth:`impl.dense.KVCache.make_mask`. StateError on a spent
+        handle (spec.paged.handle_reuse), whatever ``N``."""
+        self._live("make_mask")
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")

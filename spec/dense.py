@@ -617,6 +617,28 @@ def w_append_mismatch(world: DenseWorld, n: int, differs: str) -> tuple[None, De
     raise InvalidArgumentError(f"append: {differs} must be the cached rows' (a cache holding rows keeps their shape and dtype)")
 
 
+#: What the values of an append's K/V pair may differ in from its keys
+#: (kvtrace ``append_pair_mismatch``'s ``differs``): the dtype, the batch,
+#: the kv heads, or the rows S (the head dims may differ by design).
+PAIR_FIELDS = ("dtype", "batch", "kv_heads", "rows")
+
+
+def w_append_pair_mismatch(world: DenseWorld, n: int, differs: str) -> tuple[None, DenseWorld]:
+    """An append of ``n`` rows whose keys are as the cache holds them (or,
+    on an empty cache, as the trace's configuration says) and whose values
+    disagree with the keys in ``differs`` (:data:`PAIR_FIELDS`: another
+    dtype, one more batch row, kv head or row): refused with
+    InvalidArgumentError on any cache, empty or not (a pair must agree with
+    itself before it is compared with the cache: semantics.md 2 "Storage
+    dtype"), and nothing changes."""
+    if differs not in PAIR_FIELDS:
+        raise InvalidArgumentError(
+            f"append_pair_mismatch: differs must be one of {', '.join(PAIR_FIELDS)}, got {differs!r}")
+    if n < 1:
+        raise InvalidArgumentError(f"append: n must be >= 1, got {n}")
+    raise InvalidArgumentError(f"append: keys and values must agree on {differs} (a K/V pair agrees with itself)")
+
+
 def holds_buffer(world: DenseWorld) -> bool:
     """Whether the cache holds a buffer (then an append's rows must match it)."""
     return world.cache.buffer is not None
@@ -754,6 +776,8 @@ def apply_op(world: DenseWorld, op: dict) -> tuple[object, DenseWorld]:
         return w_copy(world, op["name"], op.get("live", "original"))
     if name == "append_mismatch":
         return w_append_mismatch(world, op["n"], op["differs"])
+    if name == "append_pair_mismatch":
+        return w_append_pair_mismatch(world, op["n"], op["differs"])
     if name == "reload":
         return w_reload(world, op.get("via", "file"))
     if name == "detach":

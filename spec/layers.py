@@ -286,10 +286,21 @@ def w_append_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[None, L
     return dense.w_append_mismatch(world.layers[0], n, differs)  # type: ignore[arg-type,return-value]
 
 
+def w_append_pair_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[None, LayersWorld]:
+    """A forward pass handing every layer a K/V pair whose values disagree
+    with its keys in ``differs`` (dtype, batch, kv heads, rows): every layer
+    refuses it, empty or not (``spec.dense.w_append_pair_mismatch``, the
+    rule of each kind), and nothing changes in any layer;
+    InvalidArgumentError."""
+    return dense.w_append_pair_mismatch(world.layers[0], n, differs)  # type: ignore[arg-type,return-value]
+
+
 #: How a layer refuses its part of a list trim (kvtrace ``trim_refused_late``'s
 #: ``how``): its ``trim`` raises, or gives back fewer rows than its bounds
-#: promised (none: a ring failing closed).
-LATE_TRIM_REFUSALS = ("raises", "short")
+#: promised (none: a ring failing closed), or (``partial``) really trims and
+#: then raises: the refusing layer itself changed, so the list trim must
+#: undo it too, not only the layers before it.
+LATE_TRIM_REFUSALS = ("raises", "short", "partial")
 
 
 def check_late_trim(n: object, layer: object, how: object, layers: int) -> None:
@@ -312,7 +323,8 @@ def w_trim_refused_late(world: LayersWorld, n: int, layer: int, how: str) -> tup
     its promise of an exact trim. The list trim is all or none
     (semantics.md 6, "trim_refused_late"): when :func:`list_trim_count` is
     0 no layer is asked and 0 is returned; otherwise StateError, and every
-    layer is exactly as it was (contents, counters, ownership of its
+    layer (the refusing one included, which with ``how="partial"`` trimmed
+    its rows before it raised) is exactly as it was (contents, counters, ownership of its
     buffers, a ring's undo log). Raises InvalidArgumentError for a
     non-integer ``n``, a layer index out of range or another ``how``."""
     check_late_trim(n, layer, how, len(world.layers))
@@ -402,6 +414,8 @@ def apply_op(world: LayersWorld, op: dict) -> tuple[object, LayersWorld]:
         return w_copy(world, op["name"], op.get("live", "original"))
     if name == "append_mismatch":
         return w_append_mismatch(world, op["n"], op["differs"])
+    if name == "append_pair_mismatch":
+        return w_append_pair_mismatch(world, op["n"], op["differs"])
     if name == "drop":
         return w_drop(world, op["name"])
     if name == "hold":

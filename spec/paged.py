@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from spec.dense import Entry, w_append_mismatch
+from spec.dense import Entry, w_append_mismatch, w_append_pair_mismatch
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MAIN = "main"
@@ -500,14 +500,30 @@ def snapshots_by_fork(op: str) -> UnsupportedOperationError:
     return UnsupportedOperationError(f"{op}: a paged cache snapshots by fork and release, not {op}")
 
 
-#: What a spent handle is used for again (kvtrace ``handle_reuse``'s ``do``).
-HANDLE_REUSES = ("append", "fetch", "trim", "release")
+#: What a spent handle is used for again (kvtrace ``handle_reuse``'s
+#: ``use``): every public method and property of the handle class that
+#: reaches its sequence (``append`` is ``update_and_fetch``; ``set_state`` /
+#: ``set_meta_state`` assign the property). The fuzzer derives the uses it
+#: draws from the class itself (``fuzz.paged.handle_api``) and a test holds
+#: this tuple to that set, so a method added to the handle is driven and
+#: needs its answer here.
+HANDLE_REUSES = ("append", "fetch", "trim", "release", "trim_to", "trim_front", "trim_front_keep_sink", "fork",
+                 "offset", "live_len", "size", "empty", "nbytes", "state", "set_state", "meta_state",
+                 "set_meta_state", "make_mask")
+#: The word a refused reuse names (the operation the handle refuses):
+#: ``use`` itself unless listed (``size()`` reads ``offset``, ``empty()``
+#: ``live_len``, ``meta_state =`` compares with the ``meta_state`` it reads).
+REUSE_WORDS = {"size": "offset", "empty": "live_len", "set_state": "state", "set_meta_state": "meta_state",
+               "trim_front_keep_sink": "trim_front"}
 
 
 def handle_reuse(world: PagedWorld, seq: str, use: str) -> tuple[None, PagedWorld]:
     """The handle (``PagedKVCache``) of sequence ``seq`` that a release
-    consumed, used again (``use``: append a row, fetch, trim a row,
-    release): refused with StateError and nothing changes, also once a new
+    consumed, used again (``use``: one of :data:`HANDLE_REUSES`, every
+    method and property of the handle that reaches its sequence: append a
+    row, fetch, trims, fork, release, the protocol accessors, ``state`` and
+    ``meta_state`` read or assigned, ``make_mask``): refused with StateError
+    naming the operation (:data:`REUSE_WORDS`) and nothing changes, also once a new
     sequence (a fork ``as`` that name) took the name: a spent handle never
     reaches another sequence's blocks (semantics.md 4, "handle reuse").
     StateError too when no release consumed a handle of that name (the
@@ -516,7 +532,7 @@ def handle_reuse(world: PagedWorld, seq: str, use: str) -> tuple[None, PagedWorl
         raise InvalidArgumentError(f"handle_reuse: use must be one of {', '.join(HANDLE_REUSES)}, got {use!r}")
     if seq not in world.spent:
         raise StateError(f"handle_reuse: no handle of a released sequence named {seq!r}")
-    raise StateError(f"{use}: the handle of sequence {seq!r} was consumed by its release "
+    raise StateError(f"{REUSE_WORDS.get(use, use)}: the handle of sequence {seq!r} was consumed by its release "
                      f"(take a new handle: PagedKVCache(pool, {seq!r}))")
 
 
@@ -551,6 +567,17 @@ def append_mismatch(world: PagedWorld, seq: str, n: int, differs: str) -> tuple[
     raise AssertionError("unreachable")
 
 
+def append_pair_mismatch(world: PagedWorld, seq: str, n: int, differs: str) -> tuple[None, PagedWorld]:
+    """An append to ``seq`` of a K/V pair whose values disagree with its
+    keys in ``differs`` (dtype, batch, kv heads, rows): refused with
+    InvalidArgumentError on any pool, slabs or not, nothing changes (the
+    rule of ``spec.dense.w_append_pair_mismatch``; StateError first for an
+    unknown sequence)."""
+    _require(world, "append", seq)
+    w_append_pair_mismatch(world, n, differs)  # type: ignore[arg-type]  # always raises
+    raise AssertionError("unreachable")
+
+
 def load_state(world: PagedWorld, seq: str) -> PagedWorld:
     """``cache.state = rows`` on sequence ``seq`` with its own window's rows:
     a new table of fresh blocks (the lowest free, the pool grown by chunks
@@ -560,8 +587,32 @@ def load_state(world: PagedWorld, seq: str) -> PagedWorld:
     Raises StateError (pool exhausted, nothing changed) when the new blocks
     do not fit beside the old ones."""
     s, window = _require(world, "state", seq)
+    return _assigned(world, seq, s, [e.token for e in window])
+
+
+def state_assign(world: PagedWorld, seq: str, n: int) -> tuple[None, PagedWorld]:
+    """``cache.state = (keys, values)`` on sequence ``seq``'s handle with
+    ``n`` new rows (the next ``n`` token identities; ``n == 0``: ``state =
+    ()``, the sequence emptied): as :func:`load_state` says, a new table of
+    fresh blocks holds them from position 0 and only then are the old
+    table's blocks released; length = n, start 0, the sequence's handles
+    stay live. Raises StateError for an unknown sequence, and StateError
+    (pool exhausted) when the new blocks do not fit beside the old ones: a
+    refused assignment changes nothing (not the table, not a block, not a
+    refcount: the old blocks are still the sequence's). InvalidArgumentError
+    for ``n < 0``."""
+    s, _ = _require(world, "state", seq)
+    n = _check_count("state", "n", n)
+    if n < 0:
+        raise InvalidArgumentError(f"state: n must be >= 0, got {n}")
+    world = _assigned(world, seq, s, list(range(world.next_token, world.next_token + n)))
+    return None, replace(world, next_token=world.next_token + n)
+
+
+def _assigned(world: PagedWorld, seq: str, s: Sequence, tokens: list[int]) -> PagedWorld:
+    """Sequence ``seq`` (now ``s``) holding ``tokens`` from position 0 in
+    fresh blocks, its old blocks released after (:func:`load_state`)."""
     bs = world.pool.block_size
-    tokens = [e.token for e in window]
     pool = reserve(world.pool, "append", table_len(len(tokens), bs))
     table: list[int] = []
     for i, token in enumerate(tokens):
@@ -637,10 +688,14 @@ def apply_op(world: PagedWorld, op: dict) -> tuple[object, PagedWorld]:
         raise copy_refused(op.get("deep", True))
     if name == "append_mismatch":
         return append_mismatch(world, seq, op["n"], op["differs"])
+    if name == "append_pair_mismatch":
+        return append_pair_mismatch(world, seq, op["n"], op["differs"])
     if name == "reload":
         return reload(world, seq, op.get("via", "file"))
     if name == "handle_reuse":
         return handle_reuse(world, seq, op.get("use", "append"))
+    if name == "state_assign":
+        return state_assign(world, seq, op["n"])
     raise UnsupportedOperationError(f"{name}: not an operation of a paged cache")
 
 

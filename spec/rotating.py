@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec.dense import MAX_STEP, Entry, Mode, w_append_mismatch
+from spec.dense import MAX_STEP, Entry, Mode, w_append_mismatch, w_append_pair_mismatch
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -697,6 +697,8 @@ def apply_op(world: RotatingWorld, op: dict) -> tuple[object, RotatingWorld]:
         return w_copy(world, op["name"], op.get("live", "original"))
     if name == "append_mismatch":
         return w_append_mismatch(world, op["n"], op["differs"])  # type: ignore[arg-type]
+    if name == "append_pair_mismatch":
+        return w_append_pair_mismatch(world, op["n"], op["differs"])  # type: ignore[arg-type]
     if name == "reload":
         return w_reload(world, op.get("via", "file"))
     raise unsupported(name)

@@ -73,3 +73,40 @@ def test_prefix_sharing_scenario_catches_a_shared_block_write():
 
     result = run_scenario("prefix_sharing", factories=by_name("paged_no_cow").factories)
     assert not result.ok and "shared tail block" in result.detail
+
+
+def test_handle_reuses_are_derived_from_the_handle_class():
+    """The uses the fuzzer draws for a spent handle come from
+    PagedKVCache's public methods and properties (not a hand list), and the
+    spec answers exactly those: a method added to the handle is drawn, and
+    the spec must say what it does on a spent handle."""
+    import inspect
+
+    from fuzz.paged import NOT_REUSES, handle_api
+    from impl.paged import PagedKVCache
+    from spec import paged as sp
+
+    api = handle_api()
+    assert set(api) == set(sp.HANDLE_REUSES)
+    public = {n for n, _ in inspect.getmembers(PagedKVCache) if not n.startswith("_")}
+    assert {m for m, _ in api.values()} | set(NOT_REUSES) == public
+
+    class Grown(PagedKVCache):
+        def rewind(self, n: int) -> int:
+            return self.trim(n)
+
+    assert "rewind" in handle_api(Grown) and "rewind" not in sp.HANDLE_REUSES
+
+
+def test_every_use_of_a_spent_handle_is_refused_and_changes_nothing():
+    """Each use of a released sequence's handle, after a fork took the name:
+    refused (StateError, the spec's words), the new sequence untouched."""
+    from fuzz.paged import handle_api
+
+    lock = paged_lock()
+    ops = [{"op": "append", "n": 3}, {"op": "fork", "as": "f"}, {"op": "append", "n": 1, "seq": "f"},
+           {"op": "release", "seq": "f"}, {"op": "fork", "as": "f"}]
+    ops += [{"op": "handle_reuse", "seq": "f", "use": use, "error": True} for use in sorted(handle_api())]
+    ops += [{"op": "expect", "of": "f", "window": [0, 1, 2]}]
+    for i, op in enumerate(ops):
+        lock.step(i, op)

@@ -149,3 +149,37 @@ def test_state_never_aliases_future_writes():
     c.trim(2)
     fill(c, 2, 20)
     assert firsts(k) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_int8_decode_after_a_prefill_on_the_copying_path_matches_the_oracle(dtype):
+    """An Int8 decode after a prefill with the in-place switch off (the
+    copying write: every array of the store, the scale sidecars included,
+    goes through ``write_copy``): the whole window equals what the NumPy
+    oracle (fuzz.quant_ref, written from the rule, not from impl.quant)
+    says each row reads back as. K and V rows of very different
+    magnitudes (K up to float16's edge), so K scales taken from the V rows,
+    or V's from K's, show in the window."""
+    from fuzz.quant_ref import int8_oracle_host
+
+    rng = np.random.default_rng(7)
+    k_all = rng.standard_normal((2, 2, 5, 8)) * np.array([1e4, 3.0, 0.01, 6e4, 1.0])[None, None, :, None]
+    v_all = rng.standard_normal((2, 2, 5, 4)) * np.array([0.5, 2e3, 7.0, 1e-3, 4e2])[None, None, :, None]
+    k_all = np.clip(k_all, -65000.0, 65000.0)
+    # a row at float16's edge (bfloat16's largest value below it): in float16 its read-back saturates
+    k_all[..., 3, 0] = 65280.0 if dtype == mx.bfloat16 else 65504.0
+    host = np.float16 if dtype == mx.float16 else np.float32
+
+    def as_mx(a):
+        return mx.array(a.astype(np.float32)).astype(dtype)
+
+    c = KVCache(mode="int8", step=8, inplace=False)
+    c.update_and_fetch(as_mx(k_all[:, :, :4]), as_mx(v_all[:, :, :4]))  # the prefill
+    k, v = c.update_and_fetch(as_mx(k_all[:, :, 4:]), as_mx(v_all[:, :, 4:]))  # the decode step
+    assert not c.last_write_inplace
+    name = str(dtype).rsplit(".", 1)[-1]
+    for got, rows_in in ((k, k_all), (v, v_all)):
+        given = np.asarray(as_mx(rows_in).astype(mx.float32), dtype=host)  # the rows as handed in
+        want = int8_oracle_host(given, name)
+        assert got.dtype == dtype
+        assert np.array_equal(np.asarray(got.astype(mx.float32)), want.astype(np.float32))

@@ -137,10 +137,11 @@ def test_a_failure_past_the_checks_rolls_the_earlier_layers_back():
     assert [c.offset for c in caches] == [4, 4]
 
 
-@pytest.mark.parametrize("how", ["raises", "short"])
+@pytest.mark.parametrize("how", ["raises", "short", "partial"])
 def test_a_layer_refusing_its_trim_late_changes_no_layer(how):
     """The last layer refuses its part of a list trim after the others
-    trimmed (its trim raises, or trims nothing): StateError, and every
+    trimmed (its trim raises, trims nothing, or trims for real and then
+    raises, so the put-back must undo the refusing layer too): StateError, and every
     layer keeps its rows, offset and ownership (the next decode of the
     dense layer still goes in place) and the ring its undo log (a trim of
     one row after the wrap still rolls back exactly)."""
@@ -151,6 +152,9 @@ def test_a_layer_refusing_its_trim_late_changes_no_layer(how):
         def trim(self, n):
             if not self.refuse:
                 return super().trim(n)
+            if how == "partial":
+                super().trim(n)
+                raise StateError("planted: the ring trimmed, then refused")
             if how == "raises":
                 raise StateError("planted: the ring refuses its trim")
             return 0
@@ -161,7 +165,7 @@ def test_a_layer_refusing_its_trim_late_changes_no_layer(how):
             c.update_and_fetch(tokens_rows(t, 1), tokens_rows(t, 1))
     before = [window(c) for c in caches]
     caches[1].refuse = True
-    with pytest.raises(StateError, match="planted" if how == "raises" else "broke its promise"):
+    with pytest.raises(StateError, match="broke its promise" if how == "short" else "planted"):
         trim_prompt_cache(caches, 1)
     assert [window(c) for c in caches] == before and [c.offset for c in caches] == [3, 3]
     caches[1].refuse = False

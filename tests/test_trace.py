@@ -173,9 +173,9 @@ _FIELDS = {
     "expect": ["window", "of", "order", "layer"], "fetch": [], "hold": [], "release_hold": [],
     "can_trim": [], "layer": ["index", "do"],
     "state_snapshot": ["name"], "state_restore": ["name"],
-    "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "reload": ["via", "env"],
+    "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "append_pair_mismatch": ["n", "differs"], "reload": ["via", "env"],
     "restore_mixed": ["name", "layer", "source"], "trim_refused_late": ["n", "layer", "how"],
-    "handle_reuse": ["seq", "use"],
+    "handle_reuse": ["seq", "use"], "state_assign": ["seq", "n"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -191,9 +191,10 @@ _VALID = {
     "do": st.sampled_from([{"op": "fetch"}, {"op": "trim_front", "n": 1}, {"op": "trim_front", "n": 1, "keep": 0}]),
     "live": st.sampled_from(["original", "copy"]),
     "differs": st.sampled_from(["batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype"]),
+    "pair": st.sampled_from(["dtype", "batch", "kv_heads", "rows"]),
     "via": st.sampled_from(["file", "state"]),
-    "how": st.sampled_from(["raises", "short"]),
-    "use": st.sampled_from(["append", "fetch", "trim", "release"]),
+    "how": st.sampled_from(["raises", "short", "partial"]),
+    "use": st.sampled_from(["append", "fetch", "trim", "release", "trim_front_keep_sink", "set_state", "nbytes"]),
     "env": st.sampled_from(["0", "1", " OFF", "x" * 64]),
 }
 _BAD = {
@@ -207,6 +208,7 @@ _BAD = {
     "do": st.sampled_from([{}, {"op": "append"}, {"op": "fetch", "x": 1}, {"op": "trim_front", "n": "a"}, 3]),
     "live": st.sampled_from(["both", 1, None]),
     "differs": st.sampled_from(["heads", "", 2]),
+    "pair": st.sampled_from(["k_head_dim", "heads", "", 2]),
     "via": st.sampled_from(["disk", True]),
     "how": st.sampled_from(["both", 1]),
     "use": st.sampled_from(["write", 1]),
@@ -221,6 +223,14 @@ _OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy":
              "trim_refused_late": {"how"}, "handle_reuse": {"use"}}
 
 
+def _field_kind(op: str, f: str, default: str | None = None) -> str:
+    if (op, f) in (("append", "n"), ("append_mismatch", "n"), ("append_pair_mismatch", "n")):
+        return "count"
+    if (op, f) == ("append_pair_mismatch", "differs"):
+        return "pair"
+    return _KIND[f] if default is None else _KIND.get(f, default)
+
+
 @st.composite
 def _ops(draw):
     """Mostly valid ops, then at most one perturbation: a field's value from
@@ -230,12 +240,12 @@ def _ops(draw):
     for f in _FIELDS[name] + draw(st.lists(st.sampled_from(["returns", "error", "inplace", "capacity"]), max_size=2)):
         if f in _OPTIONAL.get(name, ()) and draw(st.booleans()):
             continue
-        kind = "count" if (name, f) in (("append", "n"), ("append_mismatch", "n")) else _KIND[f]
+        kind = _field_kind(name, f)
         op[f] = draw(_VALID[kind])
     how = draw(st.sampled_from(["none", "none", "value", "value", "remove", "add"]))
     if how == "value":
         f = draw(st.sampled_from(sorted(op)))
-        kind = "count" if (name, f) in (("append", "n"), ("append_mismatch", "n")) else _KIND.get(f, "any")
+        kind = _field_kind(name, f, "any")
         op[f] = draw(st.one_of(_BAD[kind], _values))
     elif how == "remove":
         del op[draw(st.sampled_from(sorted(op)))]

@@ -278,6 +278,41 @@ class Int8ZeroRowScaleZero(KVCache):
     quantize_rows = staticmethod(quantize_zero_scale)
 
 
+class PairRowsTruncated(KVCache):
+    """A K/V pair whose values carry more rows than its keys is taken, the
+    values cut to the keys' rows, instead of refused (the pair's own
+    agreement on S is not checked; a cache compares each array with its
+    buffer only on batch, heads and head dim, so rows of another S never
+    fail that check)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if (isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4 and values.ndim == 4
+                and values.shape[2] > keys.shape[2]):
+            values = values[:, :, : keys.shape[2]]
+        return super().update_and_fetch(keys, values)
+
+
+class DequantizeUnclipped(KVCache):
+    """The Int8 read-back without its float16 saturation (the clip dropped
+    from the dequantizer): ``q * scale`` is rounded straight to float16, so
+    a row whose largest value is 65504 (scale 516, q 127: 65532) comes back
+    as inf. Only rows at float16's edge reach it."""
+
+    def _unclipped(self, window: Any) -> Any:
+        b = self.buffers
+        if window is None or b is None or b.key_scales is None or b.dtype != mx.float16:
+            return window
+        ix = (slice(None), slice(None), slice(0, self.live_len))
+        return tuple((q[ix].astype(mx.float32) * s[ix].astype(mx.float32)).astype(mx.float16)
+                     for q, s in ((b.keys, b.key_scales), (b.values, b.value_scales)))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._unclipped(super().update_and_fetch(keys, values))
+
+    def fetch(self) -> tuple[mx.array, mx.array] | None:
+        return self._unclipped(super().fetch())
+
+
 # -- GPU-only: the CUDA write layer (impl.write), run with --device gpu --------------
 class KernelOrderedByDepends(KVCache):
     """The CUDA kernel write is not evaluated before the window is returned;
@@ -519,6 +554,19 @@ BUGS: tuple[InjectedBug, ...] = (
         "append_batch_unchecked", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
         "batched serving: a request joins a cache of another batch", "dense", ("fp16",),
         "KVCache._check_compatible", "rows of another batch are not refused", {"dense": AppendBatchUnchecked},
+    ),
+    InjectedBug(
+        "pair_rows_truncated", "spec.dense.w_append_pair_mismatch (a K/V pair agrees with itself on dtype, B, H, S)",
+        "a K/V pair that disagrees with itself, never driven by the fuzzer (issue 26, breaker B1)", "dense", ("fp16",),
+        "KVCache.update_and_fetch", "values with more rows than the keys are cut to the keys' rows, not refused",
+        {"dense": PairRowsTruncated},
+    ),
+    InjectedBug(
+        "int8_dequantize_unclipped", "semantics.md 2, Storage (Int8 read-back saturated to +-65504 in float16)",
+        "a fused dequantizer that lost its float16 clip (issue 26, breaker B11)", "dense", ("int8",),
+        "impl.quant.dequantize_int8", "the Int8 window is q * scale rounded to float16 without the saturation: "
+        "a row at float16's edge reads back as inf",
+        {"dense": DequantizeUnclipped},
     ),
     InjectedBug(
         "pair_dtype_cast", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",

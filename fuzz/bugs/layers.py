@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
 from fuzz.layers import ListOps
-from impl.layers import _list_trim_count, _trim_bounds
+from impl.layers import _fields, _list_trim_count, _put_back, _trim_bounds
 from impl.rotating import RotatingKVCache
 from spec.errors import StateError
 
@@ -107,6 +107,31 @@ class TrimWithoutRollback(ListOps):
         return count
 
 
+class TrimPutBackSkipsRefuser(ListOps):
+    """The list trim's put-back after a late refusal is off by one: it puts
+    back the layers that trimmed and returned the count (``caches[:done]``)
+    but not the refusing layer itself, which may have changed before it
+    raised (a layer that trims its rows, then fails)."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        bounds = tuple(_trim_bounds(c) for c in caches)
+        count = _list_trim_count(n, bounds)
+        if count == 0:
+            return 0
+        saved = [_fields(c) for c in caches]
+        done = 0
+        try:
+            for c in caches:
+                if c.trim(count) != count:
+                    raise StateError(f"trim_prompt_cache: layer {done} broke its promise of an exact trim")
+                done += 1
+        except BaseException:
+            for c, fields in zip(caches[:done], saved):
+                _put_back(c, fields)
+            raise
+        return count
+
+
 class CopyListNotLayers(ListOps):
     """The prompt-cache store copies the list, not its layers
     (``copy.copy(prompt_cache)`` / ``list(prompt_cache)``): the "copy" holds
@@ -166,6 +191,13 @@ BUGS: tuple[InjectedBug, ...] = (
         "a layer that breaks its promise of an exact trim inside a list (issue 26)", "layers", ("fp16",),
         "impl.layers.trim_prompt_cache", "a layer's late refusal leaves the layers before it trimmed",
         {"layers": {"layers": TrimWithoutRollback}},
+    ),
+    InjectedBug(
+        "list_trim_putback_skips_refuser",
+        "spec.layers.w_trim_refused_late (a list trim a layer refuses late changes no layer, the refusing one too)",
+        "a put-back off by one after a layer that trimmed, then refused (issue 26, breaker B6)", "layers", ("fp16",),
+        "impl.layers.trim_prompt_cache", "the put-back after a late refusal skips the refusing layer itself",
+        {"layers": {"layers": TrimPutBackSkipsRefuser}},
     ),
     InjectedBug(
         "list_copy_shares_layers", "spec.layers.w_copy (a copy of the list copies every layer)",

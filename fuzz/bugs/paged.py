@@ -8,6 +8,7 @@ import copy
 import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
+from impl.dense import _check_rows
 from impl.paged import BlockPool, BlockTable, PagedKVCache, Sequence, table_len
 from spec.errors import InvalidArgumentError, StateError
 
@@ -164,6 +165,53 @@ class StateLoadReleasesFirst(PagedKVCache):
     state = property(PagedKVCache.state.fget, _load_releasing_first)  # type: ignore[assignment]
 
 
+def _assign_releasing_first_to_grow(self: PagedKVCache, v: tuple[mx.array, ...]) -> None:
+    old = self._live("state")
+    if v:
+        _check_rows("state", v[0], v[1])
+        self.pool._check_compatible(v[0], v[1])
+    rows = int(v[0].shape[2]) if v else 0
+    name = f"{self.seq}\x00state"
+    grows = table_len(rows, self.pool.block_size) > len(old.held())
+    if grows:  # "make room": the old blocks go back first
+        for block in old.held():
+            self.pool._release_block(block)
+    self.pool.create(name)
+    try:
+        if v:
+            self.pool.append(name, v[0], v[1])
+    except Exception:
+        self.pool.release(name)
+        raise
+    new = self.pool.seqs.pop(name)
+    if not grows:
+        for block in old.held():
+            self.pool._release_block(block)
+    old.table, old.length, old.start, old.mirror = new.table, new.length, new.start, new.mirror
+
+
+class StateAssignReleasesFirstToGrow(PagedKVCache):
+    """``cache.state = rows`` with more rows than the sequence's blocks
+    hold gives the old blocks back to the pool first, to make room: the
+    rows land in the blocks just freed (other block ids than the rule's),
+    and when the pool is exhausted anyway the refusal leaves the sequence
+    pointing at blocks it released (a partial change before a refusal). A
+    load of the sequence's own rows never grows, so only an assignment of
+    other rows reaches it."""
+
+    state = property(PagedKVCache.state.fget, _assign_releasing_first_to_grow)  # type: ignore[assignment]
+
+
+class SinkTrimSkipsSpentCheck(PagedKVCache):
+    """``trim_front_keep_sink`` without the spent-handle check the other
+    operations keep: a released sequence's handle front-trims whatever
+    sequence took its name since (or the pool refuses an unknown name in
+    its own words), instead of refusing as spent."""
+
+    def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        return self.pool.trim_front(self.seq, n, keep)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "paged_no_cow", "semantics.md 4, copy on write (spec.paged.needs_copy_on_write)",
@@ -221,6 +269,13 @@ BUGS: tuple[InjectedBug, ...] = (
         {"paged": SpentHandleByName},
     ),
     InjectedBug(
+        "paged_sink_trim_spent_handle", "spec.paged.handle_reuse (every method of a released sequence's handle refuses)",
+        "a handle method that forgets the spent-handle check the others keep (issue 26, breaker B7)", "paged",
+        ("fp16",), "PagedKVCache.trim_front_keep_sink", "trim_front_keep_sink on a spent handle reaches the pool "
+        "by name: it front-trims the sequence that took the name since, or is refused in the pool's words",
+        {"paged": SinkTrimSkipsSpentCheck},
+    ),
+    InjectedBug(
         "paged_file_saves_sequence", "spec.paged.reload (a file cannot hold a paged sequence)",
         "prompt-cache files of pool-backed caches (issue 26)", "paged", ("fp16",),
         "PagedKVCache.refuse_prompt_cache_file", "a sequence is saved as its gathered rows and loads as a pool of its own",
@@ -231,5 +286,14 @@ BUGS: tuple[InjectedBug, ...] = (
         "mlx-lm's load order (state, then meta_state) on a pool sequence (issue 26)", "paged", ("fp16",),
         "PagedKVCache.state (setter)", "the setter frees the sequence's blocks before writing the rows into them",
         {"paged": StateLoadReleasesFirst},
+    ),
+    InjectedBug(
+        "paged_state_assign_releases_first",
+        "spec.paged.state_assign (fresh blocks first, the old ones released after; a refusal changes nothing)",
+        "a state setter that frees the old blocks before a refusal can come (issue 26, breaker B13)", "paged",
+        ("fp16",), "PagedKVCache.state (setter)", "an assignment of more rows than the sequence's blocks hold "
+        "releases the old blocks first: other blocks than the rule's, and a refused (pool-exhausted) assignment "
+        "leaves the sequence on freed blocks",
+        {"paged": StateAssignReleasesFirstToGrow},
     ),
 )
