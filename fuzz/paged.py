@@ -496,8 +496,8 @@ class PagedMachine(LifecycleRules, KVMachine):
         """A handle that a release consumed, used again (a scheduler that
         keeps a finished request's cache object): fork a sequence, write to
         it, release it, often fork a new sequence under the same name, then
-        use the old handle again, in every way in turn (from a drawn one):
-        each of its public methods and properties
+        use the old handle again in many ways in turn (from a drawn one, as
+        many as drawn): its public methods and properties
         (:func:`handle_api`, derived from the class: append, fetch, every
         trim, fork, release, the protocol accessors, ``state`` and
         ``meta_state`` read or assigned, ``make_mask``). Refused, nothing
@@ -512,7 +512,10 @@ class PagedMachine(LifecycleRules, KVMachine):
             self.do({"op": "fork", "from": self.pick(data, "from"), "as": name})
         uses = sorted(handle_api(self.lock.cache_class))
         at = uses.index(data.draw(st.sampled_from(uses), label="first use"))
-        for use in uses[at:] + uses[:at]:  # each refused, nothing changed: every one in turn
+        # each refused, nothing changed: the uses in turn from the first, as many as drawn (a
+        # shrunk failure keeps the one that went through)
+        count = data.draw(st.integers(1, len(uses)), label="uses")
+        for use in (uses[at:] + uses[:at])[:count]:
             self.do({"op": "handle_reuse", "seq": name, "use": use})
 
     @rule(data=st.data())
