@@ -92,6 +92,10 @@ def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tupl
 
     def check() -> None:
         for kwargs, want, mask in calls:
+            if kwargs.get("return_array") and not isinstance(mask, mx.array):
+                # asked for an array: None or "causal" is the wrong form, whatever it denotes
+                raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs", "an array",
+                                 f"unexpected form {type(mask).__name__}")
             got = mask_matrix(mask, n, want.shape[1])
             if got is None or not same_mask(got, want):
                 raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs",
@@ -122,16 +126,24 @@ def check_dense_masks(lock: Any, op: dict[str, Any], live_len: int, cache: Any, 
     lock.reached("dense masks checked")
 
 
+def ring_windows(max_size: int, keep: int) -> list[int | None]:
+    """Windows a ring's masks are checked with (``narrow``): its own
+    (None), one narrower (``W - 1``: where each position sits), the edges
+    around the sinks (1, ``keep``, ``keep + 1``: a window at or below the
+    sinks hides even the query's own key unless it is a sink) and one wider
+    than the ring (``W + 2``). A decode with the full window sees every
+    key, so only the others check where each position sits."""
+    out: list[int | None] = [None, max_size - 1, 1, keep, keep + 1, max_size + 2]
+    return [w for w in dict.fromkeys(out) if w is None or w >= 1]
+
+
 def check_ring_masks(lock: Any, op: dict[str, Any], spec_cache: sr.RotatingCache, cache: Any,
                      narrow: bool, prefix: str = "") -> None:
     """``cache.make_mask`` for the append ``op`` against
     spec.rotating.make_mask_spec, with the ring's own window and (``narrow``)
-    a narrower one: with the full window a decode sees every key, so only a
-    narrower one checks where each position sits."""
+    the windows of :func:`ring_windows`."""
     n = op["n"]
-    windows: list[int | None] = [None]
-    if narrow and spec_cache.max_size - 1 > spec_cache.keep:
-        windows.append(spec_cache.max_size - 1)
+    windows: list[int | None] = ring_windows(spec_cache.max_size, spec_cache.keep) if narrow else [None]
     cases = [(window, _spec_matrix(sr.make_mask_spec(spec_cache, n, window))) for window in windows]
     _compare(lock, op, cache, n, cases, prefix)
     lock.reached("masks checked")
