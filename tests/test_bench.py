@@ -116,6 +116,43 @@ def test_each_comparison_is_measured_in_one_round_robin_with_its_floor():
                          "rollback k=2: mlx-lm KVCache"}
 
 
+def test_each_reported_cell_holds_the_tick_that_measured_it(monkeypatch):
+    """run_decoder maps interleave's medians back to (row, context) cells:
+    with fake ticks that each return their own identity, every cell must
+    hold its own row's tick at its own context (a transposed index passed
+    the consistency checks above)."""
+    from fuzz.commands import bench_decoder as bd
+
+    made: dict[int, tuple[str, int]] = {}
+
+    def fake_rows(context, layers, dtype):
+        def maker(name):
+            def make():
+                key = len(made)
+                made[key] = (name, context)
+                tick = lambda: float(key)
+                tick.key = key
+                return tick
+            return make
+        return {name: maker(name) for name in real(16, 1, dtype)}
+
+    real = bd.decoder_rows
+    monkeypatch.setattr(bd, "decoder_rows", fake_rows)
+    only = ["decode in place", "rollback k=3"]
+    rows, floors = bd.run_decoder([16, 24, 40], 1, 1, lambda ticks, r: [t.key * 1e-3 for t in ticks], only=only,
+                                  say=lambda m: None)
+    assert set(rows) == {"decode in place: ours", "decode in place: mlx-lm KVCache", "rollback k=3: ours",
+                         "rollback k=3: mlx-lm KVCache", "attention only, 3 queries (floor of rollback k=3)"}
+    for name, by in rows.items():
+        for n, ms in by.items():
+            # the last tick made for (name, n): the one interleaved (earlier ones were the probes)
+            assert made[round(ms)] == (name, n), (name, n, ms)
+    for name, by in floors.items():
+        for n, ms in by.items():
+            floor = name if name.startswith("attention only") else bd.floor_of(name)  # a floor is its own
+            assert made[round(ms)] == (floor, n), (name, n, ms)
+
+
 def test_an_unwritable_record_folder_exits_2_before_the_bench_runs(capsys, monkeypatch, tmp_path):
     from fuzz.commands.cli import main
 

@@ -112,3 +112,38 @@ def test_two_workers_share_one_redis_database_and_a_killed_worker_loses_nothing(
     b = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", url, "--out", str(tmp_path / "b"), *NO_SHRINK))
     assert b["examples_to_catch"] == 1, b
     assert json.loads(Path(b["trace"]).read_text())["ops"]  # and writes its kvtrace as always
+
+
+PROBE = """
+import json, sys
+import fuzz.hypofuzz_targets as t
+from hypothesis import settings
+tests = t.build()
+s = settings()
+print(json.dumps({"db": getattr(s.database, "path", None) and str(s.database.path), "db_type": type(s.database).__name__,
+                  "derandomize": s.derandomize, "steps": s.stateful_step_count, "want_steps": t.STEPS,
+                  "classes": sorted(tests),
+                  "class_settings": [[str(getattr(c.settings.database, "path", None)), c.settings.derandomize]
+                                     for c in tests.values()]}))
+"""
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_the_campaign_targets_use_the_database_and_settings_asked_for(tmp_path, ci):
+    """The settings HypoFuzz's workers run under are the campaign's own, with
+    or without CI in the environment (Hypothesis's "ci" profile sets
+    derandomize=True and no database; a campaign profile inheriting either
+    collects nothing or searches without the shared database)."""
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update({"KVSPEC_CAMPAIGN_DB": str(tmp_path / "db"), "KVSPEC_CAMPAIGN_ONLY": "dense/fp16/copy",
+                "KVSPEC_CAMPAIGN_OUT": str(tmp_path / "out"), "PYTHONPATH": str(REPO)})
+    if ci:
+        env["CI"] = "true"
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["db_type"] == "DirectoryBasedExampleDatabase" and got["db"] == str(tmp_path / "db"), got
+    assert got["derandomize"] is False and got["steps"] == got["want_steps"], got
+    assert got["classes"] == ["Test_dense_fp16_copy"]
+    assert got["class_settings"] == [[str(tmp_path / "db"), False]], got
