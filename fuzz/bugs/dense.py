@@ -278,6 +278,21 @@ class Int8ZeroRowScaleZero(KVCache):
     quantize_rows = staticmethod(quantize_zero_scale)
 
 
+class Int8ZeroValueRowScaleZero(KVCache):
+    """The values' twin of :class:`Int8ZeroRowScaleZero`: an all-zero V row's
+    scale stored as 0 (the keys keep the rule's 1). Every window is right;
+    only a stored-codes check that compares the values' codes and scales
+    as well as the keys' sees it (break_report5 #9: a check narrowed to the
+    keys passed the keys-side bug)."""
+
+    def _encode(self, keys: mx.array, values: mx.array) -> Any:
+        b = super()._encode(keys, values)
+        if self.mode != "int8":
+            return b
+        vq, vs = quantize_zero_scale(values)
+        return type(b)(b.keys, vq, b.key_scales, vs, b.out_dtype)
+
+
 class PairRowsTruncated(KVCache):
     """A K/V pair whose values carry more rows than its keys is taken, the
     values cut to the keys' rows, instead of refused (the pair's own
@@ -521,6 +536,12 @@ BUGS: tuple[InjectedBug, ...] = (
         "a zero-row guard on the codes instead of the scale (issue 26, harness mutants)", "dense", ("int8",),
         "impl.quant.quantize_int8", "an all-zero row is stored with scale 0: same window, other stored bytes",
         {"dense": Int8ZeroRowScaleZero},
+    ),
+    InjectedBug(
+        "int8_zero_value_row_scale_zero", "semantics.md 2, Storage (a zero row's scale is 1)",
+        "the zero-row guard lost on the values' path only (break_report5 #9)", "dense", ("int8",),
+        "KVCache._encode", "an all-zero V row is stored with scale 0: same window, other stored value scales",
+        {"dense": Int8ZeroValueRowScaleZero},
     ),
     InjectedBug(
         "gpu_kernel_ordered_by_depends", "semantics.md 5.1, window: a kernel write completes before any read of the window (the write layer's ordering rule)",
