@@ -72,6 +72,24 @@ class MaskAdmitsExtraKey(RotatingKVCache):
         return mask
 
 
+class DecodeMaskWindowIgnoresSinks(RotatingKVCache):
+    """make_mask(1)'s "every key visible" shortcut measures a wrapped ring's
+    oldest non-sink against the whole window, not the window less the sinks
+    (``W - K - 1 < window``): with sinks, a window of ``W - 1`` returns None
+    where the mask hides the oldest non-sink. Only a mask check narrower
+    than the ring sees it (break_report5 #7, #10)."""
+
+    def _decode_sees_every_key(self, window: int) -> bool:
+        W, K, q, idx = self.max_size, self.keep, self.offset, self.idx
+        if self.capacity > W:
+            idx = W
+        if idx >= W:
+            idx = K
+        if q == idx:
+            return q < K or q - K < window - K
+        return W - K - 1 < window
+
+
 class WarmupInplaceIgnoresMarker(RotatingKVCache):
     """restore takes the adopted buffers for its own (records a marker for
     them), so the next warm-up decode writes in place into memory the
@@ -209,6 +227,13 @@ class LoadKeepsUndoLog(RotatingKVCache):
 
 
 BUGS: tuple[InjectedBug, ...] = (
+    InjectedBug(
+        "decode_mask_window_ignores_sinks", "semantics.md 3, mask (exactly the window's keys)",
+        "an O(1) decode-mask shortcut that forgets the sinks (break_report5 #7)", "rotating", ("fp16",),
+        "RotatingKVCache._decode_sees_every_key",
+        "make_mask(1) returns None on a wrapped ring with sinks where a narrower window hides the oldest non-sink",
+        {"rotating": DecodeMaskWindowIgnoresSinks},
+    ),
     InjectedBug(
         "steady_state_inplace", "semantics.md 3, steady state copies",
         "public fix #1963: the flagship", "rotating", ("fp16",), "RotatingKVCache._inplace_write_allowed",
