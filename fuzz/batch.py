@@ -15,8 +15,15 @@ windows 2 to 8, ragged lengths so that rings wrap in some rows only):
   with ``right_padding``, the block, ``finalize``);
 * ``filter``: keep an ordered subset of the sequences;
 * ``extend``: merge fresh single caches and append them;
-* ``trim`` (dense): the same count from every sequence;
-* ``extract``: one sequence back as a single cache.
+* ``trim`` (dense): the same count from every sequence, counts from -3
+  (spec.batch: a trim of ``n <= 0`` takes nothing) to 4;
+* ``extract``: one sequence back as a single cache; a dense one then goes
+  on in lockstep with spec.dense at the batch's step (its step, capacity
+  and regrow on a few decode rows), so a lost setting is seen;
+* ``refused`` (dense): an argument spec.batch refuses: a filter with a
+  duplicate, out-of-range or no index, an out-of-range extract; both the
+  spec and the batch must raise InvalidArgumentError, and nothing may
+  change (layout, offsets, every window, the masks: the full check).
 
 After every op, for every sequence: its window (bytes) equals its single
 cache's, its offset equals the single's and the spec's, the layout equals
@@ -40,6 +47,8 @@ from hypothesis import strategies as st
 from impl.dense import KVCache
 from impl.rotating import RotatingKVCache
 from spec import batch as sb
+from spec import dense as sd
+from spec.errors import InvalidArgumentError
 
 
 class BatchDivergence(AssertionError):
@@ -170,6 +179,50 @@ class Run:
         if (one.offset, got) != (ref.offset, want):
             self.fail("extract", f"sequence {i}: offset {one.offset}, window {len(got)} arrays; "
                                  f"single cache offset {ref.offset}, window differs: {got != want}")
+        if not self.ring:
+            self.extracted_lockstep(i, one)
+
+    def extracted_lockstep(self, i: int, one: KVCache) -> None:
+        """The extracted cache against spec.dense: a fresh Fp16 cache of the
+        batch's step that took the sequence's rows in one block, then three
+        decode rows; step, offset and capacity must agree after each."""
+        step = self.shape.step
+        if one.step != step:
+            self.fail("extract", f"sequence {i}: extracted cache has step {one.step}, the batch's is {step}")
+        ref = sd.new_cache("fp16", step=step)
+        if one.offset:
+            _, ref = sd.append(ref, tuple(range(one.offset)))
+        for j in range(4):
+            if (one.offset, one.capacity) != (ref.offset, ref.capacity):
+                self.fail("extract", f"sequence {i} after {j} decode rows: offset {one.offset} capacity "
+                                     f"{one.capacity}, spec.dense at step {step}: offset {ref.offset} "
+                                     f"capacity {ref.capacity}")
+            one.update_and_fetch(*self.rows(1, 1))
+            _, ref = sd.append(ref, (ref.offset,))
+
+    def refused(self, arg: tuple[str, Any]) -> None:
+        """An argument spec.batch refuses: InvalidArgumentError from both,
+        and nothing changed (the full check against the singles and the
+        unchanged layout)."""
+        op, value = arg
+        self.log.append(f"{op} {value!r} (refused)")
+        assert self.layout is not None
+        spec_call = {"filter": lambda: sb.filter(self.layout, value), "extract": lambda: sb.extract(self.layout, value)}
+        try:
+            spec_call[op]()
+        except InvalidArgumentError:
+            pass
+        else:  # the draw is meant to be refused: a draw bug, not an impl one
+            raise AssertionError(f"spec.batch accepts {op} {value!r}: not a refused draw")
+        try:
+            getattr(self.batch, op)(list(value) if op == "filter" else value)
+        except InvalidArgumentError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
+            self.fail(op, f"{value!r} raised {type(exc).__name__}: {exc}; spec.batch raises InvalidArgumentError")
+        else:
+            self.fail(op, f"{value!r} accepted; spec.batch raises InvalidArgumentError")
+        self.check(op)
 
     # -- checks ----------------------------------------------------------------------
     def window(self, c: Any) -> list[bytes]:
@@ -224,6 +277,20 @@ class Run:
 LENGTHS = st.lists(st.integers(0, 6), min_size=1, max_size=3).map(tuple)
 
 
+def refused_args(b: int) -> st.SearchStrategy[tuple[str, Any]]:
+    """A filter or extract argument spec.batch refuses for a batch of
+    ``b``: a duplicate index, an index out of [0, b) (below or at/above),
+    no index at all; an extract index out of range."""
+    out_of_range = st.one_of(st.integers(-3, -1), st.integers(b, b + 2))
+    duplicate = st.lists(st.integers(0, b - 1), min_size=1, max_size=b).flatmap(
+        lambda keep: st.permutations(keep + [keep[0]]))
+    outside = st.tuples(st.lists(st.integers(0, b - 1), max_size=b - 1, unique=True), out_of_range).flatmap(
+        lambda t: st.permutations(t[0] + [t[1]]))
+    return st.one_of(
+        st.tuples(st.just("filter"), st.one_of(duplicate, outside, st.just([])).map(tuple)),
+        st.tuples(st.just("extract"), out_of_range))
+
+
 @st.composite
 def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[str, Any]]]:
     shape = Shape(draw(st.integers(1, 3)), draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4, 6])),
@@ -231,7 +298,7 @@ def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[
     start = draw(LENGTHS.filter(lambda ls: max(ls) > 0) if ring else LENGTHS)
     ops: list[tuple[str, Any]] = []
     b = len(start)
-    names = ["decode", "block", "filter", "extend", "extract"] + ([] if ring else ["trim"])
+    names = ["decode", "block", "filter", "extend", "extract"] + ([] if ring else ["trim", "refused"])
     for _ in range(draw(st.integers(1, 10))):
         op = draw(st.sampled_from(names))
         if op == "block":
@@ -247,7 +314,9 @@ def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[
         elif op == "extract":
             ops.append((op, draw(st.integers(0, b - 1))))
         elif op == "trim":
-            ops.append((op, draw(st.integers(0, 4))))
+            ops.append((op, draw(st.integers(-3, 4))))
+        elif op == "refused":
+            ops.append((op, draw(refused_args(b))))
         elif op == "decode":
             ops.append((op, None))
     return shape, start, ops
