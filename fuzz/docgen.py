@@ -93,8 +93,9 @@ OP_TEXT = {
                      "changed in any layer, ownership and undo logs included (`spec.layers.w_restore_mixed`)",
     "trim_refused_late": "layers: a list trim of n rows in which layer `layer` (never 0 in the machine) refuses its "
                          "own trim after the layers before it trimmed (`how`: its `trim` raises, `short`: trims "
-                         "nothing and returns 0, or `partial`: really trims, then raises, so the refusing layer "
-                         "must be put back too): refused (StateError) with every layer as it was, ownership and undo "
+                         "nothing and returns 0, `partial`: really trims, then raises, so the refusing layer "
+                         "must be put back too, `fewer` / `more`: trims and returns one row fewer / more than "
+                         "asked): refused (StateError) with every layer as it was, ownership and undo "
                          "logs included; 0 with nothing asked when the list's count is 0 "
                          "(`spec.layers.w_trim_refused_late`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
@@ -104,8 +105,9 @@ OP_TEXT = {
                     "(`use`: any public method or property of the handle, `spec.paged.HANDLE_REUSES`: `append` a "
                     "row, `fetch`, `trim`, `trim_to`, `trim_front`, `trim_front_keep_sink`, `fork`, `release`, "
                     "`offset`, `live_len`, `size`, `empty`, `nbytes`, `state` / `meta_state` read or assigned "
-                    "(`set_state`, `set_meta_state`), `make_mask`), also after a new sequence took the "
-                    "name: refused (StateError), nothing changes (`spec.paged.handle_reuse`)",
+                    "(`set_state`, `set_meta_state`), `make_mask`; `arg`: the method's arguments, `valid` or ones a live handle "
+                    "would refuse, `zero` / `negative`), also after a new sequence took the "
+                    "name: refused (StateError, whatever the arguments), nothing changes (`spec.paged.handle_reuse`)",
     "state_assign": "paged: `cache.state = (keys, values)` on sequence `seq`'s handle with n new rows (n 0: "
                     "`state = ()`): fresh blocks hold them from position 0, the old blocks released only after; "
                     "refused (StateError: unknown sequence, pool exhausted) with nothing changed, the old blocks "

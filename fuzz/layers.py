@@ -302,7 +302,10 @@ class LayersLockstep(Lockstep):
         """The list trim under test (``ListOps.trim``) of ``n`` rows while
         layer ``layer`` refuses its own part (``how``: its ``trim`` raises
         StateError, or trims nothing and returns 0, as a ring failing closed
-        would, or ``partial``: runs its real trim, then raises StateError),
+        would, or ``partial``: runs its real trim, then raises StateError,
+        or ``fewer``: trims and returns one row fewer than asked, or
+        ``more``: trims the rows asked and returns one more: every way the
+        promise of exactly ``count`` can break),
         after the layers before it trimmed: the list trim must end with
         every layer as it was, the refusing one too. The refusing ``trim``
         is the layer's for this call only."""
@@ -318,6 +321,10 @@ class LayersLockstep(Lockstep):
                 raise StateError(f"trim: layer {layer} trimmed {got} rows, then refused")
             if how == "raises":
                 raise StateError(f"trim: layer {layer} refuses to trim {n} rows")
+            if how == "fewer":
+                return int(real_trim(n - 1))
+            if how == "more":
+                return int(real_trim(n)) + 1
             return 0
 
         c.trim = refuse

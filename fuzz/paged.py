@@ -183,7 +183,7 @@ class PagedLockstep(Lockstep):
             api = handle_api(type(handle)) if handle is not None else {}
             if handle is None or use not in sp.HANDLE_REUSES or use not in api:
                 sp.handle_reuse(self.world, seq, use)  # the trace's own mistake: refused as the spec words it
-            self.use_handle(handle, seq, *api[use])
+            self.use_handle(handle, seq, *api[use], arg=op.get("arg", "valid"))
             return
         handle = self.handles.get(seq)
         if handle is None:
@@ -217,21 +217,31 @@ class PagedLockstep(Lockstep):
         handle.state = self.input_rows(list(range(start, start + n))) if n else ()
         self.reached("state assignments")
 
-    def reuse_argument(self, member: str, param: str, seq: str) -> Any:
+    #: kvtrace ``handle_reuse``'s ``arg``: the arguments a reused method
+    #: gets: ``valid`` (a count of 1, position 0, a fresh name) or one the
+    #: method would refuse on a live handle (``zero``: counts 0, an empty
+    #: name; ``negative``: counts and positions -1, the name of a live
+    #: sequence). spec.paged.handle_reuse refuses with StateError whatever
+    #: the arguments: the spent handle is refused before they are read.
+    REUSE_ARGS = ("valid", "zero", "negative")
+
+    def reuse_argument(self, member: str, param: str, seq: str, arg: str = "valid") -> Any:
         """The value a reused handle's ``member`` gets for its required
-        parameter ``param`` (one row, a count of 1, position 0, a fresh
-        sequence name). Raises TraceFormatError for a parameter this table
-        does not know: a new method must be given one, never skipped."""
+        parameter ``param`` under ``arg`` (:data:`REUSE_ARGS`). Raises
+        TraceFormatError for a parameter this table does not know (a new
+        method must be given one, never skipped) or another ``arg``."""
+        if arg not in self.REUSE_ARGS:
+            raise TraceFormatError(f"handle_reuse: arg must be one of {', '.join(self.REUSE_ARGS)}, got {arg!r}")
         if param in ("n", "N"):
-            return 1
+            return {"valid": 1, "zero": 0, "negative": -1}[arg]
         if param in ("length", "keep"):
-            return 0
+            return {"valid": 0, "zero": 0, "negative": -1}[arg]
         if param == "name":
-            return f"{seq}.reused"
+            return {"valid": f"{seq}.reused", "zero": "", "negative": sp.MAIN}[arg]
         raise TraceFormatError(f"handle_reuse: no value for parameter {param!r} of PagedKVCache.{member} "
                                "(fuzz.paged.PagedLockstep.reuse_argument)")
 
-    def use_handle(self, handle: Any, seq: str, member: str, how: str) -> None:
+    def use_handle(self, handle: Any, seq: str, member: str, how: str, arg: str = "valid") -> None:
         """``handle``'s ``member`` called (its required parameters from
         :meth:`reuse_argument`; ``update_and_fetch`` one row of the next
         token), read, or assigned (``state``: one row of the next token;
@@ -250,7 +260,7 @@ class PagedLockstep(Lockstep):
             return
         params = [p for p in inspect.signature(fn).parameters.values()
                   if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        fn(*(self.reuse_argument(member, p.name, seq) for p in params))
+        fn(*(self.reuse_argument(member, p.name, seq, arg) for p in params))
 
     def check_mask(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it: causal
@@ -516,7 +526,9 @@ class PagedMachine(LifecycleRules, KVMachine):
         # shrunk failure keeps the one that went through)
         count = data.draw(st.integers(1, len(uses)), label="uses")
         for use in (uses[at:] + uses[:at])[:count]:
-            self.do({"op": "handle_reuse", "seq": name, "use": use})
+            # the arguments too: refused ones (N=0, n=-1, ...) must still meet the spent handle first
+            arg = data.draw(st.sampled_from(PagedLockstep.REUSE_ARGS), label="arg")
+            self.do({"op": "handle_reuse", "seq": name, "use": use, "arg": arg})
 
     @rule(data=st.data())
     def state_assign(self, data: st.DataObject) -> None:

@@ -25,8 +25,11 @@ identities, not values). Int8 gets ``wide="edge"`` rows instead: every
 fifth nonzero row scaled to float16's edge, its largest value exactly
 65504 (the largest finite float16; bfloat16's largest below it, 65280, for
 bfloat16 rows) every other time, and just below it (0.99 to 1 of it)
-otherwise: representable by the quantizer's rule (finite in float16, so
-never refused), and at 65504 the dequantized product ``127 * 516`` is past
+otherwise; float32 rows every fourth time reach into the band above 65504
+that still rounds to a finite float16 (:data:`BAND`, up to 65519.996, just
+below the 65520 that turns inf): all representable by the quantizer's rule
+(finite once cast to float16, so never refused: a cheaper ``<= 65504``
+test refuses the band), and at 65504 the dequantized product ``127 * 516`` is past
 float16's range, so the read-back's saturation is exercised.
 
 Three row schemes (kvtrace ``cache.rows``):
@@ -69,6 +72,13 @@ LARGEST = {"float16": 65504.0, "bfloat16": (2 - 2.0**-7) * 2.0**127, "float32": 
 #: the largest value of each dtype that is finite once rounded to float16
 #: (``wide="edge"`` rows, Int8's range rule)
 EDGE = {"float16": 65504.0, "bfloat16": 65280.0, "float32": 65504.0}
+#: the band above :data:`EDGE` whose values still round to a finite float16
+#: (to 65504: float16 rounds to nearest, and 65520 is the midpoint to the
+#: next binade, so it and everything above turn inf): (low, high), both
+#: exact in the dtype and inside the open band (65504, 65520); float32 only
+#: (bfloat16 has no value there: 65280, then 65536)
+BAND = {"float32": (float(np.nextafter(np.float32(65504.0), np.float32(np.inf))),
+                    float(np.nextafter(np.float32(65520.0), np.float32(0.0))))}
 _HOST_BITS = {"float16": (np.uint16, np.float16), "float32": (np.uint32, np.float32)}
 
 
@@ -155,7 +165,13 @@ def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype:
     magnitude = float(2.0 ** rng.integers(-6, 6))
     if wide == "edge" and token % 5 == 2:
         draw = rng.standard_normal(shape)
-        edge = EDGE[dtype] * (1.0 if token % 10 == 2 else float(rng.uniform(0.99, 1.0)))
+        if token % 10 == 2:
+            edge = EDGE[dtype]
+        elif token % 20 == 7 and dtype in BAND:  # above 65504, finite once in float16: accepted
+            low, high = BAND[dtype]
+            edge = float(np.clip(np.float32(rng.uniform(low, high)), low, high))
+        else:
+            edge = EDGE[dtype] * float(rng.uniform(0.99, 1.0))
         out = _cast(draw / (np.max(np.abs(draw)) or 1.0) * edge, dtype)
         out.setflags(write=False)
         return out

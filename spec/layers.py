@@ -300,7 +300,7 @@ def w_append_pair_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[No
 #: promised (none: a ring failing closed), or (``partial``) really trims and
 #: then raises: the refusing layer itself changed, so the list trim must
 #: undo it too, not only the layers before it.
-LATE_TRIM_REFUSALS = ("raises", "short", "partial")
+LATE_TRIM_REFUSALS = ("raises", "short", "partial", "fewer", "more")
 
 
 def check_late_trim(n: object, layer: object, how: object, layers: int) -> None:
@@ -318,8 +318,9 @@ def check_late_trim(n: object, layer: object, how: object, layers: int) -> None:
 
 def w_trim_refused_late(world: LayersWorld, n: int, layer: int, how: str) -> tuple[int, LayersWorld]:
     """A list trim of ``n`` rows in which layer ``layer`` refuses its own
-    trim (``how``: its ``trim`` raises, or trims fewer rows than its bounds
-    promised) after the layers before it have trimmed: a layer that breaks
+    trim (``how``: its ``trim`` raises, returns 0, trims then raises,
+    trims and returns one row fewer than asked, or trims and returns one
+    more than asked: any count but the one its bounds promised) after the layers before it have trimmed: a layer that breaks
     its promise of an exact trim. The list trim is all or none
     (semantics.md 6, "trim_refused_late"): when :func:`list_trim_count` is
     0 no layer is asked and 0 is returned; otherwise StateError, and every

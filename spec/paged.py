@@ -523,7 +523,9 @@ def handle_reuse(world: PagedWorld, seq: str, use: str) -> tuple[None, PagedWorl
     method and property of the handle that reaches its sequence: append a
     row, fetch, trims, fork, release, the protocol accessors, ``state`` and
     ``meta_state`` read or assigned, ``make_mask``): refused with StateError
-    naming the operation (:data:`REUSE_WORDS`) and nothing changes, also once a new
+    naming the operation (:data:`REUSE_WORDS`) whatever the arguments (a
+    count of 0 or -1 too: the spent handle is refused before its arguments
+    are checked) and nothing changes, also once a new
     sequence (a fork ``as`` that name) took the name: a spent handle never
     reaches another sequence's blocks (semantics.md 4, "handle reuse").
     StateError too when no release consumed a handle of that name (the

@@ -220,3 +220,23 @@ def test_ranged_rows_reach_every_end_of_the_range(dtype):
                 mixed += int(nonzero.max() / nonzero.min() >= 2.0 ** ((hi - lo) // 2))
     assert neg_zero >= 10 and all_neg_zero >= 2, (neg_zero, all_neg_zero)
     assert tiny >= 10 and huge >= 10 and mixed >= 10, (tiny, huge, mixed)
+
+
+def test_int8_edge_rows_reach_both_sides_of_the_float16_rounding_boundary():
+    """Int8's rule is "finite once cast to float16" (impl.quant), not
+    ``<= 65504``: float32 edge rows reach the band (65504, 65520) that
+    rounds to 65504, and the exact edge 65504; every edge row is finite in
+    float16 (never refused), and the band's top is the last float32 below
+    65520 (which itself turns inf)."""
+    from fuzz.rows import BAND, EDGE, row
+
+    low, high = BAND["float32"]
+    assert 65504.0 < low <= high < 65520.0 and np.isfinite(np.float16(np.float32(high)))
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float16(np.nextafter(np.float32(high), np.float32(np.inf))))
+    for dtype in ("float16", "bfloat16", "float32"):
+        peaks = [float(np.max(np.abs(row(t, w, 1, 2, 8, dtype, "edge")))) for t in range(200) for w in "kv"]
+        assert all(np.isfinite(np.float16(p)) for p in peaks), dtype
+        assert EDGE[dtype] in peaks, dtype
+        in_band = [p for p in peaks if 65504.0 < p < 65520.0]
+        assert (len(in_band) >= 5) == (dtype == "float32"), (dtype, in_band)

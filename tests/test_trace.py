@@ -175,7 +175,7 @@ _FIELDS = {
     "state_snapshot": ["name"], "state_restore": ["name"],
     "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "append_pair_mismatch": ["n", "differs"], "reload": ["via", "env"],
     "restore_mixed": ["name", "layer", "source"], "trim_refused_late": ["n", "layer", "how"],
-    "handle_reuse": ["seq", "use"], "state_assign": ["seq", "n"],
+    "handle_reuse": ["seq", "use", "arg"], "state_assign": ["seq", "n"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -193,8 +193,9 @@ _VALID = {
     "differs": st.sampled_from(["batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype"]),
     "pair": st.sampled_from(["dtype", "batch", "kv_heads", "rows"]),
     "via": st.sampled_from(["file", "state"]),
-    "how": st.sampled_from(["raises", "short", "partial"]),
+    "how": st.sampled_from(["raises", "short", "partial", "fewer", "more"]),
     "use": st.sampled_from(["append", "fetch", "trim", "release", "trim_front_keep_sink", "set_state", "nbytes"]),
+    "arg": st.sampled_from(["valid", "zero", "negative"]),
     "env": st.sampled_from(["0", "1", " OFF", "x" * 64]),
 }
 _BAD = {
@@ -212,15 +213,16 @@ _BAD = {
     "via": st.sampled_from(["disk", True]),
     "how": st.sampled_from(["both", 1]),
     "use": st.sampled_from(["write", 1]),
+    "arg": st.sampled_from(["bad", -1, None]),
     "env": st.sampled_from([0, None, "x" * 65]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
          "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
          "layer": "count", "index": "int", "do": "do", "deep": "bool", "live": "live", "differs": "differs",
-         "via": "via", "source": "int", "env": "env", "how": "how", "use": "use"}
+         "via": "via", "source": "int", "env": "env", "how": "how", "use": "use", "arg": "arg"}
 _OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
-             "trim_refused_late": {"how"}, "handle_reuse": {"use"}}
+             "trim_refused_late": {"how"}, "handle_reuse": {"use", "arg"}}
 
 
 def _field_kind(op: str, f: str, default: str | None = None) -> str:

@@ -328,6 +328,20 @@ class DequantizeUnclipped(KVCache):
         return self._unclipped(super().fetch())
 
 
+class Int8RangeByMagnitude(KVCache):
+    """Int8's range decision as ``|x| <= 65504`` instead of "finite once cast
+    to float16": float32 rows in (65504, 65520), which round to a finite
+    65504, are refused (break_report5 #15)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.mode == "int8":
+            for name, a in (("keys", keys), ("values", values)):
+                if isinstance(a, mx.array) and a.size and bool(mx.any(mx.abs(a.astype(mx.float32)) > 65504.0).item()):
+                    raise InvalidArgumentError(f"append: {name} must be finite within float16's range "
+                                               f"(|x| <= 65504) in mode int8")
+        return super().update_and_fetch(keys, values)
+
+
 # -- GPU-only: the CUDA write layer (impl.write), run with --device gpu --------------
 class KernelOrderedByDepends(KVCache):
     """The CUDA kernel write is not evaluated before the window is returned;
@@ -588,6 +602,12 @@ BUGS: tuple[InjectedBug, ...] = (
         "impl.quant.dequantize_int8", "the Int8 window is q * scale rounded to float16 without the saturation: "
         "a row at float16's edge reads back as inf",
         {"dense": DequantizeUnclipped},
+    ),
+    InjectedBug(
+        "int8_range_by_magnitude", "impl.quant.int8_representable (finite once cast to float16, not |x| <= 65504)",
+        "a cheaper range test than the rule (issue 26, break_report5 #15)", "dense", ("int8",),
+        "impl.quant.int8_rows_flag", "float32 rows in (65504, 65520), finite once rounded to float16, are refused",
+        {"dense": Int8RangeByMagnitude},
     ),
     InjectedBug(
         "pair_dtype_cast", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",

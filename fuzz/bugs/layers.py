@@ -132,6 +132,31 @@ class TrimPutBackSkipsRefuser(ListOps):
         return count
 
 
+class TrimAcceptsOvertrim(ListOps):
+    """The list trim checks a layer's count with ``<``, not ``!=``: a layer
+    whose trim reports more rows than asked (a broken promise, as much as
+    fewer) goes through, and the list trim succeeds where the rule refuses
+    and puts every layer back."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        bounds = tuple(_trim_bounds(c) for c in caches)
+        count = _list_trim_count(n, bounds)
+        if count == 0:
+            return 0
+        saved = [_fields(c) for c in caches]
+        done = 0
+        try:
+            for c in caches:
+                if c.trim(count) < count:
+                    raise StateError(f"trim_prompt_cache: layer {done} broke its promise of an exact trim")
+                done += 1
+        except BaseException:
+            for c, fields in zip(caches[: done + 1], saved):
+                _put_back(c, fields)
+            raise
+        return count
+
+
 class CopyListNotLayers(ListOps):
     """The prompt-cache store copies the list, not its layers
     (``copy.copy(prompt_cache)`` / ``list(prompt_cache)``): the "copy" holds
@@ -198,6 +223,13 @@ BUGS: tuple[InjectedBug, ...] = (
         "a put-back off by one after a layer that trimmed, then refused (issue 26, breaker B6)", "layers", ("fp16",),
         "impl.layers.trim_prompt_cache", "the put-back after a late refusal skips the refusing layer itself",
         {"layers": {"layers": TrimPutBackSkipsRefuser}},
+    ),
+    InjectedBug(
+        "list_trim_accepts_overtrim",
+        "spec.layers.w_trim_refused_late (every layer trims exactly the count, or the list trim is refused)",
+        "a promise check weakened from != to < (issue 26, break_report5 #16)", "layers", ("fp16",),
+        "impl.layers.trim_prompt_cache", "a layer that reports more rows trimmed than asked is not refused",
+        {"layers": {"layers": TrimAcceptsOvertrim}},
     ),
     InjectedBug(
         "list_copy_shares_layers", "spec.layers.w_copy (a copy of the list copies every layer)",

@@ -212,6 +212,17 @@ class SinkTrimSkipsSpentCheck(PagedKVCache):
         return self.pool.trim_front(self.seq, n, keep)
 
 
+class MaskChecksCountBeforeSpent(PagedKVCache):
+    """``make_mask`` that checks ``N`` before the spent-handle check: a
+    released sequence's handle asked for ``make_mask(0)`` is refused as a bad
+    count (InvalidArgumentError), not as spent (StateError)."""
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):  # type: ignore[no-untyped-def]
+        if isinstance(N, int) and N < 1:
+            raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
+        return super().make_mask(N, window_size, return_array)
+
+
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "paged_no_cow", "semantics.md 4, copy on write (spec.paged.needs_copy_on_write)",
@@ -274,6 +285,13 @@ BUGS: tuple[InjectedBug, ...] = (
         ("fp16",), "PagedKVCache.trim_front_keep_sink", "trim_front_keep_sink on a spent handle reaches the pool "
         "by name: it front-trims the sequence that took the name since, or is refused in the pool's words",
         {"paged": SinkTrimSkipsSpentCheck},
+    ),
+    InjectedBug(
+        "paged_mask_spent_after_count", "spec.paged.handle_reuse (a spent handle refuses whatever the arguments)",
+        "a spent-handle check placed after the argument checks (issue 26, break_report5 #13)", "paged",
+        ("fp16",), "PagedKVCache.make_mask", "make_mask(0) on a spent handle is refused as a bad count "
+        "(InvalidArgumentError), not as spent (StateError)",
+        {"paged": MaskChecksCountBeforeSpent},
     ),
     InjectedBug(
         "paged_file_saves_sequence", "spec.paged.reload (a file cannot hold a paged sequence)",
