@@ -59,48 +59,6 @@ class MergeShiftsOffsetBatch(BatchKVCache):
         return out
 
 
-class FilterAcceptsDuplicatesBatch(BatchKVCache):
-    """``filter`` without the distinct-indices check: ``filter([0, 0])``
-    keeps sequence 0 twice (spec.batch.filter refuses it)."""
-
-    def filter(self, batch_indices: Any) -> None:
-        keep = [int(i) for i in batch_indices]
-        if keep and len(set(keep)) < len(keep) and all(0 <= k < len(self._pads) for k in keep):
-            kept = [self._pads[k] for k in keep]
-            drop = min(kept)
-            if self.keys is not None and self.values is not None:
-                rows = mx.array(keep)
-                self.keys, self.values = self.keys[rows][..., drop:, :], self.values[rows][..., drop:, :]
-            self._idx, self._pads = self._idx - drop, tuple(p - drop for p in kept)
-            return
-        super().filter(keep)
-
-
-class NegativeTrimGrowsBatch(BatchKVCache):
-    """``trim(n)`` without the ``n <= 0`` case: a negative count moves every
-    offset forward into rows nobody wrote (spec.batch: it takes nothing)."""
-
-    def trim(self, n: int) -> int:
-        if isinstance(n, int) and n < 0 and self.keys is not None:
-            self._idx -= n
-            return n
-        return super().trim(n)
-
-
-class ExtractLosesStepBatch(BatchKVCache):
-    """``extract`` into a single cache of the default step (256), not the
-    batch's: same window, but another capacity growth than a single cache
-    of the batch's step."""
-
-    def extract(self, idx: int) -> KVCache:
-        one = super().extract(idx)
-        out = KVCache("fp16")
-        window = one.fetch()
-        if window is not None and one.offset > 0:
-            out.update_and_fetch(window[0], window[1])
-        return out
-
-
 def _single(batch: type[BatchKVCache]) -> type[KVCache]:
     """A dense single cache whose ``merge`` builds ``batch``."""
 
@@ -131,23 +89,5 @@ BUGS: tuple[InjectedBug, ...] = (
         source="issue 24: merge shifting one sequence's offset", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.merge", description="merge pads sequence 1 one position too many",
         factories={"dense": _single(MergeShiftsOffsetBatch)},
-    ),
-    InjectedBug(
-        name="batch_filter_accepts_duplicates", clause="spec.batch.filter (keep: distinct indices, refused otherwise)",
-        source="break_report5 #1: a dropped distinct-indices check", kind="batch", modes=("fp16",),
-        replaces="BatchKVCache.filter", description="filter([0, 0]) keeps sequence 0 twice instead of refusing",
-        factories={"dense": _single(FilterAcceptsDuplicatesBatch)},
-    ),
-    InjectedBug(
-        name="batch_negative_trim_grows", clause="spec.batch.trim_count (n <= 0 takes nothing)",
-        source="break_report5 #2: a dropped n <= 0 case", kind="batch", modes=("fp16",),
-        replaces="BatchKVCache.trim", description="trim(-2) moves every offset 2 forward into unwritten rows",
-        factories={"dense": _single(NegativeTrimGrowsBatch)},
-    ),
-    InjectedBug(
-        name="batch_extract_loses_step", clause="spec.batch.extract (a single cache of the batch's settings)",
-        source="break_report5 #4: an extract that builds a default cache", kind="batch", modes=("fp16",),
-        replaces="BatchKVCache.extract", description="the extracted cache has step 256, not the batch's",
-        factories={"dense": _single(ExtractLosesStepBatch)},
     ),
 )

@@ -604,7 +604,7 @@ BUGS: tuple[InjectedBug, ...] = (
         {"dense": DequantizeUnclipped},
     ),
     InjectedBug(
-        "int8_range_by_magnitude", "impl.quant.int8_representable (finite once cast to float16, not |x| <= 65504)",
+        "int8_range_by_magnitude", "semantics.md 2, Storage (Int8 refuses only rows not finite once cast to float16)",
         "a cheaper range test than the rule (issue 26, break_report5 #15)", "dense", ("int8",),
         "impl.quant.int8_rows_flag", "float32 rows in (65504, 65520), finite once rounded to float16, are refused",
         {"dense": Int8RangeByMagnitude},
