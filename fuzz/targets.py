@@ -508,6 +508,7 @@ class _Declared:
         # masks and memory sharing are this project's contract, not a
         # report on another engine.
         self.narrow_masks = False
+        self.check_mask_form = False
         self.check_dense_masks = False
         self.check_sharing = False
         self.impl_name = target.label

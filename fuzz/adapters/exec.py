@@ -515,6 +515,7 @@ class _Exec:
     check_dense_masks = False
     check_stored_int8 = False
     narrow_masks = False
+    check_mask_form = False
     impl_name = "adapter"
 
     def __init__(self, cache: dict[str, Any], target: ExecTarget, declared: Declared):
