@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hyp_seed
 from hypothesis.stateful import get_state_machine_test
 
-from fuzz import kinds
+from fuzz import interrupt, kinds
 from fuzz.lockstep import Divergence
 from fuzz.machine import EDGE_RULES, KVMachine
 from fuzz.replay import make_lockstep, replay
@@ -412,6 +412,7 @@ def interleaved(runs: list[Campaign], budget: float, progress: Any = None) -> li
         if not live:
             return [r.report for r in runs]
         for r in live:
+            interrupt.check()
             if progress is not None:
                 progress(r)
             r.batch(share)

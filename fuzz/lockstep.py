@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import numpy as np
 
+from fuzz import interrupt
 from fuzz import rows as rowgen
 from fuzz.device import current as current_device
 from fuzz.protocol import refusal_category
@@ -545,6 +546,7 @@ class Lockstep:
             self._deferred = None
 
     def _run_step(self, index: int, op: dict[str, Any]) -> None:
+        interrupt.check()  # a Ctrl-C a gc callback swallowed still stops the run (fuzz.interrupt)
         self.reached("ops")
         if op["op"] == "expect":
             self.check_expect(index, op)

@@ -1170,12 +1170,17 @@ def main(argv: list[str] | None = None) -> int:
             select(args.device)
         except DeviceError as exc:
             return _usage_error(_console(), str(exc))
+    from fuzz import interrupt
+
+    interrupt.install()
     try:
         return int(args.fn(args))
     except KeyboardInterrupt:
         # commands with a summary catch Ctrl-C themselves; the rest stop here
         print(f"kvspec {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        interrupt.clear()
 
 
 if __name__ == "__main__":  # pragma: no cover

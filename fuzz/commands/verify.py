@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fuzz import kinds
+from fuzz import interrupt, kinds
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "tests" / "traces"
@@ -603,6 +603,7 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
                     writer.close()
                     running[i] = (proc, reader, time.perf_counter())
                 ready = wait([r for _, r, _ in running.values()], timeout=1.0)
+                interrupt.check()
                 now = time.perf_counter()
                 for i, (proc, reader, began) in list(running.items()):
                     job, checks, cpu = jobs[i], None, None

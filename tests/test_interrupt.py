@@ -1,0 +1,73 @@
+"""A Ctrl-C that lands in a finalizer or a gc callback still stops a run
+(fuzz.interrupt): CPython drops the KeyboardInterrupt raised there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from fuzz import interrupt
+    from fuzz.campaign import Campaign, interleaved
+
+    if sys.argv[1] == "install":
+        assert interrupt.install()
+
+    class Finalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(200):  # the handler runs in this frame: its KeyboardInterrupt is dropped
+                time.sleep(0.001)
+
+    f = Finalizer()
+    del f
+    print("carried on", flush=True)
+    try:
+        interleaved([Campaign("dense", "fp16", True, 5, batch=2, steps=5)], budget=3.0)
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+        sys.exit(130)
+    print("finished", flush=True)
+""")
+
+
+def run(mode: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVSPEC_DB": "none"}
+    return subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_a_swallowed_ctrl_c_still_stops_a_campaign():
+    proc = run("install")
+    assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr, proc.stderr
+    assert proc.stdout.split() == ["carried", "on", "stopped"], proc.stdout + proc.stderr
+    assert proc.returncode == 130
+
+
+def test_without_the_handler_the_same_ctrl_c_is_lost():
+    # the control: Python's own handler loses it, and the campaign runs to its end
+    proc = run("default")
+    assert "Exception ignored" in proc.stderr, proc.stderr
+    assert proc.stdout.split() == ["carried", "on", "finished"], proc.stdout + proc.stderr
+    assert proc.returncode == 0
+
+
+def test_install_leaves_a_host_handler_alone():
+    code = textwrap.dedent("""
+        import signal
+        from fuzz import interrupt
+        mine = lambda s, f: None
+        signal.signal(signal.SIGINT, mine)
+        assert not interrupt.install()
+        assert signal.getsignal(signal.SIGINT) is mine
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.stdout.strip() == "ok", proc.stderr
