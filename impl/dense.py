@@ -510,8 +510,9 @@ class KVCache:
         them sees it, which the ownership rule makes harmless."""
         assert self.buffers is not None and self.buffers.key_scales is None  # Fp16 only (the ownership rule)
         b, mech = self.buffers, inplace_mechanism()
-        self.buffers = _Buffers(write_rows_inplace(b.keys, rows.keys, at, mech),
-                                write_rows_inplace(b.values, rows.values, at, mech), out_dtype=b.out_dtype)
+        index = seq_index(at, rows.keys.shape[SEQ_AXIS], SEQ_AXIS)  # one index for both arrays
+        self.buffers = _Buffers(write_inplace(b.keys, rows.keys, index, mech),
+                                write_inplace(b.values, rows.values, index, mech), out_dtype=b.out_dtype)
 
     def _write_copy(self, at: int, rows: _Buffers) -> None:
         """Copying write (impl.write.write_copy): new buffers, the old ones
@@ -537,9 +538,26 @@ class KVCache:
         already cached (the message names it), and in Int8 for rows beyond
         float16's finite range.
         """
-        n = _check_rows("append", keys, values)
-        self._check_compatible("append", keys, values)
-        rows = self._encode(keys, values)
+        b = self.buffers
+        n = 0
+        if b is not None and b.key_scales is None and type(keys) is mx.array and type(values) is mx.array \
+                and self.mode == "fp16":
+            # the Fp16 decode path: one pass over both shapes and the cached
+            # buffers' accepts a pair that every rule below would (each .shape
+            # and .dtype read builds a new object); anything else, or any
+            # doubt, takes the full checks, which name the rule broken
+            ks, vs, bk, bv = keys.shape, values.shape, b.keys.shape, b.values.shape
+            if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2] and ks[2] >= 1 and ks[0] == bk[0] == vs[0] == bv[0]
+                    and ks[1] == bk[1] == vs[1] == bv[1] and ks[3] == bk[3] and vs[3] == bv[3]):
+                kd = keys.dtype
+                if kd == values.dtype and kd == b.keys.dtype and b.out_dtype is None:
+                    n = ks[2]
+        if n:
+            rows = _Buffers(keys, values)
+        else:
+            n = _check_rows("append", keys, values)
+            self._check_compatible("append", keys, values)
+            rows = self._encode(keys, values)
         prev = self.offset - self.live_start  # live_len, read once (the decode path runs per layer per step)
         if self.buffers is None or prev + n > self.buffers.keys.shape[SEQ_AXIS]:
             self._grow(prev, n, rows)
@@ -572,10 +590,13 @@ class KVCache:
         overwrites the abandoned rows; speculative decoding relies on it).
         ``n`` is clamped to ``[0, live_len]``, so a negative n trims nothing. Returns the rows
         removed. Raises InvalidArgumentError for a non-integer n."""
-        n = _check_int("trim", "n", n)
-        n = max(0, min(n, self.live_len))
+        if type(n) is not int:  # the common case (a Python int) skips the full check
+            n = _check_int("trim", "n", n)
+        live = self.offset - self.live_start
+        n = 0 if n < 0 else min(n, live)
         self.offset -= n
-        self._drop_if_empty()
+        if n == live:
+            self._drop_if_empty()
         return n
 
     def trim_to(self, length: int) -> int:

@@ -44,9 +44,8 @@ from impl.dense import (
     refuse_foreign_save,
     share,
     write_rows_copy,
-    write_rows_inplace,
 )
-from impl.write import inplace_mechanism, seq_prefix
+from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
 
 
@@ -256,12 +255,13 @@ class RotatingKVCache:
 
     def _write_row(self, k: mx.array, v: mx.array, inplace: bool) -> None:
         assert self.keys is not None and self.values is not None
+        index = seq_index(self.idx, 1, SEQ_AXIS)  # one decode row; one index for both arrays
         if inplace:
             mech = inplace_mechanism()
-            self.keys = write_rows_inplace(self.keys, k, self.idx, mech)
-            self.values = write_rows_inplace(self.values, v, self.idx, mech)
+            self.keys = write_inplace(self.keys, k, index, mech)
+            self.values = write_inplace(self.values, v, index, mech)
         else:
-            self._set_buffers(write_rows_copy(self.keys, k, self.idx), write_rows_copy(self.values, v, self.idx))
+            self._set_buffers(write_copy(self.keys, k, index), write_copy(self.values, v, index))
 
     def _decode(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         W, K = self.max_size, self.keep
@@ -344,15 +344,29 @@ class RotatingKVCache:
         Raises InvalidArgumentError for a wrong rank or dtype, S < 1, or a
         batch B, kv heads H, head dim or dtype that differs from the cached
         rows (the message names it)."""
-        n = _check_rows("append", keys, values)
-        if self.keys is not None:
-            assert self.values is not None
-            bk, bv, ks, vs = self.keys.shape, self.values.shape, keys.shape, values.shape
-            if not (ks[0] == bk[0] and ks[1] == bk[1] and ks[3] == bk[3] and vs[0] == bv[0] and vs[1] == bv[1]
-                    and vs[3] == bv[3]):
-                check_matches_cache("append", "keys", tuple(bk), keys)
-                check_matches_cache("append", "values", tuple(bv), values)
-            check_dtype_matches("append", self.keys.dtype, keys.dtype)
+        n = 0
+        bkeys = self.keys
+        if bkeys is not None and type(keys) is mx.array and type(values) is mx.array:
+            # the decode path: one pass over both shapes and the cached
+            # buffers' accepts a pair every rule below would (each .shape and
+            # .dtype read builds a new object); anything else takes the full
+            # checks, which name the rule broken
+            ks, vs, bk, bv = keys.shape, values.shape, bkeys.shape, self.values.shape  # type: ignore[union-attr]
+            if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2] and ks[2] >= 1 and ks[0] == bk[0] == vs[0] == bv[0]
+                    and ks[1] == bk[1] == vs[1] == bv[1] and ks[3] == bk[3] and vs[3] == bv[3]):
+                kd = keys.dtype
+                if kd == values.dtype and kd == bkeys.dtype:
+                    n = ks[2]
+        if not n:
+            n = _check_rows("append", keys, values)
+            if self.keys is not None:
+                assert self.values is not None
+                bk, bv, ks, vs = self.keys.shape, self.values.shape, keys.shape, values.shape
+                if not (ks[0] == bk[0] and ks[1] == bk[1] and ks[3] == bk[3] and vs[0] == bv[0] and vs[1] == bv[1]
+                        and vs[3] == bv[3]):
+                    check_matches_cache("append", "keys", tuple(bk), keys)
+                    check_matches_cache("append", "values", tuple(bv), values)
+                check_dtype_matches("append", self.keys.dtype, keys.dtype)
         k, v = keys, values
         out = self._decode(k, v) if n == 1 else self._prefill(k, v)
         self._marker = (self.keys, self.values, self.idx)  # type: ignore[assignment]

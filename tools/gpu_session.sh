@@ -88,4 +88,9 @@ if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
   fi
 fi
 say "done, exit $status; files: $(cd "$OUT" && ls | tr '\n' ' ')"
+# a device call brings back only a few files (8 on 2026-12-01: the bench
+# record, third in the listing, was left out): everything but the log goes
+# back as one archive (unpack: tar xzf session.tar.gz)
+( cd "$OUT" && tar czf ../kvgpu-session.tar.gz --exclude session.log . && \
+  find . -mindepth 1 -maxdepth 1 ! -name session.log -exec rm -rf {} + && mv ../kvgpu-session.tar.gz session.tar.gz )
 exit $status
