@@ -65,7 +65,7 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
 
     monkeypatch.setattr(bench, "ROUNDS", 2)
     assert bench.run_suite([16, 40], decoder=True, e2e=True, layers=1, rounds=2, e2e_contexts=[16], tokens=4,
-                           repeats=1, as_json=True, record=str(tmp_path), e2e_size="tiny") == 0
+                           repeats=2, as_json=True, record=str(tmp_path), e2e_size="tiny") == 0
     doc = json.loads(capsys.readouterr().out)
     rows = doc["decoder"]["ms_per_step"]
     assert set(rows) == set(bd.decoder_rows(16, 1, bench.mx.float16))
@@ -83,10 +83,23 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     for row in ("speculative", "greedy", "sliding window"):
         assert {"mlx-lm caches", "ours, in place", "ours, inplace=False"} <= set(doc["e2e"]["rows"][row])
     assert "ours, physical trim" in doc["e2e"]["rows"]["speculative"]
+    # every tokens/s figure is the median of its runs, and the runs are in the record
+    import statistics
+    for row in ("speculative", "greedy", "sliding window"):
+        for name, by in doc["e2e"]["rows"][row].items():
+            for n, median in by.items():
+                runs = doc["e2e"]["samples"][row][name][n]
+                assert len(runs) == 2 and median == statistics.median(runs), (row, name, n)
     stem = tmp_path / f"{doc['date']}-{doc['device']}"
     assert json.loads(stem.with_suffix(".json").read_text())["decoder"]["layers"] == 1
     assert "| decode in place: ours |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_end_to_end_cell_shows_the_spread_of_its_runs():
+    assert bench._e2e_cell(99.94, [95.2, 99.94, 104.6]) == "99.9 (95-105)"
+    assert bench._e2e_cell(99.94, [99.94]) == "99.9"
+    assert bench._e2e_cell(None, None) == "-"
 
 
 def test_each_comparison_is_measured_in_one_round_robin_with_its_floor():

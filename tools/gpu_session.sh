@@ -37,7 +37,7 @@ else
   DEVICE=gpu
   VERIFY_ARGS=(-j "${JOBS:-14}")
   PROFILE_ARGS=(--contexts 1024 32768 --layers 28 --rounds 10)
-  BENCH_ARGS=(--contexts 1024 8192 32768 --tokens 32 --repeats 3)
+  BENCH_ARGS=(--contexts 1024 8192 32768 --tokens 96 --repeats 3)
   VERIFY_CAP=${VERIFY_CAP:-300}
 fi
 [ "$PHASE" = verify ] && VERIFY_CAP=$(( SESSION_CAP - 30 ))

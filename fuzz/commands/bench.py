@@ -213,9 +213,12 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
     if e2e:
         res = bd.run_e2e(e2e_contexts or [1024, 8192, 24576], tokens, repeats, size=e2e_size,
                          say=lambda m: err.print(m, markup=False))
+        samples = res.pop("samples", {})
         doc["e2e"] = {"tokens": tokens, "repeats": repeats, "rows": {
             row: {name: {str(n): v for n, v in by.items()} for name, by in res[row].items()}
-            for row in res}}
+            for row in res}, "samples": {
+            row: {name: {str(n): v for n, v in by.items()} for name, by in samples[row].items()}
+            for row in samples}}
     if as_json:
         print(json.dumps(doc))
     else:
@@ -237,10 +240,10 @@ def print_suite(doc: dict) -> None:
         for n in contexts:
             t.add_column(str(n), justify="right")
         t.add_column(f"{contexts[-1]} / {contexts[0]}", justify="right")
-        t.add_column(f"over floor at {contexts[-1]}", justify="right")
+        t.add_column("over its floor, " + " / ".join(str(n) for n in contexts), justify="right")
         for name, r in d["ms_per_step"].items():
             t.add_row(name, *(f"{r[str(n)]:.3f}" for n in contexts), f"{d['ratio_last_over_first'][name]:.2f}x",
-                      f"{d['over_floor_ms'][name][str(contexts[-1])]:+.3f}")
+                      " / ".join(f"{d['over_floor_ms'][name][str(n)]:+.3f}" for n in contexts))
         console.print(t)
     if "e2e" in doc:
         for row, by in doc["e2e"]["rows"].items():
@@ -251,9 +254,23 @@ def print_suite(doc: dict) -> None:
             t.add_column("caches", no_wrap=True)
             for n in ctxs:
                 t.add_column(str(n), justify="right")
+            spread = doc["e2e"].get("samples", {}).get(row, {})
             for name, v in by.items():
-                t.add_row(name, *(f"{v[str(n)]:.1f}" if str(n) in v else "-" for n in ctxs))
+                t.add_row(name, *(_e2e_cell(v.get(str(n)), spread.get(name, {}).get(str(n))) for n in ctxs))
             console.print(t)
+        if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
+            console.print(f"each cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} tokens "
+                          "(the lowest and highest in brackets)")
+
+
+def _e2e_cell(median: float | None, samples: list[float] | None) -> str:
+    """An end-to-end cell: the median tokens/s and, with more than one run,
+    the range of the runs (``-`` when the row was not measured there)."""
+    if median is None:
+        return "-"
+    if not samples or len(samples) < 2:
+        return f"{median:.1f}"
+    return f"{median:.1f} ({min(samples):.0f}-{max(samples):.0f})"
 
 
 def write_record(doc: dict, folder: str) -> str:
@@ -303,9 +320,15 @@ def write_record(doc: dict, folder: str) -> str:
             unit = "share of tokens from the draft" if row == "acceptance" else "tokens/s"
             lines += [f"## End to end, {row} ({unit})", "", "| caches | " + " | ".join(map(str, ctxs)) + " |",
                       "| --- |" + " --- |" * len(ctxs)]
+            spread = doc["e2e"].get("samples", {}).get(row, {})
             for name, v in by.items():
-                lines.append(f"| {name} | " + " | ".join(f"{v[str(n)]:.3g}" if str(n) in v else "-" for n in ctxs) + " |")
+                cells = (f"{v[str(n)]:.3g}" if row == "acceptance" else _e2e_cell(v.get(str(n)), spread.get(name, {}).get(str(n)))
+                         for n in ctxs)
+                lines.append(f"| {name} | " + " | ".join(c if c else "-" for c in cells) + " |")
             lines.append("")
+        if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
+            lines += [(f"Each tokens/s cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} "
+                      "tokens, taken round-robin across the caches (the lowest and highest in brackets)."), ""]
     png = stem.with_suffix(".png")
     if "decoder" in doc:
         try:

@@ -404,7 +404,11 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every end-to-end row: ``{"speculative": {config: {context: tps}},
     "greedy": ..., "sliding window": ..., "acceptance": ...}``; each figure the
-    median of ``repeats`` runs taken round-robin across the configs."""
+    median of ``repeats`` runs taken round-robin across the configs, and
+    ``"samples"``: ``{row: {config: {context: [tps of each run]}}}`` (the
+    spread a reader weighs a difference against: on CUDA ``ours, in place``
+    and ``ours, inplace=False`` run the same write, the donated static slice
+    update, so their gap is the run's noise)."""
     from mlx_lm.models import gemma3_text, qwen2
 
     target = random_model(qwen2, qwen_args(size))
@@ -415,6 +419,7 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
         agreeing_pair(target, draft)
     configs = e2e_configs()
     out: dict[str, Any] = {"speculative": {}, "greedy": {}, "sliding window": {}, "acceptance": {}}
+    samples: dict[str, dict[str, dict[int, list[float]]]] = {}
     for context in contexts:
         say(f"bench --e2e: Qwen2.5-{size}-shaped target at context {context} ...")
         runs: dict[tuple[str, str], list[float]] = {}
@@ -429,6 +434,7 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
                     runs.setdefault(("greedy", name), []).append(g["tokens_per_s"])
         for (row, name), values in runs.items():
             out[row].setdefault(name, {})[context] = statistics.median(values)
+            samples.setdefault(row, {}).setdefault(name, {})[context] = values
     target = draft = None  # free the models before the next one
     say("bench --e2e: Gemma-3-1B-shaped sliding-window model inside its window ...")
     gargs = gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=1024) if size == "7b" else \
@@ -444,4 +450,6 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
             g = tokens_per_second(gemma, lambda make=make: make(gemma), window // 4, window // 2)
             runs.setdefault(name, []).append(g["tokens_per_s"])
     out["sliding window"] = {name: {window // 4: statistics.median(v)} for name, v in runs.items()}
+    samples["sliding window"] = {name: {window // 4: v} for name, v in runs.items()}
+    out["samples"] = samples
     return out
