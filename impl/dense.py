@@ -40,6 +40,8 @@ from impl.quant import (
 from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
+_ALL = slice(None)
+
 #: Largest growth granularity a cache accepts (rows): growth allocates
 #: ``ceil(n / step) * step`` rows at once, so an unbounded step is an
 #: allocation of any size. The spec states the same bound
@@ -510,7 +512,7 @@ class KVCache:
         them sees it, which the ownership rule makes harmless."""
         assert self.buffers is not None and self.buffers.key_scales is None  # Fp16 only (the ownership rule)
         b, mech = self.buffers, inplace_mechanism()
-        index = seq_index(at, rows.keys.shape[SEQ_AXIS], SEQ_AXIS)  # one index for both arrays
+        index = (_ALL, _ALL, slice(at, at + rows.keys.shape[SEQ_AXIS]))  # one index for both arrays
         self.buffers = _Buffers(write_inplace(b.keys, rows.keys, index, mech),
                                 write_inplace(b.values, rows.values, index, mech), out_dtype=b.out_dtype)
 
@@ -520,7 +522,7 @@ class KVCache:
         nobody does."""
         b = self.buffers
         assert b is not None
-        index = seq_index(at, rows.keys.shape[SEQ_AXIS], SEQ_AXIS)  # one index for every array
+        index = (_ALL, _ALL, slice(at, at + rows.keys.shape[SEQ_AXIS]))  # one index for every array
         scales = (None, None) if b.key_scales is None else (
             write_copy(b.key_scales, rows.key_scales, index), write_copy(b.value_scales, rows.value_scales, index))  # type: ignore[arg-type]
         self.buffers = _Buffers(write_copy(b.keys, rows.keys, index), write_copy(b.values, rows.values, index),
@@ -552,6 +554,24 @@ class KVCache:
                 kd = keys.dtype
                 if kd == values.dtype and kd == b.keys.dtype and b.out_dtype is None:
                     n = ks[2]
+                    prev = self.offset - self.live_start
+                    if prev + n <= bk[SEQ_AXIS]:
+                        # no regrow: what the general path below does, in
+                        # fewer Python calls (on a GPU a 28-layer step pays
+                        # this Python between its kernels); the writes go
+                        # through the same two methods
+                        inplace = self._inplace_write_allowed(n)
+                        if inplace:
+                            self._write_inplace(prev, _Buffers(keys, values))
+                        else:
+                            self._write_copy(prev, _Buffers(keys, values))
+                        self.offset += n
+                        self.last_write_inplace = inplace
+                        b = self.buffers
+                        k, v = b.keys, b.values
+                        self._marker = _Marker((k, v), prev + n)
+                        window = (_ALL, _ALL, slice(0, prev + n))
+                        return k[window], v[window]
         if n:
             rows = _Buffers(keys, values)
         else:

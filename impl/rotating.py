@@ -45,8 +45,10 @@ from impl.dense import (
     share,
     write_rows_copy,
 )
-from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
+from impl.write import inplace_mechanism, seq_prefix, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
+
+_ALL = slice(None)
 
 
 def _state_pair(op: str, v: Any) -> tuple[Any, Any]:
@@ -255,7 +257,7 @@ class RotatingKVCache:
 
     def _write_row(self, k: mx.array, v: mx.array, inplace: bool) -> None:
         assert self.keys is not None and self.values is not None
-        index = seq_index(self.idx, 1, SEQ_AXIS)  # one decode row; one index for both arrays
+        index = (_ALL, _ALL, slice(self.idx, self.idx + 1))  # one decode row; one index for both arrays
         if inplace:
             mech = inplace_mechanism()
             self.keys = write_inplace(self.keys, k, index, mech)
@@ -299,7 +301,9 @@ class RotatingKVCache:
         self.offset += 1
         self.idx += 1
         self.last_write_inplace = inplace
-        return self.fetch()  # type: ignore[return-value]
+        keys = self.keys  # fetch(), inlined: the decode path runs per layer per step
+        ix = (_ALL, _ALL, slice(0, keys.shape[SEQ_AXIS] if self.offset != self.idx else self.idx))  # type: ignore[union-attr]
+        return keys[ix], self.values[ix]  # type: ignore[index]
 
     def _chronological(self) -> tuple[mx.array, mx.array] | None:
         if self.keys is None:

@@ -41,6 +41,14 @@ else
   VERIFY_CAP=${VERIFY_CAP:-300}
 fi
 [ "$PHASE" = verify ] && VERIFY_CAP=$(( SESSION_CAP - 30 ))
+# VERIFY_K="pattern;pattern..." runs only the verify jobs matching one of
+# them (kvspec verify -k, each a shell glob such as "fuzz dense*"; not
+# expanded here); E2E=0 leaves the end-to-end rows out of the bench (they
+# need the most time and are the noisiest)
+IFS=';' read -ra KPATS <<< "${VERIFY_K:-}"
+for pat in "${KPATS[@]}"; do [ -n "$pat" ] && VERIFY_ARGS+=(-k "$pat"); done
+E2E_FLAG=--e2e
+[ "${E2E:-1}" = 0 ] && E2E_FLAG=
 
 say "phase $PHASE, device $DEVICE, output $OUT, cap ${SESSION_CAP}s"
 $PY -c "import mlx.core as mx, sys; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(), sys.version.split()[0])" 2>&1 | tee -a "$OUT/session.log"
@@ -75,8 +83,8 @@ fi
 if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
   cap=$(( $(left) - 5 ))
   if [ "$cap" -gt 10 ]; then
-    say "bench --decoder --e2e (cap ${cap}s)"
-    COLUMNS=200 timeout -s INT -k 10 "$cap" $PY -m fuzz.commands.cli bench --device "$DEVICE" --decoder --e2e \
+    say "bench --decoder $E2E_FLAG (cap ${cap}s)"
+    COLUMNS=200 timeout -s INT -k 10 "$cap" $PY -m fuzz.commands.cli bench --device "$DEVICE" --decoder $E2E_FLAG \
       "${BENCH_ARGS[@]}" --record "$OUT/bench" > "$OUT/bench.txt" 2> "$OUT/bench.log"
     rc=$?
     say "bench exit $rc"
