@@ -49,6 +49,9 @@ IFS=';' read -ra KPATS <<< "${VERIFY_K:-}"
 for pat in "${KPATS[@]}"; do [ -n "$pat" ] && VERIFY_ARGS+=(-k "$pat"); done
 E2E_FLAG=--e2e
 [ "${E2E:-1}" = 0 ] && E2E_FLAG=
+# DECODER=0 leaves the decoder rows out (an end-to-end-only bench)
+DECODER_FLAG=--decoder
+[ "${DECODER:-1}" = 0 ] && DECODER_FLAG=
 
 say "phase $PHASE, device $DEVICE, output $OUT, cap ${SESSION_CAP}s"
 $PY -c "import mlx.core as mx, sys; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(), sys.version.split()[0])" 2>&1 | tee -a "$OUT/session.log"
@@ -83,8 +86,8 @@ fi
 if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
   cap=$(( $(left) - 5 ))
   if [ "$cap" -gt 10 ]; then
-    say "bench --decoder $E2E_FLAG (cap ${cap}s)"
-    COLUMNS=200 timeout -s INT -k 10 "$cap" $PY -m fuzz.commands.cli bench --device "$DEVICE" --decoder $E2E_FLAG \
+    say "bench $DECODER_FLAG $E2E_FLAG (cap ${cap}s)"
+    COLUMNS=200 timeout -s INT -k 10 "$cap" $PY -m fuzz.commands.cli bench --device "$DEVICE" $DECODER_FLAG $E2E_FLAG \
       "${BENCH_ARGS[@]}" --record "$OUT/bench" > "$OUT/bench.txt" 2> "$OUT/bench.log"
     rc=$?
     say "bench exit $rc"
