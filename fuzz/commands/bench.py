@@ -287,7 +287,9 @@ def write_record(doc: dict, folder: str) -> str:
              f"- device: {doc['device']} ({doc['backend']}, in-place writes: {doc['inplace_mechanism']})"
              + (f", {doc.get('gpu')}" if doc.get("gpu") else ""),
              f"- MLX {doc['mlx']}, mlx-lm {doc.get('mlx_lm')}; machine {doc['machine']}", "",
-             f"Raw figures: `{stem.with_suffix('.json').name}`; plot: `{stem.with_suffix('.png').name}`.", ""]
+             (f"Raw figures: `{stem.with_suffix('.json').name}`; plot: `{stem.with_suffix('.png').name}`."
+              if "decoder" in doc else f"Raw figures: `{stem.with_suffix('.json').name}` (no decoder rows, so no plot)."),
+             ""]
     contexts = doc["contexts"]
     if "decoder" in doc:
         d = doc["decoder"]
