@@ -333,3 +333,47 @@ def test_every_mode_refuses_keys_and_values_that_disagree(mode, k_kw, v_kw, patt
     assert (got is None) == (before is None)
     if got is not None:
         assert all(np.array_equal(as_f32(a), b) for a, b in zip(got, before))
+
+
+def _every_trimmer():
+    return _every_mode() + ["paged"]
+
+
+def _make_trimmer(mode):
+    if mode == "paged":
+        from impl.paged import PagedKVCache
+        return PagedKVCache(block_size=2)
+    return _make_mode(mode)
+
+
+@pytest.mark.parametrize("mode", _every_trimmer())
+@pytest.mark.parametrize("bad", [True, False, 1.0, 1.5, "1", None], ids=repr)
+def test_every_mode_refuses_a_trim_count_that_is_not_an_integer(mode, bad):
+    """``trim(n)`` takes an int or a NumPy integer; a bool (an ``int``
+    subclass: ``isinstance(True, int)``), a float, a str or None is refused
+    by name and trims nothing, on every cache kind, whatever shortcut a kind
+    takes for the common Python int (a shortcut testing ``isinstance(n, int)``
+    let ``trim(True)`` remove a row)."""
+    c = _make_trimmer(mode)
+    c.update_and_fetch(rows(3), rows(3))
+    before = (c.offset, tuple(as_f32(a) for a in c.fetch()))
+    with pytest.raises(InvalidArgumentError, match=r"trim: n must be an integer"):
+        c.trim(bad)
+    assert c.offset == before[0]
+    assert all(np.array_equal(as_f32(a), b) for a, b in zip(c.fetch(), before[1]))
+
+
+@pytest.mark.parametrize("mode", _every_trimmer())
+@pytest.mark.parametrize("n", [np.int64(2), np.int32(-1), 2, -1, 7], ids=repr)
+def test_every_mode_trims_a_numpy_integer_as_the_int(mode, n):
+    """A NumPy integer trims exactly what the same Python int does (clamped
+    to ``[0, live_len]``), and returns a Python int."""
+    a, b = _make_trimmer(mode), _make_trimmer(mode)
+    for c in (a, b):
+        c.update_and_fetch(rows(3), rows(3))
+    got, want = a.trim(n), b.trim(int(n))
+    assert type(got) is int and got == want and a.offset == b.offset
+    fa, fb = a.fetch(), b.fetch()
+    assert (fa is None) == (fb is None)
+    if fa is not None:
+        assert all(np.array_equal(as_f32(x), as_f32(y)) for x, y in zip(fa, fb))
