@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
@@ -71,3 +73,63 @@ def test_install_leaves_a_host_handler_alone():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+TRACE = str(REPO / "tests" / "traces" / "dense_detach_install.json")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """A Ctrl-C recorded by kvspec's handler whose KeyboardInterrupt went
+    nowhere (as in a gc callback); the process's handler and the module's
+    state are put back afterwards."""
+    import signal
+
+    from fuzz import interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(interrupt, "_installed", interrupt._installed)
+    try:
+        interrupt._handler(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass
+    assert interrupt.requested()
+    yield interrupt
+    interrupt.clear()
+    signal.signal(signal.SIGINT, before)
+
+
+def test_every_lockstep_step_raises_a_recorded_request(recorded):
+    from fuzz.replay import replay
+    from fuzz.trace import load
+
+    with pytest.raises(KeyboardInterrupt):
+        replay(load(TRACE))
+
+
+def test_every_campaign_batch_raises_a_recorded_request(recorded, monkeypatch):
+    # the batch itself stubbed out: only the campaign loop's own check can stop it
+    from fuzz.campaign import Campaign, interleaved
+
+    batches = []
+
+    def batch(self, share):
+        batches.append(share)
+        if len(batches) > 3:  # without its check the loop would spin on to its budget's end
+            raise AssertionError("the campaign ran batches with a Ctrl-C recorded")
+
+    monkeypatch.setattr(Campaign, "batch", batch)
+    with pytest.raises(KeyboardInterrupt):
+        interleaved([Campaign("dense", "fp16", True, 5, batch=2, steps=5)], budget=2.0)
+    assert batches == []
+
+
+def test_a_command_forgets_the_request_it_handled(recorded):
+    """kvspec's main() stops a command on a recorded request (exit 130) and
+    clears it: the next command in the same process (an embedding program,
+    a test) runs to its end instead of stopping at its first step."""
+    from fuzz.commands import cli
+
+    assert cli.main(["replay", TRACE]) == 130
+    assert not recorded.requested()
+    assert cli.main(["replay", TRACE]) == 0
