@@ -6,6 +6,7 @@ import pytest
 from hypothesis import settings
 
 from fuzz.campaign import machine_for
+from tests.budget import examples
 
 CONFIGS = [("dense", "fp16", True), ("dense", "fp16", False), ("dense", "int8", True), ("rotating", "fp16", True),
            ("rotating", "fp16", False)]
@@ -15,7 +16,7 @@ CONFIGS = [("dense", "fp16", True), ("dense", "fp16", False), ("dense", "int8", 
 def test_state_machine_agrees(kind, mode, inplace):
     machine = machine_for(kind, mode, inplace)
     # the loaded profile (ci, or mutation under `make mutation`), longer runs
-    machine.TestCase.settings = settings(settings.default, max_examples=40, stateful_step_count=30)
+    machine.TestCase.settings = settings(settings.default, max_examples=examples(40), stateful_step_count=30)
     machine.TestCase().runTest()
     # the run must actually have reached the edges it is there for
     assert machine.stats.get("copying writes", 0) > 0

@@ -5,12 +5,13 @@ import pytest
 from hypothesis import settings
 
 from fuzz.campaign import machine_for
+from tests.budget import examples
 
 
 @pytest.mark.parametrize("mode", ["turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"])
 def test_turbo_state_machine_agrees(mode):
     machine = machine_for("dense", mode, True)
-    machine.TestCase.settings = settings(settings.default, max_examples=40, stateful_step_count=30)
+    machine.TestCase.settings = settings(settings.default, max_examples=examples(40), stateful_step_count=30)
     machine.TestCase().runTest()
     stats = machine.stats
     assert stats.get("copying writes", 0) > 0 and stats.get("in-place writes", 0) == 0
