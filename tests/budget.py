@@ -17,3 +17,11 @@ def examples(ci_budget: int) -> int:
     """``ci_budget`` scaled by the loaded profile's ``max_examples`` over
     :data:`CI_EXAMPLES`, at least 1 and never above ``ci_budget``."""
     return max(1, min(ci_budget, ci_budget * settings.default.max_examples // CI_EXAMPLES))
+
+
+def reduced() -> bool:
+    """Whether the loaded profile runs fewer examples than ``ci`` (the
+    mutation profile): a test with a time budget then runs a fixed amount
+    of work instead, so that its verdict on a mutant does not depend on the
+    machine's load."""
+    return settings.default.max_examples < CI_EXAMPLES
