@@ -101,3 +101,29 @@ def test_a_failed_jobs_trace_path_is_printed_when_it_ends():
     assert "FAILED: fuzz paged" in text and "(kvtrace: fuzz-failures/p.json)" in text and "ok.json" not in text
     progress.finished(job, [verify.Check("fuzz paged", True, "x", 2.0)], 3.0, cpu=1.5)
     assert "(2.0 s, 1.5 s CPU; 3 s elapsed)" in " ".join(out.getvalue().split()) and progress.cpu == 1.5
+
+
+def test_a_recorded_ctrl_c_stops_the_pool_in_its_wait_and_keeps_what_finished(monkeypatch):
+    # fuzz.interrupt: a Ctrl-C whose KeyboardInterrupt a finalizer swallowed is
+    # still recorded; the parent's wait loop raises it within its 1 s wait
+    import time
+
+    from fuzz import interrupt
+
+    jobs = [verify.Job("quick", "_under_mechanism", ("numpy", list), 2.0),
+            verify.Job("sleeps", "_under_mechanism", ("numpy", time.sleep, 60), 1.0)]
+    real_finished = verify.Progress.finished
+
+    def finished(self, job, checks, *a):  # the first job's result is in: Ctrl-C now
+        real_finished(self, job, checks, *a)
+        monkeypatch.setattr(interrupt, "_requested", True)
+
+    monkeypatch.setattr(verify.Progress, "finished", finished)
+    start = time.perf_counter()
+    try:
+        verify.run_jobs(jobs, 2, verify.Progress(len(jobs), quiet=True))
+    except KeyboardInterrupt as exc:
+        assert exc.partial == {0: []}  # type: ignore[attr-defined]
+    else:
+        raise AssertionError("run_jobs ignored a recorded Ctrl-C")
+    assert time.perf_counter() - start < 30  # not the sleeping job's 60 s
