@@ -174,7 +174,7 @@ def test_interleaved_campaigns_all_run_in_the_first_round():
     runs = [Campaign("dense", "fp16", True, 5, batch=3, steps=10),
             Campaign("dense", "int8", True, 5, batch=3, steps=10),
             Campaign("dense", "turbo4asym", True, 1, bug.factories, batch=25)]
-    reports = interleaved(runs, budget=60.0, progress=lambda c: order.append(c.report.config))
+    reports = interleaved(runs, budget=15.0, progress=lambda c: order.append(c.report.config))
     # the last campaign ran second batch of nobody: it ran within the first round
     assert order[:3] == ["dense/fp16/inplace", "dense/int8/inplace", "dense/turbo4asym/inplace"]
     assert reports[2].failure is not None and reports[2].batches <= 3
