@@ -186,6 +186,25 @@ def _check_rows(op: str, keys: Any, values: Any) -> int:
     return int(ks[2])
 
 
+def decode_pair_rows(keys: Any, values: Any, cached_keys: mx.array, cached_values: mx.array) -> int:
+    """The rows ``S`` of a ``[B, H, S, Dk]`` / ``[B, H, S, Dv]`` pair that
+    every append rule accepts against the cached buffers (:func:`_check_rows`,
+    :func:`check_matches_cache`, :func:`check_dtype_matches` with the cached
+    keys' dtype), in one pass over the shapes and dtypes (each ``.shape`` and
+    ``.dtype`` read builds a new object: the decode path runs per layer per
+    step); 0 when it does not or is not sure, and the caller then runs those
+    checks, which name the rule broken."""
+    if type(keys) is not mx.array or type(values) is not mx.array:
+        return 0
+    ks, vs, bk, bv = keys.shape, values.shape, cached_keys.shape, cached_values.shape
+    if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2] and ks[2] >= 1 and ks[0] == bk[0] == vs[0] == bv[0]
+            and ks[1] == bk[1] == vs[1] == bv[1] and ks[3] == bk[3] and vs[3] == bv[3]):
+        kd = keys.dtype
+        if kd == values.dtype and kd == cached_keys.dtype:
+            return ks[2]
+    return 0
+
+
 def check_matches_cache(op: str, name: str, have: tuple[int, ...], new: mx.array) -> None:
     """An appended ``[B, H, S, D]`` tensor must match the cached
     ``[B, H, _, D]`` ``have``; the message names the dimension (batch B,
@@ -542,36 +561,27 @@ class KVCache:
         """
         b = self.buffers
         n = 0
-        if b is not None and b.key_scales is None and type(keys) is mx.array and type(values) is mx.array \
-                and self.mode == "fp16":
-            # the Fp16 decode path: one pass over both shapes and the cached
-            # buffers' accepts a pair that every rule below would (each .shape
-            # and .dtype read builds a new object); anything else, or any
-            # doubt, takes the full checks, which name the rule broken
-            ks, vs, bk, bv = keys.shape, values.shape, b.keys.shape, b.values.shape
-            if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2] and ks[2] >= 1 and ks[0] == bk[0] == vs[0] == bv[0]
-                    and ks[1] == bk[1] == vs[1] == bv[1] and ks[3] == bk[3] and vs[3] == bv[3]):
-                kd = keys.dtype
-                if kd == values.dtype and kd == b.keys.dtype and b.out_dtype is None:
-                    n = ks[2]
-                    prev = self.offset - self.live_start
-                    if prev + n <= bk[SEQ_AXIS]:
-                        # no regrow: what the general path below does, in
-                        # fewer Python calls (on a GPU a 28-layer step pays
-                        # this Python between its kernels); the writes go
-                        # through the same two methods
-                        inplace = self._inplace_write_allowed(n)
-                        if inplace:
-                            self._write_inplace(prev, _Buffers(keys, values))
-                        else:
-                            self._write_copy(prev, _Buffers(keys, values))
-                        self.offset += n
-                        self.last_write_inplace = inplace
-                        b = self.buffers
-                        k, v = b.keys, b.values
-                        self._marker = _Marker((k, v), prev + n)
-                        window = (_ALL, _ALL, slice(0, prev + n))
-                        return k[window], v[window]
+        if b is not None and b.key_scales is None and b.out_dtype is None and self.mode == "fp16":
+            # the Fp16 decode path: the pair accepted in one pass
+            n = decode_pair_rows(keys, values, b.keys, b.values)
+            prev = self.offset - self.live_start
+            if n and prev + n <= b.keys.shape[SEQ_AXIS]:
+                # no regrow: what the general path below does, in fewer
+                # Python calls (on a GPU a 28-layer step pays this Python
+                # between its kernels); the writes go through the same two
+                # methods
+                inplace = self._inplace_write_allowed(n)
+                if inplace:
+                    self._write_inplace(prev, _Buffers(keys, values))
+                else:
+                    self._write_copy(prev, _Buffers(keys, values))
+                self.offset += n
+                self.last_write_inplace = inplace
+                b = self.buffers
+                k, v = b.keys, b.values
+                self._marker = _Marker((k, v), prev + n)
+                window = (_ALL, _ALL, slice(0, prev + n))
+                return k[window], v[window]
         if n:
             rows = _Buffers(keys, values)
         else:

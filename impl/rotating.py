@@ -41,6 +41,7 @@ from impl.dense import (
     check_matches_cache,
     check_window_size,
     copy_without_marker,
+    decode_pair_rows,
     refuse_foreign_save,
     share,
     write_rows_copy,
@@ -348,19 +349,8 @@ class RotatingKVCache:
         Raises InvalidArgumentError for a wrong rank or dtype, S < 1, or a
         batch B, kv heads H, head dim or dtype that differs from the cached
         rows (the message names it)."""
-        n = 0
-        bkeys = self.keys
-        if bkeys is not None and type(keys) is mx.array and type(values) is mx.array:
-            # the decode path: one pass over both shapes and the cached
-            # buffers' accepts a pair every rule below would (each .shape and
-            # .dtype read builds a new object); anything else takes the full
-            # checks, which name the rule broken
-            ks, vs, bk, bv = keys.shape, values.shape, bkeys.shape, self.values.shape  # type: ignore[union-attr]
-            if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2] and ks[2] >= 1 and ks[0] == bk[0] == vs[0] == bv[0]
-                    and ks[1] == bk[1] == vs[1] == bv[1] and ks[3] == bk[3] and vs[3] == bv[3]):
-                kd = keys.dtype
-                if kd == values.dtype and kd == bkeys.dtype:
-                    n = ks[2]
+        # the decode path: the pair accepted in one pass; else the full checks
+        n = 0 if self.keys is None else decode_pair_rows(keys, values, self.keys, self.values)  # type: ignore[arg-type]
         if not n:
             n = _check_rows("append", keys, values)
             if self.keys is not None:
