@@ -18,9 +18,12 @@ def test_pool_and_inline_agree():
     pool_progress = verify.Progress(len(jobs), quiet=True)
     pooled = verify.run_jobs(jobs, 2, pool_progress)
     assert names_and_verdicts(inline, 3) == names_and_verdicts(pooled, 3)
-    # each job's CPU seconds come back with its checks (the traces replay
-    # for more than a second of CPU), inline and from the pool's processes
-    assert quiet.cpu > 1.0 and pool_progress.cpu > 1.0
+    # each job's CPU seconds come back with its checks, inline and from the
+    # pool's processes (where the parent itself only waits): the same work,
+    # so the pool's count is not far below the inline one. Not an absolute
+    # figure: the traces replay in 0.6 s of CPU on one machine, 2 s on another
+    assert quiet.cpu > 0.1
+    assert pool_progress.cpu > 0.5 * quiet.cpu
     got = names_and_verdicts(pooled, 3)
     assert got[-1] == ("broken", False) and sum(ok for _, ok in got) == len(got) - 1
     assert len(got) > 30  # every trace and equivalence, not a vacuous plan
