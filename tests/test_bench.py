@@ -4,6 +4,8 @@ unit test; the figures come from ``make bench``)."""
 
 import json
 
+import pytest
+
 from fuzz.commands import bench
 
 
@@ -90,10 +92,67 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
             for n, median in by.items():
                 runs = doc["e2e"]["samples"][row][name][n]
                 assert len(runs) == 2 and median == statistics.median(runs), (row, name, n)
+    # every config but mlx-lm's against mlx-lm's, run by run, in the JSON and the record
+    from tests.test_reports import valid
+
+    valid("bench", doc)
+    paired = doc["e2e"]["paired"]
+    assert set(paired["speculative"]) == set(doc["e2e"]["rows"]["speculative"]) - {"mlx-lm caches"}
+    assert all(c["runs"] == 2 for by in paired.values() for v in by.values() for c in v.values())
     stem = tmp_path / f"{doc['date']}-{doc['device']}"
+    assert "against mlx-lm's caches in the same repeat" in stem.with_suffix(".md").read_text()
     assert json.loads(stem.with_suffix(".json").read_text())["decoder"]["layers"] == 1
     assert "| decode in place: ours |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_end_to_end_runs_warm_up_each_config_and_rotate_the_order(monkeypatch):
+    """Every config runs once, unmeasured, at each context before the
+    measured runs (the first config at a context ran at a fifth of its speed
+    on the H200: kernels compiled on first use), and each repeat starts the
+    round-robin one config later."""
+    from fuzz.commands import bench_decoder as bd
+
+    calls = []
+
+    def fake(model, cache_fn, context, tokens, draft=None, draft_cache_fn=None):
+        caches = cache_fn()
+        calls.append((context, tokens, draft is not None, type(caches[0]).__module__, len(calls)))
+        out = {"tokens_per_s": 100.0 + len(calls)}
+        if draft is not None:
+            out["accepted"] = 0.5
+        return out
+
+    monkeypatch.setattr(bd, "tokens_per_second", fake)
+    res = bd.run_e2e([24], tokens=4, repeats=3, size="tiny", say=lambda m: None, warmup=2)
+    configs = list(bd.e2e_configs())
+    at24 = [c for c in calls if c[0] == 24]
+    # the warm-up: each config, speculative and greedy, before any measured run
+    assert [c[1] for c in at24[:2 * len(configs)]] == [2] * (2 * len(configs))
+    assert all(c[1] == 4 for c in at24[2 * len(configs):])
+    assert sum(c[1] == 2 for c in at24) == 2 * len(configs)
+    # rotation: repeat r starts with config r
+    spec = res["samples"]["speculative"]
+    first_of_repeat = [min(configs, key=lambda n: spec[n][24][r]) for r in range(3)]
+    assert first_of_repeat == configs[:3]
+    # the sliding-window model is warmed up too (one unmeasured run per config)
+    window = [c for c in calls if c[0] != 24]
+    assert sum(c[1] == 2 for c in window) == len(configs) - 1
+
+
+def test_paired_ratios_divide_runs_of_the_same_repeat():
+    from fuzz.commands import bench_decoder as bd
+
+    samples = {"mlx-lm caches": {1024: [100.0, 20.0, 50.0]}, "ours, in place": {1024: [110.0, 22.0, 45.0]}}
+    got = bd.paired_ratios(samples, "ours, in place")[1024]
+    # repeat by repeat, not sorted: sorted runs would give 0.9, 1.1, 1.1
+    assert got == pytest.approx([1.1, 1.1, 0.9])
+    table = bench.paired_table({"greedy": {k: {str(n): v for n, v in by.items()} for k, by in samples.items()}})
+    cell = table["greedy"]["ours, in place"]["1024"]
+    assert cell["median"] == pytest.approx(1.1) and cell["faster_in"] == 2 and cell["runs"] == 3
+    assert bench._paired_cell(cell) == "1.10x (0.90-1.10), 2/3"
+    assert "mlx-lm caches" not in table["greedy"] and bench._paired_cell(None) == "-"
+    assert bd.rotated(["a", "b", "c"], 4) == ["b", "c", "a"] and bd.rotated([], 2) == []
 
 
 def test_an_end_to_end_cell_shows_the_spread_of_its_runs():

@@ -127,3 +127,19 @@ def test_a_recorded_ctrl_c_stops_the_pool_in_its_wait_and_keeps_what_finished(mo
     else:
         raise AssertionError("run_jobs ignored a recorded Ctrl-C")
     assert time.perf_counter() - start < 30  # not the sleeping job's 60 s
+
+
+def test_a_proof_job_without_z3_names_z3(monkeypatch):
+    # the GPU machine had no Z3 and the job said "proofs package missing"
+    import sys
+
+    from fuzz.commands import verify
+
+    monkeypatch.setitem(sys.modules, "z3", None)  # import z3 -> ImportError(name='z3')
+    for name in [m for m in list(sys.modules) if m.startswith("proofs.")]:
+        monkeypatch.delitem(sys.modules, name)
+    [check] = verify.check_obligation(1)
+    assert not check.ok and check.detail.startswith("Z3 is not installed") and "gpu_extras" in check.detail
+    monkeypatch.setitem(sys.modules, "proofs.cli", None)
+    [check] = verify.check_obligation(1)
+    assert not check.ok and check.detail.startswith("the proofs cannot be imported")

@@ -37,7 +37,7 @@ else
   DEVICE=gpu
   VERIFY_ARGS=(-j "${JOBS:-14}")
   PROFILE_ARGS=(--contexts 1024 32768 --layers 28 --rounds 10)
-  BENCH_ARGS=(--contexts 1024 8192 32768 --tokens 96 --repeats 3)
+  BENCH_ARGS=(--contexts 1024 8192 32768 --tokens 96 --repeats "${REPEATS:-3}")
   VERIFY_CAP=${VERIFY_CAP:-300}
 fi
 [ "$PHASE" = verify ] && VERIFY_CAP=$(( SESSION_CAP - 30 ))
@@ -45,6 +45,7 @@ fi
 # them (kvspec verify -k, each a shell glob such as "fuzz dense*"; not
 # expanded here); E2E=0 leaves the end-to-end rows out of the bench (they
 # need the most time and are the noisiest)
+# REPEATS=N: measured end-to-end runs per config and context (3)
 IFS=';' read -ra KPATS <<< "${VERIFY_K:-}"
 for pat in "${KPATS[@]}"; do [ -n "$pat" ] && VERIFY_ARGS+=(-k "$pat"); done
 E2E_FLAG=--e2e

@@ -219,6 +219,7 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
             for row in res}, "samples": {
             row: {name: {str(n): v for n, v in by.items()} for name, by in samples[row].items()}
             for row in samples}}
+        doc["e2e"]["paired"] = paired_table(doc["e2e"]["samples"])
     if as_json:
         print(json.dumps(doc))
     else:
@@ -261,6 +262,49 @@ def print_suite(doc: dict) -> None:
         if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
             console.print(f"each cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} tokens "
                           "(the lowest and highest in brackets)")
+        paired = doc["e2e"].get("paired") or {}
+        for row, by in paired.items():
+            ctxs = sorted({int(n) for v in by.values() for n in v})
+            t = Table(title=f"end to end, {row}: tokens/s against mlx-lm's caches in the same repeat")
+            t.add_column("caches", no_wrap=True)
+            for n in ctxs:
+                t.add_column(str(n), justify="right")
+            for name, v in by.items():
+                t.add_row(name, *(_paired_cell(v.get(str(n))) for n in ctxs))
+            console.print(t)
+        if paired:
+            console.print("each cell: the median of the run-by-run ratios (their range), and in how many repeats "
+                          "the row was the faster; above 1.00x: faster than mlx-lm's caches")
+
+
+def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, dict[str, dict]]]:
+    """``{row: {config: {context: {"median": m, "low": lo, "high": hi,
+    "faster_in": k, "runs": n}}}}``: each config's run-by-run ratio to
+    mlx-lm's caches in the same repeat (``bench_decoder.paired_ratios``;
+    above 1: faster than mlx-lm's), for every config but mlx-lm's."""
+    from fuzz.commands import bench_decoder as bd
+
+    out: dict[str, dict[str, dict[str, dict]]] = {}
+    for row, by in samples.items():
+        if "mlx-lm caches" not in by:
+            continue
+        for name in by:
+            if name == "mlx-lm caches":
+                continue
+            for n, ratios in bd.paired_ratios(by, name).items():
+                if ratios:
+                    out.setdefault(row, {}).setdefault(name, {})[n] = {
+                        "median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+                        "faster_in": sum(r > 1 for r in ratios), "runs": len(ratios)}
+    return out
+
+
+def _paired_cell(p: dict | None) -> str:
+    """``1.03x (0.97-1.10), 2/3``: the median ratio, its range and in how
+    many repeats the config was the faster one."""
+    if not p:
+        return "-"
+    return f"{p['median']:.2f}x ({p['low']:.2f}-{p['high']:.2f}), {p['faster_in']}/{p['runs']}"
 
 
 def _e2e_cell(median: float | None, samples: list[float] | None) -> str:
@@ -331,6 +375,17 @@ def write_record(doc: dict, folder: str) -> str:
         if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
             lines += [(f"Each tokens/s cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} "
                       "tokens, taken round-robin across the caches (the lowest and highest in brackets)."), ""]
+        for row, by in (doc["e2e"].get("paired") or {}).items():
+            ctxs = sorted({int(n) for v in by.values() for n in v})
+            lines += [f"## End to end, {row}: against mlx-lm's caches in the same repeat", "",
+                      "| caches | " + " | ".join(map(str, ctxs)) + " |", "| --- |" + " --- |" * len(ctxs)]
+            lines += [f"| {name} | " + " | ".join(_paired_cell(v.get(str(n))) for n in ctxs) + " |"
+                      for name, v in by.items()]
+            lines.append("")
+        if doc["e2e"].get("paired"):
+            lines += [("Each cell: the median of the run-by-run ratios of tokens/s to mlx-lm's caches, each run "
+                       "divided by mlx-lm's run of the same repeat (their range in brackets), and in how many "
+                       "repeats the row was the faster; above 1.00x: faster than mlx-lm's caches."), ""]
     png = stem.with_suffix(".png")
     if "decoder" in doc:
         try:

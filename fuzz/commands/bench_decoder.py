@@ -400,15 +400,38 @@ def e2e_configs() -> dict[str, Callable[[Any], list[Any]]]:
     }
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """The round-robin order of repeat ``r``: ``names`` started ``r`` later."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def paired_ratios(samples: dict[str, dict[Any, list[float]]], name: str, base: str = "mlx-lm caches"
+                  ) -> dict[Any, list[float]]:
+    """``{context: [run i of name / run i of base]}``: each ratio from one
+    repeat of the round-robin, the two runs minutes apart at most, so a slow
+    stretch of the host divides out (a ratio above 1: ``name`` was faster)."""
+    return {n: [a / b for a, b in zip(runs, samples[base][n], strict=True)]
+            for n, runs in samples.get(name, {}).items() if n in samples.get(base, {})}
+
+
 def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
-            say: Callable[[str], None] = print) -> dict[str, Any]:
+            say: Callable[[str], None] = print, warmup: int = 8) -> dict[str, Any]:
     """Every end-to-end row: ``{"speculative": {config: {context: tps}},
     "greedy": ..., "sliding window": ..., "acceptance": ...}``; each figure the
     median of ``repeats`` runs taken round-robin across the configs, and
     ``"samples"``: ``{row: {config: {context: [tps of each run]}}}`` (the
     spread a reader weighs a difference against: on CUDA ``ours, in place``
     and ``ours, inplace=False`` run the same write, the donated static slice
-    update, so their gap is the run's noise)."""
+    update, so their gap is the run's noise).
+
+    Before the measured runs at a context every config runs once, unmeasured,
+    for ``warmup`` tokens (MLX compiles its kernels for the new shapes on
+    their first use: on the H200 the config that came first at a context ran
+    at a fifth of its speed once, every session); and each repeat starts the
+    round-robin one config later than the one before, so that no config
+    always runs right after the same other. Run ``i`` of every config at a
+    context comes from repeat ``i``: :func:`paired_ratios` divides them."""
     from mlx_lm.models import gemma3_text, qwen2
 
     target = random_model(qwen2, qwen_args(size))
@@ -423,8 +446,13 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
     for context in contexts:
         say(f"bench --e2e: Qwen2.5-{size}-shaped target at context {context} ...")
         runs: dict[tuple[str, str], list[float]] = {}
-        for _ in range(repeats):
-            for name, make in configs.items():
+        for name, make in configs.items():  # unmeasured: the kernels for this context's shapes
+            tokens_per_second(target, lambda make=make: make(target), context, warmup, draft,
+                              lambda make=make: make(draft))
+            tokens_per_second(target, lambda make=make: make(target), context, warmup)
+        for r in range(repeats):
+            for name in rotated(list(configs), r):
+                make = configs[name]
                 spec = tokens_per_second(target, lambda make=make: make(target), context, tokens, draft,
                                          lambda make=make: make(draft))
                 runs.setdefault(("speculative", name), []).append(spec["tokens_per_s"])
@@ -443,10 +471,12 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
     gemma = random_model(gemma3_text, gargs)
     window = gargs.sliding_window
     runs = {}
-    for _ in range(repeats):
-        for name, make in configs.items():
-            if name == "ours, physical trim":
-                continue
+    window_configs = [name for name in configs if name != "ours, physical trim"]
+    for name in window_configs:
+        tokens_per_second(gemma, lambda make=configs[name]: make(gemma), window // 4, warmup)
+    for r in range(repeats):
+        for name in rotated(window_configs, r):
+            make = configs[name]
             g = tokens_per_second(gemma, lambda make=make: make(gemma), window // 4, window // 2)
             runs.setdefault(name, []).append(g["tokens_per_s"])
     out["sliding window"] = {name: {window // 4: statistics.median(v)} for name, v in runs.items()}

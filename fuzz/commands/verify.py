@@ -285,14 +285,24 @@ CROSSHAIR_SECONDS = {"spec/dense.py": 10.0, "spec/layers.py": 13.0, "spec/paged.
                      "spec/turbo.py": 4.0}
 
 
+def _missing_solver(e: ImportError) -> str:
+    """What a proof job says where the proofs cannot be imported: the
+    missing module by name (on the GPU machine, Z3: ``tools/gpu_extras.sh``
+    ships it), not a guess."""
+    missing = e.name or str(e)
+    if missing.split(".")[0] == "z3":
+        return "Z3 is not installed (pip install z3-solver; on the GPU machine: tools/gpu_extras.sh)"
+    return f"the proofs cannot be imported: {e}"
+
+
 def check_obligation(number: int) -> list[Check]:
     """Z3 obligation ``number`` (``proofs.cli.obligations``), run in this
     process: proved in both domains with every negative control refuted,
     or waiting for a spec that does not exist yet (reported, not failed)."""
     try:
         from proofs.cli import obligations
-    except ImportError:
-        return [Check(f"proof {number}", False, "proofs package missing", 0.0)]
+    except ImportError as e:
+        return [Check(f"proof {number}", False, _missing_solver(e), 0.0)]
     thunks = [thunk for n, thunk in obligations() if n == number]
     if not thunks:
         return [Check(f"proof {number}", False, f"no obligation numbered {number}", 0.0)]
