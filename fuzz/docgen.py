@@ -374,12 +374,15 @@ def conformance_table() -> str:
 
 
 def bench_table() -> str:
-    """The latest benchmark record under docs/benchmarks/."""
+    """The latest benchmark record under docs/benchmarks/ that holds decoder
+    rows (an end-to-end-only record, ``DECODER=0``, has none), else the
+    latest."""
     records = sorted((ROOT / "docs/benchmarks").glob("*.json"))
     if not records:
         raise DocsError("docs/benchmarks/ holds no record (kvspec bench --record docs/benchmarks)")
-    rec = json.loads(records[-1].read_text())
-    out = [(f"Record `{records[-1].name}`: {rec.get('gpu') or rec.get('machine')}, mlx {rec.get('mlx')}, "
+    docs = [(path, json.loads(path.read_text())) for path in records]
+    path, rec = next(((p, d) for p, d in reversed(docs) if d.get("decoder")), docs[-1])
+    out = [(f"Record `{path.name}`: {rec.get('gpu') or rec.get('machine')}, mlx {rec.get('mlx')}, "
            f"mlx-lm {rec.get('mlx_lm')}.")]
     cr = rec.get("cache_rows")
     if cr:

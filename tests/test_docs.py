@@ -519,3 +519,23 @@ def test_the_architecture_picture_marks_what_exists():
     for g in boxes:
         path = "".join(g.itertext()).strip()
         assert g.get("data-exists") == str((REPO / path).exists()).lower(), path
+
+
+def test_the_bench_table_skips_a_later_record_without_decoder_rows(tmp_path, monkeypatch):
+    # an end-to-end-only record (gpu_session DECODER=0) sorted last left the
+    # GPU page's generated table without its decoder rows
+    import json
+
+    from fuzz import docgen
+
+    (tmp_path / "docs/benchmarks").mkdir(parents=True)
+    rows = {"rows": [{"context": 16, "decode_inplace_ms": 1.0, "decode_copy_ms": 1.0, "rollback_logical_ms": 1.0,
+                      "rollback_physical_ms": 1.0}]}
+    full = {"machine": "m", "cache_rows": rows, "decoder": {"layers": 2, "ms_per_step": {"attention only": {"16": 1.5}}}}
+    (tmp_path / "docs/benchmarks/2026-01-01-gpu.json").write_text(json.dumps(full))
+    (tmp_path / "docs/benchmarks/2026-01-02-gpu-e2e.json").write_text(json.dumps({"machine": "m", "cache_rows": rows}))
+    monkeypatch.setattr(docgen, "ROOT", tmp_path)
+    out = docgen.bench_table()
+    assert "2026-01-01-gpu.json" in out and "Decoder step, 2 layers" in out
+    (tmp_path / "docs/benchmarks/2026-01-01-gpu.json").unlink()
+    assert "2026-01-02-gpu-e2e.json" in docgen.bench_table()
