@@ -9,10 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hyp_seed
+from hypothesis.errors import Flaky
 from hypothesis.stateful import get_state_machine_test
 
 from fuzz import interrupt, kinds
@@ -58,7 +59,8 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
         "_hypothesis_internal_add_digest": key.encode(),
         "mode": mode, "inplace": inplace, "factories": factories, "check_inplace": check_inplace,
         "fixed": dict(fixed or {}), "target": target, "covered": {},
-        "stats": {}, "runs": 0, "last_run": None, "first_failure": None,
+        "stats": {}, "runs": 0, "last_run": None, "first_failure": None, "first_error": None,
+        "first_failure_run": None,
         "make_lockstep": staticmethod(make_lockstep),
     })
 
@@ -139,6 +141,9 @@ class RunResult:
     trace: Trace | None = None
     #: shrinking was stopped by its limit (:func:`shrink_limit`)
     shrink_cut: bool = False
+    #: the failure was seen once and Hypothesis could not replay it: why
+    #: (``error`` and ``trace`` are then those of the run that failed)
+    flaky: str | None = None
 
 
 #: the start of the warning Hypothesis prints when its own shrink limit
@@ -198,6 +203,7 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     failure unless ``shrink=False``, for at most ``shrink_seconds`` when
     given: :func:`shrink_limit`; ``database``: see :func:`fuzz_settings`)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
+    machine.first_error, machine.first_failure_run = None, None
     test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps, shrink=shrink,
                                                                   database=database))
     if database is None:
@@ -229,11 +235,22 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
             gc.unfreeze()
     seconds = time.perf_counter() - start
     executed = machine.stats.get("ops", 0)
+    flaky = None
+    if isinstance(error, Flaky) and isinstance(machine.first_error, (Divergence, AssertionError)) \
+            and machine.first_failure_run is not None:
+        # Hypothesis saw an op diverge and could not make that example
+        # diverge again (FlakyFailure), or drew it differently when it
+        # tried (FlakyStrategyDefinition): the divergence was real, and the
+        # run that showed it is the trace
+        flaky = (f"Hypothesis could not replay the failing example ({type(error).__name__}); the divergence "
+                 f"was seen once: {str(machine.first_error).splitlines()[0][:200]}")
+        error = machine.first_error
+        machine.last_run = machine.first_failure_run
     trace = failure_trace(machine, error) if error is not None else None
     caught = machine.first_failure
     return RunResult(error is not None, seconds, machine.runs, executed,
                      caught[0] if caught else None, caught[1] - start if caught else None,
-                     dict(machine.stats), error, trace, shrink_cut=limit.cut)
+                     dict(machine.stats), error, trace, shrink_cut=limit.cut, flaky=flaky)
 
 
 def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | None:
@@ -448,10 +465,26 @@ def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | 
     return reports
 
 
+class Catch(NamedTuple):
+    """What :func:`catch_bug` found."""
+
+    caught: bool
+    seconds: float
+    examples: int
+    path: Path | None
+    #: why the catch does not count (a harness fault, a trace the real
+    #: implementation fails), or None
+    alarm: str | None
+    #: the divergence was seen once and Hypothesis could not replay it
+    #: (``RunResult.flaky``): it counts, and the report says so
+    flaky: str | None = None
+
+
 def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | None = None,
-              check_inplace: bool = True, stem: str | None = None, shrink: bool = True):
-    """Fuzz one injected bug; returns (caught, seconds, examples, trace path,
-    false alarm message or None). ``fixed`` pins cache fields and
+              check_inplace: bool = True, stem: str | None = None, shrink: bool = True) -> Catch:
+    """Fuzz one injected bug; returns a :class:`Catch`: (caught, seconds,
+    examples, trace path, false alarm message or None, flaky note or None).
+    ``fixed`` pins cache fields and
     ``check_inplace=False`` leaves only isolation to catch unsafe writes.
     The trace is the shrunk counterexample, or with ``shrink=False`` the
     first failing run up to the failing op; either way it is replayed on
@@ -459,7 +492,7 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
     result = run_machine(machine, seed, max_examples=max_examples, shrink=shrink)
     if not result.failed or result.trace is None:
-        return False, result.seconds, result.examples, None, None
+        return Catch(False, result.seconds, result.examples, None, None)
     if result.examples_to_catch is None and result.error is not None:
         # failed outside a rule (e.g. in an invariant): count the whole run
         result.examples_to_catch, result.seconds_to_catch = result.examples, result.seconds
@@ -470,10 +503,10 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
         # the state machine itself raised (a harness fault): no check caught the bug
         alarm = (f"the harness raised {type(result.error).__name__}: {first} (trace {path}); "
                  "that is not a divergence, so it does not count as catching the bug")
-        return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
+        return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm)
     clean = replay(result.trace)
     alarm = None if clean.ok else clean_replay_failure(path, clean.divergence)
-    return True, result.seconds_to_catch, result.examples_to_catch, path, alarm
+    return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm, result.flaky)
 
 
 def clean_replay_failure(path: Any, divergence: Any) -> str:

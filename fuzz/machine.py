@@ -14,6 +14,7 @@ minimal counterexample, which :func:`fuzz.campaign.failure_trace` writes out.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, ClassVar
 
@@ -85,6 +86,11 @@ class KVMachine(RuleBasedStateMachine):
     #: (examples run, perf_counter time) when the first failure was seen,
     #: before shrinking: what "examples and seconds to catch" report.
     first_failure: tuple[int, float] | None = None
+    #: the exception of that first failing op and the run up to it, as
+    #: (cfg, ops): what a failure Hypothesis could not replay was
+    #: (fuzz.campaign.run_machine's flaky case)
+    first_error: BaseException | None = None
+    first_failure_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     #: called with the examples run so far when the first failure is seen
     #: (a campaign's progress line says shrinking starts); None: nobody
     on_failure: ClassVar[Any] = None
@@ -144,6 +150,8 @@ class KVMachine(RuleBasedStateMachine):
         except Exception:
             if type(self).first_failure is None:
                 type(self).first_failure = (type(self).runs, time.perf_counter())
+                type(self).first_error = sys.exc_info()[1]
+                type(self).first_failure_run = (self.recorded_cfg(), list(self.ops))
                 if type(self).on_failure is not None:
                     type(self).on_failure(type(self).runs)
             raise
@@ -152,9 +160,12 @@ class KVMachine(RuleBasedStateMachine):
         self.names += 1
         return f"{prefix}{self.names}"
 
+    def recorded_cfg(self) -> dict[str, Any]:
+        """The cache fields a trace of this run records."""
+        return {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind, self.mode).cache_fields}
+
     def teardown(self) -> None:
-        cfg = {k: v for k, v in self.cfg.items() if k in kind_entry(self.kind, self.mode).cache_fields}
-        type(self).last_run = (cfg, list(self.ops))
+        type(self).last_run = (self.recorded_cfg(), list(self.ops))
         if self.lock is not None:
             for key, count in self.lock.stats.items():
                 type(self).stats[key] = type(self).stats.get(key, 0) + count

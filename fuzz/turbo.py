@@ -344,13 +344,12 @@ class TurboMachine(DenseMachine):
         self.do({"op": "append", "n": n})
         self.do({"op": "trim", "n": data.draw(st.integers(1, n - 1), label="rejected")})
 
-    def teardown(self) -> None:
-        super().teardown()
-        run = type(self).last_run
-        if run is not None and self.mode != DELEGATED:
+    def recorded_cfg(self) -> dict[str, Any]:
+        cfg = super().recorded_cfg()
+        if self.mode != DELEGATED:
             # hot_threshold and fold_block are Delegated's fields only
-            cfg = {k: v for k, v in run[0].items() if k not in ("hot_threshold", "fold_block")}
-            type(self).last_run = (cfg, run[1])
+            cfg = {k: v for k, v in cfg.items() if k not in ("hot_threshold", "fold_block")}
+        return cfg
 
     @invariant()
     def cold_offset_in_range(self) -> None:

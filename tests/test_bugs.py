@@ -11,7 +11,7 @@ from fuzz.campaign import catch_bug
 def test_injected_bug_is_caught(bug, tmp_path):
     if not runnable(bug):
         pytest.skip(f"{bug.name} is GPU-only: kvspec verify --device gpu on MLX's CUDA backend runs it")
-    caught, _seconds, examples, path, alarm = catch_bug(bug, seed=1, max_examples=1000, out_dir=tmp_path)
+    caught, _seconds, examples, path, alarm, _flaky = catch_bug(bug, seed=1, max_examples=1000, out_dir=tmp_path)
     assert caught, f"{bug.name} missed after {examples} examples"
     assert alarm is None, alarm
     assert path is not None and path.exists()
@@ -32,7 +32,7 @@ def test_a_catalog_trace_failing_on_a_broken_build_names_the_divergence(tmp_path
     from impl.dense import KVCache
 
     monkeypatch.setattr(KVCache, "make_mask", lambda self, N, window_size=None, return_array=False: None)
-    caught, _seconds, _examples, path, alarm = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=200,
+    caught, _seconds, _examples, path, alarm, _flaky = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=200,
                                                          out_dir=tmp_path)
     assert caught and alarm is not None
     assert alarm.startswith("the implementation diverges from the spec at op ") and str(path) in alarm
@@ -49,7 +49,7 @@ def test_a_harness_crash_does_not_count_as_a_catch(tmp_path, monkeypatch):
         raise AttributeError("the driver broke")
 
     monkeypatch.setattr(DenseLockstep, "impl_observables", broken)
-    caught, _seconds, _examples, _path, alarm = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=50,
+    caught, _seconds, _examples, _path, alarm, _flaky = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=50,
                                                           out_dir=tmp_path)
     assert caught and alarm is not None
     assert alarm.startswith("the harness raised AttributeError: the driver broke")

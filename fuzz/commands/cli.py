@@ -559,6 +559,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             failed = True
             row["result"] = "FAILED"
             row["failure"] = str(rep.failure.error).splitlines()[0]
+            if rep.failure.flaky:
+                row["flaky"] = rep.failure.flaky
             if rep.failure.trace is not None:
                 stem = f"{kind}-{mode}-{'inplace' if inplace else 'copy'}-seed{seed}"
                 stem = stem if target.is_impl else re.sub(r"[^A-Za-z0-9_.-]+", "_", target.label) + f"-{stem}"
@@ -616,6 +618,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             console.print(f"[bold red]{row['config']}[/]: ran no example in its budget; nothing was checked")
         if "failure" in row:
             console.print(f"[bold red]{row['config']}[/]: {escape(row['failure'])}")
+            if "flaky" in row:
+                console.print(f"  [yellow]{escape(row['flaky'])}[/]: the trace is the run that diverged, unshrunk; "
+                              "a replay may not diverge again (what shares memory was not fixed by the ops alone)")
             if "trace" in row:
                 if row["shrink_cut"]:
                     console.print(f"  shrinking stopped at its limit of {shrink_budget:g} s (--shrink-budget): "

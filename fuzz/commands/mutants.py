@@ -36,6 +36,9 @@ class MutantReport:
     seconds: list[float] = field(default_factory=list)
     trace: str | None = None
     problems: list[str] = field(default_factory=list)
+    #: caught, but with something a reader must see (a catch Hypothesis
+    #: could not replay)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -55,6 +58,7 @@ class MutantReport:
             "modes": list(self.bug.modes),
             "replaces": self.bug.replaces,
             "problems": self.problems,
+            "warnings": self.warnings,
         }
 
 
@@ -76,8 +80,9 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
         rep = MutantReport(bug, variant)
         stem = bug.name + ("-" + "".join(c if c.isalnum() else "_" for c in variant) if variant else "")
         for seed in range(1, seeds + 1):
-            caught, seconds, examples, path, alarm = catch_bug(bug, seed, max_examples, Path(out) / f"seed{seed}",
-                                                               fixed, check_inplace, stem, shrink=shrink_first and seed == 1)
+            caught, seconds, examples, path, alarm, flaky = catch_bug(
+                bug, seed, max_examples, Path(out) / f"seed{seed}", fixed, check_inplace, stem,
+                shrink=shrink_first and seed == 1)
             if not caught:
                 rep.caught = False
                 rep.problems.append(f"seed {seed}: missed after {examples} examples")
@@ -87,6 +92,8 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
             if alarm:
                 rep.caught = False
                 rep.problems.append(f"seed {seed}: {alarm}")
+            elif flaky:
+                rep.warnings.append(f"seed {seed}: {flaky}")
             if rep.trace is None and path is not None:
                 rep.trace = str(path)
         reports.append(rep)

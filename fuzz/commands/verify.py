@@ -193,7 +193,8 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
             detail = f"caught in {seeds}/{seeds} seeds, examples med {j['median_examples']} worst {j['worst_examples']}"
         else:
             detail = "; ".join(rep.problems)
-        checks.append(Check(f"bug {rep.name}", rep.caught, detail, sum(rep.seconds), rep.trace))
+        checks.append(Check(f"bug {rep.name}", rep.caught, detail, sum(rep.seconds), rep.trace,
+                            warnings=tuple(rep.warnings)))
     return checks
 
 
