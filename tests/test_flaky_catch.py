@@ -4,6 +4,9 @@ from seed 2 saw the holder's window change, and on the replay, where which
 buffers share memory came out otherwise, it did not (``kvspec verify``
 failed the job about one run in three). The run that diverged is the trace."""
 
+import pytest
+from hypothesis.errors import FlakyFailure, FlakyStrategyDefinition
+
 from fuzz.bugs import InjectedBug
 from fuzz.campaign import catch_bug, machine_for, run_machine
 from fuzz.trace import load
@@ -65,3 +68,111 @@ def test_verify_shows_a_flaky_catch_as_a_warning(monkeypatch, tmp_path):
     [check] = verify.check_bugs(str(tmp_path), 1)
     assert check.ok and check.name == "bug trims_one_more_once"
     assert len(check.warnings) == 1 and check.warnings[0].startswith("seed 1: Hypothesis could not replay")
+
+
+def _fake_flaky_run(monkeypatch, flaky_type, first_error):
+    """run_machine over a stand-in for Hypothesis's test: the first run
+    failed at op 1 with ``first_error``, the replay (the last run) drew
+    other ops, and Hypothesis raised ``flaky_type``."""
+    from fuzz import campaign
+
+    cfg = {"kind": "dense", "mode": "fp16", "step": 2, "head_dim": 8}
+    diverged = [{"op": "append", "n": 2}, {"op": "trim", "n": 1}]
+    replayed = [{"op": "append", "n": 3}, {"op": "append", "n": 1}, {"op": "append", "n": 1}]
+
+    def fake_test_for(machine, settings=None):
+        def test():
+            machine.runs, machine.first_failure = 2, (1, 0.0)
+            machine.first_error, machine.first_failure_run = first_error, (dict(cfg), [dict(op) for op in diverged])
+            machine.last_run = (dict(cfg), [dict(op) for op in replayed])
+            raise flaky_type("could not reproduce", [first_error])
+        return test
+
+    monkeypatch.setattr(campaign, "get_state_machine_test", fake_test_for)
+    return run_machine(machine_for("dense", "fp16", True), 1, max_examples=2, shrink=False), diverged
+
+
+@pytest.mark.parametrize("flaky_type", [FlakyFailure, FlakyStrategyDefinition])
+def test_a_flaky_divergence_is_the_diverging_run_s_trace_and_named_in_the_note(monkeypatch, flaky_type):
+    # both of Hypothesis's Flaky errors count; the trace is the run that
+    # diverged (not the replay, the last run); the note quotes the divergence
+    from fuzz.lockstep import Divergence
+
+    div = Divergence(1, {"op": "trim", "n": 1}, "offset differs", 1, 0)
+    result, diverged = _fake_flaky_run(monkeypatch, flaky_type, div)
+    assert result.failed and result.error is div
+    assert result.flaky is not None and f"({flaky_type.__name__})" in result.flaky
+    assert str(div).splitlines()[0] in result.flaky
+    ran = [{"op": op["op"], "n": op["n"]} for op in result.trace.ops if op["op"] != "expect"]
+    assert ran == diverged
+
+
+def test_a_flaky_harness_fault_is_not_a_flaky_catch(monkeypatch):
+    # only a divergence (or an invariant's assertion) seen once is a catch;
+    # a harness that raised once is still Hypothesis's Flaky error
+    result, _ = _fake_flaky_run(monkeypatch, FlakyFailure, RuntimeError("the driver broke"))
+    assert result.flaky is None and isinstance(result.error, FlakyFailure)
+
+
+@pytest.mark.parametrize("mode", ["turbo4", "turbo4delegated"])
+def test_a_flaky_turbo_trace_records_only_its_mode_s_fields(mode):
+    # hot_threshold and fold_block are Delegated's fields only: the run that
+    # diverged (first_failure_run) drops them like teardown's last_run does
+    machine = machine_for("dense", mode, True)
+    real, fired = machine.make_lockstep, []
+
+    def once(*args, **kwargs):
+        lock = real(*args, **kwargs)
+        step = lock.step
+
+        def step_once(index, op):
+            step(index, op)
+            if not fired and op["op"] == "append":
+                fired.append(index)
+                raise AssertionError("fails once")
+        lock.step = step_once
+        return lock
+
+    machine.make_lockstep = staticmethod(once)
+    result = run_machine(machine, 1, max_examples=20, steps=5, shrink=False)
+    assert result.flaky and result.trace is not None
+    delegated = mode == "turbo4delegated"
+    for cfg in (machine.first_failure_run[0], result.trace.cache):
+        assert ("hot_threshold" in cfg) == delegated and ("fold_block" in cfg) == delegated, cfg
+
+
+def test_every_flaky_seed_is_a_warning_and_still_a_catch(monkeypatch, tmp_path):
+    from fuzz.campaign import Catch
+    from fuzz.commands import mutants, verify
+
+    monkeypatch.setattr(mutants, "catalog", lambda: (BUG,))
+    monkeypatch.setattr(mutants, "catch_bug", lambda bug, seed, *a, **k: Catch(
+        True, 0.1, 3, tmp_path / "t.json", None, f"flaky in seed {seed}" if seed != 2 else None))
+    [check] = verify.check_bugs(str(tmp_path), 3)
+    assert check.ok and check.warnings == ("seed 1: flaky in seed 1", "seed 3: flaky in seed 3")
+
+
+def test_kvspec_fuzz_reports_a_flaky_catch(monkeypatch, tmp_path, capsys):
+    import json
+
+    from fuzz import campaign
+    from fuzz.commands.cli import main
+    from fuzz.lockstep import Divergence
+    from fuzz.trace import Trace
+    from tests.test_reports import valid
+
+    def fake_interleaved(camps, budget, progress=None):
+        for c in camps:
+            div = Divergence(1, {"op": "trim", "n": 1}, "offset differs", 1, 0)
+            trace = Trace(cache={"kind": "dense", "mode": "fp16", "step": 2}, ops=[{"op": "append", "n": 2}])
+            c.report.examples, c.report.batches = 3, 1
+            c.report.failure = campaign.RunResult(True, 0.1, 3, 4, error=div, trace=trace, flaky="the note")
+
+    monkeypatch.setattr(campaign, "interleaved", fake_interleaved)
+    args = ["fuzz", "--kind", "dense", "--mode", "fp16", "--inplace", "on", "--budget", "1", "--seed", "1",
+            "--db", "none", "--out", str(tmp_path)]
+    assert main([*args, "--json"]) == 1
+    doc = valid("fuzz", json.loads(capsys.readouterr().out))
+    assert [row.get("flaky") for row in doc["runs"]] == ["the note"]
+    assert main(args) == 1
+    assert "the note" in capsys.readouterr().out
