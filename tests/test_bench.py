@@ -4,6 +4,7 @@ unit test; the figures come from ``make bench``)."""
 
 import json
 
+import jsonschema
 import pytest
 
 from fuzz.commands import bench
@@ -101,6 +102,11 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert all(c["runs"] == 2 for by in paired.values() for v in by.values() for c in v.values())
     stem = tmp_path / f"{doc['date']}-{doc['device']}"
     assert "against mlx-lm's caches in the same repeat" in stem.with_suffix(".md").read_text()
+    # the paired cells themselves, in the record and on the terminal (not "-")
+    cell = bench._paired_cell(paired["greedy"]["ours, in place"]["16"])
+    assert f"| ours, in place | {cell} |" in stem.with_suffix(".md").read_text()
+    bench.print_suite(doc)
+    assert cell in capsys.readouterr().out
     assert json.loads(stem.with_suffix(".json").read_text())["decoder"]["layers"] == 1
     assert "| decode in place: ours |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
@@ -138,6 +144,12 @@ def test_end_to_end_runs_warm_up_each_config_and_rotate_the_order(monkeypatch):
     # the sliding-window model is warmed up too (one unmeasured run per config)
     window = [c for c in calls if c[0] != 24]
     assert sum(c[1] == 2 for c in window) == len(configs) - 1
+    # ... at the context it is measured at, and its repeats rotate too
+    window_configs = [n for n in configs if n != "ours, physical trim"]
+    sw = res["samples"]["sliding window"]
+    (ctx,) = {n for by in sw.values() for n in by}
+    assert all(c[0] == ctx for c in window)
+    assert [min(window_configs, key=lambda n: sw[n][ctx][r]) for r in range(3)] == window_configs[:3]
 
 
 def test_paired_ratios_divide_runs_of_the_same_repeat():
@@ -153,6 +165,31 @@ def test_paired_ratios_divide_runs_of_the_same_repeat():
     assert bench._paired_cell(cell) == "1.10x (0.90-1.10), 2/3"
     assert "mlx-lm caches" not in table["greedy"] and bench._paired_cell(None) == "-"
     assert bd.rotated(["a", "b", "c"], 4) == ["b", "c", "a"] and bd.rotated([], 2) == []
+
+
+def test_a_tie_is_not_faster_and_unpaired_runs_are_refused():
+    from fuzz.commands import bench_decoder as bd
+
+    samples = {"mlx-lm caches": {"16": [100.0, 50.0]}, "ours, in place": {"16": [100.0, 60.0]}}
+    cell = bench.paired_table({"greedy": samples})["greedy"]["ours, in place"]["16"]
+    assert cell["faster_in"] == 1 and cell["runs"] == 2  # 1.00x is level, not faster
+    # run i must pair with run i of the same repeat: a missing run is an error, not a shift
+    with pytest.raises(ValueError):
+        bd.paired_ratios({"mlx-lm caches": {16: [100.0, 50.0]}, "ours, in place": {16: [100.0]}}, "ours, in place")
+
+
+def test_the_bench_schema_holds_the_suite_to_its_parts():
+    from tests.test_reports import valid
+
+    rows = {"heads": 2, "head_dim": 8, "contexts": [16], "rows": [{"context": 16}], "ratio_last_over_first": {}}
+    suite = {"date": "2026-01-01", "machine": "m", "device": "cpu", "backend": "cpu", "inplace_mechanism": "x",
+             "mlx": "0", "contexts": [16], "cache_rows": rows}
+    valid("bench", rows)
+    valid("bench", suite)
+    for broken in ({k: v for k, v in suite.items() if k != "cache_rows"}, {**suite, "cache_rows": {}},
+                   {**suite, "e2e": {"tokens": 4, "repeats": 2, "rows": {}, "samples": {}}}):
+        with pytest.raises(jsonschema.ValidationError):
+            valid("bench", broken)
 
 
 def test_an_end_to_end_cell_shows_the_spread_of_its_runs():
