@@ -534,10 +534,15 @@ def test_the_bench_table_skips_a_later_record_without_decoder_rows(tmp_path, mon
     rows = {"rows": [{"context": 16, "decode_inplace_ms": 1.0, "decode_copy_ms": 1.0, "rollback_logical_ms": 1.0,
                       "rollback_physical_ms": 1.0}]}
     full = {"machine": "m", "cache_rows": rows, "decoder": {"layers": 2, "ms_per_step": {"attention only": {"16": 1.5}}}}
+    older = {**full, "decoder": {**full["decoder"], "layers": 3}}
+    (tmp_path / "docs/benchmarks/2025-12-31-gpu.json").write_text(json.dumps(older))
     (tmp_path / "docs/benchmarks/2026-01-01-gpu.json").write_text(json.dumps(full))
     (tmp_path / "docs/benchmarks/2026-01-02-gpu-e2e.json").write_text(json.dumps({"machine": "m", "cache_rows": rows}))
     monkeypatch.setattr(docgen, "ROOT", tmp_path)
     out = docgen.bench_table()
+    # the latest of the records with decoder rows, not the first
     assert "2026-01-01-gpu.json" in out and "Decoder step, 2 layers" in out
-    (tmp_path / "docs/benchmarks/2026-01-01-gpu.json").unlink()
+    # none has decoder rows: the latest record, not the first
+    for name in ("2025-12-31-gpu.json", "2026-01-01-gpu.json"):
+        (tmp_path / "docs/benchmarks" / name).write_text(json.dumps({"machine": "m", "cache_rows": rows}))
     assert "2026-01-02-gpu-e2e.json" in docgen.bench_table()
