@@ -95,13 +95,14 @@ def test_full_plan_fuzzes_each_bug_from_five_seeds_and_campaigns_for_the_budget(
 
 
 def test_verify_never_shrinks_and_mutants_shrinks_seed_one_only(monkeypatch, tmp_path):
+    from fuzz.campaign import Catch
     from fuzz.commands import mutants
 
     calls: list[tuple[int, bool]] = []
 
     def fake_catch(bug, seed, max_examples, out_dir, fixed=None, check_inplace=True, stem=None, shrink=True):
         calls.append((seed, shrink))
-        return True, 0.1, 1, None, None
+        return Catch(True, 0.1, 1, None, None)
 
     monkeypatch.setattr(mutants, "catch_bug", fake_catch)
     name = mutants.catalog()[0].name
