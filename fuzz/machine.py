@@ -148,12 +148,26 @@ class KVMachine(RuleBasedStateMachine):
         try:
             self.lock.step(len(self.ops) - 1, op)
         except Exception:
-            if type(self).first_failure is None:
-                type(self).first_failure = (type(self).runs, time.perf_counter())
+            if type(self).first_error is None:
                 type(self).first_error = sys.exc_info()[1]
                 type(self).first_failure_run = (self.recorded_cfg(), list(self.ops))
+            if type(self).first_failure is None:
+                type(self).first_failure = (type(self).runs, time.perf_counter())
                 if type(self).on_failure is not None:
                     type(self).on_failure(type(self).runs)
+            raise
+
+    def check_invariants(self, *args: Any, **kwargs: Any) -> None:
+        """Hypothesis's invariant pass, with an invariant's first failure
+        kept as :meth:`do` keeps an op's (``first_error``,
+        ``first_failure_run``), so that one Hypothesis cannot replay is
+        still a catch (fuzz.campaign.run_machine)."""
+        try:
+            super().check_invariants(*args, **kwargs)
+        except AssertionError:
+            if type(self).first_error is None:
+                type(self).first_error = sys.exc_info()[1]
+                type(self).first_failure_run = (self.recorded_cfg(), list(self.ops))
             raise
 
     def fresh_name(self, prefix: str) -> str:

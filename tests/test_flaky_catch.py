@@ -176,3 +176,33 @@ def test_kvspec_fuzz_reports_a_flaky_catch(monkeypatch, tmp_path, capsys):
     assert [row.get("flaky") for row in doc["runs"]] == ["the note"]
     assert main(args) == 1
     assert "the note" in capsys.readouterr().out
+
+
+class CapacityWrongOnceToTheInvariant(KVCache):
+    """Reports a capacity below its live rows once, and only to the
+    machine's invariant (``offsets_in_range``): no op diverges, the
+    invariant fails in one run and never in its replay."""
+
+    fired = False
+
+    @property
+    def capacity(self):
+        import sys
+
+        real = KVCache.capacity.fget(self)
+        if (not CapacityWrongOnceToTheInvariant.fired and self.live_len > 1
+                and sys._getframe(1).f_code.co_name == "offsets_in_range"):
+            CapacityWrongOnceToTheInvariant.fired = True
+            return 0
+        return real
+
+
+def test_an_invariant_failure_hypothesis_cannot_replay_is_a_catch_too(tmp_path):
+    bug = InjectedBug("capacity_wrong_once", "test", "test", "dense", ("fp16",), "KVCache.capacity",
+                      "capacity below live_len once, to the invariant", {"dense": CapacityWrongOnceToTheInvariant})
+    CapacityWrongOnceToTheInvariant.fired = False
+    got = catch_bug(bug, 1, 200, tmp_path, shrink=False)
+    assert CapacityWrongOnceToTheInvariant.fired
+    assert got.caught and got.alarm is None, got
+    assert got.flaky and "FlakyFailure" in got.flaky
+    assert load(got.path).ops, "the trace is the run whose invariant failed"
