@@ -250,7 +250,7 @@ def print_suite(doc: dict) -> None:
         for row, by in doc["e2e"]["rows"].items():
             if row == "acceptance" or not by:
                 continue
-            ctxs = sorted({int(n) for v in by.values() for n in v})
+            ctxs = _contexts(by)
             t = Table(title=f"end to end, {row}: tokens/s")
             t.add_column("caches", no_wrap=True)
             for n in ctxs:
@@ -264,7 +264,7 @@ def print_suite(doc: dict) -> None:
                           "(the lowest and highest in brackets)")
         paired = doc["e2e"].get("paired") or {}
         for row, by in paired.items():
-            ctxs = sorted({int(n) for v in by.values() for n in v})
+            ctxs = _contexts(by)
             t = Table(title=f"end to end, {row}: tokens/s against mlx-lm's caches in the same repeat")
             t.add_column("caches", no_wrap=True)
             for n in ctxs:
@@ -297,6 +297,11 @@ def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[
                         "median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
                         "faster_in": sum(r > 1 for r in ratios), "runs": len(ratios)}
     return out
+
+
+def _contexts(by: dict[str, dict[str, Any]]) -> list[int]:
+    """The contexts of an end-to-end row's configs (JSON keys), in order."""
+    return sorted({int(n) for v in by.values() for n in v})
 
 
 def _paired_cell(p: dict | None) -> str:
@@ -362,7 +367,7 @@ def write_record(doc: dict, folder: str) -> str:
         for row, by in doc["e2e"]["rows"].items():
             if not by:
                 continue
-            ctxs = sorted({int(n) for v in by.values() for n in v})
+            ctxs = _contexts(by)
             unit = "share of tokens from the draft" if row == "acceptance" else "tokens/s"
             lines += [f"## End to end, {row} ({unit})", "", "| caches | " + " | ".join(map(str, ctxs)) + " |",
                       "| --- |" + " --- |" * len(ctxs)]
@@ -376,7 +381,7 @@ def write_record(doc: dict, folder: str) -> str:
             lines += [(f"Each tokens/s cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} "
                       "tokens, taken round-robin across the caches (the lowest and highest in brackets)."), ""]
         for row, by in (doc["e2e"].get("paired") or {}).items():
-            ctxs = sorted({int(n) for v in by.values() for n in v})
+            ctxs = _contexts(by)
             lines += [f"## End to end, {row}: against mlx-lm's caches in the same repeat", "",
                       "| caches | " + " | ".join(map(str, ctxs)) + " |", "| --- |" + " --- |" * len(ctxs)]
             lines += [f"| {name} | " + " | ".join(_paired_cell(v.get(str(n))) for n in ctxs) + " |"
