@@ -36,3 +36,16 @@ def test_gpu_session_script_parses():
     proc = subprocess.run(["bash", "-n", str(REPO / "tools/gpu_session.sh")], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_gpu_extras_refuses_without_prepare_and_says_what_to_run(tmp_path):
+    # a clone without .gpu/p2 (../shared/gpu/prepare not run): exit 2, named step
+    import shutil
+
+    subprocess.run(["git", "init", "-q", str(tmp_path / "c")], check=True)
+    (tmp_path / "c/tools").mkdir()
+    shutil.copy(REPO / "tools/gpu_extras.sh", tmp_path / "c/tools/gpu_extras.sh")
+    r = subprocess.run(["bash", "tools/gpu_extras.sh"], cwd=tmp_path / "c", capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert r.returncode == 2 and "prepare first" in r.stderr
+    assert not (tmp_path / "c/.gpu/p3").exists()
