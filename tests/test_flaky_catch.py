@@ -206,3 +206,64 @@ def test_an_invariant_failure_hypothesis_cannot_replay_is_a_catch_too(tmp_path):
     assert got.caught and got.alarm is None, got
     assert got.flaky and "FlakyFailure" in got.flaky
     assert load(got.path).ops, "the trace is the run whose invariant failed"
+
+
+def _invariant_raises(monkeypatch, error, mode="turbo4", machine=None):
+    """A machine of ``mode`` (or ``machine``) partway through a run (two ops
+    done) whose invariant pass raises ``error``; returns the class and the
+    instance."""
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    from fuzz.kinds import get as kind_entry
+
+    def fails(self, *args, **kwargs):
+        raise error
+
+    machine = machine or machine_for("dense", mode, True)
+    m = machine()
+    m.cfg = {**kind_entry("dense", mode).defaults(), "kind": "dense", "mode": mode, "inplace": True,
+             "hot_threshold": 4, "fold_block": 8}
+    m.ops = [{"op": "append", "n": 2}, {"op": "trim", "n": 1}]
+    monkeypatch.setattr(RuleBasedStateMachine, "check_invariants", fails)
+    with pytest.raises(type(error)):
+        m.check_invariants(None, None, None)
+    return machine, m
+
+
+def test_an_invariant_s_failure_is_kept_with_the_run_s_recorded_fields_and_ops(monkeypatch):
+    # first_error and first_failure_run as do() keeps them: the trace's cache
+    # fields (not the machine's whole cfg) and a copy of the ops so far;
+    # first_failure (examples to the first failing op) stays an op's
+    err = AssertionError("offset out of range")
+    machine, m = _invariant_raises(monkeypatch, err)
+    assert machine.first_error is err and machine.first_failure is None
+    cfg, ops = machine.first_failure_run
+    assert cfg == m.recorded_cfg() and "hot_threshold" not in cfg and ops == m.ops and ops is not m.ops
+
+
+def test_an_invariant_keeps_neither_a_harness_fault_nor_a_later_failure(monkeypatch):
+    # only an assertion is a finding; and an op's earlier failure stays the first
+    machine, _ = _invariant_raises(monkeypatch, RuntimeError("the invariant itself broke"))
+    assert machine.first_error is None and machine.first_failure_run is None
+    earlier, run = AssertionError("the op's"), ({"kind": "dense"}, [{"op": "append", "n": 1}])
+    machine.first_error, machine.first_failure_run = earlier, run
+    _invariant_raises(monkeypatch, AssertionError("the invariant's"), machine=machine)
+    assert machine.first_error is earlier and machine.first_failure_run == run
+
+
+def test_an_op_failing_after_an_invariant_keeps_the_invariant_s_error_and_counts_examples(monkeypatch):
+    # do(): first_error stays the invariant's; first_failure is still the op's
+    machine = machine_for("dense", "fp16", True)
+    kept = AssertionError("the invariant's")
+    machine.first_error, machine.first_failure_run, machine.runs = kept, ({"kind": "dense"}, []), 3
+    m = machine()
+
+    class Lock:
+        def step(self, index, op):
+            raise AssertionError("the op's")
+
+    m.lock, m.cfg = Lock(), {"kind": "dense", "mode": "fp16"}
+    with pytest.raises(AssertionError, match="the op's"):
+        m.do({"op": "append", "n": 1})
+    assert machine.first_error is kept and machine.first_failure_run == ({"kind": "dense"}, [])
+    assert machine.first_failure is not None and machine.first_failure[0] == 3
