@@ -304,3 +304,10 @@ def test_a_record_without_matplotlib_is_written_and_plotted_later(capsys, monkey
     assert main(["bench", "--plot", path]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["bench", "--plot", str(tmp_path / "2026-12-01-gpu.md")]) == 2
+
+
+def test_an_end_to_end_row_s_contexts_are_every_config_s_in_numeric_order():
+    # JSON keys are strings: "1024" sorts before "512" unless read as numbers;
+    # a context only one config reached still gets a column
+    by = {"mlx-lm caches": {"512": 1.0, "1024": 2.0}, "ours, in place": {"512": 1.0, "1024": 2.0, "16384": 3.0}}
+    assert bench._contexts(by) == [512, 1024, 16384]
