@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -49,3 +50,24 @@ def test_gpu_extras_refuses_without_prepare_and_says_what_to_run(tmp_path):
                        timeout=60, check=False)
     assert r.returncode == 2 and "prepare first" in r.stderr
     assert not (tmp_path / "c/.gpu/p3").exists()
+
+
+def test_gpu_extras_looks_for_prepare_s_p2_and_goes_on_when_it_is_there(tmp_path):
+    # .gpu/p1 alone is not enough; with .gpu/p2 the guard lets it through
+    # (here to a PYTHON that fails at once, so nothing is downloaded)
+    import shutil
+
+    subprocess.run(["git", "init", "-q", str(tmp_path / "c")], check=True)
+    (tmp_path / "c/tools").mkdir()
+    shutil.copy(REPO / "tools/gpu_extras.sh", tmp_path / "c/tools/gpu_extras.sh")
+    (tmp_path / "c/.gpu/p1").mkdir(parents=True)
+
+    def run():
+        return subprocess.run(["bash", "tools/gpu_extras.sh"], cwd=tmp_path / "c", capture_output=True, text=True,
+                              timeout=60, check=False, env={**os.environ, "PYTHON": "false"})
+
+    r = run()
+    assert r.returncode == 2 and "prepare first" in r.stderr
+    (tmp_path / "c/.gpu/p2").mkdir()
+    r = run()
+    assert r.returncode != 2 and "prepare first" not in r.stderr
