@@ -281,7 +281,7 @@ def refuse_foreign_save(cache: Any) -> None:
 _DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Buffers:
     """The cache's tensors. Fp16: ``keys``/``values`` in the rows' dtype.
     Int8: int8 ``keys``/``values`` plus float16 ``key_scales``/
@@ -344,7 +344,7 @@ class _Buffers:
         return k, v
 
 
-@dataclass
+@dataclass(slots=True)
 class _Marker:
     """Ownership marker: the very buffer objects the cache's last write
     produced (held by reference, so an identity can never be recycled) and
@@ -565,7 +565,7 @@ class KVCache:
             # the Fp16 decode path: the pair accepted in one pass
             n = decode_pair_rows(keys, values, b.keys, b.values)
             prev = self.offset - self.live_start
-            if n and prev + n <= b.keys.shape[SEQ_AXIS]:
+            if n and prev + n <= (cap := b.keys.shape[SEQ_AXIS]):
                 # no regrow: what the general path below does, in fewer
                 # Python calls (on a GPU a 28-layer step pays this Python
                 # between its kernels); the writes go through the same two
@@ -579,8 +579,16 @@ class KVCache:
                 self.last_write_inplace = inplace
                 b = self.buffers
                 k, v = b.keys, b.values
-                self._marker = _Marker((k, v), prev + n)
-                window = (_ALL, _ALL, slice(0, prev + n))
+                live = prev + n
+                self._marker = _Marker((k, v), live)
+                if live == cap:
+                    # the window is the whole buffer: handles of the buffers
+                    # themselves (the same memory and rows, no slice; a slice
+                    # costs about 3 us of host time per array, per layer per
+                    # step). A caller assigning into its window rebinds its
+                    # own handle, never the cache's buffer.
+                    return k.__copy__(), v.__copy__()
+                window = (_ALL, _ALL, slice(0, live))
                 return k[window], v[window]
         if n:
             rows = _Buffers(keys, values)

@@ -303,7 +303,13 @@ class RotatingKVCache:
         self.idx += 1
         self.last_write_inplace = inplace
         keys = self.keys  # fetch(), inlined: the decode path runs per layer per step
-        ix = (_ALL, _ALL, slice(0, keys.shape[SEQ_AXIS] if self.offset != self.idx else self.idx))  # type: ignore[union-attr]
+        cap = keys.shape[SEQ_AXIS]  # type: ignore[union-attr]
+        if self.offset != self.idx or self.idx == cap:
+            # the window is the whole ring (steady state, or warm-up at a full
+            # buffer): handles of the buffers themselves, no slice (as in
+            # impl.dense.KVCache.update_and_fetch)
+            return keys.__copy__(), self.values.__copy__()  # type: ignore[union-attr]
+        ix = (_ALL, _ALL, slice(0, self.idx))
         return keys[ix], self.values[ix]  # type: ignore[index]
 
     def _chronological(self) -> tuple[mx.array, mx.array] | None:

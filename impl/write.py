@@ -86,12 +86,26 @@ Index = tuple[Any, ...]
 COUNTS = {"numpy": 0, "kernel": 0, "donate": 0}
 
 
+#: backend() per default device (what a device's arrays are does not change
+#: within a process; the default device may: it is read at each call)
+_BACKENDS: dict[Any, str] = {}
+
+
 def backend() -> str:
     """Where the default device's arrays live: ``"cuda"`` (MLX's CUDA backend,
-    managed memory), ``"metal"`` (Apple unified memory) or ``"cpu"``."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return "cpu"
-    return "cuda" if mx.cuda.is_available() else "metal"
+    managed memory), ``"metal"`` (Apple unified memory) or ``"cpu"``. The
+    default device is read at each call (``mx.set_default_device`` moves it);
+    the answer for a device is worked out once (the decode path asks per
+    layer per step)."""
+    device = mx.default_device()
+    found = _BACKENDS.get(device)
+    if found is None:
+        if device.type != mx.DeviceType.gpu:
+            found = "cpu"
+        else:
+            found = "cuda" if mx.cuda.is_available() else "metal"
+        _BACKENDS[device] = found
+    return found
 
 
 def _region(dst: mx.array, index: Index) -> tuple[list[int], list[int]]:
@@ -193,12 +207,35 @@ def complete(token: mx.array) -> None:
 
 CUDA_MECHANISMS = ("donate", "kernel")
 
+# os.environ.get costs about 2 us for an unset name (its Mapping fallback
+# raises and catches KeyError), paid per layer per decode step; the mapping
+# it reads is os.environ's own (its ``_data``, updated by every
+# ``os.environ[...] = ...``, ``monkeypatch.setenv`` included), looked up
+# directly under the encoded name. Where that layout is missing, the public
+# path.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_ENCODE = getattr(os.environ, "encodekey", None)
+_ENV_DECODE = getattr(os.environ, "decodevalue", None)
+
+
+#: encoded names of the variables read per write
+_ENV_KEYS = {} if _ENV_ENCODE is None else {"KV_CUDA_INPLACE": _ENV_ENCODE("KV_CUDA_INPLACE")}
+
+
+def _env_value(name: str) -> str | None:
+    """``os.environ.get(name)``, read at each call, without its exception
+    path for an unset name."""
+    if _ENV_DATA is None or _ENV_ENCODE is None or _ENV_DECODE is None:
+        return os.environ.get(name)
+    raw = _ENV_DATA.get(_ENV_KEYS.get(name) or _ENV_ENCODE(name))
+    return None if raw is None else _ENV_DECODE(raw)
+
 
 def cuda_inplace() -> str:
     """The CUDA in-place mechanism, from ``KV_CUDA_INPLACE``: ``donate``
     (unset or empty) or ``kernel``. Raises InvalidArgumentError for anything
     else, naming the variable and the allowed values."""
-    value = os.environ.get("KV_CUDA_INPLACE")
+    value = _env_value("KV_CUDA_INPLACE")
     if not value:  # the common case, read per decode write: nothing to parse
         return "donate"
     value = value.strip().lower() or "donate"
@@ -244,16 +281,18 @@ def write_inplace(dst: mx.array, src: mx.array, index: Index, mechanism: str | N
 
 
 def write_copy(dst: mx.array, src: mx.array, index: Index) -> mx.array:
-    """A new array equal to ``dst`` with ``src`` written at ``dst[index]``;
-    ``dst`` (and every array sharing its memory) is unchanged. A static slice
-    update on a fresh handle: MLX writes into ``dst``'s memory only when
-    nothing else references it at evaluation, else copies (module
-    docstring)."""
+    """A new array equal to ``dst`` with ``src`` written at ``dst[index]``
+    (cast to ``dst``'s dtype); ``dst`` (and every array sharing its memory)
+    is unchanged. A static slice update on a fresh handle: MLX writes into
+    ``dst``'s memory only when nothing else references it at evaluation,
+    else copies (module docstring)."""
     # a new handle on dst's memory (copy.copy adds no graph node, unlike
     # mx.array(dst), which is a copy): the assignment replaces this handle's
     # array, never dst's
     out = dst.__copy__()  # copy.copy's own dispatch costs ~1.5 us a call on the decode path
-    out[index] = src.astype(dst.dtype)
+    # MLX's slice assignment casts the update to the array's dtype itself (an
+    # explicit astype cost a dtype read and a call per write, tests/test_write.py)
+    out[index] = src
     return out
 
 

@@ -245,3 +245,81 @@ def test_on_the_cpu_an_in_place_write_that_moves_either_buffer_diverges():
     assert W.inplace_keeps_memory()
     rep = campaign("dense", "fp16", True, 20.0, 7, factories={"dense": ClaimsInPlaceButCopiesValues})
     assert rep.failure is not None and "in-place write moved the cache's values memory" in str(rep.failure.error)
+
+
+# -- the host-side shortcuts of the decode path (issue 20: on a GPU a
+# -- 28-layer step pays this Python between its kernels) --
+
+CASTS = [(mx.float32, mx.float16), (mx.float32, mx.bfloat16), (mx.bfloat16, mx.float16), (mx.float16, mx.float32),
+         (mx.float32, mx.int8), (mx.float16, mx.uint8)]
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", CASTS)
+def test_write_copy_casts_the_rows_to_the_buffer_dtype_as_astype_would(src_dtype, dst_dtype):
+    """write_copy leaves the cast to MLX's slice assignment: the result is
+    the buffer's dtype and holds exactly what an explicit astype gives."""
+    values = mx.array(np.linspace(-3.7, 250.3, 12, dtype=np.float32).reshape(1, 2, 2, 3)).astype(src_dtype)
+    a = mx.zeros((1, 2, 5, 3), dtype=dst_dtype)
+    mx.eval(a, values)
+    out = W.write_copy(a, values, W.seq_index(1, 2))
+    want = mx.concatenate([a[:, :, :1], values.astype(dst_dtype), a[:, :, 3:]], axis=2)
+    assert out.dtype == dst_dtype
+    assert np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_the_cuda_mechanism_follows_the_environment_at_every_call(monkeypatch):
+    """KV_CUDA_INPLACE is read at each write (its direct read of os.environ's
+    mapping sees setenv, delenv and plain assignment)."""
+    monkeypatch.delenv("KV_CUDA_INPLACE", raising=False)
+    assert W.cuda_inplace() == "donate"
+    monkeypatch.setenv("KV_CUDA_INPLACE", "kernel")
+    assert W.cuda_inplace() == "kernel"
+    monkeypatch.setenv("KV_CUDA_INPLACE", " Donate ")
+    assert W.cuda_inplace() == "donate"
+    monkeypatch.setenv("KV_CUDA_INPLACE", "")
+    assert W.cuda_inplace() == "donate"
+    monkeypatch.delenv("KV_CUDA_INPLACE")
+    assert W._env_value("KV_CUDA_INPLACE") is None
+    monkeypatch.setenv("KVSPEC_TEST_OTHER", "x")
+    assert W._env_value("KVSPEC_TEST_OTHER") == "x"  # a name without a precomputed key
+
+
+def test_the_backend_is_read_for_the_current_default_device():
+    assert W.backend() == "cpu"
+    with mx.stream(mx.cpu):
+        assert W.backend() == "cpu"
+    assert all(v in ("cpu", "cuda", "metal") for v in W._BACKENDS.values())
+
+
+def _full_window_cases():
+    dense = KVCache("fp16", step=4, inplace=True)
+    ring = RotatingKVCache(max_size=4, keep=1, step=4, inplace=True)
+    return {"dense": dense, "ring": ring}
+
+
+@pytest.mark.parametrize("mechanism", ["numpy", "donate"])
+@pytest.mark.parametrize("which", ["dense", "ring"])
+def test_a_window_that_is_the_whole_buffer_is_a_new_handle_on_its_memory(which, mechanism, monkeypatch):
+    """At a full buffer the decode path hands out handles of the buffers
+    themselves, not slices: the same rows and memory, but a caller that
+    assigns into its window changes neither the cache nor an earlier
+    window."""
+    if mechanism == "donate":
+        monkeypatch.setattr(W, "backend", lambda: "cuda")
+        monkeypatch.delenv("KV_CUDA_INPLACE", raising=False)
+    c = _full_window_cases()[which]
+    mx.eval(c.update_and_fetch(rows(3, 1), rows(3, 1)))
+    for step in range(3):  # fills the buffer, then (ring) wraps
+        k, v = c.update_and_fetch(rows(1, 2 + step), rows(1, 2 + step))
+        mx.eval(k, v)
+        buf_k, buf_v = (c.buffers.keys, c.buffers.values) if which == "dense" else (c.keys, c.values)
+        assert k is not buf_k and v is not buf_v
+        assert k.shape == buf_k.shape and v.shape == buf_v.shape  # the whole buffer
+        before = np.array(buf_k).copy()
+        k[:, :, 0:1] = rows(1, 9)  # the caller's own handle
+        v[...] = 0
+        mx.eval(k, v)
+        assert np.array_equal(np.array(buf_k), before)
+        assert float(np.array(buf_v).sum()) != 0
+        if which == "dense":
+            c.trim(1)  # rollback at the buffer's edge: the next append fills it again
