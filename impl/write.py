@@ -86,8 +86,11 @@ Index = tuple[Any, ...]
 COUNTS = {"numpy": 0, "kernel": 0, "donate": 0}
 
 
-#: backend() per default device (what a device's arrays are does not change
-#: within a process; the default device may: it is read at each call)
+#: backend() per device type (what a device's arrays are does not change
+#: within a process; the default device may: it is read at each call). Keyed
+#: on ``Device.type``, not the Device: MLX hands out a new Device object at
+#: each ``mx.default_device()``, equal to the last but with its own hash, so a
+#: dict keyed on it would grow by one entry a call and never hit.
 _BACKENDS: dict[Any, str] = {}
 
 
@@ -97,14 +100,14 @@ def backend() -> str:
     default device is read at each call (``mx.set_default_device`` moves it);
     the answer for a device is worked out once (the decode path asks per
     layer per step)."""
-    device = mx.default_device()
-    found = _BACKENDS.get(device)
+    kind = mx.default_device().type
+    found = _BACKENDS.get(kind)
     if found is None:
-        if device.type != mx.DeviceType.gpu:
+        if kind != mx.DeviceType.gpu:
             found = "cpu"
         else:
             found = "cuda" if mx.cuda.is_available() else "metal"
-        _BACKENDS[device] = found
+        _BACKENDS[kind] = found
     return found
 
 

@@ -291,6 +291,41 @@ def test_the_backend_is_read_for_the_current_default_device():
     assert all(v in ("cpu", "cuda", "metal") for v in W._BACKENDS.values())
 
 
+def test_the_backend_answer_is_kept_per_device_not_once_for_the_process(monkeypatch):
+    """With CUDA available, the GPU's answer is "cuda" and the CPU's is still
+    "cpu", in either order: a cache of one answer for the process would give
+    the first device's answer to both."""
+
+    class FakeGPU:
+        type = mx.DeviceType.gpu
+
+    monkeypatch.setattr(W, "_BACKENDS", {})
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert W.backend() == "cpu"
+    monkeypatch.setattr(mx, "default_device", lambda: FakeGPU())
+    assert W.backend() == "cuda"
+    monkeypatch.undo()
+    monkeypatch.setattr(W, "_BACKENDS", {})
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: FakeGPU())
+    assert W.backend() == "cuda"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert W.backend() == "cpu"
+
+
+def test_the_backend_cache_holds_one_entry_per_device_type(monkeypatch):
+    """The decode path asks backend() per layer per step: its cache must hit.
+    MLX hands out a new Device object, with its own hash, at every
+    mx.default_device(), so a cache keyed on the Device grows by one entry a
+    call (seen failing that way: 1,000 entries after 1,000 calls)."""
+    monkeypatch.setattr(W, "_BACKENDS", {})
+    for _ in range(1000):
+        W.backend()
+    with mx.stream(mx.cpu):
+        W.backend()
+    assert len(W._BACKENDS) == 1
+
+
 def _full_window_cases():
     dense = KVCache("fp16", step=4, inplace=True)
     ring = RotatingKVCache(max_size=4, keep=1, step=4, inplace=True)
