@@ -4,9 +4,9 @@ Mutates only the lines of ``spec/`` and ``impl/`` (mutmut's ``source_paths``
 in ``[tool.mutmut]``) that the working tree adds or changes relative to git
 revision ``BASE`` (``git diff BASE``: committed and uncommitted changes to
 tracked files; a new file counts once it is tracked, ``git add -N`` is
-enough), runs each mutant against the tests that cover its function
-(mutmut 3's per-function test selection, with the ``[tool.mutmut]`` test
-selection and fork-server isolation, exactly as ``make mutation``), and
+enough), runs each mutant against the tests that execute the statement it
+changes (the runner of ``make mutation``, :mod:`fuzz.commands.mutation_run`,
+on the ``[tool.mutmut]`` test selection), and
 reports every mutant that no test detects, with its ``file:line`` and the
 mutation as a diff: what a reviewer reads beside the PR ("this line could be
 broken and no check would notice").
@@ -43,10 +43,6 @@ from typing import Any
 
 DETECTED = ("killed", "timeout", "segfault", "suspicious", "caught by type check")
 SURVIVING = ("survived", "no tests")
-#: a mutant that timed out is re-run alone with this many times mutmut's
-#: limits (its wall-clock timeout is load-dependent); only a second timeout
-#: counts as detected
-TIMEOUT_RETRY_FACTOR = 5
 HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,(?P<count>\d+))? @@")
 
 
@@ -114,7 +110,6 @@ from mutmut.stats import status_by_exit_code
 
 changed = json.loads(Path(sys.argv[1]).read_text())
 max_children = int(sys.argv[2])
-RETRY_FACTOR = int(sys.argv[4])
 config().only_mutate = sorted(changed)  # other files are copied, not parsed (do_not_mutate still applies)
 state()._covered_lines = {str((Path("mutants") / p).absolute()): set(v) for p, v in changed.items()}
 mm.set_mutant_under_test("mutant_generation")
@@ -130,25 +125,13 @@ def metas():
         m.load()
         yield path, m
 
-def run(names, children):
-    try:
-        mm._run(names, children)
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise
-
 names = [k for _, m in metas() for k in m.exit_code_by_key]
 if names:
-    run(names, max_children)
-    # mutmut also stops a mutant on wall time ((its tests' time + timeout_constant)
-    # x timeout_multiplier): on a busy machine a survivor can time out, which
-    # counts as detected. A timeout is re-run alone with RETRY_FACTOR times the
-    # limit; only a second timeout stands.
-    timeouts = [k for _, m in metas() for k, code in m.exit_code_by_key.items()
-                if status_by_exit_code[code] == "timeout"]
-    if timeouts:
-        config().timeout_multiplier *= RETRY_FACTOR
-        run(timeouts, 1)
+    # the runner of make mutation (fuzz/commands/mutation_run.py): workers that
+    # collect the tests once, the tests that execute each mutated statement, a
+    # timeout re-run with its retry factor before it stands
+    from fuzz.commands.mutation_run import run as run_mutants
+    run_mutants(Path.cwd(), max_children, log=lambda s: print(s, flush=True))
 out = []
 for path, m in metas():
     for name, code in m.exit_code_by_key.items():
@@ -251,8 +234,7 @@ def run_changed(root: Path, base: str, max_children: int = 2, python: str | None
         lines_file.write_text(json.dumps({p: sorted(v) for p, v in report.changed.items()}))
         # make mutation's Hypothesis profile (no shrinking) unless the caller chose one
         env = {**os.environ, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutation")}
-        p = subprocess.run([python or sys.executable, "-c", DRIVER, str(lines_file), str(max_children), str(result_file),
-                            str(TIMEOUT_RETRY_FACTOR)],
+        p = subprocess.run([python or sys.executable, "-c", DRIVER, str(lines_file), str(max_children), str(result_file)],
                            cwd=work, capture_output=True, text=True, check=False, env=env)
         if log is not None:
             log(p.stdout + p.stderr)

@@ -1,0 +1,688 @@
+"""The mutation runner of ``make mutation`` and ``kvspec mutants --changed``.
+
+mutmut 3 makes the mutants: a copy of the tree under ``mutants/`` in which
+every function of ``spec/`` and ``impl/`` is a *trampoline* that, at each
+call, runs the original or one of its mutants according to the name of the
+active mutant (``MUTANT_UNDER_TEST``). mutmut's own runner then forks a child
+per mutant and runs ``pytest.main`` on every test that reaches the mutated
+*function*. Here that costs 1-2 s of pytest start-up a mutant and 13 s for a
+killed mutant of a hot function (the fast unit tests that reach it pass; a
+state machine kills it), about 17 hours for the 11,900 mutants of the tree on
+two cores (docs/mutation.md, "Cost of a whole-tree run"). This runner keeps
+mutmut's mutants, trampolines, result files and statuses, and changes how
+they are run:
+
+1. **Workers that collect once.** Each worker (a ``spawn`` process: MLX
+   hangs in a forked child once its parent evaluated an array) starts pytest
+   in ``mutants/`` on the ``[tool.mutmut]`` test selection, collects the
+   tests once and then takes over pytest's run loop: it runs the tests it is
+   sent with ``_pytest.runner.runtestprotocol``, switching the active mutant
+   in between (``mutmut.mutation.trampoline.set_mutant_under_test``). A
+   mutant costs the tests it runs, nothing else.
+2. **Tests per mutated statement, not per function.** A clean pass runs every
+   selected test once under coverage.py with one dynamic context per test
+   (``Coverage.switch_context``): which lines of ``mutants/spec`` and
+   ``mutants/impl`` each test executes, and how long it takes. A mutant is
+   then run against the tests that execute the statement it changes (the
+   smallest statement of the original function enclosing the changed lines,
+   all of its lines). Why no kill is lost: a mutant's function runs exactly
+   as the original until the changed statement executes, and the selection's
+   tests are deterministic (the ``mutation`` Hypothesis profile is
+   derandomized; budgets are fixed batches, never seconds), so a test that
+   never executes the statement in the clean pass never executes it under
+   the mutant and passes alike. A change on the ``def`` line (a default, a
+   decorator argument) takes every test that runs the function.
+3. **Killers first.** The tests that killed earlier mutants of the same
+   function are tried first, then the rest fastest first; the first failure
+   kills (as ``pytest -x``).
+4. **Kills confirmed.** A worker keeps its process state from mutant to
+   mutant (fork isolation gave each a fresh one), so a mutant that corrupts
+   module state could fail a later mutant's test. After a kill, the killing
+   test is run again with no mutant active; if it fails there too, the
+   worker is replaced and the mutant re-run on the fresh one (a second clean
+   failure marks it ``suspicious``).
+5. **Time limits.** A test may take ``TIME_FACTOR`` times its clean duration
+   plus ``TIME_SLACK_S`` (wall time; SIGALRM inside the worker, then the
+   parent kills a worker that does not answer); a mutant that passes the
+   limit is ``timeout`` (detected, as in mutmut), and its worker is replaced.
+
+Statuses and exit codes are mutmut's (``mutmut.stats.status_by_exit_code``):
+killed 1, survived 0, no tests 33, suspicious 35, timeout 36; they are written
+to ``mutants/<file>.meta`` so ``mutmut results``, ``mutmut show`` and
+``python -m fuzz.commands.mutation_report`` read this runner's results.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import multiprocessing as mp
+import os
+import sys
+import textwrap
+import time
+import tomllib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_conns
+from pathlib import Path
+from typing import Any
+
+#: mutmut's exit codes (mutmut.stats.status_by_exit_code)
+KILLED, SURVIVED, NO_TESTS, SUSPICIOUS, TIMEOUT, SEGFAULT = 1, 0, 33, 35, 36, -11
+STATUS = {KILLED: "killed", SURVIVED: "survived", NO_TESTS: "no tests", SUSPICIOUS: "suspicious",
+          TIMEOUT: "timeout", SEGFAULT: "segfault"}
+#: a test under a mutant may take TIME_FACTOR x its clean duration + TIME_SLACK_S
+#: (wall time; ``--time-slack``), the first test of a fresh worker 10 x TIME_SLACK_S more
+TIME_FACTOR = 4.0
+TIME_SLACK_S = 3.0
+#: the limit before a worker's first "start" of a mutant
+PARENT_SLACK_S = 30.0
+#: a mutant that passed a limit is run again with this many times the limits
+RETRY_FACTOR = 5.0
+
+
+class RunError(Exception):
+    """The runner cannot run (no mutants/, a worker that fails to start, clean
+    tests failing): exit 2."""
+
+
+# --------------------------------------------------------------------------- mutants and lines
+
+
+@dataclass
+class MutantInfo:
+    """One mutant: ``name`` (mutmut's key, ``module.x_func__mutmut_N`` or
+    ``module.xǁClassǁmethod__mutmut_N``), ``path`` (the source file, relative
+    to the tree), ``function`` (the key without ``__mutmut_N``) and ``lines``
+    (1-based lines of ``mutants/<path>`` inside the original function whose
+    execution the mutant's effect needs)."""
+
+    name: str
+    path: str
+    function: str
+    lines: list[int] = field(default_factory=list)
+
+
+def _spans(mutants: Path, path: str) -> dict[str, tuple[int, int]]:
+    data = json.loads((mutants / (path + ".spans")).read_text())
+    return {k: (a, b) for k, (a, b) in data["spans"].items()}
+
+
+def _statement_lines(orig_src: list[str], changed: list[int]) -> list[int]:
+    """Lines (offsets into ``orig_src``) of the smallest statement of the
+    function that encloses every changed offset; the whole function when the
+    change is on its ``def`` line or outside every statement of its body."""
+    text = "".join(orig_src)
+    try:
+        tree = ast.parse(textwrap.dedent(text))
+    except SyntaxError:
+        return list(range(len(orig_src)))
+    func = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if func is None:
+        return list(range(len(orig_src)))
+    lo, hi = min(changed) + 1, max(changed) + 1  # ast lines are 1-based
+    best: ast.stmt | None = None
+    for node in ast.walk(func):
+        if node is func or not isinstance(node, ast.stmt):
+            continue
+        end = node.end_lineno or node.lineno
+        smaller = best is None or (end - node.lineno) < ((best.end_lineno or best.lineno) - best.lineno)
+        if node.lineno <= lo and hi <= end and smaller:
+            best = node
+    if best is None:
+        return list(range(len(orig_src)))
+    return list(range(best.lineno - 1, (best.end_lineno or best.lineno)))
+
+
+def mutant_lines(mutants: Path, path: str, names: list[str]) -> list[MutantInfo]:
+    """Where each mutant of ``path`` acts: the lines of ``mutants/<path>``
+    (in its original function) a test must execute to see it. From mutmut's
+    ``.spans`` index: the mutant's source is compared line by line with the
+    original function's (a mutant is the original with one node changed)."""
+    spans = _spans(mutants, path)
+    file_lines = (mutants / path).read_text().splitlines(keepends=True)
+    out = []
+    for name in names:
+        mangled = name.rpartition(".")[2]
+        function = name.rpartition("__mutmut_")[0]
+        orig_key = mangled.rpartition("__mutmut_")[0] + "__mutmut_orig"
+        info = MutantInfo(name, path, function)
+        if mangled not in spans or orig_key not in spans:
+            out.append(info)
+            continue
+        oa, ob = spans[orig_key]
+        ma, mb = spans[mangled]
+        orig_src, mut_src = file_lines[oa - 1:ob], file_lines[ma - 1:mb]
+        # the def lines differ by name only: compare from the body on
+        o_def = next((i for i, ln in enumerate(orig_src) if ln.lstrip().startswith(("def ", "async def "))), 0)
+        m_def = next((i for i, ln in enumerate(mut_src) if ln.lstrip().startswith(("def ", "async def "))), 0)
+        a = [ln.replace(mangled, orig_key) for ln in orig_src[o_def:]]
+        b = [ln.replace(mangled, orig_key) for ln in mut_src[m_def:]]
+        changed = []
+        for tag, i1, i2, _j1, _j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+            if tag != "equal":
+                changed.extend(range(i1, max(i2, i1 + 1)))
+        changed = [min(c, len(a) - 1) for c in changed] or [0]
+        if 0 in changed and a and b and a[0] != b[0]:
+            offsets = list(range(len(a)))  # the def line itself: every test that runs the function
+        else:
+            offsets = _statement_lines(a, changed)
+        info.lines = sorted({oa + o_def + off for off in offsets})
+        out.append(info)
+    return out
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class _WorkerPlugin:
+    """The pytest plugin of a worker: after collection it serves jobs from the
+    parent over ``conn`` instead of running the session's tests. Before each
+    test it sends ``("start", nodeid)``: the parent holds the time limit and
+    kills a worker whose test passes it (a signal raised inside the test would
+    land in pytest's or Hypothesis's own hooks and garbage-collector callbacks
+    and break the session)."""
+
+    def __init__(self, conn: Any, mutants: str) -> None:
+        self.conn = conn
+        self.mutants = mutants
+
+    def pytest_runtestloop(self, session: Any) -> bool:
+        from _pytest.runner import runtestprotocol
+        from mutmut.mutation.trampoline import set_mutant_under_test
+
+        items = {it.nodeid: it for it in session.items}
+
+        def run(nodeid: str) -> tuple[bool, float]:
+            item = items[nodeid]
+            if hasattr(item, "_initrequest"):
+                item._initrequest()  # a fresh fixture request, as pytest-rerunfailures does
+            self.conn.send(("start", nodeid))
+            t0 = time.perf_counter()
+            reports = runtestprotocol(item, nextitem=None, log=False)
+            return all(not r.failed for r in reports), time.perf_counter() - t0
+
+        self.conn.send(("ready", sorted(items)))
+        while True:
+            job = self.conn.recv()
+            if job is None:
+                break
+            if job[0] == "cover":
+                self.conn.send(self._cover(job[1], run))
+                continue
+            _, name, tests = job
+            status, killer, seconds = SURVIVED, None, 0.0
+            trail: list[tuple[str, float]] = []  # (test, seconds) in the order run
+            set_mutant_under_test(name)
+            try:
+                for nodeid in tests:
+                    passed, dt = run(nodeid)
+                    seconds += dt
+                    trail.append((nodeid, round(dt, 3)))
+                    if not passed:
+                        status, killer = KILLED, nodeid
+                        break
+            finally:
+                set_mutant_under_test("")
+            self.conn.send(("done", name, status, killer, seconds, trail))
+        return True
+
+    def _cover(self, tests: list[str], run: Any) -> tuple[str, dict, dict, list]:
+        import coverage
+
+        roots = [os.path.join(self.mutants, p) for p in ("spec", "impl")]
+        cov = coverage.Coverage(data_file=None, include=[os.path.join(r, "*") for r in roots], branch=False,
+                                config_file=False)
+        durations: dict[str, float] = {}
+        failed: list[str] = []
+        cov.start()
+        try:
+            for nodeid in tests:
+                cov.switch_context(nodeid)
+                passed, dt = run(nodeid)
+                durations[nodeid] = dt
+                if not passed:
+                    failed.append(nodeid)
+        finally:
+            cov.stop()
+        data = cov.get_data()
+        lines: dict[str, dict[str, list[int]]] = defaultdict(dict)
+        for f in data.measured_files():
+            rel = os.path.relpath(f, self.mutants)
+            for ln, ctxs in data.contexts_by_lineno(f).items():
+                for c in ctxs:
+                    if c:
+                        lines[c].setdefault(rel, []).append(ln)
+        return ("covered", durations, dict(lines), failed)
+
+
+def _worker_main(conn: Any, mutants: str, repo: str, pytest_args: list[str], env: dict[str, str]) -> None:
+    """A worker process: pytest in ``mutants/`` with the mutated packages
+    first on ``sys.path`` and the original tree off it (as mutmut's runner)."""
+    os.environ.update(env)
+    os.environ["MUTANT_UNDER_TEST"] = ""
+    os.chdir(mutants)
+    repo_real = os.path.realpath(repo)
+    sys.path[:] = [mutants] + [p for p in sys.path if os.path.realpath(p or ".") not in (repo_real,)]
+    sys.modules.pop("spec", None)
+    sys.modules.pop("impl", None)
+    import pytest
+
+    code = pytest.main(pytest_args, plugins=[_WorkerPlugin(conn, mutants)])
+    try:
+        conn.send(("exit", int(code)))
+    except (BrokenPipeError, OSError):
+        pass
+
+
+class _Worker:
+    def __init__(self, ctx: Any, mutants: Path, repo: Path, pytest_args: list[str], env: dict[str, str]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, str(mutants), str(repo), pytest_args, env),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.job: Any = None
+        self.test: str | None = None  # the test it runs now, and since when
+        self.started = 0.0
+        self.fresh = True  # no test run yet
+        self.tests: list[str] = []
+
+    def ready(self, timeout: float = 600.0) -> list[str]:
+        if not self.conn.poll(timeout):
+            self.kill()
+            raise RunError(f"a mutation worker did not collect the tests within {timeout:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise RunError("a mutation worker exited while collecting the tests (run the selection with "
+                           "pytest in mutants/ to see why)") from None
+        if msg[0] != "ready":
+            raise RunError(f"a mutation worker ended before collecting: pytest exit {msg[1]}")
+        self.tests = msg[1]
+        return msg[1]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def pytest_args(root: Path) -> list[str]:
+    """The worker's pytest command line: ``[tool.mutmut]``'s test selection
+    and extra arguments (without ``-x``: the runner stops at the first
+    failure itself)."""
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    extra = [a for a in conf.get("pytest_add_cli_args", []) if a != "-x"]
+    return ["--rootdir=.", "-p", "no:randomly", *extra, *conf.get("pytest_add_cli_args_test_selection", [])]
+
+
+@dataclass
+class RunReport:
+    statuses: dict[str, int] = field(default_factory=dict)
+    killers: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    tests: int = 0
+    clean_failures: list[str] = field(default_factory=list)
+    cover_s: float = 0.0
+    mutants_s: float = 0.0
+    restarts: int = 0
+    notes: dict[str, str] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)  # tests run on each mutant
+
+
+def load_mutants(mutants: Path, only: set[str] | None = None) -> list[MutantInfo]:
+    """Every mutant in ``mutants/**/*.meta`` (or only the named ones), with its lines."""
+    infos: list[MutantInfo] = []
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        path = str(meta.relative_to(mutants))[: -len(".meta")]
+        names = [n for n in json.loads(meta.read_text())["exit_code_by_key"] if only is None or n in only]
+        if names:
+            infos.extend(mutant_lines(mutants, path, names))
+    return infos
+
+
+def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: Any = None,
+        env: dict[str, str] | None = None, slack: float = TIME_SLACK_S) -> RunReport:
+    """Run every mutant under ``root/mutants`` (made by mutmut) and write the
+    statuses into its ``.meta`` files; see the module docstring. ``only``:
+    these mutant names alone. ``log``: a callable taking a line of progress.
+    Raises RunError when the clean tests cannot run."""
+    log = log or (lambda s: None)
+    mutants = (root / "mutants").resolve()
+    if not mutants.is_dir():
+        raise RunError(f"{mutants}: no mutants (mutmut generates them first)")
+    infos = load_mutants(mutants, only)
+    report = RunReport()
+    if not infos:
+        return report
+    env = {"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutation"), **(env or {})}
+    ctx = mp.get_context("spawn")
+    args = pytest_args(root)
+    n = max(1, max_children)
+    workers = [_Worker(ctx, mutants, root, args, env) for _ in range(n)]
+    try:
+        tests = workers[0].ready()
+        for w in workers[1:]:
+            w.ready()
+        report.tests = len(tests)
+        t0 = time.perf_counter()
+        durations, covered, failed = _cover(workers, tests)
+        report.cover_s = time.perf_counter() - t0
+        report.clean_failures = sorted(failed)
+        if failed:
+            raise RunError(f"{len(failed)} selected tests fail with no mutant active (first: {failed[0]}); "
+                           "mutation needs a green selection")
+        log(f"mutation: {len(tests)} tests, clean pass with per-test coverage {report.cover_s:.0f} s; "
+            f"{len(infos)} mutants on {n} workers")
+        by_line: dict[tuple[str, int], set[str]] = defaultdict(set)
+        for nodeid, files in covered.items():
+            for path, lns in files.items():
+                for ln in lns:
+                    by_line[(path, ln)].add(nodeid)
+        tests_of: dict[str, set[str]] = {}
+        todo = []
+        for info in infos:
+            tests_of[info.name] = set().union(*(by_line.get((info.path, ln), set()) for ln in info.lines))
+            if tests_of[info.name]:
+                todo.append(info)
+            else:
+                report.statuses[info.name] = NO_TESTS
+        t1 = time.perf_counter()
+        pool = _Pool(ctx, mutants, root, args, env, workers, report, slack)
+        killers: dict[str, list[str]] = defaultdict(list)  # function -> tests that killed its mutants
+        timed_out = _run_mutants(pool, todo, tests_of, durations, killers, 1.0, log)
+        if timed_out:
+            # a limit is wall time, and the machine may be loaded: a mutant that
+            # passed one is run again with RETRY_FACTOR times the limits; only a
+            # second timeout stands
+            log(f"mutation: {len(timed_out)} timeouts, run again with {RETRY_FACTOR}x the limits")
+            _run_mutants(pool, timed_out, tests_of, durations, killers, RETRY_FACTOR, log)
+        report.mutants_s = time.perf_counter() - t1
+    finally:
+        for w in workers:
+            w.stop()
+    _write_meta(mutants, infos, report)
+    return report
+
+
+def _next_message(w: _Worker) -> Any:
+    """The worker's next message other than a test's start (which moves its
+    clock); EOFError when it died."""
+    while True:
+        msg = w.conn.recv()
+        if msg[0] != "start":
+            return msg
+        w.test, w.started = msg[1], time.perf_counter()
+
+
+def _cover(workers: list[_Worker], tests: list[str]) -> tuple[dict, dict, list]:
+    """The clean pass, tests dealt out to the workers round robin."""
+    shares = [tests[i::len(workers)] for i in range(len(workers))]
+    for w, share in zip(workers, shares):
+        w.conn.send(("cover", share))
+    durations: dict[str, float] = {}
+    covered: dict[str, dict[str, list[int]]] = {}
+    failed: list[str] = []
+    for w in workers:
+        try:
+            msg = _next_message(w)
+        except EOFError:
+            raise RunError("a mutation worker died in the clean pass") from None
+        durations.update(msg[1])
+        covered.update(msg[2])
+        failed.extend(msg[3])
+    for w in workers:
+        w.fresh = False
+    return durations, covered, failed
+
+
+@dataclass
+class _Pool:
+    ctx: Any
+    mutants: Path
+    root: Path
+    args: list[str]
+    env: dict[str, str]
+    workers: list[_Worker]
+    report: RunReport
+    slack: float = 3.0
+
+    def replace(self, i: int) -> None:
+        self.workers[i].kill()
+        self.report.restarts += 1
+        self.workers[i] = _Worker(self.ctx, self.mutants, self.root, self.args, self.env)
+        self.workers[i].ready()
+
+
+def _limit(durations: dict[str, float], nodeid: str, factor: float, fresh: bool, slack: float) -> float:
+    """A test's wall-clock limit under a mutant: ``factor`` x (TIME_FACTOR x its
+    clean duration + ``slack``), and 10 x ``slack`` more for the first test of
+    a worker just started (MLX and the test modules warm up there)."""
+    return factor * (TIME_FACTOR * durations.get(nodeid, 1.0) + slack) + (10 * slack if fresh else 0.0)
+
+
+#: a worker's kills are confirmed after this many (and at the end): their
+#: killing tests are run with no mutant active
+CHECK_EVERY = 25
+_CHECK = MutantInfo("", "", "")  # the job of a confirmation (no mutant active)
+
+
+def _run_mutants(pool: _Pool, infos: list[MutantInfo], tests_of: dict[str, set[str]], durations: dict,
+                 killers: dict[str, list[str]], factor: float, log: Any) -> list[MutantInfo]:
+    """Run ``infos`` on the pool's workers; statuses into the report. Returns
+    the mutants that passed a time limit (status timeout for now).
+
+    Kills are confirmed in batches: after CHECK_EVERY kills on a worker, and
+    when the queue is empty, the worker runs the distinct killing tests of
+    those kills with no mutant active. A failure there means the worker's
+    state went bad somewhere in the batch: the worker is replaced and the
+    batch's mutants are run again on a fresh one (a mutant whose kill fails
+    confirmation twice is ``suspicious``). Kills on a worker that then hangs
+    or dies before its confirmation are kept."""
+    report, workers = pool.report, pool.workers
+    requeued: set[str] = set()
+    timed_out: list[MutantInfo] = []
+    queue = list(reversed(infos))  # pop() from the end keeps the order: a function's mutants together
+    pending: list[list[tuple[MutantInfo, str]]] = [[] for _ in workers]  # kills not confirmed yet
+    total, last = len(queue), time.perf_counter()
+    finished = 0
+
+    def order(info: MutantInfo) -> list[str]:
+        tests = tests_of[info.name]
+        first = sorted((t for t in killers[info.function] if t in tests), key=lambda t: durations.get(t, 0.0))
+        return first + sorted(tests - set(first), key=lambda t: (durations.get(t, 0.0), t))
+
+    def dispatch(i: int) -> None:
+        w = workers[i]
+        w.test, w.started = None, time.perf_counter()
+        if pending[i] and (len(pending[i]) >= CHECK_EVERY or not queue):
+            w.job = _CHECK
+            w.conn.send(("mutant", "", sorted({k for _, k in pending[i]}, key=lambda t: durations.get(t, 0.0))))
+        elif queue:
+            info = queue.pop()
+            w.job = info
+            w.conn.send(("mutant", info.name, order(info)))
+
+    for i in range(len(workers)):
+        dispatch(i)
+    while any(w.job is not None for w in workers):
+        wait_conns([w.conn for w in workers if w.job is not None], timeout=1.0)
+        for i in range(len(workers)):
+            w = workers[i]
+            info = w.job
+            if info is None:
+                continue
+            msg: Any = None
+            try:
+                while msg is None and w.conn.poll():
+                    got = w.conn.recv()
+                    if got[0] == "start":
+                        w.test, w.started = got[1], time.perf_counter()
+                    else:
+                        msg = got
+            except EOFError:
+                msg = ("died",)
+            if msg is None:
+                limit = _limit(durations, w.test, factor, w.fresh, pool.slack) if w.test else PARENT_SLACK_S
+                if time.perf_counter() - w.started <= limit:
+                    continue
+                msg = ("hung",)
+            w.job = None
+            w.fresh = False
+            if info is _CHECK:
+                if msg[0] != "done" or msg[2] != SURVIVED:
+                    # a killing test fails (or hangs) with no mutant: this worker's state went bad
+                    pool.replace(i)
+                    for bad, _ in pending[i]:
+                        report.statuses.pop(bad.name, None)
+                        report.killers.pop(bad.name, None)
+                        if bad.name in requeued:
+                            report.statuses[bad.name] = SUSPICIOUS
+                            report.notes[bad.name] = "its kill failed confirmation twice"
+                        else:
+                            requeued.add(bad.name)
+                            queue.append(bad)
+                            finished -= 1
+                pending[i] = []
+                dispatch(i)
+                continue
+            finished += 1
+            name = info.name
+            if msg[0] == "done":
+                _, _, status, killer, seconds, trail = msg
+                report.seconds[name] = seconds
+                report.runs[name] = len(trail)
+                report.statuses[name] = status
+                report.notes.pop(name, None)
+                if status == KILLED:
+                    report.killers[name] = killer
+                    pending[i].append((info, killer))
+                    if killer not in killers[info.function]:
+                        killers[info.function].append(killer)
+            elif msg[0] == "hung":
+                report.statuses[name] = TIMEOUT
+                report.notes[name] = f"{w.test or 'its first test'} passed its limit " \
+                                     f"({_limit(durations, w.test, factor, False, pool.slack) if w.test else PARENT_SLACK_S:.1f} s)"
+                timed_out.append(info)
+                pool.replace(i)
+                pending[i] = []
+            else:  # the worker died (a segfault, os._exit) or its pytest session ended
+                code = w.proc.exitcode if msg[0] == "died" else msg[1]
+                pool.replace(i)
+                pending[i] = []
+                report.statuses[name] = SEGFAULT if isinstance(code, int) and code < 0 else SUSPICIOUS
+                report.notes[name] = f"the worker {'died' if msg[0] == 'died' else 'ended'} in {w.test} " \
+                                     f"(exit code {code})"
+            dispatch(i)
+        if time.perf_counter() - last > 30:
+            last = time.perf_counter()
+            alive = sum(s == SURVIVED for s in report.statuses.values())
+            log(f"mutation: {finished}/{total} run, {alive} surviving so far")
+    return timed_out
+
+
+def _write_meta(mutants: Path, infos: list[MutantInfo], report: RunReport) -> None:
+    by_path: dict[str, list[MutantInfo]] = defaultdict(list)
+    for info in infos:
+        by_path[info.path].append(info)
+    for path, group in by_path.items():
+        meta_path = mutants / (path + ".meta")
+        meta = json.loads(meta_path.read_text())
+        for info in group:
+            if info.name in report.statuses:
+                meta["exit_code_by_key"][info.name] = report.statuses[info.name]
+                meta["durations_by_key"][info.name] = round(report.seconds.get(info.name, 0.0), 3)
+        meta_path.write_text(json.dumps(meta, indent=4))
+
+
+def generate(root: Path, max_children: int) -> None:
+    """mutmut's mutant generation, as ``mutmut run`` does it first: the tree
+    copied to ``root/mutants`` with every function of ``source_paths`` turned
+    into a trampoline over its mutants (a function whose source did not
+    change since the last generation keeps its mutants)."""
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        import mutmut.__main__ as mm
+
+        mm.set_mutant_under_test("mutant_generation")
+        Path("mutants").mkdir(exist_ok=True)
+        mm.copy_src_dir()
+        mm.copy_also_copy_files()
+        mm.setup_source_paths()
+        mm.create_mutants(max_children)
+    finally:
+        os.chdir(cwd)
+
+
+def summary(report: RunReport) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    for code in report.statuses.values():
+        counts[STATUS[code]] += 1
+    detected = sum(counts[s] for s in ("killed", "timeout", "suspicious", "segfault"))
+    checked = len(report.statuses)
+    score = f"{100.0 * detected / checked:.1f}%" if checked else "-"
+    parts = ", ".join(f"{counts[s]} {s}" for s in STATUS.values() if counts[s])
+    return (f"mutation: {checked} mutants: {parts}; score {score}; {report.tests} tests, clean pass "
+            f"{report.cover_s:.0f} s, mutants {report.mutants_s:.0f} s, {report.restarts} worker restarts")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fuzz.commands.mutation_run",
+                                 description="Generate the mutants of spec/ and impl/ with mutmut and run them "
+                                             "with the in-process runner (docs/mutation.md).")
+    ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2, metavar="N",
+                    help="worker processes (default: the number of CPUs)")
+    ap.add_argument("--only", nargs="+", metavar="PREFIX",
+                    help="run only the mutants whose name starts with one of these (e.g. spec.dense.)")
+    ap.add_argument("--no-generate", action="store_true", help="use the mutants/ folder as it is")
+    ap.add_argument("--time-slack", type=float, default=TIME_SLACK_S, metavar="S",
+                    help=f"seconds a test may take beyond {TIME_FACTOR:g}x its clean duration before the mutant "
+                         f"counts as a timeout (default {TIME_SLACK_S:g}; a fresh worker's first test 10x more)")
+    a = ap.parse_args(argv)
+    if a.max_children < 1:
+        ap.error(f"--max-children: must be at least 1, got {a.max_children}")
+    if not a.time_slack > 0:
+        ap.error(f"--time-slack: must be a positive number of seconds, got {a.time_slack}")
+    root = Path.cwd()
+    t0 = time.perf_counter()
+    try:
+        if not a.no_generate:
+            generate(root, a.max_children)
+        gen_s = time.perf_counter() - t0
+        only = None
+        if a.only:
+            only = {i.name for i in load_mutants((root / "mutants").resolve())
+                    if i.name.startswith(tuple(a.only))}
+            if not only:
+                print(f"mutation: --only: no mutant starts with {' or '.join(a.only)}", file=sys.stderr)
+                return 2
+        report = run(root, a.max_children, only=only, log=lambda s: print(s, flush=True), slack=a.time_slack)
+    except RunError as e:
+        print(f"mutation: {e}", file=sys.stderr)
+        return 2
+    print(summary(report) + f"; generation {gen_s:.0f} s, total {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""The in-process mutation runner (fuzz/commands/mutation_run.py) on a toy
+project: mutmut generates its mutants, the runner runs them, and each status
+it gives is checked against what the toy's tests can and cannot see.
+
+The toy (made in a temporary folder, with its own ``[tool.mutmut]``):
+
+* ``sign``: every line executed and checked: each mutant killed;
+* ``label``: the rare branch (``x == 7``) is executed by no test, so its
+  mutants are "no tests", and a mutation of its string on the executed line
+  is killed;
+* ``count_to``: ``i += 1`` mutated into ``i = 1`` or ``i -= 1`` loops: timeout;
+* ``half``: its test exits the process on a wrong answer: the worker dies
+  (detected, as mutmut counts a dead test process);
+* ``unchecked``: executed by a test that checks nothing: survived.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fuzz.commands import mutation_run as R
+
+TOY = {
+    "pyproject.toml": """
+        [project]
+        name = "toy"
+        version = "0"
+        [tool.mutmut]
+        source_paths = ["spec"]
+        pytest_add_cli_args_test_selection = ["toytests/test_toy.py"]
+        pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]
+        also_copy = ["toytests"]
+    """,
+    "spec/__init__.py": "",
+    "spec/toy.py": '''
+        import os
+
+
+        def sign(x):
+            if x > 0:
+                return 1
+            if x < 0:
+                return -1
+            return 0
+
+
+        def label(x):
+            if x == 7:
+                return "seven"
+            return "other"
+
+
+        def count_to(n):
+            i = 0
+            while i < n:
+                i += 1
+            return i
+
+
+        def half(x):
+            return x // 2
+
+
+        def unchecked(x):
+            return x * 3
+    ''',
+    "toytests/test_toy.py": '''
+        import os
+
+        from spec.toy import count_to, half, label, sign, unchecked
+
+
+        def test_sign():
+            assert (sign(5), sign(1), sign(-5), sign(-1), sign(0)) == (1, 1, -1, -1, 0)
+
+
+        def test_label():
+            assert label(3) == "other"
+
+
+        def test_count_to():
+            assert (count_to(3), count_to(0)) == (3, 0)
+
+
+        def test_half():
+            if half(9) != 4:
+                os._exit(3)
+
+
+        def test_unchecked():
+            unchecked(2)
+    ''',
+}
+
+
+def _toy(tmp: Path) -> Path:
+    for rel, text in TOY.items():
+        p = tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text).lstrip())
+    return tmp
+
+
+def _statuses(root: Path) -> dict[str, str]:
+    meta = json.loads((root / "mutants" / "spec" / "toy.py.meta").read_text())
+    return {k.split(".")[-1]: R.STATUS.get(v, str(v)) for k, v in meta["exit_code_by_key"].items()}
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    root = _toy(tmp_path_factory.mktemp("toy"))
+    p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "2",
+                        "--time-slack", "0.5"], cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    return root, p
+
+
+def test_each_status_is_the_one_the_toys_tests_allow(toy_run):
+    root, p = toy_run
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    st = _statuses(root)
+    by_function: dict[str, Counter] = {}
+    for name, status in st.items():
+        by_function.setdefault(name.split("__mutmut_")[0], Counter())[status] += 1
+    assert set(by_function["x_sign"]) == {"killed"}, by_function["x_sign"]
+    assert by_function["x_label"]["no tests"] >= 1  # the mutants of `return "seven"`
+    assert by_function["x_label"]["killed"] >= 1  # `== 7` -> `!= 7` returns "seven" for 3
+    assert by_function["x_count_to"]["timeout"] >= 1  # `i += 1` -> `i = 1`: loops
+    assert "survived" not in by_function["x_count_to"]
+    assert set(by_function["x_half"]) <= {"segfault", "suspicious", "killed"} and by_function["x_half"]
+    assert set(by_function["x_unchecked"]) == {"survived"}
+    assert "score" in p.stdout and "generation" in p.stdout
+
+
+def test_no_test_is_run_on_a_mutant_whose_line_it_never_executes(toy_run):
+    """Line-level selection: the rare branch's mutants get no test at all,
+    the executed line's mutants get test_label and no other test."""
+    root, _ = toy_run
+    infos = {i.name.split(".")[-1]: i for i in R.load_mutants(root / "mutants")}
+    rare = [i for n, i in infos.items() if n.startswith("x_label") and _statuses(root)[n] == "no tests"]
+    text = (root / "mutants" / "spec" / "toy.py").read_text().splitlines()
+    assert rare and all(any('"seven"' in text[ln - 1] for ln in i.lines) for i in rare)
+
+
+def test_results_are_read_by_mutmut_itself(toy_run):
+    """The statuses go to mutmut's result files: ``mutmut results`` lists the
+    survivor and not the killed mutants."""
+    root, _ = toy_run
+    mutmut = str(Path(sys.executable).parent / "mutmut")
+    out = subprocess.run([mutmut, "results"], cwd=root, capture_output=True, text=True, timeout=120, check=False).stdout
+    assert "x_unchecked__mutmut_1: survived" in out
+    assert "x_sign" not in out
+
+
+def test_mutant_lines_of_a_statement_spanning_lines(tmp_path):
+    """A change inside a statement that spans lines selects the tests that run
+    any of its lines (the smallest enclosing statement)."""
+    src = ["def f(a, b):\n", "    return g(\n", "        a,\n", "        b + 1,\n", "    )\n"]
+    assert R._statement_lines(src, [3]) == [1, 2, 3, 4]
+    assert R._statement_lines(src, [0]) == [0, 1, 2, 3, 4]  # the def line: the whole function
+
+
+def test_bad_max_children_is_refused_with_exit_2(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "0"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2 and "--max-children" in p.stderr and "Traceback" not in p.stderr
