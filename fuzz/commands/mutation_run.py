@@ -77,6 +77,8 @@ STATUS = {KILLED: "killed", SURVIVED: "survived", NO_TESTS: "no tests", SUSPICIO
 #: (wall time; ``--time-slack``), the first test of a fresh worker 10 x TIME_SLACK_S more
 TIME_FACTOR = 4.0
 TIME_SLACK_S = 3.0
+#: statuses are written to mutants/*.meta this often during a run
+SAVE_EVERY_S = 60.0
 #: the limit before a worker's first "start" of a mutant
 PARENT_SLACK_S = 30.0
 #: a mutant that passed a limit is run again with this many times the limits
@@ -351,28 +353,33 @@ class RunReport:
     runs: dict[str, int] = field(default_factory=dict)  # tests run on each mutant
 
 
-def load_mutants(mutants: Path, only: set[str] | None = None) -> list[MutantInfo]:
-    """Every mutant in ``mutants/**/*.meta`` (or only the named ones), with its lines."""
+def load_mutants(mutants: Path, only: set[str] | None = None, unchecked: bool = False) -> list[MutantInfo]:
+    """Every mutant in ``mutants/**/*.meta`` (or only the named ones; with
+    ``unchecked``, only those without a status yet), with its lines."""
     infos: list[MutantInfo] = []
     for meta in sorted(mutants.rglob("*.py.meta")):
         path = str(meta.relative_to(mutants))[: -len(".meta")]
-        names = [n for n in json.loads(meta.read_text())["exit_code_by_key"] if only is None or n in only]
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        names = [n for n, code in codes.items() if (only is None or n in only) and not (unchecked and code is not None)]
         if names:
             infos.extend(mutant_lines(mutants, path, names))
     return infos
 
 
 def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: Any = None,
-        env: dict[str, str] | None = None, slack: float = TIME_SLACK_S) -> RunReport:
+        env: dict[str, str] | None = None, slack: float = TIME_SLACK_S, resume: bool = False) -> RunReport:
     """Run every mutant under ``root/mutants`` (made by mutmut) and write the
     statuses into its ``.meta`` files; see the module docstring. ``only``:
-    these mutant names alone. ``log``: a callable taking a line of progress.
-    Raises RunError when the clean tests cannot run."""
+    these mutant names alone; ``resume``: only the mutants without a status
+    (the statuses are written every SAVE_EVERY_S seconds and when the run
+    stops, Ctrl-C included, so a stopped run goes on where it was). ``log``:
+    a callable taking a line of progress. Raises RunError when the clean
+    tests cannot run."""
     log = log or (lambda s: None)
     mutants = (root / "mutants").resolve()
     if not mutants.is_dir():
         raise RunError(f"{mutants}: no mutants (mutmut generates them first)")
-    infos = load_mutants(mutants, only)
+    infos = load_mutants(mutants, only, unchecked=resume)
     report = RunReport()
     if not infos:
         return report
@@ -409,7 +416,7 @@ def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: An
             else:
                 report.statuses[info.name] = NO_TESTS
         t1 = time.perf_counter()
-        pool = _Pool(ctx, mutants, root, args, env, workers, report, slack)
+        pool = _Pool(ctx, mutants, root, args, env, workers, report, slack, lambda: _write_meta(mutants, infos, report))
         killers: dict[str, list[str]] = defaultdict(list)  # function -> tests that killed its mutants
         timed_out = _run_mutants(pool, todo, tests_of, durations, killers, 1.0, log)
         if timed_out:
@@ -422,7 +429,7 @@ def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: An
     finally:
         for w in workers:
             w.stop()
-    _write_meta(mutants, infos, report)
+        _write_meta(mutants, infos, report)
     return report
 
 
@@ -467,6 +474,7 @@ class _Pool:
     workers: list[_Worker]
     report: RunReport
     slack: float = 3.0
+    save: Any = None  # writes the statuses so far (a stopped run can resume)
 
     def replace(self, i: int) -> None:
         self.workers[i].kill()
@@ -506,7 +514,7 @@ def _run_mutants(pool: _Pool, infos: list[MutantInfo], tests_of: dict[str, set[s
     queue = list(reversed(infos))  # pop() from the end keeps the order: a function's mutants together
     pending: list[list[tuple[MutantInfo, str]]] = [[] for _ in workers]  # kills not confirmed yet
     total, last = len(queue), time.perf_counter()
-    finished = 0
+    saved, finished = last, 0
 
     def order(info: MutantInfo) -> list[str]:
         tests = tests_of[info.name]
@@ -599,6 +607,9 @@ def _run_mutants(pool: _Pool, infos: list[MutantInfo], tests_of: dict[str, set[s
             last = time.perf_counter()
             alive = sum(s == SURVIVED for s in report.statuses.values())
             log(f"mutation: {finished}/{total} run, {alive} surviving so far")
+        if pool.save is not None and time.perf_counter() - saved > SAVE_EVERY_S:
+            saved = time.perf_counter()
+            pool.save()
     return timed_out
 
 
@@ -659,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="PREFIX",
                     help="run only the mutants whose name starts with one of these (e.g. spec.dense.)")
     ap.add_argument("--no-generate", action="store_true", help="use the mutants/ folder as it is")
+    ap.add_argument("--resume", action="store_true",
+                    help="run only the mutants without a status yet (a stopped run goes on; the statuses are "
+                         f"saved every {SAVE_EVERY_S:.0f} s and on Ctrl-C)")
     ap.add_argument("--time-slack", type=float, default=TIME_SLACK_S, metavar="S",
                     help=f"seconds a test may take beyond {TIME_FACTOR:g}x its clean duration before the mutant "
                          f"counts as a timeout (default {TIME_SLACK_S:g}; a fresh worker's first test 10x more)")
@@ -680,10 +694,15 @@ def main(argv: list[str] | None = None) -> int:
             if not only:
                 print(f"mutation: --only: no mutant starts with {' or '.join(a.only)}", file=sys.stderr)
                 return 2
-        report = run(root, a.max_children, only=only, log=lambda s: print(s, flush=True), slack=a.time_slack)
+        report = run(root, a.max_children, only=only, log=lambda s: print(s, flush=True), slack=a.time_slack,
+                     resume=a.resume)
     except RunError as e:
         print(f"mutation: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("mutation: stopped; the statuses so far are saved in mutants/ "
+              "(python -m fuzz.commands.mutation_run --resume goes on)", file=sys.stderr)
+        return 130
     print(summary(report) + f"; generation {gen_s:.0f} s, total {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 

@@ -1,0 +1,37 @@
+"""``python -m fuzz.commands.mutation_run --resume``: a stopped run goes on
+where it was. The toy project of tests/test_mutation_run.py is run once; one
+mutant's status is then cleared, as a run stopped before it would leave it,
+and the resumed run checks that mutant alone and gives it its status again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.test_mutation_run import _toy
+
+
+def _run(root, *args):
+    return subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "1",
+                           "--time-slack", "0.5", *args], cwd=root, capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+def test_resume_runs_only_the_mutants_without_a_status(tmp_path):
+    root = _toy(tmp_path)
+    first = _run(root, "--only", "spec.toy.x_sign", "spec.toy.x_unchecked")
+    assert first.returncode == 0, first.stdout + first.stderr
+    meta_path = root / "mutants" / "spec" / "toy.py.meta"
+    meta = json.loads(meta_path.read_text())
+    codes = meta["exit_code_by_key"]
+    assert codes["spec.toy.x_sign__mutmut_1"] == 1 and codes["spec.toy.x_unchecked__mutmut_1"] == 0
+    assert codes["spec.toy.x_label__mutmut_1"] is None  # not in --only: not checked
+    codes["spec.toy.x_sign__mutmut_1"] = None
+    meta_path.write_text(json.dumps(meta))
+    again = _run(root, "--no-generate", "--resume", "--only", "spec.toy.x_sign", "spec.toy.x_unchecked")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "mutation: 1 mutants: 1 killed" in again.stdout
+    assert json.loads(meta_path.read_text())["exit_code_by_key"]["spec.toy.x_sign__mutmut_1"] == 1
+    nothing = _run(root, "--no-generate", "--resume", "--only", "spec.toy.x_sign")
+    assert nothing.returncode == 0 and "mutation: 0 mutants" in nothing.stdout
