@@ -35,3 +35,16 @@ def test_resume_runs_only_the_mutants_without_a_status(tmp_path):
     assert json.loads(meta_path.read_text())["exit_code_by_key"]["spec.toy.x_sign__mutmut_1"] == 1
     nothing = _run(root, "--no-generate", "--resume", "--only", "spec.toy.x_sign")
     assert nothing.returncode == 0 and "mutation: 0 mutants" in nothing.stdout
+
+
+def test_a_worker_that_would_run_the_original_code_is_refused(tmp_path):
+    """If the tests import the original tree instead of mutants/ (a conftest
+    that puts it first on sys.path), every mutant would survive: the runner
+    stops with exit 2 and names the module instead."""
+    root = _toy(tmp_path)
+    (root / "toytests" / "conftest.py").write_text(
+        "import sys\nsys.path.insert(0, %r)\nfor m in [m for m in sys.modules if m.startswith('spec')]:\n"
+        "    del sys.modules[m]\nimport spec.toy\n" % str(root))
+    p = _run(root, "--only", "spec.toy.x_sign")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "import the original tree" in p.stderr and "spec.toy" in p.stderr and "Traceback" not in p.stderr

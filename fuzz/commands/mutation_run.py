@@ -196,6 +196,13 @@ class _WorkerPlugin:
         from mutmut.mutation.trampoline import set_mutant_under_test
 
         items = {it.nodeid: it for it in session.items}
+        roots = tuple(os.path.join(os.path.realpath(self.mutants), p) + os.sep for p in ("spec", "impl"))
+        stray = sorted(m for m, mod in list(sys.modules.items())
+                       if m.split(".")[0] in ("spec", "impl") and getattr(mod, "__file__", None)
+                       and not os.path.realpath(mod.__file__).startswith(roots))
+        if stray:  # the tests would run the original code: every mutant would survive
+            self.conn.send(("stray", stray[:5]))
+            return True
 
         def run(nodeid: str) -> tuple[bool, float]:
             item = items[nodeid]
@@ -268,8 +275,8 @@ def _worker_main(conn: Any, mutants: str, repo: str, pytest_args: list[str], env
     os.chdir(mutants)
     repo_real = os.path.realpath(repo)
     sys.path[:] = [mutants] + [p for p in sys.path if os.path.realpath(p or ".") not in (repo_real,)]
-    sys.modules.pop("spec", None)
-    sys.modules.pop("impl", None)
+    for name in [m for m in sys.modules if m.split(".")[0] in ("spec", "impl")]:
+        del sys.modules[name]  # imported with the original tree on the path: import them again
     import pytest
 
     code = pytest.main(pytest_args, plugins=[_WorkerPlugin(conn, mutants)])
@@ -301,6 +308,10 @@ class _Worker:
         except EOFError:
             raise RunError("a mutation worker exited while collecting the tests (run the selection with "
                            "pytest in mutants/ to see why)") from None
+        if msg[0] == "stray":
+            self.kill()
+            raise RunError(f"the tests import the original tree, not mutants/ ({', '.join(msg[1])}): "
+                           "no mutant would be seen")
         if msg[0] != "ready":
             raise RunError(f"a mutation worker ended before collecting: pytest exit {msg[1]}")
         self.tests = msg[1]
