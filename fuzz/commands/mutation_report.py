@@ -174,13 +174,24 @@ def render(text: str, changes: dict[str, str]) -> tuple[str, int]:
     return "\n".join(lines + ["", END]), untriaged
 
 
+def _diff(mutmut: str, name: str) -> str:
+    """``mutmut show NAME``'s diff, from mutmut's own function in this process
+    (a ``mutmut show`` process costs about 0.5 s, and a whole-tree run leaves
+    hundreds of survivors); the command itself where that function is not there."""
+    try:
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+    except ImportError:
+        return subprocess.run([mutmut, "show", name], check=False, capture_output=True, text=True).stdout
+    module = name.rpartition(".")[0]
+    return get_diff_for_mutant(name, path=Path(*module.split(".")).with_suffix(".py"))
+
+
 def main() -> int:
     mutmut = str(Path(sys.executable).parent / "mutmut")
     proc = subprocess.run([mutmut, "results", "--all", "true"], check=False, capture_output=True, text=True)
     changes = {}
     for name in survivors(proc.stdout):
-        show = subprocess.run([mutmut, "show", name], check=False, capture_output=True, text=True).stdout
-        changes[name] = change_of(name, show)
+        changes[name] = change_of(name, _diff(mutmut, name))
     block, untriaged = render(proc.stdout, changes)
     doc = DOC.read_text() if DOC.exists() else f"# Mutation testing\n\n{BEGIN}\n{END}\n"
     if BEGIN in doc and END in doc:
