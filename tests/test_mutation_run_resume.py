@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+from fuzz.commands.mutation_report import _diff, change_of
 from tests.test_mutation_run import _toy
 
 
@@ -18,7 +20,7 @@ def _run(root, *args):
                           timeout=600, check=False)
 
 
-def test_resume_runs_only_the_mutants_without_a_status(tmp_path):
+def test_resume_runs_only_the_mutants_without_a_status(tmp_path, monkeypatch):
     root = _toy(tmp_path)
     first = _run(root, "--only", "spec.toy.x_sign", "spec.toy.x_unchecked")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -27,6 +29,12 @@ def test_resume_runs_only_the_mutants_without_a_status(tmp_path):
     codes = meta["exit_code_by_key"]
     assert codes["spec.toy.x_sign__mutmut_1"] == 1 and codes["spec.toy.x_unchecked__mutmut_1"] == 0
     assert codes["spec.toy.x_label__mutmut_1"] is None  # not in --only: not checked
+    # the report's diff of a survivor, made in process, is mutmut show's
+    mutmut = str(Path(sys.executable).parent / "mutmut")
+    shown = subprocess.run([mutmut, "show", "spec.toy.x_unchecked__mutmut_1"], cwd=root, capture_output=True,
+                           text=True, timeout=120, check=False).stdout
+    monkeypatch.chdir(root)
+    assert change_of("x", _diff(mutmut, "spec.toy.x_unchecked__mutmut_1")) == change_of("x", shown) != "(no diff)"
     codes["spec.toy.x_sign__mutmut_1"] = None
     meta_path.write_text(json.dumps(meta))
     again = _run(root, "--no-generate", "--resume", "--only", "spec.toy.x_sign", "spec.toy.x_unchecked")
@@ -43,8 +51,8 @@ def test_a_worker_that_would_run_the_original_code_is_refused(tmp_path):
     stops with exit 2 and names the module instead."""
     root = _toy(tmp_path)
     (root / "toytests" / "conftest.py").write_text(
-        "import sys\nsys.path.insert(0, %r)\nfor m in [m for m in sys.modules if m.startswith('spec')]:\n"
-        "    del sys.modules[m]\nimport spec.toy\n" % str(root))
+        f"import sys\nsys.path.insert(0, {str(root)!r})\nfor m in [m for m in sys.modules if m.startswith('spec')]:\n"
+        "    del sys.modules[m]\nimport spec.toy\n")
     p = _run(root, "--only", "spec.toy.x_sign")
     assert p.returncode == 2, p.stdout + p.stderr
     assert "import the original tree" in p.stderr and "spec.toy" in p.stderr and "Traceback" not in p.stderr
