@@ -17,6 +17,7 @@ The toy (made in a temporary folder, with its own ``[tool.mutmut]``):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,12 @@ from pathlib import Path
 import pytest
 
 from fuzz.commands import mutation_run as R
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the runner of this checkout: run in the toy's folder, ``-m fuzz...`` would
+#: import the installed copy (the editable install's tree, which is another
+#: checkout when a worktree shares its virtual environment)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 TOY = {
     "pyproject.toml": """
@@ -117,7 +124,8 @@ def _statuses(root: Path) -> dict[str, str]:
 def toy_run(tmp_path_factory):
     root = _toy(tmp_path_factory.mktemp("toy"))
     p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "2",
-                        "--time-slack", "0.5"], cwd=root, capture_output=True, text=True, timeout=600, check=False)
+                        "--time-slack", "0.5"], cwd=root, capture_output=True, text=True, timeout=600, check=False,
+                       env=ENV)
     return root, p
 
 
@@ -168,5 +176,5 @@ def test_mutant_lines_of_a_statement_spanning_lines(tmp_path):
 
 def test_bad_max_children_is_refused_with_exit_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "0"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=ENV)
     assert p.returncode == 2 and "--max-children" in p.stderr and "Traceback" not in p.stderr
