@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -151,9 +152,47 @@ def test_no_test_is_run_on_a_mutant_whose_line_it_never_executes(toy_run):
     the executed line's mutants get test_label and no other test."""
     root, _ = toy_run
     infos = {i.name.split(".")[-1]: i for i in R.load_mutants(root / "mutants")}
-    rare = [i for n, i in infos.items() if n.startswith("x_label") and _statuses(root)[n] == "no tests"]
+    st = _statuses(root)
+    rare = [i for n, i in infos.items() if n.startswith("x_label") and st[n] == "no tests"]
     text = (root / "mutants" / "spec" / "toy.py").read_text().splitlines()
     assert rare and all(any('"seven"' in text[ln - 1] for ln in i.lines) for i in rare)
+    # and, from the mutants' own source (not from the lines the runner gave
+    # them): "no tests" exactly for the mutants of the line no test executes
+    spans = json.loads((root / "mutants" / "spec" / "toy.py.spans").read_text())["spans"]
+
+    def body(key: str) -> list[str]:
+        lines = text[spans[key][0] - 1:spans[key][1]]
+        return lines[next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("def ")) + 1:]
+
+    orig = body("x_label__mutmut_orig")
+    for name, status in st.items():
+        if name.startswith("x_label"):
+            changed = [o for o, m in zip(orig, body(name), strict=True) if o != m]
+            assert changed and (status == "no tests") == any('"seven"' in o for o in changed), (name, status, changed)
+
+
+def test_no_generate_and_only_run_the_named_mutants_of_the_folder_as_it_is(toy_run, tmp_path):
+    """``--no-generate --only A B``: a copy of the toy's mutants/, with the
+    statuses of two functions cleared, run again without generation (so the
+    worker alone puts mutants/ first on sys.path: mutmut's generation in the
+    parent is what also did it), on both prefixes' mutants and no others."""
+    root, _ = toy_run
+    copy = tmp_path / "toy"
+    shutil.copytree(root, copy)
+    before = _statuses(copy)
+    meta_path = copy / "mutants" / "spec" / "toy.py.meta"
+    meta = json.loads(meta_path.read_text())
+    for k in meta["exit_code_by_key"]:
+        if ".x_sign_" in k or ".x_unchecked_" in k:
+            meta["exit_code_by_key"][k] = None
+    meta_path.write_text(json.dumps(meta))
+    p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--no-generate", "--max-children", "1",
+                        "--only", "spec.toy.x_sign_", "spec.toy.x_unchecked_"], cwd=copy, capture_output=True,
+                       text=True, timeout=300, check=False, env=ENV)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    after = _statuses(copy)
+    assert after == before, {n: (before[n], after[n]) for n in before if before[n] != after[n]}
+    assert "mutation: 10 mutants" in p.stdout, p.stdout
 
 
 def test_results_are_read_by_mutmut_itself(toy_run):
