@@ -11,7 +11,15 @@ The toy (made in a temporary folder, with its own ``[tool.mutmut]``):
 * ``count_to``: ``i += 1`` mutated into ``i = 1`` or ``i -= 1`` loops: timeout;
 * ``half``: its test exits the process on a wrong answer: the worker dies
   (detected, as mutmut counts a dead test process);
-* ``unchecked``: executed by a test that checks nothing: survived.
+* ``unchecked``: executed by a test that checks nothing: survived;
+* ``scale`` (reached through the cached ``table``) and ``lookup`` (a
+  module-level dict filled on first use): every mutant killed, as mutmut's
+  fresh process per mutant kills them. Two tests of each, dealt to the two
+  workers in the clean pass, leave both workers' caches filled by the
+  original; the functions come first in the file so that their mutants run
+  before any worker is replaced (a fresh one has empty caches). Without the
+  workers putting the modules' state back before each test every one of
+  them survived.
 """
 
 from __future__ import annotations
@@ -49,6 +57,25 @@ TOY = {
     "spec/__init__.py": "",
     "spec/toy.py": '''
         import os
+        from functools import cache
+
+
+        @cache
+        def table(n):
+            return scale(n)
+
+
+        def scale(n):
+            return n * 10
+
+
+        _FOUND = {}
+
+
+        def lookup(n):
+            if n not in _FOUND:
+                _FOUND[n] = n + 100
+            return _FOUND[n]
 
 
         def sign(x):
@@ -82,7 +109,23 @@ TOY = {
     "toytests/test_toy.py": '''
         import os
 
-        from spec.toy import count_to, half, label, sign, unchecked
+        from spec.toy import count_to, half, label, lookup, sign, table, unchecked
+
+
+        def test_table_a():
+            assert table(2) == 20
+
+
+        def test_table_b():
+            assert table(2) == 20
+
+
+        def test_lookup_a():
+            assert lookup(1) == 101
+
+
+        def test_lookup_b():
+            assert lookup(1) == 101
 
 
         def test_sign():
@@ -144,6 +187,7 @@ def test_each_status_is_the_one_the_toys_tests_allow(toy_run):
     assert "survived" not in by_function["x_count_to"]
     assert set(by_function["x_half"]) <= {"segfault", "suspicious", "killed"} and by_function["x_half"]
     assert set(by_function["x_unchecked"]) == {"survived"}
+    assert set(by_function["x_scale"]) == {"killed"} and set(by_function["x_lookup"]) == {"killed"}, by_function
     assert "score" in p.stdout and "generation" in p.stdout
 
 

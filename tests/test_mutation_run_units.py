@@ -16,7 +16,10 @@ clock, and the limits are decided with margins of seconds of it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
 import textwrap
 from collections import defaultdict, deque
 from pathlib import Path
@@ -201,6 +204,60 @@ def test_write_meta_writes_every_file_code_and_duration(tmp_path):
                 assert code is None and name not in meta["durations_by_key"]
             else:
                 assert code == report.statuses[name] and meta["durations_by_key"][name] == 0.25, (path, name)
+
+
+def test_module_state_put_back_before_each_test(tmp_path, monkeypatch):
+    """A worker's ``_ModuleState``: the functools caches of a mutated
+    module (and of its classes) cleared, a module-level dict or list that
+    grew (or was rebound) put back as it was collected; one that kept its
+    length, mutmut's ``mutants_*`` tables and other packages' modules left
+    alone."""
+    roots = (str(tmp_path / "mutants" / "spec") + os.sep,)
+    source = textwrap.dedent('''
+        from functools import cache, lru_cache
+        calls = []
+        FOUND = {}
+        WORDS = {"a": 1}
+        mutants_x_f__mutmut = {}
+
+
+        @cache
+        def table(n):
+            calls.append(n)
+            return n
+
+
+        class C:
+            @staticmethod
+            @lru_cache(maxsize=8)
+            def m(n):
+                return n
+    ''')
+    mods = {}
+    for name, where in (("spec.fake_state", tmp_path / "mutants" / "spec"), ("other_state", tmp_path)):
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / (name.rpartition(".")[2] + ".py")
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        monkeypatch.setitem(sys.modules, name, mod)
+        mods[name] = mod
+    state = R._ModuleState(roots)
+    state.reset()  # as after collection
+    for mod in mods.values():
+        mod.table(1), mod.C.m(3), mod.FOUND.update(x=2), mod.mutants_x_f__mutmut.update(k=1)
+        mod.WORDS["a"] = 5
+    state.reset()
+    mod, other = mods["spec.fake_state"], mods["other_state"]
+    assert mod.table.cache_info().currsize == 0 and mod.C.m.cache_info().currsize == 0
+    assert mod.FOUND == {} and mod.calls == []
+    assert mod.WORDS == {"a": 5} and mod.mutants_x_f__mutmut == {"k": 1}
+    assert other.table.cache_info().currsize == 1 and other.FOUND == {"x": 2} and other.calls == [1]
+    found = mod.FOUND
+    mod.FOUND = {"y": 3}
+    state.reset()
+    assert mod.FOUND is found and found == {}
 
 
 # --------------------------------------------------------------------------- the command line

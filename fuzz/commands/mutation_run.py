@@ -30,8 +30,13 @@ they are run:
    tests are deterministic (the ``mutation`` Hypothesis profile is
    derandomized; budgets are fixed batches, never seconds), so a test that
    never executes the statement in the clean pass never executes it under
-   the mutant and passes alike. A change on the ``def`` line (a default, a
-   decorator argument) takes every test that runs the function.
+   the mutant and passes alike. For that a test must start from the same
+   state in both: before each test a worker clears the functools caches of
+   the mutated packages and puts back their module-level dicts, lists and
+   sets as collection left them (``_ModuleState``); a value worked out once
+   would otherwise keep its clean-pass form and the statement that works
+   it out would never run under the mutant. A change on the ``def`` line (a
+   default, a decorator argument) takes every test that runs the function.
 3. **Killers first.** The tests that killed earlier mutants of the same
    function are tried first, then the rest fastest first; the first failure
    kills (as ``pytest -x``).
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -179,6 +185,64 @@ def mutant_lines(mutants: Path, path: str, names: list[str]) -> list[MutantInfo]
 # --------------------------------------------------------------------------- the worker
 
 
+_LRU_CACHE = type(functools.lru_cache(lambda: None))  # what functools.cache and lru_cache return
+
+
+class _ModuleState:
+    """The state the mutated packages' modules keep from test to test in a
+    worker, put back as collection left it before each test. mutmut ran a
+    mutant in a fresh child of a process that had only collected the tests,
+    so a value a module works out once (a ``functools.cache``, a module-level
+    dict or list filled on first use) was worked out under the mutant; a
+    worker would keep the one the clean pass (or an earlier mutant) worked
+    out, and the statement that computes it would not run again: the tests
+    selected for executing it in the clean pass pass under the mutant
+    without executing it (``impl.batch.batch_rotating_class`` builds its
+    class once: 74 of its 78 mutants survived, 67 are killed with this).
+    Cleared: the functools caches of the modules and of their classes; put
+    back: a dict, list or set global whose length changed (a cache filled, a
+    registry grown; mutmut's ``mutants_*`` tables are not looked at). State
+    kept elsewhere (an attribute of an object, another package's cache)
+    stays as it is: kill confirmation catches a mutant that corrupts it."""
+
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
+        self.modules = -1  # len(sys.modules) at the last scan
+        self.seen: set[str] = set()
+        self.caches: list[Any] = []
+        self.globals: list[tuple[dict, str, Any, Any]] = []  # (module namespace, name, object, its contents)
+
+    def _scan(self) -> None:
+        for name, mod in list(sys.modules.items()):
+            if name in self.seen or not str(getattr(mod, "__file__", None) or "").startswith(self.roots):
+                continue
+            self.seen.add(name)
+            namespace = vars(mod)
+            for key, v in list(namespace.items()):
+                if isinstance(v, _LRU_CACHE):
+                    self.caches.append(v)
+                elif isinstance(v, type) and v.__module__ == name:
+                    members = (getattr(m, "__func__", m) for m in vars(v).values())
+                    self.caches.extend(m for m in members if isinstance(m, _LRU_CACHE))
+                elif type(v) in (dict, list, set) and not key.startswith("mutants_"):
+                    self.globals.append((namespace, key, v, v.copy()))
+
+    def reset(self) -> None:
+        if len(sys.modules) != self.modules:  # modules imported since: their state as first seen
+            self._scan()
+            self.modules = len(sys.modules)
+        for c in self.caches:
+            c.cache_clear()
+        for namespace, key, obj, saved in self.globals:
+            if namespace.get(key) is not obj or len(obj) != len(saved):
+                if type(obj) is list:
+                    obj[:] = saved
+                else:
+                    obj.clear()
+                    obj.update(saved)
+                namespace[key] = obj
+
+
 class _WorkerPlugin:
     """The pytest plugin of a worker: after collection it serves jobs from the
     parent over ``conn`` instead of running the session's tests. Before each
@@ -203,9 +267,11 @@ class _WorkerPlugin:
         if stray:  # the tests would run the original code: every mutant would survive
             self.conn.send(("stray", stray[:5]))
             return True
+        state = _ModuleState(tuple(os.path.join(self.mutants, p) + os.sep for p in ("spec", "impl")))
 
         def run(nodeid: str) -> tuple[bool, float]:
             item = items[nodeid]
+            state.reset()  # every test from the modules' state after collection, clean or under a mutant
             if hasattr(item, "_initrequest"):
                 item._initrequest()  # a fresh fixture request, as pytest-rerunfailures does
             self.conn.send(("start", nodeid))
