@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 from fuzz.commands.mutation_report import _diff, change_of
-from tests.test_mutation_run import _toy
+from tests.test_mutation_run import ENV, _toy
 
 
 def _run(root, *args):
     return subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "1",
                            "--time-slack", "0.5", *args], cwd=root, capture_output=True, text=True,
-                          timeout=600, check=False)
+                          timeout=600, check=False, env=ENV)
 
 
 def test_resume_runs_only_the_mutants_without_a_status(tmp_path, monkeypatch):

@@ -278,15 +278,15 @@ def test_main_only_takes_every_prefix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = {}
 
-    def fake_run(root, max_children, only=None, log=None, slack=None):
-        seen.update(only=only, slack=slack, max_children=max_children)
+    def fake_run(root, max_children, only=None, log=None, slack=None, resume=False):
+        seen.update(only=only, slack=slack, max_children=max_children, resume=resume)
         return R.RunReport()
 
     monkeypatch.setattr(R, "run", fake_run)
     assert R.main(["--no-generate", "--max-children", "3", "--time-slack", "1.5", "--only", "spec.a.x_g", "impl.b."]) == 0
     assert seen["only"] == {"spec.a.x_g__mutmut_1", "impl.b.x_k__mutmut_1", "impl.b.x_k__mutmut_2",
                             "impl.b.x_l__mutmut_1", "impl.b.x_l__mutmut_2"}
-    assert seen["slack"] == 1.5 and seen["max_children"] == 3
+    assert seen["slack"] == 1.5 and seen["max_children"] == 3 and seen["resume"] is False
 
 
 # --------------------------------------------------------------------------- fake workers
