@@ -673,6 +673,10 @@ def _run_mutants(pool: _Pool, infos: list[MutantInfo], tests_of: dict[str, set[s
                 pool.replace(i)
                 pending[i] = []
             else:  # the worker died (a segfault, os._exit) or its pytest session ended
+                if msg[0] == "died":
+                    # its pipe reads EOF before it is reaped, and exitcode is None
+                    # until then (most of the time for a segfaulting child here)
+                    w.proc.join(5)
                 code = w.proc.exitcode if msg[0] == "died" else msg[1]
                 pool.replace(i)
                 pending[i] = []
