@@ -80,7 +80,7 @@ KILLED, SURVIVED, NO_TESTS, SUSPICIOUS, TIMEOUT, SEGFAULT = 1, 0, 33, 35, 36, -1
 STATUS = {KILLED: "killed", SURVIVED: "survived", NO_TESTS: "no tests", SUSPICIOUS: "suspicious",
           TIMEOUT: "timeout", SEGFAULT: "segfault"}
 #: a test under a mutant may take TIME_FACTOR x its clean duration + TIME_SLACK_S
-#: (wall time; ``--time-slack``), the first test of a fresh worker 10 x TIME_SLACK_S more
+#: (wall time; ``--time-slack``), the tests of a fresh worker's first mutant 10 x TIME_SLACK_S more
 TIME_FACTOR = 4.0
 TIME_SLACK_S = 3.0
 #: statuses are written to mutants/*.meta this often during a run
@@ -562,8 +562,9 @@ class _Pool:
 
 def _limit(durations: dict[str, float], nodeid: str, factor: float, fresh: bool, slack: float) -> float:
     """A test's wall-clock limit under a mutant: ``factor`` x (TIME_FACTOR x its
-    clean duration + ``slack``), and 10 x ``slack`` more for the first test of
-    a worker just started (MLX and the test modules warm up there)."""
+    clean duration + ``slack``), and 10 x ``slack`` more for the tests of the
+    first mutant a worker just started runs (MLX and the test modules warm up
+    there)."""
     return factor * (TIME_FACTOR * durations.get(nodeid, 1.0) + slack) + (10 * slack if fresh else 0.0)
 
 
@@ -756,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"saved every {SAVE_EVERY_S:.0f} s and on Ctrl-C)")
     ap.add_argument("--time-slack", type=float, default=TIME_SLACK_S, metavar="S",
                     help=f"seconds a test may take beyond {TIME_FACTOR:g}x its clean duration before the mutant "
-                         f"counts as a timeout (default {TIME_SLACK_S:g}; a fresh worker's first test 10x more)")
+                         f"counts as a timeout (default {TIME_SLACK_S:g}; a fresh worker's first mutant 10x more)")
     a = ap.parse_args(argv)
     if a.max_children < 1:
         ap.error(f"--max-children: must be at least 1, got {a.max_children}")
