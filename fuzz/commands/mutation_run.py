@@ -418,6 +418,13 @@ def pytest_args(root: Path) -> list[str]:
 
 @dataclass
 class RunReport:
+    """What a run found: ``statuses`` (mutant name -> mutmut's exit code),
+    ``killers`` (the test that killed each killed mutant), ``seconds`` and
+    ``runs`` (test time, in seconds, and tests run per mutant), ``notes`` (why
+    a mutant timed out, died or is suspicious), the number of selected
+    ``tests``, the clean pass's and the mutants' wall time (``cover_s``,
+    ``mutants_s``, seconds) and the workers replaced (``restarts``)."""
+
     statuses: dict[str, int] = field(default_factory=dict)
     killers: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
