@@ -112,12 +112,11 @@ changed = json.loads(Path(sys.argv[1]).read_text())
 max_children = int(sys.argv[2])
 config().only_mutate = sorted(changed)  # other files are copied, not parsed (do_not_mutate still applies)
 state()._covered_lines = {str((Path("mutants") / p).absolute()): set(v) for p, v in changed.items()}
-mm.set_mutant_under_test("mutant_generation")
-Path("mutants").mkdir(exist_ok=True)
-mm.copy_src_dir()
-mm.copy_also_copy_files()
-mm.setup_source_paths()
-mm.create_mutants(max_children)
+# make mutation's generation and runner (fuzz/commands/mutation_run.py): workers
+# that collect the tests once, the tests that execute each mutated statement,
+# a timeout re-run with its retry factor before it stands
+from fuzz.commands.mutation_run import generate, run as run_mutants
+generate(Path.cwd(), max_children)
 
 def metas():
     for path in mm.walk_mutatable_files():
@@ -127,10 +126,6 @@ def metas():
 
 names = [k for _, m in metas() for k in m.exit_code_by_key]
 if names:
-    # the runner of make mutation (fuzz/commands/mutation_run.py): workers that
-    # collect the tests once, the tests that execute each mutated statement, a
-    # timeout re-run with its retry factor before it stands
-    from fuzz.commands.mutation_run import run as run_mutants
     run_mutants(Path.cwd(), max_children, log=lambda s: print(s, flush=True))
 out = []
 for path, m in metas():
