@@ -321,11 +321,12 @@ class Campaign:
     several can share a budget round-robin (:func:`interleaved`). Batch
     ``k`` runs seed ``seed + k``: a configuration's batches are the same
     whether it runs alone or beside others. ``shrink_budget`` caps the
-    seconds spent shrinking its failure (None: Hypothesis's own limit)."""
+    seconds spent shrinking its failure (None: Hypothesis's own limit);
+    ``shrink=False`` keeps the first failing example as it was found."""
 
     def __init__(self, kind: str, mode: str, inplace: bool, seed: int, factories: dict[str, Any] | None = None,
                  batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None, database: Any = None,
-                 shrink_budget: float | None = None):
+                 shrink_budget: float | None = None, shrink: bool = True):
         self.machine = machine_for(kind, mode, inplace, factories, target=target)
         label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
         if target is not None and getattr(target, "name", target) != "impl":
@@ -334,6 +335,7 @@ class Campaign:
         self.seed, self.batch_size, self.steps, self.progress = seed, batch, steps, progress
         self.database = database
         self.shrink_budget = shrink_budget
+        self.shrink = shrink
         # a pinned sweep only without a database (a saved example must
         # replay under the fields it was found with) and on our
         # implementation (a target may lack the field)
@@ -368,7 +370,7 @@ class Campaign:
             self.machine.fixed = {**self.fixed, name: values[total.batches % len(values)]}
             size = max(1, self.batch_size // len(values))
         result = run_machine(self.machine, self.seed + total.batches, max_examples=size, steps=self.steps,
-                             database=self.database, shrink_seconds=left)
+                             shrink=self.shrink, database=self.database, shrink_seconds=left)
         total.batches += 1
         total.examples += result.examples
         total.steps += result.steps
@@ -394,7 +396,8 @@ class Campaign:
 
 def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
              batch: int = 25, steps: int = 40, target: Any = None,
-             progress: Any = None, reach: tuple[str, ...] = (), reach_budget: float = 0.0) -> CampaignReport:
+             progress: Any = None, reach: tuple[str, ...] = (), reach_budget: float = 0.0,
+             shrink: bool = True) -> CampaignReport:
     """Run seeded batches until ``budget`` seconds of search are spent or
     one fails; at least one batch, so a campaign never checks nothing.
     Shrinking a failure is timed apart (``shrink_seconds``). ``target``
@@ -404,8 +407,10 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
     found. ``reach``: events (``stats`` labels) the campaign must reach;
     while one is missing it goes on past ``budget``, up to ``reach_budget``
     seconds in all (a slower device runs fewer examples in the same
-    seconds: the H200 ran 10-20 in a verify campaign's 8 s)."""
-    run = Campaign(kind, mode, inplace, seed, factories, batch, steps, target, progress)
+    seconds: the H200 ran 10-20 in a verify campaign's 8 s). ``shrink=False``:
+    a failure is reported as first found (a caller that needs only the
+    verdict, such as a test run per mutant, skips the shrinking)."""
+    run = Campaign(kind, mode, inplace, seed, factories, batch, steps, target, progress, shrink=shrink)
 
     def missing() -> bool:
         return any(not run.report.stats.get(label) for label in reach)

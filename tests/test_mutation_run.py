@@ -261,3 +261,25 @@ def test_bad_max_children_is_refused_with_exit_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "0"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=ENV)
     assert p.returncode == 2 and "--max-children" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_run_record_gives_each_mutant_its_status_cost_and_tests(toy_run):
+    """mutants/mutation-run.json: per mutant its status (as in the .meta
+    files), its test time, the tests run, the killing test, and the tests
+    that execute its statement with their clean time (what it would cost
+    as a survivor)."""
+    root, _ = toy_run
+    rec = json.loads((root / "mutants" / "mutation-run.json").read_text())
+    st = _statuses(root)
+    assert {k.split(".")[-1]: m["status"] for k, m in rec["mutants"].items()} == st
+    assert rec["tests"] >= 8 and rec["cover_s"] > 0
+    for name, m in rec["mutants"].items():
+        short = name.split(".")[-1]
+        if m["status"] == "no tests":
+            assert m["selected"] == 0 and m["runs"] == 0 and m["killer"] is None
+        else:
+            assert m["selected"] >= 1 and m["selected_s"] >= 0
+        if m["status"] == "killed":
+            assert m["killer"].startswith("toytests/test_toy.py::") and 1 <= m["runs"] <= m["selected"], (short, m)
+        if m["status"] == "survived":
+            assert m["runs"] == m["selected"] and m["killer"] is None, (short, m)

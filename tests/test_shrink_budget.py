@@ -70,3 +70,21 @@ def test_the_cli_passes_the_cap_to_every_campaign(monkeypatch, capsys, tmp_path)
             pass
         capsys.readouterr()
         assert seen and all(s == want for s in seen), (extra, seen)
+
+
+@pytest.mark.parametrize("shrink", [True, False])
+def test_campaign_passes_shrink_to_every_batch(monkeypatch, shrink):
+    """``campaign(..., shrink=False)`` (the CUDA-path campaigns of
+    tests/test_write.py under the mutation profile) runs every batch without
+    the shrink phase; the default shrinks."""
+    calls: list[bool] = []
+
+    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None):
+        calls.append(shrink)
+        return fc.RunResult(len(calls) == 2, 0.1, 1, 1, 1 if len(calls) == 2 else None, None, {},
+                            AssertionError("planted") if len(calls) == 2 else None)
+
+    monkeypatch.setattr(fc, "run_machine", run_machine)
+    rep = fc.campaign("dense", "fp16", True, 10.0, 1) if shrink else \
+        fc.campaign("dense", "fp16", True, 10.0, 1, shrink=False)
+    assert calls == [shrink, shrink] and rep.failure is not None

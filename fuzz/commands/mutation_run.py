@@ -435,6 +435,8 @@ class RunReport:
     restarts: int = 0
     notes: dict[str, str] = field(default_factory=dict)
     runs: dict[str, int] = field(default_factory=dict)  # tests run on each mutant
+    #: per mutant: the tests that execute its statement and their clean time (s)
+    selected: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def load_mutants(mutants: Path, only: set[str] | None = None, unchecked: bool = False) -> list[MutantInfo]:
@@ -499,6 +501,8 @@ def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: An
                 todo.append(info)
             else:
                 report.statuses[info.name] = NO_TESTS
+        report.selected = {name: (len(t), round(sum(durations.get(x, 0.0) for x in t), 3))
+                           for name, t in tests_of.items()}
         t1 = time.perf_counter()
         pool = _Pool(ctx, mutants, root, args, env, workers, report, slack, lambda: _write_meta(mutants, infos, report))
         killers: dict[str, list[str]] = defaultdict(list)  # function -> tests that killed its mutants
@@ -714,6 +718,17 @@ def _write_meta(mutants: Path, infos: list[MutantInfo], report: RunReport) -> No
                 meta["exit_code_by_key"][info.name] = report.statuses[info.name]
                 meta["durations_by_key"][info.name] = round(report.seconds.get(info.name, 0.0), 3)
         meta_path.write_text(json.dumps(meta, indent=4))
+    # what each mutant cost, for docs/mutation.md's figures and a reader asking
+    # why a run is slow: mutants/mutation-run.json
+    (mutants / "mutation-run.json").write_text(json.dumps({
+        "tests": report.tests, "cover_s": round(report.cover_s, 3), "mutants_s": round(report.mutants_s, 3),
+        "restarts": report.restarts,
+        "mutants": {i.name: {"status": STATUS.get(report.statuses[i.name], "?"),
+                             "seconds": round(report.seconds.get(i.name, 0.0), 3),
+                             "runs": report.runs.get(i.name, 0), "killer": report.killers.get(i.name),
+                             "selected": report.selected.get(i.name, (0, 0.0))[0],
+                             "selected_s": report.selected.get(i.name, (0, 0.0))[1]}
+                    for i in infos if i.name in report.statuses}}, indent=1))
 
 
 def generate(root: Path, max_children: int) -> None:
