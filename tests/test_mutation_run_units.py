@@ -613,3 +613,65 @@ def test_each_test_has_its_own_limit_and_a_fresh_worker_its_slack(fake):
     assert (st[u.name], st[h.name], st[v1.name], st[v2.name]) == (R.SURVIVED, R.TIMEOUT, R.SURVIVED, R.TIMEOUT), st
     assert [i.name for i in timed_out] == [h.name, v2.name]
     assert pool.report.restarts == 2
+
+
+def test_the_fast_trampoline_dispatches_as_mutmuts_does(monkeypatch):
+    """Whatever mutant is active (none, another module's, one of this
+    function, one this function lacks), the trampoline a worker installs
+    calls what mutmut's would: the original or that mutant; a generator keeps
+    mutmut's trampoline, which then reads the active mutant the worker set."""
+    from mutmut.mutation import trampoline
+
+    monkeypatch.setattr(trampoline, "wrap_in_trampoline", trampoline.wrap_in_trampoline)
+    monkeypatch.setattr(trampoline, "get_mutant_under_test", trampoline.get_mutant_under_test)
+    monkeypatch.setattr(trampoline, "_mutant_under_test", trampoline._mutant_under_test)
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "")
+    monkeypatch.setattr(R, "_ACTIVE", ["", ""])
+    mutmut_wrap = trampoline.wrap_in_trampoline
+
+    def table(kind: str) -> dict:
+        if kind == "gen":
+            def orig(n):
+                yield from range(n)
+
+            def m1(n):
+                yield from range(n + 1)
+        else:
+            def orig(n, k=1):
+                return n + k
+
+            def m1(n, k=1):
+                return n - k
+        return {"_mutmut_orig": orig, "x_f__mutmut_1": m1}
+
+    def wrapped(wrap, kind):
+        d = table(kind)
+
+        def f(n, k=1):
+            """doc"""
+        f.__module__ = "pkg.mod"
+        if kind == "gen":
+            def f(n):
+                yield n
+            f.__module__ = "pkg.mod"
+        return wrap(d)(f)
+
+    expected = {"": 3, "other.mod.x_f__mutmut_1": 3, "pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_9": 3,
+                "pkg.mod.x_g__mutmut_1": 3}
+    theirs = wrapped(mutmut_wrap, "fn")
+    for name, want in expected.items():
+        monkeypatch.setenv("MUTANT_UNDER_TEST", name)
+        assert theirs(2) == want, name
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "")
+    R._fast_trampolines()
+    assert trampoline.wrap_in_trampoline is not mutmut_wrap
+    ours, gen = wrapped(trampoline.wrap_in_trampoline, "fn"), wrapped(trampoline.wrap_in_trampoline, "gen")
+    assert ours.__name__ == "f" and ours.__doc__ == "doc" and ours.__code__.co_name == "fast_trampoline"
+    assert gen.__code__.co_name != "fast_trampoline"
+    for name, want in expected.items():
+        R._activate(name)
+        assert ours(2) == want, name
+        assert ours(2, k=2) == (0 if want == 1 else 4), name
+        assert list(gen(2)) == ([0, 1, 2] if want == 1 else [0, 1]), name
+        assert os.environ["MUTANT_UNDER_TEST"] == name  # what a process a test starts reads
+    R._activate("")
