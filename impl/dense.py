@@ -469,13 +469,15 @@ class KVCache:
         return _Buffers(keys, values)
 
     def _check_compatible(self, op: str, keys: mx.array, values: mx.array) -> None:
-        """Appended rows match the cached ``[B, H, _, D]`` and dtype."""
+        """Appended rows (a pair :func:`_check_rows` accepted) match the
+        cached ``[B, H, _, D]`` and dtype."""
         b = self.buffers
         if b is None:
             return
         bk, bv, ks, vs = b.keys.shape, b.values.shape, keys.shape, values.shape
-        if not (ks[0] == bk[0] and ks[1] == bk[1] and ks[3] == bk[3] and vs[0] == bv[0] and vs[1] == bv[1]
-                and vs[3] == bv[3]):
+        # the pair agrees on B and H (_check_rows, run first) and so do the
+        # cached keys and values: the keys' B and H decide for the values too
+        if not (ks[0] == bk[0] and ks[1] == bk[1] and ks[3] == bk[3] and vs[3] == bv[3]):
             check_matches_cache(op, "keys", tuple(bk), keys)
             check_matches_cache(op, "values", tuple(bv), values)
         check_dtype_matches(op, b.dtype, keys.dtype)

@@ -80,9 +80,11 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
     bounds = tuple(_trim_bounds(c) for c in caches)
     count = _list_trim_count(n, bounds)
     if count == 0:
-        want = min([n, *(rows for rows, _ in bounds)]) if bounds else 0
+        want = min([n, *(rows for rows, _ in bounds)])
+        # a layer refuses when it cannot roll back ``want`` rows exactly
+        # (every exact bound is >= 0, so a refusal has want > 0)
         refusing = [i for i, (_, exact) in enumerate(bounds) if want > exact]
-        if want > 0 and refusing:
+        if refusing:
             if strict:
                 raise StateError(
                     f"trim_prompt_cache: cannot roll back {want} rows exactly: layer(s) {refusing} can roll back "
