@@ -58,6 +58,16 @@ def test_decode_pair_rows_accepts_a_pair_that_matches_the_cache(s):
     assert decode_pair_rows(k, v, bk, bv) == s
 
 
+def test_decode_pair_rows_accepts_keys_of_head_dim_0():
+    """No rule bounds the head dims: keys ``[B, H, 1, 0]`` are a valid row."""
+    c = KVCache(step=4)
+    c.update_and_fetch(mx.zeros((1, 2, 2, 0), dtype=mx.float16), mx.zeros((1, 2, 2, 3), dtype=mx.float16))
+    k, v = mx.zeros((1, 2, 1, 0), dtype=mx.float16), mx.ones((1, 2, 1, 3), dtype=mx.float16)
+    assert decode_pair_rows(k, v, c.buffers.keys, c.buffers.values) == 1
+    got_k, got_v = c.update_and_fetch(k, v)
+    assert got_k.shape == (1, 2, 3, 0) and firsts(got_v) == [0, 0, 1]
+
+
 @pytest.mark.parametrize("which", ["batch", "heads", "kdim", "vdim", "rows", "dtype", "cache dtype"])
 def test_decode_pair_rows_is_zero_for_a_pair_any_rule_refuses(which):
     bk, bv = pair(b=2, h=3, s=8, dk=4, dv=5)
@@ -229,6 +239,27 @@ def test_rows_of_other_heads_are_refused_naming_the_heads(mode):
             "append: values head dim D must be 3 (the cache's), got 4 (shape (2, 2, 1, 4))")):
         c.update_and_fetch(*pair(b=2, h=2, s=1, dk=4, dv=4))
     assert c.offset == 2
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("cache,new,message", [
+    # cache [B, H] = [2, 1], rows B = 1: the batch compared with the cache's heads would pass
+    ((2, 1), (1, 1, 1, 4, 3), "keys batch B must be 2 (the cache's), got 1 (shape (1, 1, 1, 4))"),
+    # rows S = 2 = the cache's H: the rows compared with the cache's heads would pass
+    ((1, 2), (1, 1, 2, 4, 3), "keys kv heads H must be 2 (the cache's), got 1 (shape (1, 1, 2, 4))"),
+    # rows H = 4 = the cache's capacity
+    ((1, 2), (1, 4, 1, 4, 3), "keys kv heads H must be 2 (the cache's), got 4 (shape (1, 4, 1, 4))"),
+    ((1, 2), (1, 2, 1, 5, 3), "keys head dim D must be 4 (the cache's), got 5 (shape (1, 2, 1, 5))"),
+    ((1, 2), (1, 2, 1, 4, 2), "values head dim D must be 3 (the cache's), got 2 (shape (1, 2, 1, 2))"),
+])
+def test_an_append_that_does_not_match_the_cache_is_refused_naming_the_dimension(mode, cache, new, message):
+    c = KVCache(mode, step=4)
+    c.update_and_fetch(*pair(b=cache[0], h=cache[1], s=2, dk=4, dv=3))
+    before = (c.offset, c.capacity, c.buffers)
+    b, h, s, dk, dv = new
+    with pytest.raises(InvalidArgumentError, match=re.escape("append: " + message)):
+        c.update_and_fetch(*pair(b=b, h=h, s=s, dk=dk, dv=dv))
+    assert (c.offset, c.capacity, c.buffers) == before
 
 
 @pytest.mark.parametrize("bad,big,small", [("keys", 1e5, 2.0), ("values", 7e4, 3.0)])

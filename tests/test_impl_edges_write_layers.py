@@ -353,15 +353,17 @@ class ForeignLayer:
         return n
 
 
-def test_a_foreign_layer_that_is_not_trimmable_refuses_with_a_rollback_warning():
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_foreign_layer_that_is_not_trimmable_refuses_with_a_rollback_warning(n):
+    """It can roll back no row exactly: not even one."""
     dense = KVCache(step=4)
     feed([dense], 0, 3)
     layer = ForeignLayer(3, trimmable=False)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        assert trim_prompt_cache([dense, layer], 2) == 0
+        assert trim_prompt_cache([dense, layer], n) == 0
     assert [(w.category, str(w.message)) for w in record] == [
-        (RollbackWarning, "trim_prompt_cache: layer 1 cannot roll back 2 rows exactly; nothing was trimmed")]
+        (RollbackWarning, f"trim_prompt_cache: layer 1 cannot roll back {n} rows exactly; nothing was trimmed")]
     assert layer.trims == [] and dense.offset == 3
 
 
