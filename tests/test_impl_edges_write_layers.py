@@ -382,7 +382,7 @@ class ShortTrim(KVCache):
         return super().trim(n - 1)
 
 
-@pytest.mark.parametrize("position", [0, 1])
+@pytest.mark.parametrize("position", [0, 1, 2])
 def test_a_layer_that_trims_fewer_rows_than_promised_is_named_and_nothing_is_trimmed(position):
     caches = [KVCache(step=4), KVCache(step=4), KVCache(step=4)]
     caches[position] = ShortTrim(step=4)
@@ -438,10 +438,16 @@ def test_restore_prompt_cache_restores_a_layer_without_a_check_of_its_own():
 
 
 class FailingRestore(KVCache):
-    """Passes the check, then fails in restore before changing anything."""
+    """Passes the check, then its first restore fails before changing
+    anything (a later one, a put-back, would succeed)."""
+
+    failed = False
 
     def restore(self, snapshot):
-        raise MemoryError("planted: the restore failed past its check")
+        if not self.failed:
+            self.failed = True
+            raise MemoryError("planted: the restore failed past its check")
+        super().restore(snapshot)
 
 
 @pytest.mark.parametrize("failing", [0, 2])
