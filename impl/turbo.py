@@ -574,7 +574,8 @@ def check_store(op: str, mode: str, store: Any, offset: int, cold_offset: int, d
     Raises InvalidArgumentError naming the field."""
     if not isinstance(store, dict):
         raise InvalidArgumentError(f"{op}: arrays must be a dict of name -> mx.array, got {type(store).__name__}")
-    if dtype not in _FLOATS:
+    # `None in _FLOATS` raises TypeError in MLX (Dtype.__eq__ takes a Dtype only)
+    if not isinstance(dtype, mx.Dtype) or dtype not in _FLOATS:
         raise InvalidArgumentError(f"{op}: dtype must be one of float16, bfloat16, float32, got {dtype!r}")
     for name, value in (("k_dim", k_dim), ("v_dim", v_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

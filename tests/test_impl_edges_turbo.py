@@ -468,3 +468,15 @@ def test_only_cuda_decode_rows_with_the_standard_packer_take_the_compiled_quanti
     tq.quantize(block, 4, tq.V_SEED)
     tq.quantize(decode, 4, tq.V_SEED, pack=_pack_xor)
     assert calls == [4, 4, 4]
+
+
+@pytest.mark.parametrize("dtype", [None, "float16", 16])
+def test_check_store_refuses_a_dtype_that_is_not_an_mlx_dtype_by_name(dtype):
+    """A holder or a ``meta_state`` without a dtype (None, a name string)
+    is refused with the argument and the rule, not MLX's TypeError from
+    comparing a Dtype with something else."""
+    from impl.turbo import check_store
+
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"restore: dtype must be one of float16, bfloat16, float32, got {dtype!r}")):
+        check_store("restore", "turbo4", {}, 0, 0, dtype, 4, 4)

@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mutation.md"
@@ -31,34 +30,9 @@ LINE = re.compile(r"^\s*(?P<name>[\w.ǁ]+__mutmut_\d+): (?P<status>.+)$")
 DETECTED = ("killed", "timeout", "segfault", "suspicious")
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """Why a surviving mutant is left alive.
+from fuzz.commands.mutation_triage import TRIAGE_WHOLE_TREE
+from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
 
-    ``function``: the mutated function (mutmut's name without ``__mutmut_N``);
-    ``change``: the mutated line (``+`` side of ``mutmut show``, stripped),
-    matched exactly; ``z3``: the
-    :data:`proofs.equivalents.EQUIVALENCES` check that proves it, if any;
-    ``section``: the heading of docs/mutation.md that argues it."""
-
-    function: str
-    change: str
-    section: str
-    z3: str = ""
-
-    def text(self) -> str:
-        where = f"equivalent, Z3 `{self.z3}`" if self.z3 else "equivalent"
-        return f"{where}: [{self.section}](#{_anchor(self.section)})"
-
-
-def _anchor(heading: str) -> str:
-    return re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-")
-
-
-IDENT = "Buffer identities"
-LABELS = "Labels, narrowing asserts and interchangeable operands"
-EVAL = "Evaluation before the NumPy view"
-MARKER = "Markers after a multi-row append"
 Z3 = "Proved equivalent by Z3"
 
 #: One entry per surviving mutant (see Verdict), matched on the function
@@ -117,7 +91,7 @@ TRIAGE: tuple[Verdict, ...] = (
     Verdict("impl.dense.x_write_rows_inplace", "mx.eval(None)", EVAL),
     Verdict("impl.dense.x_write_rows_inplace",
             "np.array(dst, copy=None)[:, :, at : at + src.shape[SEQ_AXIS], :] = src", EVAL),
-)
+) + TRIAGE_WHOLE_TREE
 
 
 def verdict_for(name: str, change: str) -> Verdict | None:
