@@ -24,14 +24,14 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from fuzz.commands.mutation_triage import TRIAGE_WHOLE_TREE
+from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mutation.md"
 BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"
 LINE = re.compile(r"^\s*(?P<name>[\w.ǁ]+__mutmut_\d+): (?P<status>.+)$")
 DETECTED = ("killed", "timeout", "segfault", "suspicious")
 
-
-from fuzz.commands.mutation_triage import TRIAGE_WHOLE_TREE
-from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
 
 Z3 = "Proved equivalent by Z3"
 
