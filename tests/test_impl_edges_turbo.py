@@ -281,6 +281,17 @@ def test_from_state_refuses_a_state_that_is_not_a_sequence_naming_its_type():
         TurboKVCache.from_state(c.state[:1], c.meta_state)
 
 
+def test_from_state_refuses_a_dtype_name_mlx_does_not_know_with_invalid_argument():
+    """A saved dtype name that is not an MLX dtype (a file from another
+    tool, a typo) leaves the holder without a dtype: check_store refuses it
+    with InvalidArgumentError, never getattr's AttributeError."""
+    c = cache("turbo4asym")
+    c.update_and_fetch(*rows(0, 2))
+    meta = list(c.meta_state)
+    meta[4] = "bfloat99"
+    with pytest.raises(InvalidArgumentError, match="from_state"):
+        TurboKVCache.from_state(c.state, tuple(meta))
+
 # -- the mlx-lm hooks ---------------------------------------------------------
 def test_to_quantized_at_the_cache_bits_is_silent_and_at_other_bits_warns_once():
     c = TurboKVCache("turbo3asym")
