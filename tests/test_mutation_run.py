@@ -283,3 +283,56 @@ def test_the_run_record_gives_each_mutant_its_status_cost_and_tests(toy_run):
             assert m["killer"].startswith("toytests/test_toy.py::") and 1 <= m["runs"] <= m["selected"], (short, m)
         if m["status"] == "survived":
             assert m["runs"] == m["selected"] and m["killer"] is None, (short, m)
+
+
+def _argued(name: str, change: str):
+    """A toy triage: every mutant of ``unchecked`` and of ``label``'s rare
+    branch (its test never asks for 7 or 8) is 'equivalent'."""
+    from fuzz.commands.mutation_verdict import Verdict
+
+    if ".x_unchecked_" in name or change in ('return "XXsevenXX"', 'return "SEVEN"', "if x == 8:"):
+        return Verdict(name.rsplit("__mutmut_", 1)[0], change, "toy")
+    return None
+
+
+def test_a_triaged_equivalent_of_an_unchanged_file_is_not_run_again(toy_run, tmp_path):
+    """The stamp: written for a file all of whose mutants have a status and
+    whose every survivor has a verdict; with it, the verdicts' mutants are
+    skipped (survived, no test run, listed as skipped) until the file's text
+    changes. A file with a survivor no verdict covers is not stamped."""
+    root, _ = toy_run
+    copy = tmp_path / "toy"
+    shutil.copytree(root, copy)
+    stamps = copy / "docs" / "mutation-stamps.json"
+    assert not stamps.exists()  # the toy's own run: survivors without a verdict, so no stamp
+    assert R.update_stamps(copy, lambda n, c: None, set(), stamps) == []  # survivors without a verdict
+    assert R.update_stamps(copy, _argued, {"spec.toy.x_sign__mutmut_1"}, stamps) == []  # a skip is no evidence
+    assert R.update_stamps(copy, _argued, set(), stamps) == ["spec/toy.py"]
+    assert json.loads(stamps.read_text()) == {"spec/toy.py": R.source_hash(copy / "spec" / "toy.py")}
+    infos = R.load_mutants(copy / "mutants")
+    skip = R.triaged_skips(copy, infos, R.read_stamps(stamps), _argued)
+    st = _statuses(copy)
+    unchecked = {i.name for i in infos if ".x_unchecked_" in i.name}
+    assert unchecked and unchecked <= set(skip)
+    assert all(st[n.split(".")[-1]] in ("survived", "no tests") for n in skip), skip
+    # the file's text changes: nothing is skipped
+    src = copy / "spec" / "toy.py"
+    src.write_text(src.read_text() + "\n")
+    assert R.triaged_skips(copy, infos, R.read_stamps(stamps), _argued) == {}
+    src.write_text(src.read_text()[:-1])
+    # a run given the skips runs no test on them and keeps them listed
+    driver = textwrap.dedent("""
+        import json, sys
+        from pathlib import Path
+        from fuzz.commands import mutation_run as R
+        skip = json.loads(sys.argv[1])
+        rep = R.run(Path.cwd(), 1, only=set(skip), skip=skip)
+        print(json.dumps({"skipped": rep.skipped, "statuses": rep.statuses, "runs": rep.runs}))
+    """)
+    only = {n: skip[n] for n in unchecked}
+    p = subprocess.run([sys.executable, "-c", driver, json.dumps(only)], cwd=copy, capture_output=True, text=True,
+                       timeout=300, check=False, env=ENV)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert sorted(out["skipped"]) == sorted(unchecked)
+    assert all(out["statuses"][n] == R.SURVIVED for n in unchecked) and not out["runs"], out

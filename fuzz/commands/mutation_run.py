@@ -62,6 +62,7 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -89,6 +90,8 @@ SAVE_EVERY_S = 60.0
 PARENT_SLACK_S = 30.0
 #: a mutant that passed a limit is run again with this many times the limits
 RETRY_FACTOR = 5.0
+#: seconds a worker may take to collect the selection
+COLLECT_S = 600.0
 
 
 class RunError(Exception):
@@ -430,8 +433,11 @@ class _Worker:
         self.started = 0.0
         self.fresh = True  # no test run yet
         self.tests: list[str] = []
+        #: since when a replacement worker collects (None: collected, or a
+        #: first worker, which ``run`` waits for)
+        self.collecting: float | None = None
 
-    def ready(self, timeout: float = 600.0) -> list[str]:
+    def ready(self, timeout: float = COLLECT_S) -> list[str]:
         if not self.conn.poll(timeout):
             self.kill()
             raise RunError(f"a mutation worker did not collect the tests within {timeout:.0f} s")
@@ -489,7 +495,8 @@ class RunReport:
     ``runs`` (test time, in seconds, and tests run per mutant), ``notes`` (why
     a mutant timed out, died or is suspicious), the number of selected
     ``tests``, the clean pass's and the mutants' wall time (``cover_s``,
-    ``mutants_s``, seconds) and the workers replaced (``restarts``)."""
+    ``mutants_s``, seconds), the workers replaced (``restarts``) and the
+    triaged equivalents given their status without a run (``skipped``)."""
 
     statuses: dict[str, int] = field(default_factory=dict)
     killers: dict[str, str] = field(default_factory=dict)
@@ -503,6 +510,8 @@ class RunReport:
     runs: dict[str, int] = field(default_factory=dict)  # tests run on each mutant
     #: per mutant: the tests that execute its statement and their clean time (s)
     selected: dict[str, tuple[int, float]] = field(default_factory=dict)
+    #: mutants given their triaged status without a run (``run``'s ``skip``)
+    skipped: list[str] = field(default_factory=list)
 
 
 def load_mutants(mutants: Path, only: set[str] | None = None, unchecked: bool = False) -> list[MutantInfo]:
@@ -519,14 +528,18 @@ def load_mutants(mutants: Path, only: set[str] | None = None, unchecked: bool = 
 
 
 def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: Any = None,
-        env: dict[str, str] | None = None, slack: float = TIME_SLACK_S, resume: bool = False) -> RunReport:
+        env: dict[str, str] | None = None, slack: float = TIME_SLACK_S, resume: bool = False,
+        skip: dict[str, str] | None = None) -> RunReport:
     """Run every mutant under ``root/mutants`` (made by mutmut) and write the
     statuses into its ``.meta`` files; see the module docstring. ``only``:
     these mutant names alone; ``resume``: only the mutants without a status
     (the statuses are written every SAVE_EVERY_S seconds and when the run
     stops, Ctrl-C included, so a stopped run goes on where it was). ``log``:
-    a callable taking a line of progress. Raises RunError when the clean
-    tests cannot run."""
+    a callable taking a line of progress; ``skip``: mutant name -> why it is
+    not run (a triaged equivalent of an unchanged module, see
+    :func:`triaged_skips`): such a mutant that some test executes is given
+    status survived without running a test, and listed in
+    ``report.skipped``. Raises RunError when the clean tests cannot run."""
     log = log or (lambda s: None)
     mutants = (root / "mutants").resolve()
     if not mutants.is_dir():
@@ -553,7 +566,7 @@ def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: An
             raise RunError(f"{len(failed)} selected tests fail with no mutant active (first: {failed[0]}); "
                            "mutation needs a green selection")
         log(f"mutation: {len(tests)} tests, clean pass with per-test coverage {report.cover_s:.0f} s; "
-            f"{len(infos)} mutants on {n} workers")
+            f"{len(infos)} mutants on {n} workers" + (f" ({len(skip)} triaged equivalents not run)" if skip else ""))
         by_line: dict[tuple[str, int], set[str]] = defaultdict(set)
         for nodeid, files in covered.items():
             for path, lns in files.items():
@@ -563,10 +576,14 @@ def run(root: Path, max_children: int = 2, only: set[str] | None = None, log: An
         todo = []
         for info in infos:
             tests_of[info.name] = set().union(*(by_line.get((info.path, ln), set()) for ln in info.lines))
-            if tests_of[info.name]:
-                todo.append(info)
-            else:
+            if not tests_of[info.name]:
                 report.statuses[info.name] = NO_TESTS
+            elif skip and info.name in skip:
+                report.statuses[info.name] = SURVIVED
+                report.notes[info.name] = skip[info.name]
+                report.skipped.append(info.name)
+            else:
+                todo.append(info)
         report.selected = {name: (len(t), round(sum(durations.get(x, 0.0) for x in t), 3))
                            for name, t in tests_of.items()}
         t1 = time.perf_counter()
@@ -631,10 +648,30 @@ class _Pool:
     save: Any = None  # writes the statuses so far (a stopped run can resume)
 
     def replace(self, i: int) -> None:
+        """Kill worker ``i`` and start a new one in its place. The new one is
+        not waited for: it collects the selection (about 20 s for the whole
+        tree's) while the others go on, and ``_run_mutants`` gives it its
+        first job when its ``ready`` arrives (``_Worker.collecting``)."""
         self.workers[i].kill()
         self.report.restarts += 1
         self.workers[i] = _Worker(self.ctx, self.mutants, self.root, self.args, self.env)
-        self.workers[i].ready()
+        self.workers[i].collecting = time.perf_counter()
+
+    def collected(self, i: int) -> bool:
+        """Whether replacement worker ``i`` is ready for a job (raises
+        RunError, as ``_Worker.ready``, when it failed to collect or took
+        longer than COLLECT_S)."""
+        w = self.workers[i]
+        if w.collecting is None:
+            return True
+        if not w.conn.poll(0):
+            if time.perf_counter() - w.collecting < COLLECT_S:
+                return False
+            w.kill()
+            raise RunError(f"a mutation worker did not collect the tests within {COLLECT_S:.0f} s")
+        w.ready(timeout=0.0)
+        w.collecting = None
+        return True
 
 
 def _limit(durations: dict[str, float], nodeid: str, factor: float, fresh: bool, slack: float) -> float:
@@ -678,6 +715,8 @@ def _run_mutants(pool: _Pool, infos: list[MutantInfo], tests_of: dict[str, set[s
 
     def dispatch(i: int) -> None:
         w = workers[i]
+        if w.collecting is not None:
+            return  # a replacement: its first job when it has collected
         w.test, w.started = None, time.perf_counter()
         if pending[i] and (len(pending[i]) >= CHECK_EVERY or not queue):
             w.job = _CHECK
@@ -688,11 +727,22 @@ def _run_mutants(pool: _Pool, infos: list[MutantInfo], tests_of: dict[str, set[s
             w.conn.send(("mutant", info.name, order(info)))
 
     for i in range(len(workers)):
-        dispatch(i)
-    while any(w.job is not None for w in workers):
-        wait_conns([w.conn for w in workers if w.job is not None], timeout=1.0)
+        if pool.collected(i):
+            dispatch(i)
+
+    def busy() -> bool:
+        # a worker with a job, or a replacement still collecting while
+        # there is work it could take
+        return any(w.job is not None or (w.collecting is not None and queue) for w in workers)
+
+    while busy():
+        wait_conns([w.conn for w in workers if w.job is not None or w.collecting is not None], timeout=1.0)
         for i in range(len(workers)):
             w = workers[i]
+            if w.collecting is not None:
+                if pool.collected(i):
+                    dispatch(i)
+                continue
             info = w.job
             if info is None:
                 continue
@@ -786,6 +836,7 @@ def _write_meta(mutants: Path, infos: list[MutantInfo], report: RunReport) -> No
         meta_path.write_text(json.dumps(meta, indent=4))
     # what each mutant cost, for docs/mutation.md's figures and a reader asking
     # why a run is slow: mutants/mutation-run.json
+    skipped = set(report.skipped)
     (mutants / "mutation-run.json").write_text(json.dumps({
         "tests": report.tests, "cover_s": round(report.cover_s, 3), "mutants_s": round(report.mutants_s, 3),
         "restarts": report.restarts,
@@ -793,7 +844,8 @@ def _write_meta(mutants: Path, infos: list[MutantInfo], report: RunReport) -> No
                              "seconds": round(report.seconds.get(i.name, 0.0), 3),
                              "runs": report.runs.get(i.name, 0), "killer": report.killers.get(i.name),
                              "selected": report.selected.get(i.name, (0, 0.0))[0],
-                             "selected_s": report.selected.get(i.name, (0, 0.0))[1]}
+                             "selected_s": report.selected.get(i.name, (0, 0.0))[1],
+                             "skipped": i.name in skipped}
                     for i in infos if i.name in report.statuses}}, indent=1))
 
 
@@ -817,6 +869,86 @@ def generate(root: Path, max_children: int) -> None:
         os.chdir(cwd)
 
 
+# --------------------------------------------------------------------------- triaged equivalents
+
+#: per source file (``impl/dense.py``): the SHA-256 of its text when a run
+#: last ran every one of its mutants and every survivor had a verdict
+#: (``make mutation`` writes it, relative to the tree; docs/mutation.md,
+#: "Triaged equivalents are not run again")
+STAMPS_IN_TREE = Path("docs") / "mutation-stamps.json"
+STAMPS = Path(__file__).resolve().parents[2] / STAMPS_IN_TREE
+
+
+def source_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_stamps(path: Path = STAMPS) -> dict[str, str]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _changes(root: Path, names: list[str]) -> dict[str, str]:
+    """Each mutant's mutated line (the ``+`` side of ``mutmut show``,
+    stripped), as docs/mutation.md's triage table matches it."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    out = {}
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        for name in names:
+            path = Path(*name.rpartition(".")[0].split(".")).with_suffix(".py")
+            diff = get_diff_for_mutant(name, path=path)
+            plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+            out[name] = plus[0] if plus else "(no diff)"
+    finally:
+        os.chdir(cwd)
+    return out
+
+
+def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], verdict: Any,
+                  functions: set[str] | None = None) -> dict[str, str]:
+    """The mutants not worth running again: each in a source file whose text
+    is the one stamped (so its mutants are the ones triaged) and with a
+    verdict (``verdict(name, change)``, :func:`fuzz.commands.mutation_report.
+    verdict_for`: an argued or proved equivalent, which no test can kill
+    while the code is unchanged). ``functions``: the only functions with
+    verdicts (to read fewer diffs; None: every function). Mutant name ->
+    the note the run keeps."""
+    fresh = {p for p in {i.path for i in infos} if stamps.get(p) == source_hash(root / p)}
+    names = [i.name for i in infos if i.path in fresh and (functions is None or i.function in functions)]
+    out = {}
+    for name, change in _changes(root, names).items():
+        v = verdict(name, change)
+        if v is not None:
+            out[name] = f"not run: triaged equivalent ({v.section}), its file unchanged since its stamp"
+    return out
+
+
+def update_stamps(root: Path, verdict: Any, skipped: set[str], path: Path = STAMPS) -> list[str]:
+    """Stamp every source file under ``root/mutants`` all of whose mutants
+    have a status, none of them given by a skip, and whose every survivor
+    (survived or no tests) has a verdict. Returns the files stamped."""
+    stamps = read_stamps(path)
+    done = []
+    mutants = (root / "mutants").resolve()
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        src = str(meta.relative_to(mutants))[: -len(".meta")]
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        if not codes or any(c is None for c in codes.values()) or skipped & set(codes):
+            continue
+        alive = [n for n, c in codes.items() if c in (SURVIVED, NO_TESTS)]
+        changes = _changes(root, alive)
+        if all(verdict(n, changes[n]) is not None for n in alive):
+            digest = source_hash(root / src)
+            if stamps.get(src) != digest:
+                stamps[src] = digest
+                done.append(src)
+    if done:
+        path.write_text(json.dumps(dict(sorted(stamps.items())), indent=1) + "\n")
+    return done
+
+
 def summary(report: RunReport) -> str:
     counts: dict[str, int] = defaultdict(int)
     for code in report.statuses.values():
@@ -825,7 +957,8 @@ def summary(report: RunReport) -> str:
     checked = len(report.statuses)
     score = f"{100.0 * detected / checked:.1f}%" if checked else "-"
     parts = ", ".join(f"{counts[s]} {s}" for s in STATUS.values() if counts[s])
-    return (f"mutation: {checked} mutants: {parts}; score {score}; {report.tests} tests, clean pass "
+    not_run = f" ({len(report.skipped)} of them triaged equivalents, not run)" if report.skipped else ""
+    return (f"mutation: {checked} mutants: {parts}{not_run}; score {score}; {report.tests} tests, clean pass "
             f"{report.cover_s:.0f} s, mutants {report.mutants_s:.0f} s, {report.restarts} worker restarts")
 
 
@@ -846,6 +979,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-slack", type=float, default=TIME_SLACK_S, metavar="S",
                     help=f"seconds a test may take beyond {TIME_FACTOR:g}x its clean duration before the mutant "
                          f"counts as a timeout (default {TIME_SLACK_S:g}; a fresh worker's first mutant 10x more)")
+    ap.add_argument("--recheck", action="store_true",
+                    help="run the triaged equivalents too (by default a survivor with a verdict in a file whose "
+                         "text is the stamped one is not run again; docs/mutation.md)")
     a = ap.parse_args(argv)
     if a.max_children < 1:
         ap.error(f"--max-children: must be at least 1, got {a.max_children}")
@@ -864,8 +1000,24 @@ def main(argv: list[str] | None = None) -> int:
             if not only:
                 print(f"mutation: --only: no mutant starts with {' or '.join(a.only)}", file=sys.stderr)
                 return 2
+        from fuzz.commands.mutation_report import TRIAGE, verdict_for
+
+        stamps_path = root / STAMPS_IN_TREE
+        skip: dict[str, str] = {}
+        if not a.recheck:
+            skip = triaged_skips(root, load_mutants((root / "mutants").resolve(), only, unchecked=a.resume),
+                                 read_stamps(stamps_path), verdict_for, {v.function for v in TRIAGE})
         report = run(root, a.max_children, only=only, log=lambda s: print(s, flush=True), slack=a.time_slack,
-                     resume=a.resume)
+                     resume=a.resume, skip=skip)
+        # the skips of this sitting and, on --resume, of the sittings before
+        record = root / "mutants" / "mutation-skipped.json"
+        skipped = set(report.skipped) | (set(json.loads(record.read_text())) if a.resume and record.exists() else set())
+        record.write_text(json.dumps(sorted(skipped)))
+        stamps_path.parent.mkdir(parents=True, exist_ok=True)
+        stamped = update_stamps(root, verdict_for, skipped, stamps_path)
+        if stamped:
+            print(f"mutation: stamped {', '.join(stamped)} in {STAMPS_IN_TREE} (their triaged equivalents are "
+                  "not run again until they change; --recheck runs them)", flush=True)
     except RunError as e:
         print(f"mutation: {e}", file=sys.stderr)
         return 2
