@@ -45,11 +45,13 @@ conformance: $(STAMP)
 
 # Mutation score of spec/ and impl/ (slow; not part of make test): mutmut makes
 # the mutants, fuzz/commands/mutation_run.py runs them (workers that collect
-# the tests once; per mutant only the tests that execute its statement).
+# the tests once; per mutant only the tests that execute its statement;
+# triaged equivalents of a file unchanged since docs/mutation-stamps.json
+# are not run again: `make mutation MUTATION_ARGS=--recheck` runs them too).
 # Config: [tool.mutmut] in pyproject.toml. Report: docs/mutation.md.
 mutation: $(STAMP)
 	rm -rf mutants
-	HYPOTHESIS_PROFILE=mutation $(BIN)/python -m fuzz.commands.mutation_run --max-children $$(nproc 2>/dev/null || echo 2)
+	HYPOTHESIS_PROFILE=mutation $(BIN)/python -m fuzz.commands.mutation_run --max-children $$(nproc 2>/dev/null || echo 2) $(MUTATION_ARGS)
 	$(BIN)/python -m fuzz.commands.mutation_report  # exit 1 if a survivor is not triaged
 
 # Mutation of the lines changed since git revision BASE (a PR's lines):

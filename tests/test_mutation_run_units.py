@@ -278,8 +278,8 @@ def test_main_only_takes_every_prefix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = {}
 
-    def fake_run(root, max_children, only=None, log=None, slack=None, resume=False):
-        seen.update(only=only, slack=slack, max_children=max_children, resume=resume)
+    def fake_run(root, max_children, only=None, log=None, slack=None, resume=False, skip=None):
+        seen.update(only=only, slack=slack, max_children=max_children, resume=resume, skip=skip)
         return R.RunReport()
 
     monkeypatch.setattr(R, "run", fake_run)
@@ -287,6 +287,7 @@ def test_main_only_takes_every_prefix(tmp_path, monkeypatch):
     assert seen["only"] == {"spec.a.x_g__mutmut_1", "impl.b.x_k__mutmut_1", "impl.b.x_k__mutmut_2",
                             "impl.b.x_l__mutmut_1", "impl.b.x_l__mutmut_2"}
     assert seen["slack"] == 1.5 and seen["max_children"] == 3 and seen["resume"] is False
+    assert seen["skip"] == {}  # no stamps in this tree: every mutant runs
 
 
 # --------------------------------------------------------------------------- fake workers
@@ -324,6 +325,8 @@ class World:
         self.jobs: list[tuple[int, str, list[str]]] = []  # (worker, mutant, tests) as sent; mutant "" = a check
         self.shares: list[list[str]] = []
         self.started = 0
+        self.collect_s = 0.0  # how long a worker takes to collect the tests
+        self.sent: list[tuple[int, float]] = []  # (worker, simulated time) of each job sent
 
     def outcome(self, w: FakeWorker, mutant: str, test: str) -> tuple[str, float]:
         if w.bad:
@@ -350,8 +353,13 @@ class _End:
 
     def poll(self, timeout: float = 0.0) -> bool:
         w = self.w
+        clock = w.world.clock
         if w.inbox:
-            return w.inbox[0][0] <= w.world.clock.t
+            at = w.inbox[0][0]
+            if at <= clock.t + (timeout or 0.0):  # a blocking poll waits for it
+                clock.t = max(clock.t, at)
+                return True
+            return False
         return w.dead
 
     def recv(self):
@@ -405,7 +413,7 @@ class FakeWorker(R._Worker):
         fake_ctx = SimpleNamespace(Pipe=lambda: (_End(self), SimpleNamespace(close=lambda: None)),
                                    Process=lambda **kw: _Proc(self))
         super().__init__(fake_ctx, mutants, repo, pytest_args, env)
-        self.inbox.append((self.world.clock.t, ("ready", list(self.world.tests))))
+        self.inbox.append((self.world.clock.t + self.world.collect_s, ("ready", list(self.world.tests))))
 
     def handle(self, job) -> None:
         world = self.world
@@ -420,6 +428,7 @@ class FakeWorker(R._Worker):
             return
         _, name, tests = job
         world.jobs.append((self.number, name, list(tests)))
+        world.sent.append((self.number, t))
         status, killer, seconds, trail = R.SURVIVED, None, 0.0, []
         for test in tests:
             self.inbox.append((t, ("start", test)))
@@ -613,6 +622,30 @@ def test_each_test_has_its_own_limit_and_a_fresh_worker_its_slack(fake):
     assert (st[u.name], st[h.name], st[v1.name], st[v2.name]) == (R.SURVIVED, R.TIMEOUT, R.SURVIVED, R.TIMEOUT), st
     assert [i.name for i in timed_out] == [h.name, v2.name]
     assert pool.report.restarts == 2
+
+
+def test_a_replaced_worker_collects_while_the_others_go_on(fake):
+    """Workers take 20 s to collect. A hang on worker 0 replaces it; worker
+    1 goes on with the queue meanwhile (the run is not held up by the
+    collection), and the replacement's first job is sent only after its
+    ``ready`` arrived, with a fresh worker's slack."""
+    world = fake(["t::a"], {}, clean={"t::a": 1.0})
+    pool = _pool(2)
+    world.collect_s = 20.0  # for the replacement
+    t0 = world.clock.t
+    h = _info("spec.a.x_f__mutmut_1")
+    rest = [_info(f"spec.a.x_f__mutmut_{i}") for i in range(2, 40)]
+    world.rules[(h.name, "t::a")] = [("hang", 0)]
+    timed_out = _run(pool, [h, *rest], {i.name: {"t::a"} for i in [h, *rest]}, world.clean)
+    assert [i.name for i in timed_out] == [h.name] and pool.report.restarts == 1
+    assert all(pool.report.statuses[i.name] == R.SURVIVED for i in rest)
+    hung_at = next(t for (n, t), (_, name, _) in zip(world.sent, world.jobs) if name == h.name)
+    by_worker1 = [t for n, t in world.sent if n == 1]
+    by_new = [t for n, t in world.sent if n == 2]
+    # the hang is seen at about 4 x 1 + 0.5 s; worker 1 is sent jobs during the 20 s of collection
+    assert sum(hung_at + 4.5 < t < hung_at + 4.5 + 20.0 for t in by_worker1) >= 15, by_worker1
+    assert by_new and min(by_new) >= hung_at + 4.5 + 20.0, (hung_at, by_new)
+    assert world.clock.t - t0 < 38 * 1.0 / 2 + 30  # the 39 mutants shared, not one worker idle for 20 s
 
 
 def test_the_fast_trampoline_dispatches_as_mutmuts_does(monkeypatch):

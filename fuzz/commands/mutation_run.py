@@ -879,8 +879,9 @@ STAMPS_IN_TREE = Path("docs") / "mutation-stamps.json"
 STAMPS = Path(__file__).resolve().parents[2] / STAMPS_IN_TREE
 
 
-def source_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def source_hash(path: Path) -> str | None:
+    """The SHA-256 of the file's bytes (None when there is no such file)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def read_stamps(path: Path = STAMPS) -> dict[str, str]:
@@ -915,7 +916,7 @@ def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], v
     while the code is unchanged). ``functions``: the only functions with
     verdicts (to read fewer diffs; None: every function). Mutant name ->
     the note the run keeps."""
-    fresh = {p for p in {i.path for i in infos} if stamps.get(p) == source_hash(root / p)}
+    fresh = {p for p in {i.path for i in infos} if p in stamps and stamps[p] == source_hash(root / p)}
     names = [i.name for i in infos if i.path in fresh and (functions is None or i.function in functions)]
     out = {}
     for name, change in _changes(root, names).items():
@@ -939,11 +940,11 @@ def update_stamps(root: Path, verdict: Any, skipped: set[str], path: Path = STAM
             continue
         alive = [n for n, c in codes.items() if c in (SURVIVED, NO_TESTS)]
         changes = _changes(root, alive)
-        if all(verdict(n, changes[n]) is not None for n in alive):
-            digest = source_hash(root / src)
-            if stamps.get(src) != digest:
-                stamps[src] = digest
-                done.append(src)
+        digest = source_hash(root / src)
+        if digest is not None and stamps.get(src) != digest and all(verdict(n, changes[n]) is not None
+                                                                    for n in alive):
+            stamps[src] = digest
+            done.append(src)
     if done:
         path.write_text(json.dumps(dict(sorted(stamps.items())), indent=1) + "\n")
     return done
