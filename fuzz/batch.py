@@ -20,6 +20,9 @@ windows 2 to 8, ragged lengths so that rings wrap in some rows only):
 * ``extract``: one sequence back as a single cache; a dense one then goes
   on in lockstep with spec.dense at the batch's step (its step, capacity
   and regrow on a few decode rows), so a lost setting is seen;
+* ``announced`` (dense, on an empty batch): mlx-lm's announced left
+  padding, a block shorter than it (refused by the spec and the batch,
+  which must change nothing), then a block at least as wide;
 * ``refused`` (dense): an argument spec.batch refuses: a filter with a
   duplicate, out-of-range or no index, an out-of-range extract; both the
   spec and the batch must raise InvalidArgumentError, and nothing may
@@ -140,6 +143,47 @@ class Run:
         assert self.layout is not None
         self.layout = sb.append_ragged(self.layout, lengths)
         self.check("block")
+
+    def announced(self, arg: tuple[tuple[int, ...], int, int]) -> None:
+        """mlx-lm's announced left padding on an empty batch
+        (``prepare(left_padding=...)``), a block shorter than the padding
+        (refused by both spec.batch.announced_block and the batch, which
+        must change nothing: still empty, the announced layout), then a
+        block as wide as the padding or wider; sequence ``i`` keeps the
+        block's rows after its padding."""
+        left, short, width = arg
+        self.log.append(f"announced {list(left)}: block {short} (refused), block {width}")
+        assert self.layout is not None
+        try:
+            sb.announced_block(self.layout, left, short)
+        except InvalidArgumentError:
+            pass
+        else:  # the draw is meant to be refused: a draw bug, not an impl one
+            raise AssertionError(f"spec.batch accepts a block of {short} under padding {left}: not a refused draw")
+        pads = tuple(p + q for p, q in zip(self.layout.pads, left))
+        b = len(self.singles)
+        self.batch.prepare(left_padding=list(left))
+        try:
+            self.batch.update_and_fetch(*self.rows(b, short))
+        except InvalidArgumentError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
+            self.fail("announced", f"a block of {short} under padding {list(pads)} raised {type(exc).__name__}: "
+                                   f"{exc}; spec.batch.announced_block raises InvalidArgumentError")
+        else:
+            self.fail("announced", f"a block of {short} under padding {list(pads)} accepted; "
+                                   "spec.batch.announced_block refuses it")
+        got = self.batch.layout
+        if not self.batch.empty() or (got.idx, tuple(got.pads)) != (0, pads):
+            self.fail("announced", f"the refused block changed the batch: empty={self.batch.empty()}, layout "
+                                   f"idx={got.idx} pads={tuple(got.pads)}; nothing may change (idx=0 pads={pads})")
+        k, v = self.rows(b, width)
+        self.batch.update_and_fetch(k, v)
+        for i, (c, p) in enumerate(zip(self.singles, pads)):
+            if width > p:
+                c.update_and_fetch(k[i : i + 1, :, p:], v[i : i + 1, :, p:])
+        self.layout = sb.announced_block(self.layout, left, width)
+        self.check("announced")
 
     def filter(self, keep: tuple[int, ...]) -> None:
         self.log.append(f"filter {list(keep)}")
@@ -295,9 +339,17 @@ def refused_args(b: int) -> st.SearchStrategy[tuple[str, Any]]:
 def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[str, Any]]]:
     shape = Shape(draw(st.integers(1, 3)), draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4, 6])),
                   draw(st.integers(1, 8)), draw(st.integers(2, 8)))
-    start = draw(LENGTHS.filter(lambda ls: max(ls) > 0) if ring else LENGTHS)
+    # dense: a quarter of the programs start empty (every length 0), and
+    # half of those with announced padding and a refused block
+    start = draw(LENGTHS.filter(lambda ls: max(ls) > 0) if ring else
+                 st.one_of(LENGTHS, LENGTHS, LENGTHS, LENGTHS.map(lambda ls: (0,) * len(ls))))
     ops: list[tuple[str, Any]] = []
     b = len(start)
+    if not ring and max(start) == 0 and draw(st.booleans()):
+        left = tuple(draw(st.integers(0, 3)) for _ in range(b))
+        if max(left) > 0:
+            short = draw(st.integers(0, max(left) - 1))
+            ops.append(("announced", (left, short, draw(st.integers(max(left), max(left) + 3)))))
     names = ["decode", "block", "filter", "extend", "extract"] + ([] if ring else ["trim", "refused"])
     for _ in range(draw(st.integers(1, 10))):
         op = draw(st.sampled_from(names))

@@ -66,6 +66,26 @@ def _check_layout(idx: int, pads: tuple[int, ...]) -> None:
         raise InvalidArgumentError(f"batch: pads must satisfy 0 <= pad <= idx ({idx}), got {pads}")
 
 
+def _int_seq(op: str, name: str, values: Any, n: int | None = None, nonneg: bool = True) -> tuple[int, ...]:
+    """``values`` (a sequence of integers, or a 1-D ``mx.array``) as a tuple
+    of Python ints: ``n`` of them when given (one per sequence) and, with
+    ``nonneg``, each ``>= 0``. Raises InvalidArgumentError naming ``op``,
+    ``name`` and the rule otherwise."""
+    if isinstance(values, mx.array):
+        if values.ndim != 1:
+            raise InvalidArgumentError(f"{op}: {name} must be a 1-D list of integers, got an array of shape "
+                                       f"{tuple(values.shape)}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidArgumentError(f"{op}: {name} must be a sequence of integers, got {type(values).__name__}")
+    out = tuple(_check_int(op, name, v) for v in values)
+    if n is not None and len(out) != n:
+        raise InvalidArgumentError(f"{op}: {name} must hold one integer per sequence ({n}), got {len(out)}")
+    if nonneg and any(v < 0 for v in out):
+        raise InvalidArgumentError(f"{op}: {name} must be >= 0 for every sequence, got {out}")
+    return out
+
+
 def _merged(lengths: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """(idx, pads) of sequences of ``lengths`` rows left-padded to the
     longest (rule 3: each keeps its offset)."""
@@ -195,6 +215,9 @@ class BatchKVCache:
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
         prev, n = self._idx, int(keys.shape[SEQ])
+        # the layout after the block, refused before anything changes: a
+        # refusal leaves the cache as it was
+        _check_layout(prev + n, self._pads)
         if self.keys is None or prev + n > int(self.keys.shape[SEQ]):
             b, h, _, dk = keys.shape
             steps = (self.step + n - 1) // self.step
@@ -212,7 +235,6 @@ class BatchKVCache:
         self._idx = prev + n
         self.keys[..., prev : self._idx, :] = keys
         self.values[..., prev : self._idx, :] = values
-        self._check()
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
@@ -249,21 +271,34 @@ class BatchKVCache:
         """mlx-lm's hooks before a block: ``left_padding`` (only while empty)
         adds padding; ``right_padding`` announces a right-padded block,
         which :meth:`finalize` turns into left padding (spec.batch.append_ragged)."""
-        if left_padding is not None:
-            if self.keys is not None:
-                raise InvalidArgumentError("prepare: left_padding can only be added to an empty BatchKVCache")
-            self._pads = tuple(p + int(q) for p, q in zip(self._pads, left_padding))
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = tuple(int(r) for r in right_padding)
+        # every argument checked before anything changes
+        b = len(self._pads)
+        left = None if left_padding is None else _int_seq("prepare", "left_padding", left_padding, b)
+        right = None if right_padding is None else _int_seq("prepare", "right_padding", right_padding, b)
+        if left is not None and self.keys is not None:
+            raise InvalidArgumentError("prepare: left_padding can only be added to an empty BatchKVCache")
+        if left is not None:
+            self._pads = tuple(p + q for p, q in zip(self._pads, left))
+        if right is not None and max(right) > 0:
+            self._right_padding = right
 
     def finalize(self) -> None:
+        """mlx-lm's hook after a block: the right padding announced by
+        :meth:`prepare` becomes left padding (each sequence's rows rolled
+        right by its pad). Raises InvalidArgumentError, changing nothing,
+        when no block was appended (the batch holds no rows) or when a pad
+        would pass ``idx`` (more padding than the sequence's positions)."""
         if self._right_padding is not None:
-            assert self.keys is not None and self.values is not None
+            if self.keys is None or self.values is None:
+                raise InvalidArgumentError(
+                    f"finalize: prepare announced right_padding={self._right_padding}, but the batch holds no "
+                    "rows (a right-padded block is appended between prepare and finalize)")
+            pads = tuple(p + r for p, r in zip(self._pads, self._right_padding))
+            _check_layout(self._idx, pads)  # before anything changes: a refusal leaves the cache as it was
             self.keys = _roll_right(self.keys, self._right_padding)
             self.values = _roll_right(self.values, self._right_padding)
-            self._pads = tuple(p + r for p, r in zip(self._pads, self._right_padding))
+            self._pads = pads
             self._right_padding = None
-            self._check()
 
     # -- the batch's own operations ------------------------------------------------
     @property
@@ -287,8 +322,7 @@ class BatchKVCache:
     def filter(self, batch_indices: Sequence[int]) -> None:
         """Keep the sequences ``batch_indices`` (distinct, in that order) and
         drop the columns none of them uses (spec.batch.filter)."""
-        keep = tuple(int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
-                                      else batch_indices))
+        keep = _int_seq("filter", "batch_indices", batch_indices, nonneg=False)
         idx, pads, drop = _filtered(self._idx, self._pads, keep)
         if self.keys is not None:
             assert self.values is not None
@@ -327,9 +361,9 @@ class BatchKVCache:
             return k, v
 
         (ka, va), (kb, vb) = aligned(self), aligned(other)
+        _check_layout(idx, pads)  # before anything changes
         self.keys, self.values = mx.concatenate([ka, kb]), mx.concatenate([va, vb])
         self._idx, self._pads = idx, pads
-        self._check()
 
     def extract(self, idx: int) -> KVCache:
         """Sequence ``idx`` as our Fp16 :class:`~impl.dense.KVCache` holding
@@ -368,7 +402,7 @@ class BatchKVCache:
             windows.append(c.fetch())
         lengths = tuple(0 if w is None else int(w[0].shape[SEQ]) for w in windows)
         width, pads = _merged(lengths)
-        out = cls(list(pads), step=max(getattr(caches[0], "step", 256), 1))
+        out = cls(list(pads), step=caches[0].step)  # a KVCache's step is an integer >= 1
         if width == 0:
             out._pads = (0,) * len(caches)
             return out

@@ -8,6 +8,9 @@ For batches of ``B`` (3) sequences, any lengths, paddings and counts:
   its offset, and the smallest padding becomes 0;
 * extend: every sequence of both batches keeps its offset;
 * a right-padded block: sequence ``i``'s offset grows by its own length;
+* announced left padding then a block (an empty batch): a block shorter
+  than a padding is refused and the layout is the one before; otherwise
+  sequence ``i`` holds ``n - left[i]`` rows;
 * trim: the count is ``min(n, every offset)`` for ``n > 0``, and no offset
   goes negative;
 * the mask: a padding position is visible to no query of its sequence, and
@@ -17,7 +20,8 @@ Every layout that comes out is valid (``0 <= pad <= idx``). Negative
 controls, one per injected bug of ``fuzz/bugs/batch.py``: a merge that
 shifts one sequence's offset (``batch_merge_shifts_offset``), a filter that
 keeps the wrong row (``batch_filter_wrong_row``), a mask that shows padding
-(``batch_padding_visible``).
+(``batch_padding_visible``), a refused block that moved ``idx`` anyway
+(``batch_refused_block_moves_idx``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from proofs.core import ObligationResult, PartBuilder, control_from_parts, overa
 from proofs.domain import Domain
 
 B = 3
-REQUIRED = ("merge", "filter", "extend", "append_ragged", "trim_count", "visible", "offsets")
+REQUIRED = ("merge", "filter", "extend", "append_ragged", "announced_block", "trim_count", "visible", "offsets")
 
 
 def available() -> bool:
@@ -51,6 +55,7 @@ class BatchRules:
     merge_shift: int = 0  # added to sequence 1's padding by merge
     filter_shift: int = 0  # a kept row is read from keep[j] + shift (mod B)
     mask_pads: bool = True  # the mask hides padding
+    refusal_keeps: bool = True  # a refused announced block leaves the layout as it was
 
 
 SPEC = BatchRules()
@@ -102,6 +107,19 @@ def append_ragged(idx: Any, pads: list[Any], lengths: list[Any]) -> tuple[Any, l
     return idx + width, [p + width - n for p, n in zip(pads, lengths)]
 
 
+def announced_block(idx: Any, pads: list[Any], left: list[Any], n: Any,
+                    rules: BatchRules = SPEC) -> tuple[Any, Any, list[Any]]:
+    """(refused, idx, pads) after announced padding ``left`` and a block of
+    ``n`` on an empty batch (``spec.batch.announced_block``): refused when a
+    padding passes the block, and then the layout is the one before (under
+    the control: the block's idx and padding anyway)."""
+    grown = [p + q for p, q in zip(pads, left)]
+    refused = z3.Or(*(g > n for g in grown))
+    if not rules.refusal_keeps:
+        return refused, n, grown
+    return refused, z3.If(refused, idx, n), [z3.If(refused, p, g) for p, g in zip(pads, grown)]
+
+
 def trim_count(idx: Any, pads: list[Any], n: Any) -> Any:
     least = _min([n, *(idx - p for p in pads)])
     return z3.If(least > 0, least, 0)
@@ -151,6 +169,16 @@ def batch_parts(rules: BatchRules = SPEC) -> list[tuple[str, PartBuilder]]:
         grown = z3.And(*(nidx - q == idx - p + n for p, q, n in zip(pads, npads, lengths)))
         return pre + [n >= 0 for n in lengths], z3.And(grown, _valid(nidx, npads))
 
+    def announced(d: Domain) -> tuple[list[Any], Any]:
+        pads = [d.var(f"pad{i}") for i in range(B)]
+        left = [d.var(f"left{i}") for i in range(B)]
+        n = d.var("n")
+        refused, nidx, npads = announced_block(0, pads, left, n, rules)
+        pre = [p == 0 for p in pads] + [q >= 0 for q in left] + [n >= 0]
+        kept = z3.And(nidx == 0, *(q == p for p, q in zip(pads, npads)))
+        return pre, z3.And(_valid(nidx, npads), z3.Implies(refused, kept),
+                           z3.Implies(z3.Not(refused), z3.And(*(nidx - q == n - lq for q, lq in zip(npads, left)))))
+
     def trimmed(d: Domain) -> tuple[list[Any], Any]:
         idx, pads, pre = _layout(d, "a")
         n = d.var("n")
@@ -172,6 +200,7 @@ def batch_parts(rules: BatchRules = SPEC) -> list[tuple[str, PartBuilder]]:
             ("filter: each kept sequence keeps its offset; the least padding is 0", filtered),
             ("extend: every sequence keeps its offset", extended),
             ("a right-padded block grows each offset by its own length", ragged),
+            ("announced padding then a block: a padding past the block is refused and changes nothing", announced),
             ("trim: min(n, every offset), no offset below 0", trimmed),
             ("the mask hides padding and shows every row up to the query", masked)]
 
@@ -184,6 +213,8 @@ CONTROLS: list[tuple[str, str, BatchRules]] = [
      BatchRules(filter_shift=1)),
     ("batch_padding_visible", "the mask shows padding positions to the sequence's queries",
      BatchRules(mask_pads=False)),
+    ("batch_refused_block_moves_idx", "a block shorter than the announced padding is refused after its rows moved idx",
+     BatchRules(refusal_keeps=False)),
 ]
 
 
@@ -192,7 +223,8 @@ def prove_batch() -> ObligationResult:
     parts = run_parts(batch_parts())
     controls = [control_from_parts(name, text, batch_parts(rules)) for name, text, rules in CONTROLS]
     return ObligationResult(
-        NUMBER, "batch layout", ("merge", "filter", "extend", "append_ragged", "trim_count", "visible"),
+        NUMBER, "batch layout", ("merge", "filter", "extend", "append_ragged", "announced_block", "trim_count",
+                                 "visible"),
         "a batch of B keeps each sequence's offset and window through merge, filter, extend, blocks and trims; "
         "padding is never visible",
         overall(parts, controls), parts, controls, time.perf_counter() - t0)

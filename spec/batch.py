@@ -105,6 +105,26 @@ def append_ragged(layout: BatchLayout, lengths: tuple[int, ...]) -> BatchLayout:
     return BatchLayout(layout.idx + width, tuple(p + width - n for p, n in zip(layout.pads, lengths)))
 
 
+def announced_block(layout: BatchLayout, left: tuple[int, ...], n: int) -> BatchLayout:
+    """mlx-lm's announced left padding (``prepare(left_padding=left)``, on an
+    empty batch) then a block of ``n`` positions for every sequence:
+    sequence ``i`` keeps the block's last ``n - (pads[i] + left[i])`` rows,
+    the layout ``(n, pads + left)``. Raises InvalidArgumentError when the
+    batch already holds positions (``idx > 0``), ``left`` is not one integer
+    ``>= 0`` per sequence, ``n < 0``, or a padding would pass the block
+    (``pads[i] + left[i] > n``): a refused block changes nothing
+    (semantics.md 7)."""
+    if layout.idx != 0:
+        raise InvalidArgumentError(f"announced_block: left padding is announced on an empty batch, got idx={layout.idx}")
+    if len(left) != len(layout.pads) or any(q < 0 for q in left) or n < 0:
+        raise InvalidArgumentError(f"announced_block: left must be {len(layout.pads)} integers >= 0 and n >= 0, "
+                                   f"got left={left}, n={n}")
+    pads = tuple(p + q for p, q in zip(layout.pads, left))
+    if any(p > n for p in pads):
+        raise InvalidArgumentError(f"announced_block: a block of {n} positions is shorter than the padding {pads}")
+    return BatchLayout(n, pads)
+
+
 def filter(layout: BatchLayout, keep: tuple[int, ...]) -> BatchLayout:
     """Keep the sequences ``keep`` (distinct indices, in that order) and drop
     the leading columns no kept sequence uses (rule 3)."""

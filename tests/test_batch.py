@@ -63,6 +63,15 @@ def test_the_z3_model_is_the_spec():
         block = tuple(rng.randint(0, 4) for _ in range(pb.B))
         ri, rp = pb.append_ragged(zi, zp, [z3.IntVal(n) for n in block])
         assert sb.BatchLayout(_val(ri), tuple(_val(p) for p in rp)) == sb.append_ragged(lay, block)
+        empty = sb.merge((0,) * pb.B)
+        left, width = tuple(rng.randint(0, 3) for _ in range(pb.B)), rng.randint(0, 4)
+        refused, ai, ap = pb.announced_block(z3.IntVal(0), [z3.IntVal(p) for p in empty.pads],
+                                             [z3.IntVal(q) for q in left], z3.IntVal(width))
+        try:
+            want, spec_refused = sb.announced_block(empty, left, width), False
+        except InvalidArgumentError:
+            want, spec_refused = empty, True
+        assert (_val(refused), sb.BatchLayout(_val(ai), tuple(_val(p) for p in ap))) == (spec_refused, want)
         n = rng.randint(-2, 12)
         assert _val(pb.trim_count(zi, zp, z3.IntVal(n))) == sb.trim_count(lay, n)
         q, k = rng.randint(0, lay.idx), rng.randint(0, lay.idx)

@@ -229,3 +229,88 @@ def test_a_ring_trimmed_to_no_rows_merges_as_all_padding():
     got = RotatingKVCache.merge([live, trimmed])
     assert got.offset.tolist() == [2, 0] and got.left_padding.tolist() == [0, 2]
     assert not host(got.keys)[1].any() and not host(got.values)[1].any()
+
+
+def _snapshot(c: BatchKVCache):
+    kv = c.keys_and_values()
+    return (c.layout, c.empty(), c._right_padding,
+            None if kv is None else (np.array(kv[0]).tobytes(), np.array(kv[1]).tobytes(), kv[0].shape))
+
+
+def test_a_refused_block_or_finalize_leaves_the_batch_as_it_was():
+    """The layout a block or a finalize would leave is checked before
+    anything changes: after the refusal the batch is byte for byte what it
+    was (an empty batch stays empty; the announced padding stays pending),
+    and it goes on as if the bad call had not been made (a trim of 0 is 0;
+    a right block then appends)."""
+    c = BatchKVCache([3, 0])
+    before = _snapshot(c)
+    with pytest.raises(InvalidArgumentError, match=re.escape("pads must satisfy 0 <= pad <= idx (1)")):
+        c.update_and_fetch(*rows(1, b=2))
+    assert _snapshot(c) == before and c.offset.tolist() == [-3, 0]
+    c.update_and_fetch(*rows(3, b=2))
+    assert c.layout == B.BatchLayout(3, (3, 0)) and c.trim(0) == 0
+    c = BatchKVCache([0, 0])
+    c.update_and_fetch(*rows(2, b=2))
+    c.prepare(right_padding=[3, 0])
+    before = _snapshot(c)
+    with pytest.raises(InvalidArgumentError, match=re.escape("pads must satisfy 0 <= pad <= idx (2), got (3, 0)")):
+        c.finalize()
+    assert _snapshot(c) == before and c.offset.tolist() == [2, 2]
+    assert c.trim(0) == 0 and c.trim(1) == 1 and c.layout == B.BatchLayout(1, (0, 0))
+
+
+def test_a_refused_extend_leaves_the_batch_as_it_was():
+    """An empty batch announcing more padding than the sequences it is
+    extended by leaves a pad past idx: refused, and nothing changes."""
+    c = BatchKVCache([2])
+    before = _snapshot(c)
+    with pytest.raises(InvalidArgumentError, match=re.escape("pads must satisfy 0 <= pad <= idx (3), got (5, 0)")):
+        c.extend(KVCache.merge([filled(KVCache, 3)]))
+    assert _snapshot(c) == before
+
+
+@pytest.mark.parametrize("kw, rule", [
+    ({"left_padding": [1]}, "prepare: left_padding must hold one integer per sequence (2), got 1"),
+    ({"left_padding": [1, 2, 3]}, "prepare: left_padding must hold one integer per sequence (2), got 3"),
+    ({"left_padding": [-1, 0]}, "prepare: left_padding must be >= 0 for every sequence, got (-1, 0)"),
+    ({"left_padding": [0.5, 0]}, "prepare: left_padding must be an integer, got 0.5"),
+    ({"right_padding": []}, "prepare: right_padding must hold one integer per sequence (2), got 0"),
+    ({"right_padding": [1, -1]}, "prepare: right_padding must be >= 0 for every sequence, got (1, -1)"),
+    ({"right_padding": None, "left_padding": "ab"}, "prepare: left_padding must be a sequence of integers, got str"),
+    ({"left_padding": [1, 0], "right_padding": [1]}, "prepare: right_padding must hold one integer per sequence (2), got 1"),
+])
+def test_prepare_refuses_padding_that_is_not_one_integer_per_sequence(kw, rule):
+    """Every argument of ``prepare`` is checked before any is applied: a
+    bad right padding beside a good left padding changes nothing either."""
+    c = BatchKVCache([0, 1])
+    before = _snapshot(c)
+    with pytest.raises(InvalidArgumentError, match=exact(rule)):
+        c.prepare(**kw)
+    assert _snapshot(c) == before
+
+
+def test_finalize_without_a_block_is_refused_and_keeps_the_announced_padding():
+    c = BatchKVCache([0, 0])
+    c.prepare(right_padding=[1, 0])
+    before = _snapshot(c)
+    with pytest.raises(InvalidArgumentError, match=re.escape("finalize: prepare announced right_padding=(1, 0), "
+                                                             "but the batch holds no rows")):
+        c.finalize()
+    assert _snapshot(c) == before and c._right_padding == (1, 0)
+
+
+@pytest.mark.parametrize("keep, rule", [
+    (mx.array([[0, 1]]), "filter: batch_indices must be a 1-D list of integers, got an array of shape (1, 2)"),
+    (["a"], "filter: batch_indices must be an integer, got 'a'"),
+    (None, "filter: batch_indices must be a sequence of integers, got NoneType"),
+    ([0.7, 1.2], "filter: batch_indices must be an integer, got 0.7"),
+])
+def test_filter_refuses_indices_that_are_not_integers(keep, rule):
+    batch = KVCache.merge([filled(KVCache, 2), filled(KVCache, 1, seed=5)])
+    before = _snapshot(batch)
+    with pytest.raises(InvalidArgumentError, match=exact(rule)):
+        batch.filter(keep)
+    assert _snapshot(batch) == before
+    batch.filter(mx.array([1]))  # a 1-D array of indices, as mlx-lm passes them
+    assert batch.layout == B.BatchLayout(1, (0,))

@@ -16,6 +16,7 @@ import mlx.core as mx
 from fuzz.bugs import InjectedBug
 from impl.batch import BatchKVCache
 from impl.dense import KVCache
+from spec.errors import InvalidArgumentError
 
 
 class PaddingVisibleBatch(BatchKVCache):
@@ -59,6 +60,23 @@ class MergeShiftsOffsetBatch(BatchKVCache):
         return out
 
 
+class RefusedBlockMovesIdxBatch(BatchKVCache):
+    """A block shorter than the announced left padding is refused only
+    after its rows were written and ``idx`` moved (the check after the
+    write): the refused batch is no longer empty, a pad passes idx, and a
+    later trim returns a negative count."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self._idx
+        try:
+            return super().update_and_fetch(keys, values)
+        except InvalidArgumentError:
+            if self.keys is None and keys.ndim == 4:
+                self.keys, self.values = mx.zeros(keys.shape, keys.dtype), mx.zeros(values.shape, values.dtype)
+                self._idx = prev + int(keys.shape[2])
+            raise
+
+
 def _single(batch: type[BatchKVCache]) -> type[KVCache]:
     """A dense single cache whose ``merge`` builds ``batch``."""
 
@@ -89,5 +107,13 @@ BUGS: tuple[InjectedBug, ...] = (
         source="issue 24: merge shifting one sequence's offset", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.merge", description="merge pads sequence 1 one position too many",
         factories={"dense": _single(MergeShiftsOffsetBatch)},
+    ),
+    InjectedBug(
+        name="batch_refused_block_moves_idx", clause="spec.batch.announced_block (semantics.md 7: a refusal "
+                                                     "changes nothing)",
+        source="issue 26: a refused block left the batch changed (found by a mutation survivor's triage)",
+        kind="batch", modes=("fp16",), replaces="BatchKVCache.update_and_fetch",
+        description="a block shorter than the announced padding is refused after it moved idx",
+        factories={"dense": _single(RefusedBlockMovesIdxBatch)},
     ),
 )

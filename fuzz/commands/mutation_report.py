@@ -24,7 +24,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from fuzz.commands.mutation_triage import TRIAGE_WHOLE_TREE
+from fuzz.commands.mutation_triage import TRIAGE_BATCH, TRIAGE_WHOLE_TREE
 from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mutation.md"
@@ -91,7 +91,7 @@ TRIAGE: tuple[Verdict, ...] = (
     Verdict("impl.dense.x_write_rows_inplace", "mx.eval(None)", EVAL),
     Verdict("impl.dense.x_write_rows_inplace",
             "np.array(dst, copy=None)[:, :, at : at + src.shape[SEQ_AXIS], :] = src", EVAL),
-) + TRIAGE_WHOLE_TREE
+) + TRIAGE_WHOLE_TREE + TRIAGE_BATCH
 
 
 def verdict_for(name: str, change: str) -> Verdict | None:
