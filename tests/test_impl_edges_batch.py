@@ -314,3 +314,28 @@ def test_filter_refuses_indices_that_are_not_integers(keep, rule):
     assert _snapshot(batch) == before
     batch.filter(mx.array([1]))  # a 1-D array of indices, as mlx-lm passes them
     assert batch.layout == B.BatchLayout(1, (0,))
+
+
+def test_filter_refuses_a_negative_index_with_the_index_rule():
+    """A negative index is out of range, refused by the filter's own rule
+    (distinct indices in [0, B)), not by a generic sign check."""
+    batch = KVCache.merge([filled(KVCache, 2), filled(KVCache, 1, seed=5)])
+    with pytest.raises(InvalidArgumentError, match=exact("filter: keep must be distinct indices in [0, 2), got (-1, 0)")):
+        batch.filter([-1, 0])
+
+
+def test_extend_by_a_wider_batch_cuts_the_spare_capacity_of_the_shorter_one():
+    """The shorter batch holds spare capacity (a regrow by step) past its
+    idx: extending it by a batch of more positions right-aligns both, cutting
+    that capacity, and every sequence keeps its window (the single caches')."""
+    a1, b1 = filled(KVCache, 2, step=4), filled(KVCache, 5, seed=3, step=4)
+    a = KVCache.merge([a1])
+    extra = rows(1, seed=9)
+    a.update_and_fetch(*extra)  # idx 3 in a buffer of 6 positions (2 + one step of 4)
+    a1.update_and_fetch(*extra)
+    assert a.keys.shape[2] == 6 and a.layout == B.BatchLayout(3, (0,))
+    a.extend(KVCache.merge([b1]))
+    assert a.layout == B.BatchLayout(5, (2, 0)) and a.keys.shape[2] == a.values.shape[2]
+    for i, single in enumerate((a1, b1)):
+        got, want = a.fetch_sequence(i), single.fetch()
+        assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want)), i

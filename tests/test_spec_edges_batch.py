@@ -64,3 +64,23 @@ def test_merge_append_ragged_and_filter_refuse_with_their_rules():
         sb.append_ragged(BatchLayout(3, (1, 0)), (1,))
     with raises(InvalidArgumentError, "filter: keep must be distinct indices in [0, 2), got (0, 0)"):
         sb.filter(BatchLayout(3, (1, 0)), (0, 0))
+
+
+@pytest.mark.parametrize("layout, left, n, message", [
+    (BatchLayout(1, (0, 1)), (0, 0), 2, "announced_block: left padding is announced on an empty batch, got idx=1"),
+    (BatchLayout(0, (0, 0)), (1,), 2, "announced_block: left must be 2 integers >= 0 and n >= 0, got left=(1,), n=2"),
+    (BatchLayout(0, (0, 0)), (1, -1), 2, "announced_block: left must be 2 integers >= 0 and n >= 0, got left=(1, -1), n=2"),
+    (BatchLayout(0, (0, 0)), (0, 0), -1, "announced_block: left must be 2 integers >= 0 and n >= 0, got left=(0, 0), n=-1"),
+    (BatchLayout(0, (0, 0)), (3, 1), 2, "announced_block: a block of 2 positions is shorter than the padding (3, 1)"),
+])
+def test_announced_block_refuses_each_rule_on_its_own(layout, left, n, message):
+    """Each refusal of an announced block alone (the others hold), with
+    its message: a batch that holds positions, a left padding of the wrong
+    length or below 0, a negative block, a padding past the block."""
+    with raises(InvalidArgumentError, message):
+        sb.announced_block(layout, left, n)
+
+
+def test_announced_block_takes_a_block_as_wide_as_the_padding():
+    assert sb.announced_block(BatchLayout(0, (0, 0)), (2, 0), 2) == BatchLayout(2, (2, 0))
+    assert sb.offsets(sb.announced_block(BatchLayout(0, (0, 0, 0)), (1, 0, 3), 4)) == (3, 4, 1)

@@ -772,4 +772,10 @@ TRIAGE_BATCH: tuple[Verdict, ...] = (
     Verdict('impl.batch.xǁBatchKVCacheǁmerge',
             'lengths = tuple(0 if w is None else int(w[1].shape[SEQ]) for w in windows)',
             LABELS, why='w is KVCache.fetch() (buffers.window(live_len)), whose keys and values windows always have the same live_len rows on axis 2, so w[1].shape[SEQ] == w[0].shape[SEQ].'),
+    Verdict('impl.batch.xǁBatchKVCacheǁfinalize',
+            'if self.keys is None and self.values is None:',
+            REDUNDANT, why='keys and values are None together or arrays together (None in __init__, and every method that sets one sets the other in the same statement), so `or` and `and` agree on every reachable state.'),
+    Verdict('impl.batch.xǁBatchKVCacheǁfilter',
+            'keep = _int_seq("filter", "batch_indices", batch_indices, nonneg=None)',
+            LABELS, why='`nonneg` is only tested for truth: None and False are both falsy.'),
 )
