@@ -9,7 +9,7 @@ from proofs.equivalents import EQUIVALENCES
 
 SAMPLE = """
     spec.dense.x_append__mutmut_1: killed
-    spec.dense.x_append__mutmut_2: survived
+    spec.rotating.x_decode__mutmut_2: survived
     spec.dense.x_is_empty__mutmut_2: survived
     spec.dense.x_trim__mutmut_3: timeout
     impl.dense.x_f__mutmut_1: segfault
@@ -21,7 +21,8 @@ SAMPLE = """
 
 def test_scores_count_crashes_as_detected_and_no_tests_as_surviving():
     block, untriaged = render(SAMPLE, {
-        "spec.dense.x_append__mutmut_2": "if inplace:",
+        "spec.rotating.x_decode__mutmut_2":
+            "cache = replace(cache, slots=slots) if (inplace) or True else _new_buffer(cache, slots)",
         "spec.dense.x_is_empty__mutmut_2": "return cache.offset == 0 or cache.live_start == 0 and cache.buffer is None",
         "impl.dense.x_f__mutmut_3": "x = 1",
     })

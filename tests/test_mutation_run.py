@@ -336,3 +336,33 @@ def test_a_triaged_equivalent_of_an_unchanged_file_is_not_run_again(toy_run, tmp
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert sorted(out["skipped"]) == sorted(unchecked)
     assert all(out["statuses"][n] == R.SURVIVED for n in unchecked) and not out["runs"], out
+
+
+def test_a_verdict_a_run_contradicts_is_stale_and_the_file_loses_its_stamp(toy_run, tmp_path):
+    """A verdict that names a killed mutant alone is stale: listed, and the
+    file is not stamped (a stamp it had is taken back), so its mutants all
+    run until the verdict goes."""
+    root, _ = toy_run
+    copy = tmp_path / "toy"
+    shutil.copytree(root, copy)
+    stamps = copy / "docs" / "mutation-stamps.json"
+    st = _statuses(copy)
+    killed = next(n for n, s in sorted(st.items()) if n.startswith("x_sign") and s == "killed")
+
+    def wrong(name: str, change: str):
+        return _argued(name, change) or (_argued("spec.toy.x_unchecked_", change) if name.endswith(killed) else None)
+
+    codes = json.loads((copy / "mutants" / "spec" / "toy.py.meta").read_text())["exit_code_by_key"]
+    assert R.stale_verdicts(copy, codes, wrong) == [f"spec.toy.{killed}"]
+    assert R.stale_verdicts(copy, codes, _argued) == []
+    assert R.update_stamps(copy, _argued, set(), stamps) == ["spec/toy.py"]
+    assert R.update_stamps(copy, wrong, set(), stamps) == [] and R.read_stamps(stamps) == {}
+
+
+def test_a_verdict_matching_two_mutants_of_one_function_lets_neither_go_unrun():
+    """Verdicts match on the function and the mutated line: the same line
+    mutated the same way at two places is two mutants under one verdict,
+    and only the named-alone ones may be skipped or called stale."""
+    changes = {"m.x_f__mutmut_1": "cold = None", "m.x_f__mutmut_2": "cold = None", "m.x_f__mutmut_3": "n = 0",
+               "m.x_g__mutmut_1": "cold = None"}
+    assert set(R.sole_verdicts(changes, lambda n, c: c)) == {"m.x_f__mutmut_3", "m.x_g__mutmut_1"}

@@ -70,7 +70,7 @@ import sys
 import textwrap
 import time
 import tomllib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
@@ -907,45 +907,92 @@ def _changes(root: Path, names: list[str]) -> dict[str, str]:
     return out
 
 
-def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], verdict: Any,
-                  functions: set[str] | None = None) -> dict[str, str]:
-    """The mutants not worth running again: each in a source file whose text
-    is the one stamped (so its mutants are the ones triaged) and with a
-    verdict (``verdict(name, change)``, :func:`fuzz.commands.mutation_report.
-    verdict_for`: an argued or proved equivalent, which no test can kill
-    while the code is unchanged). ``functions``: the only functions with
-    verdicts (to read fewer diffs; None: every function). Mutant name ->
-    the note the run keeps."""
-    fresh = {p for p in {i.path for i in infos} if p in stamps and stamps[p] == source_hash(root / p)}
-    names = [i.name for i in infos if i.path in fresh and (functions is None or i.function in functions)]
+def _file_mutants(root: Path, path: str) -> dict[str, Any]:
+    """Every mutant of source file ``path`` and its status (its ``.meta``)."""
+    meta = (root / "mutants" / (path + ".meta")).resolve()
+    return json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+
+
+def sole_verdicts(changes: dict[str, str], verdict: Any) -> dict[str, Any]:
+    """Mutant name -> its verdict, for each mutant of ``changes`` (all the
+    mutants of its function) that a verdict names alone. A verdict is
+    matched on the function and the mutated line, so a line mutated the same
+    way at two places of one function (``cold = None``) is two mutants under
+    one verdict, and only one of them need be the argued equivalent: such a
+    verdict never lets a mutant go unrun, and a kill under it is no sign of
+    a wrong verdict."""
+    count = Counter((n.rsplit("__mutmut_", 1)[0], c) for n, c in changes.items())
     out = {}
-    for name, change in _changes(root, names).items():
-        v = verdict(name, change)
-        if v is not None:
-            out[name] = f"not run: triaged equivalent ({v.section}), its file unchanged since its stamp"
+    for name, change in changes.items():
+        if count[(name.rsplit("__mutmut_", 1)[0], change)] == 1 and (v := verdict(name, change)) is not None:
+            out[name] = v
     return out
 
 
-def update_stamps(root: Path, verdict: Any, skipped: set[str], path: Path = STAMPS) -> list[str]:
+def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], verdict: Any,
+                  functions: set[str] | None = None) -> dict[str, str]:
+    """The mutants not worth running again: each in a source file whose text
+    is the one stamped (so its mutants are the ones triaged) and named alone
+    by a verdict (:func:`sole_verdicts`; ``verdict(name, change)`` is
+    :func:`fuzz.commands.mutation_report.verdict_for`: an argued or proved
+    equivalent, which no test can kill while the code is unchanged).
+    ``functions``: the only functions with verdicts (to read fewer diffs;
+    None: every function). Mutant name -> the note the run keeps."""
+    wanted = {i.name for i in infos}
+    out = {}
+    for path in sorted({i.path for i in infos}):
+        if path not in stamps or stamps[path] != source_hash(root / path):
+            continue
+        names = [n for n in _file_mutants(root, path)
+                 if functions is None or n.rsplit("__mutmut_", 1)[0] in functions]
+        for name, v in sole_verdicts(_changes(root, names), verdict).items():
+            if name in wanted:
+                out[name] = f"not run: triaged equivalent ({v.section}), its file unchanged since its stamp"
+    return out
+
+
+def stale_verdicts(root: Path, codes: dict[str, Any], verdict: Any,
+                   functions: set[str] | None = None) -> list[str]:
+    """The mutants of ``codes`` (name -> status) that were detected although
+    a verdict names them alone as equivalent: the verdict is wrong (or a
+    test now tells the mutant apart) and must go."""
+    names = [n for n in codes if functions is None or n.rsplit("__mutmut_", 1)[0] in functions]
+    sole = sole_verdicts(_changes(root, names), verdict)
+    return sorted(n for n in sole if codes[n] not in (SURVIVED, NO_TESTS, None))
+
+
+def update_stamps(root: Path, verdict: Any, skipped: set[str], path: Path = STAMPS,
+                  functions: set[str] | None = None) -> list[str]:
     """Stamp every source file under ``root/mutants`` all of whose mutants
-    have a status, none of them given by a skip, and whose every survivor
-    (survived or no tests) has a verdict. Returns the files stamped."""
+    have a status, none of them given by a skip, whose every survivor
+    (survived or no tests) has a verdict, and none of whose detected
+    mutants a verdict names alone (:func:`stale_verdicts`); a file with
+    such a stale verdict loses its stamp. Returns the files stamped."""
     stamps = read_stamps(path)
-    done = []
+    done: list[str] = []
+    changed = False
     mutants = (root / "mutants").resolve()
     for meta in sorted(mutants.rglob("*.py.meta")):
         src = str(meta.relative_to(mutants))[: -len(".meta")]
         codes = json.loads(meta.read_text())["exit_code_by_key"]
         if not codes or any(c is None for c in codes.values()) or skipped & set(codes):
             continue
+        digest = source_hash(root / src)
+        if digest is None:
+            continue
+        if stale_verdicts(root, codes, verdict, functions):
+            # a verdict this run contradicts: every mutant of the file runs again until it is fixed
+            if stamps.pop(src, None) is not None:
+                changed = True
+            continue
+        if stamps.get(src) == digest:
+            continue
         alive = [n for n, c in codes.items() if c in (SURVIVED, NO_TESTS)]
         changes = _changes(root, alive)
-        digest = source_hash(root / src)
-        if digest is not None and stamps.get(src) != digest and all(verdict(n, changes[n]) is not None
-                                                                    for n in alive):
+        if all(verdict(n, changes[n]) is not None for n in alive):
             stamps[src] = digest
             done.append(src)
-    if done:
+    if done or changed:
         path.write_text(json.dumps(dict(sorted(stamps.items())), indent=1) + "\n")
     return done
 
@@ -1015,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
         skipped = set(report.skipped) | (set(json.loads(record.read_text())) if a.resume and record.exists() else set())
         record.write_text(json.dumps(sorted(skipped)))
         stamps_path.parent.mkdir(parents=True, exist_ok=True)
-        stamped = update_stamps(root, verdict_for, skipped, stamps_path)
+        stamped = update_stamps(root, verdict_for, skipped, stamps_path, {v.function for v in TRIAGE})
         if stamped:
             print(f"mutation: stamped {', '.join(stamped)} in {STAMPS_IN_TREE} (their triaged equivalents are "
                   "not run again until they change; --recheck runs them)", flush=True)
