@@ -708,3 +708,18 @@ def test_the_fast_trampoline_dispatches_as_mutmuts_does(monkeypatch):
         assert list(gen(2)) == ([0, 1, 2] if want == 1 else [0, 1]), name
         assert os.environ["MUTANT_UNDER_TEST"] == name  # what a process a test starts reads
     R._activate("")
+
+
+def test_the_harness_caches_of_spec_results_are_cleared_before_each_test():
+    """``fuzz.masks`` keeps ``spec.dense.dense_make_mask``'s masks in an
+    lru_cache: a worker clears it before each test (it is under
+    RESET_PACKAGES), or a mask worked out in the clean pass would hide a
+    mutant of the spec's mask function."""
+    import fuzz.masks as fm
+
+    fm._dense_mask(3, 1, None)
+    assert fm._dense_mask.cache_info().currsize >= 1
+    root = Path(fm.__file__).resolve().parents[1]
+    roots = tuple(str(root / p) + os.sep for p in R.RESET_PACKAGES)
+    R._ModuleState(roots).reset()
+    assert fm._dense_mask.cache_info().currsize == 0

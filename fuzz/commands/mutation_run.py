@@ -88,6 +88,13 @@ TIME_SLACK_S = 3.0
 SAVE_EVERY_S = 60.0
 #: the limit before a worker's first "start" of a mutant
 PARENT_SLACK_S = 30.0
+#: the packages whose module state a worker puts back before each test
+#: (``_ModuleState``): the mutated ones, and the harness and proofs, whose
+#: caches keep what a mutated function returned (``fuzz.masks._dense_mask``
+#: keeps ``spec.dense.dense_make_mask``'s masks: a mask worked out in the
+#: clean pass hid a mutant of it, one worked out under a mutant failed the
+#: next kill confirmation; 7 to 20 ``spec.dense`` mutants were suspicious)
+RESET_PACKAGES = ("spec", "impl", "fuzz", "proofs")
 #: a mutant that passed a limit is run again with this many times the limits
 RETRY_FACTOR = 5.0
 #: seconds a worker may take to collect the selection
@@ -204,7 +211,9 @@ class _ModuleState:
     class once: 74 of its 78 mutants survived, 67 are killed with this).
     Cleared: the functools caches of the modules and of their classes; put
     back: a dict, list or set global whose length changed (a cache filled, a
-    registry grown; mutmut's ``mutants_*`` tables are not looked at). State
+    registry grown; mutmut's ``mutants_*`` tables are not looked at). The
+    modules are those of the mutated packages and of the packages that keep
+    what they return (the harness's caches of spec masks and rows). State
     kept elsewhere (an attribute of an object, another package's cache)
     stays as it is: kill confirmation catches a mutant that corrupts it."""
 
@@ -334,7 +343,7 @@ class _WorkerPlugin:
         if stray:  # the tests would run the original code: every mutant would survive
             self.conn.send(("stray", stray[:5]))
             return True
-        state = _ModuleState(tuple(os.path.join(self.mutants, p) + os.sep for p in ("spec", "impl")))
+        state = _ModuleState(tuple(os.path.join(self.mutants, p) + os.sep for p in RESET_PACKAGES))
 
         def run(nodeid: str) -> tuple[bool, float]:
             item = items[nodeid]
