@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from fuzz.commands.mutation_triage import TRIAGE_BATCH, TRIAGE_WHOLE_TREE
-from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
+from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict, stale_verdicts
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mutation.md"
 BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"
@@ -165,8 +165,6 @@ def main() -> int:
     for name in survivors(proc.stdout):
         changes[name] = change_of(name, _diff(mutmut, name))
     block, untriaged = render(proc.stdout, changes)
-    from fuzz.commands.mutation_run import stale_verdicts
-
     codes: dict[str, object] = {}
     for meta in Path("mutants").rglob("*.py.meta"):
         codes.update(json.loads(meta.read_text())["exit_code_by_key"])

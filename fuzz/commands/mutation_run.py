@@ -70,11 +70,13 @@ import sys
 import textwrap
 import time
 import tomllib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
+
+from fuzz.commands.mutation_verdict import _changes, sole_verdicts, stale_verdicts
 
 #: mutmut's exit codes (mutmut.stats.status_by_exit_code)
 KILLED, SURVIVED, NO_TESTS, SUSPICIOUS, TIMEOUT, SEGFAULT = 1, 0, 33, 35, 36, -11
@@ -897,45 +899,10 @@ def read_stamps(path: Path = STAMPS) -> dict[str, str]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _changes(root: Path, names: list[str]) -> dict[str, str]:
-    """Each mutant's mutated line (the ``+`` side of ``mutmut show``,
-    stripped), as docs/mutation.md's triage table matches it."""
-    from mutmut.mutation.diff_apply import get_diff_for_mutant
-
-    out = {}
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        for name in names:
-            path = Path(*name.rpartition(".")[0].split(".")).with_suffix(".py")
-            diff = get_diff_for_mutant(name, path=path)
-            plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-            out[name] = plus[0] if plus else "(no diff)"
-    finally:
-        os.chdir(cwd)
-    return out
-
-
 def _file_mutants(root: Path, path: str) -> dict[str, Any]:
     """Every mutant of source file ``path`` and its status (its ``.meta``)."""
     meta = (root / "mutants" / (path + ".meta")).resolve()
     return json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-
-
-def sole_verdicts(changes: dict[str, str], verdict: Any) -> dict[str, Any]:
-    """Mutant name -> its verdict, for each mutant of ``changes`` (all the
-    mutants of its function) that a verdict names alone. A verdict is
-    matched on the function and the mutated line, so a line mutated the same
-    way at two places of one function (``cold = None``) is two mutants under
-    one verdict, and only one of them need be the argued equivalent: such a
-    verdict never lets a mutant go unrun, and a kill under it is no sign of
-    a wrong verdict."""
-    count = Counter((n.rsplit("__mutmut_", 1)[0], c) for n, c in changes.items())
-    out = {}
-    for name, change in changes.items():
-        if count[(name.rsplit("__mutmut_", 1)[0], change)] == 1 and (v := verdict(name, change)) is not None:
-            out[name] = v
-    return out
 
 
 def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], verdict: Any,
@@ -958,16 +925,6 @@ def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], v
             if name in wanted:
                 out[name] = f"not run: triaged equivalent ({v.section}), its file unchanged since its stamp"
     return out
-
-
-def stale_verdicts(root: Path, codes: dict[str, Any], verdict: Any,
-                   functions: set[str] | None = None) -> list[str]:
-    """The mutants of ``codes`` (name -> status) that were detected although
-    a verdict names them alone as equivalent: the verdict is wrong (or a
-    test now tells the mutant apart) and must go."""
-    names = [n for n in codes if functions is None or n.rsplit("__mutmut_", 1)[0] in functions]
-    sole = sole_verdicts(_changes(root, names), verdict)
-    return sorted(n for n in sole if codes[n] not in (SURVIVED, NO_TESTS, None))
 
 
 def update_stamps(root: Path, verdict: Any, skipped: set[str], path: Path = STAMPS,
