@@ -366,3 +366,49 @@ def test_a_verdict_matching_two_mutants_of_one_function_lets_neither_go_unrun():
     changes = {"m.x_f__mutmut_1": "cold = None", "m.x_f__mutmut_2": "cold = None", "m.x_f__mutmut_3": "n = 0",
                "m.x_g__mutmut_1": "cold = None"}
     assert set(R.sole_verdicts(changes, lambda n, c: c)) == {"m.x_f__mutmut_3", "m.x_g__mutmut_1"}
+
+
+def test_a_file_whose_survivors_a_verdict_covers_only_in_part_is_not_stamped(toy_run, tmp_path):
+    """Every survivor needs a verdict, the "no tests" ones too: the toy's
+    triage less its verdicts on "no tests" mutants (label's rare branch)
+    stamps nothing, nor does a triage of ``unchecked`` alone; the whole
+    triage stamps the file."""
+    root, _ = toy_run
+    copy = tmp_path / "toy"
+    shutil.copytree(root, copy)
+    stamps = copy / "docs" / "mutation-stamps.json"
+    st = _statuses(copy)
+    assert any(s == "no tests" and n.startswith("x_label") for n, s in st.items())
+
+    def partial(name: str, change: str):
+        return _argued(name, change) if ".x_unchecked_" in name else None
+
+    def survived_only(name: str, change: str):
+        return _argued(name, change) if st[name.split(".")[-1]] != "no tests" else None
+
+    assert R.update_stamps(copy, partial, set(), stamps) == [] and not stamps.exists()
+    assert R.update_stamps(copy, survived_only, set(), stamps) == [] and not stamps.exists()
+    assert R.update_stamps(copy, _argued, set(), stamps) == ["spec/toy.py"]
+
+
+def test_a_file_with_an_unrun_mutant_or_no_source_is_not_stamped(toy_run, tmp_path):
+    """A stamp needs every mutant of the file run: one without a status
+    (a stopped run) stamps nothing; and a source that is gone is never
+    stamped (its old stamp is kept, never replaced by a hash of nothing)."""
+    root, _ = toy_run
+    copy = tmp_path / "toy"
+    shutil.copytree(root, copy)
+    stamps = copy / "docs" / "mutation-stamps.json"
+    meta_path = copy / "mutants" / "spec" / "toy.py.meta"
+    meta = json.loads(meta_path.read_text())
+    full = dict(meta["exit_code_by_key"])
+    meta["exit_code_by_key"][next(k for k in full if ".x_sign_" in k)] = None
+    meta_path.write_text(json.dumps(meta))
+    assert R.update_stamps(copy, _argued, set(), stamps) == [] and not stamps.exists()
+    meta["exit_code_by_key"] = full
+    meta_path.write_text(json.dumps(meta))
+    assert R.update_stamps(copy, _argued, set(), stamps) == ["spec/toy.py"]
+    digest = R.source_hash(copy / "spec" / "toy.py")
+    (copy / "spec" / "toy.py").unlink()
+    assert R.update_stamps(copy, _argued, set(), stamps) == []
+    assert R.read_stamps(stamps) == {"spec/toy.py": digest}

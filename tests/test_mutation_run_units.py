@@ -723,3 +723,96 @@ def test_the_harness_caches_of_spec_results_are_cleared_before_each_test():
     roots = tuple(str(root / p) + os.sep for p in R.RESET_PACKAGES)
     R._ModuleState(roots).reset()
     assert fm._dense_mask.cache_info().currsize == 0
+
+
+def test_a_replacement_that_never_collects_stops_the_run_after_collect_s(fake):
+    """A replacement worker that sends no ``ready`` is waited for COLLECT_S
+    at most: before that it is not ready, after it RunError is raised (and
+    the worker killed), never an endless wait."""
+    world = fake(["t::a"], {})
+    pool = _pool(1)
+    world.collect_s = 10 * R.COLLECT_S  # never within the limit
+    pool.replace(0)
+    assert pool.collected(0) is False
+    world.clock.t += R.COLLECT_S / 2
+    assert pool.collected(0) is False
+    world.clock.t += R.COLLECT_S / 2 + 1.0
+    with pytest.raises(R.RunError, match="did not collect"):
+        pool.collected(0)
+    assert pool.workers[0].dead
+
+
+def test_a_replacement_collecting_after_the_queue_emptied_does_not_hold_up_the_run(fake):
+    """The last mutant hangs: its worker is replaced, and with nothing left
+    to run the run ends at once, without waiting for the replacement's
+    collection (busy() counts a collecting worker only while there is work)."""
+    world = fake(["t::a"], {}, clean={"t::a": 1.0})
+    pool = _pool(1)
+    world.collect_s = R.COLLECT_S - 100.0
+    a, h = _info("spec.a.x_f__mutmut_1"), _info("spec.a.x_f__mutmut_2")
+    world.rules[(h.name, "t::a")] = [("hang", 0)]
+    t0 = world.clock.t
+    timed_out = _run(pool, [a, h], {a.name: {"t::a"}, h.name: {"t::a"}}, world.clean)
+    assert [i.name for i in timed_out] == [h.name] and pool.report.restarts == 1
+    assert pool.workers[0].collecting is not None  # still collecting when the run ended
+    assert world.clock.t - t0 < 30.0, world.clock.t - t0
+
+
+def test_a_skip_gives_survived_without_a_run_only_to_a_mutant_some_test_executes(tmp_path, fake):
+    """``run(..., skip=...)``: a skipped mutant that a test executes is
+    survived with no job sent and listed in ``report.skipped``; a skipped
+    mutant that no test executes stays "no tests" (its status is the clean
+    pass's, not the triage's) and is not listed."""
+    (tmp_path / "pyproject.toml").write_text('[tool.mutmut]\npytest_add_cli_args_test_selection = ["t.py"]\n')
+    d = write_mutants(tmp_path)
+    g = d["spec.a.x_g"]
+    world = fake(["t.py::test_g"], {"t.py::test_g": {"spec/a.py": [g + 1, g + 5]}})
+    skip = {"spec.a.x_g__mutmut_1": "not run: triaged", "spec.a.x_rare__mutmut_1": "not run: triaged"}
+    report = R.run(tmp_path, max_children=1, slack=0.5, only=set(skip), skip=skip)
+    assert report.statuses == {"spec.a.x_g__mutmut_1": R.SURVIVED, "spec.a.x_rare__mutmut_1": R.NO_TESTS}
+    assert report.skipped == ["spec.a.x_g__mutmut_1"] and world.jobs == []
+    assert report.notes["spec.a.x_g__mutmut_1"] == "not run: triaged"
+
+
+def test_main_skips_unless_recheck_and_a_resume_keeps_the_earlier_skips(tmp_path, monkeypatch):
+    """``main``: the triaged skips go to ``run`` unless ``--recheck``; the
+    skips are recorded in mutants/mutation-skipped.json and passed to
+    ``update_stamps`` (a skipped mutant is no evidence for a stamp), with,
+    on ``--resume``, those of the sittings before; a fresh run forgets them."""
+    write_mutants(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    name = "spec.a.x_f__mutmut_2"
+    triaged = {name: "not run: triaged equivalent"}
+    seen: dict = {}
+
+    def fake_skips(root, infos, stamps, verdict, functions=None):
+        seen["asked"] = True
+        return dict(triaged)
+
+    def fake_run(root, max_children, only=None, log=None, slack=None, resume=False, skip=None):
+        seen["skip"] = skip
+        return R.RunReport(skipped=sorted(skip or {}))
+
+    def fake_stamps(root, verdict, skipped, path=R.STAMPS, functions=None):
+        seen["stamped_with"] = set(skipped)
+        return []
+
+    monkeypatch.setattr(R, "triaged_skips", fake_skips)
+    monkeypatch.setattr(R, "run", fake_run)
+    monkeypatch.setattr(R, "update_stamps", fake_stamps)
+    record = tmp_path / "mutants" / "mutation-skipped.json"
+    assert R.main(["--no-generate"]) == 0
+    assert seen == {"asked": True, "skip": triaged, "stamped_with": {name}}
+    assert json.loads(record.read_text()) == [name]
+    seen.clear()
+    assert R.main(["--no-generate", "--recheck"]) == 0
+    assert seen == {"skip": {}, "stamped_with": set()}  # triaged_skips not even asked
+    assert json.loads(record.read_text()) == []
+    record.write_text(json.dumps([name]))  # an earlier sitting skipped it
+    triaged.clear()
+    seen.clear()
+    assert R.main(["--no-generate", "--resume"]) == 0
+    assert seen["stamped_with"] == {name} and json.loads(record.read_text()) == [name]
+    seen.clear()
+    assert R.main(["--no-generate"]) == 0  # not a resume: the earlier sitting's skips are gone
+    assert seen["stamped_with"] == set() and json.loads(record.read_text()) == []
