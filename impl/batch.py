@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from impl.dense import KVCache, _check_int
 from impl.rotating import RotatingKVCache
@@ -67,11 +68,11 @@ def _check_layout(idx: int, pads: tuple[int, ...]) -> None:
 
 
 def _int_seq(op: str, name: str, values: Any, n: int | None = None, nonneg: bool = True) -> tuple[int, ...]:
-    """``values`` (a sequence of integers, or a 1-D ``mx.array``) as a tuple
+    """``values`` (a sequence of integers, or a 1-D ``mx.array`` or NumPy array) as a tuple
     of Python ints: ``n`` of them when given (one per sequence) and, with
     ``nonneg``, each ``>= 0``. Raises InvalidArgumentError naming ``op``,
     ``name`` and the rule otherwise."""
-    if isinstance(values, mx.array):
+    if isinstance(values, (mx.array, np.ndarray)):
         if values.ndim != 1:
             raise InvalidArgumentError(f"{op}: {name} must be a 1-D list of integers, got an array of shape "
                                        f"{tuple(values.shape)}")
@@ -264,15 +265,18 @@ class BatchKVCache:
 
     def prepare(self, *, left_padding: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
                 right_padding: Sequence[int] | None = None) -> None:
-        """mlx-lm's hooks before a block: ``left_padding`` (only while empty)
-        adds padding; ``right_padding`` announces a right-padded block,
+        """mlx-lm's hooks before a block: ``left_padding`` (only while the
+        batch holds no positions, as spec.batch.announced_block) adds padding; ``right_padding`` announces a right-padded block,
         which :meth:`finalize` turns into left padding (spec.batch.append_ragged)."""
         # every argument checked before anything changes
         b = len(self._pads)
         left = None if left_padding is None else _int_seq("prepare", "left_padding", left_padding, b)
         right = None if right_padding is None else _int_seq("prepare", "right_padding", right_padding, b)
-        if left is not None and self.keys is not None:
-            raise InvalidArgumentError("prepare: left_padding can only be added to an empty BatchKVCache")
+        if left is not None and self._idx != 0:
+            # spec.batch.announced_block: padding is announced on a batch that
+            # holds no positions (a fresh one, or one trimmed back to idx 0)
+            raise InvalidArgumentError(f"prepare: left_padding can only be added to an empty BatchKVCache "
+                                       f"(one that holds no positions), got idx={self._idx}")
         if left is not None:
             self._pads = tuple(p + q for p, q in zip(self._pads, left))
         if right is not None and max(right) > 0:

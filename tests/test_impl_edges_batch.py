@@ -23,6 +23,7 @@ import impl.batch as B
 from impl.batch import BatchKVCache
 from impl.dense import KVCache
 from impl.rotating import RotatingKVCache
+from spec import batch as sb
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
@@ -339,3 +340,31 @@ def test_extend_by_a_wider_batch_cuts_the_spare_capacity_of_the_shorter_one():
     for i, single in enumerate((a1, b1)):
         got, want = a.fetch_sequence(i), single.fetch()
         assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want)), i
+
+
+def test_padding_is_announced_on_a_batch_trimmed_back_to_no_positions_as_the_spec_allows():
+    """spec.batch.announced_block allows announced padding on any layout
+    with idx 0; the cache too, once a trim took every position (its buffers
+    stay allocated), and the block after it gives the spec's layout and
+    each sequence the block's rows after its padding."""
+    c = BatchKVCache([0, 0])
+    c.update_and_fetch(*rows(3, b=2))
+    assert c.trim(3) == 3 and c.layout == B.BatchLayout(0, (0, 0)) and not c.empty()
+    c.prepare(left_padding=[1, 0])
+    k, v = rows(2, b=2, seed=4)
+    c.update_and_fetch(k, v)
+    want = sb.announced_block(sb.BatchLayout(0, (0, 0)), (1, 0), 2)
+    assert (c.layout.idx, c.layout.pads) == (want.idx, want.pads)
+    got = c.fetch_sequence(0)
+    assert np.array_equal(np.array(got[0]), np.array(k[0:1, :, 1:])) and c.offset.tolist() == [1, 2]
+
+
+def test_numpy_indices_and_padding_are_taken_as_lists_are():
+    batch = KVCache.merge([filled(KVCache, 2), filled(KVCache, 1, seed=5)])
+    batch.filter(np.array([1, 0]))
+    assert batch.layout == B.BatchLayout(2, (1, 0))
+    c = BatchKVCache([0, 0])
+    c.prepare(left_padding=np.array([1, 0]))
+    assert c.layout == B.BatchLayout(0, (1, 0))
+    with pytest.raises(InvalidArgumentError, match=re.escape("must be a 1-D list of integers")):
+        c.prepare(right_padding=np.zeros((1, 2), dtype=int))

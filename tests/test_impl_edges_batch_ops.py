@@ -152,7 +152,8 @@ def test_prepare_refuses_left_padding_once_rows_are_cached_and_changes_nothing()
     # kills prepare mutant 4
     c = BatchKVCache.merge([dense(2), dense(1)])
     before = snapshot(c)
-    with raises(InvalidArgumentError, "prepare: left_padding can only be added to an empty BatchKVCache"):
+    with raises(InvalidArgumentError, "prepare: left_padding can only be added to an empty BatchKVCache "
+                                      "(one that holds no positions), got idx=2"):
         c.prepare(left_padding=[1, 1])
     assert same(snapshot(c), before)
 
