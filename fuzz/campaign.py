@@ -4,6 +4,8 @@ what was reached, and turn a failure into a minimal kvtrace file."""
 from __future__ import annotations
 
 import gc
+import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,10 +21,29 @@ from hypothesis.stateful import get_state_machine_test
 from fuzz import interrupt, kinds
 from fuzz.lockstep import Divergence
 from fuzz.machine import EDGE_RULES, KVMachine
+from fuzz.program import get_program_test
 from fuzz.replay import make_lockstep, replay
 from fuzz.targets import resolve
 from fuzz.trace import Trace, cache_defaults, write
 from spec.errors import KVCacheError
+
+#: how a batch runs a machine's rules: Hypothesis's stateful engine (a
+#: choice per rule step) or fuzz.program's (one byte string per example,
+#: decoded into the same rules)
+ENGINES = ("stateful", "program")
+
+
+def check_engine(engine: str) -> str:
+    """``engine`` if it is one of :data:`ENGINES`, else ValueError naming it."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: not one of {', '.join(ENGINES)}")
+    return engine
+
+
+def default_engine() -> str:
+    """The engine of a batch that names none: ``$KVSPEC_ENGINE``, else
+    ``program``."""
+    return os.environ.get("KVSPEC_ENGINE", "program").strip() or "program"
 
 
 def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: dict[str, Any] | None = None,
@@ -198,14 +219,28 @@ def shrink_limit(seconds: float | None) -> Iterator[ShrinkLimit]:
 
 
 def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40,
-                shrink: bool = True, database: Any = None, shrink_seconds: float | None = None) -> RunResult:
+                shrink: bool = True, database: Any = None, shrink_seconds: float | None = None,
+                engine: str | None = None) -> RunResult:
     """Run one seeded batch of ``max_examples`` examples (shrinking on
     failure unless ``shrink=False``, for at most ``shrink_seconds`` when
-    given: :func:`shrink_limit`; ``database``: see :func:`fuzz_settings`)."""
+    given: :func:`shrink_limit`; ``database``: see :func:`fuzz_settings`)
+    on ``engine`` (:data:`ENGINES`; None: :func:`default_engine`)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
     machine.first_error, machine.first_failure_run = None, None
-    test = get_state_machine_test(machine, settings=fuzz_settings(max_examples, steps, shrink=shrink,
-                                                                  database=database))
+    run_settings = fuzz_settings(max_examples, steps, shrink=shrink, database=database)
+    engine = check_engine(engine or default_engine())
+    own_limit = shrink_seconds is None
+    if engine == "program" and own_limit:
+        # Hypothesis shrinks a program's bytes slowly (its passes minimise
+        # one byte at a time; a catalog entry took 5-20 s, and up to its
+        # five-minute limit in a loaded test worker), while reduce_run
+        # below deletes the ops themselves: Hypothesis gets a short limit
+        # of its own and the reduction its full time
+        shrink_seconds = PROGRAM_SHRINK_SECONDS
+    if engine == "program":
+        test = get_program_test(machine, run_settings, steps)
+    else:
+        test = get_state_machine_test(machine, settings=run_settings)
     if database is None:
         test = hyp_seed(seed)(test)
     else:
@@ -233,7 +268,6 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     finally:
         if freeze:
             gc.unfreeze()
-    seconds = time.perf_counter() - start
     executed = machine.stats.get("ops", 0)
     flaky = None
     if isinstance(error, Flaky) and isinstance(machine.first_error, (Divergence, AssertionError)) \
@@ -246,11 +280,102 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
                  f"was seen once: {str(machine.first_error).splitlines()[0][:200]}")
         error = machine.first_error
         machine.last_run = machine.first_failure_run
+    if shrink and isinstance(error, Divergence) and machine.last_run is not None:
+        # within the caller's shrink budget when it gave one (what
+        # Hypothesis's shrinking, from the first failure on, left of it)
+        left = REDUCE_SECONDS
+        if not own_limit and shrink_seconds is not None:
+            found = machine.first_failure[1] if machine.first_failure else start
+            left = min(left, max(shrink_seconds - (time.perf_counter() - found), 0.0))
+        error = reduce_run(machine, error, left)
+    seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
     trace = failure_trace(machine, error) if error is not None else None
+    _drop_tracebacks(error, machine.first_error)
     caught = machine.first_failure
     return RunResult(error is not None, seconds, machine.runs, executed,
                      caught[0] if caught else None, caught[1] - start if caught else None,
-                     dict(machine.stats), error, trace, shrink_cut=limit.cut, flaky=flaky)
+                     dict(machine.stats), error, trace, shrink_cut=limit.cut and not own_limit, flaky=flaky)
+
+
+def _drop_tracebacks(*errors: BaseException | None) -> None:
+    """Drop the frames the errors (and what they were raised from) hold.
+    A machine class lives as long as the process (Hypothesis caches its
+    rules per class) and keeps its first error; that error's frames held
+    Hypothesis's engine and its cache of every example run, shrinking
+    included (tens of MB a failing batch, for good: measured 35 MB per
+    catalog entry). Only the errors' texts are read afterwards."""
+    seen: set[int] = set()
+    todo = [e for e in errors if e is not None]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        todo += [c for c in getattr(e, "exceptions", ()) if isinstance(c, BaseException)]
+
+
+#: seconds :func:`reduce_run` may spend on one failure
+REDUCE_SECONDS = 10.0
+#: seconds Hypothesis may shrink a program engine's failure for when the
+#: caller sets no shrink budget (:func:`run_machine`)
+PROGRAM_SHRINK_SECONDS = 8.0
+
+
+def _signature(d: Divergence) -> tuple[str, str]:
+    """What makes two divergences the same failure for :func:`reduce_run`:
+    the op and the check (its text without numbers: a shorter run shows the
+    same fault at other offsets)."""
+    return d.op.get("op", ""), re.sub(r"-?\d+", "#", d.what)
+
+
+def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float) -> Divergence:
+    """Delete ops from the machine's failing run (``last_run``, cut at the
+    diverging op) while a replay on the same implementation (its
+    ``factories``, ``check_inplace`` and target) still diverges with the
+    same :func:`_signature`: chunks of half the run down to single ops,
+    from the end, for at most ``seconds``. The engines shrink the
+    *choices* that make a run (Hypothesis's rule steps, or fuzz.program's
+    bytes), where a composite rule step is several ops it cannot split;
+    this pass shrinks the ops themselves. ``last_run`` becomes the reduced
+    run; returns the reduced run's divergence (``error`` when nothing was
+    deleted)."""
+    cfg, ops = machine.last_run  # type: ignore[misc]
+    ops = [dict(op) for op in ops[: error.index + 1]]
+    want = _signature(error)
+    entry = kinds.get(cfg.get("kind", machine.kind), cfg.get("mode", machine.mode))
+    cache = {**cache_defaults(entry.kind, cfg.get("mode")), **cfg}
+    deadline = time.perf_counter() + seconds
+
+    def diverges(candidate: list[dict[str, Any]]) -> Divergence | None:
+        try:
+            lock = make_lockstep(cache, machine.factories, machine.check_inplace,
+                                 machine.target if machine.target is not None else "impl")
+            for i, op in enumerate(candidate):
+                lock.step(i, op)
+        except Divergence as d:
+            return d if _signature(d) == want else None
+        except Exception:  # noqa: BLE001 - a candidate the harness cannot run is not the same failure
+            return None
+        return None
+
+    best = error
+    size = max(len(ops) // 2, 1)
+    while size >= 1 and time.perf_counter() < deadline:
+        at = len(ops) - 1 - size  # never the diverging op itself
+        while at >= 0 and time.perf_counter() < deadline:
+            candidate = ops[:at] + ops[at + size:]
+            found = diverges(candidate)
+            if found is not None:
+                ops, best = candidate[: found.index + 1], found
+                at = min(at, len(ops) - 1) - size
+            else:
+                at -= size
+        size //= 2
+    if best is not error:
+        machine.last_run = (cfg, ops)
+    return best
 
 
 def failure_trace(machine: type[KVMachine], error: BaseException) -> Trace | None:
@@ -326,8 +451,9 @@ class Campaign:
 
     def __init__(self, kind: str, mode: str, inplace: bool, seed: int, factories: dict[str, Any] | None = None,
                  batch: int = 25, steps: int = 40, target: Any = None, progress: Any = None, database: Any = None,
-                 shrink_budget: float | None = None, shrink: bool = True):
+                 shrink_budget: float | None = None, shrink: bool = True, engine: str | None = None):
         self.machine = machine_for(kind, mode, inplace, factories, target=target)
+        self.engine = check_engine(engine or default_engine())
         label = f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
         if target is not None and getattr(target, "name", target) != "impl":
             label = f"{getattr(target, 'name', target)}:{label}"
@@ -370,7 +496,7 @@ class Campaign:
             self.machine.fixed = {**self.fixed, name: values[total.batches % len(values)]}
             size = max(1, self.batch_size // len(values))
         result = run_machine(self.machine, self.seed + total.batches, max_examples=size, steps=self.steps,
-                             shrink=self.shrink, database=self.database, shrink_seconds=left)
+                             shrink=self.shrink, database=self.database, shrink_seconds=left, engine=self.engine)
         total.batches += 1
         total.examples += result.examples
         total.steps += result.steps
@@ -447,13 +573,14 @@ class FoundInWorker(Exception):
 
 def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | None = None,
               target: str | None = None, database: str | None = None,
-              shrink_budget: float | None = None) -> list[CampaignReport]:
+              shrink_budget: float | None = None, engine: str | None = None) -> list[CampaignReport]:
     """A process-pool worker of ``kvspec fuzz -j``: the campaigns ``runs``
     (``(kind, mode, inplace, seed)``) interleaved over ``budget`` seconds
     of search, on the injected bug ``bug`` (a catalog name) and the target
     ``target`` (a name; None: impl), sharing the example database
     ``database`` (:func:`open_database`) with every other worker, each
-    failure shrunk for at most ``shrink_budget`` seconds. Failures
+    failure shrunk for at most ``shrink_budget`` seconds, on ``engine``
+    (:data:`ENGINES`; None: :func:`default_engine`). Failures
     come back as :class:`FoundInWorker` with their trace."""
     from fuzz.bugs import by_name
     from fuzz.device import select
@@ -461,8 +588,8 @@ def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | 
     select(None)  # the parent's device (KVSPEC_DEVICE), in this worker too
     factories = by_name(bug).factories if bug else None
     db = open_database(database)
-    camps = [Campaign(k, m, ip, seed, factories, target=target, database=db, shrink_budget=shrink_budget)
-             for k, m, ip, seed in runs]
+    camps = [Campaign(k, m, ip, seed, factories, target=target, database=db, shrink_budget=shrink_budget,
+                      engine=engine) for k, m, ip, seed in runs]
     reports = interleaved(camps, budget)
     for rep in reports:
         if rep.failure is not None and rep.failure.error is not None:

@@ -80,7 +80,7 @@ def _fake_flaky_run(monkeypatch, flaky_type, first_error):
     diverged = [{"op": "append", "n": 2}, {"op": "trim", "n": 1}]
     replayed = [{"op": "append", "n": 3}, {"op": "append", "n": 1}, {"op": "append", "n": 1}]
 
-    def fake_test_for(machine, settings=None):
+    def fake_test_for(machine, settings=None, steps=None):
         def test():
             machine.runs, machine.first_failure = 2, (1, 0.0)
             machine.first_error, machine.first_failure_run = first_error, (dict(cfg), [dict(op) for op in diverged])
@@ -88,7 +88,9 @@ def _fake_flaky_run(monkeypatch, flaky_type, first_error):
             raise flaky_type("could not reproduce", [first_error])
         return test
 
+    # either engine's test (fuzz.program's takes the steps too)
     monkeypatch.setattr(campaign, "get_state_machine_test", fake_test_for)
+    monkeypatch.setattr(campaign, "get_program_test", fake_test_for)
     return run_machine(machine_for("dense", "fp16", True), 1, max_examples=2, shrink=False), diverged
 
 

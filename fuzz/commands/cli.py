@@ -25,6 +25,8 @@ from fuzz import kinds
 from fuzz.targets import BUILTIN
 
 DEFAULT_OUT = "fuzz-failures"
+#: fuzz.campaign.ENGINES, named here without importing MLX for --help
+ENGINE_CHOICES = ("program", "stateful")
 #: the example database ``kvspec fuzz`` uses unless --db or $KVSPEC_DB says
 #: otherwise: Hypothesis's own folder (ignored by git), a subfolder for us
 DEFAULT_DB = ".hypothesis/kvspec-examples"
@@ -433,7 +435,7 @@ def _merge(reports: list[Any]) -> Any:
 
 def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float, bug: str | None,
                    target: str | None, progress: Any, database: str | None = None,
-                   shrink_budget: float | None = None) -> list[Any]:
+                   shrink_budget: float | None = None, engine: str | None = None) -> list[Any]:
     """``shares`` on a forkserver pool (MLX hangs in a plain forked child);
     the reports of every finished worker, in the order of ``shares``."""
     import multiprocessing
@@ -445,7 +447,7 @@ def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float
     done: dict[int, list[Any]] = {}
     pool = ProcessPoolExecutor(max_workers=len(shares), mp_context=ctx)
     try:
-        futs = {pool.submit(run_share, share, budget, bug, target, database, shrink_budget): w
+        futs = {pool.submit(run_share, share, budget, bug, target, database, shrink_budget, engine): w
                 for w, share in enumerate(shares)}
         for fut in as_completed(futs):
             w = futs[fut]
@@ -525,7 +527,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     reports: list[Any] = []
     interrupted: str | None = None
     camps = [Campaign(k, m, ip, seed, factories, target=None if target.is_impl else target, progress=progress.tick,
-                      database=database, shrink_budget=shrink_budget) for k, m, ip in runs] if jobs == 1 else []
+                      database=database, shrink_budget=shrink_budget, engine=args.engine)
+             for k, m, ip in runs] if jobs == 1 else []
     try:
         if jobs == 1:
             progress.start("fuzz")
@@ -533,7 +536,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         else:
             progress.start(f"fuzz on {jobs} processes")
             got = _run_fuzz_pool(_fuzz_shares(runs, seed, jobs), args.budget, args.bug,
-                                 None if target.is_impl else target.label, progress.tick, db_spec, shrink_budget)
+                                 None if target.is_impl else target.label, progress.tick, db_spec, shrink_budget,
+                                 args.engine)
             reports = [_merge([r for r in got if r.config == c]) for c in dict.fromkeys(r.config for r in got)]
     except KeyboardInterrupt as exc:
         interrupted = progress.label or "?"
@@ -1010,6 +1014,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget; more processes than campaigns repeat them under other seeds (default: 1)")
     f.add_argument("--seed", type=int_in(0, 2**32 - 1), help="first seed (default: from the clock; printed first)")
     f.add_argument("--bug", help="fuzz an injected bug of the catalog (expect a failure)")
+    f.add_argument("--engine", choices=ENGINE_CHOICES, default=None,
+                   help="how examples run the state machines' rules: program (one byte string an example, "
+                        "decoded into the rules; about 1.1-1.6x the ops a second) or stateful (Hypothesis's "
+                        "rule steps); docs/fuzzing.md, 'Engines' (default: $KVSPEC_ENGINE, else program)")
     f.add_argument("--out", default=DEFAULT_OUT, help="folder for failure traces")
     f.add_argument("--target", default="impl", help=TARGET_HELP)
     f.add_argument("--db", metavar="WHERE",
@@ -1143,6 +1151,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("replay", "fuzz", "verify", "mutants", "bench", "e2e", "conformance"):
         subs[name].add_argument("--device", choices=["cpu", "gpu"], default=None,
                                 help="MLX device to run the caches on (default: $KVSPEC_DEVICE, else MLX's default)")
+    for name in ("verify", "mutants"):
+        subs[name].add_argument("--engine", choices=ENGINE_CHOICES, default=None,
+                                help="how the campaigns and the catalog's runs run the state machines' rules: "
+                                     "program or stateful (docs/fuzzing.md, 'Engines'; default: $KVSPEC_ENGINE, "
+                                     "else program)")
     p.set_defaults(_subparsers=subs)
     return p
 
@@ -1175,6 +1188,14 @@ def main(argv: list[str] | None = None) -> int:
             select(args.device)
         except DeviceError as exc:
             return _usage_error(_console(), str(exc))
+    if getattr(args, "engine", None):
+        # every process the command starts (spawned: their environment is
+        # this one) runs the same engine
+        os.environ["KVSPEC_ENGINE"] = args.engine
+    elif os.environ.get("KVSPEC_ENGINE", "").strip() not in ("", *ENGINE_CHOICES) and \
+            args.command in ("fuzz", "verify", "mutants", "campaign"):
+        return _usage_error(_console(), f"KVSPEC_ENGINE={os.environ['KVSPEC_ENGINE']!r}: not one of "
+                                        f"{', '.join(ENGINE_CHOICES)}")
     from fuzz import interrupt
 
     interrupt.install()

@@ -243,7 +243,7 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
         machine = machine_for(cls.kind, cls.mode, True, target=target)
         failure = None
         while time.perf_counter() - start < budget:
-            result = run_machine(machine, seed + k, max_examples=batch, steps=steps)
+            result = run_machine(machine, seed + k, max_examples=batch, steps=steps, engine="stateful")
             k += 1
             report.examples += result.examples
             report.steps += result.steps

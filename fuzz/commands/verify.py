@@ -691,10 +691,12 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         return 2
     workers = min(workers, len(the_plan))
     progress = Progress(len(the_plan), quiet=False)
+    from fuzz.campaign import default_engine
     from fuzz.device import current
     from impl.write import backend, inplace_mechanism
 
-    where = f"device {current()} ({backend()}, in-place writes: {inplace_mechanism()})"
+    where = (f"device {current()} ({backend()}, in-place writes: {inplace_mechanism()}); "
+             f"engine {default_engine()}")
     progress.say(f"kvspec verify{' --quick' if quick else ''}: {len(the_plan)} jobs on {workers} "
                  f"process{'es' if workers > 1 else ''}; {where}; campaign seed {CAMPAIGN_SEED}, bug seeds "
                  f"1..{1 if quick else 5}")
