@@ -14,7 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 
 from fuzz import campaign, program
 from fuzz.lockstep import Divergence
-from fuzz.program import CHUNK, HEADER, Reader, run_program
+from fuzz.program import CHUNK, Reader, run_program
 from tests.test_program_engine import Toy, program_of, rule_byte
 
 
