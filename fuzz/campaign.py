@@ -223,8 +223,10 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
                 engine: str | None = None) -> RunResult:
     """Run one seeded batch of ``max_examples`` examples (shrinking on
     failure unless ``shrink=False``, for at most ``shrink_seconds`` when
-    given: :func:`shrink_limit`; ``database``: see :func:`fuzz_settings`)
-    on ``engine`` (:data:`ENGINES`; None: :func:`default_engine`)."""
+    given: :func:`shrink_limit`; not given: Hypothesis's own limit, or
+    :data:`PROGRAM_SHRINK_SECONDS` under the program engine; then
+    :func:`reduce_run`; ``database``: see :func:`fuzz_settings`) on
+    ``engine`` (:data:`ENGINES`; None: :func:`default_engine`)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
     machine.first_error, machine.first_failure_run = None, None
     run_settings = fuzz_settings(max_examples, steps, shrink=shrink, database=database)

@@ -16,7 +16,8 @@ from fuzz import campaign as fc
 def test_the_shrink_cap_reaches_the_batch_that_finds_the_failure(monkeypatch, cap):
     calls: list[float | None] = []
 
-    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None):
+    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None,
+                    engine=None):
         calls.append(shrink_seconds)
         late = len(calls) == 3
         # the failing batch: found after 0.4 s of search, then 1.0 s of shrinking (cut by the cap)
@@ -36,7 +37,8 @@ def test_the_shrink_cap_reaches_the_batch_that_finds_the_failure(monkeypatch, ca
 def test_no_cap_is_hypothesis_own_limit(monkeypatch):
     calls: list[float | None] = []
 
-    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None):
+    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None,
+                    engine=None):
         calls.append(shrink_seconds)
         return fc.RunResult(False, 0.1, 1, 1)
 
@@ -79,7 +81,8 @@ def test_campaign_passes_shrink_to_every_batch(monkeypatch, shrink):
     the shrink phase; the default shrinks."""
     calls: list[bool] = []
 
-    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None):
+    def run_machine(machine, seed, max_examples=50, steps=40, shrink=True, database=None, shrink_seconds=None,
+                    engine=None):
         calls.append(shrink)
         return fc.RunResult(len(calls) == 2, 0.1, 1, 1, 1 if len(calls) == 2 else None, None, {},
                             AssertionError("planted") if len(calls) == 2 else None)

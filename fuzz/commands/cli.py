@@ -1016,7 +1016,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--bug", help="fuzz an injected bug of the catalog (expect a failure)")
     f.add_argument("--engine", choices=ENGINE_CHOICES, default=None,
                    help="how examples run the state machines' rules: program (one byte string an example, "
-                        "decoded into the rules; about 1.1-1.6x the ops a second) or stateful (Hypothesis's "
+                        "decoded into the rules; 1.3-1.9x the ops a second on most kinds) or stateful (Hypothesis's "
                         "rule steps); docs/fuzzing.md, 'Engines' (default: $KVSPEC_ENGINE, else program)")
     f.add_argument("--out", default=DEFAULT_OUT, help="folder for failure traces")
     f.add_argument("--target", default="impl", help=TARGET_HELP)
