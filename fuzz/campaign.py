@@ -292,30 +292,10 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
         error = reduce_run(machine, error, left)
     seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
     trace = failure_trace(machine, error) if error is not None else None
-    _drop_tracebacks(error, machine.first_error)
     caught = machine.first_failure
     return RunResult(error is not None, seconds, machine.runs, executed,
                      caught[0] if caught else None, caught[1] - start if caught else None,
                      dict(machine.stats), error, trace, shrink_cut=limit.cut and not own_limit, flaky=flaky)
-
-
-def _drop_tracebacks(*errors: BaseException | None) -> None:
-    """Drop the frames the errors (and what they were raised from) hold.
-    A machine class lives as long as the process (Hypothesis caches its
-    rules per class) and keeps its first error; that error's frames held
-    Hypothesis's engine and its cache of every example run, shrinking
-    included (tens of MB a failing batch, for good: measured 35 MB per
-    catalog entry). Only the errors' texts are read afterwards."""
-    seen: set[int] = set()
-    todo = [e for e in errors if e is not None]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        e.__traceback__ = None
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-        todo += [c for c in getattr(e, "exceptions", ()) if isinstance(c, BaseException)]
 
 
 #: seconds :func:`reduce_run` may spend on one failure

@@ -258,11 +258,12 @@ def run_program(machine_cls: type[RuleBasedStateMachine], program: bytes, steps:
     enabled = _enabled(program, len(rules))
     run = 0
     try:
-        check = getattr(machine, "check_invariants", None)
         # a machine that overrides check_invariants (fuzz.machine.KVMachine
         # keeps an invariant's first failure) gets it called, as the
-        # stateful engine calls it; the others the plain loop
-        own = check is not None and type(machine).check_invariants is not RuleBasedStateMachine.check_invariants
+        # stateful engine calls it; the others get the same loop without
+        # Hypothesis's printing, which needs a running Hypothesis test
+        check = machine.check_invariants
+        own = type(machine).check_invariants is not RuleBasedStateMachine.check_invariants
         runtimes: defaultdict[str, float] = defaultdict(float)
 
         def invariants_now() -> None:
