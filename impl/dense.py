@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from impl.masks import causal_mask
 from impl.quant import (
     FLOAT16_MAX,
     dequantize_int8,
@@ -1042,12 +1043,7 @@ class KVCache:
         binds = window_size is not None and L > window_size
         if not return_array and not binds:
             return None if N == 1 else "causal"
-        q = mx.arange(self.live_len, L)[:, None]
-        k = mx.arange(L)[None]
-        mask = q >= k
-        if window_size is not None:
-            mask = mask & (q < k + window_size)
-        return mask
+        return causal_mask(self.live_len, N, window_size)  # impl.masks: built where the arrays live
 
 
 def _check_index_list(op: str, name: str, values: list[int], lo: int, hi: int) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Self
 import mlx.core as mx
 
 from impl.dense import _check_int, _check_rows, inplace_switch_from_env, refuse_foreign_save
+from impl.masks import causal_mask
 from impl.write import inplace_keeps_memory, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
@@ -748,13 +749,7 @@ class PagedKVCache:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
         if window_size is None and not return_array:
             return None if N == 1 else "causal"
-        live = self.live_len
-        q = mx.arange(live, live + N)[:, None]
-        k = mx.arange(live + N)[None]
-        mask = q >= k
-        if window_size is not None:
-            mask = mask & (q < k + window_size)
-        return mask
+        return causal_mask(self.live_len, N, window_size)  # impl.masks
 
 
 def _copy_refused(deep: bool) -> UnsupportedOperationError:

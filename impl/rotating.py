@@ -46,6 +46,7 @@ from impl.dense import (
     share,
     write_rows_copy,
 )
+from impl.masks import ring_mask
 from impl.write import inplace_mechanism, seq_prefix, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
 
@@ -689,10 +690,9 @@ class RotatingKVCache:
         if N == 1 and not return_array and self._decode_sees_every_key(window):
             return None  # a decode step's common case, decided in O(1) (no positions built)
         positions = np.asarray(self._next_positions(N), dtype=np.int64)
-        # Built lazily in MLX, O(N + L) here (no per-element Python work).
-        p = mx.array(positions)[None, :]
-        q = (self.offset + mx.arange(N, dtype=mx.int64))[:, None]
-        mask = (p <= q) & ((p < self.keep) | ((q - p) < (window - self.keep)))
+        # O(N + L) here (no per-element Python work); impl.masks builds it
+        # where the arrays live
+        mask = ring_mask(positions, self.offset, N, self.keep, window)
         if return_array:
             return mask
         # The window hides no causal key iff it spares the oldest non-sink
