@@ -147,6 +147,7 @@ def check_ring_masks(lock: Any, op: dict[str, Any], spec_cache: sr.RotatingCache
     the windows of :func:`ring_windows`."""
     n = op["n"]
     windows: list[int | None] = ring_windows(spec_cache.max_size, spec_cache.keep) if narrow else [None]
-    cases = [(window, _spec_matrix(sr.make_mask_spec(spec_cache, n, window))) for window in windows]
+    wants = sr.make_masks_spec(spec_cache, n, tuple(windows))
+    cases = [(window, _spec_matrix(want)) for window, want in zip(windows, wants)]
     _compare(lock, op, cache, n, cases, prefix)
     lock.reached("masks checked")

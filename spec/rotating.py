@@ -709,9 +709,19 @@ def make_mask_spec(cache: RotatingCache, n: int, window_size: int | None = None)
     about to be appended: row ``i`` (query position ``offset + i``), column
     ``j`` (the j-th key of the window the append will return, in its order).
     ``window_size`` defaults to ``max_size``."""
-    window = cache.max_size if window_size is None else window_size
+    return make_masks_spec(cache, n, (window_size,))[0]
+
+
+def make_masks_spec(cache: RotatingCache, n: int,
+                    windows: tuple[int | None, ...]) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    """:func:`make_mask_spec` for each of ``windows`` (None: ``max_size``),
+    in that order, with the append's key positions worked out once."""
     result, _ = append(cache, tuple(range(-n, 0)))
-    return tuple(
-        tuple(mask_visible(cache.offset + i, p, window, cache.keep) for p in result.positions)
-        for i in range(n)
-    )
+    out = []
+    for window_size in windows:
+        window = cache.max_size if window_size is None else window_size
+        out.append(tuple(
+            tuple(mask_visible(cache.offset + i, p, window, cache.keep) for p in result.positions)
+            for i in range(n)
+        ))
+    return tuple(out)
