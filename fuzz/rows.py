@@ -139,6 +139,14 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint32).view(np.float32)
 
 
+def _rng(seed: list[int]) -> np.random.Generator:
+    """``np.random.default_rng(seed)``, which NumPy defines as
+    ``Generator(PCG64(seed))`` (the same stream, bit for bit), built in half
+    its time (18 us against 38 us here: a campaign draws a row for every new
+    token of every example's shape)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+
+
 @lru_cache(maxsize=65536)
 def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
         wide: bool | str = False, scheme: str = "numpy") -> np.ndarray:
@@ -161,7 +169,7 @@ def row(token: int, which: str, batch: int, kv_heads: int, head_dim: int, dtype:
         out = _cast(ranged_row(token, which, shape, dtype), dtype)
         out.setflags(write=False)
         return out
-    rng = np.random.default_rng([token, 0 if which == "k" else 1, batch, kv_heads, head_dim])
+    rng = _rng([token, 0 if which == "k" else 1, batch, kv_heads, head_dim])
     magnitude = float(2.0 ** rng.integers(-6, 6))
     if wide == "edge" and token % 5 == 2:
         draw = rng.standard_normal(shape)
@@ -203,7 +211,7 @@ def ranged_row(token: int, which: str, shape: tuple[int, ...], dtype: str) -> np
     coordinate at its own scale across the whole range, else ordinary."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    rng = np.random.default_rng([token, 0 if which == "k" else 1, *shape, DTYPES.index(dtype), 7])
+    rng = _rng([token, 0 if which == "k" else 1, *shape, DTYPES.index(dtype), 7])
     lo, hi = EXPONENTS[dtype]
     draw = rng.standard_normal(shape)
     kind = token % 6

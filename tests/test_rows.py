@@ -240,3 +240,31 @@ def test_int8_edge_rows_reach_both_sides_of_the_float16_rounding_boundary():
         assert EDGE[dtype] in peaks, dtype
         in_band = [p for p in peaks if 65504.0 < p < 65520.0]
         assert (len(in_band) >= 5) == (dtype == "float32"), (dtype, in_band)
+
+
+
+def test_numpy_and_ranged_rows_are_default_rngs_stream():
+    """The ``numpy`` and (ordinary rows of the) ``ranged`` schemes draw from
+    ``np.random.default_rng([token, side, ...])``: rows.py builds the same
+    Generator faster, and every saved trace's rows depend on it being the
+    same stream."""
+    import numpy as np
+
+    checked = 0
+    for token in (1, 2, 4, 5, 9, 10, 4093):
+        for which, side in (("k", 0), ("v", 1)):
+            got = fr.row(token, which, 2, 3, 4, "float32")
+            if got.any():  # the scheme's zero rows draw nothing
+                rng = np.random.default_rng([token, side, 2, 3, 4])
+                magnitude = float(2.0 ** rng.integers(-6, 6))
+                want = (rng.standard_normal((2, 3, 1, 4)) * magnitude).astype(np.float32)
+                assert np.array_equal(got, want), (token, which)
+                checked += 1
+            if token % 6 in (4, 5):  # ordinary ranged rows: one normal draw, one binade
+                shape = (1, 2, 1, 3)
+                rng = np.random.default_rng([token, side, *shape, fr.DTYPES.index("float32"), 7])
+                want = rng.standard_normal(shape)
+                want = want * 2.0 ** int(rng.integers(-6, 6))
+                assert np.array_equal(fr.ranged_row(token, which, shape, "float32"), want), (token, which)
+                checked += 1
+    assert checked >= 12
