@@ -99,6 +99,11 @@ def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tupl
                 # asked for an array: None or "causal" is the wrong form, whatever it denotes
                 raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs", "an array",
                                  f"unexpected form {type(mask).__name__}")
+            if form and isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+                # MLX's attention adds a mask that is not bool to the scores
+                # (0/1 would shift them, not hide keys): the form is bool
+                raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs", "a bool array",
+                                 f"an array of {mask.dtype}")
             got = mask_matrix(mask, n, want.shape[1])
             if got is None or not same_mask(got, want):
                 raise Divergence(index, op, f"{prefix}make_mask({n}, {kwargs}) differs",

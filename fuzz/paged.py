@@ -26,6 +26,7 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from fuzz.lockstep import Divergence, Lockstep, reload_through_file
 from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine, LifecycleRules
+from fuzz.masks import check_dense_masks
 from fuzz.trace import TraceFormatError
 from impl.paged import BlockPool, PagedKVCache
 from spec import paged as sp
@@ -263,23 +264,14 @@ class PagedLockstep(Lockstep):
         fn(*(self.reuse_argument(member, p.name, seq, arg) for p in params))
 
     def check_mask(self, op: dict[str, Any]) -> None:
-        """make_mask before the append, as an mlx-lm model calls it: causal
-        over the sequence's visible rows plus the new ones."""
+        """make_mask before the append, as an mlx-lm model calls it, in
+        array and short form, with and without a window, against
+        spec.dense.dense_make_mask over the sequence's visible rows plus
+        the new ones (fuzz.masks.check_dense_masks)."""
         seq = op.get("seq", sp.MAIN)
         if seq not in self.pool.seqs:
             return
-        n, live = op["n"], self.pool.seqs[seq].visible
-        got = PagedKVCache(self.pool, seq).make_mask(n, return_array=True)
-        want = mx.arange(live, live + n)[:, None] >= mx.arange(live + n)[None]
-        index = self.current_index
-        same = None if got.shape != want.shape else mx.all(got == want)
-
-        def check() -> None:
-            if same is None or not bool(same):
-                raise Divergence(index, op, f"make_mask({n}) differs", want.tolist(), got.tolist())
-
-        # compared after the op, in the step's one MLX evaluation (Lockstep.defer)
-        self.defer([] if same is None else [same], check)
+        check_dense_masks(self, op, self.pool.seqs[seq].visible, PagedKVCache(self.pool, seq))
 
     def impl_last_inplace(self) -> bool:
         return self.pool.last_write.inplace

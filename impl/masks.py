@@ -62,7 +62,11 @@ def causal_mask(live_len: int, n: int, window_size: int | None = None, xp: Any =
     q = xp.arange(live_len, length)[:, None]
     k = xp.arange(length)[None]
     mask = q >= k
-    if window_size is not None:
+    if window_size is not None and window_size < length:
+        # a window of length or more hides no causal key (q - k < length);
+        # only a narrower one is compared, so k + window_size never wraps
+        # (any integer >= 1 is a valid window: int64 on the host, MLX's
+        # int32 on the device)
         mask = mask & (q < k + window_size)
     return _finish(mask)
 
@@ -75,6 +79,9 @@ def ring_mask(positions: np.ndarray, offset: int, n: int, keep: int, window: int
     window - keep``. ``impl.rotating.RotatingKVCache.make_mask``'s rule.
     ``xp``: as :func:`causal_mask`."""
     xp = mask_namespace() if xp is None else xp
+    # a window past every query's distance to position 0 hides no key: cut to
+    # that, so window - keep stays a small integer in either namespace
+    window = min(window, offset + n + keep)
     if xp is np:
         p = positions[None, :]
         q = (offset + np.arange(n, dtype=np.int64))[:, None]

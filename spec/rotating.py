@@ -94,8 +94,10 @@ def mask_visible(query: int, key: int, window: int, keep: int) -> bool:
     positions. So each query sees exactly ``min(query + 1, window)`` keys
     when ``keep == 0`` (admitting ``window + 1`` is a known bug), and sinks
     stay visible to every later query of a chunk (hiding them is another).
+    A window at or below ``keep`` (a ring's mask asked for a narrower
+    window, as the harness asks) leaves the causal sinks only.
 
-    pre: 0 <= keep < window
+    pre: 0 <= keep and 1 <= window
     post: not __return__ or key <= query
     post: not __return__ or key < keep or query - key < window - keep
     post: __return__ or not (0 <= key < keep and key <= query)
