@@ -1,6 +1,6 @@
 """impl.masks, spec.rotating.make_masks_spec and fuzz.masks.check_ring_masks:
 the classes of bugs tests/test_impl_masks.py and the fuzzer leave open
-(breaker17's report).
+(each class found by injecting bugs the earlier tests and the fuzzer missed).
 
 * The spec's several-window helper is each window on its own, in the order
   asked, whatever the order, repeats or sizes of the windows: checked
