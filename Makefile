@@ -33,6 +33,7 @@ prove: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvspec bench
+	$(BIN)/kvspec bench --harness
 
 mutants: $(STAMP)
 	$(BIN)/kvspec mutants

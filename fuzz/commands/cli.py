@@ -797,6 +797,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return _usage_error(_console(), f"--plot: {args.plot} must be a record's JSON with decoder rows ({exc})")
         _console().print(f"bench: plot written: {path}", markup=False)
         return 0
+    if args.harness:
+        if args.decoder or args.e2e or args.record:
+            return _usage_error(_console(), "--harness: measures the fuzz harness alone; it takes no --decoder, "
+                                            "--e2e or --record")
+        from fuzz.commands.bench_harness import run as run_harness
+
+        return run_harness(args.only, args.batches, args.json)
+    if args.only:
+        return _usage_error(_console(), "--only: picks campaigns of --harness; give --harness too")
     if not (args.decoder or args.e2e or args.record):
         return run(args.contexts, args.json)
     return run_suite(args.contexts, decoder=args.decoder, e2e=args.e2e, layers=args.layers, rounds=args.rounds,
@@ -1133,6 +1142,14 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", metavar="JSON",
                     help="only draw the PNG plot of an existing record's JSON (beside it) and exit; for a record "
                          "made where matplotlib is missing")
+    be.add_argument("--harness", action="store_true",
+                    help="instead: where a fuzz campaign's time goes, per registry campaign (verify's seed): ops/s "
+                         "of the campaign, of the same ops replayed through every check, and of the spec and "
+                         "implementation alone with and without reading every window (docs/fuzzing.md)")
+    be.add_argument("--only", nargs="+", metavar="WORD",
+                    help="with --harness: the campaigns whose label (kind/mode/inplace|copy) holds one of the words")
+    be.add_argument("--batches", type=int_in(2, 100), default=3,
+                    help="with --harness: seeded batches of 25 examples per campaign (the first is timed apart)")
     be.set_defaults(fn=cmd_bench)
 
     e = add("e2e", "real decoding: the caches inside mlx-lm models, byte-identical to the references",

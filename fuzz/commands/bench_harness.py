@@ -1,0 +1,285 @@
+"""``kvspec bench --harness``: where a fuzz campaign's time goes, per campaign.
+
+A campaign's throughput (ops per second, what ``kvspec verify``'s table
+prints) is the sum of several costs per op: the fuzz engine drawing the op,
+the spec running it, the implementation running it, the step's one MLX
+evaluation reading every window back, and the lockstep's comparisons
+(windows, refusals, results, sharing, the save/load round trip, masks). This
+benchmark runs a campaign of ``kvspec verify`` (its fixed seed, ``batches``
+batches), records every example it ran, and replays the very same ops
+through ever less of the harness, each pass in this one process:
+
+* ``campaign``: ops over search seconds of the batches after the first (the
+  first pays for imports and cold caches; ``campaign_all`` counts it too, as
+  ``verify``'s table does);
+* ``lockstep``: the ops replayed through the whole lockstep (every check),
+  with no fuzz engine;
+* ``reads``: the spec and the implementation run each op, then one MLX
+  evaluation reads the op's result and every window (the live one, every
+  snapshot's and handle's, the held one) and nothing is compared: the least
+  a check of every window after every op can cost;
+* ``spec_impl``: the spec and the implementation run each op and the op's
+  result is evaluated (as a decoder evaluates what it gets back): no
+  checks, no reads of the holders;
+* ``impl``: the implementation's share of ``spec_impl`` alone.
+
+Each figure is ops over wall seconds (``time.perf_counter``). They are one
+machine's figures, read as ratios within one run; the ``reads`` column is a
+floor for a campaign that keeps every check on this machine (only a faster
+implementation, or fewer reads, lowers it), and the gap from ``lockstep``
+to ``campaign`` is the engine's share. The make-mask calls an append makes
+in the lockstep (its checks) are left out of the three floors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+from rich.console import Console
+from rich.table import Table
+
+from fuzz import kinds
+from fuzz import rows as rowgen
+from fuzz.campaign import Campaign
+from fuzz.replay import make_lockstep
+from spec.errors import KVCacheError
+
+#: the columns, in the order the table prints them (``*_ops_s`` keys)
+PASSES = ("campaign_all", "campaign", "lockstep", "reads", "spec_impl", "impl")
+
+Run = tuple[dict[str, Any], list[dict[str, Any]]]
+
+
+@dataclass
+class HarnessRow:
+    """One campaign's figures: ``ops`` replayed in every pass (the same ops
+    the campaign ran), ``*_ops_s`` ops per wall second of each pass
+    (:data:`PASSES`), ``spec_ops_s`` the spec's share of ``spec_impl``."""
+
+    config: str
+    examples: int
+    ops: int
+    campaign_all_ops_s: float
+    campaign_ops_s: float
+    lockstep_ops_s: float
+    reads_ops_s: float
+    spec_impl_ops_s: float
+    impl_ops_s: float
+    spec_ops_s: float
+
+
+def configs() -> list[tuple[str, str, bool]]:
+    """Every registry campaign (``kvspec verify``'s), as (kind, mode, inplace)."""
+    return [(k.kind, mode, inplace) for k in kinds.KINDS.values() for mode, inplace in k.campaigns]
+
+
+def label(kind: str, mode: str, inplace: bool) -> str:
+    return f"{kind}/{mode}/{'inplace' if inplace else 'copy'}"
+
+
+def record_campaign(
+    kind: str, mode: str, inplace: bool, batches: int, seed: int
+) -> tuple[Any, list[Run], float]:
+    """Run ``batches`` seeded batches of the campaign and keep every example
+    it ran as (cache fields, ops). Returns the report, the runs and the ops
+    per search second of the batches after the first. Raises RuntimeError
+    if the campaign fails (a divergence is a bug to replay, not a figure)."""
+    run = Campaign(kind, mode, inplace, seed)
+    runs: list[Run] = []
+    machine = run.machine
+    own = machine.teardown
+
+    def teardown(self: Any) -> None:
+        own(self)
+        cfg, ops = type(self).last_run
+        runs.append((dict(cfg), list(ops)))
+
+    machine.teardown = teardown  # type: ignore[method-assign]
+    first_ops = first_seconds = 0.0
+    for b in range(batches):
+        rep = run.batch()
+        if rep.failure is not None:
+            raise RuntimeError(
+                f"{label(kind, mode, inplace)}: the campaign failed "
+                f"({str(rep.failure.error).splitlines()[0]}); replay its kvtrace with kvspec fuzz"
+            )
+        if b == 0:
+            first_ops, first_seconds = rep.stats.get("ops", 0), rep.seconds
+    warm_ops = rep.stats.get("ops", 0) - first_ops
+    warm_seconds = rep.seconds - first_seconds
+    return rep, runs, warm_ops / warm_seconds if warm_seconds > 0 and warm_ops > 0 else 0.0
+
+
+def replay_lockstep(runs: list[Run]) -> tuple[int, float]:
+    """The runs' ops through the whole lockstep (every check): (ops, seconds).
+    A divergence here is raised: the campaign passed the same ops."""
+    ops = 0
+    seconds = 0.0
+    for cfg, program in runs:
+        lock = make_lockstep(dict(cfg))
+        start = time.perf_counter()
+        for i, op in enumerate(program):
+            lock.step(i, op)
+        seconds += time.perf_counter() - start
+        ops += len(program)
+    return ops, seconds
+
+
+def replay_floor(runs: list[Run], reads: bool) -> tuple[int, float, float]:
+    """The runs' ops on the spec and the implementation alone, each op's
+    result evaluated (``reads``: with every window, in the same one
+    evaluation), nothing compared and no masks made: (ops, spec seconds,
+    implementation seconds)."""
+    ops = 0
+    spec_s = impl_s = 0.0
+    for cfg, program in runs:
+        lock = make_lockstep(dict(cfg))
+        # the lockstep's mask checks (before an append, as a model calls
+        # make_mask), not the op: dense, ring and list kinds make them in
+        # before_append, the pool in check_mask
+        lock.before_append = lock.check_mask = lambda op: None
+        for op in program:
+            ops += 1
+            if op["op"] == "expect":
+                continue
+            start = time.perf_counter()
+            try:
+                _, world = lock.spec_apply(op)
+            except KVCacheError:
+                world = None
+            mid = time.perf_counter()
+            try:
+                lazy = rowgen.mx_arrays(lock.impl_apply(op))
+                if reads:
+                    lazy += rowgen.mx_arrays(lock.impl_views())
+                if lazy:
+                    mx.eval(*lazy)
+            except Exception as exc:
+                if world is not None:
+                    raise RuntimeError(
+                        f"replay without checks: op {op} raised {exc!r} on the implementation, "
+                        "which the spec ran: the floor would not measure the op"
+                    ) from exc
+            end = time.perf_counter()
+            if world is not None:
+                lock.prev_world, lock.world = lock.world, world
+            spec_s += mid - start
+            impl_s += end - mid
+    return ops, spec_s, impl_s
+
+
+def measure(
+    kind: str, mode: str, inplace: bool, batches: int = 3, seed: int | None = None
+) -> HarnessRow:
+    """Every pass for one campaign (module docstring). ``seed``: verify's
+    fixed seed when None."""
+    if seed is None:
+        from fuzz.commands.verify import CAMPAIGN_SEED
+
+        seed = CAMPAIGN_SEED
+    rep, runs, warm = record_campaign(kind, mode, inplace, batches, seed)
+    ops, lock_s = replay_lockstep(runs)
+    campaign_ops = rep.stats.get("ops", 0)
+    if ops != campaign_ops:
+        raise RuntimeError(
+            f"{label(kind, mode, inplace)}: replayed {ops} ops of the campaign's {campaign_ops}"
+        )
+    _, spec_s, impl_s = replay_floor(runs, reads=False)
+    _, rspec_s, rimpl_s = replay_floor(runs, reads=True)
+
+    def rate(seconds: float) -> float:
+        return ops / seconds if seconds > 0 else 0.0
+
+    return HarnessRow(
+        label(kind, mode, inplace),
+        rep.examples,
+        ops,
+        rate(rep.seconds) if rep.seconds else 0.0,
+        warm,
+        rate(lock_s),
+        rate(rspec_s + rimpl_s),
+        rate(spec_s + impl_s),
+        rate(impl_s),
+        rate(spec_s),
+    )
+
+
+def run(only: list[str] | None = None, batches: int = 3, as_json: bool = False) -> int:
+    """Measure every registry campaign (``only``: those whose label holds
+    one of the words, e.g. ``layers`` or ``dense/int8``); print a table, or
+    with ``as_json`` one object (docs/json.md). Returns 0, or 2 when
+    ``only`` selects no campaign."""
+    chosen = [c for c in configs() if not only or any(word in label(*c) for word in only)]
+    err = Console(stderr=True, highlight=False)
+    if not chosen:
+        from fuzz.commands.reports import suggest
+
+        every = [label(*c) for c in configs()]
+        words = sorted({part for name in every for part in name.split("/")}) + every
+        err.print(
+            f"error: --only {' '.join(only or [])}: no campaign's label holds it"
+            f"{suggest((only or [''])[0], words)}; campaigns: {', '.join(every)}",
+            markup=False,
+        )
+        return 2
+    rows = []
+    for c in chosen:
+        err.print(
+            f"bench --harness: {label(*c)} ({batches} batches, then 3 replays) ...", markup=False
+        )
+        rows.append(measure(*c, batches=batches))
+    if as_json:
+        print(
+            json.dumps(
+                {"harness": [asdict(r) for r in rows], "batches": batches, "passes": list(PASSES)}
+            )
+        )
+        return 0
+    table = Table(
+        title=f"kvspec bench --harness: ops/s per process, {batches} batches of verify's seed, "
+        "the same ops replayed"
+    )
+    cells = [
+        [r.config, f"{r.ops:,}", *(f"{getattr(r, p + '_ops_s'):,.0f}" for p in PASSES)]
+        for r in rows
+    ]
+    names = (
+        "campaign",
+        "ops",
+        "all batches",
+        "warm",
+        "no engine",
+        "reads only",
+        "spec+impl",
+        "impl",
+    )
+    for i, name in enumerate(names):
+        # a column is never narrower than its longest cell or header word:
+        # headers wrap at their spaces, no figure or label is cut
+        width = max([len(row[i]) for row in cells] + [len(word) for word in name.split()])
+        table.add_column(name, justify="left" if i == 0 else "right", min_width=width)
+    for row in cells:
+        table.add_row(*row)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        # into a file or a pipe the table is as wide as its one-line rows
+        # (rich would otherwise fit 80 columns and cut the last cells)
+        from rich.measure import Measurement
+
+        console.width = max(
+            80, Measurement.get(console, console.options.update(width=100_000), table).maximum
+        )
+    console.print(table)
+    console.print(
+        "all batches, warm: the campaign's ops over its search seconds (warm: after the first batch). The "
+        "other columns replay the same ops: no engine, through every check without the fuzz engine; reads "
+        "only, the spec and the implementation with one evaluation reading every window and nothing "
+        "compared (the least a check of every window after every op costs); spec+impl, only the op's "
+        "result evaluated; impl, the implementation's share of that.",
+        soft_wrap=True,
+    )
+    return 0
