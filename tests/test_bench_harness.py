@@ -35,7 +35,21 @@ TRACE = loads(
         }
     )
 )
-RUNS = [(TRACE.cache, TRACE.ops)]
+
+
+def _with_expects(trace):
+    """The trace's ops followed by ``expect`` ops pinning every window the
+    spec holds at the end (the floors count them as ops and skip them)."""
+    from fuzz.replay import make_lockstep
+
+    lock = make_lockstep(dict(trace.cache))
+    for i, op in enumerate(trace.ops):
+        lock.step(i, op)
+    return list(trace.ops) + lock.expect_ops()
+
+
+OPS = _with_expects(TRACE)
+RUNS = [(TRACE.cache, OPS)]
 
 
 def test_the_json_follows_its_schema_and_every_pass_measured_the_campaigns_ops():
@@ -47,6 +61,7 @@ def test_the_json_follows_its_schema_and_every_pass_measured_the_campaigns_ops()
     [row] = doc["harness"]
     assert row["config"] == "dense/fp16/copy" and doc["batches"] == 2
     assert row["examples"] == 50 and row["ops"] > 500  # two batches of 25 examples
+    assert doc["passes"] == list(bh.PASSES)
     assert all(row[p + "_ops_s"] > 0 for p in doc["passes"]) and row["spec_ops_s"] > 0
 
 
@@ -62,7 +77,7 @@ def test_the_table_names_every_column(monkeypatch, capsys):
 
 
 def test_the_lockstep_pass_runs_every_op_through_the_checks(monkeypatch):
-    assert bh.replay_lockstep(RUNS)[0] == len(TRACE.ops)
+    assert bh.replay_lockstep(RUNS)[0] == len(OPS)
     from impl.dense import KVCache
 
     monkeypatch.setattr(
@@ -87,8 +102,9 @@ def test_the_floors_run_every_op_without_the_mask_checks():
         for reads in (False, True):
             seen.clear()
             ops, spec_s, impl_s = bh.replay_floor(RUNS, reads=reads)
-            assert ops == len(TRACE.ops) and spec_s > 0 and impl_s > 0
-            assert seen == [op["op"] for op in TRACE.ops]  # the refused restore too
+            assert ops == len(OPS) and spec_s > 0 and impl_s > 0
+            # the refused restore too; the expect ops are counted, not run
+            assert seen == [op["op"] for op in TRACE.ops]
     finally:
         DenseLockstep.impl_apply = own
     from fuzz.replay import make_lockstep
@@ -126,6 +142,14 @@ def test_measure_refuses_a_replay_of_other_ops(monkeypatch):
         (["--harness", "--batches", "1"], ["--batches", "[2, 100]"]),
         (["--only", "paged"], ["--only", "--harness"]),
         (["--harness", "--decoder"], ["--harness", "--decoder"]),
+        (["--harness", "--e2e"], ["--harness", "--e2e"]),
+        (["--harness", "--record", "x"], ["--harness", "--record"]),
+        (["--harness", "--plot", "x.json"], ["--harness", "--plot"]),
+        (["--harness", "--contexts", "16"], ["--harness", "--contexts"]),
+        (["--harness", "--batches", "x"], ["--batches", "'x'"]),
+        (["--batches", "4"], ["--batches", "--harness"]),
+        (["--harness", "--only", ""], ["--only", "must not be empty"]),
+        (["--harness", "--only", "nosuch", "pagd"], ["did you mean 'paged'"]),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(argv, words):
@@ -135,3 +159,224 @@ def test_bad_arguments_exit_2_naming_the_argument(argv, words):
     assert "Traceback" not in text
     for word in words:
         assert word in text
+
+
+# -- the figures: each pass under its own name, from its own seconds ----------
+class _Report:
+    def __init__(self, ops, seconds, examples=50):
+        self.stats, self.seconds, self.examples, self.failure = (
+            {"ops": ops},
+            seconds,
+            examples,
+            None,
+        )
+
+
+def test_measure_puts_each_pass_under_its_name(monkeypatch):
+    calls: list[bool] = []
+    floors = {
+        False: [(0.2, 0.5), (0.1, 0.4), (0.3, 0.6)],
+        True: [(0.3, 2.0), (0.2, 1.8), (0.25, 1.9)],
+    }
+
+    def floor(runs, reads):
+        calls.append(reads)
+        spec_s, impl_s = floors[reads][sum(1 for r in calls if r == reads) - 1]
+        return 1000, spec_s, impl_s
+
+    monkeypatch.setattr(bh, "record_campaign", lambda *a: (_Report(1000, 4.0), [], 300.0))
+    monkeypatch.setattr(bh, "replay_lockstep", lambda runs: (1000, 0.5))
+    monkeypatch.setattr(bh, "replay_floor", floor)
+    row = bh.measure("dense", "fp16", True, batches=3, seed=1)
+    assert calls == [False, True] * bh.FLOOR_REPEATS  # alternated
+    assert (row.config, row.examples, row.ops) == ("dense/fp16/inplace", 50, 1000)
+    # every figure different: a swap, an inversion or a wrong run kept shows
+    assert (
+        row.campaign_all_ops_s == 250 and row.campaign_ops_s == 300 and row.lockstep_ops_s == 2000
+    )
+    assert row.reads_ops_s == pytest.approx(500)  # the fastest reads run: 0.2 + 1.8 s
+    assert row.spec_impl_ops_s == pytest.approx(2000)  # the fastest: 0.1 + 0.4 s
+    assert row.impl_ops_s == pytest.approx(2500) and row.spec_ops_s == pytest.approx(10000)
+
+
+def test_measure_refuses_a_floor_of_other_ops(monkeypatch):
+    monkeypatch.setattr(bh, "record_campaign", lambda *a: (_Report(1000, 4.0), [], 300.0))
+    monkeypatch.setattr(bh, "replay_lockstep", lambda runs: (1000, 0.5))
+    monkeypatch.setattr(bh, "replay_floor", lambda runs, reads: (999, 0.1, 0.1))
+    with pytest.raises(RuntimeError, match="a floor replayed 999 ops of 1000"):
+        bh.measure("dense", "fp16", True, batches=3, seed=1)
+
+
+def test_the_seconds_add_up_over_every_run(monkeypatch):
+    from types import SimpleNamespace
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bh, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    # one tick per run's timed block in the lockstep pass; one tick for the
+    # spec and one for the implementation per op run in a floor
+    assert bh.replay_lockstep(RUNS * 3) == (3 * len(OPS), 3.0)
+    run_ops = len(TRACE.ops)  # the expect ops are not run
+    for reads in (False, True):
+        assert bh.replay_floor(RUNS * 2, reads=reads) == (
+            2 * len(OPS),
+            2.0 * run_ops,
+            2.0 * run_ops,
+        )
+
+
+def test_the_warm_rate_leaves_the_first_batch_out(monkeypatch):
+    class FakeCampaign:
+        def __init__(self, kind, mode, inplace, seed, **kw):
+            self.machine = type("M", (), {"teardown": lambda self: None, "last_run": ({}, [])})
+            self.reports = iter([_Report(100, 1.0), _Report(300, 2.0), _Report(600, 4.0)])
+
+        def batch(self):
+            return next(self.reports)
+
+    monkeypatch.setattr(bh, "Campaign", FakeCampaign)
+    rep, runs, warm = bh.record_campaign("dense", "fp16", True, 3, 1)
+    assert (rep.stats["ops"], rep.seconds, runs) == (600, 4.0, [])
+    assert warm == pytest.approx((600 - 100) / (4.0 - 1.0))
+
+    class Stuck(FakeCampaign):  # no time after the first batch: no rate, not a division by zero
+        def batch(self):
+            return _Report(100, 1.0)
+
+    monkeypatch.setattr(bh, "Campaign", Stuck)
+    assert bh.record_campaign("dense", "fp16", True, 2, 1)[2] == 0.0
+
+
+def test_a_failed_campaign_is_refused_not_measured(monkeypatch):
+    from impl.dense import KVCache
+
+    monkeypatch.setattr(KVCache, "trim", lambda self, n: 0)
+    with pytest.raises(RuntimeError, match="the campaign failed"):
+        bh.record_campaign("dense", "fp16", False, 2, 1)
+
+
+# -- the table and --only ------------------------------------------------------
+def test_each_column_sits_under_its_header(monkeypatch, capsys):
+    row = bh.HarnessRow("dense/fp16/copy", 50, 3000, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0)
+    monkeypatch.setattr(bh, "measure", lambda *c, batches: row)
+    assert bh.run(["dense/fp16/copy"], batches=2) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("┃"))
+    cells = next(line for line in lines if "dense/fp16/copy" in line)
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    values = [c.strip() for c in cells.strip("│").split("│")]
+    assert dict(zip(names, values, strict=True)) == {
+        "campaign": "dense/fp16/copy",
+        "ops": "3,000",
+        "all batches": "1",
+        "warm": "2",
+        "no engine": "3",
+        "reads only": "4",
+        "spec+impl": "5",
+        "impl": "6",
+    }
+
+
+@pytest.mark.parametrize(
+    "only, labels",
+    [
+        (["layers"], ["layers/fp16/inplace", "layers/fp16/copy", "layers/int8/inplace"]),
+        (["int8"], ["dense/int8/inplace", "layers/int8/inplace"]),
+        (["nosuch", "paged"], ["paged/fp16/inplace", "paged/fp16/copy"]),
+        (["rotating/fp16/copy", "dense/turbo4/"], ["dense/turbo4/inplace", "rotating/fp16/copy"]),
+        (None, [bh.label(*c) for c in bh.configs()]),
+    ],
+)
+def test_only_picks_every_campaign_whose_label_holds_a_word(monkeypatch, capsys, only, labels):
+    seen: list[str] = []
+
+    def fake(kind, mode, inplace, batches):
+        seen.append(bh.label(kind, mode, inplace))
+        return bh.HarnessRow(seen[-1], 50, 10, *([1.0] * 7))
+
+    monkeypatch.setattr(bh, "measure", fake)
+    assert bh.run(only, batches=2, as_json=True) == 0
+    assert seen == labels
+    assert [r["config"] for r in json.loads(capsys.readouterr().out)["harness"]] == labels
+
+
+def test_the_schema_requires_every_field_and_no_other():
+    import dataclasses
+
+    schema = json.loads((SCHEMAS / "bench.schema.json").read_text())
+    fields = [f.name for f in dataclasses.fields(bh.HarnessRow)]
+    row = dict(zip(fields, ["dense/fp16/copy", 50, 1000, *([1.0] * 7)], strict=True))
+    good = {"harness": [row], "batches": 3, "passes": list(bh.PASSES)}
+    jsonschema.validate(good, schema, cls=jsonschema.Draft202012Validator)
+    bad = [
+        *({**good, "harness": [{k: v for k, v in row.items() if k != f}]} for f in fields),
+        {**good, "harness": [{**row, "extra_ops_s": 1.0}]},
+        {**good, "passes": list(bh.PASSES)[1:]},
+        {**good, "harness": []},
+        {k: v for k, v in good.items() if k != "batches"},
+    ]
+    for doc in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+
+
+# -- every kind: the floors run its ops and make no mask check ------------------
+@pytest.mark.parametrize(
+    "kind, mode, inplace",
+    [
+        ("rotating", "fp16", True),
+        ("layers", "int8", True),
+        ("paged", "fp16", False),
+        ("dense", "turbo4", True),
+    ],
+)
+def test_the_floors_of_every_kind_skip_the_mask_checks_and_advance_the_world(
+    monkeypatch, kind, mode, inplace
+):
+    from fuzz.commands.verify import CAMPAIGN_SEED
+    from fuzz.replay import make_lockstep
+
+    _, runs, _ = bh.record_campaign(kind, mode, inplace, 1, CAMPAIGN_SEED)
+    runs = [r for r in runs if len(r[1]) > 3][:4]
+    assert runs, "the campaign ran no example of more than three ops"
+    lock_type = type(make_lockstep(dict(runs[0][0])))
+
+    def no_mask_check(self, op):
+        raise AssertionError("a floor made a mask check")
+
+    monkeypatch.setattr(lock_type, "before_append", no_mask_check)
+    monkeypatch.setattr(lock_type, "check_mask", no_mask_check, raising=False)
+    # each op's spec runs on the world the previous accepted op returned
+    own_spec = lock_type.spec_apply
+    last: dict[int, object] = {}
+    alive: list[object] = []  # each lockstep kept, so that no id is reused
+
+    def spec_apply(self, op):
+        if id(self) in last:
+            assert self.world is last[id(self)], f"op {op} ran on a stale world"
+        result, world = own_spec(self, op)
+        last[id(self)] = world
+        alive.append(self)
+        return result, world
+
+    monkeypatch.setattr(lock_type, "spec_apply", spec_apply)
+    for reads in (False, True):
+        last.clear()
+        assert bh.replay_floor(runs, reads=reads)[0] == sum(len(ops) for _, ops in runs)
+        assert len(last) == len(runs)  # every run's lockstep reached the spec
+
+
+def test_the_reads_floor_reads_every_window_and_the_other_none(monkeypatch):
+    from fuzz.dense import DenseLockstep
+
+    calls: list[int] = []
+    own = DenseLockstep.impl_views
+
+    def spy(self):
+        calls.append(1)
+        return own(self)
+
+    monkeypatch.setattr(DenseLockstep, "impl_views", spy)
+    bh.replay_floor(RUNS, reads=False)
+    assert calls == []
+    bh.replay_floor(RUNS, reads=True)
+    assert len(calls) == len(TRACE.ops)  # once after every op run (a refused one too)

@@ -773,11 +773,35 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                         argv=getattr(args, "argv", None))
 
 
+#: the cache bench's options and their defaults (``kvspec bench``'s parser
+#: takes them from here; ``--harness`` refuses any that is set)
+_BENCH_DEFAULTS: dict[str, Any] = {
+    "contexts": [1024, 8192, 32768], "decoder": False, "e2e": False, "layers": None, "rounds": None,
+    "e2e_contexts": [1024, 8192, 24576], "tokens": 48, "repeats": 2, "record": None, "e2e_size": "7b",
+    "plot": None,
+}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fuzz.commands.bench import run, run_suite
 
+    if args.harness:
+        # the harness bench takes none of the cache bench's options: refused
+        # rather than ignored (--plot would otherwise win, silently)
+        given = [f"--{name.replace('_', '-')}" for name, default in _BENCH_DEFAULTS.items()
+                 if getattr(args, name) != default]
+        if given:
+            return _usage_error(_console(), f"--harness: measures the fuzz harness alone; it takes no "
+                                            f"{', '.join(given)} (options of the cache bench)")
+        from fuzz.commands.bench_harness import run as run_harness
+
+        return run_harness(args.only, args.batches or 3, args.json)
+    for name in ("only", "batches"):
+        if getattr(args, name) is not None:
+            return _usage_error(_console(), f"--{name}: an option of --harness (the fuzz harness's bench); "
+                                            "give --harness too")
     if args.record:
         # made (or refused) before a run of minutes, not after it
         try:
@@ -797,15 +821,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return _usage_error(_console(), f"--plot: {args.plot} must be a record's JSON with decoder rows ({exc})")
         _console().print(f"bench: plot written: {path}", markup=False)
         return 0
-    if args.harness:
-        if args.decoder or args.e2e or args.record:
-            return _usage_error(_console(), "--harness: measures the fuzz harness alone; it takes no --decoder, "
-                                            "--e2e or --record")
-        from fuzz.commands.bench_harness import run as run_harness
-
-        return run_harness(args.only, args.batches, args.json)
-    if args.only:
-        return _usage_error(_console(), "--only: picks campaigns of --harness; give --harness too")
     if not (args.decoder or args.e2e or args.record):
         return run(args.contexts, args.json)
     return run_suite(args.contexts, decoder=args.decoder, e2e=args.e2e, layers=args.layers, rounds=args.rounds,
@@ -1122,7 +1137,7 @@ def build_parser() -> argparse.ArgumentParser:
              "Measure the cost contract at growing context lengths, as ratios: decode in place vs copying, "
              "and trim+append rollback with the logical trim vs a physical re-slice. Each step consumes keys "
              "and values as a decoder does.")
-    be.add_argument("--contexts", type=int_in(1, 2**20), nargs="+", default=[1024, 8192, 32768],
+    be.add_argument("--contexts", type=int_in(1, 2**20), nargs="+", default=_BENCH_DEFAULTS["contexts"],
                     help="context lengths (rows); the last over the first is the ratio column")
     be.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     be.add_argument("--decoder", action="store_true",
@@ -1132,12 +1147,14 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--layers", type=int_in(1, 256), default=None,
                     help="layers per decoder step (default: 28 on a GPU, 4 on the CPU)")
     be.add_argument("--rounds", type=int_in(2, 10000), default=None, help="timed rounds per row and context")
-    be.add_argument("--e2e-contexts", type=int_in(16, 2**20), nargs="+", default=[1024, 8192, 24576],
+    be.add_argument("--e2e-contexts", type=int_in(16, 2**20), nargs="+", default=_BENCH_DEFAULTS["e2e_contexts"],
                     help="prefill lengths of the end-to-end rows")
-    be.add_argument("--tokens", type=int_in(4, 100000), default=48, help="tokens decoded per end-to-end run")
-    be.add_argument("--repeats", type=int_in(1, 100), default=2, help="end-to-end runs per config (median)")
+    be.add_argument("--tokens", type=int_in(4, 100000), default=_BENCH_DEFAULTS["tokens"],
+                    help="tokens decoded per end-to-end run")
+    be.add_argument("--repeats", type=int_in(1, 100), default=_BENCH_DEFAULTS["repeats"],
+                    help="end-to-end runs per config (median)")
     be.add_argument("--record", metavar="DIR", help="write the run as a record under DIR: JSON, Markdown, PNG plot")
-    be.add_argument("--e2e-size", choices=["7b", "tiny"], default="7b",
+    be.add_argument("--e2e-size", choices=["7b", "tiny"], default=_BENCH_DEFAULTS["e2e_size"],
                     help="end-to-end model shapes: Qwen2.5-7B / 0.5B and Gemma-3-1B (default), or toy shapes (a smoke run)")
     be.add_argument("--plot", metavar="JSON",
                     help="only draw the PNG plot of an existing record's JSON (beside it) and exit; for a record "
@@ -1148,8 +1165,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "implementation alone with and without reading every window (docs/fuzzing.md)")
     be.add_argument("--only", nargs="+", metavar="WORD",
                     help="with --harness: the campaigns whose label (kind/mode/inplace|copy) holds one of the words")
-    be.add_argument("--batches", type=int_in(2, 100), default=3,
-                    help="with --harness: seeded batches of 25 examples per campaign (the first is timed apart)")
+    be.add_argument("--batches", type=int_in(2, 100), default=None,
+                    help="with --harness: seeded batches of 25 examples per campaign, the first timed apart "
+                         "(default 3)")
     be.set_defaults(fn=cmd_bench)
 
     e = add("e2e", "real decoding: the caches inside mlx-lm models, byte-identical to the references",
