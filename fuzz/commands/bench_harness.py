@@ -26,11 +26,13 @@ through ever less of the harness, each pass in this one process:
 Each figure is ops over wall seconds (``time.perf_counter``); the two
 floors run :data:`FLOOR_REPEATS` times each, alternated, and keep their
 fastest run. They are one machine's figures, read as ratios within one
-run; the ``reads`` column is a
-floor for a campaign that keeps every check on this machine (only a faster
-implementation, or fewer reads, lowers it), and the gap from ``lockstep``
-to ``campaign`` is the engine's share. The make-mask calls an append makes
-in the lockstep (its checks) are left out of the three floors.
+run; the ``reads`` column is a floor for a campaign that keeps every check
+on this machine (only a faster implementation, or fewer reads, lowers it),
+and the gap from ``lockstep`` to ``campaign`` is the engine's share. The
+make-mask calls an append makes in the lockstep (its checks) are left out
+of the three floors. A campaign that fails, or a floor that cannot run an
+op the spec ran, stops the bench with RuntimeError: no figure is given for
+ops that were not run.
 """
 
 from __future__ import annotations
