@@ -101,7 +101,7 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert set(paired["speculative"]) == set(doc["e2e"]["rows"]["speculative"]) - {"mlx-lm caches"}
     assert all(c["runs"] == 2 for by in paired.values() for v in by.values() for c in v.values())
     stem = tmp_path / f"{doc['date']}-{doc['device']}"
-    assert "against mlx-lm's caches in the same repeat" in stem.with_suffix(".md").read_text()
+    assert "against mlx-lm's caches in the same round" in stem.with_suffix(".md").read_text()
     # the paired cells themselves, in the record and on the terminal (not "-")
     cell = bench._paired_cell(paired["greedy"]["ours, in place"]["16"])
     assert f"| ours, in place | {cell} |" in stem.with_suffix(".md").read_text()
@@ -112,44 +112,81 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_end_to_end_runs_warm_up_each_config_and_rotate_the_order(monkeypatch):
-    """Every config runs once, unmeasured, at each context before the
-    measured runs (the first config at a context ran at a fifth of its speed
-    on the H200: kernels compiled on first use), and each repeat starts the
-    round-robin one config later."""
+def test_end_to_end_blocks_warm_up_each_config_keep_its_caches_and_rotate_the_order(monkeypatch):
+    """Every config prefills and decodes ``warmup`` tokens unmeasured before
+    any block is timed (the first config at a context ran at a fifth of its
+    speed on the H200: kernels compiled on first use); each config keeps one
+    generator (one set of caches) for all its blocks; round ``r`` decodes
+    one block of every config, started one config later than round
+    ``r - 1``; each block ends on an idle stream; block ``r`` of every config
+    lands at index ``r`` of its samples."""
     from fuzz.commands import bench_decoder as bd
 
+    log: list[tuple] = []
+    made: list[str] = []
+
+    def fake_generator(model, caches, context, tokens, draft=None, draft_caches=None):
+        name = caches[0]
+        made.append(name)
+
+        def gen():
+            for i in range(tokens):
+                log.append(("token", name, i, context, draft is not None))
+                yield (i, None, i % 2 == 0) if draft is not None else (i, None)
+        return gen()
+
+    configs = {n: (lambda m, n=n: [n]) for n in ("a", "b", "c")}
+    monkeypatch.setattr(bd, "_generator", fake_generator)
+    monkeypatch.setattr(bd, "_sync", lambda: log.append(("sync",)))
+    clock = iter(range(10**6))
+    monkeypatch.setattr(bd.time, "perf_counter", lambda: float(next(clock)))
+    samples, share = bd.interleaved_blocks(None, configs, 24, block=3, blocks=4, draft=object(), warmup=2)
+    assert made == ["a", "b", "c"]  # one generator per config, for every block
+    tokens = [e for e in log if e[0] == "token"]
+    # the warm-up: prefill + 2 tokens of each config, before any block
+    assert [e[1] for e in tokens[:9]] == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    blocks = [e[1] for e in tokens[9:]][::3]
+    assert blocks == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # each block is timed to an idle stream: a sync after its last token
+    after = [log[i + 1] for i, e in enumerate(log) if e[0] == "token" and e[2] >= 3 and (e[2] - 2) % 3 == 0]
+    assert all(x == ("sync",) for x in after)
+    assert all(len(v) == 4 for v in samples.values())
+    assert all(0 < a <= 1 for a in share.values())
+    # the rows: speculative, greedy and the sliding-window model, each context's blocks in its samples
     calls = []
 
-    def fake(model, cache_fn, context, tokens, draft=None, draft_cache_fn=None):
-        caches = cache_fn()
-        calls.append((context, tokens, draft is not None, type(caches[0]).__module__, len(calls)))
-        out = {"tokens_per_s": 100.0 + len(calls)}
-        if draft is not None:
-            out["accepted"] = 0.5
-        return out
+    def fake_blocks(model, makers, context, block, blocks, draft=None, warmup=8):
+        calls.append((context, block, blocks, draft is not None, tuple(makers)))
+        return {n: [100.0 + i for i in range(blocks)] for n in makers}, (dict.fromkeys(makers, 0.5) if draft else {})
 
-    monkeypatch.setattr(bd, "tokens_per_second", fake)
+    monkeypatch.setattr(bd, "interleaved_blocks", fake_blocks)
     res = bd.run_e2e([24], tokens=4, repeats=3, size="tiny", say=lambda m: None, warmup=2)
-    configs = list(bd.e2e_configs())
-    at24 = [c for c in calls if c[0] == 24]
-    # the warm-up: each config, speculative and greedy, before any measured run
-    assert [c[1] for c in at24[:2 * len(configs)]] == [2] * (2 * len(configs))
-    assert all(c[1] == 4 for c in at24[2 * len(configs):])
-    assert sum(c[1] == 2 for c in at24) == 2 * len(configs)
-    # rotation: repeat r starts with config r
-    spec = res["samples"]["speculative"]
-    first_of_repeat = [min(configs, key=lambda n: spec[n][24][r]) for r in range(3)]
-    assert first_of_repeat == configs[:3]
-    # the sliding-window model is warmed up too (one unmeasured run per config)
-    window = [c for c in calls if c[0] != 24]
-    assert sum(c[1] == 2 for c in window) == len(configs) - 1
-    # ... at the context it is measured at, and its repeats rotate too
-    window_configs = [n for n in configs if n != "ours, physical trim"]
-    sw = res["samples"]["sliding window"]
-    (ctx,) = {n for by in sw.values() for n in by}
-    assert all(c[0] == ctx for c in window)
-    assert [min(window_configs, key=lambda n: sw[n][ctx][r]) for r in range(3)] == window_configs[:3]
+    every = tuple(bd.e2e_configs())
+    greedy = tuple(n for n in every if n != "ours, physical trim")
+    assert calls[:2] == [(24, 4, 3, True, every), (24, 4, 3, False, greedy)]
+    (ctx, block, blocks, d, names), = calls[2:]
+    assert (blocks, d, names) == (3, False, greedy) and ctx * 4 == 64 and block * blocks + ctx < 64
+    assert res["samples"]["greedy"]["ours, in place"][24] == [100.0, 101.0, 102.0]
+    assert res["greedy"]["ours, in place"][24] == 101.0 and res["acceptance"]["ours, in place"][24] == 0.5
+
+
+def test_median_interval_is_the_distribution_free_one():
+    # n = 6: P(Bin(6, 1/2) = 0) = 1/64 <= 0.025 < 7/64: the extreme order statistics
+    assert bench.median_interval([5.0, 1.0, 4.0, 2.0, 3.0, 6.0]) == (1.0, 6.0)
+    assert bench.median_interval([1.0] * 5) is None  # 1/32 > 0.025: no 95 % interval from 5
+    # n = 20: k = 6 (P(Bin(20, 1/2) <= 5) = 0.0207, <= 6: 0.0577)
+    xs = [float(i) for i in range(20)]
+    assert bench.median_interval(xs) == (5.0, 14.0)
+    # coverage, by simulation: the true median lies inside in at least 95 % of samples
+    import random
+
+    rng = random.Random(3)
+    hits = sum(lo <= 0.0 <= hi for lo, hi in (bench.median_interval([rng.gauss(0, 1) for _ in range(12)])
+                                             for _ in range(2000)))
+    assert hits >= 0.94 * 2000
+    cell = {"median": 1.01, "ci_low": 0.995, "ci_high": 1.02, "low": 0.9, "high": 1.1, "faster_in": 7, "runs": 12}
+    assert bench._paired_cell(cell) == "1.010x [0.995, 1.020] (0.90-1.10), 7/12"
+    assert bench._paired_cell({**cell, "ci_low": None, "ci_high": None}) == "1.010x (0.90-1.10), 7/12"
 
 
 def test_paired_ratios_divide_runs_of_the_same_repeat():
@@ -162,7 +199,7 @@ def test_paired_ratios_divide_runs_of_the_same_repeat():
     table = bench.paired_table({"greedy": {k: {str(n): v for n, v in by.items()} for k, by in samples.items()}})
     cell = table["greedy"]["ours, in place"]["1024"]
     assert cell["median"] == pytest.approx(1.1) and cell["faster_in"] == 2 and cell["runs"] == 3
-    assert bench._paired_cell(cell) == "1.10x (0.90-1.10), 2/3"
+    assert bench._paired_cell(cell) == "1.100x (0.90-1.10), 2/3" and cell["ci_low"] is None
     assert "mlx-lm caches" not in table["greedy"] and bench._paired_cell(None) == "-"
     assert bd.rotated(["a", "b", "c"], 4) == ["b", "c", "a"] and bd.rotated([], 2) == []
 

@@ -31,13 +31,13 @@ if [ "${TINY:-0}" = 1 ]; then
   DEVICE=cpu
   VERIFY_ARGS=(--quick -k "equivalent" -k "bug gpu_*" -k "trace dense*" -j 2)
   PROFILE_ARGS=(--contexts 64 128 --layers 2 --rounds 2)
-  BENCH_ARGS=(--contexts 64 128 --layers 2 --rounds 2 --e2e-contexts 32 64 --tokens 4 --repeats 1 --e2e-size tiny)
+  BENCH_ARGS=(--contexts 64 128 --layers 2 --rounds 2 --e2e-contexts 32 64 --tokens 4 --repeats 6 --e2e-size tiny)
   VERIFY_CAP=${VERIFY_CAP:-120}
 else
   DEVICE=gpu
   VERIFY_ARGS=(-j "${JOBS:-14}")
   PROFILE_ARGS=(--contexts 1024 32768 --layers 28 --rounds 10)
-  BENCH_ARGS=(--contexts 1024 8192 32768 --tokens 96 --repeats "${REPEATS:-3}")
+  BENCH_ARGS=(--contexts 1024 8192 32768 --tokens "${TOKENS:-16}" --repeats "${REPEATS:-24}")
   VERIFY_CAP=${VERIFY_CAP:-300}
 fi
 [ "$PHASE" = verify ] && VERIFY_CAP=$(( SESSION_CAP - 30 ))
@@ -45,7 +45,9 @@ fi
 # them (kvspec verify -k, each a shell glob such as "fuzz dense*"; not
 # expanded here); E2E=0 leaves the end-to-end rows out of the bench (they
 # need the most time and are the noisiest)
-# REPEATS=N: measured end-to-end runs per config and context (3)
+# REPEATS=N: measured end-to-end blocks per config and context (24), TOKENS=N
+# tokens a block (16): the configs decode their blocks in turn from caches
+# kept alive, each block paired with mlx-lm's of the same round
 IFS=';' read -ra KPATS <<< "${VERIFY_K:-}"
 for pat in "${KPATS[@]}"; do [ -n "$pat" ] && VERIFY_ARGS+=(-k "$pat"); done
 E2E_FLAG=--e2e

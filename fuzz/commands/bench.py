@@ -158,7 +158,7 @@ def _ratio(row: dict, contexts: list[int]) -> float:
 
 
 def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, layers: int | None = None,
-              rounds: int | None = None, e2e_contexts: list[int] | None = None, tokens: int = 48, repeats: int = 2,
+              rounds: int | None = None, e2e_contexts: list[int] | None = None, tokens: int = 16, repeats: int = 12,
               as_json: bool = False, record: str | None = None, e2e_size: str = "7b") -> int:
     """The cache rows (:func:`run`'s), the decoder rows and the end-to-end
     rows (fuzz.commands.bench_decoder) in one run; printed as tables, or one
@@ -260,12 +260,12 @@ def print_suite(doc: dict) -> None:
                 t.add_row(name, *(_e2e_cell(v.get(str(n)), spread.get(name, {}).get(str(n))) for n in ctxs))
             console.print(t)
         if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
-            console.print(f"each cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} tokens "
-                          "(the lowest and highest in brackets)")
+            console.print(f"each cell: the median of {doc['e2e']['repeats']} blocks of {doc['e2e']['tokens']} tokens, "
+                          "the caches decoding their blocks in turn (the lowest and highest in brackets)")
         paired = doc["e2e"].get("paired") or {}
         for row, by in paired.items():
             ctxs = _contexts(by)
-            t = Table(title=f"end to end, {row}: tokens/s against mlx-lm's caches in the same repeat")
+            t = Table(title=f"end to end, {row}: tokens/s against mlx-lm's caches in the same round")
             t.add_column("caches", no_wrap=True)
             for n in ctxs:
                 t.add_column(str(n), justify="right")
@@ -273,14 +273,16 @@ def print_suite(doc: dict) -> None:
                 t.add_row(name, *(_paired_cell(v.get(str(n))) for n in ctxs))
             console.print(t)
         if paired:
-            console.print("each cell: the median of the run-by-run ratios (their range), and in how many repeats "
-                          "the row was the faster; above 1.00x: faster than mlx-lm's caches")
+            console.print("each cell: the median of the block-by-block ratios, its 95 % confidence interval in square "
+                          "brackets, their range, and in how many blocks the row was the faster; above 1.000x: "
+                          "faster than mlx-lm's caches")
 
 
 def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, dict[str, dict]]]:
     """``{row: {config: {context: {"median": m, "low": lo, "high": hi,
-    "faster_in": k, "runs": n}}}}``: each config's run-by-run ratio to
-    mlx-lm's caches in the same repeat (``bench_decoder.paired_ratios``;
+    "ci_low": a, "ci_high": b, "faster_in": k, "runs": n}}}}``: each
+    config's block-by-block ratio to
+    mlx-lm's caches in the same round (``bench_decoder.paired_ratios``;
     above 1: faster than mlx-lm's), for every config but mlx-lm's."""
     from fuzz.commands import bench_decoder as bd
 
@@ -293,10 +295,32 @@ def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[
                 continue
             for n, ratios in bd.paired_ratios(by, name).items():
                 if ratios:
+                    ci = median_interval(ratios)
                     out.setdefault(row, {}).setdefault(name, {})[n] = {
                         "median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+                        "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
                         "faster_in": sum(r > 1 for r in ratios), "runs": len(ratios)}
     return out
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of
+    ``values`` (independent draws): the order statistics ``k`` and
+    ``n + 1 - k``, ``k`` the largest with ``P(Binomial(n, 1/2) < k) <=
+    (1 - level) / 2``, so the interval holds the true median with
+    probability at least ``level`` whatever the distribution. None where
+    ``n`` is too small for any such ``k`` (fewer than 6 values at 95 %)."""
+    import math
+
+    n = len(values)
+    tail, k, below = (1 - level) / 2, 0, 0.0
+    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        return None
+    xs = sorted(values)
+    return xs[k - 1], xs[n - k]
 
 
 def _contexts(by: dict[str, dict[str, Any]]) -> list[int]:
@@ -305,11 +329,14 @@ def _contexts(by: dict[str, dict[str, Any]]) -> list[int]:
 
 
 def _paired_cell(p: dict | None) -> str:
-    """``1.03x (0.97-1.10), 2/3``: the median ratio, its range and in how
-    many repeats the config was the faster one."""
+    """``1.03x [0.99, 1.06] (0.90-1.10), 14/24``: the median ratio, its 95 %
+    confidence interval (:func:`median_interval`; left out where there are
+    too few blocks), the range of the ratios and in how many blocks the
+    config was the faster one."""
     if not p:
         return "-"
-    return f"{p['median']:.2f}x ({p['low']:.2f}-{p['high']:.2f}), {p['faster_in']}/{p['runs']}"
+    ci = f" [{p['ci_low']:.3f}, {p['ci_high']:.3f}]" if p.get("ci_low") is not None else ""
+    return f"{p['median']:.3f}x{ci} ({p['low']:.2f}-{p['high']:.2f}), {p['faster_in']}/{p['runs']}"
 
 
 def _e2e_cell(median: float | None, samples: list[float] | None) -> str:
@@ -378,19 +405,22 @@ def write_record(doc: dict, folder: str) -> str:
                 lines.append(f"| {name} | " + " | ".join(c if c else "-" for c in cells) + " |")
             lines.append("")
         if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
-            lines += [(f"Each tokens/s cell: the median of {doc['e2e']['repeats']} runs of {doc['e2e']['tokens']} "
-                      "tokens, taken round-robin across the caches (the lowest and highest in brackets)."), ""]
+            lines += [(f"Each tokens/s cell: the median of {doc['e2e']['repeats']} blocks of {doc['e2e']['tokens']} "
+                      "tokens, the caches decoding their blocks in turn from caches kept alive (the lowest and "
+                      "highest in brackets)."), ""]
         for row, by in (doc["e2e"].get("paired") or {}).items():
             ctxs = _contexts(by)
-            lines += [f"## End to end, {row}: against mlx-lm's caches in the same repeat", "",
+            lines += [f"## End to end, {row}: against mlx-lm's caches in the same round", "",
                       "| caches | " + " | ".join(map(str, ctxs)) + " |", "| --- |" + " --- |" * len(ctxs)]
             lines += [f"| {name} | " + " | ".join(_paired_cell(v.get(str(n))) for n in ctxs) + " |"
                       for name, v in by.items()]
             lines.append("")
         if doc["e2e"].get("paired"):
-            lines += [("Each cell: the median of the run-by-run ratios of tokens/s to mlx-lm's caches, each run "
-                       "divided by mlx-lm's run of the same repeat (their range in brackets), and in how many "
-                       "repeats the row was the faster; above 1.00x: faster than mlx-lm's caches."), ""]
+            lines += [("Each cell: the median of the block-by-block ratios of tokens/s to mlx-lm's caches, each "
+                       "block divided by mlx-lm's block of the same round, its distribution-free 95 % confidence "
+                       "interval in square brackets (none with fewer than 6 blocks), the range of the ratios in "
+                       "round brackets, and in how many blocks the row was the faster; above 1.000x: faster than "
+                       "mlx-lm's caches."), ""]
     png = stem.with_suffix(".png")
     if "decoder" in doc:
         try:

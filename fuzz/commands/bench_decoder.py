@@ -22,10 +22,13 @@ End-to-end rows (``--e2e``): tokens per second through mlx-lm with
 random-weight models at real shapes: greedy ``generate_step`` and
 ``speculative_generate_step`` (a 0.5B-shaped draft, 3 draft tokens) on a
 28-layer Qwen2.5-7B-shaped target, at contexts of about 1k, 8k and 24k; and a
-Gemma-3-1B-shaped sliding-window model decoding inside its window. Random
-weights make the draft disagree with the target almost always, so every
-speculative round rolls the caches back: the logical vs physical trim row is
-the worst case for a physical trim.
+Gemma-3-1B-shaped sliding-window model decoding inside its window. The
+draft is made to agree with the target on about three tokens in four
+(:func:`agreeing_pair`), so speculative rounds both accept and roll back.
+Every config's caches stay alive and the configs decode short blocks in
+turn (:func:`interleaved_blocks`): each block is paired with mlx-lm's block
+of the same round, seconds apart, which divides out the slow stretches of a
+shared host that whole runs minutes apart could not.
 
 Times are medians over rounds taken round-robin across the compared rows:
 each comparison (ours, mlx-lm's, and the attention-only floor they are
@@ -354,36 +357,6 @@ def _prompt(n: int, vocab: int) -> mx.array:
     return (mx.arange(n) * 7919 + 13) % (vocab - 1)
 
 
-def tokens_per_second(model: Any, cache_fn: Callable[[], list[Any]], context: int, tokens: int,
-                      draft: Any = None, draft_cache_fn: Callable[[], list[Any]] | None = None) -> dict[str, float]:
-    """Greedy decoding of ``tokens`` tokens after a prefill of ``context``:
-    tokens/s from the first token on (the prefill excluded), and, with a
-    draft, the share of tokens the draft proposed and the target accepted."""
-    from mlx_lm.generate import generate_step, speculative_generate_step
-
-    prompt = _prompt(context, model.args.vocab_size)
-    cache = cache_fn()
-    if draft is not None:
-        assert draft_cache_fn is not None
-        gen = speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=tokens + 1,
-                                        prompt_cache=cache + draft_cache_fn())
-    else:
-        gen = generate_step(prompt, model, max_tokens=tokens + 1, prompt_cache=cache)
-    start, count, accepted = 0.0, 0, 0
-    for i, item in enumerate(gen):
-        if i == 0:
-            start = time.perf_counter()
-            continue
-        count += 1
-        if draft is not None and item[2]:
-            accepted += 1
-    seconds = time.perf_counter() - start
-    out = {"tokens_per_s": count / seconds}
-    if draft is not None:
-        out["accepted"] = accepted / max(count, 1)
-    return out
-
-
 def e2e_configs() -> dict[str, Callable[[Any], list[Any]]]:
     """Config name -> prompt-cache maker for a model."""
     from mlx_lm.models import cache as mc
@@ -408,30 +381,98 @@ def rotated(names: list[str], r: int) -> list[str]:
 
 def paired_ratios(samples: dict[str, dict[Any, list[float]]], name: str, base: str = "mlx-lm caches"
                   ) -> dict[Any, list[float]]:
-    """``{context: [run i of name / run i of base]}``: each ratio from one
-    repeat of the round-robin, the two runs minutes apart at most, so a slow
-    stretch of the host divides out (a ratio above 1: ``name`` was faster)."""
+    """``{context: [block r of name / block r of base]}``: each ratio from
+    one round of :func:`interleaved_blocks`, the two blocks seconds apart at
+    most, so a slow stretch of the host divides out (a ratio above 1:
+    ``name`` was faster). Raises ValueError when the two have not as many
+    blocks."""
     return {n: [a / b for a, b in zip(runs, samples[base][n], strict=True)]
             for n, runs in samples.get(name, {}).items() if n in samples.get(base, {})}
+
+
+def _generator(model: Any, caches: list[Any], context: int, tokens: int, draft: Any = None,
+               draft_caches: list[Any] | None = None) -> Any:
+    """mlx-lm's greedy ``generate_step`` (or ``speculative_generate_step``
+    with ``draft``, 3 draft tokens) over ``caches`` after a prefill of
+    ``context`` tokens, for at most ``tokens`` tokens."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    prompt = _prompt(context, model.args.vocab_size)
+    if draft is not None:
+        return speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=tokens,
+                                         prompt_cache=caches + (draft_caches or []))
+    return generate_step(prompt, model, max_tokens=tokens, prompt_cache=caches)
+
+
+def _sync() -> None:
+    """Wait for everything mlx-lm's generation stream has queued."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+
+
+def interleaved_blocks(model: Any, makers: dict[str, Callable[[Any], list[Any]]], context: int, block: int,
+                       blocks: int, draft: Any = None, warmup: int = 8) -> tuple[dict[str, list[float]],
+                                                                                dict[str, float]]:
+    """Tokens/s of every config in ``makers`` (name -> prompt-cache maker
+    for a model), measured in ``blocks`` blocks of ``block`` tokens each,
+    the configs taking turns: every config prefills ``context`` tokens and
+    decodes ``warmup`` tokens unmeasured (MLX builds its kernels for the
+    shapes on first use), then round ``r`` decodes one block of every
+    config, in the order :func:`rotated` gives for ``r``, each block timed
+    from an idle stream to an idle stream (the step mlx-lm's pipeline has
+    already queued when the block ends is waited for and counted in it).
+    Every config's caches and generator stay alive across the rounds, so
+    block ``r`` of two configs is decoded seconds apart at most, at the
+    same position in the same token stream (the caches give the same
+    tokens): a slow stretch of a shared host falls on both, and their
+    ratio (:func:`paired_ratios`) divides it out.
+
+    Returns ``({name: [tokens/s of block r]}, {name: share of the measured
+    tokens the draft proposed and the target accepted}``; the second is
+    empty without a draft."""
+    names = list(makers)
+    gens = {}
+    for name in names:
+        make = makers[name]
+        gens[name] = _generator(model, make(model), context, warmup + block * blocks + 1, draft,
+                                make(draft) if draft is not None else None)
+        for _ in range(warmup + 1):  # the prefill and the warm-up, unmeasured
+            next(gens[name])
+        _sync()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    accepted = dict.fromkeys(names, 0)
+    for r in range(blocks):
+        for name in rotated(names, r):
+            gen = gens[name]
+            start = time.perf_counter()
+            for _ in range(block):
+                item = next(gen)
+                if draft is not None and item[2]:
+                    accepted[name] += 1
+            _sync()
+            samples[name].append(block / (time.perf_counter() - start))
+    for gen in gens.values():
+        gen.close()
+    share = {name: accepted[name] / (block * blocks) for name in names} if draft is not None else {}
+    return samples, share
 
 
 def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
             say: Callable[[str], None] = print, warmup: int = 8) -> dict[str, Any]:
     """Every end-to-end row: ``{"speculative": {config: {context: tps}},
-    "greedy": ..., "sliding window": ..., "acceptance": ...}``; each figure the
-    median of ``repeats`` runs taken round-robin across the configs, and
-    ``"samples"``: ``{row: {config: {context: [tps of each run]}}}`` (the
-    spread a reader weighs a difference against: on CUDA ``ours, in place``
-    and ``ours, inplace=False`` run the same write, the donated static slice
-    update, so their gap is the run's noise).
+    "greedy": ..., "sliding window": ..., "acceptance": ...}``; each figure
+    the median over ``repeats`` blocks of ``tokens`` tokens, the configs
+    decoding their blocks in turn from caches kept alive
+    (:func:`interleaved_blocks`), and ``"samples"``: ``{row: {config:
+    {context: [tps of block r]}}}``, block ``r`` of every config from round
+    ``r``, so :func:`paired_ratios` divides block by block. On CUDA ``ours,
+    in place`` and ``ours, inplace=False`` run the same write (the donated
+    static slice update): their ratio shows what the host's noise leaves.
 
-    Before the measured runs at a context every config runs once, unmeasured,
-    for ``warmup`` tokens (MLX compiles its kernels for the new shapes on
-    their first use: on the H200 the config that came first at a context ran
-    at a fifth of its speed once, every session); and each repeat starts the
-    round-robin one config later than the one before, so that no config
-    always runs right after the same other. Run ``i`` of every config at a
-    context comes from repeat ``i``: :func:`paired_ratios` divides them."""
+    The sliding-window model (a Gemma-3-1B shape, window 1024) prefills a
+    quarter of its window and decodes inside it (warm-up writes), with
+    blocks made shorter where ``repeats * tokens`` would leave the window."""
     from mlx_lm.models import gemma3_text, qwen2
 
     target = random_model(qwen2, qwen_args(size))
@@ -441,28 +482,18 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
     if not target.args.tie_word_embeddings:
         agreeing_pair(target, draft)
     configs = e2e_configs()
+    greedy_configs = {name: make for name, make in configs.items() if name != "ours, physical trim"}
     out: dict[str, Any] = {"speculative": {}, "greedy": {}, "sliding window": {}, "acceptance": {}}
     samples: dict[str, dict[str, dict[int, list[float]]]] = {}
     for context in contexts:
         say(f"bench --e2e: Qwen2.5-{size}-shaped target at context {context} ...")
-        runs: dict[tuple[str, str], list[float]] = {}
-        for name, make in configs.items():  # unmeasured: the kernels for this context's shapes
-            tokens_per_second(target, lambda make=make: make(target), context, warmup, draft,
-                              lambda make=make: make(draft))
-            tokens_per_second(target, lambda make=make: make(target), context, warmup)
-        for r in range(repeats):
-            for name in rotated(list(configs), r):
-                make = configs[name]
-                spec = tokens_per_second(target, lambda make=make: make(target), context, tokens, draft,
-                                         lambda make=make: make(draft))
-                runs.setdefault(("speculative", name), []).append(spec["tokens_per_s"])
-                out["acceptance"].setdefault(name, {})[context] = spec["accepted"]
-                if name != "ours, physical trim":
-                    g = tokens_per_second(target, lambda make=make: make(target), context, tokens)
-                    runs.setdefault(("greedy", name), []).append(g["tokens_per_s"])
-        for (row, name), values in runs.items():
-            out[row].setdefault(name, {})[context] = statistics.median(values)
-            samples.setdefault(row, {}).setdefault(name, {})[context] = values
+        for row, makers, d in (("speculative", configs, draft), ("greedy", greedy_configs, None)):
+            runs, share = interleaved_blocks(target, makers, context, tokens, repeats, d, warmup)
+            for name, values in runs.items():
+                out[row].setdefault(name, {})[context] = statistics.median(values)
+                samples.setdefault(row, {}).setdefault(name, {})[context] = values
+            for name, a in share.items():
+                out["acceptance"].setdefault(name, {})[context] = a
     target = draft = None  # free the models before the next one
     say("bench --e2e: Gemma-3-1B-shaped sliding-window model inside its window ...")
     gargs = gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=1024) if size == "7b" else \
@@ -470,16 +501,10 @@ def run_e2e(contexts: list[int], tokens: int, repeats: int, size: str = "7b",
                               num_attention_heads=2, head_dim=32, vocab_size=512, sliding_window=64)
     gemma = random_model(gemma3_text, gargs)
     window = gargs.sliding_window
-    runs = {}
-    window_configs = [name for name in configs if name != "ours, physical trim"]
-    for name in window_configs:
-        tokens_per_second(gemma, lambda make=configs[name]: make(gemma), window // 4, warmup)
-    for r in range(repeats):
-        for name in rotated(window_configs, r):
-            make = configs[name]
-            g = tokens_per_second(gemma, lambda make=make: make(gemma), window // 4, window // 2)
-            runs.setdefault(name, []).append(g["tokens_per_s"])
-    out["sliding window"] = {name: {window // 4: statistics.median(v)} for name, v in runs.items()}
-    samples["sliding window"] = {name: {window // 4: v} for name, v in runs.items()}
+    context = window // 4
+    block = max(1, min(tokens, (window - context - warmup - 1) // repeats))  # stay inside the window
+    runs, _ = interleaved_blocks(gemma, greedy_configs, context, block, repeats, None, warmup)
+    out["sliding window"] = {name: {context: statistics.median(v)} for name, v in runs.items()}
+    samples["sliding window"] = {name: {context: v} for name, v in runs.items()}
     out["samples"] = samples
     return out

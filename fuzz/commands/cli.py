@@ -777,7 +777,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 #: takes them from here; ``--harness`` refuses any that is set)
 _BENCH_DEFAULTS: dict[str, Any] = {
     "contexts": [1024, 8192, 32768], "decoder": False, "e2e": False, "layers": None, "rounds": None,
-    "e2e_contexts": [1024, 8192, 24576], "tokens": 48, "repeats": 2, "record": None, "e2e_size": "7b",
+    "e2e_contexts": [1024, 8192, 24576], "tokens": 16, "repeats": 12, "record": None, "e2e_size": "7b",
     "plot": None,
 }
 
@@ -1150,9 +1150,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--e2e-contexts", type=int_in(16, 2**20), nargs="+", default=_BENCH_DEFAULTS["e2e_contexts"],
                     help="prefill lengths of the end-to-end rows")
     be.add_argument("--tokens", type=int_in(4, 100000), default=_BENCH_DEFAULTS["tokens"],
-                    help="tokens decoded per end-to-end run")
+                    help="tokens an end-to-end block decodes (every config decodes its blocks in turn, "
+                         "its caches kept alive)")
     be.add_argument("--repeats", type=int_in(1, 100), default=_BENCH_DEFAULTS["repeats"],
-                    help="end-to-end runs per config (median)")
+                    help="end-to-end blocks per config and context (median; each paired with mlx-lm's "
+                         "block of the same round)")
     be.add_argument("--record", metavar="DIR", help="write the run as a record under DIR: JSON, Markdown, PNG plot")
     be.add_argument("--e2e-size", choices=["7b", "tiny"], default=_BENCH_DEFAULTS["e2e_size"],
                     help="end-to-end model shapes: Qwen2.5-7B / 0.5B and Gemma-3-1B (default), or toy shapes (a smoke run)")
