@@ -419,7 +419,7 @@ def test_every_picture_is_drawn_and_asked_for(name):
 #: page must be a glossary term)
 COMMON_ACRONYMS = {"Z3", "MLX", "JSON", "GPU", "CUDA", "CPU", "API", "PR", "README", "CLI", "CI", "KV", "PNG",
                    "SVG", "HTML", "GB", "MB", "PEP", "PEP316", "C99", "H200", "B0", "L2", "URL", "RAM", "OS", "LLM",
-                   "XML", "DIR", "SIZE", "RANDOM"}  # the last three: metavars
+                   "XML", "DIR", "SIZE", "RANDOM", "H100"}  # DIR, SIZE, RANDOM: metavars
 #: the field's multi-word terms the pages use with a meaning of their own (docs/review.md, render.md)
 GLOSSARY_TERMS = ("ownership rule", "ownership marker", "public fault kind", "the reference engine", "live window",
                   "dead tail", "holder", "copy-on-write", "undo log", "block table", "refcount", "fold", "sink",
