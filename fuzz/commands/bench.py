@@ -281,9 +281,11 @@ def print_suite(doc: dict) -> None:
 def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, dict[str, dict]]]:
     """``{row: {config: {context: {"median": m, "low": lo, "high": hi,
     "ci_low": a, "ci_high": b, "faster_in": k, "runs": n}}}}``: each
-    config's block-by-block ratio to
-    mlx-lm's caches in the same round (``bench_decoder.paired_ratios``;
-    above 1: faster than mlx-lm's), for every config but mlx-lm's."""
+    config's block-by-block ratio to mlx-lm's caches in the same round
+    (``bench_decoder.paired_ratios``; above 1: faster than mlx-lm's), its
+    median, a 95 % interval of that median (:func:`median_interval`; None
+    with fewer than 6 blocks), its range and the blocks in which the config
+    was the faster, for every config but mlx-lm's."""
     from fuzz.commands import bench_decoder as bd
 
     out: dict[str, dict[str, dict[str, dict]]] = {}

@@ -452,8 +452,8 @@ def interleaved_blocks(model: Any, makers: dict[str, Callable[[Any], list[Any]]]
                     accepted[name] += 1
             _sync()
             samples[name].append(block / (time.perf_counter() - start))
-    for gen in gens.values():
-        gen.close()
+    for name in reversed(names):  # last opened, first closed: each generator's stream context unwinds in order
+        gens[name].close()
     share = {name: accepted[name] / (block * blocks) for name in names} if draft is not None else {}
     return samples, share
 
