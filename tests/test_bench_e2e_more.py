@@ -253,3 +253,26 @@ def test_the_schema_holds_a_paired_cell_s_interval_to_numbers_or_null():
                    with_cell(ci_high={"v": 1.05})):
         with pytest.raises(jsonschema.ValidationError):
             valid("bench", broken)
+
+
+def test_generators_are_closed_last_opened_first(monkeypatch):
+    """mlx-lm's generators each enter a stream context when they start; closed
+    in the reverse of the order they were opened, each context unwinds to the
+    default stream the one before it saved."""
+    closed: list[str] = []
+
+    class Gen:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __next__(self):
+            return (0, None)
+
+        def close(self):
+            closed.append(self.name)
+
+    monkeypatch.setattr(bd, "_generator", lambda model, caches, *a, **k: Gen(caches[0]))
+    monkeypatch.setattr(bd, "_sync", lambda: None)
+    makers = {n: (lambda m, n=n: [n]) for n in ("a", "b", "c")}
+    bd.interleaved_blocks(None, makers, 8, block=2, blocks=2, warmup=1)
+    assert closed == ["c", "b", "a"]
