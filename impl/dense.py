@@ -38,7 +38,7 @@ from impl.quant import (
     int8_rows_refused,
     quantize_int8,
 )
-from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace
+from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace, write_inplace_pair
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 _ALL = slice(None)
@@ -520,14 +520,13 @@ class KVCache:
         a decode step, Fp16, and the marker names these very buffers and the
         current live_len. Why it is safe: see the spec's docstring."""
         m = self._marker
-        return (
-            self.inplace
-            and n == 1
-            and self.mode == "fp16"
-            and m is not None
-            and m.live_len == self.offset - self.live_start  # cheapest first: a rollback's write fails here
-            and self._owns_buffers()
-        )
+        if not (self.inplace and n == 1 and self.mode == "fp16" and m is not None
+                and m.live_len == self.offset - self.live_start):  # cheapest first: a rollback's write fails here
+            return False
+        # _owns_buffers for Fp16 buffers (two arrays), inlined: the decode
+        # path asks per layer per step
+        b, owned = self.buffers, m.arrays
+        return b is not None and len(owned) == 2 and owned[0] is b.keys and owned[1] is b.values
 
     def _write_inplace(self, at: int, rows: _Buffers) -> None:
         """Write rows into the existing buffers' memory: every holder sharing
@@ -535,8 +534,8 @@ class KVCache:
         assert self.buffers is not None and self.buffers.key_scales is None  # Fp16 only (the ownership rule)
         b, mech = self.buffers, inplace_mechanism()
         index = (_ALL, _ALL, slice(at, at + rows.keys.shape[SEQ_AXIS]))  # one index for both arrays
-        self.buffers = _Buffers(write_inplace(b.keys, rows.keys, index, mech),
-                                write_inplace(b.values, rows.values, index, mech), out_dtype=b.out_dtype)
+        self.buffers = _Buffers(*write_inplace_pair(b.keys, rows.keys, b.values, rows.values, index, mech),
+                                out_dtype=b.out_dtype)
 
     def _write_copy(self, at: int, rows: _Buffers) -> None:
         """Copying write (impl.write.write_copy): new buffers, the old ones

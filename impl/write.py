@@ -283,6 +283,27 @@ def write_inplace(dst: mx.array, src: mx.array, index: Index, mechanism: str | N
     return dst
 
 
+def write_inplace_pair(keys: mx.array, new_keys: mx.array, values: mx.array, new_values: mx.array, index: Index,
+                       mechanism: str | None = None) -> tuple[mx.array, mx.array]:
+    """:func:`write_inplace` of a key buffer and a value buffer at one index
+    (a dense cache's decode write), the mechanism read once for both:
+    returns the ``(keys, values)`` arrays that now hold the rows, which the
+    caller keeps as its buffers. The same writes as two calls of
+    :func:`write_inplace`, in fewer Python calls (on a GPU a 28-layer decode
+    step pays this host time between its kernels)."""
+    mech = inplace_mechanism() if mechanism is None else mechanism
+    if mech == "donate":
+        COUNTS["donate"] += 2
+        # write_copy's body, twice (module docstring: the static slice update
+        # MLX donates)
+        k = keys.__copy__()
+        k[index] = new_keys
+        v = values.__copy__()
+        v[index] = new_values
+        return k, v
+    return write_inplace(keys, new_keys, index, mech), write_inplace(values, new_values, index, mech)
+
+
 def write_copy(dst: mx.array, src: mx.array, index: Index) -> mx.array:
     """A new array equal to ``dst`` with ``src`` written at ``dst[index]``
     (cast to ``dst``'s dtype); ``dst`` (and every array sharing its memory)
