@@ -38,7 +38,14 @@ from impl.quant import (
     int8_rows_refused,
     quantize_int8,
 )
-from impl.write import inplace_mechanism, seq_index, seq_prefix, write_copy, write_inplace, write_inplace_pair
+from impl.write import (
+    inplace_mechanism,
+    seq_index,
+    seq_prefix,
+    write_copy,
+    write_inplace,
+    write_inplace_pair,
+)
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 _ALL = slice(None)
@@ -563,11 +570,18 @@ class KVCache:
         """
         b = self.buffers
         n = 0
-        if b is not None and b.key_scales is None and b.out_dtype is None and self.mode == "fp16":
+        if (b is not None and b.key_scales is None and b.out_dtype is None and self.mode == "fp16"
+                and type(keys) is mx.array and type(values) is mx.array):
             # the Fp16 decode path: the pair accepted in one pass
-            n = decode_pair_rows(keys, values, b.keys, b.values)
+            # (decode_pair_rows's checks, inlined: the cached keys' shape is
+            # read once, for the checks and the capacity)
+            ks, vs, bk, bv = keys.shape, values.shape, b.keys.shape, b.values.shape
+            if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2] and ks[2] >= 1 and ks[0] == bk[0] == vs[0] == bv[0]
+                    and ks[1] == bk[1] == vs[1] == bv[1] and ks[3] == bk[3] and vs[3] == bv[3]
+                    and (kd := keys.dtype) == values.dtype and kd == b.keys.dtype):
+                n = ks[2]
             prev = self.offset - self.live_start
-            if n and prev + n <= (cap := b.keys.shape[SEQ_AXIS]):
+            if n and prev + n <= (cap := bk[SEQ_AXIS]):
                 # no regrow: what the general path below does, in fewer
                 # Python calls (on a GPU a 28-layer step pays this Python
                 # between its kernels); the writes go through the same two

@@ -86,28 +86,29 @@ Index = tuple[Any, ...]
 COUNTS = {"numpy": 0, "kernel": 0, "donate": 0}
 
 
-#: backend() per device type (what a device's arrays are does not change
-#: within a process; the default device may: it is read at each call). Keyed
-#: on ``Device.type``, not the Device: MLX hands out a new Device object at
-#: each ``mx.default_device()``, equal to the last but with its own hash, so a
-#: dict keyed on it would grow by one entry a call and never hit.
-_BACKENDS: dict[Any, str] = {}
+#: backend()'s answer for a GPU device, worked out once (what a GPU's arrays
+#: are does not change within a process; the default device may: it is read
+#: at each call). Keyed on the string ``"gpu"``: ``mx.DeviceType`` is a
+#: Python ``Enum``, whose hash is a Python-level call (about 90 ns, paid per
+#: layer per decode step), while its members are singletons, so the device
+#: type is told by identity; a Device object itself is no key at all (MLX
+#: hands out a new one at each ``mx.default_device()``, with its own hash).
+_BACKENDS: dict[str, str] = {}
+
+_GPU = mx.DeviceType.gpu
 
 
 def backend() -> str:
     """Where the default device's arrays live: ``"cuda"`` (MLX's CUDA backend,
-    managed memory), ``"metal"`` (Apple unified memory) or ``"cpu"``. The
-    default device is read at each call (``mx.set_default_device`` moves it);
-    the answer for a device is worked out once (the decode path asks per
-    layer per step)."""
-    kind = mx.default_device().type
-    found = _BACKENDS.get(kind)
+    managed memory), ``"metal"`` (Apple unified memory) or ``"cpu"`` (every
+    device type but the GPU). The default device is read at each call
+    (``mx.set_default_device`` moves it); whether a GPU is CUDA's is asked
+    once (the decode path asks per layer per step)."""
+    if mx.default_device().type is not _GPU:
+        return "cpu"
+    found = _BACKENDS.get("gpu")
     if found is None:
-        if kind != mx.DeviceType.gpu:
-            found = "cpu"
-        else:
-            found = "cuda" if mx.cuda.is_available() else "metal"
-        _BACKENDS[kind] = found
+        found = _BACKENDS["gpu"] = "cuda" if mx.cuda.is_available() else "metal"
     return found
 
 
@@ -249,10 +250,23 @@ def cuda_inplace() -> str:
     return value
 
 
+#: KV_CUDA_INPLACE's key in os.environ's own mapping (None without that layout)
+_CUDA_KEY = _ENV_KEYS.get("KV_CUDA_INPLACE")
+
+
 def inplace_mechanism() -> str:
     """Which mechanism :func:`write_inplace` uses now: ``numpy`` (CPU, Metal),
     ``kernel`` or ``donate`` (CUDA, :func:`cuda_inplace`)."""
-    return cuda_inplace() if backend() == "cuda" else "numpy"
+    # backend() inlined (asked per decode write: one call fewer); a GPU
+    # whose answer is not known yet asks backend()
+    if mx.default_device().type is not _GPU or (_BACKENDS.get("gpu") or backend()) != "cuda":
+        return "numpy"
+    data = _ENV_DATA
+    if data is not None and _CUDA_KEY is not None and _ENV_DECODE is not None and data.get(_CUDA_KEY) is None:
+        # KV_CUDA_INPLACE unset, read as cuda_inplace reads it (the common
+        # case, asked per decode write: two calls fewer)
+        return "donate"
+    return cuda_inplace()
 
 
 def inplace_keeps_memory() -> bool:

@@ -35,6 +35,7 @@ from impl.dense import KVCache, data_pointer
 from impl.paged import PagedKVCache
 from impl.rotating import RotatingKVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache
+from tests._standin import stand_in
 
 H, DK, DV = 2, 8, 8
 
@@ -122,7 +123,7 @@ class HostReads:
 
 @pytest.fixture
 def cuda_donate(monkeypatch):
-    monkeypatch.setattr(W, "backend", lambda: "cuda")
+    stand_in(monkeypatch, "cuda")
     monkeypatch.delenv("KV_CUDA_INPLACE", raising=False)
     assert W.inplace_mechanism() == "donate"
 
@@ -178,7 +179,7 @@ def test_the_work_of_an_append_does_not_grow_with_the_context(kind, cuda_donate,
     # growth steps (every `step` rows, every `chunk` blocks) are amortised, not per step:
     # compare the least work of several appends, and the most
     short, long = _append_work(kind, 48, monkeypatch), _append_work(kind, 1200, monkeypatch)
-    monkeypatch.setattr(W, "backend", lambda: "cuda")
+    stand_in(monkeypatch, "cuda")
     assert min(w for w, _ in long) <= min(w for w, _ in short), (kind, short, long)
     assert max(w for w, _ in long) <= max(w for w, _ in short) + 2 * H * max(DK, DV) * 8, (kind, short, long)
     # an O(context) Python list (positions, a table copied whole) is tens of kB at 1200 rows

@@ -19,6 +19,7 @@ from impl import turbo_quant as tq
 from impl.dense import KVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache, TurboSnapshot, make_cache
 from spec.errors import InvalidArgumentError, StateError
+from tests._standin import stand_in
 from tests.test_impl_turbo import MODES, cache, raw, rows
 
 
@@ -470,7 +471,7 @@ def test_only_cuda_decode_rows_with_the_standard_packer_take_the_compiled_quanti
     for a in (decode, flat, three, block):
         tq.quantize(a, 4, tq.V_SEED)
     assert calls == []
-    monkeypatch.setattr(write, "backend", lambda: "cuda")
+    stand_in(monkeypatch, "cuda")
     assert fused.ENABLED
     for a in (decode, flat, three):
         got = tq.quantize(a, 4, tq.V_SEED)

@@ -26,6 +26,7 @@ from impl.layers import (
 )
 from impl.rotating import RotatingKVCache
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError
+from tests._standin import stand_in
 
 
 def rows(n, fill=1.0, d=4, h=2, dtype=mx.float16):
@@ -53,7 +54,7 @@ def test_a_gpu_without_cuda_is_metal_and_its_answer_is_worked_out_once(monkeypat
     monkeypatch.setattr(mx.cuda, "is_available", is_available)
     monkeypatch.setattr(mx, "default_device", lambda: _FakeGPU())
     assert [W.backend() for _ in range(3)] == ["metal"] * 3
-    assert asked == [1] and W._BACKENDS == {mx.DeviceType.gpu: "metal"}
+    assert asked == [1] and W._BACKENDS == {"gpu": "metal"}
 
 
 def test_a_cuda_gpu_is_asked_once_too(monkeypatch):
@@ -62,6 +63,38 @@ def test_a_cuda_gpu_is_asked_once_too(monkeypatch):
     monkeypatch.setattr(mx.cuda, "is_available", lambda: asked.append(1) or True)
     monkeypatch.setattr(mx, "default_device", lambda: _FakeGPU())
     assert W.backend() == "cuda" and W.backend() == "cuda" and asked == [1]
+
+
+def test_inplace_mechanism_asks_what_an_unknown_gpu_is_and_reads_the_env_each_call(monkeypatch):
+    asked = []
+    monkeypatch.setattr(W, "_BACKENDS", {})
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: asked.append(1) or True)
+    monkeypatch.setattr(mx, "default_device", lambda: _FakeGPU())
+    monkeypatch.delenv("KV_CUDA_INPLACE", raising=False)
+    assert W.inplace_mechanism() == "donate" and asked == [1]
+    monkeypatch.setenv("KV_CUDA_INPLACE", "kernel")
+    assert W.inplace_mechanism() == "kernel" and asked == [1]
+    monkeypatch.setenv("KV_CUDA_INPLACE", "")
+    assert W.inplace_mechanism() == "donate"
+    monkeypatch.setenv("KV_CUDA_INPLACE", "copy")
+    with pytest.raises(InvalidArgumentError, match="KV_CUDA_INPLACE must be one of donate, kernel"):
+        W.inplace_mechanism()
+    monkeypatch.setattr(W, "_BACKENDS", {"gpu": "metal"})
+    assert W.inplace_mechanism() == "numpy"  # a Metal GPU: the NumPy view, whatever the variable says
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.cpu, 0))
+    monkeypatch.setattr(W, "_BACKENDS", {"gpu": "cuda"})
+    assert W.inplace_mechanism() == "numpy" and W.backend() == "cpu"
+
+
+@pytest.mark.parametrize("missing", ["_ENV_DATA", "_ENV_DECODE", "_CUDA_KEY"])
+def test_inplace_mechanism_without_os_environs_layout(missing, monkeypatch):
+    monkeypatch.setattr(W, "_GPU", mx.default_device().type)
+    monkeypatch.setattr(W, "_BACKENDS", {"gpu": "cuda"})
+    monkeypatch.setattr(W, missing, None)
+    monkeypatch.setenv("KV_CUDA_INPLACE", "kernel")
+    assert W.inplace_mechanism() == "kernel"
+    monkeypatch.delenv("KV_CUDA_INPLACE")
+    assert W.inplace_mechanism() == "donate"
 
 
 # -- impl.write: the region of a kernel write ---------------------------------
@@ -217,7 +250,7 @@ def test_the_compiled_quantizer_runs_exactly_for_one_row_on_cuda(shape, enabled,
 
     monkeypatch.setattr(quant, "_decode_quantizer", decode_quantizer)
     monkeypatch.setattr(fused, "ENABLED", enabled)
-    monkeypatch.setattr(W, "backend", lambda: backend)
+    stand_in(monkeypatch, backend)
     x = mx.array(np.linspace(-3, 5, int(np.prod(shape)), dtype=np.float32).reshape(shape))
     q, s = quant.quantize_int8(x)
     wq, ws = quant._quantize_int8(x)

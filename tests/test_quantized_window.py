@@ -27,10 +27,10 @@ import pytest
 from fuzz import quant_ref
 from impl import fused
 from impl import turbo_quant as tq
-from impl import write as W
 from impl.dense import KVCache
 from impl.quant import dequantize_int8
 from impl.turbo import TurboKVCache
+from tests._standin import stand_in
 
 #: primitives that are views (no kernel, no pass over the data)
 VIEWS = {"Broadcast", "Slice", "Reshape", "ExpandDims", "Squeeze"}
@@ -45,7 +45,7 @@ def kernels(*arrays: mx.array, path) -> list[str]:
 
 @pytest.fixture
 def on_cuda(monkeypatch):
-    monkeypatch.setattr(W, "backend", lambda: "cuda")
+    stand_in(monkeypatch, "cuda")
 
 
 #: passes over the window one fetch makes (K and V together), on CUDA
@@ -87,7 +87,7 @@ def _int8_grid() -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("path", ["eager", "fused"])
 def test_int8_dequantization_is_the_rule_byte_for_byte(dtype, path, monkeypatch):
     if path == "fused":
-        monkeypatch.setattr(W, "backend", lambda: "cuda")
+        stand_in(monkeypatch, "cuda")
     q, scale = _int8_grid()
     got = dequantize_int8(mx.array(q), mx.array(scale), getattr(mx, dtype))
     want = quant_ref.dequantize(q, scale, dtype)
@@ -110,7 +110,7 @@ def _stepwise_dequantize4(q: tq.Quantized, seed: int, head_dim: int, dtype) -> m
 @pytest.mark.parametrize("path", ["eager", "fused"])
 def test_turbo4_dequantization_keeps_its_bytes(dtype, path, monkeypatch):
     if path == "fused":
-        monkeypatch.setattr(W, "backend", lambda: "cuda")
+        stand_in(monkeypatch, "cuda")
     for d in (2, 8, 64):
         for scale in (1e-42, 1e-20, 1.0, 6e4, 1e5, 3e38):
             x = (mx.random.normal((2, 3, 11, d), key=mx.random.key(d)) * scale).astype(dtype)
@@ -130,9 +130,9 @@ def test_the_fused_form_runs_only_on_cuda(monkeypatch):
     monkeypatch.setattr(f, "fused", lambda a: calls.append("fused") or a * 2)
     monkeypatch.setattr(f, "eager", lambda a: calls.append("eager") or a * 2)
     f(mx.array([1.0]))
-    monkeypatch.setattr(W, "backend", lambda: "cuda")
+    stand_in(monkeypatch, "cuda")
     f(mx.array([1.0]))
-    monkeypatch.setattr(W, "backend", lambda: "metal")
+    stand_in(monkeypatch, "metal")
     f(mx.array([1.0]))
     assert calls == ["eager", "fused", "eager"]
 
@@ -145,9 +145,9 @@ def test_a_decode_rows_compiled_quantizer_keeps_its_bytes(dtype, monkeypatch):
     for bits, d in ((4, 2), (4, 64), (3, 8), (3, 32)):
         for scale in (0.0, 1e-42, 1e-20, 1.0, 6e4, 3e38):
             x = (mx.random.normal((2, 3, 1, d), key=mx.random.key(d + bits)) * scale).astype(dtype)
-            monkeypatch.setattr(W, "backend", lambda: "cpu")
+            stand_in(monkeypatch, "cpu")
             eager = tq.quantize(x, bits, tq.V_SEED)
-            monkeypatch.setattr(W, "backend", lambda: "cuda")
+            stand_in(monkeypatch, "cuda")
             compiled = tq.quantize(x, bits, tq.V_SEED)
             for a, b in zip(eager.arrays(), compiled.arrays(), strict=True):
                 assert a.dtype == b.dtype and np.array(a).tobytes() == np.array(b).tobytes(), (dtype, bits, d, scale)
@@ -179,9 +179,9 @@ def test_int8s_compiled_decode_quantizer_keeps_its_bytes(dtype, monkeypatch):
 
     for scale in (0.0, 1e-7, 1.0, 300.0, 6.5e4):
         x = (mx.random.normal((2, 3, 1, 16), key=mx.random.key(7)) * scale).astype(dtype)
-        monkeypatch.setattr(W, "backend", lambda: "cpu")
+        stand_in(monkeypatch, "cpu")
         eager = quantize_int8(x)
-        monkeypatch.setattr(W, "backend", lambda: "cuda")
+        stand_in(monkeypatch, "cuda")
         compiled = quantize_int8(x)
         for a, b in zip(eager, compiled, strict=True):
             assert a.dtype == b.dtype and np.array(a).tobytes() == np.array(b).tobytes(), (dtype, scale)
