@@ -125,13 +125,16 @@ def test_a_decode_step_of_a_tensor_of_another_rank_is_refused_naming_it(which, s
     assert looks(c) == before
 
 
-@pytest.mark.parametrize("which", ["batch", "heads", "kdim", "vdim", "rows", "pair dtype", "cache dtype", "swapped dims"])
+@pytest.mark.parametrize("which", ["batch", "heads", "values batch", "values heads", "kdim", "vdim", "rows", "pair dtype",
+                                   "cache dtype", "swapped dims"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_pair_the_general_checks_refuse_is_refused_on_the_decode_path(which, dtype, backend):
     """Each inlined comparison against the general path's refusal, with a
     pair that differs from an acceptable one in that rule alone (batch 1 and
     one head broadcast silently if let through; keys and values with their
-    head dims swapped pass a check that reads Dk against the cached values)."""
+    head dims swapped pass a check that reads Dk against the cached values).
+    Elsewhere only test_write.py's fuzz campaign through the CUDA paths
+    catches these; here each rule alone."""
     c = decoding_cache(dtype)
     before = looks(c)
     k, v = pair(dtype=dtype)
@@ -140,6 +143,10 @@ def test_every_pair_the_general_checks_refuse_is_refused_on_the_decode_path(whic
         k, v = pair(b=1, dtype=dtype)
     elif which == "heads":
         k, v = pair(h=1, dtype=dtype)
+    elif which == "values batch":  # the keys match the cache: the values are checked too
+        v = pair(b=1, dtype=dtype)[1]
+    elif which == "values heads":
+        v = pair(h=1, dtype=dtype)[1]
     elif which == "kdim":
         k = pair(dk=DK + 1, dtype=dtype)[0]
     elif which == "vdim":
@@ -252,9 +259,13 @@ def test_in_place_is_allowed_only_when_the_marker_names_both_buffers(dtype):
         assert c._inplace_write_allowed(1) == c._owns_buffers()
     c._marker = _Marker((b.keys, b.keys), m.live_len)
     assert not c._inplace_write_allowed(1)
+    c._marker = _Marker((b.keys,), m.live_len)  # one array short
+    assert not c._inplace_write_allowed(1)
     c._marker = m
     assert c._inplace_write_allowed(1)
     assert not c._inplace_write_allowed(2) and not c._inplace_write_allowed(0)
+    c.buffers = None  # a marker left over buffers that are gone
+    assert not c._inplace_write_allowed(1)
 
 
 @pytest.mark.parametrize("which", ["keys", "values"])
