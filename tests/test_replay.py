@@ -117,3 +117,67 @@ def test_turbo_modes_of_the_dense_kind_replay(tmp_path):
         doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": mode},
                "ops": [{"op": "append", "n": 2}, {"op": "trim", "n": 1, "capacity": 1}]}
         assert main(["replay", write(tmp_path, doc)]) == 0
+
+
+# -- a folder on a target that cannot run every trace (issue 47) -----------------------
+def _folder(tmp_path, *names):
+    d = tmp_path / "traces"
+    d.mkdir()
+    for name in names:
+        (d / name).write_text((Path(__file__).parent / "traces" / name).read_text())
+    return d
+
+
+def test_a_folder_counts_not_applicable_apart_and_exits_0(tmp_path, capsys):
+    """Traces the target cannot run are said, not failed: nothing diverged,
+    exit 0, and the summary counts ok / diverged / not applicable."""
+    import jsonschema
+
+    d = _folder(tmp_path, "format_example.json", "dense_name_refusals.json")
+    assert main(["replay", str(d), "--target", "mlx-lm"]) == 0
+    out = capsys.readouterr().out
+    assert "not applicable" in out and "dense_name_refusals.json" in out
+    assert out.rstrip().splitlines()[-1] == "2 traces: 1 ok, 0 diverged, 1 not applicable to target mlx-lm"
+    xml = tmp_path / "r.xml"
+    assert main(["replay", str(d), "--target", "mlx-lm", "--json", "--junit-xml", str(xml)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    schema = json.loads((Path(__file__).parent.parent / "fuzz" / "schemas" / "replay.schema.json").read_text())
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+    assert doc["ok"] is True and doc["failed"] == 0
+    assert doc["counts"]["ok"] == 1 and doc["counts"]["not_applicable"] == 1 and doc["counts"]["diverged"] == 0
+    assert [t["status"] for t in doc["traces"]] == ["not applicable", "ok"]
+    text = xml.read_text()
+    assert 'failures="0"' in text and 'skipped="1"' in text and "<skipped" in text
+
+
+def test_a_divergence_beside_not_applicable_traces_exits_1(tmp_path, capsys):
+    d = _folder(tmp_path, "dense_name_refusals.json", "decode_mask_window_ignores_sinks.json")
+    assert main(["replay", str(d), "--target", "mlx-lm"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("0 ok, 1 diverged, 1 not applicable to target mlx-lm")
+
+
+def test_a_folder_the_target_can_run_none_of_exits_2(tmp_path, capsys):
+    d = _folder(tmp_path, "dense_name_refusals.json")
+    assert main(["replay", str(d), "--target", "mlx-lm"]) == 2
+    out = capsys.readouterr().out
+    assert "1 trace: 0 ok, 0 diverged, 1 not applicable" in out and "can run none of these traces" in out
+
+
+def test_the_harness_failing_is_a_tool_failure_not_a_divergence(tmp_path, capsys, monkeypatch):
+    """An exception out of the harness itself is exit 2 and says so; never
+    'diverged', never a traceback."""
+    import fuzz.replay
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("lockstep fell over")
+
+    monkeypatch.setattr(fuzz.replay, "replay", broken)
+    d = _folder(tmp_path, "format_example.json")
+    assert main(["replay", str(d)]) == 2
+    out = capsys.readouterr().out
+    assert "tool failure" in out and "RuntimeError: lockstep fell over" in out and "diverged" not in out.replace(
+        "0 diverged", "")
+    assert out.rstrip().endswith("1 trace: 0 ok, 0 diverged, 0 not applicable to target impl, 1 tool failure")
+    assert main(["replay", str(d), "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["counts"]["tool_failure"] == 1 and doc["traces"][0]["status"] == "tool failure"

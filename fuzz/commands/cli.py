@@ -155,13 +155,20 @@ def _trace_paths(items: list[str]) -> tuple[list[str], list[str]]:
     return files, missing
 
 
-#: with several traces, the exit status is the worst one's, in this order
+#: with several traces, the exit status is the worst one's among the traces
+#: the target could run, in this order
 _REPLAY_SEVERITY = (2, 1, 3, 0)
+#: a replayed trace's ``status`` (JSON) and the words of the folder summary,
+#: in the summary's order
+REPLAY_STATUSES = ("ok", "diverged", "not applicable", "trace check failed", "invalid", "error", "tool failure")
 
 
 def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bool) -> tuple[int, dict[str, Any]]:
     """Replay one trace; print its lines (not with ``quiet``: --json);
-    return its exit status and its JSON object."""
+    return its exit status and its JSON object, whose ``status`` is one of
+    REPLAY_STATUSES: ``not applicable`` when the target cannot run the trace
+    (exit 2 for this trace alone; a folder counts it apart), ``tool
+    failure`` when the harness itself raised (exit 2, never a divergence)."""
     from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, EXIT_TRACE_CHECK, replay
     from fuzz.targets import TargetCapabilityError, TargetError
     from fuzz.trace import TraceFormatError, load
@@ -177,23 +184,33 @@ def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bo
         seconds = time.perf_counter() - start
     except TargetCapabilityError as exc:
         if not quiet:
-            console.print(f"[bold red]target cannot run it[/] {escape(path)}: {escape(str(exc))}")
-        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "unsupported": str(exc), "target": target.label,
-                              "trace": path}
+            console.print(f"[yellow]not applicable[/] {escape(path)}: {escape(str(exc))}")
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "status": "not applicable", "unsupported": str(exc),
+                              "target": target.label, "trace": path}
     except TraceFormatError as exc:
         if not quiet:
             console.print(f"[bold red]invalid kvtrace[/] {escape(path)}: {escape(str(exc))}")
-        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "invalid": str(exc), "trace": path}
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "status": "invalid", "invalid": str(exc),
+                              "trace": path}
     except (TargetError, _UsageError) as exc:
         if not quiet:
             console.print(f"[bold red]error[/]: {escape(str(exc))}")
-        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "error": str(exc), "trace": path}
-    code = EXIT_OK
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "status": "error", "error": str(exc), "trace": path}
+    except Exception as exc:  # noqa: BLE001 - the harness's own failure: said, never a divergence
+        what = f"{type(exc).__name__}: {exc}"
+        if not quiet:
+            console.print(f"[bold red]tool failure[/] {escape(path)}: the harness raised {escape(what)} "
+                          "(not a divergence)")
+        return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "status": "tool failure", "error": what,
+                              "trace": path}
+    code, status = EXIT_OK, "ok"
     if not result.ok:
         assert result.divergence is not None
-        code = EXIT_TRACE_CHECK if result.divergence.trace_check else EXIT_DIVERGED
-    doc = {**result.to_json(), "trace": path, "target": target.label, "exit": code, "seconds": round(seconds, 3),
-           "kind": trace.cache["kind"]}
+        trace_check = result.divergence.trace_check
+        code = EXIT_TRACE_CHECK if trace_check else EXIT_DIVERGED
+        status = "trace check failed" if trace_check else "diverged"
+    doc = {**result.to_json(), "trace": path, "target": target.label, "exit": code, "status": status,
+           "seconds": round(seconds, 3), "kind": trace.cache["kind"]}
     if quiet:
         return code, doc
     if result.not_compared:
@@ -221,11 +238,39 @@ def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bo
     return code, doc
 
 
+def replay_exit(results: list[tuple[int, dict[str, Any]]], many: bool) -> int:
+    """The exit status of a replay of ``results`` (each a trace's exit
+    status and JSON object). One trace: its own. Several: the most severe
+    among the traces the target could run (2 over 1 over 3 over 0), a trace
+    that is not applicable to the target counted apart, not failed; 2 when
+    the target could run none of them (nothing was checked)."""
+    if not many:
+        return results[0][0]
+    ran = {c for c, doc in results if doc.get("status") != "not applicable"}
+    if not ran:
+        return 2
+    return next(c for c in _REPLAY_SEVERITY if c in ran or c == 0)
+
+
+def replay_summary(docs: list[dict[str, Any]], target: str) -> str:
+    """The last line of a replay of several traces: the count of each
+    status, ``ok``, ``diverged`` and ``not applicable`` always, the others
+    when any (``132 traces: 21 ok, 0 diverged, 111 not applicable to target
+    mlx-lm``)."""
+    counts = {s: sum(d.get("status") == s for d in docs) for s in REPLAY_STATUSES}
+    parts = [f"{counts['ok']} ok", f"{counts['diverged']} diverged",
+             f"{counts['not applicable']} not applicable to target {target}"]
+    parts += [f"{counts[s]} {s}" for s in REPLAY_STATUSES[3:] if counts[s]]
+    return f"{len(docs)} trace{'s' if len(docs) != 1 else ''}: " + ", ".join(parts)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Exit 0 agree, 1 diverged, 3 a trace check fails on the spec, 2 for an
-    invalid trace, a bad argument or a target that cannot run the trace
-    (every case in text and in ``--json``); with several traces, the most
-    severe of theirs (2 over 1 over 3 over 0)."""
+    invalid trace, a bad argument, a target that cannot run the trace or a
+    failure of the harness itself (every case in text and in ``--json``);
+    with several traces, the most severe among those the target could run
+    (2 over 1 over 3 over 0; a trace the target cannot run is counted as
+    not applicable, not failed; none it can run: 2)."""
     from fuzz.commands.reports import Case, write_junit, write_sarif
 
     console = _console()
@@ -240,8 +285,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _usage_error(console, f"trace: no kvtrace files in {', '.join(empty)}", args.json)
     many = len(paths) > 1 or any(Path(t).is_dir() for t in args.trace)
     results = [_replay_one(path, args, console, quiet=args.json) for path in paths]
-    codes = [c for c, _ in results]
-    code = next(c for c in _REPLAY_SEVERITY if c in codes or c == 0)
+    code = replay_exit(results, many)
+    docs = [d for _, d in results]
     if args.junit_xml:
         cases = []
         for c, doc in results:
@@ -249,8 +294,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if doc.get("divergence"):
                 d = doc["divergence"]
                 detail = f"op {d['index']} {json.dumps(d['op'])}: {d['what']}\n{json.dumps(d)}"
+            skipped = None
+            if doc.get("status") == "not applicable":
+                skipped = f"not applicable: target {doc.get('target')} cannot run it: {doc.get('unsupported')}"
             cases.append(Case("replay", doc["trace"], c == 0, float(doc.get("seconds", 0.0)),
-                              detail or f"{doc.get('ops_run', 0)} ops agree"))
+                              detail or f"{doc.get('ops_run', 0)} ops agree", skipped=skipped))
         write_junit(args.junit_xml, cases)
     if args.sarif:
         findings = []
@@ -262,15 +310,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                  "replay": f"kvspec replay {shlex.quote(doc['trace'])} --target "
                                            f"{shlex.quote(doc['target'])}"})
         write_sarif(args.sarif, findings, version())
+    label = next((d["target"] for d in docs if d.get("target")), args.target or "impl")
     if args.json:
         if not many:
-            print(json.dumps(results[0][1]))
+            print(json.dumps(docs[0]))
         else:
+            counts = {s.replace(" ", "_"): sum(d.get("status") == s for d in docs) for s in REPLAY_STATUSES}
             print(json.dumps({"ok": code == 0, "exit": code, "count": len(results),
-                              "failed": sum(c != 0 for c in codes), "traces": [d for _, d in results]}))
+                              "failed": len(results) - counts["ok"] - counts["not_applicable"],
+                              "counts": counts, "target": label, "traces": docs}))
     elif many:
-        bad = sum(c != 0 for c in codes)
-        console.print(f"{len(results) - bad} of {len(results)} traces ok" + (f", {bad} not" if bad else ""))
+        console.print(escape(replay_summary(docs, label)))
+        if code == 2 and all(d.get("status") == "not applicable" for d in docs):
+            console.print(f"[bold red]error[/]: target {escape(label)} can run none of these traces: nothing was "
+                          "checked")
     return code
 
 
