@@ -303,7 +303,12 @@ _DTYPE_NAMES: dict[Any, str] = {}
 
 
 def dtype_name(a) -> str:
-    """The kvtrace dtype name of a fetched array (NumPy's for a view object)."""
+    """The kvtrace dtype name of a fetched array (a view object's
+    ``kvtrace_dtype`` where it has one, e.g. bfloat16 rows NumPy cannot
+    hold; else NumPy's name for ``numpy.asarray`` of it)."""
+    named = getattr(a, "kvtrace_dtype", None)
+    if isinstance(named, str):
+        return named
     if isinstance(a, mx.array):
         d = a.dtype
         name = _DTYPE_NAMES.get(d)

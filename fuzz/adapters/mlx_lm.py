@@ -66,18 +66,32 @@ NO_UNDO = {"undo": (0, "mlx-lm's RotatingKVCache has no undo log, so no trim aft
 class DequantView:
     """One side (K or V) of a QuantizedKVCache window: the ``(w, scales,
     biases)`` tuple exactly as mlx-lm returned it, dequantized only when read,
-    so a held window that aliases the cache's buffers shows the aliasing."""
+    so a held window that aliases the cache's buffers shows the aliasing.
+
+    A reader gets ``mx.dequantize`` of it in the scales' dtype (mlx-lm keeps
+    scales and biases in the dtype of the rows it was given: float16,
+    bfloat16 or float32): :attr:`kvtrace_dtype` names it, and ``numpy.asarray``
+    gives its host form (``fuzz.rows.host``: bfloat16 as the float32 of each
+    value, exact; NumPy has no bfloat16)."""
 
     def __init__(self, parts: tuple[mx.array, ...], group_size: int, bits: int):
         self.parts, self.group_size, self.bits = parts, group_size, bits
 
+    @property
+    def kvtrace_dtype(self) -> str:
+        """The kvtrace dtype name of the dequantized rows (the scales' dtype)."""
+        return str(self.parts[1].dtype).rsplit(".", 1)[-1]
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        from fuzz.rows import host
+
         w = self.parts[0]
         if w.shape[-2] == 0:  # mx.dequantize cannot reshape an empty window
             head_dim = w.shape[-1] * 32 // self.bits  # each uint32 word packs 32 / bits values
-            out = np.zeros((*w.shape[:-1], head_dim), dtype=np.float16)
+            wide = self.parts[1].dtype in (mx.float32, mx.bfloat16)
+            out = np.zeros((*w.shape[:-1], head_dim), dtype=np.float32 if wide else np.float16)
         else:
-            out = np.asarray(mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits))
+            out = host(mx.dequantize(*self.parts, group_size=self.group_size, bits=self.bits))
         return out if dtype is None else out.astype(dtype)
 
 
@@ -152,6 +166,40 @@ class MlxLmAdapter:
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner.make_mask(*args, **kwargs)
+
+    def __copy__(self) -> MlxLmAdapter:
+        """``copy.copy`` of the cache a program holds: a new adapter around
+        ``copy.copy(inner)`` (mlx-lm's object, its arrays shared), never a
+        second wrapper around the same mlx-lm object."""
+        dup = object.__new__(type(self))
+        dup.__dict__.update(self.__dict__)
+        dup.inner = copy.copy(self.inner)
+        return dup
+
+    def kvspec_reload(self, via: str) -> MlxLmAdapter:
+        """The kvtrace ``reload`` op as mlx-lm saves and loads a prompt cache
+        (mlx-lm has no ``meta_state``: its ``state`` carries everything).
+        ``file``: ``save_prompt_cache`` to a temporary ``.safetensors`` file,
+        then ``load_prompt_cache`` (``Class.from_state(state)``); ``state``:
+        ``inner.state = inner.state`` on the cache itself. The per-instance
+        ``step`` (a harness setting, not mlx-lm state) is set again on the
+        loaded object. Returns the adapter (itself, its ``inner`` replaced)."""
+        if via == "state":
+            self.inner.state = self.inner.state
+            return self
+        import tempfile
+        from pathlib import Path
+
+        from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / "prompt.safetensors")
+            save_prompt_cache(path, [self.inner])
+            (loaded,) = load_prompt_cache(path)
+        if "step" in type(self.inner).__dict__ or "step" in self.inner.__dict__:
+            loaded.step = self.inner.step
+        self.inner = loaded
+        return self
 
     # -- the state protocol (kvtrace state_snapshot / state_restore) ------------
     @property
@@ -235,17 +283,13 @@ class RotatingKVCacheAdapter(MlxLmAdapter):
 # -- stored forms (what a reader must see for one row) -------------------------
 
 
-def fp16_row(x: mx.array) -> mx.array:
-    """mlx-lm's caches store what they are given; the machines hand float16."""
-    return x.astype(mx.float16)
-
-
 def affine_int8_row(x: mx.array) -> mx.array:
     """QuantizedKVCache's storage: affine quantization per group of
-    ``QUANT_GROUP_SIZE`` along head_dim, 8 bits, float16 scale and bias
-    (``mx.quantize``); a reader sees ``mx.dequantize`` of it. Quantization is
-    per group, so a row quantized alone equals that row of a quantized block."""
-    x = x.astype(mx.float16)
+    ``QUANT_GROUP_SIZE`` along head_dim, 8 bits, scale and bias in the rows'
+    own dtype (``mx.quantize`` of the row as given: float16, bfloat16 or
+    float32); a reader sees ``mx.dequantize`` of it, in that dtype.
+    Quantization is per group, so a row quantized alone equals that row of
+    a quantized block."""
     return mx.dequantize(*mx.quantize(x, group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS),
                          group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS)
 
@@ -256,8 +300,7 @@ def affine_int8_row(x: mx.array) -> mx.array:
 INPLACE_REASON = "mlx-lm has no ownership marker: whether a write went in place is not observable"
 
 KVCACHE = CacheClass(
-    "KVCache", "dense", "fp16", KVCacheAdapter, dict(_DENSE_ONLY), stored_form=fp16_row,
-    snapshot_class=MlxLmSnapshot, note="step set per instance to the trace's step",
+    "KVCache", "dense", "fp16", KVCacheAdapter, dict(_DENSE_ONLY), snapshot_class=MlxLmSnapshot, note="step set per instance to the trace's step",
 )
 QUANTIZED = CacheClass(
     "QuantizedKVCache", "dense", "int8", QuantizedKVCacheAdapter, dict(_DENSE_ONLY),
@@ -268,12 +311,11 @@ QUANTIZED = CacheClass(
 CONCAT = CacheClass(
     "ConcatenateKVCache", "dense", "fp16", ConcatenateKVCacheAdapter, dict(_DENSE_ONLY),
     not_compared={"capacity": "no preallocation and no step: the buffer is whatever was concatenated"},
-    stored_form=fp16_row, snapshot_class=MlxLmSnapshot,
+    snapshot_class=MlxLmSnapshot,
 )
 ROTATING = CacheClass(
     "RotatingKVCache", "rotating", "fp16", RotatingKVCacheAdapter,
-    {"trim_to": _DENSE_ONLY["trim_to"]}, fields=dict(NO_UNDO), stored_form=fp16_row,
-    snapshot_class=MlxLmSnapshot, note="step set per instance to the trace's step",
+    {"trim_to": _DENSE_ONLY["trim_to"]}, fields=dict(NO_UNDO), snapshot_class=MlxLmSnapshot, note="step set per instance to the trace's step",
 )
 
 
