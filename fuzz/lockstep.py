@@ -530,7 +530,20 @@ class Lockstep:
         """Run ``op`` on both sides and compare; raises Divergence (its
         second line names :attr:`impl_name`)."""
         try:
-            self._step(index, op)
+            try:
+                self._step(index, op)
+            except Divergence:
+                raise
+            except Exception as exc:
+                # whose failure (fuzz.targets.classify_failure): the target's
+                # crash while read (a divergence), a capability gap or the
+                # harness's own failure (exit 2), never a raw traceback
+                from fuzz.targets import HarnessFailure, classify_failure
+                from fuzz.trace import TraceFormatError
+
+                if isinstance(exc, (TraceFormatError, HarnessFailure)):
+                    raise
+                raise (classify_failure(self, index, op, exc, running=False) or exc) from exc
         except Divergence as d:
             if self.impl_name != "impl":
                 d.labels = tuple(f"{self.impl_name} did" if lab == "impl did" else lab for lab in d.labels)  # type: ignore[assignment]
@@ -563,6 +576,11 @@ class Lockstep:
         except Divergence:
             raise
         except Exception as exc:  # noqa: BLE001 - a crash is a divergence too
+            from fuzz.targets import classify_failure
+
+            other = classify_failure(self, index, op, exc, running=True)
+            if other is not None:  # a capability gap or the harness's own crash: exit 2
+                raise other from exc
             impl_out = Outcome(error=exc)
         self.prefetch(op, impl_out)
         self.run_deferred()
@@ -1026,7 +1044,12 @@ class Lockstep:
         """The cache saved and loaded back. ``file``: through a prompt-cache
         file (:func:`reload_through_file`); the loaded layer takes the place
         of the live cache. ``state``: mlx-lm's load order on the cache
-        itself, ``state`` then ``meta_state``."""
+        itself, ``state`` then ``meta_state``. A target's object with its
+        own ``kvspec_reload(via)`` (a built-in adapter: mlx-lm's own
+        prompt-cache files) reloads that way."""
+        own = getattr(c, "kvspec_reload", None)
+        if callable(own):
+            return own(via)
         if via == "state":
             if not callable(getattr(getattr(type(c), "state", None), "fset", None)):
                 from fuzz.trace import TraceFormatError
