@@ -1,12 +1,16 @@
-"""``kvspec prove [--json] [--crosshair] [--only N ...]``: run every proof
-obligation and its negative controls.
+"""``kvspec prove [--json] [--crosshair] [--only N|NAME ...]``: run every
+proof obligation and its negative controls.
 
-Prints a table (obligation, what it states, status, negative control,
-seconds), then each refuted negative control's counterexample as a kvtrace.
-``--json`` prints ``{"obligations": [...]}`` instead (with the kvtraces).
+Prints a table (obligation, what it states, status, negative control, the
+Z3 resource units its largest check used of those it was given, seconds),
+then each refuted negative control's counterexample as a kvtrace, and for
+every check that came out ``unknown`` Z3's reason and the command that runs
+that obligation alone (``kvspec prove --only N``). ``--json`` prints
+``{"obligations": [...]}`` instead (with the kvtraces, units and reasons).
 Exit status 0 only if every obligation that can run is proved and every
 negative control is refuted (and, with ``--crosshair``, CrossHair found no
-counterexample); 1 otherwise; 2 for bad arguments.
+counterexample); 1 otherwise; 2 for bad arguments (an ``--only`` that names
+no obligation).
 """
 
 from __future__ import annotations
@@ -75,13 +79,34 @@ def obligations() -> list[tuple[int, Any]]:
     return sorted(out, key=lambda x: x[0])
 
 
+def select(only: list[str], known: set[int]) -> list[int]:
+    """The obligation numbers ``--only`` names: each item a number or a name
+    of :data:`TITLES` (case and surrounding spaces ignored). Raises
+    ``ValueError`` naming the argument and what it accepts for an item that
+    names no obligation of ``known``."""
+    by_name = {TITLES[n].casefold(): n for n in known if n in TITLES}
+    out: list[int] = []
+    for item in only:
+        text = item.strip()
+        n = int(text) if text.isdigit() else by_name.get(text.casefold())
+        if n is None or n not in known:
+            names = "; ".join(f"{k} {TITLES.get(k, '')}".strip() for k in sorted(known))
+            raise ValueError(f"--only {item!r}: not an obligation number or name; the obligations are: {names}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
 def run_all(only: set[int] | None = None, progress: Any = None) -> list[ObligationResult]:
     """Run the obligations (``only``: these numbers); ``progress(result)``
     after each."""
+    from proofs.domain import reset_names
+
     results = []
     for number, thunk in obligations():
         if only and number not in only:
             continue
+        reset_names()
         results.append(thunk())
         if progress is not None:
             progress(results[-1])
@@ -108,7 +133,7 @@ def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
     from rich.table import Table
 
     table = Table(title="kvspec prove: Z3 (int and bv32) with negative controls")
-    for col in ("obligation", "states", "status", "negative control", "seconds"):
+    for col in ("obligation", "states", "status", "negative control", "Z3 units (most used / per check)", "seconds"):
         table.add_column(col, overflow="fold")
     colors = {"proved": "green", "refuted": "red", "failed": "red", "unknown": "yellow", "waits": "dim"}
     for r in results:
@@ -117,11 +142,12 @@ def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
         nc = r.negative_control
         if r.controls:
             nc = f"{nc} ({sum(c.status == 'refuted' for c in r.controls)}/{len(r.controls)})"
-        table.add_row(name, statement, f"[{colors.get(r.status, 'white')}]{r.status}[/]", nc,
+        units = f"{r.units:,} / {r.units_given:,}" if r.units_given else "-"
+        table.add_row(name, statement, f"[{colors.get(r.status, 'white')}]{r.status}[/]", nc, units,
                       f"{r.seconds:.1f}")
     if crosshair is not None:
         table.add_row("CrossHair (PEP 316 contracts, spec/)", crosshair.summary(),
-                      _crosshair_status(crosshair), "-", f"{crosshair.seconds:.1f}")
+                      _crosshair_status(crosshair), "-", "-", f"{crosshair.seconds:.1f}")
     console = Console()
     console.print(table)
     if crosshair is not None:
@@ -130,7 +156,13 @@ def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
     for r in results:
         for p in r.parts:
             if p.status != "proved":
-                console.print(f"[red]{r.number}. {p.part} ({p.domain}): {p.status}[/] {p.reason} {p.counterexample or ''}")
+                console.print(f"[red]{r.number}. {escape(p.part)} ({p.domain}): {p.status}[/] {escape(p.reason)} "
+                              f"{p.counterexample or ''}", highlight=False)
+        for line in r.unknowns():
+            if line.startswith("negative control"):
+                console.print(f"[yellow]{r.number}. {escape(line)}[/]", highlight=False)
+        if r.status not in ("proved", "waits"):
+            console.print(f"   rerun it alone: {r.rerun()}", highlight=False)
         for c in r.controls:
             head = f"{r.number}. negative control [bold]{c.name}[/] ({c.rule}): {c.status}"
             if c.refuting_part:
@@ -148,15 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvspec prove", description="Prove the spec's rules with Z3.")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--crosshair", action="store_true", help="also run CrossHair on the spec's contracts")
-    parser.add_argument("--only", type=int, nargs="+", metavar="N", help="run only these obligation numbers")
+    parser.add_argument("--only", nargs="+", metavar="N|NAME",
+                        help="run only these obligations, by number or by name (e.g. 8 or 'ring rollback (undo log)')")
     try:
         args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     except SystemExit as exc:
         return 0 if exc.code == 0 else 2
     t0 = time.perf_counter()
-    known = {n for n, _ in obligations()}
-    if args.only and not set(args.only) <= known:
-        parser.error(f"--only: obligation numbers are {min(known)} to {max(known)}, got {sorted(set(args.only) - known)}")
+    if args.only:
+        try:
+            args.only = select(args.only, {n for n, _ in obligations()})
+        except ValueError as e:
+            print(f"kvspec prove: error: {e}", file=sys.stderr)
+            return 2
 
     def progress(r: ObligationResult) -> None:
         print(f"prove: {r.number}. {r.name}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)

@@ -32,10 +32,15 @@ class PartResult:
     seconds: float
     reason: str = ""
     counterexample: dict[str, Any] | None = None
+    #: Z3 resource units (``rlimit``) the part's checks used and were given
+    #: (``proofs.domain.check_valid``): the verdict's budget, not seconds
+    units: int = 0
+    units_given: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"part": self.part, "domain": self.domain, "status": self.status,
-                               "seconds": round(self.seconds, 3)}
+                               "seconds": round(self.seconds, 3), "units": self.units,
+                               "units_given": self.units_given}
         if self.reason:
             out["reason"] = self.reason
         if self.counterexample:
@@ -56,10 +61,20 @@ class ControlResult:
     trace: dict[str, Any] | None = None
     confirmed: str = ""
     seconds: float = 0.0
+    #: the parts it ran (their units, and an ``unknown``'s reason)
+    parts: list[PartResult] = field(default_factory=list)
+
+    @property
+    def units(self) -> int:
+        """The most Z3 resource units one of its checks used."""
+        return max((p.units for p in self.parts), default=0)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "rule": self.rule, "status": self.status,
-                               "domains": self.domains, "seconds": round(self.seconds, 3)}
+                               "domains": self.domains, "seconds": round(self.seconds, 3), "units": self.units}
+        unknown = [f"{p.part} ({p.domain}): {p.reason}" for p in self.parts if p.status == "unknown"]
+        if unknown:
+            out["unknown"] = unknown
         if self.refuting_part:
             out["refuting_part"] = self.refuting_part
         if self.counterexample:
@@ -93,16 +108,43 @@ class ObligationResult:
             return "unknown"
         return "not refuted"
 
+    @property
+    def units(self) -> int:
+        """The most Z3 resource units one check of the obligation (a part
+        in one domain, or a negative control's) used."""
+        return max([p.units for p in self.parts] + [c.units for c in self.controls], default=0)
+
+    @property
+    def units_given(self) -> int:
+        """The units one check of its parts may use (its rlimit, over the
+        seeds of ``proofs.domain.SEEDS``; the largest where parts differ)."""
+        return max((p.units_given for p in self.parts), default=0)
+
+    def rerun(self) -> str:
+        """The command that runs this obligation alone."""
+        return f"kvspec prove --only {self.number}"
+
+    def unknowns(self) -> list[str]:
+        """Every check that came out ``unknown``, with Z3's reason."""
+        out = [f"{p.part} ({p.domain}): {p.reason}" for p in self.parts if p.status == "unknown"]
+        for c in self.controls:
+            out += [f"negative control {c.name}: {p.part} ({p.domain}): {p.reason}"
+                    for p in c.parts if p.status == "unknown"]
+        return out
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "number": self.number, "name": self.name, "proves": list(self.proves),
             "statement": self.statement, "status": self.status,
             "negative_control": self.negative_control, "seconds": round(self.seconds, 3),
+            "units": self.units, "units_given": self.units_given,
             "parts": [p.to_json() for p in self.parts],
             "negative_controls": [c.to_json() for c in self.controls],
         }
         if self.waits_for:
             out["waits_for"] = self.waits_for
+        if self.status != "proved" and not self.waits_for:
+            out["rerun"] = self.rerun()
         return out
 
 
@@ -136,7 +178,8 @@ def run_parts(
             else:
                 chk = _check_bv(dom, premises, goal, timeout_ms, int_status.get(label), int_models.get(label))
             cex = _cex(chk) if chk.status == "refuted" else None
-            results.append(PartResult(label, kind, chk.status, chk.seconds, chk.reason, cex))
+            results.append(PartResult(label, kind, chk.status, chk.seconds, chk.reason, cex, chk.units,
+                                      chk.units_given))
             if stop_at_refutation and chk.status == "refuted":
                 break
     return results
@@ -163,7 +206,14 @@ def _check_bv(dom: Domain, premises: list[Any], goal: Any, timeout_ms: int, int_
       budget), then the obligations alone."""
     import z3
 
-    spent = 0.0
+    spent, units, given = 0.0, 0, 0
+
+    def total(chk: Check) -> Check:
+        chk.seconds += spent
+        chk.units += units
+        chk.units_given += given
+        return chk
+
     if int_status == "proved":
         alone = check_valid(dom, premises, z3.BoolVal(True), timeout_ms)
         if alone.status == "proved":
@@ -171,7 +221,7 @@ def _check_bv(dom: Domain, premises: list[Any], goal: Any, timeout_ms: int, int_
             return alone
         if alone.status == "refuted":
             return alone
-        spent = alone.seconds
+        spent, units, given = alone.seconds, alone.units, alone.units_given
     if int_status == "refuted" and int_model is not None:
         lo, hi = -(2 ** 31), 2 ** 31
         fixed = []
@@ -184,19 +234,19 @@ def _check_bv(dom: Domain, premises: list[Any], goal: Any, timeout_ms: int, int_
         replayed = check_valid(dom, [*premises, *fixed], goal, timeout_ms)
         if replayed.status == "refuted":
             replayed.reason = replayed.reason or "the int counterexample fits in 32 bits"
-            return replayed
-        spent += replayed.seconds
+            return total(replayed)
+        spent, units, given = spent + replayed.seconds, units + replayed.units, given + replayed.units_given
 
     direct = check_valid(dom, premises, goal, min(timeout_ms, BV_DIRECT_MS))
-    direct.seconds += spent
     if direct.status != "unknown" or int_status == "proved":
-        return direct
+        return total(direct)
+    spent, units, given = spent + direct.seconds, units + direct.units, given + direct.units_given
     obligations = check_valid(dom, premises, z3.BoolVal(True), timeout_ms)
-    obligations.seconds += direct.seconds
     if obligations.status == "proved":
-        return Check("unknown", reason="no overflow, but the int run did not prove the property",
-                     seconds=obligations.seconds)
-    return obligations
+        return total(Check("unknown", reason=f"no overflow, but the int run did not prove the property "
+                                             f"({direct.reason})", seconds=obligations.seconds,
+                           units=obligations.units, units_given=obligations.units_given))
+    return total(obligations)
 
 
 def _cex(chk: Check) -> dict[str, Any]:
@@ -267,7 +317,7 @@ def control_from_parts(
             cex = values
         if not confirmed.startswith("confirmed"):
             status = "not refuted" if status == "refuted" else status
-    return ControlResult(name, rule, status, domains, refuting, cex, trace, confirmed, time.perf_counter() - t0)
+    return ControlResult(name, rule, status, domains, refuting, cex, trace, confirmed, time.perf_counter() - t0, res)
 
 
 __all__ = [

@@ -53,7 +53,7 @@ from proofs.dense_model import (
     trim_is_logical,
     trim_to,
 )
-from proofs.domain import INT, Domain, budget
+from proofs.domain import INT, Domain, solver
 
 ZERO_ROW = -1  # token identity of a zero row nobody wrote
 
@@ -288,8 +288,7 @@ def bmc(rules: Rules, max_depth: int = 8, timeout_ms: int = 60_000) -> dict[str,
     d = Domain(INT)
     step = z3.Int("step")
     mode, sw = z3.IntVal(FP16), z3.BoolVal(True)
-    s = z3.Solver()
-    budget(s, timeout_ms)
+    s = solver(timeout_ms)
     s.add(step >= 1, step <= MAX_STEP)
     w0 = _world_vars(d, 0, mode, sw, step)
     c0 = w0.c
@@ -683,8 +682,7 @@ class _Prefix:
 def _solve(premises: list[Any], bad: Any, stages: list[list[Any]] | None = None, timeout_ms: int = 30_000) -> Any:
     """A model of ``premises and bad``, trying each stage's extra
     constraints first (shorter prefixes give shorter kvtraces)."""
-    s = z3.Solver()
-    budget(s, timeout_ms)
+    s = solver(timeout_ms)
     s.add(*premises, bad)
     for extra in [*(stages or []), []]:
         s.push()

@@ -45,6 +45,14 @@ DOMAINS = (INT, BV32)
 _counter = itertools.count()
 
 
+def reset_names() -> None:
+    """Number fresh variables from 0 again: each obligation builds its
+    formulas with the same names whether it runs alone or after others
+    (Z3's search can follow the names)."""
+    global _counter
+    _counter = itertools.count()
+
+
 @dataclass
 class Domain:
     """One arithmetic domain plus what was recorded while encoding:
@@ -185,43 +193,84 @@ class Domain:
 
 @dataclass
 class Check:
-    """The outcome of one validity check ``premises => goal``."""
+    """The outcome of one validity check ``premises => goal``: its verdict,
+    a counterexample model (``refuted``), the reason (``unknown``: Z3's
+    ``reason_unknown`` and the units), wall seconds (information only), the
+    Z3 resource units it used and was given, and the seed that decided it
+    (None: none did)."""
 
     status: str  # "proved", "refuted" or "unknown"
     model: Any = None
     reason: str = ""
     seconds: float = 0.0
+    #: Z3 resource units the check used and was given (over its seeds)
+    units: int = 0
+    units_given: int = 0
+    seed: int | None = None
 
 
 # Nonlinear integer problems (the ring's modular index rules) are sensitive
-# to Z3's random seed: a check that takes 0.1 s with one seed can time out
-# with another. So a check is a short portfolio of seeds.
-SEEDS = ((0, 2_000), (2, 2_000), (3, 4_000), (4, 8_000), (5, None))
+# to Z3's random seed: a check that takes 0.1 s with one seed can run out of
+# its budget with another. So a check is a short portfolio of seeds, each
+# with a fixed share of the check's budget (milliseconds' worth of units,
+# never measured time); the last one gets what is left. Every part of every
+# obligation is decided by the first seed, using at most a sixth of its
+# share (docs/proofs.md, "Budgets").
+SEEDS = ((0, 10_000), (1, 10_000), (2, None))
 
 #: Z3 resource units (``rlimit``) per millisecond of budget: the rate at
 #: which Z3 counted them over a whole ``kvspec prove`` run on this project's
 #: 2-core machine was about 1,300 per CPU millisecond (2026-12-01; 250 to
-#: 5,600 from one check to the next). Every budget below is a number of
-#: milliseconds turned into units: Z3 counts units deterministically, so a
-#: check does the same work, and reaches the same verdict, however loaded
-#: the machine is (with wall-clock budgets a check got a quarter of its CPU
-#: at load average 10 on two cores, and obligations 2 and 8 came out
-#: "unknown").
+#: 5,600 from one check to the next). A budget is a number of milliseconds
+#: turned into units: Z3 counts units deterministically, so a check does the
+#: same work, and reaches the same verdict, however loaded the machine is.
 RLIMIT_PER_MS = 1_500
-#: a wall-clock guard of this many times the budget stops a check that the
-#: machine starves even of its units' worth (reported as Z3's "timeout")
-WALL_GUARD = 20
+
+#: what every check runs: Z3's SMT core behind the preprocessing steps of
+#: its own QF_NIA strategy, with no wall-clock step in it. Z3's default
+#: solver picks a strategy by logic, and the QF_NIA one (every obligation
+#: with a division by a variable) gives its SMT attempt 2 s and its nlsat
+#: attempt 3 s *of wall-clock time* (``try_for`` in Z3's
+#: ``qfnia_tactic.cpp``) before it moves on: on a loaded machine the attempt
+#: that proves a part in 1.5 s of CPU was cut off, and obligation 8 came out
+#: "unknown" (issue 47). This chain has no timer: only the rlimit bounds it.
+TACTICS = ("simplify", "propagate-values", "solve-eqs", "elim-uncnstr", "smt")
 
 
-def budget(solver: z3.Solver, ms: int) -> None:
-    """Give ``solver``'s next checks about ``ms`` milliseconds of CPU each,
-    as :data:`RLIMIT_PER_MS` deterministic resource units, under a
-    wall-clock guard of :data:`WALL_GUARD` times ``ms``. Z3 answers
-    ``unknown`` with reason "max. resource limit exceeded" when the units
-    run out."""
-    ms = max(1, int(ms))
-    solver.set("rlimit", ms * RLIMIT_PER_MS)
-    solver.set("timeout", ms * WALL_GUARD)
+def solver(ms: int | None = None, ctx: z3.Context | None = None) -> z3.Solver:
+    """A clock-free solver (:data:`TACTICS`) in ``ctx`` (None: Z3's main
+    context), with ``ms`` milliseconds' worth of resource units when given
+    (:func:`budget`)."""
+    s = z3.Then(*[z3.Tactic(t, ctx=ctx) for t in TACTICS], ctx=ctx).solver()
+    if ms is not None:
+        budget(s, ms)
+    return s
+
+
+def budget(solver: z3.Solver, ms: int) -> int:
+    """Give ``solver``'s next checks ``ms`` milliseconds' worth of
+    deterministic resource units each (:data:`RLIMIT_PER_MS` per ms) and
+    return that number of units. No wall-clock limit: Z3 answers
+    ``unknown`` when the units run out, the same on any machine at any
+    load."""
+    units = max(1, int(ms)) * RLIMIT_PER_MS
+    solver.set("rlimit", units)
+    return units
+
+
+def _units(s: z3.Solver) -> int:
+    """Resource units counted so far in ``s``'s context (Z3's "rlimit
+    count" statistic)."""
+    try:
+        return int(s.statistics().get_key_value("rlimit count"))
+    except z3.Z3Exception:  # no check has run in this context
+        return 0
+
+
+#: the reason an ``unknown`` gives when its units ran out (Z3 itself says
+#: "canceled" or "max. resource limit exceeded", depending on where the
+#: search stopped)
+RLIMIT_REASON = "resource limit (rlimit) exhausted"
 
 
 def check_valid(
@@ -232,18 +281,23 @@ def check_valid(
     to the premises)? ``refuted`` carries the model of a counterexample and,
     when an overflow obligation is what fails, names it. Tries the seeds of
     :data:`SEEDS` in turn, each with its budget of :func:`budget` units
-    (the last one what is left), ``timeout_ms`` worth in all."""
+    (the last one what is left), ``timeout_ms`` milliseconds' worth in all
+    (``Check.units_given``; ``Check.units`` is what Z3 counted over the
+    seeds it tried). The check
+    runs in a Z3 context of its own, so what ran before it in the process
+    does not change its search. ``unknown`` carries Z3's ``reason_unknown``
+    and, when the units ran out, :data:`RLIMIT_REASON`."""
     import time
 
     t0 = time.perf_counter()
-    s = z3.Solver()
-    s.add(*premises)
-    s.add(*[a for _, a in dom.assumptions])
-    s.add(*dom.facts)
+    ctx = z3.Context()
+    s = solver(ctx=ctx)
     obligations = [o for _, o in dom.obligations]
-    s.add(z3.Not(z3.And(goal, *obligations)))
-    r, reason = z3.unknown, ""
+    formulas = [*premises, *[a for _, a in dom.assumptions], *dom.facts, z3.Not(z3.And(goal, *obligations))]
+    s.add(*[f.translate(ctx) for f in formulas])
+    r, reason, decided = z3.unknown, "", None
     left = timeout_ms
+    given = max(1, int(timeout_ms)) * RLIMIT_PER_MS
     for seed, ms in SEEDS:
         if left <= 0:
             break
@@ -253,13 +307,15 @@ def check_valid(
         budget(s, give)
         r = s.check()
         if r != z3.unknown:
+            decided = seed
             break
         reason = str(s.reason_unknown())
+    used = _units(s)
     dt = time.perf_counter() - t0
     if r == z3.unsat:
-        return Check("proved", seconds=dt)
+        return Check("proved", seconds=dt, units=used, units_given=given, seed=decided)
     if r == z3.sat:
-        m = s.model()
+        m = s.model().translate(z3.main_ctx())
         reason = ""
         for name, o in dom.obligations:
             if z3.is_false(m.eval(o, model_completion=True)):
@@ -267,8 +323,12 @@ def check_valid(
                 break
         if not reason and label:
             reason = label
-        return Check("refuted", m, reason, dt)
-    return Check("unknown", reason=reason, seconds=dt)
+        return Check("refuted", m, reason, dt, used, given, decided)
+    if used >= given:
+        reason = f"{RLIMIT_REASON}: {used:,} of {given:,} units (Z3: {reason})"
+    else:
+        reason = f"Z3: {reason} after {used:,} of {given:,} units"
+    return Check("unknown", reason=reason, seconds=dt, units=used, units_given=given)
 
 
 def evaluate(expr: Any, subs: dict[Any, Any], dom: Domain | None = None) -> Any:
@@ -278,7 +338,7 @@ def evaluate(expr: Any, subs: dict[Any, Any], dom: Domain | None = None) -> Any:
     pairs = [(k, v) for k, v in subs.items()]
     out = z3.simplify(z3.substitute(expr, *pairs)) if pairs else z3.simplify(expr)
     if dom is not None and dom.facts and not (z3.is_true(out) or z3.is_false(out) or z3.is_int_value(out)):
-        s = z3.Solver()
+        s = solver()
         s.add(*[z3.substitute(f, *pairs) for f in dom.facts])
         if s.check() != z3.sat:
             raise ValueError("facts unsatisfiable for these values")

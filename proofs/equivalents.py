@@ -32,7 +32,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import budget
+from proofs.domain import solver
 
 Ints = dict[str, Any]
 
@@ -60,8 +60,7 @@ class Equivalence:
         """(differs, counterexample): can original and mutant disagree?"""
         v = _vars(*self.variables)
         premises, original, mutant = self.build(v, control)
-        s = z3.Solver()
-        budget(s, 10_000)
+        s = solver(10_000)
         s.add(*premises)
         s.add(original != mutant)
         r = s.check()

@@ -33,7 +33,7 @@ import z3
 
 from proofs import traces
 from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain, budget
+from proofs.domain import Domain, solver
 from proofs.paged_model import (
     PAGED_SPEC,
     BlockV,
@@ -203,8 +203,7 @@ def _spec_run(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[tuple[An
 def _small_block_size(part: PartBuilder) -> int:
     d = Domain("int")
     premises, goal = part(d)
-    s = z3.Solver()
-    budget(s, 10_000)
+    s = solver(10_000)
     s.add(*premises, z3.Not(goal), z3.Int("block_size") <= 4, z3.Int("block_size") >= 2)
     if s.check() != z3.sat:
         return 2

@@ -17,7 +17,7 @@ import z3
 from proofs import traces
 from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
 from proofs.dense_model import MODES
-from proofs.domain import INT, Domain, budget
+from proofs.domain import INT, Domain, solver
 from proofs.rotating_model import (
     RING_SPEC,
     RingHolderS,
@@ -260,8 +260,7 @@ def _find(build: PartBuilder, rules_extra: list[Any] | None = None) -> Any:
     values preferred."""
     d = Domain(INT)
     premises, goal = build(d)
-    s = z3.Solver()
-    budget(s, 20_000)
+    s = solver(20_000)
     s.add(*premises, z3.Not(goal), *(rules_extra or []))
     return s.model() if s.check() == z3.sat else None
 

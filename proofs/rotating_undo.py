@@ -33,7 +33,7 @@ import z3
 
 from proofs import traces
 from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import INT, Domain, budget
+from proofs.domain import INT, Domain, solver
 from proofs.rotating_model import ring_slot
 from spec.rotating import log_push as _spec_log_push
 
@@ -181,8 +181,7 @@ def _model_ints(m: Any, names: list[str]) -> dict[str, int]:
 def _find(build: PartBuilder, extra: list[Any]) -> Any:
     d = Domain(INT)
     premises, goal = build(d)
-    s = z3.Solver()
-    budget(s, 20_000)
+    s = solver(20_000)
     s.add(*premises, z3.Not(goal), *extra)
     return s.model() if s.check() == z3.sat else None
 

@@ -313,10 +313,14 @@ def check_obligation(number: int) -> list[Check]:
         waits = ob.status == "waits"
         ok = waits or (ob.status == "proved" and ob.negative_control == "refuted")
         detail = f"{ob.status}, negative control {ob.negative_control}"
+        if ob.units_given:
+            detail += f"; Z3 units: at most {ob.units:,} of {ob.units_given:,} per check"
         if not ok:
-            bad = [f"{p.part} ({p.domain}): {p.status}" for p in ob.parts if p.status != "proved"]
+            bad = [f"{p.part} ({p.domain}): {p.status}" + (f" ({p.reason})" if p.status == "unknown" else "")
+                   for p in ob.parts if p.status != "proved"]
             bad += [f"control {c.name}: {c.status}" for c in ob.controls if c.status != "refuted"]
-            detail += "; " + "; ".join(bad)[:300]
+            bad += [u for u in ob.unknowns() if u.startswith("negative control")]
+            detail += "; " + "; ".join(bad)[:600] + f"; rerun it alone: {ob.rerun()}"
         checks.append(Check(f"proof {ob.name}", ok, detail, ob.seconds))
     return checks
 
@@ -697,7 +701,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
 
     where = (f"device {current()} ({backend()}, in-place writes: {inplace_mechanism()}); "
              f"engine {default_engine()}")
-    progress.say(f"kvspec verify{' --quick' if quick else ''}: {len(the_plan)} jobs on {workers} "
+    progress.say(f"kvspec verify{' --quick' if quick else ''}: {len(the_plan)} jobs (each one or more checks, "
+                 f"the table's rows) on {workers} "
                  f"process{'es' if workers > 1 else ''}; {where}; campaign seed {CAMPAIGN_SEED}, bug seeds "
                  f"1..{1 if quick else 5}")
     skipped = gpu_only_bugs_skipped()
@@ -754,7 +759,10 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         for c in checks:
             for w in c.warnings:
                 console.print(f"[yellow]warning[/] {escape(c.name)}: {escape(w)}", soft_wrap=True)
-        console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed in {total:.0f} s ({workers} processes, "
+        jobs_failed = sum(1 for i in results if not all(c.ok for c in results[i]))
+        console.print(f"{len(checks) - len(failed)} checks passed, {len(failed)} failed (the table's rows), from "
+                      f"{len(results)} of {len(the_plan)} jobs ({len(results) - jobs_failed} jobs passed, "
+                      f"{jobs_failed} failed) in {total:.0f} s ({workers} processes, "
                       f"{progress.cpu:.0f} s of CPU in the jobs; {where})")
         if skipped:
             console.print(f"not run here: {len(skipped)} GPU-only injected bugs ({escape(', '.join(skipped))}); "
