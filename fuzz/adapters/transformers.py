@@ -40,6 +40,8 @@ _NO_SUCH = {
     "handle_trim_to": "no detached handles",
     "state_snapshot": "no mlx-lm state protocol (its prompt caches are deep-copied Cache objects)",
     "state_restore": "no mlx-lm state protocol (its prompt caches are deep-copied Cache objects)",
+    "reload": "no prompt-cache file and no state/meta_state to load (a Cache is saved by pickling or "
+              "copy.deepcopy, which snapshot already runs)",
 }
 
 
@@ -54,18 +56,36 @@ def _torch() -> Any:
 
 
 def _to_torch(a: Any) -> Any:
+    """An MLX array of rows as a torch tensor of the same dtype, bit for
+    bit: float16 and float32 through NumPy, bfloat16 (which NumPy has not)
+    through its float32 host form (``fuzz.rows.host``, exact), then
+    ``.to(torch.bfloat16)`` (exact: every value is a bfloat16)."""
+    from fuzz.rows import dtype_name, host
+
     torch = _torch()
-    return torch.from_numpy(np.array(a, copy=True))
+    name = dtype_name(a)
+    t = torch.from_numpy(np.array(host(a), copy=True))
+    return t.to(getattr(torch, name)) if name == "bfloat16" else t
 
 
 class _View:
-    """A torch tensor as a reader sees it (``numpy.asarray`` of it)."""
+    """A torch tensor as a reader sees it: ``numpy.asarray`` of it gives its
+    host form (float16 and float32 as they are, bfloat16 as the float32 of
+    each value, exact: ``fuzz.rows.host``'s form), ``kvtrace_dtype`` its
+    dtype's kvtrace name."""
 
     def __init__(self, t: Any):
         self.t = t
 
+    @property
+    def kvtrace_dtype(self) -> str:
+        return str(self.t.dtype).rsplit(".", 1)[-1]
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = self.t.detach().cpu().numpy()
+        t = self.t.detach().cpu()
+        if self.kvtrace_dtype == "bfloat16":
+            t = t.float()  # NumPy has no bfloat16: the exact float32 of each value
+        out = t.numpy()
         return out if dtype is None else out.astype(dtype)
 
 
@@ -110,6 +130,16 @@ class DynamicCacheAdapter:
 
     def snapshot(self) -> Any:
         return TransformersSnapshot(copy.deepcopy(self.inner))
+
+    def __copy__(self) -> DynamicCacheAdapter:
+        """``copy.copy`` of the cache a program holds: a new adapter around
+        ``copy.copy(inner)`` (the DynamicCache object; its layers shared, as
+        Python's shallow copy shares them), never a second wrapper around
+        the same DynamicCache."""
+        dup = object.__new__(type(self))
+        dup.__dict__.update(self.__dict__)
+        dup.inner = copy.copy(self.inner)
+        return dup
 
     def restore(self, snap: TransformersSnapshot) -> None:
         self.inner = copy.deepcopy(snap.inner)
