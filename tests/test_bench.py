@@ -348,3 +348,33 @@ def test_an_end_to_end_row_s_contexts_are_every_config_s_in_numeric_order():
     # a context only one config reached still gets a column
     by = {"mlx-lm caches": {"512": 1.0, "1024": 2.0}, "ours, in place": {"512": 1.0, "1024": 2.0, "16384": 3.0}}
     assert bench._contexts(by) == [512, 1024, 16384]
+
+
+def test_the_end_to_end_legends_name_the_brackets_the_cells_use(tmp_path, capsys):
+    """A range of blocks is printed in round brackets (lo-hi) and a
+    confidence interval in square brackets [lo, hi]: each legend, on the
+    terminal and in the record, says so, and every cell has that shape."""
+    import re
+    from pathlib import Path
+
+    e2e = {"repeats": 8, "tokens": 16,
+           "rows": {"greedy": {"mlx-lm caches": {"16": 10.0}, "ours, in place": {"16": 11.0}}},
+           "samples": {"greedy": {"mlx-lm caches": {"16": [9.0, 10.0, 12.0]}, "ours, in place": {"16": [10.0, 11.0, 13.0]}}},
+           "paired": {"greedy": {"ours, in place": {"16": {"median": 1.1, "low": 0.9, "high": 1.3, "ci_low": 1.0,
+                                                           "ci_high": 1.2, "faster_in": 6, "runs": 8}}}}}
+    doc = {"date": "2026-12-06", "device": "cpu", "backend": "cpu", "inplace_mechanism": "x", "mlx": "0",
+           "machine": "x", "contexts": [16],
+           "cache_rows": {"rows": [{key: 1.0 for _, key in bench.ROWS}],
+                          "ratio_last_over_first": {key: 1.0 for _, key in bench.ROWS}}, "e2e": e2e}
+    bench.print_suite(doc)
+    terminal = capsys.readouterr().out
+    record = Path(bench.write_record(doc, str(tmp_path))).with_suffix(".md").read_text()
+    for text in (terminal, record):
+        assert "10.0 (9-12)" in text and "1.100x [1.000, 1.200] (0.90-1.30), 6/8" in text
+        legends = [line for line in text.splitlines() if line.lower().startswith("each")]
+        assert len(legends) == 2, legends
+        tokens, ratios = legends
+        assert "round brackets (lo-hi)" in tokens and "square brackets" not in tokens
+        assert "square brackets [lo, hi]" in ratios and "round brackets (lo-hi)" in ratios
+        # no legend promises a bracket kind it does not name
+        assert not re.search(r"(?<!round )(?<!square )brackets", tokens + ratios)

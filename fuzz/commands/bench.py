@@ -31,6 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fuzz.bugs.dense import PhysicalTrimFp16
@@ -117,7 +118,7 @@ ROWS = (
 def run(contexts: list[int], as_json: bool = False) -> int:
     """Measure at each context length; print one row per operation with a
     column per context and the last/first ratio."""
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     makers = {
         "decode_inplace_ms": lambda n: _decode_round(n, True),
         "decode_copy_ms": lambda n: _decode_round(n, False),
@@ -145,7 +146,7 @@ def run(contexts: list[int], as_json: bool = False) -> int:
     table.add_column(f"{contexts[-1]} / {contexts[0]}", justify="right", no_wrap=True)
     for label, key in ROWS:
         table.add_row(label, *(f"{c[key]:.3f}" for c in cols), f"{ratios[key]:.1f}x")
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     console.print(table)
     console.print(f"copy / in place at {contexts[-1]}: {last['decode_copy_ms'] / last['decode_inplace_ms']:.1f}x; "
                   f"physical / logical rollback at {contexts[-1]}: "
@@ -173,7 +174,7 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
     from fuzz.device import current
     from impl.write import backend, inplace_mechanism
 
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     gpu = current() == "gpu"
     layers = layers or (28 if gpu else 4)
     rounds = rounds or (20 if gpu else 8)
@@ -231,7 +232,7 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
 
 
 def print_suite(doc: dict) -> None:
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     contexts = doc["contexts"]
     if "decoder" in doc:
         d = doc["decoder"]
@@ -243,7 +244,7 @@ def print_suite(doc: dict) -> None:
         t.add_column(f"{contexts[-1]} / {contexts[0]}", justify="right")
         t.add_column("over its floor, " + " / ".join(str(n) for n in contexts), justify="right")
         for name, r in d["ms_per_step"].items():
-            t.add_row(name, *(f"{r[str(n)]:.3f}" for n in contexts), f"{d['ratio_last_over_first'][name]:.2f}x",
+            t.add_row(escape(name), *(f"{r[str(n)]:.3f}" for n in contexts), f"{d['ratio_last_over_first'][name]:.2f}x",
                       " / ".join(f"{d['over_floor_ms'][name][str(n)]:+.3f}" for n in contexts))
         console.print(t)
     if "e2e" in doc:
@@ -257,11 +258,11 @@ def print_suite(doc: dict) -> None:
                 t.add_column(str(n), justify="right")
             spread = doc["e2e"].get("samples", {}).get(row, {})
             for name, v in by.items():
-                t.add_row(name, *(_e2e_cell(v.get(str(n)), spread.get(name, {}).get(str(n))) for n in ctxs))
+                t.add_row(escape(name), *(_e2e_cell(v.get(str(n)), spread.get(name, {}).get(str(n))) for n in ctxs))
             console.print(t)
         if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
             console.print(f"each cell: the median of {doc['e2e']['repeats']} blocks of {doc['e2e']['tokens']} tokens, "
-                          "the caches decoding their blocks in turn (the lowest and highest in brackets)")
+                          f"the caches decoding their blocks in turn; {RANGE_LEGEND}", markup=False, soft_wrap=True)
         paired = doc["e2e"].get("paired") or {}
         for row, by in paired.items():
             ctxs = _contexts(by)
@@ -270,12 +271,12 @@ def print_suite(doc: dict) -> None:
             for n in ctxs:
                 t.add_column(str(n), justify="right")
             for name, v in by.items():
-                t.add_row(name, *(_paired_cell(v.get(str(n))) for n in ctxs))
+                t.add_row(escape(name), *(_paired_cell(v.get(str(n))) for n in ctxs))
             console.print(t)
         if paired:
-            console.print("each cell: the median of the block-by-block ratios, its 95 % confidence interval in square "
-                          "brackets, their range, and in how many blocks the row was the faster; above 1.000x: "
-                          "faster than mlx-lm's caches")
+            console.print(f"each cell: the median of the block-by-block ratios, {INTERVAL_LEGEND}, "
+                          f"{RANGE_LEGEND.replace('block', 'ratio')}, and in how many blocks the row was the faster; "
+                          "above 1.000x: faster than mlx-lm's caches", markup=False, soft_wrap=True)
 
 
 def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, dict[str, dict]]]:
@@ -328,6 +329,13 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 def _contexts(by: dict[str, dict[str, Any]]) -> list[int]:
     """The contexts of an end-to-end row's configs (JSON keys), in order."""
     return sorted({int(n) for v in by.values() for n in v})
+
+
+#: the legends of the end-to-end cells, in the notation the cells use
+#: (:func:`_e2e_cell`, :func:`_paired_cell`): a confidence interval in square
+#: brackets, a range of measurements in round brackets
+INTERVAL_LEGEND = "95 % confidence interval of the median in square brackets [lo, hi]"
+RANGE_LEGEND = "the lowest and highest block in round brackets (lo-hi)"
 
 
 def _paired_cell(p: dict | None) -> str:
@@ -408,8 +416,7 @@ def write_record(doc: dict, folder: str) -> str:
             lines.append("")
         if doc["e2e"].get("samples") and doc["e2e"]["repeats"] > 1:
             lines += [(f"Each tokens/s cell: the median of {doc['e2e']['repeats']} blocks of {doc['e2e']['tokens']} "
-                      "tokens, the caches decoding their blocks in turn from caches kept alive (the lowest and "
-                      "highest in brackets)."), ""]
+                      f"tokens, the caches decoding their blocks in turn from caches kept alive; {RANGE_LEGEND}."), ""]
         for row, by in (doc["e2e"].get("paired") or {}).items():
             ctxs = _contexts(by)
             lines += [f"## End to end, {row}: against mlx-lm's caches in the same round", "",
@@ -419,10 +426,9 @@ def write_record(doc: dict, folder: str) -> str:
             lines.append("")
         if doc["e2e"].get("paired"):
             lines += [("Each cell: the median of the block-by-block ratios of tokens/s to mlx-lm's caches, each "
-                       "block divided by mlx-lm's block of the same round, its distribution-free 95 % confidence "
-                       "interval in square brackets (none with fewer than 6 blocks), the range of the ratios in "
-                       "round brackets, and in how many blocks the row was the faster; above 1.000x: faster than "
-                       "mlx-lm's caches."), ""]
+                       f"block divided by mlx-lm's block of the same round, its distribution-free {INTERVAL_LEGEND} "
+                       f"(none with fewer than 6 blocks), {RANGE_LEGEND.replace('block', 'ratio')}, and in how "
+                       "many blocks the row was the faster; above 1.000x: faster than mlx-lm's caches."), ""]
     png = stem.with_suffix(".png")
     if "decoder" in doc:
         try:
@@ -430,7 +436,7 @@ def write_record(doc: dict, folder: str) -> str:
         except ImportError:  # the GPU machine has no matplotlib: draw it later from the JSON
             lines += [(f"The plot was not drawn here (no matplotlib): `kvspec bench --plot {stem.with_suffix('.json').name}` "
                       "draws it from the JSON."), ""]
-            Console(stderr=True, highlight=False).print(
+            Console(stderr=True, highlight=False, emoji=False).print(
                 f"bench: no matplotlib here: {png.name} not drawn; `kvspec bench --plot "
                 f"{stem.with_suffix('.json')}` draws it from the JSON", markup=False)
     stem.with_suffix(".md").write_text("\n".join(lines))
