@@ -208,9 +208,8 @@ class RotatingKVCache:
         self.idx = 0
         self._marker: tuple[mx.array, mx.array, int] | None = None
         self.last_write_inplace = False
-        # a rollback loop uses this ring (a trim was asked); set once a
-        # refused rollback has been reported (RollbackWarning, once per cache)
-        self._rollbacks_seen = False
+        # set once a refused rollback has been reported (RollbackWarning,
+        # once per cache; a copy of the ring is another cache and starts unset)
         self.rollback_warned = False
         self._quantize_warned = False
 
@@ -494,25 +493,34 @@ class RotatingKVCache:
         return min(self.undo, log_rows(self._log))
 
     def is_trimmable(self) -> bool:
-        """True when some trim is exact (spec.rotating.is_trimmable).
+        """True when some trim is exact (spec.rotating.is_trimmable): the
+        counters alone rewind the ring, or its undo log covers a row.
 
-        False on a wrapped ring without an undo log (``undo=0``: it never
-        rolls back again) that a rollback loop has trimmed before warns once
-        per cache (RollbackWarning): mlx-lm's speculative decoding asks this
-        before every rollback and then skips the rollback in every layer.
-        (A ring with an undo log warns in :meth:`trim`, where the count is
-        known: its log may be empty for a moment with nothing to roll back.)"""
-        ok = self._counters_rewind_exact() or self.trimmable_rows() > 0
-        if not ok and self.undo == 0 and self._rollbacks_seen:
-            self.warn_refused_rollback(None)
-        return ok
+        False is a refused rollback and is reported as one: a
+        RollbackWarning, once per cache, whatever happened before (a ring
+        that went past its window during the prefill warns at its first
+        False; no earlier trim is needed). mlx-lm asks this before every
+        rollback (its ``trim_prompt_cache`` through
+        ``can_trim_prompt_cache``, inside ``speculative_generate_step``)
+        and on False skips the rollback in every layer without calling
+        :meth:`trim`, so this answer is the only place the ring learns of
+        it. A caller that only asks, and would have rolled nothing back,
+        is warned too: the ring cannot tell the two apart, and from here
+        on any rollback asked of it is refused. False only for a ring that
+        holds rows (``offset > 0``)."""
+        if self._counters_rewind_exact() or self.trimmable_rows() > 0:
+            return True
+        self.warn_refused_rollback(None)
+        return False
 
     def warn_refused_rollback(self, n: int | None) -> None:
         """Issue the once-per-cache RollbackWarning for a rollback of ``n``
-        rows (None: any rollback) this ring cannot honour exactly."""
+        rows (None: any rollback, from :meth:`is_trimmable`) this ring
+        cannot honour exactly. ``rollback_warned`` is set only once the
+        warning was issued, so under ``warnings.simplefilter("error",
+        RollbackWarning)`` every refusal raises (nothing trimmed)."""
         if self.rollback_warned:
             return
-        self.rollback_warned = True
         asked = "any rollback" if n is None else f"a rollback of {n} rows"
         warnings.warn(
             f"RotatingKVCache(max_size={self.max_size}, undo={self.undo}) has wrapped and can roll back exactly "
@@ -522,6 +530,7 @@ class RotatingKVCache:
             f"Reported once per cache.",
             RollbackWarning, stacklevel=3,
         )
+        self.rollback_warned = True
 
     def trim(self, n: int) -> int:
         """Rewind ``n`` rows (clamped to ``[0, offset]``) exactly
@@ -531,8 +540,6 @@ class RotatingKVCache:
         returns 0 (fail closed), with a RollbackWarning once per cache."""
         n = _check_int("trim", "n", n)
         n = max(0, min(n, self.offset))
-        if n > 0:
-            self._rollbacks_seen = True
         if n == 0:
             return 0
         if n > self.trimmable_rows():
@@ -563,10 +570,18 @@ class RotatingKVCache:
 
     # -- snapshots -------------------------------------------------------------
     def __copy__(self) -> RotatingKVCache:
-        return copy_without_marker(self)
+        """A copy sharing the buffers, owning nothing (its first write
+        copies); another cache, so its first refused rollback warns again."""
+        new = copy_without_marker(self)
+        new.rollback_warned = False
+        return new
 
     def __deepcopy__(self, memo: dict) -> RotatingKVCache:
-        return copy_without_marker(self, memo)
+        """As :meth:`__copy__` (mlx-lm's ``LRUPromptCache`` deep-copies a
+        stored prompt cache on every fetch)."""
+        new = copy_without_marker(self, memo)
+        new.rollback_warned = False
+        return new
 
     def snapshot(self) -> RingSnapshot:
         """New handles to the same buffers (O(1)) and the counters."""

@@ -513,8 +513,14 @@ def test_is_trimmable_warns_any_rollback_once_a_trim_was_asked():
     assert only_warning(got, RollbackWarning) == ROLLBACK_WARNING.format(undo=0, rows=0, asked="any rollback")
 
 
-def test_is_trimmable_is_silent_without_a_trim_or_with_an_undo_log():
+def test_is_trimmable_false_warns_without_a_trim_before_and_with_an_undo_log():
+    """Issue 47: is_trimmable()'s False is a refused rollback (mlx-lm then
+    skips the rollback in every layer): each ring warns at its first False,
+    with no trim before it and also with an (empty) undo log; trim(0)
+    asks nothing and is silent."""
     import warnings
+
+    from spec.errors import RollbackWarning
 
     c = wrapped_ring()
     d = wrapped_ring(undo=2)
@@ -522,12 +528,14 @@ def test_is_trimmable_is_silent_without_a_trim_or_with_an_undo_log():
     e = wrapped_ring()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        assert c.trim(0) == 0
-        assert not c.is_trimmable()
-        assert d.trim(0) == 0 and d.trimmable_rows() == 0
-        assert not d.is_trimmable()
-        assert not e.is_trimmable()
+        assert c.trim(0) == 0 and d.trim(0) == 0 and d.trimmable_rows() == 0
     assert got == []
+    for ring, undo in ((c, 0), (d, 2), (e, 0)):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            assert not ring.is_trimmable()
+            assert not ring.is_trimmable()
+        assert only_warning(got, RollbackWarning) == ROLLBACK_WARNING.format(undo=undo, rows=0, asked="any rollback")
 
 
 def test_a_partial_rollback_of_a_block_keeps_the_last_write_flag_and_the_ownership():
