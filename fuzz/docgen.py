@@ -120,6 +120,19 @@ OP_TEXT = {
                             "`spec.paged.append_pair_mismatch`",
     "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`)",
     "layer": "layers: run one op (`do`: `trim_front` or `fetch`) on layer `index` of the list",
+    "build_probe": "models: `make_prompt_cache` with these settings (`layout`: a model with `make_cache`, else "
+                   "`n_layers` layers): every layer's kind, mode, step, window, sinks, undo depth and Delegated "
+                   "settings against `spec.models.prompt_cache_layout`; the live list is unchanged",
+    "save_load": "models: the list saved with user `metadata` and loaded back: the metadata "
+                 "(`spec.models.loaded_metadata`), each loaded layer's window, offset and `meta_state`",
+    "to_quantized": "models: `to_quantized(bits=8)` of `layer`: the converted cache's mode, offset, live_start, "
+                    "step, capacity, nbytes and rows in their dtype (`spec.models.to_quantized`)",
+    "mask": "models: `make_mask(n, window, return_array=True)` of `layer`, built on the host or (`device`) on "
+            "the MLX path CUDA runs, against the kind's spec mask",
+    "mechanism": "models: the write layer's in-place mechanism with `KV_CUDA_INPLACE` set to `env` (absent: "
+                 "unset) against `spec.models.inplace_mechanism`",
+    "rows": "models: the portable rows the harness hands in for `tokens` against `spec.rows.row_bits`, bit for "
+            "bit",
     "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "
               "`of` (paged: `seq` also names the sequence); `order: set` ignores the order; `layer` picks a "
               "layer of a list (default 0)",

@@ -206,6 +206,20 @@ KINDS: dict[str, Kind] = {
             bugs="fuzz.bugs.layers:BUGS",
         ),
         Kind(
+            "models", "the model glue around a prompt cache: make_prompt_cache's settings, prompt-cache files "
+            "with user metadata, to_quantized mid-stream, nbytes, masks on the host and device paths, the "
+            "write layer's mechanism, the portable rows",
+            # mode: the storage of the dense layers (rings are fp16)
+            modes=("fp16", "int8"),
+            fields={"layers": REQUIRED, "build": "make_prompt_cache", "num_draft_tokens": 0},
+            ops=("can_trim", "layer", "restore_mixed", "trim_refused_late", *LIFECYCLE_OPS,
+                 "build_probe", "save_load", "to_quantized", "mask", "mechanism", "rows"),
+            refuses=("trim_to",),
+            campaigns=(("fp16", True), ("int8", True)),
+            lockstep="fuzz.models:ModelsLockstep", machine="fuzz.models:ModelsMachine",
+            bugs="fuzz.bugs.models:BUGS",
+        ),
+        Kind(
             "paged", "pool-backed cache (BlockPool): block tables by absolute position, refcounts, "
             "copy-on-write, forks, trims through the pool",
             modes=("fp16",),

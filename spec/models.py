@@ -1,0 +1,195 @@
+"""Executable spec of the model glue around a prompt cache: what
+``make_prompt_cache`` builds for a model, what a prompt-cache file gives
+back, what ``to_quantized`` keeps, what ``nbytes`` counts and which in-place
+mechanism the write layer picks (docs/models.md).
+
+These are the observables of a prompt cache that live outside one layer's
+write and trim path (:mod:`spec.layers` has the list-level operations,
+:mod:`spec.dense` and :mod:`spec.rotating` each layer's). Every function is
+pure (standard library only); refusals raise :mod:`spec.errors` types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
+
+#: Bytes per element of each dtype rows are handed in (and of Int8's codes).
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
+#: The dtype of an Int8 cache's per-row scales (one per row and head, for K
+#: and for V), whatever the rows' dtype.
+INT8_SCALE_DTYPE = "float16"
+#: The sinks of every ring ``make_prompt_cache`` builds from ``max_kv_size``
+#: (mlx-lm's choice).
+MAX_KV_SIZE_KEEP = 4
+#: The modes whose dense layers take ``hot_threshold`` and ``fold_block``.
+DELEGATED_MODES = ("turbo4delegated",)
+#: A prompt-cache file's metadata key reserved for kvspec's layer descriptions.
+RESERVED_METADATA_KEY = "__kvspec__"
+#: The in-place mechanisms of MLX's CUDA backend (``KV_CUDA_INPLACE``).
+CUDA_MECHANISMS = ("donate", "kernel")
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """What one layer of a built prompt cache is: ``kind`` ``"dense"`` (a
+    dense-kind cache in ``mode``; ``hot_threshold`` / ``fold_block`` for a
+    Delegated mode, else None) or ``"rotating"`` (a ring of ``max_size``
+    slots, ``keep`` sinks, an undo log of ``undo`` rows; always fp16), with
+    the list's ``step``."""
+
+    kind: str
+    mode: str
+    step: int
+    max_size: int | None = None
+    keep: int | None = None
+    undo: int | None = None
+    hot_threshold: int | None = None
+    fold_block: int | None = None
+
+
+def prompt_cache_layout(
+    layout: tuple[tuple[str, int, int], ...] | None,
+    n_layers: int,
+    mode: str = "fp16",
+    step: int = 256,
+    max_kv_size: int | None = None,
+    undo: int = 0,
+    num_draft_tokens: int = 0,
+    hot_threshold: int = 256,
+    fold_block: int = 128,
+) -> tuple[LayerSettings, ...]:
+    """The layers ``make_prompt_cache`` builds for a model.
+
+    ``layout``: the model's own ``make_cache()`` as ``(kind, max_size,
+    keep)`` per layer (``("dense", 0, 0)`` for a full-attention layer,
+    ``("rotating", W, K)`` for a sliding-window one), or None for a model
+    without ``make_cache`` (``n_layers`` layers). The rule:
+
+    * every ring's undo depth is ``max(undo, num_draft_tokens)`` (enough for
+      every rollback of a speculative round to stay exact after a wrap);
+    * with a layout, a dense layer is a dense cache in ``mode`` and a
+      sliding-window layer a ring of its own window and sinks in every mode
+      (a ring has no quantized storage); ``max_kv_size`` is ignored;
+    * without one, every layer is a dense cache in ``mode``, or, with
+      ``max_kv_size``, a ring of ``max_kv_size`` slots and
+      :data:`MAX_KV_SIZE_KEEP` sinks (fp16 only: a quantized ``mode`` is
+      refused with UnsupportedOperationError);
+    * a Delegated mode's dense layers carry ``hot_threshold`` and
+      ``fold_block``; every layer takes ``step``.
+
+    Raises InvalidArgumentError for ``num_draft_tokens < 0``.
+    """
+    if num_draft_tokens < 0:
+        raise InvalidArgumentError(f"make_prompt_cache: num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    depth = max(undo, num_draft_tokens)
+    delegated = mode in DELEGATED_MODES
+    dense = LayerSettings("dense", mode, step, hot_threshold=hot_threshold if delegated else None,
+                          fold_block=fold_block if delegated else None)
+    if layout is not None:
+        return tuple(dense if kind == "dense" else LayerSettings("rotating", "fp16", step, w, k, depth)
+                     for kind, w, k in layout)
+    if max_kv_size is not None:
+        if mode != "fp16":
+            raise UnsupportedOperationError(
+                f"make_prompt_cache: max_kv_size={max_kv_size} makes every layer a RotatingKVCache, "
+                f"which supports mode 'fp16' only, got mode={mode!r}")
+        return tuple(LayerSettings("rotating", "fp16", step, max_kv_size, MAX_KV_SIZE_KEEP, depth)
+                     for _ in range(n_layers))
+    return tuple(dense for _ in range(n_layers))
+
+
+def loaded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """The user metadata a prompt-cache file's load returns
+    (``load_prompt_cache(..., return_metadata=True)``) for the ``metadata``
+    it was saved with: the same mapping, every key and value verbatim (a key
+    that starts with ``"0"``, ``"."`` or ``"0."``, is empty, or is not
+    ASCII comes back as it was: the file's ``"0."`` namespace prefix is
+    removed once, never stripped as a set of characters). Raises
+    InvalidArgumentError for a key or value that is not a string and for
+    the reserved key :data:`RESERVED_METADATA_KEY`."""
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgumentError(f"save_prompt_cache: metadata must map str to str, got {k!r}: {v!r}")
+        if k == RESERVED_METADATA_KEY:
+            raise InvalidArgumentError(
+                f"save_prompt_cache: metadata key {RESERVED_METADATA_KEY!r} is reserved for kvspec")
+    return dict(metadata)
+
+
+def nbytes(mode: str, capacity: int, batch: int, kv_heads: int, k_head_dim: int, v_head_dim: int,
+           dtype: str) -> int:
+    """Bytes a layer's ``nbytes`` counts: its stored arrays, each counted
+    once, over the buffers' physical length ``capacity`` (rows allocated,
+    not live rows; 0 when the cache holds no buffers).
+
+    * ``"fp16"`` (a dense cache or a ring): keys ``[B, H, capacity, Dk]``
+      and values ``[B, H, capacity, Dv]`` in the rows' ``dtype``;
+    * ``"int8"``: int8 codes of the same shapes, plus one
+      :data:`INT8_SCALE_DTYPE` scale per row and head for keys and for
+      values (``[B, H, capacity, 1]`` each), whatever the rows' dtype.
+
+    Raises UnsupportedOperationError for another mode (the Turbo stores
+    count their packed codes: not stated here)."""
+    rows = batch * kv_heads * capacity
+    if mode == "fp16":
+        return rows * (k_head_dim + v_head_dim) * ITEMSIZE[dtype]
+    if mode == "int8":
+        return rows * (k_head_dim + v_head_dim) * ITEMSIZE["int8"] + 2 * rows * ITEMSIZE[INT8_SCALE_DTYPE]
+    raise UnsupportedOperationError(f"nbytes: no rule for mode {mode!r} (fp16, int8)")
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What ``to_quantized(bits=8)`` gives for a dense Fp16 layer: a new
+    Int8 cache with the same ``offset``, ``live_start`` and ``step`` and
+    the in-place switch, holding the live rows quantized, that reads back
+    in the rows' own ``dtype`` (bfloat16 stays bfloat16), its buffers
+    exactly the live rows (``capacity == offset - live_start``)."""
+
+    mode: str
+    offset: int
+    live_start: int
+    step: int
+    inplace: bool
+    dtype: str
+    capacity: int
+
+
+def to_quantized(kind: str, mode: str, offset: int, live_start: int, step: int, inplace: bool, dtype: str,
+                 finite_in_float16: bool) -> Quantized | None:
+    """``to_quantized(bits=8)`` of a layer: None when the layer is returned
+    itself (a ring, which has no quantized storage; an Int8 cache, which
+    is quantized already), else :class:`Quantized`. Raises
+    InvalidArgumentError when a live row is not finite within float16's
+    range (``finite_in_float16`` false: Int8 cannot hold it)."""
+    if kind == "rotating" or mode == "int8":
+        return None
+    if not finite_in_float16:
+        raise InvalidArgumentError("to_quantized: keys and values must be finite within float16's range")
+    return Quantized("int8", offset, live_start, step, inplace, dtype, offset - live_start)
+
+
+def inplace_mechanism(backend: str, kv_cuda_inplace: str | None) -> str:
+    """The mechanism an in-place write uses (``impl.write``): ``"numpy"``
+    on every backend but CUDA (``"cpu"``, ``"metal"``), whatever
+    ``KV_CUDA_INPLACE`` says (the variable is read only on CUDA); on CUDA
+    ``"donate"`` when the variable is unset, empty or blank, else its value
+    stripped and lowercased, which must be one of :data:`CUDA_MECHANISMS`
+    (InvalidArgumentError naming the variable otherwise)."""
+    if backend != "cuda":
+        return "numpy"
+    value = (kv_cuda_inplace or "").strip().lower()
+    if not value:
+        return "donate"
+    if value not in CUDA_MECHANISMS:
+        raise InvalidArgumentError(
+            f"KV_CUDA_INPLACE must be one of {', '.join(CUDA_MECHANISMS)} (unset: donate), got {value!r}")
+    return value
+
+
+__all__ = [
+    "CUDA_MECHANISMS", "INT8_SCALE_DTYPE", "ITEMSIZE", "LayerSettings", "MAX_KV_SIZE_KEEP", "Quantized",
+    "RESERVED_METADATA_KEY", "inplace_mechanism", "loaded_metadata", "nbytes", "prompt_cache_layout", "to_quantized",
+]
