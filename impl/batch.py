@@ -187,19 +187,28 @@ class BatchKVCache:
     def layout(self) -> BatchLayout:
         """The layout (:class:`BatchLayout`). Before the first append the
         announced padding is not in the buffer yet (``idx`` 0, offsets
-        ``-pad``)."""
+        ``-pad``).
+
+        Rule: ``spec.batch.check_layout`` (semantics.md 7, "rule 1")."""
         return BatchLayout(self._idx, self._pads)
 
     @property
     def offset(self) -> mx.array:
+        """Each sequence's offset, ``idx - pads[i]``: int32 ``[B]`` (a sequence's RoPE position;
+        negative while its announced padding is not yet in the buffer). Rule: ``spec.batch.offsets``
+        (semantics.md 7, "rule 1")."""
         return mx.array([self._idx - p for p in self._pads])
 
     @property
     def left_padding(self) -> mx.array:
+        """Each sequence's left padding in positions: int32 ``[B]``; those keys are never visible to
+        it. Rule: ``spec.batch.visible`` (semantics.md 7, "rule 2")."""
         return mx.array(list(self._pads))
 
     @property
     def batch_size(self) -> int:
+        """B, the sequences this batch cache holds. Rule: ``spec.batch.check_layout`` (semantics.md
+        7)."""
         return len(self._pads)
 
     # -- the model's path --------------------------------------------------------
@@ -235,6 +244,9 @@ class BatchKVCache:
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
+        """The buffer rows ``[0, idx)`` without writing: keys ``[B, H, idx, Dk]`` and values
+        ``[B, H, idx, Dv]`` in the rows' dtype, padding included (the mask hides it), or None before
+        the first append. Rule: ``spec.batch.visible`` (semantics.md 7, "rule 2")."""
         if self.keys is None:
             return None
         assert self.values is not None
@@ -287,7 +299,9 @@ class BatchKVCache:
         :meth:`prepare` becomes left padding (each sequence's rows rolled
         right by its pad). Raises InvalidArgumentError, changing nothing,
         when no block was appended (the batch holds no rows) or when a pad
-        would pass ``idx`` (more padding than the sequence's positions)."""
+        would pass ``idx`` (more padding than the sequence's positions).
+
+        Rule: ``spec.batch.append_ragged`` (semantics.md 7, "rule 3")."""
         if self._right_padding is not None:
             if self.keys is None or self.values is None:
                 raise InvalidArgumentError(
@@ -303,10 +317,15 @@ class BatchKVCache:
     # -- the batch's own operations ------------------------------------------------
     @property
     def state(self) -> tuple[Any, ...]:
+        """mlx-lm's batch state: ``(keys, values, offset, left_padding)`` (:meth:`keys_and_values`,
+        then int32 ``[B]`` each), or ``()`` before the first append. Rule: semantics.md 8,
+        "The state protocol"."""
         kv = self.keys_and_values()
         return () if kv is None else (*kv, self.offset, self.left_padding)
 
     def is_trimmable(self) -> bool:
+        """Always True: a batch trims ``min(n, every offset)`` from every sequence. Rule:
+        ``spec.batch.trim_count`` (semantics.md 7, "rule 3")."""
         return True
 
     def trim(self, n: int) -> int:
@@ -417,13 +436,18 @@ class BatchKVCache:
         return out
 
     def size(self) -> int:
+        """Positions in the buffer, ``idx`` (padding included). Rule: ``spec.batch.offsets``
+        (semantics.md 7)."""
         return self._idx
 
     def empty(self) -> bool:
+        """True before the first append (no buffer). Rule: semantics.md 7."""
         return self.keys is None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the key and value buffers (their whole capacity), 0 without them. Rule:
+        semantics.md 7."""
         return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid

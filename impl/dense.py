@@ -372,10 +372,14 @@ class CacheSnapshot:
 
     @property
     def live_len(self) -> int:
+        """Rows the snapshot sees, ``offset - live_start``. Rule: ``spec.dense.holder_of``
+        (semantics.md 2, "snapshot")."""
         return self.offset - self.live_start
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        """The snapshot's window ``[B, H, live_len, D]`` in the rows' dtype, or None."""
+        """The snapshot's window ``[B, H, live_len, D]`` in the rows' dtype, or None.
+
+        Rule: ``spec.dense.view_of`` (a holder's view never changes: semantics.md 5, "rule 3")."""
         return None if self.buffers is None else self.buffers.window(self.live_len)
 
 
@@ -388,7 +392,9 @@ class DetachedHandle(CacheSnapshot):
     def trim_to(self, length: int) -> int:
         """Cut the handle's tensors physically so that ``offset == length``.
         Returns the rows removed. Raises InvalidArgumentError unless
-        ``0 <= length <= offset``."""
+        ``0 <= length <= offset``.
+
+        Rule: ``spec.dense.handle_trim_to`` (semantics.md 2, "handle trim")."""
         length = _check_int("handle_trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(
@@ -445,12 +451,16 @@ class KVCache:
     # -- observables -------------------------------------------------------
     @property
     def live_len(self) -> int:
-        """Valid rows, ``offset - live_start``."""
+        """Valid rows, ``offset - live_start``.
+
+        Rule: ``spec.dense.DenseCache`` (semantics.md 1, "live_len")."""
         return self.offset - self.live_start
 
     @property
     def capacity(self) -> int:
-        """Physical rows along axis 2 (0 without buffers)."""
+        """Physical rows along axis 2 (0 without buffers).
+
+        Rule: ``spec.dense.regrow_capacity`` (semantics.md 1, "capacity")."""
         return 0 if self.buffers is None else self.buffers.capacity
 
     # -- the write path ----------------------------------------------------
@@ -629,7 +639,9 @@ class KVCache:
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The live window without writing: ``[B, H, live_len, D]`` pair in
-        the rows' dtype, or None when the cache holds no rows."""
+        the rows' dtype, or None when the cache holds no rows.
+
+        Rule: ``spec.dense.view_of`` (semantics.md 5, "rule 1")."""
         return None if self.buffers is None else self.buffers.window(self.live_len)
 
     # -- the trim family ---------------------------------------------------
@@ -643,7 +655,9 @@ class KVCache:
         offset moves; buffers, sidecars and capacity stay; the next write
         overwrites the abandoned rows; speculative decoding relies on it).
         ``n`` is clamped to ``[0, live_len]``, so a negative n trims nothing. Returns the rows
-        removed. Raises InvalidArgumentError for a non-integer n."""
+        removed. Raises InvalidArgumentError for a non-integer n.
+
+        Rule: ``spec.dense.trim`` (semantics.md 2, "trim(n)"), ``spec.dense.trim_is_logical``."""
         if type(n) is not int:  # the common case (a Python int) skips the full check
             n = _check_int("trim", "n", n)
         live = self.offset - self.live_start
@@ -655,7 +669,9 @@ class KVCache:
 
     def trim_to(self, length: int) -> int:
         """``trim(offset - length)``. Raises InvalidArgumentError unless
-        ``0 <= length <= offset``."""
+        ``0 <= length <= offset``.
+
+        Rule: ``spec.dense.trim_to`` (semantics.md 2, "trim_to(len)")."""
         length = _check_int("trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(
@@ -684,7 +700,9 @@ class KVCache:
         return n
 
     def trim_front(self, n: int) -> int:
-        """``trim_front_keep_sink(n, keep=0)``."""
+        """``trim_front_keep_sink(n, keep=0)``.
+
+        Rule: ``spec.dense.trim_front_keep_sink`` (semantics.md 2, "front trim")."""
         return self.trim_front_keep_sink(n)
 
     def gather_positions(self, positions: list[int]) -> int:
@@ -712,7 +730,9 @@ class KVCache:
         rows keep ``kept`` (indices into the tail), written back at the
         tail's start; capacity is kept. Returns the new live_len. Raises
         InvalidArgumentError unless ``0 < tail_len <= live_len`` and kept is
-        non-empty, strictly increasing and in ``[0, tail_len)``."""
+        non-empty, strictly increasing and in ``[0, tail_len)``.
+
+        Rule: ``spec.dense.gather_within_tail`` (semantics.md 2, "gather_within_tail")."""
         tail_len = _check_int("gather_within_tail", "tail_len", tail_len)
         if tail_len <= 0 or tail_len > self.live_len:
             raise InvalidArgumentError(
@@ -736,7 +756,9 @@ class KVCache:
         return copy_without_marker(self, memo)
 
     def snapshot(self) -> CacheSnapshot:
-        """A prompt-cache snapshot sharing the buffers (O(1), no copy)."""
+        """A prompt-cache snapshot sharing the buffers (O(1), no copy).
+
+        Rule: ``spec.dense.w_snapshot`` (semantics.md 2, "snapshot")."""
         shared = None if self.buffers is None else self.buffers.shared()
         return CacheSnapshot(self.mode, shared, self.offset, self.live_start)
 
@@ -795,12 +817,17 @@ class KVCache:
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Adopt a snapshot's buffers and window. The snapshot stays valid and
         unchanged. Raises InvalidArgumentError for a malformed snapshot
-        (wrong type, mode, rank, K/V mismatch, dtype, cursor out of range)."""
+        (wrong type, mode, rank, K/V mismatch, dtype, cursor out of range).
+
+        The cache keeps no ownership marker, so its next write copies. Rule:
+        ``spec.dense.w_restore``, ``spec.dense.adopt`` (semantics.md 2, "restore")."""
         self._check_holder("restore", snapshot)
         self._adopt(snapshot)
 
     def detach(self) -> DetachedHandle:
-        """Move every tensor into a detached handle; the cache becomes empty."""
+        """Move every tensor into a detached handle; the cache becomes empty.
+
+        Rule: ``spec.dense.w_detach`` (semantics.md 2, "detach / install")."""
         handle = DetachedHandle(self.mode, self.buffers, self.offset, self.live_start)
         self._reset()
         return handle
@@ -808,7 +835,10 @@ class KVCache:
     def install(self, handle: DetachedHandle) -> None:
         """Install a detached handle into this empty cache; the handle is
         consumed (emptied). Raises StateError when the cache is not empty,
-        InvalidArgumentError for a malformed handle."""
+        InvalidArgumentError for a malformed handle.
+
+        Rule: ``spec.dense.w_install``, ``spec.dense.is_empty`` (semantics.md 2,
+        "detach / install")."""
         if not isinstance(handle, DetachedHandle):
             raise InvalidArgumentError(f"install: expected a DetachedHandle, got {type(handle).__name__}")
         if handle.consumed:
@@ -826,7 +856,9 @@ class KVCache:
         """Live rows only, never the buffer objects themselves: Fp16
         ``(keys, values)``; Int8 ``(keys, key_scales, values, value_scales)``.
         Refused (UnsupportedOperationError) to mlx-lm's
-        ``save_prompt_cache`` (:func:`refuse_foreign_save`)."""
+        ``save_prompt_cache`` (:func:`refuse_foreign_save`).
+
+        Rule: ``spec.dense.state_of`` (semantics.md 8, "The state protocol")."""
         refuse_foreign_save(self)
         if self.buffers is None:
             return ()
@@ -849,7 +881,9 @@ class KVCache:
         whose rows came in another dtype than float16 adds a fifth field,
         that dtype (``"bfloat16"``, ``"float32"``): ``state`` holds int8
         codes and float16 scales, which do not say what a reader gets back
-        (docs/mlx-lm.md, "The state protocol")."""
+        (docs/mlx-lm.md, "The state protocol").
+
+        Rule: ``spec.dense.w_reload`` (semantics.md 8, "The state protocol")."""
         head = (self.mode, str(self.step), str(self.offset), str(self.live_start))
         if self.mode == "int8" and self.buffers is not None and self.buffers.dtype != mx.float16:
             return head + (_DTYPE_NAMES[self.buffers.dtype],)
@@ -877,7 +911,9 @@ class KVCache:
         Raises InvalidArgumentError (message prefixed with ``op``) for a
         malformed meta_state, the wrong number of arrays for the mode,
         tensors of the wrong rank or dtype, or counters that do not fit the
-        rows; UnsupportedOperationError for an unknown mode."""
+        rows; UnsupportedOperationError for an unknown mode.
+
+        Rule: ``spec.dense.w_reload`` (semantics.md 8, "The state protocol")."""
         if meta_state is None:
             return cls._build(op, "fp16", 256, state, None, 0)
         if not isinstance(meta_state, (tuple, list)) or len(meta_state) not in (4, 5) or (
@@ -922,11 +958,15 @@ class KVCache:
         return obj
 
     def is_trimmable(self) -> bool:
+        """Always True: a dense cache trims any ``n`` (clamped to ``[0, live_len]``). Rule:
+        ``spec.dense.trim`` (semantics.md 2, "trim(n)")."""
         return True
 
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
         """mlx-lm's name for reading the window without writing (models that
-        share one layer's keys with another call it): :meth:`fetch`."""
+        share one layer's keys with another call it): :meth:`fetch`.
+
+        Rule: ``spec.dense.view_of`` (semantics.md 5, "rule 1")."""
         return self.fetch()
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
@@ -955,7 +995,9 @@ class KVCache:
 
         Raises UnsupportedOperationError for a ``bits`` or ``group_size``
         mlx-lm does not take (bits 2, 3, 4, 5, 6, 8; group_size 32, 64,
-        128), and when mlx-lm is not installed; never silently keeps fp16."""
+        128), and when mlx-lm is not installed; never silently keeps fp16.
+
+        Rule: semantics.md 2, "Storage" (semantics.md 8, mlx-lm interop)."""
         bits = _check_int("to_quantized", "bits", bits)
         group_size = _check_int("to_quantized", "group_size", group_size)
         if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
@@ -1026,13 +1068,19 @@ class KVCache:
         return q
 
     def size(self) -> int:
+        """The offset (mlx-lm's ``size()``: the position the next row takes). Rule: semantics.md 1,
+        "offset"."""
         return self.offset
 
     def empty(self) -> bool:
+        """True when the cache holds no buffers. Rule: ``spec.dense.is_empty`` (semantics.md 2,
+        "detach / install")."""
         return self.buffers is None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every stored array (buffers and, in Int8, scales) over the whole capacity, dead
+        rows included; 0 without buffers. Rule: semantics.md 2, "Storage"."""
         return 0 if self.buffers is None else sum(a.nbytes for a in self.buffers.arrays())
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):

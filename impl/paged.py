@@ -81,10 +81,14 @@ class BlockTable(list):
         super().__delitem__(index)
 
     def append(self, value: Any) -> None:
+        """Append a block id (``list.append``), marking the new entry for the device mirror of the
+        table. Rule: ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(len(self))
         super().append(value)
 
     def extend(self, values: Any) -> None:
+        """Append block ids (``list.extend``), marking them for the device mirror. Rule:
+        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(len(self))
         super().extend(values)
 
@@ -93,26 +97,38 @@ class BlockTable(list):
         return self
 
     def insert(self, index: Any, value: Any) -> None:
+        """``list.insert``; the device mirror reloads the whole table. Rule:
+        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().insert(index, value)
 
     def pop(self, index: Any = -1) -> Any:
+        """``list.pop``; the device mirror reloads the whole table. Rule: ``spec.paged.block_index``
+        (semantics.md 4, "where a row lives")."""
         self._mark(0)
         return super().pop(index)
 
     def remove(self, value: Any) -> None:
+        """``list.remove``; the device mirror reloads the whole table. Rule:
+        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().remove(value)
 
     def clear(self) -> None:
+        """``list.clear``; the device mirror reloads the whole table. Rule:
+        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().clear()
 
     def sort(self, *a: Any, **k: Any) -> None:
+        """``list.sort``; the device mirror reloads the whole table. Rule:
+        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().sort(*a, **k)
 
     def reverse(self) -> None:
+        """``list.reverse``; the device mirror reloads the whole table. Rule:
+        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().reverse()
 
@@ -164,9 +180,13 @@ class Sequence:
 
     @property
     def visible(self) -> int:
+        """Rows a fetch returns, ``length - start``. Rule: ``spec.paged.fetch`` (semantics.md 4,
+        "where a row lives")."""
         return self.length - self.start
 
     def held(self) -> list[int]:
+        """The block ids the table holds, in table order (entries a front trim released left out).
+        Rule: ``spec.paged.wholly_before`` (semantics.md 4, "front trim")."""
         return [b for b in self.table if b is not None]
 
 
@@ -216,14 +236,20 @@ class BlockPool:
     # -- observables --------------------------------------------------------
     @property
     def size(self) -> int:
-        """Blocks in the pool (in use + free)."""
+        """Blocks in the pool (in use + free).
+
+        Rule: ``spec.paged.blocks_accounted`` (semantics.md 4, "exhaustion")."""
         return len(self.refcounts)
 
     def in_use(self) -> int:
+        """Blocks of refcount above 0. Rule: ``spec.paged.blocks_accounted`` (semantics.md 4,
+        "fork / release")."""
         return sum(1 for r in self.refcounts if r > 0)
 
     def sequence(self, seq: str = MAIN) -> Sequence:
-        """The named sequence (StateError when there is none)."""
+        """The named sequence (StateError when there is none).
+
+        Rule: ``spec.paged.handle_reuse`` (semantics.md 4, "handle reuse")."""
         return self._require("sequence", seq)
 
     def _require(self, op: str, seq: str) -> Sequence:
@@ -238,7 +264,9 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the slabs (every block, in use or free)."""
+        """Bytes of the slabs (every block, in use or free).
+
+        Rule: ``spec.paged.growth_blocks`` (semantics.md 4, "exhaustion")."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     # -- pool actions -------------------------------------------------------
@@ -411,7 +439,9 @@ class BlockPool:
         so no later in-place write can reach a window already handed out;
         under CUDA's ``donate`` (and with the in-place switch off) every
         write is a graph node that the gather depends on, so the gather is
-        left lazy for the caller's evaluation, as a dense cache's window is."""
+        left lazy for the caller's evaluation, as a dense cache's window is.
+
+        Rule: ``spec.paged.fetch``, ``spec.paged.gather`` (semantics.md 4, "where a row lives")."""
         s = self._require("fetch", seq)
         if s.visible == 0 or self.keys is None:
             return None
@@ -499,7 +529,9 @@ class BlockPool:
         del self.seqs[seq]
 
     def create(self, seq: str) -> None:
-        """A new empty sequence (StateError when the name is in use)."""
+        """A new empty sequence (StateError when the name is in use).
+
+        Rule: ``spec.paged.new_world`` (semantics.md 4, "handle reuse")."""
         if seq in self.seqs:
             raise StateError(f"create: a sequence named {seq!r} already exists")
         self.seqs[seq] = Sequence()
@@ -509,7 +541,9 @@ class BlockPool:
         """Names of the pool invariants this pool breaks (empty when sound):
         refcounts equal table holdings, the free list is exactly the blocks
         of refcount 0 (once each, none held), in use + free = size, tables
-        well formed."""
+        well formed.
+
+        Rule: ``spec.paged.broken_invariants`` (semantics.md 4, "fork / release")."""
         bad = []
         counts = [0] * self.size
         for s in self.seqs.values():
@@ -572,45 +606,75 @@ class PagedKVCache:
 
     @property
     def offset(self) -> int:
+        """The sequence's offset (its length: the position the next row takes). Raises StateError on
+        a spent handle. Rule: ``spec.paged.table_len`` (semantics.md 4, "where a row lives";
+        semantics.md 4, "handle reuse")."""
         return self._live("offset").length
 
     @property
     def live_len(self) -> int:
+        """Rows a fetch returns, ``offset - start``. Raises StateError on a spent handle. Rule:
+        ``spec.paged.fetch`` (semantics.md 4, "handle reuse")."""
         return self._live("live_len").visible
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``S`` rows (keys ``[1, H, S, Dk]``, values ``[1, H, S, Dv]``, one floating dtype
+        per pool) to this sequence and return its visible window ``[1, H, visible, D]``. A shared
+        block is copied before the write. Raises StateError on a spent handle, InvalidArgumentError
+        for mismatched rows, StateError when the pool cannot grow (nothing allocated). Rule:
+        ``spec.paged.append``, ``spec.paged.needs_copy_on_write``, ``spec.paged.reserve``
+        (semantics.md 4, "copy on write")."""
         self._live("append")
         return self.pool.append(self.seq, keys, values)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
+        """The visible window ``(keys, values)`` ``[1, H, visible, D]`` without writing, or None.
+        Raises StateError on a spent handle. Rule: ``spec.paged.fetch`` (semantics.md 5,
+        "rule 1")."""
         self._live("fetch")
         return self.pool.fetch(self.seq)
 
     def trim(self, n: int) -> int:
+        """Remove ``n`` rows from the end (clamped to ``[0, visible]``) and release the blocks past
+        ``ceil(length / block_size)``; returns the rows removed. Raises StateError on a spent
+        handle, InvalidArgumentError for a non-integer n. Rule: ``spec.paged.trim`` (semantics.md 4,
+        "trim")."""
         self._live("trim")
         return self.pool.trim(self.seq, n)
 
     def trim_to(self, length: int) -> int:
+        """``trim(offset - length)``; returns the rows removed. Raises InvalidArgumentError unless
+        ``0 <= length <= offset``. Rule: ``spec.paged.trim_to`` (semantics.md 4, "trim")."""
         self._live("trim_to")
         return self.pool.trim_to(self.seq, length)
 
     def trim_front(self, n: int) -> int:
+        """Drop ``n`` rows from the front: the start moves, every block wholly before it is
+        released, the offset stays; returns the rows dropped. Rule: ``spec.paged.trim_front``
+        (semantics.md 4, "front trim")."""
         self._live("trim_front")
         return self.pool.trim_front(self.seq, n)
 
     def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
+        """``trim_front(n)``; ``keep > 0`` is refused (UnsupportedOperationError): a pool keeps no
+        sinks. Rule: ``spec.paged.trim_front`` (semantics.md 4, "front trim")."""
         self._live("trim_front")
         return self.pool.trim_front(self.seq, n, keep)
 
     def fork(self, name: str) -> PagedKVCache:
-        """A cache on a new pool sequence sharing this one's blocks."""
+        """A cache on a new pool sequence sharing this one's blocks.
+
+        Rule: ``spec.paged.fork`` (semantics.md 4, "fork / release")."""
         self._live("fork")
         self.pool.fork(self.seq, name)
         return type(self)(self.pool, name)
 
     def release(self) -> None:
         """Release the sequence: its blocks go back to the pool and this
-        handle (and every other of the sequence) is spent."""
+        handle (and every other of the sequence) is spent.
+
+        Rule: ``spec.paged.release``, ``spec.paged.handle_reuse`` (semantics.md 4,
+        "fork / release")."""
         self._live("release")
         self.pool.release(self.seq)
 
@@ -619,7 +683,9 @@ class PagedKVCache:
         refused (UnsupportedOperationError, nothing written). A sequence's
         blocks belong to its pool and may be shared with other sequences
         (forks), so a file cannot hold it alone; its rows go through a dense
-        cache (docs/paged.md, "Prompt-cache files")."""
+        cache (docs/paged.md, "Prompt-cache files").
+
+        Rule: ``spec.paged.reload`` (semantics.md 4, "prompt-cache files")."""
         raise UnsupportedOperationError(
             f"save_prompt_cache: layer {layer} is a PagedKVCache, whose blocks belong to its pool and may be "
             "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
@@ -627,9 +693,13 @@ class PagedKVCache:
         )
 
     def is_trimmable(self) -> bool:
+        """Always True: a sequence trims any ``n`` (clamped). Rule: ``spec.paged.trim``
+        (semantics.md 4, "trim")."""
         return True
 
     def size(self) -> int:
+        """The offset (mlx-lm's ``size()``). Rule: ``spec.paged.table_len`` (semantics.md 1,
+        "offset")."""
         return self.offset
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
@@ -638,7 +708,9 @@ class PagedKVCache:
         the pool stores the model's float rows only; quantizing one
         sequence would need its own copy of every shared block. Raises
         UnsupportedOperationError (use dense caches, ``mode="int8"``, for
-        quantized storage)."""
+        quantized storage).
+
+        Rule: ``spec.paged.copy_refused`` (semantics.md 4, "copies")."""
         raise UnsupportedOperationError(
             f"to_quantized(bits={bits!r}): a PagedKVCache's blocks belong to its pool (shared with other sequences) "
             "and the pool stores unquantized rows; for quantized storage use dense caches "
@@ -646,6 +718,7 @@ class PagedKVCache:
         )
 
     def empty(self) -> bool:
+        """True when the sequence shows no rows. Rule: ``spec.paged.fetch`` (semantics.md 4)."""
         return self.live_len == 0
 
     @property
@@ -694,6 +767,9 @@ class PagedKVCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
+        """``(block_size, offset, start)`` as strings; assigning it (after ``state``, mlx-lm's load
+        order) reloads the sequence from position 0. Raises StateError on a spent handle. Rule:
+        ``spec.paged.load_state`` (semantics.md 4, "prompt-cache files")."""
         s = self._live("meta_state")
         return (str(self.pool.block_size), str(s.length), str(s.start))
 
@@ -719,7 +795,9 @@ class PagedKVCache:
         block size (default 16). Raises InvalidArgumentError for a
         malformed meta_state or one whose offset and start do not describe
         exactly these rows from position 0 (a front-trimmed sequence is not
-        rebuilt: its rows would take other RoPE positions)."""
+        rebuilt: its rows would take other RoPE positions).
+
+        Rule: ``spec.paged.load_state`` (semantics.md 4, "prompt-cache files")."""
         block_size, rows = 16, 0
         if state:
             rows = int(state[0].shape[2]) if isinstance(state[0], mx.array) and state[0].ndim == 4 else -1

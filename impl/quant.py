@@ -49,7 +49,8 @@ def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     compiled function on CUDA (``mx.compile``, traced once per shape; its
     elementwise runs fused around the reduction, the bytes unchanged:
     impl.fused).
-    """
+
+    Rule: semantics.md 2, "Storage"."""
     if x.ndim >= 2 and x.shape[-2] == 1 and fused.ENABLED and write.backend() == "cuda":
         return _decode_quantizer()(x)
     return _quantize_int8(x)

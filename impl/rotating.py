@@ -111,6 +111,8 @@ class UndoRecord:
 
     @property
     def saved_rows(self) -> int:
+        """Rows this record saved per K/V buffer (0 or 1 for a decode, at most the rows a multi-row
+        append dropped). Rule: ``spec.rotating.log_saved_rows`` (semantics.md 3, "undo log")."""
         return 0 if self.saved_keys is None else int(self.saved_keys.shape[SEQ_AXIS])
 
 
@@ -156,6 +158,9 @@ class RingSnapshot:
     keep: int
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
+        """The snapshot's valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype, or
+        None; never changes. Rule: ``spec.rotating.w_snapshot`` (semantics.md 3,
+        "snapshot / restore")."""
         if self.keys is None:
             return None
         assert self.values is not None
@@ -216,18 +221,28 @@ class RotatingKVCache:
     # -- observables --------------------------------------------------------
     @property
     def capacity(self) -> int:
+        """Physical slots along axis 2 (0 without buffers; at most ``max_size`` except right after a
+        multi-row append). Rule: ``spec.rotating.decode`` (semantics.md 3, "decode (one row)")."""
         return 0 if self.keys is None else int(self.keys.shape[SEQ_AXIS])
 
     @property
     def wrapped(self) -> bool:
+        """True once ``offset != idx`` (the cursor wrapped or a multi-row append rebuilt the
+        buffer). Rule: ``spec.rotating.chronological_order`` (semantics.md 3,
+        "valid rows in time order")."""
         return self.offset != self.idx
 
     @property
     def valid_len(self) -> int:
+        """Valid slots: the capacity once wrapped, else ``idx``. Rule:
+        ``spec.rotating.visible_positions`` (semantics.md 3, "what a reader sees")."""
         return self.capacity if self.wrapped else self.idx
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        """Valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype."""
+        """Valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype.
+
+        None when the ring holds no rows. Rule: ``spec.rotating.chronological_order`` (semantics.md
+        3, "what a reader sees")."""
         keys = self.keys
         if keys is None:  # keys and values are set and dropped together
             return None
@@ -354,7 +369,11 @@ class RotatingKVCache:
         which may be longer than ``max_size``.
         Raises InvalidArgumentError for a wrong rank or dtype, S < 1, or a
         batch B, kv heads H, head dim or dtype that differs from the cached
-        rows (the message names it)."""
+        rows (the message names it).
+
+        Rule: ``spec.rotating.decode``, ``spec.rotating.prefill``,
+        ``spec.rotating.rotating_inplace_allowed`` (semantics.md 3, "warm-up in place"; semantics.md
+        3, "steady state copies")."""
         # the decode path: the pair accepted in one pass; else the full checks
         n = 0 if self.keys is None else decode_pair_rows(keys, values, self.keys, self.values)  # type: ignore[arg-type]
         if not n:
@@ -410,7 +429,9 @@ class RotatingKVCache:
         self._log = log_push(self._log, record, self.undo)
 
     def log_saved_rows(self) -> int:
-        """Rows the undo log holds per K/V buffer (at most ``undo``)."""
+        """Rows the undo log holds per K/V buffer (at most ``undo``).
+
+        Rule: ``spec.rotating.log_saved_rows`` (semantics.md 3, "undo log")."""
         return sum(r.saved_rows for r in self._log)
 
     def _prior_layout(self, r: UndoRecord) -> tuple[mx.array, mx.array]:
@@ -518,7 +539,9 @@ class RotatingKVCache:
         rows (None: any rollback, from :meth:`is_trimmable`) this ring
         cannot honour exactly. ``rollback_warned`` is set only once the
         warning was issued, so under ``warnings.simplefilter("error",
-        RollbackWarning)`` every refusal raises (nothing trimmed)."""
+        RollbackWarning)`` every refusal raises (nothing trimmed).
+
+        Rule: ``spec.rotating.trimmable_rows`` (semantics.md 3, "what a trim can take back")."""
         if self.rollback_warned:
             return
         asked = "any rollback" if n is None else f"a rollback of {n} rows"
@@ -556,7 +579,9 @@ class RotatingKVCache:
     def trim_to(self, length: int) -> int:
         """``trim(offset - length)``. Raises InvalidArgumentError unless
         ``0 <= length <= offset``; StateError (nothing changes) when
-        ``offset - length`` is beyond ``trimmable_rows()``."""
+        ``offset - length`` is beyond ``trimmable_rows()``.
+
+        Rule: ``spec.rotating.trim_to`` (semantics.md 3, "trim_to")."""
         length = _check_int("trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(f"trim_to: len must satisfy 0 <= len <= offset ({self.offset}), got {length}")
@@ -584,7 +609,9 @@ class RotatingKVCache:
         return new
 
     def snapshot(self) -> RingSnapshot:
-        """New handles to the same buffers (O(1)) and the counters."""
+        """New handles to the same buffers (O(1)) and the counters.
+
+        Rule: ``spec.rotating.w_snapshot`` (semantics.md 3, "snapshot / restore")."""
         k = None if self.keys is None else share(self.keys)
         v = None if self.values is None else share(self.values)
         return RingSnapshot(k, v, self.offset, self.idx, self.max_size, self.keep)
@@ -635,7 +662,10 @@ class RotatingKVCache:
     def restore(self, snapshot: RingSnapshot) -> None:
         """Adopt a snapshot's buffers and counters with no ownership marker,
         so the next write copies. Raises InvalidArgumentError for a malformed
-        or mismatched snapshot."""
+        or mismatched snapshot.
+
+        The undo log starts empty. Rule: ``spec.rotating.w_restore`` (semantics.md 3,
+        "snapshot / restore"; semantics.md 3, "restore clears the log")."""
         self._check_snapshot("restore", snapshot)
         self.keys = None if snapshot.keys is None else share(snapshot.keys)
         self.values = None if snapshot.values is None else share(snapshot.values)
@@ -725,7 +755,9 @@ class RotatingKVCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         """The buffers (valid rows, physical order) as new handles; refused
-        to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save)."""
+        to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save).
+
+        Rule: ``spec.rotating.state_of`` (semantics.md 8, "The state protocol")."""
         refuse_foreign_save(self)
         got = self.fetch()
         return () if got is None else got
@@ -744,7 +776,9 @@ class RotatingKVCache:
     @property
     def meta_state(self) -> tuple[str, ...]:
         """``(keep, max_size, step, offset, idx)`` as strings (mlx-lm's
-        layout), followed by ``undo`` when it is not 0."""
+        layout), followed by ``undo`` when it is not 0.
+
+        Rule: ``spec.rotating.w_reload`` (semantics.md 8, "The state protocol")."""
         head = (self.keep, self.max_size, self.step, self.offset, self.idx)
         return tuple(map(str, head + ((self.undo,) if self.undo else ())))
 
@@ -766,7 +800,9 @@ class RotatingKVCache:
         layout, optionally followed by ``undo``; the log starts empty: a
         rebuilt ring cannot roll back into the saved one's history). Raises InvalidArgumentError for a malformed state or
         meta_state, or counters that do not fit the rows (the checks of
-        :meth:`restore`)."""
+        :meth:`restore`).
+
+        Rule: ``spec.rotating.w_reload`` (semantics.md 3, "restore clears the log")."""
         return cls._from_parts("from_state", *_state_pair("from_state", state), meta_state)
 
     @classmethod
@@ -786,10 +822,14 @@ class RotatingKVCache:
         return obj
 
     def size(self) -> int:
+        """Rows a reader sees, ``min(offset, max_size)`` (mlx-lm's ``size()`` of a ring). Rule:
+        ``spec.rotating.visible_positions`` (semantics.md 3, "what a reader sees")."""
         return min(self.offset, self.max_size)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
-        """mlx-lm's name for reading the valid rows without writing: :meth:`fetch`."""
+        """mlx-lm's name for reading the valid rows without writing: :meth:`fetch`.
+
+        Rule: ``spec.rotating.chronological_order`` (semantics.md 3, "what a reader sees")."""
         return self.fetch()
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
@@ -802,7 +842,9 @@ class RotatingKVCache:
         offset reaches ``quantized_kv_start``). Returns ``self`` and warns
         once per cache (UserWarning) that the ring keeps its rows
         unquantized. Raises InvalidArgumentError for a non-integer
-        ``bits`` or ``group_size``."""
+        ``bits`` or ``group_size``.
+
+        Rule: semantics.md 2, "Storage" (a ring stores the rows' own float dtype; semantics.md 8)."""
         bits = _check_int("to_quantized", "bits", bits)
         _check_int("to_quantized", "group_size", group_size)
         if not self._quantize_warned:
@@ -828,7 +870,9 @@ class RotatingKVCache:
         in the same physical slots with the same window, sinks, offset and
         cursor (its buffer as it is: unwrapped, wrapped or oversized after a
         block). Raises InvalidArgumentError when its counters do not fit its
-        rows."""
+        rows.
+
+        Rule: ``spec.rotating.ring_slot`` (semantics.md 3, "where a decode writes")."""
         if c.keys is None:
             return cls(max_size=c.max_size, keep=c.keep, step=step)
         rows = min(int(c.offset), int(c.keys.shape[SEQ_AXIS]))
@@ -836,10 +880,14 @@ class RotatingKVCache:
         return cls.from_state(state, tuple(str(int(x)) for x in (c.keep, c.max_size, step, c.offset, c._idx)))
 
     def empty(self) -> bool:
+        """True when the ring holds no buffers. Rule: ``spec.rotating.new_cache`` (semantics.md 3,
+        "new ring")."""
         return self.keys is None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the key and value buffers over their capacity (the undo log's saved rows not
+        counted); 0 without buffers. Rule: semantics.md 3, "decode (one row)"."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes  # type: ignore[union-attr]
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid

@@ -101,14 +101,21 @@ class TurboSnapshot:
 
     @property
     def live_len(self) -> int:
+        """Rows the snapshot sees, ``offset - live_start``. Rule: ``spec.dense.holder_of``
+        (semantics.md 2, "snapshot")."""
         return self.offset - self.live_start
 
     @property
     def buffers(self) -> Store | None:
+        """The stored arrays the snapshot shares with the cache it was taken from (packed codes,
+        norms, rescales, unquantized rows), or None. Rule: ``spec.turbo.array_names`` (semantics.md
+        2, "Turbo row storage")."""
         return self.store
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
-        """The window ``[B, H, live_len, D]`` in the stored dtype, or None."""
+        """The window ``[B, H, live_len, D]`` in the stored dtype, or None.
+
+        Rule: ``spec.dense.view_of`` (semantics.md 5, "rule 3")."""
         if self.store is None:
             return None
         return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim,
@@ -123,7 +130,10 @@ class TurboHandle(TurboSnapshot):
     def trim_to(self, length: int) -> int:
         """Cut the handle's arrays physically so that ``offset == length``
         (Delegated: hot rows first, then cold). Returns the rows removed.
-        Raises InvalidArgumentError unless ``0 <= length <= offset``."""
+        Raises InvalidArgumentError unless ``0 <= length <= offset``.
+
+        Rule: ``spec.dense.handle_trim_to``, ``spec.turbo.trim_split`` (semantics.md 2,
+        "handle trim")."""
         length = _check_int("handle_trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(
@@ -735,6 +745,8 @@ class DelegatedKVCache(_TurboBase):
 
     @property
     def hot_len(self) -> int:
+        """Live rows not yet folded cold (unquantized V), ``live_len - cold_offset``. Rule:
+        ``spec.turbo.fold_schedule`` (semantics.md 2, "Delegated fold schedule")."""
         return self.live_len - self.cold_offset
 
     def _extra_meta(self) -> tuple[str, ...]:
@@ -786,11 +798,15 @@ class DelegatedKVCache(_TurboBase):
 
     def gather_positions(self, positions: list[int]) -> int:
         """Refused in Turbo4Delegated (UnsupportedOperationError), the
-        identity list included; nothing changes."""
+        identity list included; nothing changes.
+
+        Rule: ``spec.dense.supports_gather`` (semantics.md 2, "Delegated gathers")."""
         raise UnsupportedOperationError(f"gather_positions: not supported in mode {self.mode}")
 
     def gather_within_tail(self, tail_len: int, kept: list[int]) -> int:
-        """Refused in Turbo4Delegated (UnsupportedOperationError)."""
+        """Refused in Turbo4Delegated (UnsupportedOperationError).
+
+        Rule: ``spec.dense.supports_gather`` (semantics.md 2, "Delegated gathers")."""
         raise UnsupportedOperationError(f"gather_within_tail: not supported in mode {self.mode}")
 
 

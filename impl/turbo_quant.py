@@ -189,6 +189,9 @@ class Quantized:
     rescale: mx.array | None
 
     def arrays(self) -> tuple[mx.array, ...]:
+        """The stored arrays in order: packed indices (uint8), norms (float32) and, at 4 bits,
+        rescales (float32). Rule: ``spec.turbo.array_names`` (semantics.md 2,
+        "Turbo row storage")."""
         return tuple(a for a in (self.packed, self.norm, self.rescale) if a is not None)
 
 
