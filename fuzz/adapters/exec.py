@@ -492,17 +492,20 @@ def _decode(w: Any, dtype: str, shape: tuple[int, int, int, int]) -> Any:
 
 class _Remote:
     """The adapter's cache as the kind's driver sees ``self.cache``: the
-    observables of the last reply."""
+    observables of the last reply. One the adapter does not declare is no
+    attribute at all (AttributeError), so nothing reads it by accident: an
+    invariant that needs it is skipped, as for a class that lacks it."""
 
-    def __init__(self) -> None:
+    def __init__(self, declared: frozenset[str] = frozenset(OBSERVABLES)) -> None:
         self.state: dict[str, Any] = {}
         self.last_write_inplace: bool | None = None
         self.inplace = True
+        self.declared = declared
 
     def __getattr__(self, name: str) -> Any:
-        if name in OBSERVABLES:
+        if name in OBSERVABLES and name in self.__dict__.get("declared", ()):
             return self.__dict__["state"].get(name)
-        raise AttributeError(name)
+        raise AttributeError(f"{name}: not among the observables the adapter declares")
 
 
 class _Exec:
@@ -520,7 +523,7 @@ class _Exec:
 
     def __init__(self, cache: dict[str, Any], target: ExecTarget, declared: Declared):
         self.target, self.declared = target, declared
-        remote = _Remote()
+        remote = _Remote(frozenset(declared.observables))
         super().__init__(cache, lambda **_: remote)  # type: ignore[call-arg]
         self.cache = remote
         self.impl_name = target.label
@@ -595,7 +598,7 @@ class _Exec:
         return {k: v for k, v in full.items() if k not in self.not_compared}
 
     def impl_observables(self) -> dict[str, Any]:
-        return {k: self.cache.state.get(k) for k in OBSERVABLES}
+        return {k: self.cache.state.get(k) for k in OBSERVABLES if k not in self.not_compared}
 
     def impl_views(self) -> dict[str, Any]:
         return dict(self.remote_views)

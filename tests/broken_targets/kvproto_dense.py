@@ -17,8 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from spec.rows import element_bits  # noqa: E402
 
@@ -67,6 +65,7 @@ class Dense:
         if f == "v_layout" and kv == 1 and c >= self.dk:
             return 0
         if f == "bf16_through_f16" and self.dtype == "bfloat16":
+            import numpy as np  # only here: an adapter process starts per example, numpy's import is slow
             x = np.array([element_bits(t, kv, b, h, c, "bfloat16", self.wide) << 16], np.uint32).view(np.float32)
             with np.errstate(over="ignore"):
                 y = x.astype(np.float16).astype(np.float32)

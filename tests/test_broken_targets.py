@@ -1,0 +1,116 @@
+"""The harness checks itself (docs/targets.md "The corpus of broken
+targets"): ``kvspec fuzz --target`` runs, in process through the CLI entry
+point, on every member of ``tests/broken_targets/``: each planted fault
+must be caught (exit 1, with the check that names it) and each control must
+pass (exit 0, after ops were run).
+
+Budgets are examples and seeds, not seconds: ``--budget 0.001`` runs
+exactly one batch (25 examples of up to 40 steps) of each campaign, at
+``--seed 1``, whatever the machine's speed (fuzz.campaign.interleaved runs
+every campaign's first batch whole); ``--inplace on`` keeps one campaign a
+target. The examples each member needed are in the assertion messages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz.adapters import exec as ex
+from fuzz.commands.cli import main
+
+ADAPTER = Path(__file__).resolve().parent / "broken_targets" / "kvproto_dense.py"
+CLASSES = "tests.broken_targets.classes"
+
+
+def adapter(*args: str) -> str:
+    return " ".join(["exec:" + sys.executable, str(ADAPTER), *args])
+
+
+#: member -> (target, kind, what the divergence must say)
+BROKEN: dict[str, tuple[str, str, str]] = {
+    # cache classes
+    "class trim drops the oldest rows": (f"{CLASSES}:TrimDropsOldest", "dense", "differs"),
+    "class offset not lowered by trim_to": (f"{CLASSES}:OffsetNotLowered", "dense", "offset differs"),
+    "class live_start wrong on the instance only": (f"{CLASSES}:LiveStartOnInstance", "dense", "live_start differs"),
+    "class live_len stale after trim": (f"{CLASSES}:LiveLenStale", "dense", "live_len differs"),
+    "class V layout with Dv > Dk": (f"{CLASSES}:ValuesWithKeysHeadDim", "dense", "window differs"),
+    "class bfloat16 through float16": (f"{CLASSES}:Bf16ThroughF16", "dense", "window differs"),
+    "class float32 through bfloat16": (f"{CLASSES}:F32ThroughBf16", "dense", "window differs"),
+    "class batch > 1 rows of sequence 0": (f"{CLASSES}:BatchRowsOfFirst", "dense", "window differs"),
+    "class refuses trim(0)": (f"{CLASSES}:RefusesEmptyTrim", "dense", "refusal differs"),
+    "class snapshot aliases the cache": (f"{CLASSES}:SnapshotAliases", "dense", "(isolation)"),
+    "class restore does nothing": (f"{CLASSES}:RestoreForgets", "dense", "differs"),
+    "class ring mask wrong on wide rings": (f"{CLASSES}:RingMaskWideWindow", "rotating", "make_mask("),
+    "class ring KeyError where the spec refuses": (f"{CLASSES}:RingKeyError", "rotating", "refusal category differs"),
+    # kvproto/1 adapters
+    **{f"exec {fault}": (adapter("--fault", fault), "dense", words) for fault, words in {
+        "trim_front": "live window differs",
+        "offset_never_drops": "offset differs",
+        "live_len_stale": "live_len differs",
+        "live_start": "live_start differs",
+        "v_layout": "window differs",
+        "bf16_through_f16": "window differs",
+        "f32_through_bf16": "window differs",
+        "batch": "window differs",
+        "crash_on_refusal": "adapter crashed",
+        "refuses_trim_to_offset": "refusal differs",
+        "wrong_category": "refusal category differs",
+        "snapshot_alias": "(isolation)",
+        "restore_noop": "differs",
+        "refusal_mutates": "differs",
+    }.items()},
+    # an adapter that does not declare live_start is still checked on the rest
+    "exec trim_front, live_start undeclared": (adapter("--fault", "trim_front", "--observables", "offset,live_len"),
+                                               "dense", "live window differs"),
+}
+CONTROLS: dict[str, tuple[str, str]] = {
+    "class dense control": (f"{CLASSES}:DenseControl", "dense"),
+    "class ring control": (f"{CLASSES}:RingControl", "rotating"),
+    "exec control": (adapter(), "dense"),
+    "exec control, live_start undeclared": (adapter("--observables", "offset,live_len"), "dense"),
+}
+
+
+def fuzz(capsys: pytest.CaptureFixture, tmp_path: Path, target: str, kind: str) -> tuple[int, dict]:
+    code = main(["fuzz", "--target", target, "--kind", kind, "--budget", "0.001", "--shrink-budget", "0.2",
+                 "--seed", "1", "--inplace", "on", "--db", "none", "--out", str(tmp_path), "--json"])
+    ex.close_sessions()
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("member", sorted(BROKEN))
+def test_each_broken_target_is_caught(member, capsys, tmp_path):
+    target, kind, words = BROKEN[member]
+    code, report = fuzz(capsys, tmp_path, target, kind)
+    [run] = report["runs"]
+    assert code == 1 and run["result"] == "FAILED", (member, code, run)
+    assert words in run["failure"], (member, run["failure"])
+    assert run["steps"] > 0 and Path(run["trace"]).exists(), run
+    print(f"{member}: caught after {run['examples_to_catch']} of {run['examples']} examples")
+
+
+@pytest.mark.parametrize("member", sorted(CONTROLS))
+def test_each_control_passes(member, capsys, tmp_path):
+    target, kind = CONTROLS[member]
+    code, report = fuzz(capsys, tmp_path, target, kind)
+    [run] = report["runs"]
+    assert code == 0 and run["result"] == "ok", (member, code, run)
+    assert run["examples"] >= 25 and run["steps"] > 200, run
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_corpus_covers_every_adapter_fault():
+    """A fault added to the adapter is a member of the corpus."""
+    assert {f"exec {f}" for f in ex_faults()} <= set(BROKEN)
+
+
+def ex_faults() -> list[str]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvproto_dense", ADAPTER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return sorted(mod.FAULTS)
