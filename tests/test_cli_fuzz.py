@@ -186,3 +186,28 @@ def test_bad_numbers_never_start_work(command_flag, value):
     if flag == "--budget" and value == "1.5":
         value = "-1.5"  # 1.5 s is a valid budget
     clean_refusal(kvspec(command, f"{flag}={value}"))
+
+
+# -- the ops/s column: a figure only where a run measured one (issue 47) ---------------
+def test_ops_per_second_is_a_dash_for_a_failed_or_empty_campaign():
+    from fuzz.commands.cli import _ops_per_second
+
+    row = {"result": "ok", "steps": 1000, "seconds": 2.0}
+    assert _ops_per_second(row) == "500"
+    # a failure found at once: its seconds are the moments before it, not a throughput
+    assert _ops_per_second({**row, "result": "FAILED", "seconds": 0.003}) == "-"
+    assert _ops_per_second({**row, "result": "no examples", "steps": 0, "seconds": 2.0}) == "-"
+    assert _ops_per_second({**row, "steps": 0}) == "-"
+    assert _ops_per_second({**row, "seconds": 0.0}) == "-"
+
+
+def test_a_failed_campaign_s_row_shows_no_rate(tmp_path, capsys):
+    from fuzz.commands.cli import main
+
+    code = main(["fuzz", "--bug", "steady_state_inplace", "--inplace", "on", "--budget", "3", "--shrink-budget",
+                 "0.5", "--db", "none", "--seed", "1", "--out", str(tmp_path)])
+    assert code == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "rotating/fp16/inplace" in line and "FAILED" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[0] == "rotating/fp16/inplace" and cells[3] == "-", cells

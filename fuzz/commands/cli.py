@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from fuzz import kinds
 from fuzz.targets import BUILTIN
@@ -42,7 +43,11 @@ CONFORMANCE_SEED = 20261129
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    """The console of every command's output. Names (class names, target
+    labels, trace paths, bug names) print literally: no emoji codes
+    (``:Ring:`` stays ``:Ring:``), and markup only where a message escapes
+    what it interpolates (rich.markup.escape)."""
+    return Console(highlight=False, soft_wrap=True, emoji=False)
 
 
 def _target(args: argparse.Namespace) -> Any:
@@ -114,15 +119,16 @@ class _Ticker:
     def start(self, label: str) -> None:
         self.label, self.last = label, time.monotonic()
         if self.console.is_terminal:
+            # Text, not a string: a status line reads strings as markup and emoji codes
             if self.status is None:
-                self.status = self.console.status(label)
+                self.status = self.console.status(Text(label))
                 self.status.start()
-            self.status.update(label)
+            self.status.update(Text(label))
 
     def tick(self, text: str) -> None:
         line = f"{self.label}: {text}"
         if self.status is not None:
-            self.status.update(line)
+            self.status.update(Text(line))
         elif time.monotonic() - self.last >= self.every or text.startswith("failure found"):
             self.last = time.monotonic()
             self.console.print(line, markup=False)
@@ -184,7 +190,7 @@ def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bo
         seconds = time.perf_counter() - start
     except TargetCapabilityError as exc:
         if not quiet:
-            console.print(f"[yellow]not applicable[/] {escape(path)}: {escape(str(exc))}")
+            console.print(f"[yellow]not applicable[/] {escape(path)}: target cannot run it: {escape(str(exc))}")
         return EXIT_INVALID, {"ok": False, "exit": EXIT_INVALID, "status": "not applicable", "unsupported": str(exc),
                               "target": target.label, "trace": path}
     except TraceFormatError as exc:
@@ -394,7 +400,7 @@ def cmd_rows(args: argparse.Namespace) -> int:
     try:
         trace = load(args.trace)
     except TraceFormatError as exc:
-        console.print(f"[bold red]invalid kvtrace[/] {args.trace}: {exc}")
+        console.print(f"[bold red]invalid kvtrace[/] {escape(args.trace)}: {escape(str(exc))}")
         return 2
     cache = trace.cache
     scheme = cache.get("rows", "numpy")
@@ -519,13 +525,16 @@ def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """Exit 0 when every campaign ran examples and found nothing, 1 when one
-    failed (its minimal trace is written), 2 for bad arguments, 130 when
-    interrupted (the seed and a rerun command are printed)."""
+    failed (its minimal trace is written), 2 for bad arguments and when a
+    campaign stopped without a verdict (the target cannot run an op it
+    reached, or the harness itself raised: fuzz.replay.failure_status), 130
+    when interrupted (the seed and a rerun command are printed)."""
     from fuzz.campaign import Campaign, interleaved, save_failure
     from fuzz.commands.reports import Case, print_table, rerun, write_junit, write_sarif
+    from fuzz.replay import failure_status
 
     console = _console()
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     try:
         target = _target(args)
     except KeyError as exc:
@@ -575,7 +584,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     err.print(f"kvspec fuzz: seed {seed}, {args.budget:g} s of search over {len(runs)} campaign{'s' * (len(runs) > 1)}"
               f"{on}" + (f", {jobs} processes" if jobs > 1 else ", interleaved")
               + f"; shrinking is timed apart, at most {shrink_budget:g} s a campaign; "
-              + ("no example database" if database is None else f"example database {db_spec} (saved failures replay first)"))
+              + ("no example database" if database is None else f"example database {db_spec} (saved failures replay first)"),
+              markup=False)
     progress = _Ticker(err)
     reports: list[Any] = []
     interrupted: str | None = None
@@ -601,7 +611,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         reports = [c.report for c in camps if c.report.batches]
     by_config = {f"{k}/{m}/{'inplace' if ip else 'copy'}": (k, m, ip) for k, m, ip in runs}
     rows = []
-    failed = False
+    failed = refused = False
     sarif_findings: list[dict[str, Any]] = []
     for rep in reports:
         kind, mode, inplace = by_config[rep.config.rsplit(":", 1)[-1]]
@@ -614,7 +624,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             row["result"], failed = "no examples", True  # a run that checked nothing never says ok
         if rep.failure is not None:
             failed = True
-            row["result"] = "FAILED"
+            status = failure_status(rep.failure.error)
+            # a capability gap or the harness's own crash is no verdict: exit 2
+            refused = refused or status != "diverged"
+            row["result"] = "FAILED" if status == "diverged" else status
             row["failure"] = str(rep.failure.error).splitlines()[0]
             if rep.failure.flaky:
                 row["flaky"] = rep.failure.flaky
@@ -627,10 +640,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
                 if target.is_impl:
                     row["render"] = render_command(str(path), args.bug)
-                else:
+                elif status == "diverged":
                     sarif_findings.append(_sarif_finding(rep.failure.trace, path, target, row["replay"]))
         rows.append(row)
-    code = 130 if interrupted else (1 if failed else 0)
+    code = 130 if interrupted else (2 if refused else 1 if failed else 0)
     # what the target's classes declare they do not do: skipped and reported
     declared = {} if target.is_impl else {
         f"{c.name} ({c.kind}/{c.mode})": {"skipped": dict(c.skipped), "not_compared": dict(c.not_compared)}
@@ -651,20 +664,19 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                           "interrupted": interrupted, "rerun": again, "runs": rows, "declared": declared,
                           "exit": code}))
         return code
-    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:g} s of search{on}"
+    table = Table(title=f"kvspec fuzz (seed {seed}, {args.budget:g} s of search{escape(on)}"
                         + (f", {jobs} processes" if jobs > 1 else "") + ")")
     for col in ("config", "examples", "steps", "ops/s", "shrinking", "result"):
         table.add_column(col, no_wrap=col != "config", justify="right" if col in ("examples", "steps", "ops/s") else "left")
     for row in rows:
-        rate = row["steps"] / max(row["seconds"], 1e-9)
         style = "" if row["result"] == "ok" else "[bold red]"
-        table.add_row(row["config"], str(row["examples"]), str(row["steps"]), f"{rate:.0f}",
+        table.add_row(escape(row["config"]), str(row["examples"]), str(row["steps"]), _ops_per_second(row),
                       (f"{row['shrink_seconds']:.1f} s" + (" (cut)" if row["shrink_cut"] else ""))
                       if row["shrink_seconds"] else "-",
                       f"{style}{row['result']}{'[/]' if style else ''}")
     print_table(console, table)
     for row in rows:
-        console.print(f"[bold]{row['config']}[/] reached: {_stats_text(row['reached'])}")
+        console.print(f"[bold]{escape(row['config'])}[/] reached: {escape(_stats_text(row['reached']))}")
     for name, d in declared.items():
         for what, items in (("skipped (not in the class)", d["skipped"]), ("not compared", d["not_compared"])):
             if items:
@@ -672,9 +684,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                               + "; ".join(f"{escape(k)} ({escape(v)})" for k, v in items.items()))
     for row in rows:
         if row["result"] == "no examples":
-            console.print(f"[bold red]{row['config']}[/]: ran no example in its budget; nothing was checked")
+            console.print(f"[bold red]{escape(row['config'])}[/]: ran no example in its budget; nothing was checked")
         if "failure" in row:
-            console.print(f"[bold red]{row['config']}[/]: {escape(row['failure'])}")
+            console.print(f"[bold red]{escape(row['config'])}[/]: {escape(row['failure'])}")
             if "flaky" in row:
                 console.print(f"  [yellow]{escape(row['flaky'])}[/]: the trace is the run that diverged, unshrunk; "
                               "a replay may not diverge again (what shares memory was not fixed by the ops alone)")
@@ -682,13 +694,23 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 if row["shrink_cut"]:
                     console.print(f"  shrinking stopped at its limit of {shrink_budget:g} s (--shrink-budget): "
                                   f"the trace is the smallest failing run found by then, not a minimal one")
-                console.print(f"  {'trace' if row['shrink_cut'] else 'minimal trace'} written to {row['trace']}"
-                              f"\n  replay it: {row['replay']}")
+                console.print(f"  {'trace' if row['shrink_cut'] else 'minimal trace'} written to {escape(row['trace'])}"
+                              f"\n  replay it: {escape(row['replay'])}")
                 if "render" in row:
                     console.print(f"  see it: {escape(row['render'])}")
     if interrupted:
         console.print(f"[bold yellow]interrupted[/] during {escape(interrupted)}: seed {seed}\n  rerun: {escape(again)}")
     return code
+
+
+def _ops_per_second(row: dict[str, Any]) -> str:
+    """The ops/s cell of a ``kvspec fuzz`` row: ops run over seconds of
+    search, only for a campaign that ran its budget clean with ops and
+    measurable time; "-" for a failed, interrupted-empty or 0-step one (a
+    rate over the moments before a failure is no throughput)."""
+    if row["result"] != "ok" or row["steps"] <= 0 or row["seconds"] <= 0:
+        return "-"
+    return f"{row['steps'] / row['seconds']:.0f}"
 
 
 def _sarif_finding(trace: Any, path: Any, target: Any, replay_cmd: str) -> dict[str, Any]:
@@ -738,7 +760,9 @@ def cmd_campaign(args: argparse.Namespace) -> int:
 
 def cmd_conformance(args: argparse.Namespace) -> int:
     """Exit 0 when every divergence found replays 1 on its target and 0 on
-    impl (the report is trustworthy), 1 otherwise, 2 for bad arguments, 130
+    impl (the report is trustworthy), 1 otherwise, 2 for bad arguments and
+    when a class's search stopped without a verdict (its class cannot run
+    an op it reached, or the harness raised: ``no_verdict``), 130
     when interrupted (the classes that finished are printed)."""
     from fuzz.commands.conformance import print_report, run_conformance, to_json
     from fuzz.commands.reports import rerun, write_sarif
@@ -757,7 +781,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     doc = to_json(reports, args.seed, args.budget)
-    code = 130 if interrupted else (0 if doc["ok"] else 1)
+    code = 130 if interrupted else (2 if doc["no_verdict"] else 0 if doc["ok"] else 1)
     doc["exit"], doc["interrupted"] = code, interrupted
     if args.sarif:
         write_sarif(args.sarif, [{"trace": f.trace, "target": f.target, "index": f.index, "op": f.op,
@@ -768,7 +792,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         print(json.dumps(doc))
     else:
         print_report(reports, args.seed, args.budget)
-        _console().print(f"minimal traces in {args.out}/ (replay commands: kvspec conformance --json)")
+        _console().print(f"minimal traces in {escape(args.out)}/ (replay commands: kvspec conformance --json)")
         if interrupted:
             _console().print(f"[bold yellow]interrupted[/]: {len(reports)} classes finished\n  rerun: "
                              f"{escape(rerun('conformance', getattr(args, 'argv', None) or ['conformance']))}")
@@ -813,7 +837,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         for b in catalog():  # one line each: names are what a reader copies
             extra = f", {len(b.variants)} variants" if b.variants else ""
             gpu = ", GPU only" if b.device == "gpu" else ""
-            console.print(f"{b.name} ({b.kind} {'/'.join(b.modes)}{extra}{gpu}): {escape(b.description)}",
+            console.print(f"{escape(b.name)} ({b.kind} {'/'.join(b.modes)}{extra}{gpu}): {escape(b.description)}",
                           soft_wrap=True)
         return 0
     problem = _report_path_problem(args.junit_xml)
