@@ -31,6 +31,7 @@ from fuzz.commands.e2e.models import (
     token_ids,
 )
 from fuzz.commands.e2e.streams import greedy, speculative
+from impl.models import make_prompt_cache
 from impl.rotating import RotatingKVCache
 from spec.errors import RollbackWarning
 
@@ -95,7 +96,18 @@ class _Recorder:
         self.model, self.calls = model, []  # [tokens, logits, rows rolled back]
         self.rollbacks_after_wrap = 0
         self.refused = 0  # rollbacks of rows the ring holds that it refused (trim returned 0)
-        trim = ring.trim
+        # is_trimmable() answered False: mlx-lm's trim_prompt_cache then skips
+        # the rollback in every layer without calling trim (counted apart:
+        # the refusal the trim count alone never saw, issue 47)
+        self.untrimmable = 0
+        trim, is_trimmable = ring.trim, ring.is_trimmable
+
+        def asked() -> bool:
+            ok = is_trimmable()
+            self.untrimmable += not ok
+            return ok
+
+        ring.is_trimmable = asked  # type: ignore[method-assign]
 
         def counted(k: int) -> int:
             wrapped = ring.wrapped
@@ -183,10 +195,14 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
                 got.logprobs.append(np.array(logprobs).tobytes())
                 accepted += bool(from_draft)
         loud = [w for w in caught if issubclass(w.category, RollbackWarning)]
-        require(main.refused == 0, f"{label}: the main model's ring refused {main.refused} rollbacks")
-        require(bool(loud) == bool(drafter.refused),
-                f"{label}: {drafter.refused} refused draft rollbacks, {len(loud)} RollbackWarnings")
-        draft_refused += drafter.refused
+        require(main.refused == 0 and main.untrimmable == 0,
+                f"{label}: the main model's ring refused {main.refused} rollbacks and answered is_trimmable() "
+                f"False {main.untrimmable} times")
+        refusals = drafter.refused + drafter.untrimmable
+        require(bool(loud) == bool(refusals),
+                f"{label}: {drafter.refused} refused draft rollbacks and {drafter.untrimmable} is_trimmable() False, "
+                f"{len(loud)} RollbackWarnings")
+        draft_refused += refusals
         drafted += len(drafter.calls) - 1  # the first draft call is its prefill
         rollbacks += main.rollbacks_after_wrap
         for i, (a, b) in enumerate(zip(got.tokens, plain.tokens)):
@@ -231,6 +247,73 @@ MIN_ROLLBACKS = {SHORT: 20}
 SHORT_UNDO = (0, 1)
 
 
+#: the modes of its prefill-wrap runs (default caches, a prompt longer than
+#: the window): every sliding-window layer is a ring in each
+PREFILL_WRAP_MODES = ("fp16", "int8", "turbo4asym", "turbo4delegated")
+
+
+class _RollbackWatch:
+    """The main model of a speculative run, watched at each verification
+    call (every call after the prefill): mlx-lm's loop has then yielded
+    ``yielded`` tokens, so with every earlier rollback honoured the caches
+    hold ``prompt_len - 1 + yielded`` rows; more means a rollback was
+    refused. ``first_refused`` is ``(call, warned)`` for the first such
+    call: ``warned`` whether a main-model ring had issued its
+    RollbackWarning by then (at or before that refused rollback)."""
+
+    def __init__(self, model: Any, caches: list[Any], prompt_len: int):
+        self.model, self.prompt_len, self.yielded, self.calls = model, prompt_len, 0, 0
+        self.rings = _rotating(caches)
+        self.layer = next(c for c in caches if not isinstance(c, RotatingKVCache))  # a global layer: its offset
+        self.first_refused: tuple[int, bool] | None = None
+
+    @property
+    def layers(self) -> Any:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        if self.calls and self.first_refused is None and self.layer.offset != self.prompt_len - 1 + self.yielded:
+            self.first_refused = (self.calls, any(r.rollback_warned for r in self.rings))
+        self.calls += 1
+        return self.model(inputs, cache=cache)
+
+
+def _prefill_wrap_run(seed: int, mode: str, n: int, factories: Factories) -> tuple[str, list[int], int]:
+    """One speculative run on caches built as a user builds them
+    (``make_prompt_cache(model, mode)``: no undo log) after a prompt longer
+    than the window, so the rings go past it in the prefill, before any
+    trim. Requires that a main-model rollback is refused and that a main
+    ring warned at or before the first one, at most one warning per ring.
+    Returns the label, the tokens and the warnings."""
+    from mlx_lm.generate import speculative_generate_step
+
+    W, U = SPEC_WINDOW, UNDO_DEPTH
+    model, draft = speculative_gemma3(seed, W)
+    prompt = token_ids(seed, 2 * W)
+    label = f"seed {seed}, {mode}, W={W}, prompt {2 * W} tokens, default caches"
+    ring = {"rotating": factories["rotating"]} if factories and "rotating" in factories else None
+    main_caches = make_prompt_cache(model, mode=mode, step=4, classes=ring)
+    caches = main_caches + make_prompt_cache(draft, mode=mode, step=4, classes=ring)
+    watch = _RollbackWatch(model, main_caches, len(prompt))
+    tokens: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RollbackWarning)
+        for tok, _, _ in speculative_generate_step(prompt, watch, draft, num_draft_tokens=U, max_tokens=n,
+                                                   prompt_cache=caches):
+            tokens.append(int(tok))
+            watch.yielded += 1
+    loud = [w for w in caught if issubclass(w.category, RollbackWarning)]
+    require(watch.first_refused is not None, f"{label}: no main-model rollback was refused (nothing to check)")
+    call, warned = watch.first_refused  # type: ignore[misc]
+    require(warned, f"{label}: the main model's first refused rollback (before call {call}) came silently "
+                    f"(no RollbackWarning from its rings; {len(loud)} in all)")
+    require(len(loud) <= len(_rotating(caches)), f"{label}: {len(loud)} warnings for {len(_rotating(caches))} rings "
+                                                 "(once per cache)")
+    require(all("num_draft_tokens" in str(w.message) for w in loud),
+            f"{label}: the warning does not say how to size the undo log: {loud[:1]}")
+    return label, tokens, len(loud)
+
+
 def scenario_speculative_drift(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
     """The speculative_window setting (gemma3, rings of window 6, drafts of
     ``UNDO_DEPTH`` tokens) with undo logs shorter than the draft
@@ -240,7 +323,15 @@ def scenario_speculative_drift(size: Size, factories: Factories = None) -> tuple
     ``num_draft_tokens``, at most one per ring (once per cache), in every
     run that wrapped; and the same model's caches built with
     ``make_prompt_cache(..., num_draft_tokens=UNDO_DEPTH)`` give no warning
-    and greedy's tokens (scenario 8 checks those bytes)."""
+    and greedy's tokens (scenario 8 checks those bytes).
+
+    And the ordinary case (issue 47): caches built with no undo log
+    (``make_prompt_cache(model, mode)``) in each of ``PREFILL_WRAP_MODES``
+    after a prompt longer than the window, so the rings go past it in the
+    prefill, before any trim: the main model's first refused rollback is
+    loud, a main ring warned at or before it (:func:`_prefill_wrap_run`).
+    (The runs above, with a 3-token prompt, trim before the rings wrap:
+    they passed while a ring wrapped by its prefill never warned.)"""
     from mlx_lm.generate import speculative_generate_step
 
     tally = Tally()
@@ -269,7 +360,16 @@ def scenario_speculative_drift(size: Size, factories: Factories = None) -> tuple
             tally.tokens.extend(tokens)
             warned_runs += 1
             rings_warned += len(loud)
+    wrap_runs, wrap_warnings = 0, 0
+    for seed in size.seeds[:1]:
+        for mode in PREFILL_WRAP_MODES:
+            _, tokens, warned = _prefill_wrap_run(seed, mode, n, factories)
+            require(len(set(tokens)) >= min_distinct(n), f"seed {seed}, {mode}: stream collapsed")
+            tally.tokens.extend(tokens)
+            wrap_runs, wrap_warnings = wrap_runs + 1, wrap_warnings + warned
     tally.note(f"undo {list(SHORT_UNDO)} < num_draft_tokens {U}: every run warned (RollbackWarning, "
                f"{rings_warned} warnings over {warned_runs} runs, at most one per ring); "
+               f"rings past the window after a {2 * W}-token prompt, default caches ({', '.join(PREFILL_WRAP_MODES)}): "
+               f"the first refused main rollback warned in each of {wrap_runs} runs ({wrap_warnings} warnings); "
                f"num_draft_tokens={U} sizes the undo logs and stays silent (scenario 8)")
     return tally, None

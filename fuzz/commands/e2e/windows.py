@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from fuzz.commands.e2e.models import (
 )
 from fuzz.commands.e2e.streams import greedy
 from impl.models import can_trim_prompt_cache, trim_prompt_cache
+from spec.errors import RollbackWarning
 
 
 def scenario_sliding_window(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
@@ -74,7 +76,9 @@ def scenario_mixed_rollback(size: Size, factories: Factories = None,
     the ring wraps a rollback of 2 tokens trims every layer exactly (then
     decoding equals a run that never had them). After the wrap the same
     rollback is refused for all layers together: ``trim`` returns 0 and no
-    layer changes; decoding goes on equal to a run that never asked."""
+    layer changes, and the refusal is loud (one RollbackWarning, the ring's:
+    ``can_trim_prompt_cache``'s False answer is its first refused rollback);
+    decoding goes on equal to a run that never asked."""
     tally = Tally()
     W = size.window
     for seed in size.seeds:
@@ -92,20 +96,25 @@ def scenario_mixed_rollback(size: Size, factories: Factories = None,
         require(got == 2 and offsets == [3, 3], f"{label}: rollback before the wrap: trimmed {got}, offsets {offsets}")
         g1 = greedy(model, caches, x, W + 3)
         require(all(r.wrapped for r in _rotating(caches)), f"{label}: the ring did not wrap")
-        require(not can_trim_prompt_cache(caches), f"{label}: a wrapped ring must make the list untrimmable")
-
         before = layer_states(caches)
-        got = trim(caches, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RollbackWarning)
+            require(not can_trim_prompt_cache(caches), f"{label}: a wrapped ring must make the list untrimmable")
+            got = trim(caches, 2)
         after = layer_states(caches)
         require(got == 0 and after == before,
                 f"{label}: rollback after the wrap must be refused for all layers together: returned {got}, "
                 f"offsets {[o for o, _ in before]} -> {[o for o, _ in after]}, "
                 f"layers changed: {[i for i, (p, q) in enumerate(zip(before, after)) if p != q]}")
+        loud = [w for w in caught if issubclass(w.category, RollbackWarning)]
+        require(len(loud) == 1, f"{label}: the refused rollback gave {len(loud)} RollbackWarnings "
+                                "(want one: the ring's, once per cache)")
         g2 = greedy(model, caches, turn, size.tokens)
 
         never = build_caches(model, "fp16", 4, True)
         greedy(model, never, prompt, 0)
         compare(f"{label}: after exact rollback vs never decoded", g1, greedy(model, never, x, W + 3), tally)
         compare(f"{label}: after refused rollback vs never asked", g2, greedy(model, never, turn, size.tokens), tally)
-    tally.note("rollback exact before the wrap; refused atomically after it (0 trimmed, no layer changed)")
+    tally.note("rollback exact before the wrap; refused atomically after it (0 trimmed, no layer changed), "
+               "with one RollbackWarning")
     return tally, None
