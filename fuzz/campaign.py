@@ -23,7 +23,7 @@ from fuzz.lockstep import Divergence
 from fuzz.machine import EDGE_RULES, KVMachine
 from fuzz.program import get_program_test
 from fuzz.replay import make_lockstep, replay
-from fuzz.targets import resolve
+from fuzz.targets import BUILTIN, resolve
 from fuzz.trace import Trace, cache_defaults, write
 from spec.errors import KVCacheError
 
@@ -59,7 +59,11 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     base: type[KVMachine] = kinds.get(kind, mode).machine_class()
     if target is not None:
         target = resolve(target)
-        if not target.is_impl and base.plain is not None and not getattr(target, "full_shapes", False):
+        # only the built-in third-party targets (mlx-lm's caches) keep the
+        # plain machine their recorded findings were drawn with; a user's
+        # class or an exec: adapter gets every shape and dtype (batch > 1,
+        # K and V head dims that differ, bfloat16 and float32)
+        if target.name in BUILTIN and base.plain is not None and not getattr(target, "full_shapes", False):
             base = base.plain
         base = target.machine_base(kind, mode, base)
         if not target.is_impl:
@@ -291,7 +295,10 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
             left = min(left, max(shrink_seconds - (time.perf_counter() - found), 0.0))
         error = reduce_run(machine, error, left)
     seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
-    trace = failure_trace(machine, error) if error is not None else None
+    # a trace only of a divergence: a target that cannot run an op, or the
+    # harness's own crash, is no verdict (exit 2), and its run is no
+    # "minimal trace" of anything (fuzz.replay.failure_status)
+    trace = failure_trace(machine, error) if isinstance(error, (Divergence, AssertionError)) else None
     caught = machine.first_failure
     return RunResult(error is not None, seconds, machine.runs, executed,
                      caught[0] if caught else None, caught[1] - start if caught else None,
@@ -566,6 +573,7 @@ def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | 
     come back as :class:`FoundInWorker` with their trace."""
     from fuzz.bugs import by_name
     from fuzz.device import select
+    from fuzz.replay import failure_status
 
     select(None)  # the parent's device (KVSPEC_DEVICE), in this worker too
     factories = by_name(bug).factories if bug else None
@@ -575,7 +583,9 @@ def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | 
     reports = interleaved(camps, budget)
     for rep in reports:
         if rep.failure is not None and rep.failure.error is not None:
-            rep.failure.error = FoundInWorker(str(rep.failure.error))
+            carried = FoundInWorker(str(rep.failure.error))
+            carried.status = failure_status(rep.failure.error)  # type: ignore[attr-defined]
+            rep.failure.error = carried
     return reports
 
 

@@ -89,3 +89,28 @@ def replay(trace: Trace, factories: dict[str, Any] | None = None, check_inplace:
         except Divergence as d:
             return ReplayResult(False, i + 1, d, lock.stats, lock.refusals, sorted(getattr(lock, "not_compared", ())))
     return ReplayResult(True, len(trace.ops), None, lock.stats, lock.refusals, sorted(getattr(lock, "not_compared", ())))
+
+
+#: what a failed run's exception is, for ``kvspec fuzz`` and ``kvspec
+#: conformance``: a finding (exit 1), or no verdict at all (exit 2)
+FAILURE_STATUSES = ("diverged", "not applicable", "tool failure")
+
+
+def failure_status(error: BaseException | None) -> str:
+    """``diverged`` for a Divergence (or a state machine's invariant, an
+    AssertionError of the comparison); ``not applicable`` when the target
+    cannot run the trace or an op of it (TargetCapabilityError, e.g.
+    fuzz.targets.TargetCannotRun: a capability gap, exit 2); ``tool
+    failure`` for anything else (the harness's own crash, exit 2: never a
+    divergence). An exception carried back from a worker process keeps its
+    status in ``status``."""
+    from fuzz.targets import TargetCapabilityError
+
+    carried = getattr(error, "status", None)
+    if carried in FAILURE_STATUSES:
+        return carried
+    if isinstance(error, (Divergence, AssertionError)):
+        return "diverged"
+    if isinstance(error, TargetCapabilityError):
+        return "not applicable"
+    return "tool failure"

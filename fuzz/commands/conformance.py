@@ -47,7 +47,7 @@ from fuzz.adapters.mlx_lm import (
 )
 from fuzz.campaign import machine_for, run_machine
 from fuzz.lockstep import Divergence, Lockstep
-from fuzz.replay import make_lockstep, replay
+from fuzz.replay import failure_status, make_lockstep, replay
 from fuzz.targets import CacheClass, Target, op_class, resolve
 from fuzz.trace import Trace, write
 
@@ -132,6 +132,9 @@ class ClassReport:
     not_compared: dict[str, str] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     ended: str = ""
+    #: why the search stopped without a verdict (``not applicable: ...`` or
+    #: ``tool failure: ...``; fuzz.replay.failure_status), else ""
+    no_verdict: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -256,6 +259,13 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
             report.ended = "budget spent without a further divergence"
             break
         assert failure.error is not None
+        status = failure_status(failure.error)
+        if status != "diverged":
+            # no verdict: the class cannot run an op it reached (a capability
+            # gap) or the harness itself raised; never counted as a finding
+            report.no_verdict = f"{status}: {str(failure.error).splitlines()[0]}"
+            report.ended = f"stopped without a verdict ({status})"
+            break
         finding = _record(cls, target_name, target, failure, out, len(report.findings) + 1)
         target, finding.then = next_target(target, failure.error)
         report.findings.append(finding)
@@ -380,7 +390,8 @@ def to_json(reports: list[ClassReport], seed: int, budget: float) -> dict[str, A
 
     return {"mlx_lm": mlx_lm_version(), "mlx": mx.__version__, "seed": seed, "budget": budget,
             "classes": [r.to_json() for r in reports],
-            "ok": all(f.confirmed for r in reports for f in r.findings)}
+            "ok": all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports),
+            "no_verdict": {r.cache_class: r.no_verdict for r in reports if r.no_verdict}}
 
 
 def print_report(reports: list[ClassReport], seed: int, budget: float, console: Any = None) -> None:
@@ -421,3 +432,6 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
         print_table(console, found)
     for line in traces:  # whole lines: a path is never wrapped inside a cell
         console.print(line, soft_wrap=True, markup=False)
+    for r in reports:
+        if r.no_verdict:
+            console.print(f"{r.cache_class} on {r.target}: {r.no_verdict}", soft_wrap=True, markup=False)
