@@ -113,9 +113,14 @@ OP_METHODS: dict[str, tuple[str, ...]] = {
     # mlx-lm's snapshot protocol: the state getter and its setter
     "state_snapshot": ("state", "state.setter"),
     "state_restore": ("state", "state.setter"),
+    # a save and load: mlx-lm's load order (state, then meta_state) or a
+    # prompt-cache file (state and meta_state saved, Class.from_state loads)
+    "reload": ("state", "state.setter", "meta_state", "from_state"),
 }
 #: what every class must have: without these nothing can be compared
 REQUIRED_METHODS = ("update_and_fetch", "fetch", "offset")
+#: the row dtypes a campaign draws (``kvspec_dtypes`` names some of them)
+ROW_DTYPES = ("float16", "bfloat16", "float32")
 #: kinds a plain cache class can stand in for (a list of layers or a paged
 #: pool needs a Target of its own: docs/targets.md)
 CLASS_KINDS = ("dense", "rotating")
@@ -150,7 +155,8 @@ class CacheClass:
     ``head_dims``: the head dims its state machine draws (None: the
     default 8 and 16); a replay refuses others. ``snapshot_class``: the
     class of what ``snapshot()`` returns (restore takes only that; None:
-    no check)."""
+    no check). ``dtypes``: the row dtypes it takes (None: float16,
+    bfloat16 and float32, all drawn); a replay refuses others."""
 
     name: str
     kind: str
@@ -164,6 +170,7 @@ class CacheClass:
     head_dims: tuple[int, ...] | None = None
     snapshot_class: type | None = None
     note: str = ""
+    dtypes: tuple[str, ...] | None = None
 
     def check_cache(self, cache: dict[str, Any], target: str) -> None:
         """Raise TargetCapabilityError for a trace's cache this class cannot
@@ -174,6 +181,10 @@ class CacheClass:
                 raise TargetCapabilityError(
                     f"field cache.{name}: target {target} runs {self.kind}/{self.mode} on {self.name}, which "
                     f"supports only {name}={value!r} ({why}); this trace has {name}={got!r}")
+        if self.dtypes is not None and cache.get("dtype", "float16") not in self.dtypes:
+            raise TargetCapabilityError(
+                f"field cache.dtype: target {target} runs {self.kind}/{self.mode} on {self.name}, which takes "
+                f"only {', '.join(self.dtypes)} rows; this trace has {cache.get('dtype', 'float16')}")
         if self.head_dims is not None and cache["head_dim"] % self.head_dims[0]:
             raise TargetCapabilityError(
                 f"field cache.head_dim: target {target} runs {self.kind}/{self.mode} on {self.name}, which needs "
@@ -312,12 +323,20 @@ class Target:
         return declared_lockstep(driver)(cache, c, self)
 
     def machine_base(self, kind: str, mode: str, base: type) -> type:
-        """The state machine to subclass: ``base``, or one drawing the head
+        """The state machine to subclass: ``base`` for ``impl``; for a
+        class, the kind's full machine drawing every shape and dtype (batch
+        1 to 3, kv heads 1 to 3, a V head dim that often differs from the
+        keys', float16, bfloat16 and float32: :func:`_machine_with_full_shapes`)
+        within what it declares (``head_dims``, ``dtypes``); on the plain
+        machine of mlx-lm's recorded findings (``fuzz.campaign.machine_for``
+        picks it for built-in targets only), that machine, with the head
         dims the class needs."""
         c = None if self.is_impl else self.cache_class(kind, mode)
-        if c is None or c.head_dims is None:
+        if c is None:
             return base
-        return _machine_with_head_dims(base, c.head_dims)
+        if getattr(base, "plain", None) is base:
+            return base if c.head_dims is None else _machine_with_head_dims(base, c.head_dims)
+        return _machine_with_full_shapes(base, c)
 
 
 IMPL = Target("impl", "this project's MLX caches (impl/)")
@@ -461,11 +480,17 @@ def class_target(cls: type, spec: str = "") -> Target:
         if cat not in REFUSAL_CATEGORIES:
             raise TargetError(f"--target {name}: kvspec_refusals[{exc_type.__name__}] = {cat!r} is not a "
                               f"category ({', '.join(REFUSAL_CATEGORIES)})")
+    dtypes = getattr(cls, "kvspec_dtypes", None)
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if not dtypes or any(d not in ROW_DTYPES for d in dtypes):
+            raise TargetError(f"--target {name}: kvspec_dtypes must name some of {', '.join(ROW_DTYPES)}, "
+                              f"got {dtypes!r}")
     make = getattr(cls, "kvspec_make", None) or _constructor(cls)
     classes = tuple(
         CacheClass(cls.__qualname__, kind, mode, make, skipped=skipped,
                    not_compared=dict(getattr(cls, "kvspec_not_compared", {})), fields=fields, refusals=refusals,
-                   head_dims=getattr(cls, "kvspec_head_dims", None))
+                   head_dims=getattr(cls, "kvspec_head_dims", None), dtypes=dtypes)
         for mode in modes)
     return Target(name, f"{cls.__module__}.{cls.__qualname__} ({kind})", classes, spec=spec or name)
 
@@ -567,6 +592,42 @@ def declared_lockstep(base: type) -> type:
     if base not in _DECLARED:
         _DECLARED[base] = type(f"Declared{base.__name__}", (_Declared, base), {})
     return _DECLARED[base]
+
+
+#: rules of the kinds' machines a class target never runs
+CLASS_UNDRAWN_RULES = ("copy_cache", "prompt_cache_fetch", "append_mismatch", "append_pair_mismatch", "reload")
+
+
+def _machine_with_full_shapes(base: type, c: CacheClass) -> type:
+    """``base`` (a kind's full machine) drawing our implementation's shapes
+    and dtypes for a class target, within what ``c`` declares; never a
+    ``KV_INPLACE_WRITE`` spelling (the class reads no environment of ours)."""
+    from hypothesis import strategies as st
+
+    head_dims = None if c.head_dims is None else st.sampled_from(c.head_dims)
+
+    class FullShapeMachine(base):  # type: ignore[misc, valid-type]
+        def draw_shape(self, data: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            if head_dims is not None:
+                kwargs["head_dims"] = head_dims
+            saved, self.target = self.target, None  # the draw of our own runs, not mlx-lm's plain one
+            try:
+                shape = super().draw_shape(data, *args, **kwargs)
+            finally:
+                self.target = saved
+            shape.pop("inplace_env", None)
+            if c.dtypes is not None and shape.get("dtype", "float16") not in c.dtypes:
+                shape["dtype"] = c.dtypes[0]
+            return shape
+
+    # the rules of our own lifecycle (rows of another shape or dtype handed
+    # in, prompt-cache copies and files) hold only this project's caches,
+    # as on mlx-lm's plain machines (fuzz.machine.without_lifecycle)
+    for rule in CLASS_UNDRAWN_RULES:
+        if hasattr(base, rule):
+            setattr(FullShapeMachine, rule, None)
+    FullShapeMachine.__name__ = f"{base.__name__}_full"
+    return FullShapeMachine
 
 
 def _machine_with_head_dims(base: type, head_dims: tuple[int, ...]) -> type:
