@@ -76,6 +76,31 @@ def test_the_table_names_every_column(monkeypatch, capsys):
     assert [c.strip() for c in cells.strip("│┃ ").split("│")][2:] == ["1", "2", "3", "4", "5", "6"]
 
 
+def test_a_rate_not_measured_is_a_dash_in_the_table_and_null_in_json(monkeypatch, capsys):
+    """No time after the first batch measures no warm rate: "-" and null, never 0."""
+    monkeypatch.setattr(bh, "record_campaign", lambda *a: (_Report(1000, 4.0), [], None))
+    monkeypatch.setattr(bh, "replay_lockstep", lambda runs: (1000, 0.5))
+    monkeypatch.setattr(bh, "replay_floor", lambda runs, reads: (1000, 0.1, 0.4))
+    measure = bh.measure
+    row = measure("dense", "fp16", True, batches=1, seed=1)
+    assert row.campaign_ops_s is None and row.campaign_all_ops_s == 250
+    monkeypatch.setattr(bh, "measure", lambda *c, batches: row)
+    assert bh.run(["dense/fp16/copy"], batches=2) == 0
+    cells = next(line for line in capsys.readouterr().out.splitlines() if "dense/fp16/inplace" in line)
+    assert [c.strip() for c in cells.strip("│┃ ").split("│")][2:4] == ["250", "-"]
+    assert bh.run(["dense/fp16/copy"], batches=2, as_json=True) == 0
+    doc = json.loads(capsys.readouterr().out)
+    jsonschema.validate(doc, json.loads((SCHEMAS / "bench.schema.json").read_text()),
+                        cls=jsonschema.Draft202012Validator)
+    assert doc["harness"][0]["campaign_ops_s"] is None
+    # no op run: no rate at all, whatever the seconds
+    monkeypatch.setattr(bh, "record_campaign", lambda *a: (_Report(0, 4.0), [], None))
+    monkeypatch.setattr(bh, "replay_lockstep", lambda runs: (0, 0.5))
+    monkeypatch.setattr(bh, "replay_floor", lambda runs, reads: (0, 0.1, 0.4))
+    empty = measure("dense", "fp16", True, batches=1, seed=1)
+    assert all(getattr(empty, p + "_ops_s") is None for p in bh.PASSES)
+
+
 def test_the_lockstep_pass_runs_every_op_through_the_checks(monkeypatch):
     assert bh.replay_lockstep(RUNS)[0] == len(OPS)
     from impl.dense import KVCache
@@ -243,7 +268,7 @@ def test_the_warm_rate_leaves_the_first_batch_out(monkeypatch):
             return _Report(100, 1.0)
 
     monkeypatch.setattr(bh, "Campaign", Stuck)
-    assert bh.record_campaign("dense", "fp16", True, 2, 1)[2] == 0.0
+    assert bh.record_campaign("dense", "fp16", True, 2, 1)[2] is None  # not a rate of 0 ops/s
 
 
 def test_a_failed_campaign_is_refused_not_measured(monkeypatch):

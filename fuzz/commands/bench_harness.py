@@ -44,6 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fuzz import kinds
@@ -66,18 +67,20 @@ Run = tuple[dict[str, Any], list[dict[str, Any]]]
 class HarnessRow:
     """One campaign's figures: ``ops`` replayed in every pass (the same ops
     the campaign ran), ``*_ops_s`` ops per wall second of each pass
-    (:data:`PASSES`), ``spec_ops_s`` the spec's share of ``spec_impl``."""
+    (:data:`PASSES`), ``spec_ops_s`` the spec's share of ``spec_impl``; a
+    rate is None where nothing was measured (no ops, or no time: ``campaign``
+    with one batch), printed "-", never a figure."""
 
     config: str
     examples: int
     ops: int
-    campaign_all_ops_s: float
-    campaign_ops_s: float
-    lockstep_ops_s: float
-    reads_ops_s: float
-    spec_impl_ops_s: float
-    impl_ops_s: float
-    spec_ops_s: float
+    campaign_all_ops_s: float | None
+    campaign_ops_s: float | None
+    lockstep_ops_s: float | None
+    reads_ops_s: float | None
+    spec_impl_ops_s: float | None
+    impl_ops_s: float | None
+    spec_ops_s: float | None
 
 
 def configs() -> list[tuple[str, str, bool]]:
@@ -91,10 +94,11 @@ def label(kind: str, mode: str, inplace: bool) -> str:
 
 def record_campaign(
     kind: str, mode: str, inplace: bool, batches: int, seed: int
-) -> tuple[Any, list[Run], float]:
+) -> tuple[Any, list[Run], float | None]:
     """Run ``batches`` seeded batches of the campaign and keep every example
     it ran as (cache fields, ops). Returns the report, the runs and the ops
-    per search second of the batches after the first. Raises RuntimeError
+    per search second of the batches after the first (None when they ran no
+    op or took no time: one batch measures no warm rate). Raises RuntimeError
     if the campaign fails (a divergence is a bug to replay, not a figure)."""
     # a failure stops the bench: it is not shrunk
     run = Campaign(kind, mode, inplace, seed, shrink=False)
@@ -120,7 +124,7 @@ def record_campaign(
             first_ops, first_seconds = rep.stats.get("ops", 0), rep.seconds
     warm_ops = rep.stats.get("ops", 0) - first_ops
     warm_seconds = rep.seconds - first_seconds
-    return rep, runs, warm_ops / warm_seconds if warm_seconds > 0 and warm_ops > 0 else 0.0
+    return rep, runs, warm_ops / warm_seconds if warm_seconds > 0 and warm_ops > 0 else None
 
 
 def replay_lockstep(runs: list[Run]) -> tuple[int, float]:
@@ -214,14 +218,14 @@ def measure(
     spec_s, impl_s = min(floors[False], key=sum)
     rspec_s, rimpl_s = min(floors[True], key=sum)
 
-    def rate(seconds: float) -> float:
-        return ops / seconds if seconds > 0 else 0.0
+    def rate(seconds: float) -> float | None:
+        return ops / seconds if seconds > 0 and ops > 0 else None
 
     return HarnessRow(
         label(kind, mode, inplace),
         rep.examples,
         ops,
-        rate(rep.seconds) if rep.seconds else 0.0,
+        rate(rep.seconds),
         warm,
         rate(lock_s),
         rate(rspec_s + rimpl_s),
@@ -231,12 +235,17 @@ def measure(
     )
 
 
+def _rate_cell(rate: float | None) -> str:
+    """A table cell of ops/s: the figure, or "-" where none was measured."""
+    return "-" if rate is None else f"{rate:,.0f}"
+
+
 def run(only: list[str] | None = None, batches: int = 3, as_json: bool = False) -> int:
     """Measure every registry campaign (``only``: those whose label holds
     one of the words, e.g. ``layers`` or ``dense/int8``); print a table, or
     with ``as_json`` one object (docs/json.md). Returns 0, or 2 when
     ``only`` selects no campaign."""
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     every = [label(*c) for c in configs()]
     if only is not None and not all(word.strip() for word in only):
         err.print(
@@ -275,7 +284,7 @@ def run(only: list[str] | None = None, batches: int = 3, as_json: bool = False) 
         "the same ops replayed"
     )
     cells = [
-        [r.config, f"{r.ops:,}", *(f"{getattr(r, p + '_ops_s'):,.0f}" for p in PASSES)]
+        [r.config, f"{r.ops:,}", *(_rate_cell(getattr(r, p + "_ops_s")) for p in PASSES)]
         for r in rows
     ]
     for i, name in enumerate(HEADERS):
@@ -284,8 +293,8 @@ def run(only: list[str] | None = None, batches: int = 3, as_json: bool = False) 
         width = max([len(row[i]) for row in cells] + [len(word) for word in name.split()])
         table.add_column(name, justify="left" if i == 0 else "right", min_width=width)
     for row in cells:
-        table.add_row(*row)
-    console = Console(highlight=False)
+        table.add_row(*(escape(cell) for cell in row))
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         # into a file or a pipe the table is as wide as its one-line rows
         # (rich would otherwise fit 80 columns and cut the last cells)
