@@ -23,6 +23,7 @@ import copy
 import ctypes
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -179,6 +180,32 @@ class StateHolder:
             return Unreadable(exc)
 
 
+#: a memory address, as an object's repr shows it (``<X object at
+#: 0x7f42c5d82e50>``): where an object lives is no part of a verdict
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{8,}\b")
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception one side raised, as a divergence
+    shows it: a function of the trace alone (docs/fuzzing.md, "Determinism
+    of a verdict"). Memory addresses in reprs are masked (``0x…``). An
+    AssertionError keeps only its message as written in the source, with
+    the file and line that raised it: pytest rewrites the asserts of this
+    repository's packages (they are a pytest plugin's distribution), and the
+    explanation it adds (``assert ... is None`` with reprs) appears only
+    under pytest."""
+    text = str(exc)
+    if isinstance(exc, AssertionError):
+        text = "" if text.startswith("assert ") else text.split("\nassert ", 1)[0]
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/").rsplit("/", 2)[-2:]
+            text = f"(at {'/'.join(path)}:{tb.tb_lineno})" + (f" {text}" if text else "")
+    return f"{type(exc).__name__}: {_ADDRESS.sub('0x…', text)}"
+
+
 @dataclass
 class Unreadable:
     """A holder whose window cannot be read back (its state does not load)."""
@@ -186,7 +213,7 @@ class Unreadable:
     error: BaseException
 
     def describe(self) -> str:
-        return f"loading it back raised {type(self.error).__name__}: {self.error}"
+        return f"loading it back raised {error_text(self.error)}"
 
 
 def take_state(cache: Any, fresh: Any) -> StateHolder:
@@ -205,7 +232,7 @@ class Outcome:
     def describe(self) -> str:
         if self.error is None:
             return f"returned {self.result!r}"
-        return f"raised {type(self.error).__name__}: {self.error}"
+        return f"raised {error_text(self.error)}"
 
 
 class Lockstep:
@@ -576,7 +603,7 @@ class Lockstep:
             impl_out = Outcome(result=self.impl_apply(op))
         except Divergence:
             raise
-        except Exception as exc:  # noqa: BLE001 - a crash is a divergence too
+        except Exception as exc:  # a target's crash is a divergence too (classify_failure)
             from fuzz.targets import classify_failure
 
             other = classify_failure(self, index, op, exc, running=True)
@@ -657,11 +684,11 @@ class Lockstep:
                 self.reached("in-place writes donated" if after == self.pointer_before else "in-place writes copied by MLX")
             elif after != self.pointer_before:
                 raise Divergence(index, op, "an in-place write moved the cache's memory",
-                                 "same memory (in place)", f"data pointer {self.pointer_before:#x} -> {after:#x}")
+                                 "same memory (in place)", "the keys' data pointer moved: new memory (a copy)")
             elif self.values_pointer_before is not None and self.impl_values_pointer() != self.values_pointer_before:
                 raise Divergence(index, op, "an in-place write moved the cache's values memory",
                                  "same memory (in place)",
-                                 f"values data pointer {self.values_pointer_before:#x} -> {self.impl_values_pointer():#x}")
+                                 "the values' data pointer moved: new memory (a copy)")
         self.reached("in-place writes" if s.inplace else "copying writes")
 
     def impl_caches(self) -> list[Any]:
@@ -819,7 +846,7 @@ class Lockstep:
                 if i[a] == i[b] and s[a] != s[b]:
                     raise Divergence(index, op, f"memory sharing of {a} and {b} differs",
                                      f"the copying write gave {a} new memory, apart from {b}",
-                                     f"{a} and {b} share memory ({i[a]:#x})")
+                                     f"{a} and {b} share memory (one data pointer)")
         # a refused op (a snapshot under a name in use, say) shared nothing:
         # what sharing is left from earlier ops is not its contract (after an
         # in-place write beside a holder, CUDA's donate may have copied)
@@ -827,7 +854,7 @@ class Lockstep:
             if a in names and b in names and s[a] == s[b] and i[a] != i[b]:
                 raise Divergence(index, op, f"memory sharing of {a} and {b} differs",
                                  f"{a} and {b} share one buffer (O(1))",
-                                 f"{a} and {b} hold different memory ({i[a]:#x}, {i[b]:#x}): a copy")
+                                 f"{a} and {b} hold different memory (two data pointers): a copy")
         if len(names) > 1:
             self.reached("sharing checked")
 

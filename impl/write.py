@@ -139,8 +139,16 @@ def _region(dst: mx.array, index: Index) -> tuple[list[int], list[int]]:
 def write_inplace_numpy(dst: mx.array, src: mx.array, index: Index) -> None:
     """The host path of :func:`write_inplace`: through a writable NumPy view of
     ``dst``'s memory (bfloat16, which NumPy lacks, through uint16 views: the
-    bytes are copied exactly)."""
+    bytes are copied exactly). The host write waits for the stream first
+    (``mx.synchronize``): a read of ``dst`` scheduled before it (an
+    ``mx.async_eval``, such as a ring's undo-log gather, or an earlier
+    step's attention) runs on MLX's stream thread and would otherwise race
+    the write, reading the old bytes or the new ones as the threads fall.
+    The write then comes after every read enqueued before it, as the
+    ``kernel`` (one stream, in order) and ``donate`` (a graph node)
+    mechanisms order themselves."""
     mx.eval(dst)
+    mx.synchronize()
     if dst.dtype == mx.bfloat16:
         # NumPy has no bfloat16: the 16-bit patterns through uint16 views of
         # the same memory (an evaluated mx.view aliases its input)
