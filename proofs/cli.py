@@ -133,7 +133,7 @@ def _table(results: list[ObligationResult], crosshair: Any = None) -> None:
     from rich.table import Table
 
     table = Table(title="kvspec prove: Z3 (int and bv32) with negative controls")
-    for col in ("obligation", "states", "status", "negative control", "Z3 units (most used / per check)", "seconds"):
+    for col in ("obligation", "states", "status", "negative control", "Z3 units (most used / given, one check)", "seconds"):
         table.add_column(col, overflow="fold")
     colors = {"proved": "green", "refuted": "red", "failed": "red", "unknown": "yellow", "waits": "dim"}
     for r in results:
