@@ -595,7 +595,7 @@ def declared_lockstep(base: type) -> type:
 
 
 #: rules of the kinds' machines a class target never runs
-CLASS_UNDRAWN_RULES = ("copy_cache", "prompt_cache_fetch", "append_mismatch", "append_pair_mismatch", "reload")
+CLASS_UNDRAWN_RULES = ("copy_cache", "prompt_cache_fetch", "append_mismatch", "append_pair_mismatch")
 
 
 def _machine_with_full_shapes(base: type, c: CacheClass) -> type:
