@@ -25,10 +25,14 @@ the same code from the worked-example traces (docs/hooks.py).
 
 from __future__ import annotations
 
+import functools
 import html
 import importlib
 import json
+import re
+import unicodedata
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fuzz.lockstep import Divergence
@@ -51,7 +55,13 @@ class Rule:
 
     @property
     def doc(self) -> str:
-        """The first sentence of the spec function's docstring."""
+        """The rule's own text: what its row on docs/semantics.md says
+        (:func:`rule_row`, markup dropped); where the section has no row of
+        that name (or the page is not there), the first sentence of the spec
+        function's docstring."""
+        row = rule_row(self.section, self.name)
+        if row is not None:
+            return row[1]
         module, _, attr = self.function.rpartition(".")
         fn = getattr(importlib.import_module(module), attr)
         text = " ".join((fn.__doc__ or "").replace("``", "").split())
@@ -59,6 +69,79 @@ class Rule:
 
     def cite(self) -> str:
         return f"semantics.md {self.section}, {self.name}"
+
+
+#: the contract page the rules' texts are read from
+SEMANTICS_MD = Path(__file__).resolve().parents[1] / "docs" / "semantics.md"
+
+
+def _plain(md: str) -> str:
+    """Markdown inline markup dropped: a link becomes its text, code and bold
+    marks go, blanks collapse."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", md)
+    return " ".join(text.replace("**", "").replace("`", "").split())
+
+
+@functools.lru_cache(maxsize=1)
+def semantics_rules() -> dict[int, list[tuple[str, str]]]:
+    """Every rule stated on docs/semantics.md, per section number: ``(name,
+    text)`` in page order, markup dropped. A rule is a table row (its name
+    the first cell; its text the second cell where the table's second column
+    says what the rule says, else the first cell's text after ``name:``) or a
+    numbered bold item (``3. **Isolation**: text``). Empty when the page is
+    not there."""
+    try:
+        page_text = SEMANTICS_MD.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    out: dict[int, list[tuple[str, str]]] = {}
+    parts = re.split(r"^## (\d+)\. ", page_text, flags=re.MULTILINE)
+    for num, body in zip(parts[1::2], parts[2::2]):
+        rules: list[tuple[str, str]] = []
+        lines = body.splitlines()
+        textual = False
+        for k, line in enumerate(lines):
+            item = re.match(r"^\d+\. \*\*([^*]+?)\.?\*\*:?\s*(.*)", line)
+            if item:
+                more = []
+                for nxt in lines[k + 1:]:
+                    if not nxt.startswith("   ") or not nxt.strip():
+                        break
+                    more.append(nxt)
+                rules.append((_plain(item.group(1)), _plain(" ".join([item.group(2), *more]))))
+                continue
+            if not line.startswith("| ") or line.startswith("| ---"):
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if k + 1 < len(lines) and lines[k + 1].startswith("| ---"):  # a header row
+                textual = len(cells) > 1 and cells[1].lower() in ("what it says", "contract", "meaning")
+                continue
+            first = _plain(cells[0])
+            if textual and len(cells) > 1:
+                rules.append((first, _plain(cells[1])))
+            elif ": " in first and first.partition(": ")[0].count("(") == first.partition(": ")[0].count(")"):
+                name, _, text = first.partition(": ")
+                rules.append((name, text))
+            else:
+                rules.append((first, first))
+        out[int(num)] = rules
+    return out
+
+
+def rule_row(section: int, name: str) -> tuple[str, str] | None:
+    """The row of docs/semantics.md section ``section`` that states the rule
+    ``name``: ``(row name, its text)``. The row named exactly (case aside);
+    else the one row whose name begins with ``name`` followed by a blank,
+    ``(``, ``,`` or ``:`` (``trim_prompt_cache`` is the row
+    ``trim_prompt_cache(caches, n)``); None when there is none or more than
+    one."""
+    rows = semantics_rules().get(section, [])
+    key = name.lower()
+    exact = [r for r in rows if r[0].lower() == key]
+    if exact:
+        return exact[0]
+    begins = [r for r in rows if r[0].lower().startswith(key) and r[0][len(key):len(key) + 1] in (" ", "(", ",", ":")]
+    return begins[0] if len(begins) == 1 else None
 
 
 @dataclass
@@ -139,7 +222,7 @@ LIFECYCLE_RULES: dict[tuple[str, str], str] = {
     ("spec.paged", "handle_reuse"): "handle reuse",
     ("spec.paged", "state_assign"): "state assignment",
     ("spec.paged", "append_mismatch"): "append mismatch",
-    ("spec.paged", "append_pair_mismatch"): "append mismatch",
+    ("spec.paged", "append_pair_mismatch"): "append pair mismatch",
     ("spec.paged", "reload"): "prompt-cache files",
 }
 
@@ -181,6 +264,8 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
                         _function(module, "rotating_inplace_allowed"), section)
         if module == "spec.paged":
             return Rule("copy on write", _function(module, "needs_copy_on_write"), section)
+        if module == "spec.turbo":  # the ownership rule's "Fp16 only", stated for the Turbo modes
+            return Rule("Turbo writes copy", _function("spec.dense", "inplace_write_allowed"), 2)
         return Rule("ownership rule", _function(module, "inplace_write_allowed", "apply_op"), 2)
     if sharing:
         return Rule("Isolation", op_function(module, op), 5)
@@ -196,14 +281,14 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
     if ("trimmable" in w or "log_saved" in w) and module == "spec.rotating":
         return Rule("undo log", _function(module, "trimmable_rows"), section)
     if "refcount" in w or "free" in w or "pool size" in w:
-        return Rule("copy on write" if op.get("op") == "append" else op.get("op", "op table"),
-                    op_function(module, op), section)
+        if op.get("op") == "append" and module == "spec.paged":
+            return Rule("copy on write", op_function(module, op), section)
+        return _op_rule_of(module, op, w, before)
     named = LIFECYCLE_RULES.get((module, op.get("op", "")))
     if named is not None:
         return Rule(named, op_function(module, op), section)
-    if "refusal" in w:
-        table = "the op table" if section == 2 else "op table"  # section 2's row is named so
-        return Rule(table if "error" in op else "refusals", op_function(module, op), section)
+    if "refusal" in w and "error" in op:
+        return _op_rule_of(module, op, w, before, refused=True)
     if module == "spec.paged" and op.get("op") == "append":
         # a refused append ran out of blocks; any other lands rows in the table
         return (Rule("exhaustion", _function(module, "reserve"), section) if op.get("error") is True
@@ -212,7 +297,82 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
         # section 6 states the list's rules by the function's signature
         fn = op_function(module, op)
         return Rule(fn.rpartition(".")[2], fn, section)
-    return Rule(str(op.get("op", "op table")), op_function(module, op), section)
+    return _op_rule_of(module, op, w, before)
+
+
+def _op_rule_of(module: str, op: dict[str, Any], what: str, before: Any, refused: bool = False) -> Rule:
+    """:func:`_op_rule` where the section has that row (``refused``: a
+    refusal the trace expects, which the op table states); else the
+    section's op table (the row that says which rule each op runs, and which
+    ops are refused), and for a section without one the property of
+    semantics.md 5 the check is about (Atomicity for a refusal, Window for
+    anything else)."""
+    name, section = ("", SECTIONS.get(module, 5)) if refused else _op_rule(module, op, what, before)
+    if not name or rule_row(section, name) is None:
+        table = next((t for t in ("the op table", "op table") if rule_row(section, t) is not None), None)
+        if table is not None:
+            name = table
+        else:
+            name, section = ("Atomicity" if "refus" in what or op.get("error") else "Window"), 5
+    return Rule(name, op_function(module, op), section)
+
+
+#: per spec module, the docs/semantics.md row (name, section) that states
+#: each kvtrace op's own rule, where no check-specific rule applies
+OP_RULES: dict[str, dict[str, tuple[str, int]]] = {
+    "spec.dense": {"append": ("append: the write", 2), "trim": ("trim(n)", 2), "trim_to": ("trim_to(len)", 2),
+                   "trim_front": ("front trim", 2), "gather_positions": ("gather_positions", 2),
+                   "gather_within_tail": ("gather_within_tail", 2), "snapshot": ("snapshot", 2),
+                   "restore": ("restore", 2), "detach": ("detach / install", 2), "install": ("detach / install", 2),
+                   "handle_trim_to": ("handle trim", 2), "drop": ("names", 2), "hold": ("names", 2),
+                   "release_hold": ("names", 2)},
+    "spec.turbo": {"append": ("Turbo row storage", 2), "trim": ("Turbo trims are physical", 2),
+                   "trim_to": ("Turbo trims are physical", 2), "gather_positions": ("Turbo trims are physical", 2),
+                   "gather_within_tail": ("Turbo trims are physical", 2)},
+    "spec.rotating": {"trim": ("trim", 3), "trim_to": ("trim_to", 3), "snapshot": ("snapshot / restore", 3),
+                      "restore": ("snapshot / restore", 3), "drop": ("op table", 3), "hold": ("op table", 3),
+                      "release_hold": ("op table", 3)},
+    "spec.paged": {"append": ("where a row lives", 4), "trim": ("trim", 4), "trim_to": ("trim", 4),
+                   "trim_front": ("front trim", 4), "fork": ("fork / release", 4), "release": ("fork / release", 4)},
+    "spec.layers": {"snapshot": ("snapshot / restore of the whole list", 6),
+                    "restore": ("snapshot / restore of the whole list", 6), "reload": ("reload of the whole list", 6),
+                    "restore_mixed": ("restore_mixed", 6), "trim": ("trim_prompt_cache", 6),
+                    "can_trim": ("can_trim_prompt_cache", 6), "append": ("append: the write", 2)},
+}
+
+#: the ops whose check is the window itself (semantics.md 5, "rule 1": Window)
+WINDOW_OPS = ("fetch", "expect")
+
+
+def _op_rule(module: str, op: dict[str, Any], what: str, before: Any) -> tuple[str, int]:
+    """The row (name, section) of docs/semantics.md stating ``op``'s own rule
+    in ``module``: :data:`OP_RULES`; a ring's append is a decode or a
+    multi-row append; Turbo4Delegated's appends and trims follow its fold and
+    trim rules; a fetch's window is the Window property; else the op's name in
+    the module's section."""
+    name = str(op.get("op", ""))
+    section = SECTIONS.get(module, 5)
+    if name in WINDOW_OPS:
+        return ("Window", 5)
+    if module == "spec.rotating" and name == "append":
+        return ("decode (one row)" if op.get("n") == 1 else "multi-row append", 3)
+    if module == "spec.dense" and name == "trim" and "capacity" in what:
+        # a trim to zero drops every buffer (trim(n)); any other keeps capacity
+        cache = getattr(before, "cache", None)
+        emptied = cache is not None and int(op.get("n", 0)) >= getattr(cache, "live_len", 0)
+        return ("trim(n)" if emptied else "trim is logical", 2)
+    if module == "spec.turbo":
+        cache = getattr(getattr(before, "dense", None), "cache", None)
+        if str(getattr(getattr(cache, "mode", ""), "value", "")) == "turbo4delegated":
+            if name == "append":
+                return ("Delegated fold schedule", 2)
+            if name in ("trim", "trim_to"):
+                return ("Delegated trim", 2)
+            if name == "gather_positions":
+                return ("Delegated gathers", 2)
+        got = OP_RULES[module].get(name) or OP_RULES["spec.dense"].get(name)
+        return got or (name or "the op table", section)
+    return OP_RULES.get(module, {}).get(name) or (name or "op table", section)
 
 
 # -- the state the spec holds ------------------------------------------------------
@@ -360,7 +520,7 @@ def timeline(trace: Trace, factories: dict[str, Any] | None = None, bug: str | N
             frame.badges.insert(0, ("diverged", (f"{divergence.what}: {divergence.labels[0]} {divergence.spec}, "
                                                 f"{divergence.labels[1]} {divergence.impl}")))
             who = divergence.labels[1].removesuffix(" did").removesuffix(" expects")
-            frame.badges.append((f"{who}: {_short(divergence.impl, 24)}", f"{divergence.labels[1]}: {divergence.impl}"))
+            frame.badges.append((f"{who}: {_clip(divergence.impl, 30)}", f"{divergence.labels[1]}: {divergence.impl}"))
             out.divergence = divergence
             out.rule = rule_for(module, op, divergence.what, before)
             try:
@@ -447,8 +607,68 @@ STYLE = """
 """
 
 
+#: bidirectional controls: shown as escapes, so a trace's text cannot
+#: reorder what is drawn around it
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+#: longest badge text drawn (longer ones end at a word with an ellipsis; the
+#: whole text is the badge's tooltip and is in the HTML page's ops table)
+BADGE_CHARS = 40
+#: longest row label drawn in the gutter (the whole label is its tooltip)
+LABEL_CHARS = 19
+
+
+def visible(s: Any) -> str:
+    """``str(s)`` with every character that is not plain text written as an
+    escape (``\\xNN`` below U+0100, else ``\\uNNNN``): control characters
+    (C0 and C1, tab and newline included), lone surrogates, U+FFFE and
+    U+FFFF (XML refuses all of them) and the bidirectional controls. A
+    trace's strings come from strangers: drawn through this, a name shows
+    what it is, and the SVG stays well-formed XML."""
+    out = []
+    for ch in str(s):
+        o = ord(ch)
+        if unicodedata.category(ch) in ("Cc", "Cs") or ch in _BIDI or o in (0xFFFE, 0xFFFF):
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def _esc(s: Any) -> str:
-    return html.escape(str(s), quote=True)
+    """``s`` as SVG/HTML text or a quoted attribute value: :func:`visible`,
+    then ``&``, ``<``, ``>``, ``"`` and ``'`` escaped (every attribute this
+    module writes is double-quoted)."""
+    return html.escape(visible(s), quote=True)
+
+
+def _clip(text: Any, limit: int) -> str:
+    """:func:`visible` ``text`` cut to at most ``limit`` characters: at the
+    end of a word where one ends in its second half, with an ellipsis where
+    anything was cut (a single word longer than ``limit`` is cut inside)."""
+    text = visible(text)
+    if len(text) <= limit:
+        return text
+    cut = text[: max(1, limit - 1)]
+    space = cut.rfind(" ")
+    if space >= limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:") + "\u2026"
+
+
+def _lines(text: Any, width: int, most: int) -> list[str]:
+    """:func:`_wrap` to ``width``, at most ``most`` lines, the last one
+    ending in an ellipsis where lines were left out."""
+    lines = _wrap(visible(text), width)
+    if len(lines) <= most:
+        return lines
+    return lines[: most - 1] + [_clip(lines[most - 1] + " " + lines[most], width)]
+
+
+def _badge_text(name: str, detail: str) -> str:
+    """What a badge shows: its name (``returns`` and ``expect`` with their
+    value), :func:`_clip` to :data:`BADGE_CHARS`."""
+    return _clip(name if name not in ("returns", "expect") else f"{name} {detail}", BADGE_CHARS)
 
 
 def _color(token: int | None) -> str:
@@ -479,7 +699,8 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     widths = []
     for f in tl.frames:
         n = max([len(r.cells) for r in f.rows] + [len(v) for v in f.impl_rows.values()] + [3])
-        widths.append(max(n * CELL + 2 * PAD, 104))
+        badge = max([len(_badge_text(name, detail)) * 6 + 8 for name, detail in f.badges] + [0])
+        widths.append(max(n * CELL + 2 * PAD, 104, badge + 2 * PAD))
     row_h = []
     for key in rows:
         two = any(f.impl_rows and any(r.label == key[1] and r.group == "view" for r in f.rows) for f in tl.frames)
@@ -502,7 +723,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     call_h = (len(callout) * 15 + 16) if callout else 0
     width = GUTTER + sum(widths) + PAD
     width = max(width, max([len(c) * 6 + 40 for c in callout] + [560]))
-    title_lines = _wrap(tl.title, max(60, (width - 2 * PAD) // 7))[:4] if tl.title else []
+    title_lines = _lines(tl.title, max(60, (width - 2 * PAD) // 7), 4) if tl.title else []
     cfg = ", ".join(f"{k} {v}" for k, v in tl.cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype"))
     cfg_lines = _wrap(cfg + (f" | injected bug {tl.bug}" if tl.bug else ""), max(60, (width - 2 * PAD) // 6))
     title_h = 16 * len(title_lines) + 12 * len(cfg_lines)
@@ -528,7 +749,8 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     # row labels
     y = y0 + top
     for (group, label), h in zip(rows, row_h):
-        out.append(f'<text class="lab" x="{PAD}" y="{y + 13}">{_esc(label)}</text>')
+        out.append(f'<text class="lab" x="{PAD}" y="{y + 13}"><title>{_esc(label)}</title>'
+                   f'{_esc(_clip(label, LABEL_CHARS))}</text>')
         y += h
     out.append(f'<text class="lab" x="{PAD}" y="{y + 13}">counters</text>')
     x = GUTTER
@@ -540,14 +762,14 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
         out.append(f'<text class="op" x="{x + PAD}" y="{y0 + 16}">op {f.index}</text>')
         label = _shorten(f.op)
         chars = max(8, (w - 2 * PAD) // 6)
-        for k, part in enumerate(_wrap(label, chars)[:2]):
+        for k, part in enumerate(_lines(label, chars, 2)):
             out.append(f'<text x="{x + PAD}" y="{y0 + 30 + 12 * k}"><title>{_esc(label)}</title>{_esc(part)}</text>')
         bx, by = x + PAD, y0 + HEAD
         for name, detail in f.badges:
             bcls = {"in place": "b-inplace", "copy": "b-copy", "refused": "b-refused", "diverged": "b-diverged"}.get(
                 name.split(" ", 1)[1] if name.startswith("L") and name[1:2].isdigit() else name, "b-impl" if detail.startswith(tuple(f"{lab}:" for lab in ("impl did", "mlx-lm did", "trace expects")))
                 or ": " in name else "b-other")
-            text = (name if name not in ("returns", "expect") else f"{name} {detail}")[: max(chars, 12)]
+            text = _badge_text(name, detail)
             bw = len(text) * 6 + 8
             if bx > x + PAD and bx + bw > x + w - 4:
                 bx, by = x + PAD, by + 18
@@ -566,7 +788,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
             y += h
         if f.run:
             obs = [f"{k} {v}" for k, v in f.observables.items() if not isinstance(v, (dict, list))]
-            for k, part in enumerate(_wrap(", ".join(obs), chars)[:4]):
+            for k, part in enumerate(_lines(", ".join(obs), chars, 4)):
                 out.append(f'<text class="small" x="{x + PAD}" y="{y + 11 + 11 * k}">{_esc(part)}</text>')
         out.append("</g>")
         x += w
@@ -599,7 +821,7 @@ def _cells(r: Row, x: int, y: int, impl: list[Any] | None, chars: int = 20) -> s
         parts.append(f'<line class="{cls}" x1="{mx_}" y1="{y - 3}" x2="{mx_}" y2="{y + CELL + 1}">'
                      f"<title>{_esc(label)} at {pos}</title></line>")
     if r.group == "store" and r.note:
-        for k, line in enumerate(_wrap(r.note, chars)[:2]):
+        for k, line in enumerate(_lines(r.note, chars, 2)):
             parts.append(f'<text class="small" x="{x}" y="{y + CELL + 9 + 10 * k}">{_esc(line)}</text>')
     if impl is not None:
         want = [c.text for c in r.cells]
@@ -642,12 +864,21 @@ def _wrap(text: str, width: int) -> list[str]:
     return lines
 
 
+#: the page's Content-Security-Policy: no script at all (the page has none),
+#: nothing fetched but its own inline styles and the empty data: icon, no
+#: form, no base URL
+CSP = "default-src 'none'; script-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
+CSP_META = f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+
+
 def page(tl: Timeline, source: str = "") -> str:
     """A standalone HTML page: the timeline, the divergence with its rule, the
-    ops as a table."""
+    ops as a table. Every string of the trace is data: escaped for where it
+    stands (:func:`_esc`), the page carries no script and its
+    Content-Security-Policy (:data:`CSP`) refuses any, and it links nowhere."""
     head = f"kvtrace {source}" if source else "kvtrace timeline"
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', CSP_META,
         f"<title>{_esc(head)}</title>",
         '<link rel="icon" href="data:,">',
         ("<style>body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}"
