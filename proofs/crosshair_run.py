@@ -188,12 +188,29 @@ def _classify(msg: str) -> str:
     return "other"
 
 
+#: Z3 resource units CrossHair may spend on one solver query
+#: (``CROSSHAIR_SMT_RLIMIT``): with ``--per_path_timeout=inf`` (below) this,
+#: not a wall-clock timeout, bounds every query. CrossHair's own limits are
+#: process CPU seconds (``--per_condition_timeout``, ``time.process_time``),
+#: which load does not shrink; but it derives a Z3 query timeout from the
+#: per-path limit (half of it, *wall-clock*: crosshair.statespace), which a
+#: loaded machine turns into "not confirmed". An infinite per-path limit sets
+#: no Z3 timeout; the per-condition CPU limit still bounds the condition.
+SMT_RLIMIT = 5_000_000
+#: the options that make CrossHair's limits CPU seconds and Z3 units only
+CLOCK_FREE = ["--per_path_timeout=inf"]
+
+
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """Run a ``crosshair`` command; ``timeout`` (wall-clock seconds) is a
+    hang guard far above any honest run: when it fires the result is exit
+    124, reported as CrossHair's failure ("error"), never as a verdict."""
     try:
         # the checkout first, then whatever PYTHONPATH already holds: where
         # CrossHair and Z3 travel as wheels on PYTHONPATH (the GPU machine),
         # replacing it would hide them from ``python -m crosshair``
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+               "CROSSHAIR_SMT_RLIMIT": str(SMT_RLIMIT)}
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout}s: {' '.join(cmd)}"
@@ -238,7 +255,7 @@ def check_file(path: Path, per_condition_timeout: float) -> tuple[list[Condition
 def check_targets(targets: list[str], per_condition_timeout: float) -> tuple[list[Condition], list[str]]:
     """``crosshair check`` on ``targets`` (files or ``module.function``)."""
     rc, out = _run([*CROSSHAIR, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={per_condition_timeout}",
-                    "--report_all", *targets], timeout=600)
+                    *CLOCK_FREE, "--report_all", *targets], timeout=600)
     conds: list[Condition] = []
     errors: list[str] = []
     for raw in out.splitlines():
@@ -259,7 +276,8 @@ def check_targets(targets: list[str], per_condition_timeout: float) -> tuple[lis
 
 
 def diffbehavior(a: str, b: str, per_condition_timeout: float) -> dict[str, Any]:
-    rc, out = _run([*CROSSHAIR, "diffbehavior", a, b, f"--per_condition_timeout={per_condition_timeout}"], timeout=300)
+    rc, out = _run([*CROSSHAIR, "diffbehavior", a, b, f"--per_condition_timeout={per_condition_timeout}", *CLOCK_FREE],
+                   timeout=300)
     status = "same" if rc == 0 else "differ" if rc == 1 else "error"
     return {"a": a, "b": b, "status": status, "exit": rc, "output": out.strip()[-1500:]}
 
