@@ -363,7 +363,7 @@ class DenseMachine(LifecycleRules, StateProtocolMachine):
         """semantics.md 5.6 on the implementation: 0 <= live_start <= offset,
         live_len <= capacity."""
         if self.lock is None or not all(hasattr(self.lock.cache, a) for a in ("live_start", "live_len", "capacity")) \
-                or set(getattr(self.lock, "not_compared", ())) & set(("live_start", "live_len", "capacity")):
+                or set(getattr(self.lock, "not_compared", ())) & {"live_start", "live_len", "capacity"}:
             return  # a target's class without these observables, or not held to them (fuzz/targets.py)
         c = self.lock.cache
         assert 0 <= c.live_start <= c.offset, (c.live_start, c.offset)

@@ -280,7 +280,7 @@ class RotatingMachine(LifecycleRules, StateProtocolMachine):
         (in fact K < idx: a wrapped cursor has always just written past the
         sinks, which is also what restore demands of a snapshot)."""
         if self.lock is None or not all(hasattr(self.lock.cache, a) for a in ("idx", "capacity", "keep")) \
-                or set(getattr(self.lock, "not_compared", ())) & set(("idx", "capacity", "keep")):
+                or set(getattr(self.lock, "not_compared", ())) & {"idx", "capacity", "keep"}:
             return  # a target's class without these observables, or not held to them (fuzz/targets.py)
         c = self.lock.cache
         assert 0 <= c.idx <= max(c.capacity, 0), (c.idx, c.capacity)

@@ -750,6 +750,8 @@ def classify_failure(lock: Any, index: int, op: dict[str, Any], exc: BaseExcepti
     from fuzz.lockstep import Divergence
     from fuzz.protocol import refusal_category
 
+    if isinstance(exc, HarnessFailure):  # already told apart (e.g. by the exec: client)
+        return exc
     where = raised_in(exc)
     target = getattr(lock, "target", None)
     impl_is_target = target is None or target.is_impl

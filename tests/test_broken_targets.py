@@ -114,3 +114,65 @@ def ex_faults() -> list[str]:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return sorted(mod.FAULTS)
+
+
+# -- the harness's own escapes, each a test that failed before its fix -----------------
+
+
+def in_harness(real, after: int):
+    """``real`` (a method of the exec client) raising TypeError from its
+    ``after + 1``-th call on each lockstep (so Hypothesis replays the same
+    failure), in a frame of fuzz/adapters/exec.py: a bug of the harness's
+    own code, as fuzz.targets.classify_failure tells them apart (by the
+    file that raised)."""
+    scope: dict = {"real": real, "after": after}
+    code = ("def absorb(self, reply):\n"
+            "    self.absorbed = getattr(self, 'absorbed', 0) + 1\n"
+            "    if self.absorbed > after:\n"
+            "        raise TypeError('a bug of the harness')\n"
+            "    return real(self, reply)\n")
+    exec(compile(code, ex.__file__, "exec"), scope)  # noqa: S102 - a frame that names the harness's file
+    return scope["absorb"]
+
+
+def test_an_undeclared_observable_is_no_attribute_of_the_remote_cache():
+    """An exec adapter without ``live_start`` failed every campaign after 0
+    steps (the offset invariant compared ``0 <= None``) and wrote a 0-op
+    "minimal trace" that replayed clean: undeclared observables are no
+    attributes, so nothing reads them."""
+    remote = ex._Remote(frozenset({"offset", "live_len"}))
+    remote.state = {"offset": 3, "live_len": 3}
+    assert remote.offset == 3 and not hasattr(remote, "live_start") and not hasattr(remote, "capacity")
+
+
+def test_a_harness_crash_is_a_tool_failure_with_no_trace(capsys, tmp_path, monkeypatch):
+    """The harness's own exception while it runs a campaign (here: reading
+    the adapter's state raises TypeError) is exit 2, ``tool failure``, with
+    no trace written: never a divergence, never a minimal trace."""
+    monkeypatch.setattr(ex._Exec, "_absorb", in_harness(ex._Exec._absorb, after=3))
+    code, report = fuzz(capsys, tmp_path, adapter(), "dense")
+    [run] = report["runs"]
+    assert code == 2 and run["result"] == "tool failure", (code, run)
+    assert "TypeError" in run["failure"] and "trace" not in run, run
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_campaign_that_ran_no_op_writes_no_trace(capsys, tmp_path, monkeypatch):
+    """A harness crash before the first op (0 steps): exit 2, no trace."""
+    monkeypatch.setattr(ex._Exec, "_absorb", in_harness(ex._Exec._absorb, after=0))
+    code, report = fuzz(capsys, tmp_path, adapter(), "dense")
+    [run] = report["runs"]
+    assert code == 2 and run["steps"] == 0 and "trace" not in run, (code, run)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_keyerror_is_a_crash_not_a_state_refusal():
+    """docs/targets.md: only the spec's types, ValueError, TypeError,
+    IndexError, NotImplementedError and RuntimeError are refusals; a
+    KeyError (a LookupError, like IndexError) is a crash."""
+    from fuzz.protocol import refusal_category
+
+    assert refusal_category(KeyError("h")) is None
+    assert refusal_category(LookupError("h")) is None
+    assert refusal_category(IndexError("h")) == "invalid argument"
+    assert refusal_category(KeyError("h"), {KeyError: "state"}) == "state"  # declared by the class: kvspec_refusals

@@ -52,7 +52,7 @@ import numpy as np
 
 from fuzz import kinds
 from fuzz.lockstep import Divergence
-from fuzz.targets import CacheClass, Target, TargetCapabilityError, TargetError
+from fuzz.targets import CacheClass, HarnessFailure, Target, TargetCapabilityError, TargetError
 from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
 
 #: The protocol version this client speaks.
@@ -585,6 +585,11 @@ class _Exec:
         except AdapterFailure as exc:
             raise Divergence(self.current_index, op, exc.what, "a reply (the spec's outcome of this op)",
                              exc.detail) from None
+        except Exception as exc:
+            # the adapter's refusals arrive as a category in its reply (raised
+            # below as the spec's type); an exception here, whatever its
+            # type, is this client's: a tool failure (exit 2), not a verdict
+            raise HarnessFailure(self.current_index, op, exc, "the kvproto/1 client, fuzz/adapters/exec.py") from exc
         if not reply["ok"]:
             e = reply["error"]
             raise CATEGORIES[e["category"]](f"[{e['category']}] {e['message']}")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A kvproto/1 adapter (docs/targets.md "The line protocol") in plain Python:
 a small dense cache (mode fp16: logical trim, copied snapshots, a held
 window) whose rows are token identities, serialized as the portable rows of
@@ -18,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from spec.rows import element_bits  # noqa: E402
+from spec.rows import element_bits
 
 #: fault -> what it does (exactly one is planted per process)
 FAULTS = {
