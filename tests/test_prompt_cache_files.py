@@ -639,3 +639,20 @@ def test_every_public_member_of_mlx_lm_caches_is_provided_or_declared(name):
     assert undeclared == [], f"{name}: provide these or declare them in docs/mlx-lm.md: {undeclared}"
     stale = sorted(d for d in declared if d.startswith(name + ".") and d.split(".")[1] not in members)
     assert stale == [], f"docs/mlx-lm.md declares members mlx-lm no longer has: {stale}"
+
+
+def test_metadata_keys_come_back_verbatim(tmp_path):
+    """User metadata keys at the edges of the file's ``"0."`` namespace
+    (a leading "0", ".", "0.", empty, non-ASCII) load back as they were
+    saved (spec.models.loaded_metadata; issue 47 (d): a loader that strips
+    the prefix with ``lstrip("0.")`` turns "0shot" into "shot")."""
+    from spec.models import loaded_metadata
+
+    meta = {"0shot": "a", ".hidden": "b", "0.": "c", "": "d", "00": "e", "0.5": "f", "température": "g", "模型": "h",
+            "name": ""}
+    c = KVCache("fp16", step=4)
+    c.update_and_fetch(mx.ones((1, 1, 2, 8), dtype=mx.float16), mx.ones((1, 1, 2, 8), dtype=mx.float16))
+    path = tmp_path / "p.safetensors"
+    save_prompt_cache(path, [c], meta)
+    _, got = load_prompt_cache(path, return_metadata=True)
+    assert got == loaded_metadata(meta) == meta

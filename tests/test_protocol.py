@@ -563,3 +563,24 @@ def test_rotating_meta_state_refusals_change_nothing():
         with pytest.raises(InvalidArgumentError):
             c.meta_state = meta
         assert fields() == before, meta
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache("fp16", step=8), lambda: RotatingKVCache(8, step=8)])
+def test_the_ownership_marker_holds_its_buffers_not_their_ids(make):
+    """The marker names the very buffer objects of the cache's last write and
+    keeps them alive (issue 47 (a)): a marker keyed by ``id()`` lets those
+    objects die, and a later buffer allocated at the same address would pass
+    the ownership check it never earned."""
+    c = make()
+    decode(c, 3)
+    m = c._marker
+    held = m.arrays if hasattr(m, "arrays") else m[:2]
+    current = (c.buffers.keys, c.buffers.values) if hasattr(c, "buffers") else (c.keys, c.values)
+    assert all(isinstance(a, mx.array) for a in held), "the marker must hold the arrays, not their identities"
+    assert held[0] is current[0] and held[1] is current[1]
+    decode(c, 1, 7)
+    assert c.last_write_inplace
+    m = c._marker
+    held = m.arrays if hasattr(m, "arrays") else m[:2]
+    current = (c.buffers.keys, c.buffers.values) if hasattr(c, "buffers") else (c.keys, c.values)
+    assert held[0] is current[0] and held[1] is current[1]
