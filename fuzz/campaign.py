@@ -166,8 +166,9 @@ class RunResult:
     trace: Trace | None = None
     #: shrinking was stopped by its limit (:func:`shrink_limit`)
     shrink_cut: bool = False
-    #: the failure was seen once and Hypothesis could not replay it: why
-    #: (``error`` and ``trace`` are then those of the run that failed)
+    #: the failure was seen once and Hypothesis could not replay it: both
+    #: answers (``error`` is then a ``fuzz.machine.FlakyVerdict``, a tool
+    #: failure, and ``trace`` the run that failed)
     flaky: str | None = None
 
 
@@ -280,11 +281,11 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
             and machine.first_failure_run is not None:
         # Hypothesis saw an op diverge and could not make that example
         # diverge again (FlakyFailure), or drew it differently when it
-        # tried (FlakyStrategyDefinition): the divergence was real, and the
-        # run that showed it is the trace
-        flaky = (f"Hypothesis could not replay the failing example ({type(error).__name__}); the divergence "
-                 f"was seen once: {str(machine.first_error).splitlines()[0][:200]}")
-        error = machine.first_error
+        # tried (FlakyStrategyDefinition): one run gave two answers, a
+        # tool failure naming both (fuzz.machine.FlakyVerdict), never a
+        # finding; the run that diverged is the trace, unshrunk
+        error = machine.flaky_verdict(error)
+        flaky = str(error)
         machine.last_run = machine.first_failure_run
     if shrink and isinstance(error, Divergence) and machine.last_run is not None:
         # within the caller's shrink budget when it gave one (what
@@ -297,8 +298,9 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
     # a trace only of a divergence: a target that cannot run an op, or the
     # harness's own crash, is no verdict (exit 2), and its run is no
-    # "minimal trace" of anything (fuzz.replay.failure_status)
-    trace = failure_trace(machine, error) if isinstance(error, (Divergence, AssertionError)) else None
+    # "minimal trace" of anything (fuzz.replay.failure_status); a flaky
+    # verdict keeps the run that diverged, the evidence of its first answer
+    trace = failure_trace(machine, error) if isinstance(error, (Divergence, AssertionError)) or flaky else None
     caught = machine.first_failure
     return RunResult(error is not None, seconds, machine.runs, executed,
                      caught[0] if caught else None, caught[1] - start if caught else None,
@@ -600,7 +602,8 @@ class Catch(NamedTuple):
     #: implementation fails), or None
     alarm: str | None
     #: the divergence was seen once and Hypothesis could not replay it
-    #: (``RunResult.flaky``): it counts, and the report says so
+    #: (``RunResult.flaky``, both answers): a tool failure, not a catch
+    #: (``alarm`` says so too)
     flaky: str | None = None
 
 
@@ -627,7 +630,7 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
         # the state machine itself raised (a harness fault): no check caught the bug
         alarm = (f"the harness raised {type(result.error).__name__}: {first} (trace {path}); "
                  "that is not a divergence, so it does not count as catching the bug")
-        return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm)
+        return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm, result.flaky)
     clean = replay(result.trace)
     alarm = None if clean.ok else clean_replay_failure(path, clean.divergence)
     return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm, result.flaky)

@@ -55,6 +55,32 @@ INPLACE_ENV = st.sampled_from(INPLACE_SPELLINGS)
 APPEND_N = st.one_of(st.just(1), st.just(1), st.integers(1, 9))
 
 
+#: how many times :meth:`KVMachine.flaky_verdict` runs a failing run's ops again
+FLAKY_REPLAYS = 3
+
+
+class FlakyVerdict(Exception):
+    """The same run of ops gave two answers: it failed once, and Hypothesis
+    could not make it fail again. A defect of the tool (a verdict must be a
+    function of the trace alone: docs/fuzzing.md, "Determinism of a
+    verdict"), never a finding: ``kvspec fuzz``, ``mutants`` and ``verify``
+    report it as a tool failure (exit 2) with both answers. ``first``: what
+    the failing run saw; ``again``: what Hypothesis's replay and
+    :data:`FLAKY_REPLAYS` runs of the same ops on fresh caches gave."""
+
+    def __init__(self, first: str, again: str) -> None:
+        super().__init__(f"flaky verdict (a tool failure, not a finding): one run of ops gave two answers. "
+                         f"First: {first}. Then: {again}")
+        self.first, self.again = first, again
+
+
+def _one_line(error: BaseException) -> str:
+    """``error``'s text on one line (a divergence's op, what differs, and
+    both sides), at most 600 characters."""
+    text = " ".join(line.strip() for line in str(error).splitlines()) or type(error).__name__
+    return text if len(text) <= 600 else text[:597] + "..."
+
+
 class KVMachine(RuleBasedStateMachine):
     """Shared plumbing: configuration, op recording, the lockstep driver,
     and the rules every cache kind runs alike (fetch, hold, trims,
@@ -169,6 +195,48 @@ class KVMachine(RuleBasedStateMachine):
                 type(self).first_error = sys.exc_info()[1]
                 type(self).first_failure_run = (self.recorded_cfg(), list(self.ops))
             raise
+
+    @classmethod
+    def flaky_verdict(cls, flaky: BaseException) -> FlakyVerdict:
+        """The :class:`FlakyVerdict` of a batch whose failure
+        (``first_error``, in the run ``first_failure_run``) Hypothesis could
+        not replay (``flaky``: its FlakyFailure or FlakyStrategyDefinition):
+        the first answer, Hypothesis's, and the outcomes of the run's ops
+        run again :data:`FLAKY_REPLAYS` times on fresh caches (same
+        implementation, bug, in-place observation and target), counted."""
+        assert cls.first_error is not None and cls.first_failure_run is not None
+        first = _one_line(cls.first_error)
+        if type(flaky).__name__ == "FlakyStrategyDefinition":
+            hypothesis = ("Hypothesis's replay of the example drew other choices (FlakyStrategyDefinition: the "
+                          "machine's draws depended on more than the seed)")
+        else:
+            hypothesis = f"Hypothesis's replay of the example did not fail the same way ({type(flaky).__name__})"
+        outcomes: dict[str, int] = {}
+        for _ in range(FLAKY_REPLAYS):
+            got = cls._run_again()
+            outcomes[got] = outcomes.get(got, 0) + 1
+        again = "; ".join(f"{got} ({n} of {FLAKY_REPLAYS})" for got, n in outcomes.items())
+        return FlakyVerdict(first, f"{hypothesis}; its {len(cls.first_failure_run[1])} ops run again here: {again}")
+
+    @classmethod
+    def _run_again(cls) -> str:
+        """One run of ``first_failure_run``'s ops on a fresh lockstep: what
+        it gave, in words (the machine's invariants are not run)."""
+        from fuzz.lockstep import Divergence
+        from fuzz.trace import cache_defaults
+
+        cfg, ops = cls.first_failure_run  # type: ignore[misc]
+        cache = {**cache_defaults(cfg.get("kind", cls.kind), cfg.get("mode", cls.mode)), **cfg}
+        try:
+            lock = cls.make_lockstep(cache, cls.factories, cls.check_inplace,
+                                     cls.target if cls.target is not None else "impl")
+            for i, op in enumerate(ops):
+                lock.step(i, op)
+        except Divergence as d:
+            return f"diverged: {_one_line(d)}"
+        except Exception as exc:  # noqa: BLE001 - what the run gave, whatever it was, is the answer
+            return f"raised {type(exc).__name__}: {_one_line(exc)}"
+        return "spec and implementation agreed at every op"
 
     def fresh_name(self, prefix: str) -> str:
         self.names += 1

@@ -1,8 +1,10 @@
-"""A divergence that Hypothesis cannot replay (FlakyFailure) is a catch, with
-a warning, not a harness fault: the flagship's isolation-only W=16 variant
-from seed 2 saw the holder's window change, and on the replay, where which
-buffers share memory came out otherwise, it did not (``kvspec verify``
-failed the job about one run in three). The run that diverged is the trace."""
+"""A divergence that Hypothesis cannot replay (FlakyFailure) is a tool
+failure naming both answers (fuzz.machine.FlakyVerdict), never a catch nor
+a warning: one run of ops gave two answers, so the verdict was not a
+function of the trace (issue 47: the flagship's isolation-only W=16 variant
+diverged once at a trim and agreed on the replay, because the write layer's
+host write raced a queued read; docs/fuzzing.md, "Determinism of a
+verdict"). The run that diverged is still written as the trace."""
 
 import pytest
 from hypothesis.errors import FlakyFailure, FlakyStrategyDefinition
@@ -31,11 +33,15 @@ BUG = InjectedBug("trims_one_more_once", "test", "test", "dense", ("fp16",), "KV
                   "one extra row trimmed, once", {"dense": TrimsOneMoreOnce})
 
 
-def test_a_divergence_hypothesis_cannot_replay_counts_with_a_warning(tmp_path):
+def test_a_divergence_hypothesis_cannot_replay_is_a_tool_failure_with_both_answers(tmp_path):
     TrimsOneMoreOnce.fired = False
     got = catch_bug(BUG, 1, 200, tmp_path, shrink=False)
-    assert got.caught and got.alarm is None, got
-    assert got.flaky and got.flaky.startswith("Hypothesis could not replay the failing example (FlakyFailure)")
+    assert got.caught and got.alarm is not None and "FlakyVerdict" in got.alarm, got
+    assert got.flaky and got.flaky.startswith("flaky verdict (a tool failure, not a finding)")
+    first, then = got.flaky.split(". Then: ")
+    assert '{"op": "trim"' in first and "return value differs spec says: 1 impl did:  2" in first
+    assert then.startswith("Hypothesis's replay of the example did not fail the same way (FlakyFailure)")
+    assert then.endswith("run again here: spec and implementation agreed at every op (3 of 3)")
     # the trace is the run that diverged: it ends at the trim that went wrong
     trace = load(got.path)
     assert trace.ops[-1]["op"] == "trim" or any(op["op"] == "trim" for op in trace.ops)
@@ -43,13 +49,15 @@ def test_a_divergence_hypothesis_cannot_replay_counts_with_a_warning(tmp_path):
     assert failing, "the failing op carries the spec's prediction"
 
 
-def test_the_run_result_keeps_the_divergence_not_hypothesis_s_flaky_error():
-    from fuzz.lockstep import Divergence
+def test_the_run_result_is_a_flaky_verdict_not_a_divergence():
+    from fuzz.machine import FlakyVerdict
+    from fuzz.replay import failure_status
 
     TrimsOneMoreOnce.fired = False
     machine = machine_for("dense", "fp16", True, {"dense": TrimsOneMoreOnce})
     result = run_machine(machine, 1, max_examples=200, shrink=False)
-    assert result.failed and isinstance(result.error, Divergence) and result.flaky
+    assert result.failed and isinstance(result.error, FlakyVerdict) and result.flaky == str(result.error)
+    assert failure_status(result.error) == "tool failure"
     assert result.trace is not None and result.trace.ops
 
 
@@ -60,14 +68,15 @@ def test_a_bug_caught_every_time_has_no_flaky_note(tmp_path):
     assert got.caught and got.alarm is None and got.flaky is None
 
 
-def test_verify_shows_a_flaky_catch_as_a_warning(monkeypatch, tmp_path):
+def test_verify_shows_a_flaky_catch_as_a_tool_failure(monkeypatch, tmp_path):
     from fuzz.commands import mutants, verify
 
     monkeypatch.setattr(mutants, "catalog", lambda: (BUG,))
     TrimsOneMoreOnce.fired = False
     [check] = verify.check_bugs(str(tmp_path), 1)
-    assert check.ok and check.name == "bug trims_one_more_once"
-    assert len(check.warnings) == 1 and check.warnings[0].startswith("seed 1: Hypothesis could not replay")
+    assert not check.ok and check.tool_failure and check.name == "bug trims_one_more_once"
+    assert check.detail.startswith("seed 1: flaky verdict (a tool failure, not a finding)")
+    assert "First: op " in check.detail and "Then: Hypothesis's replay" in check.detail and not check.warnings
 
 
 def _fake_flaky_run(monkeypatch, flaky_type, first_error):
@@ -99,12 +108,16 @@ def test_a_flaky_divergence_is_the_diverging_run_s_trace_and_named_in_the_note(m
     # both of Hypothesis's Flaky errors count; the trace is the run that
     # diverged (not the replay, the last run); the note quotes the divergence
     from fuzz.lockstep import Divergence
+    from fuzz.machine import FlakyVerdict
 
     div = Divergence(1, {"op": "trim", "n": 1}, "offset differs", 1, 0)
     result, diverged = _fake_flaky_run(monkeypatch, flaky_type, div)
-    assert result.failed and result.error is div
-    assert result.flaky is not None and f"({flaky_type.__name__})" in result.flaky
-    assert str(div).splitlines()[0] in result.flaky
+    assert result.failed and isinstance(result.error, FlakyVerdict)
+    assert result.flaky is not None and f"({flaky_type.__name__}" in result.flaky
+    assert result.error.first == " ".join(line.strip() for line in str(div).splitlines())
+    # the second answer: the diverging run's ops on the real implementation agree
+    assert result.error.again.endswith(f"its {len(diverged)} ops run again here: spec and implementation agreed "
+                                       "at every op (3 of 3)")
     ran = [{"op": op["op"], "n": op["n"]} for op in result.trace.ops if op["op"] != "expect"]
     assert ran == diverged
 
@@ -143,41 +156,57 @@ def test_a_flaky_turbo_trace_records_only_its_mode_s_fields(mode):
         assert ("hot_threshold" in cfg) == delegated and ("fold_block" in cfg) == delegated, cfg
 
 
-def test_every_flaky_seed_is_a_warning_and_still_a_catch(monkeypatch, tmp_path):
+def test_every_flaky_seed_is_a_tool_failure(monkeypatch, tmp_path, capsys):
+    import json
+
     from fuzz.campaign import Catch
     from fuzz.commands import mutants, verify
+    from tests.test_reports import valid
 
     monkeypatch.setattr(mutants, "catalog", lambda: (BUG,))
     monkeypatch.setattr(mutants, "catch_bug", lambda bug, seed, *a, **k: Catch(
-        True, 0.1, 3, tmp_path / "t.json", None, f"flaky in seed {seed}" if seed != 2 else None))
+        True, 0.1, 3, tmp_path / "t.json", "the alarm" if seed != 2 else None,
+        f"flaky in seed {seed}" if seed != 2 else None))
     [check] = verify.check_bugs(str(tmp_path), 3)
-    assert check.ok and check.warnings == ("seed 1: flaky in seed 1", "seed 3: flaky in seed 3")
+    assert not check.ok and check.tool_failure
+    assert check.detail == f"seed 1: flaky in seed 1 (the run that diverged: {tmp_path / 't.json'}); " \
+                           f"seed 3: flaky in seed 3 (the run that diverged: {tmp_path / 't.json'})"
+    # kvspec mutants: exit 2, the entry a tool failure in the table and the JSON
+    assert mutants.main(3, True, str(tmp_path)) == 2
+    doc = valid("mutants", json.loads(capsys.readouterr().out))
+    assert doc["exit"] == 2 and len(doc["mutants"][0]["tool_failures"]) == 2 and not doc["mutants"][0]["caught"]
+    assert mutants.main(3, False, str(tmp_path)) == 2
+    out = capsys.readouterr().out
+    assert "TOOL FAILURE" in out and "tool failure trims_one_more_once: seed 1: flaky in seed 1" in out
 
 
-def test_kvspec_fuzz_reports_a_flaky_catch(monkeypatch, tmp_path, capsys):
+def test_kvspec_fuzz_reports_a_flaky_verdict_as_a_tool_failure(monkeypatch, tmp_path, capsys):
     import json
 
     from fuzz import campaign
     from fuzz.commands.cli import main
-    from fuzz.lockstep import Divergence
+    from fuzz.machine import FlakyVerdict
     from fuzz.trace import Trace
     from tests.test_reports import valid
 
     def fake_interleaved(camps, budget, progress=None):
         for c in camps:
-            div = Divergence(1, {"op": "trim", "n": 1}, "offset differs", 1, 0)
+            error = FlakyVerdict("op 1 {\"op\": \"trim\", \"n\": 1}: offset differs", "it agreed")
             trace = Trace(cache={"kind": "dense", "mode": "fp16", "step": 2}, ops=[{"op": "append", "n": 2}])
             c.report.examples, c.report.batches = 3, 1
-            c.report.failure = campaign.RunResult(True, 0.1, 3, 4, error=div, trace=trace, flaky="the note")
+            c.report.failure = campaign.RunResult(True, 0.1, 3, 4, error=error, trace=trace, flaky=str(error))
 
     monkeypatch.setattr(campaign, "interleaved", fake_interleaved)
     args = ["fuzz", "--kind", "dense", "--mode", "fp16", "--inplace", "on", "--budget", "1", "--seed", "1",
             "--db", "none", "--out", str(tmp_path)]
-    assert main([*args, "--json"]) == 1
+    assert main([*args, "--json"]) == 2
     doc = valid("fuzz", json.loads(capsys.readouterr().out))
-    assert [row.get("flaky") for row in doc["runs"]] == ["the note"]
-    assert main(args) == 1
-    assert "the note" in capsys.readouterr().out
+    [row] = doc["runs"]
+    assert row["result"] == "tool failure" and row["flaky"].endswith("First: op 1 {\"op\": \"trim\", \"n\": 1}: "
+                                                                     "offset differs. Then: it agreed")
+    assert main(args) == 2
+    out = capsys.readouterr().out
+    assert "tool failure" in out and "Then: it agreed" in out
 
 
 class CapacityWrongOnceToTheInvariant(KVCache):
@@ -199,14 +228,14 @@ class CapacityWrongOnceToTheInvariant(KVCache):
         return real
 
 
-def test_an_invariant_failure_hypothesis_cannot_replay_is_a_catch_too(tmp_path):
+def test_an_invariant_failure_hypothesis_cannot_replay_is_a_tool_failure_too(tmp_path):
     bug = InjectedBug("capacity_wrong_once", "test", "test", "dense", ("fp16",), "KVCache.capacity",
                       "capacity below live_len once, to the invariant", {"dense": CapacityWrongOnceToTheInvariant})
     CapacityWrongOnceToTheInvariant.fired = False
     got = catch_bug(bug, 1, 200, tmp_path, shrink=False)
     assert CapacityWrongOnceToTheInvariant.fired
-    assert got.caught and got.alarm is None, got
-    assert got.flaky and "FlakyFailure" in got.flaky
+    assert got.caught and got.alarm is not None, got
+    assert got.flaky and "FlakyFailure" in got.flaky and "First: " in got.flaky
     assert load(got.path).ops, "the trace is the run whose invariant failed"
 
 
@@ -269,3 +298,26 @@ def test_an_op_failing_after_an_invariant_keeps_the_invariant_s_error_and_counts
         m.do({"op": "append", "n": 1})
     assert machine.first_error is kept and machine.first_failure_run == ({"kind": "dense"}, [])
     assert machine.first_failure is not None and machine.first_failure[0] == 3
+
+
+def test_kvspec_verify_exits_2_on_a_tool_failure_and_names_it(monkeypatch, capsys):
+    """A check that could not repeat its verdict is TOOL FAILURE in the
+    table and ``tool_failure`` in the JSON, and the run exits 2 (over a
+    divergence's 1: a verdict the tool cannot repeat says nothing)."""
+    import json
+
+    from fuzz.commands import verify
+    from tests.test_reports import valid
+
+    checks = [verify.Check("bug a", False, "seed 1: flaky verdict ... First: x. Then: y", 0.1, tool_failure=True),
+              verify.Check("bug b", False, "missed", 0.1)]
+    monkeypatch.setattr(verify, "run_jobs", lambda plan, *a, **k: {i: [checks[i]] for i in range(len(plan))})
+    monkeypatch.setattr(verify, "plan", lambda *a, **k: [verify.Job(c.name, "x", ()) for c in checks])
+    assert verify.run_verify(as_json=True, jobs=1) == 2
+    doc = valid("verify", json.loads(capsys.readouterr().out))
+    assert [c["tool_failure"] for c in doc["checks"]] == [True, False] and doc["exit"] == 2
+    assert verify.run_verify(jobs=1, width=200) == 2
+    out = capsys.readouterr().out
+    assert "TOOL FAILURE" in out and "First: x. Then: y" in out
+    checks.pop(0)
+    assert verify.run_verify(as_json=True, jobs=1) == 1

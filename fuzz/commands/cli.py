@@ -688,8 +688,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         if "failure" in row:
             console.print(f"[bold red]{escape(row['config'])}[/]: {escape(row['failure'])}")
             if "flaky" in row:
-                console.print(f"  [yellow]{escape(row['flaky'])}[/]: the trace is the run that diverged, unshrunk; "
-                              "a replay may not diverge again (what shares memory was not fixed by the ops alone)")
+                console.print(f"  [bold red]{escape(row['flaky'])}[/]\n  the trace is the run that diverged, "
+                              "unshrunk; a verdict must be a function of the trace alone (docs/fuzzing.md, "
+                              "'Determinism of a verdict')", soft_wrap=True)
             if "trace" in row:
                 if row["shrink_cut"]:
                     console.print(f"  shrinking stopped at its limit of {shrink_budget:g} s (--shrink-budget): "
@@ -999,7 +1000,8 @@ EXIT_CODES = {
               "divergence); 2 invalid trace or arguments; 3 a check the trace carries fails on the spec "
               "(the trace expects what the spec does not do)",
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
-            "written and a replay command printed) or a campaign that ran no example; 2 bad arguments; "
+            "written and a replay command printed) or a campaign that ran no example; 2 bad arguments or no "
+            "verdict (a capability gap, the harness's own crash, a failure the tool could not repeat); "
             "130 interrupted (seed and rerun command printed)",
     "campaign": "exit status: 0 HypoFuzz ran the budget and found nothing; 1 a failure (its kvtrace is written "
                 "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign'), "
@@ -1007,10 +1009,12 @@ EXIT_CODES = {
     "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
                    "trustworthy); 1 otherwise; 2 bad arguments",
-    "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments; 130 interrupted (the checks "
+    "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments or a tool failure (a verdict the "
+              "tool could not repeat: one run of ops gave two answers, both printed); 130 interrupted (the checks "
               "that finished are printed)",
     "mutants": "exit status: 0 every injected bug caught in every seed with a clean trace (with --changed: no "
-               "mutant of the changed lines survives); 1 otherwise; 2 bad arguments; 130 interrupted",
+               "mutant of the changed lines survives); 1 otherwise; 2 bad arguments or a tool failure (a seed whose verdict "
+               "the tool could not repeat, both answers printed); 130 interrupted",
     "bench": "exit status: 0 measured; 2 bad arguments",
     "render": "exit status: 0 the picture was written (whether or not the trace diverges); 2 invalid trace, "
               "arguments or output path",

@@ -9,7 +9,10 @@ the other seeds keep theirs as found, up to the failing op: shrinking costs
 about ten times the search, and the kill matrix asks only whether and how
 soon each seed catches the bug. Reported
 per entry: caught in every seed or not, examples and seconds to the first
-failing example (median and worst), and the trace of the first seed.
+failing example (median and worst), and the trace of the first seed. A seed
+whose failure Hypothesis could not replay (one run of ops gave two answers,
+``fuzz.machine.FlakyVerdict``) is a tool failure, not a catch: the entry
+fails, and the command exits 2 naming both answers.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ class MutantReport:
     seconds: list[float] = field(default_factory=list)
     trace: str | None = None
     problems: list[str] = field(default_factory=list)
-    #: caught, but with something a reader must see (a catch Hypothesis
-    #: could not replay)
-    warnings: list[str] = field(default_factory=list)
+    #: seeds whose verdict the tool could not repeat (a failure Hypothesis
+    #: could not replay: fuzz.machine.FlakyVerdict), each with both answers
+    tool_failures: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -58,7 +61,7 @@ class MutantReport:
             "modes": list(self.bug.modes),
             "replaces": self.bug.replaces,
             "problems": self.problems,
-            "warnings": self.warnings,
+            "tool_failures": self.tool_failures,
         }
 
 
@@ -89,11 +92,12 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
                 continue
             rep.examples.append(examples)
             rep.seconds.append(seconds)
-            if alarm:
+            if flaky:
+                rep.caught = False
+                rep.tool_failures.append(f"seed {seed}: {flaky} (the run that diverged: {path})")
+            elif alarm:
                 rep.caught = False
                 rep.problems.append(f"seed {seed}: {alarm}")
-            elif flaky:
-                rep.warnings.append(f"seed {seed}: {flaky}")
             if rep.trace is None and path is not None:
                 rep.trace = str(path)
         reports.append(rep)
@@ -105,7 +109,9 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
 def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, junit_xml: str | None = None,
          argv: list[str] | None = None) -> int:
     """Exit 0 when every entry is caught in every seed with a clean trace,
-    1 otherwise, 130 when interrupted (the entries finished are printed)."""
+    2 when a seed's verdict could not be repeated (a tool failure:
+    :attr:`MutantReport.tool_failures`), 1 otherwise, 130 when interrupted
+    (the entries finished are printed)."""
     import sys
     import time
 
@@ -120,7 +126,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
 
     def progress(rep: MutantReport) -> None:
         done = len(reports)
-        err.print(f"[{done}/{total}] {rep.name}: {'caught' if rep.caught else 'NOT caught'} "
+        err.print(f"[{done}/{total}] {rep.name}: {'caught' if rep.caught else 'TOOL FAILURE' if rep.tool_failures else 'NOT caught'} "
                   f"({sum(rep.seconds):.1f} s)", markup=False)
 
     reports: list[MutantReport] = []
@@ -130,12 +136,13 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
     except KeyboardInterrupt:
         interrupted = True
     ok = bool(reports) and all(r.caught for r in reports) and not interrupted
-    code = 130 if interrupted else (0 if ok else 1)
+    tool_failed = any(r.tool_failures for r in reports)
+    code = 130 if interrupted else (0 if ok else 2 if tool_failed else 1)
     from fuzz.commands.reports import Case, print_table, rerun, write_junit
 
     if junit_xml:
         cases = [Case(f"{r.bug.kind}/{r.bug.modes[0]}", r.name, r.caught, sum(r.seconds),
-                      "; ".join(r.problems) if r.problems else
+                      "; ".join(r.tool_failures + r.problems) if r.tool_failures or r.problems else
                       f"caught in {seeds}/{seeds} seeds, examples median {r.to_json()['median_examples']}"
                       + (f"; trace {r.trace}" if r.trace else "")) for r in reports]
         write_junit(junit_xml, cases)
@@ -150,7 +157,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
         j = r.to_json()
         table.add_row(
             escape(r.name), f"{r.bug.kind}/{r.bug.modes[0]}",
-            "[green]yes[/]" if r.caught else "[bold red]NO[/]",
+            "[green]yes[/]" if r.caught else "[bold red]TOOL FAILURE[/]" if r.tool_failures else "[bold red]NO[/]",
             f"{j['median_examples']}/{j['worst_examples']}",
             f"{j['median_seconds']}/{j['worst_seconds']}",
         )
@@ -161,8 +168,14 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
             console.print(f"{escape(r.name)}: {escape(r.trace)}", soft_wrap=True)
         for p in r.problems:
             console.print(f"[bold red]{escape(r.name)}[/]: {escape(p)}", soft_wrap=True)
+        for p in r.tool_failures:
+            console.print(f"[bold red]tool failure[/] {escape(r.name)}: {escape(p)}", soft_wrap=True)
     console.print(f"{sum(r.caught for r in reports)} of {len(reports)} injected bugs and variants caught in every seed "
                   f"({time.perf_counter() - start:.0f} s)")
+    if tool_failed:
+        console.print(f"[bold red]tool failure[/]: {sum(bool(r.tool_failures) for r in reports)} entries had a seed whose "
+                      "verdict the tool could not repeat (one run of ops, two answers; docs/fuzzing.md, "
+                      "'Determinism of a verdict'): exit 2", soft_wrap=True)
     if interrupted:
         missing = total - len(reports)
         again = rerun("mutants", argv or ["mutants", "--seeds", str(seeds)] + (["--only", *names] if names else []))

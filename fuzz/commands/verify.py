@@ -70,6 +70,9 @@ class Check:
     #: (a CrossHair condition not confirmed and explained): shown as "warn",
     #: never "ok"
     warnings: tuple[str, ...] = ()
+    #: failed without a verdict: the tool could not repeat its own answer
+    #: (fuzz.machine.FlakyVerdict); shown as TOOL FAILURE, exit 2
+    tool_failure: bool = False
 
 
 def check_traces() -> list[Check]:
@@ -192,9 +195,9 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
         if rep.caught:
             detail = f"caught in {seeds}/{seeds} seeds, examples med {j['median_examples']} worst {j['worst_examples']}"
         else:
-            detail = "; ".join(rep.problems)
+            detail = "; ".join(rep.tool_failures + rep.problems)
         checks.append(Check(f"bug {rep.name}", rep.caught, detail, sum(rep.seconds), rep.trace,
-                            warnings=tuple(rep.warnings)))
+                            tool_failure=bool(rep.tool_failures)))
     return checks
 
 
@@ -730,7 +733,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         why = "interrupted" if interrupted else "stopped at the first failure (-x)"
         cases += [Case(label.split(" ", 1)[0], label, False, 0.0, skipped=why) for label in missing]
         write_junit(junit_xml, cases)
-    code = 130 if interrupted else (0 if ok else 1)
+    # a verdict the tool could not repeat is no verdict: exit 2 over 1
+    code = 130 if interrupted else (0 if ok else 2 if any(c.tool_failure for c in checks) else 1)
     if as_json:
         print(json.dumps({"ok": ok, "exit": code, "seconds": round(total, 1), "cpu_seconds": round(progress.cpu, 1),
                           "jobs": workers,
@@ -738,7 +742,8 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
                           "not_run": missing, "device": where, "gpu_only_bugs_not_run": skipped,
                           "e2e_not_run_on_gpu": e2e_skipped,
                           "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail, "seconds": round(c.seconds, 2),
-                                      "trace": c.trace, "warnings": list(c.warnings)} for c in checks]}))
+                                      "trace": c.trace, "warnings": list(c.warnings),
+                                      "tool_failure": c.tool_failure} for c in checks]}))
     else:
         table = Table(title="kvspec verify" + (" (quick)" if quick else ""))
         table.add_column("check", overflow="fold")
@@ -746,7 +751,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         table.add_column("time", justify="right", no_wrap=True)
         table.add_column("detail", overflow="fold", ratio=1)
         for c in checks:
-            status = "[bold red]FAIL[/]" if not c.ok else f"[yellow]warn ({len(c.warnings)})[/]" if c.warnings else "[green]ok[/]"
+            status = "[bold red]TOOL FAILURE[/]" if c.tool_failure else "[bold red]FAIL[/]" if not c.ok else f"[yellow]warn ({len(c.warnings)})[/]" if c.warnings else "[green]ok[/]"
             table.add_row(escape(c.name), status, f"{c.seconds:.1f}s", escape(c.detail))
         console = Console(highlight=False, width=width)
         from fuzz.commands.reports import print_table
