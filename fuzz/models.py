@@ -63,6 +63,10 @@ from spec import rows as spec_rows
 
 #: the ops of this kind beyond the ``layers`` kind's
 MODEL_OPS = ("build_probe", "save_load", "to_quantized", "mask", "mechanism", "rows")
+#: the rule each op's observation is compared with
+RULES = {"build_probe": "spec.models.prompt_cache_layout", "save_load": "spec.models.loaded_metadata and the saved layers",
+         "to_quantized": "spec.models.to_quantized", "mask": "the layer kind's spec mask",
+         "mechanism": "spec.models.inplace_mechanism", "rows": "spec.rows.row_bits"}
 #: metadata keys a ``save_load`` draws from: the edges of the file's
 #: ``"0."`` namespace prefix and of the safetensors header
 METADATA_KEYS = ("0shot", "0.5", ".hidden", "00", "0.", ".", "", "name", "température", "模型", "0.0.x", "__kvspec")
@@ -325,7 +329,7 @@ class ModelsLockstep(LayersLockstep):
             if s != i:
                 from fuzz.lockstep import Divergence
 
-                raise Divergence(index, op, f"{op['op']}: the model glue differs from spec.models", s, i)
+                raise Divergence(index, op, f"{op['op']}: differs from {RULES[op['op']]}", s, i)
             return
         super().compare_result(index, op, s, i)
 

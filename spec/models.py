@@ -190,6 +190,16 @@ def inplace_mechanism(backend: str, kv_cuda_inplace: str | None) -> str:
 
 
 __all__ = [
-    "CUDA_MECHANISMS", "INT8_SCALE_DTYPE", "ITEMSIZE", "LayerSettings", "MAX_KV_SIZE_KEEP", "Quantized",
-    "RESERVED_METADATA_KEY", "inplace_mechanism", "loaded_metadata", "nbytes", "prompt_cache_layout", "to_quantized",
+    "CUDA_MECHANISMS",
+    "INT8_SCALE_DTYPE",
+    "ITEMSIZE",
+    "MAX_KV_SIZE_KEEP",
+    "RESERVED_METADATA_KEY",
+    "LayerSettings",
+    "Quantized",
+    "inplace_mechanism",
+    "loaded_metadata",
+    "nbytes",
+    "prompt_cache_layout",
+    "to_quantized",
 ]
