@@ -279,10 +279,10 @@ def check_crosshair_diff() -> list[Check]:
 
 
 #: CPU seconds each Z3 obligation took on this project's 2-core machine,
-#: each in a fresh process as the pool runs it (2026-12-01; the job's
+#: each in a fresh process as the pool runs it (2026-12-06; the job's
 #: expected seconds on an idle core): the pool's queue starts the longest
 #: first. An obligation missing here counts 5 s.
-PROOF_SECONDS = {1: 18.0, 2: 29.0, 3: 2.0, 4: 1.0, 5: 0.5, 6: 13.0, 7: 0.5, 8: 26.0,
+PROOF_SECONDS = {1: 5.0, 2: 3.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 8.0, 7: 0.5, 8: 6.5,
                  9: 0.5, 10: 0.5, 11: 0.5, 12: 0.5, 13: 0.5}
 #: the same for CrossHair, per spec file (one ``crosshair`` process each)
 CROSSHAIR_SECONDS = {"spec/dense.py": 10.0, "spec/layers.py": 13.0, "spec/paged.py": 3.0, "spec/rotating.py": 13.0,
@@ -340,9 +340,10 @@ def proof_jobs() -> list[Job]:
         return [Job("proofs", "check_obligation", (0,), 1.0)]
     # a proof's expected seconds are CPU seconds of an idle core; on a loaded
     # machine it does the same work (Z3 counts its budgets in deterministic
-    # units, proofs.domain.budget) in more wall-clock time, and from one
-    # process to the next Z3's path through a search varies (obligation 8
-    # took 18 to 42 s of CPU): its limit is eight times them, at least 300 s
+    # units, with no clock in its strategy: proofs.domain.solver) in more
+    # wall-clock time. Its limit, eight times them and at least 300 s, is a
+    # hang guard: when it fires the job fails as stopped, never as the
+    # obligation's "unknown"
     jobs = [Job(f"proof {TITLES.get(n, n)}", "check_obligation", (n,), PROOF_SECONDS.get(n, 5.0),
                 max(300.0, 8 * PROOF_SECONDS.get(n, 5.0)))
             for n in sorted({n for n, _ in obligations()})]
