@@ -78,7 +78,7 @@ SEMANTICS_MD = Path(__file__).resolve().parents[1] / "docs" / "semantics.md"
 def _plain(md: str) -> str:
     """Markdown inline markup dropped: a link becomes its text, code and bold
     marks go, blanks collapse."""
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", md)
+    text = re.sub(r"\[([^[\]]*)\]\([^)]*\)", r"\1", md)
     return " ".join(text.replace("**", "").replace("`", "").split())
 
 
@@ -642,18 +642,26 @@ def _esc(s: Any) -> str:
     return html.escape(visible(s), quote=True)
 
 
+def _word(ch: str) -> bool:
+    return ch.isalnum() or ch in "._-"
+
+
 def _clip(text: Any, limit: int) -> str:
-    """:func:`visible` ``text`` cut to at most ``limit`` characters: at the
-    end of a word where one ends in its second half, with an ellipsis where
-    anything was cut (a single word longer than ``limit`` is cut inside)."""
+    """:func:`visible` ``text`` cut to at most ``limit`` characters, with an
+    ellipsis where anything was cut: after the last word that ends in the
+    second half (at a blank), else after the last word or punctuation
+    (``(array([[`` rather than a number's first digits); only a single word
+    longer than ``limit`` is cut inside."""
     text = visible(text)
     if len(text) <= limit:
         return text
-    cut = text[: max(1, limit - 1)]
-    space = cut.rfind(" ")
+    room = max(1, limit - 1)
+    space = text.rfind(" ", 0, room + 1)
     if space >= limit // 2:
-        cut = cut[:space]
-    return cut.rstrip(" ,;:") + "\u2026"
+        end = space
+    else:
+        end = next((j for j in range(room, 0, -1) if not _word(text[j - 1]) or not _word(text[j])), room)
+    return text[:end].rstrip(" ,;:") + "\u2026"
 
 
 def _lines(text: Any, width: int, most: int) -> list[str]:

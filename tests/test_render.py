@@ -313,3 +313,154 @@ def test_the_html_page_highlights_the_divergent_op(name):
     rows = re.findall(r'<tr class="diverged"><td>(\d+)</td>', html)
     assert rows == [str(tl.divergence.index)]
     assert html.count('data-diverged="true"') == 1 and f'data-diverged-op="{tl.divergence.index}"' in html
+
+
+# -- the rule box shows the cited rule's own text; badges are whole ---------------------------
+
+def _plain_md(md: str) -> str:
+    text = re.sub(r"\[([^[\]]*)\]\([^)]*\)", r"\1", md)
+    return " ".join(text.replace("**", "").replace("`", "").split())
+
+
+def _rule_lines(section: int) -> list[tuple[str, str]]:
+    """(name, whole line) of every rule docs/semantics.md section ``section``
+    states: a table row (not a header) or a numbered bold item, read here
+    independently of the renderer."""
+    body = re.split(r"^## \d+\. ", SEMANTICS, flags=re.MULTILINE)[section]
+    lines = body.splitlines()
+    out = []
+    for k, line in enumerate(lines):
+        item = re.match(r"^\d+\. \*\*([^*]+?)\.?\*\*(.*)", line)
+        if item:
+            rest = [x for x in lines[k + 1:k + 8]]
+            cont = []
+            for x in rest:
+                if not x.startswith("   "):
+                    break
+                cont.append(x)
+            out.append((_plain_md(item.group(1)), _plain_md(" ".join([line, *cont]))))
+        elif line.startswith("| ") and not line.startswith("| ---") and not (
+                k + 1 < len(lines) and lines[k + 1].startswith("| ---")):
+            out.append((_plain_md(line.split("|")[1]), _plain_md(line)))
+    return out
+
+
+def _the_rule_line(section: int, name: str) -> str:
+    """The one line of the section stating rule ``name``: named exactly, or
+    the one name that begins with it and goes on with a blank, ``(``, ``,``
+    or ``:``."""
+    rules = _rule_lines(section)
+    exact = [line for n, line in rules if n.lower() == name.lower()]
+    begins = [line for n, line in rules if n.lower().startswith(name.lower())
+              and n[len(name):len(name) + 1] in (" ", "(", ",", ":")]
+    found = exact or begins
+    assert len(found) == 1, f"semantics.md {section}: {len(found)} rules named {name!r}"
+    return found[0]
+
+
+def _check_rule_text(rule) -> None:
+    """The text shown for ``rule`` is on its own row and on no other row of
+    the section (so a rule sharing its spec function with another, like
+    warm-up in place and steady state copies, shows its own)."""
+    line = _the_rule_line(rule.section, rule.name)
+    shown = rule.doc.rstrip(".")
+    assert shown and shown in line, (rule, shown, line)
+    others = [x for _, x in _rule_lines(rule.section) if x != line and shown in x]
+    assert not others, (rule, shown, others)
+
+
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_the_rule_box_shows_the_cited_rules_own_text(name):
+    """Every bug's divergence box (SVG and HTML) shows the text of the rule it
+    cites, read off that rule's row of docs/semantics.md."""
+    from html.parser import HTMLParser
+
+    tl = timeline(load(HERE / "traces" / f"{name}.json"), BUGS[name].factories, name)
+    _check_rule_text(tl.rule)
+    root = ET.fromstring(svg(tl).split("?>", 1)[1])
+    box = next(g for g in root.iter(f"{NS}g") if g.get("class") == "divergence")
+    assert tl.rule.doc in " ".join(" ".join(box.itertext()).split())
+
+    class Text(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.parts: list[str] = []
+
+        def handle_data(self, data):
+            self.parts.append(data)
+
+    parser = Text()
+    parser.feed(page(tl, name))
+    assert tl.rule.doc in " ".join("".join(parser.parts).split())
+
+
+def test_steady_state_and_warm_up_boxes_show_their_own_rules():
+    """The report: the steady-state box showed the warm-up rule's text (both
+    rules are stated by spec.rotating.rotating_inplace_allowed)."""
+    steady = timeline(load(HERE / "traces" / "steady_state_inplace.json"),
+                      BUGS["steady_state_inplace"].factories, "steady_state_inplace").rule
+    warm = timeline(load(HERE / "traces" / "warmup_inplace_ignores_marker.json"),
+                    BUGS["warmup_inplace_ignores_marker"].factories, "warmup_inplace_ignores_marker").rule
+    assert (steady.name, warm.name) == ("steady state copies", "warm-up in place")
+    assert steady.function == warm.function == "spec.rotating.rotating_inplace_allowed"
+    assert "once the window is full" in steady.doc and "warm" not in steady.doc.lower()
+    assert "not yet full" in warm.doc and steady.doc != warm.doc
+
+
+def test_every_rule_the_renderer_can_cite_is_a_row_with_its_text():
+    """rule_for over every op each kind runs or refuses, with or without an
+    expected error, under each kind of check: the rule it names is a row of
+    the section it cites and the text shown is that row's."""
+    from fuzz import kinds
+    from fuzz.render import SECTIONS
+
+    whats = ["returned window differs", "refusal differs", "offset differs", "capacity differs",
+             "in-place decision differs", "view of holder:s changed (isolation)", "make_mask(1) differs",
+             "refcounts differs", "trimmable differs", "log_saved_rows differs", "live window differs"]
+    seen = set()
+    for module in SECTIONS:
+        kind = kinds.KINDS[module.split(".")[1]]
+        for op in kind.all_ops + kind.refuses:
+            for what in whats:
+                for extra in ({}, {"error": True}, {"n": 3}):
+                    rule = rule_for(module, {"op": op, "n": 1, **extra}, what)
+                    if (rule.section, rule.name) not in seen:
+                        seen.add((rule.section, rule.name))
+                        _check_rule_text(rule)
+    assert len(seen) >= 20
+
+
+def _whole_prefix(shown: str, full: str) -> bool:
+    """``shown`` is ``full``, or ``full`` cut between words (at a blank or a
+    punctuation mark, never inside a word or a number) with an ellipsis."""
+    if shown == full:
+        return True
+    if not shown.endswith("\u2026"):
+        return False
+    stem = shown[:-1]
+
+    def word(ch: str) -> bool:
+        return ch.isalnum() or ch in "._-"
+
+    return full.startswith(stem) and bool(stem) and not (word(stem[-1]) and word(full[len(stem)]))
+
+
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_badges_are_whole_words_and_fit_their_column(name):
+    """Every badge of a bug's picture shows its whole text or its text cut
+    between words with an ellipsis (never ``impl: capacit``), and its box
+    holds its text and lies inside its column."""
+    tl = timeline(load(HERE / "traces" / f"{name}.json"), BUGS[name].factories, name)
+    for frame, col in zip(tl.frames, columns(svg(tl)), strict=True):
+        outline = next(r for r in col.iter(f"{NS}rect"))
+        right = float(outline.get("x")) + float(outline.get("width"))
+        badges = [g for g in col.iter(f"{NS}g") if "badge" in g.get("class", "").split()]
+        assert [g.get("data-badge") for g in badges] == [n for n, _ in frame.badges]
+        for g, (badge, detail) in zip(badges, frame.badges):
+            rect, text = g.find(f"{NS}rect"), g.find(f"{NS}text").text
+            full = f"{badge} {detail}" if badge in ("returns", "expect") else badge
+            assert _whole_prefix(text, full), (frame.index, text, full)
+            if badge.endswith("\u2026") and ": " in badge:  # the implementation's side, cut for the badge
+                assert _whole_prefix(badge.split(": ", 1)[1], detail.split(": ", 1)[1]), (badge, detail)
+            x, w = float(rect.get("x")), float(rect.get("width"))
+            assert w >= len(text) * 6 + 8 and x + w <= right, (frame.index, text, x, w, right)
