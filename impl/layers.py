@@ -38,7 +38,10 @@ def _trim_bounds(c: Any) -> tuple[int, int]:
 
 def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
     """True when every layer can trim exactly (``is_trimmable()``) and the
-    list is non-empty (spec.layers.can_trim_prompt_cache)."""
+    list is non-empty (spec.layers.can_trim_prompt_cache). Stops at the
+    first layer that answers False; a ring answering False warns
+    (RollbackWarning, once per cache: its first refused rollback,
+    :meth:`impl.rotating.RotatingKVCache.is_trimmable`)."""
     return len(caches) > 0 and all(c.is_trimmable() for c in caches)
 
 

@@ -40,8 +40,10 @@ anything.
     greedy decoding under the same Turbo cache, byte for byte; the
     log-probabilities' deviation from the fp16 cache is reported per mode.
 11. ``speculative_drift``: speculative decoding on rings whose undo log is
-    shorter than ``num_draft_tokens``: every refused rollback is loud (a
-    ``RollbackWarning``, once per ring).
+    shorter than ``num_draft_tokens``, and on default caches (no undo log)
+    whose rings go past the window in the prefill: every refused rollback
+    is loud (a ``RollbackWarning``, once per ring; the main model's rings
+    warn at or before its first refused rollback).
 12. ``quantized_models``: gemma3 in Int8 and every Turbo mode (global layer
     quantized, sliding-window layers fp16 rings); mlx-lm's ``kv_bits`` from
     the first token.
