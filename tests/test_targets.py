@@ -189,3 +189,37 @@ def test_module_attr_follows_a_dotted_attribute_path(userpkg, monkeypatch):
     monkeypatch.setitem(sys.modules, "nested_target_mod", mod)
     t = resolve("nested_target_mod:ns.Cache")
     assert t.label == "nested_target_mod:ns.Cache" and t.cache_class("dense", "fp16").name == "ListCache"
+
+
+def test_a_class_target_is_fuzzed_in_every_shape_and_dtype():
+    """A user's class runs the shapes and dtypes of our own campaigns (batch
+    > 1, a V head dim other than the keys', bfloat16 and float32): it used to
+    get mlx-lm's plain machine (batch 1, one head dim, float16), so a class
+    with a V-layout, batch or bfloat16 bug passed every seed. kvspec_dtypes
+    narrows the dtypes, and a replay of another dtype is exit 2."""
+    from fuzz.campaign import machine_for, run_machine
+    from tests.broken_targets.classes import DenseControl
+
+    seen: set[tuple[int, int, int, str]] = set()
+
+    class Recording(DenseControl):
+        def update_and_fetch(self, keys, values):
+            seen.add((keys.shape[0], keys.shape[-1], values.shape[-1], str(keys.dtype).split(".")[-1]))
+            return super().update_and_fetch(keys, values)
+
+    run = run_machine(machine_for("dense", target=targets.class_target(Recording)), seed=3, max_examples=25, steps=10)
+    assert not run.failed, run.error
+    assert {b for b, *_ in seen} >= {1, 2}, seen
+    assert any(dk != dv for _, dk, dv, _ in seen), seen
+    assert {d for *_, d in seen} == {"float16", "bfloat16", "float32"}, seen
+
+    class OnlyHalf(Recording):
+        kvspec_dtypes = ("float16",)
+
+    seen.clear()
+    run = run_machine(machine_for("dense", target=targets.class_target(OnlyHalf)), seed=3, max_examples=10, steps=5)
+    assert not run.failed and {d for *_, d in seen} == {"float16"}, (run.error, seen)
+    with pytest.raises(TargetCapabilityError, match="cache.dtype"):
+        targets.class_target(OnlyHalf).check({"kind": "dense", "head_dim": 8, "dtype": "bfloat16"}, [])
+    with pytest.raises(TargetError, match="kvspec_dtypes"):
+        targets.class_target(type("Bad", (DenseControl,), {"kvspec_dtypes": ("float64",)}))
