@@ -1,0 +1,172 @@
+"""A stand-in for PyTorch and transformers' DynamicCache, for machines
+without torch (tests/test_target_property.py): just what the
+``transformers`` target's adapter (fuzz/adapters/transformers.py) touches,
+on NumPy, with torch's behaviours that matter to it:
+
+* ``Tensor.numpy()`` of a bfloat16 tensor raises TypeError (NumPy has no
+  bfloat16), as torch does; bfloat16 values are kept as float32 and
+  rounded to bfloat16 on ``.to(torch.bfloat16)``;
+* ``torch.cat`` skips empty 1-D tensors, promotes dtypes, and raises
+  RuntimeError on a shape mismatch;
+* ``DynamicLayer.update`` / ``crop`` / ``get_seq_length`` as in
+  transformers' cache_utils (crop of a positive count raises ValueError,
+  of 0 does nothing, of -n removes n rows).
+
+Not a model of torch: an aid to exercise the adapter's conversions, copies
+and dispatch where the real library is not installed.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import numpy as np
+
+
+class _Dtype:
+    def __init__(self, name: str, np_dtype: Any):
+        self.name, self.np = name, np.dtype(np_dtype)
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    def __deepcopy__(self, memo: Any) -> _Dtype:
+        return self  # torch's dtypes are singletons, under copies too
+
+    __str__ = __repr__
+
+
+float16 = _Dtype("float16", np.float16)
+float32 = _Dtype("float32", np.float32)
+bfloat16 = _Dtype("bfloat16", np.float32)  # held as float32 values that are bfloat16s
+_BY_NP = {np.dtype(np.float16): float16, np.dtype(np.float32): float32}
+
+
+def _round_bf16(a: np.ndarray) -> np.ndarray:
+    bits = np.asarray(a, np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+class Tensor:
+    def __init__(self, a: np.ndarray, dtype: _Dtype):
+        self.a, self.dtype = a, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.a.shape
+
+    device = "cpu"
+
+    def numel(self) -> int:
+        return int(self.a.size)
+
+    def detach(self) -> Tensor:
+        return self
+
+    def cpu(self) -> Tensor:
+        return self
+
+    def numpy(self) -> np.ndarray:
+        if self.dtype is bfloat16:
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return self.a
+
+    def float(self) -> Tensor:
+        return Tensor(self.a.astype(np.float32), float32)
+
+    def to(self, dtype: _Dtype) -> Tensor:
+        a = self.a.astype(dtype.np)
+        return Tensor(_round_bf16(a) if dtype is bfloat16 else a, dtype)
+
+    def __getitem__(self, key: Any) -> Tensor:
+        return Tensor(self.a[key], self.dtype)
+
+
+def from_numpy(a: np.ndarray) -> Tensor:
+    return Tensor(a, _BY_NP[a.dtype])
+
+
+def tensor(data: Any, dtype: _Dtype = float32, device: Any = None) -> Tensor:
+    return Tensor(np.asarray(data, dtype=dtype.np), dtype)
+
+
+def _promote(a: _Dtype, b: _Dtype) -> _Dtype:
+    return a if a is b else float32
+
+
+def cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
+    parts = [t for t in tensors if not (t.a.ndim == 1 and t.a.size == 0)]
+    if not parts:
+        return tensors[0]
+    dtype = parts[0].dtype
+    for t in parts[1:]:
+        dtype = _promote(dtype, t.dtype)
+    try:
+        return Tensor(np.concatenate([t.a.astype(dtype.np) for t in parts], axis=dim), dtype)
+    except ValueError as exc:
+        raise RuntimeError(f"Sizes of tensors must match: {exc}") from None
+
+
+class DynamicLayer:
+    def __init__(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.keys = tensor([], dtype=key_states.dtype)
+            self.values = tensor([], dtype=value_states.dtype)
+            self.is_initialized = True
+        self.keys = cat([self.keys, key_states], dim=-2)
+        self.values = cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized or self.keys.numel() == 0:
+            return 0
+        return self.keys.shape[-2]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported.")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.keys = self.keys[..., : -abs(tokens_to_remove), :]
+        self.values = self.values[..., : -abs(tokens_to_remove), :]
+
+
+class DynamicCache:
+    def __init__(self) -> None:
+        self.layers: list[DynamicLayer] = []
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: Any = None) -> Any:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(DynamicLayer())
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if layer_idx >= len(self.layers) else self.layers[layer_idx].get_seq_length()
+
+    def crop(self, max_length: int) -> None:
+        for layer in self.layers:
+            layer.crop(max_length)
+
+
+def install(monkeypatch: Any) -> None:
+    """Put the stand-ins in ``sys.modules`` as ``torch`` and ``transformers``
+    (only for the test's duration)."""
+    import mlx_lm.models.cache  # noqa: F401 - mlx-lm imports transformers' tokenizers: before the stand-in
+
+    torch = types.ModuleType("torch")
+    for name in ("Tensor", "from_numpy", "tensor", "cat", "float16", "float32", "bfloat16"):
+        setattr(torch, name, globals()[name])
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    try:
+        import transformers  # installed without torch: keep it, stand in its DynamicCache only
+    except ImportError:
+        transformers = types.ModuleType("transformers")
+        monkeypatch.setitem(sys.modules, "transformers", transformers)
+    monkeypatch.setattr(transformers, "DynamicCache", DynamicCache, raising=False)
