@@ -176,3 +176,14 @@ def test_a_keyerror_is_a_crash_not_a_state_refusal():
     assert refusal_category(LookupError("h")) is None
     assert refusal_category(IndexError("h")) == "invalid argument"
     assert refusal_category(KeyError("h"), {KeyError: "state"}) == "state"  # declared by the class: kvspec_refusals
+
+
+def test_a_cache_the_adapter_cannot_build_is_not_applicable(capsys, tmp_path):
+    """An adapter that refuses ``init`` for a configuration it declared
+    (batch 2 here) cannot run the campaign's example: exit 2 with its
+    sentence, no trace, never a divergence."""
+    code, report = fuzz(capsys, tmp_path, adapter("--max-batch", "1"), "dense")
+    [run] = report["runs"]
+    assert code == 2 and run["result"] == "not applicable", (code, run)
+    assert "refused the cache (unsupported): batch > 1" in run["failure"] and "trace" not in run, run
+    assert not list(tmp_path.iterdir())

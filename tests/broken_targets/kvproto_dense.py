@@ -6,7 +6,8 @@ window) whose rows are token identities, serialized as the portable rows of
 ``--fault NAME`` plants one fault (:data:`FAULTS`); none: the correct
 control. ``--observables a,b`` declares only those observables (default
 ``offset,live_start,live_len``), ``--no-batch`` leaves the ``batch`` field
-undeclared. It reads no row from kvspec: it computes every row itself, as
+undeclared, ``--max-batch N`` refuses to build a cache of a larger batch
+(a configuration the adapter cannot run after all). It reads no row from kvspec: it computes every row itself, as
 any adapter must."""
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ def main() -> int:
     ap.add_argument("--fault", choices=sorted(FAULTS))
     ap.add_argument("--observables", default=",".join(OBSERVABLES))
     ap.add_argument("--no-batch", action="store_true")
+    ap.add_argument("--max-batch", type=int, default=64,
+                    help="refuse (unsupported) to build a cache of a larger batch, though batch is declared")
     args = ap.parse_args()
     observables = tuple(o for o in args.observables.split(",") if o)
     fields = ["kind", "mode", "step", "kv_heads", "head_dim", "k_head_dim", "v_head_dim", "dtype", "rows", "inplace"]
@@ -198,6 +201,10 @@ def main() -> int:
                                          "ops": ["append", "fetch", "hold", "release_hold", "trim", "trim_to",
                                                  "snapshot", "restore", "drop"],
                                          "observables": list(observables)}}}
+        elif kind == "init" and req["cache"].get("batch", 1) > args.max_batch:
+            cache = None
+            reply = {"id": rid, "ok": False, "state": {"cache": {"rows": 0, "k": "", "v": ""}, "held": None, "holders": {}},
+                     "error": {"category": "unsupported", "message": f"batch > {args.max_batch}"}}
         elif kind == "init":
             cache = Dense(req["cache"], req["wide"], args.fault)
             reply = {"id": rid, "ok": True, "state": cache.state(observables)}
