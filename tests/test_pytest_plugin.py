@@ -26,6 +26,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 settings.register_profile("user", max_examples=50, stateful_step_count=50,
                           database=DirectoryBasedExampleDatabase("{db}"))
+settings.register_profile("nodb", max_examples=50, stateful_step_count=50, database=None)
 '''
 
 
@@ -105,3 +106,115 @@ def test_a_bad_target_is_a_usage_error(suite):
     result = _run(pytester, "--kvspec-target=usercache.cache:Nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "Nope" in result.stderr.str()
+
+
+# -- a short report, a budget, a seed (issue 47) ---------------------------------------------
+NEGATIVE = '''
+from fuzz.pytest_plugin import kvspec_test
+
+test_negative_trim = kvspec_test("usercache.cache:NegativeTrimCache")
+'''
+
+
+def _failure_section(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "FAILURES" in line)
+    end = next(i for i, line in enumerate(lines) if "short test summary" in line or line.startswith("FAILED ")
+               or " failed" in line and i > start)
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("how", ["kvspec_test", "--kvspec-target"])
+def test_the_failure_report_is_the_divergence_and_its_replay_line(suite, how):
+    """No frame of the harness (or of Hypothesis): the divergence, the trace,
+    the replay command, in a few lines; the budget keeps it to seconds."""
+    pytester, _ = suite
+    if how == "kvspec_test":
+        pytester.makepyfile(test_user_cache=NEGATIVE)
+        args = ["-q"]
+    else:
+        args = ["-q", "--kvspec-target=usercache.cache:NegativeTrimCache"]
+    result = _run(pytester, *args, "--hypothesis-profile=nodb", "--kvspec-budget=30", "--kvspec-seed=5")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    section = _failure_section(out)
+    assert len(section) < 30, "\n".join(section)
+    text = "\n".join(section)
+    assert "usercache.cache:NegativeTrimCache dense/fp16 diverges from the spec" in text
+    assert re.search(r"^replay it: kvspec replay \S+ --target usercache.cache:NegativeTrimCache$", text, re.MULTILINE), text
+    for harness in ("pytest_plugin.py", "run_state_machine", "hypothesis", "Traceback", "def run_target"):
+        assert harness not in text, (harness, text)
+
+
+def test_the_seed_makes_two_runs_identical(suite):
+    """The same --kvspec-seed, no example database and no shrinking: the same
+    first failing example, byte for byte; another seed draws another."""
+    pytester, _ = suite
+    pytester.makepyfile(test_user_cache=NEGATIVE)
+    trace = pytester.path / "traces" / "usercache.cache_NegativeTrimCache-dense-fp16.json"
+    got = []
+    for seed in (11, 11, 12):
+        result = _run(pytester, "-q", "--hypothesis-profile=nodb", "--kvspec-budget=50", f"--kvspec-seed={seed}",
+                      "--kvspec-shrinks=0")
+        result.assert_outcomes(failed=1)
+        got.append((trace.read_text(), "\n".join(_failure_section(result.stdout.str()))))
+        trace.unlink()
+    assert got[0] == got[1]
+    assert got[0][0] != got[2][0]
+
+
+@pytest.mark.parametrize("option", ["--kvspec-budget=0", "--kvspec-budget=many", "--kvspec-seed=-1",
+                                    "--kvspec-shrinks=-2"])
+def test_a_bad_budget_seed_or_shrinks_is_a_usage_error(suite, option):
+    pytester, _ = suite
+    result = _run(pytester, option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert option.split("=")[0] in result.stderr.str() and "Traceback" not in result.stderr.str()
+
+
+def test_the_budget_is_the_number_of_examples_run(tmp_path, monkeypatch):
+    """--kvspec-budget N runs N examples of a correct class (in process:
+    the machine counts its runs), whatever the profile's max_examples."""
+    import fuzz.campaign
+    from fuzz.pytest_plugin import RunOptions, run_target
+
+    write_package(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for mod in [m for m in sys.modules if m == "usercache" or m.startswith("usercache.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    machines = []
+    real = fuzz.campaign.machine_for
+
+    def spy(*args, **kwargs):
+        machines.append(real(*args, **kwargs))
+        return machines[-1]
+
+    monkeypatch.setattr(fuzz.campaign, "machine_for", spy)
+    for budget in (3, 7):
+        run_target("usercache.cache:ListCache", "dense", "fp16", tmp_path / "out", RunOptions(budget=budget, seed=1))
+        assert machines[-1].runs == budget
+
+
+def test_a_capability_gap_skips_and_a_harness_crash_is_not_a_divergence(tmp_path, monkeypatch):
+    """What is not a divergence is never reported as one: the target that
+    cannot run the machine is a skip with its reason; the harness's own
+    exception propagates as itself (its traceback), not as KvspecFailure."""
+    import hypothesis.stateful
+
+    from fuzz.pytest_plugin import KvspecFailure, RunOptions, run_target
+    from fuzz.targets import TargetCapabilityError
+
+    def gap(*args, **kwargs):
+        raise TargetCapabilityError("target x cannot run op fork")
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the harness fell over")
+
+    monkeypatch.setattr(hypothesis.stateful, "run_state_machine_as_test", gap)
+    with pytest.raises(pytest.skip.Exception, match="not applicable: target x cannot run op fork"):
+        run_target("impl", "dense", "fp16", tmp_path, RunOptions(budget=1))
+    monkeypatch.setattr(hypothesis.stateful, "run_state_machine_as_test", crash)
+    with pytest.raises(RuntimeError, match="the harness fell over") as info:
+        run_target("impl", "dense", "fp16", tmp_path, RunOptions(budget=1))
+    assert not isinstance(info.value, KvspecFailure)
+    assert not list(tmp_path.iterdir())  # no trace written for what is not a divergence
