@@ -271,3 +271,42 @@ def test_classify_failure_by_origin():
     except AttributeError as exc:
         got = classify_failure(lock, 1, op, exc, running=True)
         assert isinstance(got, TargetCannotRun) and got.member == "meta_state"
+
+
+# -- fuzz and conformance: no verdict is exit 2 ----------------------------------------
+
+
+def _break_the_adapter(monkeypatch) -> None:
+    import fuzz.adapters.mlx_lm as M
+
+    monkeypatch.setattr(M.DequantView, "group_size", property(lambda self: 7, lambda self, v: None), raising=False)
+
+
+def test_fuzz_target_stops_without_a_verdict_on_a_harness_crash(tmp_path, monkeypatch):
+    """``kvspec fuzz --target``: a campaign the harness's own crash stopped
+    is exit 2 with ``tool failure`` in its row, never 1 and never a
+    finding (before: ``FAILED``, exit 1)."""
+    _break_the_adapter(monkeypatch)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["fuzz", "--target", "mlx-lm", "--kind", "dense", "--mode", "int8", "--budget", "3",
+                     "--seed", "1", "--out", str(tmp_path), "--json"])
+    doc = json.loads(out.getvalue())
+    assert code == 2, doc
+    assert [r["result"] for r in doc["runs"]] == ["tool failure"], doc["runs"]
+    assert "the harness raised ValueError" in doc["runs"][0]["failure"]
+
+
+def test_conformance_stops_without_a_verdict_on_a_harness_crash(tmp_path, monkeypatch):
+    """``kvspec conformance``: the class's search ends without a verdict,
+    says why, and the run exits 2 (before: a finding with no trace, exit
+    1)."""
+    _break_the_adapter(monkeypatch)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["conformance", "--class", "QuantizedKVCache", "--budget", "3", "--seed", "1",
+                     "--out", str(tmp_path), "--json"])
+    doc = json.loads(out.getvalue())
+    assert code == 2, doc
+    assert doc["no_verdict"]["QuantizedKVCache"].startswith("tool failure: op "), doc["no_verdict"]
+    assert doc["classes"][0]["findings"] == []
