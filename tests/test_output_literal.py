@@ -136,3 +136,15 @@ def test_the_command_console_reads_no_emoji_codes():
     console.file = buf
     console.print(":Ring: :ring:", markup=False)
     assert buf.getvalue().strip() == ":Ring: :ring:"
+
+
+def test_the_conformance_tables_print_class_target_and_finding_literally():
+    from fuzz.commands.conformance import ClassReport, Finding, print_report
+
+    finding = Finding(":Ring:", "[bold]x[/bold]", 0, {"op": "trim", "n": 1}, "offset differs",
+                      "[/] a summary", "/t/[/]x.json", [], "then [bold]x[/bold]", 1, 0)
+    report = ClassReport(":Ring:", "[bold]x[/bold]", "dense", "fp16", steps=3, covered={"trim": 1},
+                         skipped={"[/]": "no"}, findings=[finding], ended=":Ring: ended")
+    buf = io.StringIO()
+    print_report([report], 1, 1.0, Console(file=buf, width=200, highlight=False, emoji=False))
+    _literal(buf.getvalue(), ":Ring:", "[bold]x[/bold]", "[/] a summary", "then [bold]x[/bold]", ":Ring: ended")

@@ -161,7 +161,7 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
         what = f"bug {args.bug}" if args.bug else f"{len(chosen)} campaign{'s' * (len(chosen) > 1)}"
         err.print(f"kvspec campaign: HypoFuzz on {jobs} process{'es' * (jobs > 1)}, {what}, {args.budget:g} s; "
                   f"example database {db_spec}; failures to {out}"
-                  + (f"\n  dashboard (coverage and progress): {url}" if url else ""))
+                  + (f"\n  dashboard (coverage and progress): {url}" if url else ""), markup=False)
     log_path = out / f"campaign-{run}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

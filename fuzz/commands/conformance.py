@@ -398,9 +398,10 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
     """Two rich tables: one row per class, then one row per divergence."""
     import mlx.core as mx
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, emoji=False)
     total = sum(r.seconds for r in reports)
     table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
                         f"budget {budget:.0f} s, {total:.0f} s run")
@@ -410,8 +411,8 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
     for r in reports:
         covered = ", ".join(f"{k} {v}" for k, v in sorted(r.covered.items(), key=lambda kv: -kv[1]))
         faults = sum(f.category == FAULT for f in r.findings)
-        table.add_row(r.cache_class, r.target, covered, ", ".join(r.skipped) or "-", str(r.steps),
-                      str(faults), str(len(r.findings) - faults), r.ended)
+        table.add_row(escape(r.cache_class), escape(r.target), escape(covered), escape(", ".join(r.skipped) or "-"),
+                      str(r.steps), str(faults), str(len(r.findings) - faults), escape(r.ended))
     from fuzz.commands.reports import print_table
 
     print_table(console, table)
@@ -427,7 +428,7 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
                     continue
                 check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
                 waive = "".join(f" --waive {w}" for w in f.waived)
-                found.add_row(r.cache_class, str(i), f.summary, f.then, check)
+                found.add_row(escape(r.cache_class), str(i), escape(f.summary), escape(f.then), check)
                 traces.append(f"{r.cache_class} #{i}: kvspec replay {f.trace} --target {r.target}{waive}")
         print_table(console, found)
     for line in traces:  # whole lines: a path is never wrapped inside a cell

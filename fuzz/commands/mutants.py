@@ -115,7 +115,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
     import sys
     import time
 
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     total = sum(1 + len(b.variants) for b in catalog() if runnable(b) and (not names or b.name in names))
     skipped = [b.name for b in catalog() if not runnable(b) and (not names or b.name in names)]
     err.print(f"kvspec mutants: {total} entries, seeds 1..{seeds}", markup=False)
@@ -161,7 +161,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
             f"{j['median_examples']}/{j['worst_examples']}",
             f"{j['median_seconds']}/{j['worst_seconds']}",
         )
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     print_table(console, table)
     for r in reports:
         if r.trace:

@@ -499,7 +499,7 @@ class Progress:
         #: takes on two cores of its own, whatever the load was
         self.cpu = 0.0
         self.stream = stream or sys.stderr
-        self.console = Console(file=self.stream, highlight=False)
+        self.console = Console(file=self.stream, highlight=False, emoji=False)
         self.bar: Any = None
         if not quiet and self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -693,7 +693,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         from fuzz.commands.reports import suggest
 
         hint = suggest(patterns[0], [j.label for j in full]) if patterns else ""
-        Console(stderr=True, highlight=False).print(
+        Console(stderr=True, highlight=False, emoji=False).print(
             f"error: -k {' '.join(patterns or [])}: no job's label matches{hint}; kvspec verify --list shows them",
             markup=False)
         return 2
@@ -754,7 +754,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         for c in checks:
             status = "[bold red]TOOL FAILURE[/]" if c.tool_failure else "[bold red]FAIL[/]" if not c.ok else f"[yellow]warn ({len(c.warnings)})[/]" if c.warnings else "[green]ok[/]"
             table.add_row(escape(c.name), status, f"{c.seconds:.1f}s", escape(c.detail))
-        console = Console(highlight=False, width=width)
+        console = Console(highlight=False, width=width, emoji=False)
         from fuzz.commands.reports import print_table
 
         print_table(console, table)

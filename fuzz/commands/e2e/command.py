@@ -16,6 +16,7 @@ def main(long: bool = False, as_json: bool = False, bug: str | None = None, only
     import json
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     factories = None
@@ -66,12 +67,13 @@ def main(long: bool = False, as_json: bool = False, bug: str | None = None, only
         result = "[green]ok[/]" if r.ok else ("[yellow]diverged[/]" if bug else "[bold red]FAILED[/]")
         table.add_row(r.title, str(r.tokens), str(r.distinct),
                       "" if r.acceptance is None else f"{r.acceptance:.0%}", result, f"{r.seconds:.1f}")
-    console = Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
     from fuzz.commands.reports import print_table
 
     print_table(console, table)
     for r in results:
-        console.print(f"{r.name}: {'' if r.ok else '[bold]'}{r.detail}{'' if r.ok else '[/]'}", markup=True)
+        console.print(f"{escape(r.name)}: {'' if r.ok else '[bold]'}{escape(r.detail)}{'' if r.ok else '[/]'}",
+                      markup=True)
     if bug:
         caught = [r.name for r in results if not r.ok]
         console.print(f"injected bug {bug}: " + (f"caught by {', '.join(caught)}" if caught else "[bold red]not caught[/]"))
