@@ -184,6 +184,16 @@ class ModelsLockstep(LayersLockstep):
 
     def _spec_build_probe(self, op: dict[str, Any]) -> Any:
         layout = op.get("layout")
+        for j, layer in enumerate(layout or ()):
+            ok = isinstance(layer, dict) and (
+                layer == {"kind": "dense"}
+                or (layer.get("kind") == "rotating" and set(layer) <= {"kind", "max_size", "keep"}
+                    and all(isinstance(layer.get(k, 0), int) and not isinstance(layer.get(k, 0), bool)
+                            for k in ("max_size", "keep"))
+                    and 0 <= layer.get("keep", 0) < layer.get("max_size", 0)))
+            if not ok:
+                raise TraceFormatError(f"build_probe: layout.{j} must be {{'kind': 'dense'}} or {{'kind': 'rotating', "
+                                       f"'max_size': W, 'keep': K}} with 0 <= K < W, got {layer!r}")
         spec_layout = None if layout is None else tuple(
             ("dense", 0, 0) if layer["kind"] == "dense" else ("rotating", layer["max_size"], layer.get("keep", 0))
             for layer in layout)
@@ -235,6 +245,11 @@ class ModelsLockstep(LayersLockstep):
 
     def _spec_rows(self, op: dict[str, Any]) -> Any:
         b, h, dk, dv = self.shape
+        if self.cfg.get("rows") != "portable":
+            raise TraceFormatError("rows: the op checks portable rows: the trace's cache needs \"rows\": \"portable\"")
+        bad = [t for t in op["tokens"] if not 0 <= t < spec_rows.TOKEN_LIMIT]
+        if bad:
+            raise TraceFormatError(f"rows: tokens must lie in [0, {spec_rows.TOKEN_LIMIT}), got {bad[0]}")
         out = []
         for t in op["tokens"]:
             out.append((spec_rows.row_bits(t, 0, b, h, dk, self.dtype), spec_rows.row_bits(t, 1, b, h, dv, self.dtype)))

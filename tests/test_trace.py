@@ -176,6 +176,10 @@ _FIELDS = {
     "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "append_pair_mismatch": ["n", "differs"], "reload": ["via", "env"],
     "restore_mixed": ["name", "layer", "source"], "trim_refused_late": ["n", "layer", "how"],
     "handle_reuse": ["seq", "use", "arg"], "state_assign": ["seq", "n"],
+    "build_probe": ["mode", "layout", "n_layers", "max_kv_size", "undo", "num_draft_tokens", "step", "hot_threshold",
+                    "fold_block"],
+    "save_load": ["metadata"], "to_quantized": ["layer"], "mask": ["layer", "n", "window", "device"],
+    "mechanism": ["env"], "rows": ["tokens"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -197,6 +201,11 @@ _VALID = {
     "use": st.sampled_from(["append", "fetch", "trim", "release", "trim_front_keep_sink", "set_state", "nbytes"]),
     "arg": st.sampled_from(["valid", "zero", "negative"]),
     "env": st.sampled_from(["0", "1", " OFF", "x" * 64]),
+    "mode": st.sampled_from(["fp16", "int8", "turbo4delegated"]),
+    "layout": st.sampled_from([[{"kind": "dense"}], [{"kind": "rotating", "max_size": 4}]]),
+    "size": st.integers(1, 8),
+    "depth": st.integers(0, 3),
+    "metadata": st.sampled_from([{}, {"0shot": "a"}]),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -215,14 +224,25 @@ _BAD = {
     "use": st.sampled_from(["write", 1]),
     "arg": st.sampled_from(["bad", -1, None]),
     "env": st.sampled_from([0, None, "x" * 65]),
+    "mode": st.sampled_from(["fp32", 1]),
+    "layout": st.sampled_from([3, [{"kind": "dense"}] * 9]),
+    "size": st.sampled_from([0, 2**31, 1.5]),
+    "depth": st.sampled_from([-1, 2**31, "1"]),
+    "metadata": st.sampled_from([3, "x", []]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
          "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
          "layer": "count", "index": "int", "do": "do", "deep": "bool", "live": "live", "differs": "differs",
-         "via": "via", "source": "int", "env": "env", "how": "how", "use": "use", "arg": "arg"}
+         "via": "via", "source": "int", "env": "env", "how": "how", "use": "use", "arg": "arg",
+         "mode": "mode", "layout": "layout", "n_layers": "size", "max_kv_size": "size", "step": "size",
+         "fold_block": "size", "undo": "depth", "num_draft_tokens": "depth", "hot_threshold": "depth",
+         "metadata": "metadata", "device": "bool", "tokens": "ints"}
 _OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
-             "trim_refused_late": {"how"}, "handle_reuse": {"use", "arg"}}
+             "trim_refused_late": {"how"}, "handle_reuse": {"use", "arg"},
+             "build_probe": {"layout", "n_layers", "max_kv_size", "undo", "num_draft_tokens", "step", "hot_threshold",
+                             "fold_block"},
+             "save_load": {"metadata"}, "mask": {"window", "device"}, "mechanism": {"env"}}
 
 
 def _field_kind(op: str, f: str, default: str | None = None) -> str:
