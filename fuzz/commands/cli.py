@@ -997,8 +997,10 @@ class _Parser(argparse.ArgumentParser):
 
 EXIT_CODES = {
     "replay": "exit status: 0 spec and implementation agree and every check holds; 1 they disagree (a "
-              "divergence); 2 invalid trace or arguments; 3 a check the trace carries fails on the spec "
-              "(the trace expects what the spec does not do)",
+              "divergence); 2 invalid trace or arguments, a target that cannot run the trace, or the harness's "
+              "own failure; 3 a check the trace carries fails on the spec (the trace expects what the spec does "
+              "not do); with several traces the most severe among those the target can run (a trace it cannot "
+              "run is counted as not applicable, not failed; 2 when it can run none)",
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
             "written and a replay command printed) or a campaign that ran no example; 2 bad arguments or no "
             "verdict (a capability gap, the harness's own crash, a failure the tool could not repeat); "
