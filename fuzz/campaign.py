@@ -63,7 +63,8 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
         # plain machine their recorded findings were drawn with; a user's
         # class or an exec: adapter gets every shape and dtype (batch > 1,
         # K and V head dims that differ, bfloat16 and float32)
-        if target.name in BUILTIN and base.plain is not None and not getattr(target, "full_shapes", False):
+        if not target.is_impl and target.name in BUILTIN and base.plain is not None \
+                and not getattr(target, "full_shapes", False):
             base = base.plain
         base = target.machine_base(kind, mode, base)
         if not target.is_impl:

@@ -223,3 +223,16 @@ def test_a_class_target_is_fuzzed_in_every_shape_and_dtype():
         targets.class_target(OnlyHalf).check({"kind": "dense", "head_dim": 8, "dtype": "bfloat16"}, [])
     with pytest.raises(TargetError, match="kvspec_dtypes"):
         targets.class_target(type("Bad", (DenseControl,), {"kvspec_dtypes": ("float64",)}))
+
+
+def test_only_built_in_third_party_targets_keep_the_plain_machine():
+    """mlx-lm's caches keep the plain machine of their recorded findings;
+    ``impl`` (also when the conformance search excludes an op) and a user's
+    class get the full one."""
+    from fuzz.campaign import machine_for
+    from fuzz.dense import PlainDenseMachine
+    from tests.broken_targets.classes import DenseControl
+
+    assert issubclass(machine_for("dense", target=resolve("mlx-lm")), PlainDenseMachine)
+    for target in (resolve("impl").excluding("trim_to"), targets.class_target(DenseControl)):
+        assert not issubclass(machine_for("dense", target=target), PlainDenseMachine), target.name
