@@ -212,3 +212,20 @@ def test_importing_fuzz_leaves_the_warning_visible():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "inside-done"
     assert out.stderr.count("RollbackWarning") == 1, out.stderr
+
+
+def test_the_harness_silences_its_own_refusals_inside_a_step_only():
+    """A lockstep replay of a ring that refuses trims (a prefill past the
+    window, then trims) lets no RollbackWarning out of its steps (each
+    step runs under fuzz.expected_refusals), though the ring did warn; the
+    filters are the caller's again after the step."""
+    from fuzz.replay import make_lockstep
+    from fuzz.targets import resolve
+
+    cache = {"kind": "rotating", "mode": "fp16", "batch": 1, "kv_heads": 1, "head_dim": 4, "dtype": "float16",
+             "max_size": 4, "keep": 0, "step": 2, "undo": 0, "inplace": True}
+    lock = make_lockstep(cache, None, True, resolve("impl"))
+    ops = [{"op": "append", "n": 6}, {"op": "trim", "n": 1}, {"op": "append", "n": 1}, {"op": "trim", "n": 2}]
+    got = loud(lambda: [lock.step(i, op) for i, op in enumerate(ops)])
+    assert got == [] and lock.cache.rollback_warned and lock.cache.offset == 7
+    assert len(loud(lambda: copy.copy(lock.cache).trim(1))) == 1  # outside a step: heard
