@@ -116,6 +116,10 @@ def make_prompt_cache(
             ``speculative_generate_step``; 0: none): every ring's undo log
             holds ``max(undo, num_draft_tokens)`` rows, enough for every
             rollback of a round to stay exact after the window wraps.
+            Without an undo log a ring that went past its window (a
+            prompt longer than it) refuses every rollback; its first
+            refusal warns (``RollbackWarning``, once per cache, also when
+            mlx-lm only asks ``is_trimmable()``; docs/mlx-lm.md).
         **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
     In a quantized ``mode`` (``"int8"``, the Turbo modes) the full-attention
