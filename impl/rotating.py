@@ -47,7 +47,7 @@ from impl.dense import (
     write_rows_copy,
 )
 from impl.masks import ring_mask
-from impl.write import inplace_mechanism, seq_prefix, write_copy, write_inplace
+from impl.write import inplace_mechanism, queue_read, seq_prefix, write_copy, write_inplace
 from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
 
 _ALL = slice(None)
@@ -312,7 +312,8 @@ class RotatingKVCache:
             # whole ring; the stream runs the gather first. No host wait
             # (async_eval); a lazy copy, or mx.depends, kept the buffer
             # referenced and made every steady-state decode copy the ring.
-            mx.async_eval(*saved)
+            # Through the write layer: a host write in place waits for it.
+            queue_read(*saved)
         self._write_row(k, v, inplace)
         self.offset += 1
         self.idx += 1

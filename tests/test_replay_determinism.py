@@ -9,7 +9,9 @@ overwrites (``mx.async_eval``) and the in-place write went through host
 memory at once, so the gather read the old row, the new one or a torn mix
 as MLX's stream thread and the Python thread fell. Here:
 
-* the write layer's host write waits for every read queued before it;
+* the write layer's host write waits for the reads of cache memory queued
+  before it (``impl.write.queue_read``), and ``impl`` queues no read of a
+  buffer any other way;
 * every catalog bug's shrunk trace (``tests/traces/<bug>.json``, also with
   the in-place decision unobserved for the bugs the kill matrix runs that
   way) and the race's own trace (``tests/traces/determinism/``) give one
@@ -106,14 +108,16 @@ def test_fresh_processes_give_the_same_verdicts(replays):
         assert not differ, f"a fresh process gave other verdicts (this process's, the fresh one's): {differ}"
 
 
-# -- the cause: a host write racing a read queued before it ---------------------------
+# -- the cause: a host write racing a read queued before it ----------------------------
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_an_in_place_host_write_comes_after_a_read_queued_before_it(dtype):
-    """A gather of row 2 is queued (``mx.async_eval``) behind slow work, as
-    a ring's undo log queues the row a decode overwrites; the in-place write
-    of row 2 then must not land before the gather has read it. Without the
-    write layer's wait the gather read the written row (ones), every time."""
-    from impl.write import write_inplace
+    """A gather of row 2 is queued (``impl.write.queue_read``) behind slow
+    work, as a ring's undo log queues the row a decode overwrites; the
+    in-place write of row 2 then must not land before the gather has read
+    it. With the gather scheduled by ``mx.async_eval`` alone, or without the
+    write's wait, it read the written row (ones) every time in float16 and
+    float32 (bfloat16's write evaluates new views first, which waits)."""
+    from impl.write import queue_read, write_inplace
 
     dst = mx.zeros((1, 1, 4, 8), dtype=dtype)
     row = mx.ones((1, 1, 1, 8), dtype=dtype)
@@ -123,8 +127,19 @@ def test_an_in_place_host_write_comes_after_a_read_queued_before_it(dtype):
         slow = slow @ slow / 256
     at = (slow[0, :1] * 0).astype(mx.int32) + 2  # the gather runs only once the slow work is done
     saved = mx.take(dst, at, axis=2)
-    mx.async_eval(saved)
+    queue_read(saved)
     out = write_inplace(dst, row, (slice(None), slice(None), slice(2, 3)), "numpy")
     assert out is dst
     assert np.array(saved.astype(mx.float32)).ravel().tolist() == [0.0] * 8, "the queued read saw the later write"
     assert np.array(dst[:, :, 2].astype(mx.float32)).ravel().tolist() == [1.0] * 8
+
+
+def test_the_implementation_queues_reads_of_its_buffers_only_through_the_write_layer():
+    """A read scheduled with ``mx.async_eval`` directly is not waited for by
+    a host write (the race above): in ``impl`` only the Int8 range flag is,
+    a read of the appended rows, never of a buffer."""
+    impl = Path(__file__).resolve().parents[1] / "impl"
+    found = sorted(f"{p.name}: {line.strip()}" for p in impl.glob("*.py") if p.name != "write.py"
+                   for line in p.read_text().splitlines()
+                   if "async_eval(" in line and not line.strip().startswith(("#", "(``", "``")))
+    assert found == ["dense.py: mx.async_eval(flag)"], found
