@@ -7,6 +7,8 @@ inplace_write_allowed``, ``spec.rotating.rotating_inplace_allowed``,
 * :func:`write_inplace` writes rows into the memory of an evaluated buffer.
   Every array that shares that memory (a snapshot, a held window, a forked
   sequence) sees the write; the ownership rule is what makes that harmless.
+  A read of cache memory the caller schedules without waiting goes through
+  :func:`queue_read`, so that a write from the host comes after it.
 * :func:`write_copy` returns a new array with the rows written, leaving the
   input array unchanged. It is a *static* slice update on a fresh handle of
   the input: when nothing else references the input's memory at evaluation
