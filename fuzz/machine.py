@@ -75,9 +75,13 @@ class FlakyVerdict(Exception):
 
 
 def _one_line(error: BaseException) -> str:
-    """``error``'s text on one line (a divergence's op, what differs, and
-    both sides), at most 600 characters."""
-    text = " ".join(line.strip() for line in str(error).splitlines()) or type(error).__name__
+    """``error``'s text on one line, at most 600 characters: a divergence's
+    op and what differs, then both sides in parentheses (``op 1 {...}:
+    offset differs (spec says: 1; impl did: 2)``)."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[0] + (f" ({'; '.join(lines[1:])})" if len(lines) > 1 else "")
     return text if len(text) <= 600 else text[:597] + "..."
 
 
