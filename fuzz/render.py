@@ -619,16 +619,20 @@ LABEL_CHARS = 19
 
 
 def visible(s: Any) -> str:
-    """``str(s)`` with every character that is not plain text written as an
-    escape (``\\xNN`` below U+0100, else ``\\uNNNN``): control characters
-    (C0 and C1, tab and newline included), lone surrogates, U+FFFE and
-    U+FFFF (XML refuses all of them) and the bidirectional controls. A
-    trace's strings come from strangers: drawn through this, a name shows
-    what it is, and the SVG stays well-formed XML."""
+    """``str(s)`` as one line of plain text: tab, line feed and carriage
+    return become blanks (an array's repr spans lines), and every other
+    character that is not plain text is written as an escape (``\\xNN``
+    below U+0100, else ``\\uNNNN``): the other control characters (C0 and
+    C1), lone surrogates, U+FFFE and U+FFFF (XML refuses all of them) and
+    the bidirectional controls. A trace's strings come from strangers: drawn
+    through this, a name shows what it is, and the SVG stays well-formed
+    XML."""
     out = []
     for ch in str(s):
         o = ord(ch)
-        if unicodedata.category(ch) in ("Cc", "Cs") or ch in _BIDI or o in (0xFFFE, 0xFFFF):
+        if ch in "\t\n\r":
+            out.append(" ")
+        elif unicodedata.category(ch) in ("Cc", "Cs") or ch in _BIDI or o in (0xFFFE, 0xFFFF):
             out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
         else:
             out.append(ch)

@@ -172,7 +172,7 @@ def test_cli_render_of_a_hostile_trace(tmp_path, capsys):
 
 def test_visible_escapes_only_what_is_not_text():
     assert visible("plain ünï 名 \U0001f600 <\"'>") == "plain ünï 名 \U0001f600 <\"'>"
-    assert visible("a\tb\nc\x00\u202e\ufffe") == "a\\x09b\\x0ac\\x00\\u202e\\ufffe"
+    assert visible("a\tb\nc\r\x00\u202e\ufffe") == "a b c \\x00\\u202e\\ufffe"
 
 
 # -- in a real browser ---------------------------------------------------------------
