@@ -305,7 +305,7 @@ def test_each_column_sits_under_its_header(monkeypatch, capsys):
     "only, labels",
     [
         (["layers"], ["layers/fp16/inplace", "layers/fp16/copy", "layers/int8/inplace"]),
-        (["int8"], ["dense/int8/inplace", "layers/int8/inplace"]),
+        (["int8"], ["dense/int8/inplace", "layers/int8/inplace", "models/int8/inplace"]),
         (["nosuch", "paged"], ["paged/fp16/inplace", "paged/fp16/copy"]),
         (["rotating/fp16/copy", "dense/turbo4/"], ["dense/turbo4/inplace", "rotating/fp16/copy"]),
         (None, [bh.label(*c) for c in bh.configs()]),
