@@ -616,6 +616,9 @@ _BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\
 BADGE_CHARS = 40
 #: longest row label drawn in the gutter (the whole label is its tooltip)
 LABEL_CHARS = 19
+#: longest trace title the HTML page shows above the picture (the picture
+#: draws its first lines too)
+TITLE_CHARS = 1000
 
 
 def visible(s: Any) -> str:
@@ -653,9 +656,9 @@ def _word(ch: str) -> bool:
 def _clip(text: Any, limit: int) -> str:
     """:func:`visible` ``text`` cut to at most ``limit`` characters, with an
     ellipsis where anything was cut: after the last word that ends in the
-    second half (at a blank), else after the last word or punctuation
-    (``(array([[`` rather than a number's first digits); only a single word
-    longer than ``limit`` is cut inside."""
+    second half (at a blank), else after the last word or punctuation there
+    (``(array([[`` rather than a number's first digits); only a word
+    reaching over the second half is cut inside."""
     text = visible(text)
     if len(text) <= limit:
         return text
@@ -664,7 +667,8 @@ def _clip(text: Any, limit: int) -> str:
     if space >= limit // 2:
         end = space
     else:
-        end = next((j for j in range(room, 0, -1) if not _word(text[j - 1]) or not _word(text[j])), room)
+        end = next((j for j in range(room, limit // 2 - 1, -1) if not _word(text[j - 1]) or not _word(text[j])),
+                   room)
     return text[:end].rstrip(" ,;:") + "\u2026"
 
 
@@ -897,11 +901,12 @@ def page(tl: Timeline, source: str = "") -> str:
         ".scroll{overflow-x:auto;border:1px solid #ddd;padding:4px}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}"
         "tr.diverged{background:#ffe5e5;font-weight:bold}code{font-size:12px}"
-        ".divergence{border:2px solid #d00;background:#fff5f5;padding:.5em 1em;margin:1em 0}</style>"),
+        ".divergence{border:2px solid #d00;background:#fff5f5;padding:.5em 1em;margin:1em 0}"
+        "p,td,h1{overflow-wrap:anywhere}</style>"),
         "</head><body>", f"<h1>{_esc(head)}</h1>",
     ]
     if tl.title:
-        parts.append(f"<p>{_esc(tl.title)}</p>")
+        parts.append(f'<p class="title">{_esc(_clip(tl.title, TITLE_CHARS))}</p>')
     if tl.divergence is not None and tl.rule is not None:
         d, rule = tl.divergence, tl.rule
         parts.append(

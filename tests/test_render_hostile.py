@@ -156,6 +156,9 @@ def test_the_html_page_is_inert(rendered):
     for name in HOSTILE:
         assert visible(name) in text, name
     assert 'trace "<b>".json' in text
+    # the 3000-character title is cut for the page (the whole title is the trace's)
+    title = re.search(r'<p class="title">(.*?)</p>', html, re.DOTALL).group(1)
+    assert len(title) < 1400 and title.endswith("\u2026")
 
 
 def test_cli_render_of_a_hostile_trace(tmp_path, capsys):
