@@ -15,8 +15,16 @@ state the **spec** holds after every op is recorded as a :class:`Frame`:
 * a badge per op: an append's write path (``in place`` or ``copy``, and
   ``grew`` when it regrew), a refusal (the spec's message), a return value;
 * the first divergence: its column outlined, what the implementation held
-  beside what the spec says, and the rule it broke with the spec function
-  that states it (:func:`rule_for`).
+  beside what the spec says, and the rule it broke (a row of
+  docs/semantics.md, :func:`rule_for`) with the spec function that states it
+  and the row's own text (:func:`rule_row`).
+
+A trace may come from a stranger (a bug report): every string it carries is
+drawn as text, escaped for where it stands with every attribute quoted
+(:func:`_esc`), control and bidirectional characters shown as escapes
+(:func:`visible`), long strings cut for the layout with the whole string as
+a tooltip; the HTML page has no script and no link, and its
+Content-Security-Policy (:data:`CSP`) refuses any script.
 
 Everything drawn comes from the spec's state; the implementation is only
 asked where it first disagrees. The pictures of the docs site are drawn by
