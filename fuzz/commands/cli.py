@@ -261,8 +261,8 @@ def replay_exit(results: list[tuple[int, dict[str, Any]]], many: bool) -> int:
 def replay_summary(docs: list[dict[str, Any]], target: str) -> str:
     """The last line of a replay of several traces: the count of each
     status, ``ok``, ``diverged`` and ``not applicable`` always, the others
-    when any (``132 traces: 21 ok, 0 diverged, 111 not applicable to target
-    mlx-lm``)."""
+    when any (``132 traces: 23 ok, 0 diverged, 109 not applicable to target
+    exec:./kvspec_dense``)."""
     counts = {s: sum(d.get("status") == s for d in docs) for s in REPLAY_STATUSES}
     parts = [f"{counts['ok']} ok", f"{counts['diverged']} diverged",
              f"{counts['not applicable']} not applicable to target {target}"]
