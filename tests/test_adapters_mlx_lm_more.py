@@ -289,7 +289,7 @@ def test_fuzz_target_stops_without_a_verdict_on_a_harness_crash(tmp_path, monkey
     _break_the_adapter(monkeypatch)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["fuzz", "--target", "mlx-lm", "--kind", "dense", "--mode", "int8", "--budget", "3",
+        code = main(["fuzz", "--target", "mlx-lm", "--kind", "dense", "--mode", "int8", "--budget", "1",
                      "--seed", "1", "--out", str(tmp_path), "--json"])
     doc = json.loads(out.getvalue())
     assert code == 2, doc
