@@ -178,6 +178,10 @@ def test_the_harness_failing_is_a_tool_failure_not_a_divergence(tmp_path, capsys
     assert "tool failure" in out and "RuntimeError: lockstep fell over" in out and "diverged" not in out.replace(
         "0 diverged", "")
     assert out.rstrip().endswith("1 trace: 0 ok, 0 diverged, 0 not applicable to target impl, 1 tool failure")
-    assert main(["replay", str(d), "--json"]) == 2
+    xml = tmp_path / "r.xml"
+    assert main(["replay", str(d), "--json", "--junit-xml", str(xml)]) == 2
     doc = json.loads(capsys.readouterr().out)
     assert doc["counts"]["tool_failure"] == 1 and doc["traces"][0]["status"] == "tool failure"
+    # JUnit: an <error> (the tool's), not a <failure> (the case's)
+    text = xml.read_text()
+    assert 'errors="1"' in text and 'failures="0"' in text and "<error" in text and "<failure" not in text

@@ -304,7 +304,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if doc.get("status") == "not applicable":
                 skipped = f"not applicable: target {doc.get('target')} cannot run it: {doc.get('unsupported')}"
             cases.append(Case("replay", doc["trace"], c == 0, float(doc.get("seconds", 0.0)),
-                              detail or f"{doc.get('ops_run', 0)} ops agree", skipped=skipped))
+                              detail or f"{doc.get('ops_run', 0)} ops agree", skipped=skipped,
+                              error=doc.get("status") == "tool failure"))
         write_junit(args.junit_xml, cases)
     if args.sarif:
         findings = []

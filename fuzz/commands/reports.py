@@ -47,6 +47,8 @@ class Case:
     detail: str = ""
     #: a reason when the case did not run (``<skipped>``)
     skipped: str | None = None
+    #: the tool itself failed, not the case (``<error>``, not ``<failure>``)
+    error: bool = False
 
 
 def junit_xml(cases: list[Case], name: str = "kvspec") -> str:
@@ -57,7 +59,7 @@ def junit_xml(cases: list[Case], name: str = "kvspec") -> str:
     for c in cases:
         if c.suite not in suites:
             suites[c.suite] = ET.SubElement(root, "testsuite", name=c.suite)
-            counts[c.suite] = [0, 0, 0, 0.0]
+            counts[c.suite] = [0, 0, 0, 0.0, 0]
         tc = ET.SubElement(suites[c.suite], "testcase", name=c.name, classname=f"{name}.{c.suite}",
                            time=f"{c.seconds:.3f}")
         n = counts[c.suite]
@@ -68,22 +70,22 @@ def junit_xml(cases: list[Case], name: str = "kvspec") -> str:
             n[2] += 1
         elif not c.ok:
             first = c.detail.splitlines()[0] if c.detail else "failed"
-            ET.SubElement(tc, "failure", message=first[:500]).text = c.detail
-            n[1] += 1
+            ET.SubElement(tc, "error" if c.error else "failure", message=first[:500]).text = c.detail
+            n[4 if c.error else 1] += 1
         elif c.detail:
             ET.SubElement(tc, "system-out").text = c.detail
-    total = [0, 0, 0, 0.0]
+    total = [0, 0, 0, 0.0, 0]
     for suite, el in suites.items():
-        tests, failures, skipped, seconds = counts[suite]
+        tests, failures, skipped, seconds, errors = counts[suite]
         el.set("tests", str(tests))
         el.set("failures", str(failures))
-        el.set("errors", "0")
+        el.set("errors", str(errors))
         el.set("skipped", str(skipped))
         el.set("time", f"{seconds:.3f}")
         total = [a + b for a, b in zip(total, counts[suite])]
     root.set("tests", str(int(total[0])))
     root.set("failures", str(int(total[1])))
-    root.set("errors", "0")
+    root.set("errors", str(int(total[4])))
     root.set("skipped", str(int(total[2])))
     root.set("time", f"{total[3]:.3f}")
     ET.indent(root)
