@@ -5,7 +5,9 @@ or the batch ring) and, beside it, one single cache of ours per sequence
 (the reference: "a batch of B behaves as B independent caches") and the
 spec's layout arithmetic (``spec.batch``). Ops, with tiny sizes (batch 1
 to 3, 1 to 3 heads, K and V head dims that differ, step 1 to 8, ring
-windows 2 to 8, ragged lengths so that rings wrap in some rows only):
+windows 2 to 8, ragged lengths so that rings wrap in some rows only) and
+rows in float16, bfloat16 or float32 (a window is compared with its dtype,
+so a dtype a merge, grow or extend drops is seen):
 
 * ``merge`` (the start, and again for ``extend``): single caches of ragged
   lengths (a block, then decode steps: a ring may have wrapped) merged by ``merge`` (our ``KVCache.merge`` /
@@ -16,17 +18,28 @@ windows 2 to 8, ragged lengths so that rings wrap in some rows only):
 * ``filter``: keep an ordered subset of the sequences;
 * ``extend``: merge fresh single caches and append them;
 * ``trim`` (dense): the same count from every sequence, counts from -3
-  (spec.batch: a trim of ``n <= 0`` takes nothing) to 4;
+  (spec.batch: a trim of ``n <= 0`` takes nothing) to 8 (so that a batch
+  of equal offsets is trimmed back to idx 0);
 * ``extract``: one sequence back as a single cache; a dense one then goes
   on in lockstep with spec.dense at the batch's step (its step, capacity
   and regrow on a few decode rows), so a lost setting is seen;
-* ``announced`` (dense, on an empty batch): mlx-lm's announced left
-  padding, a block shorter than it (refused by the spec and the batch,
-  which must change nothing), then a block at least as wide;
+* ``announced`` (dense): mlx-lm's announced left padding. On a batch that
+  holds no positions (empty, or trimmed back to idx 0): a block shorter
+  than it (refused by the spec and the batch, which must change nothing),
+  then a block at least as wide; on a batch that holds positions the
+  announcement itself is refused (InvalidArgumentError, nothing changed);
 * ``refused`` (dense): an argument spec.batch refuses: a filter with a
   duplicate, out-of-range or no index, an out-of-range extract; both the
   spec and the batch must raise InvalidArgumentError, and nothing may
-  change (layout, offsets, every window, the masks: the full check).
+  change (layout, offsets, every window, the masks: the full check);
+* ``merge_refused``: single caches a batch cannot hold, one of them odd:
+  (dense) an Int8 cache or a front-trimmed one (UnsupportedOperationError),
+  rows of another dtype, head count or head dim (InvalidArgumentError);
+  (ring) a ring with sinks (UnsupportedOperationError), another
+  ``max_size``, dtype, head count or head dim (InvalidArgumentError).
+  ``merge`` must raise that type and leave every input cache as it was;
+* ``extend_refused`` (dense, on a batch with rows): a batch of another
+  dtype, head count or head dim: InvalidArgumentError, nothing changed.
 
 After every op, for every sequence: its window (bytes) equals its single
 cache's, its offset equals the single's and the spec's, the layout equals
@@ -51,18 +64,24 @@ from impl.dense import KVCache
 from impl.rotating import RotatingKVCache
 from spec import batch as sb
 from spec import dense as sd
-from spec.errors import InvalidArgumentError
+from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 class BatchDivergence(AssertionError):
     """The batch cache disagrees with its B single caches or with the spec."""
 
 
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
 def _bytes(window: Any) -> list[bytes]:
-    """A window's bytes; no window and an empty one (0 rows) are the same."""
+    """A window's dtype and bytes, per array; no window and an empty one (0
+    rows) are the same. bfloat16 (which NumPy lacks) is read through
+    float32, exactly."""
     if window is None or int(window[0].shape[2]) == 0:
         return []
-    return [np.array(a).tobytes() for a in window]
+    return [b for a in window for b in (str(a.dtype).encode(),
+                                         np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes())]
 
 
 @dataclass
@@ -72,6 +91,7 @@ class Shape:
     v_dim: int
     step: int
     window: int  # rings only
+    dtype: str = "float16"  # the rows' dtype, a key of DTYPES
 
 
 class Run:
@@ -87,11 +107,16 @@ class Run:
         self.layout: sb.BatchLayout | None = None
 
     # -- rows and singles ------------------------------------------------------
-    def rows(self, b: int, n: int) -> tuple[mx.array, mx.array]:
+    def rows(self, b: int, n: int, dtype: str | None = None, heads: int | None = None,
+             k_dim: int | None = None, v_dim: int | None = None) -> tuple[mx.array, mx.array]:
+        """``[b, heads, n, dim]`` random keys and values in the run's dtype
+        and shape, or the given ones (a refused merge's odd cache)."""
         s = self.shape
-        k = self.rng.standard_normal((b, s.heads, n, s.k_dim)).astype(np.float16)
-        v = self.rng.standard_normal((b, s.heads, n, s.v_dim)).astype(np.float16)
-        return mx.array(k), mx.array(v)
+        h = heads or s.heads
+        k = self.rng.standard_normal((b, h, n, k_dim or s.k_dim)).astype(np.float32)
+        v = self.rng.standard_normal((b, h, n, v_dim or s.v_dim)).astype(np.float32)
+        dt = DTYPES[dtype or s.dtype]
+        return mx.array(k).astype(dt), mx.array(v).astype(dt)
 
     def fresh(self, length: int) -> Any:
         """A single cache of ``length`` rows: a prompt block of a random part
@@ -152,8 +177,15 @@ class Run:
         block as wide as the padding or wider; sequence ``i`` keeps the
         block's rows after its padding."""
         left, short, width = arg
-        self.log.append(f"announced {list(left)}: block {short} (refused), block {width}")
         assert self.layout is not None
+        if self.layout.idx != 0:  # the batch holds positions: the announcement itself is refused
+            self.log.append(f"announced {list(left)} (refused: idx {self.layout.idx})")
+            self.expect_refusal("announced", lambda: self.batch.prepare(left_padding=list(left)),
+                                InvalidArgumentError, "spec.batch.announced_block")
+            self.check("announced")
+            return
+        self.log.append(f"announced {list(left)}: block {short} (refused), block {width}")
+        was_empty = self.batch.empty()
         try:
             sb.announced_block(self.layout, left, short)
         except InvalidArgumentError:
@@ -174,9 +206,10 @@ class Run:
             self.fail("announced", f"a block of {short} under padding {list(pads)} accepted; "
                                    "spec.batch.announced_block refuses it")
         got = self.batch.layout
-        if not self.batch.empty() or (got.idx, tuple(got.pads)) != (0, pads):
-            self.fail("announced", f"the refused block changed the batch: empty={self.batch.empty()}, layout "
-                                   f"idx={got.idx} pads={tuple(got.pads)}; nothing may change (idx=0 pads={pads})")
+        if self.batch.empty() != was_empty or (got.idx, tuple(got.pads)) != (0, pads):
+            self.fail("announced", f"the refused block changed the batch: empty={self.batch.empty()} (was "
+                                   f"{was_empty}), layout idx={got.idx} pads={tuple(got.pads)}; nothing may "
+                                   f"change (idx=0 pads={pads})")
         k, v = self.rows(b, width)
         self.batch.update_and_fetch(k, v)
         for i, (c, p) in enumerate(zip(self.singles, pads)):
@@ -268,6 +301,64 @@ class Run:
             self.fail(op, f"{value!r} accepted; spec.batch raises InvalidArgumentError")
         self.check(op)
 
+    def expect_refusal(self, op: str, call: Any, want: type, rule: str) -> None:
+        """``call()`` must raise ``want`` (the rule ``rule`` refuses it)."""
+        try:
+            call()
+        except want:
+            return
+        except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
+            self.fail(op, f"raised {type(exc).__name__}: {exc}; {rule} raises {want.__name__}")
+        self.fail(op, f"accepted; {rule} refuses it with {want.__name__}")
+
+    def odd_cache(self, odd: str, length: int) -> tuple[Any, type]:
+        """A single cache of ``length`` rows that a batch of this run cannot
+        hold, and the error merge must raise for it."""
+        s = self.shape
+        other = {"dtype": "bfloat16" if s.dtype != "bfloat16" else "float32", "heads": s.heads % 3 + 1,
+                 "k_dim": 6 - s.k_dim, "v_dim": s.v_dim % 6 + 2}
+        if self.ring:
+            c = self.single(max_size=s.window + (1 if odd == "max_size" else 0), keep=1 if odd == "sinks" else 0,
+                            step=s.step)
+        else:
+            c = self.single("int8" if odd == "int8" else "fp16", step=s.step)
+        rows = self.rows(1, length + (1 if odd == "front_trim" else 0), **(
+            {odd: other[odd]} if odd in other else {}))
+        c.update_and_fetch(*rows)
+        if odd == "front_trim":
+            c.trim_front_keep_sink(1, keep=0)
+        return c, (UnsupportedOperationError if odd in ("int8", "front_trim", "sinks") else InvalidArgumentError)
+
+    def merge_refused(self, arg: tuple[str, tuple[int, ...], int]) -> None:
+        """``merge`` of single caches of ``lengths`` rows (at least one each)
+        with an odd one at ``at``: refused with the odd one's error, every
+        input cache unchanged (window and offset)."""
+        odd, lengths, at = arg
+        self.log.append(f"merge {list(lengths)} with a cache of another {odd} at {at} (refused)")
+        caches = [self.fresh(n) for n in lengths]
+        bad, want = self.odd_cache(odd, 1 + int(self.rng.integers(0, 4)))
+        caches.insert(min(at, len(caches)), bad)
+        before = [(c.offset, self.window(c)) for c in caches]
+        self.expect_refusal("merge_refused", lambda: type(caches[0]).merge(caches), want,
+                            "merge (semantics.md 7: a batch holds one dtype and shape of Fp16 rows, no sinks)")
+        for j, (c, b) in enumerate(zip(caches, before)):
+            if (c.offset, self.window(c)) != b:
+                self.fail("merge_refused", f"input cache {j} changed by the refused merge (offset {b[0]} -> "
+                                           f"{c.offset}, window same: {self.window(c) == b[1]})")
+        self.check("merge_refused")
+
+    def extend_refused(self, arg: tuple[str, tuple[int, ...]]) -> None:
+        """``extend`` with a batch of another dtype, head count or head dim
+        (the batch holding rows): InvalidArgumentError, nothing changed."""
+        odd, lengths = arg
+        if self.batch.empty():
+            return  # no rows to disagree with: not a refusal
+        self.log.append(f"extend {list(lengths)} of another {odd} (refused)")
+        other = type(self.singles[0]).merge([self.odd_cache(odd, n)[0] for n in lengths])
+        self.expect_refusal("extend_refused", lambda: self.batch.extend(other), InvalidArgumentError,
+                            "extend (a batch holds one dtype and shape)")
+        self.check("extend_refused")
+
     # -- checks ----------------------------------------------------------------------
     def window(self, c: Any) -> list[bytes]:
         """A single cache's window in chronological order (a ring's through
@@ -338,7 +429,8 @@ def refused_args(b: int) -> st.SearchStrategy[tuple[str, Any]]:
 @st.composite
 def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[str, Any]]]:
     shape = Shape(draw(st.integers(1, 3)), draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4, 6])),
-                  draw(st.integers(1, 8)), draw(st.integers(2, 8)))
+                  draw(st.integers(1, 8)), draw(st.integers(2, 8)),
+                  draw(st.sampled_from(["float16", "float16", "bfloat16", "float32"])))
     # dense: a quarter of the programs start empty (every length 0), and
     # half of those with announced padding and a refused block
     start = draw(LENGTHS.filter(lambda ls: max(ls) > 0) if ring else
@@ -350,7 +442,8 @@ def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[
         if max(left) > 0:
             short = draw(st.integers(0, max(left) - 1))
             ops.append(("announced", (left, short, draw(st.integers(max(left), max(left) + 3)))))
-    names = ["decode", "block", "filter", "extend", "extract"] + ([] if ring else ["trim", "refused"])
+    names = ["decode", "block", "filter", "extend", "extract", "merge_refused"] + (
+        [] if ring else ["trim", "trim", "refused", "announced", "extend_refused"])
     for _ in range(draw(st.integers(1, 10))):
         op = draw(st.sampled_from(names))
         if op == "block":
@@ -366,7 +459,19 @@ def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[
         elif op == "extract":
             ops.append((op, draw(st.integers(0, b - 1))))
         elif op == "trim":
-            ops.append((op, draw(st.integers(-3, 4))))
+            ops.append((op, draw(st.integers(-3, 8))))
+        elif op == "announced":
+            left = tuple(draw(st.integers(0, 3)) for _ in range(b))
+            short = draw(st.integers(0, max(left) - 1)) if max(left) > 0 else None
+            if short is not None:
+                ops.append((op, (left, short, draw(st.integers(max(left), max(left) + 3)))))
+        elif op == "merge_refused":
+            odd = draw(st.sampled_from(["sinks", "max_size", "dtype", "heads", "v_dim"] if ring else
+                                       ["int8", "front_trim", "dtype", "heads", "k_dim", "v_dim"]))
+            ops.append((op, (odd, draw(LENGTHS.map(lambda ls: tuple(n + 1 for n in ls))), draw(st.integers(0, 3)))))
+        elif op == "extend_refused":
+            ops.append((op, (draw(st.sampled_from(["dtype", "heads", "k_dim", "v_dim"])),
+                             draw(st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple)))))
         elif op == "refused":
             ops.append((op, draw(refused_args(b))))
         elif op == "decode":

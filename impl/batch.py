@@ -134,13 +134,16 @@ def _roll_right(x: mx.array, shifts: Sequence[int]) -> mx.array:
     return mx.take_along_axis(x, mx.broadcast_to(idx, x.shape), axis=SEQ)
 
 
-def _shared_shape(windows: Sequence[tuple[mx.array, mx.array]]) -> tuple[int, int, int, mx.Dtype]:
-    """The heads, K and V head dims and dtype every window shares. Raises
-    InvalidArgumentError when they differ (a batch buffer holds one shape
-    and dtype: a mismatch would broadcast one head into all, or cast)."""
+def _shared_shape(windows: Sequence[tuple[mx.array, mx.array]], op: str = "merge",
+                  what: str = "caches") -> tuple[int, int, int, mx.Dtype]:
+    """The heads, K and V head dims and dtype every window (``[B, H, T, D]``
+    key and value arrays) shares. Raises InvalidArgumentError naming ``op``
+    when they differ (a batch buffer holds one shape and dtype: a mismatch
+    would broadcast one head into all, fail in a concatenation, or cast
+    every row to a promoted dtype)."""
     shapes = {(int(w[0].shape[1]), int(w[0].shape[3]), int(w[1].shape[3]), w[0].dtype) for w in windows}
     if len(shapes) != 1:
-        raise InvalidArgumentError(f"merge: caches must share heads, head dims and dtype, got {sorted(map(str, shapes))}")
+        raise InvalidArgumentError(f"{op}: {what} must share heads, head dims and dtype, got {sorted(map(str, shapes))}")
     return shapes.pop()
 
 
@@ -352,9 +355,16 @@ class BatchKVCache:
 
     def extend(self, other: BatchKVCache) -> None:
         """Append ``other``'s sequences, right-aligned on the longer buffer
-        (spec.batch.extend)."""
+        (spec.batch.extend). Raises InvalidArgumentError, changing nothing,
+        for ``other`` not a BatchKVCache, or holding rows of other heads,
+        head dims or dtype than this batch's (one buffer holds one shape and
+        dtype: a bfloat16 batch extended by a float16 one would turn every
+        row float32)."""
         if not isinstance(other, BatchKVCache):
             raise InvalidArgumentError(f"extend: other must be a BatchKVCache, got {type(other).__name__}")
+        if self.keys is not None and other.keys is not None:
+            assert self.values is not None and other.values is not None
+            _shared_shape([(self.keys, self.values), (other.keys, other.values)], "extend", "both batches")
         if self.keys is None and other.keys is None:
             self._pads = self._pads + other._pads
             return

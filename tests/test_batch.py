@@ -267,3 +267,17 @@ def test_the_cli_refuses_a_batch_bug_where_there_is_no_kvtrace_kind(capsys):
     assert main(["fuzz", "--bug", "batch_padding_visible", "--budget", "1"]) == 2
     assert "kvspec e2e --only batch --bug batch_padding_visible" in capsys.readouterr().out
     assert main(["replay", "tests/traces/rotating_prefill_after_wrap.json", "--bug", "batch_merge_shifts_offset"]) == 2
+
+
+@pytest.mark.parametrize("odd", ["dtype", "heads", "v_dim"])
+def test_extend_refuses_a_batch_of_another_dtype_or_shape_and_changes_nothing(odd):
+    # a float16 batch extended by a bfloat16 one used to turn every row float32 (mx.concatenate
+    # promotes); other heads or head dims raised MLX's ValueError from the concatenation
+    batch = KVCache.merge([_filled(KVCache, 3), _filled(KVCache, 2)])
+    kw = {"dtype": {"dtype": mx.bfloat16}, "heads": {"h": 1}, "v_dim": {"dv": 6}}[odd]
+    other = KVCache.merge([_filled(KVCache, 2, **kw)])
+    before = [np.array(batch.fetch_sequence(i)[1]).tobytes() for i in range(2)]
+    with pytest.raises(InvalidArgumentError, match="extend: both batches must share heads, head dims and dtype"):
+        batch.extend(other)
+    assert (batch.layout.idx, batch.layout.pads, batch.keys.dtype) == (3, (0, 1), mx.float16)
+    assert [np.array(batch.fetch_sequence(i)[1]).tobytes() for i in range(2)] == before
