@@ -4,6 +4,7 @@ machine."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from fuzz.masks import check_ring_masks, mask_as_rows
 from fuzz.trace import TraceFormatError
 from impl.rotating import RotatingKVCache
 from spec import rotating as sr
+from spec.errors import RollbackWarning
 
 __all__ = ["RotatingLockstep", "RotatingMachine", "mask_as_rows"]
 
@@ -36,7 +38,8 @@ class RotatingLockstep(Lockstep):
     after every op ``state`` against the valid rows, and, before every
     append, ``make_mask``
     (array and short forms) with the spec's visibility rule over the keys
-    the append will return."""
+    the append will return. On our ring it also checks the refused-rollback
+    warning (:meth:`check_rollback_warning`)."""
 
     spec_module = sr
 
@@ -58,6 +61,54 @@ class RotatingLockstep(Lockstep):
         self.reached(f"undo={self.undo}")
         self.cache = self.build(cache_factory, max_size=cache["max_size"], keep=cache["keep"], step=cache["step"],
                                 mode=cache["mode"], **({"undo": self.undo} if self.undo else {}))
+
+    # -- the refused-rollback warning ---------------------------------------------------
+    #: the ring the expected warning state is about, and whether it has
+    #: warned (spec side); another ring object (a copy the trace goes on
+    #: with, a reload) is another cache, which has not warned
+    _warn_cache: Any = None
+    _warned = False
+
+    def _run_step(self, index: int, op: dict[str, Any]) -> None:
+        """The step with the RollbackWarnings it issues recorded (the
+        harness's own filter ignores them; here they are counted), then
+        :meth:`check_rollback_warning`. Other warnings are issued again."""
+        if not isinstance(self.cache, RotatingKVCache):  # an mlx-lm target's adapter: no warning to check
+            super()._run_step(index, op)
+            return
+        before = self.world.cache
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", RollbackWarning)
+            super()._run_step(index, op)
+        for w in seen:
+            if not issubclass(w.category, RollbackWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.check_rollback_warning(index, op, before, sum(issubclass(w.category, RollbackWarning) for w in seen))
+
+    def check_rollback_warning(self, index: int, op: dict[str, Any], before: Any, issued: int) -> None:
+        """The rule of ``RotatingKVCache.warn_refused_rollback``: a ring warns
+        (one RollbackWarning, ``rollback_warned`` set) at its first refused
+        rollback and never again: a trim of ``min(n, offset) >
+        spec.rotating.trimmable_rows`` rows, or ``is_trimmable()`` False
+        (the step's observables ask it). A copy or a reload is another
+        cache. Raises Divergence on another count of warnings this step, or
+        on a ``rollback_warned`` that differs."""
+        if self.cache is not self._warn_cache:
+            self._warn_cache, self._warned = self.cache, False
+        refused = False
+        if op["op"] == "trim" and not self.refused:
+            n = max(0, min(int(op["n"]), before.offset))
+            refused = n > sr.trimmable_rows(before)
+        if op["op"] != "expect" and not sr.is_trimmable(self.world.cache):
+            refused = True
+        want = 1 if refused and not self._warned else 0
+        self._warned = self._warned or refused
+        got_flag = getattr(self.cache, "rollback_warned", None)
+        if (issued, got_flag) != (want, self._warned):
+            raise Divergence(index, op, "refused-rollback warning (one RollbackWarning per cache, at its first "
+                                        "refused rollback)",
+                             f"{want} warnings this step, rollback_warned={self._warned}",
+                             f"{issued} warnings this step, rollback_warned={got_flag}")
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         result = self.impl_common(op)

@@ -229,3 +229,49 @@ def test_the_harness_silences_its_own_refusals_inside_a_step_only():
     got = loud(lambda: [lock.step(i, op) for i, op in enumerate(ops)])
     assert got == [] and lock.cache.rollback_warned and lock.cache.offset == 7
     assert len(loud(lambda: copy.copy(lock.cache).trim(1))) == 1  # outside a step: heard
+
+
+# -- the rotating lockstep checks the warning (fuzz.rotating.check_rollback_warning) ---------------
+class _SilentIsTrimmable(RotatingKVCache):
+    def is_trimmable(self) -> bool:  # False without the warning
+        return self._counters_rewind_exact() or self.trimmable_rows() > 0
+
+
+class _PartialRefusalSilent(RotatingKVCache):
+    def warn_refused_rollback(self, n):  # warns only when nothing at all can be rolled back
+        if n is None or self.trimmable_rows() == 0:
+            super().warn_refused_rollback(n)
+
+
+class _CopyKeepsWarned(RotatingKVCache):
+    def __deepcopy__(self, memo):  # the flag copied into the copy
+        new = super().__deepcopy__(memo)
+        new.rollback_warned = self.rollback_warned
+        return new
+
+
+_RING = {"mode": "fp16", "step": 1, "batch": 1, "kv_heads": 1, "head_dim": 4, "inplace": True, "keep": 0,
+         "kind": "rotating", "max_size": 2}
+_WRAP = [{"op": "append", "n": 1}] * 3
+
+
+@pytest.mark.parametrize("factory, undo, ops", [
+    (_SilentIsTrimmable, 0, _WRAP),
+    # undo 1: trimmable_rows 1 after the wrap; a trim of 2 is a refusal with a row to roll back
+    (_PartialRefusalSilent, 1, [*_WRAP, {"op": "trim", "n": 2}]),
+    # warned by a refused trim, trimmable again after a decode, then copied: the copy has not warned
+    (_CopyKeepsWarned, 1, [*_WRAP, {"op": "trim", "n": 2}, {"op": "append", "n": 1},
+                           {"op": "copy", "name": "c", "live": "copy"}]),
+])
+def test_the_rotating_lockstep_sees_a_wrong_rollback_warning(factory, undo, ops):
+    from fuzz.lockstep import Divergence
+    from fuzz.rotating import RotatingLockstep
+
+    def run(cls):
+        lock = RotatingLockstep({**_RING, "undo": undo}, cache_factory=cls)
+        for i, op in enumerate(ops):
+            lock.step(i, op)
+
+    run(RotatingKVCache)  # the ring itself agrees
+    with pytest.raises(Divergence, match="refused-rollback warning"):
+        run(factory)
