@@ -7,8 +7,10 @@ pass (exit 0, after ops were run).
 Budgets are examples and seeds, not seconds: ``--budget 0.001`` runs
 exactly one batch (25 examples of up to 40 steps) of each campaign, at
 ``--seed 1``, whatever the machine's speed (fuzz.campaign.interleaved runs
-every campaign's first batch whole); ``--inplace on`` keeps one campaign a
-target. The examples each member needed are in the assertion messages."""
+every campaign's first batch whole); a broken member not caught at seed 1
+gets seed 2, then 3 (:data:`SEEDS`), a control runs seed 1; ``--inplace
+on`` keeps one campaign a target. ``pytest -s`` prints the seed and examples
+each member needed."""
 
 from __future__ import annotations
 
@@ -74,9 +76,16 @@ CONTROLS: dict[str, tuple[str, str]] = {
 }
 
 
-def fuzz(capsys: pytest.CaptureFixture, tmp_path: Path, target: str, kind: str) -> tuple[int, dict]:
+#: the seeds a broken member may take (one batch each, the next only when
+#: the previous missed): at seed 1 every member is caught today (after 2 to
+#: 20 of its 25 examples); the others keep a change of the machines' draw
+#: order from failing the corpus without a member being missed for good
+SEEDS = (1, 2, 3)
+
+
+def fuzz(capsys: pytest.CaptureFixture, tmp_path: Path, target: str, kind: str, seed: int = 1) -> tuple[int, dict]:
     code = main(["fuzz", "--target", target, "--kind", kind, "--budget", "0.001", "--shrink-budget", "0.2",
-                 "--seed", "1", "--inplace", "on", "--db", "none", "--out", str(tmp_path), "--json"])
+                 "--seed", str(seed), "--inplace", "on", "--db", "none", "--out", str(tmp_path), "--json"])
     ex.close_sessions()
     return code, json.loads(capsys.readouterr().out)
 
@@ -84,12 +93,15 @@ def fuzz(capsys: pytest.CaptureFixture, tmp_path: Path, target: str, kind: str) 
 @pytest.mark.parametrize("member", sorted(BROKEN))
 def test_each_broken_target_is_caught(member, capsys, tmp_path):
     target, kind, words = BROKEN[member]
-    code, report = fuzz(capsys, tmp_path, target, kind)
-    [run] = report["runs"]
+    for seed in SEEDS:
+        code, report = fuzz(capsys, tmp_path, target, kind, seed)
+        [run] = report["runs"]
+        if code != 0:
+            break
     assert code == 1 and run["result"] == "FAILED", (member, code, run)
     assert words in run["failure"], (member, run["failure"])
     assert run["steps"] > 0 and Path(run["trace"]).exists(), run
-    print(f"{member}: caught after {run['examples_to_catch']} of {run['examples']} examples")
+    print(f"{member}: caught at seed {seed} after {run['examples_to_catch']} of {run['examples']} examples")
 
 
 @pytest.mark.parametrize("member", sorted(CONTROLS))
