@@ -4,6 +4,7 @@ machine."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -95,10 +96,11 @@ class RotatingLockstep(Lockstep):
         on a ``rollback_warned`` that differs."""
         if self.cache is not self._warn_cache:
             self._warn_cache, self._warned = self.cache, False
-        refused = False
+        refused, refused_trim = False, 0
         if op["op"] == "trim" and not self.refused:
             n = max(0, min(int(op["n"]), before.offset))
-            refused = n > sr.trimmable_rows(before)
+            if n > sr.trimmable_rows(before):
+                refused, refused_trim = True, n
         if op["op"] != "expect" and not sr.is_trimmable(self.world.cache):
             refused = True
         want = 1 if refused and not self._warned else 0
@@ -109,6 +111,30 @@ class RotatingLockstep(Lockstep):
                                         "refused rollback)",
                              f"{want} warnings this step, rollback_warned={self._warned}",
                              f"{issued} warnings this step, rollback_warned={got_flag}")
+        if want:
+            self.probe_strict_refusal(index, op, refused_trim)
+
+    def probe_strict_refusal(self, index: int, op: dict[str, Any], n: int) -> None:
+        """The refusal again, on a copy (another cache, not warned; sharing
+        the buffers, which a refusal does not write) under
+        ``warnings.simplefilter("error", RollbackWarning)``: it must raise,
+        and leave the copy's ``rollback_warned`` unset (a warning that
+        raised was not issued, so every strict refusal raises)."""
+        probe = copy.copy(self.cache)
+        raised = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RollbackWarning)
+            try:
+                probe.trim(n) if n else probe.is_trimmable()
+            except RollbackWarning:
+                raised = True
+        flag = probe.rollback_warned
+        del probe
+        if not raised or flag:
+            what = f"trim({n})" if n else "is_trimmable()"
+            raise Divergence(index, op, f"strict refused rollback (a copy's {what} under an error filter)",
+                             "raises RollbackWarning, rollback_warned stays False",
+                             f"raised: {raised}, rollback_warned={flag}")
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         result = self.impl_common(op)

@@ -243,6 +243,14 @@ class _PartialRefusalSilent(RotatingKVCache):
             super().warn_refused_rollback(n)
 
 
+class _FlagSetFirst(RotatingKVCache):
+    def warn_refused_rollback(self, n):  # the flag set before warnings.warn, which may raise
+        if self.rollback_warned:
+            return
+        self.rollback_warned = True
+        warnings.warn(f"a rollback of {n} rows is refused", RollbackWarning, stacklevel=2)
+
+
 class _CopyKeepsWarned(RotatingKVCache):
     def __deepcopy__(self, memo):  # the flag copied into the copy
         new = super().__deepcopy__(memo)
@@ -257,6 +265,7 @@ _WRAP = [{"op": "append", "n": 1}] * 3
 
 @pytest.mark.parametrize("factory, undo, ops", [
     (_SilentIsTrimmable, 0, _WRAP),
+    (_FlagSetFirst, 0, _WRAP),
     # undo 1: trimmable_rows 1 after the wrap; a trim of 2 is a refusal with a row to roll back
     (_PartialRefusalSilent, 1, [*_WRAP, {"op": "trim", "n": 2}]),
     # warned by a refused trim, trimmable again after a decode, then copied: the copy has not warned
@@ -273,5 +282,5 @@ def test_the_rotating_lockstep_sees_a_wrong_rollback_warning(factory, undo, ops)
             lock.step(i, op)
 
     run(RotatingKVCache)  # the ring itself agrees
-    with pytest.raises(Divergence, match="refused-rollback warning"):
+    with pytest.raises(Divergence, match="refused-rollback warning|strict refused rollback"):
         run(factory)
