@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -33,6 +32,13 @@ import numpy as np
 from fuzz import expected_refusals, interrupt
 from fuzz import rows as rowgen
 from fuzz.device import current as current_device
+from fuzz.failures import (  # noqa: F401  (Divergence re-exported)
+    Divergence,
+    HarnessFailure,
+    TargetCapabilityError,
+    _jsonable,
+    classify_failure,
+)
 from fuzz.protocol import refusal_category
 from impl.dense import data_pointer
 from impl.write import inplace_keeps_memory
@@ -41,44 +47,6 @@ from spec.errors import KVCacheError, StateError
 
 #: The environment variable of the in-place switch (spec.dense.inplace_switch).
 INPLACE_ENV = "KV_INPLACE_WRITE"
-
-
-@dataclass
-class Divergence(Exception):
-    """The spec and the implementation (or the trace's own checks) disagree."""
-
-    index: int
-    op: dict[str, Any]
-    what: str
-    spec: Any
-    impl: Any
-    #: what the two lines are: (spec, implementation) by default; a trace's
-    #: own check compares one side with what the trace expects
-    labels: tuple[str, str] = ("spec says", "impl did")
-
-    def __str__(self) -> str:
-        width = max(len(label) for label in self.labels) + 1
-        first, second = (f"{label}:".ljust(width) for label in self.labels)
-        return (
-            f"op {self.index} {json.dumps(self.op)}: {self.what}\n"
-            f"  {first} {self.spec}\n"
-            f"  {second} {self.impl}"
-        )
-
-    @property
-    def trace_check(self) -> bool:
-        """The trace's own check failed against the spec (the trace expects
-        something the spec does not do), as opposed to the implementation
-        disagreeing with the spec or with a check the spec satisfies."""
-        return self.labels[1] == "trace expects"
-
-    def to_json(self) -> dict[str, Any]:
-        keys = ["trace" if self.labels[0] == "trace expects" else "spec",
-                "trace" if self.labels[1] == "trace expects" else "impl"]
-        return {"index": self.index, "op": self.op, "what": self.what,
-                "kind": "trace check" if self.trace_check else "divergence",
-                "implementation": self.labels[1].removesuffix(" did") if keys[1] == "impl" else None,
-                keys[0]: _jsonable(self.spec), keys[1]: _jsonable(self.impl)}
 
 
 def reload_through_file(caches: list[Any], save: Any = None, load: Any = None, env: str | None = None) -> list[Any]:
@@ -141,16 +109,6 @@ def is_cache_copy(holder: Any) -> bool:
     """Whether a held object is a copy of a cache (the ``copy`` op), not a
     snapshot or handle: it can take appends."""
     return callable(getattr(holder, "update_and_fetch", None))
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    return repr(x)
 
 
 class StateHolder:
@@ -562,10 +520,9 @@ class Lockstep:
             except Divergence:
                 raise
             except Exception as exc:
-                # whose failure (fuzz.targets.classify_failure): the target's
+                # whose failure (fuzz.failures.classify_failure): the target's
                 # crash while read (a divergence), a capability gap or the
                 # harness's own failure (exit 2), never a raw traceback
-                from fuzz.targets import HarnessFailure, classify_failure
                 from fuzz.trace import TraceFormatError
 
                 if isinstance(exc, (TraceFormatError, HarnessFailure)):
@@ -604,8 +561,6 @@ class Lockstep:
         except Divergence:
             raise
         except Exception as exc:  # a target's crash is a divergence too (classify_failure)
-            from fuzz.targets import classify_failure
-
             other = classify_failure(self, index, op, exc, running=True)
             if other is not None:  # a capability gap or the harness's own crash: exit 2
                 raise other from exc

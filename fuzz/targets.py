@@ -42,6 +42,15 @@ from importlib import metadata
 from typing import Any
 
 from fuzz import kinds
+from fuzz.failures import (  # noqa: F401  (re-exported: the target layer's names for whose failure it is)
+    HarnessFailure,
+    TargetCannotRun,
+    TargetCapabilityError,
+    classify_failure,
+    harness_dirs,
+    raised_in,
+    target_objects,
+)
 from fuzz.protocol import REFUSAL_CATEGORIES, read_observable
 from fuzz.trace import TraceFormatError
 
@@ -76,12 +85,6 @@ class TargetError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class TargetCapabilityError(TraceFormatError):
-    """The target cannot run this trace (exit 2, with the reason): no class
-    for its kind and mode, a cache field value the class cannot take, or an
-    op the class does not have."""
 
 
 #: Ops that need their family: excluding the first excludes the others too
@@ -644,127 +647,3 @@ def _machine_with_head_dims(base: type, head_dims: tuple[int, ...]) -> type:
 
     WideHeadMachine.__name__ = f"{base.__name__}_head{'_'.join(map(str, head_dims))}"
     return WideHeadMachine
-
-
-# -- whose failure it is ---------------------------------------------------------
-
-
-class HarnessFailure(Exception):
-    """The harness's own code raised while running or reading an op (a
-    crash of ``fuzz/`` or ``spec/``, or of ``impl/`` driving another
-    target): a tool failure, exit 2, never a divergence. ``index`` and
-    ``op`` name the op; ``__cause__`` is the exception."""
-
-    def __init__(self, index: int, op: dict[str, Any], exc: BaseException, where: str):
-        self.index, self.op, self.error = index, op, exc
-        super().__init__(f"op {index} {op.get('op')!r}: the harness raised {type(exc).__name__}: {exc} "
-                         f"(in {where}; a tool failure, not a divergence)")
-
-
-class TargetCannotRun(TargetCapabilityError):
-    """The harness asked the target's object for a member its class does not
-    have while running an op (``AttributeError`` raised in the harness's own
-    code on the target's object): a capability gap, exit 2 not applicable,
-    never a divergence. ``index``, ``op`` and ``member`` name it."""
-
-    def __init__(self, index: int, op: dict[str, Any], target: str, cls: str, member: str):
-        self.index, self.op, self.member = index, op, member
-        super().__init__(f"op {index} {op.get('op')!r}: target {target} cannot run it: its class {cls} has no "
-                         f"member {member!r}, which this op needs (a capability gap, not a divergence)")
-
-
-def _package_dir(name: str) -> str:
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec(name)
-    return os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else "\0"
-
-
-_HARNESS: dict[str, tuple[str, ...]] = {}
-
-
-def harness_dirs(impl_is_target: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the harness's folders, folders inside them that hold target code):
-    ``fuzz/`` and ``spec/`` (and ``impl/`` unless it is the target), less
-    ``fuzz/bugs/`` (an injected bug's classes are the target)."""
-    if not _HARNESS:
-        _HARNESS["fuzz"] = (_package_dir("fuzz"),)
-        _HARNESS["spec"] = (_package_dir("spec"),)
-        _HARNESS["impl"] = (_package_dir("impl"),)
-        _HARNESS["bugs"] = (_package_dir("fuzz.bugs"),)
-    dirs = _HARNESS["fuzz"] + _HARNESS["spec"] + (() if impl_is_target else _HARNESS["impl"])
-    return dirs, _HARNESS["bugs"]
-
-
-def raised_in(exc: BaseException) -> str:
-    """The file of the innermost Python frame that raised ``exc`` (an
-    exception of C code, such as MLX's, is its Python caller's)."""
-    tb = exc.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename
-
-
-def _is_harness(path: str, impl_is_target: bool) -> bool:
-    dirs, inside = harness_dirs(impl_is_target)
-    return path.startswith(dirs) and not path.startswith(inside)
-
-
-def target_objects(lock: Any) -> list[Any]:
-    """The objects a lockstep holds of the target: the cache (and a built-in
-    adapter's ``inner`` engine object) and every snapshot or copy."""
-    out = []
-    for obj in (getattr(lock, "cache", None), *getattr(lock, "holders", {}).values()):
-        if obj is not None:
-            out.append(obj)
-            inner = getattr(obj, "inner", None) if type(obj).__module__.startswith("fuzz.adapters") else None
-            if inner is not None:
-                out.append(inner)
-    return out
-
-
-def classify_failure(lock: Any, index: int, op: dict[str, Any], exc: BaseException,
-                     running: bool) -> BaseException | None:
-    """Whose failure ``exc`` is, raised while the lockstep ``lock`` ran op
-    ``index`` on the target (``running``) or read and compared after it.
-    Returns None where it is the target's own (a refusal, compared by
-    category; a crash of the target's code, a divergence), else what to
-    raise instead:
-
-    * an ``AttributeError`` raised in the harness's own code for a member
-      of one of the target's objects that its class does not have (the
-      harness asked for ``meta_state``, ``state``, ...):
-      :class:`TargetCannotRun` (exit 2, not applicable);
-    * any other exception raised in the harness's own code
-      (:func:`harness_dirs`): :class:`HarnessFailure` (exit 2, tool
-      failure); while running the op, an exception of a refusal category is
-      left to the comparison (an adapter translates the target's refusals
-      into exceptions: kvproto's categories).
-
-    An exception raised in the target's own code while it is read after the
-    op (its ``fetch``, an observable) is returned as a Divergence at that
-    op: the target crashed on an op the spec ran."""
-    from fuzz.lockstep import Divergence
-    from fuzz.protocol import refusal_category
-
-    if isinstance(exc, HarnessFailure):  # already told apart (e.g. by the exec: client)
-        return exc
-    where = raised_in(exc)
-    target = getattr(lock, "target", None)
-    impl_is_target = target is None or target.is_impl
-    if not _is_harness(where, impl_is_target):
-        if running:
-            return None
-        return Divergence(index, op, "target crashed while being read after the op", "the op's outcome, readable",
-                          f"raised {type(exc).__name__}: {exc}")
-    if isinstance(exc, AttributeError):
-        obj, name = getattr(exc, "obj", None), getattr(exc, "name", None)
-        if name and any(obj is t for t in target_objects(lock)) and not hasattr(type(obj), name):
-            label = target.label if target is not None else "impl"
-            return TargetCannotRun(index, op, label, type(obj).__qualname__, name)
-    if running and refusal_category(exc, getattr(lock, "refusal_categories", None)) is not None:
-        return None
-    return HarnessFailure(index, op, exc, where)
