@@ -622,7 +622,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                                "shrink_cut": rep.shrink_cut,
                                "examples_to_catch": rep.examples_to_catch, "result": "ok", "reached": rep.stats}
         if rep.examples == 0:
-            row["result"], failed = "no examples", True  # a run that checked nothing never says ok
+            # a run that checked nothing never says ok, and found nothing either: no verdict, exit 2
+            row["result"], refused = "no examples", True
         if rep.failure is not None:
             failed = True
             status = failure_status(rep.failure.error)
@@ -1003,8 +1004,8 @@ EXIT_CODES = {
               "not do); with several traces the most severe among those the target can run (a trace it cannot "
               "run is counted as not applicable, not failed; 2 when it can run none)",
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
-            "written and a replay command printed) or a campaign that ran no example; 2 bad arguments or no "
-            "verdict (a capability gap, the harness's own crash, a failure the tool could not repeat); "
+            "written and a replay command printed); 2 bad arguments or no verdict (a campaign that ran no "
+            "example, a capability gap, the harness's own crash, a failure the tool could not repeat); "
             "130 interrupted (seed and rerun command printed)",
     "campaign": "exit status: 0 HypoFuzz ran the budget and found nothing; 1 a failure (its kvtrace is written "
                 "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign'), "
