@@ -209,6 +209,7 @@ class DenseLockstep(DenseOps, Lockstep):
 
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         super().compare_append(index, op, s, i)
+        self.check_window_is_callers(index, op)
         before = self.prev_world
         if s.regrew and before.cache.capacity > before.cache.live_len:
             self.reached("regrow after trim")
@@ -216,6 +217,19 @@ class DenseLockstep(DenseOps, Lockstep):
             self.reached("in-place write beside a holder")
         if not s.inplace and before.cache.marker is None and before.cache.buffer is not None:
             self.reached("copy after restore/install")
+
+    def check_window_is_callers(self, index: int, op: dict[str, Any]) -> None:
+        """The window an append returns is the caller's: slices or new
+        handles of the buffers, never the cache's own buffer objects (a
+        caller assigning into its window, ``k[...] = x``, rebinds that
+        object: it would write into the cache's rows). Our cache only (an
+        mlx-lm target's adapter keeps no ``buffers``)."""
+        b = getattr(self.cache, "buffers", None) if isinstance(self.cache, KVCache) else None
+        if b is None or self.returned is None:
+            return
+        if any(r is x for r in self.returned for x in b.arrays()):
+            raise Divergence(index, op, "the returned window is the cache's own buffer object",
+                             "slices or new handles (the caller's to assign into)", "the buffer array itself")
 
     # -- observables ------------------------------------------------------------
     def spec_observables(self) -> dict[str, Any]:

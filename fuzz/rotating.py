@@ -178,6 +178,15 @@ class RotatingLockstep(Lockstep):
 
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         super().compare_append(index, op, s, i)
+        c, ret = self.cache, self.returned
+        if (op["n"] == 1 and isinstance(c, RotatingKVCache) and ret is not None
+                and any(r is x for r in ret for x in (c.keys, c.values))):
+            # a decode's window is the caller's: slices or new handles, never
+            # the ring's own buffer objects (an assignment into the window
+            # would write the ring). Decode only: a multi-row append (_prefill)
+            # returns the ring's buffers, as mlx-lm's ring does (not checked)
+            raise Divergence(index, op, "the returned window is the ring's own buffer object",
+                             "slices or new handles (the caller's to assign into)", "the buffer array itself")
         before = self.prev_world.cache
         if op["n"] == 1 and before.offset >= before.max_size:
             self.reached("steady-state decodes")
