@@ -50,11 +50,11 @@ def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] 
 
 
 def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
-             classes: dict[str, type] | None = None, undo: int = 0, **kw: Any) -> Cache:
+             classes: dict[str, type] | None = None, undo: int = 0, strict: bool = False, **kw: Any) -> Cache:
     """One of mlx-lm's per-layer caches -> the kvspec cache of the same kind
     (``classes`` maps a kind, ``"dense"`` or ``"rotating"``, to the class to
     build instead of ours: a subclass, e.g. a test double; ``undo`` is a
-    ring's undo depth; ``kw``: the Delegated mode's ``hot_threshold`` and
+    ring's undo depth, ``strict`` its refusal setting; ``kw``: the Delegated mode's ``hot_threshold`` and
     ``fold_block``)."""
     from mlx_lm.models import cache as lm_cache
 
@@ -65,13 +65,19 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
         # fp16 (the model's dtype) only; ``mode`` applies to the
         # full-attention layers (docs/mlx-lm.md, "Quantized caches").
         ring = classes.get("rotating", RotatingKVCache)
-        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo)
+        return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo, **_strict_kw(strict))
     if type(c) is lm_cache.KVCache:
         return _dense(mode, step, inplace, classes, kw)
     raise UnsupportedOperationError(
         f"make_prompt_cache: layer {layer} needs a {type(c).__name__}, which kvspec does not implement "
         "(supported: full-attention KVCache and sliding-window RotatingKVCache layers)"
     )
+
+
+def _strict_kw(strict: bool) -> dict[str, bool]:
+    """``strict`` for a ring's constructor: passed only when True, so a
+    ``classes`` factory written before the setting still builds the rest."""
+    return {"strict": True} if strict else {}
 
 
 def make_prompt_cache(
@@ -83,6 +89,7 @@ def make_prompt_cache(
     classes: dict[str, type] | None = None,
     undo: int = 0,
     num_draft_tokens: int = 0,
+    strict: bool = False,
     **kw: Any,
 ) -> list[Cache]:
     """One kvspec cache per layer of an mlx-lm ``model``, laid out as
@@ -120,6 +127,13 @@ def make_prompt_cache(
             prompt longer than it) refuses every rollback; its first
             refusal warns (``RollbackWarning``, once per cache, also when
             mlx-lm only asks ``is_trimmable()``; docs/mlx-lm.md).
+        strict: True or False (default): every ring's ``strict``. True
+            makes each refused rollback raise StateError (the ring
+            unchanged) instead of the once-per-cache RollbackWarning, also
+            inside mlx-lm's own loops (``speculative_generate_step``,
+            which asks ``is_trimmable()``); dense layers trim exactly and
+            never refuse. A ``classes`` ring gets ``strict=True`` only when
+            it is set.
         **kw: ``hot_threshold``, ``fold_block`` for ``turbo4delegated``.
 
     In a quantized ``mode`` (``"int8"``, the Turbo modes) the full-attention
@@ -130,14 +144,17 @@ def make_prompt_cache(
     Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
     ``ArraysCache`` of state-space layers) and for a quantized ``mode`` with
     ``max_kv_size`` (every layer a ring: nothing the mode applies to);
-    InvalidArgumentError for bad sizes.
+    InvalidArgumentError for bad sizes or a ``strict`` that is not a bool.
     """
+    if type(strict) is not bool:
+        raise InvalidArgumentError(f"make_prompt_cache: strict must be True or False, got {strict!r}")
     num_draft_tokens = _check_int("make_prompt_cache", "num_draft_tokens", num_draft_tokens)
     if num_draft_tokens < 0:
         raise InvalidArgumentError(f"make_prompt_cache: num_draft_tokens must be >= 0, got {num_draft_tokens}")
     undo = max(_check_int("make_prompt_cache", "undo", undo), num_draft_tokens)
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace, classes, undo, **kw) for i, c in enumerate(model.make_cache())]
+        return [_convert(i, c, mode, step, inplace, classes, undo, strict, **kw)
+                for i, c in enumerate(model.make_cache())]
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -146,7 +163,8 @@ def make_prompt_cache(
                 f"which supports mode 'fp16' only, got mode={mode!r}"
             )
         ring = (classes or {}).get("rotating", RotatingKVCache)
-        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo) for _ in range(n_layers)]
+        return [ring(max_size=max_kv_size, keep=4, step=step, inplace=inplace, undo=undo, **_strict_kw(strict))
+                for _ in range(n_layers)]
     return [_dense(mode, step, inplace, classes, kw) for _ in range(n_layers)]
 
 

@@ -182,14 +182,22 @@ class RotatingKVCache:
             cannot trim). The log keeps at most U rows per K/V buffer, so a
             trim of up to U rows after a wrap is exact
             (``trimmable_rows()``; spec.rotating.trimmable_rows).
+        strict: True or False (default). A rollback the ring cannot honour
+            exactly (beyond ``trimmable_rows()``: a trim, or an
+            ``is_trimmable()`` that would answer False) is refused and the
+            ring is left unchanged; False reports the first refusal with a
+            RollbackWarning (once per cache), True raises StateError at
+            every refusal, also inside mlx-lm's loops that only ask
+            ``is_trimmable()`` (docs/mlx-lm.md, "Refused rollbacks").
 
-    Raises InvalidArgumentError for bad sizes and UnsupportedOperationError
-    for another mode. Observables: ``offset``, ``idx``, ``capacity``,
-    ``last_write_inplace``, ``trimmable_rows()``.
+    Raises InvalidArgumentError for bad sizes or a ``strict`` that is not a
+    bool, UnsupportedOperationError for another mode. Observables:
+    ``offset``, ``idx``, ``capacity``, ``last_write_inplace``,
+    ``trimmable_rows()``, ``strict``.
     """
 
     def __init__(self, max_size: int, keep: int = 0, step: int = 256, inplace: bool | None = None, mode: str = "fp16",
-                 undo: int = 0):
+                 undo: int = 0, strict: bool = False):
         if mode != "fp16":
             raise UnsupportedOperationError(f"RotatingKVCache: mode must be 'fp16', got {mode!r}")
         max_size = _check_int("RotatingKVCache", "max_size", max_size)
@@ -204,6 +212,9 @@ class RotatingKVCache:
             raise InvalidArgumentError(f"RotatingKVCache: keep must satisfy 0 <= keep < max_size ({max_size}), got {keep}")
         if step < 1 or step > MAX_STEP:
             raise InvalidArgumentError(f"RotatingKVCache: step must be in [1, {MAX_STEP}], got {step}")
+        if type(strict) is not bool:
+            raise InvalidArgumentError(f"RotatingKVCache: strict must be True or False, got {strict!r}")
+        self.strict = strict
         self.max_size, self.keep, self.step, self.mode, self.undo = max_size, keep, step, mode, undo
         self._log: tuple[UndoRecord, ...] = ()
         self.inplace = check_inplace("RotatingKVCache", inplace)
@@ -529,20 +540,42 @@ class RotatingKVCache:
         it. A caller that only asks, and would have rolled nothing back,
         is warned too: the ring cannot tell the two apart, and from here
         on any rollback asked of it is refused. False only for a ring that
-        holds rows (``offset > 0``)."""
+        holds rows (``offset > 0``).
+
+        With ``strict=True`` the answer False is never given: the refusal
+        raises StateError instead (every time; the ring is unchanged), since
+        mlx-lm's loops skip a rollback on False without calling
+        :meth:`trim`. True stays True, so mlx-lm's set-up check in
+        ``speculative_generate_step`` passes on fresh caches. A caller that
+        uses the answer only to choose (mlx-lm's ``LRUPromptCache``) gets
+        the error too: keep ``strict`` off for such caches."""
         if self._counters_rewind_exact() or self.trimmable_rows() > 0:
             return True
         self.warn_refused_rollback(None)
         return False
 
     def warn_refused_rollback(self, n: int | None) -> None:
-        """Issue the once-per-cache RollbackWarning for a rollback of ``n``
-        rows (None: any rollback, from :meth:`is_trimmable`) this ring
-        cannot honour exactly. ``rollback_warned`` is set only once the
+        """Report a rollback of ``n`` rows (None: any rollback, from
+        :meth:`is_trimmable`) this ring cannot honour exactly: the
+        once-per-cache RollbackWarning, or with ``strict=True`` StateError
+        at every refusal (naming the ring, its window, its undo depth,
+        ``n`` and the fix). ``rollback_warned`` is set only once the
         warning was issued, so under ``warnings.simplefilter("error",
-        RollbackWarning)`` every refusal raises (nothing trimmed).
+        RollbackWarning)`` every refusal raises (nothing trimmed); a strict
+        ring never sets it.
 
         Rule: ``spec.rotating.trimmable_rows`` (semantics.md 3, "what a trim can take back")."""
+        if self.strict:
+            asked = ("any rollback (asked through is_trimmable(), which mlx-lm's trim_prompt_cache asks before "
+                     "every rollback)") if n is None else f"a rollback of {n} rows"
+            deeper = "" if n is None else f", or give this ring an undo log of at least {n} rows (undo={n})"
+            raise StateError(
+                f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}, undo={self.undo}, strict=True) at "
+                f"offset {self.offset} went past its window and can roll back exactly {self.trimmable_rows()} rows: "
+                f"{asked} is refused and nothing was trimmed (the ring is unchanged); for speculative decoding with "
+                f"k draft tokens build the caches with impl.models.make_prompt_cache(model, num_draft_tokens=k) "
+                f"(an undo log of k rows per ring){deeper}"
+            )
         if self.rollback_warned:
             return
         asked = "any rollback" if n is None else f"a rollback of {n} rows"
@@ -561,7 +594,8 @@ class RotatingKVCache:
         (spec.rotating.trim): by the counters while unwrapped (O(1)), else
         through the undo log (O(n) rows for decode steps). The buffers stay,
         also at offset 0. Beyond ``trimmable_rows()`` trims nothing and
-        returns 0 (fail closed), with a RollbackWarning once per cache."""
+        returns 0 (fail closed), with a RollbackWarning once per cache, or
+        with ``strict=True`` raises StateError (nothing trimmed)."""
         n = _check_int("trim", "n", n)
         n = max(0, min(n, self.offset))
         if n == 0:
@@ -777,20 +811,23 @@ class RotatingKVCache:
     @property
     def meta_state(self) -> tuple[str, ...]:
         """``(keep, max_size, step, offset, idx)`` as strings (mlx-lm's
-        layout), followed by ``undo`` when it is not 0.
+        layout), followed by ``undo`` when it is not 0 or the ring is
+        strict, and by ``"1"`` when it is strict.
 
         Rule: ``spec.rotating.w_reload`` (semantics.md 8, "The state protocol")."""
         head = (self.keep, self.max_size, self.step, self.offset, self.idx)
-        return tuple(map(str, head + ((self.undo,) if self.undo else ())))
+        tail = (self.undo, 1) if self.strict else (self.undo,) if self.undo else ()
+        return tuple(map(str, head + tail))
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        """Set (keep, max_size, step, offset, idx[, undo]) over the loaded
-        rows, with an empty undo log; refused (nothing changes) when the
-        counters do not fit them."""
+        """Set (keep, max_size, step, offset, idx[, undo[, strict]]) over the
+        loaded rows, with an empty undo log (``undo`` 0 and ``strict`` off
+        where absent); refused (nothing changes) when the counters do not
+        fit them."""
         other = type(self)._from_parts("meta_state", self.keys, self.values, v)
         self.keep, self.max_size, self.step, self.offset, self.idx = other.keep, other.max_size, other.step, other.offset, other.idx
-        self.undo, self._log = other.undo, ()
+        self.undo, self.strict, self._log = other.undo, other.strict, ()
         self._marker = None
 
     @classmethod
@@ -798,7 +835,8 @@ class RotatingKVCache:
         """Rebuild a ring from ``state`` (``(keys, values)``, ``[B, H,
         T, D]`` in physical slot order, or ``()``) and ``meta_state``
         (``(keep, max_size, step, offset, idx)`` as strings, mlx-lm's
-        layout, optionally followed by ``undo``; the log starts empty: a
+        layout, optionally followed by ``undo`` and then ``strict``, 0 or
+        1; the log starts empty: a
         rebuilt ring cannot roll back into the saved one's history). Raises InvalidArgumentError for a malformed state or
         meta_state, or counters that do not fit the rows (the checks of
         :meth:`restore`).
@@ -810,14 +848,16 @@ class RotatingKVCache:
     def _from_parts(cls, op: str, keys: mx.array | None, values: mx.array | None, meta: Any) -> RotatingKVCache:
         try:
             ints = [int(x) for x in meta]
-            if len(ints) not in (5, 6):
+            if len(ints) not in (5, 6, 7) or ints[6:] not in ([], [0], [1]):
                 raise ValueError
         except (TypeError, ValueError):
             raise InvalidArgumentError(
-                f"{op}: meta_state must be five or six integers (keep, max_size, step, offset, idx[, undo]), got {meta!r}"
+                f"{op}: meta_state must be five to seven integers (keep, max_size, step, offset, idx[, undo[, strict "
+                f"0 or 1]]), got {meta!r}"
             ) from None
         keep, max_size, step, offset, idx = ints[:5]
-        obj = cls(max_size=max_size, keep=keep, step=step, undo=ints[5] if len(ints) == 6 else 0)
+        obj = cls(max_size=max_size, keep=keep, step=step, undo=ints[5] if len(ints) >= 6 else 0,
+                  strict=ints[6:] == [1])
         obj._check_snapshot(op, RingSnapshot(keys, values, offset, idx, max_size, keep))
         obj.keys, obj.values, obj.offset, obj.idx = keys, values, offset, idx
         return obj
@@ -892,7 +932,7 @@ class RotatingKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes  # type: ignore[union-attr]
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return (f"RotatingKVCache(W={self.max_size}, K={self.keep}, U={self.undo}, offset={self.offset}, idx={self.idx}, "
+        return (f"RotatingKVCache(W={self.max_size}, K={self.keep}, U={self.undo}, strict={self.strict}, offset={self.offset}, idx={self.idx}, "
                 f"capacity={self.capacity})")
 
 

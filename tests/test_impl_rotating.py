@@ -229,7 +229,7 @@ def test_undo_argument_and_state_round_trip():
     d.update_and_fetch(*kv([5]))
     assert d.trim(1) == 1 and window_of(d) == window_of(c)
     assert RotatingKVCache(3).meta_state == ("0", "3", "256", "0", "0")
-    with pytest.raises(InvalidArgumentError, match="five or six integers"):
+    with pytest.raises(InvalidArgumentError, match="five to seven integers"):
         RotatingKVCache.from_state(c.state, ("0", "3", "1", "5"))
 
 

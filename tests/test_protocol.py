@@ -294,12 +294,13 @@ def test_rotating_restore_and_state_refusals():
         RotatingKVCache.from_state(c.state, ("1", "4", "1", "5", "-2"))
     assert message(RotatingKVCache.from_state, c.state, ("1", "4", "1", "5")) == (
         InvalidArgumentError,
-        "from_state: meta_state must be five or six integers (keep, max_size, step, offset, idx[, undo]), got ('1', '4', '1', '5')")
+        ("from_state: meta_state must be five to seven integers (keep, max_size, step, offset, idx[, undo[, strict 0 or 1]]), "
+         "got ('1', '4', '1', '5')"))
     assert message(RotatingKVCache.from_state, (c.state[0],), ("1", "4", "1", "5", "2")) == (
         InvalidArgumentError, "from_state: state must hold (keys, values), got 1 arrays")
     assert message(RotatingKVCache.from_state, (c.state[0], None), ("1", "4", "1", "5", "2")) == (
         InvalidArgumentError, "from_state: values must be an mx.array, got NoneType")
-    with pytest.raises(InvalidArgumentError, match=r"^meta_state: meta_state must be five or six integers"):
+    with pytest.raises(InvalidArgumentError, match=r"^meta_state: meta_state must be five to seven integers"):
         c.meta_state = ("1", "4")
     with pytest.raises(InvalidArgumentError, match="state: keys and values must share a dtype"):
         c.state = (c.state[0].astype(mx.float32), c.state[1])
