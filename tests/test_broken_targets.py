@@ -47,6 +47,10 @@ BROKEN: dict[str, tuple[str, str, str]] = {
     "class restore does nothing": (f"{CLASSES}:RestoreForgets", "dense", "differs"),
     "class ring mask wrong on wide rings": (f"{CLASSES}:RingMaskWideWindow", "rotating", "make_mask("),
     "class ring KeyError where the spec refuses": (f"{CLASSES}:RingKeyError", "rotating", "refusal category differs"),
+    "class AttributeError in its own append after a trim to zero": (f"{CLASSES}:TrimZeroDropsBuffer", "dense",
+                                                                  "refusal differs"),
+    "class KeyError where the spec refuses an invalid argument": (f"{CLASSES}:TrimToKeyError", "dense",
+                                                                   "refusal category differs"),
     # kvproto/1 adapters
     **{f"exec {fault}": (adapter("--fault", fault), "dense", words) for fault, words in {
         "trim_front": "live window differs",

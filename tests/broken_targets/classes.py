@@ -204,3 +204,25 @@ class RingKeyError(RingControl):
         if 0 <= length <= self.offset and self.offset - length > self.trimmable_rows():
             raise KeyError(length)
         return super().trim_to(length)
+
+
+class TrimZeroDropsBuffer(DenseControl):
+    """A trim to zero rows deletes the buffers' attribute; the next append
+    reads it (an AttributeError in the class's own code, a crash)."""
+
+    def trim(self, n):
+        removed = super().trim(n)
+        if self.offset == 0:
+            del self.keys
+        return removed
+
+
+class TrimToKeyError(DenseControl):
+    """trim_to a length outside [0, offset] looks the length up in a dict
+    of kept lengths and raises KeyError (a crash) where the spec refuses
+    with InvalidArgumentError."""
+
+    def trim_to(self, length):
+        if not 0 <= length <= self.offset:
+            return {}[length]
+        return super().trim_to(length)
