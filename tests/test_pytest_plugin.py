@@ -4,7 +4,13 @@ cache class of its own package, under its own Hypothesis profile and example
 database; a planted bug fails with a shrunk kvtrace and its replay command.
 
 Each run is a child pytest process (pytester's subprocess mode), as a
-user's suite would be."""
+user's suite would be.
+
+pytester's fixture snapshots sys.modules and, when its test ends, drops every
+module first imported during the test; MLX's extension (nanobind) aborts the
+process when imported a second time ("refusing to add duplicate key").  So
+what the in-process parts below import (the replay, the campaign, MLX under
+them) is imported here, at collection, before any snapshot, and stays."""
 
 import os
 import re
@@ -12,8 +18,11 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import mlx.core  # noqa: F401  (see the module docstring)
 import pytest
 
+import fuzz.campaign
+import fuzz.replay  # (see the module docstring)
 from fuzz.commands.cli import main
 from tests.target_examples import write_package
 
@@ -175,7 +184,6 @@ def test_a_bad_budget_seed_or_shrinks_is_a_usage_error(suite, option):
 def test_the_budget_is_the_number_of_examples_run(tmp_path, monkeypatch):
     """--kvspec-budget N runs N examples of a correct class (in process:
     the machine counts its runs), whatever the profile's max_examples."""
-    import fuzz.campaign
     from fuzz.pytest_plugin import RunOptions, run_target
 
     write_package(tmp_path / "site")
