@@ -188,7 +188,8 @@ class RotatingKVCache:
             ring is left unchanged; False reports the first refusal with a
             RollbackWarning (once per cache), True raises StateError at
             every refusal, also inside mlx-lm's loops that only ask
-            ``is_trimmable()`` (docs/mlx-lm.md, "Refused rollbacks").
+            ``is_trimmable()`` (docs/mlx-lm.md, "A rollback a layer cannot
+            honour is loud").
 
     Raises InvalidArgumentError for bad sizes or a ``strict`` that is not a
     bool, UnsupportedOperationError for another mode. Observables:

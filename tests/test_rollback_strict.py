@@ -177,8 +177,10 @@ def speculate(strict: bool, num_draft_tokens: int = 0, prompt: int = PROMPT) -> 
     from mlx_lm.generate import speculative_generate_step
 
     model, draft = speculative_gemma3(0, WINDOW)
+    # strict on the main model's caches, as docs/mlx-lm.md advises (a draft
+    # ring's refusal costs only accepted drafts)
     caches = (make_prompt_cache(model, strict=strict, num_draft_tokens=num_draft_tokens)
-              + make_prompt_cache(draft, strict=strict, num_draft_tokens=num_draft_tokens))
+              + make_prompt_cache(draft, num_draft_tokens=num_draft_tokens))
     out = []
     for tok, _, _ in speculative_generate_step(token_ids(0, prompt), model, draft, num_draft_tokens=DRAFT,
                                                max_tokens=TOKENS, prompt_cache=caches):
