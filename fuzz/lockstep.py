@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -178,6 +179,31 @@ def take_state(cache: Any, fresh: Any) -> StateHolder:
     """``saved = c.state`` (with ``c.meta_state`` where the class has one)."""
     meta = cache.meta_state if hasattr(type(cache), "meta_state") else None
     return StateHolder(cache.state, meta, fresh)
+
+
+def same_value(spec: Any, impl: Any) -> bool:
+    """An observable or a return value of the implementation equals the
+    spec's, and is of its kind: where the spec has a count (an ``int``:
+    offset, live_len, idx, rows trimmed) the implementation's is an integer
+    too (``numbers.Integral``, NumPy's included; not a bool, not a float
+    such as 3.0, which equals 3 but breaks a slice bound or a model's
+    positions); where the spec has a bool (``is_trimmable()``) the
+    implementation's is a bool (Python's or NumPy's). Anything else:
+    ``==``."""
+    if isinstance(spec, bool):
+        return isinstance(impl, (bool, np.bool_)) and bool(impl) == spec
+    if isinstance(spec, int):
+        return isinstance(impl, numbers.Integral) and not isinstance(impl, (bool, np.bool_)) and int(impl) == spec
+    return bool(spec == impl)
+
+
+def of_kind(spec: Any, impl: Any) -> Any:
+    """``impl`` as a report shows it: itself, or where it equals the spec's
+    value but is not of its kind (:func:`same_value`), its repr and type
+    (``3.0 (float, not int)``)."""
+    if isinstance(spec, (bool, int)) and not isinstance(impl, bool) and impl == spec:
+        return f"{impl!r} ({type(impl).__name__}, not {type(spec).__name__})"
+    return impl
 
 
 @dataclass
@@ -622,8 +648,8 @@ class Lockstep:
         """Compare an op's return values; appends are compared by window."""
         if op["op"] == "append":
             self.compare_append(index, op, s, i)
-        elif op["op"] != "fetch" and s != i:
-            raise Divergence(index, op, "return value differs", s, i)
+        elif op["op"] != "fetch" and not same_value(s, i):
+            raise Divergence(index, op, "return value differs", s, of_kind(s, i))
 
     def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         if not self.window_matches(s.window, i):
@@ -724,8 +750,9 @@ class Lockstep:
             self.compare_switch(index, op)
         s_obs, i_obs = self.spec_observables(), self.impl_observables()
         for key in s_obs:
-            if s_obs[key] != i_obs.get(key):
-                raise Divergence(index, op, f"{key} differs", f"{key}={s_obs[key]}", f"{key}={i_obs.get(key)}")
+            if not same_value(s_obs[key], i_obs.get(key)):
+                raise Divergence(index, op, f"{key} differs", f"{key}={s_obs[key]}",
+                                 f"{key}={of_kind(s_obs[key], i_obs.get(key))}")
         s_views, i_views = self.spec_views(), self.step_views()
         if set(s_views) != set(i_views):
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))

@@ -49,6 +49,7 @@ BROKEN: dict[str, tuple[str, str, str]] = {
     "class ring KeyError where the spec refuses": (f"{CLASSES}:RingKeyError", "rotating", "refusal category differs"),
     "class AttributeError in its own append after a trim to zero": (f"{CLASSES}:TrimZeroDropsBuffer", "dense",
                                                                   "refusal differs"),
+    "class offset reported as a float": (f"{CLASSES}:OffsetFloat", "dense", "offset differs"),
     "class KeyError where the spec refuses an invalid argument": (f"{CLASSES}:TrimToKeyError", "dense",
                                                                    "refusal category differs"),
     # kvproto/1 adapters

@@ -226,3 +226,29 @@ class TrimToKeyError(DenseControl):
         if not 0 <= length <= self.offset:
             return {}[length]
         return super().trim_to(length)
+
+
+class OffsetFloat(DenseControl):
+    """Reports ``offset`` as a float (3.0 where 3 rows were seen; rows,
+    trims and live_len right): equal to 3, but a slice bound or an
+    ``mx.arange`` of positions a model builds from it raises or goes
+    fractional."""
+
+    def __init__(self, step=256):
+        super().__init__(step)
+        self.__dict__["offset"] = 0.0
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, float(value) if name == "offset" else value)
+
+    def __getattribute__(self, name):
+        # the class's own methods compute with the int; readers see the float
+        if name == "offset" and _caller_is_own():
+            return int(object.__getattribute__(self, "__dict__")["offset"])
+        return object.__getattribute__(self, name)
+
+
+def _caller_is_own():
+    import sys
+
+    return sys._getframe(2).f_code.co_filename == __file__
