@@ -579,10 +579,28 @@ class _Declared:
 
 
 def _readable(obj: Any, key: str) -> bool:
+    """Whether the target's object has the observable ``key`` (so it is
+    compared). A member its class or instance has (``inspect.getattr_static``:
+    nothing runs) is compared, whatever reading it does now: a getter that
+    raises (``ZeroDivisionError`` on an empty cache, an ``AttributeError`` of
+    its own, e.g. ``None.shape``) is the target crashing while it is read, a
+    divergence at the op that reads it, never a silent "not compared" nor a
+    tool failure. Only an object that answers members dynamically
+    (``__getattr__``, e.g. a kvproto/1 client's declared observables) is
+    asked, and an ``AttributeError`` then means it has none."""
+    from fuzz.protocol import OBSERVABLE_METHODS
+
+    try:
+        inspect.getattr_static(obj, OBSERVABLE_METHODS.get(key, key))
+        return True
+    except AttributeError:
+        pass
     try:
         read_observable(obj, key)
     except AttributeError:
         return False
+    except Exception:  # noqa: BLE001 - it has the member: reading it crashed (compared, and caught there)
+        return True
     return True
 
 

@@ -252,3 +252,18 @@ def _caller_is_own():
     import sys
 
     return sys._getframe(2).f_code.co_filename == __file__
+
+
+class LiveLenRaisesWhenEmpty(DenseControl):
+    """live_len is a property that divides by the offset: raises
+    ZeroDivisionError on an empty cache (a crash while being read)."""
+
+    live_len = property(lambda self: self.offset * self.offset // self.offset,
+                        lambda self, v: None)
+
+
+class LiveLenOfNoneBuffer(DenseControl):
+    """live_len reads the buffer's length: an AttributeError (``None.shape``)
+    on a cache with no buffer (fresh, or restored from an empty snapshot)."""
+
+    live_len = property(lambda self: min(self.offset, self.keys.shape[2]), lambda self, v: None)
