@@ -480,54 +480,118 @@ def programs(draw: Any, ring: bool) -> tuple[Shape, tuple[int, ...], list[tuple[
 
 
 def run_program(program: tuple[Shape, tuple[int, ...], list[tuple[str, Any]]], ring: bool,
-                single: type | None = None, seed: int = 0) -> None:
+                single: type | None = None, seed: int = 0, log: list[str] | None = None) -> None:
+    """Run one program in lockstep; ``log`` (when given) receives the ops run
+    so far, for a failure message. Raises :class:`BatchDivergence` on a
+    disagreement, or whatever the batch cache or the harness raised."""
     shape, start, ops = program
     run = Run(ring, shape, single or (RotatingKVCache if ring else KVCache), seed)
+    if log is not None:
+        run.log = log
     run.start(start)
     for name, arg in ops:
         getattr(run, name)(*(() if arg is None else (arg,)))
 
 
+class BatchHarnessFailure(Exception):
+    """The harness's own code (``fuzz/`` outside ``fuzz/bugs/``, or
+    ``spec/``) raised while running a batch program: a tool failure (exit
+    2), never a divergence. ``__cause__`` is the exception."""
+
+
+def _classify(exc: Exception, log: list[str]) -> Exception:
+    """Whose failure ``exc`` (not a BatchDivergence) is: raised in the
+    harness's own code (fuzz.failures.harness_dirs with impl as the target:
+    ``fuzz/`` less ``fuzz/bugs/``, and ``spec/``), a
+    :class:`BatchHarnessFailure`; else (raised in ``impl/``, an injected
+    bug's class, or MLX called from them) the batch cache crashed on an op
+    the single caches and the spec ran: a :class:`BatchDivergence`."""
+    from fuzz.failures import _is_harness, raised_in
+
+    where = raised_in(exc)
+    ops = "; ".join(log)
+    if _is_harness(where, impl_is_target=True):
+        return BatchHarnessFailure(f"op {len(log) - 1}: the harness raised {type(exc).__name__}: {exc} (in {where}; "
+                                   f"a tool failure, not a divergence)\n  ops: {ops}")
+    return BatchDivergence(f"op {len(log) - 1}: the batch cache raised {type(exc).__name__}: {exc} (in {where}); "
+                           f"the single caches and spec.batch ran it\n  ops: {ops}")
+
+
 @dataclass
 class CampaignResult:
+    """``status``: ``ok`` (every program agreed), ``diverged`` (the batch
+    cache disagreed with its single caches or the spec, or crashed where
+    they did not: ``failure`` names the op and lists the program's ops) or
+    ``tool failure`` (the harness itself raised: no verdict). ``examples``
+    programs, ``steps`` ops run in all, ``seconds`` of wall time (reported,
+    never part of a verdict)."""
+
     ok: bool
     examples: int
     seconds: float
     failure: str = ""
+    status: str = "ok"
+    steps: int = 0
+
+    @property
+    def caught(self) -> bool:
+        """A divergence was found (a tool failure is not a catch)."""
+        return self.status == "diverged"
 
 
 def campaign(ring: bool, single: type | None = None, max_examples: int = 150, seed: int = 0,
-             shrink: bool = True) -> CampaignResult:
+             shrink: bool = True, search_seed: int | None = None) -> CampaignResult:
     """Run ``max_examples`` programs (Hypothesis, shrinking a failure);
     ``single`` is the single-cache class whose ``merge`` builds the batch
     (an injected bug's); ``shrink=False`` stops at the first failure
-    unshrunk."""
-    count = [0]
+    unshrunk. ``search_seed`` None draws the same programs on every call
+    (derandomized); an int draws other programs, reproducibly for that
+    seed. A failure is told apart by where it was raised (:func:`_classify`):
+    ``status`` ``diverged`` or ``tool failure``."""
+    import hypothesis
+
+    count, steps = [0], [0]
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    failure: list[str] = []
     start = time.perf_counter()
 
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True, phases=phases,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=search_seed is None,
+              phases=phases, suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
     @given(programs(ring), st.integers(0, 2**16))
     def prop(program: Any, data_seed: int) -> None:
         count[0] += 1
-        run_program(program, ring, single, seed + data_seed)
+        log: list[str] = []
+        where = f"\n  program: {program[0]}, row seed {seed + data_seed}"
+        try:
+            run_program(program, ring, single, seed + data_seed, log)
+        except BatchDivergence as exc:
+            raise BatchDivergence(f"{exc}{where}") from exc
+        except Exception as exc:  # told apart: the target's crash or the harness's
+            told = _classify(exc, log)
+            raise type(told)(f"{told}{where}") from exc
+        finally:
+            steps[0] += len(log)
 
+    if search_seed is not None:
+        prop = hypothesis.seed(search_seed)(prop)
+    failure, status = "", "ok"
     try:
         prop()
     except BatchDivergence as exc:
-        failure.append(str(exc))
-    except Exception as exc:  # noqa: BLE001 - a broken batch cache may raise anywhere
-        failure.append(f"raised {type(exc).__name__}: {exc}")
-    return CampaignResult(not failure, count[0], time.perf_counter() - start, failure[0] if failure else "")
+        failure, status = str(exc), "diverged"
+    except BatchHarnessFailure as exc:
+        failure, status = str(exc), "tool failure"
+    except Exception as exc:  # noqa: BLE001 - raised outside a program (Hypothesis, the draw): the tool's
+        failure, status = f"the harness raised {type(exc).__name__}: {exc} (a tool failure)", "tool failure"
+    return CampaignResult(status == "ok", count[0], time.perf_counter() - start, failure, status, steps[0])
 
 
-def catch(bug: Any, max_examples: int = 150, shrink: bool = True) -> CampaignResult:
+def catch(bug: Any, max_examples: int = 150, shrink: bool = True, search_seed: int | None = None) -> CampaignResult:
     """Run the campaign of ``bug``'s kind (``"batch"`` dense or
-    ``"batch_ring"``) with its factories; ``ok`` False means caught."""
+    ``"batch_ring"``) with its factories; ``caught`` True means caught
+    (``ok`` False with ``status`` ``tool failure`` is no catch)."""
     ring = "rotating" in bug.factories
-    return campaign(ring, bug.factories["rotating" if ring else "dense"], max_examples, shrink=shrink)
+    return campaign(ring, bug.factories["rotating" if ring else "dense"], max_examples, shrink=shrink,
+                    search_seed=search_seed)
 
 
-__all__ = ["BatchDivergence", "CampaignResult", "Run", "campaign", "catch", "programs", "run_program"]
+__all__ = ["BatchDivergence", "BatchHarnessFailure", "CampaignResult", "Run", "campaign", "catch", "programs", "run_program"]

@@ -88,7 +88,8 @@ def _find_bug(name: str, flag: str = "--bug", batch_ok: bool = False) -> Any:
     except UnknownBugError as exc:
         raise _UsageError(f"{flag}: {exc}") from None
     if bug.kind == "batch" and not batch_ok:
-        raise _UsageError(f"{flag} {name}: a batch-cache bug has no kvtrace kind to fuzz or replay; see it caught "
+        raise _UsageError(f"{flag} {name}: a batch-cache bug has no kvtrace kind to fuzz or replay; fuzz it with "
+                          f"kvspec fuzz --kind batch --bug {name}, or see it caught "
                           f"with kvspec e2e --only batch --bug {name} (kvspec verify runs it through the batch "
                           "lockstep, row 'batch bugs')")
     if bug.device == "gpu" and device.current() != "gpu":
@@ -524,6 +525,99 @@ def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float
     return [r for w in sorted(done) for r in done[w]]
 
 
+def _fuzz_batch(args: argparse.Namespace) -> int:
+    """``kvspec fuzz --kind batch``: the batch lockstep (``fuzz.batch``: a
+    batch cache against B single caches and spec.batch), dense and rotating,
+    or the campaign of ``--bug`` (a batch bug of the catalog). Rounds of
+    ``BATCH_ROUND`` programs under seeds drawn from ``--seed`` run until
+    each campaign's share of ``--budget`` is spent (at least one round
+    each); the first failure is shrunk and its program printed. Exit 0
+    agreement, 1 divergence, 2 a tool failure or an option that does not
+    apply (named)."""
+    from fuzz.batch import campaign, catch
+    from fuzz.commands.reports import Case, print_table, rerun, write_junit
+
+    console = _console()
+    as_json = args.json
+    if args.mode not in (None, "fp16"):
+        return _usage_error(console, f"--mode {args.mode}: a batch cache holds fp16 rows only; kind batch takes "
+                                     "--mode fp16 or no --mode", as_json)
+    not_applicable = [("--inplace", args.inplace != "both", "a batch cache has no in-place switch"),
+                      ("--jobs", (args.jobs or 1) > 1, "the batch campaign runs in one process"),
+                      ("--engine", args.engine is not None, "the batch campaign has one engine"),
+                      ("--target", (args.target or "impl") != "impl", "the batch caches are ours (impl) only"),
+                      ("--sarif", bool(args.sarif), "no third-party target runs a batch"),
+                      ("--shrink-budget", args.shrink_budget is not None, "the batch campaign's shrinking is untimed"),
+                      ("--db", args.db is not None, "the batch campaign keeps no example database")]
+    for flag, given, why in not_applicable:
+        if given:
+            return _usage_error(console, f"{flag} does not apply to --kind batch: {why}", as_json)
+    problem = _report_path_problem(args.junit_xml)
+    if problem:
+        return _usage_error(console, f"--junit-xml: {problem}", as_json)
+    bug = None
+    if args.bug:
+        bug = _bug(console, args.bug, as_json=as_json, batch_ok=True)
+        if bug is None:
+            return 2
+        if bug.kind != "batch":
+            return _usage_error(console, f"--bug {bug.name} patches the {bug.kind} cache, not a batch cache; "
+                                         f"drop --kind batch to fuzz it", as_json)
+    rings = ["rotating" in bug.factories] if bug is not None else [False, True]
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    again = rerun("fuzz", getattr(args, "argv", None) or ["fuzz", "--kind", "batch"], {"--seed": str(seed)})
+    share = args.budget / len(rings)
+    rows: list[dict[str, Any]] = []
+    for ring in rings:
+        config = f"batch/{'rotating' if ring else 'dense'}" + (f" ({bug.name})" if bug is not None else "")
+        row: dict[str, Any] = {"config": config, "examples": 0, "steps": 0, "seconds": 0.0, "result": "ok"}
+        start, rnd = time.perf_counter(), 0
+        while True:
+            search_seed = (seed * 1000 + rnd) * 2 + ring
+            r = (catch(bug, BATCH_ROUND, search_seed=search_seed) if bug is not None
+                 else campaign(ring, max_examples=BATCH_ROUND, search_seed=search_seed))
+            row["examples"] += r.examples
+            row["steps"] += r.steps
+            rnd += 1
+            if not r.ok:
+                row["result"] = "FAILED" if r.caught else r.status
+                row["failure"] = r.failure
+                break
+            if time.perf_counter() - start >= share:
+                break
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        rows.append(row)
+    results = {row["result"] for row in rows}
+    code = 2 if results - {"ok", "FAILED"} else 1 if "FAILED" in results else 0
+    if args.junit_xml:
+        write_junit(args.junit_xml, [Case("fuzz", r["config"], r["result"] == "ok", r["seconds"],
+                                          r.get("failure", ""), error=r["result"] not in ("ok", "FAILED"))
+                                     for r in rows])
+    if as_json:
+        print(json.dumps({"seed": seed, "budget": args.budget, "kind": "batch", "bug": args.bug, "ok": code == 0,
+                          "rerun": again, "runs": rows, "exit": code}))
+        return code
+    table = Table(title=f"kvspec fuzz --kind batch (seed {seed}, {args.budget:g} s of search)")
+    for col in ("config", "examples", "steps", "ops/s", "result"):
+        table.add_column(col, no_wrap=col != "config", justify="right" if col in ("examples", "steps", "ops/s") else "left")
+    for row in rows:
+        style = "" if row["result"] == "ok" else "[bold red]"
+        table.add_row(escape(row["config"]), str(row["examples"]), str(row["steps"]), _ops_per_second(row),
+                      f"{style}{escape(row['result'])}{'[/]' if style else ''}")
+    print_table(console, table)
+    for row in rows:
+        if "failure" in row:
+            what = "minimal failing program" if row["result"] == "FAILED" else "the harness failed (no verdict)"
+            console.print(f"[bold red]{escape(row['config'])}[/]: {what}:\n{escape(row['failure'])}")
+    if code:
+        console.print(f"rerun: {escape(again)}")
+    return code
+
+
+#: programs a round of ``kvspec fuzz --kind batch`` runs (one Hypothesis call)
+BATCH_ROUND = 25
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """Exit 0 when every campaign ran examples and found nothing, 1 when one
     failed (its minimal trace is written), 2 for bad arguments and when a
@@ -534,6 +628,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     from fuzz.commands.reports import Case, print_table, rerun, write_junit, write_sarif
     from fuzz.replay import failure_status
 
+    if args.kind == "batch":  # not a kvtrace kind: the batch lockstep (fuzz.batch), its own runner
+        return _fuzz_batch(args)
     console = _console()
     err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     try:
@@ -1109,7 +1205,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = add("fuzz", "run a differential fuzz campaign",
             "Hypothesis state machines drive the spec and an implementation with random ops; the first "
             "disagreement is shrunk to a minimal kvtrace, written to --out, with the command that replays it.")
-    f.add_argument("--kind", choices=list(kinds.trace_kinds()), help="cache kind (default: every kind)")
+    f.add_argument("--kind", choices=[*kinds.trace_kinds(), "batch"],
+                   help="cache kind (default: every kvtrace kind); batch: the batch caches against B single "
+                        "caches and spec.batch (docs/fuzzing.md, 'Batch caches')")
     f.add_argument("--mode", choices=list(kinds.all_modes()), help="storage mode (default: every implemented mode)")
     f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
     f.add_argument("--budget", type=positive_seconds, default=60.0,

@@ -208,7 +208,8 @@ def check_batch(ring: bool, examples: int) -> list[Check]:
 
     r = campaign(ring, max_examples=examples)
     detail = f"{r.examples} programs, batch = B single caches" if r.ok else r.failure.splitlines()[0]
-    return [Check(f"batch lockstep/{'rotating' if ring else 'dense'}", r.ok, detail, r.seconds)]
+    return [Check(f"batch lockstep/{'rotating' if ring else 'dense'}", r.ok, detail, r.seconds,
+                  tool_failure=r.status == "tool failure")]
 
 
 def check_batch_bugs(examples: int) -> list[Check]:
@@ -219,9 +220,9 @@ def check_batch_bugs(examples: int) -> list[Check]:
     out = []
     for bug in batch_bugs():
         r = catch(bug, max_examples=examples, shrink=False)
-        detail = (f"caught after {r.examples} programs: {r.failure.splitlines()[0]}" if not r.ok
-                  else f"not caught in {r.examples} programs")
-        out.append(Check(f"bug {bug.name}", not r.ok, detail[:200], r.seconds))
+        detail = (f"caught after {r.examples} programs: {r.failure.splitlines()[0]}" if r.caught
+                  else f"not caught in {r.examples} programs" + (f": {r.failure.splitlines()[0]}" if r.failure else ""))
+        out.append(Check(f"bug {bug.name}", r.caught, detail[:200], r.seconds, tool_failure=r.status == "tool failure"))
     return out
 
 
