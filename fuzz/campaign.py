@@ -19,6 +19,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import get_state_machine_test
 
 from fuzz import interrupt, kinds
+from fuzz.failures import HarnessFailure
 from fuzz.lockstep import Divergence
 from fuzz.machine import EDGE_RULES, KVMachine
 from fuzz.program import get_program_test
@@ -619,19 +620,28 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     the real implementation, where it must pass."""
     machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
     result = run_machine(machine, seed, max_examples=max_examples, shrink=shrink)
-    if not result.failed or result.trace is None:
+    if not result.failed:
         return Catch(False, result.seconds, result.examples, None, None)
     if result.examples_to_catch is None and result.error is not None:
         # failed outside a rule (e.g. in an invariant): count the whole run
         result.examples_to_catch, result.seconds_to_catch = result.examples, result.seconds
+    if result.error is not None and not isinstance(result.error, (Divergence, AssertionError)):
+        # the state machine itself raised (a harness fault, fuzz.failures):
+        # no check caught the bug, whether or not a trace was kept
+        cause = result.error.error if isinstance(result.error, HarnessFailure) else result.error
+        what = (str(cause).splitlines() or [""])[0]
+        path = None
+        if result.trace is not None:
+            result.trace.title = f"injected bug {bug.name}: the harness raised {type(cause).__name__}: {what}"[:400]
+            path = save_failure(result.trace, out_dir, stem or bug.name)
+        alarm = (f"the harness raised {type(cause).__name__}: {what}" + (f" (trace {path})" if path else "")
+                 + "; that is not a divergence, so it does not count as catching the bug")
+        return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm, result.flaky)
+    if result.trace is None:
+        return Catch(False, result.seconds, result.examples, None, None)
     first = str(result.error).splitlines()[0] if result.error is not None else ""
     result.trace.title = f"injected bug {bug.name} ({bug.clause}): {bug.description}. Caught at {first}"[:400]
     path = save_failure(result.trace, out_dir, stem or bug.name)
-    if result.error is not None and not isinstance(result.error, (Divergence, AssertionError)):
-        # the state machine itself raised (a harness fault): no check caught the bug
-        alarm = (f"the harness raised {type(result.error).__name__}: {first} (trace {path}); "
-                 "that is not a divergence, so it does not count as catching the bug")
-        return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm, result.flaky)
     clean = replay(result.trace)
     alarm = None if clean.ok else clean_replay_failure(path, clean.divergence)
     return Catch(True, result.seconds_to_catch, result.examples_to_catch, path, alarm, result.flaky)
