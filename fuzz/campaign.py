@@ -291,11 +291,13 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
         machine.last_run = machine.first_failure_run
     if shrink and isinstance(error, Divergence) and machine.last_run is not None:
         # within the caller's shrink budget when it gave one (what
-        # Hypothesis's shrinking, from the first failure on, left of it)
-        left = REDUCE_SECONDS
+        # Hypothesis's shrinking, from the first failure on, left of it);
+        # with none, to the end: the pass is bounded by the run's length,
+        # so the trace does not depend on the machine's load
+        left: float | None = None
         if not own_limit and shrink_seconds is not None:
             found = machine.first_failure[1] if machine.first_failure else start
-            left = min(left, max(shrink_seconds - (time.perf_counter() - found), 0.0))
+            left = max(shrink_seconds - (time.perf_counter() - found), 0.0)
         error = reduce_run(machine, error, left)
     seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
     # a trace only of a divergence: a target that cannot run an op, or the
@@ -309,8 +311,6 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
                      dict(machine.stats), error, trace, shrink_cut=limit.cut and not own_limit, flaky=flaky)
 
 
-#: seconds :func:`reduce_run` may spend on one failure
-REDUCE_SECONDS = 10.0
 #: seconds Hypothesis may shrink a program engine's failure for when the
 #: caller sets no shrink budget (:func:`run_machine`)
 PROGRAM_SHRINK_SECONDS = 8.0
@@ -323,12 +323,14 @@ def _signature(d: Divergence) -> tuple[str, str]:
     return d.op.get("op", ""), re.sub(r"-?\d+", "#", d.what)
 
 
-def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float) -> Divergence:
+def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float | None) -> Divergence:
     """Delete ops from the machine's failing run (``last_run``, cut at the
     diverging op) while a replay on the same implementation (its
     ``factories``, ``check_inplace`` and target) still diverges with the
     same :func:`_signature`: chunks of half the run down to single ops,
-    from the end, for at most ``seconds``. The engines shrink the
+    from the end, for at most ``seconds`` (None: to the end; at most
+    about n log2 n replays of the n ops, the same result on an idle or a
+    loaded machine). The engines shrink the
     *choices* that make a run (Hypothesis's rule steps, or fuzz.program's
     bytes), where a composite rule step is several ops it cannot split;
     this pass shrinks the ops themselves. ``last_run`` becomes the reduced
@@ -339,7 +341,7 @@ def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float) -> D
     want = _signature(error)
     entry = kinds.get(cfg.get("kind", machine.kind), cfg.get("mode", machine.mode))
     cache = {**cache_defaults(entry.kind, cfg.get("mode")), **cfg}
-    deadline = time.perf_counter() + seconds
+    deadline = float("inf") if seconds is None else time.perf_counter() + seconds
 
     def diverges(candidate: list[dict[str, Any]]) -> Divergence | None:
         try:
