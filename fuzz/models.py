@@ -17,9 +17,13 @@ compared with the pure rule of ``spec.models`` (or the kind's spec):
   a leading ``"0"``, ``"."``, ``"0."``, non-ASCII and the empty string)
   and loaded back: the metadata (``spec.models.loaded_metadata``), each
   loaded layer's window, offset and ``meta_state``;
-* ``to_quantized``: ``to_quantized(bits=8)`` of one layer mid-stream: the
-  converted cache's mode, offset, live_start, step, switch, capacity,
-  ``nbytes`` and rows in their dtype (``spec.models.to_quantized``);
+* ``to_quantized``: ``to_quantized(group_size, bits)`` of one layer
+  mid-stream, ``bits`` and ``group_size`` drawn from every value a layer
+  takes and a few it refuses (the refusal's type; the layer unchanged):
+  bits 8 gives the Int8 copy's mode, offset, live_start, step, switch,
+  capacity, ``nbytes`` and rows in their dtype; other bits mlx-lm's
+  QuantizedKVCache's group_size, bits, offset, live_start, step and
+  dequantized rows in their dtype (``spec.models.to_quantized``);
 * ``mask``: one layer's ``make_mask(n, window_size, return_array=True)``
   built on the host or on the device path (``impl.masks``' MLX build, the
   one CUDA runs) against the kind's spec mask, query length 1 and more;
@@ -73,6 +77,13 @@ METADATA_KEYS = ("0shot", "0.5", ".hidden", "00", "0.", ".", "", "name", "tempé
 METADATA_VALUES = ("", "0", "1.5", "x y", "ü", "{\"a\": 1}")
 #: KV_CUDA_INPLACE spellings a ``mechanism`` op sets (None: unset)
 MECHANISM_ENVS = (None, "", " ", "donate", "kernel", " Kernel ", "DONATE", "bogus", "0")
+#: to_quantized's ``bits``: every value a dense layer takes (8 twice: Int8)
+#: and three it refuses.
+QUANT_BITS = st.sampled_from([*sm.QUANTIZED_BITS, 8, 4, 1, 7, 16])
+#: to_quantized's ``group_size``: every value a dense layer takes and two it refuses.
+QUANT_GROUP_SIZES = st.sampled_from([*sm.QUANTIZED_GROUP_SIZES, 32, 64, 16, 256])
+#: The models machine's head dims: small ones and multiples of every group size.
+MODEL_HEAD_DIMS = st.sampled_from([8, 16, 32, 64, 128])
 #: modes a ``build_probe`` asks for
 PROBE_MODES = ("fp16", "int8", "turbo4asym", "turbo4delegated")
 
@@ -211,8 +222,16 @@ class ModelsLockstep(LayersLockstep):
         c = self.world.layers[j].cache
         return (c.offset, c.window())
 
+    def _quant_args(self, op: dict[str, Any]) -> tuple[int, int]:
+        bits, group_size = op.get("bits", 8), op.get("group_size", 64)
+        for name, x in (("bits", bits), ("group_size", group_size)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TraceFormatError(f"to_quantized: {name} must be an integer, got {x!r}")
+        return bits, group_size
+
     def _spec_to_quantized(self, op: dict[str, Any]) -> Any:
         j = self._layer_index(op)
+        bits, group_size = self._quant_args(op)
         w = self.world.layers[j]
         c = w.cache
         kind = "dense" if isinstance(w, sd.DenseWorld) else "rotating"
@@ -221,11 +240,14 @@ class ModelsLockstep(LayersLockstep):
         k, v = self.host_rows(tokens) if tokens else (np.zeros(1), np.zeros(1))
         finite = bool(np.isfinite(k).all() and np.isfinite(v).all()
                       and max(np.abs(k).max(initial=0), np.abs(v).max(initial=0)) <= 65504.0)
+        b, h, dk, dv = self.shape
         q = sm.to_quantized(kind, mode, c.offset, getattr(c, "live_start", 0), c.step, self.spec_inplace(),
-                            self.dtype, finite)
+                            self.dtype, finite, bits=bits, group_size=group_size, head_dims=(dk, dv))
         if q is None:
             return "itself"
-        b, h, dk, dv = self.shape
+        if isinstance(q, sm.AffineQuantized):
+            return {"mode": q.mode, "group_size": q.group_size, "bits": q.bits, "offset": q.offset,
+                    "live_start": q.live_start, "step": q.step, "dtype": q.dtype, "window": tuple(tokens)}
         return {"mode": q.mode, "offset": q.offset, "live_start": q.live_start, "step": q.step,
                 "inplace": q.inplace, "dtype": q.dtype, "capacity": q.capacity,
                 "nbytes": sm.nbytes("int8", q.capacity, b, h, dk, dv, self.dtype), "window": tuple(tokens)}
@@ -292,18 +314,43 @@ class ModelsLockstep(LayersLockstep):
 
     def _impl_to_quantized(self, op: dict[str, Any]) -> Any:
         j = self._layer_index(op)
+        bits, group_size = self._quant_args(op)
         c = self.caches[j]
-        with warnings.catch_warnings():  # a ring's once-per-cache notice that it stays a ring
+        with warnings.catch_warnings():  # a ring's (or Int8 layer's) once-per-cache notice that it stays itself
             warnings.simplefilter("ignore", UserWarning)
-            q = c.to_quantized(bits=8)
+            q = c.to_quantized(group_size=group_size, bits=bits)
         if q is c:
             return "itself"
         tokens = tuple(self.world.layers[j].cache.window())
+        if not hasattr(q, "fetch"):  # mlx-lm's QuantizedKVCache (affine group storage)
+            return self._affine_view(q, tokens, group_size, bits)
         arrays = q.fetch()
         dtype = rowgen.dtype_name(arrays[0]) if arrays is not None else self.dtype
         window = tokens if self.window_matches(tokens, arrays, "int8") else tuple(self.identify(arrays, "int8"))
         return {"mode": q.mode, "offset": q.offset, "live_start": q.live_start, "step": q.step,
                 "inplace": q.inplace, "dtype": dtype, "capacity": q.capacity, "nbytes": q.nbytes, "window": window}
+
+    def _affine_view(self, q: Any, tokens: tuple[int, ...], group_size: int, bits: int) -> Any:
+        """mlx-lm's QuantizedKVCache as the spec's AffineQuantized: its own
+        group_size, bits, offset and step; live_start the offset less the rows
+        it holds; its rows dequantized with its own group_size and bits,
+        named by ``tokens`` when they equal the round trip
+        ``dequantize(quantize(rows, group_size, bits))`` of the live rows
+        under the requested ``group_size`` and ``bits``, else described."""
+        gs, qb = getattr(q, "group_size", None), getattr(q, "bits", None)
+        out: dict[str, Any] = {"mode": "affine" if type(q).__name__ == "QuantizedKVCache" else type(q).__name__,
+                               "group_size": gs, "bits": qb, "offset": q.offset}
+        if q.keys is None:
+            out.update(live_start=q.offset, step=q.step, dtype=self.dtype, window=())
+            return out
+        got = [mx.dequantize(*q.keys, group_size=gs, bits=qb), mx.dequantize(*q.values, group_size=gs, bits=qb)]
+        out.update(live_start=q.offset - int(got[0].shape[2]), step=q.step, dtype=rowgen.dtype_name(got[0]))
+        want = [mx.dequantize(*mx.quantize(a, group_size=group_size, bits=bits), group_size=group_size, bits=bits)
+                for a in self.input_rows(list(tokens))] if tokens else []
+        same = len(want) == 2 and all(g.shape == w.shape and g.dtype == w.dtype
+                                      and np.array_equal(self.host(g), self.host(w)) for g, w in zip(got, want))
+        out["window"] = tokens if same else f"rows {[tuple(a.shape) for a in got]} differ from the round trip"
+        return out
 
     def _impl_mask(self, op: dict[str, Any]) -> Any:
         j = self._layer_index(op)
@@ -378,7 +425,7 @@ class ModelsMachine(LayersMachine):
                                  "num_draft_tokens": data.draw(st.integers(0, 3), label="num_draft_tokens")}
         if data.draw(st.booleans(), label="portable"):
             extra["rows"] = "portable"
-        self.setup(layers=layers, **extra, **self.draw_shape(data))
+        self.setup(layers=layers, **extra, **self.draw_shape(data, head_dims=MODEL_HEAD_DIMS))
 
     @rule(data=st.data())
     def build_probe(self, data: st.DataObject) -> None:
@@ -407,7 +454,13 @@ class ModelsMachine(LayersMachine):
 
     @rule(data=st.data())
     def to_quantized(self, data: st.DataObject) -> None:
-        self.do({"op": "to_quantized", "layer": data.draw(st.integers(0, len(self.cfg["layers"]) - 1), label="layer")})
+        """Every ``bits`` and ``group_size`` a layer takes, and a few refused."""
+        op: dict[str, Any] = {"op": "to_quantized",
+                              "layer": data.draw(st.integers(0, len(self.cfg["layers"]) - 1), label="layer"),
+                              "bits": data.draw(QUANT_BITS, label="bits")}
+        if data.draw(st.integers(0, 3), label="group_size?"):
+            op["group_size"] = data.draw(QUANT_GROUP_SIZES, label="group_size")
+        self.do(op)
 
     @rule(data=st.data())
     def mask(self, data: st.DataObject) -> None:

@@ -157,15 +157,75 @@ class Quantized:
     capacity: int
 
 
+#: The ``bits`` a dense layer's ``to_quantized`` takes (mlx's quantizer):
+#: 8 is kvspec's own Int8 storage, the others mlx-lm's affine
+#: ``QuantizedKVCache``.
+QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
+#: The ``group_size`` values a dense layer's ``to_quantized`` takes.
+QUANTIZED_GROUP_SIZES = (32, 64, 128)
+#: mlx-lm's ``QuantizedKVCache.step`` (its own, whatever the layer's step).
+AFFINE_STEP = 256
+
+
+@dataclass(frozen=True)
+class AffineQuantized:
+    """What ``to_quantized(group_size, bits)`` with ``bits`` other than 8
+    gives for a dense Fp16 layer: mlx-lm's ``QuantizedKVCache`` (mode
+    ``"affine"``) with exactly the requested ``group_size`` and ``bits``,
+    the layer's ``offset``, ``live_start`` 0 (its offset counts its rows),
+    mlx-lm's own ``step`` (:data:`AFFINE_STEP`), holding the live rows as
+    ``mx.quantize(rows, group_size, bits)``: they dequantize (with that
+    ``group_size`` and ``bits``) to exactly the quantize-dequantize round
+    trip of the live rows, in the rows' own ``dtype``."""
+
+    mode: str
+    group_size: int
+    bits: int
+    offset: int
+    live_start: int
+    step: int
+    dtype: str
+
+
 def to_quantized(kind: str, mode: str, offset: int, live_start: int, step: int, inplace: bool, dtype: str,
-                 finite_in_float16: bool) -> Quantized | None:
-    """``to_quantized(bits=8)`` of a layer: None when the layer is returned
-    itself (a ring, which has no quantized storage; an Int8 cache, which
-    is quantized already), else :class:`Quantized`. Raises
-    InvalidArgumentError when a live row is not finite within float16's
-    range (``finite_in_float16`` false: Int8 cannot hold it)."""
-    if kind == "rotating" or mode == "int8":
+                 finite_in_float16: bool, bits: int = 8, group_size: int = 64,
+                 head_dims: tuple[int, int] = (0, 0)) -> Quantized | AffineQuantized | None:
+    """The to_quantized rule: ``to_quantized(group_size, bits)`` of a layer
+    (rows of ``dtype``; ``head_dims`` the K and V head dims; ``offset -
+    live_start`` live rows). None when the layer is returned itself, else
+    :class:`Quantized` (bits 8) or :class:`AffineQuantized` (other bits).
+
+    * a ring (``kind == "rotating"``): itself, for every integer ``bits``
+      and ``group_size`` (a ring stores its float rows; nothing refused);
+    * a dense layer: UnsupportedOperationError unless ``bits`` is one of
+      :data:`QUANTIZED_BITS` and ``group_size`` one of
+      :data:`QUANTIZED_GROUP_SIZES` (checked first, in every mode);
+    * ``bits == 8``: an Int8 layer is itself; an Fp16 one gives
+      :class:`Quantized` (``group_size`` does not change Int8 storage), or
+      InvalidArgumentError when a live row is not finite within float16's
+      range (``finite_in_float16`` false: Int8 cannot hold it);
+    * other ``bits``: an Int8 layer is itself (it keeps its int8 storage);
+      an Fp16 one gives :class:`AffineQuantized`, refused
+      (UnsupportedOperationError) when ``live_start != 0`` (mlx-lm's
+      offset counts its rows) or, with live rows, when ``group_size`` does
+      not divide both head dims.
+    """
+    if kind == "rotating":
         return None
+    if bits not in QUANTIZED_BITS or group_size not in QUANTIZED_GROUP_SIZES:
+        raise UnsupportedOperationError(
+            f"to_quantized: bits must be one of {QUANTIZED_BITS} and group_size one of {QUANTIZED_GROUP_SIZES}, "
+            f"got bits={bits}, group_size={group_size}")
+    if mode == "int8":
+        return None
+    if bits != 8:
+        if live_start != 0:
+            raise UnsupportedOperationError(
+                f"to_quantized: bits={bits} needs live_start 0 (mlx-lm's offset counts its rows), got {live_start}")
+        if offset > live_start and any(d % group_size for d in head_dims):
+            raise UnsupportedOperationError(
+                f"to_quantized: group_size={group_size} must divide the head dims {head_dims}")
+        return AffineQuantized("affine", group_size, bits, offset, 0, AFFINE_STEP, dtype)
     if not finite_in_float16:
         raise InvalidArgumentError("to_quantized: keys and values must be finite within float16's range")
     return Quantized("int8", offset, live_start, step, inplace, dtype, offset - live_start)
@@ -190,11 +250,15 @@ def inplace_mechanism(backend: str, kv_cuda_inplace: str | None) -> str:
 
 
 __all__ = [
+    "AFFINE_STEP",
     "CUDA_MECHANISMS",
     "INT8_SCALE_DTYPE",
     "ITEMSIZE",
     "MAX_KV_SIZE_KEEP",
+    "QUANTIZED_BITS",
+    "QUANTIZED_GROUP_SIZES",
     "RESERVED_METADATA_KEY",
+    "AffineQuantized",
     "LayerSettings",
     "Quantized",
     "inplace_mechanism",

@@ -22,7 +22,7 @@ from impl import write as impl_write
 from impl.dense import CacheSnapshot, KVCache, _Buffers
 from impl.quant import quantize_int8
 from impl.rotating import RotatingKVCache
-from impl.turbo import DelegatedKVCache
+from impl.turbo import DelegatedKVCache, make_cache
 
 
 class RingsUnderMaxKvSizeDropUndo(ModelOps):
@@ -125,6 +125,21 @@ class ToQuantizedDropsDtype(KVCache):
         return q
 
 
+class ToQuantizedDropsGroupSize(KVCache):
+    """``to_quantized(group_size, bits)`` with ``bits`` other than 8 handing
+    the layer to mlx-lm's QuantizedKVCache at mlx's default group size
+    (64) whatever ``group_size`` asked for. A turbo mode builds the
+    ordinary turbo cache (the bug is in the Fp16 layer's hand-off only)."""
+
+    def __new__(cls, mode: str = "fp16", *args: Any, **kw: Any) -> Any:
+        if mode not in ("fp16", "int8"):
+            return make_cache(mode, *args, **kw)
+        return super().__new__(cls)
+
+    def _to_mlx_lm_quantized(self, group_size: int, bits: int) -> Any:
+        return super()._to_mlx_lm_quantized(64, bits)
+
+
 def _device_causal_query_axis_wrong(live_len: int, n: int, window_size: int | None = None, xp: Any = None) -> Any:
     """``impl.masks.causal_mask`` with the device (MLX) build's query axis
     taken from the keys' range: right on the host, wrong on CUDA's path."""
@@ -208,6 +223,12 @@ BUGS: tuple[InjectedBug, ...] = (
         "issue 47 (c): to_quantized dropping the rows' dtype", "models", ("fp16",),
         "KVCache.to_quantized", "the Int8 copy dequantizes to float16 whatever the rows' dtype",
         {"models": {"dense": ToQuantizedDropsDtype}},
+    ),
+    InjectedBug(
+        "to_quantized_drops_group_size", "spec.models.to_quantized (the requested group_size kept)",
+        "issue 47 (c): to_quantized(bits=4) dropping group_size", "models", ("fp16",),
+        "KVCache.to_quantized", "the QuantizedKVCache hand-off quantizes at group_size 64 whatever was asked",
+        {"models": {"dense": ToQuantizedDropsGroupSize}},
     ),
     InjectedBug(
         "device_mask_query_axis", "spec.dense.dense_make_mask (query i at position live_len + i)",
