@@ -125,8 +125,9 @@ OP_TEXT = {
                    "settings against `spec.models.prompt_cache_layout`; the live list is unchanged",
     "save_load": "models: the list saved with user `metadata` and loaded back: the metadata "
                  "(`spec.models.loaded_metadata`), each loaded layer's window, offset and `meta_state`",
-    "to_quantized": "models: `to_quantized(bits=8)` of `layer`: the converted cache's mode, offset, live_start, "
-                    "step, capacity, nbytes and rows in their dtype (`spec.models.to_quantized`)",
+    "to_quantized": "models: `to_quantized(group_size, bits)` of `layer` (`bits` absent: 8, `group_size` absent: "
+                    "64): the converted cache's mode, group size, bits, offset, live_start, step, capacity, nbytes "
+                    "and (dequantized) rows in their dtype, or the refusal (`spec.models.to_quantized`)",
     "mask": "models: `make_mask(n, window, return_array=True)` of `layer`, built on the host or (`device`) on "
             "the MLX path CUDA runs, against the kind's spec mask",
     "mechanism": "models: the write layer's in-place mechanism with `KV_CUDA_INPLACE` set to `env` (absent: "

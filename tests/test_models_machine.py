@@ -79,6 +79,59 @@ def test_to_quantized_rule():
         sm.to_quantized("dense", "fp16", 7, 0, 4, True, "float32", False)
 
 
+def _quantized_case(case):
+    """(cache, kind, live_start, dtype name, head dims) of a named case."""
+    dtype = mx.bfloat16 if case == "bf16" else mx.float16
+    if case == "ring":
+        c = RotatingKVCache(max_size=4, keep=1, step=2)
+    else:
+        c = KVCache("int8" if case == "int8" else "fp16", step=4)
+    if case != "empty":
+        c.update_and_fetch(mx.ones((1, 2, 3, 64), dtype=dtype), mx.ones((1, 2, 3, 32), dtype=dtype))
+    if case == "front_trimmed":
+        c.trim_front(1)
+    kind = "rotating" if case == "ring" else "dense"
+    return c, kind, getattr(c, "live_start", 0), "bfloat16" if case == "bf16" else "float16", (64, 32)
+
+
+@pytest.mark.parametrize("case", ["fp16", "bf16", "int8", "ring", "front_trimmed", "empty"])
+def test_to_quantized_rule_matches_the_caches_for_every_bits_and_group_size(case):
+    import warnings
+
+    for bits in (*sm.QUANTIZED_BITS, 1, 7, 16):
+        for group_size in (*sm.QUANTIZED_GROUP_SIZES, 16, 256):
+            c, kind, live_start, dtype, head_dims = _quantized_case(case)
+            before = (c.offset, live_start, None if c.fetch() is None else [a.tolist() for a in c.fetch()])
+            mode = getattr(c, "mode", "fp16")
+            try:
+                want = sm.to_quantized(kind, mode, c.offset, live_start, c.step, c.inplace, dtype, True,
+                                       bits=bits, group_size=group_size, head_dims=head_dims)
+            except UnsupportedOperationError:
+                with pytest.raises(UnsupportedOperationError):
+                    c.to_quantized(group_size=group_size, bits=bits)
+                after = (c.offset, getattr(c, "live_start", 0),
+                         None if c.fetch() is None else [a.tolist() for a in c.fetch()])
+                assert after == before, (bits, group_size)
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                q = c.to_quantized(group_size=group_size, bits=bits)
+            where = (case, bits, group_size)
+            if want is None:
+                assert q is c, where
+            elif isinstance(want, sm.Quantized):
+                assert (q.mode, q.offset, q.live_start, q.step, q.capacity) == (
+                    want.mode, want.offset, want.live_start, want.step, want.capacity), where
+            else:
+                assert type(q).__name__ == "QuantizedKVCache", where
+                assert (q.group_size, q.bits, q.offset, q.step) == (
+                    want.group_size, want.bits, want.offset, want.step), where
+                if q.keys is not None:
+                    k = mx.dequantize(*q.keys, group_size=q.group_size, bits=q.bits)
+                    assert k.dtype == {"float16": mx.float16, "bfloat16": mx.bfloat16}[want.dtype], where
+                    assert q.offset - k.shape[2] == want.live_start, where
+
+
 def test_nbytes_proof_and_its_negative_control():
     from proofs.models import counted_once, keys_twice, spec_count
 
