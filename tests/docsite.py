@@ -11,16 +11,45 @@ into the same folder at the same time."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "docs-artifacts"
+#: Debian's Chromium (.ci/run installs it); Playwright drives it, nothing is downloaded
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def browser_missing() -> str | None:
+    """Why a browser test cannot run here (Playwright or Chromium absent), or None."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - the docs extra is not installed
+        return f"Playwright is not installed ({exc}); pip install -e '.[docs]'"
+    if not CHROMIUM.exists():  # pragma: no cover - depends on the machine
+        return f"{CHROMIUM} is absent: apt-get install -y chromium (.ci/run does)"
+    return None
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless :data:`CHROMIUM` browser through Playwright, closed on exit."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
 
 
 @functools.cache

@@ -17,22 +17,16 @@ import http.server
 import shutil
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from fuzz import docgen, kinds
-from tests.docsite import ARTIFACTS, REPO, build
+from tests.docsite import ARTIFACTS, REPO, browser_missing, build, chromium
 
-CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = ARTIFACTS / "screenshots"
 
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError as exc:  # pragma: no cover - the docs extra is not installed
-    pytest.skip(f"Playwright is not installed ({exc}); pip install -e '.[docs]'", allow_module_level=True)
-if not CHROMIUM.exists():  # pragma: no cover - depends on the machine
-    pytest.skip(f"{CHROMIUM} is absent: apt-get install -y chromium (.ci/run does)", allow_module_level=True)
+if (_why := browser_missing()) is not None:  # pragma: no cover - depends on the machine
+    pytest.skip(_why, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +63,8 @@ def browser() -> Iterator[object]:
     if SHOTS.exists():
         shutil.rmtree(SHOTS)
     SHOTS.mkdir(parents=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            b.close()
+    with chromium() as b:
+        yield b
 
 
 def open_page(browser: object, url: str, shot: str | None = None) -> tuple[object, list[str]]:

@@ -16,13 +16,14 @@ import json
 import re
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 
 from fuzz.commands.cli import main
 from fuzz.render import CSP, page, svg, timeline, visible
 from fuzz.trace import loads
+from tests.docsite import browser_missing
+from tests.docsite import chromium as docsite_chromium
 
 #: names a bug report could carry: both quotes, angle brackets, a closing
 #: script tag, javascript: URLs, an entity, unicode, a right-to-left override
@@ -180,23 +181,13 @@ def test_visible_escapes_only_what_is_not_text():
 
 # -- in a real browser ---------------------------------------------------------------
 
-CHROMIUM = Path("/usr/bin/chromium")
-
-
 @pytest.fixture(scope="module")
 def chromium():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError as exc:  # pragma: no cover - the docs extra is not installed
-        pytest.skip(f"Playwright is not installed ({exc}); pip install -e '.[docs]'")
-    if not CHROMIUM.exists():  # pragma: no cover - depends on the machine
-        pytest.skip(f"{CHROMIUM} is absent: apt-get install -y chromium (.ci/run does)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            b.close()
+    why = browser_missing()
+    if why:  # pragma: no cover - depends on the machine
+        pytest.skip(why)
+    with docsite_chromium() as b:
+        yield b
 
 
 @pytest.mark.parametrize("form", ["html", "svg"])
