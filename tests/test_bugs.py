@@ -56,3 +56,23 @@ def test_a_harness_crash_does_not_count_as_a_catch(tmp_path, monkeypatch):
                                                           out_dir=tmp_path)
     assert caught and alarm is not None
     assert alarm.startswith("the harness raised AttributeError: the driver broke")
+
+
+@pytest.mark.parametrize("device,on_cuda,expected", [
+    ("any", False, True), ("any", True, True), ("gpu", False, False), ("gpu", True, True),
+    ("cpu", False, True), ("cpu", True, False),
+])
+def test_a_bug_runs_only_on_its_device(device, on_cuda, expected, monkeypatch):
+    """runnable(): GPU-only entries need CUDA, CPU-only ones (a choice made
+    only off CUDA, such as mechanism_reads_env_first) anything else."""
+    import dataclasses
+
+    import fuzz.device
+    import impl.write
+    from fuzz.bugs import by_name
+
+    monkeypatch.setattr(fuzz.device, "current", lambda: "gpu" if on_cuda else "cpu")
+    monkeypatch.setattr(impl.write, "backend", lambda: "cuda" if on_cuda else "cpu")
+    bug = dataclasses.replace(by_name("snapshot_deep_copies"), device=device)
+    assert runnable(bug) is expected
+    assert by_name("mechanism_reads_env_first").device == "cpu"

@@ -43,7 +43,9 @@ class InjectedBug:
     #: unobserved only isolation (a holder's bytes changing) can catch it.
     variants: tuple[tuple[str, dict[str, Any], bool], ...] = ()
     #: ``gpu``: the bug breaks a GPU-only path (the CUDA write layer) and is
-    #: run only with ``--device gpu``; ``any``: everywhere.
+    #: run only with ``--device gpu``; ``cpu``: it breaks a choice made only
+    #: off CUDA (the host write mechanism) and is run only there; ``any``:
+    #: everywhere.
     device: str = "any"
 
 
@@ -54,13 +56,15 @@ def catalog() -> list[InjectedBug]:
 
 def runnable(bug: InjectedBug) -> bool:
     """Whether ``bug`` can run on this process's device (a GPU-only bug needs
-    MLX's CUDA backend and the GPU as the default device)."""
-    if bug.device != "gpu":
+    MLX's CUDA backend and the GPU as the default device; a CPU-only bug
+    anything else)."""
+    if bug.device == "any":
         return True
     from fuzz.device import current
     from impl.write import backend
 
-    return current() == "gpu" and backend() == "cuda"
+    on_cuda = current() == "gpu" and backend() == "cuda"
+    return on_cuda if bug.device == "gpu" else not on_cuda
 
 
 class UnknownBugError(KeyError):

@@ -198,7 +198,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "mechanism_reads_env_first", "spec.models.inplace_mechanism (numpy off CUDA, whatever KV_CUDA_INPLACE says)",
         "issue 47 (e): the write layer reading the environment before the backend", "models", ("fp16",),
         "impl.write.inplace_mechanism", "a set KV_CUDA_INPLACE picks a CUDA mechanism on the CPU",
-        {"models": {"models": MechanismReadsEnvFirst}},
+        {"models": {"models": MechanismReadsEnvFirst}}, device="cpu",  # on CUDA the variable is read by right
     ),
     InjectedBug(
         "portable_bf16_through_fp16", "spec.rows.element_bits (bfloat16's own bit patterns)",

@@ -419,7 +419,8 @@ def check_bugs_cuda(mechanism: str, out: str, seeds: int, names: list[str]) -> l
 
 
 def gpu_only_bugs_skipped() -> list[str]:
-    """Catalog entries this device cannot run (GPU-only ones off a CUDA GPU)."""
+    """Catalog entries this device cannot run (GPU-only ones off a CUDA GPU,
+    CPU-only ones on it)."""
     from fuzz.bugs import catalog, runnable
 
     return [b.name for b in catalog() if not runnable(b)]
@@ -772,8 +773,9 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
                       f"{jobs_failed} failed) in {total:.0f} s ({workers} processes, "
                       f"{progress.cpu:.0f} s of CPU in the jobs; {where})")
         if skipped:
-            console.print(f"not run here: {len(skipped)} GPU-only injected bugs ({escape(', '.join(skipped))}); "
-                          "kvspec verify --device gpu on a machine with MLX's CUDA backend runs them", soft_wrap=True)
+            console.print(f"not run here: {len(skipped)} injected bugs of another device ({escape(', '.join(skipped))}); "
+                          "GPU-only ones run with kvspec verify --device gpu on a machine with MLX's CUDA backend, "
+                          "CPU-only ones off it", soft_wrap=True)
         if e2e_skipped:
             console.print(f"not run on the GPU: e2e {escape(', '.join(e2e_skipped))} (they compare outputs of "
                           "different kernel shapes bit for bit; GPU kernels round by shape; kvspec e2e says which)",
