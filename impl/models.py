@@ -32,11 +32,12 @@ from impl.layers import (
     snapshot_prompt_cache,
     trim_prompt_cache,
 )
+from impl.recurrent import RecurrentCache, record_steps
 from impl.rotating import RotatingKVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
-Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
+Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache | RecurrentCache
 
 
 def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] | None,
@@ -68,9 +69,14 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
         return ring(max_size=c.max_size, keep=c.keep, step=step, inplace=inplace, undo=undo, **_strict_kw(strict))
     if type(c) is lm_cache.KVCache:
         return _dense(mode, step, inplace, classes, kw)
+    if type(c) is lm_cache.ArraysCache:
+        # a recurrent layer: conv window (+ recurrent state) with a checkpoint ring of depth ``undo``
+        return RecurrentCache(size=len(c.cache), depth=undo, strict=strict)
+    nested = " (a CacheList nests several caches in one layer, e.g. falcon_h1's mamba + attention)" \
+        if type(c).__name__ == "CacheList" else ""
     raise UnsupportedOperationError(
-        f"make_prompt_cache: layer {layer} needs a {type(c).__name__}, which kvspec does not implement "
-        "(supported: full-attention KVCache and sliding-window RotatingKVCache layers)"
+        f"make_prompt_cache: layer {layer} needs a {type(c).__name__}, which kvspec does not implement{nested} "
+        "(supported: full-attention KVCache, sliding-window RotatingKVCache and recurrent ArraysCache layers)"
     )
 
 
@@ -96,10 +102,23 @@ def make_prompt_cache(
     ``mlx_lm.models.cache.make_prompt_cache`` lays out mlx-lm's caches.
 
     When the model defines ``make_cache()`` (models with sliding-window
-    layers, e.g. gemma3, llama with ``layer_types``), each layer's cache kind
-    and window come from it: ``KVCache`` -> dense :class:`KVCache`,
-    ``RotatingKVCache(max_size, keep)`` -> :class:`RotatingKVCache` with the
-    same window and sinks. Otherwise every layer gets a dense cache, or, with
+    layers, e.g. gemma3, llama with ``layer_types``; hybrid models), each
+    layer's cache kind and window come from it: ``KVCache`` -> dense
+    :class:`KVCache`, ``RotatingKVCache(max_size, keep)`` ->
+    :class:`RotatingKVCache` with the same window and sinks,
+    ``ArraysCache(size=n)`` (the recurrent layers of qwen3_next, qwen3_5,
+    nemotron_h, mamba, mamba2, lfm2, recurrent_gemma, jamba, ...) ->
+    :class:`~impl.recurrent.RecurrentCache` of the same size, depth
+    ``max(undo, num_draft_tokens)`` and this ``strict``.
+
+    **Hybrid models: the step recorder.** When a recurrent layer gets a
+    depth > 0, this call also installs the step recorder on ``model``:
+    ``impl.recurrent.record_steps(model)``, the public call, which wraps
+    each recurrent mixer of this model instance (not mlx-lm's code) so
+    that the last ``depth`` tokens of every call run one at a time and the
+    cache keeps a checkpoint after each (docs/recurrent.md). Without it a
+    recurrent layer rolls back nothing; ``impl.recurrent.unrecord_steps``
+    removes it. Otherwise every layer gets a dense cache, or, with
     ``max_kv_size``, a ring of that size with 4 sinks (mlx-lm's choice;
     like mlx-lm, ``max_kv_size`` is ignored when the model has
     ``make_cache``).
@@ -117,7 +136,7 @@ def make_prompt_cache(
             ours instead (subclasses, e.g. test doubles); default ours
             (:func:`impl.turbo.make_cache` for the dense modes).
         undo: every ring's undo depth U (rows a trim can take back after a
-            wrap; 0: none).
+            wrap; 0: none), and every recurrent layer's checkpoint depth.
         num_draft_tokens: the ``num_draft_tokens`` of the speculative
             decoding these caches serve (mlx-lm's
             ``speculative_generate_step``; 0: none): every ring's undo log
@@ -141,8 +160,8 @@ def make_prompt_cache(
     :class:`RotatingKVCache` rings (a ring has no quantized storage), so
     gemma3 and other models with sliding-window layers take every mode.
 
-    Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g. the
-    ``ArraysCache`` of state-space layers) and for a quantized ``mode`` with
+    Raises UnsupportedOperationError for a layer kind kvspec lacks (e.g.
+    falcon_h1's ``CacheList``, ``ChunkedKVCache``) and for a quantized ``mode`` with
     ``max_kv_size`` (every layer a ring: nothing the mode applies to);
     InvalidArgumentError for bad sizes or a ``strict`` that is not a bool.
     """
@@ -153,8 +172,11 @@ def make_prompt_cache(
         raise InvalidArgumentError(f"make_prompt_cache: num_draft_tokens must be >= 0, got {num_draft_tokens}")
     undo = max(_check_int("make_prompt_cache", "undo", undo), num_draft_tokens)
     if hasattr(model, "make_cache"):
-        return [_convert(i, c, mode, step, inplace, classes, undo, strict, **kw)
-                for i, c in enumerate(model.make_cache())]
+        caches = [_convert(i, c, mode, step, inplace, classes, undo, strict, **kw)
+                  for i, c in enumerate(model.make_cache())]
+        if undo > 0 and any(isinstance(c, RecurrentCache) for c in caches):
+            record_steps(model)  # the explicit, documented step: checkpoints need per-token states
+        return caches
     n_layers = len(model.layers)
     if max_kv_size is not None:
         if mode != "fp16":
@@ -175,7 +197,7 @@ FILE_FORMAT = 1
 #: kvspec layer descriptions, and what each class entry says to mlx-lm.
 _META_KEY = "__kvspec__"
 _CLASSES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache, "TurboKVCache": TurboKVCache,
-            "DelegatedKVCache": DelegatedKVCache}
+            "DelegatedKVCache": DelegatedKVCache, "RecurrentCache": RecurrentCache}
 #: Most arrays a layer's ``state`` holds (a Turbo store: 7).
 _MAX_ARRAYS = 16
 _LOADER = "impl.models.load_prompt_cache"
@@ -200,7 +222,21 @@ def _describe(layer: int, c: Any) -> dict[str, Any]:
         )
     # Turbo writes always copy: no switch to keep (saved as false)
     return {"class": name, "meta_state": list(c.meta_state), "inplace": bool(getattr(c, "inplace", False)),
-            "arrays": len(c.state)}
+            "arrays": len(_file_arrays(layer, c))}
+
+
+def _file_arrays(layer: int, c: Any) -> tuple[Any, ...]:
+    """The arrays a file holds for a layer: its ``state``; a recurrent
+    layer's ``size`` arrays (conv window, recurrent state), or none before
+    its first call."""
+    if not isinstance(c, RecurrentCache):
+        return tuple(c.state)
+    present = [a is not None for a in c.cache]
+    if any(present) and not all(present):
+        raise UnsupportedOperationError(
+            f"save_prompt_cache: layer {layer} (RecurrentCache) holds some arrays and not others "
+            f"({['set' if p else 'None' for p in present]}): a file holds all of them or none")
+    return tuple(c.cache) if all(present) else ()
 
 
 def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[str, str] | None = None) -> None:
@@ -214,7 +250,10 @@ def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[
     Metadata (strings): the user's ``metadata`` under ``"0.<key>"`` as
     mlx-lm stores it; under ``"0.__kvspec__"`` a JSON description of every
     layer (class, ``meta_state``: mode, step, offset, live_start for a
-    dense cache, keep, max_size, step, offset, idx[, undo] for a ring, the
+    dense cache, keep, max_size, step, offset, idx[, undo] for a ring,
+    offset, depth, size[, strict] for a recurrent layer (its conv window
+    and recurrent state are its arrays; its checkpoints are not saved:
+    coverage 0 after a load, spec.recurrent.reload), the
     Turbo counters, dtype, head dims and array names; the in-place switch;
     how many arrays); and under ``"1.<layer>"`` a class entry that makes
     mlx-lm's own loader stop with a message naming
@@ -238,7 +277,7 @@ def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[
     layers = [_describe(i, c) for i, c in enumerate(cache)]
     arrays: dict[str, mx.array] = {}
     for i, c in enumerate(cache):
-        for j, a in enumerate(c.state):
+        for j, a in enumerate(_file_arrays(i, c)):
             arrays[f"{i}.{j}"] = a
     header = {f"0.{k}": v for k, v in meta.items()}
     header[f"0.{_META_KEY}"] = json.dumps({"format": FILE_FORMAT, "layers": layers})
@@ -307,8 +346,10 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
     mlx-lm's own caches loads too: its ``KVCache`` layers become our Fp16
     :class:`KVCache`, its ``RotatingKVCache`` layers our
     :class:`RotatingKVCache`, each with the same rows and counters (decoding
-    after the load equals mlx-lm's caches continuing, byte for byte); any
-    other class (``QuantizedKVCache``, ``ArraysCache``, ...) is refused
+    after the load equals mlx-lm's caches continuing, byte for byte), its
+    ``ArraysCache`` layers a :class:`~impl.recurrent.RecurrentCache` of
+    depth 0 with the same arrays (offset 0: mlx-lm's counts no tokens); any
+    other class (``QuantizedKVCache``, ``CacheList``, ...) is refused
     with UnsupportedOperationError naming it and why.
 
     Every layer is checked before the list is returned, so a damaged file
@@ -350,7 +391,6 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
 #: not load each it does not map (KVCache and RotatingKVCache are mapped)
 _UNMAPPED = {
     "QuantizedKVCache": "kvspec has no affine group-quantized storage (its Int8 quantizes whole rows)",
-    "ArraysCache": "state-space layers keep no keys and values",
     "ChunkedKVCache": "kvspec has no chunked-attention cache",
     "ConcatenateKVCache": "kvspec has no concatenating cache",
     "CacheList": "kvspec has no nested cache lists",
@@ -376,6 +416,11 @@ def _from_mlx_lm(file: Any, layer: int, c: Any) -> Cache:
             return KVCache.from_state(state, ("fp16", str(lm_cache.KVCache.step), str(c.offset), "0"))
         if type(c) is lm_cache.RotatingKVCache:
             return RotatingKVCache.from_mlx_lm(c, step=lm_cache.RotatingKVCache.step)
+        if type(c) is lm_cache.ArraysCache:
+            # mlx-lm's ArraysCache counts no tokens: offset 0, depth 0
+            arrays = [a for a in c.cache if a is not None and a.size > 0]
+            return RecurrentCache.from_state(arrays if len(arrays) == len(c.cache) else (),
+                                             ("0", "0", str(len(c.cache))))
     except (InvalidArgumentError, UnsupportedOperationError) as exc:
         raise type(exc)(f"load_prompt_cache: {file}: layer {layer} (mlx-lm's {name}): {exc}") from None
     why = _UNMAPPED.get(name, "kvspec does not implement it")
