@@ -34,7 +34,8 @@ def waiting(number: int, name: str, proves: tuple[str, ...], statement: str, wai
 TITLES = {1: "ownership soundness", 2: "ring slot and warm-up in place", 3: "regrow rule", 4: "trim then append",
           5: "front trim", 6: "paged copy on write", 7: "sliding-window mask", 8: "ring rollback (undo log)",
           9: "atomic list trim", 10: "Turbo physical trim", 11: "Delegated fold schedule",
-          12: "3-bit packing byte count", 13: "batch layout", 14: "nbytes counts each array once"}
+          12: "3-bit packing byte count", 13: "batch layout", 14: "nbytes counts each array once",
+          15: "recurrent checkpoint ring", 16: "atomic list trim with recurrent layers"}
 
 
 def obligations() -> list[tuple[int, Any]]:
@@ -79,6 +80,9 @@ def obligations() -> list[tuple[int, Any]]:
     from proofs import models
 
     out += models.OBLIGATIONS
+    from proofs import recurrent
+
+    out += recurrent.OBLIGATIONS
     return sorted(out, key=lambda x: x[0])
 
 

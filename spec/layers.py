@@ -3,7 +3,8 @@
 
 A model's prompt cache holds one cache per layer, often of mixed kinds:
 full-attention layers dense (:mod:`spec.dense`), sliding-window layers
-rotating (:mod:`spec.rotating`) with their own window and sinks. Engines
+rotating (:mod:`spec.rotating`) with their own window and sinks, a hybrid
+model's recurrent layers recurrent (:mod:`spec.recurrent`). Engines
 call four list-level operations: :func:`make_prompt_cache` for a layer
 pattern, :func:`can_trim_prompt_cache`, :func:`trim_prompt_cache` and
 snapshot/restore of the whole list (:func:`w_snapshot`, :func:`w_restore`).
@@ -11,7 +12,8 @@ snapshot/restore of the whole list (:func:`w_snapshot`, :func:`w_restore`).
 **Decision** (semantics.md 6): a list-level trim is atomic. Every layer
 trims the same number of rows, or none trims and 0 is returned; a layer that
 cannot trim that many rows exactly (a ring that has wrapped beyond its undo
-depth, or has no undo log) makes the whole list refuse. The count is taken
+depth, or has no undo log; a recurrent layer asked for more tokens than its
+checkpoints cover) makes the whole list refuse. The count is taken
 from the rows each layer holds (a dense layer's *live* rows, which a front
 trim reduces below its offset), never from the offset alone. Layers that disagree on how many
 tokens they hold corrupt every later step (a known public bug class: a
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec import dense, rotating
+from spec import dense, recurrent, rotating
 from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
@@ -48,9 +50,21 @@ class RingLayer:
     undo: int = 0
 
 
-Layer = DenseLayer | RingLayer
-LayerCache = dense.DenseCache | rotating.RotatingCache
-LayerWorld = dense.DenseWorld | rotating.RotatingWorld
+@dataclass(frozen=True)
+class RecurrentLayer:
+    """A hybrid model's recurrent layer (:mod:`spec.recurrent`): ``size``
+    arrays (2: conv window and recurrent state; 1: conv window only), a
+    conv of width ``kernel``, checkpoints for rollbacks of up to ``depth``
+    tokens (0: none)."""
+
+    size: int = 2
+    kernel: int = 4
+    depth: int = 0
+
+
+Layer = DenseLayer | RingLayer | RecurrentLayer
+LayerCache = dense.DenseCache | rotating.RotatingCache | recurrent.RecurrentCache
+LayerWorld = dense.DenseWorld | rotating.RotatingWorld | recurrent.RecurrentWorld
 
 
 def make_layer(layer: Layer, inplace: bool = True) -> LayerCache:
@@ -60,7 +74,10 @@ def make_layer(layer: Layer, inplace: bool = True) -> LayerCache:
         return dense.new_cache(layer.mode, layer.step, inplace)
     if isinstance(layer, RingLayer):
         return rotating.new_cache(layer.max_size, layer.keep, layer.step, inplace, undo=layer.undo)
-    raise InvalidArgumentError(f"make_prompt_cache: a layer must be a DenseLayer or a RingLayer, got {layer!r}")
+    if isinstance(layer, RecurrentLayer):
+        return recurrent.empty(layer.size, layer.kernel, layer.depth)
+    raise InvalidArgumentError(f"make_prompt_cache: a layer must be a DenseLayer, a RingLayer or a RecurrentLayer, "
+                               f"got {layer!r}")
 
 
 def make_prompt_cache(pattern: tuple[Layer, ...], inplace: bool = True) -> tuple[LayerCache, ...]:
@@ -78,15 +95,22 @@ def layer_trim_bounds(cache: LayerCache) -> tuple[int, int]:
     dense layer: its live rows, both (``live_len``: a front trim moved
     ``live_start`` past rows the offset still counts). A ring: its offset,
     and ``spec.rotating.trimmable_rows`` (the offset while unwrapped, what
-    its undo log covers after a wrap: 0 without one)."""
+    its undo log covers after a wrap: 0 without one). A recurrent layer:
+    its offset and its coverage (``spec.recurrent.trimmable_rows``; the
+    ring's rule, semantics.md 9)."""
     if isinstance(cache, dense.DenseCache):
         return cache.live_len, cache.live_len
+    if isinstance(cache, recurrent.RecurrentCache):
+        return cache.offset, recurrent.trimmable_rows(cache)
     return cache.offset, rotating.trimmable_rows(cache)
 
 
 def layer_can_trim(cache: LayerCache) -> bool:
     """Some trim of this layer is exact: always for a dense layer, for a ring
-    ``spec.rotating.is_trimmable``."""
+    ``spec.rotating.is_trimmable``, for a recurrent layer
+    ``spec.recurrent.is_trimmable`` (depth > 0)."""
+    if isinstance(cache, recurrent.RecurrentCache):
+        return recurrent.is_trimmable(cache)
     return isinstance(cache, dense.DenseCache) or rotating.is_trimmable(cache)
 
 
@@ -129,6 +153,8 @@ def list_trim_count(n: int, bounds: tuple[tuple[int, int], ...]) -> int:
 def _trim_layer(cache: LayerCache, count: int) -> tuple[int, LayerCache]:
     if isinstance(cache, dense.DenseCache):
         return dense.trim(cache, count)
+    if isinstance(cache, recurrent.RecurrentCache):
+        return recurrent.trim(cache, count)
     return rotating.trim(cache, count)
 
 
@@ -167,9 +193,15 @@ class LayersWorld:
 def new_world(pattern: tuple[Layer, ...], inplace: bool = True) -> LayersWorld:
     """A world holding :func:`make_prompt_cache` of ``pattern``."""
     caches = make_prompt_cache(pattern, inplace)
-    return LayersWorld(tuple(
-        dense.DenseWorld(c) if isinstance(c, dense.DenseCache) else rotating.RotatingWorld(c) for c in caches
-    ))
+    return LayersWorld(tuple(_world_of(c) for c in caches))
+
+
+def _world_of(c: LayerCache) -> LayerWorld:
+    if isinstance(c, dense.DenseCache):
+        return dense.DenseWorld(c)
+    if isinstance(c, recurrent.RecurrentCache):
+        return recurrent.RecurrentWorld(c)
+    return rotating.RotatingWorld(c)
 
 
 def caches_of(world: LayersWorld) -> tuple[LayerCache, ...]:
@@ -177,6 +209,8 @@ def caches_of(world: LayersWorld) -> tuple[LayerCache, ...]:
 
 
 def _module(w: LayerWorld):
+    if isinstance(w, recurrent.RecurrentWorld):
+        return recurrent
     return dense if isinstance(w, dense.DenseWorld) else rotating
 
 
@@ -222,8 +256,11 @@ def w_restore(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
 
 def layers_interchangeable(a: LayerWorld, b: LayerWorld) -> bool:
     """Whether a snapshot one layer took fits another layer: both dense, or
-    both rings of the same ``(max_size, keep)`` (what a layer's restore
-    checks first)."""
+    both rings of the same ``(max_size, keep)``, or both recurrent layers of
+    the same ``(size, kernel)`` (what a layer's restore checks first)."""
+    if isinstance(a, recurrent.RecurrentWorld) or isinstance(b, recurrent.RecurrentWorld):
+        return (isinstance(a, recurrent.RecurrentWorld) and isinstance(b, recurrent.RecurrentWorld)
+                and (a.cache.size, a.cache.kernel) == (b.cache.size, b.cache.kernel))
     if isinstance(a, dense.DenseWorld) != isinstance(b, dense.DenseWorld):
         return False
     if isinstance(a, dense.DenseWorld):
@@ -380,7 +417,8 @@ def w_layer(world: LayersWorld, index: int, op: dict) -> tuple[object, LayersWor
         raise InvalidArgumentError(f"layer: op must be one of {LAYER_OPS}, got {name!r}")
     w = world.layers[index]
     if name == "trim_front" and not isinstance(w, dense.DenseWorld):
-        raise UnsupportedOperationError(f"trim_front: not an operation of the rotating cache (layer {index})")
+        kind = "recurrent" if isinstance(w, recurrent.RecurrentWorld) else "rotating"
+        raise UnsupportedOperationError(f"trim_front: not an operation of the {kind} cache (layer {index})")
     result, w = _module(w).apply_op(w, op)
     layers = world.layers[:index] + (w,) + world.layers[index + 1:]
     return result, replace(world, layers=layers)
@@ -439,5 +477,5 @@ def view_of(world: LayersWorld, name: str | None) -> tuple[tuple[int, ...], ...]
     if name is None:
         return windows(world)
     _require(world, "expect", name)
-    return tuple(_module(w).view_of(w, name) if isinstance(w, dense.DenseWorld) else w.holders[name].window()
-                 for w in world.layers)
+    return tuple(_module(w).view_of(w, name) if not isinstance(w, rotating.RotatingWorld)
+                 else w.holders[name].window() for w in world.layers)
