@@ -230,7 +230,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         """O(1): handles to the same immutable arrays, the counters and the
         checkpoint ring; :meth:`restore` brings back the snapshot's coverage.
         A later write replaces arrays and never changes the snapshot.
-        Rule: ``spec.recurrent.snapshot``."""
+        Rule: ``spec.recurrent.w_snapshot``."""
         return RecurrentSnapshot(len(self.cache), self.depth, tuple(self.cache), self.offset, self._coverage,
                                  self._ring, self.left_padding, self.lengths)
 
@@ -268,12 +268,13 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
     @property
     def state(self) -> tuple[list[Any], Any, Any]:
         """``(arrays, left_padding, lengths)``, mlx-lm's ArraysCache protocol:
-        ``arrays`` the list of ``size`` arrays (None before the first call).
-        Read by ``mlx_lm.models.cache.save_prompt_cache`` it raises
+        ``arrays`` a new list of the ``size`` arrays (None before the first
+        call), so a held state never sees a later write. The offset is not
+        in it: it travels in :attr:`meta_state`. Read by ``mlx_lm.models.cache.save_prompt_cache`` it raises
         UnsupportedOperationError (its file would lose offset and depth:
-        use ``impl.models.save_prompt_cache``). Rule: ``spec.recurrent.snapshot``."""
+        use ``impl.models.save_prompt_cache``). Rule: ``spec.recurrent.w_snapshot``."""
         refuse_foreign_save(self)
-        return self.cache, self.left_padding, self.lengths
+        return list(self.cache), self.left_padding, self.lengths
 
     @state.setter
     def state(self, v: Any) -> None:
@@ -298,11 +299,16 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
 
     @meta_state.setter
     def meta_state(self, v: Any) -> None:
+        """Set offset, depth and strict from ``meta_state`` (as the getter
+        gives it); the checkpoints are cleared (coverage 0), as after a
+        load. Raises InvalidArgumentError for malformed counters or a size
+        other than this cache's, the cache unchanged. Rule: ``spec.recurrent.reload``."""
         offset, depth, size, strict = self._parse_meta("meta_state", v)
-        self.offset, self.depth, self.strict = offset, depth, strict
         if size != len(self.cache):
-            self.cache = (list(self.cache) + [None] * size)[:size]
+            raise InvalidArgumentError(f"meta_state: size {size} does not match this cache's {len(self.cache)} arrays")
+        self.offset, self.depth, self.strict = offset, depth, strict
         self._ring, self._coverage = (None,) * (depth + 1), 0
+        self._mark()
 
     @staticmethod
     def _parse_meta(op: str, v: Any) -> tuple[int, int, int, bool]:
@@ -364,7 +370,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
     @property
     def nbytes(self) -> int:
         """Bytes of the live arrays (the checkpoints reference arrays the
-        model already made; they are not counted). Rule: ``spec.recurrent.snapshot``."""
+        model already made; they are not counted). Rule: ``spec.recurrent.w_snapshot``."""
         return sum(a.nbytes for a in self.cache if a is not None)
 
     def __repr__(self) -> str:
@@ -377,14 +383,15 @@ _RECORDED: dict[type, type] = {}
 
 
 def _takes_cache(module: Any) -> bool:
+    cls = type(module).__dict__.get("_kvspec_unrecorded", type(module))
     try:
-        return "cache" in inspect.signature(type(module).__call__).parameters
+        return "cache" in inspect.signature(cls.__call__).parameters
     except (TypeError, ValueError):
         return False
 
 
 def _is_attention(module: Any) -> bool:
-    return "attention" in type(module).__name__.lower()
+    return "attention" in type(module).__name__.lower()  # the recorded subclass keeps the name
 
 
 def _recorded_class(cls: type) -> type:
