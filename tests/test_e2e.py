@@ -199,7 +199,7 @@ def test_make_prompt_cache_passes_every_argument_on_every_layout(model, kwargs, 
 
 
 def test_make_prompt_cache_refuses_unknown_layer_kinds():
-    from mlx_lm.models.cache import ArraysCache
+    from mlx_lm.models.cache import ChunkedKVCache
 
     class Hybrid:
         def __init__(self):
@@ -208,9 +208,9 @@ def test_make_prompt_cache_refuses_unknown_layer_kinds():
         def make_cache(self):
             from mlx_lm.models.cache import KVCache as LmKVCache
 
-            return [LmKVCache(), ArraysCache(2)]
+            return [LmKVCache(), ChunkedKVCache(4)]  # (ArraysCache layers are RecurrentCache now)
 
-    with pytest.raises(UnsupportedOperationError, match="layer 1 needs a ArraysCache"):
+    with pytest.raises(UnsupportedOperationError, match="layer 1 needs a ChunkedKVCache"):
         make_prompt_cache(Hybrid())
 
 
