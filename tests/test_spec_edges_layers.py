@@ -37,7 +37,8 @@ def test_every_layer_writes_in_place_unless_the_switch_is_off():
 def test_a_pattern_of_no_layer_and_a_layer_of_no_kind_are_refused():
     with raises(InvalidArgumentError, "make_prompt_cache: pattern must hold at least one layer, got 0"):
         sl.make_prompt_cache(())
-    with raises(InvalidArgumentError, "make_prompt_cache: a layer must be a DenseLayer or a RingLayer, got 'ring'"):
+    with raises(InvalidArgumentError,
+                "make_prompt_cache: a layer must be a DenseLayer, a RingLayer or a RecurrentLayer, got 'ring'"):
         sl.make_prompt_cache(("ring",))
 
 
