@@ -231,6 +231,27 @@ KINDS: dict[str, Kind] = {
             campaigns=(("fp16", True), ("fp16", False)),
             lockstep="fuzz.paged:PagedLockstep", machine="fuzz.paged:PagedMachine", bugs="fuzz.bugs.paged:BUGS",
         ),
+        Kind(
+            "recurrent", "recurrent layer of a hybrid model (RecurrentCache): conv window and recurrent state, "
+            "per-step checkpoints recorded by the step recorder, exact rollback within the depth",
+            modes=("fp16",),
+            # size: 2 (conv window + recurrent state) or 1 (conv window only,
+            # lfm2); kernel: the causal conv's width (the window keeps
+            # kernel - 1 input rows); depth: U, the tokens a rollback may take
+            # back; channels: the conv window's C
+            fields={"size": 2, "kernel": 4, "depth": 0, "channels": 4},
+            ops=("append_unrecorded", "can_trim", *STATE_OPS, "copy", "reload"),
+            refuses=("trim_to", "trim_front", "gather_positions", "gather_within_tail", "detach", "install",
+                     "handle_trim_to"),
+            # the in-place switch changes nothing: the layer replaces its arrays
+            campaigns=(("fp16", True),),
+            must_reach=("depth=0", "depth=1", "depth=2", "depth=3", "depth=4", "rollbacks of exactly the coverage",
+                        "rollbacks beyond the coverage (refused)", "rollbacks after a multi-token call",
+                        "restores over a non-empty checkpoint ring", "unrecorded steps"),
+            sweep=("depth", (0, 1, 2, 3, 4)),
+            lockstep="fuzz.recurrent:RecurrentLockstep", machine="fuzz.recurrent:RecurrentMachine",
+            bugs="fuzz.bugs.recurrent:BUGS",
+        ),
     )
 }
 
