@@ -394,14 +394,34 @@ def _is_attention(module: Any) -> bool:
     return "attention" in type(module).__name__.lower()  # the recorded subclass keeps the name
 
 
+def _unread_parameters(fn: Any) -> frozenset[str]:
+    """Parameters ``fn``'s own code never reads (recurrent_gemma's
+    RecurrentBlock takes an attention ``mask`` it ignores): the recorder
+    may hand them to every sub-call unsliced. Conservative: a parameter a
+    closure captures, or any use of ``locals()``/``vars()``, counts as read."""
+    code = getattr(fn, "__code__", None)
+    if code is None or {"locals", "vars", "eval", "exec"} & set(code.co_names):
+        return frozenset()
+    read: set[str] = set(code.co_cellvars)
+    import dis
+
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith(("LOAD_", "DELETE_")):
+            arg = ins.argval
+            read.update(arg if isinstance(arg, tuple) else (arg,) if isinstance(arg, str) else ())
+    params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    return frozenset(p for p in params if p not in read)
+
+
 def _recorded_class(cls: type) -> type:
     sub = _RECORDED.get(cls)
     if sub is None:
         original = cls.__call__
         sig = inspect.signature(original)
+        unread = _unread_parameters(original)
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return _recorded_call(original, sig, self, args, kwargs)
+            return _recorded_call(original, sig, self, args, kwargs, unread)
 
         sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                            "__qualname__": cls.__qualname__, "_kvspec_unrecorded": cls})
@@ -439,8 +459,11 @@ def record_steps(model: Any) -> int:
     tokens as its own call, slicing every other argument of shape ``(B, S,
     ...)`` (the ssm mask) with it, and the cache records a checkpoint after
     each sub-call; the output is the sub-calls' outputs joined along the
-    sequence axis. An argument it cannot slice safely (an array of another
-    shape, a container) runs the call unsplit and the coverage drops to 0:
+    sequence axis. An argument the mixer's own code never reads (read from
+    its bytecode: recurrent_gemma's RecurrentBlock takes an attention
+    mask it ignores) is handed on as is. Any other argument it cannot slice
+    safely (an array of another shape, a container) runs the call unsplit
+    and the coverage drops to 0:
     never a wrong checkpoint. Any other cache, or depth 0, passes through
     unchanged. Raises InvalidArgumentError for a model without ``layers``.
     Rule: ``spec.recurrent.step``."""
@@ -467,7 +490,8 @@ def unrecord_steps(model: Any) -> int:
     return n
 
 
-def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tuple, kwargs: dict) -> Any:
+def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tuple, kwargs: dict,
+                   unread: frozenset[str] = frozenset()) -> Any:
     try:
         bound = sig.bind(module, *args, **kwargs)
     except TypeError:
@@ -477,7 +501,7 @@ def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tup
         return original(module, *args, **kwargs)
     names = [p for p in bound.arguments if p != "cache"][1:]  # without self
     x = bound.arguments[names[0]] if names else None
-    plan = _slice_plan(bound, names, x)
+    plan = _slice_plan(bound, [n for n in names if n not in unread or n == names[0]], x)
     saved = cache._fields()
     U = cache.depth
     try:

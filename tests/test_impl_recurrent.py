@@ -209,8 +209,8 @@ def test_unrecorded_steps_clear_the_coverage():
 
 def test_unsliceable_argument_runs_unsplit_with_coverage_zero():
     class Odd(FakeMixer):
-        def __call__(self, x, mask=None, cache=None, extra=None):  # an array of another shape
-            return super().__call__(x, mask, cache)
+        def __call__(self, x, mask=None, cache=None, extra=None):  # reads an array of another shape
+            return super().__call__(x + extra.sum(), mask, cache)
 
     class L(nn.Module):
         def __init__(self):
@@ -231,6 +231,19 @@ def test_unsliceable_argument_runs_unsplit_with_coverage_zero():
     feed_calls = model.layers[0].mixer.calls
     model.layers[0](x, cache=c)
     assert feed_calls == [4] and c.offset == 4 and c.trimmable_rows() == 0
+
+
+def test_an_argument_the_mixer_never_reads_is_handed_on():
+    class Ignores(FakeMixer):  # as recurrent_gemma's RecurrentBlock ignores its attention mask
+        def __call__(self, x, cache=None, mask=None):
+            return super().__call__(x, None, cache)
+
+    m = FakeModel()
+    m.layers[0].mixer = Ignores()
+    record_steps(m)
+    c = RecurrentCache(depth=2)
+    m.layers[0].mixer(mx.ones((1, 4, 3)), cache=c, mask=mx.zeros((4, 4)))
+    assert m.mixer.calls == [2, 1, 1] and c.trimmable_rows() == 2
 
 
 def test_mask_is_sliced_with_the_tokens():
@@ -485,7 +498,20 @@ def _speculative(model, draft, k):
     return got, sum(trimmed)
 
 
-@pytest.mark.parametrize("build", [qwen3_next_model, lfm2_model], ids=["qwen3_next", "lfm2"])
+def recurrent_gemma_model(seed):
+    """Its recurrent blocks call no advance (the recorder counts) and take
+    the attention mask, which they never read."""
+    from mlx_lm.models import recurrent_gemma
+
+    mx.random.seed(seed)
+    return _scaled(recurrent_gemma.Model(recurrent_gemma.ModelArgs(
+        model_type="recurrent_gemma", attention_bias=False, conv1d_width=4, hidden_size=32, intermediate_size=64,
+        logits_soft_cap=30.0, num_attention_heads=2, num_hidden_layers=3, num_key_value_heads=1, rms_norm_eps=1e-6,
+        rope_theta=10000.0, attention_window_size=64, vocab_size=64, block_types=["recurrent", "recurrent", "attention"])))
+
+
+@pytest.mark.parametrize("build", [qwen3_next_model, lfm2_model, recurrent_gemma_model],
+                         ids=["qwen3_next", "lfm2", "recurrent_gemma"])
 def test_speculative_decoding_of_hybrid_models_equals_greedy(build):
     model = build(0)
     want = _greedy(model)
