@@ -2,8 +2,9 @@
 (spec: ``spec.layers``, semantics.md 6).
 
 Every function takes the list of per-layer caches a model uses (dense
-:class:`~impl.dense.KVCache` and sliding-window
-:class:`~impl.rotating.RotatingKVCache`, mixed) and applies one operation to
+:class:`~impl.dense.KVCache`, sliding-window
+:class:`~impl.rotating.RotatingKVCache` and recurrent
+:class:`~impl.recurrent.RecurrentCache`, mixed) and applies one operation to
 all of them at once. :func:`trim_prompt_cache` is the rollback of
 speculative decoding and of prompt-cache reuse; it is atomic: when one layer
 cannot trim exactly (a ring that has wrapped) no layer is trimmed and 0 is
@@ -28,7 +29,10 @@ def _trim_bounds(c: Any) -> tuple[int, int]:
     """``(rows, exact)`` of one layer (spec.layers.layer_trim_bounds): a
     dense cache's live rows, both (a front trim moves live_start past rows
     the offset still counts); a ring's offset, and ``trimmable_rows()`` (the
-    offset while unwrapped, what its undo log covers after a wrap)."""
+    offset while unwrapped, what its undo log covers after a wrap); a
+    recurrent layer's (:class:`~impl.recurrent.RecurrentCache`) offset and
+    its coverage ``trimmable_rows()`` (the tokens its checkpoints can take
+    back), the same rule as a ring's (spec.recurrent.trimmable_rows)."""
     if hasattr(c, "live_len"):
         return int(c.live_len), int(c.live_len)
     if hasattr(c, "trimmable_rows"):
@@ -65,7 +69,8 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
     ``min(n, every layer's rows)``, counted from a dense layer's live rows,
     and that count is returned. When the count is beyond some layer's exact
     bound (a sliding-window ring that has wrapped beyond its undo depth, or
-    has no undo log) nothing is trimmed in any layer and 0 is returned, so
+    has no undo log; a recurrent layer beyond its checkpoints' coverage)
+    nothing is trimmed in any layer and 0 is returned, so
     layers never disagree on the sequence they hold. ``n <= 0`` trims
     nothing. Raises InvalidArgumentError for a non-integer ``n``. A layer
     that refuses late, after the layers before it trimmed (its ``trim``

@@ -10,9 +10,10 @@ import random
 import warnings
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
+from mlx.utils import tree_flatten
 
 from impl.dense import KVCache
 from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache
@@ -175,7 +176,7 @@ def test_refusal_beyond_coverage_changes_nothing():
     assert c.trimmable_rows() == 3
     before = (list(c.cache), c.offset, c._ring, c.trimmable_rows())
     for n in (4, 5, 100):
-        with pytest.raises(StateError, match=r"coverage\)?.*a rollback of %d tokens" % n):
+        with pytest.raises(StateError, match=rf"coverage\)?.*a rollback of {n} tokens"):
             c.trim(n)
         assert (list(c.cache), c.offset, c._ring, c.trimmable_rows()) == before
         assert all(a is b for a, b in zip(c.cache, before[0]))
@@ -257,12 +258,12 @@ def test_recorder_is_idempotent_and_undone():
     cls = type(m.mixer)
     assert record_steps(m) == 1 and record_steps(m) == 1
     assert type(m.mixer).__mro__[1] is cls and type(m.mixer).__name__ == cls.__name__
-    keys = sorted(k for k, _ in __import__("mlx.utils").utils.tree_flatten(m.parameters()))
+    keys = sorted(k for k, _ in tree_flatten(m.parameters()))
     assert unrecord_steps(m) == 1 and type(m.mixer) is cls and unrecord_steps(m) == 0
     c = RecurrentCache(depth=2)
     feed(m, c, [1, 2, 3])
     assert m.mixer.calls == [3] and c.trimmable_rows() == 0  # no recorder: an unrecorded step
-    assert keys == sorted(k for k, _ in __import__("mlx.utils").utils.tree_flatten(m.parameters()))
+    assert keys == sorted(k for k, _ in tree_flatten(m.parameters()))
     with pytest.raises(InvalidArgumentError, match="layers"):
         record_steps(object())
 
@@ -489,8 +490,14 @@ def _speculative(model, draft, k):
     caches = make_prompt_cache(model, num_draft_tokens=k)
     main = [c for c in caches if isinstance(c, RecurrentCache)]
     trimmed = []
+    def counting(trim):
+        def counted(n):
+            trimmed.append(trim(n))
+            return trimmed[-1]
+        return counted
+
     for c in main:  # count the main model's rollbacks, so the test knows it exercised them
-        c.trim = (lambda f: lambda n: trimmed.append(f(n)) or trimmed[-1])(c.trim)
+        c.trim = counting(c.trim)
     prompt = mx.array(PROMPT, mx.uint32)
     got = [int(t) for t, _, _ in speculative_generate_step(
         prompt, model, draft, num_draft_tokens=k, max_tokens=MAX_TOKENS,
