@@ -90,7 +90,10 @@ def record(d: Domain, ring: Any, t: Any, U: Any, rules: RingRules = RING_SPEC) -
 def clear(d: Domain, ring: Any, t: Any, U: Any, rules: RingRules = RING_SPEC) -> Any:
     """An unrecorded step, a ``state`` assignment or a reload leaving offset
     ``t``: coverage 0, and the current state becomes the checkpoint of ``t``
-    (the spec's seed; the control forgets it)."""
+    (the spec's seed; the control forgets it). ``impl.recurrent`` writes
+    the seed lazily, at the start of the next recorded call: the same ring
+    whenever a trim can read it (a trim needs coverage >= 1, so a recorded
+    step after the clear)."""
     if rules.clear == "forget":
         return ring
     return z3.Store(ring, slot(d, t, U, rules), t)
