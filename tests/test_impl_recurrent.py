@@ -534,3 +534,28 @@ def test_speculative_decoding_of_hybrid_models_equals_greedy(build):
         rolled_back += trimmed
     assert rolled_back > 0  # rejected drafts were rolled back in the recurrent layers
     assert record_steps(model) == 2 and unrecord_steps(model) == 2
+
+
+def test_batch_generation_with_recurrent_caches_equals_mlx_lm():
+    """A drop-in in mlx-lm's BatchGenerator too: merged (ArraysCache.merge,
+    into a RecurrentCache of depth 0), extended by a sequence mid-stream,
+    filtered as sequences finish, the same tokens as with mlx-lm's caches."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
+
+    model = lfm2_model(0)
+    prompts = [[1, 5, 9, 3], [7, 2], [8, 8, 1, 2, 3]]
+    outs = []
+    for make in (lm_make_prompt_cache, make_prompt_cache):
+        gen = BatchGenerator(model)
+        uids = gen.insert(prompts[:2], max_tokens=[5, 3], caches=[make(model) for _ in prompts[:2]])
+        got: dict[int, list[int]] = {u: [] for u in uids}
+        for r in gen.next_generated():
+            got[r.uid].append(r.token)
+        uids += gen.insert(prompts[2:], max_tokens=[6], caches=[make(model)])  # the batch extended mid-stream
+        got[uids[-1]] = []
+        while responses := gen.next_generated():
+            for r in responses:
+                got[r.uid].append(r.token)
+        outs.append([got[u] for u in uids])
+    assert outs[0] == outs[1] and [len(o) for o in outs[1]] == [5, 3, 6]
