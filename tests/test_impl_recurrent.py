@@ -559,3 +559,17 @@ def test_batch_generation_with_recurrent_caches_equals_mlx_lm():
                 got[r.uid].append(r.token)
         outs.append([got[u] for u in uids])
     assert outs[0] == outs[1] and [len(o) for o in outs[1]] == [5, 3, 6]
+
+
+def test_from_state_refuses_what_does_not_fit():
+    conv, state = mx.zeros((1, 3, 4)), mx.zeros((2, 5))
+    for arrays, meta, rule in (((conv,), ("0", "1", "2"), "needs 2 arrays or none"),
+                               ((conv, state), ("0", "1", "2"), "disagree on the batch size"),
+                               ((conv, mx.zeros((1, 5))), ("0", "-1", "2"), "meta_state"),
+                               ((conv, mx.zeros((1, 5))), ("0", "1"), "meta_state"),
+                               ((conv, mx.zeros((1, 5))), ("0", "1", "2", "7"), "meta_state"),
+                               ((conv, "x"), ("0", "1", "2"), "mx.array")):
+        with pytest.raises(InvalidArgumentError, match=rule):
+            RecurrentCache.from_state(arrays, meta)
+    c = RecurrentCache.from_state((conv, mx.zeros((1, 5))), ("7", "2", "2", "1"))
+    assert (c.offset, c.depth, c.strict, c.trimmable_rows()) == (7, 2, True, 0)
