@@ -25,8 +25,9 @@ Obligation 16, the atomic list trim over up to three mixed layers (dense,
 ring, recurrent): after ``list_trim_count`` every layer trims the same
 count (the list's), or none does; no layer is asked beyond its exact bound
 (a recurrent layer's coverage, so its trim never raises inside a list
-trim); the count is the largest such. Negative control: a list trim that
-trims each layer by ``min(n, its own bound)``, refuted.
+trim); the count is the largest such. Negative controls: a list trim that
+trims each layer by ``min(n, its own bound)``, and one that takes a
+recurrent layer's exact bound as its offset (every state kept), refuted.
 
 Run as ``kvspec prove --only 15 16``.
 """
@@ -123,7 +124,7 @@ def list_parts(rules: ListRules = LIST_SPEC) -> list[tuple[str, PartBuilder]]:
 
     def same_count(d: Domain) -> tuple[list[Any], Any]:
         n, layers, premises = setup(d)
-        count = list_count(n, layers)
+        count = list_count(n, layers, rules)
         return premises, z3.And(*(layer_trims(layer, asked(n, layers, layer, rules)) == count for layer in layers))
 
     def within(d: Domain) -> tuple[list[Any], Any]:
@@ -137,7 +138,7 @@ def list_parts(rules: ListRules = LIST_SPEC) -> list[tuple[str, PartBuilder]]:
         for layer in layers:
             least = z3.If(layer.live < least, layer.live, least)
         fits = z3.And(*(least <= layer.exact for layer in layers))
-        return [*premises, n > 0, fits], list_count(n, layers) == least
+        return [*premises, n > 0, fits], list_count(n, layers, rules) == least
 
     return [("every layer trims the list's count, or none trims", same_count),
             ("no layer is asked beyond its exact bound (a recurrent layer's coverage)", within),
@@ -146,6 +147,8 @@ def list_parts(rules: ListRules = LIST_SPEC) -> list[tuple[str, PartBuilder]]:
 
 LIST_CONTROLS: list[tuple[str, str, ListRules]] = [
     ("trim_each_to_its_bound", "each layer trims min(n, its own exact bound)", ListRules(count="per_layer")),
+    ("recurrent_bound_is_offset", "a recurrent layer's exact bound taken as its offset, not its coverage",
+     ListRules(bound="offset")),
 ]
 
 

@@ -114,6 +114,7 @@ class MixedLayer:
 @dataclass(frozen=True)
 class ListRules:
     count: str = "spec"  # | "per_layer" (each layer trims min(n, its own exact bound))
+    bound: str = "spec"  # | "offset" (a recurrent layer's exact bound taken as its offset, not its coverage)
 
 
 LIST_SPEC = ListRules()
@@ -134,13 +135,21 @@ def mixed_premises(layer: MixedLayer) -> list[Any]:
                                                    layer.exact <= layer.offset))]
 
 
-def list_count(n: Any, layers: list[MixedLayer]) -> Any:
+def exact_bound(layer: MixedLayer, rules: ListRules = LIST_SPEC) -> Any:
+    """``layer_trim_bounds``'s exact bound: a recurrent layer's coverage
+    (the control: its offset, as if every state were kept)."""
+    if rules.bound == "offset":
+        return z3.If(layer.recurrent, layer.offset, layer.exact)
+    return layer.exact
+
+
+def list_count(n: Any, layers: list[MixedLayer], rules: ListRules = LIST_SPEC) -> Any:
     """``spec.layers.list_trim_count`` over ``layer_trim_bounds``: ``min(n,
     every layer's rows)``, 0 when ``n <= 0`` or beyond some exact bound."""
     count = n
     for layer in layers:
         count = z3.If(layer.live < count, layer.live, count)
-    beyond = z3.Or(*(count > layer.exact for layer in layers))
+    beyond = z3.Or(*(count > exact_bound(layer, rules) for layer in layers))
     return z3.If(z3.Or(n <= 0, beyond), 0, count)
 
 
@@ -149,7 +158,7 @@ def asked(n: Any, layers: list[MixedLayer], layer: MixedLayer, rules: ListRules 
     ``min(n, the layer's own exact bound)``)."""
     if rules.count == "per_layer":
         return z3.If(n <= 0, 0, z3.If(layer.exact < n, layer.exact, n))
-    return list_count(n, layers)
+    return list_count(n, layers, rules)
 
 
 def layer_trims(layer: MixedLayer, count: Any) -> Any:
