@@ -183,3 +183,114 @@ def prefill(model: Any, caches: list[Any], tokens: mx.array) -> None:
 
 def _rotating(caches: list[Any]) -> list[RotatingKVCache]:
     return [c for c in caches if isinstance(c, RotatingKVCache)]
+
+
+# -- hybrid models: recurrent layers beside attention (issue 48) ------------------
+#: The hybrid families of the e2e scenarios: mlx-lm 0.32's model modules whose
+#: recurrent layers keep an ``ArraysCache`` (conv window, recurrent state).
+HYBRID_FAMILIES = ("qwen3_next", "nemotron_h", "lfm2", "recurrent_gemma")
+
+
+#: recurrent_gemma's local-attention window in the e2e runs: small, so its
+#: ring wraps within a stretch
+HYBRID_WINDOW = 8
+
+
+#: each family's weight scale: the streams stay chaotic (no collapse into a
+#: cycle) over the seeds of every size; recurrent_gemma 1.75 (at 1 or 2 some seed collapses)
+HYBRID_SCALE = {"qwen3_next": 2.0, "nemotron_h": 2.0, "lfm2": 2.0, "recurrent_gemma": 1.75}
+
+
+def _hybrid_args(family: str) -> tuple[Any, Any]:
+    """(model module, ModelArgs) of a tiny ``family``: hidden 64, vocab 256,
+    conv kernel 4 (lfm2: 3), attention head dim 16; qwen3_next: layers
+    [GatedDeltaNet, attention] x 2; nemotron_h: Mamba2, attention, Mamba2;
+    lfm2: short conv, attention, short conv; recurrent_gemma: RG-LRU, RG-LRU,
+    local attention over ``HYBRID_WINDOW`` tokens."""
+    import importlib
+
+    if family not in HYBRID_FAMILIES:
+        raise KeyError(f"no tiny hybrid family {family!r}; known: {list(HYBRID_FAMILIES)}")
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    common = {"model_type": family, "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_attention_heads": 4}
+    if family == "qwen3_next":
+        args = mod.ModelArgs(
+            **common, num_hidden_layers=4, intermediate_size=2 * HIDDEN, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            num_experts=0, num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=HIDDEN,
+            mlp_only_layers=[], moe_intermediate_size=HIDDEN, rms_norm_eps=1e-5, num_key_value_heads=2,
+            rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=4096, head_dim=16,
+            full_attention_interval=2)
+    elif family == "nemotron_h":
+        # only mixer blocks ("M", "*"): mlx-lm's speculative loop splits the
+        # cache list at len(model.layers), which counts MLP blocks too
+        args = mod.ModelArgs(
+            **common, intermediate_size=2 * HIDDEN, max_position_embeddings=4096, num_key_value_heads=2,
+            attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16,
+            conv_kernel=4, n_groups=2, mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+            hybrid_override_pattern=["M", "*", "M"], head_dim=16)
+    elif family == "lfm2":
+        args = mod.ModelArgs(
+            **common, num_hidden_layers=3, num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5,
+            conv_bias=False, conv_L_cache=3, block_dim=HIDDEN, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=False, block_ff_dim=2 * HIDDEN, full_attn_idxs=[1])
+    else:
+        args = mod.ModelArgs(
+            **common, attention_bias=False, conv1d_width=4, intermediate_size=2 * HIDDEN, logits_soft_cap=30.0,
+            num_hidden_layers=3, num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=10000.0,
+            attention_window_size=HYBRID_WINDOW, block_types=["recurrent", "recurrent", "attention"])
+    return mod, args
+
+
+def tiny_hybrid(family: str, seed: int, dtype: mx.Dtype = mx.float32) -> Any:
+    """A tiny random-weight model of an mlx-lm hybrid ``family`` (one of
+    ``HYBRID_FAMILIES``; layers in ``_hybrid_args``), weights from
+    ``mx.random.seed(seed)`` scaled by ``HYBRID_SCALE[family]``, float32
+    unless ``dtype`` (float32: greedy decoding does not flip on the last-bit
+    differences between a block call and one-token calls). Raises KeyError
+    for an unknown family."""
+    mod, args = _hybrid_args(family)
+    mx.random.seed(seed)
+    model = mod.Model(args)
+    model.update(tree_map(lambda p: p * HYBRID_SCALE[family], model.parameters()))
+    if family == "recurrent_gemma":
+        _init_rg_lru(model)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def _init_rg_lru(model: Any) -> None:
+    """recurrent_gemma's recurrent blocks start with zeros (mlx-lm leaves the
+    loading to the checkpoint): a zero conv makes the whole RG-LRU branch
+    output 0 and its state never change. Draw them: the conv weights and
+    biases and the gates' weights and biases normal (std 1/sqrt(fan-in)),
+    ``recurrent_param`` uniform in [-4.5, -2] (a per-token decay a of about
+    0.6 to 0.96, RG-LRU's range)."""
+    for layer in model.layers:
+        block = layer.temporal_block
+        if layer.temporal_block_type != "recurrent":
+            continue
+        conv, lru = block.conv_1d, block.rg_lru
+        k = conv.weight.shape[1]
+        conv.weight = mx.random.normal(conv.weight.shape) / k ** 0.5
+        conv.bias = 0.1 * mx.random.normal(conv.bias.shape)
+        d = lru.head_dim
+        lru.input_gate_weight = mx.random.normal(lru.input_gate_weight.shape) / d ** 0.5
+        lru.recurrent_gate_weight = mx.random.normal(lru.recurrent_gate_weight.shape) / d ** 0.5
+        lru.input_gate_bias = 0.1 * mx.random.normal(lru.input_gate_bias.shape)
+        lru.recurrent_gate_bias = 0.1 * mx.random.normal(lru.recurrent_gate_bias.shape)
+        lru.recurrent_param = mx.random.uniform(-4.5, -2.0, lru.recurrent_param.shape)
+
+
+def hybrid_draft(family: str, seed: int, other: int, mix: float, dtype: mx.Dtype = mx.float32) -> Any:
+    """A draft for ``tiny_hybrid(family, seed)``: the same architecture with
+    weights ``(1 - mix) * target + mix * tiny_hybrid(family, other)``, so it
+    agrees with the target on some tokens and not on others (mix 0: the
+    target's weights; mix 1: a random model of seed ``other``)."""
+    target, rand = tiny_hybrid(family, seed), tiny_hybrid(family, other)
+    draft = tiny_hybrid(family, other)
+    draft.update(tree_map(lambda a, b: (1.0 - mix) * a + mix * b, target.parameters(), rand.parameters()))
+    draft.set_dtype(dtype)
+    mx.eval(draft.parameters())
+    return draft

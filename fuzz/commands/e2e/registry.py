@@ -11,6 +11,11 @@ from fuzz.commands.e2e import checks
 from fuzz.commands.e2e.batch import scenario_batch
 from fuzz.commands.e2e.checks import SHORT, Divergence, Size, Tally
 from fuzz.commands.e2e.greedy import scenario_bf16_models, scenario_greedy
+from fuzz.commands.e2e.hybrid import (
+    scenario_hybrid_mlx_lm,
+    scenario_hybrid_prompt_reuse,
+    scenario_hybrid_speculative,
+)
 from fuzz.commands.e2e.models import Factories
 from fuzz.commands.e2e.quantized import scenario_quantized_models
 from fuzz.commands.e2e.snapshots import (
@@ -59,6 +64,10 @@ SCENARIOS: list[Scenario] = [
              "kv_bits=4 runs mlx-lm's QuantizedKVCache, whose quantized matmul MLX 0.32's CUDA backend lacks "
              "for the tiny models' head dims (on the H200: 'No implementation for problem shape: 1x7x32x4')"),
     Scenario("batch", "13 batch", scenario_batch),
+    Scenario("hybrid_speculative", "14 hybrid_speculative", scenario_hybrid_speculative,
+             "compares a verify block's log-probabilities with one-token steps', bit for bit"),
+    Scenario("hybrid_prompt_reuse", "15 hybrid_prompt_reuse", scenario_hybrid_prompt_reuse),
+    Scenario("hybrid_mlx_lm", "16 hybrid_mlx_lm", scenario_hybrid_mlx_lm),
 ]
 
 
