@@ -134,10 +134,11 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         as ``ArraysCache.advance``; outside one it is an unrecorded step:
         ``offset += N`` and the checkpoints are cleared (coverage 0).
         Rule: ``spec.recurrent.step``."""
+        # new arrays, not in place: a snapshot or a saved field keeps the old counters
         if self.lengths is not None:
-            self.lengths -= N
+            self.lengths = self.lengths - N
         if self.left_padding is not None:
-            self.left_padding -= N
+            self.left_padding = self.left_padding - N
         if not self._recording:
             self.offset += int(N)
             self._coverage = 0
@@ -507,7 +508,7 @@ def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tup
     try:
         cache._mark()  # the live arrays are the checkpoint of the current offset
         if plan is None:  # cannot split safely: one call, coverage 0
-            return _sub_call(original, bound, module, cache, (), 0, None, single=False)
+            return _sub_call(original, bound, module, cache, (), 0, _tokens(x), single=False)
         S = x.shape[1]
         head = max(0, S - U)
         outs = []
@@ -522,7 +523,7 @@ def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tup
         for k, v in saved.items():
             setattr(cache, k, v)
         cache._mark()
-        return _sub_call(original, bound, module, cache, (), 0, None, single=False)
+        return _sub_call(original, bound, module, cache, (), 0, _tokens(x), single=False)
     except BaseException:
         for k, v in saved.items():
             setattr(cache, k, v)
@@ -531,6 +532,12 @@ def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tup
 
 class _Unsplittable(Exception):
     pass
+
+
+def _tokens(x: Any) -> int | None:
+    """How many tokens an input ``(B, S, ...)`` holds; None when it is not
+    such an array."""
+    return int(x.shape[1]) if isinstance(x, mx.array) and x.ndim >= 2 else None
 
 
 def _slice_plan(bound: inspect.BoundArguments, names: list[str], x: Any) -> tuple[str, ...] | None:
@@ -553,18 +560,20 @@ def _slice_plan(bound: inspect.BoundArguments, names: list[str], x: Any) -> tupl
 
 def _sub_call(original: Any, bound: inspect.BoundArguments, module: Any, cache: RecurrentCache,
               plan: tuple[str, ...], start: int, stop: int | None, single: bool) -> Any:
+    """Run the mixer on tokens ``[start, stop)`` (the arguments of ``plan``
+    sliced; ``plan`` empty: the whole call, ``stop`` its token count) and
+    record the checkpoint after it."""
     arguments = dict(bound.arguments)
     for name in plan:
         arguments[name] = arguments[name][:, start:stop]
     call = inspect.BoundArguments(bound.signature, arguments)  # type: ignore[arg-type]
-    x = arguments[list(arguments)[1]]
-    if stop is None and not (isinstance(x, mx.array) and x.ndim >= 2):
+    if stop is None:
         # the token count is unknown: an unrecorded step (the model's own
         # advance counts the tokens; coverage 0)
         out = original(*call.args, **call.kwargs)
         cache._coverage = 0
         return out
-    n = (stop - start) if stop is not None else x.shape[1]
+    n = stop - start
     cache._recording += 1
     try:
         out = original(*call.args, **call.kwargs)
