@@ -151,11 +151,11 @@ class StateLog:
         return out
 
 
-def states_along(model: Any, prompt: mx.array, tokens: list[int], depth: int,
-                 factories: Factories = None) -> dict[int, list[tuple[int, int, bytes]]]:
+def states_along(model: Any, prompt: mx.array, tokens: list[int],
+                 depth: int) -> dict[int, list[tuple[int, int, bytes]]]:
     """The recurrent layers' arrays at every offset of ``teacher_run`` over
     ``prompt`` and ``tokens`` on fresh caches of ``depth``."""
-    caches = build_hybrid(model, depth, factories)
+    caches = build_hybrid(model, depth)
     log = StateLog(model, caches)
     teacher_run(log, caches, prompt, tokens)
     return log.at
@@ -237,17 +237,20 @@ def scenario_hybrid_speculative(size: Size, factories: Factories = None,
     for family in families:
         lengths: dict[int, Counter[int]] = {k: Counter() for k in DRAFT_LENGTHS}
         for seed in size.seeds:
-            model = tiny_hybrid(family, seed)
+            # the models under test (their caches built from ``factories``) and the references'
+            # own instances (the same weights): a recorder bug is installed on a model instance
+            model, ref_model = tiny_hybrid(family, seed), tiny_hybrid(family, seed)
             draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family])
+            ref_draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family])
             prompt = token_ids(seed, PROMPT)
-            ref = greedy(model, mlx_lm_caches(model), prompt, n)
+            ref = greedy(ref_model, mlx_lm_caches(ref_model), prompt, n)
             require(len(set(ref.tokens)) >= min_distinct(n), f"{family} seed {seed}: greedy stream collapsed")
             for k in DRAFT_LENGTHS:
                 label = f"{family} seed {seed}, k={k}"
-                plain_caches = build_hybrid(model, k, factories)
-                log = StateLog(model, plain_caches)
+                plain_caches = build_hybrid(ref_model, k)  # the references use kvspec's own classes
+                log = StateLog(ref_model, plain_caches)
                 plain = greedy(log, plain_caches, prompt, n)
-                draft_states = states_along(draft, prompt, plain.tokens, k, factories)
+                draft_states = states_along(ref_draft, prompt, plain.tokens, k)
                 require(plain.tokens == ref.tokens,
                         f"{label}: greedy with our caches (depth {k}) leaves mlx-lm's greedy tokens at step "
                         f"{_first_difference(plain.tokens, ref.tokens)}")
@@ -331,15 +334,33 @@ def build_hybrid(model: Any, depth: int, factories: Factories = None, strict: bo
     """``impl.models.make_prompt_cache(model, num_draft_tokens=depth)``:
     every recurrent layer a RecurrentCache of that depth, every ring an undo
     log of it, the step recorder installed. ``factories`` (an injected bug's
-    classes) builds the rings (``"rotating"``) and the recurrent layers
-    (``"recurrent"``, called as ``RecurrentCache(size, depth, strict)``)."""
+    classes, ``fuzz.bugs``) builds the rings (``"rotating"``) and the
+    recurrent layers (``"recurrent"``: a RecurrentCache subclass, called as
+    ``cls(size=, depth=, strict=)``; or ``{"record_steps": f}``, a recorder
+    bug, installed on ``model`` instead of the step recorder)."""
+    _pristine(model)
+    bug = (factories or {}).get("recurrent")
     caches = make_prompt_cache(model, num_draft_tokens=depth, strict=strict,
                                classes={k: v for k, v in (factories or {}).items() if k == "rotating"} or None)
-    cls = (factories or {}).get("recurrent")
-    if cls is not None:
-        caches = [cls(size=len(c.cache), depth=depth, strict=strict) if isinstance(c, RecurrentCache) else c
+    if isinstance(bug, dict):
+        _pristine(model)
+        bug["record_steps"](model)
+    elif bug is not None:
+        caches = [bug(size=len(c.cache), depth=depth, strict=strict) if isinstance(c, RecurrentCache) else c
                   for c in caches]
     return caches
+
+
+def _pristine(model: Any) -> None:
+    """Put each recurrent mixer of ``model`` back to mlx-lm's own class
+    (whichever recorder, kvspec's or a recorder bug's, wrapped it)."""
+    from impl.recurrent import _mixers
+
+    for m in _mixers(model):
+        cls = type(m)
+        while "_kvspec_unrecorded" in cls.__dict__ or not cls.__module__.startswith("mlx_lm."):
+            cls = cls.__bases__[0]
+        m.__class__ = cls
 
 
 def _layer_bytes(caches: list[Any]) -> list[tuple[int, bytes]]:
@@ -379,7 +400,10 @@ def _refused_beyond_depth(label: str, model: Any, caches: list[Any], depth: int)
 
 def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
                                  families: tuple[str, ...] = HYBRID_FAMILIES) -> tuple[Tally, float | None]:
-    """Prompt-cache reuse with rollbacks on hybrid models: one conversation
+    """Prompt-cache reuse with rollbacks on hybrid models. A prompt cache
+    made by one prefill call of the prompt, its last n = 1..U tokens taken
+    back: every layer's offset and every recurrent layer's arrays equal
+    (bytes) a run of the calls without them. Then one conversation
     on caches of depth ``U = REUSE_DEPTH`` (``make_prompt_cache(model,
     num_draft_tokens=U)``): a prompt and U generated tokens, then for n =
     1..U: ``impl.models.trim_prompt_cache`` takes back n tokens (returns n),
@@ -394,8 +418,25 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
     refusals = []
     for family in families:
         for seed in size.seeds:
-            model = tiny_hybrid(family, seed)
+            model, ref_model = tiny_hybrid(family, seed), tiny_hybrid(family, seed)
             prompt = token_ids(seed, PROMPT)
+            for back in range(1, U + 1):
+                # a prompt cache made by one prefill call (a cached system prompt), its tail taken back
+                label = f"{family} seed {seed}, depth {U}, a {PROMPT}-token prefill call, trim {back}"
+                caches = build_hybrid(model, U, factories)
+                model(prompt[None], cache=caches)
+                got = trim_prompt_cache(caches, back)
+                require(got == back, f"{label}: trim_prompt_cache returned {got}")
+                # the reference makes the prefill's block call (depth 0: unsplit), then its one-token calls
+                never = build_hybrid(ref_model, 0)
+                ref_model(prompt[None, : PROMPT - U], cache=never)
+                for t in np.array(prompt[PROMPT - U: PROMPT - back]).tolist():
+                    ref_model(mx.array([[t]], dtype=mx.uint32), cache=never)
+                require(set(_offsets(caches)) == {PROMPT - back},
+                        f"{label}: offsets {_offsets(caches)} after the trim, expected {PROMPT - back} in every layer")
+                for (i, off, a), (_, _, b) in zip(recurrent_states(caches), recurrent_states(never)):
+                    require(a == b, f"{label}: layer {i}: conv window / recurrent state at offset {off} differ "
+                                    f"(bytes) from a run that never had the trimmed tokens")
             caches = build_hybrid(model, U, factories)
             kept = greedy(model, caches, prompt, U).tokens  # what the caches hold after the prompt
             for back in range(1, U + 1):
@@ -403,7 +444,7 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
                 got = trim_prompt_cache(caches, back)
                 require(got == back, f"{label}: trim_prompt_cache returned {got}")
                 kept = kept[: len(kept) - back]
-                never = teacher_run(model, build_hybrid(model, U, factories), prompt, kept)
+                never = teacher_run(ref_model, build_hybrid(ref_model, U), prompt, kept)
                 require(_offsets(caches) == _offsets(never),
                         f"{label}: offsets {_offsets(caches)} after the trim, a run that never had the tokens "
                         f"{_offsets(never)}")
@@ -413,7 +454,7 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
                 turn = token_ids(seed + 100 * back, 5)
                 got_turn = greedy(model, caches, turn, turn_tokens(size))
                 compare(f"{label}: next turn vs a run that never had the trimmed tokens", got_turn,
-                        greedy(model, never, turn, turn_tokens(size)), tally)
+                        greedy(ref_model, never, turn, turn_tokens(size)), tally)
                 kept = kept + [int(t) for t in np.array(turn)] + got_turn.tokens
             label = f"{family} seed {seed}"
             refusals.append(_refused_beyond_depth(label, model, caches, U))
@@ -427,8 +468,8 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
             else:
                 raise AssertionError(f"{label}: caches built strict: a trim of {U + 1} > depth {U} did not raise")
             require(_layer_bytes(strict) == before, f"{label}: caches built strict: a refused trim changed a layer")
-    tally.note(f"{', '.join(families)}, depth {U}: trims of 1..{U} tokens = runs that never had them (states, "
-               f"offsets; next turn's tokens and log-prob bytes); a trim of {U + 1} refused loudly, nothing changed "
+    tally.note(f"{', '.join(families)}, depth {U}: trims of 1..{U} tokens of a prefill call and of a conversation "
+               f"= runs that never had them (states, offsets; next turn's tokens and log-prob bytes); a trim of {U + 1} refused loudly, nothing changed "
                f"(RollbackWarning + 0; StateError with strict): {refusals[0][:200]}")
     return tally, None
 
