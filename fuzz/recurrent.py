@@ -51,7 +51,7 @@ from fuzz.trace import TraceFormatError
 from spec import recurrent as sr
 from spec.errors import StateError
 
-__all__ = ["FakeMixer", "FakeModel", "RecurrentLockstep", "RecurrentMachine", "RecurrentRows"]
+__all__ = ["FakeMixer", "FakeModel", "RecurrentLockstep", "RecurrentMachine", "RecurrentRows", "arrays_mismatch"]
 
 #: the two rolling hashes of the fake state: (multiplier, modulus)
 HASHES = ((31, 65521), (37, 65519))
@@ -225,6 +225,45 @@ class _Probe:
 
     def describe(self) -> str:
         return f"reading it raised {error_text(self.error)}"
+
+
+def arrays_mismatch(rows: RecurrentRows, kernel: int, size: int, want: sr.RecurrentCache, got: Any,
+                    host: Any = rowgen.host) -> tuple[str, Any, Any] | None:
+    """How a layer's arrays ``got`` (its ``cache`` list, or a read that
+    raised) differ from what the spec layer ``want`` shows: None when they
+    agree, else ``(what, spec side, impl side)``, conv rows and states
+    named by token identity. The conv window must be the trace's dtype,
+    ``(B, kernel - 1, C)``; the state float32 ``(B, 3)``; both None only
+    before the first call."""
+    if isinstance(got, _Probe):
+        return "cannot be read", f"offset {want.offset}", got.describe()
+    arrays = list(got)
+    if len(arrays) != size:
+        return "array count differs", f"{size} arrays", f"{len(arrays)} arrays"
+    conv_want = sr.conv_window(want)
+    conv_names = [t if t is not None else "zero" for t in conv_want]
+    conv = arrays[sr.CONV]
+    shape = (rows.batch, kernel - 1, rows.channels)
+    if not (want.offset == 0 and conv is None):  # nothing consumed, nothing written: None
+        if conv is None or rowgen.dtype_name(conv) != rows.dtype or tuple(conv.shape) != shape:
+            return ("conv window differs", f"{rows.dtype} {shape}: {conv_names}",
+                    "None" if conv is None else f"{rowgen.dtype_name(conv)} {tuple(conv.shape)}")
+        seen = host(conv)
+        if seen.tobytes() != rows.expected_conv(conv_want).tobytes():
+            return "conv window differs", conv_names, rows.name_conv(seen)
+    if size == 1:
+        return None
+    state, toks = arrays[sr.STATE], sr.state_of(want)
+    if want.offset == 0 and state is None:
+        return None
+    shape = (rows.batch, STATE_WIDTH)
+    if state is None or rowgen.dtype_name(state) != "float32" or tuple(state.shape) != shape:
+        return ("recurrent state differs", f"float32 {shape}: the state after {list(toks)}",
+                "None" if state is None else f"{rowgen.dtype_name(state)} {tuple(state.shape)}")
+    seen = host(state)
+    if seen.tobytes() != rows.expected_state(toks).tobytes():
+        return "recurrent state differs", f"the state after {list(toks)}", rows.name_state(seen)
+    return None
 
 
 class RecurrentLockstep(Lockstep):
@@ -415,42 +454,11 @@ class RecurrentLockstep(Lockstep):
 
     def _compare_arrays(self, index: int, op: dict[str, Any], label: str, want: sr.RecurrentCache, got: Any,
                         isolation: bool) -> None:
-        tail = " (isolation)" if isolation else ""
-        if isinstance(got, _Probe):
-            raise Divergence(index, op, f"{label}: cannot be read{tail}", f"offset {want.offset}", got.describe())
-        arrays = list(got)
-        if len(arrays) != self.size:
-            raise Divergence(index, op, f"{label}: array count differs{tail}", f"{self.size} arrays",
-                             f"{len(arrays)} arrays")
-        conv_want = sr.conv_window(want)
-        conv = arrays[sr.CONV]
-        shape = (self.cfg["batch"], self.kernel - 1, self.cfg["channels"])
-        if want.offset == 0 and conv is None:
-            pass  # nothing consumed, nothing written: None is the empty layer
-        elif conv is None or rowgen.dtype_name(conv) != self.dtype or tuple(conv.shape) != shape:
-            raise Divergence(index, op, f"{label}: conv window differs{tail}",
-                             f"{self.dtype} {shape}: {[t if t is not None else 'zero' for t in conv_want]}",
-                             "None" if conv is None else f"{rowgen.dtype_name(conv)} {tuple(conv.shape)}")
-        else:
-            host = self.host(conv)
-            if host.tobytes() != self.rows.expected_conv(conv_want).tobytes():
-                raise Divergence(index, op, f"{label}: conv window differs{tail}",
-                                 [t if t is not None else "zero" for t in conv_want], self.rows.name_conv(host))
-        if self.size == 1:
-            return
-        state = arrays[sr.STATE]
-        toks = sr.state_of(want)
-        shape = (self.cfg["batch"], STATE_WIDTH)
-        if want.offset == 0 and state is None:
-            return
-        if state is None or rowgen.dtype_name(state) != "float32" or tuple(state.shape) != shape:
-            raise Divergence(index, op, f"{label}: recurrent state differs{tail}",
-                             f"float32 {shape}: the state after {list(toks)}",
-                             "None" if state is None else f"{rowgen.dtype_name(state)} {tuple(state.shape)}")
-        host = self.host(state)
-        if host.tobytes() != self.rows.expected_state(toks).tobytes():
-            raise Divergence(index, op, f"{label}: recurrent state differs{tail}",
-                             f"the state after {list(toks)}", self.rows.name_state(host))
+        bad = arrays_mismatch(self.rows, self.kernel, self.size, want, got, self.host)
+        if bad is not None:
+            what, spec_side, impl_side = bad
+            raise Divergence(index, op, f"{label}: {what}" + (" (isolation)" if isolation else ""), spec_side,
+                             impl_side)
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         before = self.prev_world.cache

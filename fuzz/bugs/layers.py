@@ -49,6 +49,25 @@ class TrimCountFromOffset(ListOps):
         return trimmed[0]
 
 
+class TrimIgnoresRecurrentCoverage(ListOps):
+    """The list trim bounds a recurrent layer by ``is_trimmable()`` and its
+    offset (as mlx-lm's ``trim_prompt_cache`` and a ring's bounds do), not
+    by its coverage, and trims the layers one by one: past a recurrent
+    layer's checkpoints the attention layers before it roll back, then the
+    recurrent layer refuses (StateError) and the list is left split."""
+
+    def trim(self, caches: list[Any], n: int) -> int:
+        if n <= 0 or not all(c.is_trimmable() for c in caches):
+            return 0
+        count = min(n, *(c.live_len if hasattr(c, "live_len") else c.offset for c in caches))
+        ring_bounds = [c.trimmable_rows() for c in caches if isinstance(c, RotatingKVCache)]
+        if count <= 0 or any(b < count for b in ring_bounds):
+            return 0
+        for c in caches:
+            c.trim(count)
+        return count
+
+
 class RestoreWithoutRollback(ListOps):
     """The list restore walks the layers in order and lets a layer's
     refusal propagate: the layers before the refusing one keep the
@@ -185,6 +204,13 @@ BUGS: tuple[InjectedBug, ...] = (
         "public bug class: a rollback that silently trims some layers only", "layers", ("fp16",),
         "impl.layers.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
         {"layers": {"layers": TrimsLayersThenRefuses}},
+    ),
+    InjectedBug(
+        "list_trim_ignores_recurrent_coverage", "semantics.md 6 and 9, atomic (a recurrent layer's bound is its "
+        "coverage)", "mlx-lm's trim_prompt_cache over a hybrid model (is_trimmable() asked, layers trimmed one by one)",
+        "layers", ("fp16",), "impl.layers.trim_prompt_cache",
+        "the attention layers roll back, then a recurrent layer refuses a rollback beyond its checkpoints",
+        {"layers": {"layers": TrimIgnoresRecurrentCoverage}},
     ),
     InjectedBug(
         "list_trim_count_from_offset", "semantics.md 6, the count (from each layer's trimmable rows)",
