@@ -40,6 +40,15 @@ def _trim_bounds(c: Any) -> tuple[int, int]:
     return int(c.offset), int(c.offset) if c.is_trimmable() else 0
 
 
+def _why_refused(c: Any) -> str:
+    """Why a layer cannot roll back exactly: a recurrent layer (it has a
+    checkpoint ``depth`` and no window) beyond its checkpoints' coverage,
+    else a ring past its window."""
+    if hasattr(c, "depth") and not hasattr(c, "max_size"):
+        return "a recurrent layer beyond its checkpoints' coverage"
+    return "a sliding-window ring wrapped beyond its undo log"
+
+
 def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
     """True when every layer can trim exactly (``is_trimmable()``) and the
     list is non-empty (spec.layers.can_trim_prompt_cache). Stops at the
@@ -94,9 +103,10 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
         refusing = [i for i, (_, exact) in enumerate(bounds) if want > exact]
         if refusing:
             if strict:
+                why = sorted({_why_refused(caches[i]) for i in refusing}, reverse=True)
                 raise StateError(
                     f"trim_prompt_cache: cannot roll back {want} rows exactly: layer(s) {refusing} can roll back "
-                    f"{[bounds[i][1] for i in refusing]} (a sliding-window ring wrapped beyond its undo log); "
+                    f"{[bounds[i][1] for i in refusing]} ({'; '.join(why)}); "
                     "nothing was trimmed"
                 )
             for i in refusing:

@@ -18,7 +18,9 @@ imported only when a model defines ``make_cache``.
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,12 +34,25 @@ from impl.layers import (
     snapshot_prompt_cache,
     trim_prompt_cache,
 )
-from impl.recurrent import RecurrentCache, record_steps
 from impl.rotating import RotatingKVCache
 from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
 from spec.errors import InvalidArgumentError, UnsupportedOperationError
 
-Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache | RecurrentCache
+# (and impl.recurrent.RecurrentCache: imported on first use, since it
+# subclasses mlx-lm's ArraysCache and importing mlx-lm takes seconds)
+Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
+
+
+def _recurrent() -> Any:
+    """``impl.recurrent``, imported on first use."""
+    return importlib.import_module("impl.recurrent")
+
+
+def _is_recurrent(c: Any) -> bool:
+    """``c`` is an impl.recurrent.RecurrentCache (False while that module
+    was never imported: then no such cache exists)."""
+    mod = sys.modules.get("impl.recurrent")
+    return mod is not None and isinstance(c, mod.RecurrentCache)
 
 
 def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] | None,
@@ -71,7 +86,7 @@ def _convert(layer: int, c: Any, mode: str, step: int, inplace: bool | None,
         return _dense(mode, step, inplace, classes, kw)
     if type(c) is lm_cache.ArraysCache:
         # a recurrent layer: conv window (+ recurrent state) with a checkpoint ring of depth ``undo``
-        return RecurrentCache(size=len(c.cache), depth=undo, strict=strict)
+        return _recurrent().RecurrentCache(size=len(c.cache), depth=undo, strict=strict)
     nested = " (a CacheList nests several caches in one layer, e.g. falcon_h1's mamba + attention)" \
         if type(c).__name__ == "CacheList" else ""
     raise UnsupportedOperationError(
@@ -174,8 +189,8 @@ def make_prompt_cache(
     if hasattr(model, "make_cache"):
         caches = [_convert(i, c, mode, step, inplace, classes, undo, strict, **kw)
                   for i, c in enumerate(model.make_cache())]
-        if undo > 0 and any(isinstance(c, RecurrentCache) for c in caches):
-            record_steps(model)  # the explicit, documented step: checkpoints need per-token states
+        if undo > 0 and any(_is_recurrent(c) for c in caches):
+            _recurrent().record_steps(model)  # the explicit, documented step: checkpoints need per-token states
         return caches
     n_layers = len(model.layers)
     if max_kv_size is not None:
@@ -197,7 +212,19 @@ FILE_FORMAT = 1
 #: kvspec layer descriptions, and what each class entry says to mlx-lm.
 _META_KEY = "__kvspec__"
 _CLASSES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache, "TurboKVCache": TurboKVCache,
-            "DelegatedKVCache": DelegatedKVCache, "RecurrentCache": RecurrentCache}
+            "DelegatedKVCache": DelegatedKVCache}
+#: classes a file may name whose module is imported on first use
+_LAZY_CLASSES = {"RecurrentCache": "impl.recurrent"}
+
+
+def _known(name: str) -> bool:
+    return name in _CLASSES or name in _LAZY_CLASSES
+
+
+def _class_named(name: str) -> type:
+    if name in _CLASSES:
+        return _CLASSES[name]
+    return getattr(importlib.import_module(_LAZY_CLASSES[name]), name)
 #: Most arrays a layer's ``state`` holds (a Turbo store: 7).
 _MAX_ARRAYS = 16
 _LOADER = "impl.models.load_prompt_cache"
@@ -215,10 +242,10 @@ def _describe(layer: int, c: Any) -> dict[str, Any]:
     refuse = getattr(c, "refuse_prompt_cache_file", None)
     if refuse is not None:  # a cache a file cannot hold (impl.paged.PagedKVCache)
         refuse(layer)
-    if name not in _CLASSES or not isinstance(c, _CLASSES[name]):
+    if not _known(name) or not isinstance(c, _class_named(name)):
         raise UnsupportedOperationError(
             f"save_prompt_cache: layer {layer} is a {name}; kvspec files hold kvspec caches only "
-            f"({', '.join(_CLASSES)}); save mlx-lm's caches with mlx_lm.models.cache.save_prompt_cache"
+            f"({', '.join([*_CLASSES, *_LAZY_CLASSES])}); save mlx-lm's caches with mlx_lm.models.cache.save_prompt_cache"
         )
     # Turbo writes always copy: no switch to keep (saved as false)
     return {"class": name, "meta_state": list(c.meta_state), "inplace": bool(getattr(c, "inplace", False)),
@@ -229,7 +256,7 @@ def _file_arrays(layer: int, c: Any) -> tuple[Any, ...]:
     """The arrays a file holds for a layer: its ``state``; a recurrent
     layer's ``size`` arrays (conv window, recurrent state), or none before
     its first call."""
-    if not isinstance(c, RecurrentCache):
+    if not _is_recurrent(c):
         return tuple(c.state)
     present = [a is not None for a in c.cache]
     if any(present) and not all(present):
@@ -311,8 +338,9 @@ def _layer_plan(file: Any, header: dict[str, str], arrays: dict[str, mx.array]) 
     for i, layer in enumerate(layers):
         if not isinstance(layer, dict) or set(layer) != {"class", "meta_state", "inplace", "arrays"}:
             raise _bad(file, f"layer {i}: description must have class, meta_state, inplace, arrays; got {layer!r}")
-        if layer["class"] not in _CLASSES:
-            raise _bad(file, f"layer {i}: unknown class {layer['class']!r}; known: {', '.join(_CLASSES)}")
+        if not _known(layer["class"]):
+            raise _bad(file, f"layer {i}: unknown class {layer['class']!r}; "
+                             f"known: {', '.join([*_CLASSES, *_LAZY_CLASSES])}")
         if not isinstance(layer["meta_state"], list) or not all(isinstance(x, str) for x in layer["meta_state"]):
             raise _bad(file, f"layer {i}: meta_state must be a list of strings, got {layer['meta_state']!r}")
         if not isinstance(layer["inplace"], bool):
@@ -373,7 +401,7 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
     caches: list[Any] = []
     for i, layer in enumerate(layers):
         state = tuple(arrays[f"{i}.{j}"] for j in range(layer["arrays"]))
-        cls = _CLASSES[layer["class"]]
+        cls = _class_named(layer["class"])
         try:
             c = cls.from_state(state, tuple(layer["meta_state"]))
         except (InvalidArgumentError, UnsupportedOperationError) as exc:
@@ -419,7 +447,7 @@ def _from_mlx_lm(file: Any, layer: int, c: Any) -> Cache:
         if type(c) is lm_cache.ArraysCache:
             # mlx-lm's ArraysCache counts no tokens: offset 0, depth 0
             arrays = [a for a in c.cache if a is not None and a.size > 0]
-            return RecurrentCache.from_state(arrays if len(arrays) == len(c.cache) else (),
+            return _recurrent().RecurrentCache.from_state(arrays if len(arrays) == len(c.cache) else (),
                                              ("0", "0", str(len(c.cache))))
     except (InvalidArgumentError, UnsupportedOperationError) as exc:
         raise type(exc)(f"load_prompt_cache: {file}: layer {layer} (mlx-lm's {name}): {exc}") from None

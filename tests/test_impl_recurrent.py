@@ -365,7 +365,8 @@ def test_list_trim_is_atomic_over_mixed_layers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert trim_prompt_cache([kv, rc], 3) == 0  # once per cache
-    with pytest.raises(StateError, match="can roll back"):
+    with pytest.raises(StateError, match=r"layer\(s\) \[1\] can roll back \[2\] \(a recurrent layer beyond its "
+                                          r"checkpoints' coverage\); nothing was trimmed"):
         trim_prompt_cache([kv, rc], 3, strict=True)
     strict = RecurrentCache(depth=2, strict=True)
     feed(m, strict, [1, 2, 3])
