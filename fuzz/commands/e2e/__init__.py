@@ -51,6 +51,14 @@ anything.
     caches (batch 3, ragged prompts and histories, a ring wrapping in one
     sequence only, a sequence filtered out and one added mid-stream) =
     mlx-lm's caches, byte for byte.
+14. ``hybrid_speculative``: hybrid models (qwen3_next, nemotron_h, lfm2,
+    recurrent_gemma; recurrent layers on ``RecurrentCache``): speculative
+    decoding, k = 1..4, = greedy decoding; recurrent states after each run =
+    a one-token-at-a-time run, byte for byte; rollbacks of every length.
+15. ``hybrid_prompt_reuse``: trims of 1..depth tokens = runs that never had
+    them (states, next turn's bytes); a trim beyond the depth refused loudly.
+16. ``hybrid_mlx_lm``: mlx-lm's own caches on the same calls, observed:
+    ValueError, a silent 0, and drift when a rollback is forced.
 
 Random-weight models collapse under greedy decoding (a default-initialised
 2-layer llama repeats one token), so every weight is scaled by
@@ -72,7 +80,7 @@ The package, by what a reader looks for:
   ``speculative``, ``teacher_forced``);
 - one module per scenario family: ``greedy`` (1, 9), ``speculative`` (2, 8, 11),
   ``snapshots`` (3, 6, 7), ``windows`` (4, 5), ``turbo`` (10),
-  ``quantized`` (12), ``batch`` (13);
+  ``quantized`` (12), ``batch`` (13), ``hybrid`` (14, 15, 16);
 - ``registry``: ``SCENARIOS`` by name, ``run_scenario``, ``run_all``;
 - ``command``: ``kvspec e2e``.
 """
