@@ -269,21 +269,19 @@ def install(monkeypatch: Any) -> None:
         transformers = types.ModuleType("transformers")
         monkeypatch.setitem(sys.modules, "transformers", transformers)
     monkeypatch.setattr(transformers, "DynamicCache", DynamicCache, raising=False)
+    if hasattr(transformers, "__file__"):  # the installed library: its own cache_utils, run on the stand-in
+        _load_cache_utils(monkeypatch, transformers)
 
 
-def install_cache_utils(monkeypatch: Any) -> types.ModuleType:
-    """:func:`install`, then the installed transformers' own
-    ``cache_utils.py`` executed against the stand-in torch and put in
-    ``sys.modules`` as ``transformers.cache_utils`` (so ``from
-    transformers.cache_utils import LinearAttentionLayer`` gives
-    transformers' code, run on NumPy). Every module it imports is taken out
-    of ``sys.modules`` again when the test ends. Returns the module."""
+def _load_cache_utils(monkeypatch: Any, transformers: Any) -> None:
+    """The installed transformers' own ``cache_utils.py`` executed against
+    the stand-in torch, in ``sys.modules`` as ``transformers.cache_utils``;
+    it and every module it imports are taken out again when the test ends
+    (no later test sees a transformers bound to the stand-in)."""
     import importlib.util
+    import os
 
-    install(monkeypatch)
-    import transformers
-
-    path = __import__("os").path.join(__import__("os").path.dirname(transformers.__file__), "cache_utils.py")
+    path = os.path.join(os.path.dirname(transformers.__file__), "cache_utils.py")
     before = set(sys.modules)
     spec = importlib.util.spec_from_file_location("transformers.cache_utils", path)
     module = importlib.util.module_from_spec(spec)
@@ -291,4 +289,14 @@ def install_cache_utils(monkeypatch: Any) -> types.ModuleType:
     spec.loader.exec_module(module)
     for name in set(sys.modules) - before - {"transformers.cache_utils"}:
         monkeypatch.setitem(sys.modules, name, sys.modules[name])  # removed again at the test's end
+
+
+def install_cache_utils(monkeypatch: Any) -> types.ModuleType:
+    """:func:`install`, and return ``transformers.cache_utils``: the
+    installed library's own code run on the stand-in (``from
+    transformers.cache_utils import LinearAttentionLayer`` gives it)."""
+    install(monkeypatch)
+    module = sys.modules.get("transformers.cache_utils")
+    if module is None:
+        raise ImportError("transformers is not installed: there is no cache_utils.py to run on the stand-in")
     return module

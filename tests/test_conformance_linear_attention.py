@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -474,3 +477,62 @@ def test_recurrent_states_to_keep_is_not_checked(tf, keep):
     if keep is None:
         with pytest.raises(TypeError):
             min(cache.get_recurrent_states_to_keep(0), 3)  # what qwen3_next / mamba2 compute
+
+
+# -- the target (`--target transformers-linear`) and the search's traces ------------
+
+FOLDER = Path(__file__).parent / "traces" / "conformance" / "transformers-linear"
+TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))
+
+
+def _finding(path: Path) -> dict[str, Any]:
+    doc = json.loads((FOLDER / "report.json").read_text())
+    (f,) = [f for c in doc["classes"] for f in c["findings"] if Path(f["trace"]).name == path.name]
+    return f
+
+
+def test_every_search_trace_is_listed_and_classified():
+    from fuzz.commands.conformance import CONTRACT, FAULT, category
+
+    assert TRACES, "no recorded transformers-linear traces"
+    doc = json.loads((FOLDER / "report.json").read_text())
+    listed = {Path(f["trace"]).name for c in doc["classes"] for f in c["findings"]}
+    assert listed == {p.name for p in TRACES} and doc["ok"] is True
+    for c in doc["classes"]:
+        for f in c["findings"]:
+            assert f["category"] == category(f["what"]) and f["category"] in (FAULT, CONTRACT)
+    faults = [f["what"] for c in doc["classes"] for f in c["findings"] if f["category"] == FAULT]
+    assert any("recurrent state differs" in w for w in faults), faults  # finding 1
+    assert any("cannot be read" in w for w in faults), faults  # finding 2
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_search_trace_replays_clean_on_ours_and_diverges_on_transformers(path):
+    """Each minimal trace of the search: exit 0 on this project's
+    RecurrentCache; on transformers' LinearAttentionLayer (the real library,
+    or its own code on the stand-in) the divergence the report names, at
+    its op."""
+    from fuzz.replay import replay
+    from fuzz.targets import resolve
+    from fuzz.trace import load
+
+    assert replay(load(path)).ok
+    f = _finding(path)
+    target = resolve("transformers-linear")
+    for w in f["waived"]:
+        target = target.waiving(w)
+    with _transformers():
+        result = replay(load(path), target=target)
+    assert not result.ok and result.divergence.index == f["index"] and result.divergence.what == f["what"]
+
+
+def test_target_without_transformers_says_so(monkeypatch):
+    """No torch: the target is a usage error naming the extra, never a traceback."""
+    from fuzz.adapters.transformers import LinearAttentionAdapter
+    from fuzz.targets import TargetError
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("PyTorch is installed")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(TargetError, match="pip install"):
+        LinearAttentionAdapter({"kernel": 2, "size": 2, "depth": 1})

@@ -24,6 +24,7 @@ docs/conformance.md ("transformers") lists what the search found.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -169,3 +170,324 @@ def transformers_version() -> str:
         return f"transformers {version('transformers')}, torch {version('torch')}"
     except PackageNotFoundError:
         return "transformers not installed"
+
+
+# -- the recurrent kind: LinearAttentionLayer ------------------------------------
+#
+# transformers' hybrid models (qwen3_next, qwen3_5, mamba2, nemotron_h, lfm2,
+# ...) keep each linear-attention layer's conv window and recurrent state in a
+# ``LinearAttentionLayer`` (transformers.cache_utils); rollback is
+# ``activate_past_recording(recurrent_states_to_keep=k)`` then ``crop(-n)``.
+# docs/conformance.md ("transformers LinearAttentionLayer") reports it.
+
+_LINEAR_NO_SUCH = {
+    "append_unrecorded": "no write outside the layer: while recording, every forward goes through "
+                         "update_conv_state / update_recurrent_state (the fused single-token conv update that "
+                         "bypasses them runs only when not recording)",
+    "state_snapshot": "no mlx-lm state protocol (a Cache is deep-copied or pickled: snapshot runs that)",
+    "state_restore": "no mlx-lm state protocol (a Cache is deep-copied or pickled: snapshot runs that)",
+    "reload": "no prompt-cache file and no state/meta_state to load",
+    "hold": "update_recurrent_state returns the layer's live state tensor, written in place by the next "
+            "forward by design (a static address for CUDA graphs); models do not keep it",
+    "release_hold": "see hold",
+    "can_trim": "is_croppable is a class attribute (True for every LinearAttentionLayer, recording or not): "
+                "compared after every op as the trimmable observable, not as an op's return value",
+}
+
+
+def _linear_attention_layer() -> Any:
+    _torch()
+    try:
+        from transformers.cache_utils import LinearAttentionLayer
+    except ImportError as exc:
+        raise TargetError(f"--target transformers-linear: transformers.cache_utils has no LinearAttentionLayer "
+                          f"({exc}); transformers >= 5.25 is needed") from None
+    return LinearAttentionLayer
+
+
+class _HostView:
+    """A host array as a reader sees it (``numpy.asarray`` gives it,
+    ``kvtrace_dtype`` names its dtype: bfloat16 values are held as their
+    exact float32)."""
+
+    def __init__(self, a: np.ndarray, dtype: str):
+        self.a, self.kvtrace_dtype = a, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.a.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.a if dtype is None else self.a.astype(dtype)
+
+
+def _host_of(t: Any) -> np.ndarray:
+    return _View(t).__array__()
+
+
+class LinearAttentionAdapter:
+    """One ``LinearAttentionLayer`` (``number_of_states=1``) as the recurrent
+    kind's layer, driven the way transformers' models drive it
+    (:meth:`forward`). The trace's ``depth`` U is
+    ``activate_past_recording(recurrent_states_to_keep=U)`` at construction
+    (recording from the first forward, as assisted decoding's loop has it;
+    U = 0: never activated, so ``crop`` refuses with RuntimeError).
+
+    Observables: ``offset`` is ``int(get_seq_length())``, ``depth`` the
+    ``recurrent_states_to_keep`` it recorded with, ``is_trimmable()`` the
+    class's ``is_croppable``; ``cache`` is ``[conv window, state]`` in the
+    recurrent kind's layout: the conv window is the last ``kernel - 1``
+    columns of ``conv_states[0]`` (B, C, columns), zero columns in front
+    where it holds fewer, transposed to (B, kernel - 1, C); the state is
+    ``recurrent_states[0]``; None before the first forward. ``trim(n)`` is
+    ``crop(-n)`` and returns the tokens it took back."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.layer = _linear_attention_layer()(number_of_states=1)
+        self.kernel, self.size, self.dtype = cfg["kernel"], cfg["size"], cfg.get("dtype", "float16")
+        if cfg["depth"] > 0:
+            self.layer.activate_past_recording(recurrent_states_to_keep=cfg["depth"])
+
+    @property
+    def offset(self) -> int:
+        return int(self.layer.get_seq_length())
+
+    @property
+    def depth(self) -> int:
+        return int(getattr(self.layer, "recurrent_states_to_keep", 0) or 0) if self.layer.record_past else 0
+
+    def is_trimmable(self) -> bool:
+        return bool(self.layer.is_croppable)
+
+    def live_state(self) -> np.ndarray | None:
+        """The recurrent state the model continues from (None: zeros, before the first forward)."""
+        if self.size == 1 or not self.layer.has_previous_state[0] or self.layer.recurrent_states[0] is None:
+            return None
+        return _host_of(self.layer.recurrent_states[0]).astype(np.float32)
+
+    def forward(self, rows: np.ndarray, states: list[np.ndarray]) -> None:
+        """A forward of S tokens as transformers' models make it (qwen3_next's
+        GatedDeltaNet, mamba2's mixer): ``update_conv_state`` with the
+        block's inputs (``rows``: (B, S, C) host form, handed as (B, C, S) in
+        the trace's dtype) and ``conv_kernel_size=kernel``; then, with a
+        recurrent state, ``update_recurrent_state`` with, while recording and
+        S > 1, the list of the states after each of the last ``min(keep, S)``
+        tokens (``states``: the S states, (B, 3) float32 each), else the state
+        after the last token."""
+        torch = _torch()
+        x = torch.from_numpy(np.ascontiguousarray(rows.transpose(0, 2, 1)))
+        if self.dtype == "bfloat16":
+            x = x.to(torch.bfloat16)
+        self.layer.update_conv_state(x, 0, conv_kernel_size=self.kernel)
+        if self.size == 1:
+            return
+        tensors = [torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)) for s in states]
+        keep = getattr(self.layer, "recurrent_states_to_keep", 0) or 0
+        m = min(keep, len(states)) if self.layer.record_past and len(states) > 1 else 0
+        self.layer.update_recurrent_state(tensors[-m:] if m else tensors[-1], 0)
+
+    @property
+    def cache(self) -> list[Any]:
+        layer, k = self.layer, self.kernel - 1
+        if not layer.is_conv_states_initialized[0]:
+            return [None] * self.size
+        conv = _host_of(layer.conv_states[0])[..., -k:]
+        pad = np.zeros((*conv.shape[:-1], k - conv.shape[-1]), dtype=conv.dtype)
+        conv = np.ascontiguousarray(np.concatenate([pad, conv], axis=-1).transpose(0, 2, 1))
+        out: list[Any] = [_HostView(conv, self.dtype)]
+        if self.size == 2:
+            state = layer.recurrent_states[0]
+            out.append(None if state is None else _HostView(_host_of(state), _View(state).kvtrace_dtype))
+        return out
+
+    def trim(self, n: int) -> int:
+        """``crop(-n)``: transformers' rollback by a count; returns the tokens it took back."""
+        before = self.offset
+        self.layer.crop(-n)
+        return before - self.offset
+
+    def snapshot(self) -> LinearAttentionSnapshot:
+        return LinearAttentionSnapshot(copy.deepcopy(self))
+
+    def restore(self, snap: Any) -> None:
+        src = snap.adapter if isinstance(snap, LinearAttentionSnapshot) else snap
+        self.layer = copy.deepcopy(src.layer)
+
+    def __copy__(self) -> LinearAttentionAdapter:
+        """``copy.copy`` of the layer a program holds: a new adapter around
+        ``copy.copy(layer)`` (its dicts of conv and recurrent states shared,
+        as Python's shallow copy shares them)."""
+        dup = object.__new__(type(self))
+        dup.__dict__.update(self.__dict__)
+        dup.layer = copy.copy(self.layer)
+        return dup
+
+
+class LinearAttentionSnapshot:
+    """A deep copy of the layer (how a prompt cache is kept in transformers)."""
+
+    def __init__(self, adapter: LinearAttentionAdapter):
+        self.adapter = adapter
+
+
+def _linear_lockstep(base: type) -> type:
+    """The recurrent kind's declared lockstep, playing transformers' model:
+    an append is :meth:`LinearAttentionAdapter.forward` with the harness's
+    rows and the states its recurrence gives from the layer's own state (so
+    a wrong restored state propagates, as in a model); rollbacks are probed
+    on deep copies (a shallow copy of the layer shares its state dicts)."""
+
+    class LinearAttentionLockstep(base):  # type: ignore[misc, valid-type]
+        def __init__(self, cache: dict[str, Any], cls: CacheClass, target: Target):
+            super().__init__(cache, cls, target)
+            self.cache_cls = LinearAttentionAdapter
+            self._cfg = dict(cache)
+
+        def fresh_cache(self) -> Any:
+            if not hasattr(self, "_cfg"):
+                return super().fresh_cache()
+            return self.cls.factory(self._cfg)
+
+        def _states_after(self, toks: list[int]) -> list[np.ndarray]:
+            from fuzz.recurrent import HASHES, STATE_WIDTH
+
+            live = self.cache.live_state()
+            B = self.cfg["batch"]
+            cur = np.zeros((B, STATE_WIDTH), np.int64) if live is None else live.astype(np.int64)
+            out = []
+            for t in toks:
+                self.rows.host_rows([t])
+                v = np.array(self.rows._values[t], np.int64)
+                nxt = cur.copy()
+                nxt[:, 0] = cur[:, 0] + 1
+                for j, (mul, mod) in enumerate(HASHES, start=1):
+                    nxt[:, j] = (cur[:, j] * mul + v) % mod
+                out.append(nxt.astype(np.float32))
+                cur = nxt
+            return out
+
+        def _call(self, mixer: Any, n: int) -> Any:
+            start = self.world.next_token
+            toks = list(range(start, start + n))
+            self.cache.forward(self.rows.host_rows(toks), self._states_after(toks))
+            self.returned = tuple(self.cache.cache)
+            return self.returned
+
+        def _history(self, held: Any, coverage: int) -> list[Any]:
+            from fuzz.recurrent import _Probe
+
+            try:
+                layer = self._layer_of(held)
+                out: list[Any] = [tuple(layer.cache)]
+            except Exception as exc:  # noqa: BLE001 - reported by the comparison
+                return [_Probe(exc)]
+            for n in range(1, coverage + 1):
+                try:
+                    dup = copy.deepcopy(layer)
+                    dup.trim(n)
+                    out.append(tuple(dup.cache))
+                except Exception as exc:  # noqa: BLE001 - reported by the comparison
+                    out.append(_Probe(exc))
+            return out
+
+        # the conformance report's "what else differs" reads views as windows
+        # of rows; a recurrent view is the list of (conv window, state) after
+        # each rollback the spec covers
+        def window_matches(self, wants: Any, gots: Any) -> bool:
+            from fuzz.failures import Divergence
+            from fuzz.recurrent import _Probe
+
+            try:
+                for n, want in enumerate(wants):
+                    got = gots[n] if n < len(gots) else _Probe(IndexError("no such rollback"))
+                    self._compare_arrays(-1, {"op": "fetch"}, "view", want, got, False)
+            except Divergence:
+                return False
+            return True
+
+        def identify(self, views: Any, mode: str | None = None) -> list[Any]:
+            first = views[0] if views else None
+            if first is None or hasattr(first, "describe"):
+                return [first.describe() if first is not None else "nothing"]
+            conv = first[0]
+            out: list[Any] = [f"conv {self.rows.name_conv(self.host(conv))}" if conv is not None else "conv None"]
+            if len(first) > 1 and first[1] is not None:
+                out.append(self.rows.name_state(self.host(first[1])))
+            return out
+
+    LinearAttentionLockstep.__name__ = f"LinearAttention{base.__name__}"
+    return LinearAttentionLockstep
+
+
+@dataclass(frozen=True)
+class LinearAttentionTarget(Target):
+    """The target of ``LinearAttentionLayer``: the recurrent kind's lockstep
+    playing transformers' model (:func:`_linear_lockstep`), and machines
+    that roll back only within the spec's coverage (transformers' history is
+    unbounded until a crop: a rollback the spec refuses for its depth it
+    may honour, a difference of contract) and only after the first forward
+    (before it, ``crop`` raises TypeError on ``-None`` after moving the
+    length: tests/test_conformance_linear_attention.py asserts it); neither
+    is generated, so the search's rounds reach the rollbacks a model makes.
+    A replayed trace with one reports it."""
+
+    def make_lockstep(self, cache: dict[str, Any]) -> Any:
+        from fuzz import kinds
+        from fuzz.targets import declared_lockstep
+        from fuzz.trace import TraceFormatError
+
+        try:
+            entry = kinds.get(cache["kind"], cache.get("mode", "fp16"))
+        except kinds.UnknownKindError as exc:
+            raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
+        driver = entry.lockstep_class()
+        driver.check_cache(cache)
+        c = self.require_class(cache)
+        return _linear_lockstep(declared_lockstep(driver))(cache, c, self)
+
+    def machine_base(self, kind: str, mode: str, base: type) -> type:
+        from hypothesis import strategies as st
+        from hypothesis.stateful import precondition, rule
+
+        full = super().machine_base(kind, mode, base)
+
+        class WithinCoverage(full):  # type: ignore[misc, valid-type]
+            def do(self, op: dict[str, Any]) -> None:
+                if op["op"] == "trim" and self.lock is not None:
+                    from spec import recurrent as sr
+
+                    c = self.lock.world.cache
+                    if c.offset == 0 or op["n"] > sr.trimmable_rows(c):
+                        self.lock.reached("skipped trim (before the first forward, or beyond the coverage)")
+                        return
+                super().do(op)
+
+            @precondition(lambda self: self.lock is not None and self.lock.world.cache.offset > 0)
+            @rule(data=st.data())
+            def rollback(self, data: st.DataObject) -> None:
+                c = self._cov
+                n = data.draw(st.sampled_from(sorted({c, max(c - 1, 0), min(c, 1)})), label="n")
+                self.do({"op": "trim", "n": n})
+
+            @rule(data=st.data())
+            def draft_steps(self, data: st.DataObject) -> None:
+                depth = self.lock.world.cache.depth
+                n = data.draw(st.integers(1, max(1, depth)), label="steps")
+                for _ in range(n):
+                    self.do({"op": "append", "n": 1})
+                self.do({"op": "trim", "n": n})
+
+        WithinCoverage.__name__ = f"{full.__name__}_within_coverage"
+        return WithinCoverage
+
+
+LINEAR_ATTENTION = CacheClass(
+    "LinearAttentionLayer", "recurrent", "fp16", LinearAttentionAdapter, dict(_LINEAR_NO_SUCH),
+    not_compared={"trimmable_rows": "no coverage query: the layer keeps every state handed to it since the last "
+                                     "crop (recurrent_states_to_keep bounds only what a model hands over)"},
+    snapshot_class=LinearAttentionSnapshot,
+    note="one LinearAttentionLayer, driven as transformers' models drive it; depth U is "
+         "activate_past_recording(recurrent_states_to_keep=U); trim n is crop(-n); snapshots are deep copies",
+)
+TRANSFORMERS_LINEAR = LinearAttentionTarget(
+    "transformers-linear", "Hugging Face transformers' LinearAttentionLayer (recurrent)", (LINEAR_ATTENTION,))
