@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from fuzz.commands.e2e.checks import (
+    SHORT,
     Divergence,
     Size,
     Stream,
@@ -62,6 +63,11 @@ from spec.errors import RollbackWarning, StateError
 
 #: the draft lengths of scenario 14 (each run's caches have depth k)
 DRAFT_LENGTHS = (1, 2, 3, 4)
+
+
+#: the draft lengths at which scenario 14 also runs draft = target, by size
+#: (the short size, run by the test suite, keeps the shortest and the longest)
+SELF_DRAFT_LENGTHS = {SHORT: (DRAFT_LENGTHS[0], DRAFT_LENGTHS[-1])}
 
 
 #: each family's draft mix (``models.hybrid_draft``): its draft agrees with
@@ -100,14 +106,15 @@ def _draft_seed(seed: int) -> int:
     return seed + 1000
 
 
+def _bytes(a: mx.array) -> bytes:
+    """An array's bytes (bfloat16 as float32: exact)."""
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
 def _arrays_bytes(c: Any) -> bytes:
     """A recurrent layer's arrays (conv window, recurrent state), as bytes
     (bfloat16 as float32: exact)."""
-    out = b""
-    for a in c.cache:
-        if a is not None:
-            out += np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes()
-    return out
+    return b"".join(_bytes(a) for a in c.cache if a is not None)
 
 
 def recurrent_states(caches: list[Any]) -> list[tuple[int, int, bytes]]:
@@ -224,8 +231,8 @@ def scenario_hybrid_speculative(size: Size, factories: Factories = None,
     k = 1..4: tokens = greedy decoding with mlx-lm's caches; log-probability
     bytes = greedy decoding with our caches of depth k; every recurrent
     layer's arrays after the run = a one-token-at-a-time run over the same
-    tokens (bytes), all layers at one offset. With draft = target every
-    draft is accepted; with the mixed draft the main model's rollbacks of
+    tokens (bytes), all layers at one offset. With draft = target (at the
+    k of ``SELF_DRAFT_LENGTHS``) every draft is accepted; with the mixed draft the main model's rollbacks of
     every length 1..k happen (counted) and drafts are both accepted and
     rejected."""
     tally = Tally()
@@ -254,7 +261,8 @@ def scenario_hybrid_speculative(size: Size, factories: Factories = None,
                 require(plain.tokens == ref.tokens,
                         f"{label}: greedy with our caches (depth {k}) leaves mlx-lm's greedy tokens at step "
                         f"{_first_difference(plain.tokens, ref.tokens)}")
-                for name, d in (("draft = target", model), ("mixed draft", draft)):
+                drafts = (("draft = target", model),) if k in SELF_DRAFT_LENGTHS.get(size, DRAFT_LENGTHS) else ()
+                for name, d in (*drafts, ("mixed draft", draft)):
                     caches = build_hybrid(model, k, factories) + build_hybrid(d, k, factories)
                     main = caches[: len(model.layers)]
                     counts = _Rollbacks(main)
@@ -297,8 +305,9 @@ def scenario_hybrid_speculative(size: Size, factories: Factories = None,
             f"k={k}: {dict(sorted(lengths[k].items()))}" for k in DRAFT_LENGTHS))
     require(0 < accepted < drafted, f"the mixed drafts must be both accepted and rejected: {accepted} of {drafted}")
     tally.note(f"{', '.join(families)}, k={DRAFT_LENGTHS[0]}..{DRAFT_LENGTHS[-1]}: speculative tokens = mlx-lm's "
-               f"greedy tokens; log-prob bytes = greedy with our caches of depth k; draft = target: every draft "
-               f"accepted; mixed draft: {accepted}/{drafted} accepted; recurrent conv windows and states after "
+               f"greedy tokens; log-prob bytes = greedy with our caches of depth k; draft = target (k in "
+               f"{list(SELF_DRAFT_LENGTHS.get(size, DRAFT_LENGTHS))}): every draft accepted; mixed draft: "
+               f"{accepted}/{drafted} accepted; recurrent conv windows and states after "
                f"each run = one-token-at-a-time runs (bytes), layers at one offset; "
                f"{', '.join(f for f in families if f in RING_FAMILIES) or 'no family'} with a ring: tokens compared, "
                f"max |log-prob - greedy| {ring_diff:.3g} (a verify block reads a wrapped ring in another order); "
@@ -371,8 +380,7 @@ def _layer_bytes(caches: list[Any]) -> list[tuple[int, bytes]]:
     for c in caches:
         arrays = c.cache if isinstance(getattr(c, "cache", None), list) else \
             [a for a in c.state if isinstance(a, mx.array)]
-        out.append((getattr(c, "offset", -1), b"".join(
-            np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes() for a in arrays if a is not None)))
+        out.append((getattr(c, "offset", -1), b"".join(_bytes(a) for a in arrays if a is not None)))
     return out
 
 
@@ -469,7 +477,8 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
                 raise AssertionError(f"{label}: caches built strict: a trim of {U + 1} > depth {U} did not raise")
             require(_layer_bytes(strict) == before, f"{label}: caches built strict: a refused trim changed a layer")
     tally.note(f"{', '.join(families)}, depth {U}: trims of 1..{U} tokens of a prefill call and of a conversation "
-               f"= runs that never had them (states, offsets; next turn's tokens and log-prob bytes); a trim of {U + 1} refused loudly, nothing changed "
+               f"= runs that never had them (states, offsets; next turn's tokens and log-prob bytes); "
+               f"a trim of {U + 1} refused loudly, nothing changed "
                f"(RollbackWarning + 0; StateError with strict): {refusals[0][:200]}")
     return tally, None
 
@@ -580,7 +589,8 @@ def scenario_hybrid_mlx_lm(size: Size, factories: Factories = None,
                 else:
                     require(trimmed == 0 and not caught and _layer_bytes(caches) == before,
                             f"{label}: mlx-lm's trim_prompt_cache of {U} on its caches returned {trimmed} with "
-                            f"{len(caught)} warnings (docs/mlx-lm.md says 0, silently, nothing trimmed): update the docs")
+                            f"{len(caught)} warnings (docs/mlx-lm.md says 0, silently, nothing trimmed): "
+                            f"update the docs")
                 never = teacher_run(model, mlx_lm_caches(model), prompt, first.tokens[:0])
                 turn = token_ids(seed + 100, 5)
                 got_turn = greedy(model, caches, turn, turn_tokens(size))
