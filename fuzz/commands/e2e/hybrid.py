@@ -14,12 +14,13 @@ Tiny random-weight qwen3_next, nemotron_h, lfm2 and recurrent_gemma
     after each run every recurrent layer's conv window and recurrent state
     (bytes) and every layer's offset equal a run fed the same tokens one at
     a time (the verify block runs the recurrent layers one token at a time).
-15. ``hybrid_prompt_reuse``: prefill a prompt, generate ``REUSE_DEPTH``
-    tokens, trim n = 1..depth of them (``impl.models.trim_prompt_cache``),
-    continue with another turn: states, tokens and log-probability bytes
-    equal a run that never had the trimmed tokens; a trim beyond the depth
-    is refused loudly and changes nothing (StateError with ``strict``,
-    RollbackWarning and 0 without).
+15. ``hybrid_prompt_reuse``: on caches of depth ``REUSE_DEPTH``, trim
+    (``impl.models.trim_prompt_cache``) n = 1..depth tokens off a prompt
+    prefilled in one call, and off a conversation between its turns: the
+    states equal a run that never had the trimmed tokens (bytes), and so do
+    the next turn's tokens and log-probability bytes; a trim beyond the
+    depth is refused loudly and changes nothing (StateError with
+    ``strict``, RollbackWarning and 0 without).
 16. ``hybrid_mlx_lm``: the same calls on mlx-lm's own caches, observed:
     ``speculative_generate_step`` raises ValueError (``ArraysCache`` is not
     trimmable), ``trim_prompt_cache`` returns 0 without a word, and a
@@ -232,9 +233,10 @@ def scenario_hybrid_speculative(size: Size, factories: Factories = None,
     bytes = greedy decoding with our caches of depth k; every recurrent
     layer's arrays after the run = a one-token-at-a-time run over the same
     tokens (bytes), all layers at one offset. With draft = target (at the
-    k of ``SELF_DRAFT_LENGTHS``) every draft is accepted; with the mixed draft the main model's rollbacks of
-    every length 1..k happen (counted) and drafts are both accepted and
-    rejected."""
+    k of ``SELF_DRAFT_LENGTHS``) every draft is accepted; with the mixed
+    draft the main model's rollbacks of every length 1..k happen (counted)
+    and drafts are both accepted and rejected; the main model never refuses
+    a rollback."""
     tally = Tally()
     n = size.tokens
     drafted = accepted = 0
