@@ -118,7 +118,11 @@ OP_TEXT = {
                             "cache, empty or not, nothing changes (`spec.dense.w_append_pair_mismatch`); layers: "
                             "every layer refuses (`spec.layers.w_append_pair_mismatch`); paged: "
                             "`spec.paged.append_pair_mismatch`",
-    "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`)",
+    "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`); recurrent: "
+                "`is_trimmable()`, the capability (depth > 0)",
+    "append_unrecorded": "recurrent: the model's call of the layer with the next n tokens outside the step "
+                         "recorder (arrays written, `advance(n)`): the tokens are consumed, the coverage drops to 0 "
+                         "(`spec.recurrent.step` with `recorded=False`)",
     "layer": "layers: run one op (`do`: `trim_front` or `fetch`) on layer `index` of the list",
     "build_probe": "models: `make_prompt_cache` with these settings (`layout`: a model with `make_cache`, else "
                    "`n_layers` layers): every layer's kind, mode, step, window, sinks, undo depth and Delegated "
@@ -160,8 +164,9 @@ FIELD_TEXT = {
     "max_size": "the window W",
     "keep": "sink rows K, `0 <= keep < max_size`",
     "undo": "undo-log depth U in rows (exact rollback after a wrap)",
-    "layers": "the layer pattern of a prompt cache: a list of `{\"kind\": \"dense\", ...}` and "
-              "`{\"kind\": \"rotating\", \"max_size\": W, ...}` objects (docs/layers.md)",
+    "layers": "the layer pattern of a prompt cache: a list of `{\"kind\": \"dense\", ...}`, "
+              "`{\"kind\": \"rotating\", \"max_size\": W, ...}` and `{\"kind\": \"recurrent\", \"kernel\": k, "
+              "...}` objects (docs/layers.md)",
     "build": "who builds a prompt cache's layers: `list` (each layer on its own, per-layer `mode`, `step`, `undo`) "
              "or `make_prompt_cache` (`impl.models.make_prompt_cache` for a model whose `make_cache()` gives the "
              "layout: the list's mode and step, every ring's undo depth `num_draft_tokens`)",
@@ -169,6 +174,11 @@ FIELD_TEXT = {
     "block_size": "rows per pool block",
     "max_blocks": "most blocks the pool may grow to (0: no maximum)",
     "chunk": "blocks added per pool growth",
+    "size": "recurrent: arrays per layer, 2 (conv window and recurrent state) or 1 (conv window only, lfm2)",
+    "kernel": "recurrent: the causal conv's width; the conv window keeps `kernel - 1` input rows (>= 2)",
+    "depth": "recurrent: the checkpoint depth U, tokens a rollback may take back (0: none)",
+    "channels": "recurrent: C, the conv window's channels (the harness's conv input rows are portable rows of "
+                "C values)",
 }
 
 CHECK_TEXT = {

@@ -206,8 +206,8 @@ BUGS: tuple[InjectedBug, ...] = (
         {"layers": {"layers": TrimsLayersThenRefuses}},
     ),
     InjectedBug(
-        "list_trim_ignores_recurrent_coverage", "semantics.md 6 and 9, atomic (a recurrent layer's bound is its "
-        "coverage)", "mlx-lm's trim_prompt_cache over a hybrid model (is_trimmable() asked, layers trimmed one by one)",
+        "list_trim_ignores_recurrent_coverage", "semantics.md 9, list trim bounds (a recurrent layer's bound is its "
+        "coverage); semantics.md 6, atomic (every layer trims the same count or none)", "mlx-lm's trim_prompt_cache over a hybrid model (is_trimmable() asked, layers trimmed one by one)",
         "layers", ("fp16",), "impl.layers.trim_prompt_cache",
         "the attention layers roll back, then a recurrent layer refuses a rollback beyond its checkpoints",
         {"layers": {"layers": TrimIgnoresRecurrentCoverage}},
