@@ -273,8 +273,23 @@ class RecurrentLockstep(Lockstep):
     calls made by :class:`FakeModel` through the step recorder."""
 
     spec_module = sr
-    #: impl words a refused rollback its own way (naming the coverage and the fix)
+    #: impl words a refused rollback its own way (naming the coverage and the
+    #: fix): its type is compared, and its words must name the coverage
+    #: (:meth:`compare_refusal`)
     OWN_WORDED_OPS = Lockstep.OWN_WORDED_OPS | {"trim"}
+
+    def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Any, impl_out: Any) -> None:
+        """The common rule, and a rollback refused beyond the coverage must
+        say so: the implementation's message names ``coverage`` and the
+        coverage's value (``c tokens``)."""
+        super().compare_refusal(index, op, spec_out, impl_out)
+        if (op["op"] == "trim" and self.compare_messages and isinstance(spec_out.error, StateError)
+                and impl_out.error is not None):
+            c = sr.trimmable_rows(self.world.cache)
+            said = str(impl_out.error)
+            if "coverage" not in said or f"{c} tokens" not in said:
+                raise Divergence(index, op, "refused rollback does not name the coverage",
+                                 f"a StateError naming the coverage of {c} tokens", impl_out.describe())
     #: the layer replaces its arrays on every call: no in-place write to observe
     check_inplace = False
     check_sharing = False

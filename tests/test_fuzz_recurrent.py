@@ -21,6 +21,7 @@ from fuzz.lockstep import Divergence
 from fuzz.replay import make_lockstep, replay
 from fuzz.trace import TraceFormatError, load, parse
 from impl.recurrent import RecurrentCache, _mixers, _sub_call
+from spec.errors import StateError
 
 TRACES = Path(__file__).parent / "traces"
 RECURRENT_BUGS = [b.name for b in kinds.KINDS["recurrent"].bug_list()]
@@ -160,3 +161,22 @@ def test_cli_fuzz_replay_and_render(tmp_path, capsys):
 def test_every_recurrent_trace_carries_a_title():
     for name in [*RECURRENT_BUGS, "recurrent_worked_example"]:
         assert json.loads((TRACES / f"{name}.json").read_text())["title"]
+
+
+class _QuietRefusal(RecurrentCache):
+    """Refuses a rollback beyond its coverage without saying why."""
+
+    def trim(self, n):
+        if isinstance(n, int) and not isinstance(n, bool) and n > self.trimmable_rows():
+            raise StateError("trim: refused")
+        return super().trim(n)
+
+
+def test_a_refused_rollback_must_name_the_coverage():
+    ok = lock(depth=1)
+    ok.step(0, {"op": "append", "n": 2})
+    ok.step(1, {"op": "trim", "n": 2, "error": True})
+    quiet = lock({"recurrent": _QuietRefusal}, depth=1)
+    quiet.step(0, {"op": "append", "n": 2})
+    with pytest.raises(Divergence, match="refused rollback does not name the coverage"):
+        quiet.step(1, {"op": "trim", "n": 2})
