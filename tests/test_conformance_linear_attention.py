@@ -536,3 +536,59 @@ def test_target_without_transformers_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(TargetError, match="pip install"):
         LinearAttentionAdapter({"kernel": 2, "size": 2, "depth": 1})
+
+
+# -- end to end, where PyTorch is installed ------------------------------------------
+
+
+def _tiny_qwen3_next(seed: int, kernel: int) -> Any:
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=97, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=kernel, intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=256, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+        initializer_range=0.5)  # a recurrent state that matters to the logits
+    return Qwen3NextForCausalLM(cfg).eval()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch (optional extra 'transformers')")
+def test_assisted_decoding_of_a_tiny_qwen3_next_is_not_greedy(monkeypatch):
+    """Finding 1 end to end (real torch, transformers' own generate):
+    greedy assisted decoding must give greedy decoding's tokens. A tiny
+    random qwen3_next, a draft that always drafts k = 3 tokens: after every
+    full rejection the linear-attention layer's recurrent state is the one
+    before the verify forward (all zeros after the first round, whose verify
+    forward was the prompt), and the tokens leave greedy's at the 5th. The
+    control: with ``recurrent_states_to_keep = k + 1`` (the model hands one
+    more state than a crop can take back) the tokens are greedy's."""
+    import torch
+    from transformers import cache_utils
+
+    model, draft = _tiny_qwen3_next(0, 4), _tiny_qwen3_next(1, 3)
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    prompt = torch.tensor([[5, 17, 42, 8, 23, 61, 2, 33]])
+    states_after_full_rejection: list[float] = []
+    crop = cache_utils.LinearAttentionLayer.crop
+
+    def watched(self: Any, n: int) -> None:
+        crop(self, n)
+        if self.conv_kernel_size[0] == 4 and n == -3:  # the main model's layer, every draft rejected
+            states_after_full_rejection.append(float(self.recurrent_states[0].abs().max()))
+
+    monkeypatch.setattr(cache_utils.LinearAttentionLayer, "crop", watched)
+    with torch.no_grad():
+        greedy = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        assisted = model.generate(prompt, assistant_model=draft, max_new_tokens=12, do_sample=False)
+        assert states_after_full_rejection and states_after_full_rejection[0] == 0.0
+        assert not torch.equal(greedy, assisted)
+        record = cache_utils.LinearAttentionLayer.activate_past_recording
+        monkeypatch.setattr(cache_utils.LinearAttentionLayer, "activate_past_recording",
+                            lambda self, recurrent_states_to_keep=None: record(self, recurrent_states_to_keep + 1))
+        assert torch.equal(greedy, model.generate(prompt, assistant_model=draft, max_new_tokens=12, do_sample=False))
