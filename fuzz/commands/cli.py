@@ -954,7 +954,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 _BENCH_DEFAULTS: dict[str, Any] = {
     "contexts": [1024, 8192, 32768], "decoder": False, "e2e": False, "layers": None, "rounds": None,
     "e2e_contexts": [1024, 8192, 24576], "tokens": 16, "repeats": 12, "record": None, "e2e_size": "7b",
-    "plot": None,
+    "plot": None, "recurrent": False, "recurrent_size": None,
 }
 
 
@@ -978,6 +978,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             return _usage_error(_console(), f"--{name}: an option of --harness (the fuzz harness's bench); "
                                             "give --harness too")
+    if args.recurrent_size is not None and not args.recurrent:
+        return _usage_error(_console(), "--recurrent-size: an option of --recurrent (the recurrent layers' "
+                                        "rollback bench); give --recurrent too")
+    if args.recurrent:
+        # its own bench: the cache bench's decoder and end-to-end options are refused, not ignored
+        given = [f"--{name.replace('_', '-')}" for name in ("decoder", "e2e", "layers", "e2e_size", "plot")
+                 if getattr(args, name) != _BENCH_DEFAULTS[name]]
+        if given:
+            return _usage_error(_console(), f"--recurrent: measures the recurrent layers' rollback; it takes no "
+                                            f"{', '.join(given)} (options of the cache bench)")
     if args.record:
         # made (or refused) before a run of minutes, not after it
         try:
@@ -997,6 +1007,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return _usage_error(_console(), f"--plot: {args.plot} must be a record's JSON with decoder rows ({exc})")
         _console().print(f"bench: plot written: {path}", markup=False)
         return 0
+    if args.recurrent:
+        from fuzz.commands.bench_recurrent import run as run_recurrent
+
+        e2e_contexts = None if args.e2e_contexts == _BENCH_DEFAULTS["e2e_contexts"] else args.e2e_contexts
+        return run_recurrent(args.contexts, size=args.recurrent_size, rounds=args.rounds, e2e_contexts=e2e_contexts,
+                             tokens=args.tokens, repeats=args.repeats, as_json=args.json, record=args.record)
     if not (args.decoder or args.e2e or args.record):
         return run(args.contexts, args.json)
     return run_suite(args.contexts, decoder=args.decoder, e2e=args.e2e, layers=args.layers, rounds=args.rounds,
@@ -1344,6 +1360,15 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", metavar="JSON",
                     help="only draw the PNG plot of an existing record's JSON (beside it) and exit; for a record "
                          "made where matplotlib is missing")
+    be.add_argument("--recurrent", action="store_true",
+                    help="instead: what exact rollback of a hybrid model's recurrent layers costs: per speculative "
+                         "round (k = 2, 4) the verify block with the step recorder on vs off vs plain decoding, the "
+                         "rollback, the checkpoint ring's memory, and end-to-end speculative decoding vs greedy "
+                         "(random-weight qwen3_next / lfm2 shapes; takes --contexts, --rounds, --e2e-contexts "
+                         "(default 1024), --tokens, --repeats, --record; docs/recurrent.md)")
+    be.add_argument("--recurrent-size", choices=["full", "small", "tiny"], default=None,
+                    help="with --recurrent: model shapes: full (hidden 2048, the GPU default), small (hidden 512, "
+                         "the CPU default) or tiny (a smoke run)")
     be.add_argument("--harness", action="store_true",
                     help="instead: where a fuzz campaign's time goes, per registry campaign (verify's seed): ops/s "
                          "of the campaign, of the same ops replayed through every check, and of the spec and "
