@@ -46,12 +46,12 @@ _NO_SUCH = {
 }
 
 
-def _torch() -> Any:
+def _torch(target: str = "transformers") -> Any:
     try:
         import torch
         import transformers  # noqa: F401 - the target needs both
     except ImportError as exc:
-        raise TargetError(f"--target transformers: PyTorch and transformers are not installed ({exc}); "
+        raise TargetError(f"--target {target}: PyTorch and transformers are not installed ({exc}); "
                           "install the optional extra: pip install -e '.[transformers]'") from None
     return torch
 
@@ -196,7 +196,7 @@ _LINEAR_NO_SUCH = {
 
 
 def _linear_attention_layer() -> Any:
-    _torch()
+    _torch("transformers-linear")
     try:
         from transformers.cache_utils import LinearAttentionLayer
     except ImportError as exc:
