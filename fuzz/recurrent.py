@@ -436,7 +436,12 @@ class RecurrentLockstep(Lockstep):
         return views
 
     def spec_views(self) -> dict[str, Any]:
-        """Name -> the consumed sequences whose conv window and state the
+        """Name -> the consumed token identities of the live layer, every
+        holder and the held arrays (what ``kvspec render`` draws)."""
+        return {name: tuple(h[0].toks) for name, h in self.spec_histories().items()}
+
+    def spec_histories(self) -> dict[str, Any]:
+        """Name -> the spec layers whose conv window and state the
         implementation must show, after a rollback of 0, 1, ... coverage."""
         w = self.world
 
@@ -517,7 +522,7 @@ class RecurrentLockstep(Lockstep):
             if not same_value(s_obs[key], i_obs.get(key)):
                 raise Divergence(index, op, f"{key} differs", f"{key}={s_obs[key]}",
                                  f"{key}={of_kind(s_obs[key], i_obs.get(key))}")
-        s_views, i_views = self.spec_views(), self.step_views()
+        s_views, i_views = self.spec_histories(), self.step_views()
         if set(s_views) != set(i_views):
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
         for name, wants in s_views.items():

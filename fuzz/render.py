@@ -49,7 +49,8 @@ from fuzz.trace import Trace
 from spec.errors import KVCacheError
 
 #: section of docs/semantics.md that states each spec module's rules
-SECTIONS = {"spec.dense": 2, "spec.turbo": 2, "spec.rotating": 3, "spec.paged": 4, "spec.layers": 6}
+SECTIONS = {"spec.dense": 2, "spec.turbo": 2, "spec.rotating": 3, "spec.paged": 4, "spec.layers": 6,
+            "spec.recurrent": 9}
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,9 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
         return Rule("ownership rule", _function(module, "inplace_write_allowed", "apply_op"), 2)
     if sharing:
         return Rule("Isolation", op_function(module, op), 5)
+    if module == "spec.recurrent" and "after a rollback" in w:
+        # fuzz.recurrent probes every rollback the coverage allows after each op
+        return Rule("the checkpoint ring", _function(module, "ring"), section)
     if "make_mask" in w or "mask" in w:
         if module == "spec.rotating":
             return Rule("mask", _function(module, "mask_visible"), section)
@@ -346,6 +350,9 @@ OP_RULES: dict[str, dict[str, tuple[str, int]]] = {
                     "restore": ("snapshot / restore of the whole list", 6), "reload": ("reload of the whole list", 6),
                     "restore_mixed": ("restore_mixed", 6), "trim": ("trim_prompt_cache", 6),
                     "can_trim": ("can_trim_prompt_cache", 6), "append": ("append: the write", 2)},
+    "spec.recurrent": {"append": ("step", 9), "append_unrecorded": ("step", 9), "trim": ("trim", 9),
+                       "can_trim": ("is_trimmable", 9), "snapshot": ("snapshot", 9), "restore": ("restore", 9),
+                       "state_restore": ("state_restore", 9), "copy": ("copy", 9), "reload": ("reload", 9)},
 }
 
 #: the ops whose check is the window itself (semantics.md 5, "rule 1": Window)
@@ -428,6 +435,25 @@ def _ring_rows(world: Any, prefix: str = "") -> list[Row]:
     return rows
 
 
+def _recurrent_rows(world: Any, prefix: str = "") -> list[Row]:
+    """A recurrent layer (spec.recurrent): its conv window by token (empty:
+    a zero row before the first token) and, at depth U > 0, its checkpoint
+    ring's U + 1 slots, each the offset whose checkpoint it holds."""
+    from spec import recurrent
+
+    c = world.cache
+    conv = [Cell("", "empty", tip="zero row (before the first token)") if t is None else _tok(t)
+            for t in recurrent.conv_window(c)]
+    state = "no state" if c.size == 1 else f"state after {c.offset} tokens"
+    rows = [Row(f"{prefix}conv window", conv, "store", [], f"kernel {c.kernel}, {state}")]
+    if c.depth:
+        slots = [Cell("", "empty", tip="no live checkpoint") if x is None
+                 else Cell(f"@{x}", "saved", tip=f"the checkpoint of offset {x}") for x in recurrent.ring(c)]
+        rows.append(Row(f"{prefix}checkpoints", slots, "store", [(c.offset % (c.depth + 1), "idx")],
+                        f"U {c.depth}, coverage {recurrent.trimmable_rows(c)}"))
+    return rows
+
+
 def _paged_rows(world: Any) -> list[Row]:
     rc = world.pool.refcounts
     rows = []
@@ -462,6 +488,8 @@ def physical_rows_one(world: Any, prefix: str = "") -> list[Row]:
     cache = getattr(world, "cache", None)
     if cache is None:
         return []
+    if hasattr(cache, "coverage"):
+        return _recurrent_rows(world, prefix)
     if hasattr(cache, "slots"):
         return _ring_rows(world, prefix)
     if hasattr(cache, "entries"):

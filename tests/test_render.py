@@ -177,6 +177,16 @@ def _expected_stores(world, prefix=""):
         out["refcounts"] = ([str(r) for r in rc], {i for i, r in enumerate(rc) if r > 1})
         return out
     c = world.cache
+    if hasattr(c, "coverage"):  # a recurrent layer: conv window rows by token, the checkpoint ring's slots
+        k = c.kernel - 1
+        last = c.toks[max(0, len(c.toks) - k):]
+        out = {f"{prefix}conv window": ([""] * (k - len(last)) + [str(t) for t in last], set())}
+        if c.depth:
+            slots = [""] * (c.depth + 1)
+            for x in range(len(c.toks) - c.coverage, len(c.toks) + 1):
+                slots[x % (c.depth + 1)] = f"@{x}"
+            out[f"{prefix}checkpoints"] = (slots, set())
+        return out
     if hasattr(c, "slots"):  # a ring: slots in physical order, the sinks outlined
         out = {f"{prefix}ring slots": ([tok(e) for e in c.slots],
                                        {i for i, e in enumerate(c.slots) if i < c.keep and e is not None})}
