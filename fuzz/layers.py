@@ -402,7 +402,7 @@ class LayersLockstep(Lockstep):
             if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_layers:
                 raise InvalidArgumentError(
                     f"restore_mixed: {field_name} must satisfy 0 <= {field_name} < {n_layers}, got {j!r}")
-        if sl.layers_interchangeable(self.world.layers[layer], self.world.layers[source]):
+        if sl.layers_interchangeable(self.world.layers[layer], self.world.layers[source], op["name"]):
             raise InvalidArgumentError(f"restore_mixed: layers {layer} and {source} take each other's snapshots; "
                                        "pick layers of another kind or window")
         mixed = self.as_snapshots(snaps)
@@ -781,16 +781,6 @@ def layer_patterns(draw: st.DrawFn, recurrent: bool = False) -> list[dict[str, A
     return layers
 
 
-def _same_recurrent_build(a: Any, b: Any) -> bool:
-    """Two recurrent layers of one size and depth (their kernels differ):
-    spec.layers.layers_interchangeable refuses the swap by kernel, which a
-    RecurrentCache cannot see (the kernel is the model's; an empty layer's
-    snapshot has no conv window to measure), so the swap is not drawn
-    (issue 48: the rule is open)."""
-    return (isinstance(a, src.RecurrentWorld) and isinstance(b, src.RecurrentWorld)
-            and (a.cache.size, a.cache.depth) == (b.cache.size, b.cache.depth))
-
-
 class LayersMachine(LifecycleRules, KVMachine):
     """List-level ops over mixed layer patterns: appends, atomic trims
     (after a wrap, after a front trim of a dense layer), list snapshots
@@ -865,16 +855,17 @@ class LayersMachine(LifecycleRules, KVMachine):
         restore with one layer (never layer 0) handed another kind's or
         window's snapshot. Refused, and every layer (the earlier ones
         included) must still hold the ``n`` new rows."""
-        layers = self.lock.world.layers
-        pairs = [(k, j) for k in range(1, len(layers)) for j in range(len(layers))
-                 if not sl.layers_interchangeable(layers[k], layers[j]) and not _same_recurrent_build(layers[k], layers[j])]
-        if not pairs:
-            return
-        k, j = data.draw(st.sampled_from(pairs), label="layer, source")
         name = self.fresh_name("m")
         self.do({"op": "snapshot", "name": name})
         for _ in range(n):
             self.do({"op": "append", "n": 1})
+        layers = self.lock.world.layers  # the pairs as they stand now: a recurrent one depends on both offsets
+        pairs = [(k, j) for k in range(1, len(layers)) for j in range(len(layers))
+                 if not sl.layers_interchangeable(layers[k], layers[j], name)]
+        if not pairs:
+            self.do({"op": "drop", "name": name})
+            return
+        k, j = data.draw(st.sampled_from(pairs), label="layer, source")
         self.do({"op": "restore_mixed", "name": name, "layer": k, "source": j})
         self.do({"op": "drop", "name": name})
 

@@ -242,12 +242,23 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
             raise InvalidArgumentError(
                 f"{op}: snapshot of a RecurrentCache(size={snap.size}, depth={snap.depth}) cannot be restored into a "
                 f"RecurrentCache(size={len(self.cache)}, depth={self.depth})")
+        live, held = self.cache[0], snap.arrays[0] if snap.arrays else None
+        if live is not None and held is not None and (tuple(live.shape[1:]), live.dtype) != (
+                tuple(held.shape[1:]), held.dtype):
+            raise InvalidArgumentError(
+                f"{op}: the snapshot's conv window (shape {tuple(held.shape)}, {held.dtype}) does not fit this "
+                f"cache's (shape {tuple(live.shape)}, {live.dtype}): a snapshot of another layer (another conv "
+                "kernel, channels or dtype)")
 
     def restore(self, snap: RecurrentSnapshot) -> None:
         """Adopt a snapshot of this cache (or one of the same size and
-        depth): arrays, offset, coverage and checkpoints as they were.
-        Raises InvalidArgumentError for anything else, the cache unchanged.
-        Rule: ``spec.recurrent.restore``."""
+        depth whose conv window, when both hold one, has this cache's
+        window shape ``(kernel - 1, C)`` and dtype): arrays, offset,
+        coverage and checkpoints as they were. A cache that has consumed
+        nothing holds no conv window and cannot tell its kernel: it takes
+        any snapshot of its size and depth. Raises InvalidArgumentError for
+        anything else, the cache unchanged.
+        Rule: ``spec.recurrent.snapshot_fits``, ``spec.recurrent.restore``."""
         self._check_snapshot("restore", snap)
         self.cache = list(snap.arrays)
         self.offset, self._coverage, self._ring = snap.offset, snap.coverage, snap.ring

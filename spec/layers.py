@@ -254,13 +254,18 @@ def w_restore(world: LayersWorld, name: str) -> tuple[None, LayersWorld]:
     return None, replace(world, layers=tuple(_module(w).w_restore(w, name)[1] for w in world.layers))
 
 
-def layers_interchangeable(a: LayerWorld, b: LayerWorld) -> bool:
-    """Whether a snapshot one layer took fits another layer: both dense, or
-    both rings of the same ``(max_size, keep)``, or both recurrent layers of
-    the same ``(size, kernel)`` (what a layer's restore checks first)."""
+def layers_interchangeable(a: LayerWorld, b: LayerWorld, name: str | None = None) -> bool:
+    """Whether layer ``a`` takes the snapshot ``name`` layer ``b`` took
+    (``name`` None: a snapshot of ``b`` as it is now): both dense, or both
+    rings of the same ``(max_size, keep)``, or both recurrent layers whose
+    snapshot fits (:func:`spec.recurrent.snapshot_fits`: the same size and
+    depth, and the same kernel when ``a`` and the snapshot both hold a conv
+    window). What a layer's restore checks first."""
     if isinstance(a, recurrent.RecurrentWorld) or isinstance(b, recurrent.RecurrentWorld):
-        return (isinstance(a, recurrent.RecurrentWorld) and isinstance(b, recurrent.RecurrentWorld)
-                and (a.cache.size, a.cache.kernel) == (b.cache.size, b.cache.kernel))
+        if not (isinstance(a, recurrent.RecurrentWorld) and isinstance(b, recurrent.RecurrentWorld)):
+            return False
+        held = b.holders.get(name) if name is not None else None
+        return recurrent.snapshot_fits(a.cache, held.cache if held is not None else b.cache)
     if isinstance(a, dense.DenseWorld) != isinstance(b, dense.DenseWorld):
         return False
     if isinstance(a, dense.DenseWorld):
@@ -283,7 +288,7 @@ def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> t
     for field_name, j in (("layer", layer), ("source", source)):
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_layers:
             raise InvalidArgumentError(f"restore_mixed: {field_name} must satisfy 0 <= {field_name} < {n_layers}, got {j!r}")
-    if layers_interchangeable(world.layers[layer], world.layers[source]):
+    if layers_interchangeable(world.layers[layer], world.layers[source], name):
         raise InvalidArgumentError(f"restore_mixed: layers {layer} and {source} take each other's snapshots; "
                                    "pick layers of another kind or window")
     raise InvalidArgumentError(f"restore: layer {layer} refuses the snapshot of layer {source} "

@@ -274,6 +274,21 @@ def _holder(world: RecurrentWorld, op: str, name: str, kind: str) -> Holder:
     return snap
 
 
+def snapshot_fits(cache: RecurrentCache, snap: RecurrentCache) -> bool:
+    """Whether a layer ``cache`` takes a snapshot ``snap`` another layer
+    (or this one) took (semantics.md 9, "restore across layers"): the same
+    ``size`` and ``depth`` (the arrays and the checkpoint ring), and, when
+    both hold a conv window (both have consumed a token: ``offset > 0``),
+    the same ``kernel`` (the window's ``kernel - 1`` rows; the impl compares
+    the window arrays' shape and dtype, which also covers channels and
+    dtype, the same within a list here). A layer that has consumed nothing
+    holds no conv window yet and cannot tell its width: the check is the
+    one the cache can make, nothing more."""
+    if (cache.size, cache.depth) != (snap.size, snap.depth):
+        return False
+    return cache.offset == 0 or snap.offset == 0 or cache.kernel == snap.kernel
+
+
 def restore(cache: RecurrentCache, snap: RecurrentCache) -> RecurrentCache:
     """``c.restore(snap)``: the snapshot's arrays, offset and coverage (its
     checkpoints come back with it)."""
