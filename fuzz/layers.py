@@ -145,8 +145,12 @@ class LayersLockstep(Lockstep):
         if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 0:
             raise TraceFormatError(f"field cache.num_draft_tokens: must be an integer >= 0, got {drafts!r}")
         if cache["layers"] and cache["layers"][0]["kind"] == "recurrent":
-            raise TraceFormatError("field cache.layers.0.kind: layer 0 of a list is an attention layer (dense or "
-                                   "rotating): front trims and rows of another shape address it")
+            raise TraceFormatError(
+                "field cache.layers.0.kind: layer 0 of a list must be an attention layer (dense or rotating), got "
+                "recurrent: the harness reads layer 0 as the list's attention view (rows of another shape or dtype, "
+                "held windows and the lifecycle checks address it); a model whose first layer is recurrent "
+                "(nemotron_h, lfm2) is covered by the same list with an attention layer first, since a list trim or "
+                "restore is all or none whatever the layers' order (spec.layers.list_trim_count)")
         for j, layer in enumerate(cache["layers"]):
             own = sorted(set(layer) & {"mode", "step", "undo", "depth"})
             if build == "make_prompt_cache" and own:
