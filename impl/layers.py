@@ -40,11 +40,20 @@ def _trim_bounds(c: Any) -> tuple[int, int]:
     return int(c.offset), int(c.offset) if c.is_trimmable() else 0
 
 
+def _is_recurrent_layer(c: Any) -> bool:
+    """A recurrent layer: it has a checkpoint ``depth`` and no window."""
+    return hasattr(c, "depth") and not hasattr(c, "max_size")
+
+
 def _why_refused(c: Any) -> str:
-    """Why a layer cannot roll back exactly: a recurrent layer (it has a
-    checkpoint ``depth`` and no window) beyond its checkpoints' coverage,
-    else a ring past its window."""
-    if hasattr(c, "depth") and not hasattr(c, "max_size"):
+    """Why a layer cannot roll back exactly: a recurrent layer beyond its
+    checkpoints' coverage (or at offset 0: it counted none of the tokens
+    the other layers hold), else a ring past its window."""
+    if _is_recurrent_layer(c):
+        if not c.offset:
+            return ("a recurrent layer at offset 0 beside layers that hold rows (it counted no tokens: a model "
+                    "that never calls cache.advance, e.g. recurrent_gemma, run without the step recorder "
+                    "impl.recurrent.record_steps, which impl.models.make_prompt_cache installs)")
         return "a recurrent layer beyond its checkpoints' coverage"
     return "a sliding-window ring wrapped beyond its undo log"
 
@@ -86,6 +95,10 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
     raises, or trims another count than its bounds promised: StateError),
     leaves every layer exactly as it was (spec.layers.w_trim_refused_late).
 
+    A recurrent layer at offset 0 beside layers that hold rows counted
+    none of the tokens it consumed (its bound is unknown): the trim is
+    refused like one beyond its coverage, never a silent 0.
+
     A refusal is loud: each layer that cannot honour the rollback warns once
     per cache (``spec.errors.RollbackWarning``), and with ``strict=True``
     the refusal raises StateError naming those layers instead (nothing
@@ -101,6 +114,13 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
         # a layer refuses when it cannot roll back ``want`` rows exactly
         # (every exact bound is >= 0, so a refusal has want > 0)
         refusing = [i for i, (_, exact) in enumerate(bounds) if want > exact]
+        if want == 0 and n > 0 and any(rows for rows, _ in bounds):
+            # a recurrent layer at offset 0 beside layers that hold rows has
+            # not counted the tokens it consumed (a model that never calls
+            # cache.advance, run without the step recorder): its bound is
+            # unknown, so the trim is refused loudly, never a silent 0
+            want = min(n, max(rows for rows, _ in bounds))
+            refusing = [i for i, (rows, _) in enumerate(bounds) if rows == 0 and _is_recurrent_layer(caches[i])]
         if refusing:
             if strict:
                 why = sorted({_why_refused(caches[i]) for i in refusing}, reverse=True)

@@ -126,12 +126,15 @@ def make_prompt_cache(
     :class:`~impl.recurrent.RecurrentCache` of the same size, depth
     ``max(undo, num_draft_tokens)`` and this ``strict``.
 
-    **Hybrid models: the step recorder.** When a recurrent layer gets a
-    depth > 0, this call also installs the step recorder on ``model``:
+    **Hybrid models: the step recorder.** When the model has a recurrent
+    layer, this call also installs the step recorder on ``model``:
     ``impl.recurrent.record_steps(model)``, the public call, which wraps
     each recurrent mixer of this model instance (not mlx-lm's code) so
     that the last ``depth`` tokens of every call run one at a time and the
-    cache keeps a checkpoint after each (docs/recurrent.md). Without it a
+    cache keeps a checkpoint after each (docs/recurrent.md); at depth 0 it
+    only counts the tokens of each call (recurrent_gemma never calls
+    ``cache.advance``: without the count its recurrent layers would stay
+    at offset 0 and a list trim could not tell how far they reach). Without it a
     recurrent layer rolls back nothing; ``impl.recurrent.unrecord_steps``
     removes it. Otherwise every layer gets a dense cache, or, with
     ``max_kv_size``, a ring of that size with 4 sinks (mlx-lm's choice;
@@ -189,7 +192,7 @@ def make_prompt_cache(
     if hasattr(model, "make_cache"):
         caches = [_convert(i, c, mode, step, inplace, classes, undo, strict, **kw)
                   for i, c in enumerate(model.make_cache())]
-        if undo > 0 and any(_is_recurrent(c) for c in caches):
+        if any(_is_recurrent(c) for c in caches):
             _recurrent().record_steps(model)  # the explicit, documented step: checkpoints need per-token states
         return caches
     n_layers = len(model.layers)

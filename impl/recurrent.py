@@ -471,13 +471,15 @@ def record_steps(model: Any) -> int:
     tokens as its own call, slicing every other argument of shape ``(B, S,
     ...)`` (the ssm mask) with it, and the cache records a checkpoint after
     each sub-call; the output is the sub-calls' outputs joined along the
-    sequence axis. An argument the mixer's own code never reads (read from
+    sequence axis. At depth 0 the call runs unsplit and the recorder only
+    counts its ``S`` tokens (``offset``; coverage stays 0), so a model that
+    never calls ``cache.advance`` (recurrent_gemma) keeps its recurrent
+    layers' offsets in step with its attention layers'. An argument the mixer's own code never reads (read from
     its bytecode: recurrent_gemma's RecurrentBlock takes an attention
     mask it ignores) is handed on as is. Any other argument it cannot slice
     safely (an array of another shape, a container) runs the call unsplit
     and the coverage drops to 0:
-    never a wrong checkpoint. Any other cache, or depth 0, passes through
-    unchanged. Raises InvalidArgumentError for a model without ``layers``.
+    never a wrong checkpoint. Any other cache passes through unchanged. Raises InvalidArgumentError for a model without ``layers``.
     Rule: ``spec.recurrent.step``."""
     n = 0
     for m in _mixers(model):
@@ -509,10 +511,21 @@ def _recorded_call(original: Any, sig: inspect.Signature, module: Any, args: tup
     except TypeError:
         return original(module, *args, **kwargs)
     cache = bound.arguments.get("cache")
-    if not isinstance(cache, RecurrentCache) or cache.depth == 0 or cache._recording:
+    if not isinstance(cache, RecurrentCache) or cache._recording:
         return original(module, *args, **kwargs)
     names = [p for p in bound.arguments if p != "cache"][1:]  # without self
     x = bound.arguments[names[0]] if names else None
+    if cache.depth == 0:
+        # no checkpoints to keep: one unsplit call that counts its tokens
+        # (recurrent_gemma never calls cache.advance: without this its
+        # layers would stay at offset 0 while the attention layers count)
+        saved = cache._fields()
+        try:
+            return _sub_call(original, bound, module, cache, (), 0, _tokens(x), single=False)
+        except BaseException:
+            for k, v in saved.items():
+                setattr(cache, k, v)
+            raise
     plan = _slice_plan(bound, [n for n in names if n not in unread or n == names[0]], x)
     saved = cache._fields()
     U = cache.depth
