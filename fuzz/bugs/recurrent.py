@@ -15,7 +15,15 @@ from typing import Any
 import mlx.core as mx
 
 from fuzz.bugs import InjectedBug
-from impl.recurrent import RecurrentCache, RecurrentSnapshot, _mixers, _sub_call
+from impl.recurrent import (
+    RecurrentCache,
+    RecurrentSnapshot,
+    _mixers,
+    _recorded_call,
+    _slice_plan,
+    _sub_call,
+    _unread_parameters,
+)
 
 
 class ConvWindowNotRolledBack(RecurrentCache):
@@ -112,15 +120,27 @@ class RestoreKeepsLiveCoverage(RecurrentCache):
         self._coverage = min(self.depth, coverage)
 
 
-def _wrong_end_call(original: Any, module: Any, x: Any, mask: Any = None, cache: Any = None, **kw: Any) -> Any:
+def _wrong_end_call(original: Any, sig: inspect.Signature, unread: frozenset[str], module: Any, args: tuple,
+                    kwargs: dict) -> Any:
     """The recorder's split with the ends swapped: each of the FIRST
     ``min(S, U)`` tokens as its own call (a checkpoint each), then the rest
-    as one block."""
-    if not isinstance(cache, RecurrentCache) or cache.depth == 0 or not isinstance(x, mx.array) or x.ndim < 2:
-        return original(module, x, mask, cache=cache, **kw)
-    sig = inspect.signature(original)
-    bound = sig.bind(module, x, mask, cache=cache, **kw)
-    plan = ("x",) + (("mask",) if isinstance(mask, mx.array) else ())
+    as one block. Whatever the mixer's signature (qwen3_next's
+    ``(inputs, mask, cache)``, nemotron_h's ``(hidden_states, mask,
+    cache)``, recurrent_gemma's ``(x, cache, mask)``...): the input is its
+    first argument and the other sequence-shaped arguments are sliced with
+    it, as the real recorder slices them; a call the real recorder would
+    not split (depth 0, another cache, an argument it cannot slice) is the
+    real recorder's."""
+    try:
+        bound = sig.bind(module, *args, **kwargs)
+    except TypeError:
+        return original(module, *args, **kwargs)
+    cache = bound.arguments.get("cache")
+    names = [p for p in bound.arguments if p != "cache"][1:]  # without self
+    x = bound.arguments[names[0]] if names else None
+    plan = _slice_plan(bound, [n for n in names if n not in unread or n == names[0]], x) if names else None
+    if not isinstance(cache, RecurrentCache) or cache.depth == 0 or cache._recording or plan is None:
+        return _recorded_call(original, sig, module, args, kwargs, unread)
     S, U = x.shape[1], cache.depth
     cache._mark()
     outs = [_sub_call(original, bound, module, cache, plan, t, t + 1, single=True) for t in range(min(S, U))]
@@ -137,9 +157,11 @@ def record_steps_wrong_end(model: Any) -> int:
     for m in _mixers(model):
         cls = type(m)
         original = cls.__call__
+        sig, unread = inspect.signature(original), _unread_parameters(original)
 
-        def __call__(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            return _wrong_end_call(__original, self, *args, **kwargs)
+        def __call__(self: Any, *args: Any, __original: Any = original, __sig: Any = sig, __unread: Any = unread,
+                     **kwargs: Any) -> Any:
+            return _wrong_end_call(__original, __sig, __unread, self, args, kwargs)
 
         m.__class__ = type(cls.__name__, (cls,), {"__call__": __call__})
         n += 1
