@@ -79,16 +79,30 @@ class FakeMixer(nn.Module):
         super().__init__()
         self.conv_kernel_size = kernel
         self.size = size
+        #: write the arrays by negative index (``cache[-1]`` the last array),
+        #: as a model may
+        self.negative = False
+        #: tokens after which the call raises (after writing the conv
+        #: window): the harness's failing call; None: never
+        self.fail_after: int | None = None
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None,
+                 extra: mx.array | None = None) -> mx.array:
         B, S, C = x.shape
+        if extra is not None and extra.ndim < 0:  # read (never sliceable): the recorder runs the call unsplit
+            raise ValueError("mixer: extra")
         if mask is not None:
             if tuple(mask.shape) != (B, S):
                 raise ValueError(f"mixer: mask of shape {tuple(mask.shape)} for a call of {S} tokens (batch {B})")
             x = mx.where(mask[..., None], x, mx.zeros_like(x))
         k = self.conv_kernel_size - 1
-        conv = cache[0] if cache[0] is not None else mx.zeros((B, k, C), dtype=x.dtype)
-        cache[0] = mx.concatenate([conv, x], axis=1)[:, -k:, :]
+        conv_i, state_i = (-self.size, -1) if self.negative else (0, 1)
+        conv = cache[conv_i] if cache[conv_i] is not None else mx.zeros((B, k, C), dtype=x.dtype)
+        cache[conv_i] = mx.concatenate([conv, x], axis=1)[:, -k:, :]
+        if self.fail_after is not None:
+            self.fail_after -= S
+            if self.fail_after <= 0:
+                raise MixerFailure(f"mixer: the harness's failing call (after writing the conv window of {S} tokens)")
         if self.size == 2:
             words = x.view(mx.uint16).astype(mx.int32).sum(axis=-1)  # (B, S): each token's value v
             state = cache[1]
@@ -100,9 +114,13 @@ class FakeMixer(nn.Module):
                 cols[0] = cols[0] + 1
                 for j, (mul, mod) in enumerate(HASHES, start=1):
                     cols[j] = mx.remainder(cols[j] * mul + v, mod)
-            cache[1] = mx.stack(cols, axis=1).astype(mx.float32)
+            cache[state_i] = mx.stack(cols, axis=1).astype(mx.float32)
         cache.advance(S)
         return x
+
+
+class MixerFailure(RuntimeError):
+    """The harness's failing call of the layer (:attr:`FakeMixer.fail_after`)."""
 
 
 class FakeBlock(nn.Module):
@@ -335,12 +353,84 @@ class RecurrentLockstep(Lockstep):
 
     # -- implementation side ------------------------------------------------------
     def _call(self, mixer: Any, n: int) -> Any:
+        """The model's call of the layer with the next ``n`` tokens. How it
+        calls varies with the first token's identity ``start`` (so a trace
+        replays the same calls), as models vary:
+
+        * through the recorder (``append``): positional ``(x, mask,
+          cache)`` or by keyword (``start % 3 == 1``: nemotron_h,
+          recurrent_gemma); at ``size`` 2 and odd ``start`` followed by
+          qwen3_next's write of index 0 after its last layer
+          (``cache[0] = mx.depends(cache[0], ...)``: the live value only,
+          never an unrecorded step); at ``depth > 0``, ``n >= 2`` and
+          ``start % 4 == 2`` first a failing call (the layer raises after
+          writing the conv window of its last sub-call), which must leave
+          the cache as it was;
+        * outside it (``append_unrecorded``): the unwrapped layer writing
+          ``cache[0]``/``cache[1]`` or by negative index (``cache[-1]`` the
+          state: ``start % 3 == 1``), or (``start % 3 == 2``) the wrapped
+          layer with an argument the recorder cannot slice, which it must
+          run unsplit as an unrecorded step.
+
+        The layer's output (its input, masked) is kept for
+        :meth:`compare_result`."""
         start = self.world.next_token
         x = self.rows.input(list(range(start, start + n)))
         mask = mx.ones(x.shape[:2], dtype=mx.bool_) if self.cfg["batch"] > 1 else None
-        mixer(x, mask, self.cache)
-        self.returned = tuple(self.cache.cache)
+        c, wrapped = self.cache, self.model.layers[0].mixer
+        self._failed_call = None
+        if mixer is self.unrecorded:
+            if start % 3 == 2:
+                out = wrapped(x, mask, c, extra=mx.zeros((1,), dtype=mx.float32))
+            else:
+                mixer.negative = start % 3 == 1
+                out = mixer(x, mask, c)
+        else:
+            if self.depth > 0 and n >= 2 and start % 4 == 2:
+                self._failed_call = self._failing_call(wrapped, x, mask)
+            out = wrapped(x, mask=mask, cache=c) if start % 3 == 1 and mask is not None \
+                else wrapped(x, cache=c) if start % 3 == 1 else wrapped(x, mask, c)
+            if self.size == 2 and start % 2 == 1 and c[0] is not None:
+                c[0] = mx.depends(c[0], c[1])  # qwen3_next, after its last layer
+        self._output = (out, x)
+        self.returned = tuple(c.cache)
         return self.returned
+
+    def _failing_call(self, wrapped: Any, x: mx.array, mask: Any) -> str | None:
+        """Call the recorded layer so that it raises in its last sub-call
+        (after writing the conv window); None when the cache is as it was,
+        else what changed."""
+        c = self.cache
+        before = ([id(a) for a in c.cache], c.offset, c.trimmable_rows())
+        wrapped.fail_after = x.shape[1]
+        try:
+            wrapped(x, mask, c)
+        except MixerFailure:
+            pass
+        else:
+            return "the layer's failing call did not raise"
+        finally:
+            wrapped.fail_after = None
+        after = ([id(a) for a in c.cache], c.offset, c.trimmable_rows())
+        if after == before:
+            return None
+        what = ("arrays replaced" if after[0] != before[0] else
+                f"offset {before[1]} -> {after[1]}" if after[1] != before[1] else
+                f"coverage {before[2]} -> {after[2]}")
+        return f"a call that raised changed the cache ({what})"
+
+    _failed_call: str | None = None
+    _output: Any = None
+
+    def expected_nbytes(self) -> int:
+        """Bytes of the live arrays the spec layer implies: none before the
+        first token, else the conv window ``(B, kernel - 1, C)`` in the
+        trace's dtype and (size 2) the float32 state ``(B, 3)``."""
+        if self.world.cache.offset == 0:
+            return 0
+        item = 4 if self.dtype == "float32" else 2
+        B = self.cfg["batch"]
+        return B * (self.kernel - 1) * self.rows.channels * item + (B * STATE_WIDTH * 4 if self.size == 2 else 0)
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         name, c = op["op"], self.cache
@@ -482,6 +572,17 @@ class RecurrentLockstep(Lockstep):
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         before = self.prev_world.cache
+        if op["op"] in ("append", "append_unrecorded") and self._failed_call is not None:
+            raise Divergence(index, op, "a failing call changed the cache", "the cache as it was before the call",
+                             self._failed_call)
+        if op["op"] in ("append", "append_unrecorded") and self._output is not None:
+            out, x = self._output
+            self._output = None
+            if not (isinstance(out, mx.array) and out.shape == x.shape and out.dtype == x.dtype
+                    and self.host(out).tobytes() == self.host(x).tobytes()):
+                got = f"{type(out).__name__} {getattr(out, 'dtype', '')} {tuple(getattr(out, 'shape', ()))}"
+                raise Divergence(index, op, "the layer's output differs (the recorder joins its sub-calls' outputs)",
+                                 f"the layer's output for the {op['n']} tokens, {tuple(x.shape)}", got)
         if op["op"] in ("append", "append_unrecorded", "fetch"):
             self._compare_arrays(index, op, f"{op['op']} returned", self.world.cache, i, False)
             if op["op"] == "append_unrecorded":
@@ -522,6 +623,10 @@ class RecurrentLockstep(Lockstep):
             if not same_value(s_obs[key], i_obs.get(key)):
                 raise Divergence(index, op, f"{key} differs", f"{key}={s_obs[key]}",
                                  f"{key}={of_kind(s_obs[key], i_obs.get(key))}")
+        if isinstance(getattr(type(self.cache), "nbytes", None), property):
+            want, got = self.expected_nbytes(), self.cache.nbytes
+            if got != want:
+                raise Divergence(index, op, "nbytes differs", f"nbytes={want} (the live arrays)", f"nbytes={got}")
         s_views, i_views = self.spec_histories(), self.step_views()
         if set(s_views) != set(i_views):
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
@@ -530,6 +635,38 @@ class RecurrentLockstep(Lockstep):
             for n, want in enumerate(wants):
                 got = gots[n] if n < len(gots) else _Probe(IndexError("no such rollback"))
                 self._compare_arrays(index, op, self.view_label(name, n), want, got, name != "cache")
+
+    # -- the conformance report's "what else differs" (fuzz.commands.conformance.differences_after) --
+    def window_matches(self, wants: Any, gots: Any, *_: Any) -> bool:
+        """Whether a view shows what the spec says: ``wants`` a history of
+        :meth:`spec_histories` (the spec layers after a rollback of 0, 1,
+        ... coverage tokens), ``gots`` the implementation's
+        (:meth:`impl_views`), compared as :meth:`compare_state` compares."""
+        try:
+            for n, want in enumerate(wants):
+                got = gots[n] if n < len(gots) else _Probe(IndexError("no such rollback"))
+                self._compare_arrays(-1, {"op": "fetch"}, "view", want, got, False)
+        except Divergence:
+            return False
+        return True
+
+    def identify(self, views: Any, mode: str | None = None) -> list[Any]:
+        """An implementation view named in the spec's terms: its conv
+        window's rows by token and the sequence its state summarises."""
+        first = views[0] if views else None
+        if first is None or hasattr(first, "describe"):
+            return [first.describe() if first is not None else "nothing"]
+        conv = first[0]
+        out: list[Any] = [f"conv {self.rows.name_conv(self.host(conv))}" if conv is not None else "conv None"]
+        if len(first) > 1 and first[1] is not None:
+            out.append(self.rows.name_state(self.host(first[1])))
+        return out
+
+    @staticmethod
+    def spec_label(wants: Any) -> str:
+        """A spec history as the report words it: the tokens consumed and
+        how many the checkpoints take back."""
+        return f"after {list(wants[0].toks)}, coverage {len(wants) - 1}" if wants else "nothing"
 
     def spec_observables(self) -> dict[str, Any]:
         c = self.world.cache
