@@ -390,31 +390,6 @@ def _linear_lockstep(base: type) -> type:
                     out.append(_Probe(exc))
             return out
 
-        # the conformance report's "what else differs" reads views as windows
-        # of rows; a recurrent view is the list of (conv window, state) after
-        # each rollback the spec covers
-        def window_matches(self, wants: Any, gots: Any) -> bool:
-            from fuzz.failures import Divergence
-            from fuzz.recurrent import _Probe
-
-            try:
-                for n, want in enumerate(wants):
-                    got = gots[n] if n < len(gots) else _Probe(IndexError("no such rollback"))
-                    self._compare_arrays(-1, {"op": "fetch"}, "view", want, got, False)
-            except Divergence:
-                return False
-            return True
-
-        def identify(self, views: Any, mode: str | None = None) -> list[Any]:
-            first = views[0] if views else None
-            if first is None or hasattr(first, "describe"):
-                return [first.describe() if first is not None else "nothing"]
-            conv = first[0]
-            out: list[Any] = [f"conv {self.rows.name_conv(self.host(conv))}" if conv is not None else "conv None"]
-            if len(first) > 1 and first[1] is not None:
-                out.append(self.rows.name_state(self.host(first[1])))
-            return out
-
     LinearAttentionLockstep.__name__ = f"LinearAttention{base.__name__}"
     return LinearAttentionLockstep
 

@@ -187,11 +187,16 @@ def differences_after(lock: Lockstep) -> list[str]:
     for key, want in s_obs.items():
         if i_obs.get(key) != want:
             out.append(f"{key} {i_obs.get(key)} (spec {want})")
-    s_views, i_views = lock.spec_views(), lock.impl_views()
+    # a lockstep whose views are not windows of rows (the recurrent kind's:
+    # conv window and state after each rollback the spec covers) gives its
+    # spec histories and words them itself
+    s_views = getattr(lock, "spec_histories", lock.spec_views)()
+    i_views = lock.impl_views()
+    spec_label = getattr(lock, "spec_label", list)
     for key, tokens in s_views.items():
         if key in i_views and not lock.window_matches(tokens, i_views[key]):
             label = "window" if key == "cache" else key.replace("holder:", "snapshot ")
-            out.append(f"{label} {lock.identify(i_views[key])} (spec {list(tokens)})")
+            out.append(f"{label} {lock.identify(i_views[key])} (spec {spec_label(tokens)})")
     return out
 
 
@@ -310,7 +315,7 @@ def engine_of(target_name: str) -> str:
     """The engine and version a target's classes come from (report titles)."""
     if target_name.startswith("mlx-lm"):
         return f"mlx-lm {mlx_lm_version()}"
-    if target_name == "transformers":
+    if target_name == "transformers" or target_name.startswith("transformers-"):  # transformers-linear
         from fuzz.adapters.transformers import transformers_version
 
         return transformers_version()
