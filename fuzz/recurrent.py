@@ -85,6 +85,9 @@ class FakeMixer(nn.Module):
         #: tokens after which the call raises (after writing the conv
         #: window): the harness's failing call; None: never
         self.fail_after: int | None = None
+        #: when a list: the cache's coverage before the call and after each
+        #: array write is appended (the harness's unrecorded calls)
+        self.coverages: list[int] | None = None
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None,
                  extra: mx.array | None = None) -> mx.array:
@@ -98,7 +101,11 @@ class FakeMixer(nn.Module):
         k = self.conv_kernel_size - 1
         conv_i, state_i = (-self.size, -1) if self.negative else (0, 1)
         conv = cache[conv_i] if cache[conv_i] is not None else mx.zeros((B, k, C), dtype=x.dtype)
+        if self.coverages is not None:
+            self.coverages.append(cache.trimmable_rows())
         cache[conv_i] = mx.concatenate([conv, x], axis=1)[:, -k:, :]
+        if self.coverages is not None:
+            self.coverages.append(cache.trimmable_rows())
         if self.fail_after is not None:
             self.fail_after -= S
             if self.fail_after <= 0:
@@ -115,6 +122,8 @@ class FakeMixer(nn.Module):
                 for j, (mul, mod) in enumerate(HASHES, start=1):
                     cols[j] = mx.remainder(cols[j] * mul + v, mod)
             cache[state_i] = mx.stack(cols, axis=1).astype(mx.float32)
+            if self.coverages is not None:
+                self.coverages.append(cache.trimmable_rows())
         cache.advance(S)
         return x
 
@@ -384,7 +393,19 @@ class RecurrentLockstep(Lockstep):
                 out = wrapped(x, mask, c, extra=mx.zeros((1,), dtype=mx.float32))
             else:
                 mixer.negative = start % 3 == 1
-                out = mixer(x, mask, c)
+                mixer.coverages = []
+                try:
+                    out = mixer(x, mask, c)
+                finally:
+                    got, mixer.coverages = mixer.coverages, None
+                # before the advance: the write of the last array alone is an unrecorded
+                # step (coverage 0); a write of another index (size 2: the conv window)
+                # replaces the live value only
+                want = [got[0], got[0], 0] if self.size == 2 else [got[0], 0]
+                if got != want:
+                    self._failed_call = (f"coverage before the call and after each array write "
+                                         f"({'cache[-2], cache[-1]' if mixer.negative else 'cache[0], cache[1]'}"
+                                         f" at size 2; the last index alone at size 1): {got}, expected {want}")
         else:
             if self.depth > 0 and n >= 2 and start % 4 == 2:
                 self._failed_call = self._failing_call(wrapped, x, mask)
@@ -580,9 +601,12 @@ class RecurrentLockstep(Lockstep):
 
     def compare_result(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
         before = self.prev_world.cache
-        if op["op"] in ("append", "append_unrecorded") and self._failed_call is not None:
+        if op["op"] == "append" and self._failed_call is not None:
             raise Divergence(index, op, "a failing call changed the cache", "the cache as it was before the call",
                              self._failed_call)
+        if op["op"] == "append_unrecorded" and self._failed_call is not None:
+            raise Divergence(index, op, "an unrecorded write kept or cleared the wrong coverage",
+                             "coverage 0 from the write of the last array on", self._failed_call)
         if op["op"] in ("append", "append_unrecorded") and self._output is not None:
             out, x = self._output
             self._output = None
@@ -635,6 +659,8 @@ class RecurrentLockstep(Lockstep):
             want, got = self.expected_nbytes(), self.cache.nbytes
             if got != want:
                 raise Divergence(index, op, "nbytes differs", f"nbytes={want} (the live arrays)", f"nbytes={got}")
+        if self.cfg["batch"] > 1 and op["op"] in self.BATCH_CHECKED_OPS and callable(getattr(self.cache, "extract", None)):
+            self._check_batch_protocol(index, op)
         s_views, i_views = self.spec_histories(), self.step_views()
         if set(s_views) != set(i_views):
             raise Divergence(index, op, "holders differ", sorted(s_views), sorted(i_views))
@@ -675,6 +701,40 @@ class RecurrentLockstep(Lockstep):
         """A spec history as the report words it: the tokens consumed and
         how many the checkpoints take back."""
         return f"after {list(wants[0].toks)}, coverage {len(wants) - 1}" if wants else "nothing"
+
+    #: ops after which (at batch > 1) the batch protocol is checked
+    BATCH_CHECKED_OPS = frozenset({"append", "append_unrecorded", "trim", "restore", "state_restore", "reload"})
+
+    def _check_batch_protocol(self, index: int, op: dict[str, Any]) -> None:
+        """mlx-lm's batch protocol on the live layer (BatchGenerator): for
+        each batch element ``b``, ``extract(b)`` and ``filter([b])`` on a
+        copy hold that element's arrays ``[b:b+1]``, the layer's offset and
+        depth, and no checkpoints (coverage 0: semantics.md 9)."""
+        c = self.cache
+        live = [None if a is None else self.host(a) for a in c.cache]
+        for b in range(self.cfg["batch"]):
+            got: dict[str, Any] = {}
+            try:
+                got["extract"] = c.extract(b)
+                dup = copy.copy(c)
+                dup.filter(mx.array([b]))
+                got["filter"] = dup
+            except Exception as exc:  # noqa: BLE001 - reported as the divergence
+                raise Divergence(index, op, f"batch element {b}: extract/filter raised", "a cache of one element",
+                                 error_text(exc)) from None
+            for how, one in got.items():
+                arrays = [None if a is None else rowgen.host(a) for a in one.cache]
+                same = len(arrays) == len(live) and all(
+                    (g is None and w is None) or (g is not None and w is not None and g.shape == w[b:b + 1].shape
+                                                  and g.tobytes() == w[b:b + 1].tobytes())
+                    for g, w in zip(arrays, live))
+                counters = (one.offset, one.depth, one.trimmable_rows())
+                want = (self.world.cache.offset, self.depth, 0)
+                if not same or counters != want:
+                    shapes = [None if a is None else tuple(a.shape) for a in arrays]
+                    raise Divergence(index, op, f"batch element {b}: {how} differs",
+                                     f"its arrays [{b}:{b + 1}], offset, depth, coverage {want}",
+                                     f"arrays {shapes}, offset, depth, coverage {counters}")
 
     def spec_observables(self) -> dict[str, Any]:
         c = self.world.cache
