@@ -185,9 +185,12 @@ class LayersLockstep(Lockstep):
             self.reached("lists built by make_prompt_cache")
             classes = {k: factories[k] for k in ("dense", "rotating") if k in factories}
             model = LayoutModel(cache["layers"])
+            # the depth comes as num_draft_tokens, or (an odd count of layers) as undo, which
+            # alone must give every ring its undo log and install the step recorder too
+            depth_kw = {"undo": drafts} if len(cache["layers"]) % 2 else {"num_draft_tokens": drafts}
             self.caches: list[Any] = self.build(self.list_ops.make_prompt_cache, model=model,
-                                                mode=cache["mode"], step=cache["step"], num_draft_tokens=drafts,
-                                                classes=classes or None)
+                                                mode=cache["mode"], step=cache["step"], classes=classes or None,
+                                                **depth_kw)
             # the mixers the call's step recorder wrapped (when a layer got a depth)
             mixers = {j: block.mixer for j, block in enumerate(model.layers) if isinstance(block, FakeBlock)}
         else:
