@@ -51,6 +51,7 @@ of ``fuzz/bugs/batch.py``.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ import mlx.core as mx
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from mlx import nn
 
 from impl.dense import KVCache
 from impl.rotating import RotatingKVCache
@@ -548,6 +550,14 @@ def campaign(ring: bool, single: type | None = None, max_examples: int = 150, se
     (derandomized); an int draws other programs, reproducibly for that
     seed. A failure is told apart by where it was raised (:func:`_classify`):
     ``status`` ``diverged`` or ``tool failure``."""
+    return _campaign(programs(ring), lambda p, s, log: run_program(p, ring, single, s, log), max_examples, seed,
+                     shrink, search_seed)
+
+
+def _campaign(programs_of: Any, runner: Any, max_examples: int, seed: int, shrink: bool,
+              search_seed: int | None) -> CampaignResult:
+    """Run ``runner(program, row_seed, log)`` on ``max_examples`` programs
+    drawn from ``programs_of`` (see :func:`campaign`)."""
     import hypothesis
 
     count, steps = [0], [0]
@@ -556,13 +566,13 @@ def campaign(ring: bool, single: type | None = None, max_examples: int = 150, se
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=search_seed is None,
               phases=phases, suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
-    @given(programs(ring), st.integers(0, 2**16))
+    @given(programs_of, st.integers(0, 2**16))
     def prop(program: Any, data_seed: int) -> None:
         count[0] += 1
         log: list[str] = []
         where = f"\n  program: {program[0]}, row seed {seed + data_seed}"
         try:
-            run_program(program, ring, single, seed + data_seed, log)
+            runner(program, seed + data_seed, log)
         except BatchDivergence as exc:
             raise BatchDivergence(f"{exc}{where}") from exc
         except Exception as exc:  # told apart: the target's crash or the harness's
@@ -586,12 +596,435 @@ def campaign(ring: bool, single: type | None = None, max_examples: int = 150, se
 
 
 def catch(bug: Any, max_examples: int = 150, shrink: bool = True, search_seed: int | None = None) -> CampaignResult:
-    """Run the campaign of ``bug``'s kind (``"batch"`` dense or
-    ``"batch_ring"``) with its factories; ``caught`` True means caught
+    """Run the campaign of ``bug``'s kind (``"batch"`` dense, ``"batch_ring"``
+    or ``"batch_recurrent"``) with its factories; ``caught`` True means caught
     (``ok`` False with ``status`` ``tool failure`` is no catch)."""
+    if "recurrent" in bug.factories:
+        return recurrent_campaign(bug.factories["recurrent"], max_examples, shrink=shrink, search_seed=search_seed)
     ring = "rotating" in bug.factories
     return campaign(ring, bug.factories["rotating" if ring else "dense"], max_examples, shrink=shrink,
                     search_seed=search_seed)
 
 
-__all__ = ["BatchDivergence", "BatchHarnessFailure", "CampaignResult", "Run", "campaign", "catch", "programs", "run_program"]
+
+
+# -- the recurrent kind: a batch RecurrentCache beside B single ones ------------------------
+#
+# The batch RecurrentCache (impl.recurrent, a drop-in for mlx-lm's ArraysCache) in
+# lockstep with one single RecurrentCache per sequence: the singles run the
+# recurrent harness's layer (fuzz.recurrent.FakeMixer, through the step
+# recorder), the batch runs the same recurrence as mlx-lm's batched mixers
+# run it (:class:`BatchMixer`). After every op, every sequence's conv window
+# and recurrent state (dtype and bytes) equal its single cache's.
+
+
+class BatchMixer(nn.Module):
+    """The harness's recurrent layer (``fuzz.recurrent.FakeMixer``'s exact
+    recurrence: the conv window is the last ``kernel - 1`` input rows, the
+    state per batch element ``(t, h1, h2)``) as mlx-lm's batched mixers
+    (qwen3_next's GatedDeltaNet, lfm2's ShortConv) run it: ``mask`` (B, S)
+    from ``cache.make_mask(S)`` zeroes padded positions' inputs, and a padded
+    position leaves the state as it was (gated_delta_update's mask); with
+    ``cache.lengths`` set (a right-padded block) the conv window ends at the
+    sequence's length (``clip(lengths, 0, S)``), else at the block's end.
+    A cache whose arrays or mask do not fit the call's batch raises
+    :class:`BatchDivergence` (the cache's fault, not the harness's)."""
+
+    def __init__(self, kernel: int, size: int):
+        super().__init__()
+        self.conv_kernel_size = kernel
+        self.size = size
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        from fuzz.recurrent import HASHES, STATE_WIDTH
+
+        B, S, C = x.shape
+        k = self.conv_kernel_size - 1
+        for e, a in enumerate(cache.cache):
+            if a is not None and a.shape[0] != B:
+                raise BatchDivergence(f"the batch cache's array {e} has batch axis {a.shape[0]} for a call of "
+                                      f"batch {B} (shape {tuple(a.shape)})")
+        if mask is not None:
+            if tuple(mask.shape) != (B, S):
+                raise BatchDivergence(f"the batch cache's make_mask({S}) has shape {tuple(mask.shape)}, the call is "
+                                      f"batch {B} of {S} tokens (left_padding or lengths of another batch)")
+            x = mx.where(mask[..., None], x, mx.zeros_like(x))
+        conv = cache[0] if cache[0] is not None else mx.zeros((B, k, C), dtype=x.dtype)
+        conv_input = mx.concatenate([conv, x], axis=1)
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(k))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = conv_input[:, -k:, :]
+        if self.size == 2:
+            words = x.view(mx.uint16).astype(mx.int32).sum(axis=-1)
+            state = cache[1] if cache[1] is not None else mx.zeros((B, STATE_WIDTH), dtype=mx.float32)
+            cols = [state[:, j].astype(mx.int32) for j in range(STATE_WIDTH)]
+            for s in range(S):
+                v = words[:, s]
+                new = [cols[0] + 1] + [mx.remainder(cols[j] * mul + v, mod)
+                                       for j, (mul, mod) in enumerate(HASHES, start=1)]
+                cols = new if mask is None else [mx.where(mask[:, s], n, o) for n, o in zip(new, cols)]
+            cache[1] = mx.stack(cols, axis=1).astype(mx.float32)
+        cache.advance(S)
+        return x
+
+
+class _Block(nn.Module):
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.mixer = mixer
+
+
+class BatchModel(nn.Module):
+    """One recurrent layer of a batched hybrid model: the ssm mask is
+    ``cache.make_mask(S)`` (mlx-lm's ``create_ssm_mask``)."""
+
+    def __init__(self, kernel: int, size: int):
+        super().__init__()
+        self.layers = [_Block(BatchMixer(kernel, size))]
+
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        mask = cache.make_mask(x.shape[1]) if (cache.left_padding is not None or cache.lengths is not None) else None
+        return self.layers[0].mixer(x, mask, cache)
+
+
+@dataclass
+class RecurrentShape:
+    kernel: int  # conv width >= 2: the conv window holds kernel - 1 rows
+    channels: int
+    size: int  # 2 (conv window, recurrent state) or 1 (lfm2: conv window only)
+    depth: int  # the singles' depth U
+    dtype: str = "float16"
+
+
+class RecurrentRun:
+    """One recurrent lockstep run: the batch RecurrentCache, one single
+    RecurrentCache per sequence, the tokens each sequence consumed (for the
+    failure message) and the log of ops."""
+
+    def __init__(self, shape: RecurrentShape, single: type, seed: int):
+        from fuzz.recurrent import FakeModel
+        from impl.recurrent import record_steps
+
+        self.shape, self.single = shape, single
+        self.rng = np.random.default_rng(seed)
+        self.log: list[str] = []
+        self.singles: list[Any] = []
+        self.consumed: list[int] = []
+        self.batch: Any = None
+        self.one_model = FakeModel(shape.kernel, shape.size)
+        self.batch_model = BatchModel(shape.kernel, shape.size)
+        record_steps(self.one_model)
+        record_steps(self.batch_model)
+
+    # -- inputs and singles ----------------------------------------------------------
+    def rows(self, b: int, n: int, dtype: str | None = None, channels: int | None = None) -> mx.array:
+        """``(b, n, C)`` random inputs in the run's dtype (no all-zero row)."""
+        x = self.rng.standard_normal((b, n, channels or self.shape.channels)).astype(np.float32) + 0.25
+        return mx.array(x).astype(DTYPES[dtype or self.shape.dtype])
+
+    def feed(self, c: Any, x: mx.array) -> None:
+        """``x`` (1, n, C) into single cache ``c`` through the recorded layer
+        (a block of a random part, then single tokens)."""
+        n = int(x.shape[1])
+        if n:
+            cut = int(self.rng.integers(1, n + 1))
+            self.one_model(x[:, :cut], None, c)
+            for j in range(cut, n):
+                self.one_model(x[:, j : j + 1], None, c)
+
+    def fresh(self, length: int, kernel: int | None = None, dtype: str | None = None, size: int | None = None,
+              channels: int | None = None) -> Any:
+        s = self.shape
+        c = self.single(size=size or s.size, depth=s.depth)
+        if length:
+            if (kernel or s.kernel, size or s.size) == (s.kernel, s.size):
+                self.feed(c, self.rows(1, length, dtype, channels))
+            else:  # an odd layer: its own model
+                from fuzz.recurrent import FakeModel
+
+                FakeModel(kernel or s.kernel, size or s.size)(self.rows(1, length, dtype, channels), None, c)
+        return c
+
+    def merged(self, lengths: tuple[int, ...]) -> tuple[list[Any], Any]:
+        singles = [self.fresh(n) for n in lengths]
+        return singles, type(singles[0]).merge(singles)
+
+    # -- ops -----------------------------------------------------------------------------
+    def start(self, lengths: tuple[int, ...]) -> None:
+        self.log.append(f"merge {list(lengths)}")
+        self.singles, self.batch = self.merged(lengths)
+        self.consumed = list(lengths)
+        self.check("merge")
+
+    def padded(self, arg: tuple[tuple[int, ...], int]) -> None:
+        """A batch built empty with left padding (``RecurrentCache(size,
+        left_padding=...)``, as a left-padded prompt batch), then one block
+        of ``width >= max(left)``: sequence ``i`` consumes the block's rows
+        after its padding."""
+        left, width = arg
+        self.log.append(f"left padding {list(left)}: block {width}")
+        b = len(left)
+        self.singles = [self.single(size=self.shape.size, depth=self.shape.depth) for _ in left]
+        self.consumed = [0] * b
+        self.batch = self.single(size=self.shape.size, left_padding=list(left))
+        x = self.rows(b, width)
+        self.batch_model(x, self.batch)
+        for i, (c, p) in enumerate(zip(self.singles, left)):
+            self.feed(c, x[i : i + 1, p:])
+            self.consumed[i] += width - p
+        self.check("padded")
+
+    def decode(self) -> None:
+        self.log.append("decode")
+        x = self.rows(len(self.singles), 1)
+        self.batch_model(x, self.batch)
+        for i, c in enumerate(self.singles):
+            self.one_model(x[i : i + 1], None, c)
+            self.consumed[i] += 1
+        self.check("decode")
+
+    def block(self, arg: tuple[tuple[int, ...], int]) -> None:
+        """A right-padded block of ragged ``lengths`` as BatchGenerator
+        runs it: ``prepare(lengths=..., right_padding=...)``, the block in
+        chunks of ``chunk`` tokens (its prefill step: ``advance`` lowers
+        ``lengths`` between chunks), ``finalize``."""
+        lengths, chunk = arg
+        self.log.append(f"block {list(lengths)} in chunks of {chunk}")
+        width = max(lengths)
+        x = self.rows(len(self.singles), width)
+        self.batch.prepare(lengths=list(lengths), right_padding=[width - n for n in lengths])
+        for j in range(0, width, chunk):
+            self.batch_model(x[:, j : j + chunk], self.batch)
+        self.batch.finalize()
+        for i, (c, n) in enumerate(zip(self.singles, lengths)):
+            self.feed(c, x[i : i + 1, :n])
+            self.consumed[i] += n
+        self.check("block")
+
+    def filter(self, keep: tuple[int, ...]) -> None:
+        self.log.append(f"filter {list(keep)}")
+        self.batch.filter(list(keep))
+        self.singles = [self.singles[k] for k in keep]
+        self.consumed = [self.consumed[k] for k in keep]
+        self.check("filter")
+
+    def extend(self, lengths: tuple[int, ...]) -> None:
+        self.log.append(f"extend {list(lengths)}")
+        refs, other = self.merged(lengths)
+        self.batch.extend(other)
+        self.singles += refs
+        self.consumed += list(lengths)
+        self.check("extend")
+
+    def extract(self, i: int) -> None:
+        """Sequence ``i`` back as a single cache, equal to its single; then
+        both take three decode tokens through the recorded layer (the
+        extracted cache must be a RecurrentCache of the batch's kind, on its
+        own: the batch, checked again, must not see those writes)."""
+        self.log.append(f"extract {i}")
+        one = self.batch.extract(i)
+        if not isinstance(one, self.single):
+            self.fail("extract", f"sequence {i} came back as a {type(one).__name__}")
+        ref = copy.copy(self.singles[i])
+        self.compare("extract", f"sequence {i} extracted", one, 0, ref)
+        for j in range(3):
+            x = self.rows(1, 1)
+            self.one_model(x, None, one)
+            self.one_model(x, None, ref)
+            self.compare("extract", f"sequence {i} extracted, after {j + 1} decode tokens", one, 0, ref)
+        self.check("extract")
+
+    def refused(self, arg: tuple[str, Any]) -> None:
+        """An argument spec.batch refuses: InvalidArgumentError, nothing changed."""
+        op, value = arg
+        self.log.append(f"{op} {value!r} (refused)")
+        before = self.held()
+        self.expect_refusal(op, lambda: getattr(self.batch, op)(list(value) if op == "filter" else value))
+        if self.held() != before:
+            self.fail(op, f"the refused {op} changed the batch (arrays, left_padding or lengths)")
+        self.check(op)
+
+    def odd_cache(self, odd: str, length: int) -> Any:
+        s = self.shape
+        if odd == "kernel":
+            return self.fresh(length, kernel=s.kernel + 1)
+        if odd == "channels":
+            return self.fresh(length, channels=s.channels + 1)
+        if odd == "size":
+            return self.fresh(length, size=3 - s.size)
+        return self.fresh(length, dtype="float32" if s.dtype != "float32" else "bfloat16")
+
+    def merge_refused(self, arg: tuple[str, tuple[int, ...], int]) -> None:
+        """``merge`` of single caches (one token or more each) with an odd
+        one (another kernel, channels, size or dtype) at ``at``:
+        InvalidArgumentError, every input unchanged."""
+        odd, lengths, at = arg
+        self.log.append(f"merge {list(lengths)} with a cache of another {odd} at {at} (refused)")
+        caches = [self.fresh(n) for n in lengths]
+        caches.insert(min(at, len(caches)), self.odd_cache(odd, 1 + int(self.rng.integers(0, 3))))
+        before = [(list(c.cache), c.left_padding, c.lengths) for c in caches]
+        self.expect_refusal("merge_refused", lambda: type(caches[0]).merge(caches))
+        for j, (c, (arrays, lp, ln)) in enumerate(zip(caches, before)):
+            if any(a is not b for a, b in zip(c.cache, arrays)) or c.left_padding is not lp or c.lengths is not ln:
+                self.fail("merge_refused", f"input cache {j} changed by the refused merge")
+        self.check("merge_refused")
+
+    def extend_refused(self, arg: tuple[str, tuple[int, ...]]) -> None:
+        """``extend`` with a batch of another kernel, channels, size or dtype
+        (both holding arrays): InvalidArgumentError, nothing changed."""
+        odd, lengths = arg
+        if self.batch.empty() and odd != "size":
+            return  # nothing to disagree with: not a refusal
+        self.log.append(f"extend {list(lengths)} of another {odd} (refused)")
+        other = type(self.singles[0]).merge([self.odd_cache(odd, n) for n in lengths])
+        before = self.held()
+        self.expect_refusal("extend_refused", lambda: self.batch.extend(other))
+        if self.held() != before:
+            self.fail("extend_refused", "the refused extend changed the batch (arrays, left_padding or lengths)")
+        self.check("extend_refused")
+
+    # -- checks --------------------------------------------------------------------------
+    def held(self) -> tuple[Any, ...]:
+        """What the batch holds, by identity (MLX arrays are replaced, never
+        written, by every op but an in-place slice write), and by bytes."""
+        b = self.batch
+        return (tuple(id(a) for a in b.cache), tuple(_bytes_of(a) for a in b.cache), _bytes_of(b.left_padding),
+                _bytes_of(b.lengths))
+
+    def expect_refusal(self, op: str, call: Any) -> None:
+        try:
+            call()
+        except InvalidArgumentError:
+            return
+        except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
+            self.fail(op, f"raised {type(exc).__name__}: {exc}; spec.batch refuses it with InvalidArgumentError")
+        self.fail(op, "accepted; spec.batch refuses it (InvalidArgumentError, nothing changed)")
+
+    def fail(self, op: str, what: str) -> None:
+        raise BatchDivergence(f"op {len(self.log) - 1} {op}: {what}\n  ops: {'; '.join(self.log)}")
+
+    def compare(self, op: str, who: str, batch: Any, i: int, single: Any) -> None:
+        """Row ``i`` of ``batch``'s arrays against ``single``'s (batch 1):
+        dtype and bytes; an array None on one side must be all zero (the
+        layer's initial value) on the other."""
+        names = ("conv window", "recurrent state")
+        for e, (a, s) in enumerate(zip(batch.cache, single.cache)):
+            got = None if a is None else a[i : i + 1]
+            if got is None and s is None:
+                continue
+            if got is None or s is None:
+                held = s if got is None else got
+                if np.any(np.array(held.astype(mx.float32))):
+                    self.fail(op, f"{who}: the {'single cache' if got is None else 'batch'} holds a non-zero "
+                                  f"{names[e]} where the {'batch' if got is None else 'single cache'} holds none "
+                                  "(the layer's zeros)")
+                continue
+            if _bytes_of(got) != _bytes_of(s):
+                self.fail(op, f"{who}: {names[e]} differs from its single cache's ({self.describe(e, got, s)})")
+
+    def describe(self, e: int, got: mx.array, want: mx.array) -> str:
+        if (tuple(got.shape), got.dtype) != (tuple(want.shape), want.dtype):
+            return f"shape {tuple(got.shape)} {got.dtype}, single {tuple(want.shape)} {want.dtype}"
+        g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        if e == 1:
+            return (f"the state after {int(g[0, 0])} tokens (hashes {g[0, 1:].astype(int).tolist()}), the single's "
+                    f"after {int(w[0, 0])} tokens (hashes {w[0, 1:].astype(int).tolist()})")
+        rows = [j for j in range(g.shape[1]) if not np.array_equal(g[0, j], w[0, j])]
+        return f"rows {rows} of {g.shape[1]} differ"
+
+    def check(self, op: str) -> None:
+        b = len(self.singles)
+        if self.batch.batch_size != b:
+            self.fail(op, f"batch_size {self.batch.batch_size}, {b} sequences")
+        for e, a in enumerate(self.batch.cache):
+            if a is not None and a.shape[0] != b:
+                self.fail(op, f"array {e} has shape {tuple(a.shape)} for {b} sequences")
+        for name in ("left_padding", "lengths"):
+            v = getattr(self.batch, name)
+            if v is not None and v.size != b:
+                self.fail(op, f"{name} holds {v.size} entries for {b} sequences")
+        for i, c in enumerate(self.singles):
+            self.compare(op, f"sequence {i} ({self.consumed[i]} tokens)", self.batch, i, c)
+
+
+def _bytes_of(a: Any) -> bytes | None:
+    if a is None:
+        return None
+    return str(a.dtype).encode() + str(tuple(a.shape)).encode() + np.array(
+        a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
+@st.composite
+def recurrent_programs(draw: Any) -> tuple[RecurrentShape, tuple[Any, ...], list[tuple[str, Any]]]:
+    """A recurrent batch program: the shape, the start (``("merge",
+    lengths)`` of ragged single caches, or ``("padded", (left, width))``: an
+    empty batch with left padding and one block), then up to 10 ops."""
+    shape = RecurrentShape(draw(st.integers(2, 4)), draw(st.integers(1, 3)), draw(st.sampled_from([2, 2, 1])),
+                           draw(st.integers(0, 2)), draw(st.sampled_from(["float16", "bfloat16", "float32"])))
+    if draw(st.integers(0, 3)) == 0:
+        left = tuple(draw(st.lists(st.integers(0, 3), min_size=1, max_size=3)))
+        start: tuple[Any, ...] = ("padded", (left, draw(st.integers(max(left), max(left) + 3))))
+        b = len(left)
+    else:
+        lengths = draw(st.one_of(LENGTHS, LENGTHS, LENGTHS.map(lambda ls: (0,) * len(ls))))
+        start, b = ("merge", lengths), len(lengths)
+    ops: list[tuple[str, Any]] = []
+    names = ["decode", "block", "block", "filter", "extend", "extract", "refused", "merge_refused", "extend_refused"]
+    for _ in range(draw(st.integers(1, 10))):
+        op = draw(st.sampled_from(names))
+        if op == "block":
+            ops.append((op, (tuple(draw(st.integers(0, 5)) for _ in range(b - 1)) + (draw(st.integers(1, 5)),),
+                             draw(st.integers(1, 5)))))
+            ops[-1] = (op, (tuple(draw(st.permutations(ops[-1][1][0]))), ops[-1][1][1]))
+        elif op == "filter":
+            keep = draw(st.lists(st.integers(0, b - 1), min_size=1, max_size=b, unique=True))
+            ops.append((op, tuple(keep)))
+            b = len(keep)
+        elif op == "extend" and b < 3:
+            more = draw(st.lists(st.integers(0, 6), min_size=1, max_size=3 - b).map(tuple))
+            ops.append((op, more))
+            b += len(more)
+        elif op == "extract":
+            ops.append((op, draw(st.integers(0, b - 1))))
+        elif op == "refused":
+            ops.append((op, draw(refused_args(b))))
+        elif op == "merge_refused":
+            ops.append((op, (draw(st.sampled_from(["kernel", "channels", "size", "dtype"])),
+                             draw(LENGTHS.map(lambda ls: tuple(n + 1 for n in ls))), draw(st.integers(0, 3)))))
+        elif op == "extend_refused":
+            ops.append((op, (draw(st.sampled_from(["kernel", "channels", "size", "dtype"])),
+                             draw(st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple)))))
+        elif op == "decode":
+            ops.append((op, None))
+    return shape, start, ops
+
+
+def run_recurrent_program(program: tuple[RecurrentShape, tuple[Any, ...], list[tuple[str, Any]]],
+                          single: type | None = None, seed: int = 0, log: list[str] | None = None) -> None:
+    """Run one recurrent program in lockstep (``single``: the RecurrentCache
+    class, an injected bug's); raises :class:`BatchDivergence` on a
+    disagreement, or whatever the batch cache or the harness raised."""
+    from impl.recurrent import RecurrentCache
+
+    shape, (how, arg), ops = program
+    run = RecurrentRun(shape, single or RecurrentCache, seed)
+    if log is not None:
+        run.log = log
+    (run.start if how == "merge" else run.padded)(arg)
+    for name, a in ops:
+        getattr(run, name)(*(() if a is None else (a,)))
+
+
+def recurrent_campaign(single: type | None = None, max_examples: int = 150, seed: int = 0, shrink: bool = True,
+                       search_seed: int | None = None) -> CampaignResult:
+    """:func:`campaign` for the recurrent kind: ``max_examples`` programs of
+    a batch RecurrentCache against B single RecurrentCaches."""
+    return _campaign(recurrent_programs(), lambda p, s, log: run_recurrent_program(p, single, s, log),
+                     max_examples, seed, shrink, search_seed)
+
+
+__all__ = ["BatchDivergence", "BatchHarnessFailure", "BatchMixer", "CampaignResult", "RecurrentRun", "Run", "campaign",
+           "catch", "programs", "recurrent_campaign", "recurrent_programs", "run_program", "run_recurrent_program"]

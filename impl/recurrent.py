@@ -358,21 +358,124 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         return c
 
     # -- batch generation (ArraysCache's, checkpoints cleared) -------------------------
+    def _batch_index(self, op: str, idx: Any) -> int:
+        b = self.batch_size
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < b:
+            raise InvalidArgumentError(f"{op}: idx must be an integer in [0, {b}) (the batch size), got {idx!r}; "
+                                       "the cache is unchanged")
+        return int(idx)
+
+    def _batch_indices(self, op: str, batch_indices: Any) -> list[int]:
+        """``batch_indices`` (a list, tuple or 1-D integer mx.array) as a
+        list of ints: each in ``[0, batch_size)``, no duplicate, at least
+        one (spec.batch.filter); InvalidArgumentError otherwise."""
+        if isinstance(batch_indices, mx.array):
+            if batch_indices.ndim != 1 or not mx.issubdtype(batch_indices.dtype, mx.integer):
+                raise InvalidArgumentError(f"{op}: batch_indices must be a 1-D integer array, got shape "
+                                           f"{tuple(batch_indices.shape)} {batch_indices.dtype}")
+            batch_indices = batch_indices.tolist()
+        if not isinstance(batch_indices, (list, tuple)):
+            raise InvalidArgumentError(f"{op}: batch_indices must be a list of integers, got "
+                                       f"{type(batch_indices).__name__}")
+        b = self.batch_size
+        keep = list(batch_indices)
+        if (not keep or len(set(keep)) != len(keep)
+                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < b for i in keep)):
+            raise InvalidArgumentError(f"{op}: batch_indices must be distinct integers in [0, {b}) (the batch "
+                                       f"size), at least one, got {list(batch_indices)!r}; the cache is unchanged "
+                                       "(spec.batch.filter)")
+        return [int(i) for i in keep]
+
+    @staticmethod
+    def _fit(op: str, what: str, a: Any, b: Any) -> None:
+        """Two caches' arrays of one index fit a batch: the same shape past
+        the batch axis and the same dtype (either None fits anything)."""
+        if a is None or b is None:
+            return
+        if (tuple(a.shape[1:]), a.dtype) != (tuple(b.shape[1:]), b.dtype):
+            raise InvalidArgumentError(
+                f"{op}: {what} of shape {tuple(b.shape)} {b.dtype} does not fit the batch's "
+                f"{tuple(a.shape)} {a.dtype}: a batch holds one conv window shape (kernel - 1, channels), one "
+                "recurrent state shape and one dtype; nothing changed")
+
+    @classmethod
+    def merge(cls, caches: Any) -> RecurrentCache:
+        """A batch cache of ``caches`` (single caches, batch 1 each, of one
+        size), as ``ArraysCache.merge``: array ``e`` of batch element ``i``
+        is ``caches[i][e]``, zeros of the others' shape and dtype for a
+        cache that has consumed nothing (the layer's own initial value); a
+        merge of caches that all consumed nothing holds no arrays and left
+        padding 0. The batch has depth 0 (offset 0, no checkpoints).
+
+        Raises InvalidArgumentError for an empty list, an element that is not
+        a RecurrentCache, a cache of batch size other than 1, sizes that
+        differ, or arrays of one index whose shapes (past the batch axis) or
+        dtypes differ; the input caches are never changed.
+        Rule: ``spec.batch.merge`` (semantics.md 7)."""
+        caches = list(caches) if isinstance(caches, (list, tuple)) else caches
+        if not isinstance(caches, list) or not caches:
+            raise InvalidArgumentError("RecurrentCache.merge: caches must be a non-empty list of RecurrentCache")
+        for j, c in enumerate(caches):
+            if not isinstance(c, RecurrentCache):
+                raise InvalidArgumentError(f"RecurrentCache.merge: caches[{j}] is a {type(c).__name__}, not a "
+                                           "RecurrentCache")
+            if len(c.cache) != len(caches[0].cache):
+                raise InvalidArgumentError(f"RecurrentCache.merge: caches[{j}] holds {len(c.cache)} arrays (size), "
+                                           f"caches[0] holds {len(caches[0].cache)}")
+            if not c.empty() and any(a is not None and a.shape[0] != 1 for a in c.cache):
+                raise InvalidArgumentError(f"RecurrentCache.merge: caches[{j}] has batch size {c.batch_size}; "
+                                           "merge takes single caches (batch size 1)")
+        n_state = len(caches[0].cache)
+        first = [next((c.cache[e] for c in caches if c.cache[e] is not None), None) for e in range(n_state)]
+        for j, c in enumerate(caches):
+            for e in range(n_state):
+                cls._fit("RecurrentCache.merge", f"caches[{j}][{e}]", first[e], c.cache[e])
+        out = cls(n_state)
+        if all(c.empty() for c in caches):
+            out.left_padding = mx.array([0] * len(caches))
+            return out
+        out.cache = [None if f is None else mx.concatenate(
+            [c.cache[e] if c.cache[e] is not None else mx.zeros((1, *f.shape[1:]), f.dtype) for c in caches])
+            for e, f in enumerate(first)]
+        return out
+
     def filter(self, batch_indices: Any) -> None:
-        """Keep the given batch elements, as ``ArraysCache.filter``; the
-        checkpoints are cleared (coverage 0). Rule: ``spec.recurrent.state_restore``."""
-        super().filter(batch_indices)
+        """Keep the given batch elements, in the given order, as
+        ``ArraysCache.filter`` (arrays, ``left_padding`` and ``lengths``);
+        the checkpoints are cleared (coverage 0). Raises
+        InvalidArgumentError, nothing changed, for indices that are not
+        distinct integers in ``[0, batch_size)`` or none at all.
+        Rule: ``spec.batch.filter``, ``spec.recurrent.state_restore``."""
+        keep = self._batch_indices("RecurrentCache.filter", batch_indices)
+        super().filter(mx.array(keep))
         self._coverage = 0
 
     def extend(self, other: Any) -> None:
-        """Append ``other``'s batch elements, as ``ArraysCache.extend``; the
-        checkpoints are cleared (coverage 0). Rule: ``spec.recurrent.state_restore``."""
+        """Append ``other``'s batch elements, as ``ArraysCache.extend`` (an
+        array one side lacks is zeros of the other's shape and dtype); the
+        checkpoints are cleared (coverage 0). Raises InvalidArgumentError,
+        nothing changed, for an ``other`` that is not a RecurrentCache of
+        the same size, or whose arrays' shapes (past the batch axis) or
+        dtypes differ from this cache's. Rule: ``spec.batch.extend``,
+        ``spec.recurrent.state_restore``."""
+        if not isinstance(other, RecurrentCache):
+            raise InvalidArgumentError(f"RecurrentCache.extend: other must be a RecurrentCache, got "
+                                       f"{type(other).__name__}")
+        if len(other.cache) != len(self.cache):
+            raise InvalidArgumentError(f"RecurrentCache.extend: other holds {len(other.cache)} arrays (size), this "
+                                       f"cache {len(self.cache)}")
+        for e, (a, b) in enumerate(zip(self.cache, other.cache)):
+            self._fit("RecurrentCache.extend", f"other[{e}]", a, b)
         super().extend(other)
         self._coverage = 0
 
     def extract(self, idx: int) -> RecurrentCache:
         """Batch element ``idx`` as a cache of its own (same size, depth,
-        strict and offset; coverage 0). Rule: ``spec.recurrent.state_restore``."""
+        strict and offset; coverage 0; new arrays, nothing shared with this
+        cache's list). Raises InvalidArgumentError for an ``idx`` outside
+        ``[0, batch_size)``. Rule: ``spec.batch.extract``,
+        ``spec.recurrent.state_restore``."""
+        idx = self._batch_index("RecurrentCache.extract", idx)
         c = type(self)(size=len(self.cache), depth=self.depth, strict=self.strict)
         c.cache = [a[idx: idx + 1] if a is not None else None for a in self.cache]
         c.offset = self.offset

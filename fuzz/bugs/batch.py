@@ -16,6 +16,7 @@ import mlx.core as mx
 from fuzz.bugs import InjectedBug
 from impl.batch import BatchKVCache
 from impl.dense import KVCache
+from impl.recurrent import RecurrentCache
 from spec.errors import InvalidArgumentError
 
 
@@ -116,4 +117,94 @@ BUGS: tuple[InjectedBug, ...] = (
         description="a block shorter than the announced padding is refused after it moved idx",
         factories={"dense": _single(RefusedBlockMovesIdxBatch)},
     ),
+)
+
+
+# -- the recurrent kind's batch operations (impl.recurrent.RecurrentCache) -------------------
+#
+# Caught by the recurrent batch lockstep (fuzz.batch.recurrent_campaign, kvspec verify's
+# ``batch bugs`` row): each breaks an op only batched generation runs (merge, extend,
+# prepare/advance's lengths, an ordered filter, left padding), which the recurrent
+# harness (fuzz.recurrent: single sequences, a filter of one index) never reaches. Not in
+# BUGS: proofs/batch.py's layout controls mirror BUGS one to one.
+
+
+class RecurrentFilterKeepsPadding(RecurrentCache):
+    """``filter`` keeps the kept sequences' arrays but not their counters:
+    ``left_padding`` and ``lengths`` stay those of the whole batch, so the
+    next call's mask (``make_mask``) is of the old batch size and masks the
+    wrong sequences' positions."""
+
+    def filter(self, batch_indices: Any) -> None:
+        left_padding, lengths = self.left_padding, self.lengths
+        super().filter(batch_indices)
+        self.left_padding, self.lengths = left_padding, lengths
+
+
+class RecurrentFilterLosesOrder(RecurrentCache):
+    """``filter`` selects the kept sequences with a boolean mask over the
+    batch: the set is right, their order is the batch's, not the order
+    asked for (BatchGenerator asks in sorted order; spec.batch.filter keeps
+    the given order)."""
+
+    def filter(self, batch_indices: Any) -> None:
+        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        super().filter(keep if len(set(keep)) != len(keep) else sorted(keep))
+
+
+class RecurrentExtendWrongSide(RecurrentCache):
+    """``extend`` onto a batch that holds no arrays yet (its sequences
+    consumed nothing) puts the zeros standing for them after the other
+    batch's rows instead of before: its sequences get the newcomers' conv
+    windows and states, the newcomers get zeros."""
+
+    def extend(self, other: Any) -> None:
+        a_batch, had = self.batch_size, list(self.cache)
+        super().extend(other)
+        self.cache = [mx.concatenate([o, mx.zeros((a_batch, *o.shape[1:]), o.dtype)]) if a is None and o is not None
+                      else c for a, o, c in zip(had, other.cache, self.cache)]
+
+
+class RecurrentMergeLosesDtype(RecurrentCache):
+    """``merge`` builds each batch array as ``mx.zeros(shape)`` (float32,
+    the dtype forgotten) and writes the sequences' rows into it: a float16
+    or bfloat16 conv window comes back float32."""
+
+    @classmethod
+    def merge(cls, caches: Any) -> RecurrentCache:
+        out = super().merge(caches)
+        out.cache = [None if a is None else mx.zeros(a.shape) + a for a in out.cache]
+        return out
+
+
+class RecurrentAdvanceKeepsLengths(RecurrentCache):
+    """``advance`` counts the tokens but leaves ``lengths`` as ``prepare``
+    set them: a right-padded block run in chunks (BatchGenerator's prefill
+    step) masks the second chunk as if it began at position 0, so a short
+    sequence takes padding into its state and conv window."""
+
+    def advance(self, N: int) -> None:
+        lengths = self.lengths
+        super().advance(N)
+        self.lengths = lengths
+
+
+def _recurrent_bug(name: str, cls: type, replaces: str, description: str, clause: str) -> InjectedBug:
+    return InjectedBug(name=name, clause=clause, source="issue 48: recurrent layers in batched generation",
+                       kind="batch_recurrent", modes=("fp16",), replaces=replaces, description=description,
+                       factories={"recurrent": cls})
+
+
+RECURRENT_BUGS: tuple[InjectedBug, ...] = (
+    _recurrent_bug("batch_recurrent_filter_keeps_padding", RecurrentFilterKeepsPadding, "RecurrentCache.filter",
+                   "filter keeps left_padding and lengths of the whole batch", "spec.batch.filter (semantics.md 7)"),
+    _recurrent_bug("batch_recurrent_filter_loses_order", RecurrentFilterLosesOrder, "RecurrentCache.filter",
+                   "filter keeps the batch's order, not the order asked for", "spec.batch.filter (semantics.md 7)"),
+    _recurrent_bug("batch_recurrent_extend_wrong_side", RecurrentExtendWrongSide, "RecurrentCache.extend",
+                   "extend onto an empty batch zero-fills after the newcomers", "spec.batch.extend (semantics.md 7)"),
+    _recurrent_bug("batch_recurrent_merge_loses_dtype", RecurrentMergeLosesDtype, "RecurrentCache.merge",
+                   "merge builds the batch arrays in float32", "spec.batch.merge (semantics.md 7)"),
+    _recurrent_bug("batch_recurrent_advance_keeps_lengths", RecurrentAdvanceKeepsLengths, "RecurrentCache.advance",
+                   "advance leaves lengths as prepare set them (chunked right-padded blocks)",
+                   "spec.batch.append_ragged (semantics.md 7)"),
 )
