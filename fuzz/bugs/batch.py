@@ -197,14 +197,14 @@ def _recurrent_bug(name: str, cls: type, replaces: str, description: str, clause
 
 RECURRENT_BUGS: tuple[InjectedBug, ...] = (
     _recurrent_bug("batch_recurrent_filter_keeps_padding", RecurrentFilterKeepsPadding, "RecurrentCache.filter",
-                   "filter keeps left_padding and lengths of the whole batch", "spec.batch.filter (semantics.md 7)"),
+                   "filter keeps left_padding and lengths of the whole batch", "spec.batch.filter (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_filter_loses_order", RecurrentFilterLosesOrder, "RecurrentCache.filter",
-                   "filter keeps the batch's order, not the order asked for", "spec.batch.filter (semantics.md 7)"),
+                   "filter keeps the batch's order, not the order asked for", "spec.batch.filter (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_extend_wrong_side", RecurrentExtendWrongSide, "RecurrentCache.extend",
-                   "extend onto an empty batch zero-fills after the newcomers", "spec.batch.extend (semantics.md 7)"),
+                   "extend onto an empty batch zero-fills after the newcomers", "spec.batch.extend (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_merge_loses_dtype", RecurrentMergeLosesDtype, "RecurrentCache.merge",
-                   "merge builds the batch arrays in float32", "spec.batch.merge (semantics.md 7)"),
+                   "merge builds the batch arrays in float32", "spec.batch.merge (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_advance_keeps_lengths", RecurrentAdvanceKeepsLengths, "RecurrentCache.advance",
                    "advance leaves lengths as prepare set them (chunked right-padded blocks)",
-                   "spec.batch.append_ragged (semantics.md 7)"),
+                   "spec.batch.append_ragged (semantics.md 7, rule 3)"),
 )

@@ -212,13 +212,26 @@ def check_batch(ring: bool, examples: int) -> list[Check]:
                   tool_failure=r.status == "tool failure")]
 
 
+def check_batch_recurrent(examples: int) -> list[Check]:
+    """The recurrent batch lockstep (``fuzz.batch.recurrent_campaign``):
+    ``examples`` programs of a batch RecurrentCache against B single ones."""
+    from fuzz.batch import recurrent_campaign
+
+    r = recurrent_campaign(max_examples=examples)
+    detail = f"{r.examples} programs, batch = B single caches" if r.ok else r.failure.splitlines()[0]
+    return [Check("batch lockstep/recurrent", r.ok, detail, r.seconds, tool_failure=r.status == "tool failure")]
+
+
 def check_batch_bugs(examples: int) -> list[Check]:
-    """Every injected batch bug (``fuzz/bugs/batch.py``) caught by the batch lockstep."""
+    """Every injected batch bug (``fuzz/bugs/batch.py``: the dense and ring
+    batches' ``BUGS``, the recurrent kind's ``RECURRENT_BUGS``) caught by the
+    batch lockstep."""
     from fuzz.batch import catch
     from fuzz.bugs import batch_bugs
+    from fuzz.bugs.batch import RECURRENT_BUGS
 
     out = []
-    for bug in batch_bugs():
+    for bug in batch_bugs() + list(RECURRENT_BUGS):
         r = catch(bug, max_examples=examples, shrink=False)
         detail = (f"caught after {r.examples} programs: {r.failure.splitlines()[0]}" if r.caught
                   else f"not caught in {r.examples} programs" + (f": {r.failure.splitlines()[0]}" if r.failure else ""))
@@ -449,6 +462,7 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     examples = 40 if quick else 200
     jobs += [Job(f"batch lockstep/{name}", "check_batch", (ring, examples), examples / 20)
              for name, ring in (("dense", False), ("rotating", True))]
+    jobs.append(Job("batch lockstep/recurrent", "check_batch_recurrent", (examples,), examples / 40))
     jobs.append(Job("batch bugs", "check_batch_bugs", (examples,), 6.0))
     for bug in catalog():
         if not runnable(bug):
