@@ -32,6 +32,7 @@ token at a time, as plain decoding does.
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -360,7 +361,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
     # -- batch generation (ArraysCache's, checkpoints cleared) -------------------------
     def _batch_index(self, op: str, idx: Any) -> int:
         b = self.batch_size
-        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < b:
+        if isinstance(idx, bool) or not isinstance(idx, numbers.Integral) or not 0 <= idx < b:
             raise InvalidArgumentError(f"{op}: idx must be an integer in [0, {b}) (the batch size), got {idx!r}; "
                                        "the cache is unchanged")
         return int(idx)
@@ -379,8 +380,8 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
                                        f"{type(batch_indices).__name__}")
         b = self.batch_size
         keep = list(batch_indices)
-        if (not keep or len(set(keep)) != len(keep)
-                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < b for i in keep)):
+        if (not keep or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < b for i in keep)
+                or len(set(keep)) != len(keep)):
             raise InvalidArgumentError(f"{op}: batch_indices must be distinct integers in [0, {b}) (the batch "
                                        f"size), at least one, got {list(batch_indices)!r}; the cache is unchanged "
                                        "(spec.batch.filter)")

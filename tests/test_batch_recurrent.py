@@ -82,7 +82,7 @@ def test_filter_and_extract_refuse_bad_indices_and_change_nothing():
     for bad in (3, -1, True, 1.0, None):
         with pytest.raises(InvalidArgumentError, match=r"idx must be an integer in \[0, 3\)"):
             batch.extract(bad)
-    batch.filter([2, 0])  # an ordered subset: kept in the order asked for
+    batch.filter([np.int64(2), 0])  # an ordered subset (NumPy integers too): kept in the order asked for
     assert np.array(batch.lengths).tolist() == [3, 1]
     assert _held(batch)[0][1] == np.array(
         mx.concatenate([_single(3, seed=1)[0], _single(2)[0]]).astype(mx.float32)).tobytes()
