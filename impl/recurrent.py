@@ -359,17 +359,26 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         return c
 
     # -- batch generation (ArraysCache's, checkpoints cleared) -------------------------
+    def _known_batch(self) -> int | None:
+        """The batch size when the cache can tell it (an array, left
+        padding or lengths held); None for a cache that has consumed
+        nothing (``batch_size`` then says 1, ArraysCache's default)."""
+        if all(a is None for a in self.cache) and self.left_padding is None and self.lengths is None:
+            return None
+        return self.batch_size
+
     def _batch_index(self, op: str, idx: Any) -> int:
-        b = self.batch_size
-        if isinstance(idx, bool) or not isinstance(idx, numbers.Integral) or not 0 <= idx < b:
-            raise InvalidArgumentError(f"{op}: idx must be an integer in [0, {b}) (the batch size), got {idx!r}; "
-                                       "the cache is unchanged")
+        b = self._known_batch()
+        if isinstance(idx, bool) or not isinstance(idx, numbers.Integral) or not 0 <= idx < (b or idx + 1):
+            raise InvalidArgumentError(f"{op}: idx must be an integer in [0, {b if b else 'batch size'}) (the batch "
+                                       f"size), got {idx!r}; the cache is unchanged")
         return int(idx)
 
     def _batch_indices(self, op: str, batch_indices: Any) -> list[int]:
         """``batch_indices`` (a list, tuple or 1-D integer mx.array) as a
-        list of ints: each in ``[0, batch_size)``, no duplicate, at least
-        one (spec.batch.filter); InvalidArgumentError otherwise."""
+        list of ints: each in ``[0, batch_size)`` (``>= 0`` on a cache that
+        has consumed nothing: it cannot tell its batch size), no duplicate,
+        at least one (spec.batch.filter); InvalidArgumentError otherwise."""
         if isinstance(batch_indices, mx.array):
             if batch_indices.ndim != 1 or not mx.issubdtype(batch_indices.dtype, mx.integer):
                 raise InvalidArgumentError(f"{op}: batch_indices must be a 1-D integer array, got shape "
@@ -378,11 +387,11 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         if not isinstance(batch_indices, (list, tuple)):
             raise InvalidArgumentError(f"{op}: batch_indices must be a list of integers, got "
                                        f"{type(batch_indices).__name__}")
-        b = self.batch_size
+        b = self._known_batch()
         keep = list(batch_indices)
-        if (not keep or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < b for i in keep)
-                or len(set(keep)) != len(keep)):
-            raise InvalidArgumentError(f"{op}: batch_indices must be distinct integers in [0, {b}) (the batch "
+        if (not keep or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < (b or i + 1)
+                            for i in keep) or len(set(keep)) != len(keep)):
+            raise InvalidArgumentError(f"{op}: batch_indices must be distinct integers in [0, {b if b else 'batch size'}) (the batch "
                                        f"size), at least one, got {list(batch_indices)!r}; the cache is unchanged "
                                        "(spec.batch.filter)")
         return [int(i) for i in keep]

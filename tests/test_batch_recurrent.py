@@ -114,3 +114,18 @@ def test_merge_and_extend_refuse_arrays_that_do_not_fit_and_change_nothing():
     # an empty cache fits anything of its size: its zeros take the others' shape and dtype
     merged = RecurrentCache.merge([_single(0), odd["dtype"]])
     assert merged[0].dtype == mx.bfloat16 and not np.any(np.array(merged[0][0].astype(mx.float32)))
+
+
+def test_a_cache_that_consumed_nothing_takes_any_index_it_cannot_check():
+    """No array, no left padding, no lengths: the cache cannot tell its batch
+    size (ArraysCache's batch_size says 1), so an index >= 0 is taken (the
+    recurrent harness's batch-2 cache before its first call); a negative,
+    duplicate or non-integer one is still refused."""
+    c = RecurrentCache(size=2, depth=1)
+    assert c.extract(1).cache == [None, None]
+    c.filter([1, 0])
+    for bad in ([-1], [1, 1], [], ["1"]):
+        with pytest.raises(InvalidArgumentError, match="batch_indices"):
+            c.filter(bad)
+    with pytest.raises(InvalidArgumentError, match="idx must be an integer"):
+        c.extract(-1)
