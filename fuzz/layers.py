@@ -19,13 +19,14 @@ count every trim returns.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from fuzz.lockstep import Divergence, Lockstep, is_cache_copy, reload_through_file
+from fuzz.lockstep import Divergence, Lockstep, error_text, is_cache_copy, reload_through_file
 from fuzz.machine import APPEND_N, KVMachine, LifecycleRules
 from fuzz.masks import check_dense_masks, check_ring_masks
 from fuzz.quant_ref import int8_oracle, int8_oracle_host
@@ -40,7 +41,7 @@ from spec import dense as sd
 from spec import layers as sl
 from spec import recurrent as src
 from spec import rotating as sr
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
 
 
 class ListOps:
@@ -51,6 +52,11 @@ class ListOps:
 
     def trim(self, caches: list[Any], n: int) -> int:
         return impl_layers.trim_prompt_cache(caches, n)
+
+    def trim_strict(self, caches: list[Any], n: int) -> int:
+        """``trim_prompt_cache(caches, n, strict=True)``: the strict probe of
+        a refused list trim (:meth:`LayersLockstep._list_trim`)."""
+        return impl_layers.trim_prompt_cache(caches, n, strict=True)
 
     def can_trim(self, caches: list[Any]) -> bool:
         return impl_layers.can_trim_prompt_cache(caches)
@@ -264,7 +270,7 @@ class LayersLockstep(Lockstep):
         if name in ("hold", "release_hold"):
             return self.impl_hold(name)
         if name == "trim":
-            return self.list_ops.trim(self.caches, op["n"])
+            return self._list_trim(op["n"])
         if name == "can_trim":
             return self.list_ops.can_trim(self.caches)
         if name == "snapshot":
@@ -295,6 +301,88 @@ class LayersLockstep(Lockstep):
         if name == "layer":
             return self._layer_op(op["index"], op["do"])
         raise InvalidArgumentError(f"{name}: not an operation of a prompt cache (a list of layers)")
+
+    _loudness: Any = None
+
+    @staticmethod
+    def _fields_id(c: Any) -> tuple[Any, ...]:
+        """Which objects a layer's fields hold (a strict refusal replaces none)."""
+        return tuple(sorted((k, id(v)) for k, v in vars(c).items()))
+
+    def _list_trim(self, n: Any) -> int:
+        """The list trim under test, its RollbackWarnings recorded with each
+        layer's ``rollback_warned`` before and after; when it trims nothing,
+        the same trim with ``strict=True`` (``ListOps.trim_strict``) is
+        probed: what it raised or returned, and whether it changed any
+        layer (:meth:`_check_loudness` compares them with the spec)."""
+        self._loudness = None
+        flags = [getattr(c, "rollback_warned", None) for c in self.caches]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", RollbackWarning)
+            count = self.list_ops.trim(self.caches, n)
+        warned = sum(issubclass(w.category, RollbackWarning) for w in seen)
+        after = [getattr(c, "rollback_warned", None) for c in self.caches]
+        strict: tuple[str, Any] | None = None
+        changed = False
+        if count == 0:
+            before = [self._fields_id(c) for c in self.caches]
+            try:
+                with warnings.catch_warnings(record=True) as loud:
+                    warnings.simplefilter("always", RollbackWarning)
+                    strict = ("returned", self.list_ops.trim_strict(self.caches, n))
+                if any(issubclass(w.category, RollbackWarning) for w in loud):
+                    strict = ("warned", strict[1])
+            except StateError as exc:
+                strict = ("raised", str(exc))
+            except Exception as exc:  # noqa: BLE001 - compared with the spec's refusal below
+                strict = ("raised another error", error_text(exc))
+            changed = before != [self._fields_id(c) for c in self.caches]
+        self._loudness = (flags, warned, after, strict, changed)
+        return count
+
+    def _check_loudness(self, index: int, op: dict[str, Any], count: int) -> None:
+        """A list trim that trims nothing is loud exactly for the layers that
+        refuse (spec: ``want = min(n, every layer's rows)`` beyond a layer's
+        exact bound, spec.layers.layer_trim_bounds): each of them warns once
+        per cache (one RollbackWarning, ``rollback_warned`` set; none for a
+        layer that warned before), no other layer warns; with
+        ``strict=True`` the same trim raises StateError naming exactly
+        those layers and changes nothing; with no refusing layer (``n <=
+        0``) it returns 0 without a word (semantics.md 6)."""
+        got, self._loudness = self._loudness, None
+        if got is None:
+            return
+        flags, warned, after, strict, changed = got
+        if count != 0:
+            if warned:
+                raise Divergence(index, op, "a list trim that trimmed warned", "no RollbackWarning",
+                                 f"{warned} RollbackWarning(s)")
+            return
+        n = op["n"]
+        bounds = [sl.layer_trim_bounds(w.cache) for w in self.prev_world.layers]
+        refusing: list[int] = []
+        if n > 0 and bounds:
+            want = min([n, *(rows for rows, _ in bounds)])
+            refusing = [j for j, (_, exact) in enumerate(bounds) if want > exact]
+        expected = sum(1 for j in refusing if not flags[j])
+        if warned != expected:
+            raise Divergence(index, op, "refused list trim: RollbackWarnings differ",
+                             f"{expected} (once per refusing layer {refusing} not warned before)", f"{warned}")
+        for j, (was, now) in enumerate(zip(flags, after)):
+            want_flag = True if j in refusing and was is not None else was
+            if now != want_flag:
+                raise Divergence(index, op, f"refused list trim: layer {j} rollback_warned differs",
+                                 f"rollback_warned={want_flag}", f"rollback_warned={now}")
+        if changed:
+            raise Divergence(index, op, "a strict refused list trim changed a layer", "nothing changed",
+                             f"strict=True: {strict}")
+        if refusing:
+            if strict is None or strict[0] != "raised" or f"layer(s) {refusing}" not in strict[1]:
+                raise Divergence(index, op, "strict refused list trim",
+                                 f"StateError naming layer(s) {refusing}", f"strict=True: {strict}")
+        elif strict != ("returned", 0):
+            raise Divergence(index, op, "strict list trim of nothing", "returns 0 without a word",
+                             f"strict=True: {strict}")
 
     def _recurrent_call(self, j: int, c: Any, tokens: list[int]) -> tuple[Any, ...]:
         """Recurrent layer ``j`` called with ``tokens``' conv input (a mask
@@ -504,6 +592,7 @@ class LayersLockstep(Lockstep):
         elif s != i:
             raise Divergence(index, op, "return value differs", s, i)
         elif op["op"] == "trim":
+            self._check_loudness(index, op, s)
             self._count_trim(s)
 
     def _count_trim(self, count: int) -> None:
