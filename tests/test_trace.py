@@ -179,7 +179,7 @@ _FIELDS = {
     "build_probe": ["mode", "layout", "n_layers", "max_kv_size", "undo", "num_draft_tokens", "step", "hot_threshold",
                     "fold_block"],
     "save_load": ["metadata"], "to_quantized": ["layer"], "mask": ["layer", "n", "window", "device"],
-    "mechanism": ["env"], "rows": ["tokens"],
+    "mechanism": ["env"], "rows": ["tokens"], "append_unrecorded": ["n"],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
