@@ -202,6 +202,11 @@ KINDS: dict[str, Kind] = {
             ops=("can_trim", "layer", "restore_mixed", "trim_refused_late", *LIFECYCLE_OPS),
             refuses=("trim_to",),
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
+            # hybrid lists (recurrent layers beside attention layers): list trims
+            # that every layer honours (one landing on a recurrent layer's oldest
+            # checkpoint) and one a recurrent layer's coverage refuses
+            must_reach=("list trims with recurrent layers", "list trims of a recurrent layer's whole coverage",
+                        "list trim refused by a recurrent layer"),
             lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",
             bugs="fuzz.bugs.layers:BUGS",
         ),

@@ -19,18 +19,19 @@ count every trim returns.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
 import mlx.core as mx
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from fuzz.lockstep import Divergence, Lockstep, error_text, is_cache_copy, reload_through_file
 from fuzz.machine import APPEND_N, KVMachine, LifecycleRules
 from fuzz.masks import check_dense_masks, check_ring_masks
 from fuzz.quant_ref import int8_oracle, int8_oracle_host
-from fuzz.recurrent import FakeBlock, FakeModel, RecurrentRows, arrays_mismatch
+from fuzz.recurrent import FakeBlock, FakeModel, RecurrentRows, _Probe, arrays_mismatch
 from fuzz.trace import TraceFormatError
 from impl import layers as impl_layers
 from impl.dense import KVCache
@@ -131,6 +132,18 @@ class LayoutModel:
                 else lm_cache.ArraysCache(layer.get("size", 2)) if layer["kind"] == "recurrent"
                 else lm_cache.RotatingKVCache(max_size=layer["max_size"], keep=layer.get("keep", 0))
                 for layer in self.layout]
+
+
+def rollback_on_copy(cache: Any, n: int) -> Any:
+    """The arrays a ``copy.copy`` of recurrent layer ``cache`` holds after
+    its rollback of ``n`` tokens (``cache`` untouched), or a
+    ``fuzz.recurrent._Probe`` of what the copy or the rollback raised."""
+    try:
+        dup = copy.copy(cache)
+        dup.trim(n)
+        return tuple(dup.cache)
+    except Exception as exc:  # noqa: BLE001 - reported by the comparison
+        return _Probe(exc)
 
 
 class LayersLockstep(Lockstep):
@@ -602,6 +615,8 @@ class LayersLockstep(Lockstep):
         recurrent = [w.cache for w in before.layers if isinstance(w, src.RecurrentWorld)]
         if recurrent and count > 0:
             self.reached("list trims with recurrent layers")
+            if any(count == src.trimmable_rows(c) for c in recurrent):
+                self.reached("list trims of a recurrent layer's whole coverage")
         if recurrent and count == 0 and any(c.offset and src.trimmable_rows(c) < min(x.offset for x in recurrent)
                                             for c in recurrent):
             self.reached("list trim refused by a recurrent layer")
@@ -689,8 +704,6 @@ class LayersLockstep(Lockstep):
             fresh.restore(held)
             return tuple(fresh.cache)
         except Exception as exc:  # noqa: BLE001 - compared (and reported) as a read that raised
-            from fuzz.recurrent import _Probe
-
             return _Probe(exc)
 
     def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
@@ -719,9 +732,32 @@ class LayersLockstep(Lockstep):
                 self._check_recurrent(index, op, j, holder.cache, views[f"holder:{name}:layer {j}"],
                                       f"view of {name!r} changed (isolation):")
 
+    def _probe_rollbacks(self, index: int, op: dict[str, Any]) -> None:
+        """Every rollback ``n`` in ``1..coverage`` (the spec's) of every
+        recurrent layer, each taken on a ``copy.copy`` of the live layer
+        (the list untouched) and compared with the spec layer after that
+        rollback, conv window and state row by row, as the recurrent
+        kind's harness probes (``fuzz.recurrent``): a wrong or clobbered
+        checkpoint shows after the op that wrote it, not only at a list
+        trim that lands on it. The copies' arrays are read in one MLX
+        evaluation; a rollback that raises is reported as a read that
+        raised."""
+        probes = []
+        for j in self.recurrent:
+            want = self.world.layers[j].cache
+            for n in range(1, src.trimmable_rows(want) + 1):
+                probes.append((j, n, src.trim(want, n)[1], rollback_on_copy(self.caches[j], n)))
+        if not probes:
+            return
+        self.read_all([a for *_, got in probes if not isinstance(got, _Probe) for a in got])
+        for j, n, want, got in probes:
+            self._check_recurrent(index, op, j, want, got, f"live after a rollback of {n} (on a copy):")
+        self.reached("recurrent rollbacks probed")
+
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
         super().compare_state(index, op)
         self._compare_recurrent(index, op)
+        self._probe_rollbacks(index, op)
 
     def view_label(self, name: str) -> str:
         if name.startswith("layer "):
@@ -840,27 +876,47 @@ def recurrent_layer(size: int, kernel: int, depth: int = 0, channels: int = 4) -
             **({"channels": channels} if channels != 4 else {})}
 
 
+#: the checkpoint depths of a hybrid list's recurrent layers: 1 to 4 five times
+#: in six, 0 (no checkpoints: every list trim refused) once, so that most
+#: hybrid lists can roll back a speculative block (a list trim is bounded by
+#: its shallowest recurrent layer); the first is what a shrunk example keeps
+HYBRID_DEPTHS = (1, 2, 3, 4, 2, 0)
+#: the most speculative rounds one ``speculate`` step runs (its draws fit a
+#: program engine step: rounds, then per round the calls' form and the reject)
+ROUNDS = 5
+
+
+def is_hybrid(layers: list[dict[str, Any]]) -> bool:
+    """Whether a trace's ``layers`` list holds a recurrent layer."""
+    return any(layer["kind"] == "recurrent" for layer in layers)
+
+
 @st.composite
 def layer_patterns(draw: st.DrawFn, recurrent: bool = False) -> list[dict[str, Any]]:
     """Layer patterns engines build: all dense (1 to 3 layers); dense plus
     rings of different windows (gemma-style, every ring its own W); rings
     with sinks; rings with an undo log of 1 to 3 rows (exact rollback after
     a wrap within its depth) or none. With ``recurrent``, also hybrid
-    models (qwen3_next, nemotron_h, lfm2 style): dense layers, 1 or 2
-    recurrent layers (size 1 or 2, kernel 2 to 4, checkpoint depth 0 to 3)
-    and sometimes a ring. The first layer is dense (front trims address
-    it)."""
+    models (qwen3_next, nemotron_h, lfm2 style; 3 draws in 7): dense layers, 1 or 2
+    recurrent layers (size 1 or 2, kernel 2 to 4, checkpoint depth 0 to 4,
+    mostly 1 to 4: :data:`HYBRID_DEPTHS`) and sometimes a ring (its undo
+    log mostly the deepest recurrent layer's depth). The first layer is
+    dense (front trims address it)."""
     step = st.integers(1, 8)
     shapes = ["all dense", "dense + rings", "dense + rings", "dense + sink rings"]
-    shape = draw(st.sampled_from(shapes + (["hybrid", "hybrid"] if recurrent else [])))
+    shape = draw(st.sampled_from(shapes + (["hybrid"] * 3 if recurrent else [])))
     layers = [dense_layer(draw(step))]
     if shape == "hybrid":
         for _ in range(draw(st.integers(1, 2))):
             layers.append(recurrent_layer(draw(st.sampled_from([2, 2, 1])), draw(st.integers(2, 4)),
-                                          draw(st.sampled_from([0, 1, 2, 2, 3])), draw(st.sampled_from([4, 2]))))
+                                          draw(st.sampled_from(HYBRID_DEPTHS)), draw(st.sampled_from([4, 2]))))
         if draw(st.booleans()):
+            # a ring's undo log mostly as deep as the recurrent layers' checkpoints (as make_prompt_cache
+            # gives both num_draft_tokens), so that a wrapped ring does not refuse every speculative trim
+            deepest = max(layer.get("depth", 0) for layer in layers)
             w = draw(st.integers(2, 6))
-            layers.append(ring_layer(w, draw(st.integers(0, min(1, w - 1))), draw(step), draw(st.sampled_from([0, 2]))))
+            layers.append(ring_layer(w, draw(st.integers(0, min(1, w - 1))), draw(step),
+                                     draw(st.sampled_from([deepest, deepest, 0, 2]))))
         if draw(st.booleans()):
             layers.append(dense_layer(draw(step)))
         return layers
@@ -891,14 +947,17 @@ class LayersMachine(LifecycleRules, KVMachine):
         """Half the examples build the list through ``make_prompt_cache`` (the
         model-level configuration: a random layout of full-attention and
         sliding layers, the list's step and mode, ``num_draft_tokens`` 0 to
-        3 for every ring's undo log, the in-place switch or a spelling of
+        3 for every ring's undo log (a hybrid list's: :data:`HYBRID_DEPTHS`,
+        every recurrent layer's depth too), the in-place switch or a spelling of
         it); the others build each layer on its own (per-layer steps and
         undo depths)."""
         extra: dict[str, Any] = {}
         if data.draw(st.sampled_from(BUILDS), label="build") == "make_prompt_cache":
             layers = [{k: v for k, v in layer.items() if k not in ("mode", "step", "undo", "depth")} for layer in layers]
+            # a hybrid list's num_draft_tokens is its recurrent layers' depth: mostly 1 to 4
+            drafts = st.sampled_from(HYBRID_DEPTHS) if is_hybrid(layers) else st.integers(0, 3)
             extra = {"build": "make_prompt_cache", "step": data.draw(st.integers(1, 8), label="step"),
-                     "num_draft_tokens": data.draw(st.integers(0, 3), label="num_draft_tokens")}
+                     "num_draft_tokens": data.draw(drafts, label="num_draft_tokens")}
         self.setup(layers=layers, **extra, **self.draw_shape(data))
 
     @rule(via=st.sampled_from(["file", "state"]))
@@ -987,18 +1046,42 @@ class LayersMachine(LifecycleRules, KVMachine):
     def can_trim(self) -> None:
         self.do({"op": "can_trim"})
 
+    def _hybrid(self) -> bool:
+        return self.lock is not None and bool(self.lock.recurrent)
+
+    @precondition(_hybrid)
     @rule(data=st.data())
     def speculate(self, data: st.DataObject) -> None:
-        """A verify block of k + 1 tokens, k the smallest checkpoint depth of
-        the list's recurrent layers (0 to 3), then a list trim of 1 to k + 1
-        of them: within every recurrent layer's coverage all layers roll
-        back, beyond it the whole list refuses."""
-        depths = [w.cache.depth for w in self.lock.world.layers if isinstance(w, src.RecurrentWorld)]
-        if not depths:
+        """Speculative decoding over a hybrid list: 1 to :data:`ROUNDS` rounds of a
+        verify block of k + 1 tokens (one call, or k + 1 single-token
+        calls), k the smallest checkpoint depth of the list's recurrent
+        layers, then a list trim of the rejected drafts, mostly 1 to k
+        (within every recurrent layer's coverage: every layer rolls back;
+        k itself lands on the shallowest layer's oldest checkpoint),
+        sometimes 0 or k + 1 (beyond it: the whole list refuses). With k =
+        0 one token and a trim of 1, refused."""
+        k = min(w.cache.depth for w in self.lock.world.layers if isinstance(w, src.RecurrentWorld))
+        if k == 0:
+            self.do({"op": "append", "n": 1})
+            self.do({"op": "trim", "n": 1})
             return
-        k = min(depths)
-        self.do({"op": "append", "n": k + 1})
-        self.do({"op": "trim", "n": data.draw(st.integers(1, k + 1), label="reject")})
+        for _ in range(data.draw(st.integers(1, ROUNDS), label="rounds")):
+            if data.draw(st.booleans(), label="single-token calls"):
+                for _ in range(k + 1):
+                    self.do({"op": "append", "n": 1})
+            else:
+                self.do({"op": "append", "n": k + 1})
+            self.do({"op": "trim", "n": data.draw(st.sampled_from([k, k, *range(1, k), 0, k + 1]), label="reject")})
+
+    @precondition(_hybrid)
+    @rule(data=st.data())
+    def speculate_after_prefill(self, data: st.DataObject) -> None:
+        """A prompt of 1 to 6 tokens (one call: the recorder splits off its
+        last min(S, U) tokens), then one speculative round of
+        :meth:`speculate`: a weight of its own, so that a hybrid list runs
+        many successful list trims per example."""
+        self.do({"op": "append", "n": data.draw(st.integers(1, 6), label="prompt")})
+        self.speculate(data)
 
     @rule()
     def hold(self) -> None:
@@ -1016,5 +1099,5 @@ class LayersMachine(LifecycleRules, KVMachine):
 
 
 
-__all__ = ["BUILDS", "LayersLockstep", "LayersMachine", "LayoutModel", "ListOps", "layer_patterns", "recurrent_layer",
-           "spec_pattern"]
+__all__ = ["BUILDS", "HYBRID_DEPTHS", "LayersLockstep", "LayersMachine", "LayoutModel", "ListOps", "is_hybrid",
+           "layer_patterns", "recurrent_layer", "rollback_on_copy", "spec_pattern"]
