@@ -14,7 +14,9 @@ trim or fetch).
 After every op the harness compares every layer as the per-kind harnesses
 do (window bytes, holders, offset, capacity, cursor, in-place decisions, the
 masks before each append) plus the list's own rule: ``can_trim`` and the
-count every trim returns.
+count every trim returns. A recurrent layer's conv window and state are
+compared row by row, live, in every holder and after each rollback ``1..
+coverage`` taken on a copy (:meth:`LayersLockstep._probe_rollbacks`).
 """
 
 from __future__ import annotations
