@@ -286,11 +286,13 @@ def test_speculative_on_a_gpu_compares_with_mlx_lm_caches_and_still_catches_a_ba
     assert ok.ok and "mlx-lm's caches" in ok.detail, ok.detail
     bad = e2e.run_scenario("speculative", e2e.SHORT, factories={"dense": TrimOneShort})
     assert not bad.ok and "speculative vs mlx-lm's caches" in bad.detail, bad.detail
-    assert [n for n, _ in e2e.gpu_skipped()] == ["prefix_sharing", "speculative_window", "turbo", "quantized_models"]
+    assert [n for n, _ in e2e.gpu_skipped()] == ["prefix_sharing", "speculative_window", "turbo", "quantized_models",
+                                                 "hybrid_speculative"]
 
 
 def test_no_scenario_is_skipped_on_the_cpu():
     from fuzz.commands import e2e
 
     assert e2e.gpu_skipped() == []
-    assert all(s.cpu_only == "" or s.name in {"prefix_sharing", "speculative_window", "turbo", "quantized_models"} for s in e2e.SCENARIOS)
+    assert all(s.cpu_only == "" or s.name in {"prefix_sharing", "speculative_window", "turbo", "quantized_models",
+                                                                "hybrid_speculative"} for s in e2e.SCENARIOS)
