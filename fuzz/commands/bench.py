@@ -91,11 +91,11 @@ def _rollback_round(cls: type[KVCache], context: int, k: int = 4) -> Callable[[]
     return tick
 
 
-def _interleaved(ticks: list[Callable[[], float]], rounds: int, warmup: int = 4) -> list[float]:
-    """Median seconds of each tick over ``rounds`` rounds, run round-robin
-    (round r starts at a different tick) after ``warmup`` untimed calls of
-    each: drift in the machine's load, clocks and caches then falls on
-    every context alike instead of on whichever was measured first."""
+def round_robin(ticks: list[Callable[[], float]], rounds: int, warmup: int) -> list[list[float]]:
+    """Seconds of every tick in each of ``rounds`` rounds, run round-robin
+    (round r starts at tick r) after ``warmup`` untimed calls of each: drift
+    in the machine's load, clocks and caches then falls on every tick alike
+    instead of on whichever was measured first."""
     for tick in ticks:
         for _ in range(warmup):
             tick()
@@ -104,7 +104,12 @@ def _interleaved(ticks: list[Callable[[], float]], rounds: int, warmup: int = 4)
         for j in range(len(ticks)):
             i = (r + j) % len(ticks)
             times[i].append(ticks[i]())
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def _interleaved(ticks: list[Callable[[], float]], rounds: int, warmup: int = 4) -> list[float]:
+    """Median seconds of each tick over :func:`round_robin`'s rounds."""
+    return [statistics.median(t) for t in round_robin(ticks, rounds, warmup)]
 
 
 ROWS = (

@@ -55,6 +55,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from fuzz.commands.bench import round_robin
+
 #: the model shapes, per size: ``full`` (the GPU default: hidden 2048, a
 #: Qwen3-Next-80B / LFM2-1.2B layer (Qwen3-Next's GatedDeltaNet heads and
 #: dims; a dense MLP for its experts), fewer layers and a smaller
@@ -247,20 +249,6 @@ def rollback_tick(model: Any, caches: list[Any], block: mx.array, n: int) -> Cal
     return tick
 
 
-def _round_robin(ticks: list[Callable[[], float]], rounds: int, warmup: int) -> list[list[float]]:
-    """Seconds of every tick in each of ``rounds`` rounds (round ``r``
-    starts at tick ``r``), after ``warmup`` untimed calls of each."""
-    for tick in ticks:
-        for _ in range(warmup):
-            tick()
-    times: list[list[float]] = [[] for _ in ticks]
-    for r in range(rounds):
-        for j in range(len(ticks)):
-            i = (r + j) % len(ticks)
-            times[i].append(ticks[i]())
-    return times
-
-
 def summary(values: list[float]) -> dict[str, Any]:
     """``{"median", "ci_low", "ci_high", "runs"}``: the median and its
     distribution-free 95 % interval (None with fewer than 6 values)."""
@@ -289,7 +277,7 @@ def round_rows(model: Any, family: str, size: str, context: int, ks: tuple[int, 
                            *((f"rollback {n}", rollback_tick(model, ours[k], block, n)) for n in range(1, k + 1))):
             names.append((k, name))
             ticks.append(tick)
-    times = _round_robin(ticks, rounds, warmup)
+    times = round_robin(ticks, rounds, warmup)
     _recorder(model, False)
     ms = {key: [s * 1e3 for s in t] for key, t in zip(names, times, strict=True)}
     out: dict[str, Any] = {}
