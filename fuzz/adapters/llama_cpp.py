@@ -1,0 +1,661 @@
+"""llama.cpp's KV memory as a ``cells`` target (``--target llama.cpp``).
+
+llama.cpp (through llama-cpp-python's ctypes layer) is driven as a
+``CellsTarget`` (docs/cells.md, the protocol of ``fuzz.cells``):
+
+* **Models.** Two tiny random-weight models are written at run time with
+  the ``gguf`` package into a temporary folder (:func:`write_gguf`): a
+  2-layer ``llama`` (one store, ``"full"``) and a 2-layer ``gemma2`` whose
+  layer 0 is a sliding-window layer (window ``w``, small) and layer 1 a
+  full-attention layer, which llama.cpp loads as an iSWA memory (stores
+  ``"full"`` and ``"window"``). The weights come from a seed. In the gemma2
+  model layer 0's attention output and feed-forward down projection are
+  zero, so layer 1's input is the token's embedding alone and its K row
+  depends only on (token, position), as layer 0's does.
+* **Context.** One context per target: ``n_ctx`` 256 cells (llama.cpp pads
+  every cache to 256), ``n_seq_max`` sequences sharing one stream
+  (``kv_unified``: ``seq_cp`` shares cells), an F16 K/V cache.
+* **Cells.** ``observe`` reads the whole memory through
+  ``llama_state_get_data`` and parses its blob (:func:`parse_memory`, the
+  layout of llama.cpp's ``llama_kv_cache::state_write``): per store, every
+  used cell's position, its set of sequence ids, and its K and V rows per
+  layer. Pending shifts (``seq_add``/``seq_div`` before a decode) are applied
+  first, as a decode would: by a decode of one more token than the memory
+  has cells, in a sequence id kept for it, which llama.cpp answers with
+  "no slot" after its memory update has re-rotated the shifted K rows.
+* **Row names.** A table made in a separate context on the same model by
+  decoding each token at positions 0, 1, ... (the first layer of each store
+  has K rows that depend only on (token, position), V rows only on the
+  token) names every stored row: a K row is named (token, position) of the
+  table row it equals within a tolerance (a re-rotation after a shift is not
+  bit-exact: about 2e-3), a V row by its token; no match: None.
+* **Return codes.** ``llama_decode``: 0 -> True, 1 (no memory slot) ->
+  False, -1 (invalid batch) -> ``InvalidArgumentError``; anything else ->
+  ``StateError``. Arguments that llama.cpp answers with an abort of the
+  whole process (a sequence id outside ``[0, n_seq)``, a batch over
+  ``n_batch`` tokens, ``seq_div`` by ``d < 1``) are refused here with
+  ``InvalidArgumentError`` before any call: the process must survive them.
+
+Imports llama_cpp and gguf lazily; :func:`require` raises
+:class:`NotInstalled` (the CLI: exit 2) without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spec.errors import InvalidArgumentError, StateError
+
+#: the llama-cpp-python release this target was built and checked against
+LLAMA_CPP_PYTHON = "0.3.36"
+#: the llama.cpp commit vendored in that release's sdist (its CHANGELOG)
+VENDORED_LLAMA_CPP = "0c1e57098"
+INSTALL_HINT = "pip install 'kvspec[llama-cpp]'"
+#: cells per store: llama.cpp pads n_ctx (and the window store) to 256
+N_CELLS = 256
+#: tokens per llama_decode call (llama.cpp clamps n_batch to n_ctx; more
+#: tokens abort the process: GGML_ASSERT)
+N_BATCH = N_CELLS
+#: K rows named within this absolute tolerance, scaled by the row's largest entry
+K_TOLERANCE = 4e-3
+
+
+class NotInstalled(RuntimeError):
+    """llama-cpp-python or gguf is missing (the CLI exits 2 with the hint)."""
+
+
+def require() -> tuple[Any, Any]:
+    """``(llama_cpp, gguf)`` modules; raises :class:`NotInstalled` naming
+    the extra to install."""
+    try:
+        import gguf
+        import llama_cpp
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise NotInstalled(f"--target llama.cpp: llama-cpp-python not installed ({e.name} missing): "
+                           f"{INSTALL_HINT}") from None
+    return llama_cpp, gguf
+
+
+def installed() -> bool:
+    """Whether :func:`require` would succeed."""
+    try:
+        require()
+    except NotInstalled:
+        return False
+    return True
+
+
+def llama_cpp_version() -> str:
+    """``llama-cpp-python 0.3.36 (llama.cpp 0c1e57098)`` or ``not installed``."""
+    try:
+        llama_cpp, _ = require()
+    except NotInstalled:
+        return "llama-cpp-python not installed"
+    version = getattr(llama_cpp, "__version__", "?")
+    vendored = VENDORED_LLAMA_CPP if version == LLAMA_CPP_PYTHON else "unknown commit"
+    return f"llama-cpp-python {version} (llama.cpp {vendored})"
+
+
+# ---------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A random-weight model written as GGUF.
+
+    ``arch``: ``"llama"`` (one store, ``("full",)``) or ``"gemma2"`` (layer 0
+    windowed with ``window`` tokens, layer 1 full: ``("full", "window")``).
+    ``hidden`` = ``n_head * head_dim``; K/V rows have ``n_head_kv * head_dim``
+    entries (float16 in the cache). ``seed`` fixes every weight."""
+
+    arch: str = "llama"
+    n_vocab: int = 24
+    hidden: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_layer: int = 2
+    window: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "gemma2"):
+            raise InvalidArgumentError(f"TinyModel: arch {self.arch!r} must be 'llama' or 'gemma2'")
+        if (self.arch == "gemma2") != (self.window is not None):
+            raise InvalidArgumentError("TinyModel: window is set exactly for arch 'gemma2'")
+        if self.window is not None and self.window < 1:
+            raise InvalidArgumentError(f"TinyModel: window {self.window} must be >= 1")
+        if self.n_vocab < 4 or self.hidden % self.n_head or self.n_head % self.n_head_kv:
+            raise InvalidArgumentError("TinyModel: n_vocab >= 4, hidden % n_head == 0, n_head % n_head_kv == 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_head
+
+    @property
+    def stores(self) -> tuple[str, ...]:
+        return ("full", "window") if self.arch == "gemma2" else ("full",)
+
+
+LLAMA = TinyModel()
+GEMMA2 = TinyModel(arch="gemma2", window=4, seed=1)
+
+
+def write_gguf(path: str | Path, model: TinyModel) -> Path:
+    """Write ``model`` as a GGUF file at ``path`` (float32 tensors, an
+    SPM-style vocabulary of ``n_vocab`` tokens: 0 unknown, 1 BOS, 2 EOS)."""
+    _, gguf = require()
+    rng = np.random.default_rng(model.seed)
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), model.arch)
+    a = model.arch
+    w.add_context_length(4096)
+    w.add_embedding_length(model.hidden)
+    w.add_block_count(model.n_layer)
+    w.add_feed_forward_length(model.n_ff)
+    w.add_head_count(model.n_head)
+    w.add_head_count_kv(model.n_head_kv)
+    w.add_rope_dimension_count(model.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_key_length(model.head_dim)
+    w.add_value_length(model.head_dim)
+    if a == "gemma2":
+        w.add_sliding_window(int(model.window or 0))
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"t{i}".encode() for i in range(3, model.n_vocab)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * model.n_vocab)
+    w.add_token_types([2, 3, 3] + [1] * (model.n_vocab - 3))
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def t(name: str, *shape: int, scale: float = 0.5, zero: bool = False) -> None:
+        arr = np.zeros(shape, np.float32) if zero else (rng.standard_normal(shape) * scale).astype(np.float32)
+        w.add_tensor(name, arr)
+
+    def ones(name: str) -> None:
+        w.add_tensor(name, np.ones(model.hidden, np.float32))
+
+    d, kv = model.hidden, model.n_head_kv * model.head_dim
+    t("token_embd.weight", model.n_vocab, d, scale=1.0)
+    ones("output_norm.weight")
+    if a == "llama":
+        t("output.weight", model.n_vocab, d, scale=0.2)
+    for i in range(model.n_layer):
+        # gemma2: layer 0 adds nothing to the residual stream (see the module docstring)
+        silent = a == "gemma2" and i == 0
+        ones(f"blk.{i}.attn_norm.weight")
+        t(f"blk.{i}.attn_q.weight", d, d, scale=d ** -0.5)
+        t(f"blk.{i}.attn_k.weight", kv, d, scale=d ** -0.5)
+        t(f"blk.{i}.attn_v.weight", kv, d, scale=d ** -0.5)
+        t(f"blk.{i}.attn_output.weight", d, d, scale=d ** -0.5, zero=silent)
+        ones(f"blk.{i}.ffn_norm.weight")
+        t(f"blk.{i}.ffn_gate.weight", model.n_ff, d, scale=d ** -0.5)
+        t(f"blk.{i}.ffn_up.weight", model.n_ff, d, scale=d ** -0.5)
+        t(f"blk.{i}.ffn_down.weight", d, model.n_ff, scale=model.n_ff ** -0.5, zero=silent)
+        if a == "gemma2":
+            ones(f"blk.{i}.post_attention_norm.weight")
+            ones(f"blk.{i}.post_ffw_norm.weight")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------- the state blob
+
+
+@dataclass
+class BlobCell:
+    """One cell of a state blob: position, sequence ids, and per layer of its
+    store the K row and V row (float32 copies, ``(n_embd_kv,)`` each)."""
+
+    pos: int
+    seqs: frozenset[int]
+    k: list[np.ndarray] = field(default_factory=list)
+    v: list[np.ndarray] = field(default_factory=list)
+
+
+_DTYPES = {0: np.float32, 1: np.float16}
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, n: int) -> bytes:
+        if self.at + n > len(self.data):
+            raise StateError(f"state blob: truncated at byte {self.at} (wants {n} more of {len(self.data)})")
+        out = self.data[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def u32(self) -> int:
+        return int(struct.unpack("<I", self.take(4))[0])
+
+    def i32(self) -> int:
+        return int(struct.unpack("<i", self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(struct.unpack("<Q", self.take(8))[0])
+
+
+def _parse_store(r: _Reader, has_ext: bool = False) -> list[BlobCell]:
+    """One ``llama_kv_cache::state_write`` record (every stream)."""
+    cells: list[BlobCell] = []
+    n_stream = r.u32()
+    for _ in range(n_stream):
+        count = r.u32()
+        if count == 0:
+            continue
+        mine: list[BlobCell] = []
+        for _ in range(count):
+            pos = r.i32()
+            n_seq = r.u32()
+            if has_ext:  # pragma: no cover - M-RoPE / PLE models only
+                r.take(12)
+            mine.append(BlobCell(pos, frozenset(r.i32() for _ in range(n_seq))))
+        v_trans = r.u32()
+        n_layer = r.u32()
+        for _ in range(n_layer):
+            dtype = _dtype(r.i32())
+            size_row = r.u64()
+            raw = np.frombuffer(r.take(size_row * count), dtype=dtype).reshape(count, -1)
+            for c, row in zip(mine, raw):
+                c.k.append(row.astype(np.float32))
+        for _ in range(n_layer):
+            dtype = _dtype(r.i32())
+            if not v_trans:
+                size_row = r.u64()
+                raw = np.frombuffer(r.take(size_row * count), dtype=dtype).reshape(count, -1)
+            else:
+                r.u32()  # element size
+                n_embd_v = r.u32()
+                itemsize = np.dtype(dtype).itemsize
+                raw = np.frombuffer(r.take(itemsize * count * n_embd_v), dtype=dtype).reshape(n_embd_v, count).T
+            for c, row in zip(mine, raw):
+                c.v.append(row.astype(np.float32))
+        cells += mine
+    return cells
+
+
+def _dtype(code: int) -> Any:
+    if code not in _DTYPES:
+        raise StateError(f"state blob: K/V type {code} is not F32 (0) or F16 (1)")
+    return _DTYPES[code]
+
+
+def parse_memory(data: bytes, n_stores: int) -> list[list[BlobCell]]:
+    """Parse a whole-context blob (``llama_state_get_data``): the
+    architecture name, then ``n_stores`` cache records (an iSWA memory
+    writes its full store, then its window store). Raises StateError on a
+    truncated or unknown blob."""
+    r = _Reader(data)
+    r.take(r.u32())  # architecture name
+    out = [_parse_store(r) for _ in range(n_stores)]
+    if r.at != len(data):
+        raise StateError(f"state blob: {len(data) - r.at} bytes left after {n_stores} stores")
+    return out
+
+
+SEQ_MAGIC = 0xAF143CD8
+
+
+def parse_sequence(data: bytes, n_stores: int) -> tuple[int, list[list[BlobCell]]]:
+    """Parse a per-sequence blob (``llama_state_seq_get_data``): magic, the
+    sequence id it was saved from, then ``n_stores`` cache records."""
+    r = _Reader(data)
+    if r.u32() != SEQ_MAGIC:
+        raise StateError("sequence blob: bad magic")
+    seq = r.i32()
+    out = [_parse_store(r) for _ in range(n_stores)]
+    if r.at != len(data):
+        raise StateError(f"sequence blob: {len(data) - r.at} bytes left after {n_stores} stores")
+    return seq, out
+
+
+# ---------------------------------------------------------------- engine
+
+
+class _Loaded:
+    """A model file loaded once, its row table built lazily."""
+
+    def __init__(self, model: TinyModel, folder: Path) -> None:
+        llama_cpp, _ = require()
+        self.lib = llama_cpp
+        self.model = model
+        self.path = write_gguf(folder / f"{model.arch}-{model.seed}.gguf", model)
+        _quiet(llama_cpp)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.handle = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.handle:
+            raise StateError(f"llama.cpp could not load the model written at {self.path.name}")
+        self.table: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.table_positions = 0
+        self._table_ctx: Context | None = None
+
+    def rows(self, upto: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per store: K table ``(n_vocab, P, n_embd_kv)`` and V table
+        ``(n_vocab, n_embd_kv)`` (float32), P >= ``upto`` positions, made by
+        decoding each token alone at positions 0..P-1 in a scratch context."""
+        while self.table_positions < upto:
+            self._extend()
+        return self.table
+
+    def _extend(self) -> None:
+        if self._table_ctx is None:
+            self._table_ctx = Context(self, n_seq=1)
+        ctx = self._table_ctx
+        start, n = self.table_positions, N_CELLS
+        stores = self.model.stores
+        k_new = {s: np.zeros((self.model.n_vocab, n, 0), np.float32) for s in stores}
+        v_new: dict[str, np.ndarray] = {}
+        for tok in range(self.model.n_vocab):
+            ctx.clear()
+            rc = ctx.decode_raw([0], [tok] * n, start)
+            if rc != 0:
+                raise StateError(f"row table: llama_decode returned {rc} for token {tok} at {start}")
+            for s, cells in zip(stores, ctx.read()):
+                cells = sorted(cells, key=lambda c: c.pos)
+                k = np.stack([c.k[0] for c in cells])
+                if k_new[s].shape[2] == 0:
+                    k_new[s] = np.zeros((self.model.n_vocab, n, k.shape[1]), np.float32)
+                k_new[s][tok] = k
+                v_new.setdefault(s, np.zeros((self.model.n_vocab, cells[0].v[0].shape[0]), np.float32))
+                v_new[s][tok] = cells[0].v[0]
+        ctx.clear()
+        for s in stores:
+            if s in self.table:
+                k_old, v_old = self.table[s]
+                self.table[s] = (np.concatenate([k_old, k_new[s]], axis=1), v_old)
+            else:
+                self.table[s] = (k_new[s], v_new[s])
+        self.table_positions += n
+
+
+def _quiet(llama_cpp: Any) -> None:
+    """Silence llama.cpp's logging (a ctypes callback kept alive on the module)."""
+    if getattr(llama_cpp, "_kvspec_quiet", None) is None:
+        @llama_cpp.llama_log_callback
+        def _log(level: int, text: bytes, user: Any) -> None:
+            pass
+
+        llama_cpp._kvspec_quiet = _log
+        llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+
+
+_LOADED: dict[TinyModel, _Loaded] = {}
+_FOLDER: tempfile.TemporaryDirectory[str] | None = None
+
+
+def load(model: TinyModel) -> _Loaded:
+    """The model, written and loaded once per process."""
+    global _FOLDER
+    if model not in _LOADED:
+        if _FOLDER is None:
+            _FOLDER = tempfile.TemporaryDirectory(prefix="kvspec-llama-cpp-")
+        _LOADED[model] = _Loaded(model, Path(_FOLDER.name))
+    return _LOADED[model]
+
+
+class Context:
+    """One llama.cpp context: ``n_seq`` usable sequence ids (plus one kept
+    for forcing pending shifts) sharing one stream of ``N_CELLS`` cells."""
+
+    def __init__(self, loaded: _Loaded, n_seq: int) -> None:
+        lib = loaded.lib
+        self.lib, self.loaded, self.n_seq = lib, loaded, n_seq
+        p = lib.llama_context_default_params()
+        p.n_ctx = N_CELLS
+        p.n_batch = N_BATCH
+        p.n_ubatch = N_BATCH
+        p.n_seq_max = n_seq + 1
+        p.kv_unified = True
+        p.swa_full = False
+        p.n_threads = 1
+        p.n_threads_batch = 1
+        p.type_k = lib.GGML_TYPE_F16
+        p.type_v = lib.GGML_TYPE_F16
+        p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.no_perf = True
+        self.ctx = lib.llama_init_from_model(loaded.handle, p)
+        if not self.ctx:
+            raise StateError("llama.cpp could not create a context")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_stores = len(loaded.model.stores)
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:  # pragma: no cover - finaliser
+        with contextlib.suppress(AttributeError, TypeError):  # a half-built or interpreter-exit object
+            self.close()
+
+    def decode_raw(self, seqs: list[int], tokens: list[int], pos0: int) -> int:
+        """``llama_decode`` of one group: every token held by every sequence
+        of ``seqs``, positions ``pos0, pos0+1, ...``; its return code."""
+        lib = self.lib
+        n = len(tokens)
+        batch = lib.llama_batch_init(n, 0, max(1, len(seqs)))
+        try:
+            batch.n_tokens = n
+            for i, tok in enumerate(tokens):
+                batch.token[i] = tok
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = len(seqs)
+                for j, s in enumerate(seqs):
+                    batch.seq_id[i][j] = s
+                batch.logits[i] = 1 if i == n - 1 else 0
+            return int(lib.llama_decode(self.ctx, batch))
+        finally:
+            lib.llama_batch_free(batch)
+
+    def update(self, used: bool) -> None:
+        """Apply pending shifts: with a cell ``used``, a decode of ``N_CELLS``
+        tokens in the kept sequence id passes validation, runs llama.cpp's
+        memory update (the K-shift), then finds no slot in the full store
+        (return 1, no cell changed). An empty memory has nothing to shift."""
+        if not used:
+            return
+        spare = self.n_seq
+        if self.lib.llama_memory_seq_pos_max(self.mem, spare) >= 0:  # pragma: no cover - never decoded into
+            raise StateError("the spare sequence id holds cells")
+        rc = self.decode_raw([spare], [0] * N_CELLS, 0)
+        if rc != 1:
+            raise StateError(f"update: the oversize decode returned {rc}, expected 1 (no slot)")
+
+    def read(self) -> list[list[BlobCell]]:
+        """Every used cell per store, from the whole-context state blob."""
+        lib = self.lib
+        size = lib.llama_state_get_size(self.ctx)
+        buf = (ctypes.c_uint8 * size)()
+        got = lib.llama_state_get_data(self.ctx, buf, size)
+        if got == 0:
+            raise StateError("llama_state_get_data wrote nothing")
+        return parse_memory(bytes(buf)[:got], self.n_stores)
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+
+
+# ---------------------------------------------------------------- the target
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A sequence's state as llama.cpp saved it (``llama_state_seq_get_data``)."""
+
+    seq: int
+    blob: bytes
+
+
+class LlamaCppCells:
+    """llama.cpp's memory as a ``CellsTarget`` (docs/cells.md, section 4).
+
+    ``window`` None: the llama model (store ``"full"``); an int ``w >= 1``:
+    the gemma2 model with that sliding window (stores ``"full"``,
+    ``"window"``). ``n_seq`` sequence ids 0..n_seq-1. Every store has
+    ``N_CELLS`` (256) cells. Raises NotInstalled without llama-cpp-python."""
+
+    n_cells = N_CELLS
+
+    def __init__(self, window: int | None = None, n_seq: int = 4, seed: int | None = None) -> None:
+        if n_seq < 1 or n_seq > 64:
+            raise InvalidArgumentError(f"llama.cpp target: n_seq {n_seq} must be in [1, 64]")
+        base = LLAMA if window is None else TinyModel(arch="gemma2", window=window, seed=GEMMA2.seed)
+        model = base if seed is None else TinyModel(base.arch, window=base.window, seed=seed)
+        self.loaded = load(model)
+        self.model = model
+        self.stores: tuple[str, ...] = model.stores
+        self.window = window
+        self.n_seq = n_seq
+        self.c = Context(self.loaded, n_seq)
+        self.lib = self.loaded.lib
+
+    # -- arguments llama.cpp would abort the process on
+
+    def _seq(self, op: str, name: str, seq: Any, allow_all: bool = False) -> int:
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
+            raise InvalidArgumentError(f"{op}: {name} {seq!r} must be an int")
+        if allow_all and seq < 0:
+            return -1
+        if not 0 <= seq < self.n_seq:
+            raise InvalidArgumentError(f"{op}: {name} {seq} must be in [0, {self.n_seq}) "
+                                       "(llama.cpp aborts the process otherwise)")
+        return int(seq)
+
+    @staticmethod
+    def _pos(p: Any) -> int:
+        return -1 if p is None else int(p)
+
+    # -- ops
+
+    def decode(self, seqs: Any, tokens: Any, pos0: int) -> bool:
+        """One group (every token held by every sequence of ``seqs``); True,
+        False (no slot: llama_decode 1); InvalidArgumentError for llama_decode -1."""
+        seqs = [self._seq("decode", "seq", s) for s in seqs]
+        tokens = [int(t) for t in tokens]
+        if not tokens or len(tokens) > N_BATCH:
+            raise InvalidArgumentError(f"decode: {len(tokens)} tokens must be in [1, {N_BATCH}] (n_batch)")
+        if not seqs:
+            raise InvalidArgumentError("decode: seqs must not be empty")
+        rc = self.c.decode_raw(seqs, tokens, int(pos0))
+        if rc == 0:
+            return True
+        if rc == 1:
+            return False
+        if rc == -1:
+            raise InvalidArgumentError(f"decode: llama_decode returned -1 (invalid batch: seqs {seqs}, "
+                                       f"{len(tokens)} tokens at {pos0})")
+        raise StateError(f"decode: llama_decode returned {rc}")
+
+    def seq_rm(self, seq: int, p0: int | None, p1: int | None) -> bool:
+        s = self._seq("seq_rm", "seq", seq, allow_all=True)
+        return bool(self.lib.llama_memory_seq_rm(self.c.mem, s, self._pos(p0), self._pos(p1)))
+
+    def seq_cp(self, src: int, dst: int, p0: int | None, p1: int | None) -> None:
+        s, d = self._seq("seq_cp", "src", src), self._seq("seq_cp", "dst", dst)
+        self.lib.llama_memory_seq_cp(self.c.mem, s, d, self._pos(p0), self._pos(p1))
+
+    def seq_keep(self, seq: int) -> None:
+        self.lib.llama_memory_seq_keep(self.c.mem, self._seq("seq_keep", "seq", seq))
+
+    def seq_add(self, seq: int, p0: int | None, p1: int | None, delta: int) -> None:
+        s = self._seq("seq_add", "seq", seq)
+        self.lib.llama_memory_seq_add(self.c.mem, s, self._pos(p0), self._pos(p1), int(delta))
+
+    def seq_div(self, seq: int, p0: int | None, p1: int | None, d: int) -> None:
+        s = self._seq("seq_div", "seq", seq)
+        if int(d) < 1:
+            raise InvalidArgumentError(f"seq_div: d {d} must be >= 1 (llama.cpp divides by it)")
+        self.lib.llama_memory_seq_div(self.c.mem, s, self._pos(p0), self._pos(p1), int(d))
+
+    def pos_min(self, seq: int) -> int:
+        return int(self.lib.llama_memory_seq_pos_min(self.c.mem, self._seq("pos_min", "seq", seq)))
+
+    def pos_max(self, seq: int) -> int:
+        return int(self.lib.llama_memory_seq_pos_max(self.c.mem, self._seq("pos_max", "seq", seq)))
+
+    def save(self, seq: int) -> Snapshot:
+        s = self._seq("save", "seq", seq)
+        lib = self.lib
+        size = lib.llama_state_seq_get_size(self.c.ctx, s)
+        buf = (ctypes.c_uint8 * size)()
+        got = lib.llama_state_seq_get_data(self.c.ctx, buf, size, s)
+        if got == 0:
+            raise StateError(f"save: llama_state_seq_get_data wrote nothing for seq {s}")
+        return Snapshot(s, bytes(buf)[:got])
+
+    def restore(self, snapshot: Snapshot, dst: int) -> bool:
+        d = self._seq("restore", "dst", dst)
+        if not isinstance(snapshot, Snapshot):
+            raise InvalidArgumentError(f"restore: snapshot {type(snapshot).__name__} is not a llama.cpp Snapshot")
+        buf = (ctypes.c_uint8 * len(snapshot.blob)).from_buffer_copy(snapshot.blob)
+        return bool(self.lib.llama_state_seq_set_data(self.c.ctx, buf, len(snapshot.blob), d))
+
+    def clear(self) -> None:
+        self.c.clear()
+
+    # -- observation
+
+    def observe(self) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
+        """Per store ``(pos, seqs, k_name, v_name)`` of every used cell, pending
+        shifts applied first (:meth:`Context.update`)."""
+        used = any(self.lib.llama_memory_seq_pos_max(self.c.mem, s) >= 0 for s in range(self.n_seq))
+        self.c.update(used)
+        out: dict[str, list[tuple[int, frozenset[int], Any, Any]]] = {}
+        cells_per_store = self.c.read()
+        top = max((c.pos for cells in cells_per_store for c in cells), default=0)
+        table = self.loaded.rows(top + 1)
+        for store, cells in zip(self.stores, cells_per_store):
+            out[store] = [(c.pos, c.seqs, *name_rows(table[store], c)) for c in cells]
+        return out
+
+    def observe_snapshot(self, snapshot: Snapshot) -> dict[str, list[tuple[int, Any, Any]]]:
+        """Per store ``(pos, k_name, v_name)`` of the cells the snapshot holds."""
+        _, stores = parse_sequence(snapshot.blob, len(self.stores))
+        top = max((c.pos for cells in stores for c in cells), default=0)
+        table = self.loaded.rows(top + 1)
+        return {store: [(c.pos, *name_rows(table[store], c)) for c in cells]
+                for store, cells in zip(self.stores, stores)}
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def name_rows(table: tuple[np.ndarray, np.ndarray], cell: BlobCell) -> tuple[Any, Any]:
+    """``(k_name, v_name)`` of a cell's first-layer rows: the V row's token
+    (exact up to float16 rounding), the K row's (token, position) within
+    ``K_TOLERANCE``; None where no table row matches. The cell's own
+    position is tried first, then every position of the table."""
+    k_tab, v_tab = table
+    v = cell.v[0]
+    dv = np.abs(v_tab - v).max(axis=1)
+    t = int(np.argmin(dv))
+    v_name = t if dv[t] <= K_TOLERANCE * max(1.0, float(np.abs(v).max())) else None
+    k = cell.k[0]
+    tol = K_TOLERANCE * max(1.0, float(np.abs(k).max()))
+    if (v_name is not None and 0 <= cell.pos < k_tab.shape[1]
+            and np.abs(k_tab[v_name, cell.pos] - k).max() <= tol):
+        return (v_name, cell.pos), v_name
+    dk = np.abs(k_tab - k).max(axis=2)
+    tok, pos = np.unravel_index(int(np.argmin(dk)), dk.shape)
+    k_name = (int(tok), int(pos)) if dk[tok, pos] <= tol else None
+    return k_name, v_name
