@@ -515,6 +515,7 @@ class LlamaCppCells:
     ``N_CELLS`` (256) cells. Raises NotInstalled without llama-cpp-python."""
 
     n_cells = N_CELLS
+    name = "llama.cpp"
 
     def __init__(self, window: int | None = None, n_seq: int = 4, seed: int | None = None) -> None:
         if n_seq < 1 or n_seq > 64:
@@ -615,9 +616,13 @@ class LlamaCppCells:
 
     # -- observation
 
-    def observe(self) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
+    def observe(self, rows: bool = True) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
         """Per store ``(pos, seqs, k_name, v_name)`` of every used cell, pending
-        shifts applied first (:meth:`Context.update`)."""
+        shifts applied first (:meth:`Context.update`). ``rows=False``: the
+        rows are not read and a pending shift stays pending (names None)."""
+        if not rows:
+            return {store: [(c.pos, c.seqs, None, None) for c in cells]
+                    for store, cells in zip(self.stores, self.c.read())}
         used = any(self.lib.llama_memory_seq_pos_max(self.c.mem, s) >= 0 for s in range(self.n_seq))
         self.c.update(used)
         out: dict[str, list[tuple[int, frozenset[int], Any, Any]]] = {}
@@ -659,3 +664,24 @@ def name_rows(table: tuple[np.ndarray, np.ndarray], cell: BlobCell) -> tuple[Any
     tok, pos = np.unravel_index(int(np.argmin(dk)), dk.shape)
     k_name = (int(tok), int(pos)) if dk[tok, pos] <= tol else None
     return k_name, v_name
+
+
+#: the store layouts the target has a model for
+LAYOUTS = (("full",), ("full", "window"))
+
+
+def target_factory(cache: dict[str, Any]) -> LlamaCppCells:
+    """A fresh llama.cpp memory for a cells trace's ``cache`` fields
+    (``fuzz.cells``: ``{"target": target_factory}``). Raises
+    InvalidArgumentError naming the field when llama.cpp cannot take the
+    configuration: ``n_cells`` other than 256 (llama.cpp pads every cache
+    to 256 cells), a window-only layout, ``n_seq`` over 64; NotInstalled
+    without llama-cpp-python."""
+    stores = tuple(cache.get("stores", ("full",)))
+    if stores not in LAYOUTS:
+        raise InvalidArgumentError(f"llama.cpp target: cache.stores {list(stores)} must be one of "
+                                   f"{[list(x) for x in LAYOUTS]} (the llama and gemma2 models)")
+    if cache.get("n_cells") != N_CELLS:
+        raise InvalidArgumentError(f"llama.cpp target: cache.n_cells {cache.get('n_cells')!r} must be {N_CELLS} "
+                                   "(llama.cpp pads n_ctx and the window store to 256 cells)")
+    return LlamaCppCells(window=cache.get("window") if "window" in stores else None, n_seq=int(cache["n_seq"]))
