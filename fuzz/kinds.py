@@ -257,6 +257,27 @@ KINDS: dict[str, Kind] = {
             lockstep="fuzz.recurrent:RecurrentLockstep", machine="fuzz.recurrent:RecurrentMachine",
             bugs="fuzz.bugs.recurrent:BUGS",
         ),
+        Kind(
+            "cells", "llama.cpp's KV memory (CellCache): cells shared by sequences, position shifts with lazy K "
+            "re-rotation, sliding-window retention and the removals it refuses, per-sequence state save and restore",
+            modes=("fp16",),
+            # n_cells: cells per store; window: the window store's w (null
+            # without one); stores: ["full"], ["full", "window"] (iSWA) or
+            # ["window"]; n_seq: sequence ids 0..n_seq - 1
+            fields={"n_cells": REQUIRED, "window": REQUIRED, "stores": ["full"], "n_seq": 4},
+            ops=("decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "pos_min", "pos_max", "save",
+                 "clear"),
+            # one memory of many sequences: the one-sequence ops are not its ops
+            without={op: "a cells memory is driven by decode, seq_* ops, save and restore (docs/cells.md)"
+                     for op in COMMON_OPS if op not in ("restore", "expect")},
+            campaigns=(("fp16", True),),
+            must_reach=("decodes", "decodes without a slot", "windowed cells reused", "removals",
+                        "windowed seq_rm refused", "shared cells", "seq_cp", "seq_keep", "seq_adds", "seq_divs",
+                        "shifts composed before a read", "saves", "saves after a pending shift",
+                        "restores into the same sequence", "restores into another sequence", "restores without room",
+                        "clear", "refused decode", "refused seq_cp", "refused seq_add", "refused seq_div"),
+            lockstep="fuzz.cells:CellsLockstep", machine="fuzz.cells:CellsMachine", bugs="fuzz.bugs.cells:BUGS",
+        ),
     )
 }
 

@@ -89,6 +89,7 @@ def _validator(part: str = "document") -> Any:
 
 # -- the compiled op checker -----------------------------------------------------
 _TYPES = {
+    "null": lambda x: x is None,
     "integer": lambda x: _strict_integer(None, x),
     "string": lambda x: isinstance(x, str),
     "boolean": lambda x: isinstance(x, bool),
@@ -141,19 +142,26 @@ class _OpChecker:
             raise ValueError(f"_OpChecker: schema keywords {sorted(unknown)} are not compiled")
         checks = []
         if "type" in s:
-            checks.append(_TYPES[s["type"]])
+            # a list of types (``["integer", "null"]``): any of them; each
+            # keyword below then applies to its own type only, as in JSON Schema
+            types = [_TYPES[t] for t in ([s["type"]] if isinstance(s["type"], str) else s["type"])]
+            checks.append(lambda x: any(t(x) for t in types))
+
+        def number(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
         if "minimum" in s:
             lo = s["minimum"]
-            checks.append(lambda x: x >= lo)
+            checks.append(lambda x: not number(x) or x >= lo)
         if "maximum" in s:
             hi = s["maximum"]
-            checks.append(lambda x: x <= hi)
+            checks.append(lambda x: not number(x) or x <= hi)
         if "minLength" in s:
             ml = s["minLength"]
-            checks.append(lambda x: len(x) >= ml)
+            checks.append(lambda x: not isinstance(x, str) or len(x) >= ml)
         if "maxLength" in s:
             xl = s["maxLength"]
-            checks.append(lambda x: len(x) <= xl)
+            checks.append(lambda x: not isinstance(x, str) or len(x) <= xl)
         if "enum" in s:
             allowed = s["enum"]
             checks.append(lambda x: any(x == a and type(x) is type(a) for a in allowed))
@@ -162,10 +170,10 @@ class _OpChecker:
             checks.append(lambda x: x == const and type(x) is type(const))
         if "maxItems" in s:
             mi = s["maxItems"]
-            checks.append(lambda x: len(x) <= mi)
+            checks.append(lambda x: not isinstance(x, list) or len(x) <= mi)
         if "items" in s:
             item = self._compile(s["items"])
-            checks.append(lambda x: all(item(v) for v in x))
+            checks.append(lambda x: not isinstance(x, list) or all(item(v) for v in x))
         if {"properties", "required", "additionalProperties"} & set(s):
             props = {k: self._compile(v) for k, v in s.get("properties", {}).items()}
             needed = frozenset(s.get("required", ()))
@@ -360,8 +368,13 @@ def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str,
         problems.append((["cache", "keep"], f"must be < max_size ({cache['max_size']}), got {cache['keep']}"))
     known = set(kind.all_ops) | set(kind.refuses)
     for i, op in enumerate(ops):
-        if "seq" in op and "fork" not in kind.all_ops:
+        if "seq" in op and kind.kind == "cells":
+            if not isinstance(op["seq"], int):  # out of range: the memory's refusal, compared
+                problems.append((["ops", i, "seq"], f"a cells sequence id is an integer, got {op['seq']!r}"))
+        elif "seq" in op and "fork" not in kind.all_ops:
             problems.append((["ops", i, "seq"], f"a {kind.kind} cache has no sequences (paged caches do)"))
+        elif "seq" in op and not isinstance(op["seq"], str):
+            problems.append((["ops", i, "seq"], f"a paged sequence is named by a string, got {op['seq']!r}"))
         if op["op"] not in known:
             why = f"op {op['op']!r} is not an operation of a {kind.kind} cache (its ops: {', '.join(kind.all_ops)})"
             problems.append((["ops", i], why))

@@ -21,7 +21,7 @@ from impl.models import make_prompt_cache
 from impl.rotating import RotatingKVCache
 
 #: a valid value for a required field that is not a count
-REQUIRED_EXAMPLES = {"layers": [{"kind": "dense"}], "build": "make_prompt_cache"}
+REQUIRED_EXAMPLES = {"layers": [{"kind": "dense"}], "build": "make_prompt_cache", "stores": ["full", "window"]}
 
 
 def minimal_cache(kind: str) -> dict:

@@ -170,7 +170,7 @@ _FIELDS = {
     "gather_positions": ["positions"], "gather_within_tail": ["tail", "kept"], "snapshot": ["name"],
     "restore": ["name"], "drop": ["name"], "detach": ["name"], "install": ["name"],
     "handle_trim_to": ["name", "len"], "fork": ["from", "as"], "release": ["seq"],
-    "expect": ["window", "of", "order", "layer"], "fetch": [], "hold": [], "release_hold": [],
+    "expect": ["window", "of", "order", "layer", "store"], "fetch": [], "hold": [], "release_hold": [],
     "can_trim": [], "layer": ["index", "do"],
     "state_snapshot": ["name"], "state_restore": ["name"],
     "copy": ["name", "deep", "live"], "append_mismatch": ["n", "differs"], "append_pair_mismatch": ["n", "differs"], "reload": ["via", "env"],
@@ -180,6 +180,10 @@ _FIELDS = {
                     "fold_block"],
     "save_load": ["metadata"], "to_quantized": ["layer"], "mask": ["layer", "n", "window", "device"],
     "mechanism": ["env"], "rows": ["tokens"], "append_unrecorded": ["n"],
+    # the cells kind
+    "decode": ["seqs", "tokens", "pos0"], "seq_rm": ["seq", "p0", "p1"], "seq_cp": ["src", "dst", "p0", "p1"],
+    "seq_keep": ["seq"], "seq_add": ["seq", "p0", "p1", "delta"], "seq_div": ["seq", "p0", "p1", "d"],
+    "pos_min": ["seq", "value"], "pos_max": ["seq", "value"], "save": ["seq", "name"], "clear": [],
 }
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
@@ -206,6 +210,9 @@ _VALID = {
     "size": st.integers(1, 8),
     "depth": st.integers(0, 3),
     "metadata": st.sampled_from([{}, {"0shot": "a"}]),
+    "seq": st.one_of(st.sampled_from(["s", "main"]), st.integers(-1, 3)),
+    "int_or_null": st.one_of(st.integers(-3, 3), st.none()),
+    "store": st.sampled_from(["full", "window"]),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -229,16 +236,23 @@ _BAD = {
     "size": st.sampled_from([0, 2**31, 1.5]),
     "depth": st.sampled_from([-1, 2**31, "1"]),
     "metadata": st.sampled_from([3, "x", []]),
+    "seq": st.sampled_from(["", "x" * 129, -2, 256, None, 1.5, True]),
+    "int_or_null": st.sampled_from([2**31, 1.5, "1", True]),
+    "store": st.sampled_from(["both", 1, None]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
-         "name": "name", "from": "name", "as": "name", "seq": "name", "window": "ints", "of": "name",
+         "name": "name", "from": "name", "as": "name", "seq": "seq", "window": "ints", "of": "name",
          "order": "order", "returns": "any", "error": "bool", "inplace": "bool", "capacity": "count",
          "layer": "count", "index": "int", "do": "do", "deep": "bool", "live": "live", "differs": "differs",
          "via": "via", "source": "int", "env": "env", "how": "how", "use": "use", "arg": "arg",
          "mode": "mode", "layout": "layout", "n_layers": "size", "max_kv_size": "size", "step": "size",
          "fold_block": "size", "undo": "depth", "num_draft_tokens": "depth", "hot_threshold": "depth",
-         "metadata": "metadata", "device": "bool", "tokens": "ints"}
-_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
+         "metadata": "metadata", "device": "bool", "tokens": "ints",
+         "seqs": "ints", "pos0": "int", "p0": "int", "p1": "int_or_null", "src": "int", "dst": "int", "delta": "int",
+         "d": "int", "value": "int", "store": "store"}
+_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer", "store"},
+             "seq_rm": {"p1"}, "seq_cp": {"p1"}, "seq_add": {"p1"}, "seq_div": {"p1"}, "pos_min": {"value"},
+             "pos_max": {"value"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
              "trim_refused_late": {"how"}, "handle_reuse": {"use", "arg"},
              "build_probe": {"layout", "n_layers", "max_kv_size", "undo", "num_draft_tokens", "step", "hot_threshold",
                              "fold_block"},

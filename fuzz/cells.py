@@ -1,0 +1,1048 @@
+"""The cells kind's harness: llama.cpp's KV memory model (``spec.cells``)
+in lockstep with a cells target, and its state machine.
+
+A **cells target** is anything that runs the memory's ops and shows its
+cells (:class:`CellsTarget`, docs/cells.md): our MLX cache
+(``impl.cells.CellCache``, wrapped by :class:`OursTarget`) or llama.cpp
+(``fuzz.adapters.llama_cpp``). The lockstep (:class:`CellsLockstep`) runs
+every op on the spec and on the target and compares, after every op:
+
+* the op's result (a bool of ``decode``/``seq_rm``/``restore``, the
+  refusal's type, and for our implementation its words);
+* ``pos_min`` and ``pos_max`` of every sequence;
+* each store's used cells as a multiset of ``(pos, seqs, k_name, v_name)``:
+  every K row must be named ``(token, cell.pos)`` (a shift applied, or
+  pending and applied before the read) and every V row ``token``;
+* a save's snapshot (per store ``(pos, k_name, v_name)``, the K rows named
+  by the save itself: no pending shift may survive into it) and, at a
+  restore, what the restore wrote.
+
+**Adoption** (which droppable windowed cells a decode reuses is the
+target's choice): after a decode, cells of the window store that the spec
+holds and the target does not are accepted only if each was droppable
+before the decode (``spec.cells.droppable``); the spec is then told to
+drop them. Any other missing cell, and any extra one, is a divergence.
+
+Plugging another engine in takes two calls: :func:`cells_campaign` (a
+seeded campaign against ``target_factory(cache) -> CellsTarget``, a
+failure shrunk to a minimal kvtrace) and :func:`replay_cells` (one trace).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, initialize, precondition, rule
+
+from fuzz.failures import Divergence
+from fuzz.lockstep import Outcome, error_text, same_value
+from fuzz.machine import KVMachine
+from fuzz.protocol import refusal_category
+from fuzz.trace import TraceFormatError
+from spec import cells as sc
+from spec.errors import KVCacheError
+
+__all__ = ["CellRows", "CellsLockstep", "CellsMachine", "CellsResult", "CellsTarget", "OursTarget",
+           "cells_campaign", "replay_cells"]
+
+
+class CellsTarget(Protocol):
+    """A KV memory of llama.cpp's kind, driven op by op (design of the
+    ``cells`` kind, docs/cells.md). Positions are ints >= 0, sequence ids
+    ``0..n_seq - 1`` (``-1`` in ``seq_rm``: every sequence), ``p1 None``:
+    to infinity. Bad arguments raise ``spec.errors.KVCacheError``
+    subclasses (another engine may raise its own: refusals are compared by
+    category), and a refusal changes nothing."""
+
+    stores: tuple[str, ...]
+
+    def decode(self, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int) -> bool:
+        """One group: ``tokens`` at ``pos0, pos0 + 1, ...`` held by every
+        sequence in ``seqs``. False: no slot (nothing changed)."""
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> bool: ...
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int | None) -> None: ...
+    def seq_keep(self, seq: int) -> None: ...
+    def seq_add(self, seq: int, p0: int, p1: int | None, delta: int) -> None: ...
+    def seq_div(self, seq: int, p0: int, p1: int | None, d: int) -> None: ...
+    def pos_min(self, seq: int) -> int: ...
+    def pos_max(self, seq: int) -> int: ...
+
+    def save(self, seq: int) -> Any:
+        """An opaque snapshot of ``seq``'s cells (never aliasing the memory)."""
+
+    def restore(self, snapshot: Any, dst: int) -> bool: ...
+    def clear(self) -> None: ...
+
+    def observe(self) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
+        """Per store, every used cell as ``(pos, seqs, k_name, v_name)``
+        (any order): ``k_name`` the ``(token, pos)`` whose K row the cell
+        holds (None: no row matches), ``v_name`` the token of its V row.
+        Pending shifts are applied first, as a decode would."""
+
+    def observe_snapshot(self, snapshot: Any) -> dict[str, list[tuple[int, Any, Any]]]:
+        """Per store, ``(pos, k_name, v_name)`` of the cells a snapshot holds."""
+
+
+# -- rows -----------------------------------------------------------------------
+
+#: positions the row table covers beyond the largest one seen so far
+TABLE_MARGIN = 64
+#: largest |difference| (per element, float32) for a K row to be named by a
+#: table entry: a re-rotation by a shift is not bit-exact
+K_TOLERANCE = {"float16": 2e-2, "bfloat16": 1.5e-1, "float32": 1e-3}
+
+
+class CellRows:
+    """The K and V rows of ``(token, pos)`` for one configuration and their
+    names back. Per store and token a base K and V row, shape ``(kv_heads,
+    head_dim)``, drawn from a generator seeded by (store, token, K or V),
+    entries in [0.5, 1.5) with random signs (never near 0, so rotations
+    are told apart); the K row at ``pos`` is the base rotated by ``pos``
+    with ``rope`` (the target's rotate-half RoPE, ``impl.cells.rope_shift``
+    for ours), V is the base. Names are found by the nearest table entry
+    within :data:`K_TOLERANCE`; the table grows to every position seen plus
+    :data:`TABLE_MARGIN`."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: str, rope: Any):
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self._rope = rope
+        self._base: dict[tuple[str, int, str], np.ndarray] = {}
+        #: (store, token) -> (P, H, D) float32 K rows at positions 0..P-1
+        self._table: dict[tuple[str, int], np.ndarray] = {}
+        self._positions = TABLE_MARGIN
+
+    def base(self, store: str, token: int, which: str) -> np.ndarray:
+        key = (store, token, which)
+        got = self._base.get(key)
+        if got is None:
+            seed = [sum(map(ord, store)), token & 0xFFFFFFFF, 1 if which == "k" else 2, 49]
+            rng = np.random.default_rng(seed)
+            mag = rng.uniform(0.5, 1.5, (self.kv_heads, self.head_dim))
+            sign = np.where(rng.integers(0, 2, (self.kv_heads, self.head_dim)) == 0, -1.0, 1.0)
+            got = self._base[key] = self._cast(mag * sign).astype(np.float32)
+        return got
+
+    def _cast(self, x: np.ndarray) -> np.ndarray:
+        from fuzz.rows import round_to_bfloat16
+
+        if self.dtype == "float16":
+            return x.astype(np.float16).astype(np.float32)
+        if self.dtype == "bfloat16":
+            return round_to_bfloat16(x.astype(np.float32))
+        return x.astype(np.float32)
+
+    def _grow(self, store: str, token: int, upto: int) -> np.ndarray:
+        have = self._table.get((store, token))
+        n = max(self._positions, upto + 1)
+        if have is not None and have.shape[0] >= n:
+            return have
+        base = self.base(store, token, "k")
+        rows = np.repeat(base[None], n, axis=0)
+        got = np.asarray(self._rope(rows, np.arange(n)), dtype=np.float32)
+        self._table[(store, token)] = got
+        return got
+
+    def k_rows(self, store: str, tokens: tuple[int, ...], pos0: int) -> np.ndarray:
+        """``(n, kv_heads, head_dim)`` float32 (holding ``dtype`` values):
+        the K rows of ``tokens`` at ``pos0, pos0 + 1, ...``."""
+        self._positions = max(self._positions, pos0 + len(tokens) + TABLE_MARGIN)
+        return self._cast(np.stack([self._grow(store, t, pos0 + j)[pos0 + j] for j, t in enumerate(tokens)]))
+
+    def v_rows(self, store: str, tokens: tuple[int, ...]) -> np.ndarray:
+        return np.stack([self.base(store, t, "v") for t in tokens])
+
+    def name_k(self, store: str, row: np.ndarray, tokens: Any, hint: int | None = None) -> tuple[int, int] | None:
+        """The ``(token, pos)`` whose K row ``row`` is (within tolerance),
+        over ``tokens``; None when no entry is that close."""
+        row = np.asarray(row, dtype=np.float32)
+        tol = K_TOLERANCE[self.dtype] * max(1.0, float(np.abs(row).max(initial=0.0)))
+        best, best_err = None, np.inf
+        upto = max(self._positions, (hint or 0) + 1)
+        for t in tokens:
+            table = self._grow(store, t, upto)
+            err = np.abs(table - row[None]).reshape(table.shape[0], -1).max(axis=1)
+            j = int(np.argmin(err))
+            if err[j] < best_err:
+                best, best_err = (t, j), float(err[j])
+        return best if best is not None and best_err <= tol else None
+
+    def name_v(self, store: str, row: np.ndarray, tokens: Any) -> int | None:
+        row = np.asarray(row, dtype=np.float32)
+        for t in tokens:
+            if np.array_equal(self.base(store, t, "v"), row):
+                return t
+        return None
+
+
+# -- our implementation as a target ---------------------------------------------
+
+
+def _impl() -> Any:
+    from impl import cells
+
+    return cells
+
+
+def _host(a: Any) -> np.ndarray:
+    """A row as float32: an ``mx.array``, or a NumPy copy from
+    ``impl.cells`` (bfloat16 as its uint16 bit pattern)."""
+    import mlx.core as mx
+
+    if isinstance(a, mx.array):
+        return np.asarray(a.astype(mx.float32))
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+class OursTarget:
+    """``impl.cells.CellCache`` (or an injected bug's subclass, ``factory``)
+    as a :class:`CellsTarget`: rows made and named by :class:`CellRows`
+    with ``impl.cells.rope_shift``."""
+
+    def __init__(self, cfg: dict[str, Any], factory: Any = None):
+        import mlx.core as mx
+
+        impl = _impl()
+        cls = factory or impl.CellCache
+        self.cfg = cfg
+        self.stores = tuple(cfg["stores"])
+        self.dtype = cfg.get("dtype", "float16")
+        self.cache = cls(cfg["n_cells"], cfg["kv_heads"], cfg["head_dim"], dtype=self.dtype,
+                         window=cfg.get("window"), stores=self.stores, n_seq=cfg["n_seq"])
+
+        def rope(rows: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+            got = impl.rope_shift(mx.array(rows, dtype=mx.float32), mx.array(deltas.astype(np.int32)), 10000.0)
+            return _host(got)
+
+        self.rows = CellRows(cfg["kv_heads"], cfg["head_dim"], self.dtype, rope)
+        #: every token handed in (what names are looked up among)
+        self.tokens: set[int] = set()
+        self._mx_dtype = getattr(mx, self.dtype)
+
+    def decode(self, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int) -> bool:
+        import mlx.core as mx
+
+        self.tokens.update(t for t in tokens if isinstance(t, int))
+        keys, values = {}, {}
+        good = tokens and all(isinstance(t, int) for t in tokens) and isinstance(pos0, int) and pos0 >= 0
+        for s in self.stores:
+            if good:
+                keys[s] = mx.array(self.rows.k_rows(s, tuple(tokens), pos0)).astype(self._mx_dtype)
+                values[s] = mx.array(self.rows.v_rows(s, tuple(tokens))).astype(self._mx_dtype)
+            else:  # a group the cache must refuse: rows of the right shape, whatever they hold
+                n = max(len(tokens), 1)
+                keys[s] = values[s] = mx.zeros((n, self.cfg["kv_heads"], self.cfg["head_dim"]), dtype=self._mx_dtype)
+        if not tokens:
+            from spec.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"decode: tokens must be a non-empty tuple of integer token ids, got {tokens!r}")
+        return self.cache.decode(tuple(seqs), keys, values, pos0)
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> bool:
+        return self.cache.seq_rm(seq, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int | None) -> None:
+        return self.cache.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        return self.cache.seq_keep(seq)
+
+    def seq_add(self, seq: int, p0: int, p1: int | None, delta: int) -> None:
+        return self.cache.seq_add(seq, p0, p1, delta)
+
+    def seq_div(self, seq: int, p0: int, p1: int | None, d: int) -> None:
+        return self.cache.seq_div(seq, p0, p1, d)
+
+    def pos_min(self, seq: int) -> int:
+        return self.cache.pos_min(seq)
+
+    def pos_max(self, seq: int) -> int:
+        return self.cache.pos_max(seq)
+
+    def save(self, seq: int) -> Any:
+        return self.cache.save(seq)
+
+    def restore(self, snapshot: Any, dst: int) -> bool:
+        return self.cache.restore(snapshot, dst)
+
+    def clear(self) -> None:
+        return self.cache.clear()
+
+    def _name(self, store: str, k: Any, v: Any, pos: int) -> tuple[Any, Any]:
+        return (self.rows.name_k(store, k, sorted(self.tokens), pos), self.rows.name_v(store, v, sorted(self.tokens)))
+
+    def observe(self, rows: bool = True) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
+        """Per store every used cell, rows named; ``rows=False``: names
+        None and pending shifts left pending (read with ``apply_shifts``
+        off)."""
+        out: dict[str, list[tuple[int, frozenset[int], Any, Any]]] = {}
+        for store in self.stores:
+            cells = []
+            for pos, seqs, k, v in self.cache.cells(store, apply_shifts=rows):
+                kn, vn = self._name(store, _host(k), _host(v), int(pos)) if rows else (None, None)
+                cells.append((int(pos), frozenset(int(s) for s in seqs), kn, vn))
+            out[store] = cells
+        return out
+
+    def observe_snapshot(self, snapshot: Any) -> dict[str, list[tuple[int, Any, Any]]]:
+        out: dict[str, list[tuple[int, Any, Any]]] = {}
+        for store, (positions, keys, values) in snapshot.cells.items():
+            got = []
+            for j, pos in enumerate(np.asarray(positions).tolist()):
+                kn, vn = self._name(store, _host(keys[j]), _host(values[j]), int(pos))
+                got.append((int(pos), kn, vn))
+            out[store] = got
+        return out
+
+
+# -- the spec side (spec.cells: frozen states, each op a new state) -------------
+
+
+@dataclass
+class CellsWorld:
+    """The spec's memory (a frozen ``spec.cells.CellsState``) and the
+    snapshots the trace saved, by name: ``(snapshot, the sequence saved)``."""
+
+    memory: Any
+    snapshots: dict[str, tuple[Any, int]] = field(default_factory=dict)
+
+
+def spec_memory(cfg: dict[str, Any]) -> Any:
+    """The spec's empty memory for a trace's cache fields."""
+    return sc.empty(sc.CellsConfig(n_cells=cfg["n_cells"], window=cfg.get("window"),
+                                   stores=tuple(cfg["stores"]), n_seq=cfg["n_seq"]))
+
+
+def spec_cells(memory: Any, store: str) -> list[tuple[int, frozenset[int], int]]:
+    """The spec store's used cells as ``(pos, seqs, token)``."""
+    return [c.key for c in memory.present(store)]
+
+
+#: the ops of the cells kind (kvtrace), besides the common ``restore``/``expect``
+CELL_OPS = ("decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "pos_min", "pos_max", "save", "clear")
+#: every op a cells trace may hold
+ALL_CELL_OPS = (*CELL_OPS, "restore", "expect")
+
+
+def _p1(op: dict[str, Any]) -> int | None:
+    return op.get("p1")
+
+
+def _spec_run(world: CellsWorld, op: dict[str, Any], index: int = -1) -> tuple[Any, CellsWorld]:
+    """One op on the spec: (result, new world); ``world`` is not changed
+    (the spec's states are frozen). Raises the spec's KVCacheError for a
+    refused op, TraceFormatError for a trace that names no snapshot."""
+    m, name = world.memory, op["op"]
+    result: Any = None
+    if name == "decode":
+        result, m = sc.decode(m, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"])
+    elif name == "seq_rm":
+        result, m = sc.seq_rm(m, op["seq"], op["p0"], _p1(op))
+    elif name == "seq_cp":
+        m = sc.seq_cp(m, op["src"], op["dst"], op["p0"], _p1(op))
+    elif name == "seq_keep":
+        m = sc.seq_keep(m, op["seq"])
+    elif name == "seq_add":
+        m = sc.seq_add(m, op["seq"], op["p0"], _p1(op), op["delta"])
+    elif name == "seq_div":
+        m = sc.seq_div(m, op["seq"], op["p0"], _p1(op), op["d"])
+    elif name in ("pos_min", "pos_max"):
+        result = getattr(sc, name)(m, op["seq"])
+    elif name == "save":
+        snap = sc.save(m, op["seq"])
+        return None, CellsWorld(m, {**world.snapshots, op["name"]: (snap, op["seq"])})
+    elif name == "restore":
+        result, m = sc.restore(m, _named(world, op, index)[0], op["seq"])
+    elif name == "clear":
+        m = sc.clear(m)
+    else:
+        raise TraceFormatError(f"op {index} field 'op': kind cells has no op {name!r}; its ops: "
+                               f"{', '.join(ALL_CELL_OPS)}")
+    return result, CellsWorld(m, world.snapshots)
+
+
+def _named(world: CellsWorld, op: dict[str, Any], index: int) -> tuple[Any, int]:
+    snap = world.snapshots.get(op["name"])
+    if snap is None:
+        names = ", ".join(sorted(world.snapshots)) or "none"
+        raise TraceFormatError(f"op {index} field 'name': no snapshot named {op['name']!r} was saved before "
+                               f"this op (saved: {names})")
+    return snap
+
+
+def adoption(before: Any, op: dict[str, Any], got: list[tuple[int, frozenset[int], Any, Any]]) -> list[Any]:
+    """What a target's decode dropped from the window store, as
+    ``spec.cells.drop`` items: a cell gone whole is its key ``(pos, seqs,
+    token)`` when one sequence held it, else one ``(key, seq)`` per holder;
+    a cell still there for fewer holders gives ``(key, seq)`` per holder
+    gone. ``before``: the spec's state before the decode; ``got``: the
+    target's window store after it."""
+    new = Counter((op["pos0"] + j, frozenset(op["seqs"]), t) for j, t in enumerate(op["tokens"]))
+    have = Counter((p, s, v if v is not None else (k[0] if k else None)) for p, s, k, v in got) - new
+    had = Counter(c.key for c in before.present("window"))
+    missing, extra = had - have, have - had
+    items: list[Any] = []
+    for key in sorted(missing.elements(), key=repr):
+        pos, seqs, tok = key
+        kept = next((e for e in extra.elements() if e[0] == pos and e[2] == tok and e[1] < seqs), None)
+        if kept is not None:
+            extra[kept] -= 1
+            items += [(key, h) for h in sorted(seqs - kept[1])]
+        elif len(seqs) == 1:
+            items.append(key)
+        else:
+            items += [(key, h) for h in sorted(seqs)]
+    return items
+
+
+# -- the lockstep ---------------------------------------------------------------
+
+
+def _observe(target: Any, rows: bool) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
+    """``target.observe()``; with ``rows=False`` (after a shift: the rows
+    are not read, so a pending shift stays pending, as it does in the
+    engine until its next decode) where the target takes the argument."""
+    if rows:
+        return target.observe()
+    try:
+        return target.observe(rows=False)
+    except TypeError:
+        return target.observe()
+
+
+def _show(cells: Any) -> list[str]:
+    """Cells as a report shows them: ``pos 3 seqs {0,1} K (5, 3) V 5``."""
+    out = []
+    for c in sorted(cells, key=repr):
+        if len(c) == 4:
+            pos, seqs, k, v = c
+            out.append(f"pos {pos} seqs {{{','.join(map(str, sorted(seqs)))}}} K {k} V {v}")
+        else:
+            pos, k, v = c
+            out.append(f"pos {pos} K {k} V {v}")
+    return out
+
+
+#: ops that move positions without reading rows: the lockstep compares
+#: cells and positions after them, not rows (a pending shift stays pending)
+SHIFT_OPS = frozenset({"seq_add", "seq_div"})
+
+
+class CellsLockstep:
+    """The spec (``spec.cells``) and a :class:`CellsTarget` in step, op by
+    op (the module's doc lists what is compared). ``factory``: None (our
+    ``impl.cells.CellCache``), a subclass of it (an injected bug), or
+    ``{"target": target_factory}`` with ``target_factory(cache) ->
+    CellsTarget`` (another engine). :meth:`step` raises :class:`Divergence`
+    at the first disagreement, TraceFormatError for a trace it cannot run."""
+
+    spec_module = sc
+    #: set by fuzz.targets for our implementation: refusals compared by type
+    #: and words (another target's by category)
+    compare_messages = False
+    check_inplace = True
+    check_sharing = False
+    impl_name = "impl"
+
+    def __init__(self, cache: dict[str, Any], factory: Any = None):
+        self.cfg = cache
+        if isinstance(factory, dict) and "target" in factory:
+            self.target: Any = factory["target"](cache)
+            self.ours = False
+            self.impl_name = getattr(self.target, "name", "target")
+        else:
+            self.target = OursTarget(cache, factory)
+            self.ours = True
+        self.world = CellsWorld(spec_memory(cache))
+        self.snaps: dict[str, Any] = {}
+        self.stats: dict[str, int] = {}
+        self.refusals: list[tuple[int, str]] = []
+        self.refused = False
+        #: successful shifts since the rows were last read (a decode or a
+        #: comparison of rows)
+        self._pending_shifts = 0
+
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        """The store list and the window agree (TraceFormatError naming the field)."""
+        stores = tuple(cache.get("stores", ()))
+        if stores not in sc.LAYOUTS:
+            raise TraceFormatError(f"field cache.stores: {list(stores)} is not one of "
+                                   f"{', '.join(str(list(x)) for x in sc.LAYOUTS)}")
+        window = cache.get("window")
+        if ("window" in stores) != (window is not None):
+            raise TraceFormatError(f"field cache.window: {window!r} with stores {list(stores)}: a window store "
+                                   "needs a window >= 1, and only a window store takes one")
+
+    def reached(self, event: str) -> None:
+        self.stats[event] = self.stats.get(event, 0) + 1
+
+    # -- the two sides ----------------------------------------------------------
+    def spec_apply(self, op: dict[str, Any], index: int = -1) -> tuple[Any, CellsWorld]:
+        """The op on the spec: (result, new world); nothing changes here."""
+        return _spec_run(self.world, op, index)
+
+    def target_apply(self, op: dict[str, Any], index: int) -> Any:
+        t, name = self.target, op["op"]
+        if name == "decode":
+            return t.decode(tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"])
+        if name == "seq_rm":
+            return t.seq_rm(op["seq"], op["p0"], _p1(op))
+        if name == "seq_cp":
+            return t.seq_cp(op["src"], op["dst"], op["p0"], _p1(op))
+        if name == "seq_keep":
+            return t.seq_keep(op["seq"])
+        if name == "seq_add":
+            return t.seq_add(op["seq"], op["p0"], _p1(op), op["delta"])
+        if name == "seq_div":
+            return t.seq_div(op["seq"], op["p0"], _p1(op), op["d"])
+        if name in ("pos_min", "pos_max"):
+            return getattr(t, name)(op["seq"])
+        if name == "save":
+            self.snaps[op["name"]] = t.save(op["seq"])
+            return None
+        if name == "restore":
+            if op["name"] not in self.snaps:
+                _named(self.world, op, index)  # raises TraceFormatError naming the field
+            return t.restore(self.snaps[op["name"]], op["seq"])
+        if name == "clear":
+            return t.clear()
+        raise TraceFormatError(f"op {index} field 'op': kind cells has no op {name!r}")
+
+    # -- the step ---------------------------------------------------------------
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        """Run ``op`` on both sides and compare (Divergence on the first
+        difference)."""
+        self.reached("ops")
+        if op["op"] not in ALL_CELL_OPS:
+            raise TraceFormatError(f"op {index} field 'op': kind cells has no op {op['op']!r}; its ops: "
+                                   f"{', '.join(ALL_CELL_OPS)}")
+        if op["op"] == "expect":
+            self.check_expect(index, op)
+            return
+        if op["op"] == "restore":
+            _named(self.world, op, index)
+        before = self.world
+        try:
+            s_result, s_world = self.spec_apply(op, index)
+            spec_out = Outcome(result=s_result)
+        except KVCacheError as exc:
+            spec_out, s_world = Outcome(error=exc), None
+        try:
+            impl_out = Outcome(result=self.target_apply(op, index))
+        except TraceFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a refusal, or the target's crash (compared below)
+            impl_out = Outcome(error=exc)
+        self.compare_refusal(index, op, spec_out, impl_out)
+        self.refused = spec_out.error is not None
+        if self.refused:
+            self.reached("refused " + op["op"])
+            self.refusals.append((index, str(spec_out.error)))
+        if op.get("error") is True and spec_out.error is None:
+            raise Divergence(index, op, "trace expects a refusal", spec_out.describe(), "a refusal",
+                             ("spec says", "trace expects"))
+        if op.get("error") is False and spec_out.error is not None:
+            raise Divergence(index, op, "trace expects success", spec_out.describe(), "success",
+                             ("spec says", "trace expects"))
+        if s_world is not None:
+            self.world = s_world
+            if not (spec_out.result is None and impl_out.result is None) and \
+                    not same_value(spec_out.result, impl_out.result):
+                raise Divergence(index, op, "return value differs", spec_out.result, impl_out.result)
+            self.check_value(index, op, spec_out.result)
+        rows = op["op"] not in SHIFT_OPS and op["op"] != "save"
+        pending = self._pending_shifts
+        if op["op"] in SHIFT_OPS:
+            self._pending_shifts += 0 if self.refused else 1
+        elif rows:
+            self._pending_shifts = 0
+        got = _observe(self.target, rows=rows)
+        if op["op"] == "decode" and spec_out.error is None and spec_out.result:
+            self.adopt(index, op, before, got)
+        self.compare_cells(index, op, got, rows=rows)
+        self.compare_positions(index, op)
+        if op["op"] in ("save", "restore") and spec_out.error is None:
+            self.compare_snapshot(index, op)
+        self.note(op, before, spec_out, pending)
+
+    def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Outcome, impl_out: Outcome) -> None:
+        """Both refuse or neither; ours with the spec's type (and, with
+        :attr:`compare_messages`, words), another target in the same
+        category (fuzz.protocol.refusal_category; its own exception types
+        through its ``refusal_categories``)."""
+        s_err, i_err = spec_out.error, impl_out.error
+        if s_err is None and i_err is None:
+            return
+        if (s_err is None) != (i_err is None):
+            raise Divergence(index, op, "refusal differs", spec_out.describe(), impl_out.describe())
+        if self.ours:
+            if type(s_err) is not type(i_err):
+                raise Divergence(index, op, "refusal differs", spec_out.describe(), impl_out.describe())
+            if self.compare_messages and str(s_err) != str(i_err) and op["op"] not in self.OWN_WORDED_OPS:
+                raise Divergence(index, op, "refusal message differs", spec_out.describe(), impl_out.describe())
+            return
+        cats = getattr(self.target, "refusal_categories", None)
+        if refusal_category(s_err) != refusal_category(i_err, cats):  # type: ignore[arg-type]
+            raise Divergence(index, op, "refusal category differs", spec_out.describe(),
+                             f"{impl_out.describe()} ({refusal_category(i_err, cats) or 'not a refusal: a crash'})")
+
+    #: ops whose refusals the implementation words its own way (its type is
+    #: compared): every op, since impl.cells states its rules in its own words
+    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset(ALL_CELL_OPS)
+
+    def check_value(self, index: int, op: dict[str, Any], result: Any) -> None:
+        """The trace's own checks on the spec: a ``pos_min``/``pos_max``
+        op's ``value``, a ``returns`` of decode, seq_rm or restore."""
+        for key in ("value", "returns"):
+            if key in op and op[key] != result:
+                raise Divergence(index, op, f"trace's {key!r} check fails", result, op[key],
+                                 ("spec says", "trace expects"))
+
+    def adopt(self, index: int, op: dict[str, Any], before: CellsWorld,
+              got: dict[str, list[tuple[int, frozenset[int], Any, Any]]]) -> None:
+        """The adoption rule: when the target's window store differs from
+        the spec's after a decode, the cells it no longer holds (whole, or
+        for some holders) must each have been droppable (forgettable) before
+        the decode; the spec then drops those and decodes again, so the two
+        stay in step. Any other difference is left to :meth:`compare_cells`."""
+        if "window" not in self.target.stores:
+            return
+        want = Counter(spec_cells(self.world.memory, "window"))
+        have = Counter((p, s, v if v is not None else (k[0] if k else None)) for p, s, k, v in got["window"])
+        if want == have:
+            return
+        items = adoption(before.memory, op, got["window"])
+        if not items:
+            return
+        try:
+            dropped = sc.drop(before.memory, "window", items)
+        except KVCacheError as exc:
+            raise Divergence(index, op, "window store: a cell dropped that was not droppable", str(exc),
+                             f"window store after the decode: {_show(got['window'])}") from None
+        ok, memory = sc.decode(dropped, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"])
+        if ok:
+            self.world = CellsWorld(memory, self.world.snapshots)
+            self.reached("windowed cells dropped by the target's choice")
+
+    def compare_cells(self, index: int, op: dict[str, Any], got: dict[str, list[Any]], rows: bool) -> None:
+        """Every store as a multiset of ``(pos, seqs, K name, V name)``
+        (``rows=False``: positions and holders only)."""
+        for store in self.target.stores:
+            want = [(p, s, (t, p), t) for p, s, t in spec_cells(self.world.memory, store)]
+            have = list(got.get(store, []))
+            if not rows:
+                want = [(p, s, None, None) for p, s, _, _ in want]
+                have = [(p, s, None, None) for p, s, _, _ in have]
+            if Counter(want) != Counter(have):
+                extra, missing = Counter(have) - Counter(want), Counter(want) - Counter(have)
+                what = f"{store} store differs"
+                if rows and Counter((p, s) for p, s, _, _ in want) == Counter((p, s) for p, s, _, _ in have):
+                    what = f"{store} store: rows differ (K named (token, pos) by its rotation, V by token)"
+                raise Divergence(index, op, what, f"{len(want)} cells; not on the {self.impl_name} side: "
+                                 f"{_show(missing.elements()) or 'none'}",
+                                 f"{len(have)} cells; not in the spec: {_show(extra.elements()) or 'none'}")
+
+    def compare_positions(self, index: int, op: dict[str, Any]) -> None:
+        """``pos_min`` and ``pos_max`` of every sequence."""
+        m = self.world.memory
+        for s in range(self.cfg["n_seq"]):
+            for name in ("pos_min", "pos_max"):
+                want = getattr(sc, name)(m, s)
+                try:
+                    have = getattr(self.target, name)(s)
+                except Exception as exc:  # noqa: BLE001 - a read that raises is the divergence
+                    raise Divergence(index, op, f"{name}({s}) raised", want, error_text(exc)) from None
+                if not same_value(want, have):
+                    raise Divergence(index, op, f"{name}({s}) differs", want, have)
+
+    def compare_snapshot(self, index: int, op: dict[str, Any]) -> None:
+        """The snapshot saved (at ``save``) or restored (at ``restore``):
+        per store the cells ``(pos, K name, V name)``, K named by the
+        snapshot's own rows."""
+        name = op["name"]
+        want = sc.observe_snapshot(self.world.snapshots[name][0])
+        try:
+            got = self.target.observe_snapshot(self.snaps[name])
+        except Exception as exc:  # noqa: BLE001 - an unreadable snapshot is the divergence
+            raise Divergence(index, op, f"snapshot {name!r} cannot be read", want, error_text(exc)) from None
+        for store in sorted(set(want) | set(got)):
+            w, g = want.get(store, []), got.get(store, [])
+            if Counter(w) != Counter(g):
+                raise Divergence(index, op, f"snapshot {name!r}, {store} store differs", _show(w), _show(g))
+
+    def check_expect(self, index: int, op: dict[str, Any]) -> None:
+        """``expect``: ``window`` is the tokens of sequence ``seq``'s cells
+        in position order in store ``store`` (default: the first), on the
+        spec and on the target."""
+        seq = op.get("seq")
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.cfg["n_seq"]:
+            raise TraceFormatError(f"op {index} field 'seq': an expect of a cells cache names a sequence id "
+                                   f"0..{self.cfg['n_seq'] - 1}, got {seq!r}")
+        store = op.get("store", self.target.stores[0])
+        if store not in self.target.stores:
+            raise TraceFormatError(f"op {index} field 'store': {store!r} is not a store of this cache "
+                                   f"({', '.join(self.target.stores)})")
+        want = [t for _, t in sorted((p, t) for p, s, t in spec_cells(self.world.memory, store) if seq in s)]
+        if want != list(op["window"]):
+            raise Divergence(index, op, "trace's 'expect' fails on the spec", want, list(op["window"]),
+                             ("spec says", "trace expects"))
+        got = _observe(self.target, rows=True)[store]
+        have = [k[0] if k else "?" for _, k in sorted(((p, k) for p, s, k, _ in got if seq in s), key=repr)]
+        if have != want:
+            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, have)
+
+    def note(self, op: dict[str, Any], before: CellsWorld, out: Outcome, pending: int) -> None:
+        """The events a campaign counts (``must_reach`` in fuzz/kinds.py)."""
+        name = op["op"]
+        if out.error is not None:
+            return
+        if name == "decode":
+            self.reached("decodes" if out.result else "decodes without a slot")
+            if out.result and "window" in self.target.stores and \
+                    len(before.memory.present("window")) + len(op["tokens"]) > self.cfg["n_cells"]:
+                self.reached("windowed cells reused")
+        elif name == "seq_rm":
+            self.reached("removals" if out.result else "windowed seq_rm refused")
+        elif name == "restore":
+            if not out.result:
+                self.reached("restores without room")
+            else:
+                same = op["seq"] == before.snapshots[op["name"]][1]
+                self.reached("restores into the same sequence" if same else "restores into another sequence")
+        elif name == "save":
+            self.reached("saves after a pending shift" if pending else "saves")
+        elif name in SHIFT_OPS:
+            self.reached(name + "s" if self.world.memory != before.memory else name + " no-ops")
+            if pending and self.world.memory != before.memory:
+                self.reached("shifts composed before a read")
+        else:
+            self.reached(name)
+        if any(len(s) > 1 for st_ in self.target.stores for _, s, _ in spec_cells(self.world.memory, st_)):
+            self.reached("shared cells")
+
+    # -- kvtrace annotations (fuzz.campaign.annotate) ----------------------------
+    def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
+        if op["op"] in ("decode", "seq_rm", "restore") and isinstance(result, bool):
+            return {"returns": result}
+        if op["op"] in ("pos_min", "pos_max"):
+            return {"value": result}
+        return {}
+
+    def expect_ops(self) -> list[dict[str, Any]]:
+        """``expect`` ops pinning every sequence's tokens in every store."""
+        out = []
+        m = self.world.memory
+        for store in self.cfg["stores"]:
+            for s in range(self.cfg["n_seq"]):
+                toks = [t for _, t in sorted((p, t) for p, seqs, t in spec_cells(m, store) if s in seqs)]
+                op = {"op": "expect", "seq": s, "window": toks}
+                if store != self.cfg["stores"][0]:
+                    op["store"] = store
+                out.append(op)
+        return out
+
+
+# -- the state machine ----------------------------------------------------------
+
+
+class CellsMachine(KVMachine):
+    """A cells memory's life, biased to its edges: 2 to 8 cells per store,
+    a window of 1 to 4 (iSWA, full only, or window only), 2 or 3
+    sequences, a vocabulary of 4 to 6 tokens; decode groups of 1 to 3
+    tokens (coupled sequences sometimes, wrong positions and sequence ids
+    sometimes: refused); seq_cp after a seq_rm of the destination
+    (sharing), shifts up, context shifts (seq_rm then seq_add down), two
+    shifts before a read, seq_div, saves (after a pending shift too) and
+    restores into the same and other sequences, tail removals a window
+    must refuse, seq_keep and clear."""
+
+    kind = "cells"
+    saved = Bundle("saved")
+    # the rules of the one-sequence kinds: not ops of a cells memory
+    fetch = hold = release_hold = trim = trim_to = snapshot = restore = drop = branch = misuse_name = None  # type: ignore[assignment]
+
+    def setup(self, **cfg: Any) -> None:
+        from fuzz.kinds import get as kind_entry
+
+        type(self).runs += 1
+        entry = kind_entry(self.kind, self.mode)
+        self.cfg = {**entry.defaults(), "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg,
+                    **self.fixed}
+        if "window" not in self.cfg["stores"]:
+            self.cfg["window"] = None
+        elif self.cfg.get("window") is None:
+            self.cfg["window"] = cfg.get("window") or 2
+        self.cfg = {k: v for k, v in self.cfg.items() if v is not None or k == "window"}
+        if self.make_lockstep is None:
+            raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
+        self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
+        self.without = entry.without
+
+    @initialize(data=st.data())
+    def init(self, data: st.DataObject) -> None:
+        stores = data.draw(st.sampled_from([("full", "window"), ("full",), ("window",), ("full", "window")]),
+                           label="stores")
+        cfg: dict[str, Any] = {
+            "stores": list(stores),
+            "window": data.draw(st.integers(1, 4), label="window") if "window" in stores else None,
+            "n_cells": data.draw(st.integers(2, 8), label="n_cells"),
+            "n_seq": data.draw(st.integers(2, 3), label="n_seq"),
+            "kv_heads": data.draw(st.integers(1, 2), label="kv_heads"),
+            "head_dim": data.draw(st.sampled_from([8, 8, 16]), label="head_dim"),
+            "dtype": data.draw(st.sampled_from(["float16", "float16", "bfloat16", "float32"]), label="dtype"),
+        }
+        self.vocab = data.draw(st.integers(4, 6), label="vocab")
+        self.setup(**cfg)
+
+    # -- what the spec holds now (the rules draw from it) --------------------------
+    @property
+    def mem(self) -> Any:
+        return self.lock.world.memory
+
+    @property
+    def n_seq(self) -> int:
+        return self.cfg["n_seq"]
+
+    def positions(self, seq: int) -> list[int]:
+        return sorted(sc.logical_positions(self.mem, seq)) if seq >= 0 else sorted(
+            {p for s in range(self.n_seq) for p in sc.logical_positions(self.mem, s)})
+
+    def draw_pos(self, data: st.DataObject, seq: int, label: str) -> int:
+        """A position near ``seq``'s: one it holds, one past its end, 0."""
+        ps = self.positions(seq)
+        return data.draw(st.sampled_from(sorted({0, *ps, (ps[-1] + 1) if ps else 1})), label=label)
+
+    def next_pos(self, seq: int) -> int:
+        return sc.logical_pos_max(self.mem, seq) + 1
+
+    def tokens(self, data: st.DataObject, n: int) -> list[int]:
+        return data.draw(st.lists(st.integers(0, self.vocab - 1), min_size=n, max_size=n), label="tokens")
+
+    # -- rules ------------------------------------------------------------------
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        """A group of 1 to 3 tokens for one sequence, or for every sequence
+        coupled with it (same pos_min, pos_max and next position); now and
+        then with a wrong position or sequence id (refused)."""
+        s = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        key = (sc.pos_min(self.mem, s), sc.pos_max(self.mem, s), self.next_pos(s))
+        mates = [o for o in range(self.n_seq)
+                 if o != s and (sc.pos_min(self.mem, o), sc.pos_max(self.mem, o), self.next_pos(o)) == key]
+        seqs = [s] + (mates if mates and data.draw(st.booleans(), label="coupled") else [])
+        n = data.draw(st.integers(1, 3), label="n")
+        pos0 = self.next_pos(s) if self.next_pos(s) > 0 else data.draw(st.sampled_from([0, 0, 2]), label="pos0")
+        how = data.draw(st.sampled_from(["ok"] * 8 + ["gap", "back", "bad seq", "repeat", "uncoupled"]), label="how")
+        if how == "gap":
+            pos0 += 1 if self.next_pos(s) > 0 else 0
+        elif how == "back":
+            pos0 -= 1
+        elif how == "bad seq":
+            seqs = [self.n_seq]
+        elif how == "repeat":
+            seqs = [s, s]
+        elif how == "uncoupled":
+            seqs = [s] + [o for o in range(self.n_seq) if o != s][:1]
+        self.do({"op": "decode", "seqs": seqs, "tokens": self.tokens(data, n), "pos0": pos0})
+
+    @rule(data=st.data())
+    def fill(self, data: st.DataObject) -> None:
+        """Decodes of one sequence until the window store reuses cells or
+        the memory has no slot."""
+        s = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        for _ in range(data.draw(st.integers(2, 4), label="groups")):
+            n = data.draw(st.integers(1, 3), label="n")
+            self.do({"op": "decode", "seqs": [s], "tokens": self.tokens(data, n), "pos0": max(self.next_pos(s), 0)})
+
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        """seq_rm of a whole sequence, its tail (a windowed memory refuses
+        one that would leave a lost position in the next window), its head,
+        a middle range or every sequence's range."""
+        seq = data.draw(st.sampled_from([-1, *range(self.n_seq), *range(self.n_seq)]), label="seq")
+        how = data.draw(st.sampled_from(["tail", "tail", "whole", "head", "middle"]), label="how")
+        if how == "whole":
+            p0, p1 = data.draw(st.sampled_from([(-1, -1), (0, None), (-1, None)]), label="range")
+        elif how == "tail":
+            p0, p1 = self.draw_pos(data, seq, "p0"), None
+        elif how == "head":
+            p0, p1 = 0, self.draw_pos(data, seq, "p1")
+        else:
+            p0 = self.draw_pos(data, seq, "p0")
+            p1 = p0 + data.draw(st.integers(0, 2), label="width")
+        self.do({"op": "seq_rm", "seq": seq, "p0": p0, "p1": p1})
+
+    @rule(data=st.data())
+    def share(self, data: st.DataObject) -> None:
+        """seq_rm of the destination, then seq_cp of the source's cells
+        (all, or from a position on): cells shared by two sequences."""
+        src = data.draw(st.integers(0, self.n_seq - 1), label="src")
+        dst = data.draw(st.integers(0, self.n_seq - 1).filter(lambda d: d != src), label="dst")
+        p0 = data.draw(st.sampled_from([-1, 0, self.draw_pos(data, src, "from")]), label="p0")
+        self.do({"op": "seq_rm", "seq": dst, "p0": -1, "p1": -1})
+        self.do({"op": "seq_cp", "src": src, "dst": dst, "p0": p0, "p1": -1})
+
+    @rule(data=st.data())
+    def copy_range(self, data: st.DataObject) -> None:
+        """seq_cp of a range as drawn (dst may already hold those
+        positions: refused)."""
+        src = data.draw(st.integers(0, self.n_seq - 1), label="src")
+        dst = data.draw(st.integers(0, self.n_seq - 1), label="dst")
+        p0 = self.draw_pos(data, src, "p0")
+        p1 = data.draw(st.sampled_from([None, p0 + 1, p0 + 2]), label="p1")
+        self.do({"op": "seq_cp", "src": src, "dst": dst, "p0": p0, "p1": p1})
+
+    @rule(data=st.data())
+    def keep(self, data: st.DataObject) -> None:
+        self.do({"op": "seq_keep", "seq": data.draw(st.integers(0, self.n_seq - 1), label="seq")})
+
+    @rule(data=st.data())
+    def shift(self, data: st.DataObject) -> None:
+        """seq_add of a sequence's tail (up: never a collision within the
+        sequence) or of a drawn range by -3..3 (may collide: refused)."""
+        seq = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        p0 = self.draw_pos(data, seq, "p0")
+        if data.draw(st.booleans(), label="tail up"):
+            self.do({"op": "seq_add", "seq": seq, "p0": p0, "p1": None,
+                     "delta": data.draw(st.integers(1, 3), label="delta")})
+        else:
+            p1 = data.draw(st.sampled_from([None, p0 + 1, p0 + 2]), label="p1")
+            self.do({"op": "seq_add", "seq": seq, "p0": p0, "p1": p1,
+                     "delta": data.draw(st.integers(-3, 3), label="delta")})
+
+    @rule(data=st.data())
+    def context_shift(self, data: st.DataObject) -> None:
+        """llama.cpp's context shift: keep the first ``k``, remove the
+        next ``n``, move the rest down by ``n``; then decode one token."""
+        seq = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        k = data.draw(st.integers(0, 2), label="keep")
+        n = data.draw(st.integers(1, 3), label="discard")
+        self.do({"op": "seq_rm", "seq": seq, "p0": k, "p1": k + n})
+        self.do({"op": "seq_add", "seq": seq, "p0": k + n, "p1": None, "delta": -n})
+        if self.next_pos(seq) > 0:
+            self.do({"op": "decode", "seqs": [seq], "tokens": self.tokens(data, 1), "pos0": self.next_pos(seq)})
+
+    @rule(data=st.data())
+    def shift_twice(self, data: st.DataObject) -> None:
+        """Two shifts of one sequence before any read (their deltas must
+        add up: llama.cpp #3825), then a decode or a save."""
+        seq = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        p0 = self.draw_pos(data, seq, "p0")
+        self.do({"op": "seq_add", "seq": seq, "p0": p0, "p1": None, "delta": data.draw(st.integers(1, 2), label="a")})
+        if data.draw(st.booleans(), label="div"):
+            self.do({"op": "seq_div", "seq": seq, "p0": p0, "p1": None, "d": 2})
+        else:
+            self.do({"op": "seq_add", "seq": seq, "p0": p0, "p1": None,
+                     "delta": data.draw(st.integers(1, 2), label="b")})
+        if data.draw(st.booleans(), label="save"):
+            self.do({"op": "save", "seq": seq, "name": self.fresh_name("s")})
+        elif self.next_pos(seq) > 0:
+            self.do({"op": "decode", "seqs": [seq], "tokens": self.tokens(data, 1), "pos0": self.next_pos(seq)})
+
+    @rule(data=st.data())
+    def divide(self, data: st.DataObject) -> None:
+        """seq_div of a narrow range (often collision-free) by 1 to 3 (0:
+        refused)."""
+        seq = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        p0 = self.draw_pos(data, seq, "p0")
+        p1 = data.draw(st.sampled_from([p0 + 1, p0 + 2, None]), label="p1")
+        self.do({"op": "seq_div", "seq": seq, "p0": p0, "p1": p1,
+                 "d": data.draw(st.sampled_from([2, 3, 2, 1, 0]), label="d")})
+
+    @rule(target=saved, data=st.data())
+    def save(self, data: st.DataObject) -> str:
+        """A sequence's state, now or after a pending shift of its tail."""
+        seq = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        if data.draw(st.booleans(), label="shift first"):
+            self.do({"op": "seq_add", "seq": seq, "p0": self.draw_pos(data, seq, "p0"), "p1": None, "delta": 1})
+        name = self.fresh_name("s")
+        self.do({"op": "save", "seq": seq, "name": name})
+        return name
+
+    @rule(name=saved, data=st.data())
+    def restore_into(self, name: str, data: st.DataObject) -> None:
+        """A saved state into its own sequence or another (which may have
+        no room: refused, nothing changes)."""
+        self.do({"op": "restore", "name": name, "seq": data.draw(st.integers(0, self.n_seq - 1), label="dst")})
+
+    @rule(data=st.data())
+    def read_positions(self, data: st.DataObject) -> None:
+        seq = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        self.do({"op": data.draw(st.sampled_from(["pos_min", "pos_max"]), label="op"), "seq": seq})
+
+    @precondition(lambda self: self.lock is not None and sum(len(self.mem.present(s)) for s in self.cfg["stores"]) > 4)
+    @rule()
+    def clear(self) -> None:
+        self.do({"op": "clear"})
+
+
+# -- plugging a target in -------------------------------------------------------
+
+
+@dataclass
+class CellsResult:
+    """What :func:`cells_campaign` found. ``status``: ``ok``, ``diverged``
+    (``trace``: the minimal failing trace, ``error`` its divergence),
+    ``not applicable`` (the target cannot run an op) or ``tool failure``."""
+
+    ok: bool
+    status: str
+    examples: int
+    seconds: float
+    examples_to_catch: int | None = None
+    seconds_to_catch: float | None = None
+    error: BaseException | None = None
+    trace: Any = None
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def _factories(target_factory: Any) -> dict[str, Any] | None:
+    """``make_lockstep``'s factories for a target: None (ours), a subclass
+    of ``impl.cells.CellCache`` (an injected bug) or ``cache -> CellsTarget``."""
+    if target_factory is None:
+        return None
+    if isinstance(target_factory, type) and issubclass(target_factory, _impl().CellCache):
+        return {"cells": target_factory}
+    return {"cells": {"target": target_factory}}
+
+
+def cells_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max_examples: int = 200,
+                   seed: int = 0, shrink: bool = True, steps: int = 30) -> CellsResult:
+    """Fuzz a cells target against the spec: ``max_examples`` examples of
+    :class:`CellsMachine` from ``seed``. ``target_factory(cache) ->
+    CellsTarget`` builds the target for each example's cache fields (None:
+    ours); ``cache`` pins cache fields (e.g. ``{"stores": ["full",
+    "window"], "window": 4}`` for a model of that layout; None: all drawn).
+    A divergence is shrunk (unless ``shrink=False``) to a minimal kvtrace
+    (:attr:`CellsResult.trace`, a ``fuzz.trace.Trace``; write it with
+    ``fuzz.trace.write``) that :func:`replay_cells` runs again."""
+    from fuzz.campaign import machine_for, run_machine
+    from fuzz.replay import failure_status
+
+    machine = machine_for("cells", "fp16", True, _factories(target_factory), fixed=cache or {})
+    r = run_machine(machine, seed, max_examples=max_examples, steps=steps, shrink=shrink)
+    status = "ok" if not r.failed else failure_status(r.error)
+    return CellsResult(not r.failed, status, r.examples, r.seconds, r.examples_to_catch, r.seconds_to_catch,
+                       r.error, r.trace, r.stats)
+
+
+def replay_cells(trace: Any, target_factory: Any = None) -> Any:
+    """Run a cells kvtrace (a ``fuzz.trace.Trace``, or a path) on the spec
+    and a target (``target_factory(cache) -> CellsTarget``; None: ours).
+    Returns ``fuzz.replay.ReplayResult`` (``ok``, ``divergence``); raises
+    TraceFormatError for a trace it cannot run (the CLI's exit 2)."""
+    from fuzz.replay import replay
+    from fuzz.trace import load
+
+    if not hasattr(trace, "ops"):
+        trace = load(trace)
+    if trace.cache.get("kind") != "cells":
+        raise TraceFormatError(f"field cache.kind: replay_cells runs cells traces, got {trace.cache.get('kind')!r}")
+    return replay(trace, _factories(target_factory))
