@@ -35,7 +35,9 @@ TITLES = {1: "ownership soundness", 2: "ring slot and warm-up in place", 3: "reg
           5: "front trim", 6: "paged copy on write", 7: "sliding-window mask", 8: "ring rollback (undo log)",
           9: "atomic list trim", 10: "Turbo physical trim", 11: "Delegated fold schedule",
           12: "3-bit packing byte count", 13: "batch layout", 14: "nbytes counts each array once",
-          15: "recurrent checkpoint ring", 16: "atomic list trim with recurrent layers"}
+          15: "recurrent checkpoint ring", 16: "atomic list trim with recurrent layers",
+          17: "cell freed exactly when its set is empty", 18: "per-sequence positions unique",
+          19: "cells refusals change nothing", 20: "position shifts compose", 21: "windowed removal bound"}
 
 
 def obligations() -> list[tuple[int, Any]]:
@@ -83,6 +85,9 @@ def obligations() -> list[tuple[int, Any]]:
     from proofs import recurrent
 
     out += recurrent.OBLIGATIONS
+    from proofs import cells
+
+    out += cells.OBLIGATIONS
     return sorted(out, key=lambda x: x[0])
 
 
