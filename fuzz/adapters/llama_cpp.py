@@ -529,6 +529,9 @@ class LlamaCppCells:
         self.n_seq = n_seq
         self.c = Context(self.loaded, n_seq)
         self.lib = self.loaded.lib
+        #: a seq_add/seq_div since the last memory update (a decode past
+        #: validation, or an observation's forced update)
+        self._shifted = False
 
     # -- arguments llama.cpp would abort the process on
 
@@ -558,6 +561,8 @@ class LlamaCppCells:
         if not seqs:
             raise InvalidArgumentError("decode: seqs must not be empty")
         rc = self.c.decode_raw(seqs, tokens, int(pos0))
+        if rc in (0, 1):  # past validation: llama.cpp's memory update ran
+            self._shifted = False
         if rc == 0:
             return True
         if rc == 1:
@@ -581,12 +586,14 @@ class LlamaCppCells:
     def seq_add(self, seq: int, p0: int | None, p1: int | None, delta: int) -> None:
         s = self._seq("seq_add", "seq", seq)
         self.lib.llama_memory_seq_add(self.c.mem, s, self._pos(p0), self._pos(p1), int(delta))
+        self._shifted = True
 
     def seq_div(self, seq: int, p0: int | None, p1: int | None, d: int) -> None:
         s = self._seq("seq_div", "seq", seq)
         if int(d) < 1:
             raise InvalidArgumentError(f"seq_div: d {d} must be >= 1 (llama.cpp divides by it)")
         self.lib.llama_memory_seq_div(self.c.mem, s, self._pos(p0), self._pos(p1), int(d))
+        self._shifted = True
 
     def pos_min(self, seq: int) -> int:
         return int(self.lib.llama_memory_seq_pos_min(self.c.mem, self._seq("pos_min", "seq", seq)))
@@ -618,13 +625,16 @@ class LlamaCppCells:
 
     def observe(self, rows: bool = True) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
         """Per store ``(pos, seqs, k_name, v_name)`` of every used cell, pending
-        shifts applied first (:meth:`Context.update`). ``rows=False``: the
+        shifts applied first (:meth:`Context.update`, when a shift was made
+        since llama.cpp's last memory update). ``rows=False``: the
         rows are not read and a pending shift stays pending (names None)."""
         if not rows:
             return {store: [(c.pos, c.seqs, None, None) for c in cells]
                     for store, cells in zip(self.stores, self.c.read())}
-        used = any(self.lib.llama_memory_seq_pos_max(self.c.mem, s) >= 0 for s in range(self.n_seq))
-        self.c.update(used)
+        if self._shifted:
+            used = any(self.lib.llama_memory_seq_pos_max(self.c.mem, s) >= 0 for s in range(self.n_seq))
+            self.c.update(used)
+            self._shifted = False
         out: dict[str, list[tuple[int, frozenset[int], Any, Any]]] = {}
         cells_per_store = self.c.read()
         top = max((c.pos for cells in cells_per_store for c in cells), default=0)

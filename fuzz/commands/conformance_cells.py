@@ -1,0 +1,496 @@
+"""``kvspec conformance --target llama.cpp``: llama.cpp's KV memory (the
+``cells`` kind) fuzzed against ``spec.cells``, every divergence class with
+a minimal trace.
+
+Two classes, one per memory llama.cpp builds for the target's models
+(``fuzz.adapters.llama_cpp``): ``llama_kv_cache`` (the llama model, store
+``full``) and ``llama_kv_cache_iswa`` (the gemma2 model, stores ``full``
+and ``window``, window 4). Each is searched in rounds, like the mlx-lm
+classes (``fuzz.commands.conformance``):
+
+* a round runs seeded examples: a fresh memory on each side
+  (``fuzz.cells.CellsLockstep``: the spec beside llama.cpp), up to
+  ``steps`` ops drawn from the spec's state (decodes of 1 to 64 tokens,
+  groups of sequences with equal positions, ``seq_rm`` whole or partial,
+  ``seq_cp`` into a cleared range, context shifts ``seq_rm`` + ``seq_add``,
+  plain ``seq_add``/``seq_div``, saves, restores into the same or another
+  sequence, clears);
+* the first divergence is shrunk (ops removed one by one while the same
+  divergence stays; token lists shortened) to a minimal trace, written as
+  ``<class>_NN.json`` and replayed on llama.cpp (exit 1 expected) and on
+  our ``impl.cells.CellCache`` (exit 0 expected);
+* the round's op class (:func:`op_class`: the op, split where llama.cpp's
+  code paths split: a partial or whole ``seq_rm``, a save while a shift is
+  pending, a restore of an empty snapshot, a ``seq_cp``/``seq_add``/``seq_div``
+  right after a ``seq_rm`` of its sequence or not, an op the spec refuses)
+  is then no longer generated, and the next round starts.
+
+A class ends when a round spends its examples without a divergence, when
+``max_findings`` are found, or when nothing is left to exclude. The search
+is budgeted by examples (``examples`` per round), not seconds: the report
+gives the seconds and ops per second it took.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fuzz.failures import Divergence
+from fuzz.trace import TraceFormatError
+
+#: (class name, cache fields) of the two memories llama.cpp builds for the target's models
+CLASSES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("llama_kv_cache", {"kind": "cells", "n_cells": 256, "window": None, "stores": ["full"], "n_seq": 3,
+                        "kv_heads": 2, "head_dim": 16, "dtype": "float16"}),
+    ("llama_kv_cache_iswa", {"kind": "cells", "n_cells": 256, "window": 4, "stores": ["full", "window"],
+                             "n_seq": 3, "kv_heads": 2, "head_dim": 16, "dtype": "float16"}),
+)
+#: tokens drawn (the target's models have 24; 0-2 are unknown/BOS/EOS, still decodable)
+TOKENS = range(3, 24)
+#: divergences that are contract differences (how llama.cpp says no), not faults
+CONTRACT = ("refusal differs", "refusal category differs", "refusal message differs")
+DEFAULT_SEED = 20261206
+
+
+def category(what: str) -> str:
+    """``"fault"`` or ``"contract difference"`` for a divergence's ``what``."""
+    return "contract difference" if what in CONTRACT else "fault"
+
+
+# -- generation ----------------------------------------------------------------
+
+
+class Generator:
+    """Seeded ops drawn from the spec's state (``spec.cells``), skipping the
+    op classes in ``excluded``."""
+
+    def __init__(self, rng: random.Random, cache: dict[str, Any], excluded: frozenset[str]):
+        self.rng, self.cache, self.excluded = rng, cache, excluded
+        self.n_seq = cache["n_seq"]
+        self.saved: dict[str, bool] = {}  # name -> empty snapshot
+        self.k = 0
+        #: a shift since the rows were last read (run_example keeps it)
+        self.pending = False
+
+    def ops(self, world: Any, last: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """One or two ops (a guarded op brings its seq_rm), drawn from the
+        spec's ``world`` (``fuzz.cells.CellsWorld``)."""
+        from spec import cells as sc
+
+        self.world = world
+        memory = world.memory
+        r, n = self.rng, self.n_seq
+        for _ in range(20):
+            choice = r.choices(["decode", "seq_rm", "seq_cp", "seq_keep", "shift", "seq_add", "seq_div", "save",
+                                "restore", "clear"], weights=[30, 14, 8, 3, 8, 4, 3, 10, 8, 2])[0]
+            s = r.randrange(n)
+            pm = sc.pos_max(memory, s)
+            if choice == "decode":
+                seqs = [s]
+                partner = r.randrange(n)
+                if partner != s and r.random() < 0.25 and sc.pos_min(memory, partner) == sc.pos_min(memory, s) \
+                        and sc.pos_max(memory, partner) == pm:
+                    seqs.append(partner)
+                size = r.choice([1, 1, 2, 3, 5, 8, 16, 32, 64])
+                pos0 = pm + 1 if r.random() > 0.03 else pm + 2
+                out = [{"op": "decode", "seqs": seqs, "tokens": [r.choice(TOKENS) for _ in range(size)], "pos0": pos0}]
+            elif choice == "seq_rm":
+                whole = r.random() < 0.3
+                seq = -1 if r.random() < 0.1 else s
+                if whole:
+                    out = [{"op": "seq_rm", "seq": seq, "p0": -1, "p1": None}]
+                else:
+                    a = r.randint(0, max(0, pm))
+                    b = None if r.random() < 0.5 else a + r.randint(1, 8)
+                    out = [{"op": "seq_rm", "seq": seq, "p0": a, "p1": b}]
+            elif choice == "seq_cp":
+                dst = r.randrange(n)
+                a = 0 if r.random() < 0.6 else r.randint(0, max(0, pm))
+                b = None if r.random() < 0.7 else a + r.randint(1, 8)
+                cp = {"op": "seq_cp", "src": s, "dst": dst, "p0": a, "p1": b}
+                out = [cp] if r.random() < 0.1 else [{"op": "seq_rm", "seq": dst, "p0": a, "p1": b}, cp]
+            elif choice == "seq_keep":
+                out = [{"op": "seq_keep", "seq": s}]
+            elif choice == "shift":  # llama.cpp's context shift: discard k after keep, move the rest back
+                keep = r.randint(0, max(0, pm // 2))
+                k = r.randint(1, max(1, (pm - keep) // 2 + 1))
+                out = [{"op": "seq_rm", "seq": s, "p0": keep, "p1": keep + k},
+                       {"op": "seq_add", "seq": s, "p0": keep + k, "p1": None, "delta": -k}]
+            elif choice == "seq_add":
+                a = r.randint(0, max(0, pm))
+                out = [{"op": "seq_add", "seq": s, "p0": a, "p1": None if r.random() < 0.7 else a + r.randint(1, 8),
+                        "delta": r.choice([-8, -3, -1, 1, 2, 5, 40])}]
+            elif choice == "seq_div":
+                a = r.randint(0, max(0, pm))
+                d = r.choice([1, 2, 3])
+                div = {"op": "seq_div", "seq": s, "p0": a, "p1": a + r.randint(1, 4), "d": d}
+                if r.random() < 0.6:  # one position, its target cleared first (as a guarded shift)
+                    div["p1"] = a + 1
+                    out = [{"op": "seq_rm", "seq": s, "p0": a // d, "p1": a}, div] if a // d < a else [div]
+                else:
+                    out = [div]
+            elif choice == "save":
+                name = f"s{self.k}"
+                empty = not any(s in c.seqs for st in memory.config.stores for c in memory.present(st))
+                out = [{"op": "save", "seq": s, "name": name}]
+                if self.allowed(out, last):
+                    self.k += 1
+                    self.saved[name] = empty
+                    return out
+                continue
+            elif choice == "restore":
+                if not self.saved:
+                    continue
+                out = [{"op": "restore", "name": r.choice(sorted(self.saved)), "seq": s}]
+            else:
+                out = [{"op": "clear"}]
+            if self.allowed(out, last):
+                return out
+        return [{"op": "pos_max", "seq": 0}]
+
+    def allowed(self, ops: list[dict[str, Any]], last: dict[str, Any] | None) -> bool:
+        prev, world, pending = last, self.world, self.pending
+        for op in ops:
+            cls, world = classify(op, prev, world, self.saved, pending)
+            if cls in self.excluded:
+                return False
+            prev, pending = op, still_pending(op, pending)
+        return True
+
+
+def classify(op: dict[str, Any], prev: dict[str, Any] | None, world: Any,
+             empty_saves: dict[str, bool], pending: bool = False) -> tuple[str, Any]:
+    """``(op_class, the spec's world after op)``: the op's class, or
+    ``"<op> the spec refuses"`` when the spec refuses it in ``world``."""
+    from fuzz.cells import _spec_run
+    from spec.errors import KVCacheError
+
+    try:
+        _, after = _spec_run(world, op)
+    except (KVCacheError, TraceFormatError):
+        return f"{op['op']} the spec refuses", world
+    return op_class(op, prev, empty_saves, pending), after
+
+
+def op_class(op: dict[str, Any], prev: dict[str, Any] | None, empty_saves: dict[str, bool],
+             pending: bool = False) -> str:
+    """The class of an op the search can exclude (module docstring): a
+    partition of the op space along llama.cpp's code paths, not a list of
+    its faults. ``pending``: a shift was made since the rows were last
+    read (the lockstep reads them after every op but a shift or a save).
+    (:func:`classify` splits off the ops the spec refuses.)"""
+    name = op["op"]
+    if name == "seq_rm":
+        whole = (op["p0"] is None or op["p0"] <= 0) and op["p1"] is None
+        return "seq_rm whole" if whole else "seq_rm partial"
+    if name == "save":
+        return "save with a shift pending" if pending else "save"
+    if name == "restore":
+        return "restore of an empty snapshot" if empty_saves.get(op["name"]) else "restore"
+    if name in ("seq_cp", "seq_add", "seq_div"):
+        guarded = prev is not None and prev["op"] == "seq_rm" and prev.get("seq") in (op.get("dst"), op.get("seq"))
+        return f"{name} guarded" if guarded else f"{name} unguarded"
+    return name
+
+
+def still_pending(op: dict[str, Any], pending: bool) -> bool:
+    """Whether a shift is pending after ``op``: a shift makes one, any op
+    but a save then reads the rows (the lockstep's observation)."""
+    if op["op"] in ("seq_add", "seq_div"):
+        return True
+    return pending and op["op"] == "save"
+
+
+# -- replay and shrinking ------------------------------------------------------
+
+
+def lockstep(cache: dict[str, Any], on_llama: bool) -> Any:
+    """A fresh lockstep: the spec beside llama.cpp (``on_llama``) or beside
+    our ``impl.cells.CellCache``."""
+    from fuzz.adapters.llama_cpp import target_factory
+    from fuzz.cells import CellsLockstep
+
+    return CellsLockstep(cache, {"target": target_factory} if on_llama else None)
+
+
+def first_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], on_llama: bool) -> Divergence | None:
+    """The first divergence of ``ops`` replayed from a fresh memory, or None.
+    A trace the lockstep cannot run (a restore of a snapshot removed by
+    shrinking) counts as no divergence."""
+    lock = lockstep(cache, on_llama)
+    try:
+        for i, op in enumerate(ops):
+            lock.step(i, op)
+    except Divergence as d:
+        return d
+    except TraceFormatError:
+        return None
+    finally:
+        close = getattr(getattr(lock, "target", None), "close", None)
+        if close is not None:
+            close()
+    return None
+
+
+def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """A minimal prefix-closed op list that still diverges on llama.cpp with
+    the same ``what``: the ops after the divergence cut, then single ops
+    removed (last first) while it still does, then token lists shortened."""
+    def same(candidate: list[dict[str, Any]]) -> int | None:
+        d = first_divergence(cache, candidate, True)
+        return d.index if d is not None and d.what == what else None
+
+    at = same(ops)
+    if at is None:
+        return ops
+    ops = ops[:at + 1]
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(ops) - 1, -1, -1):
+            cand = ops[:i] + ops[i + 1:]
+            if cand and (j := same(cand)) is not None:
+                ops, changed = cand[:j + 1], True
+                break
+    for i, op in enumerate(ops):
+        if op["op"] == "decode":
+            while len(op["tokens"]) > 1:
+                cand_op = {**op, "tokens": op["tokens"][: len(op["tokens"]) // 2]}
+                cand = ops[:i] + [cand_op] + ops[i + 1:]
+                if same(cand) is None:
+                    break
+                op = ops[i] = cand_op
+    return ops
+
+
+# -- the search ----------------------------------------------------------------
+
+
+@dataclass
+class CellsFinding:
+    """One divergence class: what, where, its minimal trace and replays."""
+
+    cache_class: str
+    index: int
+    op: dict[str, Any]
+    what: str
+    summary: str
+    trace: str
+    excluded: str
+    examples_to_catch: int
+    on_target: int | None = None
+    on_impl: int | None = None
+
+    @property
+    def category(self) -> str:
+        return category(self.what)
+
+    @property
+    def confirmed(self) -> bool:
+        return self.on_target == 1 and self.on_impl == 0
+
+    @property
+    def replay_command(self) -> str:
+        return f"kvspec replay --target llama.cpp {self.trace}"
+
+
+@dataclass
+class CellsClassReport:
+    """What fuzzing one llama.cpp memory found."""
+
+    cache_class: str
+    target: str = "llama.cpp"
+    kind: str = "cells"
+    mode: str = ""
+    seconds: float = 0.0
+    examples: int = 0
+    steps: int = 0
+    ops_per_second: float = 0.0
+    covered: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    not_compared: dict[str, str] = field(default_factory=dict)
+    findings: list[CellsFinding] = field(default_factory=list)
+    ended: str = ""
+    no_verdict: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for f, doc in zip(self.findings, out["findings"]):
+            doc["replay"] = f.replay_command
+            doc["confirmed"] = f.confirmed
+            doc["category"] = f.category
+            doc["then"] = f"stopped generating {f.excluded}"
+            doc["waived"] = []
+        return out
+
+
+def run_example(cache: dict[str, Any], rng: random.Random, excluded: frozenset[str], steps: int,
+                covered: dict[str, int]) -> tuple[list[dict[str, Any]], Divergence | None]:
+    """One example: ops drawn and run until ``steps`` or a divergence."""
+    lock = lockstep(cache, True)
+    gen = Generator(rng, cache, excluded)
+    ops: list[dict[str, Any]] = []
+    try:
+        while len(ops) < steps:
+            last = ops[-1] if ops else None
+            for op in gen.ops(lock.world, last):
+                gen.pending = still_pending(op, gen.pending)
+                ops.append(op)
+                covered[op["op"]] = covered.get(op["op"], 0) + 1
+                lock.step(len(ops) - 1, op)
+    except Divergence as d:
+        return ops, d
+    finally:
+        lock.target.close()
+    return ops, None
+
+
+def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, seed: int, out: Path,
+                 max_findings: int = 12) -> CellsClassReport:
+    """Fuzz one llama.cpp memory in rounds of ``examples`` examples."""
+    report = CellsClassReport(name, mode=f"window {cache['window']}" if cache["window"] else "full attention",
+                              not_compared={"cell indices": "not observable (the spec's cells are a multiset)",
+                                            "layers past the first of each store": "rows named by the first layer"})
+    excluded: frozenset[str] = frozenset()
+    start = time.perf_counter()
+    k = 0
+    while len(report.findings) < max_findings:
+        failure = None
+        for _ in range(examples):
+            rng = random.Random(seed * 1000003 + k)
+            k += 1
+            ops, d = run_example(cache, rng, excluded, steps, report.covered)
+            report.examples += 1
+            report.steps += len(ops)
+            if d is not None:
+                failure = (ops, d, report.examples)
+                break
+        if failure is None:
+            report.ended = f"{examples} examples without a further divergence"
+            break
+        ops, d, at = failure
+        cls = _class_at(cache, ops, _culprit(ops, d))
+        minimal = shrink(cache, ops, d.what)
+        finding = _record(name, cache, minimal, d.what, cls, at, out, len(report.findings) + 1)
+        report.findings.append(finding)
+        if cls in excluded:
+            report.ended = f"stopped: {cls} diverged although excluded"
+            break
+        excluded = excluded | {cls}
+    else:
+        report.ended = f"{max_findings} findings (max)"
+    report.seconds = time.perf_counter() - start
+    report.ops_per_second = report.steps / report.seconds if report.seconds else 0.0
+    return report
+
+
+def _culprit(ops: list[dict[str, Any]], d: Divergence) -> int:
+    """The op a divergence is charged to: the op it happened at, but for
+    rows that differ at the first read after shifts, the last of those
+    shifts (a K row is re-rotated lazily: the shift is where it went wrong)."""
+    if "rows differ" in d.what:
+        j = d.index - 1
+        while j >= 0 and ops[j]["op"] == "save":
+            j -= 1
+        if j >= 0 and ops[j]["op"] in ("seq_add", "seq_div"):
+            return j
+    return d.index
+
+
+def _class_at(cache: dict[str, Any], ops: list[dict[str, Any]], index: int) -> str:
+    """The class of ``ops[index]`` in the spec's world after the ops before it
+    (as the generator classified it)."""
+    from fuzz.cells import CellsWorld, spec_memory
+
+    world = CellsWorld(spec_memory(cache))
+    empty: dict[str, bool] = {}
+    pending = False
+    for i, op in enumerate(ops):
+        cls, after = classify(op, ops[i - 1] if i else None, world, empty, pending)
+        if i == index:
+            return cls
+        if op["op"] == "save" and after is not world:
+            empty[op["name"]] = not any(after.snapshots[op["name"]][0].cells)
+        world, pending = after, still_pending(op, pending)
+    raise IndexError(index)
+
+
+def _record(name: str, cache: dict[str, Any], ops: list[dict[str, Any]], what: str, cls: str, at: int, out: Path,
+            number: int) -> CellsFinding:
+    from fuzz.adapters.llama_cpp import llama_cpp_version
+
+    d = first_divergence(cache, ops, True)
+    summary = what if d is None else f"op {d.index} {_describe(d.op)}: {d.what}: llama.cpp {_short(d.impl)}, " \
+                                     f"spec {_short(d.spec)}"
+    doc = {"kvtrace": 1,
+           "title": f"{llama_cpp_version()} {name} does not conform (kvspec replay --target llama.cpp): "
+                    f"{summary}"[:600],
+           "cache": dict(cache), "ops": ops}
+    path = out / f"{name}_{number:02d}.json"
+    path.write_text(_dump(doc))
+    finding = CellsFinding(name, d.index if d else -1, d.op if d else {}, what, summary, str(path), cls, at)
+    finding.on_target = replay_exit(doc, True)
+    finding.on_impl = replay_exit(doc, False)
+    return finding
+
+
+def replay_exit(doc: dict[str, Any], on_llama: bool) -> int:
+    """``kvspec replay``'s exit status for a cells trace document: 1 when it
+    diverges, 0 when it does not."""
+    return 1 if first_divergence(doc["cache"], doc["ops"], on_llama) is not None else 0
+
+
+def _describe(op: dict[str, Any]) -> str:
+    return (op["op"] + " " + " ".join(f"{k}={json.dumps(v)}" for k, v in op.items() if k != "op")).strip()
+
+
+def _short(x: Any) -> str:
+    s = x if isinstance(x, str) else json.dumps(x, default=str)
+    return s if len(s) <= 240 else s[:237] + "..."
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    """A trace as the project writes them: one op per line."""
+    head = json.dumps({k: v for k, v in doc.items() if k != "ops"}, indent=2)[:-2]
+    ops = ",\n".join("    " + json.dumps(op) for op in doc["ops"])
+    return f"{head},\n  \"ops\": [\n{ops}\n  ]\n}}\n"
+
+
+def run_llama_conformance(examples: int = 200, steps: int = 40, seed: int = DEFAULT_SEED,
+                          out: str | Path = "fuzz-failures/conformance-llama.cpp", only: list[str] | None = None,
+                          max_findings: int = 12) -> list[CellsClassReport]:
+    """Search every llama.cpp memory class (or those named in ``only``);
+    ``<class>_NN.json`` traces and ``report.json`` are written to ``out``.
+    Raises KeyError for an unknown class, NotInstalled without llama-cpp-python."""
+    from fuzz.adapters.llama_cpp import require
+
+    require()
+    known = dict(CLASSES)
+    names = list(known) if not only else list(only)
+    for n in names:
+        if n not in known:
+            raise KeyError(f"--class: unknown class {n!r}; llama.cpp's: {', '.join(known)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for i, n in enumerate(names):
+        for stale in out.glob(f"{n}_[0-9][0-9].json"):
+            stale.unlink()
+        reports.append(search_class(n, known[n], examples, steps, seed + 1000 * i, out, max_findings))
+    (out / "report.json").write_text(json.dumps(to_json(reports, seed, examples, steps), indent=1) + "\n")
+    return reports
+
+
+def to_json(reports: list[CellsClassReport], seed: int, examples: int, steps: int) -> dict[str, Any]:
+    from fuzz.adapters.llama_cpp import llama_cpp_version
+
+    return {"target": "llama.cpp", "engine": llama_cpp_version(), "seed": seed,
+            "budget": f"{examples} examples per round, {steps} ops per example",
+            "classes": [r.to_json() for r in reports],
+            "ok": all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports),
+            "no_verdict": {r.cache_class: r.no_verdict for r in reports if r.no_verdict}}
