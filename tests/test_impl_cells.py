@@ -94,6 +94,14 @@ def same_store(a, b):
 # -- rope_shift ------------------------------------------------------------------------------
 
 
+def test_rope_shift_is_mlx_rotate_half_rope():
+    # an independent reference: MLX's own RoPE kernel, rotate-half (traditional=False), at offset p
+    x = mx.array(np.random.default_rng(0).standard_normal((1, H, 1, D)).astype(np.float32))
+    for p in (1, 5, 123):
+        ref = mx.fast.rope(x, D, traditional=False, base=10000.0, scale=1.0, offset=p)[0, :, 0]
+        assert float(mx.max(mx.abs(rope_shift(x[0, :, 0][None], [p])[0] - ref))) < 1e-5
+
+
 def test_rope_shift_composes_and_rejects_bad_input():
     raw = mx.array(raw_row(3)[None])
     a = rope_shift(rope_shift(raw, [5]), [-2])
