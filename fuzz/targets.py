@@ -71,6 +71,7 @@ BUILTIN: dict[str, str] = {
     "mlx-lm-guarded": "fuzz.adapters.mlx_lm:MLX_LM_GUARDED",
     "transformers": "fuzz.adapters.transformers:TRANSFORMERS",
     "transformers-linear": "fuzz.adapters.transformers:TRANSFORMERS_LINEAR",
+    "llama.cpp": "fuzz.adapters.llama_cpp:LLAMA_CPP",
 }
 #: target schemes: ``"<scheme>:<rest>"`` -> ``"module:attr"`` of a callable
 #: ``(rest: str) -> Target``. Adding a kind of target is one entry here (or

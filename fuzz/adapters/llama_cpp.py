@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from fuzz.targets import CacheClass, Target, TargetCapabilityError
 from spec.errors import InvalidArgumentError, StateError
 
 #: the llama-cpp-python release this target was built and checked against
@@ -695,3 +696,56 @@ def target_factory(cache: dict[str, Any]) -> LlamaCppCells:
         raise InvalidArgumentError(f"llama.cpp target: cache.n_cells {cache.get('n_cells')!r} must be {N_CELLS} "
                                    "(llama.cpp pads n_ctx and the window store to 256 cells)")
     return LlamaCppCells(window=cache.get("window") if "window" in stores else None, n_seq=int(cache["n_seq"]))
+
+
+# ---------------------------------------------------------------- as a --target
+
+
+def _class(name: str) -> CacheClass:
+    return CacheClass(name, "cells", "fp16", target_factory,
+                      fields={"n_cells": (N_CELLS, "llama.cpp pads every cache to 256 cells")},
+                      not_compared={"cell indices": "not observable: the spec's stores are multisets",
+                                    "layers past the first of each store": "rows are named by each store's "
+                                                                           "first layer"},
+                      note="llama.cpp " + VENDORED_LLAMA_CPP)
+
+
+@dataclass(frozen=True)
+class LlamaCppTarget(Target):
+    """``--target llama.cpp``: cells traces replayed on llama.cpp's memory
+    (:func:`target_factory`) by ``fuzz.cells.CellsLockstep``. A trace of
+    another kind, a cache llama.cpp cannot build, or no llama-cpp-python:
+    TargetCapabilityError naming why (``kvspec replay`` exit 2)."""
+
+    def check(self, cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        if cache.get("kind") != "cells":
+            raise TargetCapabilityError(f"field cache.kind: target llama.cpp runs cells traces (llama.cpp's KV "
+                                        f"memory), this trace is {cache.get('kind')!r}")
+        try:
+            require()
+        except NotInstalled as exc:
+            raise TargetCapabilityError(str(exc)) from None
+        stores = tuple(cache.get("stores", ("full",)))
+        if stores not in LAYOUTS:
+            raise TargetCapabilityError(f"field cache.stores: target llama.cpp has models for "
+                                        f"{[list(x) for x in LAYOUTS]}, this trace has {list(stores)}")
+        if cache.get("n_cells") != N_CELLS:
+            raise TargetCapabilityError(f"field cache.n_cells: target llama.cpp has {N_CELLS} cells per store "
+                                        f"(llama.cpp pads every cache to 256), this trace has {cache.get('n_cells')!r}")
+        if not 1 <= int(cache.get("n_seq", 4)) <= 64:
+            raise TargetCapabilityError(f"field cache.n_seq: target llama.cpp takes 1 to 64 sequences, this "
+                                        f"trace has {cache.get('n_seq')!r}")
+
+    def make_lockstep(self, cache: dict[str, Any]) -> Any:
+        from fuzz.cells import CellsLockstep
+
+        CellsLockstep.check_cache(cache)
+        self.check(cache, [])
+        return CellsLockstep(cache, {"target": target_factory})
+
+
+LLAMA_CPP = LlamaCppTarget(
+    "llama.cpp", "llama.cpp's KV memory (llama_kv_cache, llama_kv_cache_iswa) through llama-cpp-python "
+                 f"{LLAMA_CPP_PYTHON}: the cells kind", classes=(_class("llama_kv_cache"),
+                                                                  _class("llama_kv_cache_iswa")),
+    spec="llama.cpp")
