@@ -311,3 +311,69 @@ def test_window_breaches_hazard_from_a_partial_copy():
     m.seq_cp(0, 1, 0, 2)  # dst: lost 0 and 1, nothing present; its next decode (at 2) sees 1
     assert sc.window_breaches(m.state, 1) == (1,)
     assert sc.window_breaches(m.state, 0) == ()
+
+
+def _invariants(m: sc.CellsMemory) -> None:
+    st = m.state
+    for name in st.config.stores:
+        seen = set()
+        for c in st.store(name):
+            assert c.seqs and c.pos >= 0
+            for s in c.seqs:
+                assert (s, c.pos) not in seen, (name, s, c.pos)
+                seen.add((s, c.pos))
+        assert len(st.present(name)) <= st.config.n_cells
+    if st.config.stores == ("full", "window"):
+        full = {(c.pos, c.seqs, c.token) for c in st.store("full")}
+        window = {(c.pos, c.seqs, c.token) for c in st.store("window") if not c.lost}
+        for s in range(st.config.n_seq):
+            f = {p for p, ss, _ in full if s in ss}
+            assert f == {p for p, ss, _ in window if s in ss} | sc.lost(st, s)
+
+
+def test_random_op_sequences_keep_the_invariants_and_refusals_change_nothing():
+    import random
+
+    rng = random.Random(49)
+    layouts = [sc.CellsConfig(6, None, ("full",), 3), sc.CellsConfig(8, 2, ("full", "window"), 3),
+               sc.CellsConfig(5, 3, ("window",), 2)]
+    counts = {"refused": 0, "false": 0, "done": 0}
+    for run in range(120):
+        m = mem(layouts[run % 3])
+        n = m.config.n_seq
+        for _ in range(30):
+            s = rng.randrange(n)
+            p0, p1 = rng.randrange(-1, 8), rng.choice([None, -1, *range(9)])
+            op = rng.choice(["decode", "decode", "decode", "rm", "cp", "keep", "add", "div", "save", "clear"])
+            before = m.state
+            try:
+                if op == "decode":
+                    group = tuple(sorted(rng.sample(range(n), rng.randint(1, 2))))
+                    ok = m.decode(group, tuple(rng.randrange(50) for _ in range(rng.randint(1, 3))),
+                                  sc.logical_pos_max(m.state, group[0]) + 1)
+                elif op == "rm":
+                    ok = m.seq_rm(rng.choice([s, -1]), p0, p1)
+                elif op == "cp":
+                    ok = m.seq_cp(s, rng.randrange(n), p0, p1)
+                elif op == "keep":
+                    ok = m.seq_keep(s)
+                elif op == "add":
+                    ok = m.seq_add(s, p0, p1, rng.randint(-4, 4))
+                elif op == "div":
+                    ok = m.seq_div(s, p0, p1, rng.randint(1, 3))
+                elif op == "save":
+                    snap = m.save(s)
+                    ok = m.restore(snap, rng.randrange(n))
+                else:
+                    ok = m.clear()
+            except InvalidArgumentError:
+                assert m.state == before
+                counts["refused"] += 1
+                continue
+            if ok is False:
+                assert m.state == before
+                counts["false"] += 1
+            else:
+                counts["done"] += 1
+            _invariants(m)
+    assert min(counts.values()) > 20, counts
