@@ -863,6 +863,14 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     when a class's search stopped without a verdict (its class cannot run
     an op it reached, or the harness raised: ``no_verdict``), 130
     when interrupted (the classes that finished are printed)."""
+    if args.target == "llama.cpp":  # the cells kind: a search of its own (fuzz/commands/conformance_cells.py)
+        from fuzz.commands.conformance_cells import cmd_llama_conformance
+
+        return cmd_llama_conformance(args, _console(), _usage_error,
+                                     default_out=args.out == DEFAULT_OUT + "/conformance")
+    if args.examples is not None or args.steps is not None:
+        return _usage_error(_console(), "--examples/--steps: only with --target llama.cpp (the other targets' "
+                                        "search is budgeted in seconds: --budget)", args.json)
     from fuzz.commands.conformance import print_report, run_conformance, to_json
     from fuzz.commands.reports import rerun, write_sarif
 
@@ -1290,6 +1298,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default=None,
                    help="the engine whose classes to fuzz (default: mlx-lm's KVCache, QuantizedKVCache, "
                         "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
+    c.add_argument("--examples", type=int_in(1, 1_000_000), default=None,
+                   help="--target llama.cpp: examples per round (default 200; its search is budgeted by examples)")
+    c.add_argument("--steps", type=int_in(1, 10_000), default=None,
+                   help="--target llama.cpp: ops per example (default 40)")
     c.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     c.add_argument("--sarif", metavar="PATH",
                    help="also write the divergences as SARIF 2.1.0 (faults as errors, contract differences as warnings)")

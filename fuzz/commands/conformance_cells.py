@@ -310,7 +310,10 @@ class CellsClassReport:
     seconds: float = 0.0
     examples: int = 0
     steps: int = 0
+    #: ops per second while running examples (shrinking and replays not counted)
     ops_per_second: float = 0.0
+    #: seconds spent running examples (the rest: shrinking, replays)
+    example_seconds: float = 0.0
     covered: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     not_compared: dict[str, str] = field(default_factory=dict)
@@ -364,7 +367,9 @@ def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, se
         for _ in range(examples):
             rng = random.Random(seed * 1000003 + k)
             k += 1
+            t0 = time.perf_counter()
             ops, d = run_example(cache, rng, excluded, steps, report.covered)
+            report.example_seconds += time.perf_counter() - t0
             report.examples += 1
             report.steps += len(ops)
             if d is not None:
@@ -385,7 +390,7 @@ def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, se
     else:
         report.ended = f"{max_findings} findings (max)"
     report.seconds = time.perf_counter() - start
-    report.ops_per_second = report.steps / report.seconds if report.seconds else 0.0
+    report.ops_per_second = report.steps / report.example_seconds if report.example_seconds else 0.0
     return report
 
 
@@ -494,3 +499,68 @@ def to_json(reports: list[CellsClassReport], seed: int, examples: int, steps: in
             "classes": [r.to_json() for r in reports],
             "ok": all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports),
             "no_verdict": {r.cache_class: r.no_verdict for r in reports if r.no_verdict}}
+
+
+def cmd_llama_conformance(args: Any, console: Any, usage_error: Any, default_out: bool = False) -> int:
+    """``kvspec conformance --target llama.cpp``: exit 0 when every finding
+    replays 1 on llama.cpp and 0 on ours, 1 otherwise, 2 without
+    llama-cpp-python or for an unknown ``--class``. With the default
+    ``--out`` the traces go to its subfolder ``llama.cpp`` (beside mlx-lm's
+    report, not over it)."""
+    from rich.markup import escape
+
+    from fuzz.adapters.llama_cpp import NotInstalled
+
+    examples = args.examples if getattr(args, "examples", None) is not None else DEFAULT_EXAMPLES
+    steps = args.steps if getattr(args, "steps", None) is not None else DEFAULT_STEPS
+    out = str(Path(args.out) / "llama.cpp") if default_out else args.out
+    try:
+        reports = run_llama_conformance(examples, steps, args.seed, out, args.classes, args.max_findings)
+    except NotInstalled as exc:
+        return usage_error(console, str(exc), args.json)
+    except KeyError as exc:
+        return usage_error(console, str(exc.args[0]), args.json)
+    doc = to_json(reports, args.seed, examples, steps)
+    code = 0 if doc["ok"] else 1
+    doc["exit"] = code
+    if args.json:
+        print(json.dumps(doc))
+        return code
+    print_llama_report(reports, doc, console)
+    console.print(f"minimal traces in {escape(str(out))}/ (report.json beside them)")
+    return code
+
+
+#: the search's default budget: examples per round, ops per example
+DEFAULT_EXAMPLES = 200
+DEFAULT_STEPS = 40
+
+
+def print_llama_report(reports: list[CellsClassReport], doc: dict[str, Any], console: Any) -> None:
+    """One row per class, then one per divergence, then the replay commands."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from fuzz.commands.reports import print_table
+
+    table = Table(title=f"kvspec conformance: {doc['engine']}, seed {doc['seed']}, {doc['budget']}")
+    for col in ("class", "examples", "ops", "ops/s", "seconds", "faults", "contract differences", "search ended"):
+        table.add_column(col, overflow="fold")
+    for r in reports:
+        faults = sum(f.category == "fault" for f in r.findings)
+        table.add_row(escape(r.cache_class), str(r.examples), str(r.steps), f"{r.ops_per_second:.0f}",
+                      f"{r.seconds:.1f}", str(faults), str(len(r.findings) - faults), escape(r.ended))
+    print_table(console, table)
+    found = Table(title="divergences (each trace replays 1 on llama.cpp, 0 on impl)")
+    for col in ("class", "#", "category", "what goes wrong", "then", "replay"):
+        found.add_column(col, overflow="fold")
+    lines = []
+    for r in reports:
+        for i, f in enumerate(r.findings, 1):
+            check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
+            found.add_row(escape(r.cache_class), str(i), f.category, escape(f.summary[:200]),
+                          escape(f"stopped generating {f.excluded}"), check)
+            lines.append(f"{r.cache_class} #{i}: {f.replay_command}")
+    print_table(console, found)
+    for line in lines:
+        console.print(line, soft_wrap=True, markup=False)
