@@ -149,13 +149,13 @@ class CellsSnapshot:
     cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
     def positions(self, store: str) -> list[int]:
-        """The positions the snapshot holds in ``store``, increasing."""
+        """The positions the snapshot holds in ``store``, increasing. Rule: spec.cells.save."""
         return [int(p) for p in self.cells[store][0]]
 
     def rows(self, store: str) -> list[tuple[int, mx.array, mx.array]]:
         """``(pos, k_row, v_row)`` per cell of ``store``, rows as
         ``mx.array`` ``(kv_heads, head_dim)`` in the snapshot's dtype (new
-        arrays: the snapshot stays unchanged)."""
+        arrays: the snapshot stays unchanged). Rule: spec.cells.observe_snapshot."""
         pos, k, v = self.cells[store]
         dt = _DTYPES[self.dtype]
         return [(int(p), from_host(k[i], dt), from_host(v[i], dt)) for i, p in enumerate(pos)]
@@ -395,6 +395,7 @@ class CellCache:
         whose largest logical position is not ``pos0 - 1`` (positions stay
         consecutive), ``pos0 < 0``, or rows of another shape or dtype.
         Pending shifts are applied first (:meth:`update`).
+        Rule: ``spec.cells.decode``, ``spec.cells.droppable``.
         """
         op = "decode"
         if not isinstance(seqs, (tuple, list)) or not seqs:
@@ -455,6 +456,7 @@ class CellCache:
         largest logical position left (a cell the window dropped cannot be
         attended to again). Raises InvalidArgumentError for a sequence id out
         of range or a non-integer bound.
+        Rule: ``spec.cells.seq_rm``, ``spec.cells.window_breaches``.
         """
         op = "seq_rm"
         seq = self._seq(op, "seq", seq, allow_all=True)
@@ -488,6 +490,7 @@ class CellCache:
         Raises InvalidArgumentError (nothing changes) for a sequence id out
         of range, or when ``dst`` would hold two cells at one position in a
         store (clear ``dst``'s range with :meth:`seq_rm` first).
+        Rule: ``spec.cells.seq_cp``.
         """
         op = "seq_cp"
         src = self._seq(op, "src", src)
@@ -507,7 +510,7 @@ class CellCache:
     def seq_keep(self, seq: int) -> None:
         """Remove every other sequence from every cell, present and lost;
         cells not held by ``seq`` are freed. Raises InvalidArgumentError for
-        a sequence id out of range."""
+        a sequence id out of range. Rule: ``spec.cells.seq_keep``."""
         seq = self._seq("seq_keep", "seq", seq)
         only = frozenset((seq,))
         for st in self._st.values():
@@ -547,7 +550,8 @@ class CellCache:
         are re-rotated lazily (pending shifts, :meth:`update`; successive
         shifts add up). ``delta == 0`` or an empty range: no-op. Raises
         InvalidArgumentError (nothing changes) for a sequence id out of range
-        or when some sequence would hold two cells at one position."""
+        or when some sequence would hold two cells at one position.
+        Rule: ``spec.cells.seq_add``, ``spec.cells.shifted``."""
         op = "seq_add"
         seq = self._seq(op, "seq", seq)
         p0, p1 = _range(op, p0, p1)
@@ -562,7 +566,8 @@ class CellCache:
         by ``new - old``. ``d == 1`` or an empty range: no-op. Raises
         InvalidArgumentError (nothing changes) for ``d < 1``, a sequence id
         out of range, or when some sequence would hold two cells at one
-        position (``d >= 2`` over two adjacent positions always would)."""
+        position (``d >= 2`` over two adjacent positions always would).
+        Rule: ``spec.cells.seq_div``, ``spec.cells.divided``."""
         op = "seq_div"
         seq = self._seq(op, "seq", seq)
         p0, p1 = _range(op, p0, p1)
@@ -577,7 +582,7 @@ class CellCache:
         """Apply every pending shift: each K row with a pending shift
         ``delta`` is re-rotated by :func:`rope_shift` (per-row deltas, one
         call per store) and its shift cleared. V rows never move. Called by
-        :meth:`decode`, :meth:`view`, :meth:`save` and :meth:`cells`."""
+        :meth:`decode`, :meth:`view`, :meth:`save` and :meth:`cells`. Rule: semantics.md 10, "shifts"."""
         for st in self._st.values():
             idxs = [i for i in st.used() if st.shift[i]]
             if not idxs:
@@ -592,13 +597,13 @@ class CellCache:
         """The smallest position ``seq`` holds, -1 if none, read from the
         window store if the memory has one, else from the full store
         (llama.cpp's iSWA memory: the full store is a superset). Raises
-        InvalidArgumentError for a sequence id out of range."""
+        InvalidArgumentError for a sequence id out of range. Rule: ``spec.cells.pos_min``."""
         return min(self._main().positions(self._seq("pos_min", "seq", seq), lost=False), default=-1)
 
     def pos_max(self, seq: int) -> int:
         """The largest position ``seq`` holds, -1 if none (store as
         :meth:`pos_min`; positions in between may be missing). Raises
-        InvalidArgumentError for a sequence id out of range."""
+        InvalidArgumentError for a sequence id out of range. Rule: ``spec.cells.pos_max``."""
         return max(self._main().positions(self._seq("pos_max", "seq", seq), lost=False), default=-1)
 
     def _store(self, op: str, store: str) -> _Store:
@@ -611,7 +616,8 @@ class CellCache:
         position order (pending shifts applied first): keys/values
         ``(n, kv_heads, head_dim)`` in the cache's dtype (new arrays),
         positions ``n`` increasing ints (holes allowed). Raises
-        InvalidArgumentError for a sequence id or store not in the cache."""
+        InvalidArgumentError for a sequence id or store not in the cache.
+        Rule: ``spec.cells.observe`` (K rows named ``(token, pos)``)."""
         seq = self._seq("view", "seq", seq)
         st = self._store("view", store)
         self.update()
@@ -626,7 +632,7 @@ class CellCache:
         uint16 bit pattern). Pending shifts are applied first unless
         ``apply_shifts`` is False (then K rows are as stored; see
         :meth:`pending_shifts`). Raises InvalidArgumentError for a store not
-        in the cache."""
+        in the cache. Rule: ``spec.cells.observe``."""
         st = self._store("cells", store)
         if apply_shifts:
             self.update()
@@ -641,7 +647,7 @@ class CellCache:
         """``(pos, seqs, delta)`` of every used cell of ``store`` whose K row
         still waits for a shift of ``delta`` positions (its row is rotated
         for ``pos - delta``). Raises InvalidArgumentError for a store not in
-        the cache."""
+        the cache. Rule: semantics.md 10, "shifts"."""
         st = self._store("pending_shifts", store)
         return [(st.pos[i], st.seqs[i], st.shift[i]) for i in st.used() if st.shift[i]]
 
@@ -650,7 +656,7 @@ class CellCache:
         as logical positions (what the sequence would hold had the window
         kept every cell); they move, are shared and are removed as present
         cells are. Raises InvalidArgumentError for a sequence id out of
-        range."""
+        range. Rule: ``spec.cells.lost``."""
         seq = self._seq("lost", "seq", seq)
         st = self._st.get("window")
         return frozenset(p for p, ss in st.lost if seq in ss) if st is not None else frozenset()
@@ -662,7 +668,7 @@ class CellCache:
         its live window (``pos_max(seq) - pos < w``). Pending shifts are
         applied first, so every K row is rotated for its cell's position.
         NumPy copies: nothing aliases the cache. Raises InvalidArgumentError
-        for a sequence id out of range."""
+        for a sequence id out of range. Rule: ``spec.cells.save``."""
         seq = self._seq("save", "seq", seq)
         self.update()
         out = {}
@@ -688,6 +694,7 @@ class CellCache:
         snapshot holds for it. Raises InvalidArgumentError for a sequence id
         out of range or a snapshot of another layout (stores, kv_heads,
         head_dim, dtype) or with repeated or negative positions.
+        Rule: ``spec.cells.restore``.
         """
         op = "restore"
         dst = self._seq(op, "dst", dst)
@@ -746,7 +753,7 @@ class CellCache:
                                            f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def clear(self) -> None:
-        """Free every cell of every store; every lost cell goes."""
+        """Free every cell of every store; every lost cell goes. Rule: ``spec.cells.clear``."""
         for st in self._st.values():
             for i in range(len(st.pos)):
                 st.free(i)
@@ -756,7 +763,7 @@ class CellCache:
     def copy(self) -> CellCache:
         """A deep, independent copy: metadata copied; the MLX buffers are
         shared, which is safe because every write makes a new array
-        (``impl.write.write_copy``) and never changes a buffer in place."""
+        (``impl.write.write_copy``) and never changes a buffer in place. Rule: semantics.md 10."""
         new = CellCache.__new__(CellCache)
         new.__dict__.update(self.__dict__)
         new._st = self._clone()
@@ -770,5 +777,5 @@ class CellCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the K and V buffers of every store
-        (``2 * len(stores) * n_cells * kv_heads * head_dim * itemsize``)."""
+        (``2 * len(stores) * n_cells * kv_heads * head_dim * itemsize``). Rule: semantics.md 10."""
         return sum(st.k.nbytes + st.v.nbytes for st in self._st.values())
