@@ -879,6 +879,26 @@ class CellsMachine(KVMachine):
             p1 = p0 + data.draw(st.integers(0, 2), label="width")
         self.do({"op": "seq_rm", "seq": seq, "p0": p0, "p1": p1})
 
+    @precondition(lambda self: self.lock is not None and "window" in self.cfg["stores"])
+    @rule(data=st.data())
+    def window_then_trim(self, data: st.DataObject) -> None:
+        """Decode one sequence until the window store has reused (lost)
+        some of its cells, then remove its tail from 1 to w positions past
+        its last lost position: the window rule refuses a removal that
+        would bring a lost position back into the next decode's window
+        (all but the last of those), and accepts the last."""
+        s = data.draw(st.integers(0, self.n_seq - 1), label="seq")
+        for _ in range(4):
+            if sc.lost(self.mem, s):
+                break
+            self.do({"op": "decode", "seqs": [s], "tokens": self.tokens(data, 3), "pos0": self.next_pos(s)})
+        lost = sc.lost(self.mem, s)
+        if lost:  # p0 - 1 - q < w - 1 refuses; the last draw (j = w) is the first accepted
+            p0 = max(lost) + data.draw(st.integers(1, self.cfg["window"]), label="past lost")
+        else:
+            p0 = max(self.next_pos(s) - data.draw(st.integers(1, self.cfg["window"] + 1), label="back"), 1)
+        self.do({"op": "seq_rm", "seq": s, "p0": p0, "p1": None})
+
     @rule(data=st.data())
     def share(self, data: st.DataObject) -> None:
         """seq_rm of the destination, then seq_cp of the source's cells
