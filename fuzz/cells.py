@@ -485,9 +485,39 @@ class CellsLockstep:
         self.stats[event] = self.stats.get(event, 0) + 1
 
     # -- the two sides ----------------------------------------------------------
-    def spec_apply(self, op: dict[str, Any], index: int = -1) -> tuple[Any, CellsWorld]:
+    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, CellsWorld]:
         """The op on the spec: (result, new world); nothing changes here."""
-        return _spec_run(self.world, op, index)
+        return _spec_run(self.world, op)
+
+    # -- what kvspec render draws (fuzz.render.timeline) ------------------------------
+    def spec_views(self) -> dict[str, list[int]]:
+        """Per sequence (``seq:<id>``) and store, its tokens in position order."""
+        out = {}
+        for store in self.cfg["stores"]:
+            for s in range(self.cfg["n_seq"]):
+                cells = sorted((p, t) for p, seqs, t in spec_cells(self.world.memory, store) if s in seqs)
+                out[f"seq:{s} {store}"] = [t for _, t in cells]
+        return out
+
+    def impl_views(self) -> dict[str, list[Any]]:
+        got = _observe(self.target, rows=True)
+        out = {}
+        for store in self.cfg["stores"]:
+            for s in range(self.cfg["n_seq"]):
+                cells = sorted(((p, k) for p, seqs, k, _ in got.get(store, []) if s in seqs), key=lambda c: c[0])
+                out[f"seq:{s} {store}"] = [f"{k[0]}@{k[1]}" if k else "?" for _, k in cells]
+        return out
+
+    def identify(self, view: Any, mode: Any = None) -> list[Any]:
+        return list(view)
+
+    def view_mode(self, name: str) -> None:
+        return None
+
+    def spec_observables(self) -> dict[str, Any]:
+        m = self.world.memory
+        return {f"{name}({s})": getattr(sc, name)(m, s) for s in range(self.cfg["n_seq"])
+                for name in ("pos_min", "pos_max")}
 
     def target_apply(self, op: dict[str, Any], index: int) -> Any:
         t, name = self.target, op["op"]
@@ -519,7 +549,16 @@ class CellsLockstep:
     # -- the step ---------------------------------------------------------------
     def step(self, index: int, op: dict[str, Any]) -> None:
         """Run ``op`` on both sides and compare (Divergence on the first
-        difference)."""
+        difference; its second line names :attr:`impl_name`)."""
+        try:
+            self._step(index, op)
+        except Divergence as d:
+            if self.impl_name != "impl":
+                d.labels = tuple(f"{self.impl_name} did" if lab == "impl did" else lab  # type: ignore[assignment]
+                                 for lab in d.labels)
+            raise
+
+    def _step(self, index: int, op: dict[str, Any]) -> None:
         self.reached("ops")
         if op["op"] not in ALL_CELL_OPS:
             raise TraceFormatError(f"op {index} field 'op': kind cells has no op {op['op']!r}; its ops: "
@@ -531,7 +570,9 @@ class CellsLockstep:
             _named(self.world, op, index)
         before = self.world
         try:
-            s_result, s_world = self.spec_apply(op, index)
+            if op["op"] == "restore":
+                _named(self.world, op, index)  # a trace's unknown name: TraceFormatError naming the field
+            s_result, s_world = self.spec_apply(op)
             spec_out = Outcome(result=s_result)
         except KVCacheError as exc:
             spec_out, s_world = Outcome(error=exc), None
@@ -695,7 +736,7 @@ class CellsLockstep:
             raise Divergence(index, op, "trace's 'expect' fails on the spec", want, list(op["window"]),
                              ("spec says", "trace expects"))
         got = _observe(self.target, rows=True)[store]
-        have = [k[0] if k else "?" for _, k in sorted(((p, k) for p, s, k, _ in got if seq in s), key=repr)]
+        have = [k[0] if k else "?" for _, k in sorted(((p, k) for p, s, k, _ in got if seq in s), key=lambda c: c[0])]
         if have != want:
             raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, have)
 

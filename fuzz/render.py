@@ -50,7 +50,7 @@ from spec.errors import KVCacheError
 
 #: section of docs/semantics.md that states each spec module's rules
 SECTIONS = {"spec.dense": 2, "spec.turbo": 2, "spec.rotating": 3, "spec.paged": 4, "spec.layers": 6,
-            "spec.recurrent": 9}
+            "spec.recurrent": 9, "spec.cells": 10}
 
 
 @dataclass(frozen=True)

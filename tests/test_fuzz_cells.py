@@ -1,0 +1,125 @@
+"""The cells kind's harness (fuzz/cells.py): campaigns catch every injected
+bug of fuzz/bugs/cells.py, the recorded traces pass on our implementation
+and diverge on the bug they are named after, replay's exit codes, bad trace
+input refused naming the field, and the plug-in surface another engine uses
+(cells_campaign, replay_cells with a target factory)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fuzz.bugs import by_name
+from fuzz.bugs.cells import BUGS
+from fuzz.cells import CellsLockstep, cells_campaign, replay_cells
+from fuzz.commands.cli import main
+from fuzz.failures import Divergence
+from fuzz.trace import TraceFormatError, load
+from spec import cells as sc
+
+TRACES = Path(__file__).parent / "traces"
+CELL_TRACES = sorted(TRACES.glob("cells_*.json"))
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=lambda b: b.name)
+def test_a_campaign_catches_the_bug_and_its_trace_passes_on_ours(bug):
+    got = cells_campaign(bug.factories["cells"], max_examples=300, seed=1, shrink=False)
+    assert got.status == "diverged", f"{bug.name} not caught in {got.examples} examples"
+    assert isinstance(got.error, Divergence)
+    clean = replay_cells(got.trace)
+    assert clean.ok, clean.divergence
+
+
+def test_a_clean_campaign_agrees_and_reaches_the_edges():
+    got = cells_campaign(None, max_examples=60, seed=3)
+    assert got.ok, got.error
+    for event in ("decodes", "windowed cells reused", "shared cells", "shifts composed before a read",
+                  "restores into another sequence"):
+        assert got.stats.get(event), event
+
+
+def test_every_bug_has_its_trace():
+    assert {b.name for b in BUGS} <= {p.stem for p in CELL_TRACES}
+
+
+@pytest.mark.parametrize("path", CELL_TRACES, ids=lambda p: p.stem)
+def test_recorded_trace_passes_on_ours_and_catches_its_bug(path, capsys):
+    assert main(["replay", str(path)]) == 0
+    names = {b.name for b in BUGS}
+    if path.stem in names:
+        assert load(path).title, "a bug's trace says what it checks"
+        assert main(["replay", str(path), "--bug", path.stem]) == 1
+        assert not replay_cells(load(path), by_name(path.stem).factories["cells"]).ok
+    capsys.readouterr()
+
+
+def _doc(**cache_over):
+    cache = {"kind": "cells", "n_cells": 4, "window": 2, "stores": ["full", "window"], "n_seq": 2}
+    cache.update(cache_over)
+    return {"kvtrace": 1, "cache": cache, "ops": [{"op": "decode", "seqs": [0], "tokens": [1, 2], "pos0": 0}]}
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda d: d["ops"].append({"op": "seq_rm", "seq": "a", "p0": 0}), "seq"),
+    (lambda d: d["ops"].append({"op": "seq_rm", "seq": 0, "p0": 0, "p1": "x"}), "p1"),
+    (lambda d: d["ops"].append({"op": "seq_add", "seq": 0, "p0": 0}), "delta"),
+    (lambda d: d["ops"].append({"op": "restore", "name": "never", "seq": 0}), "name"),
+    (lambda d: d["cache"].pop("n_cells"), "n_cells"),
+    (lambda d: d["cache"].update(window=None), "window"),
+    (lambda d: d["cache"].update(stores=["window", "full"]), "stores"),
+    (lambda d: d["ops"].append({"op": "append", "n": 1}), "append"),
+])
+def test_bad_trace_input_exits_2_naming_the_field(tmp_path, capsys, change, field):
+    doc = _doc()
+    change(doc)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(doc))
+    assert main(["replay", str(p)]) == 2
+    out = capsys.readouterr().out
+    assert field in out and "Traceback" not in out, out
+
+
+def test_a_refused_op_changes_nothing_and_both_sides_agree():
+    lock = CellsLockstep({"kind": "cells", "n_cells": 2, "window": None, "stores": ["full"], "n_seq": 2,
+                          "kv_heads": 1, "head_dim": 8, "dtype": "float16"})
+    lock.step(0, {"op": "decode", "seqs": [0], "tokens": [1, 2], "pos0": 0})
+    before = lock.world.memory
+    lock.step(1, {"op": "decode", "seqs": [0], "tokens": [3], "pos0": 2})  # no slot: False
+    lock.step(2, {"op": "decode", "seqs": [0], "tokens": [3], "pos0": 5})  # not consecutive: refused
+    assert lock.world.memory == before
+    assert lock.stats["decodes without a slot"] == 1 and lock.stats["refused decode"] == 1
+
+
+class SpecTarget(sc.CellsMemory):
+    """The spec itself as a CellsTarget (another engine's shape: its own
+    snapshot handle, names computed by itself)."""
+
+    name = "spec-as-target"
+
+    def __init__(self, cache: dict) -> None:
+        super().__init__(sc.CellsConfig(n_cells=cache["n_cells"], window=cache.get("window"),
+                                        stores=tuple(cache["stores"]), n_seq=cache["n_seq"]))
+
+
+class ForgetfulTarget(SpecTarget):
+    """seq_cp that does nothing: the lockstep must say so."""
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int | None) -> None:
+        sc.seq_cp(self.state, src, dst, p0, p1)  # the checks only
+
+
+def test_another_target_plugs_in_through_the_two_calls():
+    assert cells_campaign(SpecTarget, max_examples=40, seed=2).ok
+    bad = cells_campaign(ForgetfulTarget, max_examples=100, seed=2)
+    assert bad.status == "diverged" and bad.trace is not None
+    assert "seq_cp" in {op["op"] for op in bad.trace.ops}
+    assert replay_cells(bad.trace).ok
+    again = replay_cells(bad.trace, ForgetfulTarget)
+    assert not again.ok and "spec-as-target did" in str(again.divergence)
+
+
+def test_replay_cells_refuses_another_kind():
+    with pytest.raises(TraceFormatError, match="cache.kind"):
+        replay_cells(load(TRACES / "format_example.json"))
