@@ -880,7 +880,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     reports: list[Any] = []
     interrupted = False
     try:
-        run_conformance(args.budget, args.seed, args.out, args.classes, args.max_findings, args.target,
+        run_conformance(args.budget, args.seed, args.out, args.classes,
+                        args.max_findings if args.max_findings is not None else 8, args.target,
                         reports=reports)
     except KeyError as exc:
         _console().print(f"[bold red]error[/]: {escape(str(exc.args[0]))}")
@@ -1294,7 +1295,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
     c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="an mlx-lm class to fuzz (repeatable; default all)")
-    c.add_argument("--max-findings", type=int_in(1, 1000), default=8, help="divergences per class at most")
+    c.add_argument("--max-findings", type=int_in(1, 1000), default=None,
+                   help="divergences per class at most (default 8; 16 with --target llama.cpp)")
     c.add_argument("--target", default=None,
                    help="the engine whose classes to fuzz (default: mlx-lm's KVCache, QuantizedKVCache, "
                         "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")

@@ -55,6 +55,11 @@ TOKENS = range(3, 24)
 #: divergences that are contract differences (how llama.cpp says no), not faults
 CONTRACT = ("refusal differs", "refusal category differs", "refusal message differs")
 DEFAULT_SEED = 20261206
+#: the search's default budget: examples per round, ops per example
+DEFAULT_EXAMPLES = 200
+DEFAULT_STEPS = 40
+#: divergence classes per memory at most
+DEFAULT_MAX_FINDINGS = 16
 
 
 def category(what: str) -> str:
@@ -237,13 +242,20 @@ def first_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], on_llama:
     return None
 
 
-def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
-    """A minimal prefix-closed op list that still diverges on llama.cpp with
-    the same ``what``: the ops after the divergence cut, then single ops
-    removed (last first) while it still does, then token lists shortened."""
+def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name: str,
+           cls: str | None = None) -> list[dict[str, Any]]:
+    """A minimal op list that still diverges on llama.cpp with the same
+    ``what`` at an op named ``op_name`` (charged to an op of class ``cls``,
+    when given: :func:`_culprit`): the ops after the divergence cut, then
+    single ops removed (last first) while it still does, then token lists
+    shortened."""
     def same(candidate: list[dict[str, Any]]) -> int | None:
         d = first_divergence(cache, candidate, True)
-        return d.index if d is not None and d.what == what else None
+        if d is None or d.what != what or d.op["op"] != op_name:
+            return None
+        if cls is not None and _class_at(cache, candidate, _culprit(candidate, d)) != cls:
+            return None
+        return d.index
 
     at = same(ops)
     if at is None:
@@ -354,7 +366,7 @@ def run_example(cache: dict[str, Any], rng: random.Random, excluded: frozenset[s
 
 
 def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, seed: int, out: Path,
-                 max_findings: int = 12) -> CellsClassReport:
+                 max_findings: int = DEFAULT_MAX_FINDINGS) -> CellsClassReport:
     """Fuzz one llama.cpp memory in rounds of ``examples`` examples."""
     report = CellsClassReport(name, mode=f"window {cache['window']}" if cache["window"] else "full attention",
                               not_compared={"cell indices": "not observable (the spec's cells are a multiset)",
@@ -380,7 +392,7 @@ def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, se
             break
         ops, d, at = failure
         cls = _class_at(cache, ops, _culprit(ops, d))
-        minimal = shrink(cache, ops, d.what)
+        minimal = shrink(cache, ops, d.what, d.op["op"], cls)
         finding = _record(name, cache, minimal, d.what, cls, at, out, len(report.findings) + 1)
         report.findings.append(finding)
         if cls in excluded:
@@ -466,9 +478,9 @@ def _dump(doc: dict[str, Any]) -> str:
     return f"{head},\n  \"ops\": [\n{ops}\n  ]\n}}\n"
 
 
-def run_llama_conformance(examples: int = 200, steps: int = 40, seed: int = DEFAULT_SEED,
+def run_llama_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
                           out: str | Path = "fuzz-failures/conformance-llama.cpp", only: list[str] | None = None,
-                          max_findings: int = 12) -> list[CellsClassReport]:
+                          max_findings: int = DEFAULT_MAX_FINDINGS) -> list[CellsClassReport]:
     """Search every llama.cpp memory class (or those named in ``only``);
     ``<class>_NN.json`` traces and ``report.json`` are written to ``out``.
     Raises KeyError for an unknown class, NotInstalled without llama-cpp-python."""
@@ -512,10 +524,11 @@ def cmd_llama_conformance(args: Any, console: Any, usage_error: Any, default_out
     from fuzz.adapters.llama_cpp import NotInstalled
 
     examples = args.examples if getattr(args, "examples", None) is not None else DEFAULT_EXAMPLES
+    max_findings = args.max_findings if args.max_findings is not None else DEFAULT_MAX_FINDINGS
     steps = args.steps if getattr(args, "steps", None) is not None else DEFAULT_STEPS
     out = str(Path(args.out) / "llama.cpp") if default_out else args.out
     try:
-        reports = run_llama_conformance(examples, steps, args.seed, out, args.classes, args.max_findings)
+        reports = run_llama_conformance(examples, steps, args.seed, out, args.classes, max_findings)
     except NotInstalled as exc:
         return usage_error(console, str(exc), args.json)
     except KeyError as exc:
@@ -531,9 +544,6 @@ def cmd_llama_conformance(args: Any, console: Any, usage_error: Any, default_out
     return code
 
 
-#: the search's default budget: examples per round, ops per example
-DEFAULT_EXAMPLES = 200
-DEFAULT_STEPS = 40
 
 
 def print_llama_report(reports: list[CellsClassReport], doc: dict[str, Any], console: Any) -> None:
