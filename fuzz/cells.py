@@ -23,9 +23,12 @@ holds and the target does not are accepted only if each was droppable
 before the decode (``spec.cells.droppable``); the spec is then told to
 drop them. Any other missing cell, and any extra one, is a divergence.
 
-Plugging another engine in takes two calls: :func:`cells_campaign` (a
-seeded campaign against ``target_factory(cache) -> CellsTarget``, a
-failure shrunk to a minimal kvtrace) and :func:`replay_cells` (one trace).
+Plugging another engine in takes two calls (``fuzz.cells_runs``, a runner
+above this module): ``cells_campaign`` (a seeded campaign against
+``target_factory(cache) -> CellsTarget``, a failure shrunk to a minimal
+kvtrace) and ``replay_cells`` (one trace); both reach this lockstep through
+the usual factories, ``{"cells": {"target": target_factory}}``
+(:func:`target_factories`).
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ from fuzz.trace import TraceFormatError
 from spec import cells as sc
 from spec.errors import KVCacheError
 
-__all__ = ["CellRows", "CellsLockstep", "CellsMachine", "CellsResult", "CellsTarget", "OursTarget",
-           "cells_campaign", "replay_cells"]
+__all__ = ["CellRows", "CellsLockstep", "CellsMachine", "CellsTarget", "OursTarget", "target_factories"]
 
 
 class CellsTarget(Protocol):
@@ -1044,66 +1046,12 @@ class CellsMachine(KVMachine):
         self.do({"op": "clear"})
 
 
-# -- plugging a target in -------------------------------------------------------
-
-
-@dataclass
-class CellsResult:
-    """What :func:`cells_campaign` found. ``status``: ``ok``, ``diverged``
-    (``trace``: the minimal failing trace, ``error`` its divergence),
-    ``not applicable`` (the target cannot run an op) or ``tool failure``."""
-
-    ok: bool
-    status: str
-    examples: int
-    seconds: float
-    examples_to_catch: int | None = None
-    seconds_to_catch: float | None = None
-    error: BaseException | None = None
-    trace: Any = None
-    stats: dict[str, int] = field(default_factory=dict)
-
-
-def _factories(target_factory: Any) -> dict[str, Any] | None:
-    """``make_lockstep``'s factories for a target: None (ours), a subclass
-    of ``impl.cells.CellCache`` (an injected bug) or ``cache -> CellsTarget``."""
+def target_factories(target_factory: Any) -> dict[str, Any] | None:
+    """``fuzz.replay.make_lockstep``'s factories for a cells target: None
+    (ours), a subclass of ``impl.cells.CellCache`` (an injected bug) or a
+    callable ``cache -> CellsTarget`` (another engine)."""
     if target_factory is None:
         return None
     if isinstance(target_factory, type) and issubclass(target_factory, _impl().CellCache):
         return {"cells": target_factory}
     return {"cells": {"target": target_factory}}
-
-
-def cells_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max_examples: int = 200,
-                   seed: int = 0, shrink: bool = True, steps: int = 30) -> CellsResult:
-    """Fuzz a cells target against the spec: ``max_examples`` examples of
-    :class:`CellsMachine` from ``seed``. ``target_factory(cache) ->
-    CellsTarget`` builds the target for each example's cache fields (None:
-    ours); ``cache`` pins cache fields (e.g. ``{"stores": ["full",
-    "window"], "window": 4}`` for a model of that layout; None: all drawn).
-    A divergence is shrunk (unless ``shrink=False``) to a minimal kvtrace
-    (:attr:`CellsResult.trace`, a ``fuzz.trace.Trace``; write it with
-    ``fuzz.trace.write``) that :func:`replay_cells` runs again."""
-    from fuzz.campaign import machine_for, run_machine
-    from fuzz.replay import failure_status
-
-    machine = machine_for("cells", "fp16", True, _factories(target_factory), fixed=cache or {})
-    r = run_machine(machine, seed, max_examples=max_examples, steps=steps, shrink=shrink)
-    status = "ok" if not r.failed else failure_status(r.error)
-    return CellsResult(not r.failed, status, r.examples, r.seconds, r.examples_to_catch, r.seconds_to_catch,
-                       r.error, r.trace, r.stats)
-
-
-def replay_cells(trace: Any, target_factory: Any = None) -> Any:
-    """Run a cells kvtrace (a ``fuzz.trace.Trace``, or a path) on the spec
-    and a target (``target_factory(cache) -> CellsTarget``; None: ours).
-    Returns ``fuzz.replay.ReplayResult`` (``ok``, ``divergence``); raises
-    TraceFormatError for a trace it cannot run (the CLI's exit 2)."""
-    from fuzz.replay import replay
-    from fuzz.trace import load
-
-    if not hasattr(trace, "ops"):
-        trace = load(trace)
-    if trace.cache.get("kind") != "cells":
-        raise TraceFormatError(f"field cache.kind: replay_cells runs cells traces, got {trace.cache.get('kind')!r}")
-    return replay(trace, _factories(target_factory))

@@ -58,7 +58,8 @@ OP_TEXT = {
     "gather_positions": "keep exactly these rows of the live window, in order",
     "gather_within_tail": "of the last `tail` rows keep those at `kept` (indices into the tail)",
     "snapshot": "prompt-cache snapshot sharing the cache's buffers",
-    "restore": "the live cache adopts the snapshot's buffers and window",
+    "restore": "the live cache adopts the snapshot's buffers and window (cells: the snapshot saved as `name` is "
+               "written into sequence `seq`, which is cleared first; false when a store lacks room)",
     "drop": "release a snapshot or a detached handle",
     "state_snapshot": "dense, rotating: mlx-lm's protocol, `saved = c.state` (and `c.meta_state` where the class "
                       "has one), kept uncopied; its rows must never change (semantics.md 8, \"The state protocol\")",
@@ -140,7 +141,25 @@ OP_TEXT = {
             "bit",
     "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "
               "`of` (paged: `seq` also names the sequence); `order: set` ignores the order; `layer` picks a "
-              "layer of a list (default 0)",
+              "layer of a list (default 0); cells: the tokens of sequence `seq` in position order in `store` "
+              "(default the first store)",
+    "decode": "cells: one group of `tokens` at positions `pos0, pos0 + 1, ...`, each held by every sequence of "
+              "`seqs` (a shared prompt); returns false when a store has no slot (free plus droppable windowed "
+              "cells), refused for bad sequence ids, uncoupled sequences or a position that does not continue",
+    "seq_rm": "cells: remove sequence `seq` (-1: every sequence) from its cells in `[p0, p1)` (`p1` null: to "
+              "the end); returns false, changing nothing, when a window store could not honour a partial removal",
+    "seq_cp": "cells: share `src`'s cells in `[p0, p1)` with `dst` (no copy); refused if `dst` would hold two "
+              "cells at one position",
+    "seq_keep": "cells: remove every other sequence; cells `seq` does not hold are freed",
+    "seq_add": "cells: move the positions of `seq`'s cells in `[p0, p1)` by `delta` (a shared cell moves for "
+               "every holder; below 0: freed); K rows re-rotated before the next read; refused on a collision",
+    "seq_div": "cells: positions of `seq`'s cells in `[p0, p1)` floor-divided by `d >= 1`; refused on a collision",
+    "pos_min": "cells: the smallest position `seq` holds (the window store's when there is one), -1 if none; "
+               "`value`: the expected answer",
+    "pos_max": "cells: the largest position `seq` holds (as `pos_min`), -1 if none; `value`: the expected answer",
+    "save": "cells: `seq`'s state (llama_state_seq_get_data) kept under `name`: its cells per store, the "
+            "window store's live window only, every K row rotated for its position",
+    "clear": "cells: free every cell of every store",
 }
 
 FIELD_TEXT = {
@@ -179,6 +198,10 @@ FIELD_TEXT = {
     "depth": "recurrent: the checkpoint depth U, tokens a rollback may take back (0: none)",
     "channels": "recurrent: C, the conv window's channels (the harness's conv input rows are portable rows of "
                 "C values)",
+    "n_cells": "cells: cells per store",
+    "window": "cells: the window store's window w (a token at p attends to q with p - q < w); `null` without one",
+    "stores": "cells: `[\"full\"]`, `[\"full\", \"window\"]` (an iSWA model) or `[\"window\"]`",
+    "n_seq": "cells: sequence ids are 0 .. n_seq - 1",
 }
 
 CHECK_TEXT = {
@@ -186,7 +209,7 @@ CHECK_TEXT = {
     "error": "`true`: the spec refuses the op (and so must the implementation); `false`: it succeeds",
     "inplace": "an append's write path: `true` in place, `false` a copying write",
     "capacity": "the cache's capacity (physical rows) after the op",
-    "seq": "paged: the sequence the op acts on (default `main`)",
+    "seq": "paged: the sequence the op acts on (default `main`); cells: a sequence id (an integer)",
 }
 
 
@@ -298,9 +321,9 @@ def ops_table() -> str:
             raise DocsError(f"op {op!r} (registry) has no description in fuzz/docgen.py OP_TEXT")
         r = rules.get(op, {"required": [], "optional": []})
         args = ", ".join([f"`{a}`" for a in r["required"]] + [f"`{a}` (optional)" for a in r["optional"]])
-        if op != "release" and "fork" in kinds.all_ops():
+        if op != "release" and "fork" in kinds.all_ops() and "seq" not in r["required"] + r["optional"]:
             args += (", " if args else "") + "`seq` (paged)"
-        runs = [k.name for k in kinds.KINDS.values() if op in k.all_ops]
+        runs = [k.name for k in kinds.KINDS.values() if op in k.all_ops and op not in k.without]
         refuses = [k.name for k in kinds.KINDS.values() if op in k.refuses]
         rows.append([f"`{op}`", args, ", ".join(runs), ", ".join(refuses) or "—", OP_TEXT[op]])
     return _table(["op", "arguments", "run by", "refused by contract", "what it does"], rows)

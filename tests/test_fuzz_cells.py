@@ -13,7 +13,8 @@ import pytest
 
 from fuzz.bugs import by_name
 from fuzz.bugs.cells import BUGS
-from fuzz.cells import CellsLockstep, cells_campaign, replay_cells
+from fuzz.cells import CellsLockstep
+from fuzz.cells_runs import cells_campaign, replay_cells
 from fuzz.commands.cli import main
 from fuzz.failures import Divergence
 from fuzz.trace import TraceFormatError, load
