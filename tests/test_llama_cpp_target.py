@@ -1,0 +1,287 @@
+"""llama.cpp as a cells target (fuzz/adapters/llama_cpp.py, docs/conformance.md
+"llama.cpp"): the state blob parser and the row naming on hand-made input
+(always); the recorded minimal traces under tests/traces/llama_cpp/ replay
+against our cell cache always (exit 0) and against llama.cpp wherever
+llama-cpp-python is importable (exit 1, at the op the report names); the
+adapter's protocol answers and the search itself where it is installed.
+Which engines the traces were replayed on is printed (and each skip says
+why)."""
+
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuzz.adapters import llama_cpp as lc
+from fuzz.commands.cli import main
+from fuzz.commands.conformance_cells import category
+from fuzz.replay import replay
+from fuzz.trace import load
+from spec.errors import InvalidArgumentError, StateError
+
+FOLDER = Path(__file__).parent / "traces" / "llama_cpp"
+TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))
+HAVE_LLAMA = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "gguf"))
+NOT_INSTALLED = "llama-cpp-python not installed (optional extra 'llama-cpp'): replayed against our cell cache only"
+needs_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=NOT_INSTALLED)
+DONE = {"ours": 0, "llama.cpp": 0}
+
+
+# -- the blob parser and row names (no llama.cpp needed) -----------------------
+
+
+def _store_record(cells, rows_k, rows_v, v_trans=False, dtype=np.float16):
+    """One llama_kv_cache::state_write record (one stream, one layer)."""
+    out = struct.pack("<I", 1) + struct.pack("<I", len(cells))
+    for pos, seqs in cells:
+        out += struct.pack("<iI", pos, len(seqs)) + b"".join(struct.pack("<i", s) for s in seqs)
+    code = 1 if dtype == np.float16 else 0
+    k = np.asarray(rows_k, dtype)
+    v = np.asarray(rows_v, dtype)
+    out += struct.pack("<II", 1 if v_trans else 0, 1)
+    out += struct.pack("<iQ", code, k.shape[1] * k.itemsize) + k.tobytes()
+    if v_trans:
+        out += struct.pack("<iII", code, v.itemsize, v.shape[1]) + v.T.copy().tobytes()
+    else:
+        out += struct.pack("<iQ", code, v.shape[1] * v.itemsize) + v.tobytes()
+    return out
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_parse_memory_reads_cells_positions_sequences_and_rows(v_trans):
+    k = np.arange(12, dtype=np.float32).reshape(3, 4) / 8
+    v = -np.arange(12, dtype=np.float32).reshape(3, 4) / 8
+    arch = b"llama"
+    blob = struct.pack("<I", len(arch)) + arch + _store_record([(0, [0]), (5, [0, 2]), (7, [1])], k, v, v_trans)
+    (cells,) = lc.parse_memory(blob, 1)
+    assert [(c.pos, c.seqs) for c in cells] == [(0, {0}), (5, {0, 2}), (7, {1})]
+    assert np.array_equal(np.stack([c.k[0] for c in cells]), k)
+    assert np.array_equal(np.stack([c.v[0] for c in cells]), v)
+
+
+def test_parse_refuses_a_truncated_or_padded_blob():
+    arch = b"llama"
+    blob = struct.pack("<I", len(arch)) + arch + _store_record([(0, [0])], [[1, 2]], [[3, 4]])
+    with pytest.raises(StateError, match="truncated"):
+        lc.parse_memory(blob[:-1], 1)
+    with pytest.raises(StateError, match="bytes left"):
+        lc.parse_memory(blob + b"\0", 1)
+    seq_blob = struct.pack("<Ii", lc.SEQ_MAGIC, 3) + _store_record([(4, [3])], [[1, 2]], [[3, 4]])
+    seq, (cells,) = lc.parse_sequence(seq_blob, 1)
+    assert seq == 3 and [(c.pos, c.seqs) for c in cells] == [(4, {3})]
+    with pytest.raises(StateError, match="magic"):
+        lc.parse_sequence(b"\0" * 8 + seq_blob[8:], 1)
+
+
+def _rope_table(n_vocab=5, n_pos=16, dim=8):
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 1.5, (n_vocab, dim)) * rng.choice([-1, 1], (n_vocab, dim))
+    half = dim // 2
+    inv = 10000.0 ** (-np.arange(half) / half)
+    k = np.zeros((n_vocab, n_pos, dim), np.float32)
+    for p in range(n_pos):
+        c, s = np.cos(p * inv), np.sin(p * inv)
+        x0, x1 = base[:, 0::2], base[:, 1::2]
+        k[:, p, 0::2], k[:, p, 1::2] = x0 * c - x1 * s, x0 * s + x1 * c
+    v = rng.standard_normal((n_vocab, dim)).astype(np.float32)
+    return k, v
+
+
+def test_rows_are_named_by_token_and_the_position_of_their_rotation():
+    k, v = _rope_table()
+    table = (k, v)
+    good = lc.BlobCell(6, frozenset({0}), [k[3, 6].astype(np.float16).astype(np.float32)], [v[3]])
+    assert lc.name_rows(table, good) == ((3, 6), 3)
+    # a cell that claims position 9 but holds the K row rotated for 6 (a shift lost)
+    stale = lc.BlobCell(9, frozenset({0}), [k[3, 6]], [v[3]])
+    assert lc.name_rows(table, stale) == ((3, 6), 3)
+    noise = lc.BlobCell(2, frozenset({0}), [k[1, 2] + 0.5], [v[1] + 0.5])
+    assert lc.name_rows(table, noise) == (None, None)
+
+
+def test_the_naming_tolerance_tells_neighbouring_positions_apart():
+    """The check behind every K name: a row one step of rotation away is
+    far outside the tolerance (else position 6 would pass for 5)."""
+    k, _ = _rope_table()
+    step = float(np.abs(k[3, 6] - k[3, 5]).max())
+    assert step > 10 * lc.K_TOLERANCE * max(1.0, float(np.abs(k[3, 6]).max()))
+
+
+@needs_llama
+def test_the_models_row_tables_tell_every_name_apart():
+    """On the models' own tables (float16 rows from llama.cpp): every K row is
+    farther than 3x the tolerance from every other (token, position) of the
+    first 64 positions, every V row from every other token's."""
+    for window in (None, 4):
+        t = lc.LlamaCppCells(window=window, n_seq=1)
+        for k_tab, v_tab in t.loaded.rows(64).values():
+            k = k_tab[:, :64].reshape(-1, k_tab.shape[2])
+            scale = max(1.0, float(np.abs(k).max()))
+            d = np.abs(k[:, None, :] - k[None, :, :]).max(axis=2) + np.eye(len(k)) * 1e9
+            assert d.min() > 3 * lc.K_TOLERANCE * scale
+            dv = np.abs(v_tab[:, None, :] - v_tab[None, :, :]).max(axis=2) + np.eye(len(v_tab)) * 1e9
+            assert dv.min() > 3 * lc.K_TOLERANCE * scale
+
+
+def test_a_tiny_model_refuses_an_inconsistent_configuration():
+    with pytest.raises(InvalidArgumentError, match="window"):
+        lc.TinyModel(arch="gemma2")
+    with pytest.raises(InvalidArgumentError, match="arch"):
+        lc.TinyModel(arch="mamba")
+
+
+# -- the recorded traces ------------------------------------------------------
+
+
+def _report():
+    return json.loads((FOLDER / "report.json").read_text())
+
+
+def _finding(path: Path) -> dict:
+    (f,) = [f for c in _report()["classes"] for f in c["findings"] if Path(f["trace"]).name == path.name]
+    return f
+
+
+def test_every_recorded_trace_is_listed_and_classified():
+    assert TRACES, "no recorded llama.cpp traces"
+    doc = _report()
+    listed = {Path(f["trace"]).name for c in doc["classes"] for f in c["findings"]}
+    assert listed == {p.name for p in TRACES} and doc["ok"] is True
+    for c in doc["classes"]:
+        for f in c["findings"]:
+            assert f["category"] == category(f["what"]) and f["confirmed"]
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_recorded_trace_passes_on_ours(path):
+    assert main(["replay", str(path)]) == 0
+    DONE["ours"] += 1
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_recorded_trace_diverges_on_llama_cpp(path):
+    if not HAVE_LLAMA:
+        pytest.skip(NOT_INSTALLED)
+    f = _finding(path)
+    result = replay(load(path), target="llama.cpp")
+    assert not result.ok and result.divergence.index == f["index"] and result.divergence.what == f["what"]
+    DONE["llama.cpp"] += 1
+
+
+def test_say_which_engines_the_traces_were_replayed_on(capsys):
+    on = f"and against llama.cpp ({DONE['llama.cpp']})" if DONE["llama.cpp"] else f"only ({NOT_INSTALLED})"
+    with capsys.disabled():
+        print(f"\nkvspec: recorded llama.cpp traces replayed against our cell cache ({DONE['ours']}) {on}")
+
+
+def test_without_llama_cpp_the_target_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    assert main(["replay", str(TRACES[0]), "--target", "llama.cpp", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "not applicable" and "pip install 'kvspec[llama-cpp]'" in doc["unsupported"]
+    assert main(["conformance", "--target", "llama.cpp", "--examples", "1", "--json"]) == 2
+    assert "pip install 'kvspec[llama-cpp]'" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_trace_llama_cpp_cannot_build_is_not_applicable(tmp_path, capsys):
+    if not HAVE_LLAMA:
+        pytest.skip(NOT_INSTALLED)
+    doc = json.loads(TRACES[0].read_text())
+    doc["cache"]["n_cells"] = 16
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    assert main(["replay", str(path), "--target", "llama.cpp", "--json"]) == 2
+    assert "cache.n_cells" in json.loads(capsys.readouterr().out)["unsupported"]
+
+
+# -- the adapter against llama.cpp ---------------------------------------------
+
+
+@needs_llama
+def test_decode_observe_and_shared_cells():
+    t = lc.LlamaCppCells(window=None, n_seq=2)
+    assert t.decode((0,), (3, 4, 5), 0) is True
+    t.seq_cp(0, 1, 0, None)
+    assert t.decode((1,), (6,), 3) is True
+    got = sorted(t.observe()["full"], key=lambda c: c[0])
+    assert got == [(0, {0, 1}, (3, 0), 3), (1, {0, 1}, (4, 1), 4), (2, {0, 1}, (5, 2), 5), (3, {1}, (6, 3), 6)]
+    assert (t.pos_min(1), t.pos_max(1), t.pos_max(0)) == (0, 3, 2)
+
+
+@needs_llama
+def test_observation_applies_a_pending_shift_and_the_update_is_what_does_it(monkeypatch):
+    t = lc.LlamaCppCells(window=None, n_seq=1)
+    t.decode((0,), (3, 4, 5, 6), 0)
+    t.seq_add(0, 2, None, 3)
+    assert sorted(t.observe(rows=False)["full"]) == [(0, {0}, None, None), (1, {0}, None, None),
+                                                   (5, {0}, None, None), (6, {0}, None, None)]
+    with monkeypatch.context() as m:  # the broken variant: no forced update, the rows stay stale
+        m.setattr(lc.Context, "update", lambda self, used: None)
+        stale = sorted(t.observe()["full"])
+    assert stale[2][2] == (5, 2)
+    t._shifted = True  # the broken observation believed it had applied the shift
+    assert sorted(t.observe()["full"])[2][2] == (5, 5)
+
+
+@needs_llama
+def test_a_save_while_a_shift_is_pending_keeps_the_old_rotation():
+    """Behaviour (1) of the issue, through the adapter alone."""
+    t = lc.LlamaCppCells(window=None, n_seq=1)
+    t.decode((0,), (3, 4, 5, 6), 0)
+    t.seq_add(0, 2, None, 3)
+    snap = t.save(0)
+    assert sorted(t.observe_snapshot(snap)["full"]) == [(0, (3, 0), 3), (1, (4, 1), 4), (5, (5, 2), 5), (6, (6, 3), 6)]
+
+
+@needs_llama
+def test_the_window_store_saves_its_live_window_and_drops_out_of_window_cells():
+    t = lc.LlamaCppCells(window=4, n_seq=1)
+    assert t.stores == ("full", "window")
+    t.decode((0,), tuple(range(3, 13)), 0)
+    snap = t.observe_snapshot(t.save(0))
+    assert [p for p, _, _ in sorted(snap["window"])] == [6, 7, 8, 9] and len(snap["full"]) == 10
+    assert t.seq_rm(0, 0, 5) is True
+    t.decode((0,), (3,) * 10, 10)
+    window = {p for p, _, _, _ in t.observe()["window"]}
+    assert {5, 6} - window  # reused while free cells were left: llama.cpp's choice
+    assert t.seq_rm(0, 7, None) is True  # behaviour (2): the spec refuses it
+
+
+@needs_llama
+def test_arguments_llama_cpp_would_abort_on_are_refused_first():
+    t = lc.LlamaCppCells(window=None, n_seq=2)
+    t.decode((0,), (3,), 0)
+    before = t.observe()
+    for call in (lambda: t.seq_rm(2, 0, None), lambda: t.seq_cp(0, 5, 0, None), lambda: t.seq_div(0, 0, None, 0),
+                 lambda: t.decode((0,), (3,) * (lc.N_BATCH + 1), 1), lambda: t.pos_max(9)):
+        with pytest.raises(InvalidArgumentError):
+            call()
+    with pytest.raises(InvalidArgumentError, match="-1"):
+        t.decode((0,), (3,), 5)  # not pos_max + 1: llama_decode's -1
+    with pytest.raises(InvalidArgumentError, match="-1"):
+        t.decode((0,), (99,), 1)  # a token outside the vocabulary
+    assert t.observe() == before
+
+
+@needs_llama
+def test_no_slot_is_false_and_changes_nothing():
+    t = lc.LlamaCppCells(window=None, n_seq=2)
+    assert t.decode((0,), (3,) * 200, 0) is True
+    before = t.observe()
+    assert t.decode((1,), (4,) * 100, 0) is False
+    assert t.observe() == before
+
+
+@needs_llama
+def test_the_search_finds_the_windowed_removal_by_itself(tmp_path):
+    from fuzz.commands.conformance_cells import run_llama_conformance
+
+    (report,) = run_llama_conformance(examples=10, steps=30, seed=5, out=tmp_path, only=["llama_kv_cache_iswa"],
+                                      max_findings=3)
+    found = {f.excluded: f for f in report.findings}
+    assert "seq_rm partial" in found and found["seq_rm partial"].confirmed
+    assert json.loads((tmp_path / "report.json").read_text())["ok"] is True
