@@ -285,3 +285,17 @@ def test_the_search_finds_the_windowed_removal_by_itself(tmp_path):
     found = {f.excluded: f for f in report.findings}
     assert "seq_rm partial" in found and found["seq_rm partial"].confirmed
     assert json.loads((tmp_path / "report.json").read_text())["ok"] is True
+
+
+@needs_llama
+def test_the_harness_campaign_plugs_llama_cpp_in():
+    """fuzz.cells_runs.cells_campaign (the kind's own machine, no rounds)
+    drives the same target: on the iSWA layout it diverges, and its minimal
+    trace replays 1 on llama.cpp and 0 on ours through replay_cells."""
+    from fuzz.cells_runs import cells_campaign, replay_cells
+
+    cache = {"n_cells": 256, "stores": ["full", "window"], "window": 4, "n_seq": 3}
+    r = cells_campaign(lc.target_factory, cache=cache, max_examples=50, seed=1)
+    assert r.status == "diverged" and r.trace is not None
+    assert not replay_cells(r.trace, lc.target_factory).ok
+    assert replay_cells(r.trace).ok
