@@ -277,14 +277,21 @@ def test_no_slot_is_false_and_changes_nothing():
 
 
 @needs_llama
-def test_the_search_finds_the_windowed_removal_by_itself(tmp_path):
-    from fuzz.commands.conformance_cells import run_llama_conformance
+def test_the_search_finds_the_windowed_removal_by_itself(tmp_path, capsys):
+    import jsonschema
 
-    (report,) = run_llama_conformance(examples=10, steps=30, seed=5, out=tmp_path, only=["llama_kv_cache_iswa"],
-                                      max_findings=3)
-    found = {f.excluded: f for f in report.findings}
-    assert "seq_rm partial" in found and found["seq_rm partial"].confirmed
+    code = main(["conformance", "--target", "llama.cpp", "--class", "llama_kv_cache_iswa", "--examples", "10",
+                 "--steps", "30", "--seed", "5", "--max-findings", "3", "--out", str(tmp_path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    schema = json.loads((Path(__file__).parent.parent / "fuzz" / "schemas" / "conformance.schema.json").read_text())
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+    assert code == 0 and doc["ok"] and doc["budget"] == 10 and doc["budget_unit"] == "examples per round"
+    found = {f["excluded"]: f for c in doc["classes"] for f in c["findings"]}
+    assert "seq_rm partial" in found and found["seq_rm partial"]["confirmed"]
+    assert found["seq_rm partial"]["what"] == "return value differs"
     assert json.loads((tmp_path / "report.json").read_text())["ok"] is True
+    assert main(["conformance", "--target", "llama.cpp", "--class", "NoSuchMemory", "--json"]) == 2
+    assert "llama_kv_cache_iswa" in json.loads(capsys.readouterr().out)["error"]
 
 
 @needs_llama
@@ -299,3 +306,8 @@ def test_the_harness_campaign_plugs_llama_cpp_in():
     assert r.status == "diverged" and r.trace is not None
     assert not replay_cells(r.trace, lc.target_factory).ok
     assert replay_cells(r.trace).ok
+
+
+def test_examples_and_steps_belong_to_the_llama_cpp_search(capsys):
+    assert main(["conformance", "--examples", "5", "--json"]) == 2
+    assert "--target llama.cpp" in json.loads(capsys.readouterr().out)["error"]

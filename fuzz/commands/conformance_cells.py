@@ -504,10 +504,17 @@ def run_llama_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT
 
 
 def to_json(reports: list[CellsClassReport], seed: int, examples: int, steps: int) -> dict[str, Any]:
+    """The report (``kvspec conformance --json``'s schema, fuzz/schemas/conformance.schema.json):
+    ``budget`` counts examples per round here (``budget_unit``), ``engine``
+    names llama.cpp's version; ``mlx_lm``/``mlx`` are the schema's fields."""
+    import mlx.core as mx
+
     from fuzz.adapters.llama_cpp import llama_cpp_version
+    from fuzz.adapters.mlx_lm import mlx_lm_version
 
     return {"target": "llama.cpp", "engine": llama_cpp_version(), "seed": seed,
-            "budget": f"{examples} examples per round, {steps} ops per example",
+            "budget": examples, "budget_unit": "examples per round", "steps": steps,
+            "mlx_lm": mlx_lm_version(), "mlx": mx.__version__, "interrupted": False,
             "classes": [r.to_json() for r in reports],
             "ok": all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports),
             "no_verdict": {r.cache_class: r.no_verdict for r in reports if r.no_verdict}}
@@ -553,7 +560,8 @@ def print_llama_report(reports: list[CellsClassReport], doc: dict[str, Any], con
 
     from fuzz.commands.reports import print_table
 
-    table = Table(title=f"kvspec conformance: {doc['engine']}, seed {doc['seed']}, {doc['budget']}")
+    table = Table(title=f"kvspec conformance: {doc['engine']}, seed {doc['seed']}, {doc['budget']} examples "
+                        f"per round, {doc['steps']} ops per example")
     for col in ("class", "examples", "ops", "ops/s", "seconds", "faults", "contract differences", "search ended"):
         table.add_column(col, overflow="fold")
     for r in reports:
