@@ -173,7 +173,8 @@ def test_recorded_trace_diverges_on_llama_cpp(path):
 
 
 def test_say_which_engines_the_traces_were_replayed_on(capsys):
-    on = f"and against llama.cpp ({DONE['llama.cpp']})" if DONE["llama.cpp"] else f"only ({NOT_INSTALLED})"
+    on = (f"and against llama.cpp ({DONE['llama.cpp']})" if DONE["llama.cpp"] else
+          "only (llama-cpp-python not installed: optional extra 'llama-cpp')")
     with capsys.disabled():
         print(f"\nkvspec: recorded llama.cpp traces replayed against our cell cache ({DONE['ours']}) {on}")
 
