@@ -238,13 +238,9 @@ class OursTarget:
             if good:
                 keys[s] = mx.array(self.rows.k_rows(s, tuple(tokens), pos0)).astype(self._mx_dtype)
                 values[s] = mx.array(self.rows.v_rows(s, tuple(tokens))).astype(self._mx_dtype)
-            else:  # a group the cache must refuse: rows of the right shape, whatever they hold
-                n = max(len(tokens), 1)
-                keys[s] = values[s] = mx.zeros((n, self.cfg["kv_heads"], self.cfg["head_dim"]), dtype=self._mx_dtype)
-        if not tokens:
-            from spec.errors import InvalidArgumentError
-
-            raise InvalidArgumentError(f"decode: tokens must be a non-empty tuple of integer token ids, got {tokens!r}")
+            else:  # a group the cache must refuse (no token, pos0 < 0): rows of that shape, whatever they hold
+                shape = (len(tokens), self.cfg["kv_heads"], self.cfg["head_dim"])
+                keys[s] = values[s] = mx.zeros(shape, dtype=self._mx_dtype)
         return self.cache.decode(tuple(seqs), keys, values, pos0)
 
     def seq_rm(self, seq: int, p0: int, p1: int | None) -> bool:
