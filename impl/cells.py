@@ -5,7 +5,9 @@ A **memory** is one or two **stores** that receive every op together:
 ``"full"`` (attention over every cell, never drops a cell) and, for an
 interleaved sliding-window model, ``"window"`` (window ``w >= 1``: a token at
 position ``p`` attends to positions ``q`` with ``p - q < w``); a memory of a
-window store alone is allowed. Each store holds ``n_cells`` **cells**: per
+window store alone is allowed. The full store holds ``n_cells`` **cells**,
+the window store ``window_cells`` (``<= n_cells``: llama.cpp sizes its
+sliding-window store smaller, llama-kv-cache-iswa.cpp); per
 cell a K row and a V row of shape ``(kv_heads, head_dim)`` in the cache's
 dtype (float16, bfloat16 or float32, stored as handed in), and on the host
 its position (``-1``: free), the set of **sequence ids** holding it (a cell
@@ -23,7 +25,8 @@ Slot search keeps a head pointer per store, as llama.cpp's ``find_slot``: a
 decode takes free cells from the head on (wrapping); in a window store, when
 no free cell is left, it reuses **droppable** cells, lowest position first
 (a cell held by exactly one sequence ``h`` with ``(pos_max(h) + 1) - pos >= w``,
-``pos_max`` read before the decode). The holder of a reused cell keeps the
+``pos_max`` read before the decode, after the group is validated). A restore
+finds its cells the same way, after clearing its destination. The holder of a reused cell keeps the
 cell as a **lost** cell (position and holders, no row, no capacity): the
 sequence's **logical** positions (the first store's cells, lost ones
 included) are what it would hold had the window kept every cell. Lost cells
@@ -60,12 +63,20 @@ def _int(op: str, name: str, v: Any) -> int:
     return int(v)
 
 
+def _is_int(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+
+
 def _range(op: str, p0: Any, p1: Any) -> tuple[int, int | None]:
     """``[p0, p1)`` as llama.h reads it: ``p0 < 0`` is 0, ``p1`` None or
     ``< 0`` is infinity (None)."""
-    p0 = max(0, _int(op, "p0", p0))
+    if not _is_int(p0):
+        raise InvalidArgumentError(f"{op}: p0 must be an integer (< 0 reads as 0), got {p0!r}")
+    if p1 is not None and not _is_int(p1):
+        raise InvalidArgumentError(f"{op}: p1 must be an integer or None (< 0 or None: to infinity), got {p1!r}")
+    p0 = max(0, int(p0))
     if p1 is not None:
-        p1 = _int(op, "p1", p1)
+        p1 = int(p1)
         if p1 < 0:
             p1 = None
     return p0, p1
@@ -207,7 +218,9 @@ class _Store:
         """``(seq, pos)`` of a sequence holding two cells (present or lost)
         at one position, or None."""
         seen: set[tuple[int, int]] = set()
-        cells = [(self.pos[i], self.seqs[i]) for i in self.used()] + self.lost
+        # present cells, then lost ones, each by (pos, holders): the order spec.cells reports the first hit in
+        cells = sorted((self.pos[i], sorted(self.seqs[i])) for i in self.used()) + sorted(
+            (p, sorted(ss)) for p, ss in self.lost)
         for p, ss in cells:
             for s in ss:
                 if (s, p) in seen:
@@ -230,10 +243,6 @@ class _Store:
             j = e
 
 
-def _bound(p1: int | None) -> str:
-    return "inf" if p1 is None else str(p1)
-
-
 class CellCache:
     """llama.cpp's KV memory as an MLX cell cache (``spec.cells``).
 
@@ -244,6 +253,9 @@ class CellCache:
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (or the
             ``mx`` dtype): the rows' dtype, stored as handed in.
         window: ``w``, int >= 1, required iff a ``"window"`` store exists.
+        window_cells: cells of the window store, int with ``1 <=
+            window_cells <= n_cells``, or None (default) for ``n_cells``;
+            without a window store only None or ``n_cells``.
         stores: ``("full",)``, ``("full", "window")`` or ``("window",)``.
         n_seq: sequence ids ``0 .. n_seq - 1``, int >= 1.
         rope_base: RoPE base used to re-rotate shifted K rows, > 0.
@@ -256,7 +268,7 @@ class CellCache:
 
     def __init__(self, n_cells: int, kv_heads: int, head_dim: int, dtype: Any = "float16",
                  window: int | None = None, stores: tuple[str, ...] = ("full",), n_seq: int = 4,
-                 rope_base: float = 10000.0):
+                 rope_base: float = 10000.0, window_cells: int | None = None):
         op = "CellCache"
         n_cells, kv_heads, head_dim, n_seq = (_int(op, n, v) for n, v in (
             ("n_cells", n_cells), ("kv_heads", kv_heads), ("head_dim", head_dim), ("n_seq", n_seq)))
@@ -280,21 +292,32 @@ class CellCache:
                 raise InvalidArgumentError(f"{op}: window must be >= 1, got {window}")
         elif window is not None:
             raise InvalidArgumentError(f"{op}: window must be None without a window store, got {window!r}")
+        if window_cells is None:
+            window_cells = n_cells
+        if isinstance(window_cells, bool) or not isinstance(window_cells, (int, np.integer)) \
+                or not 1 <= window_cells <= n_cells:
+            raise InvalidArgumentError(f"{op}: window_cells must be an integer with 1 <= window_cells <= n_cells "
+                                       f"({n_cells}), got {window_cells!r}")
+        window_cells = int(window_cells)
+        if "window" not in stores and window_cells != n_cells:
+            raise InvalidArgumentError(f"{op}: window_cells must be None or n_cells ({n_cells}) without a window "
+                                       f"store, got {window_cells!r}")
         if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 0:
             raise InvalidArgumentError(f"{op}: rope_base must be a number > 0, got {rope_base!r}")
         self.n_cells, self.kv_heads, self.head_dim, self.n_seq = n_cells, kv_heads, head_dim, n_seq
         self.dtype, self.window, self.stores, self.rope_base = dt, window, stores, float(rope_base)
-        self._st = {s: _Store(s, n_cells, kv_heads, head_dim, dt) for s in stores}
+        self.window_cells = window_cells
+        self._st = {s: _Store(s, window_cells if s == "window" else n_cells, kv_heads, head_dim, dt) for s in stores}
 
     # -- helpers --------------------------------------------------------------------
     def _seq(self, op: str, name: str, v: Any, allow_all: bool = False) -> int:
-        s = _int(op, name, v)
-        if allow_all and s == -1:
-            return s
-        if not 0 <= s < self.n_seq:
+        ok = not isinstance(v, bool) and isinstance(v, (int, np.integer))
+        if ok and allow_all and v == -1:
+            return -1
+        if not ok or not 0 <= v < self.n_seq:
             extra = "-1 (every sequence) or " if allow_all else ""
-            raise InvalidArgumentError(f"{op}: {name} must be {extra}a sequence id in 0..{self.n_seq - 1}, got {s}")
-        return s
+            raise InvalidArgumentError(f"{op}: {name} must be {extra}a sequence id in 0..{self.n_seq - 1}, got {v!r}")
+        return int(v)
 
     def _main(self) -> _Store:
         """The store pos_min/pos_max read: the window store if present
@@ -355,7 +378,9 @@ class CellCache:
         if not isinstance(a, mx.array):
             raise InvalidArgumentError(f"{op}: {name} must be an mx.array (or a dict store -> mx.array), "
                                        f"got {type(a).__name__}")
-        if a.ndim != 3 or tuple(a.shape[1:]) != (self.kv_heads, self.head_dim) or a.shape[0] < 1:
+        if a.ndim == 3 and a.shape[0] == 0:
+            raise InvalidArgumentError(f"{op}: tokens must hold n >= 1 tokens (one K and V row each), got 0")
+        if a.ndim != 3 or tuple(a.shape[1:]) != (self.kv_heads, self.head_dim):
             raise InvalidArgumentError(f"{op}: {name} must have shape (n >= 1, kv_heads={self.kv_heads}, "
                                        f"head_dim={self.head_dim}), got {tuple(a.shape)}")
         if a.dtype != self.dtype:
@@ -364,13 +389,18 @@ class CellCache:
         return a
 
     @staticmethod
-    def _check_collisions(op: str, stores: dict[str, _Store], what: str) -> None:
-        for name, st in stores.items():
+    def _check_collisions(op: str, stores: dict[str, _Store], what: Any) -> None:
+        """InvalidArgumentError when some sequence holds two cells at one
+        position in a store (the first store with one; within it, the
+        lowest such position). ``what``: the op's words before "would give
+        ..." (a str), or a function ``(seq, pos) -> message``."""
+        for st in stores.values():
             hit = st.collision()
             if hit is not None:
+                if callable(what):
+                    raise InvalidArgumentError(what(*hit))
                 raise InvalidArgumentError(f"{op}: {what} would give sequence {hit[0]} two cells at position "
-                                           f"{hit[1]} in the {name} store (a sequence holds one cell per "
-                                           "position): remove the target range first (seq_rm)")
+                                           f"{hit[1]}; remove the target range first")
 
     # -- decode -----------------------------------------------------------------------
     def decode(self, seqs: Any, keys: Any, values: Any, pos0: int) -> bool:
@@ -403,9 +433,6 @@ class CellCache:
         seqs = tuple(self._seq(op, "seqs", s) for s in seqs)
         if len(set(seqs)) != len(seqs):
             raise InvalidArgumentError(f"{op}: seqs must not repeat a sequence id, got {list(seqs)}")
-        pos0 = _int(op, "pos0", pos0)
-        if pos0 < 0:
-            raise InvalidArgumentError(f"{op}: pos0 must be >= 0, got {pos0}")
         rows = {}
         n = None
         for s in self.stores:
@@ -416,10 +443,13 @@ class CellCache:
                                            f"store, got {k.shape[0]} and {v.shape[0]}")
             n = k.shape[0]
             rows[s] = (k, v)
-        bounds = {s: (self.pos_min(s), self.pos_max(s)) for s in seqs}
-        if len(set(bounds.values())) > 1:
-            raise InvalidArgumentError(f"{op}: the sequences of one group must have the same pos_min and pos_max "
-                                       f"(coupled sequences), got {bounds}")
+        if not _is_int(pos0) or pos0 < 0:
+            raise InvalidArgumentError(f"{op}: pos0 must be an integer >= 0, got {pos0!r}")
+        pos0 = int(pos0)
+        bounds = {(self.pos_min(s), self.pos_max(s)) for s in seqs}
+        if len(bounds) > 1:
+            raise InvalidArgumentError(f"{op}: the sequences {list(seqs)} of one group must have the same pos_min "
+                                       f"and pos_max (coupled sequences), got {sorted(bounds)}")
         for s in seqs:
             top = self._logical_max(self._st, s)
             if top >= 0 and pos0 != top + 1:
@@ -495,6 +525,7 @@ class CellCache:
         op = "seq_cp"
         src = self._seq(op, "src", src)
         dst = self._seq(op, "dst", dst)
+        raw = (p0, p1)
         p0, p1 = _range(op, p0, p1)
         if src == dst:
             return
@@ -504,7 +535,9 @@ class CellCache:
                 if _in(st.pos[i], p0, p1):
                     st.seqs[i] = st.seqs[i] | {dst}
             st.lost = [(p, ss | {dst}) if src in ss and _in(p, p0, p1) else (p, ss) for p, ss in st.lost]
-        self._check_collisions(op, new, f"sharing src {src}'s cells in [{p0}, {_bound(p1)}) with dst {dst}")
+        self._check_collisions(op, new, lambda _s, pos: f"{op}: sequence {dst} would hold two cells at position {pos} "
+                                                        f"(src={src}, p0={raw[0]}, p1={raw[1]}); remove that range "
+                                                        "from dst first")
         self._st = new
 
     def seq_keep(self, seq: int) -> None:
@@ -558,7 +591,7 @@ class CellCache:
         delta = _int(op, "delta", delta)
         if delta == 0 or (p1 is not None and p1 <= p0):
             return
-        self._move(op, seq, p0, p1, lambda p: p + delta, f"seq_add(seq={seq}, delta={delta} on [{p0}, {_bound(p1)}))")
+        self._move(op, seq, p0, p1, lambda p: p + delta, f"delta={delta} on [{p0}, {p1})")
 
     def seq_div(self, seq: int, p0: int | None, p1: int | None, d: int) -> None:
         """Divide the positions of ``seq``'s cells (present and lost) in
@@ -571,12 +604,12 @@ class CellCache:
         op = "seq_div"
         seq = self._seq(op, "seq", seq)
         p0, p1 = _range(op, p0, p1)
-        d = _int(op, "d", d)
-        if d < 1:
-            raise InvalidArgumentError(f"{op}: d must be >= 1, got {d}")
+        if not _is_int(d) or d < 1:
+            raise InvalidArgumentError(f"{op}: d must be an integer >= 1, got {d!r}")
+        d = int(d)
         if d == 1 or (p1 is not None and p1 <= p0):
             return
-        self._move(op, seq, p0, p1, lambda p: p // d, f"seq_div(seq={seq}, d={d} on [{p0}, {_bound(p1)}))")
+        self._move(op, seq, p0, p1, lambda p: p // d, f"d={d} on [{p0}, {p1})")
 
     def update(self) -> None:
         """Apply every pending shift: each K row with a pending shift
@@ -684,14 +717,18 @@ class CellCache:
     def restore(self, snapshot: CellsSnapshot, dst: int) -> bool:
         """Write a snapshot into ``dst`` (llama_state_seq_set_data): ``dst``
         is cleared (as ``seq_rm(dst, -1, -1)``), then the snapshot's cells
-        become new cells held by ``dst`` alone, in free cells. With a full
+        become new cells held by ``dst`` alone. Cells are found as a decode
+        finds them, on the cleared state (llama.cpp's ``state_read_meta``
+        clears ``dst``, then ``find_slot``): free cells from the head on,
+        then, in a window store, droppable cells of other sequences, lowest
+        position first (each becomes lost for its holder). With a full
         and a window store, the snapshot's full positions missing from its
         window part become lost cells of ``dst`` (its logical positions are
         the snapshot's full positions).
 
         Returns True, or False (nothing changes: ``dst`` is not cleared
-        either) when a store has fewer free cells, after the clear, than the
-        snapshot holds for it. Raises InvalidArgumentError for a sequence id
+        either) when a store has fewer usable cells (free, plus droppable in
+        a window store), after the clear, than the snapshot holds for it. Raises InvalidArgumentError for a sequence id
         out of range or a snapshot of another layout (stores, kv_heads,
         head_dim, dtype) or with repeated or negative positions.
         Rule: ``spec.cells.restore``.
@@ -710,7 +747,7 @@ class CellCache:
         for name, st in new.items():
             n = len(snapshot.cells[name][0])
             if n:
-                got = self._slots(new, st, n, reuse=False)
+                got = self._slots(new, st, n)
                 if got is None:
                     return False
                 slots[name] = got
@@ -723,6 +760,8 @@ class CellCache:
                 continue
             pos, k, v = snapshot.cells[name]
             for j, i in enumerate(slots[name]):
+                if st.pos[i] >= 0:  # a droppable window cell of another sequence: lost for its holder
+                    st.lost.append((st.pos[i], st.seqs[i]))
                 st.pos[i], st.seqs[i], st.shift[i] = int(pos[j]), held, 0
             st.write(slots[name], from_host(k, self.dtype), from_host(v, self.dtype))
             st.head = (slots[name][-1] + 1) % len(st.pos)
@@ -777,5 +816,5 @@ class CellCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the K and V buffers of every store
-        (``2 * len(stores) * n_cells * kv_heads * head_dim * itemsize``). Rule: semantics.md 10."""
+        (``2 * (n_cells per store: n_cells, window_cells) * kv_heads * head_dim * itemsize``). Rule: semantics.md 10."""
         return sum(st.k.nbytes + st.v.nbytes for st in self._st.values())

@@ -139,9 +139,17 @@ def _is_int(value: object) -> bool:
 class CellsConfig:
     """A cells memory's shape.
 
-    * ``n_cells`` (int >= 1): cells per store;
+    * ``n_cells`` (int >= 1): cells of the full store (and of the window
+      store unless ``window_cells`` says otherwise);
     * ``window`` (int >= 1, or None): the window store's window ``w``; None
       exactly when there is no window store;
+    * ``window_cells`` (int, ``1 <= window_cells <= n_cells``, or None for
+      ``n_cells``): cells of the window store. llama.cpp sizes its
+      sliding-window store smaller than the full one
+      (llama-kv-cache-iswa.cpp: from ``n_swa``, ``n_seq_max`` and
+      ``n_ubatch``, padded), so in an iSWA memory the window store runs out
+      of free cells first and reuses droppable ones. Without a window store
+      it must be None or ``n_cells``;
     * ``stores``: ``("full",)``, ``("full", "window")`` (iSWA) or
       ``("window",)``;
     * ``n_seq`` (int >= 1): sequence ids are ``0 .. n_seq - 1``.
@@ -152,9 +160,12 @@ class CellsConfig:
     window: int | None = None
     stores: tuple[str, ...] = (FULL,)
     n_seq: int = 4
+    window_cells: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stores", tuple(self.stores))
+        if self.window_cells is None and _is_int(self.n_cells):
+            object.__setattr__(self, "window_cells", self.n_cells)
         if not _is_int(self.n_cells) or self.n_cells < 1:
             raise InvalidArgumentError(f"cells: n_cells must be an integer >= 1, got {self.n_cells!r}")
         if not _is_int(self.n_seq) or self.n_seq < 1:
@@ -168,6 +179,18 @@ class CellsConfig:
                                            f"got {self.window!r}")
         elif self.window is not None:
             raise InvalidArgumentError(f"cells: window must be None without a window store, got {self.window!r}")
+        wc = self.window_cells
+        if not _is_int(wc) or not 1 <= wc <= self.n_cells:  # type: ignore[operator]
+            raise InvalidArgumentError(f"cells: window_cells must be an integer with 1 <= window_cells <= n_cells "
+                                       f"({self.n_cells}), got {wc!r}")
+        if WINDOW not in self.stores and wc != self.n_cells:
+            raise InvalidArgumentError(f"cells: window_cells must be None or n_cells ({self.n_cells}) without a "
+                                       f"window store, got {wc!r}")
+
+    def size(self, store: str) -> int:
+        """Cells of ``store``: ``window_cells`` for the window store,
+        ``n_cells`` for the full one."""
+        return self.window_cells if store == WINDOW else self.n_cells  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -338,8 +361,9 @@ def forgettable(state: CellsState, store: str = WINDOW) -> frozenset[tuple[CellK
 
 
 def free_cells(state: CellsState, store: str) -> int:
-    """``n_cells`` minus the store's present cells."""
-    return state.config.n_cells - len(state.present(store))
+    """The store's size (``n_cells``, or ``window_cells`` for the window
+    store) minus its present cells."""
+    return state.config.size(store) - len(state.present(store))
 
 
 def usable(state: CellsState, store: str) -> int:
@@ -371,9 +395,10 @@ def drop(state: CellsState, store: str, cells: Any) -> CellsState:
     iterable of keys ``(pos, seqs, token)`` (each in :func:`droppable`:
     the cell becomes lost for its holder) or of pairs ``(key, seq)`` (each
     in :func:`forgettable`: ``seq`` forgets the cell; a shared cell stays
-    for the other holders). Call it on the state *before* the decode the
-    target ran (its droppable set is the one that decode saw), then
-    :func:`decode`. Raises StateError naming the first cell that may not be
+    for the other holders). The state is the one the target's slot search
+    saw: before the decode (:func:`decode` takes the target's choice as
+    ``drops`` and calls this after validating the group), or after a
+    restore's clear of ``dst`` (:func:`restore`). Raises StateError naming the first cell that may not be
     dropped (nothing changes), InvalidArgumentError for a store the memory
     lacks."""
     state.store(store)
@@ -400,7 +425,31 @@ def drop(state: CellsState, store: str, cells: Any) -> CellsState:
     return state.with_store(store, _lose(state.store(store), frozenset(keys), frozenset(pairs)))
 
 
-def decode(state: CellsState, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int) -> tuple[bool, CellsState]:
+def _make_room(base: CellsState, need: dict[str, int], drops: Any) -> CellsState | None:
+    """``base`` with room for ``need[store]`` new cells per store, or None
+    (no slot). The window store may drop droppable cells of ``base``: first
+    ``drops`` (the target's choice, :func:`drop`: StateError for a cell that
+    may not go), then, while free cells run short, the droppable cells of
+    lowest position. Droppable is read on ``base`` (the state the slot
+    search sees), never on a state the drops already changed."""
+    for name, n in need.items():
+        if usable(base, name) < n:
+            return None
+    drops = list(drops or ())
+    new = drop(base, WINDOW, drops) if drops else base
+    for name, n in need.items():
+        short = n - free_cells(new, name)
+        if short > 0:
+            here = {c.key for c in new.present(name)}
+            order = sorted((k for k in droppable(base, name) if k in here), key=lambda k: (k[0], sorted(k[1]), k[2]))
+            if len(order) < short:
+                return None
+            new = drop(new, name, order[:short])
+    return new
+
+
+def decode(state: CellsState, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int,
+           drops: Any = None) -> tuple[bool, CellsState]:
     """``llama_decode`` of one group: ``tokens`` (>= 1 token ids) at
     positions ``pos0, pos0 + 1, ...``, each held by every sequence of
     ``seqs`` (a shared prompt: one cell per token per store).
@@ -416,8 +465,16 @@ def decode(state: CellsState, seqs: tuple[int, ...], tokens: tuple[int, ...], po
     has fewer :func:`usable` cells than tokens. Else ``(True, new)``: new
     present cells in every store; in the window store, when free cells run
     short, the droppable cells of lowest position are dropped (become lost),
-    as many as needed. A target that dropped others is adopted with
-    :func:`drop` before this call (then no more are needed)."""
+    as many as needed.
+
+    ``drops`` (adoption: the windowed cells a target's decode dropped, as
+    :func:`drop` takes them): the group is validated first, on ``state``
+    (llama-batch.cpp validates a batch before ``find_slot`` reuses any
+    cell, so a drop of a group member's cell never changes the pos_min /
+    pos_max it is checked against); then the drops are applied (each
+    checked droppable or forgettable on ``state``: StateError otherwise),
+    then the cells are written (more droppable cells dropped if free cells
+    still run short)."""
     cfg = state.config
     if not isinstance(seqs, tuple | list) or not seqs:
         raise InvalidArgumentError(f"decode: seqs must be a non-empty tuple of sequence ids, got {seqs!r}")
@@ -425,7 +482,9 @@ def decode(state: CellsState, seqs: tuple[int, ...], tokens: tuple[int, ...], po
         _check_seq("decode", "seqs", s, cfg)
     if len(set(seqs)) != len(seqs):
         raise InvalidArgumentError(f"decode: seqs must not repeat a sequence id, got {list(seqs)}")
-    if not isinstance(tokens, tuple | list) or not tokens or not all(_is_int(t) for t in tokens):
+    if isinstance(tokens, tuple | list) and not tokens:
+        raise InvalidArgumentError("decode: tokens must hold n >= 1 tokens (one K and V row each), got 0")
+    if not isinstance(tokens, tuple | list) or not all(_is_int(t) for t in tokens):
         raise InvalidArgumentError(f"decode: tokens must be a non-empty tuple of integer token ids, got {tokens!r}")
     if not _is_int(pos0) or pos0 < 0:
         raise InvalidArgumentError(f"decode: pos0 must be an integer >= 0, got {pos0!r}")
@@ -439,15 +498,10 @@ def decode(state: CellsState, seqs: tuple[int, ...], tokens: tuple[int, ...], po
             raise InvalidArgumentError(f"decode: sequence {s} holds positions up to {top}, so pos0 must be {top + 1} "
                                        f"(positions stay consecutive), got {pos0}")
     n = len(tokens)
-    for name in cfg.stores:
-        if usable(state, name) < n:
-            return False, state
-    new = state
-    for name in cfg.stores:  # drops are chosen on the state before the decode
-        short = n - free_cells(state, name)
-        if short > 0:
-            order = sorted(droppable(state, name), key=lambda k: (k[0], sorted(k[1]), k[2]))
-            new = drop(new, name, order[:short])
+    made = _make_room(state, {name: n for name in cfg.stores}, drops)
+    if made is None:
+        return False, state
+    new = made
     group = frozenset(seqs)
     for name in cfg.stores:
         added = [Cell.make(pos0 + i, group, t) for i, t in enumerate(tokens)]
@@ -496,7 +550,7 @@ def seq_rm(state: CellsState, seq: int, p0: int, p1: int | None) -> tuple[bool, 
 def _collisions(cells: list[Cell]) -> tuple[int, int] | None:
     seen: set[tuple[int, int]] = set()
     for c in cells:
-        for s in c.seqs:
+        for s in sorted(c.seqs):
             if (s, c.pos) in seen:
                 return s, c.pos
             seen.add((s, c.pos))
@@ -635,7 +689,7 @@ def save(state: CellsState, seq: int) -> Snapshot:
     return Snapshot(cfg.stores, tuple(out))
 
 
-def restore(state: CellsState, snapshot: Snapshot, dst: int) -> tuple[bool, CellsState]:
+def restore(state: CellsState, snapshot: Snapshot, dst: int, drops: Any = None) -> tuple[bool, CellsState]:
     """``llama_state_seq_set_data`` into ``dst``: ``dst`` is cleared (as
     ``seq_rm(dst, -1, -1)``), then the snapshot's cells are written as new
     cells held by ``dst`` alone. The logical positions of ``dst`` become the
@@ -643,9 +697,16 @@ def restore(state: CellsState, snapshot: Snapshot, dst: int) -> tuple[bool, Cell
     window's: full-store positions missing from the window snapshot become
     lost cells of the window store.
 
+    Room is found as a decode finds it (llama.cpp's ``state_read_meta``
+    calls ``find_slot`` after clearing ``dst``): free cells, and in the
+    window store droppable cells of the cleared state (:func:`droppable`:
+    held by one sequence, out of its window), lowest position first, or the
+    target's choice ``drops`` (adoption, checked droppable or forgettable
+    on the cleared state: StateError otherwise).
+
     Returns ``(False, state)`` (nothing changes, ``dst`` not cleared either;
-    docs/cells.md, Decision 3) when a store lacks room (free cells after the
-    clear fewer than the snapshot's cells). Raises InvalidArgumentError for a
+    docs/cells.md, Decision 3) when a store lacks room (usable cells after
+    the clear fewer than the snapshot's cells). Raises InvalidArgumentError for a
     snapshot of another store layout, a bad sequence id, or a snapshot whose
     positions repeat or are negative."""
     cfg = state.config
@@ -659,10 +720,10 @@ def restore(state: CellsState, snapshot: Snapshot, dst: int) -> tuple[bool, Cell
             raise InvalidArgumentError(f"restore: the snapshot's {name} positions must be distinct integers >= 0, "
                                        f"got {ps}")
     _, cleared = seq_rm(state, dst, -1, None)
-    for name in cfg.stores:
-        if free_cells(cleared, name) < len(snapshot.store(name)):
-            return False, state
-    new = cleared
+    made = _make_room(cleared, {name: len(snapshot.store(name)) for name in cfg.stores}, drops)
+    if made is None:
+        return False, state
+    new = made
     me = frozenset({dst})
     for name in cfg.stores:
         cells = [Cell.make(p, me, t) for p, t in snapshot.store(name)]
@@ -708,8 +769,8 @@ class CellsMemory:
     def stores(self) -> tuple[str, ...]:
         return self.config.stores
 
-    def decode(self, seqs: Any, tokens: Any, pos0: int) -> bool:
-        ok, self.state = decode(self.state, tuple(seqs), tuple(tokens), pos0)
+    def decode(self, seqs: Any, tokens: Any, pos0: int, drops: Any = None) -> bool:
+        ok, self.state = decode(self.state, tuple(seqs), tuple(tokens), pos0, drops)
         return ok
 
     def seq_rm(self, seq: int, p0: int, p1: int | None) -> bool:
@@ -737,8 +798,8 @@ class CellsMemory:
     def save(self, seq: int) -> Snapshot:
         return save(self.state, seq)
 
-    def restore(self, snapshot: Snapshot, dst: int) -> bool:
-        ok, self.state = restore(self.state, snapshot, dst)
+    def restore(self, snapshot: Snapshot, dst: int, drops: Any = None) -> bool:
+        ok, self.state = restore(self.state, snapshot, dst, drops)
         return ok
 
     def clear(self) -> None:

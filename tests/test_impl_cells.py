@@ -480,15 +480,17 @@ def test_differential_loop_against_spec(seed):
                 res.append(("ok", getattr(side, op[0])(*args)))
             except KVCacheError as e:
                 res.append((type(e).__name__, None))
-            if side is m and op[0] == "decode" and res[0] == res[1] == ("ok", True) and "window" in stores:
+            if side is m and op[0] in ("decode", "restore") and res[0] == res[1] == ("ok", True) \
+                    and "window" in stores:
                 # adoption: where the target reused other droppable windowed cells than the spec
-                # chose, the spec drops those (on the state before the decode), then decodes
+                # chose, the spec decodes (restores) again with the target's drops, checked on the
+                # state its slot search saw
                 gone, _ = _gone(t.observe()["window"], spec.observe(before)["window"], m.observe()["window"])
                 if gone:
                     m.state = before
-                    m.drop("window", gone)
                     counts["drops"] += len(gone)
-                    res[1] = ("ok", m.decode(*args))
+                    res[1] = ("ok", m.decode(*args, drops=gone) if op[0] == "decode" else
+                              m.restore(*args, drops=[g for g in gone if op[2] not in g[1]]))
         assert res[0][0] == res[1][0], (op, res)
         if op[0] == "save":
             if res[0][0] == "ok":
@@ -505,3 +507,94 @@ def test_differential_loop_against_spec(seed):
             assert (t.c.pos_min(s), t.c.pos_max(s)) == (m.pos_min(s), m.pos_max(s)), (op, s)
             assert t.c.lost(s) == spec.lost(m.state, s), (op, s)
     assert counts["ok"] > 100 and counts["refused"] > 5, counts
+
+
+# -- a group validated before reuse; a smaller window store; restore reuses droppable cells; words -------------
+
+
+def test_a_coupled_group_is_validated_before_a_members_cell_is_reused():
+    t, m = both(n_cells=6, window=2, stores=("window",), n_seq=2)
+    agree(t, m, [("decode", (0,), (1, 2, 3), 0), ("decode", (1,), (4, 5, 6), 0),
+                 ("decode", (0, 1), (7,), 3)])  # the window store is full: a member's old cell is reused
+    assert t.c.lost(0) | t.c.lost(1) == {0}
+
+
+def test_window_cells_sizes_the_window_store():
+    c = CellCache(8, H, D, "float32", window=2, stores=("full", "window"), window_cells=3)
+    assert c.nbytes == 2 * (8 + 3) * H * D * 4 and c.window_cells == 3
+    assert CellCache(5, H, D).window_cells == 5
+    for bad in (0, 9, 2.0):
+        with pytest.raises(InvalidArgumentError, match="window_cells"):
+            CellCache(8, H, D, window=2, stores=("full", "window"), window_cells=bad)
+    with pytest.raises(InvalidArgumentError, match="window_cells"):
+        CellCache(8, H, D, stores=("full",), window_cells=4)
+    t, m = both(n_cells=8, window=2, stores=("full", "window"), n_seq=2, window_cells=3)
+    agree(t, m, [("decode", (0,), (1, 2, 3), 0), ("decode", (0,), (4,), 3),  # window reuses position 0
+                 ("seq_rm", 0, 1, None),  # lost 0 back in the next window: refused
+                 ("decode", (1,), (5,), 0),  # the window reuses 0's position 1
+                 ("decode", (1,), (6, 7, 8), 1)])  # no slot in the window store
+    assert t.c.lost(0) == {0, 1}
+
+
+def test_restore_reuses_droppable_window_cells():
+    cfg = {"n_cells": 8, "window": 2, "stores": ("full", "window"), "n_seq": 2, "window_cells": 4}
+    t, m = both(**cfg)
+    agree(t, m, [("decode", (1,), (1, 2), 0)])
+    snaps = (t.c.save(1), m.save(1))
+    agree(t, m, [("seq_rm", 1, -1, -1), ("decode", (0,), (1, 2, 3, 4), 0)])
+    for side, snap in zip((t.c, m), snaps, strict=True):
+        assert side.restore(snap, 1) is True  # 0's positions 0 and 1 (droppable) reused
+    agree(t, m, [])
+    assert t.c.lost(0) == spec.lost(m.state, 0) == {0, 1}
+    ot, om = t.observe(), m.observe()
+    assert same_store(ot["window"], om["window"]) and same_store(ot["full"], om["full"])
+    big = (CellCache(8, H, D, "float32", **{k: v for k, v in cfg.items() if k != "n_cells"}), None)
+    big[0].decode((0,), *rows([1, 2, 3, 4], 0), 0)
+    full_snap = big[0].save(0)  # 4 window cells: positions 2, 3 live (w = 2): 2 cells
+    assert full_snap.positions("window") == [2, 3]
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, k: x.decode((0, 1), *k((9,), 2), 2),   # coupled sequences disagree
+    lambda x, k: x.decode((0,), *k((9,), 5), 5),     # not consecutive
+    lambda x, k: x.decode((0,), *k((9,), 0), -1),    # pos0 < 0
+    lambda x, k: x.decode((0,), *k((), 2), 2),       # no token
+    lambda x, k: x.decode((), *k((9,), 0), 0),
+    lambda x, k: x.decode((0, 0), *k((9,), 2), 2),
+    lambda x, k: x.decode((3,), *k((9,), 0), 0),
+    lambda x, k: x.seq_rm(3, 0, None),
+    lambda x, k: x.seq_rm(0, "a", None),
+    lambda x, k: x.seq_rm(0, 0, 1.5),
+    lambda x, k: x.seq_rm("0", 0, None),
+    lambda x, k: x.seq_cp(0, 1, 0, None),             # 1 already holds position 0
+    lambda x, k: x.seq_cp(0, 5, 0, None),
+    lambda x, k: x.seq_keep(-1),
+    lambda x, k: x.seq_add(0, 1, None, -1),           # onto position 0
+    lambda x, k: x.seq_add(0, 0, None, 1.0),
+    lambda x, k: x.seq_div(0, 0, None, 2),            # 0, 1 -> 0, 0
+    lambda x, k: x.seq_div(0, 0, None, 0),
+    lambda x, k: x.seq_div(0, 0, None, "2"),
+    lambda x, k: x.pos_min(7),
+    lambda x, k: x.pos_max(-1),
+    lambda x, k: x.save(2),
+])
+def test_refusal_words_match_the_spec(call):
+    c = CellCache(6, H, D, "float32", window=2, stores=("full", "window"), n_seq=2)
+    m = spec.CellsMemory(n_cells=6, window=2, stores=("full", "window"), n_seq=2)
+    c.decode((0,), *rows([1, 2], 0), 0)
+    c.decode((1,), *rows([3], 0), 0)
+    m.decode((0,), (1, 2), 0)
+    m.decode((1,), (3,), 0)
+
+    def tok_rows(tokens, pos0):
+        if not tokens:
+            z = mx.zeros((0, H, D), mx.float32)
+            return z, z
+        return rows(tokens, max(pos0, 0))
+
+    with pytest.raises(KVCacheError) as mine:
+        call(c, tok_rows)
+    with pytest.raises(KVCacheError) as theirs:
+        call(m, lambda tokens, pos0: (tuple(tokens),))
+    assert type(mine.value) is type(theirs.value)
+    assert str(mine.value) == str(theirs.value)

@@ -48,7 +48,7 @@ def test_decode_shares_one_cell_per_token_among_the_group():
 
 @pytest.mark.parametrize("args,match", [
     (((), (1,), 0), "seqs must be a non-empty"), (((0, 0), (1,), 0), "must not repeat"),
-    (((3,), (1,), 0), "sequence id in 0..2"), (((0,), (), 0), "tokens must be"),
+    (((3,), (1,), 0), "sequence id in 0..2"), (((0,), (), 0), "tokens must hold n >= 1"),
     (((0,), (1,), -1), "pos0 must be an integer >= 0"), (((0,), (1,), 5), "pos0 must be 2"),
     (((0, 1), (1,), 2), "same pos_min and pos_max"),
 ])
@@ -377,3 +377,78 @@ def test_random_op_sequences_keep_the_invariants_and_refusals_change_nothing():
                 counts["done"] += 1
             _invariants(m)
     assert min(counts.values()) > 20, counts
+
+
+# -- a group validated before the drops; a smaller window store; restore reuses droppable cells -------------
+
+
+def test_decode_validates_the_group_before_the_targets_drops():
+    # llama-batch.cpp validates the batch (coupled sequences agree on pos_min/pos_max) before find_slot reuses
+    # a cell: a drop of another group member's old cell must not make the spec refuse the decode
+    m = sc.CellsMemory(n_cells=6, window=2, stores=("window",), n_seq=2)
+    m.decode((0,), (1, 2, 3), 0)
+    m.decode((1,), (4, 5, 6), 0)
+    assert m.decode((0, 1), (7,), 3, drops=[(0, frozenset({1}), 4)])
+    assert sc.lost(m.state, 1) == {0} and sc.lost(m.state, 0) == frozenset()
+    assert (3, frozenset({0, 1}), 7) in present(m, "window")
+
+
+def test_decode_drops_are_checked_on_the_state_before_the_decode():
+    m = sc.CellsMemory(n_cells=3, window=2, stores=("window",), n_seq=1)
+    m.decode((0,), (1, 2, 3), 0)
+    # position 2 is inside the window of the next token (3 - 2 < 2): not droppable
+    refused_unchanged(m, lambda: m.decode((0,), (4,), 3, drops=[(2, frozenset({0}), 3)]), StateError)
+    # a bad group is refused before any drop is looked at
+    refused_unchanged(m, lambda: m.decode((0,), (4,), 5, drops=[(0, frozenset({0}), 1)]))
+
+
+@pytest.mark.parametrize("kwargs", [{"window_cells": 0}, {"window_cells": 9}, {"window_cells": "4"},
+                                    {"stores": ("full",), "window": None, "window_cells": 4}])
+def test_window_cells_refusals_name_the_field(kwargs):
+    base = {"n_cells": 8, "window": 2, "stores": ("full", "window"), "n_seq": 2, **kwargs}
+    with pytest.raises(InvalidArgumentError, match="window_cells"):
+        sc.CellsConfig(**base)
+
+
+def test_a_smaller_window_store_reuses_cells_while_the_full_store_has_room():
+    cfg = sc.CellsConfig(n_cells=8, window=2, stores=("full", "window"), n_seq=2, window_cells=3)
+    assert cfg.size("full") == 8 and cfg.size("window") == 3
+    assert sc.CellsConfig(n_cells=5).window_cells == 5
+    m = mem(cfg)
+    assert m.decode((0,), (1, 2, 3), 0)
+    assert sc.free_cells(m.state, "window") == 0 and sc.free_cells(m.state, "full") == 5
+    assert m.decode((0,), (4,), 3)  # the window store reuses position 0 (3 + 1 - 0 >= 2)
+    assert sc.lost(m.state, 0) == {0} and len(m.state.present("full")) == 4
+    # a tail removal that brings the lost position back into the next window: refused, as at any size
+    before = m.state
+    assert m.seq_rm(0, 1, None) is False and m.state == before
+    # the window store has no room for two more tokens out of one sequence's reach: no slot
+    m.decode((1,), (5,), 0)
+    assert m.decode((1,), (6, 7, 8), 1) is False
+
+
+def test_restore_reuses_droppable_window_cells_as_a_decode_does():
+    # llama.cpp's state_read_meta clears dst, then find_slot: droppable cells of other sequences may be reused
+    cfg = sc.CellsConfig(n_cells=8, window=2, stores=("full", "window"), n_seq=2, window_cells=4)
+    # a restore that needs more than the free cells: droppable cells of another sequence are reused
+    m = mem(cfg)
+    m.decode((0,), (1, 2, 3, 4), 0)  # window: 0..3 of sequence 0, droppable 0..2 (5 - pos >= 2)
+    two = sc.Snapshot(("full", "window"), (((0, 9), (1, 9)), ((0, 9), (1, 9))))
+    assert sc.usable(m.state, "window") == 3
+    assert m.restore(two, 1) is True
+    assert sc.lost(m.state, 0) == {0, 1}
+    assert {(p, s) for p, s, _ in present(m, "window")} == {(2, frozenset({0})), (3, frozenset({0})),
+                                                           (0, frozenset({1})), (1, frozenset({1}))}
+    # the target's choice is adopted (checked droppable on the cleared state), and a wrong one is refused
+    m = mem(cfg)
+    m.decode((0,), (1, 2, 3, 4), 0)
+    assert m.restore(two, 1, drops=[(2, frozenset({0}), 3), (0, frozenset({0}), 1)])
+    assert sc.lost(m.state, 0) == {0, 2}
+    m = mem(cfg)
+    m.decode((0,), (1, 2, 3, 4), 0)
+    refused_unchanged(m, lambda: m.restore(two, 1, drops=[(3, frozenset({0}), 4)]), StateError)
+    # no room even with reuse: False, nothing changes (dst not cleared either)
+    three = sc.Snapshot(("full", "window"), (((0, 9), (1, 9), (2, 9), (3, 9)),) * 2)
+    m.decode((1,), (8,), 0)
+    before = m.state
+    assert m.restore(three, 1) is False and m.state == before

@@ -138,7 +138,7 @@ class RestoreKeepsDstCells(CellCache):
         for name, st in new.items():
             n = len(snapshot.cells[name][0])
             if n:
-                got = self._slots(new, st, n, reuse=False)
+                got = self._slots(new, st, n)
                 if got is None:
                     return False
                 slots[name] = got
@@ -150,6 +150,8 @@ class RestoreKeepsDstCells(CellCache):
                 continue
             pos, k, v = snapshot.cells[name]
             for j, i in enumerate(slots[name]):
+                if st.pos[i] >= 0:  # a droppable window cell reused, as CellCache.restore does
+                    st.lost.append((st.pos[i], st.seqs[i]))
                 st.pos[i], st.seqs[i], st.shift[i] = int(pos[j]), held, 0
             st.write(slots[name], from_host(k, self.dtype), from_host(v, self.dtype))
             st.head = (slots[name][-1] + 1) % len(st.pos)
