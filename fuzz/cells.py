@@ -217,7 +217,8 @@ class OursTarget:
         self.stores = tuple(cfg["stores"])
         self.dtype = cfg.get("dtype", "float16")
         self.cache = cls(cfg["n_cells"], cfg["kv_heads"], cfg["head_dim"], dtype=self.dtype,
-                         window=cfg.get("window"), stores=self.stores, n_seq=cfg["n_seq"])
+                         window=cfg.get("window"), stores=self.stores, n_seq=cfg["n_seq"],
+                         window_cells=window_cells(cfg))
 
         def rope(rows: np.ndarray, deltas: np.ndarray) -> np.ndarray:
             got = impl.rope_shift(mx.array(rows, dtype=mx.float32), mx.array(deltas.astype(np.int32)), 10000.0)
@@ -312,10 +313,18 @@ class CellsWorld:
     snapshots: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
 
+def window_cells(cfg: dict[str, Any]) -> int:
+    """A trace's ``window_cells`` (cells of the window store): its value, or
+    ``n_cells`` when the field is absent, null or ``"n_cells"`` (the
+    registry's default)."""
+    got = cfg.get("window_cells")
+    return cfg["n_cells"] if got is None or got == "n_cells" else got
+
+
 def spec_memory(cfg: dict[str, Any]) -> Any:
     """The spec's empty memory for a trace's cache fields."""
     return sc.empty(sc.CellsConfig(n_cells=cfg["n_cells"], window=cfg.get("window"),
-                                   stores=tuple(cfg["stores"]), n_seq=cfg["n_seq"]))
+                                   stores=tuple(cfg["stores"]), n_seq=cfg["n_seq"], window_cells=window_cells(cfg)))
 
 
 def spec_cells(memory: Any, store: str) -> list[tuple[int, frozenset[int], int]]:
@@ -375,14 +384,18 @@ def _named(world: CellsWorld, op: dict[str, Any], index: int) -> tuple[Any, int]
     return snap
 
 
-def adoption(before: Any, op: dict[str, Any], got: list[tuple[int, frozenset[int], Any, Any]]) -> list[Any]:
-    """What a target's decode dropped from the window store, as
-    ``spec.cells.drop`` items: a cell gone whole is its key ``(pos, seqs,
+def adoption(before: Any, op: dict[str, Any], got: list[tuple[int, frozenset[int], Any, Any]],
+             written: Any = None) -> list[Any]:
+    """What a target's decode (or restore) dropped from the window store,
+    as ``spec.cells.drop`` items: a cell gone whole is its key ``(pos, seqs,
     token)`` when one sequence held it, else one ``(key, seq)`` per holder;
     a cell still there for fewer holders gives ``(key, seq)`` per holder
-    gone. ``before``: the spec's state before the decode; ``got``: the
-    target's window store after it."""
-    new = Counter((op["pos0"] + j, frozenset(op["seqs"]), t) for j, t in enumerate(op["tokens"]))
+    gone. ``before``: the spec's state the target's slot search saw (before
+    the decode; a restore's: after the clear of its destination); ``got``:
+    the target's window store after the op; ``written``: the cells the op
+    wrote as keys (default: the decode's group)."""
+    new = Counter(written if written is not None else
+                  ((op["pos0"] + j, frozenset(op["seqs"]), t) for j, t in enumerate(op["tokens"])))
     have = Counter((p, s, v if v is not None else (k[0] if k else None)) for p, s, k, v in got) - new
     had = Counter(c.key for c in before.present("window"))
     missing, extra = had - have, have - had
@@ -466,6 +479,8 @@ class CellsLockstep:
         #: successful shifts since the rows were last read (a decode or a
         #: comparison of rows)
         self._pending_shifts = 0
+        #: a decode of an iSWA memory (full and window stores) reused window cells
+        self._iswa_reused = False
 
     @classmethod
     def check_cache(cls, cache: dict[str, Any]) -> None:
@@ -478,6 +493,12 @@ class CellsLockstep:
         if ("window" in stores) != (window is not None):
             raise TraceFormatError(f"field cache.window: {window!r} with stores {list(stores)}: a window store "
                                    "needs a window >= 1, and only a window store takes one")
+        n, wc = cache.get("n_cells"), window_cells(cache) if "n_cells" in cache else None
+        if isinstance(n, int) and (isinstance(wc, bool) or not isinstance(wc, int) or not 1 <= wc <= n
+                                   or ("window" not in stores and wc != n)):
+            raise TraceFormatError(f"field cache.window_cells: {cache.get('window_cells')!r} with n_cells {n} and "
+                                   f"stores {list(stores)}: the window store's cells, 1 <= window_cells <= n_cells "
+                                   "(n_cells, or null, without a window store)")
 
     def reached(self, event: str) -> None:
         self.stats[event] = self.stats.get(event, 0) + 1
@@ -604,7 +625,7 @@ class CellsLockstep:
         elif rows:
             self._pending_shifts = 0
         got = _observe(self.target, rows=rows)
-        if op["op"] == "decode" and spec_out.error is None and spec_out.result:
+        if op["op"] in ("decode", "restore") and spec_out.error is None and spec_out.result:
             self.adopt(index, op, before, got)
         self.compare_cells(index, op, got, rows=rows)
         self.compare_positions(index, op)
@@ -633,9 +654,9 @@ class CellsLockstep:
             raise Divergence(index, op, "refusal category differs", spec_out.describe(),
                              f"{impl_out.describe()} ({refusal_category(i_err, cats) or 'not a refusal: a crash'})")
 
-    #: ops whose refusals the implementation words its own way (its type is
-    #: compared): every op, since impl.cells states its rules in its own words
-    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset(ALL_CELL_OPS)
+    #: ops whose refusals the implementation words its own way (only its type
+    #: is compared): none, impl.cells words every refusal as spec.cells does
+    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset()
 
     def check_value(self, index: int, op: dict[str, Any], result: Any) -> None:
         """The trace's own checks on the spec: a ``pos_min``/``pos_max``
@@ -648,25 +669,38 @@ class CellsLockstep:
     def adopt(self, index: int, op: dict[str, Any], before: CellsWorld,
               got: dict[str, list[tuple[int, frozenset[int], Any, Any]]]) -> None:
         """The adoption rule: when the target's window store differs from
-        the spec's after a decode, the cells it no longer holds (whole, or
-        for some holders) must each have been droppable (forgettable) before
-        the decode; the spec then drops those and decodes again, so the two
-        stay in step. Any other difference is left to :meth:`compare_cells`."""
+        the spec's after a decode or a restore, the cells it no longer holds
+        (whole, or for some holders) must each have been droppable
+        (forgettable) on the state its slot search saw: before the decode,
+        or after the restore's clear of its destination. The spec then runs
+        the op again with those drops (``drops=``: the group validated on
+        the state before them, as llama-batch.cpp validates a batch before
+        find_slot), so the two stay in step. Any other difference is left
+        to :meth:`compare_cells`."""
         if "window" not in self.target.stores:
             return
         want = Counter(spec_cells(self.world.memory, "window"))
         have = Counter((p, s, v if v is not None else (k[0] if k else None)) for p, s, k, v in got["window"])
         if want == have:
             return
-        items = adoption(before.memory, op, got["window"])
+        if op["op"] == "restore":
+            snap = before.snapshots[op["name"]][0]
+            _, seen = sc.seq_rm(before.memory, op["seq"], -1, None)
+            items = adoption(seen, op, got["window"],
+                             [(p, frozenset({op["seq"]}), t) for p, t in snap.store("window")])
+        else:
+            items = adoption(before.memory, op, got["window"])
         if not items:
             return
         try:
-            dropped = sc.drop(before.memory, "window", items)
+            if op["op"] == "restore":
+                ok, memory = sc.restore(before.memory, snap, op["seq"], drops=items)
+            else:
+                ok, memory = sc.decode(before.memory, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"],
+                                       drops=items)
         except KVCacheError as exc:
             raise Divergence(index, op, "window store: a cell dropped that was not droppable", str(exc),
-                             f"window store after the decode: {_show(got['window'])}") from None
-        ok, memory = sc.decode(dropped, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"])
+                             f"window store after the {op['op']}: {_show(got['window'])}") from None
         if ok:
             self.world = CellsWorld(memory, self.world.snapshots)
             self.reached("windowed cells dropped by the target's choice")
@@ -746,10 +780,14 @@ class CellsLockstep:
         if name == "decode":
             self.reached("decodes" if out.result else "decodes without a slot")
             if out.result and "window" in self.target.stores and \
-                    len(before.memory.present("window")) + len(op["tokens"]) > self.cfg["n_cells"]:
+                    len(before.memory.present("window")) + len(op["tokens"]) > window_cells(self.cfg):
                 self.reached("windowed cells reused")
+                if "full" in self.target.stores:
+                    self._iswa_reused = True
         elif name == "seq_rm":
             self.reached("removals" if out.result else "windowed seq_rm refused")
+            if not out.result and self._iswa_reused:
+                self.reached("windowed seq_rm refused after an iSWA window reuse")
         elif name == "restore":
             if not out.result:
                 self.reached("restores without room")
@@ -793,8 +831,10 @@ class CellsLockstep:
 
 
 class CellsMachine(KVMachine):
-    """A cells memory's life, biased to its edges: 2 to 8 cells per store,
-    a window of 1 to 4 (iSWA, full only, or window only), 2 or 3
+    """A cells memory's life, biased to its edges: 2 to 8 cells per store
+    (an iSWA memory's window store smaller, 2 of 3 times: 1 to
+    ``n_cells - 1`` cells), a window of 1 to 4 (iSWA, full only, or window
+    only), 2 or 3
     sequences, a vocabulary of 4 to 6 tokens; decode groups of 1 to 3
     tokens (coupled sequences sometimes, wrong positions and sequence ids
     sometimes: refused); seq_cp after a seq_rm of the destination
@@ -819,6 +859,7 @@ class CellsMachine(KVMachine):
             self.cfg["window"] = None
         elif self.cfg.get("window") is None:
             self.cfg["window"] = cfg.get("window") or 2
+        self.cfg["window_cells"] = window_cells(self.cfg) if "window" in self.cfg["stores"] else self.cfg["n_cells"]
         self.cfg = {k: v for k, v in self.cfg.items() if v is not None or k == "window"}
         if self.make_lockstep is None:
             raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
@@ -838,6 +879,13 @@ class CellsMachine(KVMachine):
             "head_dim": data.draw(st.sampled_from([8, 8, 16]), label="head_dim"),
             "dtype": data.draw(st.sampled_from(["float16", "float16", "bfloat16", "float32"]), label="dtype"),
         }
+        if stores == ("full", "window") and data.draw(st.sampled_from([True, True, False]), label="smaller window"):
+            # llama.cpp sizes an iSWA model's window store smaller than the full one: the window store reuses
+            # cells while the full store has room, so its lost cells (and the removals refused for them) arise
+            # from decodes, not only from restores
+            # (at least the window when the full store allows it, as llama.cpp's n_swa * n_seq + n_ubatch does)
+            n = cfg["n_cells"]
+            cfg["window_cells"] = data.draw(st.integers(min(cfg["window"], n - 1), n - 1), label="window_cells")
         self.vocab = data.draw(st.integers(4, 6), label="vocab")
         self.setup(**cfg)
 
@@ -927,10 +975,12 @@ class CellsMachine(KVMachine):
         would bring a lost position back into the next decode's window
         (all but the last of those), and accepts the last."""
         s = data.draw(st.integers(0, self.n_seq - 1), label="seq")
-        for _ in range(4):
+        # one token at a time in a smaller window store (it fills before the full store does), else groups of 3
+        n = 1 if self.cfg["window_cells"] < self.cfg["n_cells"] else 3
+        for _ in range(4 if n == 3 else self.cfg["window_cells"] + self.cfg["window"] + 1):
             if sc.lost(self.mem, s):
                 break
-            self.do({"op": "decode", "seqs": [s], "tokens": self.tokens(data, 3), "pos0": self.next_pos(s)})
+            self.do({"op": "decode", "seqs": [s], "tokens": self.tokens(data, n), "pos0": self.next_pos(s)})
         lost = sc.lost(self.mem, s)
         if lost:  # p0 - 1 - q < w - 1 refuses; the last draw (j = w) is the first accepted
             p0 = max(lost) + data.draw(st.integers(1, self.cfg["window"]), label="past lost")

@@ -202,6 +202,8 @@ FIELD_TEXT = {
     "window": "cells: the window store's window w (a token at p attends to q with p - q < w); `null` without one",
     "stores": "cells: `[\"full\"]`, `[\"full\", \"window\"]` (an iSWA model) or `[\"window\"]`",
     "n_seq": "cells: sequence ids are 0 .. n_seq - 1",
+    "window_cells": "cells: cells of the window store, 1 .. n_cells (`\"n_cells\"` or `null`: as many as the full "
+                    "store; llama.cpp sizes an iSWA model's window store smaller)",
 }
 
 CHECK_TEXT = {

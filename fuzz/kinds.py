@@ -263,8 +263,10 @@ KINDS: dict[str, Kind] = {
             modes=("fp16",),
             # n_cells: cells per store; window: the window store's w (null
             # without one); stores: ["full"], ["full", "window"] (iSWA) or
-            # ["window"]; n_seq: sequence ids 0..n_seq - 1
-            fields={"n_cells": REQUIRED, "window": REQUIRED, "stores": ["full"], "n_seq": 4},
+            # ["window"]; n_seq: sequence ids 0..n_seq - 1; window_cells: the
+            # window store's cells, 1..n_cells (default "n_cells": as many)
+            fields={"n_cells": REQUIRED, "window": REQUIRED, "stores": ["full"], "n_seq": 4,
+                    "window_cells": "n_cells"},
             ops=("decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "pos_min", "pos_max", "save",
                  "clear"),
             # one memory of many sequences: the one-sequence ops are not its ops
@@ -275,7 +277,8 @@ KINDS: dict[str, Kind] = {
                         "windowed seq_rm refused", "shared cells", "seq_cp", "seq_keep", "seq_adds", "seq_divs",
                         "shifts composed before a read", "saves", "saves after a pending shift",
                         "restores into the same sequence", "restores into another sequence", "restores without room",
-                        "clear", "refused decode", "refused seq_cp", "refused seq_add", "refused seq_div"),
+                        "clear", "refused decode", "refused seq_cp", "refused seq_add", "refused seq_div",
+                        "windowed seq_rm refused after an iSWA window reuse"),
             lockstep="fuzz.cells:CellsLockstep", machine="fuzz.cells:CellsMachine", bugs="fuzz.bugs.cells:BUGS",
         ),
     )

@@ -216,17 +216,19 @@ class _Store:
 
     def collision(self) -> tuple[int, int] | None:
         """``(seq, pos)`` of a sequence holding two cells (present or lost)
-        at one position, or None."""
+        at one position: the lowest such position, then the lowest such
+        sequence; None if none."""
         seen: set[tuple[int, int]] = set()
-        # present cells, then lost ones, each by (pos, holders): the order spec.cells reports the first hit in
-        cells = sorted((self.pos[i], sorted(self.seqs[i])) for i in self.used()) + sorted(
-            (p, sorted(ss)) for p, ss in self.lost)
-        for p, ss in cells:
+        hits = []
+        for p, ss in [(self.pos[i], self.seqs[i]) for i in self.used()] + self.lost:
             for s in ss:
                 if (s, p) in seen:
-                    return s, p
+                    hits.append((p, s))
                 seen.add((s, p))
-        return None
+        if not hits:
+            return None
+        pos, seq = min(hits)
+        return seq, pos
 
     def write(self, idxs: list[int], k: mx.array, v: mx.array, keys_only: bool = False) -> None:
         """Rows ``k[j]``/``v[j]`` into cells ``idxs[j]``, one static slice

@@ -548,13 +548,19 @@ def seq_rm(state: CellsState, seq: int, p0: int, p1: int | None) -> tuple[bool, 
 
 
 def _collisions(cells: list[Cell]) -> tuple[int, int] | None:
+    """``(seq, pos)``: the lowest position at which a sequence holds two
+    cells (present or lost), the lowest such sequence; None if none."""
     seen: set[tuple[int, int]] = set()
+    hits = []
     for c in cells:
-        for s in sorted(c.seqs):
+        for s in c.seqs:
             if (s, c.pos) in seen:
-                return s, c.pos
+                hits.append((c.pos, s))
             seen.add((s, c.pos))
-    return None
+    if not hits:
+        return None
+    pos, seq = min(hits)
+    return seq, pos
 
 
 def seq_cp(state: CellsState, src: int, dst: int, p0: int, p1: int | None) -> CellsState:

@@ -18,6 +18,7 @@ from fuzz.cells_runs import cells_campaign, replay_cells
 from fuzz.commands.cli import main
 from fuzz.failures import Divergence
 from fuzz.trace import TraceFormatError, load
+from impl.cells import CellCache
 from spec import cells as sc
 
 TRACES = Path(__file__).parent / "traces"
@@ -70,6 +71,9 @@ def _doc(**cache_over):
     (lambda d: d["cache"].pop("n_cells"), "n_cells"),
     (lambda d: d["cache"].update(window=None), "window"),
     (lambda d: d["cache"].update(stores=["window", "full"]), "stores"),
+    (lambda d: d["cache"].update(window_cells=5), "window_cells"),
+    (lambda d: d["cache"].update(window_cells=0), "window_cells"),
+    (lambda d: d["cache"].update(stores=["full"], window=None, window_cells=3), "window_cells"),
     (lambda d: d["ops"].append({"op": "append", "n": 1}), "append"),
 ])
 def test_bad_trace_input_exits_2_naming_the_field(tmp_path, capsys, change, field):
@@ -101,7 +105,8 @@ class SpecTarget(sc.CellsMemory):
 
     def __init__(self, cache: dict) -> None:
         super().__init__(sc.CellsConfig(n_cells=cache["n_cells"], window=cache.get("window"),
-                                        stores=tuple(cache["stores"]), n_seq=cache["n_seq"]))
+                                        stores=tuple(cache["stores"]), n_seq=cache["n_seq"],
+                                        window_cells=cache.get("window_cells")))
 
 
 class ForgetfulTarget(SpecTarget):
@@ -124,3 +129,79 @@ def test_another_target_plugs_in_through_the_two_calls():
 def test_replay_cells_refuses_another_kind():
     with pytest.raises(TraceFormatError, match="cache.kind"):
         replay_cells(load(TRACES / "format_example.json"))
+
+
+# -- adoption after validation, at restore too; window_cells; refusal words ---------------------------------
+
+
+
+class ReusesLastSequenceFirst(CellCache):
+    """A legitimate choice: among droppable cells, the highest sequence id
+    (then the lowest position) is reused first."""
+
+    def _droppable(self, stores, st):
+        got = super()._droppable(stores, st)
+        return sorted(got, key=lambda i: (-max(st.seqs[i]), st.pos[i]))
+
+
+class ReusesHighestPositionFirst(CellCache):
+    """Another legitimate choice: the droppable cell of highest position first."""
+
+    def _droppable(self, stores, st):
+        return sorted(super()._droppable(stores, st), key=lambda i: -st.pos[i])
+
+
+WIN_ONLY = {"kind": "cells", "n_cells": 6, "window": 2, "stores": ["window"], "n_seq": 2, "kv_heads": 1,
+            "head_dim": 8, "dtype": "float16"}
+
+
+def test_adoption_validates_the_group_on_the_state_before_the_drops():
+    lock = CellsLockstep(dict(WIN_ONLY), ReusesLastSequenceFirst)
+    lock.step(0, {"op": "decode", "seqs": [0], "tokens": [1, 2, 3], "pos0": 0})
+    lock.step(1, {"op": "decode", "seqs": [1], "tokens": [4, 5, 6], "pos0": 0})
+    # the target reuses sequence 1's position 1 cell: the group (0, 1) was valid before that drop
+    lock.step(2, {"op": "decode", "seqs": [0, 1], "tokens": [7], "pos0": 3})
+    assert sc.lost(lock.world.memory, 1) == {0}
+    assert lock.stats["windowed cells dropped by the target's choice"] == 1
+
+
+def test_a_restore_may_reuse_droppable_window_cells_and_its_choice_is_adopted():
+    cache = {**WIN_ONLY, "stores": ["full", "window"], "n_cells": 8, "window_cells": 4}
+    for factory in (None, ReusesHighestPositionFirst):
+        lock = CellsLockstep(dict(cache), factory)
+        ops = [{"op": "decode", "seqs": [1], "tokens": [9, 8], "pos0": 0},
+               {"op": "save", "seq": 1, "name": "s"},
+               {"op": "seq_rm", "seq": 1, "p0": -1, "p1": -1},
+               {"op": "decode", "seqs": [0], "tokens": [1, 2, 3, 4], "pos0": 0},
+               {"op": "restore", "name": "s", "seq": 1}]  # 2 window cells: 2 of 0's 3 droppable reused
+        for i, op in enumerate(ops):
+            lock.step(i, op)
+        assert len(sc.lost(lock.world.memory, 0)) == 2
+    assert sc.lost(lock.world.memory, 0) == {1, 2}  # the target's choice (highest position first)
+
+
+def test_window_cells_reach_both_sides_and_the_machine_draws_it():
+    cache = {**WIN_ONLY, "stores": ["full", "window"], "n_cells": 8, "window_cells": 3}
+    lock = CellsLockstep(dict(cache))
+    assert lock.target.cache.window_cells == 3 and lock.world.memory.config.window_cells == 3
+    lock.step(0, {"op": "decode", "seqs": [0], "tokens": [1, 2, 3], "pos0": 0})
+    lock.step(1, {"op": "decode", "seqs": [0], "tokens": [4], "pos0": 3})  # the full store has room, the window not
+    assert sc.lost(lock.world.memory, 0) == {0} and lock.stats["windowed cells reused"] == 1
+    assert len(lock.world.memory.present("full")) == 4
+    got = cells_campaign(None, max_examples=150, seed=5)
+    assert got.ok, got.error
+    assert got.stats.get("windowed seq_rm refused after an iSWA window reuse"), got.stats
+
+
+def test_refusal_words_are_compared_for_ours():
+    assert CellsLockstep.OWN_WORDED_OPS == frozenset()
+    lock = CellsLockstep(dict(WIN_ONLY))
+    lock.compare_messages = True
+    lock.step(0, {"op": "decode", "seqs": [0], "tokens": [1, 2], "pos0": 0})
+    for i, op in enumerate([{"op": "seq_div", "seq": 0, "p0": 0, "p1": None, "d": 0},
+                            {"op": "seq_add", "seq": 0, "p0": 1, "p1": None, "delta": -1},
+                            {"op": "decode", "seqs": [0], "tokens": [3], "pos0": 7},
+                            {"op": "decode", "seqs": [0], "tokens": [], "pos0": 2},
+                            {"op": "seq_cp", "src": 0, "dst": 0, "p0": 0, "p1": 5},
+                            {"op": "seq_rm", "seq": 9, "p0": 0, "p1": None}], start=1):
+        lock.step(i, op)

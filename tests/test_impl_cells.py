@@ -598,3 +598,16 @@ def test_refusal_words_match_the_spec(call):
         call(m, lambda tokens, pos0: (tuple(tokens),))
     assert type(mine.value) is type(theirs.value)
     assert str(mine.value) == str(theirs.value)
+
+
+def test_a_collision_with_lost_cells_is_reported_at_its_lowest_position_on_both_sides():
+    # found by the cells campaign once words were compared: the first hit depended on each side's cell order
+    c = CellCache(6, H, D, "float32", window=2, stores=("window",), n_seq=2)
+    m = spec.CellsMemory(n_cells=6, window=2, stores=("window",), n_seq=2)
+    for seqs, toks, pos0 in (((0,), (3, 0, 0), 0), ((0,), (0, 0, 0), 3), ((1,), (0,), 0), ((1,), (0, 0, 0), 1)):
+        assert c.decode(seqs, *rows(toks, pos0), pos0) == m.decode(seqs, toks, pos0)
+    with pytest.raises(InvalidArgumentError) as mine:
+        c.seq_add(0, 3, None, -3)
+    with pytest.raises(InvalidArgumentError) as theirs:
+        m.seq_add(0, 3, None, -3)
+    assert str(mine.value) == str(theirs.value) and "position 0" in str(theirs.value)
