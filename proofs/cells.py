@@ -14,8 +14,8 @@ generality.
   cell shifted below 0 is freed but keeps its sequences (a cell freed while
   sequences hold it).
 * 18, per-sequence positions stay unique (present and lost cells alike)
-  under decode, seq_cp, seq_add, seq_div and restore with the spec's
-  refusals. Controls: decode without the ``pos0 = pos_max + 1`` check,
+  under decode, seq_cp, seq_add, seq_div and restore (which, as a decode,
+  may reuse a droppable window cell) with the spec's refusals. Controls: decode without the ``pos0 = pos_max + 1`` check,
   seq_cp without its collision refusal, seq_add/seq_div without theirs, a
   restore that does not clear dst first.
 * 19, a refused seq_rm / decode / restore leaves both stores of an iSWA
@@ -33,8 +33,8 @@ generality.
   by seq_div, and the composition claimed without the range-edge condition.
 * 21, the windowed removal bound: an accepted seq_rm never leaves a lost
   position q of the sequence in its next decode's window (``q <= pos_max +
-  1 - w``), and a decode that drops only droppable cells keeps that true for
-  every sequence. Controls: seq_rm always accepted (llama.cpp), the bound
+  1 - w``), and a decode, or a restore, that drops only droppable cells
+  keeps that true for every sequence (a restore: every other sequence). Controls: seq_rm always accepted (llama.cpp), the bound
   taken from the pos_max before the removal, a drop rule off by one.
 
 Run as ``kvspec prove --only 17 18 19 20 21``.
@@ -60,7 +60,7 @@ from proofs.cells_model import (
     lose,
     pick,
     positions_ok,
-    restore,
+    restore_reusing,
     rm_accepted,
     rows_named,
     same,
@@ -171,17 +171,18 @@ def unique_parts(rules: Rules = SPEC) -> list[tuple[str, PartBuilder]]:
 
     def rst(d: Domain) -> tuple[list[Any], Any]:
         st, pre = _base(d)
-        dst, a0, a1 = d.var("dst"), d.var("snap_pos_0"), d.var("snap_pos_1")
-        cleared = seq_rm(st, dst, z3.BoolVal(False), z3.IntVal(0), z3.IntVal(0), z3.BoolVal(True))
+        dst, a0, a1, w = d.var("dst"), d.var("snap_pos_0"), d.var("snap_pos_1"), d.var("w")
+        # the room: cells 1 and 2 free after the clear, cell 0 reused when droppable (find_slot, as a decode)
+        cleared, _, new = restore_reusing(d, st, dst, (a0, a1), (1, 2), 0, w, d.boolean("reuse_cell_0"), rules)
         room = z3.And(z3.Not(cleared.used[1]), z3.Not(cleared.used[2]))
-        new = restore(st, dst, (a0, a1), (1, 2), rules)
-        return [*pre, dst >= 0, dst < SEQS, a0 >= 0, a1 >= 0, a0 != a1], z3.Implies(room, unique(new))
+        return [*pre, dst >= 0, dst < SEQS, a0 >= 0, a1 >= 0, a0 != a1, w >= 1], z3.Implies(room, unique(new))
 
     return [("decode (pos0 = logical pos_max + 1 for a sequence that holds positions) keeps positions unique", dec),
             ("seq_cp, refused on a collision, keeps positions unique", cp),
             ("seq_add, refused on a collision, keeps positions unique and >= 0", add),
             ("seq_div (d >= 1), refused on a collision, keeps positions unique and >= 0", div),
-            ("restore (dst cleared, distinct snapshot positions) keeps positions unique", rst)]
+            (("restore (dst cleared, distinct snapshot positions, a droppable window cell reused) keeps positions "
+             "unique"), rst)]
 
 
 UNIQUE_CONTROLS: list[tuple[str, str, Rules]] = [
@@ -241,7 +242,8 @@ def atomic_parts(rules: Rules = SPEC) -> list[tuple[str, PartBuilder]]:
 
     return [("a seq_rm refused by the window rule changes neither store", rm),
             ("a refused decode (bad pos0, no room in a store) changes neither store", dec),
-            ("a restore refused for lack of room changes neither store, dst not cleared", rst)]
+            (("a restore refused for lack of room (free and droppable cells after the clear) changes neither store, "
+             "dst not cleared"), rst)]
 
 
 ATOMIC_CONTROLS: list[tuple[str, str, Rules]] = [
@@ -325,15 +327,26 @@ def window_parts(rules: Rules = SPEC) -> list[tuple[str, PartBuilder]]:
         goal = z3.And(*[window_ok(d, new, z3.IntVal(j), w) for j in range(SEQS)])
         return [*pre, w >= 1, *keep, drop], z3.Implies(ok, goal)
 
+    def rst(d: Domain) -> tuple[list[Any], Any]:
+        st, pre = _base(d)
+        dst, a0, w = d.var("dst"), d.var("snap_pos_0"), d.var("w")
+        cleared, dropped, new = restore_reusing(d, st, dst, (a0,), (2,), 1, w, z3.BoolVal(True), rules)
+        keep = [window_ok(d, st, z3.IntVal(j), w) for j in range(SEQS)]
+        goal = z3.And(*[z3.Implies(dst != j, window_ok(d, new, z3.IntVal(j), w)) for j in range(SEQS)])
+        return [*pre, w >= 1, dst >= 0, dst < SEQS, a0 >= 0, *keep, dropped, z3.Not(cleared.used[2])], goal
+
     return [("an accepted seq_rm leaves no lost position in the sequence's next window", rm),
-            ("a decode that drops a droppable cell leaves no lost position in any sequence's next window", dec)]
+            ("a decode that drops a droppable cell leaves no lost position in any sequence's next window", dec),
+            (("a restore that reuses a droppable window cell leaves no lost position in another sequence's next "
+             "window"), rst)]
 
 
 WINDOW_CONTROLS: list[tuple[str, str, Rules]] = [
     ("seq_rm_always_true", "seq_rm always returns true (llama.cpp's kv cache)", Rules(rm_rule="always")),
     ("bound_from_old_pos_max", "the window bound taken from the pos_max before the removal",
      Rules(rm_rule="old_max")),
-    ("drop_rule_off_by_one", "a decode drops a cell with pos_max + 1 - pos >= w - 1", Rules(drop_slack=1)),
+    ("drop_rule_off_by_one", "a decode (or a restore) drops a cell with pos_max + 1 - pos >= w - 1",
+     Rules(drop_slack=1)),
 ]
 
 
@@ -375,9 +388,9 @@ def prove_compose() -> ObligationResult:
 
 
 def prove_window() -> ObligationResult:
-    return _prove(21, ("seq_rm", "droppable", "in_next_window"),
+    return _prove(21, ("seq_rm", "droppable", "in_next_window", "restore"),
                   "no lost position of a sequence lies in its next decode's window after an accepted seq_rm or "
-                  "a decode's drops",
+                  "a decode's or a restore's drops",
                   window_parts, WINDOW_CONTROLS)
 
 

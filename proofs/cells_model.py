@@ -265,6 +265,20 @@ def restore(st: Store, dst: Any, snap: tuple[Any, ...], cells: tuple[int, ...], 
     return out
 
 
+def restore_reusing(d: Domain, st: Store, dst: Any, snap: tuple[Any, ...], cells: tuple[int, ...], k: int, w: Any,
+                    reuse: Any, rules: Rules = SPEC) -> tuple[Store, Any, Store]:
+    """``(cleared, dropped, store)``: ``spec.cells.restore`` as llama.cpp's
+    ``state_read_meta`` finds room: ``dst`` cleared, then cell ``k`` of the
+    cleared store, when ``reuse`` is chosen and the cell is droppable there
+    (held by one sequence, out of its window), becomes lost for its holder
+    (the capacity it frees is abstract: the snapshot's positions ``snap``
+    are written into the free cells ``cells``, as :func:`restore` does)."""
+    cleared = seq_rm(st, dst, z3.BoolVal(False), z3.IntVal(0), z3.IntVal(0), z3.BoolVal(True)) \
+        if rules.restore_clears else st
+    dropped = z3.And(reuse, droppable(d, cleared, k, w, rules))
+    return cleared, dropped, restore(pick(dropped, lose(cleared, k), cleared), dst, snap, cells, rules)
+
+
 def pick(c: Any, a: Store, b: Store) -> Store:
     """``a`` if ``c`` else ``b``, field by field."""
     def f(x: Any, y: Any) -> Any:

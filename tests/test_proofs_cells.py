@@ -74,3 +74,18 @@ def test_lpmax_encoding_is_the_spec_logical_pos_max():
                 assert z3.simplify(z3.substitute(top[s], *subst)).as_long() == sc.logical_pos_max(state, s)
                 checked += 1
     assert checked > 500
+
+
+def test_the_restore_reuse_part_is_refuted_by_the_off_by_one_drop_rule():
+    """Obligation 21's restore part (a restore reuses a droppable window cell,
+    as find_slot does) is not vacuous: with the drop rule off by one it fails."""
+    from proofs.core import run_parts
+
+    reset_names()
+    rules = {n: r for n, _, r in pc.WINDOW_CONTROLS}["drop_rule_off_by_one"]
+    parts = [p for p in pc.window_parts(rules) if p[0].startswith("a restore")]
+    assert len(parts) == 1
+    got = run_parts(parts)
+    assert any(r.status == "refuted" for r in got), [(r.part, r.status) for r in got]
+    reset_names()
+    assert all(r.status == "proved" for r in run_parts([p for p in pc.window_parts() if p[0].startswith("a restore")]))
