@@ -287,7 +287,7 @@ def test_speculative_on_a_gpu_compares_with_mlx_lm_caches_and_still_catches_a_ba
     bad = e2e.run_scenario("speculative", e2e.SHORT, factories={"dense": TrimOneShort})
     assert not bad.ok and "speculative vs mlx-lm's caches" in bad.detail, bad.detail
     assert [n for n, _ in e2e.gpu_skipped()] == ["prefix_sharing", "speculative_window", "turbo", "quantized_models",
-                                                 "hybrid_speculative"]
+                                                 "hybrid_speculative", "hybrid_prompt_reuse"]
 
 
 def test_no_scenario_is_skipped_on_the_cpu():
@@ -295,4 +295,4 @@ def test_no_scenario_is_skipped_on_the_cpu():
 
     assert e2e.gpu_skipped() == []
     assert all(s.cpu_only == "" or s.name in {"prefix_sharing", "speculative_window", "turbo", "quantized_models",
-                                                                "hybrid_speculative"} for s in e2e.SCENARIOS)
+                                                                "hybrid_speculative", "hybrid_prompt_reuse"} for s in e2e.SCENARIOS)
