@@ -975,8 +975,9 @@ class CellsMachine(KVMachine):
         would bring a lost position back into the next decode's window
         (all but the last of those), and accepts the last."""
         s = data.draw(st.integers(0, self.n_seq - 1), label="seq")
-        # one token at a time in a smaller window store (it fills before the full store does), else groups of 3
-        n = 1 if self.cfg["window_cells"] < self.cfg["n_cells"] else 3
+        # one token at a time in a small window store smaller than the full one (it fills first), else (a
+        # window store too large to fill here, as another engine's may be) four groups of 3
+        n = 1 if self.cfg["window_cells"] < min(self.cfg["n_cells"], 12) else 3
         for _ in range(4 if n == 3 else self.cfg["window_cells"] + self.cfg["window"] + 1):
             if sc.lost(self.mem, s):
                 break

@@ -7,6 +7,7 @@ adapter's protocol answers and the search itself where it is installed.
 Which engines the traces were replayed on is printed (and each skip says
 why)."""
 
+import contextlib
 import importlib.util
 import json
 import struct
@@ -21,6 +22,7 @@ from fuzz.commands.cli import main
 from fuzz.commands.conformance_cells import category
 from fuzz.replay import replay
 from fuzz.trace import load
+from spec import cells as sc
 from spec.errors import InvalidArgumentError, StateError
 
 FOLDER = Path(__file__).parent / "traces" / "llama_cpp"
@@ -258,7 +260,7 @@ def test_arguments_llama_cpp_would_abort_on_are_refused_first():
     t.decode((0,), (3,), 0)
     before = t.observe()
     for call in (lambda: t.seq_rm(2, 0, None), lambda: t.seq_cp(0, 5, 0, None), lambda: t.seq_div(0, 0, None, 0),
-                 lambda: t.decode((0,), (3,) * (lc.N_BATCH + 1), 1), lambda: t.pos_max(9)):
+                 lambda: t.decode((0,), (3,) * (t.c.n_ubatch + 1), 1), lambda: t.pos_max(9)):
         with pytest.raises(InvalidArgumentError):
             call()
     with pytest.raises(InvalidArgumentError, match="-1"):
@@ -302,7 +304,8 @@ def test_the_harness_campaign_plugs_llama_cpp_in():
     trace replays 1 on llama.cpp and 0 on ours through replay_cells."""
     from fuzz.cells_runs import cells_campaign, replay_cells
 
-    cache = {"n_cells": 256, "stores": ["full", "window"], "window": 4, "n_seq": 3}
+    cache = {"stores": ["full", "window"], "window": 4, "n_seq": 3}
+    cache.update(lc.cache_sizes(cache))
     r = cells_campaign(lc.target_factory, cache=cache, max_examples=50, seed=1)
     assert r.status == "diverged" and r.trace is not None
     assert not replay_cells(r.trace, lc.target_factory).ok
@@ -312,3 +315,74 @@ def test_the_harness_campaign_plugs_llama_cpp_in():
 def test_examples_and_steps_belong_to_the_llama_cpp_search(capsys):
     assert main(["conformance", "--examples", "5", "--json"]) == 2
     assert "--target llama.cpp" in json.loads(capsys.readouterr().out)["error"]
+
+
+@needs_llama
+def test_store_sizes_are_read_from_llama_cpp(monkeypatch):
+    """The gemma2 model's window store is smaller than its full store, as
+    llama.cpp sizes it (n_swa * n_seq_max + n_ubatch, padded to 256); the
+    sizes come from llama.cpp's own report, and a trace must carry them."""
+    assert lc.memory_sizes(None, 3) == {"full": 256}
+    assert lc.memory_sizes(4, 3) == {"full": 512, "window": 256}
+    assert lc.cache_sizes({"stores": ["full", "window"], "window": 4, "n_seq": 3}) == {"n_cells": 512,
+                                                                                         "window_cells": 256}
+    t = lc.LlamaCppCells(window=4, n_seq=3)
+    assert t.sizes == {"full": 512, "window": 256} and t.n_cells == 512
+    for bad in ({"n_cells": 512}, {"n_cells": 512, "window_cells": 512}, {"n_cells": 256, "window_cells": 256}):
+        with pytest.raises(InvalidArgumentError, match="cache.n_cells|cache.window_cells"):
+            lc.target_factory({"stores": ["full", "window"], "window": 4, "n_seq": 3, **bad})
+    with monkeypatch.context() as m:  # the broken variant: nothing logged, no size read
+        m.setattr(lc, "_captured_log", lambda: contextlib.nullcontext([]))
+        with pytest.raises(StateError, match="KV cache sizes"):
+            lc.LlamaCppCells(window=4, n_seq=2)
+
+
+@needs_llama
+def test_the_window_store_reuses_cells_while_the_full_store_has_room():
+    """With 256 window and 512 full cells, decodes past 256 positions reuse
+    out-of-window cells of the window store (the spec's droppable cells):
+    the lockstep agrees, adopting llama.cpp's choice where it differs."""
+    from fuzz.cells import CellsLockstep
+
+    cache = {"kind": "cells", "stores": ["full", "window"], "window": 4, "n_seq": 2, "kv_heads": 2,
+             "head_dim": 16, "dtype": "float16"}
+    cache.update(lc.cache_sizes(cache))
+    lock = CellsLockstep(cache, {"target": lc.target_factory})
+    for k in range(5):
+        lock.step(k, {"op": "decode", "seqs": [0], "tokens": [3 + (j % 20) for j in range(60)], "pos0": 60 * k})
+    got = lock.target.observe(rows=False)
+    assert len(got["full"]) == 300 and len(got["window"]) == 256
+    assert lock.stats["windowed cells reused"] == 1 and len(sc.lost(lock.world.memory, 0)) == 44
+
+
+@needs_llama
+def test_a_restore_reusing_out_of_window_cells_is_no_longer_a_divergence():
+    """The earlier recorded finding llama_kv_cache_iswa_01 (a restore reuses
+    another sequence's out-of-window window cell, as find_slot does at a
+    decode) was a spec gap: the spec now grants that reuse at restore, so
+    the trace agrees with llama.cpp (sizes as llama.cpp builds them)."""
+    cache = {"kind": "cells", "window": 4, "stores": ["full", "window"], "n_seq": 3, "kv_heads": 2,
+             "head_dim": 16, "dtype": "float16"}
+    cache.update(lc.cache_sizes(cache))
+    ops = [{"op": "decode", "seqs": [1], "tokens": [23, 14, 21, 7, 13, 4, 13, 11, 10, 12, 14, 12, 9, 23, 6, 5],
+            "pos0": 0},
+           {"op": "seq_add", "seq": 2, "p0": 1, "p1": None, "delta": -1},
+           {"op": "decode", "seqs": [0], "tokens": [23], "pos0": 0},
+           {"op": "save", "seq": 0, "name": "s1"},
+           {"op": "restore", "name": "s1", "seq": 2}]
+    from fuzz.cells import CellsLockstep
+
+    lock = CellsLockstep(cache, {"target": lc.target_factory})
+    for i, op in enumerate(ops):
+        lock.step(i, op)
+
+
+def test_the_kept_iswa_seq_div_sign_trace_diverges_on_llama_cpp_only():
+    """The seq_div sign fault on the iSWA memory, kept beside the search's
+    traces (the recorded search's budget did not reach it there)."""
+    path = FOLDER / "llama_kv_cache_iswa_seq_div_sign.json"
+    assert main(["replay", str(path)]) == 0
+    if not HAVE_LLAMA:
+        pytest.skip(NOT_INSTALLED)
+    result = replay(load(path), target="llama.cpp")
+    assert not result.ok and result.divergence.index == 3 and "rows differ" in result.divergence.what

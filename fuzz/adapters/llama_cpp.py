@@ -12,9 +12,16 @@ llama.cpp (through llama-cpp-python's ctypes layer) is driven as a
   model layer 0's attention output and feed-forward down projection are
   zero, so layer 1's input is the token's embedding alone and its K row
   depends only on (token, position), as layer 0's does.
-* **Context.** One context per target: ``n_ctx`` 256 cells (llama.cpp pads
-  every cache to 256), ``n_seq_max`` sequences sharing one stream
-  (``kv_unified``: ``seq_cp`` shares cells), an F16 K/V cache.
+* **Context.** One context per target, ``n_seq_max`` sequences sharing one
+  stream (``kv_unified``: ``seq_cp`` shares cells), an F16 K/V cache. The
+  llama model: ``n_ctx`` 256 (llama.cpp pads every cache to 256 cells). The
+  gemma2 model: ``n_ctx`` 512 and ``n_ubatch`` 128, so llama.cpp sizes the
+  window store smaller than the full one (llama-kv-cache-iswa.cpp: ``n_swa
+  * n_seq_max + n_ubatch`` padded to 256, at most the full size): 512 full
+  and 256 window cells for the windows the target is run with. The sizes
+  are read from llama.cpp itself (its log line per cache, "N cells"), never
+  assumed (:func:`memory_sizes`); a trace's ``n_cells`` and
+  ``window_cells`` must equal them.
 * **Cells.** ``observe`` reads the whole memory through
   ``llama_state_get_data`` and parses its blob (:func:`parse_memory`, the
   layout of llama.cpp's ``llama_kv_cache::state_write``): per store, every
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -60,11 +68,15 @@ LLAMA_CPP_PYTHON = "0.3.36"
 #: the llama.cpp commit vendored in that release's sdist (its CHANGELOG)
 VENDORED_LLAMA_CPP = "0c1e57098"
 INSTALL_HINT = "pip install 'kvspec[llama-cpp]'"
-#: cells per store: llama.cpp pads n_ctx (and the window store) to 256
+#: llama.cpp pads every cache to a multiple of 256 cells
 N_CELLS = 256
-#: tokens per llama_decode call (llama.cpp clamps n_batch to n_ctx; more
-#: tokens abort the process: GGML_ASSERT)
-N_BATCH = N_CELLS
+#: n_ctx per model architecture: the llama model's one store has 256 cells;
+#: the gemma2 model's full store 512, so that its window store (sized from
+#: n_swa, n_seq_max and n_ubatch, padded to 256) can be smaller
+N_CTX = {"llama": 256, "gemma2": 512}
+#: n_ubatch per model architecture (n_batch = n_ctx): the gemma2 model's
+#: 128 keeps ``n_swa * n_seq_max + n_ubatch`` within 256 for small windows
+N_UBATCH = {"llama": 256, "gemma2": 128}
 #: K rows named within this absolute tolerance, scaled by the row's largest entry
 K_TOLERANCE = 4e-3
 
@@ -389,12 +401,29 @@ class _Loaded:
         self.table_positions += n
 
 
+#: where llama.cpp's log goes while :func:`_captured_log` is active (else nowhere)
+_LOG_SINK: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def _captured_log() -> Any:
+    """The text llama.cpp logs inside the block, as a list of fragments."""
+    got: list[str] = []
+    _LOG_SINK.append(got)
+    try:
+        yield got
+    finally:
+        _LOG_SINK.remove(got)
+
+
 def _quiet(llama_cpp: Any) -> None:
-    """Silence llama.cpp's logging (a ctypes callback kept alive on the module)."""
+    """Silence llama.cpp's logging (a ctypes callback kept alive on the
+    module); text logged inside :func:`_captured_log` is kept there."""
     if getattr(llama_cpp, "_kvspec_quiet", None) is None:
         @llama_cpp.llama_log_callback
         def _log(level: int, text: bytes, user: Any) -> None:
-            pass
+            if _LOG_SINK:
+                _LOG_SINK[-1].append(text.decode("utf-8", "replace"))
 
         llama_cpp._kvspec_quiet = _log
         llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
@@ -416,15 +445,19 @@ def load(model: TinyModel) -> _Loaded:
 
 class Context:
     """One llama.cpp context: ``n_seq`` usable sequence ids (plus one kept
-    for forcing pending shifts) sharing one stream of ``N_CELLS`` cells."""
+    for forcing pending shifts) sharing one stream; ``sizes``: the cells of
+    each store (model order: ``full``, then ``window``) as llama.cpp
+    reported them when it built the memory."""
 
     def __init__(self, loaded: _Loaded, n_seq: int) -> None:
         lib = loaded.lib
         self.lib, self.loaded, self.n_seq = lib, loaded, n_seq
+        arch = loaded.model.arch
+        self.n_batch, self.n_ubatch = N_CTX[arch], N_UBATCH[arch]
         p = lib.llama_context_default_params()
-        p.n_ctx = N_CELLS
-        p.n_batch = N_BATCH
-        p.n_ubatch = N_BATCH
+        p.n_ctx = N_CTX[arch]
+        p.n_batch = self.n_batch
+        p.n_ubatch = self.n_ubatch
         p.n_seq_max = n_seq + 1
         p.kv_unified = True
         p.swa_full = False
@@ -434,11 +467,18 @@ class Context:
         p.type_v = lib.GGML_TYPE_F16
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
-        self.ctx = lib.llama_init_from_model(loaded.handle, p)
+        with _captured_log() as log:
+            self.ctx = lib.llama_init_from_model(loaded.handle, p)
         if not self.ctx:
             raise StateError("llama.cpp could not create a context")
         self.mem = lib.llama_get_memory(self.ctx)
         self.n_stores = len(loaded.model.stores)
+        got = [int(n) for n in re.findall(r"\(\s*(\d+) cells,", "".join(log))]
+        if len(got) != self.n_stores:
+            raise StateError(f"llama.cpp reported {len(got)} KV cache sizes for the {loaded.model.arch} model's "
+                             f"{self.n_stores} stores: {got}")
+        #: store -> cells, as llama.cpp built them (the iSWA memory builds its full store first)
+        self.sizes = dict(zip(loaded.model.stores, got, strict=True))
 
     def close(self) -> None:
         if self.ctx:
@@ -469,16 +509,17 @@ class Context:
             lib.llama_batch_free(batch)
 
     def update(self, used: bool) -> None:
-        """Apply pending shifts: with a cell ``used``, a decode of ``N_CELLS``
-        tokens in the kept sequence id passes validation, runs llama.cpp's
-        memory update (the K-shift), then finds no slot in the full store
-        (return 1, no cell changed). An empty memory has nothing to shift."""
+        """Apply pending shifts: with a cell ``used``, a decode of as many
+        tokens as the full store has cells (``n_batch``), in the kept
+        sequence id, passes validation, runs llama.cpp's memory update (the
+        K-shift), then finds no slot in the full store (return 1, no cell
+        changed). An empty memory has nothing to shift."""
         if not used:
             return
         spare = self.n_seq
         if self.lib.llama_memory_seq_pos_max(self.mem, spare) >= 0:  # pragma: no cover - never decoded into
             raise StateError("the spare sequence id holds cells")
-        rc = self.decode_raw([spare], [0] * N_CELLS, 0)
+        rc = self.decode_raw([spare], [0] * self.n_batch, 0)
         if rc != 1:
             raise StateError(f"update: the oversize decode returned {rc}, expected 1 (no slot)")
 
@@ -512,10 +553,11 @@ class LlamaCppCells:
 
     ``window`` None: the llama model (store ``"full"``); an int ``w >= 1``:
     the gemma2 model with that sliding window (stores ``"full"``,
-    ``"window"``). ``n_seq`` sequence ids 0..n_seq-1. Every store has
-    ``N_CELLS`` (256) cells. Raises NotInstalled without llama-cpp-python."""
+    ``"window"``). ``n_seq`` sequence ids 0..n_seq-1. ``sizes``: each
+    store's cells as llama.cpp built them (:data:`N_CTX`: 256 for the llama
+    model; 512 full and, for small windows, 256 window cells for gemma2).
+    Raises NotInstalled without llama-cpp-python."""
 
-    n_cells = N_CELLS
     name = "llama.cpp"
 
     def __init__(self, window: int | None = None, n_seq: int = 4, seed: int | None = None) -> None:
@@ -529,6 +571,8 @@ class LlamaCppCells:
         self.window = window
         self.n_seq = n_seq
         self.c = Context(self.loaded, n_seq)
+        self.sizes = dict(self.c.sizes)
+        self.n_cells = self.sizes["full"]
         self.lib = self.loaded.lib
         #: a seq_add/seq_div since the last memory update (a decode past
         #: validation, or an observation's forced update)
@@ -557,8 +601,9 @@ class LlamaCppCells:
         False (no slot: llama_decode 1); InvalidArgumentError for llama_decode -1."""
         seqs = [self._seq("decode", "seq", s) for s in seqs]
         tokens = [int(t) for t in tokens]
-        if not tokens or len(tokens) > N_BATCH:
-            raise InvalidArgumentError(f"decode: {len(tokens)} tokens must be in [1, {N_BATCH}] (n_batch)")
+        if not tokens or len(tokens) > self.c.n_ubatch:
+            raise InvalidArgumentError(f"decode: {len(tokens)} tokens must be in [1, {self.c.n_ubatch}] (n_ubatch: "
+                                       "a longer group is split into ubatches, each finding its own slot)")
         if not seqs:
             raise InvalidArgumentError("decode: seqs must not be empty")
         rc = self.c.decode_raw(seqs, tokens, int(pos0))
@@ -681,20 +726,70 @@ def name_rows(table: tuple[np.ndarray, np.ndarray], cell: BlobCell) -> tuple[Any
 LAYOUTS = (("full",), ("full", "window"))
 
 
+_SIZES: dict[tuple[int | None, int], dict[str, int]] = {}
+
+
+def memory_sizes(window: int | None, n_seq: int) -> dict[str, int]:
+    """The cells of each store of the memory llama.cpp builds for the
+    target's model with ``window`` (None: the llama model) and ``n_seq``
+    sequences, as llama.cpp reports them (one context built and freed per
+    pair, then remembered). NotInstalled without llama-cpp-python."""
+    key = (window, n_seq)
+    if key not in _SIZES:
+        model = LLAMA if window is None else TinyModel(arch="gemma2", window=window, seed=GEMMA2.seed)
+        ctx = Context(load(model), n_seq)
+        try:
+            _SIZES[key] = dict(ctx.sizes)
+        finally:
+            ctx.close()
+    return _SIZES[key]
+
+
+def cache_sizes(cache: dict[str, Any]) -> dict[str, int]:
+    """``{"n_cells": ..., "window_cells": ...}``: the sizes a cells trace
+    must carry to run on llama.cpp with its ``stores``, ``window`` and
+    ``n_seq`` (:func:`memory_sizes`; ``window_cells`` = ``n_cells`` without
+    a window store)."""
+    stores = tuple(cache.get("stores", ("full",)))
+    sizes = memory_sizes(cache.get("window") if "window" in stores else None, int(cache.get("n_seq", 4)))
+    return {"n_cells": sizes["full"], "window_cells": sizes.get("window", sizes["full"])}
+
+
+def _size_error(cache: dict[str, Any]) -> str | None:
+    """Why ``cache``'s sizes are not llama.cpp's, naming the field; None if they are."""
+    want = cache_sizes(cache)
+    have = {"n_cells": cache.get("n_cells"), "window_cells": cache.get("window_cells")}
+    if have["window_cells"] in (None, "n_cells"):
+        have["window_cells"] = have["n_cells"]
+    for name, value in want.items():
+        if have[name] != value:
+            return (f"field cache.{name}: llama.cpp builds this memory ({cache_text(cache)}) with "
+                    f"{want['n_cells']} full and {want['window_cells']} window cells, the trace has "
+                    f"{name} {have[name]!r}")
+    return None
+
+
+def cache_text(cache: dict[str, Any]) -> str:
+    stores = list(cache.get("stores", ("full",)))
+    return f"stores {stores}, window {cache.get('window')!r}, n_seq {cache.get('n_seq', 4)}"
+
+
 def target_factory(cache: dict[str, Any]) -> LlamaCppCells:
     """A fresh llama.cpp memory for a cells trace's ``cache`` fields
     (``fuzz.cells``: ``{"target": target_factory}``). Raises
     InvalidArgumentError naming the field when llama.cpp cannot take the
-    configuration: ``n_cells`` other than 256 (llama.cpp pads every cache
-    to 256 cells), a window-only layout, ``n_seq`` over 64; NotInstalled
-    without llama-cpp-python."""
+    configuration: ``n_cells`` / ``window_cells`` other than the sizes
+    llama.cpp builds (:func:`cache_sizes`), a window-only layout, ``n_seq``
+    over 64; NotInstalled without llama-cpp-python."""
     stores = tuple(cache.get("stores", ("full",)))
     if stores not in LAYOUTS:
         raise InvalidArgumentError(f"llama.cpp target: cache.stores {list(stores)} must be one of "
                                    f"{[list(x) for x in LAYOUTS]} (the llama and gemma2 models)")
-    if cache.get("n_cells") != N_CELLS:
-        raise InvalidArgumentError(f"llama.cpp target: cache.n_cells {cache.get('n_cells')!r} must be {N_CELLS} "
-                                   "(llama.cpp pads n_ctx and the window store to 256 cells)")
+    if not 1 <= int(cache.get("n_seq", 4)) <= 64:
+        raise InvalidArgumentError(f"llama.cpp target: cache.n_seq {cache.get('n_seq')!r} must be in [1, 64]")
+    why = _size_error(cache)
+    if why is not None:
+        raise InvalidArgumentError(f"llama.cpp target: {why}")
     return LlamaCppCells(window=cache.get("window") if "window" in stores else None, n_seq=int(cache["n_seq"]))
 
 
@@ -702,8 +797,11 @@ def target_factory(cache: dict[str, Any]) -> LlamaCppCells:
 
 
 def _class(name: str) -> CacheClass:
+    sizes = {"llama_kv_cache": (N_CTX["llama"], N_CTX["llama"]), "llama_kv_cache_iswa": (N_CTX["gemma2"], 256)}[name]
     return CacheClass(name, "cells", "fp16", target_factory,
-                      fields={"n_cells": (N_CELLS, "llama.cpp pads every cache to 256 cells")},
+                      fields={"n_cells": (sizes[0], "the full store's cells: llama.cpp pads every cache to 256"),
+                              "window_cells": (sizes[1], ("the window store's cells, as llama.cpp sizes them "
+                                                          "(window 4, 3 sequences)"))},
                       not_compared={"cell indices": "not observable: the spec's stores are multisets",
                                     "layers past the first of each store": "rows are named by each store's "
                                                                            "first layer"},
@@ -729,12 +827,12 @@ class LlamaCppTarget(Target):
         if stores not in LAYOUTS:
             raise TargetCapabilityError(f"field cache.stores: target llama.cpp has models for "
                                         f"{[list(x) for x in LAYOUTS]}, this trace has {list(stores)}")
-        if cache.get("n_cells") != N_CELLS:
-            raise TargetCapabilityError(f"field cache.n_cells: target llama.cpp has {N_CELLS} cells per store "
-                                        f"(llama.cpp pads every cache to 256), this trace has {cache.get('n_cells')!r}")
         if not 1 <= int(cache.get("n_seq", 4)) <= 64:
             raise TargetCapabilityError(f"field cache.n_seq: target llama.cpp takes 1 to 64 sequences, this "
                                         f"trace has {cache.get('n_seq')!r}")
+        why = _size_error(cache)
+        if why is not None:
+            raise TargetCapabilityError(f"{why} (target llama.cpp)")
 
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
         from fuzz.cells import CellsLockstep

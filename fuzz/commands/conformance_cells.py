@@ -4,9 +4,10 @@ a minimal trace.
 
 Two classes, one per memory llama.cpp builds for the target's models
 (``fuzz.adapters.llama_cpp``): ``llama_kv_cache`` (the llama model, store
-``full``) and ``llama_kv_cache_iswa`` (the gemma2 model, stores ``full``
-and ``window``, window 4). Each is searched in rounds, like the mlx-lm
-classes (``fuzz.commands.conformance``):
+``full``, 256 cells) and ``llama_kv_cache_iswa`` (the gemma2 model, stores
+``full`` and ``window``, window 4; 512 full and 256 window cells, so the
+window store reuses cells while the full store has room). Each is searched
+in rounds, like the mlx-lm classes (``fuzz.commands.conformance``):
 
 * a round runs seeded examples: a fresh memory on each side
   (``fuzz.cells.CellsLockstep``: the spec beside llama.cpp), up to
@@ -43,11 +44,14 @@ from typing import Any
 from fuzz.failures import Divergence
 from fuzz.trace import TraceFormatError
 
-#: (class name, cache fields) of the two memories llama.cpp builds for the target's models
+#: (class name, cache fields) of the two memories llama.cpp builds for the target's models; the sizes
+#: (n_cells, window_cells) are checked against the ones llama.cpp reports before a search
+#: (fuzz.adapters.llama_cpp.cache_sizes)
 CLASSES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("llama_kv_cache", {"kind": "cells", "n_cells": 256, "window": None, "stores": ["full"], "n_seq": 3,
                         "kv_heads": 2, "head_dim": 16, "dtype": "float16"}),
-    ("llama_kv_cache_iswa", {"kind": "cells", "n_cells": 256, "window": 4, "stores": ["full", "window"],
+    ("llama_kv_cache_iswa", {"kind": "cells", "n_cells": 512, "window_cells": 256, "window": 4,
+                             "stores": ["full", "window"],
                              "n_seq": 3, "kv_heads": 2, "head_dim": 16, "dtype": "float16"}),
 )
 #: tokens drawn (the target's models have 24; 0-2 are unknown/BOS/EOS, still decodable)
@@ -484,10 +488,10 @@ def run_llama_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT
     """Search every llama.cpp memory class (or those named in ``only``);
     ``<class>_NN.json`` traces and ``report.json`` are written to ``out``.
     Raises KeyError for an unknown class, NotInstalled without llama-cpp-python."""
-    from fuzz.adapters.llama_cpp import require
+    from fuzz.adapters.llama_cpp import cache_sizes, require
 
     require()
-    known = dict(CLASSES)
+    known = {n: {**c, **cache_sizes(c)} for n, c in CLASSES}
     names = list(known) if not only else list(only)
     for n in names:
         if n not in known:
