@@ -98,6 +98,10 @@ class Kind:
     lockstep: str = ""
     machine: str = ""
     bugs: str = ""
+    #: whether ``KV_INPLACE_WRITE`` changes how the kind's fp16 implementation
+    #: writes; False: ``kvspec fuzz`` runs one campaign (``--inplace`` on/off
+    #: picks its label), not the same one twice
+    inplace_switch: bool = True
 
     @property
     def kind(self) -> str:
@@ -255,7 +259,7 @@ KINDS: dict[str, Kind] = {
                         "restores over a non-empty checkpoint ring", "unrecorded steps"),
             sweep=("depth", (0, 1, 2, 3, 4)),
             lockstep="fuzz.recurrent:RecurrentLockstep", machine="fuzz.recurrent:RecurrentMachine",
-            bugs="fuzz.bugs.recurrent:BUGS",
+            bugs="fuzz.bugs.recurrent:BUGS", inplace_switch=False,
         ),
         Kind(
             "cells", "llama.cpp's KV memory (CellCache): cells shared by sequences, position shifts with lazy K "
@@ -280,6 +284,7 @@ KINDS: dict[str, Kind] = {
                         "clear", "refused decode", "refused seq_cp", "refused seq_add", "refused seq_div",
                         "windowed seq_rm refused after an iSWA window reuse"),
             lockstep="fuzz.cells:CellsLockstep", machine="fuzz.cells:CellsMachine", bugs="fuzz.bugs.cells:BUGS",
+            inplace_switch=False,
         ),
     )
 }

@@ -42,6 +42,21 @@ llama.cpp (through llama-cpp-python's ctypes layer) is driven as a
   whole process (a sequence id outside ``[0, n_seq)``, a batch over
   ``n_batch`` tokens, ``seq_div`` by ``d < 1``) are refused here with
   ``InvalidArgumentError`` before any call: the process must survive them.
+* **Limits, checked up front.** What the target cannot run at all (a
+  token outside the model's vocabulary, a group of more than ``n_ubatch``
+  tokens, sizes other than llama.cpp's, a layout without a model, ``n_seq``
+  over 64, ``dtype``/``kv_heads``/``head_dim`` other than the model's) is
+  found on the whole trace before any op runs (:func:`trace_limits`:
+  ``kvspec replay`` exits 2, "not applicable", naming the field and the
+  limit), never charged to llama.cpp as a divergence. A refusal the adapter
+  makes itself before calling llama.cpp is recorded
+  (:attr:`LlamaCppCells.refused_first`) so that a search can tell it from
+  llama.cpp's: on an op the spec accepts it is the harness's failure.
+* **Paranoid mode** (``paranoid=True``): every observation of rows forces
+  llama.cpp's memory update first, whether or not the adapter saw a shift.
+  A divergence that disappears there came from the adapter's bookkeeping of
+  pending shifts, not from llama.cpp (``kvspec conformance`` confirms every
+  finding in this mode).
 
 Imports llama_cpp and gguf lazily; :func:`require` raises
 :class:`NotInstalled` (the CLI: exit 2) without them.
@@ -67,7 +82,8 @@ from spec.errors import InvalidArgumentError, StateError
 LLAMA_CPP_PYTHON = "0.3.36"
 #: the llama.cpp commit vendored in that release's sdist (its CHANGELOG)
 VENDORED_LLAMA_CPP = "0c1e57098"
-INSTALL_HINT = "pip install 'kvspec[llama-cpp]'"
+#: kvspec is installed from its repository (it is not on PyPI)
+INSTALL_HINT = "pip install -e '.[llama-cpp]' (from the kvspec repository)"
 #: llama.cpp pads every cache to a multiple of 256 cells
 N_CELLS = 256
 #: n_ctx per model architecture: the llama model's one store has 256 cells;
@@ -79,6 +95,13 @@ N_CTX = {"llama": 256, "gemma2": 512}
 N_UBATCH = {"llama": 256, "gemma2": 128}
 #: K rows named within this absolute tolerance, scaled by the row's largest entry
 K_TOLERANCE = 4e-3
+
+
+class AdapterRefusal(InvalidArgumentError):
+    """An argument the adapter refuses before calling llama.cpp (llama.cpp
+    would abort the process, or the target has no model for it). A refusal
+    like any other to the lockstep; a search checks that the spec refused
+    the op too (else the harness, not llama.cpp, is at fault)."""
 
 
 class NotInstalled(RuntimeError):
@@ -556,11 +579,14 @@ class LlamaCppCells:
     ``"window"``). ``n_seq`` sequence ids 0..n_seq-1. ``sizes``: each
     store's cells as llama.cpp built them (:data:`N_CTX`: 256 for the llama
     model; 512 full and, for small windows, 256 window cells for gemma2).
-    Raises NotInstalled without llama-cpp-python."""
+    ``paranoid``: every observation of rows forces llama.cpp's memory update
+    (pending shifts applied) whether or not a shift was seen (the module
+    docstring). Raises NotInstalled without llama-cpp-python."""
 
     name = "llama.cpp"
 
-    def __init__(self, window: int | None = None, n_seq: int = 4, seed: int | None = None) -> None:
+    def __init__(self, window: int | None = None, n_seq: int = 4, seed: int | None = None,
+                 paranoid: bool = False) -> None:
         if n_seq < 1 or n_seq > 64:
             raise InvalidArgumentError(f"llama.cpp target: n_seq {n_seq} must be in [1, 64]")
         base = LLAMA if window is None else TinyModel(arch="gemma2", window=window, seed=GEMMA2.seed)
@@ -577,17 +603,29 @@ class LlamaCppCells:
         #: a seq_add/seq_div since the last memory update (a decode past
         #: validation, or an observation's forced update)
         self._shifted = False
+        self.paranoid = paranoid
+        #: the refusal the adapter made itself (before calling llama.cpp) in
+        #: the last op, None when the op reached llama.cpp (or succeeded)
+        self.refused_first: str | None = None
+
+    def _refuse(self, message: str) -> AdapterRefusal:
+        self.refused_first = message
+        return AdapterRefusal(message)
 
     # -- arguments llama.cpp would abort the process on
 
     def _seq(self, op: str, name: str, seq: Any, allow_all: bool = False) -> int:
+        """``seq`` as llama.cpp takes it; the first check of every op but
+        ``clear`` (it clears :attr:`refused_first`). ``allow_all``: -1 (every sequence,
+        ``seq_rm``) passes; any other negative id is refused as out of range."""
+        self.refused_first = None
         if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
-            raise InvalidArgumentError(f"{op}: {name} {seq!r} must be an int")
-        if allow_all and seq < 0:
+            raise self._refuse(f"{op}: {name} {seq!r} must be an int")
+        if allow_all and seq == -1:
             return -1
         if not 0 <= seq < self.n_seq:
-            raise InvalidArgumentError(f"{op}: {name} {seq} must be in [0, {self.n_seq}) "
-                                       "(llama.cpp aborts the process otherwise)")
+            raise self._refuse(f"{op}: {name} {seq} must be in [0, {self.n_seq})"
+                               + (" or -1" if allow_all else "") + " (llama.cpp aborts the process otherwise)")
         return int(seq)
 
     @staticmethod
@@ -599,13 +637,14 @@ class LlamaCppCells:
     def decode(self, seqs: Any, tokens: Any, pos0: int) -> bool:
         """One group (every token held by every sequence of ``seqs``); True,
         False (no slot: llama_decode 1); InvalidArgumentError for llama_decode -1."""
+        self.refused_first = None
         seqs = [self._seq("decode", "seq", s) for s in seqs]
         tokens = [int(t) for t in tokens]
         if not tokens or len(tokens) > self.c.n_ubatch:
-            raise InvalidArgumentError(f"decode: {len(tokens)} tokens must be in [1, {self.c.n_ubatch}] (n_ubatch: "
-                                       "a longer group is split into ubatches, each finding its own slot)")
+            raise self._refuse(f"decode: {len(tokens)} tokens must be in [1, {self.c.n_ubatch}] (n_ubatch: a "
+                               "longer group is split into ubatches, each finding its own slot)")
         if not seqs:
-            raise InvalidArgumentError("decode: seqs must not be empty")
+            raise self._refuse("decode: seqs must not be empty")
         rc = self.c.decode_raw(seqs, tokens, int(pos0))
         if rc in (0, 1):  # past validation: llama.cpp's memory update ran
             self._shifted = False
@@ -637,7 +676,7 @@ class LlamaCppCells:
     def seq_div(self, seq: int, p0: int | None, p1: int | None, d: int) -> None:
         s = self._seq("seq_div", "seq", seq)
         if int(d) < 1:
-            raise InvalidArgumentError(f"seq_div: d {d} must be >= 1 (llama.cpp divides by it)")
+            raise self._refuse(f"seq_div: d {d} must be >= 1 (llama.cpp divides by it)")
         self.lib.llama_memory_seq_div(self.c.mem, s, self._pos(p0), self._pos(p1), int(d))
         self._shifted = True
 
@@ -660,11 +699,12 @@ class LlamaCppCells:
     def restore(self, snapshot: Snapshot, dst: int) -> bool:
         d = self._seq("restore", "dst", dst)
         if not isinstance(snapshot, Snapshot):
-            raise InvalidArgumentError(f"restore: snapshot {type(snapshot).__name__} is not a llama.cpp Snapshot")
+            raise self._refuse(f"restore: snapshot {type(snapshot).__name__} is not a llama.cpp Snapshot")
         buf = (ctypes.c_uint8 * len(snapshot.blob)).from_buffer_copy(snapshot.blob)
         return bool(self.lib.llama_state_seq_set_data(self.c.ctx, buf, len(snapshot.blob), d))
 
     def clear(self) -> None:
+        self.refused_first = None
         self.c.clear()
 
     # -- observation
@@ -672,14 +712,15 @@ class LlamaCppCells:
     def observe(self, rows: bool = True) -> dict[str, list[tuple[int, frozenset[int], Any, Any]]]:
         """Per store ``(pos, seqs, k_name, v_name)`` of every used cell, pending
         shifts applied first (:meth:`Context.update`, when a shift was made
-        since llama.cpp's last memory update). ``rows=False``: the
-        rows are not read and a pending shift stays pending (names None)."""
+        since llama.cpp's last memory update; always in paranoid mode).
+        ``rows=False``: the rows are not read and a pending shift stays
+        pending (names None)."""
         if not rows:
             return {store: [(c.pos, c.seqs, None, None) for c in cells]
                     for store, cells in zip(self.stores, self.c.read())}
-        if self._shifted:
-            used = any(self.lib.llama_memory_seq_pos_max(self.c.mem, s) >= 0 for s in range(self.n_seq))
-            self.c.update(used)
+        if self._shifted or self.paranoid:
+            # any used cell of any store (every sequence id, the spare one included)
+            self.c.update(any(self.c.read()))
             self._shifted = False
         out: dict[str, list[tuple[int, frozenset[int], Any, Any]]] = {}
         cells_per_store = self.c.read()
@@ -774,13 +815,59 @@ def cache_text(cache: dict[str, Any]) -> str:
     return f"stores {stores}, window {cache.get('window')!r}, n_seq {cache.get('n_seq', 4)}"
 
 
-def target_factory(cache: dict[str, Any]) -> LlamaCppCells:
+#: the cache fields the target's models fix (TinyModel: 2 KV heads of 16, a float16 cache)
+MODEL_FIELDS = {"dtype": "float16", "kv_heads": LLAMA.n_head_kv, "head_dim": LLAMA.head_dim}
+
+
+def trace_limits(cache: dict[str, Any], ops: list[dict[str, Any]]) -> str | None:
+    """Why the target cannot run this trace at all, naming the field and
+    the limit (``"field cache.dtype: ..."``, ``"op 3 field 'tokens': ..."``),
+    or None. Checked on the whole trace before any op runs, so that a
+    limit of the target is never taken for llama.cpp's divergence: the
+    cache's layout, ``n_seq`` (1..64), sizes (:func:`cache_sizes`) and
+    :data:`MODEL_FIELDS`; every decode's tokens (ids in ``[0, n_vocab)`` of
+    the model, at most ``n_ubatch`` of them: :data:`N_UBATCH`). Ops the
+    spec refuses anyway (an empty group, a sequence id out of range) are
+    left to the lockstep: both sides refuse them. NotInstalled without
+    llama-cpp-python (the sizes are read from llama.cpp)."""
+    stores = tuple(cache.get("stores", ("full",)))
+    if stores not in LAYOUTS:
+        return (f"field cache.stores: target llama.cpp has models for {[list(x) for x in LAYOUTS]}, this trace "
+                f"has {list(stores)}")
+    n_seq = cache.get("n_seq", 4)
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or not 1 <= n_seq <= 64:
+        return f"field cache.n_seq: target llama.cpp takes 1 to 64 sequences, this trace has {n_seq!r}"
+    for name, value in MODEL_FIELDS.items():
+        if name in cache and cache[name] != value:
+            return (f"field cache.{name}: the target's models have {name} {value!r} (2 KV heads of 16, a float16 "
+                    f"cache), this trace has {cache[name]!r}")
+    why = _size_error(cache)
+    if why is not None:
+        return why
+    arch = "gemma2" if "window" in stores else "llama"
+    n_vocab, n_ubatch = LLAMA.n_vocab, N_UBATCH[arch]
+    for i, op in enumerate(ops):
+        if op.get("op") != "decode" or not isinstance(op.get("tokens"), list):
+            continue
+        toks = op["tokens"]
+        if len(toks) > n_ubatch:
+            return (f"op {i} field 'tokens': {len(toks)} tokens in one decode; target llama.cpp takes at most "
+                    f"n_ubatch {n_ubatch} for this model (a longer group is split into ubatches, each finding its "
+                    "own slot: not one group)")
+        bad = [t for t in toks if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t < n_vocab]
+        if bad:
+            return (f"op {i} field 'tokens': token {bad[0]} is outside the target's vocabulary [0, {n_vocab})")
+    return None
+
+
+def target_factory(cache: dict[str, Any], paranoid: bool = False) -> LlamaCppCells:
     """A fresh llama.cpp memory for a cells trace's ``cache`` fields
     (``fuzz.cells``: ``{"target": target_factory}``). Raises
     InvalidArgumentError naming the field when llama.cpp cannot take the
     configuration: ``n_cells`` / ``window_cells`` other than the sizes
     llama.cpp builds (:func:`cache_sizes`), a window-only layout, ``n_seq``
-    over 64; NotInstalled without llama-cpp-python."""
+    over 64; NotInstalled without llama-cpp-python. ``paranoid``: see
+    :class:`LlamaCppCells`."""
     stores = tuple(cache.get("stores", ("full",)))
     if stores not in LAYOUTS:
         raise InvalidArgumentError(f"llama.cpp target: cache.stores {list(stores)} must be one of "
@@ -790,7 +877,13 @@ def target_factory(cache: dict[str, Any]) -> LlamaCppCells:
     why = _size_error(cache)
     if why is not None:
         raise InvalidArgumentError(f"llama.cpp target: {why}")
-    return LlamaCppCells(window=cache.get("window") if "window" in stores else None, n_seq=int(cache["n_seq"]))
+    return LlamaCppCells(window=cache.get("window") if "window" in stores else None, n_seq=int(cache["n_seq"]),
+                         paranoid=paranoid)
+
+
+def paranoid_factory(cache: dict[str, Any]) -> LlamaCppCells:
+    """:func:`target_factory` in paranoid mode (every read forces the memory update)."""
+    return target_factory(cache, paranoid=True)
 
 
 # ---------------------------------------------------------------- as a --target
@@ -812,7 +905,8 @@ def _class(name: str) -> CacheClass:
 class LlamaCppTarget(Target):
     """``--target llama.cpp``: cells traces replayed on llama.cpp's memory
     (:func:`target_factory`) by ``fuzz.cells.CellsLockstep``. A trace of
-    another kind, a cache llama.cpp cannot build, or no llama-cpp-python:
+    another kind, a cache llama.cpp cannot build, an op past the target's
+    limits (:func:`trace_limits`), or no llama-cpp-python:
     TargetCapabilityError naming why (``kvspec replay`` exit 2)."""
 
     def check(self, cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
@@ -823,14 +917,7 @@ class LlamaCppTarget(Target):
             require()
         except NotInstalled as exc:
             raise TargetCapabilityError(str(exc)) from None
-        stores = tuple(cache.get("stores", ("full",)))
-        if stores not in LAYOUTS:
-            raise TargetCapabilityError(f"field cache.stores: target llama.cpp has models for "
-                                        f"{[list(x) for x in LAYOUTS]}, this trace has {list(stores)}")
-        if not 1 <= int(cache.get("n_seq", 4)) <= 64:
-            raise TargetCapabilityError(f"field cache.n_seq: target llama.cpp takes 1 to 64 sequences, this "
-                                        f"trace has {cache.get('n_seq')!r}")
-        why = _size_error(cache)
+        why = trace_limits(cache, ops)
         if why is not None:
             raise TargetCapabilityError(f"{why} (target llama.cpp)")
 

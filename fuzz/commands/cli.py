@@ -636,6 +636,11 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         target = _target(args)
     except KeyError as exc:
         return _usage_error(console, str(exc.args[0]), args.json)
+    if target.label == "llama.cpp":
+        return _usage_error(console, "--target llama.cpp: not applicable to kvspec fuzz (its campaigns draw cells "
+                                     "caches of any size and head layout; llama.cpp sizes its own memory for its "
+                                     "two models): fuzz llama.cpp with kvspec conformance --target llama.cpp "
+                                     "(docs/conformance.md)", args.json)
     for flag in ("junit_xml", "sarif"):
         problem = _report_path_problem(getattr(args, flag, None))
         if problem:
@@ -672,7 +677,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     # an exec: adapter that takes the "inplace" cache field runs both settings too
     switchable = target.is_impl or getattr(target, "takes_inplace", False)
     inplace_settings = _inplace_settings(args.inplace) if switchable else [True]
-    runs = [(k, m, ip) for k, m in configs for ip in (inplace_settings if m == "fp16" else inplace_settings[:1])]
+    # a kind whose writes the switch does not change (Kind.inplace_switch) runs one campaign, not two alike
+    runs = [(k, m, ip) for k, m in configs
+            for ip in (inplace_settings if m == "fp16" and kinds.get(k, m).inplace_switch else inplace_settings[:1])]
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     jobs = args.jobs or 1
     on = "" if target.is_impl else f", target {target.label}"
@@ -774,7 +781,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                       f"{style}{row['result']}{'[/]' if style else ''}")
     print_table(console, table)
     for row in rows:
-        console.print(f"[bold]{escape(row['config'])}[/] reached: {escape(_stats_text(row['reached']))}")
+        if row["reached"]:
+            console.print(f"[bold]{escape(row['config'])}[/] reached: {escape(_stats_text(row['reached']))}")
     for name, d in declared.items():
         for what, items in (("skipped (not in the class)", d["skipped"]), ("not compared", d["not_compared"])):
             if items:
@@ -880,7 +888,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     reports: list[Any] = []
     interrupted = False
     try:
-        run_conformance(args.budget, args.seed, args.out, args.classes,
+        run_conformance(args.budget if args.budget is not None else 120.0, args.seed, args.out, args.classes,
                         args.max_findings if args.max_findings is not None else 8, args.target,
                         reports=reports)
     except KeyError as exc:
@@ -888,7 +896,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         interrupted = True
-    doc = to_json(reports, args.seed, args.budget)
+    budget = args.budget if args.budget is not None else 120.0
+    doc = to_json(reports, args.seed, budget)
     code = 130 if interrupted else (2 if doc["no_verdict"] else 0 if doc["ok"] else 1)
     doc["exit"], doc["interrupted"] = code, interrupted
     if args.sarif:
@@ -899,7 +908,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        print_report(reports, args.seed, args.budget)
+        print_report(reports, args.seed, budget)
         _console().print(f"minimal traces in {escape(args.out)}/ (replay commands: kvspec conformance --json)")
         if interrupted:
             _console().print(f"[bold yellow]interrupted[/]: {len(reports)} classes finished\n  rerun: "
@@ -1133,7 +1142,9 @@ EXIT_CODES = {
                 "failing to start or one of its processes dying during the run; 130 interrupted (what was found is printed)",
     "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
-                   "trustworthy); 1 otherwise; 2 bad arguments",
+                   "trustworthy; llama.cpp's findings also in paranoid mode); 1 otherwise; 2 bad arguments, an "
+                   "option that does not apply to the target (named), llama-cpp-python missing for --target "
+                   "llama.cpp, or a class without a verdict",
     "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments or a tool failure (a verdict the "
               "tool could not repeat: one run of ops gave two answers, both printed); 130 interrupted (the checks "
               "that finished are printed)",
@@ -1287,14 +1298,22 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     cp.set_defaults(fn=cmd_campaign)
 
-    c = add("conformance", "fuzz mlx-lm's own caches against the spec and report what diverges",
-            "Fuzz mlx-lm's cache classes against the spec and report every divergence with a minimal trace "
-            "(docs/conformance.md).")
-    c.add_argument("--budget", type=positive_seconds, default=120.0, help="seconds in all, split over the classes")
+    c = add("conformance", "fuzz an engine's caches (mlx-lm, transformers, llama.cpp) against the spec and report "
+                           "what diverges",
+            "Fuzz an engine's cache classes against the spec and report every divergence with a minimal trace "
+            "(docs/conformance.md): mlx-lm's by default, another engine's with --target (transformers, "
+            "llama.cpp, ...). The mlx-lm and transformers searches are budgeted in seconds (--budget); the "
+            "llama.cpp search in examples (--examples, --steps). An option that does not apply to the target "
+            "exits 2 naming it.")
+    c.add_argument("--budget", type=positive_seconds, default=None,
+                   help="seconds in all, split over the classes (default 120; not with --target llama.cpp, "
+                        "whose search is budgeted by --examples)")
     c.add_argument("--seed", type=int_in(0, 2**32 - 1), default=CONFORMANCE_SEED, help="first seed")
     c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
     c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
-                   help="an mlx-lm class to fuzz (repeatable; default all)")
+                   help="a cache class of the target to fuzz (repeatable; default all): mlx-lm's KVCache, "
+                        "QuantizedKVCache, ...; llama.cpp's llama_kv_cache, llama_kv_cache_iswa; the report "
+                        "lists a target's classes")
     c.add_argument("--max-findings", type=int_in(1, 1000), default=None,
                    help="divergences per class at most (default 8; 16 with --target llama.cpp)")
     c.add_argument("--target", default=None,

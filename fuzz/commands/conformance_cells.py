@@ -218,24 +218,43 @@ def still_pending(op: dict[str, Any], pending: bool) -> bool:
 # -- replay and shrinking ------------------------------------------------------
 
 
-def lockstep(cache: dict[str, Any], on_llama: bool) -> Any:
-    """A fresh lockstep: the spec beside llama.cpp (``on_llama``) or beside
-    our ``impl.cells.CellCache``."""
-    from fuzz.adapters.llama_cpp import target_factory
+class HarnessFailure(RuntimeError):
+    """The tool, not llama.cpp, is at fault: the adapter refused an op the
+    spec accepts (its own limits: :func:`fuzz.adapters.llama_cpp.trace_limits`
+    must have kept the op out), or a divergence vanished in paranoid mode.
+    Never a finding: the search stops the class with ``no_verdict``."""
+
+
+def lockstep(cache: dict[str, Any], on_llama: bool, paranoid: bool = False) -> Any:
+    """A fresh lockstep: the spec beside llama.cpp (``on_llama``; in paranoid
+    mode with ``paranoid``: every read of rows forces llama.cpp's memory
+    update) or beside our ``impl.cells.CellCache``."""
+    from fuzz.adapters.llama_cpp import paranoid_factory, target_factory
     from fuzz.cells import CellsLockstep
 
-    return CellsLockstep(cache, {"target": target_factory} if on_llama else None)
+    if not on_llama:
+        return CellsLockstep(cache, None)
+    return CellsLockstep(cache, {"target": paranoid_factory if paranoid else target_factory})
 
 
-def first_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], on_llama: bool) -> Divergence | None:
+def first_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], on_llama: bool,
+                     paranoid: bool = False) -> Divergence | None:
     """The first divergence of ``ops`` replayed from a fresh memory, or None.
     A trace the lockstep cannot run (a restore of a snapshot removed by
-    shrinking) counts as no divergence."""
-    lock = lockstep(cache, on_llama)
+    shrinking) counts as no divergence. Raises :class:`HarnessFailure` when
+    the divergence is a refusal the adapter made itself before calling
+    llama.cpp (the spec accepted the op: the harness's limit, not llama.cpp's
+    answer)."""
+    lock = lockstep(cache, on_llama, paranoid)
     try:
         for i, op in enumerate(ops):
             lock.step(i, op)
     except Divergence as d:
+        first = getattr(getattr(lock, "target", None), "refused_first", None)
+        if on_llama and first is not None and d.what in ("refusal differs", "refusal category differs"):
+            raise HarnessFailure(f"op {d.index} ({_describe(d.op)}): the adapter refused it before calling "
+                                 f"llama.cpp ({first}) where the spec accepts it: a limit of the harness, "
+                                 "not a llama.cpp divergence") from None
         return d
     except TraceFormatError:
         return None
@@ -248,18 +267,14 @@ def first_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], on_llama:
 
 def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name: str,
            cls: str | None = None) -> list[dict[str, Any]]:
-    """A minimal op list that still diverges on llama.cpp with the same
+    """A 1-minimal op list that still diverges on llama.cpp with the same
     ``what`` at an op named ``op_name`` (charged to an op of class ``cls``,
-    when given: :func:`_culprit`): the ops after the divergence cut, then
-    single ops removed (last first) while it still does, then token lists
-    shortened."""
+    when given: :func:`_culprit`): the ops after the divergence cut, then,
+    until nothing changes, single ops removed (last first, op 0 included)
+    while it still does and token lists halved. The result loses that
+    divergence when any one of its ops is removed (:func:`same_divergence`)."""
     def same(candidate: list[dict[str, Any]]) -> int | None:
-        d = first_divergence(cache, candidate, True)
-        if d is None or d.what != what or d.op["op"] != op_name:
-            return None
-        if cls is not None and _class_at(cache, candidate, _culprit(candidate, d)) != cls:
-            return None
-        return d.index
+        return same_divergence(cache, candidate, what, op_name, cls)
 
     at = same(ops)
     if at is None:
@@ -273,15 +288,32 @@ def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name:
             if cand and (j := same(cand)) is not None:
                 ops, changed = cand[:j + 1], True
                 break
-    for i, op in enumerate(ops):
-        if op["op"] == "decode":
-            while len(op["tokens"]) > 1:
+        if changed:
+            continue
+        for i, op in enumerate(ops):
+            if op["op"] == "decode" and len(op["tokens"]) > 1:
                 cand_op = {**op, "tokens": op["tokens"][: len(op["tokens"]) // 2]}
                 cand = ops[:i] + [cand_op] + ops[i + 1:]
-                if same(cand) is None:
+                if (j := same(cand)) is not None:
+                    ops, changed = cand[:j + 1], True
                     break
-                op = ops[i] = cand_op
     return ops
+
+
+def same_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name: str,
+                    cls: str | None = None) -> int | None:
+    """The index of ``ops``'s first divergence on llama.cpp when it is the
+    same one (``what``, at an op named ``op_name``, charged to an op of class
+    ``cls`` when given), else None (a harness failure counts as None)."""
+    try:
+        d = first_divergence(cache, ops, True)
+    except HarnessFailure:
+        return None
+    if d is None or d.what != what or d.op["op"] != op_name:
+        return None
+    if cls is not None and _class_at(cache, ops, _culprit(ops, d, spec_refused(cache, ops))) != cls:
+        return None
+    return d.index
 
 
 # -- the search ----------------------------------------------------------------
@@ -289,7 +321,12 @@ def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name:
 
 @dataclass
 class CellsFinding:
-    """One divergence class: what, where, its minimal trace and replays."""
+    """One divergence class: what, where (``index``: the op it shows at;
+    ``culprit``: the op it is charged to, of class ``excluded``), its
+    minimal trace and replays: ``on_target`` / ``on_impl`` the replay's
+    exit on llama.cpp / on ours, ``on_paranoid`` 1 when llama.cpp in
+    paranoid mode (every read forces the memory update) diverges the same
+    way. Confirmed: 1, 0, 1; any other finding is the tool's failure."""
 
     cache_class: str
     index: int
@@ -301,6 +338,8 @@ class CellsFinding:
     examples_to_catch: int
     on_target: int | None = None
     on_impl: int | None = None
+    culprit: int = -1
+    on_paranoid: int | None = None
 
     @property
     def category(self) -> str:
@@ -308,7 +347,7 @@ class CellsFinding:
 
     @property
     def confirmed(self) -> bool:
-        return self.on_target == 1 and self.on_impl == 0
+        return self.on_target == 1 and self.on_impl == 0 and self.on_paranoid == 1
 
     @property
     def replay_command(self) -> str:
@@ -324,6 +363,7 @@ class CellsClassReport:
     kind: str = "cells"
     mode: str = ""
     seconds: float = 0.0
+    #: examples run by the search (shrinking's replays not counted)
     examples: int = 0
     steps: int = 0
     #: ops per second while running examples (shrinking and replays not counted)
@@ -395,9 +435,14 @@ def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, se
             report.ended = f"{examples} examples without a further divergence"
             break
         ops, d, at = failure
-        cls = _class_at(cache, ops, _culprit(ops, d))
-        minimal = shrink(cache, ops, d.what, d.op["op"], cls)
-        finding = _record(name, cache, minimal, d.what, cls, at, out, len(report.findings) + 1)
+        cls = _class_at(cache, ops, _culprit(ops, d, spec_refused(cache, ops)))
+        try:
+            minimal = shrink(cache, ops, d.what, d.op["op"], cls)
+            finding = _record(name, cache, minimal, d.what, cls, at, out, len(report.findings) + 1)
+        except HarnessFailure as exc:
+            report.no_verdict = f"tool failure: {exc}"
+            report.ended = "stopped: the harness failed (no verdict)"
+            break
         report.findings.append(finding)
         if cls in excluded:
             report.ended = f"stopped: {cls} diverged although excluded"
@@ -410,17 +455,39 @@ def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, se
     return report
 
 
-def _culprit(ops: list[dict[str, Any]], d: Divergence) -> int:
+def _culprit(ops: list[dict[str, Any]], d: Divergence, refused: list[bool] | None = None) -> int:
     """The op a divergence is charged to: the op it happened at, but for
     rows that differ at the first read after shifts, the last of those
-    shifts (a K row is re-rotated lazily: the shift is where it went wrong)."""
+    shifts (a K row is re-rotated lazily: the shift is where it went wrong).
+    Ops that read no rows (saves) or that the spec refused (``refused``,
+    :func:`spec_refused`: refused on both sides, else the divergence would
+    be there) are passed over on the way back."""
     if "rows differ" in d.what:
         j = d.index - 1
-        while j >= 0 and ops[j]["op"] == "save":
+        while j >= 0 and (ops[j]["op"] == "save" or (refused is not None and refused[j])):
             j -= 1
         if j >= 0 and ops[j]["op"] in ("seq_add", "seq_div"):
             return j
     return d.index
+
+
+def spec_refused(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[bool]:
+    """Per op, whether the spec refuses it in the state the ops before it
+    leave (an op past a trace format error: False)."""
+    from fuzz.cells import CellsWorld, _spec_run, spec_memory
+    from spec.errors import KVCacheError
+
+    world = CellsWorld(spec_memory(cache))
+    out = []
+    for op in ops:
+        try:
+            _, world = _spec_run(world, op)
+            out.append(False)
+        except KVCacheError:
+            out.append(True)
+        except TraceFormatError:
+            out.append(False)
+    return out
 
 
 def _class_at(cache: dict[str, Any], ops: list[dict[str, Any]], index: int) -> str:
@@ -441,23 +508,44 @@ def _class_at(cache: dict[str, Any], ops: list[dict[str, Any]], index: int) -> s
     raise IndexError(index)
 
 
+def annotate_refusals(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``ops`` with ``"error": true`` on every op the spec refuses (a trace
+    states the refusals it expects: ``kvspec replay`` checks them)."""
+    refused = spec_refused(cache, ops)
+    return [{**op, "error": True} if r else {k: v for k, v in op.items() if k != "error"}
+            for op, r in zip(ops, refused)]
+
+
 def _record(name: str, cache: dict[str, Any], ops: list[dict[str, Any]], what: str, cls: str, at: int, out: Path,
             number: int) -> CellsFinding:
     from fuzz.adapters.llama_cpp import llama_cpp_version
 
+    ops = annotate_refusals(cache, ops)
     d = first_divergence(cache, ops, True)
-    summary = what if d is None else f"op {d.index} {_describe(d.op)}: {d.what}: llama.cpp {_short(d.impl)}, " \
-                                     f"spec {_short(d.spec)}"
+    refused = spec_refused(cache, ops)
+    summary = what if d is None else f"op {d.index} {_describe(d.op)}: {_both_refused(d, refused)}{d.what}: " \
+                                     f"llama.cpp {_short(d.impl)}, spec {_short(d.spec)}"
     doc = {"kvtrace": 1,
            "title": f"{llama_cpp_version()} {name} does not conform (kvspec replay --target llama.cpp): "
                     f"{summary}"[:600],
            "cache": dict(cache), "ops": ops}
     path = out / f"{name}_{number:02d}.json"
     path.write_text(_dump(doc))
-    finding = CellsFinding(name, d.index if d else -1, d.op if d else {}, what, summary, str(path), cls, at)
+    culprit = _culprit(ops, d, refused) if d is not None else -1
+    finding = CellsFinding(name, d.index if d else -1, d.op if d else {}, what, summary, str(path), cls, at,
+                           culprit=culprit)
     finding.on_target = replay_exit(doc, True)
     finding.on_impl = replay_exit(doc, False)
+    para = first_divergence(cache, ops, True, paranoid=True)
+    finding.on_paranoid = int(para is not None and d is not None and para.index == d.index and para.what == d.what)
     return finding
+
+
+def _both_refused(d: Divergence, refused: list[bool]) -> str:
+    """``"refused on both sides, yet "`` when the op a divergence shows at
+    was refused by the spec (and so by the target: else the refusal would
+    differ): what differs was already there, it is only read here."""
+    return "refused on both sides, yet " if 0 <= d.index < len(refused) and refused[d.index] else ""
 
 
 def replay_exit(doc: dict[str, Any], on_llama: bool) -> int:
@@ -486,8 +574,12 @@ def run_llama_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT
                           out: str | Path = "fuzz-failures/conformance-llama.cpp", only: list[str] | None = None,
                           max_findings: int = DEFAULT_MAX_FINDINGS) -> list[CellsClassReport]:
     """Search every llama.cpp memory class (or those named in ``only``);
-    ``<class>_NN.json`` traces and ``report.json`` are written to ``out``.
-    Raises KeyError for an unknown class, NotInstalled without llama-cpp-python."""
+    ``<class>_NN.json`` traces and ``report.json`` are written to ``out``,
+    after the traces of an earlier run (every class's ``<class>_NN.json``)
+    and its ``report.json`` are removed from ``out``, so that the report
+    describes every trace beside it (:data:`LAST_CLEARED` lists what was
+    removed). Raises KeyError for an unknown class, NotInstalled without
+    llama-cpp-python."""
     from fuzz.adapters.llama_cpp import cache_sizes, require
 
     require()
@@ -498,42 +590,74 @@ def run_llama_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT
             raise KeyError(f"--class: unknown class {n!r}; llama.cpp's: {', '.join(known)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    LAST_CLEARED[:] = clear_findings(out)
     reports = []
     for i, n in enumerate(names):
-        for stale in out.glob(f"{n}_[0-9][0-9].json"):
-            stale.unlink()
         reports.append(search_class(n, known[n], examples, steps, seed + 1000 * i, out, max_findings))
     (out / "report.json").write_text(json.dumps(to_json(reports, seed, examples, steps), indent=1) + "\n")
     return reports
 
 
+#: the files :func:`run_llama_conformance` removed from its ``out`` before its last run
+LAST_CLEARED: list[str] = []
+
+
+def clear_findings(out: Path) -> list[str]:
+    """Remove an earlier run's findings from ``out``: every class's
+    ``<class>_NN.json`` and ``report.json`` (other files are kept, e.g. a
+    trace kept under another name). Returns the names removed."""
+    gone = []
+    for n, _ in CLASSES:
+        for stale in sorted(out.glob(f"{n}_[0-9][0-9].json")):
+            stale.unlink()
+            gone.append(stale.name)
+    if (out / "report.json").exists():
+        (out / "report.json").unlink()
+        gone.append("report.json")
+    return gone
+
+
 def to_json(reports: list[CellsClassReport], seed: int, examples: int, steps: int) -> dict[str, Any]:
     """The report (``kvspec conformance --json``'s schema, fuzz/schemas/conformance.schema.json):
     ``budget`` counts examples per round here (``budget_unit``), ``engine``
-    names llama.cpp's version; ``mlx_lm``/``mlx`` are the schema's fields."""
+    names llama.cpp's version; ``mlx_lm``/``mlx`` are the schema's fields.
+    ``ok`` (and ``exit`` 0) only when every finding is confirmed (replays 1
+    on llama.cpp, in paranoid mode too, and 0 on ours) and no class ended
+    without a verdict; ``exit`` 1 for a finding not confirmed (the tool's
+    failure, not llama.cpp's: shown as such), 2 for a class without a
+    verdict (the harness failed: ``no_verdict``)."""
     import mlx.core as mx
 
     from fuzz.adapters.llama_cpp import llama_cpp_version
     from fuzz.adapters.mlx_lm import mlx_lm_version
 
+    ok = all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports)
+    code = 2 if any(r.no_verdict for r in reports) else 0 if ok else 1
     return {"target": "llama.cpp", "engine": llama_cpp_version(), "seed": seed,
             "budget": examples, "budget_unit": "examples per round", "steps": steps,
             "mlx_lm": mlx_lm_version(), "mlx": mx.__version__, "interrupted": False,
-            "classes": [r.to_json() for r in reports],
-            "ok": all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports),
+            "classes": [r.to_json() for r in reports], "ok": ok, "exit": code,
             "no_verdict": {r.cache_class: r.no_verdict for r in reports if r.no_verdict}}
 
 
 def cmd_llama_conformance(args: Any, console: Any, usage_error: Any, default_out: bool = False) -> int:
     """``kvspec conformance --target llama.cpp``: exit 0 when every finding
-    replays 1 on llama.cpp and 0 on ours, 1 otherwise, 2 without
-    llama-cpp-python or for an unknown ``--class``. With the default
+    is confirmed (replays 1 on llama.cpp, in paranoid mode too, and 0 on
+    ours), 1 otherwise, 2 without llama-cpp-python, for an unknown
+    ``--class``, an option of the seconds-budgeted search (``--budget``,
+    ``--sarif``) or a class without a verdict. With the default
     ``--out`` the traces go to its subfolder ``llama.cpp`` (beside mlx-lm's
     report, not over it)."""
     from rich.markup import escape
 
     from fuzz.adapters.llama_cpp import NotInstalled
 
+    for option, given in (("--budget", getattr(args, "budget", None) is not None),
+                          ("--sarif", getattr(args, "sarif", None) is not None)):
+        if given:
+            return usage_error(console, f"{option}: does not apply to --target llama.cpp (its search is budgeted "
+                                        "by examples: --examples per round, --steps per example; its findings are "
+                                        "in report.json)", args.json)
     examples = args.examples if getattr(args, "examples", None) is not None else DEFAULT_EXAMPLES
     max_findings = args.max_findings if args.max_findings is not None else DEFAULT_MAX_FINDINGS
     steps = args.steps if getattr(args, "steps", None) is not None else DEFAULT_STEPS
@@ -545,12 +669,18 @@ def cmd_llama_conformance(args: Any, console: Any, usage_error: Any, default_out
     except KeyError as exc:
         return usage_error(console, str(exc.args[0]), args.json)
     doc = to_json(reports, args.seed, examples, steps)
-    code = 0 if doc["ok"] else 1
-    doc["exit"] = code
+    doc["cleared"] = list(LAST_CLEARED)
+    code = doc["exit"]
     if args.json:
         print(json.dumps(doc))
         return code
+    if LAST_CLEARED:
+        console.print(f"removed the earlier run's {len(LAST_CLEARED)} files from {escape(str(out))}/ first "
+                      f"({escape(', '.join(LAST_CLEARED[:6]))}{', ...' if len(LAST_CLEARED) > 6 else ''})")
     print_llama_report(reports, doc, console)
+    for r in reports:
+        if r.no_verdict:
+            console.print(f"[bold red]{escape(r.cache_class)}: no verdict[/]: {escape(r.no_verdict)}")
     console.print(f"minimal traces in {escape(str(out))}/ (report.json beside them)")
     return code
 
@@ -579,7 +709,8 @@ def print_llama_report(reports: list[CellsClassReport], doc: dict[str, Any], con
     lines = []
     for r in reports:
         for i, f in enumerate(r.findings, 1):
-            check = "[green]1/0 ok[/]" if f.confirmed else f"[bold red]{f.on_target}/{f.on_impl}[/]"
+            check = ("[green]1/0 ok[/]" if f.confirmed else
+                     f"[bold red]{f.on_target}/{f.on_impl}, paranoid {f.on_paranoid}[/]")
             found.add_row(escape(r.cache_class), str(i), f.category, escape(f.summary[:200]),
                           escape(f"stopped generating {f.excluded}"), check)
             lines.append(f"{r.cache_class} #{i}: {f.replay_command}")
