@@ -23,7 +23,9 @@ __all__ = ["CellsResult", "cells_campaign", "replay_cells"]
 class CellsResult:
     """What :func:`cells_campaign` found. ``status``: ``ok``, ``diverged``
     (``trace``: the minimal failing trace, ``error`` its divergence),
-    ``not applicable`` (the target cannot run an op) or ``tool failure``."""
+    ``not applicable`` (the target cannot run an op) or ``tool failure``.
+    ``examples``: the examples the search ran (up to and including the
+    failing one); ``shrink_examples``: those shrinking ran after it."""
 
     ok: bool
     status: str
@@ -34,6 +36,7 @@ class CellsResult:
     error: BaseException | None = None
     trace: Any = None
     stats: dict[str, int] = field(default_factory=dict)
+    shrink_examples: int = 0
 
 
 def cells_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max_examples: int = 200,
@@ -49,8 +52,9 @@ def cells_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max
     machine = machine_for("cells", "fp16", True, target_factories(target_factory), fixed=cache or {})
     r = run_machine(machine, seed, max_examples=max_examples, steps=steps, shrink=shrink)
     status = "ok" if not r.failed else failure_status(r.error)
-    return CellsResult(not r.failed, status, r.examples, r.seconds, r.examples_to_catch, r.seconds_to_catch,
-                       r.error, r.trace, r.stats)
+    searched = r.examples_to_catch if r.failed and r.examples_to_catch else r.examples
+    return CellsResult(not r.failed, status, searched, r.seconds, r.examples_to_catch, r.seconds_to_catch,
+                       r.error, r.trace, r.stats, shrink_examples=r.examples - searched)
 
 
 def replay_cells(trace: Any, target_factory: Any = None) -> ReplayResult:
