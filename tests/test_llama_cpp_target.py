@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from fuzz.adapters import llama_cpp as lc
+from fuzz.commands import conformance_cells as cc
 from fuzz.commands.cli import main
 from fuzz.commands.conformance_cells import category
 from fuzz.replay import replay
@@ -166,12 +167,43 @@ def test_recorded_trace_passes_on_ours(path):
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
 def test_recorded_trace_diverges_on_llama_cpp(path):
+    """The regression gate: llama.cpp diverges exactly where the report pins
+    it (op index and what differs), in paranoid mode too."""
     if not HAVE_LLAMA:
         pytest.skip(NOT_INSTALLED)
     f = _finding(path)
     result = replay(load(path), target="llama.cpp")
     assert not result.ok and result.divergence.index == f["index"] and result.divergence.what == f["what"]
+    doc = json.loads(path.read_text())
+    para = cc.first_divergence(doc["cache"], doc["ops"], True, paranoid=True)
+    assert para is not None and (para.index, para.what) == (f["index"], f["what"])
     DONE["llama.cpp"] += 1
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_recorded_trace_states_the_spec_refusals(path):
+    """Every op the spec refuses carries "error": true, and no other does."""
+    doc = json.loads(path.read_text())
+    assert cc.annotate_refusals(doc["cache"], doc["ops"]) == doc["ops"]
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_recorded_trace_is_one_minimal_and_its_culprit_recomputes(path):
+    """Removing any one op (op 0 included) loses the recorded divergence
+    (same what, op name and culprit class); the culprit op and its class,
+    recomputed from the trace, are the recorded ones."""
+    if not HAVE_LLAMA:
+        pytest.skip(NOT_INSTALLED)
+    f = _finding(path)
+    doc = json.loads(path.read_text())
+    cache, ops = doc["cache"], doc["ops"]
+    assert cc.same_divergence(cache, ops, f["what"], f["op"]["op"], f["excluded"]) == f["index"]
+    d = cc.first_divergence(cache, ops, True)
+    culprit = cc._culprit(ops, d, cc.spec_refused(cache, ops))
+    assert culprit == f["culprit"] and cc._class_at(cache, ops, culprit) == f["excluded"]
+    for i in range(len(ops)):
+        assert cc.same_divergence(cache, ops[:i] + ops[i + 1:], f["what"], f["op"]["op"], f["excluded"]) is None, \
+            f"op {i} can be removed"
 
 
 def test_say_which_engines_the_traces_were_replayed_on(capsys):
@@ -185,9 +217,9 @@ def test_without_llama_cpp_the_target_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     assert main(["replay", str(TRACES[0]), "--target", "llama.cpp", "--json"]) == 2
     doc = json.loads(capsys.readouterr().out)
-    assert doc["status"] == "not applicable" and "pip install 'kvspec[llama-cpp]'" in doc["unsupported"]
+    assert doc["status"] == "not applicable" and "pip install -e '.[llama-cpp]'" in doc["unsupported"]
     assert main(["conformance", "--target", "llama.cpp", "--examples", "1", "--json"]) == 2
-    assert "pip install 'kvspec[llama-cpp]'" in json.loads(capsys.readouterr().out)["error"]
+    assert "pip install -e '.[llama-cpp]'" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_a_trace_llama_cpp_cannot_build_is_not_applicable(tmp_path, capsys):
@@ -386,3 +418,190 @@ def test_the_kept_iswa_seq_div_sign_trace_diverges_on_llama_cpp_only():
         pytest.skip(NOT_INSTALLED)
     result = replay(load(path), target="llama.cpp")
     assert not result.ok and result.divergence.index == 3 and "rows differ" in result.divergence.what
+
+
+# -- the tool's failure is never a finding ------------------------------------
+
+
+class _Recorder:
+    """The llama_cpp module, its memory and decode calls recorded."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        f = getattr(self.lib, name)
+        if not (name.startswith("llama_memory_seq") or name == "llama_decode"):
+            return f
+
+        def call(*args):
+            self.calls.append((name, args[1:] if name != "llama_decode" else (args[1].n_tokens,)))
+            return f(*args)
+        return call
+
+
+EDGE_OPS = [  # (op, the llama.cpp call it must make): arguments the spec accepts
+    ({"op": "seq_rm", "seq": -1, "p0": 5, "p1": None}, ("llama_memory_seq_rm", (-1, 5, -1))),
+    ({"op": "seq_rm", "seq": 0, "p0": -3, "p1": None}, ("llama_memory_seq_rm", (0, -3, -1))),
+    ({"op": "seq_rm", "seq": 1, "p0": 0, "p1": -1}, ("llama_memory_seq_rm", (1, 0, -1))),
+    ({"op": "seq_add", "seq": 0, "p0": 2, "p1": None, "delta": 0}, ("llama_memory_seq_add", (0, 2, -1, 0))),
+    ({"op": "seq_add", "seq": 0, "p0": -4, "p1": None, "delta": 2}, ("llama_memory_seq_add", (0, -4, -1, 2))),
+    ({"op": "seq_div", "seq": 0, "p0": 0, "p1": None, "d": 1}, ("llama_memory_seq_div", (0, 0, -1, 1))),
+    ({"op": "seq_cp", "src": 0, "dst": 1, "p0": -1, "p1": None}, ("llama_memory_seq_cp", (0, 1, -1, -1))),
+    ({"op": "seq_keep", "seq": 1}, ("llama_memory_seq_keep", (1,))),
+    ({"op": "pos_max", "seq": 1}, ("llama_memory_seq_pos_max", (1,))),
+    ({"op": "decode", "seqs": [1], "tokens": [5] * 200, "pos0": 0}, ("llama_decode", (200,))),
+]
+
+
+@needs_llama
+@pytest.mark.parametrize("op,call", EDGE_OPS, ids=[f"{o['op']}-{i}" for i, (o, _) in enumerate(EDGE_OPS)])
+def test_edge_arguments_the_spec_accepts_reach_llama_cpp(op, call):
+    """Every edge argument the spec accepts (seq -1 of seq_rm, p1 None or
+    < 0, p0 < 0, delta 0, d == 1, a group of the most tokens one call takes)
+    is passed to llama.cpp as it is: the ctypes call is made, and the
+    adapter refused nothing itself."""
+    from fuzz.cells import CellsWorld, _spec_run, spec_memory
+
+    cache = {"kind": "cells", "stores": ["full"], "window": None, "n_seq": 2, "n_cells": 256}
+    world = CellsWorld(spec_memory(cache))
+    _, world = _spec_run(world, {"op": "decode", "seqs": [0], "tokens": [3, 4, 5, 6], "pos0": 0})
+    _spec_run(world, op)  # the spec accepts it (raises otherwise)
+    t = lc.LlamaCppCells(window=None, n_seq=2)
+    t.decode((0,), (3, 4, 5, 6), 0)
+    rec = _Recorder(t.lib)
+    t.lib = t.c.lib = rec
+    args = {"seq_rm": ("seq", "p0", "p1"), "seq_add": ("seq", "p0", "p1", "delta"), "seq_div": ("seq", "p0", "p1", "d"),
+            "seq_cp": ("src", "dst", "p0", "p1"), "seq_keep": ("seq",), "pos_max": ("seq",),
+            "decode": ("seqs", "tokens", "pos0")}[op["op"]]
+    getattr(t, op["op"])(*(op[a] for a in args))
+    assert call in rec.calls and t.refused_first is None
+
+
+@needs_llama
+def test_exactly_n_ubatch_tokens_reach_llama_cpp_and_one_more_is_the_targets_limit(tmp_path, capsys):
+    t = lc.LlamaCppCells(window=None, n_seq=1)
+    assert t.decode((0,), (3,) * t.c.n_ubatch, 0) is True and t.refused_first is None
+    cache = {"kind": "cells", "stores": ["full"], "window": None, "n_seq": 1, "n_cells": 256, **lc.MODEL_FIELDS}
+    for ops, field in (([{"op": "decode", "seqs": [0], "tokens": [3] * 257, "pos0": 0}], "op 0 field 'tokens'"),
+                       ([{"op": "decode", "seqs": [0], "tokens": [3], "pos0": 0},
+                         {"op": "decode", "seqs": [0], "tokens": [30], "pos0": 1}], "op 1 field 'tokens'")):
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"kvtrace": 1, "cache": cache, "ops": ops}))
+        assert main(["replay", str(path), "--target", "llama.cpp", "--json"]) == 2
+        out = json.loads(capsys.readouterr().out)
+        assert out["status"] == "not applicable" and field in out["unsupported"]
+
+
+@needs_llama
+@pytest.mark.parametrize("name,value", [("dtype", "float32"), ("kv_heads", 4), ("head_dim", 8)])
+def test_model_fields_the_target_cannot_take_are_not_applicable(name, value, tmp_path, capsys):
+    """dtype, kv_heads and head_dim are the models' (2 KV heads of 16, a
+    float16 cache): another value is not applicable (exit 2, naming the
+    field), not silently ignored."""
+    doc = json.loads(TRACES[0].read_text())
+    doc["cache"][name] = value
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    assert main(["replay", str(path), "--target", "llama.cpp", "--json"]) == 2
+    assert f"cache.{name}" in json.loads(capsys.readouterr().out)["unsupported"]
+
+
+@needs_llama
+@pytest.mark.parametrize("window", [None, 4])
+def test_decodes_past_the_first_256_positions_are_named(window):
+    """The row table grows past 256 positions: rows at 255, 256, 300 and
+    600 are named by their own (token, position)."""
+    for p in (255, 256, 300, 600):
+        t = lc.LlamaCppCells(window=window, n_seq=1)
+        assert t.decode((0,), (5, 6), p) is True
+        for store, cells in t.observe().items():
+            assert sorted(cells) == [(p, {0}, (5, p), 5), (p + 1, {0}, (6, p + 1), 6)], (store, p)
+        t.close()
+
+
+@needs_llama
+def test_a_refusal_of_the_adapter_on_an_op_the_spec_accepts_is_a_harness_failure(monkeypatch):
+    """The broken variant: an adapter whose own limit refuses a 3-token
+    decode the spec accepts. That is the harness's failure, never a finding."""
+    real = lc.LlamaCppCells.decode
+
+    def small(self, seqs, tokens, pos0):
+        self.c.n_ubatch = 2
+        return real(self, seqs, tokens, pos0)
+
+    monkeypatch.setattr(lc.LlamaCppCells, "decode", small)
+    cache = {"kind": "cells", "stores": ["full"], "window": None, "n_seq": 1, "n_cells": 256, **lc.MODEL_FIELDS}
+    with pytest.raises(cc.HarnessFailure, match="adapter refused"):
+        cc.first_divergence(cache, [{"op": "decode", "seqs": [0], "tokens": [3, 4, 5], "pos0": 0}], True)
+    # both refusing (the spec too: seq 5 is out of range) is no failure of anyone
+    assert cc.first_divergence(cache, [{"op": "decode", "seqs": [5], "tokens": [3], "pos0": 0}], True) is None
+
+
+SHIFT_THEN_READ = [{"op": "decode", "seqs": [0], "tokens": [3, 4, 5, 6], "pos0": 0},
+                   {"op": "seq_rm", "seq": 0, "p0": 1, "p1": 2},
+                   {"op": "seq_add", "seq": 0, "p0": 2, "p1": None, "delta": -1},
+                   {"op": "pos_max", "seq": 0}]
+
+
+@needs_llama
+@pytest.mark.parametrize("broken", ["shift never seen", "refused decode taken as an update"])
+def test_a_divergence_the_paranoid_mode_loses_is_not_confirmed(broken, monkeypatch, tmp_path):
+    """Broken variants of the adapter's pending-shift bookkeeping: a shift it
+    does not note, or a decode refused before llama.cpp's memory update
+    taken to have applied it. Its rows read stale: a divergence in normal
+    mode, none in paranoid mode (every read forces the update), so the
+    finding is not confirmed: ok false, exit 1."""
+    cache = {"kind": "cells", "stores": ["full"], "window": None, "n_seq": 1, "n_cells": 256, **lc.MODEL_FIELDS}
+    ops = list(SHIFT_THEN_READ)
+    if broken == "shift never seen":
+        real = lc.LlamaCppCells.seq_add
+
+        def seq_add(self, *a):
+            real(self, *a)
+            self._shifted = False
+        monkeypatch.setattr(lc.LlamaCppCells, "seq_add", seq_add)
+    else:
+        real = lc.LlamaCppCells.decode
+
+        def decode(self, seqs, tokens, pos0):
+            try:
+                return real(self, seqs, tokens, pos0)
+            finally:
+                self._shifted = False
+        monkeypatch.setattr(lc.LlamaCppCells, "decode", decode)
+        ops[3:3] = [{"op": "decode", "seqs": [0], "tokens": [3], "pos0": 9, "error": True}]
+    assert cc.first_divergence(cache, ops, True) is not None
+    assert cc.first_divergence(cache, ops, True, paranoid=True) is None
+    d = cc.first_divergence(cache, ops, True)
+    finding = cc._record("llama_kv_cache", cache, ops, d.what, "seq_add guarded", 1, tmp_path, 1)
+    assert (finding.on_target, finding.on_impl, finding.on_paranoid) == (1, 0, 0) and not finding.confirmed
+    report = cc.CellsClassReport("llama_kv_cache", findings=[finding])
+    doc = cc.to_json([report], 1, 1, 1)
+    assert doc["ok"] is False and doc["exit"] == 1 and doc["classes"][0]["findings"][0]["confirmed"] is False
+    # the unbroken adapter: no divergence at all
+    monkeypatch.undo()
+    assert cc.first_divergence(cache, ops, True) is None
+
+
+def test_a_report_with_an_unconfirmed_finding_is_not_ok():
+    finding = cc.CellsFinding("llama_kv_cache", 2, {"op": "pos_max"}, "full store differs", "s", "t.json",
+                              "restore", 1, on_target=1, on_impl=0, culprit=2, on_paranoid=0)
+    good = cc.CellsFinding("llama_kv_cache", 2, {"op": "pos_max"}, "full store differs", "s", "t.json",
+                           "restore", 1, on_target=1, on_impl=0, culprit=2, on_paranoid=1)
+    assert cc.to_json([cc.CellsClassReport("llama_kv_cache", findings=[good])], 1, 1, 1)["exit"] == 0
+    doc = cc.to_json([cc.CellsClassReport("llama_kv_cache", findings=[good, finding])], 1, 1, 1)
+    assert doc["ok"] is False and doc["exit"] == 1
+
+
+def test_an_earlier_runs_findings_are_cleared_first(tmp_path):
+    for name in ("llama_kv_cache_01.json", "llama_kv_cache_iswa_03.json", "report.json", "kept.json"):
+        (tmp_path / name).write_text("{}")
+    assert cc.clear_findings(tmp_path) == ["llama_kv_cache_01.json", "llama_kv_cache_iswa_03.json", "report.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]
+
+
+@pytest.mark.parametrize("option", [["--budget", "5"], ["--sarif", "x.sarif"]])
+def test_options_of_the_seconds_budgeted_search_do_not_apply_to_llama_cpp(option, capsys):
+    assert main(["conformance", "--target", "llama.cpp", *option, "--json"]) == 2
+    assert f"{option[0]}: does not apply to --target llama.cpp" in json.loads(capsys.readouterr().out)["error"]

@@ -839,8 +839,9 @@ def trace_limits(cache: dict[str, Any], ops: list[dict[str, Any]]) -> str | None
         return f"field cache.n_seq: target llama.cpp takes 1 to 64 sequences, this trace has {n_seq!r}"
     for name, value in MODEL_FIELDS.items():
         if name in cache and cache[name] != value:
-            return (f"field cache.{name}: the target's models have {name} {value!r} (2 KV heads of 16, a float16 "
-                    f"cache), this trace has {cache[name]!r}")
+            return (f"field cache.{name}: the target's models have {name} {value!r}, this trace has "
+                    f"{cache[name]!r} (a trace for llama.cpp sets dtype 'float16', kv_heads 2, head_dim 16; "
+                    "left out, they take the kvtrace defaults)")
     why = _size_error(cache)
     if why is not None:
         return why
