@@ -92,6 +92,9 @@ BAD_ARGV = [
     ["verify", "-j", "0"],
     ["conformance", "--budget", "0"],
     ["conformance", "--class", "NoSuchCache", "--budget", "1"],
+    ["conformance", "--target", "llama.cpp", "--budget", "5"],
+    ["conformance", "--target", "llama.cpp", "--sarif", "out.sarif"],
+    ["fuzz", "--target", "llama.cpp", "--budget", "1"],
     ["e2e", "--only", "nosuch"],
     ["e2e", "--bug", "nosuch"],
     ["bench", "--contexts", "0"],
@@ -107,6 +110,28 @@ def test_bad_arguments_exit_2(argv):
         assert "kvspec mutants --list" in out  # where the valid names are listed
     if argv[:3] == ["fuzz", "--kind", "nosuch"]:
         assert "choose from 'dense', 'rotating'" in out
+    if argv[:3] == ["conformance", "--target", "llama.cpp"]:
+        assert f"{argv[3]}: does not apply to --target llama.cpp" in out
+    if argv[:3] == ["fuzz", "--target", "llama.cpp"]:
+        assert "kvspec conformance --target llama.cpp" in out and "reached:" not in out
+
+
+def test_conformance_help_names_every_target_and_its_budget():
+    text = " ".join(kvspec("conformance", "--help").stdout.split())
+    assert "mlx-lm class" not in text and "llama_kv_cache" in text and "--target llama.cpp" in text
+    assert "does not apply to the target exits 2" in text
+
+
+@pytest.mark.parametrize("kind", ["cells", "recurrent"])
+def test_a_kind_without_the_inplace_switch_runs_one_campaign(kind):
+    """KV_INPLACE_WRITE changes nothing for these kinds (Kind.inplace_switch
+    False): one campaign, not the same one twice (inplace and copy)."""
+    from fuzz import kinds
+
+    assert kinds.get(kind).inplace_switch is False and kinds.get("dense").inplace_switch is True
+    proc = kvspec("fuzz", "--kind", kind, "--budget", "0.5", "--seed", "3", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["config"] for r in json.loads(proc.stdout)["runs"]] == [f"{kind}/fp16/inplace"]
 
 
 def test_help_names_defaults_exit_codes_and_bugs():
