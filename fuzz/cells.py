@@ -47,7 +47,7 @@ from fuzz.machine import KVMachine
 from fuzz.protocol import refusal_category
 from fuzz.trace import TraceFormatError
 from spec import cells as sc
-from spec.errors import KVCacheError
+from spec.errors import KVCacheError, StateError
 
 __all__ = ["CellRows", "CellsLockstep", "CellsMachine", "CellsTarget", "OursTarget", "target_factories"]
 
@@ -229,7 +229,13 @@ class OursTarget:
         self.tokens: set[int] = set()
         self._mx_dtype = getattr(mx, self.dtype)
 
-    def decode(self, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int) -> bool:
+    @property
+    def drop_policy(self) -> str | None:
+        """The cache's declared choice of droppable window cells
+        (``impl.cells.CellCache.drop_policy``)."""
+        return getattr(self.cache, "drop_policy", None)
+
+    def decode(self, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int, drops: Any = None) -> bool:
         import mlx.core as mx
 
         self.tokens.update(t for t in tokens if isinstance(t, int))
@@ -242,6 +248,8 @@ class OursTarget:
             else:  # a group the cache must refuse (no token, pos0 < 0): rows of that shape, whatever they hold
                 shape = (len(tokens), self.cfg["kv_heads"], self.cfg["head_dim"])
                 keys[s] = values[s] = mx.zeros(shape, dtype=self._mx_dtype)
+        if drops:
+            return self.cache.decode(tuple(seqs), keys, values, pos0, drops=drops)
         return self.cache.decode(tuple(seqs), keys, values, pos0)
 
     def seq_rm(self, seq: int, p0: int, p1: int | None) -> bool:
@@ -268,7 +276,9 @@ class OursTarget:
     def save(self, seq: int) -> Any:
         return self.cache.save(seq)
 
-    def restore(self, snapshot: Any, dst: int) -> bool:
+    def restore(self, snapshot: Any, dst: int, drops: Any = None) -> bool:
+        if drops:
+            return self.cache.restore(snapshot, dst, drops=drops)
         return self.cache.restore(snapshot, dst)
 
     def clear(self) -> None:
@@ -348,6 +358,12 @@ def _spec_run(world: CellsWorld, op: dict[str, Any], index: int = -1) -> tuple[A
     refused op, TraceFormatError for a trace that names no snapshot."""
     m, name = world.memory, op["op"]
     result: Any = None
+    drops = recorded_drops(op, index)
+    if drops:
+        try:
+            return _spec_run_dropping(world, op, index, drops)
+        except StateError as exc:
+            raise TraceFormatError(f"op {index} field 'drops': {exc}") from None
     if name == "decode":
         result, m = sc.decode(m, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"])
     elif name == "seq_rm":
@@ -373,6 +389,75 @@ def _spec_run(world: CellsWorld, op: dict[str, Any], index: int = -1) -> tuple[A
         raise TraceFormatError(f"op {index} field 'op': kind cells has no op {name!r}; its ops: "
                                f"{', '.join(ALL_CELL_OPS)}")
     return result, CellsWorld(m, world.snapshots)
+
+
+def _spec_run_dropping(world: CellsWorld, op: dict[str, Any], index: int, drops: list[Any]) -> tuple[Any, CellsWorld]:
+    """A decode or restore with the trace's recorded ``drops`` (StateError
+    for a drop the spec does not allow)."""
+    m = world.memory
+    if op["op"] == "decode":
+        result, m = sc.decode(m, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"], drops=drops)
+        n, seen = len(op["tokens"]), world.memory
+    else:
+        snap = _named(world, op, index)[0]
+        result, m = sc.restore(m, snap, op["seq"], drops=drops)
+        n, (_, seen) = len(snap.store("window")), sc.seq_rm(world.memory, op["seq"], -1, None)
+    if result:
+        why = drop_count_breach(seen, n, drops)
+        if why:
+            raise StateError(why)
+    return result, CellsWorld(m, world.snapshots)
+
+
+def recorded_drops(op: dict[str, Any], index: int) -> list[Any]:
+    """An op's recorded ``drops`` (the window cells the target that ran
+    the trace dropped, as ``spec.cells.drop`` takes them: ``[pos, [seq,
+    ...], token]`` or ``[[pos, [seq, ...], token], seq]``), checked for
+    shape; [] when absent. Raises TraceFormatError naming the field."""
+    if "drops" not in op:
+        return []
+    got = op["drops"]
+    if op["op"] not in ("decode", "restore"):
+        raise TraceFormatError(f"op {index} field 'drops': only a decode or a restore records dropped window "
+                               f"cells, not {op['op']!r}")
+    if not isinstance(got, list):
+        raise TraceFormatError(f"op {index} field 'drops': a list of dropped window cells, got {got!r}")
+    for item in got:
+        try:
+            sc.drop_item(item)
+        except KVCacheError as exc:
+            raise TraceFormatError(f"op {index} field 'drops': {exc}") from None
+    return list(got)
+
+
+def drops_json(items: list[Any]) -> list[Any]:
+    """``spec.cells.drop`` items as a kvtrace's ``drops`` field: a key
+    ``[pos, [seq, ...], token]``, a pair ``[[pos, [seq, ...], token], seq]``."""
+    out: list[Any] = []
+    for item in items:
+        key, seq = sc.drop_item(item)
+        k = [key[0], sorted(key[1]), key[2]]
+        out.append(k if seq is None else [k, seq])
+    return out
+
+
+def drop_count_breach(seen: Any, n: int, items: list[Any]) -> str | None:
+    """Why ``items`` drop more than a write of ``n`` cells needs, or None.
+    The window store may reuse cells only while free cells run short: at
+    most ``n - free cells`` (``spec.cells.free_cells`` on ``seen``, the
+    state the slot search saw) cells are reused; more may go only as
+    purges (llama.cpp's ``apply_ubatch`` removes a sequence from its
+    cells at or below a reused one), so the sequences the drops take cells
+    from number at most that many."""
+    short = max(0, n - sc.free_cells(seen, "window"))
+    holders = set()
+    for item in items:
+        key, seq = sc.drop_item(item)
+        holders |= set(key[1]) if seq is None else {seq}
+    if len(holders) > short:
+        return (f"the window store dropped cells of {len(holders)} sequences ({sorted(holders)}) but a write of "
+                f"{n} cells with {sc.free_cells(seen, 'window')} free lacks only {short}")
+    return None
 
 
 def _named(world: CellsWorld, op: dict[str, Any], index: int) -> tuple[Any, int]:
@@ -481,6 +566,8 @@ class CellsLockstep:
         self._pending_shifts = 0
         #: a decode of an iSWA memory (full and window stores) reused window cells
         self._iswa_reused = False
+        #: the index of the op being run (errors name it)
+        self._index = -1
 
     @classmethod
     def check_cache(cls, cache: dict[str, Any]) -> None:
@@ -506,7 +593,7 @@ class CellsLockstep:
     # -- the two sides ----------------------------------------------------------
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, CellsWorld]:
         """The op on the spec: (result, new world); nothing changes here."""
-        return _spec_run(self.world, op)
+        return _spec_run(self.world, op, self._index)
 
     # -- what kvspec render draws (fuzz.render.timeline) ------------------------------
     def spec_views(self) -> dict[str, list[int]]:
@@ -540,7 +627,10 @@ class CellsLockstep:
 
     def target_apply(self, op: dict[str, Any], index: int) -> Any:
         t, name = self.target, op["op"]
+        drops = op.get("drops") if self.ours else None
         if name == "decode":
+            if drops:
+                return t.decode(tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"], drops=drops)
             return t.decode(tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"])
         if name == "seq_rm":
             return t.seq_rm(op["seq"], op["p0"], _p1(op))
@@ -560,6 +650,8 @@ class CellsLockstep:
         if name == "restore":
             if op["name"] not in self.snaps:
                 _named(self.world, op, index)  # raises TraceFormatError naming the field
+            if drops:
+                return t.restore(self.snaps[op["name"]], op["seq"], drops=drops)
             return t.restore(self.snaps[op["name"]], op["seq"])
         if name == "clear":
             return t.clear()
@@ -578,6 +670,7 @@ class CellsLockstep:
             raise
 
     def _step(self, index: int, op: dict[str, Any]) -> None:
+        self._index = index
         self.reached("ops")
         if op["op"] not in ALL_CELL_OPS:
             raise TraceFormatError(f"op {index} field 'op': kind cells has no op {op['op']!r}; its ops: "
@@ -688,10 +781,26 @@ class CellsLockstep:
             _, seen = sc.seq_rm(before.memory, op["seq"], -1, None)
             items = adoption(seen, op, got["window"],
                              [(p, frozenset({op["seq"]}), t) for p, t in snap.store("window")])
+            n = len(snap.store("window"))
         else:
+            seen = before.memory
             items = adoption(before.memory, op, got["window"])
+            n = len(op["tokens"])
         if not items:
             return
+        why = drop_count_breach(seen, n, items)
+        if why:
+            raise Divergence(index, op, "window store: more cells dropped than free cells lack", why,
+                             f"window store after the {op['op']}: {_show(got['window'])}")
+        policy = getattr(self.target, "drop_policy", None)
+        if policy == sc.DROP_POLICY and "drops" not in op:
+            own = sorted((Counter(c.key for c in self.world.memory.store("window") if c.lost)
+                          - Counter(c.key for c in seen.store("window") if c.lost)).elements(), key=repr)
+            mine = sorted(sc.drop_item(i)[0][0] for i in items)
+            if sorted(k[0] for k in own) != mine:
+                raise Divergence(index, op, f"window store: the target declares the spec's drop policy ({policy}) "
+                                 "but dropped other positions",
+                                 f"drops positions {sorted(k[0] for k in own)}", f"dropped positions {mine}")
         try:
             if op["op"] == "restore":
                 ok, memory = sc.restore(before.memory, snap, op["seq"], drops=items)
@@ -703,7 +812,13 @@ class CellsLockstep:
                              f"window store after the {op['op']}: {_show(got['window'])}") from None
         if ok:
             self.world = CellsWorld(memory, self.world.snapshots)
+            op["drops"] = drops_json(items)
             self.reached("windowed cells dropped by the target's choice")
+            if op["op"] == "decode":
+                self.reached("windowed cells dropped by the target's choice at a decode")
+            elif any(op["seq"] in c.seqs for c in before.memory.present("window")):
+                self.reached("windowed cells dropped by the target's choice at a restore into a sequence that "
+                             "held window cells")
 
     def compare_cells(self, index: int, op: dict[str, Any], got: dict[str, list[Any]], rows: bool) -> None:
         """Every store as a multiset of ``(pos, seqs, K name, V name)``
@@ -988,6 +1103,25 @@ class CellsMachine(KVMachine):
         else:
             p0 = max(self.next_pos(s) - data.draw(st.integers(1, self.cfg["window"] + 1), label="back"), 1)
         self.do({"op": "seq_rm", "seq": s, "p0": p0, "p1": None})
+
+    @precondition(lambda self: self.lock is not None and "window" in self.cfg["stores"] and self.n_seq >= 2)
+    @rule(data=st.data())
+    def restore_crowded(self, data: st.DataObject) -> None:
+        """A restore into a sequence that holds window cells while the
+        window store is full of another sequence's cells: after the clear
+        of the destination the snapshot's window part needs droppable
+        cells, and a target may choose which (adoption at a restore)."""
+        dst = data.draw(st.integers(0, self.n_seq - 1), label="dst")
+        src = data.draw(st.integers(0, self.n_seq - 1).filter(lambda s: s != dst), label="src")
+        if not any(dst in c.seqs for c in self.mem.present("window")):
+            self.do({"op": "decode", "seqs": [dst], "tokens": self.tokens(data, 1), "pos0": self.next_pos(dst)})
+        for _ in range(self.cfg["window_cells"] + self.cfg["window"]):
+            if sc.free_cells(self.mem, "window") == 0 and len(sc.save(self.mem, src).store("window")) >= 2:
+                break
+            self.do({"op": "decode", "seqs": [src], "tokens": self.tokens(data, 1), "pos0": self.next_pos(src)})
+        name = self.fresh_name("s")
+        self.do({"op": "save", "seq": src, "name": name})
+        self.do({"op": "restore", "name": name, "seq": dst})
 
     @rule(data=st.data())
     def share(self, data: st.DataObject) -> None:

@@ -59,7 +59,8 @@ OP_TEXT = {
     "gather_within_tail": "of the last `tail` rows keep those at `kept` (indices into the tail)",
     "snapshot": "prompt-cache snapshot sharing the cache's buffers",
     "restore": "the live cache adopts the snapshot's buffers and window (cells: the snapshot saved as `name` is "
-               "written into sequence `seq`, which is cleared first; false when a store lacks room)",
+               "written into sequence `seq`, which is cleared first; false when a store lacks room; `drops`, optional: the "
+               "window cells the target that ran the trace dropped for it, as at `decode`)",
     "drop": "release a snapshot or a detached handle",
     "state_snapshot": "dense, rotating: mlx-lm's protocol, `saved = c.state` (and `c.meta_state` where the class "
                       "has one), kept uncopied; its rows must never change (semantics.md 8, \"The state protocol\")",
@@ -145,7 +146,11 @@ OP_TEXT = {
               "(default the first store)",
     "decode": "cells: one group of `tokens` at positions `pos0, pos0 + 1, ...`, each held by every sequence of "
               "`seqs` (a shared prompt); returns false when a store has no slot (free plus droppable windowed "
-              "cells), refused for bad sequence ids, uncoupled sequences or a position that does not continue",
+              "cells), refused for bad sequence ids, uncoupled sequences or a position that does not continue; `drops`, "
+              "optional: the droppable window cells the target that ran the trace reused (its choice, recorded "
+              "by the lockstep), each `[pos, [seq, ...], token]` (the whole cell, held by one sequence out of its "
+              "window) or `[[pos, [seq, ...], token], seq]` (`seq` forgets a cell out of its window); the spec and "
+              "our cache drop exactly these first (a drop not allowed: exit 2 naming the field)",
     "seq_rm": "cells: remove sequence `seq` (-1: every sequence) from its cells in `[p0, p1)` (`p1` null: to "
               "the end); returns false, changing nothing, when a window store could not honour a partial removal",
     "seq_cp": "cells: share `src`'s cells in `[p0, p1)` with `dst` (no copy); refused if `dst` would hold two "

@@ -472,8 +472,45 @@ def _paged_rows(world: Any) -> list[Row]:
     return rows
 
 
-def physical_rows(world: Any) -> list[Row]:
-    """The physical stores of a spec world, whatever its kind."""
+def _cells_rows(world: Any, op: dict[str, Any] | None = None) -> list[Row]:
+    """A cells memory's stores (``spec.cells``): per store its present
+    cells by position (token colour, a shared cell orange), then its free
+    cells (dashed) up to the store's size, then its lost cells (hatched,
+    window store: dropped, kept as logical positions); a cell the op's
+    recorded ``drops`` dropped is outlined in red."""
+    from spec import cells as sc
+
+    m = world.memory
+    dropped: set[tuple[int, frozenset[int], int]] = set()
+    for item in (op or {}).get("drops") or []:  # checked by the replay before the op ran
+        key, seq = sc.drop_item(item)
+        dropped.add((key[0], key[1] if seq is None else frozenset({seq}), key[2]))
+    rows = []
+    for name in m.config.stores:
+        cells = []
+        for c in sorted(m.present(name), key=lambda c: (c.pos, sorted(c.seqs))):
+            seqs = ",".join(map(str, sorted(c.seqs)))
+            cells.append(Cell(str(c.token), "shared" if len(c.seqs) > 1 else "live", c.token,
+                              tip=f"pos {c.pos}, seqs {{{seqs}}}, token {c.token}"))
+        free = sc.free_cells(m, name)
+        cells += [Cell("", "empty", tip="free cell") for _ in range(free)]
+        for c in sorted((c for c in m.store(name) if c.lost), key=lambda c: (c.pos, sorted(c.seqs))):
+            seqs = ",".join(map(str, sorted(c.seqs)))
+            hit = (c.pos, c.seqs, c.token) in dropped
+            cells.append(Cell(str(c.pos), "wrong" if hit else "dead",
+                              tip=f"lost: pos {c.pos}, seqs {{{seqs}}}, token {c.token}"
+                                  + (" (dropped by this op: its recorded drops)" if hit else "")))
+        lost = sum(1 for c in m.store(name) if c.lost)
+        note = f"{m.config.size(name)} cells, {free} free" + (f", {lost} lost" if lost else "")
+        rows.append(Row(f"{name} store", cells, "store", [], note))
+    return rows
+
+
+def physical_rows(world: Any, op: dict[str, Any] | None = None) -> list[Row]:
+    """The physical stores of a spec world, whatever its kind (``op``: the
+    op just run, for a cells memory's recorded drops)."""
+    if hasattr(getattr(world, "memory", None), "config"):
+        return _cells_rows(world, op)
     if hasattr(world, "layers"):
         out = []
         for j, w in enumerate(world.layers):
@@ -598,7 +635,7 @@ def _frame(lock: Any, index: int, op: dict[str, Any], seen: dict[str, Any]) -> F
         badges.append(("expect", json.dumps(op.get("window"))))
     views = lock.spec_views()
     rows = [Row(_view_label(name), [_tok(t) for t in toks], "view", note=name) for name, toks in views.items()]
-    rows += physical_rows(lock.world)
+    rows += physical_rows(lock.world, op)
     try:
         obs = lock.spec_observables()
     except Exception:  # noqa: BLE001 - a state the observables cannot describe
@@ -744,6 +781,23 @@ def _rows_of(tl: Timeline) -> list[tuple[str, str]]:
     return list(order)
 
 
+#: the cache fields a cells trace's header shows (its mode, step and in-place
+#: switch mean nothing to a cells memory)
+CELLS_HEADER = ("kind", "n_cells", "window_cells", "window", "stores", "n_seq")
+
+
+def _header_fields(cache: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The cache fields the picture's header lists: a cells trace's
+    :data:`CELLS_HEADER` (``window_cells`` as ``n_cells`` when absent),
+    any other's fields but batch, kv_heads, head_dim and dtype."""
+    if cache.get("kind") == "cells":
+        got = {**cache}
+        if got.get("window_cells") in (None, "n_cells"):
+            got["window_cells"] = got.get("n_cells")
+        return [(k, got.get(k)) for k in CELLS_HEADER]
+    return [(k, v) for k, v in cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype")]
+
+
 def svg(tl: Timeline, standalone: bool = True) -> str:
     """The timeline as one SVG document (``standalone=False``: an inline
     ``<svg>`` element for an HTML page)."""
@@ -776,7 +830,7 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     width = GUTTER + sum(widths) + PAD
     width = max(width, max([len(c) * 6 + 40 for c in callout] + [560]))
     title_lines = _lines(tl.title, max(60, (width - 2 * PAD) // 7), 4) if tl.title else []
-    cfg = ", ".join(f"{k} {v}" for k, v in tl.cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype"))
+    cfg = ", ".join(f"{k} {v}" for k, v in _header_fields(tl.cache))
     cfg_lines = _wrap(cfg + (f" | injected bug {tl.bug}" if tl.bug else ""), max(60, (width - 2 * PAD) // 6))
     title_h = 16 * len(title_lines) + 12 * len(cfg_lines)
     total_h = height + call_h + title_h + PAD

@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from impl.write import write_copy
-from spec.errors import InvalidArgumentError
+from spec.errors import InvalidArgumentError, StateError
 
 STORES = ("full", "window")
 _LAYOUTS = (("full",), ("full", "window"), ("window",))
@@ -311,6 +311,10 @@ class CellCache:
         self.window_cells = window_cells
         self._st = {s: _Store(s, window_cells if s == "window" else n_cells, kv_heads, head_dim, dt) for s in stores}
 
+    #: which droppable window cells a write reuses first (free cells always
+    #: come first): the lowest position first, as ``spec.cells`` drops them
+    drop_policy = "lowest position first"  # spec.cells.DROP_POLICY
+
     # -- helpers --------------------------------------------------------------------
     def _seq(self, op: str, name: str, v: Any, allow_all: bool = False) -> int:
         ok = not isinstance(v, bool) and isinstance(v, (int, np.integer))
@@ -354,10 +358,13 @@ class CellCache:
                     out.append(i)
         return sorted(out, key=lambda i: (st.pos[i], i))
 
-    def _slots(self, stores: dict[str, _Store], st: _Store, n: int, reuse: bool = True) -> list[int] | None:
+    def _slots(self, stores: dict[str, _Store], st: _Store, n: int, reuse: bool = True,
+               keep: set[tuple[int, frozenset[int]]] | None = None) -> list[int] | None:
         """``n`` cells for a write, or None (no slot): free cells from the
         head on (the head restarts at 0 when enough cells below it are free,
-        as llama.cpp's find_slot), then (``reuse``) droppable ones."""
+        as llama.cpp's find_slot), then (``reuse``) droppable ones
+        (``keep``: only those whose ``(pos, seqs)`` is in it: the cells
+        droppable before a recorded drop)."""
         size = len(st.pos)
         head = st.head
         if head > (size - st.free_count()) + 2 * n:
@@ -366,10 +373,47 @@ class CellCache:
         free = [i for i in order if st.pos[i] < 0][:n]
         if len(free) < n:
             drop = self._droppable(stores, st) if reuse else []
+            if keep is not None:
+                drop = [i for i in drop if (st.pos[i], st.seqs[i]) in keep]
             if len(free) + len(drop) < n:
                 return None
             free += drop[:n - len(free)]
         return free
+
+    def _apply_drops(self, op: str, stores: dict[str, _Store], drops: Any) -> set[tuple[int, frozenset[int]]]:
+        """Follow a recorded choice of window cells to drop (``drops``, as
+        ``spec.cells.drop`` takes them: ``(pos, seqs, token)`` for a whole
+        cell held by one sequence and out of its window, or ``((pos, seqs,
+        token), seq)`` for ``seq`` forgetting a cell out of its window) on
+        ``stores`` (a clone): each dropped cell is freed and kept as lost.
+        Returns the ``(pos, seqs)`` of the cells droppable before the drops
+        that are still present (what the write may reuse next). Raises
+        StateError naming the first cell that may not go."""
+        st = stores.get("window")
+        if st is None:
+            raise StateError(f"{op}: drops name window cells, but the cache has no window store")
+        before = [(st.pos[i], st.seqs[i]) for i in self._droppable(stores, st)]
+        tops = {s: self._logical_max(stores, s) for s in range(self.n_seq)}
+        for item in drops:
+            pair = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (tuple, list))
+            key, seq = (item[0], item[1]) if pair else (item, None)
+            try:
+                pos, held = int(key[0]), frozenset(int(x) for x in key[1])
+            except (TypeError, ValueError, IndexError):
+                raise StateError(f"{op}: a dropped cell must be (pos, seqs, token) or ((pos, seqs, token), seq), "
+                                 f"got {item!r}") from None
+            i = next((j for j in st.used() if st.pos[j] == pos and st.seqs[j] == held), None)
+            ok = i is not None and (((pos, held) in before) if seq is None else
+                                    (seq in held and (max(tops[seq], pos) + 1) - pos >= self.window))
+            if not ok:
+                raise StateError(f"{op}: the window cell (pos={pos}, seqs={sorted(held)}) may not be dropped"
+                                 + ("" if seq is None else f" by sequence {seq}"))
+            gone = held if seq is None else frozenset({seq})
+            st.lost.append((pos, gone))
+            st.seqs[i] = held - gone
+            if not st.seqs[i]:
+                st.free(i)
+        return {(st.pos[i], st.seqs[i]) for i in st.used() if (st.pos[i], st.seqs[i]) in set(before)}
 
     def _rows(self, op: str, name: str, a: Any, store: str) -> mx.array:
         if isinstance(a, dict):
@@ -405,7 +449,7 @@ class CellCache:
                                            f"{hit[1]}; remove the target range first")
 
     # -- decode -----------------------------------------------------------------------
-    def decode(self, seqs: Any, keys: Any, values: Any, pos0: int) -> bool:
+    def decode(self, seqs: Any, keys: Any, values: Any, pos0: int, drops: Any = None) -> bool:
         """Write one group of ``n`` tokens held by every sequence in ``seqs``
         at positions ``pos0 .. pos0 + n - 1`` (llama_decode of one ubatch).
 
@@ -427,6 +471,12 @@ class CellCache:
         whose largest logical position is not ``pos0 - 1`` (positions stay
         consecutive), ``pos0 < 0``, or rows of another shape or dtype.
         Pending shifts are applied first (:meth:`update`).
+
+        ``drops`` (optional, a trace's recorded choice: the window cells
+        another target dropped, as ``spec.cells.drop`` takes them): those
+        cells are dropped first (StateError, nothing changes, for one that
+        may not go), then free cells and the remaining droppable ones are
+        taken as above.
         Rule: ``spec.cells.decode``, ``spec.cells.droppable``.
         """
         op = "decode"
@@ -457,13 +507,23 @@ class CellCache:
             if top >= 0 and pos0 != top + 1:
                 raise InvalidArgumentError(f"{op}: sequence {s} holds positions up to {top}, so pos0 must be "
                                            f"{top + 1} (positions stay consecutive), got {pos0}")
+        stores, keep = self._st, None
+        if drops:
+            if any(self._slots(self._st, st, n) is None for st in self._st.values()):
+                return False
+            stores = self._clone()
+            keep = self._apply_drops(op, stores, drops)
         slots = {}
-        for name, st in self._st.items():
-            got = self._slots(self._st, st, n)
+        for name, st in stores.items():
+            got = self._slots(stores, st, n, keep=keep if name == "window" else None)
             if got is None:
                 return False
             slots[name] = got
         self.update()
+        if stores is not self._st:
+            for name, st in stores.items():
+                st.k, st.v, st.shift = self._st[name].k, self._st[name].v, [0] * len(st.pos)
+            self._st = stores
         held = frozenset(seqs)
         for name, st in self._st.items():
             for j, i in enumerate(slots[name]):
@@ -716,7 +776,7 @@ class CellCache:
             out[name] = (np.array([st.pos[i] for i in idxs], dtype=np.int64), to_host(st.k[ix]), to_host(st.v[ix]))
         return CellsSnapshot(self.stores, self.kv_heads, self.head_dim, _NAMES[self.dtype], out)
 
-    def restore(self, snapshot: CellsSnapshot, dst: int) -> bool:
+    def restore(self, snapshot: CellsSnapshot, dst: int, drops: Any = None) -> bool:
         """Write a snapshot into ``dst`` (llama_state_seq_set_data): ``dst``
         is cleared (as ``seq_rm(dst, -1, -1)``), then the snapshot's cells
         become new cells held by ``dst`` alone. Cells are found as a decode
@@ -733,6 +793,8 @@ class CellCache:
         a window store), after the clear, than the snapshot holds for it. Raises InvalidArgumentError for a sequence id
         out of range or a snapshot of another layout (stores, kv_heads,
         head_dim, dtype) or with repeated or negative positions.
+        ``drops``: a recorded choice of window cells to drop, as in
+        :meth:`decode`, judged on the state after the clear of ``dst``.
         Rule: ``spec.cells.restore``.
         """
         op = "restore"
@@ -745,11 +807,16 @@ class CellCache:
                 if not st.seqs[i]:
                     st.free(i)
             st.lost = [(p, ss - {dst}) for p, ss in st.lost if ss - {dst}]
+        keep = None
+        if drops:
+            if any(self._slots(new, st, len(snapshot.cells[name][0])) is None for name, st in new.items()):
+                return False
+            keep = self._apply_drops(op, new, drops)
         slots = {}
         for name, st in new.items():
             n = len(snapshot.cells[name][0])
             if n:
-                got = self._slots(new, st, n)
+                got = self._slots(new, st, n, keep=keep if name == "window" else None)
                 if got is None:
                     return False
                 slots[name] = got

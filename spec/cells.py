@@ -390,6 +390,33 @@ def _lose(cells: tuple[Cell, ...], keys: frozenset[CellKey], pairs: frozenset[tu
     return out
 
 
+def drop_item(item: Any) -> tuple[CellKey, int | None]:
+    """One item of :func:`drop`'s ``cells`` read as ``(key, seq)``: a key
+    ``(pos, seqs, token)`` gives ``(key, None)`` (the whole cell), a pair
+    ``(key, seq)`` gives ``(key, seq)`` (``seq`` forgets it). Tuples or
+    lists (a kvtrace's ``drops`` field: ``[pos, [seq, ...], token]`` or
+    ``[[pos, [seq, ...], token], seq]``). Raises InvalidArgumentError for
+    any other shape."""
+    def key_of(k: Any) -> CellKey | None:
+        if not isinstance(k, tuple | list) or len(k) != 3:
+            return None
+        pos, seqs, tok = k
+        if not _is_int(pos) or pos < 0 or not _is_int(tok) or not isinstance(seqs, tuple | list | frozenset | set) \
+                or not seqs or not all(_is_int(s) for s in seqs):
+            return None
+        return (pos, frozenset(seqs), tok)
+
+    if isinstance(item, tuple | list) and len(item) == 2 and _is_int(item[1]):
+        key = key_of(item[0])
+        if key is not None:
+            return key, item[1]
+    key = key_of(item)
+    if key is None:
+        raise InvalidArgumentError(f"drop: a dropped cell must be [pos, [seq, ...], token] (the whole cell) or "
+                                   f"[[pos, [seq, ...], token], seq] (seq forgets it), pos >= 0, got {item!r}")
+    return key, None
+
+
 def drop(state: CellsState, store: str, cells: Any) -> CellsState:
     """Adoption: the target dropped these windowed cells. ``cells``: an
     iterable of keys ``(pos, seqs, token)`` (each in :func:`droppable`:
@@ -406,15 +433,14 @@ def drop(state: CellsState, store: str, cells: Any) -> CellsState:
     pairs: set[tuple[CellKey, int]] = set()
     may_drop, may_forget = droppable(state, store), forgettable(state, store)
     for item in cells:
-        if len(item) == 2 and isinstance(item[0], tuple):
-            key, seq = (item[0][0], frozenset(item[0][1]), item[0][2]), item[1]
+        key, seq = drop_item(item)
+        if seq is not None:
             if (key, seq) not in may_forget:
                 raise StateError(f"drop: sequence {seq} may not forget the {store} cell (pos={key[0]}, "
                                  f"seqs={sorted(key[1])}, token={key[2]}): it is not a present cell out of that "
                                  f"sequence's window")
             pairs.add((key, seq))
         else:
-            key = (item[0], frozenset(item[1]), item[2])
             if key not in may_drop:
                 raise StateError(f"drop: the {store} cell (pos={key[0]}, seqs={sorted(key[1])}, token={key[2]}) "
                                  f"is not droppable (a present window cell held by one sequence h with "
@@ -423,6 +449,11 @@ def drop(state: CellsState, store: str, cells: Any) -> CellsState:
     if not keys and not pairs:
         return state
     return state.with_store(store, _lose(state.store(store), frozenset(keys), frozenset(pairs)))
+
+
+#: the spec's own choice of droppable window cells when free cells run short
+#: (:func:`_make_room`); a target that declares it must drop the same positions
+DROP_POLICY = "lowest position first"
 
 
 def _make_room(base: CellsState, need: dict[str, int], drops: Any) -> CellsState | None:

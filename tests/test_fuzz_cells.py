@@ -75,6 +75,13 @@ def _doc(**cache_over):
     (lambda d: d["cache"].update(window_cells=0), "window_cells"),
     (lambda d: d["cache"].update(stores=["full"], window=None, window_cells=3), "window_cells"),
     (lambda d: d["ops"].append({"op": "append", "n": 1}), "append"),
+    # recorded drops: malformed, on an op that drops nothing, a cell not droppable, more than the write needs
+    (lambda d: d["ops"].append({"op": "decode", "seqs": [0], "tokens": [3], "pos0": 2, "drops": [[0, 1]]}), "drops"),
+    (lambda d: d["ops"].append({"op": "seq_rm", "seq": 0, "p0": 0, "drops": [[0, [0], 1]]}), "drops"),
+    (lambda d: d["ops"].append({"op": "decode", "seqs": [0], "tokens": [3], "pos0": 2, "drops": [[1, [0], 2]]}),
+     "drops"),
+    (lambda d: d["ops"].append({"op": "decode", "seqs": [0], "tokens": [3], "pos0": 2, "drops": [[0, [0], 1]]}),
+     "drops"),
 ])
 def test_bad_trace_input_exits_2_naming_the_field(tmp_path, capsys, change, field):
     doc = _doc()
@@ -147,6 +154,8 @@ class ReusesLastSequenceFirst(CellCache):
 class ReusesHighestPositionFirst(CellCache):
     """Another legitimate choice: the droppable cell of highest position first."""
 
+    drop_policy = "highest position first"
+
     def _droppable(self, stores, st):
         return sorted(super()._droppable(stores, st), key=lambda i: -st.pos[i])
 
@@ -205,3 +214,100 @@ def test_refusal_words_are_compared_for_ours():
                             {"op": "seq_cp", "src": 0, "dst": 0, "p0": 0, "p1": 5},
                             {"op": "seq_rm", "seq": 9, "p0": 0, "p1": None}], start=1):
         lock.step(i, op)
+
+
+# -- self-contained traces: the target's drops recorded in the op ----------------------------------------------
+
+RECORDED = TRACES / "cells_recorded_drops.json"
+
+
+def test_a_trace_carries_its_drops_and_needs_them():
+    """The recorded drops take the spec (and ours) to the target's state;
+    without them the trace's expects fail on the spec alone."""
+    assert replay_cells(load(RECORDED)).ok
+    stripped = load(RECORDED)
+    for op in stripped.ops:
+        op.pop("drops", None)
+    got = replay_cells(stripped)
+    assert not got.ok and "spec says" in str(got.divergence)
+
+
+def test_the_lockstep_records_an_adopted_choice_and_ours_follows_it():
+    from fuzz.cells_choosy import HighestFirstCellCache
+    from fuzz.trace import Trace
+
+    doc = json.loads(RECORDED.read_text())
+    ops = [{k: v for k, v in op.items() if k not in ("drops", "returns", "value")}
+           for op in doc["ops"] if op["op"] in ("decode", "save", "restore")]
+    lock = CellsLockstep(dict(doc["cache"]), HighestFirstCellCache)
+    for i, op in enumerate(ops):
+        lock.step(i, op)
+    assert ops[1]["drops"] == [[2, [0], 3]]  # the highest droppable position, not the spec's 0
+    assert ops[3]["drops"] == [[1, [0], 2], [3, [0], 4]]  # after the clear of sequence 1: 3 then 1
+    trace = Trace(cache=dict(doc["cache"]), ops=[dict(op) for op in ops] + lock.expect_ops())
+    assert replay_cells(trace).ok  # spec and ours, following the recorded drops
+    for op in trace.ops:
+        op.pop("drops", None)
+    assert not replay_cells(trace).ok
+
+
+def test_render_draws_a_cells_trace_its_stores_and_drops(tmp_path):
+    from fuzz.render import svg, timeline
+
+    tl = timeline(load(RECORDED))
+    assert tl.divergence is None
+    stores = [r for r in tl.frames[1].rows if r.group == "store"]
+    assert [r.label for r in stores] == ["window store"]
+    assert [c.cls for c in stores[0].cells].count("wrong") == 1  # the recorded drop, outlined
+    assert "lost: pos 1" in " ".join(c.tip for c in stores[0].cells)
+    import re
+
+    header = " ".join(re.findall(r'<text class="small"[^>]*>([^<]*)</text>', svg(tl)))
+    assert "kind cells, n_cells 4, window_cells 4, window 2, stores" in header and "n_seq 2" in header
+    assert "mode" not in header and "inplace" not in header and "step" not in header
+
+
+# -- the drop policy: a declared policy is held to the spec's choice; any target drops only what it lacks -----
+
+
+def test_a_target_declaring_the_spec_policy_must_drop_the_spec_positions():
+    class DeclaresLowestDropsHighest(ReusesHighestPositionFirst):
+        drop_policy = sc.DROP_POLICY
+
+    lock = CellsLockstep(dict(WIN_ONLY), DeclaresLowestDropsHighest)
+    lock.step(0, {"op": "decode", "seqs": [0], "tokens": [1, 2, 3, 4, 5, 6], "pos0": 0})
+    with pytest.raises(Divergence, match="drop policy"):
+        lock.step(1, {"op": "decode", "seqs": [0], "tokens": [7], "pos0": 6})
+
+
+def test_no_target_drops_more_than_free_cells_lack():
+    class DropsTwo(CellCache):
+        drop_policy = "drops two whenever it drops"
+
+        def _slots(self, stores, st, n, reuse=True, keep=None):
+            got = super()._slots(stores, st, n, reuse, keep)
+            if got is not None and any(st.pos[i] >= 0 for i in got):
+                extra = [i for i in self._droppable(stores, st) if i not in got][:1]
+                for i in extra:  # one more droppable cell made lost, as a purge of another sequence would
+                    st.lost.append((st.pos[i], st.seqs[i]))
+                    st.free(i)
+            return got
+
+    lock = CellsLockstep(dict(WIN_ONLY, n_seq=2), DropsTwo)
+    lock.step(0, {"op": "decode", "seqs": [1], "tokens": [1, 2, 3], "pos0": 0})
+    lock.step(1, {"op": "decode", "seqs": [0], "tokens": [4, 5, 6], "pos0": 0})
+    with pytest.raises(Divergence, match="more cells dropped than free cells lack"):
+        lock.step(2, {"op": "decode", "seqs": [0], "tokens": [7], "pos0": 3})
+
+
+# -- a choosy legal target: the adoption branches run, at decodes and at restores -------------------------------
+
+
+def test_a_choosy_target_agrees_and_is_adopted_at_decodes_and_restores():
+    from fuzz.cells_choosy import HighestFirstCellCache
+
+    got = cells_campaign(HighestFirstCellCache, max_examples=60, seed=1, shrink=False)
+    assert got.ok, got.error
+    assert got.stats.get("windowed cells dropped by the target's choice at a decode", 0) >= 20, got.stats
+    assert got.stats.get("windowed cells dropped by the target's choice at a restore into a sequence that held "
+                         "window cells", 0) >= 3, got.stats

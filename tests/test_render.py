@@ -176,6 +176,15 @@ def _expected_stores(world, prefix=""):
                for n, s in world.seqs.items()}
         out["refcounts"] = ([str(r) for r in rc], {i for i, r in enumerate(rc) if r > 1})
         return out
+    if hasattr(getattr(world, "memory", None), "config"):  # a cells memory: present by position, free, lost
+        m, out = world.memory, {}
+        for name in m.config.stores:
+            here = sorted(m.present(name), key=lambda c: (c.pos, sorted(c.seqs)))
+            lost = sorted((c for c in m.store(name) if c.lost), key=lambda c: (c.pos, sorted(c.seqs)))
+            free = m.config.size(name) - len(here)
+            out[f"{name} store"] = ([str(c.token) for c in here] + [""] * free + [str(c.pos) for c in lost],
+                                    {i for i, c in enumerate(here) if len(c.seqs) > 1})
+        return out
     c = world.cache
     if hasattr(c, "coverage"):  # a recurrent layer: conv window rows by token, the checkpoint ring's slots
         k = c.kernel - 1

@@ -168,7 +168,7 @@ _values = st.one_of(
 _FIELDS = {
     "append": ["n"], "trim": ["n"], "trim_to": ["len"], "trim_front": ["n", "keep"],
     "gather_positions": ["positions"], "gather_within_tail": ["tail", "kept"], "snapshot": ["name"],
-    "restore": ["name"], "drop": ["name"], "detach": ["name"], "install": ["name"],
+    "restore": ["name", "drops"], "drop": ["name"], "detach": ["name"], "install": ["name"],
     "handle_trim_to": ["name", "len"], "fork": ["from", "as"], "release": ["seq"],
     "expect": ["window", "of", "order", "layer", "store"], "fetch": [], "hold": [], "release_hold": [],
     "can_trim": [], "layer": ["index", "do"],
@@ -181,7 +181,7 @@ _FIELDS = {
     "save_load": ["metadata"], "to_quantized": ["layer"], "mask": ["layer", "n", "window", "device"],
     "mechanism": ["env"], "rows": ["tokens"], "append_unrecorded": ["n"],
     # the cells kind
-    "decode": ["seqs", "tokens", "pos0"], "seq_rm": ["seq", "p0", "p1"], "seq_cp": ["src", "dst", "p0", "p1"],
+    "decode": ["seqs", "tokens", "pos0", "drops"], "seq_rm": ["seq", "p0", "p1"], "seq_cp": ["src", "dst", "p0", "p1"],
     "seq_keep": ["seq"], "seq_add": ["seq", "p0", "p1", "delta"], "seq_div": ["seq", "p0", "p1", "d"],
     "pos_min": ["seq", "value"], "pos_max": ["seq", "value"], "save": ["seq", "name"], "clear": [],
 }
@@ -213,6 +213,7 @@ _VALID = {
     "seq": st.one_of(st.sampled_from(["s", "main"]), st.integers(-1, 3)),
     "int_or_null": st.one_of(st.integers(-3, 3), st.none()),
     "store": st.sampled_from(["full", "window"]),
+    "drops": st.sampled_from([[], [[3, [0], 1]], [[[2, [0, 1], 4], 1]]]),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -239,6 +240,7 @@ _BAD = {
     "seq": st.sampled_from(["", "x" * 129, -2, 256, None, 1.5, True]),
     "int_or_null": st.sampled_from([2**31, 1.5, "1", True]),
     "store": st.sampled_from(["both", 1, None]),
+    "drops": st.sampled_from([3, "x", [1], [[1, 2, 3, 4]], None]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "seq", "window": "ints", "of": "name",
@@ -249,9 +251,9 @@ _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "
          "fold_block": "size", "undo": "depth", "num_draft_tokens": "depth", "hot_threshold": "depth",
          "metadata": "metadata", "device": "bool", "tokens": "ints",
          "seqs": "ints", "pos0": "int", "p0": "int", "p1": "int_or_null", "src": "int", "dst": "int", "delta": "int",
-         "d": "int", "value": "int", "store": "store"}
+         "d": "int", "value": "int", "store": "store", "drops": "drops"}
 _OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer", "store"},
-             "seq_rm": {"p1"}, "seq_cp": {"p1"}, "seq_add": {"p1"}, "seq_div": {"p1"}, "pos_min": {"value"},
+             "seq_rm": {"p1"}, "decode": {"drops"}, "restore": {"drops"}, "seq_cp": {"p1"}, "seq_add": {"p1"}, "seq_div": {"p1"}, "pos_min": {"value"},
              "pos_max": {"value"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
              "trim_refused_late": {"how"}, "handle_reuse": {"use", "arg"},
              "build_probe": {"layout", "n_layers", "max_kv_size", "undo", "num_draft_tokens", "step", "hot_threshold",
