@@ -29,7 +29,8 @@ from spec.errors import InvalidArgumentError, StateError
 FOLDER = Path(__file__).parent / "traces" / "llama_cpp"
 TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))
 HAVE_LLAMA = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "gguf"))
-NOT_INSTALLED = "llama-cpp-python not installed (optional extra 'llama-cpp'): replayed against our cell cache only"
+NOT_INSTALLED = ("llama-cpp-python not installed (optional extra 'llama-cpp': pip install -e '.[llama-cpp]'): "
+                 "replayed against our cell cache only")
 needs_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=NOT_INSTALLED)
 DONE = {"ours": 0, "llama.cpp": 0}
 
@@ -264,7 +265,7 @@ def test_observation_applies_a_pending_shift_and_the_update_is_what_does_it(monk
 
 @needs_llama
 def test_a_save_while_a_shift_is_pending_keeps_the_old_rotation():
-    """Behaviour (1) of the issue, through the adapter alone."""
+    """A save while a shift is pending keeps the unrotated K rows, through the adapter alone."""
     t = lc.LlamaCppCells(window=None, n_seq=1)
     t.decode((0,), (3, 4, 5, 6), 0)
     t.seq_add(0, 2, None, 3)
@@ -283,7 +284,7 @@ def test_the_window_store_saves_its_live_window_and_drops_out_of_window_cells():
     t.decode((0,), (3,) * 10, 10)
     window = {p for p, _, _, _ in t.observe()["window"]}
     assert {5, 6} - window  # reused while free cells were left: llama.cpp's choice
-    assert t.seq_rm(0, 7, None) is True  # behaviour (2): the spec refuses it
+    assert t.seq_rm(0, 7, None) is True  # a windowed partial removal: the spec refuses it
 
 
 @needs_llama
