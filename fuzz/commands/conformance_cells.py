@@ -16,10 +16,17 @@ in rounds, like the mlx-lm classes (``fuzz.commands.conformance``):
   ``seq_cp`` into a cleared range, context shifts ``seq_rm`` + ``seq_add``,
   plain ``seq_add``/``seq_div``, saves, restores into the same or another
   sequence, clears);
-* the first divergence is shrunk (ops removed one by one while the same
-  divergence stays; token lists shortened) to a minimal trace, written as
-  ``<class>_NN.json`` and replayed on llama.cpp (exit 1 expected) and on
-  our ``impl.cells.CellCache`` (exit 0 expected);
+* the first divergence is shrunk (ops removed one by one, op 0 included,
+  and token lists halved while the same divergence stays, until neither
+  does: 1-minimal) to a trace whose ops the spec refuses carry ``"error":
+  true``, written as ``<class>_NN.json`` and replayed on llama.cpp (exit 1
+  expected), on llama.cpp in paranoid mode (every read forces the memory
+  update: the same divergence expected, else it was the adapter's) and on
+  our ``impl.cells.CellCache`` (exit 0 expected); only a finding that does
+  all three is confirmed;
+* a refusal the adapter makes itself on an op the spec accepts is the
+  harness's failure (:class:`HarnessFailure`): the class ends without a
+  verdict, never with a finding;
 * the round's op class (:func:`op_class`: the op, split where llama.cpp's
   code paths split: a partial or whole ``seq_rm``, a save while a shift is
   pending, a restore of an empty snapshot, a ``seq_cp``/``seq_add``/``seq_div``
@@ -543,9 +550,11 @@ def _record(name: str, cache: dict[str, Any], ops: list[dict[str, Any]], what: s
 
 def _both_refused(d: Divergence, refused: list[bool]) -> str:
     """``"refused on both sides, yet "`` when the op a divergence shows at
-    was refused by the spec (and so by the target: else the refusal would
-    differ): what differs was already there, it is only read here."""
-    return "refused on both sides, yet " if 0 <= d.index < len(refused) and refused[d.index] else ""
+    was refused by the spec and the divergence is no refusal difference (so
+    the target refused it too): what differs was already there, it is only
+    read here."""
+    both = 0 <= d.index < len(refused) and refused[d.index] and d.what not in CONTRACT
+    return "refused on both sides, yet " if both else ""
 
 
 def replay_exit(doc: dict[str, Any], on_llama: bool) -> int:
