@@ -29,7 +29,8 @@ in rounds, like the mlx-lm classes (``fuzz.commands.conformance``):
   verdict, never with a finding;
 * the round's op class (:func:`op_class`: the op, split where llama.cpp's
   code paths split: a partial or whole ``seq_rm``, a save while a shift is
-  pending, a restore of an empty snapshot, a ``seq_cp``/``seq_add``/``seq_div``
+  pending, a decode after a shift (the slot search starts at cell 0), a
+  restore of an empty snapshot, a ``seq_cp``/``seq_add``/``seq_div``
   right after a ``seq_rm`` of its sequence or not, an op the spec refuses)
   is then no longer generated, and the next round starts.
 
@@ -92,6 +93,8 @@ class Generator:
         self.k = 0
         #: a shift since the rows were last read (run_example keeps it)
         self.pending = False
+        #: a shift since the last decode or restore (llama.cpp's slot search then starts at cell 0)
+        self.head_reset = False
 
     def ops(self, world: Any, last: dict[str, Any] | None) -> list[dict[str, Any]]:
         """One or two ops (a guarded op brings its seq_rm), drawn from the
@@ -170,17 +173,17 @@ class Generator:
         return [{"op": "pos_max", "seq": 0}]
 
     def allowed(self, ops: list[dict[str, Any]], last: dict[str, Any] | None) -> bool:
-        prev, world, pending = last, self.world, self.pending
+        prev, world, pending, head = last, self.world, self.pending, self.head_reset
         for op in ops:
-            cls, world = classify(op, prev, world, self.saved, pending)
+            cls, world = classify(op, prev, world, self.saved, pending, head)
             if cls in self.excluded:
                 return False
-            prev, pending = op, still_pending(op, pending)
+            prev, pending, head = op, still_pending(op, pending), still_head_reset(op, head)
         return True
 
 
 def classify(op: dict[str, Any], prev: dict[str, Any] | None, world: Any,
-             empty_saves: dict[str, bool], pending: bool = False) -> tuple[str, Any]:
+             empty_saves: dict[str, bool], pending: bool = False, head_reset: bool = False) -> tuple[str, Any]:
     """``(op_class, the spec's world after op)``: the op's class, or
     ``"<op> the spec refuses"`` when the spec refuses it in ``world``."""
     from fuzz.cells import _spec_run
@@ -190,15 +193,20 @@ def classify(op: dict[str, Any], prev: dict[str, Any] | None, world: Any,
         _, after = _spec_run(world, op)
     except (KVCacheError, TraceFormatError):
         return f"{op['op']} the spec refuses", world
-    return op_class(op, prev, empty_saves, pending), after
+    return op_class(op, prev, empty_saves, pending, head_reset), after
 
 
 def op_class(op: dict[str, Any], prev: dict[str, Any] | None, empty_saves: dict[str, bool],
-             pending: bool = False) -> str:
+             pending: bool = False, head_reset: bool = False) -> str:
     """The class of an op the search can exclude (module docstring): a
     partition of the op space along llama.cpp's code paths, not a list of
     its faults. ``pending``: a shift was made since the rows were last
     read (the lockstep reads them after every op but a shift or a save).
+    ``head_reset``: a shift was made since the last decode or restore:
+    llama.cpp's ``seq_add``/``seq_div`` set the store's search head to cell
+    0, so the next slot search meets the lowest cells first (reusing a
+    window cell masked for its sequence there, even while free cells are
+    left): a decode then is ``"decode after a shift"``.
     (:func:`classify` splits off the ops the spec refuses.)"""
     name = op["op"]
     if name == "seq_rm":
@@ -206,12 +214,22 @@ def op_class(op: dict[str, Any], prev: dict[str, Any] | None, empty_saves: dict[
         return "seq_rm whole" if whole else "seq_rm partial"
     if name == "save":
         return "save with a shift pending" if pending else "save"
+    if name == "decode" and head_reset:
+        return "decode after a shift"
     if name == "restore":
         return "restore of an empty snapshot" if empty_saves.get(op["name"]) else "restore"
     if name in ("seq_cp", "seq_add", "seq_div"):
         guarded = prev is not None and prev["op"] == "seq_rm" and prev.get("seq") in (op.get("dst"), op.get("seq"))
         return f"{name} guarded" if guarded else f"{name} unguarded"
     return name
+
+
+def still_head_reset(op: dict[str, Any], head_reset: bool) -> bool:
+    """Whether llama.cpp's slot search starts at cell 0 after ``op``: a
+    shift sets it there, a decode or a restore moves it past what it wrote."""
+    if op["op"] in ("seq_add", "seq_div"):
+        return True
+    return head_reset and op["op"] not in ("decode", "restore")
 
 
 def still_pending(op: dict[str, Any], pending: bool) -> bool:
@@ -253,6 +271,7 @@ def first_divergence(cache: dict[str, Any], ops: list[dict[str, Any]], on_llama:
     llama.cpp (the spec accepted the op: the harness's limit, not llama.cpp's
     answer)."""
     lock = lockstep(cache, on_llama, paranoid)
+    ops = [dict(op) for op in ops]  # the lockstep writes an adopted choice of window cells into an op (drops)
     try:
         for i, op in enumerate(ops):
             lock.step(i, op)
@@ -283,6 +302,7 @@ def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name:
     def same(candidate: list[dict[str, Any]]) -> int | None:
         return same_divergence(cache, candidate, what, op_name, cls)
 
+    ops = without_drops(ops)
     at = same(ops)
     if at is None:
         return ops
@@ -304,6 +324,29 @@ def shrink(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, op_name:
                 if (j := same(cand)) is not None:
                     ops, changed = cand[:j + 1], True
                     break
+    return ops
+
+
+def without_drops(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``ops`` without the window cells a run recorded as dropped
+    (``drops``: a shrunk trace records its own, :func:`with_drops`)."""
+    return [{k: v for k, v in op.items() if k != "drops"} for op in ops]
+
+
+def with_drops(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``ops`` with the ``drops`` the lockstep records when it
+    runs them on llama.cpp up to the first divergence (the window cells
+    llama.cpp chose to reuse, adopted by the spec): the trace then replays
+    on ours as it did on llama.cpp."""
+    lock = lockstep(cache, True)
+    ops = [dict(op) for op in ops]
+    try:
+        for i, op in enumerate(ops):
+            lock.step(i, op)
+    except (Divergence, TraceFormatError):
+        pass
+    finally:
+        lock.target.close()
     return ops
 
 
@@ -406,6 +449,7 @@ def run_example(cache: dict[str, Any], rng: random.Random, excluded: frozenset[s
             last = ops[-1] if ops else None
             for op in gen.ops(lock.world, last):
                 gen.pending = still_pending(op, gen.pending)
+                gen.head_reset = still_head_reset(op, gen.head_reset)
                 ops.append(op)
                 covered[op["op"]] = covered.get(op["op"], 0) + 1
                 lock.step(len(ops) - 1, op)
@@ -442,6 +486,7 @@ def search_class(name: str, cache: dict[str, Any], examples: int, steps: int, se
             report.ended = f"{examples} examples without a further divergence"
             break
         ops, d, at = failure
+        ops = without_drops(ops)
         cls = _class_at(cache, ops, _culprit(ops, d, spec_refused(cache, ops)))
         try:
             minimal = shrink(cache, ops, d.what, d.op["op"], cls)
@@ -504,14 +549,14 @@ def _class_at(cache: dict[str, Any], ops: list[dict[str, Any]], index: int) -> s
 
     world = CellsWorld(spec_memory(cache))
     empty: dict[str, bool] = {}
-    pending = False
+    pending = head = False
     for i, op in enumerate(ops):
-        cls, after = classify(op, ops[i - 1] if i else None, world, empty, pending)
+        cls, after = classify(op, ops[i - 1] if i else None, world, empty, pending, head)
         if i == index:
             return cls
         if op["op"] == "save" and after is not world:
             empty[op["name"]] = not any(after.snapshots[op["name"]][0].cells)
-        world, pending = after, still_pending(op, pending)
+        world, pending, head = after, still_pending(op, pending), still_head_reset(op, head)
     raise IndexError(index)
 
 
@@ -527,7 +572,7 @@ def _record(name: str, cache: dict[str, Any], ops: list[dict[str, Any]], what: s
             number: int) -> CellsFinding:
     from fuzz.adapters.llama_cpp import llama_cpp_version
 
-    ops = annotate_refusals(cache, ops)
+    ops = annotate_refusals(cache, with_drops(cache, without_drops(ops)))
     d = first_divergence(cache, ops, True)
     refused = spec_refused(cache, ops)
     summary = what if d is None else f"op {d.index} {_describe(d.op)}: {_both_refused(d, refused)}{d.what}: " \
