@@ -572,8 +572,14 @@ def _record(name: str, cache: dict[str, Any], ops: list[dict[str, Any]], what: s
             number: int) -> CellsFinding:
     from fuzz.adapters.llama_cpp import llama_cpp_version
 
-    ops = annotate_refusals(cache, with_drops(cache, without_drops(ops)))
-    d = first_divergence(cache, ops, True)
+    plain = annotate_refusals(cache, without_drops(ops))
+    d = first_divergence(cache, plain, True)
+    ops = annotate_refusals(cache, with_drops(cache, plain))
+    dropped = first_divergence(cache, ops, True) if ops != plain else d
+    if d is not None and (dropped is None or (dropped.index, dropped.what) != (d.index, d.what)):
+        ops = plain  # the recorded drops would not replay to the same divergence: the lockstep adopts them again
+    else:
+        d = dropped
     refused = spec_refused(cache, ops)
     summary = what if d is None else f"op {d.index} {_describe(d.op)}: {_both_refused(d, refused)}{d.what}: " \
                                      f"llama.cpp {_short(d.impl)}, spec {_short(d.spec)}"
