@@ -9,7 +9,11 @@ every op on the spec and on the target and compares, after every op:
 
 * the op's result (a bool of ``decode``/``seq_rm``/``restore``, the
   refusal's type, and for our implementation its words);
-* ``pos_min`` and ``pos_max`` of every sequence;
+* every observable of :data:`OBSERVABLES` for every sequence id
+  (``pos_min``, ``pos_max``; ``lost`` on ours), the compared keys checked
+  against the full list after every op;
+* on ours, a copy of the cache taken before the op: everything observable
+  on it (cells, rows, pending shifts, ``lost(s)``) unchanged after the op;
 * each store's used cells as a multiset of ``(pos, seqs, k_name, v_name)``:
   every K row must be named ``(token, cell.pos)`` (a shift applied, or
   pending and applied before the read) and every V row ``token``;
@@ -21,7 +25,11 @@ every op on the spec and on the target and compares, after every op:
 target's choice): after a decode, cells of the window store that the spec
 holds and the target does not are accepted only if each was droppable
 before the decode (``spec.cells.droppable``); the spec is then told to
-drop them. Any other missing cell, and any extra one, is a divergence.
+drop them, and the op records them (``drops``) so that the trace replays to
+the same state on the spec alone. A target that declares the spec's drop
+policy must drop the spec's positions; no target drops cells of more
+sequences than free cells lack. Any other missing cell, and any extra one,
+is a divergence.
 
 Plugging another engine in takes two calls (``fuzz.cells_runs``, a runner
 above this module): ``cells_campaign`` (a seeded campaign against
@@ -272,6 +280,10 @@ class OursTarget:
 
     def pos_max(self, seq: int) -> int:
         return self.cache.pos_max(seq)
+
+    def lost(self, seq: int) -> frozenset[int]:
+        """The cache's lost positions of ``seq`` (``impl.cells.CellCache.lost``)."""
+        return self.cache.lost(seq)
 
     def save(self, seq: int) -> Any:
         return self.cache.save(seq)
@@ -526,6 +538,27 @@ def _show(cells: Any) -> list[str]:
     return out
 
 
+#: the per-sequence reads the lockstep compares after every op, spec against
+#: target (``lost`` only where the target has it): one list, from which the
+#: compared set is made and against which it is checked
+OBSERVABLES = ("pos_min", "pos_max", "lost")
+
+
+def cache_view(cache: Any) -> dict[str, Any]:
+    """Everything observable on an ``impl.cells.CellCache`` without
+    changing it: per store its cells ``(pos, seqs, K bytes, V bytes)`` as
+    stored (pending shifts not applied) and its pending shifts, and
+    ``lost(s)`` for every sequence id."""
+    out: dict[str, Any] = {}
+    for store in cache.stores:
+        out[f"{store} cells"] = sorted((int(p), tuple(sorted(ss)), np.asarray(k).tobytes(), np.asarray(v).tobytes())
+                                       for p, ss, k, v in cache.cells(store, apply_shifts=False))
+        out[f"{store} pending shifts"] = sorted((p, tuple(sorted(ss)), d) for p, ss, d in cache.pending_shifts(store))
+    for s in range(cache.n_seq):
+        out[f"lost({s})"] = sorted(cache.lost(s))
+    return out
+
+
 #: ops that move positions without reading rows: the lockstep compares
 #: cells and positions after them, not rows (a pending shift stays pending)
 SHIFT_OPS = frozenset({"seq_add", "seq_div"})
@@ -620,10 +653,21 @@ class CellsLockstep:
     def view_mode(self, name: str) -> None:
         return None
 
+    def observables(self) -> tuple[str, ...]:
+        """The per-sequence reads compared after every op (:data:`OBSERVABLES`;
+        ``lost`` where the target can tell it, as ours does)."""
+        return tuple(n for n in OBSERVABLES if n != "lost" or callable(getattr(self.target, "lost", None)))
+
+    def observable_keys(self) -> frozenset[str]:
+        """``name(seq)`` for every observable and every sequence id
+        ``0 .. n_seq - 1``: what :meth:`compare_positions` must compare."""
+        return frozenset(f"{name}({s})" for name in self.observables() for s in range(self.cfg["n_seq"]))
+
     def spec_observables(self) -> dict[str, Any]:
+        """``name(seq)`` -> the spec's value, for every observable and sequence."""
         m = self.world.memory
         return {f"{name}({s})": getattr(sc, name)(m, s) for s in range(self.cfg["n_seq"])
-                for name in ("pos_min", "pos_max")}
+                for name in self.observables()}
 
     def target_apply(self, op: dict[str, Any], index: int) -> Any:
         t, name = self.target, op["op"]
@@ -688,6 +732,10 @@ class CellsLockstep:
             spec_out = Outcome(result=s_result)
         except KVCacheError as exc:
             spec_out, s_world = Outcome(error=exc), None
+        prev = seen = None
+        if self.ours:
+            prev = self.target.cache.copy()
+            seen = cache_view(prev)
         try:
             impl_out = Outcome(result=self.target_apply(op, index))
         except TraceFormatError:
@@ -722,6 +770,8 @@ class CellsLockstep:
             self.adopt(index, op, before, got)
         self.compare_cells(index, op, got, rows=rows)
         self.compare_positions(index, op)
+        if prev is not None:
+            self.compare_copy(index, op, prev, seen)
         if op["op"] in ("save", "restore") and spec_out.error is None:
             self.compare_snapshot(index, op)
         self.note(op, before, spec_out, pending)
@@ -788,11 +838,17 @@ class CellsLockstep:
             n = len(op["tokens"])
         if not items:
             return
-        why = drop_count_breach(seen, n, items)
+        policy = getattr(self.target, "drop_policy", None)
+        # the count bound holds for a target that declares a drop policy
+        # (reuse only while free cells run short); llama.cpp's find_slot
+        # reuses an out-of-window cell met in head order even while free
+        # cells remain further on, which the spec permits (any droppable
+        # cell may go): a target with no declared policy is held to
+        # droppability alone
+        why = drop_count_breach(seen, n, items) if policy is not None else None
         if why:
             raise Divergence(index, op, "window store: more cells dropped than free cells lack", why,
                              f"window store after the {op['op']}: {_show(got['window'])}")
-        policy = getattr(self.target, "drop_policy", None)
         if policy == sc.DROP_POLICY and "drops" not in op:
             own = sorted((Counter(c.key for c in self.world.memory.store("window") if c.lost)
                           - Counter(c.key for c in seen.store("window") if c.lost)).elements(), key=repr)
@@ -839,17 +895,36 @@ class CellsLockstep:
                                  f"{len(have)} cells; not in the spec: {_show(extra.elements()) or 'none'}")
 
     def compare_positions(self, index: int, op: dict[str, Any]) -> None:
-        """``pos_min`` and ``pos_max`` of every sequence."""
-        m = self.world.memory
-        for s in range(self.cfg["n_seq"]):
-            for name in ("pos_min", "pos_max"):
-                want = getattr(sc, name)(m, s)
-                try:
-                    have = getattr(self.target, name)(s)
-                except Exception as exc:  # noqa: BLE001 - a read that raises is the divergence
-                    raise Divergence(index, op, f"{name}({s}) raised", want, error_text(exc)) from None
-                if not same_value(want, have):
-                    raise Divergence(index, op, f"{name}({s}) differs", want, have)
+        """Every observable of every sequence (:meth:`spec_observables`:
+        ``pos_min``, ``pos_max``, and ``lost`` on ours), then asserts that
+        the keys compared are exactly :meth:`observable_keys` (a compared
+        set that misses one, such as the last sequence id, is a harness
+        defect: AssertionError)."""
+        compared = set()
+        for key, want in self.spec_observables().items():
+            name, seq = key[:-1].split("(")
+            try:
+                have = getattr(self.target, name)(int(seq))
+            except Exception as exc:  # noqa: BLE001 - a read that raises is the divergence
+                raise Divergence(index, op, f"{key} raised", want, error_text(exc)) from None
+            if name == "lost":
+                want, have = sorted(want), sorted(have)
+            if not same_value(want, have):
+                raise Divergence(index, op, f"{key} differs", want, have)
+            compared.add(key)
+        if compared != self.observable_keys():
+            raise AssertionError(f"cells lockstep: op {index} compared {sorted(compared)}, but the observables are "
+                                 f"{sorted(self.observable_keys())}")
+
+    def compare_copy(self, index: int, op: dict[str, Any], prev: Any, seen: Any) -> None:
+        """A copy of our cache taken before the op (``prev``) must not have
+        changed with it: its cells, rows, pending shifts and lost positions
+        (``seen``: :func:`cache_view` of it before the op)."""
+        now = cache_view(prev)
+        if now != seen:
+            what = [k for k in seen if seen[k] != now.get(k)]
+            raise Divergence(index, op, "a copy taken before the op changed with it (copies not independent)",
+                             f"unchanged {what}", f"changed {what}")
 
     def compare_snapshot(self, index: int, op: dict[str, Any]) -> None:
         """The snapshot saved (at ``save``) or restored (at ``restore``):

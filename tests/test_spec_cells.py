@@ -452,3 +452,87 @@ def test_restore_reuses_droppable_window_cells_as_a_decode_does():
     m.decode((1,), (8,), 0)
     before = m.state
     assert m.restore(three, 1) is False and m.state == before
+
+
+# -- two pos_max notions: the reported one (present cells of the window store) and the logical one --------------
+
+
+def _droppable_by_definition(st: sc.CellsState, top) -> frozenset:
+    """Present window cells held by one sequence h, out of the window of
+    ``top(h)``."""
+    w = st.config.window
+    return frozenset(c.key for c in st.present("window") if len(c.seqs) == 1
+                     and sc.out_of_window(c.pos, max(top(next(iter(c.seqs))), c.pos), w))
+
+
+def test_droppable_is_out_of_the_window_of_the_holders_logical_pos_max_over_random_ops():
+    """Over random op sequences: droppable(state) == the single-holder
+    present window cells out of the window of the holder's LOGICAL pos_max;
+    and the states where the reported pos_max would answer otherwise are
+    reached (so a droppable reading the reported one fails here)."""
+    import random
+
+    rng = random.Random(4906)
+    layouts = [sc.CellsConfig(8, 2, ("full", "window"), 3), sc.CellsConfig(6, 3, ("window",), 2),
+               sc.CellsConfig(8, 1, ("full", "window"), 2, window_cells=3), sc.CellsConfig(8, 2, ("full", "window"), 2,
+                                                                                          window_cells=4)]
+    differs = checked = 0
+    for run in range(160):
+        m = mem(layouts[run % len(layouts)])
+        n = m.config.n_seq
+        for _ in range(30):
+            s = rng.randrange(n)
+            p0, p1 = rng.randrange(-1, 8), rng.choice([None, -1, *range(9)])
+            op = rng.choice(["decode", "decode", "decode", "rm", "cp", "add", "add", "save"])
+            try:
+                if op == "decode":
+                    m.decode((s,), tuple(rng.randrange(9) for _ in range(rng.randint(1, 3))),
+                             sc.logical_pos_max(m.state, s) + 1)
+                elif op == "rm":
+                    m.seq_rm(s, p0, p1)
+                elif op == "cp":
+                    m.seq_cp(s, rng.randrange(n), p0, p1)
+                elif op == "add":
+                    m.seq_add(s, p0, p1, rng.randint(-4, 6))
+                else:
+                    m.restore(m.save(s), rng.randrange(n))
+            except InvalidArgumentError:
+                continue
+            st = m.state
+            logical = _droppable_by_definition(st, lambda h, st=st: sc.logical_pos_max(st, h))
+            assert sc.droppable(st) == logical, (run, st)
+            checked += 1
+            differs += logical != _droppable_by_definition(st, lambda h, st=st: sc.pos_max(st, h))
+    assert checked > 2000 and differs > 5, (checked, differs)
+
+
+def test_every_consumer_of_pos_max_reads_its_own_notion_where_the_two_differ():
+    """w = 1, a window store of 2 cells: sequence 1's two tokens reuse both
+    of sequence 0's window cells, so sequence 0 reports pos_max -1 (no
+    present window cell) while its logical pos_max is 1."""
+    m = mem(sc.CellsConfig(6, 1, ("full", "window"), 2, window_cells=2))
+    assert m.decode((0,), (1, 2), 0) and m.decode((1,), (3, 4), 0)
+    st = m.state
+    assert sc.lost(st, 0) == {0, 1}
+    # the reported notion: pos_min/pos_max (the window store), the coupled-group check, save's window part
+    assert (sc.pos_min(st, 0), sc.pos_max(st, 0)) == (-1, -1) and sc.pos_max(st, 1) == 1
+    refused_unchanged(m, lambda: m.decode((0, 1), (9,), 2))  # uncoupled by the reported bounds
+    assert m.save(0).store("window") == () and [p for p, _ in m.save(0).store("full")] == [0, 1]
+    # the logical notion: where a decode continues, the window rule of seq_rm, droppable
+    assert sc.logical_pos_max(st, 0) == 1
+    refused_unchanged(m, lambda: m.decode((0,), (9,), 0))  # reported + 1: refused
+    ok, _ = sc.decode(st, (0,), (9,), 2)
+    assert ok
+    ok, after = sc.seq_rm(st, 0, 1, None)  # logical: the next window (position 1) holds no lost position
+    assert ok and sc.logical_pos_max(after, 0) == 0
+    assert sc.droppable(st) == _droppable_by_definition(st, lambda h: sc.logical_pos_max(st, h))
+    # the same question on a wider window, where the notions give other answers (a shift of lost cells only)
+    m = mem(sc.CellsConfig(8, 2, ("full", "window"), 2, window_cells=4))
+    assert m.decode((0,), (1, 2, 3, 4), 0) and m.decode((0,), (5, 6), 4)
+    assert sc.lost(m.state, 0) == {0, 1}
+    m.seq_add(0, 0, 2, 10)  # the lost positions move above the present ones
+    st = m.state
+    assert sc.pos_max(st, 0) == 5 and sc.logical_pos_max(st, 0) == 11
+    assert (5, frozenset({0}), 6) in sc.droppable(st)  # out of the window of 11, not of 5
+    refused_unchanged(m, lambda: m.decode((0,), (9,), 6))
+    assert m.decode((0,), (9,), 12)

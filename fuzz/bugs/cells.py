@@ -256,6 +256,38 @@ class DroppableOneEarly(CellCache):
         return sorted(out, key=lambda i: (st.pos[i], i))
 
 
+class PosMaxStaleForLastSequence(CellCache):
+    """pos_max of the highest sequence id (``n_seq - 1``) is served from a
+    per-sequence value refreshed only by decode: after a removal, a shift,
+    a restore or a clear it still reports the old end. Only that sequence
+    shows it: a compared set that skips the last sequence id misses it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._last_max = -1
+
+    def decode(self, *args: Any, **kwargs: Any) -> bool:
+        ok = super().decode(*args, **kwargs)
+        self._last_max = super().pos_max(self.n_seq - 1)
+        return ok
+
+    def pos_max(self, seq: int) -> int:
+        got = super().pos_max(seq)
+        return self._last_max if seq == self.n_seq - 1 else got
+
+
+class CloneSharesLost(CellCache):
+    """A copy of the cache shares its stores' lost lists with the original
+    (the metadata copied, the lost cells not): a decode of the original
+    that reuses a window cell changes the copy's lost positions too."""
+
+    def _clone(self) -> dict[str, _Store]:
+        new = super()._clone()
+        for name, st in new.items():
+            st.lost = self._st[name].lost
+        return new
+
+
 def _entry(name: str, clause: str, source: str, replaces: str, description: str, cls: type) -> InjectedBug:
     return InjectedBug(name, clause, source, "cells", ("fp16",), replaces, description, {"cells": cls})
 
@@ -293,4 +325,11 @@ BUGS: tuple[InjectedBug, ...] = (
     _entry("cells_droppable_one_early", "semantics.md 10, decode (droppable: pos_max(h) + 1 - pos >= w)",
            "an off-by-one window test (the SWA mask's < against <=)", "CellCache._droppable",
            "the window reuses a cell one position early, still inside its holder's window", DroppableOneEarly),
+    _entry("cells_pos_max_stale_last_seq", "semantics.md 10, pos_max (the largest present position)",
+           "a per-sequence pos_max cache refreshed only by decode, read for the highest sequence id",
+           "CellCache.pos_max", "pos_max of sequence n_seq - 1 keeps the value of its last decode",
+           PosMaxStaleForLastSequence),
+    _entry("cells_clone_shares_lost", "semantics.md 10, copies (a copy is independent)",
+           "a copy whose lost-cell lists alias the original's", "CellCache._clone",
+           "a copy shares the lost cells of the original: its lost positions change with it", CloneSharesLost),
 )
