@@ -611,3 +611,42 @@ def test_a_collision_with_lost_cells_is_reported_at_its_lowest_position_on_both_
     with pytest.raises(InvalidArgumentError) as theirs:
         m.seq_add(0, 3, None, -3)
     assert str(mine.value) == str(theirs.value) and "position 0" in str(theirs.value)
+
+
+# -- recorded drops (a trace's choice of window cells) and independent copies ------------------------------------
+
+
+def _window_positions(c: CellCache, seq: int) -> list[int]:
+    return sorted(p for p, ss, _, _ in c.cells("window") if seq in ss)
+
+
+def test_decode_and_restore_follow_recorded_drops_and_refuse_one_not_droppable():
+    c = CellCache(4, H, D, dtype="float32", window=2, stores=("window",), n_seq=2)
+    assert c.decode((0,), *rows([1, 2, 3, 4], 0), 0)
+    before = (c.cells("window", apply_shifts=False), c.lost(0))
+    with pytest.raises(KVCacheError, match="may not be dropped"):
+        c.decode((0,), *rows([5], 4), 4, drops=[(3, frozenset({0}), 4)])  # position 3 is in the window
+    after = (c.cells("window", apply_shifts=False), c.lost(0))
+    assert [x[:2] for x in after[0]] == [x[:2] for x in before[0]] and after[1] == before[1]
+    assert c.decode((0,), *rows([5], 4), 4, drops=[[1, [0], 2]])  # the trace's choice, not the lowest (0)
+    assert c.lost(0) == {1} and _window_positions(c, 0) == [0, 2, 3, 4]
+    snap = c.save(0)
+    assert c.restore(snap, 1, drops=[[2, [0], 3], [3, [0], 4]])
+    assert c.lost(0) == {1, 2, 3} and _window_positions(c, 0) == [0, 4] and _window_positions(c, 1) == [3, 4]
+    ref = spec.CellsMemory(spec.CellsConfig(4, 2, ("window",), 2))
+    ref.decode((0,), (1, 2, 3, 4), 0)
+    ref.decode((0,), (5,), 4, drops=[[1, [0], 2]])
+    ref.restore(ref.save(0), 1, drops=[[2, [0], 3], [3, [0], 4]])
+    assert all(spec.lost(ref.state, s) == c.lost(s) for s in range(2))
+
+
+def test_a_highest_first_cache_declares_its_policy_and_a_copy_keeps_its_lost_cells():
+    from fuzz.cells_choosy import HighestFirstCellCache
+
+    assert CellCache.drop_policy == spec.DROP_POLICY and HighestFirstCellCache.drop_policy != spec.DROP_POLICY
+    c = HighestFirstCellCache(4, H, D, dtype="float32", window=2, stores=("window",), n_seq=2)
+    assert c.decode((0,), *rows([1, 2, 3, 4], 0), 0)
+    copy = c.copy()
+    assert c.decode((0,), *rows([5], 4), 4)
+    assert c.lost(0) == {2} and copy.lost(0) == frozenset()  # highest droppable position; the copy untouched
+    assert _window_positions(copy, 0) == [0, 1, 2, 3]
