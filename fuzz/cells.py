@@ -1185,7 +1185,9 @@ class CellsMachine(KVMachine):
         """A restore into a sequence that holds window cells while the
         window store is full of another sequence's cells: after the clear
         of the destination the snapshot's window part needs droppable
-        cells, and a target may choose which (adoption at a restore)."""
+        cells, and a target may choose which (adoption at a restore);
+        then a seq_cp of the source into it (the positions collide:
+        refused)."""
         dst = data.draw(st.integers(0, self.n_seq - 1), label="dst")
         src = data.draw(st.integers(0, self.n_seq - 1).filter(lambda s: s != dst), label="src")
         if not any(dst in c.seqs for c in self.mem.present("window")):
@@ -1197,6 +1199,8 @@ class CellsMachine(KVMachine):
         name = self.fresh_name("s")
         self.do({"op": "save", "seq": src, "name": name})
         self.do({"op": "restore", "name": name, "seq": dst})
+        # dst now holds src's positions (or, without room, its own): sharing them again collides (refused)
+        self.do({"op": "seq_cp", "src": src, "dst": dst, "p0": 0, "p1": None})
 
     @rule(data=st.data())
     def share(self, data: st.DataObject) -> None:
