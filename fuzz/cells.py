@@ -409,15 +409,12 @@ def _spec_run_dropping(world: CellsWorld, op: dict[str, Any], index: int, drops:
     m = world.memory
     if op["op"] == "decode":
         result, m = sc.decode(m, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"], drops=drops)
-        n, seen = len(op["tokens"]), world.memory
     else:
-        snap = _named(world, op, index)[0]
-        result, m = sc.restore(m, snap, op["seq"], drops=drops)
-        n, (_, seen) = len(snap.store("window")), sc.seq_rm(world.memory, op["seq"], -1, None)
-    if result:
-        why = drop_count_breach(seen, n, drops)
-        if why:
-            raise StateError(why)
+        result, m = sc.restore(m, _named(world, op, index)[0], op["seq"], drops=drops)
+    # recorded drops are held to the spec's permission alone (each cell
+    # droppable or forgettable on the state the slot search saw): a trace
+    # does not say which drop policy made them, and llama.cpp's head-order
+    # reuse may take an out-of-window cell while free cells remain
     return result, CellsWorld(m, world.snapshots)
 
 
