@@ -409,12 +409,20 @@ def _spec_run_dropping(world: CellsWorld, op: dict[str, Any], index: int, drops:
     m = world.memory
     if op["op"] == "decode":
         result, m = sc.decode(m, tuple(op["seqs"]), tuple(op["tokens"]), op["pos0"], drops=drops)
+        n, seen = len(op["tokens"]), world.memory
     else:
-        result, m = sc.restore(m, _named(world, op, index)[0], op["seq"], drops=drops)
-    # recorded drops are held to the spec's permission alone (each cell
-    # droppable or forgettable on the state the slot search saw): a trace
-    # does not say which drop policy made them, and llama.cpp's head-order
-    # reuse may take an out-of-window cell while free cells remain
+        snap = _named(world, op, index)[0]
+        result, m = sc.restore(m, snap, op["seq"], drops=drops)
+        n, (_, seen) = len(snap.store("window")), sc.seq_rm(world.memory, op["seq"], -1, None)
+    # recorded drops are held to the spec's permission (each cell droppable
+    # or forgettable on the state the slot search saw) and to the write's
+    # size: a trace does not say which drop policy made them, and
+    # llama.cpp's head-order reuse may take an out-of-window cell while free
+    # cells remain, so "only what free cells lack" is not asked here
+    if result:
+        why = drop_count_breach(seen, n, drops, free_first=False)
+        if why:
+            raise StateError(why)
     return result, CellsWorld(m, world.snapshots)
 
 
@@ -450,7 +458,7 @@ def drops_json(items: list[Any]) -> list[Any]:
     return out
 
 
-def drop_count_breach(seen: Any, n: int, items: list[Any]) -> str | None:
+def drop_count_breach(seen: Any, n: int, items: list[Any], free_first: bool = True) -> str | None:
     """Why ``items`` drop more than a write of ``n`` cells needs, or None.
     The window store may reuse cells only while free cells run short: at
     most ``n - free cells`` (``spec.cells.free_cells`` on ``seen``, the
@@ -458,14 +466,14 @@ def drop_count_breach(seen: Any, n: int, items: list[Any]) -> str | None:
     purges (llama.cpp's ``apply_ubatch`` removes a sequence from its
     cells at or below a reused one), so the sequences the drops take cells
     from number at most that many."""
-    short = max(0, n - sc.free_cells(seen, "window"))
+    short = max(0, n - sc.free_cells(seen, "window")) if free_first else n
     holders = set()
     for item in items:
         key, seq = sc.drop_item(item)
         holders |= set(key[1]) if seq is None else {seq}
     if len(holders) > short:
         return (f"the window store dropped cells of {len(holders)} sequences ({sorted(holders)}) but a write of "
-                f"{n} cells with {sc.free_cells(seen, 'window')} free lacks only {short}")
+                f"{n} cells with {sc.free_cells(seen, 'window')} free may reuse cells of at most {short}")
     return None
 
 
@@ -841,10 +849,10 @@ class CellsLockstep:
         # reuses an out-of-window cell met in head order even while free
         # cells remain further on, which the spec permits (any droppable
         # cell may go): a target with no declared policy is held to
-        # droppability alone
-        why = drop_count_breach(seen, n, items) if policy is not None else None
+        # droppability and to the write's size (a write reuses at most n cells)
+        why = drop_count_breach(seen, n, items, free_first=policy is not None)
         if why:
-            raise Divergence(index, op, "window store: more cells dropped than free cells lack", why,
+            raise Divergence(index, op, "window store: more cells dropped than the write needs", why,
                              f"window store after the {op['op']}: {_show(got['window'])}")
         if policy == sc.DROP_POLICY and "drops" not in op:
             own = sorted((Counter(c.key for c in self.world.memory.store("window") if c.lost)

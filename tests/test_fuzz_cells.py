@@ -295,7 +295,7 @@ def test_no_target_drops_more_than_free_cells_lack():
     lock = CellsLockstep(dict(WIN_ONLY, n_seq=2), DropsTwo)
     lock.step(0, {"op": "decode", "seqs": [1], "tokens": [1, 2, 3], "pos0": 0})
     lock.step(1, {"op": "decode", "seqs": [0], "tokens": [4, 5, 6], "pos0": 0})
-    with pytest.raises(Divergence, match="more cells dropped than free cells lack"):
+    with pytest.raises(Divergence, match="more cells dropped than the write needs"):
         lock.step(2, {"op": "decode", "seqs": [0], "tokens": [7], "pos0": 3})
 
 
@@ -325,3 +325,18 @@ def test_recorded_drops_beyond_the_need():
     op = {"op": "decode", "seqs": [0], "tokens": [3], "pos0": 2}
     ok, after = _spec_run_dropping(world, op, 1, [[0, [0], 1]])
     assert ok and sc.lost(after.memory, 0) == frozenset({0})
+
+
+def test_recorded_drops_are_bounded_by_the_write_size():
+    """Whatever the policy, a write of n cells reuses at most n: recorded
+    drops taking cells of more sequences than that are refused."""
+    import spec.cells as sc
+    from fuzz.cells import CellsWorld, _spec_run_dropping
+    from spec.errors import StateError
+
+    m = sc.CellsMemory(n_cells=6, window=1, stores=("window",), n_seq=2)
+    m.decode((0,), (1, 2), 0)
+    m.decode((1,), (3, 4), 0)
+    op = {"op": "decode", "seqs": [0], "tokens": [5], "pos0": 2}
+    with pytest.raises(StateError, match="at most 1"):
+        _spec_run_dropping(CellsWorld(m.state, {}), op, 2, [[0, [0], 1], [0, [1], 3]])
