@@ -501,7 +501,12 @@ class Lockstep:
                 self.expected_row(t, mode)
         lookup = {pair: t for (t, m), pair in self._expected.items() if m == mode}
         out: list[Any] = []
-        for j in range(k.shape[2]):
+        for j in range(max(k.shape[2], v.shape[2])):
+            if j >= k.shape[2] or j >= v.shape[2]:
+                # a target that took a K/V pair of different lengths holds
+                # a row on one side only: no token's pair
+                out.append(f"{'V' if j >= k.shape[2] else 'K'} only")
+                continue
             pair = (k[:, :, j : j + 1, :].tobytes(), v[:, :, j : j + 1, :].tobytes())
             tok = lookup.get(pair)
             if tok is None and not k[:, :, j, :].any() and not v[:, :, j, :].any():

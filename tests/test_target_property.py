@@ -301,3 +301,18 @@ def test_smoke_subprocess_reload_and_bfloat16_on_mlx_lm(tmp_path):
     got = _cli("replay", str(tmp_path), "--target", "mlx-lm", "--waive", "capacity")
     assert got.returncode == 0, got.stdout + got.stderr
     assert "Traceback" not in got.stderr and "tool failure" not in got.stdout, got.stderr
+
+
+def test_a_target_holding_a_k_row_without_its_v_row_is_a_divergence(tmp_path, capsys):
+    """Found by the property above: mlx-lm's concatenating cache takes a K/V
+    pair whose values have another batch, and then holds a K row with no V
+    row; naming the window's rows assumed equal K and V lengths and crashed
+    the harness (exit 2, tool failure). It is the target's divergence."""
+    trace = {"kvtrace": 1, "cache": {"kind": "dense", "mode": "fp16", "step": 2, "batch": 1, "kv_heads": 1,
+                                     "head_dim": 8, "dtype": "float16", "inplace": True},
+             "ops": [{"op": "append", "n": 1}, {"op": "fetch"}, {"op": "append", "n": 1}, {"op": "append", "n": 1},
+                     {"op": "append_pair_mismatch", "n": 1, "differs": "batch"}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    assert main(["replay", str(path), "--target", "mlx-lm-concat"]) == 1
+    assert "K only" in capsys.readouterr().out
