@@ -171,6 +171,11 @@ def classify_failure(lock: Any, index: int, op: dict[str, Any], exc: BaseExcepti
 
     if isinstance(exc, HarnessFailure):  # already told apart (e.g. by the exec: client)
         return exc
+    if isinstance(exc, TraceFormatError):
+        # the trace asks for what this cache cannot do (e.g. a reload via
+        # 'state' of a class without a state setter): the trace's problem,
+        # exit 2 naming it, never the harness's own failure
+        return exc
     where = raised_in(exc)
     target = getattr(lock, "target", None)
     impl_is_target = target is None or target.is_impl

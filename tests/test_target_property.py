@@ -72,6 +72,10 @@ def value(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if "const" in s:
         return st.just(s["const"])
     kind = s.get("type")
+    if isinstance(kind, list):  # e.g. ["string", "integer"], ["integer", "null"]
+        return st.one_of([value({**s, "type": t}) for t in kind])
+    if kind == "null":
+        return st.none()
     if kind == "boolean":
         return st.booleans()
     if kind == "integer":
@@ -80,6 +84,8 @@ def value(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if kind == "string":
         return st.one_of(st.sampled_from(["", "0", "1", "false", "ON", "fp16", "nope"]),
                          st.text(max_size=min(s.get("maxLength", 16), 16)))
+    if kind == "array" and isinstance(s.get("items"), dict):
+        return st.lists(value(s["items"]), max_size=3)
     if kind == "array":
         return st.lists(st.one_of(st.none(), st.integers(-2, 4), st.text(max_size=4)), max_size=3)
     if kind == "object":
@@ -316,3 +322,18 @@ def test_a_target_holding_a_k_row_without_its_v_row_is_a_divergence(tmp_path, ca
     path.write_text(json.dumps(trace))
     assert main(["replay", str(path), "--target", "mlx-lm-concat"]) == 1
     assert "K only" in capsys.readouterr().out
+
+
+def test_a_trace_asking_what_the_cache_cannot_do_is_invalid_not_a_tool_failure(tmp_path, capsys):
+    """Found by the property above: a reload via 'state' of a Turbo cache
+    (no state setter) raised the trace's TraceFormatError inside the
+    harness, which reported it as its own failure ('tool failure'). It is
+    the trace's problem: exit 2, status invalid, naming the rule."""
+    trace = {"kvtrace": 1, "cache": {"kind": "dense", "mode": "turbo4asym", "step": 1, "batch": 1, "kv_heads": 1,
+                                     "head_dim": 8, "dtype": "float16", "inplace": False},
+             "ops": [{"op": "append", "n": 1}, {"op": "reload", "via": "state"}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    assert main(["replay", str(path), "--json"]) == 2
+    got = json.loads(capsys.readouterr().out)
+    assert got["status"] == "invalid" and "state setter" in got["invalid"], got
