@@ -79,16 +79,26 @@ def pytest_xdist_make_scheduler(config, log):
     return FilesOrSpreadTests(config, log)
 
 
-#: where test_transformers_traces counts its replays (module attribute DONE)
-TRACES_MODULE = "tests.test_transformers_traces"
+#: where the recorded-trace tests count their replays (module attribute
+#: DONE: ours, and the engine's own where it is installed), by engine
+TRACES_MODULES = {"transformers": "tests.test_transformers_traces", "llama.cpp": "tests.test_llama_cpp_target"}
+#: the optional extra that installs each engine
+EXTRAS = {"transformers": "PyTorch/transformers not installed: optional extra 'transformers'",
+          "llama.cpp": "llama-cpp-python not installed: optional extra 'llama-cpp'"}
 
 
 def traces_done() -> dict[str, int]:
-    """This process's replay counts (zero where the module did not run)."""
+    """This process's replay counts, keyed ``engine/ours`` and
+    ``engine/engine`` (zero where the module did not run)."""
     import sys
 
-    mod = sys.modules.get(TRACES_MODULE)
-    return dict(mod.DONE) if mod is not None else {"ours": 0, "transformers": 0}
+    out = {}
+    for engine, name in TRACES_MODULES.items():
+        mod = sys.modules.get(name)
+        done = dict(mod.DONE) if mod is not None else {}
+        out[f"{engine}/ours"] = done.get("ours", 0)
+        out[f"{engine}/engine"] = done.get(engine, 0)
+    return out
 
 
 def pytest_sessionfinish(session):
@@ -102,19 +112,19 @@ def pytest_testnodedown(node, error):
     """The controller adds up each worker's counts (pytest-xdist hook; only
     called where xdist is running)."""
     got = getattr(node, "workeroutput", {}).get("kvspec_traces_done", {})
-    total = node.config.stash.setdefault(TRACES_KEY, {"ours": 0, "transformers": 0})
+    total = node.config.stash.setdefault(TRACES_KEY, {})
     for key, n in got.items():
         total[key] = total.get(key, 0) + n
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say which engines the recorded transformers traces were replayed on
-    (tests/test_transformers_traces.py): ours always, transformers where
-    PyTorch is installed."""
+    """Say which engines the recorded engine traces were replayed on
+    (tests/test_transformers_traces.py, tests/test_llama_cpp_target.py):
+    ours always, the engine's own where its optional extra is installed."""
     done = terminalreporter.config.stash.get(TRACES_KEY, None) or traces_done()
-    if not any(done.values()):
-        return
-    on = f"and against transformers ({done['transformers']})" if done["transformers"] else (
-        "only (PyTorch/transformers not installed: optional extra 'transformers')")
-    terminalreporter.write_line(f"kvspec: recorded transformers traces replayed against our caches "
-                                f"({done['ours']}) {on}")
+    for engine in TRACES_MODULES:
+        ours, theirs = done.get(f"{engine}/ours", 0), done.get(f"{engine}/engine", 0)
+        if not ours and not theirs:
+            continue
+        on = f"and against {engine} ({theirs})" if theirs else f"only ({EXTRAS[engine]})"
+        terminalreporter.write_line(f"kvspec: recorded {engine} traces replayed against our caches ({ours}) {on}")
