@@ -45,10 +45,11 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fuzz.commands.conformance import ClassReport
 from fuzz.failures import Divergence
 from fuzz.trace import TraceFormatError
 
@@ -405,34 +406,22 @@ class CellsFinding:
 
 
 @dataclass
-class CellsClassReport:
-    """What fuzzing one llama.cpp memory found."""
+class CellsClassReport(ClassReport):
+    """What fuzzing one llama.cpp memory found: mlx-lm's class report (the
+    conformance schema) with the search's own rates."""
 
-    cache_class: str
     target: str = "llama.cpp"
     kind: str = "cells"
     mode: str = ""
-    seconds: float = 0.0
-    #: examples run by the search (shrinking's replays not counted)
-    examples: int = 0
-    steps: int = 0
+    findings: list[CellsFinding] = field(default_factory=list)  # type: ignore[assignment]
     #: ops per second while running examples (shrinking and replays not counted)
     ops_per_second: float = 0.0
     #: seconds spent running examples (the rest: shrinking, replays)
     example_seconds: float = 0.0
-    covered: dict[str, int] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    not_compared: dict[str, str] = field(default_factory=dict)
-    findings: list[CellsFinding] = field(default_factory=list)
-    ended: str = ""
-    no_verdict: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = super().to_json()
         for f, doc in zip(self.findings, out["findings"]):
-            doc["replay"] = f.replay_command
-            doc["confirmed"] = f.confirmed
-            doc["category"] = f.category
             doc["then"] = f"stopped generating {f.excluded}"
             doc["waived"] = []
         return out
