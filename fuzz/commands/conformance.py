@@ -239,8 +239,11 @@ def _exit(trace: Trace, target: Target) -> int:
 
 
 def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, out: Path,
-                 max_findings: int = 8, batch: int = 25, steps: int = 40) -> ClassReport:
-    """Fuzz one class in rounds (module docstring) for ``budget`` seconds."""
+                 max_findings: int = 8, batch: int = 25, steps: int = 40,
+                 max_rounds: int | None = None) -> ClassReport:
+    """Fuzz one class in rounds (module docstring) for ``budget`` seconds,
+    or ``max_rounds`` rounds of ``batch`` examples in all where given (a
+    verdict bounded by examples, never by the clock: pass ``budget=math.inf``)."""
     base = resolve(target_name)
     report = ClassReport(cls.name, target_name, cls.kind, cls.mode, skipped=dict(cls.skipped),
                          not_compared={**cls.not_compared, "in-place decision": INPLACE_REASON})
@@ -250,7 +253,7 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
     while target is not None and len(report.findings) < max_findings:
         machine = machine_for(cls.kind, cls.mode, True, target=target)
         failure = None
-        while time.perf_counter() - start < budget:
+        while time.perf_counter() - start < budget and (max_rounds is None or k < max_rounds):
             result = run_machine(machine, seed + k, max_examples=batch, steps=steps, engine="stateful")
             k += 1
             report.examples += result.examples
@@ -261,7 +264,8 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
         for name, count in machine.covered.items():
             report.covered[name] = report.covered.get(name, 0) + count
         if failure is None:
-            report.ended = "budget spent without a further divergence"
+            report.ended = ("budget spent without a further divergence" if max_rounds is None or k < max_rounds
+                            else f"{max_rounds} rounds spent without a further divergence")
             break
         assert failure.error is not None
         status = failure_status(failure.error)
