@@ -130,8 +130,9 @@ def _check_tokens(op: str, tokens: Any) -> tuple[int, ...]:
 def _check_salt(op: str, salt: Any) -> Any:
     if salt is None:
         return None
-    if isinstance(salt, bool) or not isinstance(salt, (int, np.integer)):
-        raise InvalidArgumentError(f"{op}: salt must be None or an integer (the request's extra key), got {salt!r}")
+    if isinstance(salt, bool) or not isinstance(salt, (int, np.integer)) or salt < 0:
+        raise InvalidArgumentError(f"{op}: salt must be None or an integer >= 0 (the request's extra key), "
+                                   f"got {salt!r}")
     return int(salt)
 
 
@@ -224,7 +225,7 @@ class PrefixCachePool:
         of refcount 0, each once. Rule: ``spec.prefix.free`` (the queue's
         order), ``spec.prefix.broken_invariants`` (4)."""
         out, b, tail = [], self._next[self.n_blocks], self.n_blocks + 1
-        while b != tail:
+        while b != tail and len(out) <= self.n_blocks:  # bounded: a corrupted link cannot loop
             out.append(b)
             b = self._next[b]
         return tuple(out)
@@ -446,8 +447,9 @@ class PrefixCachePool:
         InvalidArgumentError for empty or bad tokens. Rule:
         ``spec.prefix.decode``."""
         op = "decode"
-        r = self._require(op, req)
+        req = _check_req(op, req)
         tokens = _check_tokens(op, tokens)
+        r = self._require(op, req)
         self._no_pending(op)
         need = blocks_for(len(r.tokens) + len(tokens), self.block_size) - len(r.table)
         if need > self._n_free:
@@ -650,9 +652,10 @@ class PrefixCachePool:
         for b in ids:
             if self._ref[b] == 0:
                 raise StateError(f"{op}: block {b} has refcount 0 (it is free already: a double free)")
-            holder = next(name for name, r in self._reqs.items() if b in r.table)
-            raise StateError(f"{op}: block {b} is held by request {holder!r}'s table (its holder would lose it; "
-                             f"free the request instead)")
+        b = ids[0]
+        holders = sorted(name for name, r in self._reqs.items() if b in r.table)
+        raise StateError(f"{op}: block {b} is held by request(s) {holders} (refcount {self._ref[b]}); only "
+                         f"free(req) releases a table's blocks")
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache``: when no block is held (every
@@ -685,57 +688,61 @@ class PrefixCachePool:
 
     def broken_invariants(self) -> tuple[str, ...]:
         """The metadata invariants this pool breaks (empty: none), each a
-        message naming the block or request: keys name whole blocks of the
-        right length and agree with every live holder's tokens (1; the rows
-        themselves are compared by the tests, which name them), every keyed
-        block is under its key once and no id under two keys (2), refcount
-        == live holders and no table holds a block twice (3), the free queue
-        == the blocks of refcount 0, each once, and its links agree (4), a
-        partial tail block has refcount 1 and no key (6), ``len(table) ==
-        ceil(len / block_size)`` (7). Rule:
-        ``spec.prefix.broken_invariants``."""
+        message that starts with the name of the spec's invariant
+        (``spec.prefix.broken_invariants``) and names the block or request:
+        ``keys_name_contents`` (a key names whole blocks; the rows
+        themselves are compared by the tests, which name them),
+        ``cached_map_exact``, ``refcounts_match_tables``,
+        ``free_queue_exact`` (the links, count and membership agree too),
+        ``partial_tail_private``, ``tables_sized``, ``full_blocks_keyed``
+        (every written full block of a live request is under its own key).
+        Rule: ``spec.prefix.broken_invariants``."""
         bs, out = self.block_size, []
         holders = [0] * self.n_blocks
         for name, r in self._reqs.items():
             if not r.live:
                 if r.table:
-                    out.append(f"request {name!r} is preempted but holds {r.table}")
+                    out.append(f"refcounts_match_tables: request {name!r} is preempted but holds {r.table}")
                 continue
             if len(set(r.table)) != len(r.table):
-                out.append(f"request {name!r}'s table {r.table} holds a block twice")
+                out.append(f"refcounts_match_tables: request {name!r}'s table {r.table} holds a block twice")
             if len(r.table) != blocks_for(len(r.tokens), bs):
-                out.append(f"request {name!r}: table of {len(r.table)} blocks for {len(r.tokens)} tokens")
+                out.append(f"tables_sized: request {name!r} has a table of {len(r.table)} blocks for "
+                           f"{len(r.tokens)} tokens")
             for i, b in enumerate(r.table):
                 holders[b] += 1
-                key = self._key[b]
-                if key is not None and key != (r.salt, tuple(r.tokens[:(i + 1) * bs])):
-                    out.append(f"block {b} key {key!r} is not request {name!r}'s block {i}")
+                want = (r.salt, tuple(r.tokens[:(i + 1) * bs]))
+                if i < r.written // bs and self._key[b] != want:
+                    out.append(f"full_blocks_keyed: block {b} (request {name!r}'s block {i}) has key "
+                               f"{self._key[b]!r}, not {want!r}")
             if len(r.tokens) % bs and r.table:
                 b = r.table[-1]
                 if self._ref[b] != 1 or self._key[b] is not None:
-                    out.append(f"block {b} holds request {name!r}'s partial tail but has refcount {self._ref[b]} "
-                               f"and key {self._key[b]!r}")
+                    out.append(f"partial_tail_private: block {b} holds request {name!r}'s partial tail but has "
+                               f"refcount {self._ref[b]} and key {self._key[b]!r}")
         seen: dict[int, Key] = {}
         for key, ids in self._cached.items():
             if not ids:
-                out.append(f"cached key {key!r} has no block")
+                out.append(f"cached_map_exact: cached key {key!r} lists no block")
             for b in ids:
                 if b in seen:
-                    out.append(f"block {b} is under two keys or twice under one: {seen[b]!r} and {key!r}")
+                    out.append(f"cached_map_exact: block {b} is listed twice ({seen[b]!r} and {key!r})")
                 seen[b] = key
                 if self._key[b] != key:
-                    out.append(f"cached key {key!r} lists block {b}, whose key is {self._key[b]!r}")
-            salt_tokens = key[1] if isinstance(key, tuple) and len(key) == 2 else ()
-            if not salt_tokens or len(salt_tokens) % bs:
-                out.append(f"cached key {key!r} does not name whole blocks")
+                    out.append(f"cached_map_exact: cached key {key!r} lists block {b}, whose key is "
+                               f"{self._key[b]!r}")
+            if len(key[1]) < bs or len(key[1]) % bs:
+                out.append(f"keys_name_contents: cached key {key!r} does not name whole blocks")
         for b in range(self.n_blocks):
             if self._ref[b] != holders[b]:
-                out.append(f"block {b} has refcount {self._ref[b]} but {holders[b]} live holders")
+                out.append(f"refcounts_match_tables: block {b} has refcount {self._ref[b]} but {holders[b]} "
+                           f"live holders")
             if self._key[b] is not None and b not in seen:
-                out.append(f"block {b} has key {self._key[b]!r} but is not in the cached map")
+                out.append(f"cached_map_exact: block {b} has key {self._key[b]!r} but is not in the cached map")
         queue = self.free_queue()
         if len(queue) != len(set(queue)) or set(queue) != {b for b in range(self.n_blocks) if self._ref[b] == 0}:
-            out.append(f"free queue {list(queue)} is not the blocks of refcount 0, each once")
-        if len(queue) != self._n_free or any(self._in_free[b] != (b in set(queue)) for b in range(self.n_blocks)):
-            out.append("free queue bookkeeping (count, membership) disagrees with its links")
+            out.append(f"free_queue_exact: free queue {list(queue)} is not the blocks of refcount 0, each once")
+        members = set(queue)
+        if len(queue) != self._n_free or any(self._in_free[b] != (b in members) for b in range(self.n_blocks)):
+            out.append("free_queue_exact: the queue's count or membership flags disagree with its links")
         return tuple(out)
