@@ -421,6 +421,30 @@ def test_reset_refused_while_blocks_are_held():
     assert r == sp.AdmitResult(True, 0, (3, 1))  # the front of the queue: b's tail, then a's
 
 
+def test_the_worked_example_of_docs_prefix():
+    """docs/prefix.md's worked example, step by step."""
+    w = world(2, 4)
+    steps = [
+        (admit("a", [1, 2, 3, 4]), {"admitted": True, "hit": 0, "table": [0, 1]}, (2, 3)),
+        (admit("b", [1, 2, 3, 4]), {"admitted": True, "hit": 2, "table": [0, 2]}, (3,)),
+        ({"op": "free", "req": "a"}, None, (3, 1)),
+        (admit("c", [1, 2, 3, 4, 5]), {"admitted": True, "hit": 4, "table": [0, 1, 3]}, ()),
+        (admit("d", [7]), {"admitted": False, "hit": 0, "table": []}, ()),
+        ({"op": "free", "req": "c"}, None, (3, 1)),
+        ({"op": "free", "req": "b"}, None, (3, 1, 2, 0)),
+        (admit("d", [7, 8, 9]), {"admitted": True, "hit": 0, "table": [3, 1]}, (2, 0)),
+        ({"op": "lookup", "tokens": [1, 2, 3, 4, 5]}, 4, (2, 0)),
+    ]
+    for i, (op, want, queue) in enumerate(steps, 1):
+        got, w = sp.apply_op(w, op)
+        assert (got, w.free) == (want, queue), i
+        assert sp.broken_invariants(w) == ()
+        if i == 2:
+            assert w.cached_map()[key((1, 2, 3, 4))] == (1, 2)
+    assert w.cached_map() == {key((1, 2)): (0,), key((1, 2, 3, 4)): (2,), key((7, 8)): (3,)}
+    assert w.blocks[1].rows == ((N, (7, 8, 9)), None) and w.blocks[1].key is None
+
+
 # -- apply_op, observe, the model ---------------------------------------------------------
 
 
