@@ -192,6 +192,9 @@ class PrefixCachePool:
         self._key: list[Key | None] = [None] * n_blocks
         self._cached: dict[Key, list[int]] = {}
         self._reqs: dict[str, _Request] = {}
+        # the request whose rows are pending (at most one: allocations are
+        # refused while one is), None when none is
+        self._pending: str | None = None
         # the free queue: a doubly linked list over block ids with two
         # sentinels, HEAD = n_blocks and TAIL = n_blocks + 1
         head, tail = n_blocks, n_blocks + 1
@@ -302,11 +305,11 @@ class PrefixCachePool:
         return (r.written, len(r.tokens))
 
     def _no_pending(self, op: str) -> None:
-        for name, r in self._reqs.items():
-            if r.live and r.written < len(r.tokens):
-                raise StateError(f"{op}: request {name!r} has rows pending for positions [{r.written}, "
-                                 f"{len(r.tokens)}); write() them first (between an admit, decode or resume and "
-                                 f"its write no other request is admitted, decoded, resumed or looked up)")
+        if self._pending is not None:
+            name, r = self._pending, self._reqs[self._pending]
+            raise StateError(f"{op}: request {name!r} has rows pending for positions [{r.written}, "
+                             f"{len(r.tokens)}); write() them first (between an admit, decode or resume and its "
+                             f"write no other request is admitted, decoded, resumed or looked up)")
 
     @property
     def dtype(self) -> Any:
@@ -416,7 +419,7 @@ class PrefixCachePool:
         self._no_pending(op)
         res, new = self._admit(op, tokens, salt)
         if new is not None:
-            self._reqs[req] = new
+            self._reqs[req], self._pending = new, req
         return res
 
     def resume(self, req: str) -> AdmitResult:
@@ -431,7 +434,7 @@ class PrefixCachePool:
         self._no_pending(op)
         res, new = self._admit(op, tuple(r.tokens), r.salt)
         if new is not None:
-            self._reqs[req] = new
+            self._reqs[req], self._pending = new, req
         return res
 
     def decode(self, req: str, tokens: Any) -> bool:
@@ -456,6 +459,7 @@ class PrefixCachePool:
             return False
         r.table += [self._take() for _ in range(need)]
         r.tokens += tokens
+        self._pending = req
         return True
 
     # -- rows ------------------------------------------------------------------------
@@ -541,7 +545,7 @@ class PrefixCachePool:
             self.keys = write_copy(self.keys, k, at)
             self.values = write_copy(self.values, v, at)
         mx.eval(self.keys, self.values)
-        r.written = n
+        r.written, self._pending = n, None
         tokens = tuple(r.tokens)
         for i in range(w // bs, n // bs):
             key = (r.salt, tokens[:(i + 1) * bs])
@@ -616,6 +620,8 @@ class PrefixCachePool:
         r = self._require("free", req)
         self._release(r)
         del self._reqs[req]
+        if self._pending == req:
+            self._pending = None
 
     def preempt(self, req: str) -> None:
         """As :meth:`free`, but the request stays known, preempted
@@ -627,6 +633,8 @@ class PrefixCachePool:
         r = self._require("preempt", req)
         self._release(r)
         r.live, r.written = False, 0
+        if self._pending == req:
+            self._pending = None
 
     def free_blocks(self, blocks: Any) -> None:
         """The pool's own release of blocks by id (vLLM's
@@ -695,8 +703,10 @@ class PrefixCachePool:
         ``cached_map_exact``, ``refcounts_match_tables``,
         ``free_queue_exact`` (the links, count and membership agree too),
         ``partial_tail_private``, ``tables_sized``, ``full_blocks_keyed``
-        (every written full block of a live request is under its own key).
-        Rule: ``spec.prefix.broken_invariants``."""
+        (every written full block of a live request is under its own key);
+        and the pool's own ``pending_rows`` (at most one request has rows
+        pending, the one the pool records). Rule:
+        ``spec.prefix.broken_invariants``."""
         bs, out = self.block_size, []
         holders = [0] * self.n_blocks
         for name, r in self._reqs.items():
@@ -742,6 +752,10 @@ class PrefixCachePool:
         queue = self.free_queue()
         if len(queue) != len(set(queue)) or set(queue) != {b for b in range(self.n_blocks) if self._ref[b] == 0}:
             out.append(f"free_queue_exact: free queue {list(queue)} is not the blocks of refcount 0, each once")
+        pending = {name for name, r in self._reqs.items() if r.live and r.written < len(r.tokens)}
+        if pending != ({self._pending} if self._pending is not None else set()):
+            out.append(f"pending_rows: requests with rows pending {sorted(pending)} but the pool records "
+                       f"{self._pending!r}")
         members = set(queue)
         if len(queue) != self._n_free or any(self._in_free[b] != (b in members) for b in range(self.n_blocks)):
             out.append("free_queue_exact: the queue's count or membership flags disagree with its links")

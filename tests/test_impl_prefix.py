@@ -134,7 +134,7 @@ def snapshot(pool: PrefixCachePool) -> dict:
         "cached_order": [list(ids) for ids in pool._cached.values()],
         "reqs": {n: (list(r.tokens), r.salt, list(r.table), r.live, r.written) for n, r in pool._reqs.items()},
         "links": (list(pool._next), list(pool._prev), list(pool._in_free), pool._n_free),
-        "free": pool.free_queue(),
+        "free": pool.free_queue(), "pending": pool._pending,
         "slabs": None if pool.keys is None else (pool.keys.dtype, host(pool.keys).tobytes(),
                                                  pool.values.dtype, host(pool.values).tobytes()),
     }
