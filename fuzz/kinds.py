@@ -286,6 +286,26 @@ KINDS: dict[str, Kind] = {
             lockstep="fuzz.cells:CellsLockstep", machine="fuzz.cells:CellsMachine", bugs="fuzz.bugs.cells:BUGS",
             inplace_switch=False,
         ),
+        Kind(
+            "prefix", "prefix caching by content (PrefixCachePool, vLLM's KV-cache manager): full blocks found by "
+            "the tokens they hold, hits capped one token short, cached-free blocks kept until evicted, the free "
+            "queue's eviction order, refcounts, preemption",
+            modes=("fp16",),
+            # block_size: B; n_blocks: usable blocks (an engine's null block
+            # not counted); window: null (full attention; a sliding-window
+            # group is not implemented: refused)
+            fields={"block_size": REQUIRED, "n_blocks": REQUIRED, "window": REQUIRED},
+            ops=("admit", "decode", "free", "preempt", "resume", "lookup", "free_blocks", "reset"),
+            # requests, not one sequence: the one-sequence ops are not its ops
+            without={op: "a prefix cache is driven by admit, decode, free, preempt, resume, lookup, free_blocks "
+                         "and reset (docs/prefix.md)" for op in COMMON_OPS if op != "expect"},
+            campaigns=(("fp16", True),),
+            must_reach=("hits", "whole-prompt hit capped", "evictions", "duplicate keys", "admit refused",
+                        "decode refused", "cached-free block hit", "preempt then resume hit", "reset refused",
+                        "reset", "free_blocks refused", "salted miss"),
+            lockstep="fuzz.prefix:PrefixLockstep", machine="fuzz.prefix:PrefixMachine", bugs="fuzz.bugs.prefix:BUGS",
+            inplace_switch=False,
+        ),
     )
 }
 

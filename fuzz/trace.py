@@ -356,7 +356,50 @@ def _rows_bound(cache: dict[str, Any], ops: list[dict[str, Any]]) -> int:
         rows = sum(n + 2 * bs for n in appended) + cache.get("chunk", 1) * bs
     if cache["kind"] == "rotating":
         rows = min(rows, cache["max_size"] + max(appended, default=0)) + cache.get("undo", 0)
+    if cache["kind"] == "prefix":  # the pool's slabs, allocated whole on the first write
+        rows = cache["n_blocks"] * cache["block_size"]
     return rows
+
+
+#: op fields one kind needs and another refuses, where two kinds share the op
+#: name (the schema states the union): (kind, op) -> (required, refused)
+KIND_OP_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {
+    ("cells", "decode"): (("seqs", "pos0"), ("req",)),
+    ("prefix", "decode"): (("req",), ("seqs", "pos0", "drops")),
+    ("prefix", "expect"): ((), ("of", "order", "layer", "store")),
+}
+
+
+def _kind_op_problems(kind: str, i: int, op: dict[str, Any]) -> list[tuple[list[Any], str]]:
+    """The rules of one kind's op that the schema (shared by every kind)
+    cannot state: the fields a shared op name takes in this kind, the
+    ``window`` of an expect (a prefix expect names its checks), and a
+    prefix trace's token ids (integers >= 0: a block's key is its tokens)."""
+    out: list[tuple[list[Any], str]] = []
+    name = op["op"]
+    required, refused = KIND_OP_FIELDS.get((kind, name), ((), ()))
+    out += [(["ops", i], f"{f!r} is a required property") for f in required if f not in op]
+    out += [(["ops", i, f], f"a {kind} {name} has no field {f!r}") for f in refused if f in op]
+    if name == "expect" and kind != "prefix":
+        if "window" not in op:
+            out.append((["ops", i], "'window' is a required property"))
+        out += [(["ops", i, f], f"a {kind} expect has no field {f!r} (a prefix expect's)")
+                for f in ("req", "table", "free") if f in op]
+    if kind != "prefix":
+        return out
+    for f in ("tokens", "window"):
+        bad = [t for t in op.get(f, ()) if isinstance(t, int) and t < 0]
+        if bad:
+            why = f"token ids are integers >= 0 (a prefix block's key is its tokens), got {bad[0]}"
+            out.append((["ops", i, f], why))
+    if name == "expect":
+        if not {"window", "table", "free"} & set(op):
+            why = "a prefix expect checks something: 'window' and/or 'table' of a request ('req'), or 'free'"
+            out.append((["ops", i], why + " (the free queue)"))
+        if {"window", "table"} & set(op) and "req" not in op:
+            why = "'req' is a required property (a prefix expect's 'window' and 'table' are a request's)"
+            out.append((["ops", i], why))
+    return out
 
 
 def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
@@ -378,6 +421,7 @@ def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str,
         if op["op"] not in known:
             why = f"op {op['op']!r} is not an operation of a {kind.kind} cache (its ops: {', '.join(kind.all_ops)})"
             problems.append((["ops", i], why))
+        problems += _kind_op_problems(kind.kind, i, op)
     if problems:
         _raise(problems, {"cache": 0, "ops": 0})
     appended = sum(op["n"] for op in ops if op["op"] == "append")

@@ -184,7 +184,12 @@ _FIELDS = {
     "decode": ["seqs", "tokens", "pos0", "drops"], "seq_rm": ["seq", "p0", "p1"], "seq_cp": ["src", "dst", "p0", "p1"],
     "seq_keep": ["seq"], "seq_add": ["seq", "p0", "p1", "delta"], "seq_div": ["seq", "p0", "p1", "d"],
     "pos_min": ["seq", "value"], "pos_max": ["seq", "value"], "save": ["seq", "name"], "clear": [],
+    # the prefix kind (decode's req and expect's req, table, free: its fields of the shared op names)
+    "admit": ["req", "tokens", "salt"], "free": ["req"], "preempt": ["req"], "resume": ["req"],
+    "lookup": ["tokens", "salt"], "free_blocks": ["blocks"], "reset": [],
 }
+_FIELDS["decode"] = [*_FIELDS["decode"], "req"]
+_FIELDS["expect"] = [*_FIELDS["expect"], "req", "table", "free"]
 _CHECKS = ["returns", "error", "inplace", "capacity", "seq", "colour", "n", "name", "window"]
 
 
@@ -214,6 +219,7 @@ _VALID = {
     "int_or_null": st.one_of(st.integers(-3, 3), st.none()),
     "store": st.sampled_from(["full", "window"]),
     "drops": st.sampled_from([[], [[3, [0], 1]], [[[2, [0, 1], 4], 1]]]),
+    "salt": st.one_of(st.none(), st.integers(0, 3)),
 }
 _BAD = {
     "count": st.sampled_from([0, 2**20 + 1, 2**31]),
@@ -241,6 +247,7 @@ _BAD = {
     "int_or_null": st.sampled_from([2**31, 1.5, "1", True]),
     "store": st.sampled_from(["both", 1, None]),
     "drops": st.sampled_from([3, "x", [1], [[1, 2, 3, 4]], None]),
+    "salt": st.sampled_from([-1, 2**31, "0", 1.5, True]),
 }
 _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "int", "kept": "ints",
          "name": "name", "from": "name", "as": "name", "seq": "seq", "window": "ints", "of": "name",
@@ -251,9 +258,10 @@ _KIND = {"n": "int", "len": "int", "keep": "int", "positions": "ints", "tail": "
          "fold_block": "size", "undo": "depth", "num_draft_tokens": "depth", "hot_threshold": "depth",
          "metadata": "metadata", "device": "bool", "tokens": "ints",
          "seqs": "ints", "pos0": "int", "p0": "int", "p1": "int_or_null", "src": "int", "dst": "int", "delta": "int",
-         "d": "int", "value": "int", "store": "store", "drops": "drops"}
-_OPTIONAL = {"trim_front": {"keep"}, "expect": {"of", "order", "layer", "store"},
-             "seq_rm": {"p1"}, "decode": {"drops"}, "restore": {"drops"}, "seq_cp": {"p1"}, "seq_add": {"p1"}, "seq_div": {"p1"}, "pos_min": {"value"},
+         "d": "int", "value": "int", "store": "store", "drops": "drops",
+         "req": "name", "salt": "salt", "blocks": "ints", "table": "ints", "free": "ints"}
+_OPTIONAL = {"trim_front": {"keep"}, "expect": {"window", "of", "order", "layer", "store", "req", "table", "free"},
+             "seq_rm": {"p1"}, "decode": {"drops", "seqs", "pos0", "req"}, "admit": {"salt"}, "lookup": {"salt"}, "restore": {"drops"}, "seq_cp": {"p1"}, "seq_add": {"p1"}, "seq_div": {"p1"}, "pos_min": {"value"},
              "pos_max": {"value"}, "copy": {"deep", "live"}, "reload": {"via", "env"},
              "trim_refused_late": {"how"}, "handle_reuse": {"use", "arg"},
              "build_probe": {"layout", "n_layers", "max_kv_size", "undo", "num_draft_tokens", "step", "hot_threshold",

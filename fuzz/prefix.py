@@ -1,0 +1,1223 @@
+"""The prefix kind's harness: prefix caching by content hash
+(``spec.prefix``) in lockstep with a prefix target, and its state machine.
+
+A **prefix target** is anything that admits requests by their tokens, finds
+the longest cached prefix of full blocks, decodes, frees, preempts and
+resumes, and shows its blocks (:class:`PrefixTarget`, docs/prefix.md): our
+MLX pool (``impl.prefix.PrefixCachePool``, wrapped by :class:`OursTarget`)
+or vLLM's KV-cache manager (``fuzz.adapters.vllm``). The lockstep
+(:class:`PrefixLockstep`) runs every op on the spec and on the target and
+compares, after every op:
+
+* the op's result: an admit's or a resume's ``admitted``, hit tokens and
+  block table; a decode's or a reset's bool; a lookup's hit tokens; a
+  refusal's category (ours: its type and words);
+* the whole observable state (:meth:`PrefixTarget.observe`, the fields of
+  :data:`VIEW_FIELDS` in that order): every request's table, token count and
+  liveness; every block's refcount and key; the free queue front to back;
+  the cached map (key -> block ids in insertion order); the row name of
+  every written slot of a held or keyed block (K and V each read back from
+  the target's storage and named); and where the target reads a request's
+  rows through its own read path (ours: ``fetch``), every row it reads;
+* on ours, after an op the spec says changes nothing (a refusal, an admit
+  not admitted, a decode without room, a reset refused, a lookup), the
+  pool's whole state (metadata and every slab byte) as it was before the op.
+
+Names, not hashes: a **key** is ``(salt, tokens)``, the tokens of the first
+``(i + 1) * B`` positions of a request and its extra key (``salt``: None or
+a small int); a **row name** is ``(salt, tokens[:p + 1])``, the name of the
+K/V row of position ``p`` (a row depends on every token before it and on
+the extra key). A target keeps its own table from its hashes back to these.
+
+Each divergence names the op index, the first differing field and the rule
+it breaks (:data:`RULES`), e.g. ``block 3 key differs (rule 'key': ...)``
+with the spec's value and the target's. A target may declare differences
+the lockstep does not count (``declared``: rule -> reason); only
+differences that leave both states equal can be declared for a refusal
+(``"<op> refusal"``: the spec refuses, the target silently does nothing).
+
+Plugging another engine in takes two calls (``fuzz.prefix_runs``, a runner
+above this module): ``prefix_campaign`` (a seeded campaign against
+``target_factory(cache) -> PrefixTarget``, a failure shrunk to a minimal
+kvtrace) and ``replay_prefix`` (one trace); both reach this lockstep through
+the usual factories, ``{"prefix": {"target": target_factory}}``
+(:func:`target_factories`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
+
+from fuzz.failures import Divergence
+from fuzz.lockstep import Outcome, error_text, same_value
+from fuzz.machine import KVMachine
+from fuzz.protocol import refusal_category
+from fuzz.trace import TraceFormatError
+from spec import prefix as sp
+from spec.errors import KVCacheError
+
+__all__ = ["RULES", "VIEW_FIELDS", "OursTarget", "PrefixLockstep", "PrefixMachine", "PrefixRows", "PrefixTarget",
+           "row_name", "spec_view", "target_factories"]
+
+#: a key or a row name: ``(salt, tokens)``
+Name = tuple[Any, tuple[int, ...]]
+
+
+class PrefixTarget(Protocol):
+    """A KV-cache manager with prefix caching, driven op by op (the
+    ``prefix`` kind, docs/prefix.md). Request ids are strings, token ids
+    ints >= 0, ``salt`` None or a small int. Bad arguments and ops out of
+    turn raise ``spec.errors.KVCacheError`` subclasses (another engine may
+    raise its own: refusals are compared by category); a refusal changes
+    nothing. The lockstep hands the target no rows: each target writes its
+    own rows for the positions it allocated, as its model would (the row of
+    position ``p`` named :func:`row_name` ``(salt, tokens, p)``), and names
+    them back in :meth:`observe`."""
+
+    #: differences the lockstep does not count, rule (a key of
+    #: :data:`RULES`, or ``"<op> refusal"``) -> why the target differs
+    declared: dict[str, str]
+
+    def admit(self, req: str, tokens: tuple[int, ...], salt: Any = None) -> Any:
+        """Admit a new request: hit the longest cached prefix, allocate the
+        rest, write the rows of the positions past the hit. Returns an
+        object with ``admitted``, ``hit_tokens`` and ``table`` (or a dict
+        with ``admitted``, ``hit``, ``table``); not admitted: nothing
+        changed."""
+
+    def decode(self, req: str, tokens: tuple[int, ...]) -> bool:
+        """Grow a live request by ``tokens`` (their rows written). False:
+        no room, nothing changed."""
+
+    def free(self, req: str) -> None: ...
+    def preempt(self, req: str) -> None: ...
+
+    def resume(self, req: str) -> Any:
+        """Admit a preempted request again (its tokens and salt); as :meth:`admit`."""
+
+    def lookup(self, tokens: tuple[int, ...], salt: Any = None) -> int:
+        """Hit tokens an admit of ``tokens`` would get; changes nothing."""
+
+    def free_blocks(self, blocks: tuple[int, ...]) -> None:
+        """The block pool's own release of block ids (the harness calls it
+        only where the spec refuses: a double-free guard probe)."""
+
+    def reset(self) -> bool: ...
+
+    def observe(self) -> dict[str, Any]:
+        """The observable state, :data:`VIEW_FIELDS`: ``requests`` {req:
+        {"table": [ids], "tokens": n, "live": bool}} (a preempted request:
+        live False, table []); ``blocks`` [(refcount, key or None)] per
+        block id 0 .. n_blocks - 1; ``free`` [ids] front to back;
+        ``cached`` {key: [ids]} in insertion order; ``rows`` {(block,
+        slot): row name or None} for at least every slot of a held or keyed
+        block (None: no row the target wrote matches; K and V named apart
+        disagree: any other value, shown as it is); optional ``reads``
+        {req: [row names]}: the rows a live request reads through the
+        target's own read path, position by position."""
+
+
+#: the fields of a view, in the order they are compared
+VIEW_FIELDS = ("requests", "blocks", "free", "cached", "rows", "reads")
+
+#: the rule each check enforces: its name (a divergence's ``rule 'NAME'``,
+#: a target's ``declared`` key) -> what the spec says
+RULES = {
+    "refusal": "the spec's refusals (spec.errors): unknown or out-of-turn requests, bad tokens, free_blocks always",
+    "exhaustion": "spec.prefix.admit / decode: need > available: not admitted (False), nothing changed",
+    "hit length": "spec.prefix.hit_blocks: the longest chain of cached full-block keys, at most (len - 1) // B "
+                  "blocks (the last token is always recomputed)",
+    "block table": "spec.prefix.admit: the hit blocks (first block under each key), then blocks popped one by one "
+                   "from the free queue's front",
+    "decode room": "spec.prefix.decode: True when the free queue has the blocks the new tokens need",
+    "reset": "spec.prefix.reset: False while any block is held, else every key dropped",
+    "requests": "the requests known: their token counts, tables and liveness (preempted: no table)",
+    "refcount": "invariant 3: a block's refcount is the number of live tables holding it",
+    "key": "invariants 1 and 6: a full block's key names its tokens and salt; eviction and reset clear it; a partial "
+           "tail block has none",
+    "free queue": "spec.prefix.free: released tail first, a keyed block to the back, an unkeyed one to the front; "
+                  "blocks popped from the front; a hit takes a cached-free block out",
+    "cached map": "invariant 2: key -> block ids in insertion order, an evicted block removed",
+    "rows": "invariant 1 (key to content): every written slot of a held or keyed block holds the row its key or "
+            "request names",
+    "reads": "invariant 5: a live request reads the rows of its own tokens (and salt) through its table",
+    "nothing changed": "a refused op, an admit not admitted, a decode without room, a reset refused and a lookup "
+                       "change nothing (every slab byte included)",
+    "pool invariants": "the implementation's own broken_invariants(): none",
+}
+
+
+def row_name(salt: Any, tokens: Any, p: int) -> Name:
+    """The name of position ``p``'s row: ``(salt, tokens[:p + 1])``."""
+    return (salt, tuple(int(t) for t in tokens[: p + 1]))
+
+
+def norm_name(x: Any) -> Any:
+    """A key or row name as the spec writes it (``(salt, tuple of ints)``),
+    from a target's tuple, list or anything else (left as it is)."""
+    if x is None:
+        return None
+    try:
+        salt, tokens = x
+        return (salt, tuple(int(t) for t in tokens))
+    except (TypeError, ValueError):
+        return x
+
+
+def show(x: Any) -> str:
+    """A key, name, list or table as a divergence shows it: Python's repr,
+    tuples and all (``(None, (1, 2))``)."""
+    return repr(x)
+
+
+# -- rows ---------------------------------------------------------------------
+
+
+class PrefixRows:
+    """The K and V rows of every row name for one configuration, and their
+    names back. A row is ``(kv_heads, head_dim)`` values in [0.5, 1.5) with
+    random signs from a generator seeded by a stable hash (BLAKE2b, never
+    Python's salted ``hash``) of ``(which, name)``, cast to the dtype;
+    names are found by the row's exact float32 bytes (bfloat16, float16 and
+    float32 values are all exact in float32) in a table of every row made."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: str, v_head_dim: int | None = None):
+        self.kv_heads, self.dtype = kv_heads, dtype
+        self.dims = {"k": head_dim, "v": v_head_dim or head_dim}
+        self._rows: dict[tuple[str, Any], np.ndarray] = {}
+        self._names: dict[tuple[str, bytes], Any] = {}
+
+    @staticmethod
+    def seed(which: str, name: Any) -> int:
+        digest = hashlib.blake2b(repr((which, name)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def _cast(self, x: np.ndarray) -> np.ndarray:
+        from fuzz.rows import round_to_bfloat16
+
+        if self.dtype == "float16":
+            return x.astype(np.float16).astype(np.float32)
+        if self.dtype == "bfloat16":
+            return round_to_bfloat16(x.astype(np.float32))
+        return x.astype(np.float32)
+
+    def row(self, name: Any, which: str) -> np.ndarray:
+        """``(kv_heads, head_dim)`` float32 holding ``dtype`` values."""
+        key = (which, name)
+        got = self._rows.get(key)
+        if got is None:
+            rng = np.random.default_rng(self.seed(which, name))
+            shape = (self.kv_heads, self.dims[which])
+            mag = rng.uniform(0.5, 1.5, shape)
+            sign = np.where(rng.integers(0, 2, shape) == 0, -1.0, 1.0)
+            got = self._rows[key] = self._cast(mag * sign)
+            self._names.setdefault((which, got.tobytes()), name)
+        return got
+
+    def rows(self, names: list[Any], which: str) -> np.ndarray:
+        """``(n, kv_heads, head_dim)`` float32: the rows of ``names``."""
+        return np.stack([self.row(n, which) for n in names])
+
+    def name(self, row: Any, which: str) -> Any:
+        """The name whose row ``row`` is (exactly), or None."""
+        return self._names.get((which, np.ascontiguousarray(row, dtype=np.float32).tobytes()))
+
+    def slot_name(self, k: Any, v: Any) -> Any:
+        """The name of a slot from its K and V rows: the name both give;
+        None when neither names a row; ``"K <name> / V <name>"`` when they
+        disagree (a K row without its V row)."""
+        nk, nv = self.name(k, "k"), self.name(v, "v")
+        return nk if nk == nv else f"K {nk!r} / V {nv!r}"
+
+
+def _host(a: Any) -> np.ndarray:
+    from fuzz.rows import host
+
+    return np.asarray(host(a), dtype=np.float32)
+
+
+# -- our implementation as a target ---------------------------------------------
+
+
+def _impl() -> Any:
+    from impl import prefix
+
+    return prefix
+
+
+def admit_fields(result: Any) -> tuple[Any, Any, Any]:
+    """``(admitted, hit tokens, table)`` of an admit's or a resume's
+    result: an object with ``admitted``, ``hit_tokens`` and ``table``, or a
+    mapping with ``admitted``, ``hit`` (or ``hit_tokens``) and ``table``.
+    Raises TypeError for anything else."""
+    if isinstance(result, dict):
+        hit = result["hit"] if "hit" in result else result["hit_tokens"]
+        return result["admitted"], hit, list(result["table"])
+    return result.admitted, result.hit_tokens, list(result.table)
+
+
+def result_json(op: str, result: Any) -> Any:
+    """A spec result as a trace's ``returns`` writes it: an admit's or a
+    resume's ``{"admitted", "hit", "table"}``, else the value."""
+    if op in ("admit", "resume") and result is not None:
+        admitted, hit, table = admit_fields(result)
+        return {"admitted": bool(admitted), "hit": int(hit), "table": [None if b is None else int(b) for b in table]}
+    return result
+
+
+class OursTarget:
+    """``impl.prefix.PrefixCachePool`` (or an injected bug's subclass,
+    ``factory``) as a :class:`PrefixTarget`: after every admit, decode and
+    resume the rows of the pending positions (``pool.pending(req)``) are
+    written as :class:`PrefixRows` makes them for their names, and
+    :meth:`observe` names the slabs' rows back."""
+
+    name = "impl"
+    declared: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, cfg: dict[str, Any], factory: Any = None):
+        import mlx.core as mx
+
+        cls = factory or _impl().PrefixCachePool
+        self.cfg = cfg
+        self.block_size, self.n_blocks = cfg["block_size"], cfg["n_blocks"]
+        self.dtype = cfg.get("dtype", "float16")
+        self._mx_dtype = getattr(mx, self.dtype)
+        self.pool = cls(self.block_size, self.n_blocks, cfg["kv_heads"], cfg["head_dim"])
+        self.rows = PrefixRows(cfg["kv_heads"], cfg["head_dim"], self.dtype)
+        #: req -> (tokens, salt) as handed in (what the model computed rows for)
+        self.seqs: dict[str, tuple[tuple[int, ...], Any]] = {}
+
+    # -- ops ---------------------------------------------------------------
+    def _write_pending(self, req: str) -> None:
+        import mlx.core as mx
+
+        first, end = self.pool.pending(req)
+        if end <= first:
+            return
+        tokens, salt = self.seqs[req]
+        names = [row_name(salt, tokens, p) for p in range(first, end)]
+        keys = mx.array(self.rows.rows(names, "k")).astype(self._mx_dtype)
+        values = mx.array(self.rows.rows(names, "v")).astype(self._mx_dtype)
+        self.pool.write(req, keys, values)
+
+    def admit(self, req: str, tokens: tuple[int, ...], salt: Any = None) -> Any:
+        got = self.pool.admit(req, tokens, salt)
+        if admit_fields(got)[0]:
+            self.seqs[req] = (tuple(tokens), salt)
+            self._write_pending(req)
+        return got
+
+    def decode(self, req: str, tokens: tuple[int, ...]) -> bool:
+        got = self.pool.decode(req, tokens)
+        if got is True:
+            old, salt = self.seqs[req]
+            self.seqs[req] = (old + tuple(tokens), salt)
+            self._write_pending(req)
+        return got
+
+    def free(self, req: str) -> None:
+        got = self.pool.free(req)
+        self.seqs.pop(req, None)
+        return got
+
+    def preempt(self, req: str) -> None:
+        return self.pool.preempt(req)
+
+    def resume(self, req: str) -> Any:
+        got = self.pool.resume(req)
+        if admit_fields(got)[0]:
+            self._write_pending(req)
+        return got
+
+    def lookup(self, tokens: tuple[int, ...], salt: Any = None) -> int:
+        return self.pool.lookup(tokens, salt)
+
+    def free_blocks(self, blocks: tuple[int, ...]) -> None:
+        return self.pool.free_blocks(blocks)
+
+    def reset(self) -> bool:
+        return self.pool.reset()
+
+    # -- what it shows -------------------------------------------------------
+    def _block_rows(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Every block's K and V rows in host form (None: no slab yet)."""
+        import mlx.core as mx
+
+        if self.pool.dtype is None:  # no slab before the first write
+            return [None] * self.n_blocks
+        keys, values = getattr(self.pool, "keys", None), getattr(self.pool, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            # the slabs [n_blocks, B, H, D] read in one round trip (block_rows(b) evaluates one block a call)
+            hk, hv = (_host(a) for a in (keys, values))
+            return [(hk[b], hv[b]) for b in range(self.n_blocks)]
+        got = [self.pool.block_rows(b) for b in range(self.n_blocks)]
+        arrays = [a for kv in got if kv is not None for a in kv]
+        if arrays:
+            mx.eval(*arrays)
+        return [None if kv is None else (_host(kv[0]), _host(kv[1])) for kv in got]
+
+    def observe(self) -> dict[str, Any]:
+        p = self.pool
+        requests = {r: {"table": list(p.table(r)), "tokens": int(n), "live": bool(live)}
+                    for r, (n, live) in p.requests().items()}
+        blocks = [(p.refcount(b), norm_name(p.key(b))) for b in range(self.n_blocks)]
+        rows: dict[tuple[int, int], Any] = {}
+        for b, kv in enumerate(self._block_rows()):
+            for s in range(self.block_size):
+                rows[(b, s)] = None if kv is None else self.rows.slot_name(kv[0][s], kv[1][s])
+        reads = {}
+        for r, q in requests.items():
+            if q["live"]:
+                k, v = p.fetch(r)
+                hk, hv = _host(k), _host(v)
+                reads[r] = [self.rows.slot_name(hk[i], hv[i]) for i in range(hk.shape[0])]
+        return {"requests": requests, "blocks": blocks, "free": list(p.free_queue()),
+                "cached": {norm_name(k): list(ids) for k, ids in p.cached().items()}, "rows": rows, "reads": reads}
+
+    def state(self) -> dict[str, Any]:
+        """Everything observable on the pool, raw (the slabs as bytes):
+        what an op that changes nothing must leave as it was."""
+        p = self.pool
+        reqs = p.requests()
+        slabs = [None if kv is None else (kv[0].tobytes(), kv[1].tobytes()) for kv in self._block_rows()]
+        return {"requests": dict(reqs), "tables": {r: tuple(p.table(r)) for r in reqs},
+                "refcounts": [p.refcount(b) for b in range(self.n_blocks)],
+                "keys": [p.key(b) for b in range(self.n_blocks)], "free queue": tuple(p.free_queue()),
+                "cached": {k: tuple(v) for k, v in p.cached().items()}, "slabs": slabs}
+
+    def broken_invariants(self) -> tuple[str, ...]:
+        return tuple(self.pool.broken_invariants())
+
+
+# -- the spec side (spec.prefix: frozen worlds, each op a new world) -------------
+
+
+def spec_world(cache: dict[str, Any]) -> Any:
+    """The spec's empty world for a trace's cache fields."""
+    return sp.new_world(cache["block_size"], cache["n_blocks"], cache.get("window"))
+
+
+def cached_items(world: Any) -> list[tuple[Any, tuple[int, ...]]]:
+    """The spec world's cached map as ``(key, ids)`` pairs in its order."""
+    got = world.cached
+    items = got.items() if hasattr(got, "items") else got
+    return [(k, tuple(ids)) for k, ids in items]
+
+
+def spec_view(world: Any) -> dict[str, Any]:
+    """The spec world as a target's :meth:`PrefixTarget.observe` shows it;
+    ``rows`` only for the slots of held or keyed blocks, ``reads`` for
+    every live request."""
+    requests = {r: {"table": list(q.table), "tokens": len(q.tokens), "live": bool(q.live)}
+                for r, q in world.requests.items()}
+    blocks = [(b.refcount, b.key) for b in world.blocks]
+    rows = {(i, s): name for i, b in enumerate(world.blocks) if b.refcount > 0 or b.key is not None
+            for s, name in enumerate(b.rows)}
+    reads = {r: [row_name(q.salt, q.tokens, p) for p in range(len(q.tokens))]
+             for r, q in world.requests.items() if q.live}
+    return {"requests": requests, "blocks": blocks, "free": list(world.free),
+            "cached": {k: list(ids) for k, ids in cached_items(world)}, "rows": rows, "reads": reads}
+
+
+def chain_blocks(world: Any, salt: Any, tokens: tuple[int, ...], cap: bool = True) -> int:
+    """How many leading full blocks of ``tokens`` (with ``salt``) are
+    cached: the hit length in blocks (``cap``: at most ``(len - 1) // B``,
+    the spec's rule) or the whole-prompt match (``cap=False``). The
+    machine's reach bookkeeping, not a rule the lockstep checks."""
+    bs = world_block_size(world)
+    keys = {k for k, _ in cached_items(world)}
+    limit = (len(tokens) - 1) // bs if cap else len(tokens) // bs
+    j = 0
+    while j < limit and (salt, tuple(tokens[: (j + 1) * bs])) in keys:
+        j += 1
+    return j
+
+
+def world_block_size(world: Any) -> int:
+    return world.block_size
+
+
+#: the ops of the prefix kind (kvtrace), besides ``expect``
+PREFIX_OPS = ("admit", "decode", "free", "preempt", "resume", "lookup", "free_blocks", "reset")
+#: every op a prefix trace may hold
+ALL_PREFIX_OPS = (*PREFIX_OPS, "expect")
+#: ops naming a request that an earlier admit must have introduced
+NAMED_OPS = frozenset({"decode", "free", "preempt", "resume"})
+
+
+# -- the lockstep -----------------------------------------------------------------
+
+
+class PrefixLockstep:
+    """The spec (``spec.prefix``) and a :class:`PrefixTarget` in step, op
+    by op (the module's doc lists what is compared). ``factory``: None (our
+    ``impl.prefix.PrefixCachePool``), a subclass of it (an injected bug),
+    or ``{"target": target_factory}`` with ``target_factory(cache) ->
+    PrefixTarget`` (another engine). :meth:`step` raises
+    :class:`Divergence` at the first disagreement, TraceFormatError for a
+    trace it cannot run."""
+
+    spec_module = sp
+    #: set by fuzz.targets for our implementation: refusals compared by type
+    #: and words (another target's by category)
+    compare_messages = False
+    check_inplace = True
+    check_sharing = False
+    impl_name = "impl"
+    #: ops whose refusals the implementation words its own way (only its
+    #: type is compared): impl.prefix names the op, the argument and the
+    #: rule as spec.prefix does, in other words for a live request admitted
+    #: again, a free of an unknown request and a block listed twice
+    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset({"admit", "free", "free_blocks"})
+
+    def __init__(self, cache: dict[str, Any], factory: Any = None):
+        self.cfg = cache
+        if isinstance(factory, dict) and "target" in factory:
+            self.target: Any = factory["target"](cache)
+            self.ours = False
+            self.impl_name = getattr(self.target, "name", "target")
+        else:
+            self.target = OursTarget(cache, factory)
+            self.ours = True
+        self.declared: dict[str, str] = dict(getattr(self.target, "declared", {}) or {})
+        self.world = spec_world(cache)
+        self.stats: dict[str, int] = {}
+        self.refusals: list[tuple[int, str]] = []
+        self.refused = False
+        #: declared rules a comparison skipped (replay reports them)
+        self.not_compared: set[str] = set()
+        #: every request id an admit of the trace named so far
+        self.known: set[str] = set()
+        self._index = -1
+
+    @classmethod
+    def check_cache(cls, cache: dict[str, Any]) -> None:
+        """The cache fields the schema cannot judge (TraceFormatError
+        naming the field): a sliding-window group is not implemented."""
+        if cache.get("window") is not None:
+            raise TraceFormatError(f"field cache.window: {cache['window']!r}: a prefix cache of sliding-window "
+                                   "groups is not implemented; null (full attention) is")
+
+    def reached(self, event: str) -> None:
+        self.stats[event] = self.stats.get(event, 0) + 1
+
+    # -- the two sides -----------------------------------------------------------
+    def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
+        """The op on the spec: (result, new world); nothing changes here."""
+        return sp.apply_op(self.world, _spec_op(op))
+
+    def target_apply(self, op: dict[str, Any]) -> Any:
+        t, name = self.target, op["op"]
+        if name == "admit":
+            return t.admit(op["req"], tuple(op["tokens"]), op.get("salt"))
+        if name == "decode":
+            return t.decode(op["req"], tuple(op["tokens"]))
+        if name in ("free", "preempt", "resume"):
+            return getattr(t, name)(op["req"])
+        if name == "lookup":
+            return t.lookup(tuple(op["tokens"]), op.get("salt"))
+        if name == "free_blocks":
+            return t.free_blocks(tuple(op["blocks"]))
+        if name == "reset":
+            return t.reset()
+        raise TraceFormatError(f"op {self._index} field 'op': kind prefix has no op {name!r}")
+
+    # -- what kvspec render draws (fuzz.render.timeline) ---------------------------
+    def spec_views(self) -> dict[str, list[int]]:
+        """Per request (``req:<id>``) its tokens: the rows it reads."""
+        return {f"req:{r}": list(q.tokens) for r, q in sorted(self.world.requests.items())}
+
+    def impl_views(self) -> dict[str, list[Any]]:
+        """Per live request, the last token of each row name it reads."""
+        got = self.target.observe().get("reads") or {}
+        return {f"req:{r}": [n[1][-1] if isinstance(n, tuple) and n[1] else "?" for n in names]
+                for r, names in sorted(got.items())}
+
+    def identify(self, view: Any, mode: Any = None) -> list[Any]:
+        return list(view)
+
+    def view_mode(self, name: str) -> None:
+        return None
+
+    def spec_observables(self) -> dict[str, Any]:
+        w = self.world
+        return {"free": list(w.free), "refcounts": [b.refcount for b in w.blocks],
+                "cached keys": len(cached_items(w))}
+
+    # -- the step -----------------------------------------------------------------
+    def step(self, index: int, op: dict[str, Any]) -> None:
+        """Run ``op`` on both sides and compare (Divergence on the first
+        difference; its second line names :attr:`impl_name`)."""
+        try:
+            self._step(index, op)
+        except Divergence as d:
+            if self.impl_name != "impl":
+                d.labels = tuple(f"{self.impl_name} did" if lab == "impl did" else lab  # type: ignore[assignment]
+                                 for lab in d.labels)
+            raise
+
+    def check_names(self, index: int, op: dict[str, Any]) -> None:
+        """A request an op names must have been named by an earlier admit
+        of the trace (a typo is the trace's fault, exit 2; a request freed
+        since is the spec's to refuse)."""
+        name = op["op"]
+        if name == "admit":
+            self.known.add(op["req"])
+        elif (name in NAMED_OPS or (name == "expect" and "req" in op)) and op["req"] not in self.known:
+            known = ", ".join(repr(r) for r in sorted(self.known)) or "none"
+            raise TraceFormatError(f"op {index} field 'req': request {op['req']!r} is not admitted before this "
+                                   f"op (a trace introduces each request by an admit; admitted so far: {known})")
+
+    def _step(self, index: int, op: dict[str, Any]) -> None:
+        self._index = index
+        self.reached("ops")
+        name = op["op"]
+        if name not in ALL_PREFIX_OPS:
+            raise TraceFormatError(f"op {index} field 'op': kind prefix has no op {name!r}; its ops: "
+                                   f"{', '.join(ALL_PREFIX_OPS)}")
+        self.check_names(index, op)
+        if name == "expect":
+            self.check_expect(index, op)
+            return
+        before = self.world
+        try:
+            s_result, s_world = self.spec_apply(op)
+            spec_out = Outcome(result=s_result)
+        except KVCacheError as exc:
+            spec_out, s_world = Outcome(error=exc), None
+        saved = None
+        if self.ours and changes_nothing(name, spec_out):
+            saved = self.target.state()
+        try:
+            impl_out = Outcome(result=self.target_apply(op))
+        except TraceFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a refusal, or the target's crash (compared below)
+            impl_out = Outcome(error=exc)
+        self.compare_refusal(index, op, spec_out, impl_out)
+        self.refused = spec_out.error is not None
+        if self.refused:
+            self.reached("refused " + name)
+            self.refusals.append((index, str(spec_out.error)))
+        if op.get("error") is True and spec_out.error is None:
+            raise Divergence(index, op, "trace expects a refusal", spec_out.describe(), "a refusal",
+                             ("spec says", "trace expects"))
+        if op.get("error") is False and spec_out.error is not None:
+            raise Divergence(index, op, "trace expects success", spec_out.describe(), "success",
+                             ("spec says", "trace expects"))
+        if s_world is not None:
+            self.world = s_world
+            if impl_out.error is None:
+                self.compare_result(index, op, spec_out.result, impl_out.result)
+            self.check_value(index, op, spec_out.result)
+        self.compare_view(index, op)
+        if saved is not None:
+            self.compare_unchanged(index, op, saved)
+        if self.ours:
+            broken = self.target.broken_invariants()
+            if broken:
+                raise Divergence(index, op, "the pool's own invariants broken (rule 'pool invariants')", "none",
+                                 "; ".join(broken))
+        broken = tuple(sp.broken_invariants(self.world))
+        if broken:
+            raise AssertionError(f"prefix lockstep: op {index}: the spec's world breaks its invariants: "
+                                 f"{'; '.join(broken)}")
+        self.note(op, before, spec_out)
+
+    def _diverge(self, index: int, op: dict[str, Any], field: str, rule: str, spec: Any, impl: Any) -> Divergence:
+        return Divergence(index, op, f"{field} differs (rule {rule!r}: {RULES[rule]})", spec, impl)
+
+    def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Outcome, impl_out: Outcome) -> None:
+        """Both refuse or neither; ours with the spec's type (and, with
+        :attr:`compare_messages`, words), another target in the same
+        category (fuzz.protocol.refusal_category; its own exception types
+        through its ``refusal_categories``). A target that declares
+        ``"<op> refusal"`` may do nothing where the spec refuses (the views
+        are compared after it all the same)."""
+        s_err, i_err = spec_out.error, impl_out.error
+        if s_err is None and i_err is None:
+            return
+        rule = f"{op['op']} refusal"
+        if s_err is not None and i_err is None and rule in self.declared:
+            self.reached(f"declared: {rule}")
+            self.not_compared.add(rule)
+            return
+        what = f"refusal differs (rule 'refusal': {RULES['refusal']})"
+        if (s_err is None) != (i_err is None):
+            raise Divergence(index, op, what, spec_out.describe(), impl_out.describe())
+        if self.ours:
+            if type(s_err) is not type(i_err):
+                raise Divergence(index, op, what, spec_out.describe(), impl_out.describe())
+            if self.compare_messages and str(s_err) != str(i_err) and op["op"] not in self.OWN_WORDED_OPS:
+                raise Divergence(index, op, "refusal message differs (rule 'refusal': the spec's words)",
+                                 spec_out.describe(), impl_out.describe())
+            return
+        cats = getattr(self.target, "refusal_categories", None)
+        if refusal_category(s_err) != refusal_category(i_err, cats):  # type: ignore[arg-type]
+            raise Divergence(index, op, "refusal category differs (rule 'refusal')", spec_out.describe(),
+                             f"{impl_out.describe()} ({refusal_category(i_err, cats) or 'not a refusal: a crash'})")
+
+    def compare_result(self, index: int, op: dict[str, Any], spec: Any, impl: Any) -> None:
+        """The op's result: an admit's or a resume's fields in turn
+        (admitted, hit tokens, table), a decode's, reset's or lookup's
+        value, nothing for the rest."""
+        name = op["op"]
+        if name in ("admit", "resume"):
+            s_adm, s_hit, s_table = admit_fields(spec)
+            try:
+                i_adm, i_hit, i_table = admit_fields(impl)
+            except (AttributeError, KeyError, TypeError) as exc:
+                raise Divergence(index, op, f"{name} result unreadable (fields admitted, hit_tokens, table)",
+                                 result_json(name, spec), f"{impl!r} ({error_text(exc)})") from None
+            for field, rule, s, i in (("admitted", "exhaustion", s_adm, i_adm), ("hit tokens", "hit length", s_hit, i_hit),
+                                      ("table", "block table", s_table, i_table)):
+                if field == "table":
+                    same = len(s) == len(i) and all(same_value(a, b) for a, b in zip(s, i))
+                else:
+                    same = same_value(s, i)
+                if not same:
+                    raise self._diverge(index, op, f"{name} result: {field}", rule, show(s), show(i))
+            return
+        rule = {"decode": "decode room", "reset": "reset", "lookup": "hit length"}.get(name)
+        if rule is None:
+            return
+        if not same_value(spec, impl):
+            raise self._diverge(index, op, f"{name} result", rule, show(spec), show(impl))
+
+    def check_value(self, index: int, op: dict[str, Any], result: Any) -> None:
+        """The trace's own check on the spec: an op's ``returns``."""
+        if "returns" in op:
+            got = result_json(op["op"], result)
+            if got != op["returns"]:
+                raise Divergence(index, op, "trace's 'returns' check fails", json.dumps(got), json.dumps(op["returns"]),
+                                 ("spec says", "trace expects"))
+
+    def observe(self, index: int, op: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self.target.observe()
+        except Exception as exc:  # noqa: BLE001 - a target that cannot show its state is the divergence
+            raise Divergence(index, op, "observe() raised", "the state", error_text(exc)) from None
+
+    def compare_view(self, index: int, op: dict[str, Any]) -> None:
+        """The spec's view against the target's, field by field in
+        :data:`VIEW_FIELDS` order; the first difference is the divergence."""
+        want, got = spec_view(self.world), self.observe(index, op)
+        skip = self.declared
+
+        def check(field: str, rule: str, s: Any, i: Any) -> None:
+            if rule in skip:
+                self.not_compared.add(rule)
+                return
+            if s != i:
+                raise self._diverge(index, op, field, rule, show(s), show(i))
+
+        # requests
+        s_reqs, i_reqs = want["requests"], dict(got.get("requests") or {})
+        check("requests known", "requests", sorted(s_reqs), sorted(i_reqs))
+        for r in sorted(s_reqs):
+            s, i = s_reqs[r], dict(i_reqs[r])
+            check(f"request {r!r} live", "requests", s["live"], bool(i.get("live")))
+            check(f"request {r!r} tokens", "requests", s["tokens"], i.get("tokens"))
+            check(f"request {r!r} table", "block table", s["table"], list(i.get("table", ())))
+        # blocks
+        s_blocks, i_blocks = want["blocks"], list(got.get("blocks") or [])
+        check("number of blocks", "refcount", len(s_blocks), len(i_blocks))
+        for b, ((s_rc, s_key), (i_rc, i_key)) in enumerate(zip(s_blocks, i_blocks)):
+            check(f"block {b} refcount", "refcount", s_rc, i_rc)
+            check(f"block {b} key", "key", s_key, norm_name(i_key))
+        # free queue, cached map
+        check("free queue (front to back)", "free queue", want["free"], list(got.get("free") or []))
+        i_cached = {norm_name(k): list(v) for k, v in (got.get("cached") or {}).items()}
+        check("cached keys", "cached map", sorted(want["cached"], key=repr), sorted(i_cached, key=repr))
+        for k in sorted(want["cached"], key=repr):
+            check(f"cached[{k!r}]", "cached map", want["cached"][k], i_cached[k])
+        # rows: every slot the spec says is written, of a held or keyed block
+        i_rows = got.get("rows") or {}
+        for (b, s), name in sorted(want["rows"].items()):
+            if name is not None:
+                check(f"block {b} slot {s} row", "rows", name, norm_name(i_rows.get((b, s))))
+        # reads through the target's own read path, where it has one
+        if "reads" in got and got["reads"] is not None:
+            for r in sorted(want["reads"]):
+                have = [norm_name(n) for n in got["reads"].get(r, [])]
+                s_names = want["reads"][r]
+                if have != s_names:
+                    at = next((p for p, (a, b) in enumerate(zip(s_names, have)) if a != b), min(len(s_names), len(have)))
+                    check(f"request {r!r} read at position {at} (of {len(s_names)})", "reads",
+                          s_names[at] if at < len(s_names) else "no row", have[at] if at < len(have) else "no row")
+
+    def compare_unchanged(self, index: int, op: dict[str, Any], saved: dict[str, Any]) -> None:
+        """Ours: an op the spec says changes nothing left every part of the
+        pool's state as it was (:meth:`OursTarget.state`)."""
+        now = self.target.state()
+        for part, was in saved.items():
+            if was != now[part]:
+                shown = ("bytes changed" if part == "slabs" else show(was),
+                         "bytes changed" if part == "slabs" else show(now[part]))
+                raise self._diverge(index, op, f"the pool's {part} after an op that changes nothing",
+                                    "nothing changed", *shown)
+
+    def check_expect(self, index: int, op: dict[str, Any]) -> None:
+        """``expect`` (the trace's own assertion): ``req`` with ``window``
+        (the request's tokens: on the target, the rows a live request reads
+        through its table are named by them) and/or ``table`` (its block
+        table); ``free`` (the free queue, front to back). Checked on the
+        spec, then on the target."""
+        view = None
+        if "req" in op:
+            q = self.world.requests.get(op["req"])
+            if q is None:
+                raise Divergence(index, op, "trace's 'expect' fails on the spec", f"request {op['req']!r} unknown",
+                                 "a known request", ("spec says", "trace expects"))
+            view = self.observe(index, op)
+            got = dict((view.get("requests") or {}).get(op["req"], {}))
+            if "window" in op:
+                if list(q.tokens) != list(op["window"]):
+                    raise Divergence(index, op, "trace's 'expect' (window) fails on the spec", list(q.tokens),
+                                     op["window"], ("spec says", "trace expects"))
+                if got.get("tokens") != len(q.tokens):
+                    raise Divergence(index, op, "trace's 'expect' (window) fails on the implementation",
+                                     f"{len(q.tokens)} tokens", f"{got.get('tokens')} tokens")
+                if q.live:
+                    want = [row_name(q.salt, q.tokens, p) for p in range(len(q.tokens))]
+                    table, rows = list(got.get("table", ())), view.get("rows") or {}
+                    have = [norm_name(rows.get((table[p // self.cfg["block_size"]], p % self.cfg["block_size"])))
+                            if p // self.cfg["block_size"] < len(table) else None for p in range(len(q.tokens))]
+                    if have != want:
+                        raise Divergence(index, op, "trace's 'expect' (window) fails on the implementation: rows read "
+                                         "through its table", show(want), show(have))
+            if "table" in op:
+                if list(q.table) != list(op["table"]):
+                    raise Divergence(index, op, "trace's 'expect' (table) fails on the spec", list(q.table),
+                                     op["table"], ("spec says", "trace expects"))
+                if list(got.get("table", ())) != list(op["table"]):
+                    raise Divergence(index, op, "trace's 'expect' (table) fails on the implementation", op["table"],
+                                     list(got.get("table", ())))
+        if "free" in op:
+            if list(self.world.free) != list(op["free"]):
+                raise Divergence(index, op, "trace's 'expect' (free) fails on the spec", list(self.world.free),
+                                 op["free"], ("spec says", "trace expects"))
+            view = view or self.observe(index, op)
+            if list(view.get("free") or []) != list(op["free"]):
+                raise Divergence(index, op, "trace's 'expect' (free) fails on the implementation", op["free"],
+                                 list(view.get("free") or []))
+
+    # -- reach ---------------------------------------------------------------------
+    def note(self, op: dict[str, Any], before: Any, out: Outcome) -> None:
+        """The events a campaign counts (``must_reach`` in fuzz/kinds.py)."""
+        name = op["op"]
+        if out.error is not None:
+            if name == "free_blocks":
+                self.reached("free_blocks refused")
+            return
+        after = self.world
+        if name in ("admit", "resume", "lookup"):
+            if name == "resume":
+                q = before.requests[op["req"]]
+                tokens, salt = tuple(q.tokens), q.salt
+            else:
+                tokens, salt = tuple(op["tokens"]), op.get("salt")
+            others = [s for s in (None, 0, 1) if s != salt]
+            if tokens and any(chain_blocks(before, s, tokens) > chain_blocks(before, salt, tokens) for s in others):
+                self.reached("salted miss")
+        if name in ("admit", "resume"):
+            admitted, hit, table = admit_fields(out.result)
+            if not admitted:
+                self.reached("admit refused")
+            else:
+                self.reached("admits")
+                if hit:
+                    self.reached("hits")
+                    if name == "resume":
+                        self.reached("preempt then resume hit")
+                    bs = world_block_size(before)
+                    if any(before.blocks[b].refcount == 0 for b in table[: hit // bs]):
+                        self.reached("cached-free block hit")
+                if chain_blocks(before, salt, tokens, cap=False) * world_block_size(before) > hit:
+                    self.reached("whole-prompt hit capped")
+        elif name == "decode":
+            self.reached("decodes" if out.result else "decode refused")
+        elif name == "reset":
+            self.reached("reset" if out.result else "reset refused")
+        elif name == "lookup":
+            self.reached("lookup hits" if out.result else "lookup misses")
+        else:
+            self.reached(name)
+        if name in ("admit", "decode", "resume"):
+            gone = [b for b, blk in enumerate(before.blocks)
+                    if blk.key is not None and blk.refcount == 0 and after.blocks[b].key != blk.key]
+            if gone:
+                self.reached("evictions")
+        if any(len(ids) > 1 for _, ids in cached_items(after)):
+            self.reached("duplicate keys")
+
+    # -- kvtrace annotations (fuzz.campaign.annotate) --------------------------------
+    def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
+        if op["op"] in ("admit", "resume", "decode", "lookup", "reset"):
+            return {"returns": result_json(op["op"], result)}
+        return {}
+
+    def expect_ops(self) -> list[dict[str, Any]]:
+        """``expect`` ops pinning every request's tokens and table, and the
+        free queue."""
+        out: list[dict[str, Any]] = []
+        for r, q in sorted(self.world.requests.items()):
+            out.append({"op": "expect", "req": r, "window": list(q.tokens), "table": list(q.table)})
+        out.append({"op": "expect", "free": list(self.world.free)})
+        return out
+
+
+def changes_nothing(name: str, out: Outcome) -> bool:
+    """Whether the spec says the op changed nothing: refused, an admit or
+    resume not admitted, a decode without room, a reset refused, a lookup."""
+    if out.error is not None or name == "lookup":
+        return True
+    if name in ("admit", "resume"):
+        return not admit_fields(out.result)[0]
+    if name in ("decode", "reset"):
+        return out.result is False
+    return False
+
+
+def _spec_op(op: dict[str, Any]) -> dict[str, Any]:
+    """An op as ``spec.prefix.apply_op`` takes it: token and block lists as tuples."""
+    out = dict(op)
+    for k in ("tokens", "blocks"):
+        if k in out and isinstance(out[k], list):
+            out[k] = tuple(out[k])
+    return out
+
+
+# -- the state machine ----------------------------------------------------------
+
+#: request ids the machine uses (at most :data:`MAX_LIVE` live at once)
+NAMES = ("a", "b", "c", "d", "e")
+MAX_LIVE = 3
+#: token ids the machine draws (a small vocabulary: decodes repeat prompts' tokens)
+VOCAB = 4
+
+
+class PrefixMachine(KVMachine):
+    """A prefix cache's life, biased to its edges: block size 1 to 4, 4 to
+    12 blocks, 2 or 3 base prompts sharing a root (one sometimes a prefix of
+    another, lengths often whole blocks); at most 3 live requests admitting
+    a base prompt, a prefix of one or one a token longer, salted sometimes;
+    decodes of 1 or 2 tokens (often a prompt's own continuation: duplicate
+    keys), frees (a double free refused), preempt and resume, lookups,
+    resets (refused while blocks are held), free_blocks probes drawn only
+    as calls the spec refuses; and composite rules that reach the rare
+    edges within a few examples: a prompt shared by two requests, a freed
+    prompt hit again from the free queue, a preempted request resumed,
+    exhaustion of admits and decodes, a reset after everything is
+    released, and a salted admit of a cached prompt."""
+
+    kind = "prefix"
+    # the rules of the one-sequence kinds: not ops of a prefix cache
+    fetch = hold = release_hold = trim = trim_to = snapshot = restore = drop = branch = misuse_name = None  # type: ignore[assignment]
+
+    def setup(self, **cfg: Any) -> None:
+        from fuzz.kinds import get as kind_entry
+
+        type(self).runs += 1
+        entry = kind_entry(self.kind, self.mode)
+        self.cfg = {**entry.defaults(), "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg,
+                    **self.fixed}
+        self.cfg["window"] = None
+        if self.make_lockstep is None:
+            raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
+        self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
+        self.without = entry.without
+
+    @initialize(data=st.data())
+    def init(self, data: st.DataObject) -> None:
+        bs = data.draw(st.integers(1, 4), label="block_size")
+        cfg: dict[str, Any] = {
+            "block_size": bs,
+            "n_blocks": data.draw(st.integers(4, 12), label="n_blocks"),
+            "kv_heads": data.draw(st.integers(1, 2), label="kv_heads"),
+            "head_dim": data.draw(st.sampled_from([8, 8, 16]), label="head_dim"),
+            "dtype": data.draw(st.sampled_from(["float16", "float16", "bfloat16", "float32"]), label="dtype"),
+        }
+        self.setup(**cfg)
+        bs = self.cfg["block_size"]
+        # a root every prompt shares, whole blocks long or a token past them
+        root = self.draw_tokens(data, data.draw(st.sampled_from([bs, bs, 2 * bs, bs + 1, 1]), label="root"))
+        prompts = [root + self.draw_tokens(data, data.draw(st.sampled_from([bs, 0, 1, 2 * bs]), label="tail"))]
+        for i in range(1, data.draw(st.integers(2, 3), label="prompts")):
+            if data.draw(st.booleans(), label="extends"):  # a longer prompt through the first
+                prompts.append(prompts[0] + self.draw_tokens(data, data.draw(st.sampled_from([bs, 1]), label="more")))
+            else:  # a sibling: the root, then its own token
+                tail = self.draw_tokens(data, data.draw(st.sampled_from([bs - 1, bs, 2 * bs - 1]), label="tail"))
+                prompts.append(root + [(root[-1] + i) % VOCAB] + tail)
+        self.prompts = prompts
+        #: every request id admitted so far (a freed one may be freed again: refused)
+        self.admitted: set[str] = set()
+
+    # -- what the spec holds now ---------------------------------------------------
+    @property
+    def world(self) -> Any:
+        return self.lock.world
+
+    @property
+    def bs(self) -> int:
+        return self.cfg["block_size"]
+
+    def live(self) -> list[str]:
+        return sorted(r for r, q in self.world.requests.items() if q.live)
+
+    def preempted(self) -> list[str]:
+        return sorted(r for r, q in self.world.requests.items() if not q.live)
+
+    def idle(self) -> list[str]:
+        """Request ids free to admit (unknown to the spec)."""
+        return [r for r in NAMES if r not in self.world.requests]
+
+    def draw_tokens(self, data: st.DataObject, n: int) -> list[int]:
+        return [data.draw(st.integers(0, VOCAB - 1), label="token") for _ in range(n)]
+
+    def draw_prompt(self, data: st.DataObject) -> list[int]:
+        """A base prompt whole (most often), cut to whole blocks or to a
+        token past them, or a token longer."""
+        p = list(self.prompts[data.draw(st.integers(0, len(self.prompts) - 1), label="prompt")])
+        how = data.draw(st.sampled_from(["whole", "whole", "blocks", "longer", "blocks+1"]), label="cut")
+        if how == "blocks" and len(p) > self.bs:
+            p = p[: (len(p) // self.bs) * self.bs]
+        elif how == "blocks+1" and len(p) > self.bs + 1:
+            p = p[: (len(p) - 1) // self.bs * self.bs + 1]
+        elif how == "longer":
+            p = p + [data.draw(st.integers(0, VOCAB - 1), label="token")]
+        return p
+
+    def draw_salt(self, data: st.DataObject) -> Any:
+        return data.draw(st.sampled_from([None, None, None, None, 0, 1]), label="salt")
+
+    def admit_op(self, req: str, tokens: list[int], salt: Any = None) -> None:
+        self.admitted.add(req)
+        op: dict[str, Any] = {"op": "admit", "req": req, "tokens": list(tokens)}
+        if salt is not None:
+            op["salt"] = salt
+        self.do(op)
+
+    def continuation(self, req: str, n: int, data: st.DataObject) -> list[int]:
+        """``n`` tokens for a live request: its base prompt's next tokens
+        where it follows one (two requests decoding alike: duplicate keys),
+        else drawn."""
+        q = self.world.requests[req]
+        toks = list(q.tokens)
+        for p in self.prompts:
+            if len(p) > len(toks) and p[: len(toks)] == toks:
+                return (p[len(toks):] + [0] * n)[:n]
+        return self.draw_tokens(data, n)
+
+    # -- rules ------------------------------------------------------------------
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        """A new request (a prompt, salted sometimes); with 3 live, an
+        admit of a live one (refused); now and then an empty prompt
+        (refused)."""
+        idle = self.idle()
+        if len(self.live()) >= MAX_LIVE or not idle:
+            if self.live():
+                self.admit_op(self.live()[0], self.draw_prompt(data))
+            return
+        req = idle[0]
+        tokens = self.draw_prompt(data)
+        if data.draw(st.integers(0, 15), label="empty") == 15:
+            tokens = []
+        self.admit_op(req, tokens, self.draw_salt(data))
+
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:  # type: ignore[override]
+        """1 or 2 tokens for a live request (its prompt's continuation most
+        often)."""
+        live = self.live()
+        if not live:
+            return
+        req = live[data.draw(st.integers(0, len(live) - 1), label="req")]
+        n = data.draw(st.integers(1, 2), label="n")
+        if data.draw(st.booleans(), label="drawn"):
+            tokens = self.draw_tokens(data, n)
+        else:
+            tokens = self.continuation(req, n, data)
+        self.do({"op": "decode", "req": req, "tokens": tokens})
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        """Free a live request; sometimes one freed before (refused)."""
+        live = self.live()
+        gone = sorted(self.admitted - set(self.world.requests))
+        if gone and (not live or data.draw(st.integers(0, 5), label="double") == 0):
+            self.do({"op": "free", "req": gone[0]})
+        elif live:
+            self.do({"op": "free", "req": live[data.draw(st.integers(0, len(live) - 1), label="req")]})
+
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        live = self.live()
+        if live:
+            self.do({"op": "preempt", "req": live[data.draw(st.integers(0, len(live) - 1), label="req")]})
+
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        """Resume a preempted request; sometimes a live one (refused)."""
+        waiting, live = self.preempted(), self.live()
+        if waiting and len(live) < MAX_LIVE:
+            self.do({"op": "resume", "req": waiting[data.draw(st.integers(0, len(waiting) - 1), label="req")]})
+        elif live:
+            self.do({"op": "resume", "req": live[0]})
+
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        op: dict[str, Any] = {"op": "lookup", "tokens": self.draw_prompt(data)}
+        salt = self.draw_salt(data)
+        if salt is not None:
+            op["salt"] = salt
+        self.do(op)
+
+    @rule()
+    def reset(self) -> None:
+        self.do({"op": "reset"})
+
+    @rule(data=st.data())
+    def probe_free_blocks(self, data: st.DataObject) -> None:
+        """The pool's own release, only as calls the spec refuses: a held
+        block twice, a block in the free queue, an id out of range."""
+        held = sorted({b for r in self.live() for b in self.world.requests[r].table if b is not None})
+        free = list(self.world.free)
+        how = data.draw(st.sampled_from(["twice", "free", "out of range"]), label="how")
+        if how == "twice" and held:
+            b = held[data.draw(st.integers(0, len(held) - 1), label="block")]
+            self.do({"op": "free_blocks", "blocks": [b, b]})
+        elif how == "free" and free:
+            self.do({"op": "free_blocks", "blocks": [free[data.draw(st.integers(0, len(free) - 1), label="block")]]})
+        else:
+            self.do({"op": "free_blocks", "blocks": [self.cfg["n_blocks"]]})
+
+    # -- composite rules: the rare edges within a few examples -----------------------
+    def _make_room(self, want: int = 1) -> None:
+        """Free live requests (the first ones) until ``want`` more may go live."""
+        while self.live() and (len(self.live()) + want > MAX_LIVE or len(self.idle()) < want):
+            self.do({"op": "free", "req": self.live()[0]})
+        while len(self.idle()) < want and self.preempted():
+            waiting = self.preempted()[0]
+            self.do({"op": "resume", "req": waiting})
+            self.do({"op": "free", "req": waiting})
+
+    @rule(data=st.data())
+    def share(self, data: st.DataObject) -> None:
+        """One prompt admitted by two requests: the second hits the first's
+        full blocks (a whole-block prompt: capped one block short, its last
+        block cached twice)."""
+        self._make_room(2)
+        tokens = self.draw_prompt(data)
+        salt = self.draw_salt(data)
+        first, second = self.idle()[:2]
+        self.admit_op(first, tokens, salt)
+        self.admit_op(second, tokens, salt)
+
+    @rule(data=st.data())
+    def churn(self, data: st.DataObject) -> None:
+        """A prompt admitted and freed (its full blocks cached-free at the
+        back of the queue), then another prompt and the first again: the
+        second evicts from the front, the third hits what is left."""
+        self._make_room(1)
+        a = self.draw_prompt(data)
+        req = self.idle()[0]
+        self.admit_op(req, a)
+        if req in self.world.requests:
+            self.do({"op": "free", "req": req})
+        self.admit_op(req, self.draw_prompt(data))
+        if req in self.world.requests:
+            self.do({"op": "free", "req": req})
+        self.admit_op(req, a)
+
+    @rule(data=st.data())
+    def preempt_resume(self, data: st.DataObject) -> None:
+        """A request preempted (its blocks released, cached-free) and
+        resumed: it hits its own blocks, unless another admit took them."""
+        self._make_room(1)
+        req = self.idle()[0]
+        self.admit_op(req, self.draw_prompt(data))
+        if req not in self.world.requests:
+            return
+        if self.world.requests[req].live:
+            self.do({"op": "decode", "req": req, "tokens": self.continuation(req, 1, data)})
+        self.do({"op": "preempt", "req": req})
+        if data.draw(st.booleans(), label="between") and self.idle():
+            other = self.idle()[0]
+            self.admit_op(other, self.draw_prompt(data))
+        self.do({"op": "resume", "req": req})
+
+    @rule(data=st.data())
+    def exhaust(self, data: st.DataObject) -> None:
+        """Admits of the longest prompt until one is not admitted (or 3
+        are live), then decodes of a live request until one finds no
+        room."""
+        longest = max(self.prompts, key=len)
+        salt = self.draw_salt(data)
+        for _ in range(MAX_LIVE):
+            if len(self.live()) >= MAX_LIVE or not self.idle():
+                break
+            req = self.idle()[0]
+            self.admit_op(req, longest + self.draw_tokens(data, 1), salt)
+            if req not in self.world.requests:  # not admitted
+                break
+        live = self.live()
+        if not live:
+            return
+        req = live[-1]
+        for _ in range(self.cfg["n_blocks"] * self.bs + 1):
+            seen = self.lock.stats.get("decode refused", 0)
+            self.do({"op": "decode", "req": req, "tokens": [data.draw(st.integers(0, VOCAB - 1), label="token")]})
+            if self.lock.stats.get("decode refused", 0) > seen or not self.world.requests[req].live:
+                break
+
+    @rule(data=st.data())
+    def reset_all(self, data: st.DataObject) -> None:
+        """A reset while blocks are held (refused), then every live request
+        freed or preempted and a reset (every key dropped)."""
+        self.do({"op": "reset"})
+        for req in self.live():
+            self.do({"op": "preempt" if data.draw(st.booleans(), label="preempt") else "free", "req": req})
+        self.do({"op": "reset"})
+
+    @rule(data=st.data())
+    def salted(self, data: st.DataObject) -> None:
+        """A prompt admitted without a salt, then looked up and admitted
+        with one (a miss: the extra key is part of every block's key)."""
+        self._make_room(2)
+        tokens = self.draw_prompt(data)
+        first, second = self.idle()[:2]
+        self.admit_op(first, tokens)
+        salt = data.draw(st.sampled_from([0, 1]), label="salt")
+        self.do({"op": "lookup", "tokens": list(tokens), "salt": salt})
+        self.admit_op(second, tokens, salt)
+
+    @precondition(lambda self: self.lock is not None and len(self.world.requests) > 0)
+    @rule(data=st.data())
+    def expect(self, data: st.DataObject) -> None:
+        """The trace's own assertion on a request (its tokens and table)
+        or on the free queue, as a recorded trace carries them."""
+        reqs = sorted(self.world.requests)
+        r = reqs[data.draw(st.integers(0, len(reqs) - 1), label="req")]
+        q = self.world.requests[r]
+        self.do({"op": "expect", "req": r, "window": list(q.tokens), "table": list(q.table)})
+        self.do({"op": "expect", "free": list(self.world.free)})
+
+
+def target_factories(target_factory: Any) -> dict[str, Any] | None:
+    """``fuzz.replay.make_lockstep``'s factories for a prefix target: None
+    (ours), a subclass of ``impl.prefix.PrefixCachePool`` (an injected bug)
+    or a callable ``cache -> PrefixTarget`` (another engine)."""
+    if target_factory is None:
+        return None
+    if isinstance(target_factory, type) and issubclass(target_factory, _impl().PrefixCachePool):
+        return {"prefix": target_factory}
+    return {"prefix": {"target": target_factory}}
