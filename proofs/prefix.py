@@ -1,0 +1,325 @@
+"""Obligations 22 to 25: the prefix kind's rules (``spec.prefix``;
+semantics.md 11, docs/prefix.md). Encodings are in
+:mod:`proofs.prefix_model`.
+
+Obligations 22 to 24 are one inductive invariant over a bounded pool of 3
+blocks and 2 request slots (block size, token counts, key and row names
+symbolic), split by what each states: each assumes the whole invariant
+(:func:`proofs.prefix_model.invariant`, the spec's ``INVARIANTS`` together)
+before an op and proves its own part after it, so the three proved
+together make the whole invariant inductive. It holds for the empty pool
+and is kept by every op: admit (hits touched, blocks popped from the
+queue's front and evicted, rows written, full blocks keyed; no room: nothing
+changed), resume, decode, free and preempt (released tail first, keyed
+blocks to the back, unkeyed to the front), reset and free_blocks (refused:
+nothing changed). Request 0 acts, request 1 is the other one (the two are
+symmetric). ``lookup`` changes nothing.
+
+* 22, key to content: a block listed under a key in the cached map carries
+  that key and holds exactly the rows it names, a keyed block is listed
+  under its key, every live request's blocks hold its own rows, and its
+  full blocks are keyed under its own keys. Controls: eviction that leaves
+  the popped block's id under its key (vLLM PR #4761), eviction that
+  leaves the block its key (vLLM PR #24084's dirty block), reallocation
+  with no eviction step at all (MinivLLM PR #87: the recycled block keeps
+  its old key and map entry), a partial tail block keyed.
+* 23, refcounts and holders: a block's refcount is the number of live
+  tables holding it, never negative; a table holds a block at most once and
+  has ``ceil(len / B)`` entries; a partial tail has refcount 1 and no key;
+  ``free_blocks`` is refused for every call (a block listed twice
+  included). Controls: vLLM's ``BlockPool.free_blocks`` (each listed block
+  decremented, no check: ``[b, b]`` drives a refcount to -1, vLLM issue
+  #42571), a popped block left at refcount 0 (MinivLLM PR #87).
+* 24, the free queue: exactly the blocks of refcount 0, each once (a hit
+  on a cached-free block takes it out). Controls: a touch that leaves the
+  hit block in the queue, vLLM's ``free_blocks`` (a block held by a table,
+  or listed twice, joins the queue).
+* 25, hit length: ``max_hit_blocks(n, B) = (n - 1) // B`` is the largest
+  ``j`` with ``j * B <= n - 1``; a hit of ``j <= max_hit_blocks`` blocks
+  covers full blocks only and leaves the last token to compute (``j * B``,
+  the hit tokens, without overflow); an admission always takes at least
+  one new block (``new_blocks_needed >= 1``: the block of the last token is
+  the request's own). Controls: the uncapped whole-prompt hit (``n // B``
+  blocks), a hit that counts the partial block (``ceil(n / B)``).
+
+Run as ``kvspec prove --only 22 23 24 25``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import z3
+
+from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from proofs.domain import INT, Domain
+from proofs.prefix_model import (
+    NB,
+    PREFIX_SPEC,
+    PrefixRules,
+    World,
+    admit,
+    decode,
+    free,
+    free_blocks,
+    free_queue_exact,
+    hit_vars,
+    initial,
+    invariant,
+    is_full,
+    key_invariant,
+    max_hit_blocks,
+    new_blocks_needed,
+    refcount_invariant,
+    reset,
+    world_vars,
+)
+
+TITLES = {22: "prefix key to content", 23: "prefix refcounts and holders", 24: "prefix free queue",
+          25: "prefix hit length"}
+#: the acting request slot
+ACTOR = 0
+
+Goal = Callable[[Domain, World], Any]
+
+
+def _key_goal(d: Domain, w: World) -> Any:
+    return key_invariant(d, w)
+
+
+def _refcount_goal(d: Domain, w: World) -> Any:
+    return refcount_invariant(d, w)
+
+
+def _queue_goal(d: Domain, w: World) -> Any:
+    return free_queue_exact(w)
+
+
+def _names(d: Domain, name: str) -> tuple[tuple[Any, ...], Any, list[Any]]:
+    """Key names of a request's blocks 0..2 and its partial rows' name, with
+    what names are: keys >= 0 and distinct, partial rows <= -2."""
+    keys = tuple(d.var(f"{name}_key{i}") for i in range(NB))
+    pn = d.var(f"{name}_partial")
+    facts = [pn <= -2, *[k >= 0 for k in keys], *[keys[i] != keys[m] for i in range(NB) for m in range(i + 1, NB)]]
+    return keys, pn, facts
+
+
+def exact() -> Domain:
+    """The invariants are statements over the integers, not computations
+    of the pool: they are stated in exact arithmetic in both runs (the bv32
+    run checks that the ops' own arithmetic does not overflow)."""
+    return Domain(INT)
+
+
+def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    """One part per op: the whole invariant before, ``goal`` after."""
+
+    def start(d: Domain) -> tuple[World, list[Any]]:
+        w = world_vars(d)
+        return w, [invariant(exact(), w)]
+
+    def init(d: Domain) -> tuple[list[Any], Any]:
+        w = world_vars(d)
+        return [initial(w)], goal(exact(), w)
+
+    def t_admit(d: Domain) -> tuple[list[Any], Any]:
+        w, pre = start(d)
+        me = w.reqs[ACTOR]
+        n = d.var("n")
+        keys, pn, facts = _names(d, "new")
+        rule, _, after = admit(d, w, ACTOR, n, keys, pn, hit_vars(d), rules)
+        return [*pre, z3.Not(me.live), z3.Not(me.pre), n >= 1, *facts, rule], goal(exact(), after)
+
+    def t_resume(d: Domain) -> tuple[list[Any], Any]:
+        w, pre = start(d)
+        me = w.reqs[ACTOR]
+        rule, _, after = admit(d, w, ACTOR, me.n, me.k, me.p, hit_vars(d), rules)
+        return [*pre, me.pre, rule], goal(exact(), after)
+
+    def t_decode(d: Domain) -> tuple[list[Any], Any]:
+        w, pre = start(d)
+        me = w.reqs[ACTOR]
+        m = d.var("n_new")
+        keys, pn, facts = _names(d, "after")
+        kept = [z3.Implies(is_full(exact(), z3.IntVal(i), me.n, w.B), keys[i] == me.k[i]) for i in range(NB)]
+        _, after = decode(d, w, ACTOR, m, keys, pn, rules)
+        return [*pre, me.live, m >= 1, *facts, *kept], goal(exact(), after)
+
+    def t_free(preempting: bool) -> PartBuilder:
+        def build(d: Domain) -> tuple[list[Any], Any]:
+            w, pre = start(d)
+            _, after = free(d, w, ACTOR, preempting)
+            return pre, goal(exact(), after)
+        return build
+
+    def t_reset(d: Domain) -> tuple[list[Any], Any]:
+        w, pre = start(d)
+        _, after = reset(w)
+        return pre, goal(exact(), after)
+
+    def t_free_blocks(d: Domain) -> tuple[list[Any], Any]:
+        w, pre = start(d)
+        _, after = free_blocks(d, w, (d.var("listed0"), d.var("listed1")), rules)
+        return pre, goal(exact(), after)
+
+    return [("init: the empty pool", init),
+            (("preserved by admit (hits touched, blocks popped from the front and evicted, rows written, full blocks "
+             "keyed; no room: unchanged)"), t_admit),
+            ("preserved by resume", t_resume),
+            (("preserved by decode (blocks popped and evicted, rows written, blocks that became full keyed; no room: "
+             "unchanged)"), t_decode),
+            ("preserved by free (tail first, keyed to the back, unkeyed to the front; not live: refused)",
+             t_free(False)),
+            ("preserved by preempt", t_free(True)),
+            ("preserved by reset (refused while a block is held)", t_reset),
+            ("preserved by free_blocks of two ids (a block maybe listed twice)", t_free_blocks)]
+
+
+# -- 22 ------------------------------------------------------------------------------
+
+
+def key_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    return op_parts(_key_goal, rules)
+
+
+KEY_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+    ("evict_keeps_map_entry", ("a block popped from the free queue loses its key but stays listed under it "
+     "(vLLM PR #4761)"), PrefixRules(evict="keeps_map_entry")),
+    ("evict_keeps_key", ("a block popped from the free queue leaves the key's list but keeps its key "
+     "(vLLM PR #24084's dirty block)"), PrefixRules(evict="keeps_key")),
+    ("recycled_block_keeps_key", ("reallocation without an eviction step: the recycled block keeps its old key "
+     "and map entry (MinivLLM PR #87)"), PrefixRules(evict="none")),
+    ("partial_tail_keyed", "the partial tail block is keyed (and so shared) too", PrefixRules(cache_partial=True)),
+]
+
+
+# -- 23 ------------------------------------------------------------------------------
+
+
+def refcount_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    def refused(d: Domain) -> tuple[list[Any], Any]:
+        w = world_vars(d)
+        ok, _ = free_blocks(d, w, (d.var("listed0"), d.var("listed1")), rules)
+        return [invariant(exact(), w)], z3.Not(ok)
+
+    return [*op_parts(_refcount_goal, rules),
+            ("free_blocks is refused for every call (a block listed twice, of refcount 0, or held by a table)",
+             refused)]
+
+
+REFCOUNT_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+    ("free_blocks_unchecked", ("the pool's release decrements each listed block with no check (vLLM's "
+     "BlockPool.free_blocks: [b, b] drives a refcount to -1, issue #42571)"), PrefixRules(pool_release="unchecked")),
+    ("popped_block_refcount_zero", "a block popped for a request starts at refcount 0 (MinivLLM PR #87)",
+     PrefixRules(pop_refcount=0)),
+]
+
+
+# -- 24 ------------------------------------------------------------------------------
+
+
+def queue_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    return op_parts(_queue_goal, rules)
+
+
+QUEUE_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+    ("touch_leaves_in_queue", "a hit on a cached-free block raises its refcount but leaves it in the free queue",
+     PrefixRules(touch="leaves_in_queue")),
+    ("free_blocks_unchecked", ("the pool's release decrements each listed block with no check: a block a table "
+     "holds, or listed twice, joins the free queue (vLLM issue #42571)"), PrefixRules(pool_release="unchecked")),
+]
+
+
+# -- 25 ------------------------------------------------------------------------------
+
+
+def hit_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    def sizes(d: Domain) -> tuple[Any, Any, list[Any]]:
+        n, bs = d.var("n"), d.var("B")
+        return n, bs, [n >= 1, bs >= 1]
+
+    def largest(d: Domain) -> tuple[list[Any], Any]:
+        n, bs, pre = sizes(d)
+        cap = max_hit_blocks(d, n, bs, rules)
+        return pre, z3.And(cap >= 0, cap * bs <= n - 1, n - 1 < (cap + 1) * bs)
+
+    def whole(d: Domain) -> tuple[list[Any], Any]:
+        n, bs, pre = sizes(d)
+        j, i = d.var("j"), d.var("i")
+        cap = max_hit_blocks(d, n, bs, rules)
+        with d.under(z3.And(j >= 0, j <= cap)):
+            tokens = d.mul(j, bs, "hit tokens j * B")
+        with d.under(z3.And(i >= 0, i < j)):
+            full = is_full(d, i, n, bs)
+        goal = z3.And(tokens <= d.sub(n, 1, "n - 1"), z3.Implies(z3.And(i >= 0, i < j), full))
+        return [*pre, j >= 0, j <= cap], goal
+
+    def new_block(d: Domain) -> tuple[list[Any], Any]:
+        n, bs, pre = sizes(d)
+        j = d.var("j")
+        cap = max_hit_blocks(d, n, bs, rules)
+        with d.under(z3.And(j >= 0, j <= cap)):
+            need = new_blocks_needed(d, n, j, bs)
+        last = d.floordiv(d.sub(n, 1, "n - 1"), bs, "(n - 1) // B")
+        # the block of the last token (index (n - 1) // B) is one of the new ones
+        return [*pre, j >= 0, j <= cap], z3.And(need >= 1, last >= j, last < j + need)
+
+    return [(("a hit of j <= max_hit_blocks blocks leaves the last token to compute (j * B <= n - 1, no overflow) "
+             "and covers full blocks only"), whole),
+            ("an admission takes at least one new block, the one of the last token (new_blocks_needed >= 1)",
+             new_block),
+            ("max_hit_blocks(n, B) = (n - 1) // B is the largest j with j * B <= n - 1", largest)]
+
+
+HIT_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+    ("uncapped_whole_prompt_hit", "the hit may cover the whole prompt: up to n // B blocks",
+     PrefixRules(cap="uncapped")),
+    ("partial_block_hit", "the hit may cover the partial block: up to ceil(n / B) blocks", PrefixRules(cap="partial")),
+]
+
+
+# -- results -------------------------------------------------------------------------
+
+
+def _prove(number: int, proves: tuple[str, ...], statement: str,
+           parts_of: Callable[[PrefixRules], list[tuple[str, PartBuilder]]],
+           controls: list[tuple[str, str, PrefixRules]]) -> ObligationResult:
+    t0 = time.perf_counter()
+    parts = run_parts(parts_of(PREFIX_SPEC))
+    ctl = [control_from_parts(name, text, parts_of(rules)) for name, text, rules in controls]
+    return ObligationResult(number, TITLES[number], proves, statement, overall(parts, ctl), parts, ctl,
+                            time.perf_counter() - t0)
+
+
+def prove_key() -> ObligationResult:
+    return _prove(22, ("keys_name_contents", "cached_map_exact", "requests_read_their_rows", "full_blocks_keyed"),
+                  "a block reached through a key carries it and holds exactly the rows it names; every live request "
+                  "reads its own rows; inductive over admit, resume, decode, free, preempt, reset, free_blocks",
+                  key_parts, KEY_CONTROLS)
+
+
+def prove_refcount() -> ObligationResult:
+    return _prove(23, ("refcounts_match_tables", "tables_sized", "partial_tail_private", "free_blocks"),
+                  "refcount = live tables holding the block, never negative; a partial tail private; every "
+                  "free_blocks call refused (a double free); inductive over every op",
+                  refcount_parts, REFCOUNT_CONTROLS)
+
+
+def prove_queue() -> ObligationResult:
+    return _prove(24, ("free_queue_exact",),
+                  "the free queue holds exactly the blocks of refcount 0, each once (a hit takes a cached-free block "
+                  "out); inductive over every op",
+                  queue_parts, QUEUE_CONTROLS)
+
+
+def prove_hit() -> ObligationResult:
+    return _prove(25, ("max_hit_blocks", "is_full", "new_blocks_needed"),
+                  "a hit covers at most (n - 1) // B blocks, whole ones: the last token is always computed, in a new "
+                  "block of the request's own",
+                  hit_parts, HIT_CONTROLS)
+
+
+OBLIGATIONS: list[tuple[int, Callable[[], ObligationResult]]] = [
+    (22, prove_key), (23, prove_refcount), (24, prove_queue), (25, prove_hit)]
