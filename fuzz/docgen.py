@@ -143,14 +143,19 @@ OP_TEXT = {
     "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "
               "`of` (paged: `seq` also names the sequence); `order: set` ignores the order; `layer` picks a "
               "layer of a list (default 0); cells: the tokens of sequence `seq` in position order in `store` "
-              "(default the first store)",
+              "(default the first store); prefix: request `req`'s tokens (`window`: a live request's rows, read "
+              "through its table, are named by them) and/or its block `table`, or the free queue front to back "
+              "(`free`)",
     "decode": "cells: one group of `tokens` at positions `pos0, pos0 + 1, ...`, each held by every sequence of "
               "`seqs` (a shared prompt); returns false when a store has no slot (free plus droppable windowed "
               "cells), refused for bad sequence ids, uncoupled sequences or a position that does not continue; `drops`, "
               "optional: the droppable window cells the target that ran the trace reused (its choice, recorded "
               "by the lockstep), each `[pos, [seq, ...], token]` (the whole cell, held by one sequence out of its "
               "window) or `[[pos, [seq, ...], token], seq]` (`seq` forgets a cell out of its window); the spec and "
-              "our cache drop exactly these first (a drop not allowed: exit 2 naming the field)",
+              "our cache drop exactly these first (a drop not allowed: exit 2 naming the field); prefix: append "
+              "`tokens` to live request `req` (their rows written), blocks popped from the free queue's front as "
+              "the tail fills (evicting cached-free ones); returns false, changing nothing, when the free queue is "
+              "too short",
     "seq_rm": "cells: remove sequence `seq` (-1: every sequence) from its cells in `[p0, p1)` (`p1` null: to "
               "the end); returns false, changing nothing, when a window store could not honour a partial removal",
     "seq_cp": "cells: share `src`'s cells in `[p0, p1)` with `dst` (no copy); refused if `dst` would hold two "
@@ -165,6 +170,25 @@ OP_TEXT = {
     "save": "cells: `seq`'s state (llama_state_seq_get_data) kept under `name`: its cells per store, the "
             "window store's live window only, every K row rotated for its position",
     "clear": "cells: free every cell of every store",
+    "admit": "prefix: admit request `req` with `tokens` (token ids >= 0) and extra key `salt` (null or an int, "
+             "optional): hit the longest chain of cached full-block keys (at most `(len - 1) // B` blocks: the last "
+             "token is recomputed), pop the rest from the free queue's front (evicting cached-free blocks), write "
+             "the rows past the hit and key every new full block; returns `{\"admitted\", \"hit\", \"table\"}` "
+             "(not admitted, nothing changed, when the free queue lacks room) (`spec.prefix.admit`)",
+    "free": "prefix: release live request `req`'s table tail first (a block reaching refcount 0 joins the free "
+            "queue: keyed at the back, cached-free, unkeyed at the front) and forget the request; a double free "
+            "is refused (`spec.prefix.free`)",
+    "preempt": "prefix: as `free`, but the request stays known with its tokens and salt, holding no block "
+               "(`spec.prefix.preempt`)",
+    "resume": "prefix: admit preempted request `req` again with its tokens and salt, as `admit` "
+              "(`spec.prefix.resume`)",
+    "lookup": "prefix: the hit tokens an admit of `tokens` under `salt` would get now; changes nothing "
+              "(`spec.prefix.lookup`)",
+    "free_blocks": "prefix: the block pool's own release of `blocks` by id (vLLM's `BlockPool.free_blocks`): "
+                   "every call is refused (a block listed twice, out of range, free already or held by a live "
+                   "table), nothing changed: the double-free guard (`spec.prefix.free_blocks`)",
+    "reset": "prefix: vLLM's `reset_prefix_cache`: false, changing nothing, while any block is held; else every "
+             "key dropped, the free queue's order kept (`spec.prefix.reset`)",
 }
 
 FIELD_TEXT = {
@@ -196,6 +220,7 @@ FIELD_TEXT = {
              "layout: the list's mode and step, every ring's undo depth `num_draft_tokens`)",
     "num_draft_tokens": "the `num_draft_tokens` argument of `make_prompt_cache` (every ring's undo depth)",
     "block_size": "rows per pool block",
+    "n_blocks": "prefix: the pool's usable blocks (an engine's null block not counted)",
     "max_blocks": "most blocks the pool may grow to (0: no maximum)",
     "chunk": "blocks added per pool growth",
     "size": "recurrent: arrays per layer, 2 (conv window and recurrent state) or 1 (conv window only, lfm2)",
@@ -204,7 +229,8 @@ FIELD_TEXT = {
     "channels": "recurrent: C, the conv window's channels (the harness's conv input rows are portable rows of "
                 "C values)",
     "n_cells": "cells: cells per store",
-    "window": "cells: the window store's window w (a token at p attends to q with p - q < w); `null` without one",
+    "window": "cells: the window store's window w (a token at p attends to q with p - q < w); `null` without one; "
+              "prefix: `null` (full attention; a sliding-window group is not implemented)",
     "stores": "cells: `[\"full\"]`, `[\"full\", \"window\"]` (an iSWA model) or `[\"window\"]`",
     "n_seq": "cells: sequence ids are 0 .. n_seq - 1",
     "window_cells": "cells: cells of the window store, 1 .. n_cells (`\"n_cells\"` or `null`: as many as the full "

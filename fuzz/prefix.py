@@ -129,26 +129,20 @@ VIEW_FIELDS = ("requests", "blocks", "free", "cached", "rows", "reads")
 #: the rule each check enforces: its name (a divergence's ``rule 'NAME'``,
 #: a target's ``declared`` key) -> what the spec says
 RULES = {
-    "refusal": "the spec's refusals (spec.errors): unknown or out-of-turn requests, bad tokens, free_blocks always",
-    "exhaustion": "spec.prefix.admit / decode: need > available: not admitted (False), nothing changed",
-    "hit length": "spec.prefix.hit_blocks: the longest chain of cached full-block keys, at most (len - 1) // B "
-                  "blocks (the last token is always recomputed)",
-    "block table": "spec.prefix.admit: the hit blocks (first block under each key), then blocks popped one by one "
-                   "from the free queue's front",
-    "decode room": "spec.prefix.decode: True when the free queue has the blocks the new tokens need",
+    "refusal": "spec.errors: the spec's refusals (an unknown or out-of-turn request, bad tokens; free_blocks always)",
+    "exhaustion": "spec.prefix.admit: need > available: not admitted, nothing changed",
+    "hit length": "spec.prefix.hit_blocks: the cached chain of full blocks, at most (len - 1) // B",
+    "block table": "spec.prefix.admit: the hits (first block under each key), then pops from the queue's front",
+    "decode room": "spec.prefix.decode: False, nothing changed, when the free queue lacks the blocks",
     "reset": "spec.prefix.reset: False while any block is held, else every key dropped",
-    "requests": "the requests known: their token counts, tables and liveness (preempted: no table)",
-    "refcount": "invariant 3: a block's refcount is the number of live tables holding it",
-    "key": "invariants 1 and 6: a full block's key names its tokens and salt; eviction and reset clear it; a partial "
-           "tail block has none",
-    "free queue": "spec.prefix.free: released tail first, a keyed block to the back, an unkeyed one to the front; "
-                  "blocks popped from the front; a hit takes a cached-free block out",
-    "cached map": "invariant 2: key -> block ids in insertion order, an evicted block removed",
-    "rows": "invariant 1 (key to content): every written slot of a held or keyed block holds the row its key or "
-            "request names",
-    "reads": "invariant 5: a live request reads the rows of its own tokens (and salt) through its table",
-    "nothing changed": "a refused op, an admit not admitted, a decode without room, a reset refused and a lookup "
-                       "change nothing (every slab byte included)",
+    "requests": "spec.prefix: the requests known, their token counts and liveness",
+    "refcount": "spec.prefix.refcounts_match_tables: refcount = live tables holding the block",
+    "key": "spec.prefix.keys_name_contents: a full block's key names its tokens; eviction and reset clear it",
+    "free queue": "spec.prefix.free: tail first, keyed to the back, unkeyed to the front; pops from the front",
+    "cached map": "spec.prefix.cached_map_exact: key -> blocks in insertion order, an evicted block removed",
+    "rows": "spec.prefix.keys_name_contents: each written slot holds the row its key or request names",
+    "reads": "spec.prefix.requests_read_their_rows: a live request reads its own rows through its table",
+    "nothing changed": "a refusal, an admit not admitted, a decode without room, a reset refused, a lookup",
     "pool invariants": "the implementation's own broken_invariants(): none",
 }
 

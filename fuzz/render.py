@@ -50,7 +50,7 @@ from spec.errors import KVCacheError
 
 #: section of docs/semantics.md that states each spec module's rules
 SECTIONS = {"spec.dense": 2, "spec.turbo": 2, "spec.rotating": 3, "spec.paged": 4, "spec.layers": 6,
-            "spec.recurrent": 9, "spec.cells": 10}
+            "spec.recurrent": 9, "spec.cells": 10, "spec.prefix": 11}
 
 
 @dataclass(frozen=True)
@@ -506,11 +506,54 @@ def _cells_rows(world: Any, op: dict[str, Any] | None = None) -> list[Row]:
     return rows
 
 
+def _prefix_key(key: Any) -> str:
+    salt, tokens = key
+    return f"{list(tokens)}" + ("" if salt is None else f" salt {salt}")
+
+
+def _prefix_rows(world: Any) -> list[Row]:
+    """A prefix pool (``spec.prefix``): per request its block table (a
+    shared block orange, a preempted request's table empty), then every
+    block by id (its refcount: held blue, shared orange, cached-free
+    purple, free unkeyed dashed; its key in the tooltip), then the free
+    queue front to back (a cached-free block purple: it can still be hit)."""
+    blocks = world.blocks
+    rows = []
+    for name, q in world.requests.items():
+        cells = [Cell(str(b), "shared" if blocks[b].refcount > 1 else "block",
+                      tip=f"block {b}, refcount {blocks[b].refcount}"
+                          + (f", key {_prefix_key(blocks[b].key)}" if blocks[b].key is not None else ", no key"))
+                 for b in q.table if b is not None]
+        salt = "" if q.salt is None else f", salt {q.salt}"
+        rows.append(Row(f"table {name}", cells, "store", [],
+                        f"{len(q.tokens)} tokens{salt}" + ("" if q.live else ", preempted")))
+    cells = []
+    for b, blk in enumerate(blocks):
+        key = f"key {_prefix_key(blk.key)}" if blk.key is not None else "no key"
+        if blk.refcount > 0:
+            cells.append(Cell(str(blk.refcount), "shared" if blk.refcount > 1 else "block",
+                              tip=f"block {b}: refcount {blk.refcount}, {key}"))
+        elif blk.key is not None:
+            cells.append(Cell("0", "saved", tip=f"block {b}: cached-free, {key}"))
+        else:
+            cells.append(Cell("", "empty", tip=f"block {b}: free, no key"))
+    n_keys = len(world.cached)
+    rows.append(Row("refcounts", cells, "store", [], f"{len(blocks)} blocks, {n_keys} key{'s' * (n_keys != 1)}"))
+    queue = [Cell(str(b), "saved" if blocks[b].key is not None else "empty",
+                  tip=f"block {b}" + (f": cached-free, key {_prefix_key(blocks[b].key)}" if blocks[b].key is not None
+                                      else ": free, no key"))
+             for b in world.free]
+    rows.append(Row("free queue", queue, "store", [], f"{len(world.free)} free, front first"))
+    return rows
+
+
 def physical_rows(world: Any, op: dict[str, Any] | None = None) -> list[Row]:
     """The physical stores of a spec world, whatever its kind (``op``: the
     op just run, for a cells memory's recorded drops)."""
     if hasattr(getattr(world, "memory", None), "config"):
         return _cells_rows(world, op)
+    if hasattr(world, "cached") and hasattr(world, "requests"):
+        return _prefix_rows(world)
     if hasattr(world, "layers"):
         out = []
         for j, w in enumerate(world.layers):
@@ -541,6 +584,8 @@ def _view_label(name: str) -> str:
         return "holder " + name.split(":", 1)[1]
     if name.startswith("seq:"):
         return "seq " + name.split(":", 1)[1]
+    if name.startswith("req:"):
+        return "request " + name.split(":", 1)[1]
     return name
 
 
@@ -784,17 +829,23 @@ def _rows_of(tl: Timeline) -> list[tuple[str, str]]:
 #: the cache fields a cells trace's header shows (its mode, step and in-place
 #: switch mean nothing to a cells memory)
 CELLS_HEADER = ("kind", "n_cells", "window_cells", "window", "stores", "n_seq")
+#: the cache fields a prefix trace's header shows (its mode, step, batch and
+#: in-place switch mean nothing to a prefix pool)
+PREFIX_HEADER = ("kind", "block_size", "n_blocks", "window")
 
 
 def _header_fields(cache: dict[str, Any]) -> list[tuple[str, Any]]:
     """The cache fields the picture's header lists: a cells trace's
-    :data:`CELLS_HEADER` (``window_cells`` as ``n_cells`` when absent),
+    :data:`CELLS_HEADER` (``window_cells`` as ``n_cells`` when absent), a
+    prefix trace's :data:`PREFIX_HEADER`,
     any other's fields but batch, kv_heads, head_dim and dtype."""
     if cache.get("kind") == "cells":
         got = {**cache}
         if got.get("window_cells") in (None, "n_cells"):
             got["window_cells"] = got.get("n_cells")
         return [(k, got.get(k)) for k in CELLS_HEADER]
+    if cache.get("kind") == "prefix":
+        return [(k, cache.get(k)) for k in PREFIX_HEADER]
     return [(k, v) for k, v in cache.items() if k not in ("batch", "kv_heads", "head_dim", "dtype")]
 
 

@@ -61,6 +61,14 @@ BAD_TRACES = {
     "not UTF-8": b'{"kvtrace": 1, "cache": {"kind": "\xff"}, "ops": []}',
     "duplicate keys": '{"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [], "ops": []}',
     "NaN": '{"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "trim", "n": NaN}]}',
+    "prefix unknown req": {"kvtrace": 1, "cache": {"kind": "prefix", "block_size": 2, "n_blocks": 4, "window": None},
+                           "ops": [{"op": "free", "req": "a"}]},
+    "prefix negative token": {"kvtrace": 1, "cache": {"kind": "prefix", "block_size": 2, "n_blocks": 4, "window": None},
+                              "ops": [{"op": "admit", "req": "a", "tokens": [-1]}]},
+    "prefix block_size 0": {"kvtrace": 1, "cache": {"kind": "prefix", "block_size": 0, "n_blocks": 4, "window": None},
+                            "ops": []},
+    "prefix slabs 2**40": {"kvtrace": 1, "cache": {"kind": "prefix", "block_size": 2**20, "n_blocks": 2**20,
+                                                   "window": None}, "ops": [{"op": "admit", "req": "a", "tokens": [1]}]},
     "truncated": json.dumps(GOOD)[:40],
     "empty file": "",
 }
@@ -122,7 +130,7 @@ def test_conformance_help_names_every_target_and_its_budget():
     assert "does not apply to the target exits 2" in text
 
 
-@pytest.mark.parametrize("kind", ["cells", "recurrent"])
+@pytest.mark.parametrize("kind", ["cells", "recurrent", "prefix"])
 def test_a_kind_without_the_inplace_switch_runs_one_campaign(kind):
     """KV_INPLACE_WRITE changes nothing for these kinds (Kind.inplace_switch
     False): one campaign, not the same one twice (inplace and copy)."""
