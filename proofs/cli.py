@@ -37,7 +37,9 @@ TITLES = {1: "ownership soundness", 2: "ring slot and warm-up in place", 3: "reg
           12: "3-bit packing byte count", 13: "batch layout", 14: "nbytes counts each array once",
           15: "recurrent checkpoint ring", 16: "atomic list trim with recurrent layers",
           17: "cell freed exactly when its set is empty", 18: "per-sequence positions unique",
-          19: "cells refusals change nothing", 20: "position shifts compose", 21: "windowed removal bound"}
+          19: "cells refusals change nothing", 20: "position shifts compose", 21: "windowed removal bound",
+          22: "prefix key to content", 23: "prefix refcounts and holders", 24: "prefix free queue",
+          25: "prefix hit length"}
 
 
 def obligations() -> list[tuple[int, Any]]:
@@ -88,6 +90,9 @@ def obligations() -> list[tuple[int, Any]]:
     from proofs import cells
 
     out += cells.OBLIGATIONS
+    from proofs import prefix
+
+    out += prefix.OBLIGATIONS
     return sorted(out, key=lambda x: x[0])
 
 

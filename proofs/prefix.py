@@ -113,56 +113,62 @@ def exact() -> Domain:
     return Domain(INT)
 
 
-def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
-    """One part per op: the whole invariant before, ``goal`` after."""
+#: a transition: ``d -> (premises, goal, accepted)`` (``accepted``: the op
+#: was not refused; tests check that it is reachable under the premises)
+Case = Callable[[Domain], tuple[list[Any], Any, Any]]
+
+
+def op_cases(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, Case]]:
+    """One case per op: the whole invariant before, ``goal`` after, and the
+    condition under which the op is accepted."""
 
     def start(d: Domain) -> tuple[World, list[Any]]:
         w = world_vars(d)
         return w, [invariant(exact(), w)]
 
-    def init(d: Domain) -> tuple[list[Any], Any]:
+    def init(d: Domain) -> tuple[list[Any], Any, Any]:
         w = world_vars(d)
-        return [initial(w)], goal(exact(), w)
+        return [initial(w)], goal(exact(), w), z3.BoolVal(True)
 
-    def t_admit(d: Domain) -> tuple[list[Any], Any]:
+    def t_admit(d: Domain) -> tuple[list[Any], Any, Any]:
         w, pre = start(d)
         me = w.reqs[ACTOR]
         n = d.var("n")
         keys, pn, facts = _names(d, "new")
-        rule, _, after = admit(d, w, ACTOR, n, keys, pn, hit_vars(d), rules)
-        return [*pre, z3.Not(me.live), z3.Not(me.pre), n >= 1, *facts, rule], goal(exact(), after)
+        rule, ok, after = admit(d, w, ACTOR, n, keys, pn, hit_vars(d), rules)
+        return [*pre, z3.Not(me.live), z3.Not(me.pre), n >= 1, *facts, rule], goal(exact(), after), ok
 
-    def t_resume(d: Domain) -> tuple[list[Any], Any]:
+    def t_resume(d: Domain) -> tuple[list[Any], Any, Any]:
         w, pre = start(d)
         me = w.reqs[ACTOR]
-        rule, _, after = admit(d, w, ACTOR, me.n, me.k, me.p, hit_vars(d), rules)
-        return [*pre, me.pre, rule], goal(exact(), after)
+        rule, ok, after = admit(d, w, ACTOR, me.n, me.k, me.p, hit_vars(d), rules)
+        return [*pre, me.pre, rule], goal(exact(), after), ok
 
-    def t_decode(d: Domain) -> tuple[list[Any], Any]:
+    def t_decode(d: Domain) -> tuple[list[Any], Any, Any]:
         w, pre = start(d)
         me = w.reqs[ACTOR]
         m = d.var("n_new")
         keys, pn, facts = _names(d, "after")
         kept = [z3.Implies(is_full(exact(), z3.IntVal(i), me.n, w.B), keys[i] == me.k[i]) for i in range(NB)]
-        _, after = decode(d, w, ACTOR, m, keys, pn, rules)
-        return [*pre, me.live, m >= 1, *facts, *kept], goal(exact(), after)
+        ok, after = decode(d, w, ACTOR, m, keys, pn, rules)
+        return [*pre, me.live, m >= 1, *facts, *kept], goal(exact(), after), ok
 
-    def t_free(preempting: bool) -> PartBuilder:
-        def build(d: Domain) -> tuple[list[Any], Any]:
+    def t_free(preempting: bool) -> Case:
+        def build(d: Domain) -> tuple[list[Any], Any, Any]:
             w, pre = start(d)
-            _, after = free(d, w, ACTOR, preempting)
-            return pre, goal(exact(), after)
+            ok, after = free(d, w, ACTOR, preempting)
+            return pre, goal(exact(), after), ok
         return build
 
-    def t_reset(d: Domain) -> tuple[list[Any], Any]:
+    def t_reset(d: Domain) -> tuple[list[Any], Any, Any]:
         w, pre = start(d)
-        _, after = reset(w)
-        return pre, goal(exact(), after)
+        ok, after = reset(w)
+        return pre, goal(exact(), after), ok
 
-    def t_free_blocks(d: Domain) -> tuple[list[Any], Any]:
+    def t_free_blocks(d: Domain) -> tuple[list[Any], Any, Any]:
         w, pre = start(d)
-        _, after = free_blocks(d, w, (d.var("listed0"), d.var("listed1")), rules)
-        return pre, goal(exact(), after)
+        ok, after = free_blocks(d, w, (d.var("listed0"), d.var("listed1")), rules)
+        return pre, goal(exact(), after), ok
 
     return [("init: the empty pool", init),
             (("preserved by admit (hits touched, blocks popped from the front and evicted, rows written, full blocks "
@@ -175,6 +181,18 @@ def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, Pa
             ("preserved by preempt", t_free(True)),
             ("preserved by reset (refused while a block is held)", t_reset),
             ("preserved by free_blocks of two ids (a block maybe listed twice)", t_free_blocks)]
+
+
+def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    """The parts of :func:`op_cases` (premises and goal)."""
+
+    def part(case: Case) -> PartBuilder:
+        def build(d: Domain) -> tuple[list[Any], Any]:
+            premises, g, _ = case(d)
+            return premises, g
+        return build
+
+    return [(label, part(case)) for label, case in op_cases(goal, rules)]
 
 
 # -- 22 ------------------------------------------------------------------------------
@@ -199,12 +217,19 @@ KEY_CONTROLS: list[tuple[str, str, PrefixRules]] = [
 
 
 def refcount_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    def twice(d: Domain) -> tuple[list[Any], Any]:
+        w = world_vars(d)
+        b = d.var("listed")
+        ok, after = free_blocks(d, w, (b, b), rules)
+        return [invariant(exact(), w)], z3.And(z3.Not(ok), refcount_invariant(exact(), after))
+
     def refused(d: Domain) -> tuple[list[Any], Any]:
         w = world_vars(d)
         ok, _ = free_blocks(d, w, (d.var("listed0"), d.var("listed1")), rules)
         return [invariant(exact(), w)], z3.Not(ok)
 
-    return [*op_parts(_refcount_goal, rules),
+    return [("free_blocks([b, b]), a block listed twice, is refused: no refcount falls twice", twice),
+            *op_parts(_refcount_goal, rules),
             ("free_blocks is refused for every call (a block listed twice, of refcount 0, or held by a table)",
              refused)]
 

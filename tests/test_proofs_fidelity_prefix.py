@@ -1,0 +1,343 @@
+"""Encoding fidelity for obligations 22 to 25: every function of
+``proofs.prefix_model`` agrees with ``spec.prefix`` on concrete values
+(substitute + simplify). The integer rules on every small case; the
+invariant on every world the spec reaches (it must hold there); and each op
+on such worlds, the model's state after it (refcounts, keys, the cached map,
+rows, the free queue in order, both requests' tables, lengths and names)
+against the spec's, with the hit the spec chose (the model must allow it)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import z3
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proofs import prefix_model as pm
+from proofs.domain import INT, Domain, evaluate
+from spec import prefix as sp
+from spec.errors import KVCacheError
+
+NAMES = ("a", "b")
+#: prompts sharing roots, so hits, duplicates and evictions happen in 3 blocks
+PROMPTS = ((1, 2, 3, 4, 5, 6), (1, 2, 3, 7), (1, 2, 8), (9, 9, 1))
+
+
+def _prompt(draw: Any) -> list[int]:
+    base = draw(st.sampled_from(PROMPTS))
+    return list(base[:draw(st.integers(1, len(base)))])
+
+
+@st.composite
+def ops(draw: Any, world: sp.PrefixWorld | None = None) -> dict[str, Any]:
+    """An op, drawn among those ``world`` accepts without an error (any
+    op when None): admissions of prompts that share roots, decodes, frees,
+    preemptions and resumptions, resets (free_blocks is always refused)."""
+    live = [k for k, r in world.requests.items() if r.live] if world is not None else list(NAMES)
+    held = [k for k, r in world.requests.items() if not r.live] if world is not None else list(NAMES)
+    new = [k for k in NAMES if world is None or k not in world.requests]
+    kinds = ["admit"] * 3 * bool(new) + ["decode", "decode", "free", "preempt"] * bool(live) \
+        + ["resume", "resume"] * bool(held) + ["reset"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "admit":
+        return {"op": "admit", "req": draw(st.sampled_from(new)), "tokens": _prompt(draw),
+                "salt": draw(st.sampled_from((None, None, 0)))}
+    if kind == "decode":
+        return {"op": "decode", "req": draw(st.sampled_from(live)),
+                "tokens": draw(st.lists(st.sampled_from((3, 4, 5, 7)), min_size=1, max_size=3))}
+    if kind == "reset":
+        return {"op": "reset"}
+    return {"op": kind, "req": draw(st.sampled_from(held if kind == "resume" else live))}
+
+
+@st.composite
+def worlds(draw: Any) -> sp.PrefixWorld:
+    world = sp.new_world(draw(st.integers(1, 3)), pm.NB)
+    for _ in range(draw(st.integers(0, 14))):
+        _, world = sp.apply_op(world, draw(ops(world)))
+    return world
+
+
+@st.composite
+def steps(draw: Any) -> tuple[sp.PrefixWorld, dict[str, Any]]:
+    """A reachable world and an op it accepts."""
+    world = draw(worlds())
+    return world, draw(ops(world))
+
+
+class Names:
+    """Integers for the spec's names, consistent within one example: key
+    names >= 0, partial rows' names <= -2, blank rows -1, and fresh names
+    for keys and tails a request does not have yet."""
+
+    def __init__(self) -> None:
+        self.keys: dict[Any, int] = {}
+        self.partials: dict[Any, int] = {}
+        self.fresh = itertools.count(10_000)
+
+    def key(self, key: Any) -> int:
+        return self.keys.setdefault(key, len(self.keys))
+
+    def partial(self, rows: Any) -> int:
+        return self.partials.setdefault(rows, -2 - len(self.partials))
+
+    def rows(self, rows: tuple[Any, ...], bs: int) -> int:
+        if all(r is None for r in rows):
+            return pm.NONE
+        last = rows[-1]
+        if last is not None and len(last[1]) >= bs and len(last[1]) % bs == 0 and rows == sp.key_rows(last, bs):
+            return self.key(last)
+        return self.partial(rows)
+
+    def request_keys(self, salt: Any, tokens: tuple[int, ...], bs: int) -> list[int]:
+        full = sp.full_blocks(len(tokens), bs)
+        return [self.key(sp.block_key(salt, tokens, i, bs)) if i < full else next(self.fresh) for i in range(pm.NB)]
+
+    def tail(self, salt: Any, tokens: tuple[int, ...], bs: int) -> int:
+        n = len(tokens)
+        if n % bs == 0:
+            return -next(self.fresh)
+        lo = n // bs * bs
+        return self.partial(tuple(sp.row_name(salt, tokens, p) for p in range(lo, n)) + (None,) * (bs - n % bs))
+
+
+def values(world: sp.PrefixWorld, order: tuple[str, str], names: Names) -> dict[str, Any]:
+    """The model's variables (``world_vars`` names) for a spec world, request
+    ``order[0]`` in slot 0."""
+    bs = world.block_size
+    lk = [pm.NONE] * pm.NB
+    for key, ids in world.cached:
+        for b in ids:
+            lk[b] = names.key(key)
+    out: dict[str, Any] = {"B": bs, "w_qn": len(world.free)}
+    for x, blk in enumerate(world.blocks):
+        out.update({f"w_rc{x}": blk.refcount, f"w_key{x}": pm.NONE if blk.key is None else names.key(blk.key),
+                    f"w_listed{x}": lk[x], f"w_rows{x}": names.rows(blk.rows, bs)})
+    for i in range(pm.NB):
+        out[f"w_q{i}"] = world.free[i] if i < len(world.free) else 0
+    for slot, name in enumerate(order):
+        r = world.requests.get(name)
+        v = f"r{slot}"
+        if r is None:
+            out.update({f"{v}_live": False, f"{v}_preempted": False, f"{v}_n": 0, f"{v}_tl": 0,
+                        f"{v}_p": -next(names.fresh)})
+            out.update({f"{v}_t{i}": 0 for i in range(pm.NB)})
+            out.update({f"{v}_k{i}": next(names.fresh) for i in range(pm.NB)})
+            continue
+        out.update({f"{v}_live": r.live, f"{v}_preempted": not r.live, f"{v}_n": len(r.tokens),
+                    f"{v}_tl": len(r.table), f"{v}_p": names.tail(r.salt, r.tokens, bs)})
+        out.update({f"{v}_t{i}": r.table[i] if i < len(r.table) else 0 for i in range(pm.NB)})
+        out.update({f"{v}_k{i}": k for i, k in enumerate(names.request_keys(r.salt, r.tokens, bs))})
+    return out
+
+
+def subs_of(vals: dict[str, Any]) -> dict[Any, Any]:
+    return {(z3.Bool(k) if isinstance(v, bool) else z3.Int(k)): (z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(v))
+            for k, v in vals.items()}
+
+
+def read(w: pm.World, subs: dict[Any, Any]) -> dict[str, Any]:
+    """The model world ``w`` evaluated, as :func:`values` lays out a spec world."""
+    ev = lambda e: evaluate(e, subs)
+    out: dict[str, Any] = {"B": ev(w.B), "w_qn": ev(w.qn)}
+    for x in range(pm.NB):
+        out.update({f"w_rc{x}": ev(w.rc[x]), f"w_key{x}": ev(w.key[x]), f"w_listed{x}": ev(w.lk[x]),
+                    f"w_rows{x}": ev(w.rows[x])})
+    for i in range(pm.NB):
+        out[f"w_q{i}"] = ev(w.q[i])
+    for slot, r in enumerate(w.reqs):
+        v = f"r{slot}"
+        out.update({f"{v}_live": ev(r.live), f"{v}_preempted": ev(r.pre), f"{v}_n": ev(r.n), f"{v}_tl": ev(r.tl),
+                    f"{v}_p": ev(r.p)})
+        out.update({f"{v}_t{i}": ev(r.t[i]) for i in range(pm.NB)})
+        out.update({f"{v}_k{i}": ev(r.k[i]) for i in range(pm.NB)})
+    return out
+
+
+def observed(vals: dict[str, Any], world: sp.PrefixWorld) -> dict[str, Any]:
+    """What a state is compared on: every block's refcount, key and map
+    entry, rows of held or keyed blocks, the queue, each known request's
+    state, length, table, full blocks' keys and partial tail's name."""
+    bs = world.block_size
+    out = {k: v for k, v in vals.items() if k in ("B", "w_qn") or k.startswith(("w_rc", "w_key", "w_listed"))}
+    out.update({f"w_q{i}": vals[f"w_q{i}"] for i in range(vals["w_qn"]) if i < pm.NB})
+    for x in range(pm.NB):
+        if vals[f"w_rc{x}"] > 0 or vals[f"w_key{x}"] >= 0:
+            out[f"w_rows{x}"] = vals[f"w_rows{x}"]
+    for slot in range(pm.R):
+        v = f"r{slot}"
+        out.update({f"{v}_live": vals[f"{v}_live"], f"{v}_preempted": vals[f"{v}_preempted"]})
+        if vals[f"{v}_live"] or vals[f"{v}_preempted"]:
+            n = vals[f"{v}_n"]
+            out[f"{v}_n"] = n
+            out.update({f"{v}_k{i}": vals[f"{v}_k{i}"] for i in range(min(pm.NB, n // bs))})
+            if n % bs:
+                out[f"{v}_p"] = vals[f"{v}_p"]
+        if vals[f"{v}_live"]:
+            out[f"{v}_tl"] = vals[f"{v}_tl"]
+            out.update({f"{v}_t{i}": vals[f"{v}_t{i}"] for i in range(vals[f"{v}_tl"])})
+    return out
+
+
+def _order(name: str) -> tuple[str, str]:
+    return (name, next(n for n in NAMES if n != name))
+
+
+def transition(world: sp.PrefixWorld, op: dict[str, Any], rules: pm.PrefixRules = pm.PREFIX_SPEC,
+               names: Names | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``op`` on the spec and on the model from the same world: (the model's
+    state after it, the spec's), both as :func:`observed` lays them out;
+    None when the spec refuses the op with an error (the model's premises
+    exclude those)."""
+    try:
+        result, after = sp.apply_op(world, op)
+    except KVCacheError:
+        return None
+    names = names or Names()
+    order = _order(op.get("req", "a"))
+    bs = world.block_size
+    d = Domain(INT)
+    w = pm.world_vars(d)
+    subs = subs_of(values(world, order, names))
+    ok: Any
+    if op["op"] in ("admit", "resume"):
+        r = world.requests.get(op["req"])
+        salt, tokens = (op.get("salt"), tuple(op["tokens"])) if op["op"] == "admit" else (r.salt, r.tokens)
+        hit = pm.hit_vars(d)
+        table = sp.hit_table(world, salt, tokens)
+        subs.update(subs_of({"hit_j": len(table), **{f"hit_block{i}": table[i] if i < len(table) else 0
+                                                       for i in range(pm.NB)}}))
+        if op["op"] == "admit":
+            n, keys, pn = d.var("n"), tuple(d.var(f"new_key{i}") for i in range(pm.NB)), d.var("new_partial")
+            subs.update(subs_of({"n": len(tokens), "new_partial": names.tail(salt, tokens, bs),
+                                 **{f"new_key{i}": k for i, k in enumerate(names.request_keys(salt, tokens, bs))}}))
+            rule, ok, new = pm.admit(d, w, 0, n, keys, pn, hit, rules)
+        else:
+            me = w.reqs[0]
+            rule, ok, new = pm.admit(d, w, 0, me.n, me.k, me.p, hit, rules)
+        assert evaluate(rule, subs) is True, "the spec's hit is one the model allows"
+        assert evaluate(ok, subs) == result["admitted"]
+    elif op["op"] == "decode":
+        r = world.requests[op["req"]]
+        grown = r.tokens + tuple(op["tokens"])
+        m, keys, pn = d.var("n_new"), tuple(d.var(f"after_key{i}") for i in range(pm.NB)), d.var("after_partial")
+        subs.update(subs_of({"n_new": len(op["tokens"]), "after_partial": names.tail(r.salt, grown, bs),
+                             **{f"after_key{i}": k for i, k in enumerate(names.request_keys(r.salt, grown, bs))}}))
+        ok, new = pm.decode(d, w, 0, m, keys, pn, rules)
+        assert evaluate(ok, subs) == result
+    elif op["op"] in ("free", "preempt"):
+        ok, new = pm.free(d, w, 0, op["op"] == "preempt")
+        assert evaluate(ok, subs) is True
+    elif op["op"] == "reset":
+        ok, new = pm.reset(w)
+        assert evaluate(ok, subs) == result
+    else:
+        return None
+    return observed(read(new, subs), after), observed(values(after, order, names), after)
+
+
+@pytest.mark.parametrize("bs", [1, 2, 3, 5])
+def test_integer_rules_are_the_spec_rules(bs: int) -> None:
+    d = Domain(INT)
+    B = z3.IntVal(bs)
+    for n in range(14):
+        N = z3.IntVal(n)
+        assert evaluate(pm.blocks_for(d, N, B), {}) == sp.blocks_for(n, bs)
+        assert evaluate(pm.full_blocks(d, N, B), {}) == sp.full_blocks(n, bs)
+        for i in range(5):
+            assert evaluate(pm.is_full(d, z3.IntVal(i), N, B), {}) == sp.is_full(i, n, bs)
+        for k in range(1, 5):
+            assert evaluate(pm.decode_blocks_needed(d, N, z3.IntVal(k), B), {}) == sp.decode_blocks_needed(n, k, bs)
+        for f in range(4):
+            assert evaluate(pm.available_blocks(d, z3.IntVal(n), z3.IntVal(f)), {}) == sp.available_blocks(n, f)
+        if n >= 1:
+            assert evaluate(pm.max_hit_blocks(d, N, B), {}) == sp.max_hit_blocks(n, bs)
+            for j in range(sp.max_hit_blocks(n, bs) + 1):
+                assert evaluate(pm.new_blocks_needed(d, N, z3.IntVal(j), B), {}) == sp.new_blocks_needed(n, j, bs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=worlds())
+def test_invariant_holds_on_reachable_worlds(world: sp.PrefixWorld) -> None:
+    assert not sp.broken_invariants(world)
+    for order in (("a", "b"), ("b", "a")):
+        names = Names()
+        subs = subs_of(values(world, order, names))
+        d = Domain(INT)
+        w = pm.world_vars(d)
+        for name, part in (("key", pm.key_invariant(d, w)), ("refcount", pm.refcount_invariant(d, w)),
+                           ("queue", pm.free_queue_exact(w)), ("whole", pm.invariant(d, w))):
+            assert evaluate(part, subs) is True, (name, order)
+
+
+@settings(max_examples=200, deadline=None)
+@given(step=steps())
+def test_ops_agree_with_the_spec(step: tuple[sp.PrefixWorld, dict[str, Any]]) -> None:
+    world, op = step
+    got = transition(world, op)
+    assert got is not None, op
+    model, spec = got
+    assert model == spec, op
+
+
+def _world(bs: int, ops_: list[dict[str, Any]]) -> sp.PrefixWorld:
+    world = sp.new_world(bs, pm.NB)
+    for op in ops_:
+        _, world = sp.apply_op(world, op)
+    return world
+
+
+#: ops each op kind of the model runs at least once on, through the spec:
+#: hits on a cached-free block, evictions, duplicates, a refused admission
+#: and decode, a release of keyed and unkeyed blocks, a refused reset
+SCRIPT = [{"op": "admit", "req": "a", "tokens": [1, 2, 3]}, {"op": "admit", "req": "b", "tokens": [1, 2, 9]},
+          {"op": "decode", "req": "a", "tokens": [4]}, {"op": "reset"}, {"op": "free", "req": "b"},
+          {"op": "admit", "req": "b", "tokens": [5, 6, 7, 8, 1]}, {"op": "preempt", "req": "a"},
+          {"op": "admit", "req": "b", "tokens": [1, 2, 3, 4, 5]}, {"op": "resume", "req": "a"},
+          {"op": "decode", "req": "a", "tokens": [5, 6]}, {"op": "free", "req": "a"}, {"op": "reset"},
+          {"op": "admit", "req": "a", "tokens": [1, 2, 3, 4, 5, 6, 7]}]
+
+
+@pytest.mark.parametrize("bs", [1, 2])
+def test_a_scripted_run_agrees_at_every_op(bs: int) -> None:
+    world = sp.new_world(bs, pm.NB)
+    compared = 0
+    for op in SCRIPT:
+        got = transition(world, op)
+        if got is not None:
+            assert got[0] == got[1], op
+            compared += 1
+        try:
+            _, world = sp.apply_op(world, op)
+        except KVCacheError:
+            pass
+    assert compared >= 10
+
+
+@pytest.mark.parametrize("rules,ops_,op", [
+    (pm.PrefixRules(evict="keeps_map_entry"),
+     [{"op": "admit", "req": "a", "tokens": [1, 2, 3]}, {"op": "free", "req": "a"}],
+     {"op": "admit", "req": "b", "tokens": [5, 6, 7, 8, 9]}),
+    (pm.PrefixRules(evict="keeps_key"),
+     [{"op": "admit", "req": "a", "tokens": [1, 2, 3]}, {"op": "free", "req": "a"}],
+     {"op": "admit", "req": "b", "tokens": [5, 6, 7, 8, 9]}),
+    (pm.PrefixRules(evict="none"),
+     [{"op": "admit", "req": "a", "tokens": [1, 2, 3]}, {"op": "free", "req": "a"}],
+     {"op": "admit", "req": "b", "tokens": [5, 6, 7, 8, 9]}),
+    (pm.PrefixRules(touch="leaves_in_queue"),
+     [{"op": "admit", "req": "a", "tokens": [1, 2, 3]}, {"op": "free", "req": "a"}],
+     {"op": "admit", "req": "b", "tokens": [1, 2, 3]}),
+    (pm.PrefixRules(cache_partial=True), [], {"op": "admit", "req": "a", "tokens": [1, 2, 3]}),
+    (pm.PrefixRules(pop_refcount=0), [], {"op": "admit", "req": "a", "tokens": [1]}),
+])
+def test_fidelity_sees_a_wrong_encoding(rules: pm.PrefixRules, ops_: list[dict[str, Any]], op: dict[str, Any]) -> None:
+    """The comparison is not vacuous: each control's encoding disagrees with
+    the spec on a small run (block size 2) where the correct one agrees."""
+    world = _world(2, ops_)
+    good = transition(world, op)
+    bad = transition(world, op, rules)
+    assert good is not None and bad is not None
+    assert good[0] == good[1] and bad[0] != bad[1]
