@@ -195,6 +195,151 @@ def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, Pa
     return [(label, part(case)) for label, case in op_cases(goal, rules)]
 
 
+# -- negative controls confirmed on the spec's own code -------------------------------
+#
+# A control whose fault is one function of spec.prefix away is also run on the
+# spec with that function replaced (proofs.traces.patched), on the scenario of
+# the public report it comes from: confirmed when the spec's own
+# broken_invariants (or, for the hit length, the admission's result) shows
+# the fault. The op sequences are those of the reports, in the kind's ops.
+
+Confirm = Callable[[], tuple[Any, Any, str]]
+
+
+def _pop_with(evict: str = "spec", refcount: int = 1) -> Callable[..., Any]:
+    """``spec.prefix._pop`` with its eviction step changed: ``keeps_map_entry``
+    (the id stays under the key), ``keeps_key`` (the block keeps its key),
+    ``none`` (neither), or a popped block's refcount other than 1."""
+    from dataclasses import replace
+
+    from spec import prefix as sp
+
+    def _pop(world: Any, n: int) -> tuple[tuple[int, ...], Any]:
+        blocks, free, cached = world.blocks, world.free, world.cached
+        out = []
+        blank = (None,) * world.block_size
+        for _ in range(n):
+            b, free = free[0], free[1:]
+            key = blocks[b].key
+            if key is not None and evict in ("spec", "keeps_key"):
+                cached = sp._cache_remove(cached, key, b)
+            kept = key if evict in ("keeps_key", "none") else None
+            blocks = sp._set(blocks, b, sp.Block(refcount, kept, blank))
+            out.append(b)
+        return tuple(out), replace(world, blocks=blocks, free=free, cached=cached)
+
+    return _pop
+
+
+def _free_blocks_unchecked(world: Any, blocks: Any) -> tuple[None, Any]:
+    """vLLM's ``BlockPool.free_blocks``: each listed block's refcount - 1, at
+    0 it joins the back of the free queue; no check."""
+    from dataclasses import replace
+
+    from spec import prefix as sp
+
+    bl, free = world.blocks, world.free
+    for b in blocks:
+        blk = bl[b]
+        bl = sp._set(bl, b, replace(blk, refcount=blk.refcount - 1))
+        if blk.refcount - 1 == 0:
+            free = (*free, b)
+    return None, replace(world, blocks=bl, free=free)
+
+
+def _cache_partial_tail() -> Callable[..., Any]:
+    """``spec.prefix._cache_full`` keying every written block up to the
+    table's end, the partial tail included."""
+    from spec import prefix as sp
+
+    whole = sp._cache_full
+
+    def _cache_full(world: Any, salt: Any, tokens: Any, table: Any, lo: int, hi: int) -> Any:
+        return whole(world, salt, tokens, table, lo, len(table))
+
+    return _cache_full
+
+
+def _op_text(op: dict[str, Any]) -> str:
+    args = " ".join(str(op[k]) for k in ("req", "tokens", "blocks") if k in op)
+    return f"{op['op']} {args}".strip()
+
+
+def _broken_on_spec(scenario: str, block_size: int, n_blocks: int, ops: list[dict[str, Any]],
+                    patches: Callable[[], dict[str, Any]], shows: tuple[str, ...]) -> Confirm:
+    """Run ``ops`` from an empty spec pool with ``patches()`` in place:
+    confirmed at the first op after which spec.prefix.broken_invariants
+    names one of ``shows`` (the obligation's own invariants)."""
+
+    def confirm() -> tuple[Any, Any, str]:
+        from proofs import traces
+        from spec import prefix as sp
+
+        try:
+            functions = patches()
+        except AttributeError as e:
+            return None, None, f"not confirmed: spec.prefix changed ({e})"
+        world = sp.new_world(block_size, n_blocks)
+        values = {"block_size": block_size, "n_blocks": n_blocks}
+        with traces.patched(sp, **functions):
+            for i, op in enumerate(ops):
+                _, world = sp.apply_op(world, op)
+                broken = sp.broken_invariants(world)
+                if set(broken) & set(shows):
+                    return None, values, (f"confirmed on spec with the bug ({scenario}, block size {block_size}, "
+                                          f"{n_blocks} blocks): after op {i} ({_op_text(op)}) it breaks "
+                                          f"{', '.join(broken)}")
+        return None, values, (f"not confirmed: {scenario} keeps {', '.join(shows)} on the spec with the bug")
+
+    confirm.scenario = (block_size, n_blocks, ops)  # type: ignore[attr-defined]
+    return confirm
+
+
+def _uncapped_on_spec() -> tuple[Any, Any, str]:
+    """The whole-prompt hit on the spec: a prompt of whole blocks admitted
+    twice; the second admission hits every token, none left to compute."""
+    from proofs import traces
+    from spec import prefix as sp
+
+    world = sp.new_world(2, 4)
+    tokens = [1, 2, 3, 4]
+    with traces.patched(sp, max_hit_blocks=lambda n, bs: n // bs):
+        _, world = sp.apply_op(world, {"op": "admit", "req": "a", "tokens": tokens})
+        result, _ = sp.apply_op(world, {"op": "admit", "req": "b", "tokens": tokens})
+    values = {"block_size": 2, "n_tokens": len(tokens), "hit": result["hit"]}
+    if result["hit"] < len(tokens):
+        return None, values, "not confirmed: the spec with an uncapped hit leaves a token to compute"
+    return None, values, (f"confirmed on spec with the bug: a second admission of {tokens} (block size 2) hits all "
+                          f"{result['hit']} tokens, none left to compute (the last token's logits need it)")
+
+
+A = "admit"
+KEY = ("keys_name_contents", "cached_map_exact", "requests_read_their_rows", "full_blocks_keyed")
+REFCOUNT = ("refcounts_match_tables", "tables_sized", "partial_tail_private")
+QUEUE = ("free_queue_exact",)
+#: the reports' scenarios (their op sequences; see each control's rule)
+STALE_ENTRY = _broken_on_spec("vLLM PR #4761's scenario", 2, 2, [
+    {"op": A, "req": "a", "tokens": [1, 2, 3]}, {"op": "free", "req": "a"},
+    {"op": A, "req": "b", "tokens": [5, 6, 7]}], lambda: {"_pop": _pop_with("keeps_map_entry")}, KEY)
+DIRTY_BLOCK = _broken_on_spec("vLLM PR #24084's scenario", 2, 3, [
+    {"op": A, "req": "a", "tokens": [1, 2]}, {"op": A, "req": "h", "tokens": [5, 6]}, {"op": "free", "req": "a"},
+    {"op": A, "req": "b", "tokens": [7, 8, 9]}], lambda: {"_pop": _pop_with("keeps_key")}, KEY)
+RECYCLED = _broken_on_spec("MinivLLM PR #87's scenario", 2, 3, [
+    {"op": A, "req": "a", "tokens": [1, 2, 3, 4]}, {"op": "free", "req": "a"},
+    {"op": A, "req": "b", "tokens": [7, 8, 3, 4, 9]}], lambda: {"_pop": _pop_with("none")}, KEY)
+PARTIAL_KEYED = _broken_on_spec("a prompt ending in a partial block", 2, 3,
+                                [{"op": A, "req": "a", "tokens": [1, 2, 3]}],
+                                lambda: {"_cache_full": _cache_partial_tail()}, KEY)
+DOUBLE_FREE = _broken_on_spec("vLLM issue #42571's free_blocks([b, b])", 1, 3, [
+    {"op": A, "req": "a", "tokens": [1, 2]}, {"op": "free_blocks", "blocks": [0, 0]}],
+    lambda: {"free_blocks": _free_blocks_unchecked}, REFCOUNT)
+QUEUED_TWICE = _broken_on_spec("vLLM issue #42571's free_blocks([b, b])", 1, 3, [
+    {"op": A, "req": "a", "tokens": [1, 2]}, {"op": "free_blocks", "blocks": [0, 0]}],
+    lambda: {"free_blocks": _free_blocks_unchecked}, QUEUE)
+REFCOUNT_ZERO = _broken_on_spec("a first admission", 2, 3, [{"op": A, "req": "a", "tokens": [1, 2, 3]}],
+                                lambda: {"_pop": _pop_with(refcount=0)}, REFCOUNT)
+
+
 # -- 22 ------------------------------------------------------------------------------
 
 
@@ -202,14 +347,15 @@ def key_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]
     return op_parts(_key_goal, rules)
 
 
-KEY_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+KEY_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
     ("evict_keeps_map_entry", ("a block popped from the free queue loses its key but stays listed under it "
-     "(vLLM PR #4761)"), PrefixRules(evict="keeps_map_entry")),
+     "(vLLM PR #4761)"), PrefixRules(evict="keeps_map_entry"), STALE_ENTRY),
     ("evict_keeps_key", ("a block popped from the free queue leaves the key's list but keeps its key "
-     "(vLLM PR #24084's dirty block)"), PrefixRules(evict="keeps_key")),
+     "(vLLM PR #24084's dirty block)"), PrefixRules(evict="keeps_key"), DIRTY_BLOCK),
     ("recycled_block_keeps_key", ("reallocation without an eviction step: the recycled block keeps its old key "
-     "and map entry (MinivLLM PR #87)"), PrefixRules(evict="none")),
-    ("partial_tail_keyed", "the partial tail block is keyed (and so shared) too", PrefixRules(cache_partial=True)),
+     "and map entry (MinivLLM PR #87)"), PrefixRules(evict="none"), RECYCLED),
+    ("partial_tail_keyed", "the partial tail block is keyed (and so shared) too", PrefixRules(cache_partial=True),
+     PARTIAL_KEYED),
 ]
 
 
@@ -234,11 +380,12 @@ def refcount_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuil
              refused)]
 
 
-REFCOUNT_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+REFCOUNT_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
     ("free_blocks_unchecked", ("the pool's release decrements each listed block with no check (vLLM's "
-     "BlockPool.free_blocks: [b, b] drives a refcount to -1, issue #42571)"), PrefixRules(pool_release="unchecked")),
+     "BlockPool.free_blocks: [b, b] drives a refcount to -1, issue #42571)"), PrefixRules(pool_release="unchecked"),
+     DOUBLE_FREE),
     ("popped_block_refcount_zero", "a block popped for a request starts at refcount 0 (MinivLLM PR #87)",
-     PrefixRules(pop_refcount=0)),
+     PrefixRules(pop_refcount=0), REFCOUNT_ZERO),
 ]
 
 
@@ -249,11 +396,12 @@ def queue_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder
     return op_parts(_queue_goal, rules)
 
 
-QUEUE_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+QUEUE_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
     ("touch_leaves_in_queue", "a hit on a cached-free block raises its refcount but leaves it in the free queue",
-     PrefixRules(touch="leaves_in_queue")),
+     PrefixRules(touch="leaves_in_queue"), None),
     ("free_blocks_unchecked", ("the pool's release decrements each listed block with no check: a block a table "
-     "holds, or listed twice, joins the free queue (vLLM issue #42571)"), PrefixRules(pool_release="unchecked")),
+     "holds, or listed twice, joins the free queue (vLLM issue #42571)"), PrefixRules(pool_release="unchecked"),
+     QUEUED_TWICE),
 ]
 
 
@@ -298,10 +446,11 @@ def hit_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]
             ("max_hit_blocks(n, B) = (n - 1) // B is the largest j with j * B <= n - 1", largest)]
 
 
-HIT_CONTROLS: list[tuple[str, str, PrefixRules]] = [
+HIT_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
     ("uncapped_whole_prompt_hit", "the hit may cover the whole prompt: up to n // B blocks",
-     PrefixRules(cap="uncapped")),
-    ("partial_block_hit", "the hit may cover the partial block: up to ceil(n / B) blocks", PrefixRules(cap="partial")),
+     PrefixRules(cap="uncapped"), _uncapped_on_spec),
+    ("partial_block_hit", "the hit may cover the partial block: up to ceil(n / B) blocks", PrefixRules(cap="partial"),
+     None),
 ]
 
 
@@ -310,10 +459,11 @@ HIT_CONTROLS: list[tuple[str, str, PrefixRules]] = [
 
 def _prove(number: int, proves: tuple[str, ...], statement: str,
            parts_of: Callable[[PrefixRules], list[tuple[str, PartBuilder]]],
-           controls: list[tuple[str, str, PrefixRules]]) -> ObligationResult:
+           controls: list[tuple[str, str, PrefixRules, Confirm | None]]) -> ObligationResult:
     t0 = time.perf_counter()
     parts = run_parts(parts_of(PREFIX_SPEC))
-    ctl = [control_from_parts(name, text, parts_of(rules)) for name, text, rules in controls]
+    ctl = [control_from_parts(name, text, parts_of(rules), reachable=confirm)
+           for name, text, rules, confirm in controls]
     return ObligationResult(number, TITLES[number], proves, statement, overall(parts, ctl), parts, ctl,
                             time.perf_counter() - t0)
 

@@ -67,6 +67,17 @@ CASES: list[tuple[str, str, str, str, str, str, dict[str, Any]]] = [
     ("5 front trim (small box)", "spec.dense", "trim_front_keep_sink", "keep = max(0, min(keep, cache.live_len - n))",
      "keep = max(0, min(keep, cache.live_len - n - 1))",
      "tests.test_proofs_fidelity:test_trim_front_keep_sink_small_box", {}),
+    ("25 prefix hit cap", "spec.prefix", "max_hit_blocks", "(n_tokens - 1) // block_size", "n_tokens // block_size",
+     "tests.test_proofs_fidelity_prefix:test_integer_rules_are_the_spec_rules", {"bs": 2}),
+    ("22 prefix full block", "spec.prefix", "is_full", "index < n_tokens // block_size",
+     "index <= n_tokens // block_size", "tests.test_proofs_fidelity_prefix:test_integer_rules_are_the_spec_rules",
+     {"bs": 2}),
+    ("22-24 prefix hit chain", "spec.prefix", "hit_blocks", "for i in range(max_hit_blocks(len(tokens), bs)):",
+     "for i in range(max_hit_blocks(len(tokens), bs) + 1):",
+     "tests.test_proofs_fidelity_prefix:test_ops_agree_with_the_spec", {}),
+    ("22-24 prefix release order", "spec.prefix", "_release", "free=tuple(front) + world.free + tuple(back)",
+     "free=world.free + tuple(front) + tuple(back)", "tests.test_proofs_fidelity_prefix:test_ops_agree_with_the_spec",
+     {}),
 ]
 
 

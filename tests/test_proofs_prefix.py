@@ -37,10 +37,32 @@ def test_obligation_proved_and_every_control_refuted(number, prove, controls):
     assert result.number == number and result.name == cli.TITLES[number]
     assert result.status == "proved", [(p.part, p.domain, p.status, p.reason) for p in result.parts]
     assert {p.domain for p in result.parts} == {"int", "bv32"}
-    assert [(c.name, c.status) for c in result.controls] == [(n, "refuted") for n, _, _ in controls]
+    assert [(c.name, c.status) for c in result.controls] == [(n, "refuted") for n, _, _, _ in controls]
+    confirms = {name: confirm for name, _, _, confirm in controls}
     for c in result.controls:
         assert c.domains == {"int": "refuted", "bv32": "refuted"}, c.name
         assert c.refuting_part.startswith(REFUTED_AT[number, c.name]), (c.name, c.refuting_part)
+        if confirms[c.name] is not None:
+            assert c.confirmed.startswith("confirmed on spec with the bug"), (c.name, c.confirmed)
+
+
+@pytest.mark.parametrize("name,confirm", [(name, confirm) for _, _, controls in CASES
+                                          for name, _, _, confirm in controls if hasattr(confirm, "scenario")])
+def test_each_confirming_scenario_keeps_every_invariant_on_the_spec(name, confirm):
+    """A control's confirmation is the bug's doing: its scenario, on the
+    spec as written, keeps every invariant at every op (free_blocks is
+    refused there, nothing changed)."""
+    from spec import prefix as sp
+    from spec.errors import KVCacheError
+
+    bs, n_blocks, ops = confirm.scenario
+    world = sp.new_world(bs, n_blocks)
+    for op in ops:
+        try:
+            _, world = sp.apply_op(world, op)
+        except KVCacheError:
+            assert op["op"] == "free_blocks", op
+        assert not sp.broken_invariants(world), (name, op)
 
 
 def test_registered_with_kvspec_prove():
