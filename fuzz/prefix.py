@@ -523,10 +523,17 @@ class PrefixLockstep:
             return t.reset()
         raise TraceFormatError(f"op {self._index} field 'op': kind prefix has no op {name!r}")
 
+    def impl_apply(self, op: dict[str, Any]) -> Any:
+        """The op on the target alone (``kvspec bench harness``'s floor)."""
+        return self.target_apply(op)
+
     # -- what kvspec render draws (fuzz.render.timeline) ---------------------------
     def spec_views(self) -> dict[str, list[int]]:
-        """Per request (``req:<id>``) its tokens: the rows it reads."""
-        return {f"req:{r}": list(q.tokens) for r, q in sorted(self.world.requests.items())}
+        """Per request the trace has admitted (``req:<id>``) its tokens, the
+        rows it reads (a preempted request keeps them; a freed one has
+        none)."""
+        reqs = self.world.requests
+        return {f"req:{r}": list(reqs[r].tokens) if r in reqs else [] for r in sorted(self.known | set(reqs))}
 
     def impl_views(self) -> dict[str, list[Any]]:
         """Per live request, the last token of each row name it reads."""

@@ -260,6 +260,8 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
     ``module`` (``spec.dense``...); ``before`` is the spec world before the
     op, where the rule depends on the state (a ring's warm-up or steady
     state)."""
+    if module == "spec.prefix":
+        return _prefix_rule(op, what)
     section = SECTIONS.get(module, 5)
     w = what.lower()
     sharing = any(s in w for s in ("in-place", "isolation", "memory sharing", "inplace", "in place"))
@@ -310,6 +312,40 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
         fn = op_function(module, op)
         return Rule(fn.rpartition(".")[2], fn, section)
     return _op_rule_of(module, op, w, before)
+
+
+#: the row of docs/semantics.md 11 each op of the prefix kind runs under
+PREFIX_OP_ROWS = {"admit": "admit", "decode": "decode", "free": "release order", "preempt": "preempt and resume",
+                  "resume": "preempt and resume", "lookup": "lookup", "free_blocks": "free_blocks", "reset": "reset"}
+#: the lockstep's rule (fuzz.prefix.RULES, named in a divergence as ``rule
+#: 'NAME'``) -> the row of docs/semantics.md 11 and the spec function stating
+#: it (None: the op's own row and function)
+PREFIX_RULES: dict[str, tuple[str | None, str | None]] = {
+    "hit length": ("hit length", "hit_blocks"), "exhaustion": ("room", None), "decode room": ("room", None),
+    "reset": ("reset", "reset"), "refcount": ("refcounts", "refcounts_match_tables"),
+    "key": ("key to content", "keys_name_contents"), "cached map": ("key to content", "keys_name_contents"),
+    "rows": ("key to content", "keys_name_contents"), "pool invariants": ("key to content", "keys_name_contents"),
+    "reads": ("partial tail private", "requests_read_their_rows"),
+    "nothing changed": ("refusals change nothing", None),
+}
+
+
+def _prefix_rule(op: dict[str, Any], what: str) -> Rule:
+    """The row of docs/semantics.md 11 a prefix divergence breaks: the
+    lockstep's rule named in ``what`` (``rule 'NAME'``) mapped by
+    :data:`PREFIX_RULES`; a free queue's order is the release order after a
+    free or preempt and the eviction order (pops from the front) after an
+    allocation; a block table, a refusal or a trace's own check, the op's
+    own row."""
+    module, name = "spec.prefix", str(op.get("op", ""))
+    got = re.search(r"\(rule '([^']+)'", what)
+    rule = got.group(1) if got else ""
+    row, fn = PREFIX_RULES.get(rule, (None, None))
+    if rule == "free queue":
+        row, fn = (("release order", None) if name in ("free", "preempt") else
+                   ("eviction", None) if name in ("admit", "decode", "resume") else ("free queue", "free_queue_exact"))
+    row = row or PREFIX_OP_ROWS.get(name, "admit")
+    return Rule(row, _function(module, fn or "", name, "apply_op"), SECTIONS[module])
 
 
 def _op_rule_of(module: str, op: dict[str, Any], what: str, before: Any, refused: bool = False) -> Rule:

@@ -176,6 +176,14 @@ def _expected_stores(world, prefix=""):
                for n, s in world.seqs.items()}
         out["refcounts"] = ([str(r) for r in rc], {i for i, r in enumerate(rc) if r > 1})
         return out
+    if hasattr(world, "cached") and hasattr(world, "requests"):  # a prefix pool: tables, refcounts, free queue
+        blocks = world.blocks
+        out = {f"table {n}": ([str(b) for b in q.table], {i for i, b in enumerate(q.table) if blocks[b].refcount > 1})
+               for n, q in world.requests.items()}
+        out["refcounts"] = ([str(b.refcount) if b.refcount or b.key is not None else "" for b in blocks],
+                            {i for i, b in enumerate(blocks) if b.refcount > 1})
+        out["free queue"] = ([str(b) for b in world.free], set())
+        return out
     if hasattr(getattr(world, "memory", None), "config"):  # a cells memory: present by position, free, lost
         m, out = world.memory, {}
         for name in m.config.stores:
@@ -243,7 +251,8 @@ def test_the_svg_draws_the_spec_state_op_by_op(path):
         lock.step(i, op)
         drawn = _drawn(col)
         for name, toks in lock.spec_views().items():
-            label = {"cache": "live window"}.get(name, name.replace("holder:", "holder ").replace("seq:", "seq "))
+            label = {"cache": "live window"}.get(name, name.replace("holder:", "holder ").replace("seq:", "seq ")
+                                                     .replace("req:", "request "))
             assert [t for _, t in drawn.pop(label)] == [str(t)[:3] for t in toks], (i, op, label)
         for label, (texts, styled) in _expected_stores(lock.world).items():
             cells = drawn.pop(label)
@@ -300,7 +309,8 @@ def test_the_divergent_column_is_drawn_from_both_sides(name):
         want = spec.get(n)
         if want is None:
             continue
-        label = {"cache": "live window"}.get(n, n.replace("holder:", "holder ").replace("seq:", "seq "))
+        label = {"cache": "live window"}.get(n, n.replace("holder:", "holder ").replace("seq:", "seq ")
+                                                     .replace("req:", "request "))
         wrong = [j for j, r in enumerate(x for x in rows[label] if x.tag == f"{NS}rect" and "impl" in x.get("class", ""))
                  if "wrong" in r.get("class")]
         assert wrong == [j for j, t in enumerate(got) if j >= len(want) or t != want[j]], (n, got, want)
