@@ -42,6 +42,12 @@ symmetric). ``lookup`` changes nothing.
   the request's own). Controls: the uncapped whole-prompt hit (``n // B``
   blocks), a hit that counts the partial block (``ceil(n / B)``).
 
+A control whose fault is one spec function away is also confirmed on
+``spec.prefix`` with that function replaced, on its report's scenario
+(``spec.prefix.broken_invariants`` names one of the obligation's
+invariants; for the uncapped hit, the admission leaves no token to
+compute).
+
 Run as ``kvspec prove --only 22 23 24 25``.
 """
 
