@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -297,7 +298,8 @@ class IgnoresDoubleFree(SpecTarget):
     """vLLM's manager ignores a free of a request it does not know; both
     change nothing, so it is a difference a target may declare."""
 
-    declared = {"free refusal": "the engine ignores a free of an unknown request (nothing changes either way)"}
+    declared: ClassVar[dict[str, str]] = {
+        "free refusal": "the engine ignores a free of an unknown request (nothing changes either way)"}
 
     def free(self, req):
         if req in self.world.requests and self.world.requests[req].live:
@@ -320,7 +322,7 @@ def test_a_declared_refusal_difference_is_not_counted():
     assert lock.stats["declared: free refusal"] == 1 and lock.not_compared == {"free refusal"}
 
     class Undeclared(IgnoresDoubleFree):
-        declared: dict = {}
+        declared: ClassVar[dict[str, str]] = {}
 
     with pytest.raises(Divergence, match="refusal differs"):
         _run(ops, {"target": Undeclared})
