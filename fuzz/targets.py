@@ -72,6 +72,7 @@ BUILTIN: dict[str, str] = {
     "transformers": "fuzz.adapters.transformers:TRANSFORMERS",
     "transformers-linear": "fuzz.adapters.transformers:TRANSFORMERS_LINEAR",
     "llama.cpp": "fuzz.adapters.llama_cpp:LLAMA_CPP",
+    "vllm": "fuzz.adapters.vllm:VLLM",
 }
 #: target schemes: ``"<scheme>:<rest>"`` -> ``"module:attr"`` of a callable
 #: ``(rest: str) -> Target``. Adding a kind of target is one entry here (or

@@ -81,10 +81,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 #: where the recorded-trace tests count their replays (module attribute
 #: DONE: ours, and the engine's own where it is installed), by engine
-TRACES_MODULES = {"transformers": "tests.test_transformers_traces", "llama.cpp": "tests.test_llama_cpp_target"}
-#: the optional extra that installs each engine
+TRACES_MODULES = {"transformers": "tests.test_transformers_traces", "llama.cpp": "tests.test_llama_cpp_target",
+                  "vllm": "tests.test_vllm_target"}
+#: what installs each engine (an optional extra, or a script where an extra cannot)
 EXTRAS = {"transformers": "PyTorch/transformers not installed: optional extra 'transformers'",
-          "llama.cpp": "llama-cpp-python not installed: optional extra 'llama-cpp'"}
+          "llama.cpp": "llama-cpp-python not installed: optional extra 'llama-cpp'",
+          "vllm": "vLLM not installed: tools/install-vllm, or make vllm"}
 
 
 def traces_done() -> dict[str, int]:
@@ -119,8 +121,9 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter):
     """Say which engines the recorded engine traces were replayed on
-    (tests/test_transformers_traces.py, tests/test_llama_cpp_target.py):
-    ours always, the engine's own where its optional extra is installed."""
+    (tests/test_transformers_traces.py, tests/test_llama_cpp_target.py,
+    tests/test_vllm_target.py): ours always, the engine's own where it is
+    installed."""
     done = terminalreporter.config.stash.get(TRACES_KEY, None) or traces_done()
     for engine in TRACES_MODULES:
         ours, theirs = done.get(f"{engine}/ours", 0), done.get(f"{engine}/engine", 0)

@@ -876,9 +876,14 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
         return cmd_llama_conformance(args, _console(), _usage_error,
                                      default_out=args.out == DEFAULT_OUT + "/conformance")
+    if args.target == "vllm":  # the prefix kind: a search of its own (fuzz/commands/conformance_prefix.py)
+        from fuzz.commands.conformance_prefix import cmd_vllm_conformance
+
+        return cmd_vllm_conformance(args, _console(), _usage_error,
+                                    default_out=args.out == DEFAULT_OUT + "/conformance")
     if args.examples is not None or args.steps is not None:
-        return _usage_error(_console(), "--examples/--steps: only with --target llama.cpp (the other targets' "
-                                        "search is budgeted in seconds: --budget)", args.json)
+        return _usage_error(_console(), "--examples/--steps: only with --target llama.cpp or vllm (the other "
+                                        "targets' search is budgeted in seconds: --budget)", args.json)
     from fuzz.commands.conformance import print_report, run_conformance, to_json
     from fuzz.commands.reports import rerun, write_sarif
 
@@ -1142,9 +1147,9 @@ EXIT_CODES = {
                 "failing to start or one of its processes dying during the run; 130 interrupted (what was found is printed)",
     "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
-                   "trustworthy; llama.cpp's findings also in paranoid mode); 1 otherwise; 2 bad arguments, an "
-                   "option that does not apply to the target (named), llama-cpp-python missing for --target "
-                   "llama.cpp, or a class without a verdict",
+                   "trustworthy; llama.cpp's and vLLM's findings also in paranoid mode); 1 otherwise; 2 bad arguments, "
+                   "an option that does not apply to the target (named), llama-cpp-python missing for --target "
+                   "llama.cpp, vLLM missing for --target vllm, or a class without a verdict",
     "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments or a tool failure (a verdict the "
               "tool could not repeat: one run of ops gave two answers, both printed); 130 interrupted (the checks "
               "that finished are printed)",
@@ -1298,31 +1303,32 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     cp.set_defaults(fn=cmd_campaign)
 
-    c = add("conformance", "fuzz an engine's caches (mlx-lm, transformers, llama.cpp) against the spec and report "
-                           "what diverges",
+    c = add("conformance", "fuzz an engine's caches (mlx-lm, transformers, llama.cpp, vLLM) against the spec and "
+                           "report what diverges",
             "Fuzz an engine's cache classes against the spec and report every divergence with a minimal trace "
             "(docs/conformance.md): mlx-lm's by default, another engine's with --target (transformers, "
-            "llama.cpp, ...). The mlx-lm and transformers searches are budgeted in seconds (--budget); the "
-            "llama.cpp search in examples (--examples, --steps). An option that does not apply to the target "
-            "exits 2 naming it.")
+            "llama.cpp, vllm, ...). The mlx-lm and transformers searches are budgeted in seconds (--budget); the "
+            "llama.cpp and vLLM searches in examples (--examples, --steps). An option that does not apply to the "
+            "target exits 2 naming it.")
     c.add_argument("--budget", type=positive_seconds, default=None,
-                   help="seconds in all, split over the classes (default 120; not with --target llama.cpp, "
-                        "whose search is budgeted by --examples)")
+                   help="seconds in all, split over the classes (default 120; not with --target llama.cpp or "
+                        "vllm, whose searches are budgeted by --examples)")
     c.add_argument("--seed", type=int_in(0, 2**32 - 1), default=CONFORMANCE_SEED, help="first seed")
     c.add_argument("--out", default=DEFAULT_OUT + "/conformance", help="folder for the minimal traces")
     c.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="a cache class of the target to fuzz (repeatable; default all): mlx-lm's KVCache, "
-                        "QuantizedKVCache, ...; llama.cpp's llama_kv_cache, llama_kv_cache_iswa; the report "
-                        "lists a target's classes")
+                        "QuantizedKVCache, ...; llama.cpp's llama_kv_cache, llama_kv_cache_iswa; vLLM's "
+                        "KVCacheManager; the report lists a target's classes")
     c.add_argument("--max-findings", type=int_in(1, 1000), default=None,
-                   help="divergences per class at most (default 8; 16 with --target llama.cpp)")
+                   help="divergences per class at most (default 8; 16 with --target llama.cpp or vllm)")
     c.add_argument("--target", default=None,
                    help="the engine whose classes to fuzz (default: mlx-lm's KVCache, QuantizedKVCache, "
                         "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
     c.add_argument("--examples", type=int_in(1, 1_000_000), default=None,
-                   help="--target llama.cpp: examples per round (default 200; its search is budgeted by examples)")
+                   help="--target llama.cpp or vllm: examples per round (default 200 for llama.cpp, 300 for vllm; "
+                        "their searches are budgeted by examples)")
     c.add_argument("--steps", type=int_in(1, 10_000), default=None,
-                   help="--target llama.cpp: ops per example (default 40)")
+                   help="--target llama.cpp or vllm: ops per example (default 40)")
     c.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     c.add_argument("--sarif", metavar="PATH",
                    help="also write the divergences as SARIF 2.1.0 (faults as errors, contract differences as warnings)")
