@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: verify test fuzz prove bench mutants e2e conformance mutation mutation-changed lint clean docs docs-serve
+.PHONY: verify test fuzz prove bench mutants e2e conformance vllm mutation mutation-changed lint clean docs docs-serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ e2e: $(STAMP)
 
 conformance: $(STAMP)
 	$(BIN)/kvspec conformance
+
+# vLLM's KV-cache manager for --target vllm (CPU only, about 2 minutes and
+# 2.8 GB): PyTorch's CPU build, vLLM with --no-deps and the packages its
+# manager imports, pinned (an extra cannot say --no-deps; tools/install-vllm
+# says why). Not part of make test: without it the recorded vLLM traces
+# replay against our pool only, and the tests say so.
+vllm: $(STAMP)
+	tools/install-vllm $(VENV)
 
 # Mutation score of spec/ and impl/ (slow; not part of make test): mutmut makes
 # the mutants, fuzz/commands/mutation_run.py runs them (workers that collect
