@@ -53,6 +53,19 @@ MAX_ELEMENTS = 2**24
 MAX_TOKENS = 2**24
 #: Problems printed at most; the rest are counted.
 MAX_ERRORS_SHOWN = 20
+#: A prefix trace (docs/kvtrace.md "The prefix kind"): replay names every
+#: slot of the pool, and every row a slot holds by its token prefix, after
+#: every op, so an op costs time in proportion to the slots and to the
+#: tokens the pool holds. Most slots (``n_blocks * block_size``) of a pool:
+#: 256 keep an op to tens of milliseconds (the fuzzer draws at most 48).
+MAX_PREFIX_SLOTS = 256
+#: Most tokens in one prefix op's list (an admit's, decode's or lookup's
+#: ``tokens``, an expect's ``window``): twice the largest pool, room for a
+#: prompt the pool cannot hold.
+MAX_PREFIX_OP_TOKENS = 512
+#: Most tokens the admits and decodes of one prefix trace hand the pool in
+#: all (they bound the longest request, so every row's name).
+MAX_PREFIX_TOKENS = 1024
 
 
 class TraceFormatError(Exception):
@@ -233,10 +246,30 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _messages(errors: list[jsonschema.ValidationError], prefix: list[Any]) -> list[tuple[list[Any], str]]:
+def _kind_ops(doc: Any) -> tuple[str, tuple[str, ...]] | None:
+    """``(kind, ops)``: the ops a trace's cache kind (in its mode) runs, for
+    the unknown-op message; None when the cache names no known kind."""
+    cache = doc.get("cache") if isinstance(doc, dict) else None
+    name = cache.get("kind") if isinstance(cache, dict) else None
+    if not isinstance(name, str):
+        return None
+    mode = cache.get("mode")
+    try:
+        kind = kinds.get(name, mode if isinstance(mode, str) else None)
+    except kinds.UnknownKindError:
+        try:
+            kind = kinds.get(name)
+        except kinds.UnknownKindError:
+            return None
+    return kind.kind, tuple(op for op in kind.all_ops if op not in kind.without)
+
+
+def _messages(errors: list[jsonschema.ValidationError], prefix: list[Any],
+              kind_ops: tuple[str, tuple[str, ...]] | None = None) -> list[tuple[list[Any], str]]:
     """One message per problem. Knock-on errors are dropped: a field of the
     wrong type also leaves that field "unevaluated", and an op whose name is
-    missing or unknown has no rule for its other fields."""
+    missing or unknown has no rule for its other fields. ``kind_ops``
+    (:func:`_kind_ops`): an unknown op's message lists that kind's ops."""
     out = []
     real = [e for e in errors if e.validator != "unevaluatedProperties"]
     for e in real or errors:
@@ -244,8 +277,13 @@ def _messages(errors: list[jsonschema.ValidationError], prefix: list[Any]) -> li
         if e.validator == "required" and e.validator_value == ["op"]:
             msg = 'has no "op" (every op names its operation)'
         elif list(e.absolute_path) == ["op"] and e.validator == "enum":
-            msg = (f"unknown op {_short(repr(e.instance), 60)}{_did_you_mean(e.instance, e.validator_value)}; "
-                   f"known: {', '.join(e.validator_value)}")
+            names = e.validator_value
+            if kind_ops is not None:
+                whose, names = f"the ops of kind {kind_ops[0]}", kind_ops[1]
+            else:
+                whose = "the ops of every kind"
+            msg = (f"unknown op {_short(repr(e.instance), 60)}{_did_you_mean(e.instance, names)}; "
+                   f"known: {', '.join(names)} ({whose})")
         elif e.validator == "enum":
             msg = _short(e.message) + _did_you_mean(e.instance, e.validator_value)
         elif e.validator in ("additionalProperties", "unevaluatedProperties") and isinstance(e.instance, dict):
@@ -333,10 +371,11 @@ def validate(doc: Any) -> None:
     problems = _messages(list(_validator().iter_errors(head)), [])
     more = 0
     if isinstance(ops, list):
+        kind_ops = _kind_ops(doc)
         checker = _op_checker()
         bad = [i for i, op in enumerate(ops) if not checker.ok(op)]
         for i in bad[:MAX_ERRORS_SHOWN]:
-            found = _messages(list(_validator("op").iter_errors(ops[i])), ["ops", i])
+            found = _messages(list(_validator("op").iter_errors(ops[i])), ["ops", i], kind_ops)
             if not found:  # pragma: no cover - the checker and the schema disagree
                 found = [(["ops", i], "rejected by the op checker")]
             problems += found
@@ -373,8 +412,11 @@ KIND_OP_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] =
 def _kind_op_problems(kind: str, i: int, op: dict[str, Any]) -> list[tuple[list[Any], str]]:
     """The rules of one kind's op that the schema (shared by every kind)
     cannot state: the fields a shared op name takes in this kind, the
-    ``window`` of an expect (a prefix expect names its checks), and a
-    prefix trace's token ids (integers >= 0: a block's key is its tokens)."""
+    ``window`` of an expect (a prefix expect names its checks), and in a
+    prefix trace: token and block ids (integers >= 0: a value no engine
+    could be handed; an empty list or an id past the pool is the spec's
+    refusal and runs), tokens per op (MAX_PREFIX_OP_TOKENS) and the shape of
+    ``returns`` (:func:`_prefix_returns_problems`)."""
     out: list[tuple[list[Any], str]] = []
     name = op["op"]
     required, refused = KIND_OP_FIELDS.get((kind, name), ((), ()))
@@ -388,10 +430,26 @@ def _kind_op_problems(kind: str, i: int, op: dict[str, Any]) -> list[tuple[list[
     if kind != "prefix":
         return out
     for f in ("tokens", "window"):
+        if len(op.get(f, ())) > MAX_PREFIX_OP_TOKENS:
+            why = (f"{len(op[f])} tokens, more than the limit of {MAX_PREFIX_OP_TOKENS} per op of a prefix "
+                   "trace (replay names every row by its tokens after every op: the limit keeps a replay to "
+                   f"seconds; a pool holds at most {MAX_PREFIX_SLOTS} tokens)")
+            out.append((["ops", i, f], why))
         bad = [t for t in op.get(f, ()) if isinstance(t, int) and t < 0]
         if bad:
             why = f"token ids are integers >= 0 (a prefix block's key is its tokens), got {bad[0]}"
             out.append((["ops", i, f], why))
+    # ids no engine could be handed: refused here; an id past the pool, or an
+    # empty list, is the spec's refusal to compare and runs
+    ids = {"free_blocks": ("blocks",), "expect": ("table", "free")}.get(name, ())
+    for f in ids:
+        bad = [b for b in op.get(f, ()) if isinstance(b, int) and b < 0]
+        if bad:
+            why = (f"block ids are integers >= 0, got {bad[0]} (an id past the pool is the spec's refusal "
+                   "and runs; a negative one is no block id)")
+            out.append((["ops", i, f], why))
+    if "returns" in op:
+        out += _prefix_returns_problems(i, name, op["returns"])
     if name == "expect":
         if not {"window", "table", "free"} & set(op):
             why = "a prefix expect checks something: 'window' and/or 'table' of a request ('req'), or 'free'"
@@ -402,10 +460,87 @@ def _kind_op_problems(kind: str, i: int, op: dict[str, Any]) -> list[tuple[list[
     return out
 
 
+#: What a prefix op returns (spec.prefix.apply_op), as its ``returns`` check
+#: must be written.
+PREFIX_RETURNS = {
+    "admit": 'an object {"admitted": bool, "hit": int >= 0, "table": [block ids >= 0 or null]}',
+    "resume": 'an object {"admitted": bool, "hit": int >= 0, "table": [block ids >= 0 or null]}',
+    "decode": "a boolean (whether the tokens found room)",
+    "reset": "a boolean (whether the pool was reset)",
+    "lookup": "an integer >= 0 (the hit tokens)",
+}
+
+
+def _is_int(x: Any, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _prefix_returns_problems(i: int, name: str, value: Any) -> list[tuple[list[Any], str]]:
+    """The shape of a prefix op's ``returns`` (:data:`PREFIX_RETURNS`; no
+    value, absent or null, for free, preempt, free_blocks and expect): a
+    check of another shape could never hold, so it is the trace's format
+    error (exit 2), not a failed check (exit 3)."""
+    where = ["ops", i, "returns"]
+    want = PREFIX_RETURNS.get(name)
+    got = _short(json.dumps(value), 80)
+    if want is None:
+        if value is None:
+            return []
+        return [(where, f"a prefix {name} returns nothing: 'returns' is absent or null, got {got}")]
+    if name in ("admit", "resume"):
+        if not isinstance(value, dict):
+            return [(where, f"a prefix {name} returns {want}, got {got}")]
+        out: list[tuple[list[Any], str]] = []
+        missing = [k for k in ("admitted", "hit", "table") if k not in value]
+        extra = [k for k in value if k not in ("admitted", "hit", "table")]
+        if missing or extra:
+            what = "; ".join(x for x in (missing and f"missing {', '.join(map(repr, missing))}",
+                                         extra and f"unknown {', '.join(map(repr, extra))}") if x)
+            out.append((where, f"a prefix {name} returns {want}: {what}"))
+        if "admitted" in value and not isinstance(value["admitted"], bool):
+            out.append((where + ["admitted"], f"a boolean, got {_short(json.dumps(value['admitted']), 60)}"))
+        if "hit" in value and not _is_int(value["hit"]):
+            out.append((where + ["hit"], f"an integer >= 0 (hit tokens), got {_short(json.dumps(value['hit']), 60)}"))
+        if "table" in value:
+            table = value["table"]
+            if not isinstance(table, list):
+                out.append((where + ["table"], f"a list of block ids, got {_short(json.dumps(table), 60)}"))
+            else:
+                bad = [b for b in table if b is not None and not _is_int(b)]
+                if bad:
+                    why = ("block ids are integers >= 0 (null: a block a sliding window released), "
+                           f"got {_short(json.dumps(bad[0]), 60)}")
+                    out.append((where + ["table"], why))
+        return out
+    ok = isinstance(value, bool) if name in ("decode", "reset") else _is_int(value)
+    return [] if ok else [(where, f"a prefix {name} returns {want}, got {got}")]
+
+
+def _prefix_load_bounds(cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """A prefix trace's pool and tokens within :data:`MAX_PREFIX_SLOTS` and
+    :data:`MAX_PREFIX_TOKENS` (TraceFormatError naming the field)."""
+    slots = cache["n_blocks"] * cache["block_size"]
+    if slots > MAX_PREFIX_SLOTS:
+        raise TraceFormatError(
+            f"field cache.n_blocks: n_blocks {cache['n_blocks']} x block_size {cache['block_size']} = {slots} slots, "
+            f"more than the limit of {MAX_PREFIX_SLOTS} for a prefix trace (replay names every slot after every "
+            "op: the limit keeps a replay to seconds; a bug needs a few blocks, not an engine's whole pool)"
+        )
+    handed = sum(len(op["tokens"]) for op in ops if op["op"] in ("admit", "decode") and "tokens" in op)
+    if handed > MAX_PREFIX_TOKENS:
+        raise TraceFormatError(
+            f"field ops: the admits and decodes hand the pool {handed} tokens, more than the limit of "
+            f"{MAX_PREFIX_TOKENS} for a prefix trace (every row is named by its tokens after every op: the limit "
+            "keeps a replay to seconds)"
+        )
+
+
 def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str, Any]]) -> None:
     """Rules the schema cannot state: a ring's ``keep < max_size``, ops the
     kind neither runs nor refuses by contract (fuzz/kinds.py: a paged op on
-    a dense cache), and the buffer bound MAX_ELEMENTS."""
+    a dense cache), a prefix trace's ids, ``returns`` shapes and bounds
+    (MAX_PREFIX_SLOTS, MAX_PREFIX_OP_TOKENS, MAX_PREFIX_TOKENS), and the
+    buffer bound MAX_ELEMENTS."""
     problems: list[tuple[list[Any], str]] = []
     if cache["kind"] == "rotating" and cache["keep"] >= cache["max_size"]:
         problems.append((["cache", "keep"], f"must be < max_size ({cache['max_size']}), got {cache['keep']}"))
@@ -437,6 +572,8 @@ def check_semantics(kind: kinds.Kind, cache: dict[str, Any], ops: list[dict[str,
             f"field cache: buffers of up to {rows} rows x batch {cache['batch']} x kv_heads {cache['kv_heads']} x "
             f"head_dim {cache['head_dim']} = {elements} elements per tensor, more than the limit of {MAX_ELEMENTS}"
         )
+    if cache["kind"] == "prefix":
+        _prefix_load_bounds(cache, ops)
 
 
 def parse(doc: Any) -> Trace:
