@@ -264,7 +264,7 @@ def kinds_table() -> str:
     """One row per registry entry: trace kind, modes, own fields, ops, page."""
     rows = []
     for k in kinds.KINDS.values():
-        fields = ", ".join(f"`{f}`" + (" (required)" if v is kinds.REQUIRED else f" = {json.dumps(v)}")
+        fields = ", ".join(f"`{f}`" + (" (required)" if v is kinds.REQUIRED else f" = {json.dumps(kinds.field_default(v))}")
                            for f, v in k.fields.items())
         rows.append([f"`{k.name}`", f"`{k.kind}`", _code(k.modes), fields or "—", _code(k.ops) or "—",
                      _code(k.refuses) or "—", f"[{k.files['docs']}]({Path(k.files['docs']).name})"])
@@ -317,7 +317,7 @@ def fields_table() -> str:
         elif f in kinds.OPTIONAL_FIELDS:
             default = "unset"
         else:
-            vals = {json.dumps(k.fields[f]) if k.fields[f] is not kinds.REQUIRED else "required"
+            vals = {json.dumps(kinds.field_default(k.fields[f])) if k.fields[f] is not kinds.REQUIRED else "required"
                     for k in kinds.KINDS.values() if f in k.fields}
             default = ", ".join(sorted(v if v == "required" else f"`{v}`" for v in vals))
         if f == "mode":

@@ -58,6 +58,25 @@ OPTIONAL_FIELDS = ("k_head_dim", "v_head_dim", "inplace_env", "rows")
 REQUIRED = None
 
 
+class _Null:
+    """The default ``null`` of an optional field (:data:`NULL`): a value
+    distinct from :data:`REQUIRED` (which is None) that
+    :meth:`Kind.defaults` turns into None."""
+
+    def __repr__(self) -> str:
+        return "NULL"
+
+
+#: An optional field whose default is JSON ``null`` (absent from a trace:
+#: None), in :attr:`Kind.fields`.
+NULL = _Null()
+
+
+def field_default(value: Any) -> Any:
+    """A field's default as a trace holds it: :data:`NULL` is None."""
+    return None if value is NULL else value
+
+
 @dataclass(frozen=True)
 class Kind:
     """One cache kind.
@@ -133,7 +152,7 @@ class Kind:
 
     def defaults(self) -> dict[str, Any]:
         """Defaults of the optional cache fields."""
-        own = {k: v for k, v in self.fields.items() if v is not REQUIRED}
+        own = {k: field_default(v) for k, v in self.fields.items() if v is not REQUIRED}
         return {**COMMON_FIELDS, **own}
 
     def load(self, ref: str) -> Any:
@@ -292,9 +311,9 @@ KINDS: dict[str, Kind] = {
             "queue's eviction order, refcounts, preemption",
             modes=("fp16",),
             # block_size: B; n_blocks: usable blocks (an engine's null block
-            # not counted); window: null (full attention; a sliding-window
-            # group is not implemented: refused)
-            fields={"block_size": REQUIRED, "n_blocks": REQUIRED, "window": REQUIRED},
+            # not counted); window: null (the default: full attention) or
+            # the sliding window w >= 1 in tokens
+            fields={"block_size": REQUIRED, "n_blocks": REQUIRED, "window": NULL},
             ops=("admit", "decode", "free", "preempt", "resume", "lookup", "free_blocks", "reset"),
             # requests, not one sequence: the one-sequence ops are not its ops
             without={op: "a prefix cache is driven by admit, decode, free, preempt, resume, lookup, free_blocks "
@@ -302,7 +321,8 @@ KINDS: dict[str, Kind] = {
             campaigns=(("fp16", True),),
             must_reach=("hits", "whole-prompt hit capped", "evictions", "duplicate keys", "admit refused",
                         "decode refused", "cached-free block hit", "preempt then resume hit", "reset refused",
-                        "reset", "free_blocks refused", "salted miss"),
+                        "reset", "free_blocks refused", "salted miss", "window releases", "windowed hits",
+                        "windowed hit past a gap"),
             lockstep="fuzz.prefix:PrefixLockstep", machine="fuzz.prefix:PrefixMachine", bugs="fuzz.bugs.prefix:BUGS",
             inplace_switch=False,
         ),

@@ -283,7 +283,7 @@ class OursTarget:
         self.block_size, self.n_blocks = cfg["block_size"], cfg["n_blocks"]
         self.dtype = cfg.get("dtype", "float16")
         self._mx_dtype = getattr(mx, self.dtype)
-        self.pool = cls(self.block_size, self.n_blocks, cfg["kv_heads"], cfg["head_dim"])
+        self.pool = cls(self.block_size, self.n_blocks, cfg["kv_heads"], cfg["head_dim"], window=cfg.get("window"))
         self.rows = PrefixRows(cfg["kv_heads"], cfg["head_dim"], self.dtype)
         #: req -> (tokens, salt) as handed in (what the model computed rows for)
         self.seqs: dict[str, tuple[tuple[int, ...], Any]] = {}
@@ -414,10 +414,20 @@ def spec_view(world: Any) -> dict[str, Any]:
     blocks = [(b.refcount, b.key) for b in world.blocks]
     rows = {(i, s): name for i, b in enumerate(world.blocks) if b.refcount > 0 or b.key is not None
             for s, name in enumerate(b.rows)}
-    reads = {r: [row_name(q.salt, q.tokens, p) for p in range(len(q.tokens))]
+    reads = {r: [row_name(q.salt, q.tokens, p) for p in range(first_position(q, world.block_size), len(q.tokens))]
              for r, q in world.requests.items() if q.live}
     return {"requests": requests, "blocks": blocks, "free": list(world.free),
             "cached": {k: list(ids) for k, ids in cached_items(world)}, "rows": rows, "reads": reads}
+
+
+def first_position(q: Any, block_size: int) -> int:
+    """The first position a live request's table still holds: ``B`` times
+    its leading None entries (a sliding window's released blocks; 0 under
+    full attention). A target reads its rows from there on."""
+    nulls = 0
+    while nulls < len(q.table) and q.table[nulls] is None:
+        nulls += 1
+    return nulls * block_size
 
 
 def chain_blocks(world: Any, salt: Any, tokens: tuple[int, ...], cap: bool = True) -> int:
@@ -466,10 +476,9 @@ class PrefixLockstep:
     check_sharing = False
     impl_name = "impl"
     #: ops whose refusals the implementation words its own way (only its
-    #: type is compared): impl.prefix names the op, the argument and the
-    #: rule as spec.prefix does, in other words for a live request admitted
-    #: again, a free of an unknown request and a block listed twice
-    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset({"admit", "free", "free_blocks"})
+    #: type is compared): none, impl.prefix words every refusal as
+    #: spec.prefix does
+    OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cache: dict[str, Any], factory: Any = None):
         self.cfg = cache
@@ -494,10 +503,12 @@ class PrefixLockstep:
     @classmethod
     def check_cache(cls, cache: dict[str, Any]) -> None:
         """The cache fields the schema cannot judge (TraceFormatError
-        naming the field): a sliding-window group is not implemented."""
-        if cache.get("window") is not None:
-            raise TraceFormatError(f"field cache.window: {cache['window']!r}: a prefix cache of sliding-window "
-                                   "groups is not implemented; null (full attention) is")
+        naming the field): ``window`` is null (full attention) or an integer
+        >= 1."""
+        w = cache.get("window")
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise TraceFormatError(f"field cache.window: {w!r}: a prefix cache's window is null (full attention) "
+                                   "or the sliding window in tokens, an integer >= 1")
 
     def reached(self, event: str) -> None:
         self.stats[event] = self.stats.get(event, 0) + 1
@@ -768,7 +779,8 @@ class PrefixLockstep:
     def check_expect(self, index: int, op: dict[str, Any]) -> None:
         """``expect`` (the trace's own assertion): ``req`` with ``window``
         (the request's tokens: on the target, the rows a live request reads
-        through its table are named by them) and/or ``table`` (its block
+        through its table, from :func:`first_position` on, are named by
+        them) and/or ``table`` (its block
         table); ``free`` (the free queue, front to back). Checked on the
         spec, then on the target."""
         view = None
@@ -786,11 +798,13 @@ class PrefixLockstep:
                 if got.get("tokens") != len(q.tokens):
                     raise Divergence(index, op, "trace's 'expect' (window) fails on the implementation",
                                      f"{len(q.tokens)} tokens", f"{got.get('tokens')} tokens")
-                if q.live:
-                    want = [row_name(q.salt, q.tokens, p) for p in range(len(q.tokens))]
+                if q.live:  # from the first position its table holds (a sliding window releases the rest)
+                    bs = self.cfg["block_size"]
+                    first = first_position(q, bs)
+                    want = [row_name(q.salt, q.tokens, p) for p in range(first, len(q.tokens))]
                     table, rows = list(got.get("table", ())), view.get("rows") or {}
-                    have = [norm_name(rows.get((table[p // self.cfg["block_size"]], p % self.cfg["block_size"])))
-                            if p // self.cfg["block_size"] < len(table) else None for p in range(len(q.tokens))]
+                    have = [norm_name(rows.get((table[p // bs], p % bs))) if p // bs < len(table) else None
+                            for p in range(first, len(q.tokens))]
                     if have != want:
                         raise Divergence(index, op, "trace's 'expect' (window) fails on the implementation: rows read "
                                          "through its table", show(want), show(have))
@@ -839,12 +853,20 @@ class PrefixLockstep:
                     if name == "resume":
                         self.reached("preempt then resume hit")
                     bs = world_block_size(before)
-                    if any(before.blocks[b].refcount == 0 for b in table[: hit // bs]):
+                    if any(b is not None and before.blocks[b].refcount == 0 for b in table[: hit // bs]):
                         self.reached("cached-free block hit")
+                    if getattr(before, "window", None) is not None:
+                        self.reached("windowed hits")
+                        if chain_blocks(before, salt, tokens) < hit // bs:
+                            self.reached("windowed hit past a gap")
                 if chain_blocks(before, salt, tokens, cap=False) * world_block_size(before) > hit:
                     self.reached("whole-prompt hit capped")
         elif name == "decode":
             self.reached("decodes" if out.result else "decode refused")
+            q0, q1 = before.requests.get(op["req"]), after.requests.get(op["req"])
+            if out.result and q0 is not None and q1 is not None and \
+                    sum(b is None for b in q1.table) > sum(b is None for b in q0.table):
+                self.reached("window releases")
         elif name == "reset":
             self.reached("reset" if out.result else "reset refused")
         elif name == "lookup":
@@ -930,7 +952,6 @@ class PrefixMachine(KVMachine):
         entry = kind_entry(self.kind, self.mode)
         self.cfg = {**entry.defaults(), "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg,
                     **self.fixed}
-        self.cfg["window"] = None
         if self.make_lockstep is None:
             raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
         self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
@@ -945,6 +966,8 @@ class PrefixMachine(KVMachine):
             "kv_heads": data.draw(st.integers(1, 2), label="kv_heads"),
             "head_dim": data.draw(st.sampled_from([8, 8, 16]), label="head_dim"),
             "dtype": data.draw(st.sampled_from(["float16", "float16", "bfloat16", "float32"]), label="dtype"),
+            # None: full attention; a sliding window of 1 to 5 tokens, small ones most often
+            "window": data.draw(st.sampled_from([None, None, None, 1, 2, 2, 3, 3, 4, 5]), label="window"),
         }
         self.setup(**cfg)
         bs = self.cfg["block_size"]
@@ -1102,21 +1125,28 @@ class PrefixMachine(KVMachine):
             self.do({"op": "free_blocks", "blocks": [self.cfg["n_blocks"]]})
 
     # -- composite rules: the rare edges within a few examples -----------------------
-    def _make_room(self, want: int = 1) -> None:
-        """Free live requests (the first ones) until ``want`` more may go live."""
+    def _make_room(self, want: int = 1) -> bool:
+        """Free live requests (the first ones) until ``want`` more may go
+        live; False when that cannot be done (a preempted request that no
+        resume admits: under a sliding window a request may grow past the
+        pool, and its resume needs every block of its tokens)."""
         while self.live() and (len(self.live()) + want > MAX_LIVE or len(self.idle()) < want):
             self.do({"op": "free", "req": self.live()[0]})
         while len(self.idle()) < want and self.preempted():
             waiting = self.preempted()[0]
             self.do({"op": "resume", "req": waiting})
+            if not self.world.requests[waiting].live:
+                return False
             self.do({"op": "free", "req": waiting})
+        return len(self.idle()) >= want
 
     @rule(data=st.data())
     def share(self, data: st.DataObject) -> None:
         """One prompt admitted by two requests: the second hits the first's
         full blocks (a whole-block prompt: capped one block short, its last
         block cached twice)."""
-        self._make_room(2)
+        if not self._make_room(2):
+            return
         tokens = self.draw_prompt(data)
         salt = self.draw_salt(data)
         first, second = self.idle()[:2]
@@ -1128,7 +1158,8 @@ class PrefixMachine(KVMachine):
         """A prompt admitted and freed (its full blocks cached-free at the
         back of the queue), then another prompt and the first again: the
         second evicts from the front, the third hits what is left."""
-        self._make_room(1)
+        if not self._make_room(1):
+            return
         a = self.draw_prompt(data)
         req = self.idle()[0]
         self.admit_op(req, a)
@@ -1143,7 +1174,8 @@ class PrefixMachine(KVMachine):
     def preempt_resume(self, data: st.DataObject) -> None:
         """A request preempted (its blocks released, cached-free) and
         resumed: it hits its own blocks, unless another admit took them."""
-        self._make_room(1)
+        if not self._make_room(1):
+            return
         req = self.idle()[0]
         self.admit_op(req, self.draw_prompt(data))
         if req not in self.world.requests:
@@ -1193,7 +1225,8 @@ class PrefixMachine(KVMachine):
     def salted(self, data: st.DataObject) -> None:
         """A prompt admitted without a salt, then looked up and admitted
         with one (a miss: the extra key is part of every block's key)."""
-        self._make_room(2)
+        if not self._make_room(2):
+            return
         tokens = self.draw_prompt(data)
         first, second = self.idle()[:2]
         self.admit_op(first, tokens)

@@ -77,16 +77,30 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
+def skipped_blocks(n_tokens: int, window: int, block_size: int) -> int:
+    """Leading blocks of a sliding-window request of ``n_tokens`` tokens
+    wholly before its next token's window: ``max(0, n_tokens - window + 1)
+    // block_size``. Rule: ``spec.prefix.skipped_blocks``."""
+    return max(0, n_tokens - window + 1) // block_size
+
+
+def hit_run(window: int, block_size: int) -> int:
+    """Cached blocks in a row a sliding-window hit needs: ``max(1,
+    ceil((window - 1) / block_size))``. Rule: ``spec.prefix.hit_run``."""
+    return max(1, -(-(window - 1) // block_size))
+
+
 @dataclass(frozen=True)
 class AdmitResult:
     """What :meth:`PrefixCachePool.admit` and :meth:`PrefixCachePool.resume`
     return (``spec.prefix.AdmitResult``'s fields): ``admitted``, the hit in
     **tokens** (a multiple of the block size; 0 when not admitted) and the
-    request's block table (``()`` when not admitted)."""
+    request's block table (``()`` when not admitted; under a sliding
+    window None for the hit blocks outside the window)."""
 
     admitted: bool
     hit_tokens: int
-    table: tuple[int, ...]
+    table: tuple[int | None, ...]
 
 
 @dataclass
@@ -97,7 +111,7 @@ class _Request:
 
     tokens: list[int]
     salt: Any
-    table: list[int]
+    table: list[int | None]
     live: bool
     written: int
 
@@ -115,14 +129,13 @@ def _check_tokens(op: str, tokens: Any) -> tuple[int, ...]:
     """``tokens`` as a tuple of ints >= 0, non-empty (InvalidArgumentError
     naming the first bad token otherwise)."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (tuple, list, np.ndarray)):
-        raise InvalidArgumentError(f"{op}: tokens must be a non-empty sequence of token ids (ints >= 0), "
-                                   f"got {type(tokens).__name__}")
+        raise InvalidArgumentError(f"{op}: tokens must be a list of token ids (integers >= 0), got {tokens!r}")
     if len(tokens) == 0:
-        raise InvalidArgumentError(f"{op}: tokens must be a non-empty sequence of token ids (ints >= 0), got []")
+        raise InvalidArgumentError(f"{op}: tokens must hold at least one token, got []")
     out = []
-    for i, t in enumerate(tokens):
+    for t in tokens:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
-            raise InvalidArgumentError(f"{op}: tokens must be token ids (ints >= 0), got {t!r} at index {i}")
+            raise InvalidArgumentError(f"{op}: tokens must be token ids (integers >= 0), got {t!r}")
         out.append(int(t))
     return tuple(out)
 
@@ -131,14 +144,13 @@ def _check_salt(op: str, salt: Any) -> Any:
     if salt is None:
         return None
     if isinstance(salt, bool) or not isinstance(salt, (int, np.integer)) or salt < 0:
-        raise InvalidArgumentError(f"{op}: salt must be None or an integer >= 0 (the request's extra key), "
-                                   f"got {salt!r}")
+        raise InvalidArgumentError(f"{op}: salt must be None or an integer >= 0 (the extra key), got {salt!r}")
     return int(salt)
 
 
 def _check_req(op: str, req: Any) -> str:
     if not isinstance(req, str):
-        raise InvalidArgumentError(f"{op}: req must be a request id (a str), got {req!r}")
+        raise InvalidArgumentError(f"{op}: req must be a request id (a string), got {req!r}")
     return req
 
 
@@ -154,6 +166,11 @@ class PrefixCachePool:
             ``H == kv_heads`` and K/V head dim ``head_dim``.
         k_head_dim, v_head_dim: optional, keyword only: the K and V head
             dims when they differ (each defaults to ``head_dim``).
+        window: keyword only; None (full attention) or the sliding window
+            w >= 1 in tokens: a request's table then holds None for the
+            blocks wholly before its next token's window (released by
+            :meth:`decode`), hits follow ``spec.prefix.window_hit``, and
+            under ``w = 1`` no block is keyed.
 
     The dtype (float16, bfloat16 or float32) and the shapes not given here
     are fixed by the first :meth:`write`, which allocates the slabs.
@@ -165,7 +182,7 @@ class PrefixCachePool:
     """
 
     def __init__(self, block_size: int, n_blocks: int, kv_heads: int | None = None, head_dim: int | None = None,
-                 *, k_head_dim: int | None = None, v_head_dim: int | None = None):
+                 *, k_head_dim: int | None = None, v_head_dim: int | None = None, window: int | None = None):
         op = "PrefixCachePool"
         block_size = _check_int(op, "block_size", block_size)
         n_blocks = _check_int(op, "n_blocks", n_blocks)
@@ -181,6 +198,11 @@ class PrefixCachePool:
                 if v < 1:
                     raise InvalidArgumentError(f"{op}: {name} must be None or >= 1, got {v}")
             dims[name] = v
+        if window is not None:
+            window = _check_int(op, "window", window)
+            if window < 1:
+                raise InvalidArgumentError(f"{op}: window must be None or an integer >= 1, got {window}")
+        self.window = window
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.kv_heads = dims["kv_heads"]
@@ -269,17 +291,19 @@ class PrefixCachePool:
         req = _check_req(op, req)
         r = self._reqs.get(req)
         if r is None:
-            raise StateError(f"{op}: no request named {req!r}")
+            raise StateError(f"{op}: no request {req!r} (known: {sorted(self._reqs)})")
         if live is True and not r.live:
-            raise StateError(f"{op}: request {req!r} is preempted (it holds no blocks; resume it first)")
+            raise StateError(f"{op}: request {req!r} is preempted (it holds no blocks); resume it first")
         if live is False and r.live:
             raise StateError(f"{op}: request {req!r} is live, not preempted")
         return r
 
-    def table(self, req: str) -> tuple[int, ...]:
+    def table(self, req: str) -> tuple[int | None, ...]:
         """The block table of ``req`` (``()`` for a preempted request):
         position ``p``'s row lives in slot ``p % block_size`` of block
-        ``table[p // block_size]``. StateError for an unknown request.
+        ``table[p // block_size]``; under a sliding window the leading
+        entries wholly before the window are None. StateError for an
+        unknown request.
         Rule: ``spec.prefix.broken_invariants`` (7)."""
         return tuple(self._require("table", req, live=None).table)
 
@@ -325,16 +349,39 @@ class PrefixCachePool:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     # -- hits ------------------------------------------------------------------------
-    def _hits(self, tokens: tuple[int, ...], salt: Any) -> list[int]:
+    def _hits(self, tokens: tuple[int, ...], salt: Any) -> list[int | None]:
         """The first block of each key ``0 .. j - 1`` of the longest cached
-        run (``j <= max_hit_blocks``)."""
+        run (``j <= max_hit_blocks``). Under a sliding window: ``j`` is the
+        highest end whose last ``hit_run`` blocks (or, below that, all) are
+        cached, scanning down from the cap, and the entries before
+        ``skipped_blocks(j * B)`` are None (``spec.prefix.hit_table``)."""
         bs, out = self.block_size, []
+        if self.window is not None:
+            run, count, j = hit_run(self.window, bs), 0, None
+            for i in range(max_hit_blocks(len(tokens), bs) - 1, -1, -1):
+                if (salt, tokens[:(i + 1) * bs]) in self._cached:
+                    count += 1
+                    if count >= run:
+                        j = i + run
+                        break
+                else:
+                    count = 0
+            if j is None:
+                j = count
+            lo = skipped_blocks(j * bs, self.window, bs)
+            return [None] * lo + [self._cached[(salt, tokens[:(i + 1) * bs])][0] for i in range(lo, j)]
         for i in range(max_hit_blocks(len(tokens), bs)):
             ids = self._cached.get((salt, tokens[:(i + 1) * bs]))
             if not ids:
                 break
             out.append(ids[0])
         return out
+
+    def _skipped(self, n_tokens: int) -> int:
+        """Leading blocks of a request of ``n_tokens`` tokens wholly before
+        its next token's window (sliding window only):
+        :func:`skipped_blocks`."""
+        return skipped_blocks(n_tokens, self.window, self.block_size)  # type: ignore[arg-type]
 
     def lookup(self, tokens: Any, salt: Any = None) -> int:
         """The hit, in tokens, that admitting ``tokens`` under ``salt``
@@ -369,10 +416,12 @@ class PrefixCachePool:
     def _admit(self, op: str, tokens: tuple[int, ...], salt: Any) -> tuple[AdmitResult, _Request | None]:
         hits = self._hits(tokens, salt)
         need = blocks_for(len(tokens), self.block_size) - len(hits)
-        available = self._n_free - sum(1 for b in hits if self._ref[b] == 0)
+        available = self._n_free - sum(1 for b in hits if b is not None and self._ref[b] == 0)
         if need > available:
             return AdmitResult(False, 0, ()), None
         for b in hits:  # touch, in table order
+            if b is None:
+                continue
             if self._ref[b] == 0:
                 self._q_remove(b)
             self._ref[b] += 1
@@ -413,9 +462,9 @@ class PrefixCachePool:
         salt = _check_salt(op, salt)
         r = self._reqs.get(req)
         if r is not None and r.live:
-            raise InvalidArgumentError(f"{op}: request {req!r} is already admitted (free it first, or decode it)")
+            raise InvalidArgumentError(f"{op}: request {req!r} is already admitted (live); free it first")
         if r is not None:
-            raise StateError(f"{op}: request {req!r} is preempted; resume it (resume keeps its tokens and salt)")
+            raise StateError(f"{op}: request {req!r} is preempted; resume it (its tokens and salt are kept)")
         self._no_pending(op)
         res, new = self._admit(op, tokens, salt)
         if new is not None:
@@ -444,6 +493,12 @@ class PrefixCachePool:
         (evicting keyed ones); the new positions are pending for
         :meth:`write`.
 
+        Under a sliding window the blocks wholly before the first new
+        token's window (entries below ``skipped_blocks(len)``, down to the
+        first None) are released first, highest first, as :meth:`free`
+        releases, and ``need`` is checked against the queue after that
+        release; a refused decode releases nothing (``spec.prefix.decode``).
+
         Returns False (nothing changes) when ``need`` exceeds the free
         queue's length. Raises StateError (nothing changes) for an unknown
         or preempted request or while a request has rows pending;
@@ -455,8 +510,18 @@ class PrefixCachePool:
         r = self._require(op, req)
         self._no_pending(op)
         need = blocks_for(len(r.tokens) + len(tokens), self.block_size) - len(r.table)
-        if need > self._n_free:
+        lo = hi = 0
+        if self.window is not None:
+            hi = min(self._skipped(len(r.tokens)), len(r.table))
+            lo = hi
+            while lo > 0 and r.table[lo - 1] is not None:
+                lo -= 1
+        gain = sum(1 for i in range(lo, hi) if self._ref[r.table[i]] == 1)  # type: ignore[index]
+        if need > self._n_free + gain:
             return False
+        if lo < hi:
+            self._release_blocks(r.table[hi - 1:lo - 1 if lo else None:-1])
+            r.table[lo:hi] = [None] * (hi - lo)
         r.table += [self._take() for _ in range(need)]
         r.tokens += tokens
         self._pending = req
@@ -513,7 +578,8 @@ class PrefixCachePool:
         each block ``i`` with ``w < (i + 1) * block_size <= n`` gets the key
         ``(salt, tokens[:(i + 1) * block_size])``, appended to the cached
         map in block order (after any block already under it: a
-        duplicate).
+        duplicate); under ``window == 1`` none is keyed
+        (``spec.prefix.window_keys``).
 
         Raises StateError (nothing changes) for an unknown or preempted
         request or one without pending positions; InvalidArgumentError for
@@ -547,15 +613,17 @@ class PrefixCachePool:
         mx.eval(self.keys, self.values)
         r.written, self._pending = n, None
         tokens = tuple(r.tokens)
-        for i in range(w // bs, n // bs):
+        for i in range(w // bs, n // bs if self.window != 1 else 0):
             key = (r.salt, tokens[:(i + 1) * bs])
             b = r.table[i]
             self._key[b] = key
             self._cached.setdefault(key, []).append(b)
 
     def fetch(self, req: str) -> tuple[mx.array, mx.array]:
-        """K and V of positions ``[0, len)`` of ``req``, gathered through its
-        table: ``[len, H, Dk]`` and ``[len, H, Dv]`` in the pool's dtype,
+        """K and V of positions ``[start, len)`` of ``req``, gathered through
+        its table (``start``: :meth:`first_position`, 0 under full
+        attention): ``[len - start, H, Dk]`` and ``[len - start, H, Dv]`` in
+        the pool's dtype,
         evaluated into their own memory (no slab aliased). StateError for
         an unknown or preempted request or one with pending positions.
         Rule: ``spec.prefix.broken_invariants`` (5: every live request
@@ -566,14 +634,27 @@ class PrefixCachePool:
             raise StateError(f"{op}: request {req!r} has rows pending for positions [{r.written}, "
                              f"{len(r.tokens)}); write() them first")
         bs, n = self.block_size, len(r.tokens)
-        p = np.arange(n)
-        idx = mx.array(np.asarray(r.table, dtype=np.int64)[p // bs] * bs + p % bs, dtype=mx.int32)
+        start = self.first_position(req)
+        p = np.arange(start, n)
+        held = np.asarray(r.table[start // bs:], dtype=np.int64)
+        idx = mx.array(held[p // bs - start // bs] * bs + p % bs, dtype=mx.int32)
         out = []
         for slab in (self.keys, self.values):
             flat = slab.reshape((self.n_blocks * bs,) + tuple(slab.shape[2:]))
             out.append(mx.take(flat, idx, axis=0))
         mx.eval(*out)
         return out[0], out[1]
+
+    def first_position(self, req: str) -> int:
+        """The first position whose row ``req``'s table still holds: ``B``
+        times its leading None entries (0 under full attention).
+        StateError for an unknown request. Rule:
+        ``spec.prefix.requests_read_their_rows``."""
+        r = self._require("first_position", req, live=None)
+        nulls = 0
+        while nulls < len(r.table) and r.table[nulls] is None:
+            nulls += 1
+        return nulls * self.block_size
 
     def block_rows(self, b: int) -> tuple[mx.array, mx.array]:
         """The K and V rows of block ``b``: ``[block_size, H, Dk]`` and
@@ -594,12 +675,18 @@ class PrefixCachePool:
 
     # -- release ---------------------------------------------------------------------
     def _release(self, r: _Request) -> None:
-        """Release ``r``'s table tail first: refcount - 1; a block reaching
+        """Release ``r``'s table tail first (:meth:`_release_blocks`; its
+        None entries skipped) and empty it."""
+        self._release_blocks([b for b in reversed(r.table) if b is not None])
+        r.table = []
+
+    def _release_blocks(self, order: list[int]) -> None:
+        """Release ``order``, first to last: refcount - 1; a block reaching
         0 joins the free queue, keyed at the back (so a prefix's root, the
         last released, is evicted last), unkeyed at the front (the unkeyed
         blocks of one release keep their release order there)."""
         front = self.n_blocks  # insert unkeyed blocks after this one
-        for b in reversed(r.table):
+        for b in order:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 if self._key[b] is not None:
@@ -607,7 +694,6 @@ class PrefixCachePool:
                 else:
                     self._q_insert_after(front, b)
                     front = b
-        r.table = []
 
     def free(self, req: str) -> None:
         """Release a live request's blocks (:meth:`_release`'s order: the
@@ -646,16 +732,16 @@ class PrefixCachePool:
         or one a live table holds (its holder would lose it). Rule:
         ``spec.prefix.free_blocks``."""
         op = "free_blocks"
-        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, (tuple, list)):
-            raise InvalidArgumentError(f"{op}: blocks must be a sequence of block ids, got {blocks!r}")
-        if not blocks:
-            raise InvalidArgumentError(f"{op}: blocks must name at least one block, got []")
-        ids = [self._block(op, b) for b in blocks]
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, (tuple, list)) or not blocks:
+            raise InvalidArgumentError(f"{op}: blocks must be a non-empty list of block ids, got {blocks!r}")
+        for b in blocks:
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.n_blocks:
+                raise InvalidArgumentError(f"{op}: blocks must be block ids in 0..{self.n_blocks - 1}, got {b!r}")
+        ids = [int(b) for b in blocks]
         seen: set[int] = set()
         for b in ids:
             if b in seen:
-                raise InvalidArgumentError(f"{op}: blocks must not list a block twice, got {list(ids)} "
-                                           f"(block {b} twice: its refcount would go down twice)")
+                raise InvalidArgumentError(f"{op}: block {b} is listed twice (its refcount would fall twice)")
             seen.add(b)
         for b in ids:
             if self._ref[b] == 0:
@@ -714,14 +800,22 @@ class PrefixCachePool:
                 if r.table:
                     out.append(f"refcounts_match_tables: request {name!r} is preempted but holds {r.table}")
                 continue
-            if len(set(r.table)) != len(r.table):
+            held = [b for b in r.table if b is not None]
+            if len(set(held)) != len(held):
                 out.append(f"refcounts_match_tables: request {name!r}'s table {r.table} holds a block twice")
+            nulls = len(r.table) - len(held)
+            if any(b is None for b in r.table[nulls:]) or (nulls and (self.window is None or nulls > skipped_blocks(
+                    len(r.tokens), self.window, bs))):
+                out.append(f"requests_read_their_rows: request {name!r}'s table {r.table} has None entries that "
+                           f"are not leading blocks wholly before its window")
             if len(r.table) != blocks_for(len(r.tokens), bs):
                 out.append(f"tables_sized: request {name!r} has a table of {len(r.table)} blocks for "
                            f"{len(r.tokens)} tokens")
             for i, b in enumerate(r.table):
+                if b is None:
+                    continue
                 holders[b] += 1
-                want = (r.salt, tuple(r.tokens[:(i + 1) * bs]))
+                want = (r.salt, tuple(r.tokens[:(i + 1) * bs])) if self.window != 1 else None
                 if i < r.written // bs and self._key[b] != want:
                     out.append(f"full_blocks_keyed: block {b} (request {name!r}'s block {i}) has key "
                                f"{self._key[b]!r}, not {want!r}")

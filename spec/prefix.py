@@ -132,6 +132,73 @@ def available_blocks(n_free: int, hit_free: int) -> int:
     return n_free - hit_free
 
 
+def skipped_blocks(n_tokens: int, window: int, block_size: int) -> int:
+    """Leading blocks of a sliding-window request of ``n_tokens`` computed
+    tokens that lie wholly before the window of the next token: ``max(0,
+    n_tokens - window + 1) // block_size``. The next token (position
+    ``n_tokens``) attends positions ``n_tokens - window + 1 .. n_tokens``
+    (vLLM: ``SlidingWindowManager.get_num_skipped_tokens`` is ``max(0, n -
+    w + 1)``; ``remove_skipped_blocks`` frees ``skipped // block_size``
+    blocks). Block ``i`` is outside iff ``i < skipped_blocks``.
+
+    pre: n_tokens >= 0 and window >= 1 and block_size >= 1
+    post: __return__ >= 0
+    post: __return__ * block_size <= max(0, n_tokens - window + 1)
+    post: (__return__ + 1) * block_size > n_tokens - window + 1
+    """
+    return max(0, n_tokens - window + 1) // block_size
+
+
+def hit_run(window: int, block_size: int) -> int:
+    """Cached blocks in a row a sliding-window hit needs, ending at the hit
+    boundary: ``max(1, ceil((window - 1) / block_size))``. The first token
+    after the hit attends ``window - 1`` tokens before it, which span
+    ``ceil((w - 1) / B)`` blocks. vLLM: ``_contiguous_blocks_for_hit`` is
+    ``cdiv(w - 1, B)``; its scan counts a block before comparing, so with
+    ``w = 1`` (0 blocks) one cached block is still needed.
+
+    pre: window >= 1 and block_size >= 1
+    post: __return__ >= 1
+    post: __return__ == 1 or (__return__ - 1) * block_size < window - 1 <= __return__ * block_size
+    """
+    return max(1, -(-(window - 1) // block_size))
+
+
+def window_hit(cached: tuple[bool, ...], run: int) -> int:
+    """The sliding-window hit length in blocks over ``cached`` (``cached[i]``:
+    block ``i``'s key is cached; its length is the cap, :func:`max_hit_blocks`):
+    the largest ``e <= len(cached)`` such that blocks ``max(0, e - run) ..
+    e - 1`` are all cached. vLLM's ``find_longest_cache_hit`` scans from the
+    cap down for ``run`` cached blocks in a row and stops at the first such
+    run (the highest ``e >= run``); with none, it falls back to the leading
+    run of cached blocks from block 0 (shorter than ``run``). ``e = 0``
+    always qualifies.
+
+    pre: run >= 1 and len(cached) <= 6
+    post: 0 <= __return__ <= len(cached)
+    post: all(cached[max(0, __return__ - run):__return__])
+    post: all(not all(cached[max(0, e - run):e]) for e in range(__return__ + 1, len(cached) + 1))
+    """
+    count = 0
+    for i in range(len(cached) - 1, -1, -1):
+        if cached[i]:
+            count += 1
+            if count >= run:
+                return i + run
+        else:
+            count = 0
+    return count
+
+
+def window_keys(window: int | None) -> bool:
+    """Are full blocks keyed under this window? Yes, except ``window == 1``:
+    a token then attends only itself, no block can serve a hit, and vLLM's
+    ``SlidingWindowManager.reachable_block_mask`` (0 blocks needed per
+    block-sized segment) marks every block unreachable, so
+    ``cache_full_blocks`` keys none."""
+    return window != 1
+
+
 def key_slot_length(index: int, slot: int, block_size: int) -> int:
     """Tokens named by the row in ``slot`` of block ``index``: ``index *
     block_size + slot + 1`` (its row name holds that prefix).
@@ -197,7 +264,7 @@ class Req:
 
     tokens: tuple[int, ...]
     salt: Any = None
-    table: tuple[int, ...] = ()
+    table: tuple[int | None, ...] = ()
     live: bool = True
 
 
@@ -209,7 +276,7 @@ class AdmitResult:
 
     admitted: bool
     hit_tokens: int = 0
-    table: tuple[int, ...] = ()
+    table: tuple[int | None, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The kvtrace result: ``{"admitted", "hit", "table"}``."""
@@ -223,8 +290,9 @@ REFUSED = AdmitResult(admitted=False, hit_tokens=0, table=())
 class PrefixWorld:
     """The pool and its requests.
 
-    * ``block_size`` (B >= 1), ``window`` (None: full attention; sliding
-      windows are not specified yet);
+    * ``block_size`` (B >= 1), ``window`` (None: full attention; an int
+      w >= 1: a sliding-window group, whose tables hold None for the blocks
+      wholly before the window, :func:`skipped_blocks`);
     * ``blocks``: one :class:`Block` per block id ``0 .. n_blocks - 1``;
     * ``free``: the free queue, front (index 0, popped first) to back;
     * ``cached``: ``(key, block ids)`` pairs, ids in insertion order (a
@@ -251,19 +319,16 @@ class PrefixWorld:
 
 def new_world(block_size: int, n_blocks: int, window: int | None = None) -> PrefixWorld:
     """An empty pool: every block free (queue ``0 .. n_blocks - 1``),
-    unkeyed, never written. Raises InvalidArgumentError for ``block_size <
-    1`` or ``n_blocks < 1``, UnsupportedOperationError for a sliding window
-    (not specified yet)."""
+    unkeyed, never written; ``window`` None (full attention) or the sliding
+    window w >= 1 in tokens. Raises InvalidArgumentError for ``block_size <
+    1``, ``n_blocks < 1`` or a bad window."""
     for name, value in (("block_size", block_size), ("n_blocks", n_blocks)):
         if not _is_int(value) or value < 1:
             raise InvalidArgumentError(f"prefix: {name} must be an integer >= 1, got {value!r}")
-    if window is not None:
-        if not _is_int(window) or window < 1:
-            raise InvalidArgumentError(f"prefix: window must be None or an integer >= 1, got {window!r}")
-        raise UnsupportedOperationError(f"prefix: window={window}: sliding-window groups are not specified yet "
-                                        f"(window must be None: full attention)")
+    if window is not None and (not _is_int(window) or window < 1):
+        raise InvalidArgumentError(f"prefix: window must be None or an integer >= 1, got {window!r}")
     blank = Block(0, None, (None,) * block_size)
-    return PrefixWorld(block_size, (blank,) * n_blocks, tuple(range(n_blocks)))
+    return PrefixWorld(block_size, (blank,) * n_blocks, tuple(range(n_blocks)), window=window)
 
 
 # -- argument checks --------------------------------------------------------------------
@@ -364,7 +429,10 @@ def _write(world: PrefixWorld, salt: Any, tokens: tuple[int, ...], table: tuple[
 def _cache_full(world: PrefixWorld, salt: Any, tokens: tuple[int, ...], table: tuple[int, ...], lo: int,
                 hi: int) -> PrefixWorld:
     """Key blocks ``lo .. hi - 1`` of ``table`` (each full): key set and the
-    id appended under it (after any block already there: a duplicate)."""
+    id appended under it (after any block already there: a duplicate).
+    Under ``window == 1`` nothing is keyed (:func:`window_keys`)."""
+    if not window_keys(world.window):
+        return world
     blocks, cached = world.blocks, world.cached
     for i in range(lo, hi):
         b = table[i]
@@ -387,9 +455,16 @@ def hit_blocks(world: PrefixWorld, salt: Any, tokens: tuple[int, ...]) -> int:
     """The hit length in blocks: the largest ``j <= max_hit_blocks(len,
     B)`` such that the keys of blocks ``0 .. j - 1`` (under ``salt``) are all
     cached. Hit tokens are ``j * B``. The chain stops at the first miss (a
-    key names its whole prefix, so no later block can hit)."""
+    key names its whole prefix, so no later block can hit).
+
+    Under a sliding window w only the last ``hit_run(w, B)`` blocks before
+    the hit boundary must be cached (:func:`window_hit`): the earlier ones
+    are outside the window of every token computed after the hit."""
     bs = world.block_size
     keys = world.cached_map()
+    if world.window is not None:
+        flags = tuple(block_key(salt, tokens, i, bs) in keys for i in range(max_hit_blocks(len(tokens), bs)))
+        return window_hit(flags, hit_run(world.window, bs))
     j = 0
     for i in range(max_hit_blocks(len(tokens), bs)):
         if block_key(salt, tokens, i, bs) not in keys:
@@ -408,12 +483,17 @@ def lookup(world: PrefixWorld, tokens: Any, salt: Any = None) -> int:
     return hit_blocks(world, salt, tokens) * world.block_size
 
 
-def hit_table(world: PrefixWorld, salt: Any, tokens: tuple[int, ...]) -> tuple[int, ...]:
-    """The blocks an admission would hit, in table order: the first block
-    under each key ``0 .. hit_blocks - 1``."""
+def hit_table(world: PrefixWorld, salt: Any, tokens: tuple[int, ...]) -> tuple[int | None, ...]:
+    """The table entries an admission would take from the cache, in table
+    order: the first block under each key ``0 .. hit_blocks - 1``. Under a
+    sliding window the first ``skipped_blocks(hit * B, w, B)`` entries are
+    None (outside the window of the first computed token: vLLM pads them
+    with its null block and touches only the rest)."""
     bs = world.block_size
-    return tuple(lookup_block(world, block_key(salt, tokens, i, bs))  # type: ignore[misc]
-                 for i in range(hit_blocks(world, salt, tokens)))
+    j = hit_blocks(world, salt, tokens)
+    lo = 0 if world.window is None else skipped_blocks(j * bs, world.window, bs)
+    return (None,) * lo + tuple(lookup_block(world, block_key(salt, tokens, i, bs))  # type: ignore[misc]
+                                for i in range(lo, j))
 
 
 def free_count(world: PrefixWorld) -> int:
@@ -429,12 +509,14 @@ def _admit(world: PrefixWorld, req: str, tokens: tuple[int, ...], salt: Any) -> 
     hits = hit_table(world, salt, tokens)
     j = len(hits)
     need = new_blocks_needed(len(tokens), j, bs)
-    hit_free = sum(1 for b in hits if world.blocks[b].refcount == 0)
+    hit_free = sum(1 for b in hits if b is not None and world.blocks[b].refcount == 0)
     if need > available_blocks(len(world.free), hit_free):
         return REFUSED, world
     # touch the hits, in table order
     blocks, free = world.blocks, world.free
     for b in hits:
+        if b is None:
+            continue
         blk = blocks[b]
         if blk.refcount == 0:
             free = tuple(x for x in free if x != b)
@@ -465,6 +547,12 @@ def admit(world: PrefixWorld, req: str, tokens: Any, salt: Any = None) -> tuple[
     are written, and every full block from ``j`` on is cached under its key
     (appended after a block already under it: a duplicate key).
 
+    Under a sliding window the hit follows :func:`window_hit`, the hit
+    entries outside the first computed token's window are None and not
+    touched (:func:`hit_table`), and every other block of the prompt is
+    allocated, even those wholly outside the last token's window: the
+    prefill computes through them; they are released by the next decode.
+
     Raises InvalidArgumentError for a non-string ``req``, empty or bad
     tokens, a bad salt, or a request already live; StateError for a
     preempted request (use :func:`resume`)."""
@@ -488,6 +576,13 @@ def decode(world: PrefixWorld, req: str, tokens: Any) -> tuple[bool, PrefixWorld
     rows of the new positions are written, and every block that became full
     is cached under its key. Returns True.
 
+    Under a sliding window the blocks wholly before the window of the first
+    new token are released first (:func:`_slide`; vLLM's
+    ``remove_skipped_blocks`` at the start of ``allocate_slots``), and
+    ``need`` is checked against the queue after that release. A refused
+    decode changes nothing, that release included (vLLM keeps it:
+    docs/prefix.md, Decisions).
+
     Raises InvalidArgumentError for a non-string ``req`` or empty or bad
     tokens; StateError for an unknown or preempted request."""
     _check_req("decode", req)
@@ -495,27 +590,50 @@ def decode(world: PrefixWorld, req: str, tokens: Any) -> tuple[bool, PrefixWorld
     r = _live(world, "decode", req)
     bs = world.block_size
     old = len(r.tokens)
+    table, new = _slide(world, r)
     need = decode_blocks_needed(old, len(tokens), bs)
-    if need > len(world.free):
+    if need > len(new.free):
         return False, world
-    fresh, new = _pop(world, need)
+    fresh, new = _pop(new, need)
     all_tokens = r.tokens + tokens
-    table = r.table + fresh
+    table = table + fresh
     new = _write(new, r.salt, all_tokens, table, old, len(all_tokens))
     new = _cache_full(new, r.salt, all_tokens, table, full_blocks(old, bs), full_blocks(len(all_tokens), bs))
     new = _with_request(new, req, replace(r, tokens=all_tokens, table=table))
     return True, new
 
 
-def _release(world: PrefixWorld, table: tuple[int, ...]) -> PrefixWorld:
+def _slide(world: PrefixWorld, r: Req) -> tuple[tuple[int | None, ...], PrefixWorld]:
+    """Release the blocks of live request ``r`` wholly before the window of
+    its next token: entries ``i < skipped_blocks(len, w, B)``, from the
+    highest down to the first that is already None (vLLM's
+    ``_remove_blocks_in_range``), in that order (:func:`_release` of the
+    ascending slice). Returns the table with those entries None and the new
+    world. Full attention: nothing."""
+    if world.window is None:
+        return r.table, world
+    hi = min(skipped_blocks(len(r.tokens), world.window, world.block_size), len(r.table))
+    lo = hi
+    while lo > 0 and r.table[lo - 1] is not None:
+        lo -= 1
+    if lo == hi:
+        return r.table, world
+    return (None,) * hi + r.table[hi:], _release(world, r.table[lo:hi])
+
+
+def _release(world: PrefixWorld, table: tuple[int | None, ...]) -> PrefixWorld:
     """Release ``table`` tail first: refcount - 1; a block reaching 0 joins
     the free queue, a keyed one at the back, an unkeyed one at the front.
     Those of one release keep release order within each group (vLLM:
-    ``prepend_n`` of the unkeyed, ``append_n`` of the keyed)."""
+    ``prepend_n`` of the unkeyed, ``append_n`` of the keyed). None entries
+    (a sliding window's released blocks, always leading) are skipped (vLLM:
+    ``trim_null_head``)."""
     blocks = world.blocks
     front: list[int] = []
     back: list[int] = []
     for b in reversed(table):
+        if b is None:
+            continue
         blk = blocks[b]
         blocks = _set(blocks, b, replace(blk, refcount=blk.refcount - 1))
         if blk.refcount - 1 == 0:
@@ -712,9 +830,10 @@ def refcounts_match_tables(world: PrefixWorld) -> bool:
     for r in world.requests.values():
         if not r.live and r.table:
             return False
-        if len(set(r.table)) != len(r.table):
+        held = [b for b in r.table if b is not None]
+        if len(set(held)) != len(held):
             return False
-        for b in r.table:
+        for b in held:
             if not 0 <= b < world.n_blocks:
                 return False
             counts[b] += 1
@@ -729,12 +848,20 @@ def free_queue_exact(world: PrefixWorld) -> bool:
 
 def requests_read_their_rows(world: PrefixWorld) -> bool:
     """Every live request reads its own rows: slot ``p % B`` of block
-    ``table[p // B]`` holds ``row_name(salt, tokens, p)`` for ``p < len``."""
+    ``table[p // B]`` holds ``row_name(salt, tokens, p)`` for ``p < len``.
+    Under a sliding window the None entries are leading, all before
+    ``skipped_blocks(len, w, B)`` (so every row the next token attends is
+    readable), and every held block holds its rows."""
     bs = world.block_size
     for r in world.requests.values():
         if not r.live:
             continue
-        for p in range(len(r.tokens)):
+        nulls = sum(1 for b in r.table if b is None)
+        if any(b is None for b in r.table[nulls:]):
+            return False
+        if nulls and (world.window is None or nulls > skipped_blocks(len(r.tokens), world.window, bs)):
+            return False
+        for p in range(nulls * bs, len(r.tokens)):
             i = p // bs
             if i >= len(r.table) or world.blocks[r.table[i]].rows[p % bs] != row_name(r.salt, r.tokens, p):
                 return False
@@ -761,13 +888,16 @@ def tables_sized(world: PrefixWorld) -> bool:
 
 
 def full_blocks_keyed(world: PrefixWorld) -> bool:
-    """Every full block of a live request is keyed under its own key (a held
-    block is never evicted, and reset is refused while blocks are held)."""
+    """Every full block a live request holds is keyed under its own key (a
+    held block is never evicted, and reset is refused while blocks are
+    held); under ``window == 1`` no block is keyed."""
     bs = world.block_size
+    keyed = window_keys(world.window)
     for r in world.requests.values():
         if r.live:
             for i in range(full_blocks(len(r.tokens), bs)):
-                if world.blocks[r.table[i]].key != block_key(r.salt, r.tokens, i, bs):
+                b = r.table[i]
+                if b is not None and world.blocks[b].key != (block_key(r.salt, r.tokens, i, bs) if keyed else None):
                     return False
     return True
 

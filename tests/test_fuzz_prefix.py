@@ -204,8 +204,7 @@ BAD = {
     "negative token in a lookup": (_doc([{"op": "lookup", "tokens": [-3]}]), "op 1 field 'tokens'"),
     "block_size 0": (_doc([], block_size=0), "field cache.block_size: 0 is less than the minimum of 1"),
     "no n_blocks": (_doc([]), "'n_blocks' is a required property"),
-    "no window": (_doc([]), "'window' is a required property"),
-    "a window": (_doc([], window=4), "field cache.window: 4: a prefix cache of sliding-window groups is not"),
+    "window 0": (_doc([], window=0), "field cache.window: 0 is less than the minimum of 1"),
     "negative salt": (_doc([{"op": "admit", "req": "b", "tokens": [1], "salt": -1}]), "op 1 field 'salt'"),
     "a cells decode": (_doc([{"op": "decode", "seqs": [0], "tokens": [4], "pos0": 3}]), "'req' is a required"),
     "a cells field": (_doc([{"op": "decode", "req": "a", "tokens": [4], "pos0": 3}]),
@@ -218,7 +217,6 @@ BAD = {
     "slabs too large": (_doc([], n_blocks=2**20, block_size=2**20), "field cache: buffers of up to"),
 }
 BAD["no n_blocks"][0]["cache"].pop("n_blocks")
-BAD["no window"][0]["cache"].pop("window")
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -183,7 +183,7 @@ def test_a_fresh_pool():
         refused(pool, InvalidArgumentError, fn, 5, match=r"block id in 0\.\.4")
         refused(pool, InvalidArgumentError, fn, -1)
     for fn in (pool.table, pool.tokens, pool.pending, pool.fetch, pool.free, pool.preempt, pool.resume):
-        refused(pool, StateError, fn, "x", match="no request named 'x'")
+        refused(pool, StateError, fn, "x", match="no request 'x'")
 
 
 # -- admit, write, keys -------------------------------------------------------------------
@@ -254,11 +254,11 @@ def test_admit_refusals_change_nothing():
     pool = t.pool
     for args, exc, match in [
         (("c", []), InvalidArgumentError, "at least one token|non-empty"),
-        (("c", [1, -1]), InvalidArgumentError, "ints >= 0"),
-        (("c", [1, True]), InvalidArgumentError, "ints >= 0"),
-        (("c", [1, 2.0]), InvalidArgumentError, "ints >= 0"),
-        (("c", "12"), InvalidArgumentError, "sequence of token ids"),
-        (("c", None), InvalidArgumentError, "sequence of token ids"),
+        (("c", [1, -1]), InvalidArgumentError, "integers >= 0"),
+        (("c", [1, True]), InvalidArgumentError, "integers >= 0"),
+        (("c", [1, 2.0]), InvalidArgumentError, "integers >= 0"),
+        (("c", "12"), InvalidArgumentError, "list of token ids"),
+        (("c", None), InvalidArgumentError, "list of token ids"),
         ((3, [1]), InvalidArgumentError, "req must be a request id"),
         (("c", [1], -1), InvalidArgumentError, "salt must be None or an integer >= 0"),
         (("c", [1], "s"), InvalidArgumentError, "salt must be None"),
@@ -297,7 +297,7 @@ def test_free_releases_the_tail_first_keyed_to_the_back_unkeyed_to_the_front():
     assert t.free_queue() == (2, 3, 4, 5, 1, 0)  # a prefix's root is evicted last
     assert t.requests() == {} and [t.refcount(b) for b in range(6)] == [0] * 6
     assert t.cached() == {(None, (1, 2)): (0,), (None, (1, 2, 3, 4)): (1,)}  # cached-free blocks keep their keys
-    refused(t.pool, StateError, t.pool.free, "a", match="no request named")  # a double free
+    refused(t.pool, StateError, t.pool.free, "a", match="no request ")  # a double free
     assert t.broken_invariants() == ()
 
 
@@ -396,11 +396,11 @@ def test_decode_refusals_change_nothing():
     assert snapshot(pool) == before
     for args, exc, match in [
         (("a", []), InvalidArgumentError, "at least one token|non-empty"),
-        (("a", [-2]), InvalidArgumentError, "ints >= 0"),
-        (("x", [1]), StateError, "no request named"),
+        (("a", [-2]), InvalidArgumentError, "integers >= 0"),
+        (("x", [1]), StateError, "no request "),
         (("b", [1]), StateError, "preempted"),
         ((None, [1]), InvalidArgumentError, "req must be"),
-        (("x", []), InvalidArgumentError, "non-empty"),  # the tokens are checked before the request
+        (("x", []), InvalidArgumentError, "at least one token"),  # the tokens are checked before the request
     ]:
         refused(pool, exc, pool.decode, *args, match=match)
 
@@ -451,7 +451,7 @@ def test_write_refusals_change_nothing():
         (("b", k[None], v), InvalidArgumentError, "rank 3"),
         (("b", np.zeros((3, H, DK)), v), InvalidArgumentError, "must be an mx.array"),
         (("a", k, v), StateError, "no pending positions"),
-        (("x", k, v), StateError, "no request named"),
+        (("x", k, v), StateError, "no request "),
     ]
     for args, exc, match in bad:
         refused(pool, exc, pool.write, *args, match=match)
@@ -520,7 +520,7 @@ def test_preempt_keeps_the_tokens_and_resume_hits_the_cached_blocks():
     assert t.free_queue() == (4, 5, 2) and t.cached()[(None, (1, 2, 3, 4, 5, 6))] == (2, 3)  # a duplicate
     assert t.fetch_names("a") == names(None, [1, 2, 3, 4, 5, 6], 0, 6)
     refused(t.pool, StateError, t.pool.resume, "a", match="live, not preempted")
-    refused(t.pool, StateError, t.pool.resume, "zz", match="no request named")
+    refused(t.pool, StateError, t.pool.resume, "zz", match="no request ")
     refused(t.pool, InvalidArgumentError, t.pool.resume, 7, match="req must be")
     assert t.broken_invariants() == ()
 
@@ -546,12 +546,12 @@ def test_free_blocks_is_always_refused_naming_the_rule():
     t.admit("a", [1, 2, 3])
     pool = t.pool
     for arg, exc, match in [
-        ([], InvalidArgumentError, "at least one block"),
-        ("01", InvalidArgumentError, "sequence of block ids"),
-        (None, InvalidArgumentError, "sequence of block ids"),
-        ([4], InvalidArgumentError, r"block id in 0\.\.3"),
-        ([0, -1], InvalidArgumentError, r"block id in 0\.\.3"),
-        ([True], InvalidArgumentError, "must be an integer"),
+        ([], InvalidArgumentError, "non-empty list of block ids"),
+        ("01", InvalidArgumentError, "non-empty list of block ids"),
+        (None, InvalidArgumentError, "non-empty list of block ids"),
+        ([4], InvalidArgumentError, r"block ids in 0\.\.3"),
+        ([0, -1], InvalidArgumentError, r"block ids in 0\.\.3"),
+        ([True], InvalidArgumentError, r"block ids in 0\.\.3, got True"),
         ([0, 0], InvalidArgumentError, "twice"),
         ([2, 2], InvalidArgumentError, "twice"),
         ([2], StateError, "refcount 0"),

@@ -71,7 +71,7 @@ def test_names():
     ({"block_size": 2, "n_blocks": 0}, InvalidArgumentError, "n_blocks must be an integer >= 1"),
     ({"block_size": True, "n_blocks": 4}, InvalidArgumentError, "block_size"),
     ({"block_size": 2, "n_blocks": 4, "window": 0}, InvalidArgumentError, "window must be None or an integer"),
-    ({"block_size": 2, "n_blocks": 4, "window": 3}, UnsupportedOperationError, "sliding-window"),
+    ({"block_size": 2, "n_blocks": 4, "window": True}, InvalidArgumentError, "window must be None or an integer"),
 ])
 def test_new_world_refusals_name_the_field(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -663,3 +663,154 @@ def test_random_walk_reaches_every_worked_event():
             w = w2
     assert seen == {"admit refused", "hit", "capped", "cached-free hit", "preempt then resume hit",
                     "decode refused", "reset", "reset refused", "eviction", "duplicate keys"}
+
+
+# -- sliding window (window = w) ------------------------------------------------------------
+# The expected tables, queues and hits below are vLLM 0.34.0's SlidingWindowManager's on the same
+# calls (its block ids are ours + 1, its null block 0 is our None).
+
+
+def ids(table) -> list:
+    return [None if b is None else b for b in table]
+
+
+def test_window_integer_rules():
+    # get_num_skipped_tokens(n) = max(0, n - w + 1); blocks wholly before the window: // B
+    assert [sp.skipped_blocks(n, 5, 1) for n in range(12)] == [0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert [sp.skipped_blocks(n, 3, 2) for n in (7, 8, 9, 10)] == [2, 3, 3, 4]
+    assert [sp.hit_run(w, 4) for w in (1, 2, 5, 8, 9)] == [1, 1, 1, 2, 2]
+    assert sp.hit_run(3, 2) == 1 and sp.hit_run(5, 2) == 2
+    assert sp.window_keys(None) and sp.window_keys(2) and not sp.window_keys(1)
+
+
+@pytest.mark.parametrize("cached,run,want", [
+    # vLLM's find_longest_cache_hit on a pool with exactly these blocks cached (B=4 w=8: run 2, cap 4)
+    ((1, 1, 1, 1), 2, 4), ((1, 0, 1, 1), 2, 4), ((1, 1, 0, 1), 2, 2), ((0, 1, 0, 1), 2, 0),
+    ((1, 1, 0, 0), 2, 2), ((1, 1, 1, 1, 1), 2, 5),
+    ((1, 0, 1, 0), 1, 3), ((0, 0, 0, 1), 1, 4),  # B=2 w=3: run 1
+    ((1, 1, 0, 1, 0), 2, 2),  # B=2 w=5: no run of 2, the leading run
+    ((0, 1, 0, 0), 1, 2), ((0, 0, 0, 0), 1, 0),  # w=1 (run 0 counts as 1)
+    ((1, 0, 1, 0, 1), 1, 5), ((1, 0, 0), 1, 1),
+])
+def test_window_hit_is_vllms_scan(cached, run, want):
+    assert sp.window_hit(tuple(bool(c) for c in cached), run) == want
+
+
+@given(st.lists(st.booleans(), max_size=8), st.integers(1, 4))
+def test_window_hit_contract_on_every_small_input(cached, run):
+    cached = tuple(cached)
+    e = sp.window_hit(cached, run)
+    assert 0 <= e <= len(cached) and all(cached[max(0, e - run):e])
+    assert not any(all(cached[max(0, f - run):f]) for f in range(e + 1, len(cached) + 1))
+
+
+def test_window_prompt_longer_than_w_keeps_every_block_until_the_next_decode():
+    """B=2 w=3, 7 tokens: every block allocated at admit (the prefill computes through them); each
+    decode from n tokens first releases the blocks below (n - w + 1) // B, highest first, keyed ones
+    to the back; vLLM: tables [1,2,3,4] -> [0,0,3,4] -> [0,0,0,4,5] -> same -> [0,0,0,0,5,6]."""
+    w = sp.new_world(2, 12, 3)
+    r, w = sp.admit(w, "A", list(range(7)))
+    assert r.table == (0, 1, 2, 3) and sorted(b for b, x in enumerate(w.blocks) if x.key) == [0, 1, 2]
+    tables, queues = [], []
+    for t in (100, 101, 102, 103):
+        ok, w = sp.decode(w, "A", [t])
+        assert ok and sp.broken_invariants(w) == ()
+        tables.append(ids(w.requests["A"].table))
+        queues.append(w.free[-4:])
+    assert tables == [[None, None, 2, 3], [None, None, None, 3, 4], [None, None, None, 3, 4],
+                      [None, None, None, None, 4, 5]]
+    assert queues[0] == (10, 11, 1, 0) and queues[-1] == (1, 0, 2, 3)
+    # out-of-window full blocks keep their keys (cached-free, at the back)
+    assert all(w.blocks[b].key is not None for b in (0, 1, 2, 3))
+    _, w = sp.free(w, "A")  # the leading Nones skipped, the rest tail first
+    assert w.free == (5, 6, 7, 8, 9, 10, 11, 1, 0, 2, 3, 4)
+
+
+def test_window_hit_pads_with_none_and_touches_only_the_run():
+    """B=2 w=3: A (9 tokens) freed, then B = A's tokens + 1: cap 4 blocks, run 1: hit 8 through
+    block 3 alone; vLLM's table [0,0,0,4,5], refcounts {4: 1, 5: 1}."""
+    w = sp.new_world(2, 12, 3)
+    _, w = sp.admit(w, "A", list(range(9)))
+    _, w = sp.free(w, "A")
+    assert sp.lookup(w, list(range(9)) + [50]) == 8
+    r, w = sp.admit(w, "B", list(range(9)) + [50])
+    assert (r.hit_tokens, r.table) == (8, (None, None, None, 3, 4))
+    assert [b.refcount for b in w.blocks[:5]] == [0, 0, 0, 1, 1] and sp.broken_invariants(w) == ()
+
+
+def test_window_hit_past_a_gap():
+    """Block 1's key evicted: full attention hits 1 block, a window of run 1 hits up to the cap."""
+    w = sp.new_world(2, 6, 3)
+    _, w = sp.admit(w, "A", [1, 2, 3, 4, 5, 6, 7])
+    _, w = sp.free(w, "A")  # queue: 3 (unkeyed) front, then 4 5, then keyed 2 1 0
+    w2 = replace(w, window=None)
+    assert sp.lookup(w2, [1, 2, 3, 4, 5, 6, 7, 8]) == 6
+    # evict block 1 (key (1,2,3,4)) by hand through the private pop: drop it from cached
+    w = replace(w, cached=tuple((k, i) for k, i in w.cached if len(k[1]) != 4),
+                blocks=sp._set(w.blocks, 1, replace(w.blocks[1], key=None)))
+    assert sp.lookup(replace(w, window=None), [1, 2, 3, 4, 5, 6, 7, 8]) == 2
+    assert sp.lookup(w, [1, 2, 3, 4, 5, 6, 7, 8]) == 6  # blocks 2 cached: run of 1 ends at the cap
+
+
+def test_window_release_makes_room_for_the_decode():
+    """4 blocks, A holds them all (8 tokens, B=2 w=3): the decode's release frees 3, so it succeeds
+    (vLLM: [0,0,0,4,3], queue [2,1])."""
+    w = sp.new_world(2, 4, 3)
+    _, w = sp.admit(w, "A", list(range(8)))
+    ok, w = sp.decode(w, "A", [9])
+    assert ok and ids(w.requests["A"].table) == [None, None, None, 3, 2] and w.free == (1, 0)
+
+
+def test_window_refused_decode_changes_nothing_not_even_the_release():
+    """B=2 w=2, 4 blocks: A (5 tokens) holds 0 1 2; B (6 tokens) hits through block 1 alone (table
+    [None, 1, 3]): the pool is full. A's decode of 4 tokens would release blocks 1 (shared: no room
+    gained) and 0 (one block of room) but needs 2: refused, the release undone with it (vLLM keeps
+    it: docs/prefix.md, Decisions)."""
+    w = sp.new_world(2, 4, 2)
+    _, w = sp.admit(w, "A", [1, 2, 3, 4, 5])
+    r, w = sp.admit(w, "B", [1, 2, 3, 4, 5, 6])
+    assert (r.hit_tokens, r.table) == (4, (None, 1, 3)) and w.free == ()
+    before = w
+    ok, w = sp.decode(w, "A", [6, 7, 8, 9])
+    assert not ok and w == before
+    ok, w = sp.decode(w, "A", [6, 7, 8])  # one block needed: the release makes room
+    assert ok and ids(w.requests["A"].table) == [None, None, 2, 0] and w.blocks[1].refcount == 1
+
+
+def test_window_one_keys_nothing():
+    w = sp.new_world(2, 8, 1)
+    _, w = sp.admit(w, "A", list(range(7)))
+    assert w.cached == () and all(b.key is None for b in w.blocks)
+    ok, w = sp.decode(w, "A", [9])  # n=7: 3 blocks released, unkeyed: to the front, highest first
+    assert ok and ids(w.requests["A"].table) == [None, None, None, 3] and w.free[:3] == (2, 1, 0)
+    assert sp.lookup(w, list(range(7))) == 0
+
+
+def test_window_invariants_see_a_none_inside_the_window():
+    w = sp.new_world(2, 8, 3)
+    _, w = sp.admit(w, "A", list(range(5)))
+    q = w.requests["A"]
+    bad = replace(w, requests={"A": replace(q, table=(q.table[0], None, q.table[2]))},
+                  blocks=sp._set(w.blocks, q.table[1], replace(w.blocks[q.table[1]], refcount=0)),
+                  free=w.free + (q.table[1],))
+    assert "requests_read_their_rows" in sp.broken_invariants(bad)
+    _, w = sp.admit(sp.new_world(2, 8, 3), "A", [0, 1, 2])
+    q = w.requests["A"]
+    early = replace(w, requests={"A": replace(q, table=(None,) + q.table[1:])},
+                    blocks=sp._set(w.blocks, q.table[0], replace(w.blocks[q.table[0]], refcount=0)),
+                    free=w.free + (q.table[0],))
+    assert "requests_read_their_rows" in sp.broken_invariants(early)  # 3 tokens, w=3: block 0 is needed
+
+
+@settings(max_examples=300, deadline=None)
+@given(bs=st.integers(1, 4), n_blocks=st.integers(3, 8), window=st.integers(1, 5), seq=st.lists(ops(), max_size=30))
+def test_window_invariants_hold_after_random_op_sequences(bs, n_blocks, window, seq):
+    w = sp.new_world(bs, n_blocks, window)
+    for op in seq:
+        before = w
+        r, w, refused = _step(w, op)
+        assert sp.broken_invariants(w) == (), (op, sp.broken_invariants(w))
+        if refused or r is False or (isinstance(r, dict) and not r["admitted"]):
+            assert w == before
+        if op["op"] == "admit" and not refused and r["admitted"]:
+            assert r["hit"] % bs == 0 and r["hit"] <= len(op["tokens"]) - 1

@@ -363,6 +363,43 @@ class FreeBlocksDoubleFree(PrefixCachePool):
                     self._q_insert_after(self.n_blocks, b)
 
 
+# -- sliding window (window = w: blocks before the window released, the windowed hit) ----------
+
+
+class WindowReleaseOneTokenEarly(PrefixCachePool):
+    """The window's first position taken one token late (``n - w + 2``
+    tokens skipped instead of vLLM's ``get_num_skipped_tokens = n - w +
+    1``): a decode releases the block that holds the first position the new
+    token attends, so its attention reads a released (and, once reused,
+    overwritten) row."""
+
+    def _skipped(self, n_tokens: int) -> int:
+        return max(0, n_tokens - self.window + 2) // self.block_size  # type: ignore[operator]
+
+
+class WindowReleaseDropsKey(PrefixCachePool):
+    """A block released because it left the window is taken for garbage:
+    its key is dropped (its id leaves the cached map) and it goes to the
+    front of the free queue, as an unkeyed block would. vLLM keeps it
+    cached: ``remove_skipped_blocks`` frees it through
+    ``BlockPool.free_blocks``, which appends a hashed block to the back, so
+    a later request with the same prefix still hits it."""
+
+    def _release_blocks(self, order: list[int]) -> None:
+        import inspect
+
+        if inspect.stack()[1].function == "decode":  # the window's release, not free/preempt
+            for b in order:
+                key = self._key[b]
+                if key is not None and self._ref[b] == 1:
+                    ids = self._cached[key]
+                    ids.remove(b)
+                    if not ids:
+                        del self._cached[key]
+                    self._key[b] = None
+        super()._release_blocks(order)
+
+
 def _entry(name: str, clause: str, source: str, replaces: str, description: str, cls: type) -> InjectedBug:
     return InjectedBug(name, clause, source, "prefix", ("fp16",), replaces, description, {"prefix": cls})
 
@@ -423,4 +460,12 @@ BUGS: tuple[InjectedBug, ...] = (
            "vLLM #42571 (PR #42612): BlockPool.free_blocks([b, b]) drives a refcount below 0",
            "PrefixCachePool.free_blocks", "the pool's own release decrements per listing, no check",
            FreeBlocksDoubleFree),
+    _entry("prefix_window_release_one_token_early", "semantics.md 11, sliding window (blocks wholly before the window)",
+           "vLLM's get_num_skipped_tokens = n - w + 1 taken as n - w + 2", "PrefixCachePool._skipped",
+           "a decode releases the block holding the first position the new token attends",
+           WindowReleaseOneTokenEarly),
+    _entry("prefix_window_release_drops_key", "semantics.md 11, sliding window (released blocks stay cached)",
+           "vLLM's remove_skipped_blocks freeing through free_blocks (hashed blocks to the back) taken as an eviction",
+           "PrefixCachePool._release_blocks", "a block released by the window loses its key and goes to the front",
+           WindowReleaseDropsKey),
 )
