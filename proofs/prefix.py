@@ -12,8 +12,13 @@ and is kept by every op: admit (hits touched, blocks popped from the
 queue's front and evicted, rows written, full blocks keyed; no room: nothing
 changed), resume, decode, free and preempt (released tail first, keyed
 blocks to the back, unkeyed to the front), reset and free_blocks (refused:
-nothing changed). Request 0 acts, request 1 is the other one (the two are
-symmetric). ``lookup`` changes nothing.
+nothing changed). A decode, free or preempt of a request that is not live
+is inside the premises (refused: nothing changed); admit and resume keep
+the request's state as a premise (not known; preempted). Request 0 acts,
+request 1 is the other one (the two are symmetric). ``lookup`` changes
+nothing. tests/test_proofs_fidelity_prefix.py evaluates each op's premises
+and the world after it (:func:`op_steps`) on the worlds the spec reaches,
+block sizes 1 to 5, and its refused ops.
 
 * 22, key to content: a block listed under a key in the cached map carries
   that key and holds exactly the rows it names, a keyed block is listed
@@ -122,71 +127,93 @@ def exact() -> Domain:
 #: a transition: ``d -> (premises, goal, accepted)`` (``accepted``: the op
 #: was not refused; tests check that it is reachable under the premises)
 Case = Callable[[Domain], tuple[list[Any], Any, Any]]
+#: an op's step: ``d -> (premises, the world after it, accepted)``; the
+#: fidelity test evaluates these on the spec's worlds (the premises must
+#: hold on every op the proof claims, the world after must be the spec's)
+Step = Callable[[Domain], tuple[list[Any], World, Any]]
 
-
-def op_cases(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, Case]]:
-    """One case per op: the whole invariant before, ``goal`` after, and the
-    condition under which the op is accepted."""
+def op_steps(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, str | None, Step]]:
+    """One step per op, ``(label, the spec's op, step)``: the whole
+    invariant before (init: the empty pool), and the condition under which
+    the op is accepted. Premises name only what the op's caller fixes: a
+    refused op (decode, free or preempt of a request that is not live,
+    reset while a block is held, every free_blocks) is inside them and must
+    leave the world unchanged; only admit (a request not known yet) and
+    resume (a preempted one) keep the request's state as a premise."""
 
     def start(d: Domain) -> tuple[World, list[Any]]:
         w = world_vars(d)
         return w, [invariant(exact(), w)]
 
-    def init(d: Domain) -> tuple[list[Any], Any, Any]:
+    def init(d: Domain) -> tuple[list[Any], World, Any]:
         w = world_vars(d)
-        return [initial(w)], goal(exact(), w), z3.BoolVal(True)
+        return [initial(w)], w, z3.BoolVal(True)
 
-    def t_admit(d: Domain) -> tuple[list[Any], Any, Any]:
+    def t_admit(d: Domain) -> tuple[list[Any], World, Any]:
         w, pre = start(d)
         me = w.reqs[ACTOR]
         n = d.var("n")
         keys, pn, facts = _names(d, "new")
         rule, ok, after = admit(d, w, ACTOR, n, keys, pn, hit_vars(d), rules)
-        return [*pre, z3.Not(me.live), z3.Not(me.pre), n >= 1, *facts, rule], goal(exact(), after), ok
+        return [*pre, z3.Not(me.live), z3.Not(me.pre), n >= 1, *facts, rule], after, ok
 
-    def t_resume(d: Domain) -> tuple[list[Any], Any, Any]:
+    def t_resume(d: Domain) -> tuple[list[Any], World, Any]:
         w, pre = start(d)
         me = w.reqs[ACTOR]
         rule, ok, after = admit(d, w, ACTOR, me.n, me.k, me.p, hit_vars(d), rules)
-        return [*pre, me.pre, rule], goal(exact(), after), ok
+        return [*pre, me.pre, rule], after, ok
 
-    def t_decode(d: Domain) -> tuple[list[Any], Any, Any]:
+    def t_decode(d: Domain) -> tuple[list[Any], World, Any]:
+        # not live (unknown or preempted) is inside: decode must refuse it
         w, pre = start(d)
         me = w.reqs[ACTOR]
         m = d.var("n_new")
         keys, pn, facts = _names(d, "after")
         kept = [z3.Implies(is_full(exact(), z3.IntVal(i), me.n, w.B), keys[i] == me.k[i]) for i in range(NB)]
         ok, after = decode(d, w, ACTOR, m, keys, pn, rules)
-        return [*pre, me.live, m >= 1, *facts, *kept], goal(exact(), after), ok
+        return [*pre, m >= 1, *facts, *kept], after, ok
 
-    def t_free(preempting: bool) -> Case:
-        def build(d: Domain) -> tuple[list[Any], Any, Any]:
+    def t_free(preempting: bool) -> Step:
+        def build(d: Domain) -> tuple[list[Any], World, Any]:
             w, pre = start(d)
             ok, after = free(d, w, ACTOR, preempting)
-            return pre, goal(exact(), after), ok
+            return pre, after, ok
         return build
 
-    def t_reset(d: Domain) -> tuple[list[Any], Any, Any]:
+    def t_reset(d: Domain) -> tuple[list[Any], World, Any]:
         w, pre = start(d)
         ok, after = reset(w)
-        return pre, goal(exact(), after), ok
+        return pre, after, ok
 
-    def t_free_blocks(d: Domain) -> tuple[list[Any], Any, Any]:
+    def t_free_blocks(d: Domain) -> tuple[list[Any], World, Any]:
         w, pre = start(d)
         ok, after = free_blocks(d, w, (d.var("listed0"), d.var("listed1")), rules)
-        return pre, goal(exact(), after), ok
+        return pre, after, ok
 
-    return [("init: the empty pool", init),
+    return [("init: the empty pool", None, init),
             (("preserved by admit (hits touched, blocks popped from the front and evicted, rows written, full blocks "
-             "keyed; no room: unchanged)"), t_admit),
-            ("preserved by resume", t_resume),
-            (("preserved by decode (blocks popped and evicted, rows written, blocks that became full keyed; no room: "
-             "unchanged)"), t_decode),
-            ("preserved by free (tail first, keyed to the back, unkeyed to the front; not live: refused)",
+             "keyed; no room: unchanged)"), "admit", t_admit),
+            ("preserved by resume", "resume", t_resume),
+            (("preserved by decode (blocks popped and evicted, rows written, blocks that became full keyed; no room "
+              "or not live: unchanged)"), "decode", t_decode),
+            ("preserved by free (tail first, keyed to the back, unkeyed to the front; not live: refused)", "free",
              t_free(False)),
-            ("preserved by preempt", t_free(True)),
-            ("preserved by reset (refused while a block is held)", t_reset),
-            ("preserved by free_blocks of two ids (a block maybe listed twice)", t_free_blocks)]
+            ("preserved by preempt", "preempt", t_free(True)),
+            ("preserved by reset (refused while a block is held)", "reset", t_reset),
+            ("preserved by free_blocks of two ids (a block maybe listed twice)", "free_blocks", t_free_blocks)]
+
+
+def op_cases(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, Case]]:
+    """One case per op (:func:`op_steps`): the whole invariant before,
+    ``goal`` after, and the condition under which the op is accepted."""
+
+    def case(step: Step) -> Case:
+        def build(d: Domain) -> tuple[list[Any], Any, Any]:
+            premises, after, ok = step(d)
+            return premises, goal(exact(), after), ok
+        return build
+
+    return [(label, case(step)) for label, _, step in op_steps(rules)]
 
 
 def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:

@@ -379,14 +379,19 @@ def decode(d: Domain, w: World, r: int, m: Any, keys: tuple[Any, ...], pn: Any,
     """``spec.prefix.decode`` of ``m >= 1`` tokens onto live request ``r``:
     ``keys`` are the key names of its blocks after the decode (those full
     before are kept), ``pn`` the name of its new partial tail's rows.
-    Returns ``(done, world)``; not done: unchanged."""
+    Returns ``(done, world)``; not done: unchanged. A request that is not
+    live is refused before any arithmetic (the spec's ``_live`` check
+    comes first), so its lengths are computed only under ``live``."""
     req, bs = w.reqs[r], w.B
-    need = decode_blocks_needed(d, req.n, m, bs)
-    n1 = tokens_after(d, req.n, m)
+    with d.under(req.live):
+        need = decode_blocks_needed(d, req.n, m, bs)
+        n1 = tokens_after(d, req.n, m)
     ok = z3.And(req.live, need <= w.qn)
     new, t = pop(d, w, need, req.tl, r, ok, rules)
-    tl = blocks_for(d, n1, bs)
-    new = write_and_cache(d, new, t, tl, full_blocks(d, req.n, bs), req.n, n1, keys, pn, ok, rules)
+    with d.under(ok):
+        tl = blocks_for(d, n1, bs)
+        lo = full_blocks(d, req.n, bs)
+    new = write_and_cache(d, new, t, tl, lo, req.n, n1, keys, pn, ok, rules)
     new = with_req(new, r, replace(req, n=n1, tl=tl, t=t, k=keys, p=pn))
     return ok, ite(ok, new, w)
 

@@ -1,10 +1,16 @@
 """Encoding fidelity for obligations 22 to 25: every function of
 ``proofs.prefix_model`` agrees with ``spec.prefix`` on concrete values
 (substitute + simplify). The integer rules on every small case; the
-invariant on every world the spec reaches (it must hold there); and each op
-on such worlds, the model's state after it (refcounts, keys, the cached map,
-rows, the free queue in order, both requests' tables, lengths and names)
-against the spec's, with the hit the spec chose (the model must allow it)."""
+invariant on every world the spec reaches (it must hold there), block sizes
+1 to 5; and each op on such worlds through the proof's own step
+(``proofs.prefix.op_steps``): its premises must hold there (the proof
+covers every op the spec accepts, and every refused decode, free, preempt,
+reset and free_blocks), the model's state after it (refcounts, keys, the
+cached map, rows, the free queue in order, both requests' tables, lengths
+and names) against the spec's, with the hit the spec chose (the model must
+allow it, and no other length: the hit is the longest chain). An op the
+spec refuses must be refused by the model with the world unchanged, or (a
+refused admit or resume) be outside the premises."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import z3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proofs import prefix as pp
 from proofs import prefix_model as pm
 from proofs.domain import INT, Domain, evaluate
 from spec import prefix as sp
@@ -54,8 +61,33 @@ def ops(draw: Any, world: sp.PrefixWorld | None = None) -> dict[str, Any]:
 
 
 @st.composite
+def refused_ops(draw: Any, world: sp.PrefixWorld) -> dict[str, Any]:
+    """An op ``world`` refuses with an error: a decode, free or preempt of a
+    request that is not live (unknown or preempted), a resume of one that is
+    not preempted, an admission of a known one, a free_blocks of two ids."""
+    not_live = [k for k in NAMES if k not in world.requests or not world.requests[k].live]
+    not_held = [k for k in NAMES if k not in world.requests or world.requests[k].live]
+    known = [k for k in NAMES if k in world.requests]
+    kinds = ["decode", "free", "preempt"] * bool(not_live) + ["resume"] * bool(not_held) \
+        + ["admit"] * bool(known) + ["free_blocks"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "free_blocks":
+        return {"op": kind, "blocks": draw(st.lists(st.integers(-1, pm.NB), min_size=2, max_size=2))}
+    if kind == "admit":
+        return {"op": kind, "req": draw(st.sampled_from(known)), "tokens": _prompt(draw)}
+    if kind == "decode":
+        return {"op": kind, "req": draw(st.sampled_from(not_live)), "tokens": [draw(st.sampled_from((3, 4)))]}
+    return {"op": kind, "req": draw(st.sampled_from(not_held if kind == "resume" else not_live))}
+
+
+#: block sizes of the fidelity worlds: past 3, so a premise narrowed to
+#: small blocks (the proofs claim any B >= 1) fails here
+BLOCK_SIZES = (1, 5)
+
+
+@st.composite
 def worlds(draw: Any) -> sp.PrefixWorld:
-    world = sp.new_world(draw(st.integers(1, 3)), pm.NB)
+    world = sp.new_world(draw(st.integers(*BLOCK_SIZES)), pm.NB)
     for _ in range(draw(st.integers(0, 14))):
         _, world = sp.apply_op(world, draw(ops(world)))
     return world
@@ -63,9 +95,10 @@ def worlds(draw: Any) -> sp.PrefixWorld:
 
 @st.composite
 def steps(draw: Any) -> tuple[sp.PrefixWorld, dict[str, Any]]:
-    """A reachable world and an op it accepts."""
+    """A reachable world and an op: one it accepts, or (one in four) one it
+    refuses with an error."""
     world = draw(worlds())
-    return world, draw(ops(world))
+    return world, draw(refused_ops(world) if draw(st.integers(0, 3)) == 0 else ops(world))
 
 
 class Names:
@@ -186,56 +219,82 @@ def _order(name: str) -> tuple[str, str]:
     return (name, next(n for n in NAMES if n != name))
 
 
+def _step(op: str, rules: pm.PrefixRules) -> tuple[str, pp.Step] | None:
+    """The proof's step for the spec's op ``op`` (None: an op it has no step
+    for, lookup and expect: they change nothing)."""
+    return next(((label, step) for label, name, step in pp.op_steps(rules) if name == op), None)
+
+
+#: ops whose refusal (an error: the request's state) the proof's premises
+#: exclude; every other refused op is inside them and must change nothing
+EXCLUDED_WHEN_REFUSED = ("admit", "resume")
+
+
+def _hit_is_determined(premises: list[Any], subs: dict[Any, Any], j: int) -> bool:
+    """Under the step's premises with every value but the hit's fixed, is
+    ``hit_j == j`` the only length the hit rule allows?"""
+    fixed = [(k, v) for k, v in subs.items() if not str(k).startswith("hit_")]
+    s = z3.Solver()
+    s.add(z3.substitute(z3.And(*premises), *fixed), z3.Int("hit_j") != j)
+    return s.check() == z3.unsat
+
+
 def transition(world: sp.PrefixWorld, op: dict[str, Any], rules: pm.PrefixRules = pm.PREFIX_SPEC,
                names: Names | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """``op`` on the spec and on the model from the same world: (the model's
-    state after it, the spec's), both as :func:`observed` lays them out;
-    None when the spec refuses the op with an error (the model's premises
-    exclude those)."""
+    """``op`` on the spec and on the proof's step for it (:func:`pp.op_steps`)
+    from the same world: (the model's state after it, the spec's), both as
+    :func:`observed` lays them out. The step's premises must hold (an op the
+    spec refuses with an error: the model refuses it too and the world is
+    unchanged); a refused admit or resume must be outside the premises
+    (returns None), as must an op the proof has no step for."""
     try:
         result, after = sp.apply_op(world, op)
+        refused = False
     except KVCacheError:
+        result, after, refused = None, world, True
+    found = _step(op["op"], rules)
+    if found is None:
         return None
+    label, step = found
     names = names or Names()
     order = _order(op.get("req", "a"))
     bs = world.block_size
     d = Domain(INT)
-    w = pm.world_vars(d)
-    subs = subs_of(values(world, order, names))
-    ok: Any
+    premises, new, ok = step(d)
+    vals = values(world, order, names)
+    r = world.requests.get(op.get("req", ""))
+    hit_j = None
     if op["op"] in ("admit", "resume"):
-        r = world.requests.get(op["req"])
-        salt, tokens = (op.get("salt"), tuple(op["tokens"])) if op["op"] == "admit" else (r.salt, r.tokens)
-        hit = pm.hit_vars(d)
-        table = sp.hit_table(world, salt, tokens)
-        subs.update(subs_of({"hit_j": len(table), **{f"hit_block{i}": table[i] if i < len(table) else 0
-                                                       for i in range(pm.NB)}}))
+        salt, tokens = (op.get("salt"), tuple(op["tokens"])) if op["op"] == "admit" else \
+            ((r.salt, r.tokens) if r is not None else (None, ()))
+        table = sp.hit_table(world, salt, tokens) if tokens else ()
+        hit_j = len(table)
+        vals.update({"hit_j": hit_j, **{f"hit_block{i}": table[i] if i < len(table) else 0 for i in range(pm.NB)}})
         if op["op"] == "admit":
-            n, keys, pn = d.var("n"), tuple(d.var(f"new_key{i}") for i in range(pm.NB)), d.var("new_partial")
-            subs.update(subs_of({"n": len(tokens), "new_partial": names.tail(salt, tokens, bs),
-                                 **{f"new_key{i}": k for i, k in enumerate(names.request_keys(salt, tokens, bs))}}))
-            rule, ok, new = pm.admit(d, w, 0, n, keys, pn, hit, rules)
-        else:
-            me = w.reqs[0]
-            rule, ok, new = pm.admit(d, w, 0, me.n, me.k, me.p, hit, rules)
-        assert evaluate(rule, subs) is True, "the spec's hit is one the model allows"
-        assert evaluate(ok, subs) == result["admitted"]
+            vals.update({"n": len(tokens), "new_partial": names.tail(salt, tokens, bs),
+                         **{f"new_key{i}": k for i, k in enumerate(names.request_keys(salt, tokens, bs))}})
     elif op["op"] == "decode":
-        r = world.requests[op["req"]]
-        grown = r.tokens + tuple(op["tokens"])
-        m, keys, pn = d.var("n_new"), tuple(d.var(f"after_key{i}") for i in range(pm.NB)), d.var("after_partial")
-        subs.update(subs_of({"n_new": len(op["tokens"]), "after_partial": names.tail(r.salt, grown, bs),
-                             **{f"after_key{i}": k for i, k in enumerate(names.request_keys(r.salt, grown, bs))}}))
-        ok, new = pm.decode(d, w, 0, m, keys, pn, rules)
-        assert evaluate(ok, subs) == result
-    elif op["op"] in ("free", "preempt"):
-        ok, new = pm.free(d, w, 0, op["op"] == "preempt")
-        assert evaluate(ok, subs) is True
-    elif op["op"] == "reset":
-        ok, new = pm.reset(w)
-        assert evaluate(ok, subs) == result
-    else:
+        salt, grown = (r.salt, r.tokens) if r is not None else (None, ())
+        grown = grown + tuple(op["tokens"])
+        vals.update({"n_new": len(op["tokens"]), "after_partial": names.tail(salt, grown, bs),
+                     **{f"after_key{i}": k for i, k in enumerate(names.request_keys(salt, grown, bs))}})
+    elif op["op"] == "free_blocks":
+        vals.update({"listed0": op["blocks"][0], "listed1": op["blocks"][-1]})
+    subs = subs_of(vals)
+    holds = evaluate(z3.And(*premises), subs)
+    if refused and op["op"] in EXCLUDED_WHEN_REFUSED:
+        assert holds is False, f"{label}: the premises admit {op}, which the spec refuses"
         return None
+    assert holds is True, f"{label}: the premises exclude {op}, which the spec reaches"
+    if refused:
+        assert evaluate(ok, subs) is False, f"{label}: the model accepts {op}, which the spec refuses"
+    elif op["op"] in ("admit", "resume"):
+        assert evaluate(ok, subs) == result["admitted"]
+        assert _hit_is_determined(premises, subs, hit_j), f"{label}: the hit rule allows a length other than {hit_j}"
+    elif op["op"] in ("free", "preempt"):
+        assert evaluate(ok, subs) is True
+    else:
+        assert evaluate(ok, subs) == result
     return observed(read(new, subs), after), observed(values(after, order, names), after)
 
 
@@ -278,7 +337,9 @@ def test_invariant_holds_on_reachable_worlds(world: sp.PrefixWorld) -> None:
 def test_ops_agree_with_the_spec(step: tuple[sp.PrefixWorld, dict[str, Any]]) -> None:
     world, op = step
     got = transition(world, op)
-    assert got is not None, op
+    if got is None:  # a refused admit or resume, outside the premises (transition checked it)
+        assert op["op"] in EXCLUDED_WHEN_REFUSED, op
+        return
     model, spec = got
     assert model == spec, op
 
@@ -291,30 +352,48 @@ def _world(bs: int, ops_: list[dict[str, Any]]) -> sp.PrefixWorld:
 
 
 #: ops each op kind of the model runs at least once on, through the spec:
-#: hits on a cached-free block, evictions, duplicates, a refused admission
-#: and decode, a release of keyed and unkeyed blocks, a refused reset
+#: hits on a cached-free block (shared by both requests), evictions,
+#: duplicates, a refused admission and decode, a release of keyed and
+#: unkeyed blocks, a refused reset; and ops the spec refuses with an error:
+#: a double free, a decode of an unknown and of a preempted request,
+#: free_blocks, a resume of a live request and an admission of a known one
 SCRIPT = [{"op": "admit", "req": "a", "tokens": [1, 2, 3]}, {"op": "admit", "req": "b", "tokens": [1, 2, 9]},
-          {"op": "decode", "req": "a", "tokens": [4]}, {"op": "reset"}, {"op": "free", "req": "b"},
+          {"op": "decode", "req": "a", "tokens": [4]}, {"op": "reset"}, {"op": "free_blocks", "blocks": [0, 0]},
+          {"op": "free_blocks", "blocks": [0, 1]}, {"op": "free", "req": "b"}, {"op": "free", "req": "b"},
+          {"op": "decode", "req": "b", "tokens": [3]}, {"op": "resume", "req": "a"},
+          {"op": "admit", "req": "a", "tokens": [1]},
           {"op": "admit", "req": "b", "tokens": [5, 6, 7, 8, 1]}, {"op": "preempt", "req": "a"},
+          {"op": "decode", "req": "a", "tokens": [4]}, {"op": "preempt", "req": "a"},
           {"op": "admit", "req": "b", "tokens": [1, 2, 3, 4, 5]}, {"op": "resume", "req": "a"},
           {"op": "decode", "req": "a", "tokens": [5, 6]}, {"op": "free", "req": "a"}, {"op": "reset"},
           {"op": "admit", "req": "a", "tokens": [1, 2, 3, 4, 5, 6, 7]}]
 
 
-@pytest.mark.parametrize("bs", [1, 2])
+@pytest.mark.parametrize("bs", [1, 2, 4, 5])
 def test_a_scripted_run_agrees_at_every_op(bs: int) -> None:
     world = sp.new_world(bs, pm.NB)
-    compared = 0
+    compared = refused = 0
     for op in SCRIPT:
         got = transition(world, op)
-        if got is not None:
-            assert got[0] == got[1], op
-            compared += 1
         try:
             _, world = sp.apply_op(world, op)
         except KVCacheError:
-            pass
-    assert compared >= 10
+            refused += 1
+        if got is not None:
+            assert got[0] == got[1], op
+            compared += 1
+    assert compared >= 15 and refused >= 8, (compared, refused)
+
+
+@pytest.mark.parametrize("bs", [1, 2, 4, 7])
+def test_the_empty_pool_is_the_init_premise(bs: int) -> None:
+    """The init part's premises hold on spec.prefix.new_world, whatever the
+    block size (the proofs claim every B >= 1), and it is the whole
+    invariant's world."""
+    premises, w, _ = next(step for _, op, step in pp.op_steps() if op is None)(Domain(INT))
+    subs = subs_of(values(sp.new_world(bs, pm.NB), NAMES, Names()))
+    assert evaluate(z3.And(*premises), subs) is True
+    assert evaluate(pm.invariant(Domain(INT), w), subs) is True
 
 
 @pytest.mark.parametrize("rules,ops_,op", [

@@ -82,62 +82,92 @@ def _sat(premises: list[Any], *extra: Any) -> bool:
     return s.check() == z3.sat
 
 
+#: a block size past every small one: a premise narrowed to small blocks
+#: (the proofs claim any B >= 1) leaves no world of this size
+BIG_B = 7
+
+
 @pytest.mark.parametrize("label", [label for label, _ in pp.op_cases(pp._key_goal)])
 def test_no_part_is_vacuous(label):
     """Under each op part's premises (the invariant and the op's rules) the
-    op is accepted in some world, and refused in another; free_blocks is
-    refused in every world (obligation 23 proves it), so its part is checked
-    on premises that hold: a held block listed twice."""
+    op is accepted in some world, with block size BIG_B too, and refused in
+    another; free_blocks is refused in every world (obligation 23 proves
+    it), so its part is checked on premises that hold: a held block listed
+    twice."""
     case = dict(pp.op_cases(pp._key_goal))[label]
     reset_names()
     premises, _, accepted = case(Domain(INT))
     if label.startswith("preserved by free_blocks"):
         x = z3.Int("listed0")
-        assert _sat(premises, x == z3.Int("listed1"), pm.sel(z3.Ints("w_rc0 w_rc1 w_rc2"), x) > 0)
+        assert _sat(premises, x == z3.Int("listed1"), pm.sel(z3.Ints("w_rc0 w_rc1 w_rc2"), x) > 0, z3.Int("B") == BIG_B)
         assert not _sat(premises, accepted)
         return
     assert _sat(premises, accepted), label
+    assert _sat(premises, accepted, z3.Int("B") == BIG_B), label
     if not label.startswith("init"):
         assert _sat(premises, z3.Not(accepted)), label
 
 
-def _admit_case() -> tuple[list[Any], Any, pm.World, pm.Hit]:
+@pytest.mark.parametrize("number,label,build", [(number, label, build) for number, parts in (
+    (22, pp.key_parts()), (23, pp.refcount_parts()), (24, pp.queue_parts()), (25, pp.hit_parts()))
+    for label, build in parts], ids=lambda v: str(v)[:24] if isinstance(v, (int, str)) else "")
+def test_every_part_holds_a_world_of_a_big_block_size(number, label, build):
+    """A vacuity guard on the block size: every part's premises, in both
+    domains, have a model with B == BIG_B (the proofs are stated for any
+    symbolic B >= 1)."""
+    for dom in ("int", "bv32"):
+        reset_names()
+        d = Domain(dom)
+        premises, _ = build(d)
+        assert _sat([*premises, *[a for _, a in d.assumptions], *d.facts], z3.Int("B") == BIG_B), (number, label, dom)
+
+
+def _step(op: str) -> tuple[list[Any], pm.World, Any, pm.World, pm.Hit]:
+    """The proof's own step for ``op`` (proofs.prefix.op_steps): its
+    premises, the world after, accepted, and the world before and the hit,
+    named as the step names them."""
+    reset_names()
     d = Domain(INT)
-    w = pm.world_vars(d)
-    keys, pn, facts = pp._names(d, "new")
-    n, hit = d.var("n"), pm.hit_vars(d)
-    rule, ok, _ = pm.admit(d, w, 0, n, keys, pn, hit)
-    me = w.reqs[0]
-    return [pm.invariant(d, w), z3.Not(me.live), z3.Not(me.pre), n >= 1, *facts, rule], ok, w, hit
+    premises, after, ok = next(step for _, name, step in pp.op_steps() if name == op)(d)
+    return premises, after, ok, pm.world_vars(d), pm.hit_vars(d)
 
 
 def test_an_admission_can_hit_a_cached_free_block_and_evict_another():
-    """One admission that touches a cached-free block (it leaves the queue)
-    and pops a keyed block from the front (evicted): the case the eviction
-    and touch controls turn on is inside the proof's premises."""
-    reset_names()
-    premises, ok, w, hit = _admit_case()
+    """One admission that touches a cached-free block (it leaves the queue),
+    shared with the other live request's table, and pops a keyed block from
+    the front (evicted): the case the eviction and touch controls turn on is
+    inside the admit part's own premises."""
+    premises, _, ok, w, hit = _step("admit")
     cached_free_hit = z3.And(hit.j >= 1, pm.sel(w.rc, hit.h[0]) == 0)
     front_keyed = z3.And(w.qn >= 1, pm.sel(w.key, w.q[0]) >= 0, w.q[0] != hit.h[0])
     assert _sat(premises, ok, cached_free_hit, front_keyed, w.B == 2)
+    other = w.reqs[1]
+    shared = z3.And(hit.j >= 1, other.live, other.tl >= 1, other.t[0] == hit.h[0])
+    assert _sat(premises, ok, shared, w.B == 2)
 
 
-def test_a_release_queues_keyed_and_unkeyed_blocks():
-    """A free that puts a keyed block at the back and an unkeyed one at the
-    front, with the other request still holding a shared block."""
-    reset_names()
-    d = Domain(INT)
-    w = pm.world_vars(d)
+@pytest.mark.parametrize("op", ["free", "preempt"])
+def test_a_release_queues_keyed_and_unkeyed_blocks(op):
+    """A free (a preemption) that puts a keyed block at the back and an
+    unkeyed one at the front, with the other request still holding a shared
+    block: inside the part's own premises."""
+    premises, _, ok, w, _ = _step(op)
     me, other = w.reqs
     shared = z3.And(other.live, other.tl >= 1, other.t[0] == me.t[0])
     keyed_and_not = z3.And(me.live, me.tl == 3, pm.sel(w.key, me.t[1]) >= 0, pm.sel(w.key, me.t[2]) == pm.NONE)
-    assert _sat([pm.invariant(d, w)], shared, keyed_and_not)
+    assert _sat(premises, ok, shared, keyed_and_not)
 
 
-def test_the_proved_invariant_is_the_spec_invariant_on_a_broken_world():
-    """The model's invariant rejects what spec.prefix.broken_invariants
-    rejects: a block listed under a key whose rows it no longer holds."""
-    d = Domain(INT)
-    w = pm.world_vars(d)
-    stale = z3.And(w.lk[0] == 5, w.key[0] == pm.NONE, w.rows[0] == -3)
-    assert not _sat([pm.invariant(d, w)], stale)
+@pytest.mark.parametrize("op", ["resume", "decode"])
+def test_the_other_ops_run_on_shared_blocks(op):
+    """Decode, and resume (a hit of the other request's block), each accept
+    on a world where both requests' tables share a block: no part assumes
+    the tables disjoint."""
+    premises, _, ok, w, hit = _step(op)
+    me, other = w.reqs
+    both = z3.And(other.live, other.tl >= 1)
+    if op == "decode":
+        shared = z3.And(both, me.live, me.tl >= 1, me.t[0] == other.t[0])
+    else:
+        shared = z3.And(both, hit.j >= 1, hit.h[0] == other.t[0])
+    assert _sat(premises, ok, shared)
