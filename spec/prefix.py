@@ -917,9 +917,12 @@ def broken_invariants(world: PrefixWorld) -> tuple[str, ...]:
 
 class PrefixModel:
     """The spec driven as a prefix target (fuzz/prefix.py's protocol): the
-    same methods and results; each op replaces the frozen :attr:`world` only
-    on success, so a refusal changes nothing. ``declared`` is empty: the
-    spec differs from itself in nothing."""
+    same methods and results. A refusal changes nothing: an op that raises
+    leaves the frozen :attr:`world` as it was, ``reset`` replaces it only
+    when it returns True, and ``admit``, ``decode`` and ``resume`` take the
+    world their function returns, which on a negative result (not admitted,
+    False) is the world they were given. ``declared`` is empty: the spec
+    differs from itself in nothing."""
 
     declared: ClassVar[dict[str, str]] = {}
 
@@ -951,7 +954,9 @@ class PrefixModel:
         _, self.world = free_blocks(self.world, blocks)
 
     def reset(self) -> bool:
-        ok, self.world = reset(self.world)
+        ok, world = reset(self.world)
+        if ok:
+            self.world = world
         return ok
 
     def observe(self) -> dict[str, Any]:

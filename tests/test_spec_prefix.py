@@ -160,6 +160,22 @@ def test_room_counts_the_cached_free_hits_as_taken():
     assert w3.free == () and sp.broken_invariants(w3) == ()
 
 
+def test_refused_admit_keeps_its_hits_where_they_were_in_the_queue():
+    """A refused admission touches nothing: its cached-free hit stays in its
+    place, ahead of an unrelated block behind it (a rollback that re-queued
+    it at the back would reorder the queue). lookup still reports the hit:
+    it ignores room."""
+    w = run(world(2, 4), admit("a", [1, 2, 3]), admit("c", [5, 6, 7]))
+    w = run(w, {"op": "free", "req": "a"}, {"op": "free", "req": "c"})
+    assert w.free == (3, 1, 0, 2)  # 0 (key (1,2)) is the hit; 2 (key (5,6)) sits behind it
+    tokens = [1, 2, 9, 9, 9, 9, 9, 9, 9]  # hit 1 block, 4 new > 4 free - 1 cached-free hit
+    r, w2 = sp.admit(w, "b", tokens)
+    assert r == sp.REFUSED and w2 == w and w2.free == (3, 1, 0, 2)
+    assert sp.lookup(w, tokens) == 2
+    r, _ = sp.admit(w, "b", tokens[:7])  # 3 new: fits
+    assert r == sp.AdmitResult(True, 2, (0, 3, 1, 2))
+
+
 def test_cached_free_block_hit_leaves_the_free_queue():
     _, w = sp.admit(world(2, 6), "a", [1, 2, 3])
     _, w = sp.free(w, "a")
@@ -357,6 +373,21 @@ def test_preempt_then_resume_hits_its_own_blocks():
     assert sp.broken_invariants(w) == ()
 
 
+def test_preempt_then_resume_keeps_the_salt():
+    """Resume re-admits under the request's own salt: it hits the blocks
+    keyed under that salt, not an unsalted copy of the same tokens."""
+    w = run(world(2, 8), admit("a", [1, 2, 3], salt=5), {"op": "decode", "req": "a", "tokens": [4, 5]},
+            admit("u", [1, 2, 3, 4, 6]))
+    assert w.requests["a"].table == (0, 1, 2) and w.requests["u"].table == (3, 4, 5)
+    _, w = sp.preempt(w, "a")
+    assert w.requests["a"] == sp.Req((1, 2, 3, 4, 5), 5, (), False)
+    r, w = sp.resume(w, "a")
+    assert r == sp.AdmitResult(True, 4, (0, 1, 2))
+    assert w.requests["a"].salt == 5 and w.blocks[2].rows == ((5, (1, 2, 3, 4, 5)), None)
+    assert sp.broken_invariants(w) == ()
+    assert sp.lookup(w, [1, 2, 3, 4, 5], salt=5) == 4 and sp.lookup(w, [1, 2, 3, 4, 5]) == 4
+
+
 def test_resume_without_room_stays_preempted():
     w = run(world(2, 3), admit("a", [1, 2, 3]))
     _, w = sp.preempt(w, "a")
@@ -499,6 +530,7 @@ def test_model_replaces_its_world_only_on_success():
         m.free_blocks([0])
     assert m.admit("b", [5, 6, 7, 8, 9]) == sp.REFUSED
     assert m.world == before
+    assert m.reset() is False and m.world is before  # refused: not even reassigned
     assert m.decode("a", [4]) is True and m.lookup([1, 2, 3, 4, 5]) == 4
     m.preempt("a")
     assert m.reset() is True
@@ -533,11 +565,16 @@ def _set_block(w: sp.PrefixWorld, b: int, **kw) -> sp.PrefixWorld:
     (lambda w: _set_block(w, 0, refcount=0), {"refcounts_match_tables", "free_queue_exact"}),
     # a touched block left in the free queue
     (lambda w: replace(w, free=w.free + (0,)), {"free_queue_exact"}),
+    # a free block queued twice
+    (lambda w: replace(w, free=w.free + (w.free[0],)), {"free_queue_exact"}),
     # a row overwritten under a live request
     (lambda w: _set_block(w, 2, rows=((N, (1, 2, 8)), None)), {"requests_read_their_rows"}),
     # the partial tail keyed
     (lambda w: replace(_set_block(w, 2, key=(N, (1, 2, 7))), cached=w.cached + (((N, (1, 2, 7)), (2,)),)),
      {"partial_tail_private", "keys_name_contents"}),
+    # the unkeyed partial tail shared (refcount 2): a second live request holding b's table
+    (lambda w: replace(_set_block(_set_block(w, 0, refcount=2), 2, refcount=2),
+                       requests={**w.requests, "c": w.requests["b"]}), {"partial_tail_private"}),
     # a table one block short
     (lambda w: replace(w, requests={**w.requests, "b": replace(w.requests["b"], table=(0,))}),
      {"tables_sized", "requests_read_their_rows", "refcounts_match_tables", "partial_tail_private"}),
