@@ -144,6 +144,8 @@ RULES = {
     "reads": "spec.prefix.requests_read_their_rows: a live request reads its own rows through its table",
     "nothing changed": "a refusal, an admit not admitted, a decode without room, a reset refused, a lookup",
     "pool invariants": "the implementation's own broken_invariants(): none",
+    "dtype": "the cache's dtype: the slabs and every fetch hold rows in it (bfloat16 is not float16)",
+    "copy": "spec.prefix.apply_op: a world is a value; a copy is untouched by ops on its original",
 }
 
 
@@ -175,9 +177,14 @@ def show(x: Any) -> str:
 
 class PrefixRows:
     """The K and V rows of every row name for one configuration, and their
-    names back. A row is ``(kv_heads, head_dim)`` values in [0.5, 1.5) with
-    random signs from a generator seeded by a stable hash (BLAKE2b, never
-    Python's salted ``hash``) of ``(which, name)``, cast to the dtype;
+    names back. A row is ``(kv_heads, head_dim)`` values ``m * 2**e`` (``m``
+    in [1, 2), random signs) from a generator seeded by a stable hash
+    (BLAKE2b, never Python's salted ``hash``) of ``(which, name)``, cast to
+    the dtype, spread over the dtype's range so that storing them in a
+    narrower dtype changes a row's name: ``e`` in [-8, 8] for float16, in
+    [-20, 20] for bfloat16 and float32 with the first value's ``e`` in [16,
+    20] (float16 cannot hold it), float32 values with their lowest mantissa
+    bit set (neither 16-bit dtype holds them);
     names are found by the row's exact float32 bytes (bfloat16, float16 and
     float32 values are all exact in float32) in a table of every row made."""
 
@@ -208,9 +215,16 @@ class PrefixRows:
         if got is None:
             rng = np.random.default_rng(self.seed(which, name))
             shape = (self.kv_heads, self.dims[which])
-            mag = rng.uniform(0.5, 1.5, shape)
+            lo, hi = (-8, 8) if self.dtype == "float16" else (-20, 20)
+            exp = rng.integers(lo, hi + 1, shape)
+            if self.dtype != "float16":
+                exp.flat[0] = rng.integers(16, 21)
+            mag = rng.uniform(1.0, 2.0, shape) * np.exp2(exp.astype(np.float64))
             sign = np.where(rng.integers(0, 2, shape) == 0, -1.0, 1.0)
-            got = self._rows[key] = self._cast(mag * sign)
+            got = self._cast(mag * sign)
+            if self.dtype == "float32":
+                got = (got.view(np.uint32) | np.uint32(1)).view(np.float32)
+            self._rows[key] = got
             self._names.setdefault((which, got.tobytes()), name)
         return got
 
@@ -228,6 +242,11 @@ class PrefixRows:
         disagree (a K row without its V row)."""
         nk, nv = self.name(k, "k"), self.name(v, "v")
         return nk if nk == nv else f"K {nk!r} / V {nv!r}"
+
+
+def dtype_name(d: Any) -> str:
+    """``mx.bfloat16`` (or numpy's) as ``"bfloat16"``."""
+    return str(d).rsplit(".", 1)[-1]
 
 
 def _host(a: Any) -> np.ndarray:
@@ -340,14 +359,24 @@ class OursTarget:
         return self.pool.reset()
 
     # -- what it shows -------------------------------------------------------
-    def _block_rows(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        """Every block's K and V rows in host form (None: no slab yet)."""
+    def copy(self) -> OursTarget:
+        """A target over ``pool.copy()`` (the rows it writes and the
+        sequences it knows copied too)."""
+        new = OursTarget.__new__(OursTarget)
+        new.__dict__.update(self.__dict__)
+        new.pool, new.seqs = self.pool.copy(), dict(self.seqs)
+        return new
+
+    def _block_rows(self, through_block_rows: bool = False) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Every block's K and V rows in host form (None: no slab yet): the
+        raw slabs in one round trip, or (``through_block_rows``) each block
+        read through ``pool.block_rows(b)``, the pool's own read path."""
         import mlx.core as mx
 
         if self.pool.dtype is None:  # no slab before the first write
             return [None] * self.n_blocks
         keys, values = getattr(self.pool, "keys", None), getattr(self.pool, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+        if not through_block_rows and isinstance(keys, mx.array) and isinstance(values, mx.array):
             # the slabs [n_blocks, B, H, D] read in one round trip (block_rows(b) evaluates one block a call)
             hk, hv = (_host(a) for a in (keys, values))
             return [(hk[b], hv[b]) for b in range(self.n_blocks)]
@@ -355,6 +384,7 @@ class OursTarget:
         arrays = [a for kv in got if kv is not None for a in kv]
         if arrays:
             mx.eval(*arrays)
+            self._seen_dtypes["block_rows"] = sorted({dtype_name(a.dtype) for a in arrays})
         return [None if kv is None else (_host(kv[0]), _host(kv[1])) for kv in got]
 
     def observe(self) -> dict[str, Any]:
@@ -363,17 +393,25 @@ class OursTarget:
                     for r, (n, live) in p.requests().items()}
         blocks = [(p.refcount(b), norm_name(p.key(b))) for b in range(self.n_blocks)]
         rows: dict[tuple[int, int], Any] = {}
-        for b, kv in enumerate(self._block_rows()):
+        #: the dtypes the pool's storage and read paths hold, by path
+        self._seen_dtypes: dict[str, list[str]] = {}
+        if p.dtype is not None:
+            self._seen_dtypes["slabs"] = sorted({dtype_name(a.dtype) for a in (p.keys, p.values)})
+        for b, kv in enumerate(self._block_rows(through_block_rows=True)):
             for s in range(self.block_size):
                 rows[(b, s)] = None if kv is None else self.rows.slot_name(kv[0][s], kv[1][s])
         reads = {}
         for r, q in requests.items():
             if q["live"]:
                 k, v = p.fetch(r)
+                self._seen_dtypes.setdefault("fetch", [])
+                self._seen_dtypes["fetch"] = sorted({*self._seen_dtypes["fetch"], dtype_name(k.dtype),
+                                                     dtype_name(v.dtype)})
                 hk, hv = _host(k), _host(v)
                 reads[r] = [self.rows.slot_name(hk[i], hv[i]) for i in range(hk.shape[0])]
         return {"requests": requests, "blocks": blocks, "free": list(p.free_queue()),
-                "cached": {norm_name(k): list(ids) for k, ids in p.cached().items()}, "rows": rows, "reads": reads}
+                "cached": {norm_name(k): list(ids) for k, ids in p.cached().items()}, "rows": rows, "reads": reads,
+                "dtypes": dict(self._seen_dtypes)}
 
     def state(self) -> dict[str, Any]:
         """Everything observable on the pool, raw (the slabs as bytes):
@@ -474,6 +512,9 @@ class PrefixLockstep:
     compare_messages = False
     check_inplace = True
     check_sharing = False
+    #: ours: each op checked against a ``copy()`` of the pool taken before it
+    #: (:meth:`check_copy`)
+    check_copies = True
     impl_name = "impl"
     #: ops whose refusals the implementation words its own way (only its
     #: type is compared): none, impl.prefix words every refusal as
@@ -607,6 +648,10 @@ class PrefixLockstep:
         saved = None
         if self.ours and changes_nothing(name, spec_out):
             saved = self.target.state()
+        dup = dup_state = None
+        if self.ours and self.check_copies:
+            dup = self.target.copy()
+            dup_state = dup.state()
         try:
             impl_out = Outcome(result=self.target_apply(op))
         except TraceFormatError:
@@ -632,6 +677,8 @@ class PrefixLockstep:
         self.compare_view(index, op)
         if saved is not None:
             self.compare_unchanged(index, op, saved)
+        if dup is not None:
+            self.check_copy(index, op, dup, dup_state, impl_out)
         if self.ours:
             broken = self.target.broken_invariants()
             if broken:
@@ -730,6 +777,10 @@ class PrefixLockstep:
             if s != i:
                 raise self._diverge(index, op, field, rule, show(s), show(i))
 
+        # the dtypes a target reports (ours: its slabs, block_rows and fetch) against the cache's
+        if got.get("dtypes") and self.cfg.get("dtype"):
+            for path, names in sorted(got["dtypes"].items()):
+                check(f"dtype of {path}", "dtype", [self.cfg["dtype"]], list(names))
         # requests
         s_reqs, i_reqs = want["requests"], dict(got.get("requests") or {})
         check("requests known", "requests", sorted(s_reqs), sorted(i_reqs))
@@ -757,6 +808,7 @@ class PrefixLockstep:
                 check(f"block {b} slot {s} row", "rows", name, norm_name(i_rows.get((b, s))))
         # reads through the target's own read path, where it has one
         if "reads" in got and got["reads"] is not None:
+            check("requests read (live)", "reads", sorted(want["reads"]), sorted(got["reads"]))
             for r in sorted(want["reads"]):
                 have = [norm_name(n) for n in got["reads"].get(r, [])]
                 s_names = want["reads"][r]
@@ -764,6 +816,41 @@ class PrefixLockstep:
                     at = next((p for p, (a, b) in enumerate(zip(s_names, have)) if a != b), min(len(s_names), len(have)))
                     check(f"request {r!r} read at position {at} (of {len(s_names)})", "reads",
                           s_names[at] if at < len(s_names) else "no row", have[at] if at < len(have) else "no row")
+
+    def check_copy(self, index: int, op: dict[str, Any], dup: Any, dup_state: dict[str, Any], out: Outcome) -> None:
+        """Ours: ``dup``, the pool's ``copy()`` taken before the op, is as it
+        was after the op ran on the original (nothing shared: its slabs,
+        refcounts, keys, cached map, free queue, requests); at every odd op
+        the op then runs on ``dup`` too, which must end in the original's
+        state, and the lockstep goes on with ``dup`` (the spec's world is a
+        value: both continue from it)."""
+        now = dup.state()
+        for part, was in dup_state.items():
+            if was != now[part]:
+                shown = ("bytes changed" if part == "slabs" else show(was),
+                         "bytes changed" if part == "slabs" else show(now[part]))
+                raise self._diverge(index, op, f"a copy's {part} after an op on its original", "copy", *shown)
+        if index % 2 == 0:
+            return
+        original = self.target
+        try:
+            self.target = dup
+            try:
+                self.target_apply(op)
+                raised = None
+            except Exception as exc:  # noqa: BLE001 - compared with the original's outcome
+                raised = type(exc).__name__
+        finally:
+            self.target = original
+        if raised != (None if out.error is None else type(out.error).__name__):
+            raise self._diverge(index, op, "the op on a copy", "copy", out.describe(), str(raised))
+        theirs, ours = dup.state(), original.state()
+        for part, want in ours.items():
+            if want != theirs[part]:
+                shown = ("bytes differ" if part == "slabs" else show(want),
+                         "bytes differ" if part == "slabs" else show(theirs[part]))
+                raise self._diverge(index, op, f"a copy's {part} after the same op as its original", "copy", *shown)
+        self.target = dup
 
     def compare_unchanged(self, index: int, op: dict[str, Any], saved: dict[str, Any]) -> None:
         """Ours: an op the spec says changes nothing left every part of the
@@ -850,6 +937,13 @@ class PrefixLockstep:
                 self.reached("admits")
                 if hit:
                     self.reached("hits")
+                    bs = world_block_size(before)
+                    if hit >= 2 * bs:
+                        self.reached("hit of two blocks or more")
+                    if salt is not None:
+                        self.reached("salted hit")
+                    if getattr(before, "window", None) is None and hit // bs < (len(tokens) - 1) // bs:
+                        self.reached("chain stopped by a miss after a hit")
                     if name == "resume":
                         self.reached("preempt then resume hit")
                     bs = world_block_size(before)
@@ -864,6 +958,9 @@ class PrefixLockstep:
         elif name == "decode":
             self.reached("decodes" if out.result else "decode refused")
             q0, q1 = before.requests.get(op["req"]), after.requests.get(op["req"])
+            if out.result and q0 is not None and q1 is not None and world_block_size(before) > 1 and \
+                    len(q1.table) - len(q0.table) >= 2:
+                self.reached("decode of two new blocks")
             if out.result and q0 is not None and q1 is not None and \
                     sum(b is None for b in q1.table) > sum(b is None for b in q0.table):
                 self.reached("window releases")
@@ -878,6 +975,8 @@ class PrefixLockstep:
                     if blk.key is not None and blk.refcount == 0 and after.blocks[b].key != blk.key]
             if gone:
                 self.reached("evictions")
+                if any(len(before.blocks[b].key[1]) > world_block_size(before) for b in gone):
+                    self.reached("eviction of a non-root block")
         if any(len(ids) > 1 for _, ids in cached_items(after)):
             self.reached("duplicate keys")
 
@@ -932,7 +1031,7 @@ class PrefixMachine(KVMachine):
     12 blocks, 2 or 3 base prompts sharing a root (one sometimes a prefix of
     another, lengths often whole blocks); at most 3 live requests admitting
     a base prompt, a prefix of one or one a token longer, salted sometimes;
-    decodes of 1 or 2 tokens (often a prompt's own continuation: duplicate
+    decodes of 1, 2, B, B + 1 or 2B + 1 tokens (often a prompt's own continuation: duplicate
     keys), frees (a double free refused), preempt and resume, lookups,
     resets (refused while blocks are held), free_blocks probes drawn only
     as calls the spec refuses; and composite rules that reach the rare
@@ -1059,13 +1158,14 @@ class PrefixMachine(KVMachine):
 
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:  # type: ignore[override]
-        """1 or 2 tokens for a live request (its prompt's continuation most
-        often)."""
+        """1, 2, B, B + 1 or 2B + 1 tokens for a live request (one block
+        boundary crossed, or two; its prompt's continuation most often)."""
         live = self.live()
         if not live:
             return
         req = live[data.draw(st.integers(0, len(live) - 1), label="req")]
-        n = data.draw(st.integers(1, 2), label="n")
+        bs = self.bs
+        n = data.draw(st.sampled_from([1, 2, bs, bs + 1, 2 * bs + 1]), label="n")
         if data.draw(st.booleans(), label="drawn"):
             tokens = self.draw_tokens(data, n)
         else:

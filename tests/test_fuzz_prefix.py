@@ -340,3 +340,107 @@ def test_render_draws_tables_refcounts_and_the_free_queue():
     assert [c.text for c in rows["table b"].cells] == ["0", "2"]
     assert [c.text for c in rows["request b"].cells] == ["1", "2", "3", "4"]
     assert "kind prefix, block_size 2, n_blocks 4, window None" in svg(tl)
+
+
+# -- one hand-broken target per check (each check seen firing) -------------------------------------------
+
+
+class CachedIdsReversed(PrefixCachePool):
+    def cached(self):
+        return {k: tuple(reversed(ids)) for k, ids in super().cached().items()}
+
+
+class FreeScribblesKeyedRows(PrefixCachePool):
+    """free() adds 1 to the K rows of the keyed blocks it queues."""
+
+    def free(self, req):
+        held = [b for b in self.table(req) if b is not None]
+        super().free(req)
+        hit = [b for b in held if self._ref[b] == 0 and self._key[b] is not None]
+        if hit:
+            mask = mx.array(np.isin(np.arange(self.n_blocks), hit)[:, None, None, None])
+            self.keys = mx.where(mask, self.keys + 1, self.keys)
+
+
+class FetchThroughRotatedTable(PrefixCachePool):
+    def fetch(self, req):
+        r = self._reqs[req]
+        table = r.table
+        r.table = table[1:] + table[:1]
+        try:
+            return super().fetch(req)
+        finally:
+            r.table = table
+
+
+class AdmitResultReversed(PrefixCachePool):
+    def admit(self, req, tokens, salt=None):
+        got = super().admit(req, tokens, salt)
+        return type(got)(got.admitted, got.hit_tokens, tuple(reversed(got.table)))
+
+
+class DecodeReturnsNone(PrefixCachePool):
+    def decode(self, req, tokens):
+        super().decode(req, tokens)
+
+
+class BFloat16StoredAsFloat16(PrefixCachePool):
+    def write(self, req, keys, values):
+        super().write(req, keys.astype(mx.float16), values.astype(mx.float16))
+
+
+class CopySharesTheFreeQueue(PrefixCachePool):
+    def copy(self):
+        new = super().copy()
+        new._next, new._prev, new._in_free = self._next, self._prev, self._in_free
+        return new
+
+
+ADMIT_A = {"op": "admit", "req": "a", "tokens": [1, 2, 3, 4]}
+CHECKS = {
+    "cached map": (CachedIdsReversed, [{"op": "admit", "req": "a", "tokens": [1, 2]},
+                                       {"op": "admit", "req": "b", "tokens": [1, 2]}], CACHE),
+    "rows": (FreeScribblesKeyedRows, [ADMIT_A, {"op": "free", "req": "a"}], CACHE),
+    "reads": (FetchThroughRotatedTable, [ADMIT_A], CACHE),
+    "block table": (AdmitResultReversed, [ADMIT_A], CACHE),
+    "decode room": (DecodeReturnsNone, [ADMIT_A, {"op": "decode", "req": "a", "tokens": [5]}], CACHE),
+    "dtype": (BFloat16StoredAsFloat16, [ADMIT_A], {**CACHE, "dtype": "bfloat16", "mode": "bf16"}),
+    "copy": (CopySharesTheFreeQueue, [ADMIT_A], CACHE),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(CHECKS))
+def test_each_check_fires_on_its_hand_broken_target(rule):
+    cls, ops, cache = CHECKS[rule]
+    with pytest.raises(Divergence) as e:
+        _run(ops, cls, cache)
+    first = str(e.value).splitlines()[0]
+    assert f"(rule {rule!r}: " in first and first.startswith(f"op {len(ops) - 1} "), first
+    _run(ops, None, cache)  # ours agrees
+
+
+def test_reads_cover_exactly_the_live_requests():
+    class ReadsAGhost(SpecTarget):
+        def observe(self):
+            got = super().observe()
+            got["reads"] = {r: [] for r in ("a", "ghost")}
+            return got
+
+    class ReadsNone(SpecTarget):
+        def observe(self):
+            got = super().observe()
+            got["reads"] = {}
+            return got
+
+    for cls in (ReadsAGhost, ReadsNone):
+        with pytest.raises(Divergence, match=r"requests read \(live\) differs \(rule 'reads'"):
+            _run([{"op": "admit", "req": "a", "tokens": [1, 2]}, {"op": "preempt", "req": "a"}], {"target": cls})
+
+
+@pytest.mark.parametrize("dtype,narrower", [("bfloat16", "float16"), ("float32", "float16"),
+                                            ("float32", "bfloat16")])
+def test_rows_stored_in_a_narrower_dtype_lose_their_names(dtype, narrower):
+    rows = PrefixRows(1, 8, dtype)
+    names = [row_name(None, (1, 2, 3), p) for p in range(3)]
+    stored = np.asarray(mx.array(rows.rows(names, "k")).astype(getattr(mx, narrower)).astype(mx.float32))
+    assert [rows.name(r, "k") for r in stored] == [None] * 3

@@ -783,3 +783,16 @@ def test_differential_loop_against_spec(dtype):
             "eviction", "duplicate key", "admit not admitted", "decode False", "free_blocks refused",
             "admit refused", "decode refused", "free refused", "resume refused"}
     assert must <= seen, must - seen
+
+
+def test_block_rows_reads_a_reused_block_anew():
+    """block_rows reads the slabs each call: a block read, freed (unkeyed:
+    to the front of the queue) and taken by another request reads the new
+    request's rows, as fetch does."""
+    t = Named(2, 2)
+    t.admit("a", [1])
+    assert t.block_names(0) == names(None, [1], 0, 1) + [None]
+    t.pool.free("a")
+    t.admit("b", [7, 8])
+    assert t.pool.table("b") == (0,)
+    assert t.block_names(0) == names(None, [7, 8], 0, 2) == t.fetch_names("b")
