@@ -39,7 +39,7 @@ TITLES = {1: "ownership soundness", 2: "ring slot and warm-up in place", 3: "reg
           17: "cell freed exactly when its set is empty", 18: "per-sequence positions unique",
           19: "cells refusals change nothing", 20: "position shifts compose", 21: "windowed removal bound",
           22: "prefix key to content", 23: "prefix refcounts and holders", 24: "prefix free queue",
-          25: "prefix hit length"}
+          25: "prefix hit length", 26: "prefix sliding window"}
 
 
 def obligations() -> list[tuple[int, Any]]:

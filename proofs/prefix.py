@@ -1,4 +1,4 @@
-"""Obligations 22 to 25: the prefix kind's rules (``spec.prefix``;
+"""Obligations 22 to 26: the prefix kind's rules (``spec.prefix``;
 semantics.md 11, docs/prefix.md). Encodings are in
 :mod:`proofs.prefix_model`.
 
@@ -72,10 +72,12 @@ from proofs.prefix_model import (
     PrefixRules,
     World,
     admit,
+    blocks_for,
     decode,
     free,
     free_blocks,
     free_queue_exact,
+    hit_run,
     hit_vars,
     initial,
     invariant,
@@ -85,11 +87,12 @@ from proofs.prefix_model import (
     new_blocks_needed,
     refcount_invariant,
     reset,
+    skipped_blocks,
     world_vars,
 )
 
 TITLES = {22: "prefix key to content", 23: "prefix refcounts and holders", 24: "prefix free queue",
-          25: "prefix hit length"}
+          25: "prefix hit length", 26: "prefix sliding window"}
 #: the acting request slot
 ACTOR = 0
 
@@ -487,6 +490,96 @@ HIT_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
 ]
 
 
+# -- 26 ------------------------------------------------------------------------------
+
+
+def window_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
+    """The sliding window's integer rules (``spec.prefix.skipped_blocks``,
+    ``hit_run``, ``hit_table``), n tokens, block size B, window w and a hit
+    of e blocks all unbounded."""
+
+    def sizes(d: Domain) -> tuple[Any, Any, Any, list[Any]]:
+        n, bs, w = d.var("n"), d.var("B"), d.var("w")
+        return n, bs, w, [n >= 0, bs >= 1, w >= 1]
+
+    def hit_blocks(d: Domain) -> tuple[Any, Any, Any, Any, list[Any]]:
+        """A hit of e blocks of a prompt of n >= 1 tokens: never beyond the cap."""
+        n, bs, w, pre = sizes(d)
+        e = d.var("e")
+        return n, bs, w, e, [*pre, n >= 1, e >= 0, e <= max_hit_blocks(d, n, bs, rules)]
+
+    def touched_in_run(d: Domain) -> tuple[list[Any], Any]:
+        _, bs, w, e, pre = hit_blocks(d)
+        with d.under(z3.And(*pre)):
+            s = skipped_blocks(d, d.mul(e, bs, "hit tokens e * B"), w, bs, rules)
+        r = hit_run(d, w, bs, rules)
+        # the touched entries [s, e) lie in the run [e - r, e) the hit rule found cached
+        return pre, z3.And(s <= e, s >= e - r)
+
+    def attended_touched(d: Domain) -> tuple[list[Any], Any]:
+        _, bs, w, e, pre = hit_blocks(d)
+        p = d.var("p")
+        with d.under(z3.And(*pre)):
+            hit = d.mul(e, bs, "hit tokens e * B")
+            s = skipped_blocks(d, hit, w, bs, rules)
+        first = d.add(d.sub(hit, w, "e * B - w"), 1, "e * B - w + 1")
+        with d.under(z3.And(p >= 0, p >= first, p < hit)):
+            blk = d.floordiv(p, bs, "p // B")
+        # every position the first computed token (position e * B) attends is in a touched block
+        return [*pre, p >= 0, p >= first, p < hit], z3.And(blk >= s, blk < e)
+
+    def release_unattended(d: Domain) -> tuple[list[Any], Any]:
+        n, bs, w, pre = sizes(d)
+        i = d.var("i")
+        s = skipped_blocks(d, n, w, bs, rules)
+        with d.under(z3.And(i >= 0, i < s)):
+            last = d.add(d.mul(i, bs, "i * B"), d.sub(bs, 1, "B - 1"), "i * B + B - 1")
+        first = d.add(d.sub(n, w, "n - w"), 1, "n - w + 1")
+        # a released block ends before the first position the next token (position n) attends,
+        # and the release never reaches past the table (ceil(n / B) entries)
+        return [*pre, i >= 0, i < s], z3.And(last < first, s <= blocks_for(d, n, bs))
+
+    return [(("a windowed hit of e <= max_hit_blocks blocks touches only blocks of its run: "
+              "skipped_blocks(e * B) >= e - hit_run, and never beyond the hit"), touched_in_run),
+            ("every position the first token after the hit attends lies in a touched block", attended_touched),
+            ("a decode from n tokens releases only blocks wholly before position n's window, within the table",
+             release_unattended)]
+
+
+def _late_release_on_spec() -> tuple[Any, Any, str]:
+    """The release a token late on the spec: B = 2, w = 3, a 4-token prompt
+    decoded twice; the second decode releases block 1, which holds position
+    3, one the new token (position 5) attends."""
+    from proofs import traces
+    from spec import prefix as sp
+
+    world = sp.new_world(2, 4, 3)
+    ops = [{"op": A, "req": "a", "tokens": [1, 2, 3, 4]}, {"op": "decode", "req": "a", "tokens": [5]},
+           {"op": "decode", "req": "a", "tokens": [6]}]
+    with traces.patched(sp, skipped_blocks=lambda n, w, bs: max(0, n - w + 2) // bs):
+        for op in ops:
+            _, world = sp.apply_op(world, op)
+            if op["tokens"] == [6]:
+                break
+            before = world
+    # the decode computing position 5 (attending 3 .. 5) ran with the table it left
+    table = list(world.requests["a"].table)
+    values = {"block_size": 2, "window": 3, "table before": list(before.requests["a"].table), "table after": table}
+    if table[1] is not None:
+        return None, values, "not confirmed: the spec with the late release keeps block 1 (position 3)"
+    return None, values, (f"confirmed on spec with the bug: {'; '.join(_op_text(o) for o in ops)}: the last decode "
+                          f"computes position 5, which attends positions 3 to 5 under w = 3, and leaves table "
+                          f"{table}: block 1, holding position 3, released")
+
+
+WINDOW_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
+    ("release_one_token_late", "blocks before max(0, n - w + 2) // B released (a token late)",
+     PrefixRules(skip="late"), _late_release_on_spec),
+    ("run_one_block_short", "a windowed hit needs ceil((w - 1) / B) - 1 cached blocks in a row",
+     PrefixRules(run="short"), None),
+]
+
+
 # -- results -------------------------------------------------------------------------
 
 
@@ -529,5 +622,12 @@ def prove_hit() -> ObligationResult:
                   hit_parts, HIT_CONTROLS)
 
 
+def prove_window() -> ObligationResult:
+    return _prove(26, ("skipped_blocks", "hit_run", "hit_table"),
+                  "a sliding-window hit touches only blocks of the cached run it found, and they hold every row "
+                  "the first computed token attends; a decode releases only blocks wholly before its window",
+                  window_parts, WINDOW_CONTROLS)
+
+
 OBLIGATIONS: list[tuple[int, Callable[[], ObligationResult]]] = [
-    (22, prove_key), (23, prove_refcount), (24, prove_queue), (25, prove_hit)]
+    (22, prove_key), (23, prove_refcount), (24, prove_queue), (25, prove_hit), (26, prove_window)]

@@ -73,6 +73,8 @@ class PrefixRules:
     touch: str = "spec"  # | "leaves_in_queue" (a hit on a cached-free block leaves it in the free queue)
     pool_release: str = "spec"  # | "unchecked" (free_blocks decrements each listed block, no check)
     cap: str = "spec"  # | "uncapped" (hit up to len // B blocks) | "partial" (up to ceil(len / B))
+    skip: str = "spec"  # | "late" (max(0, n - w + 2) // B blocks before the window: one token late)
+    run: str = "spec"  # | "short" (a windowed hit needs ceil((w - 1) / B) - 1 cached blocks in a row)
 
 
 PREFIX_SPEC = PrefixRules()
@@ -103,6 +105,23 @@ def max_hit_blocks(d: Domain, n: Any, bs: Any, rules: PrefixRules = PREFIX_SPEC)
     if rules.cap == "partial":
         return blocks_for(d, n, bs)
     return _once(d, "max_hit_blocks", (n, bs), lambda: d.floordiv(d.sub(n, 1, "n - 1"), bs, "(n - 1) // B"))
+
+
+def skipped_blocks(d: Domain, n: Any, w: Any, bs: Any, rules: PrefixRules = PREFIX_SPEC) -> Any:
+    """``max(0, n - w + 1) // B``: leading blocks of ``n`` tokens wholly
+    before the next token's window (control: ``n - w + 2``, a token late)."""
+    late = 2 if rules.skip == "late" else 1
+    first = d.add(d.sub(n, w, "n - w"), late, "n - w + 1")
+    return d.floordiv(z3.If(first > 0, first, 0), bs, "max(0, n - w + 1) // B")
+
+
+def hit_run(d: Domain, w: Any, bs: Any, rules: PrefixRules = PREFIX_SPEC) -> Any:
+    """``max(1, ceil((w - 1) / B))``: cached blocks in a row a windowed hit
+    needs (control: one fewer)."""
+    r = d.ceildiv(d.sub(w, 1, "w - 1"), bs)
+    if rules.run == "short":
+        r = r - 1
+    return z3.If(r > 1, r, 1)
 
 
 def blocks_for(d: Domain, n: Any, bs: Any) -> Any:

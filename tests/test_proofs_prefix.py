@@ -1,4 +1,4 @@
-"""Obligations 22 to 25 (the prefix kind, proofs/prefix.py): proved in both
+"""Obligations 22 to 26 (the prefix kind, proofs/prefix.py): proved in both
 domains, every negative control refuted where its fault shows, registered
 with ``kvspec prove``, and no part vacuous: under each part's premises the
 op is accepted in some world, and the cases the reports turn on (a hit on a
@@ -19,7 +19,8 @@ from proofs import prefix_model as pm
 from proofs.domain import INT, Domain, reset_names, solver
 
 CASES = [(22, pp.prove_key, pp.KEY_CONTROLS), (23, pp.prove_refcount, pp.REFCOUNT_CONTROLS),
-         (24, pp.prove_queue, pp.QUEUE_CONTROLS), (25, pp.prove_hit, pp.HIT_CONTROLS)]
+         (24, pp.prove_queue, pp.QUEUE_CONTROLS), (25, pp.prove_hit, pp.HIT_CONTROLS),
+         (26, pp.prove_window, pp.WINDOW_CONTROLS)]
 #: where each control must be refuted: the op that shows the fault
 REFUTED_AT = {(22, "evict_keeps_map_entry"): "preserved by admit", (22, "evict_keeps_key"): "preserved by admit",
               (22, "recycled_block_keeps_key"): "preserved by admit", (22, "partial_tail_keyed"): "preserved by admit",
@@ -27,7 +28,8 @@ REFUTED_AT = {(22, "evict_keeps_map_entry"): "preserved by admit", (22, "evict_k
               (23, "popped_block_refcount_zero"): "preserved by admit",
               (24, "touch_leaves_in_queue"): "preserved by admit",
               (24, "free_blocks_unchecked"): "preserved by free_blocks",
-              (25, "uncapped_whole_prompt_hit"): "a hit of j", (25, "partial_block_hit"): "a hit of j"}
+              (25, "uncapped_whole_prompt_hit"): "a hit of j", (25, "partial_block_hit"): "a hit of j",
+              (26, "release_one_token_late"): "a windowed hit", (26, "run_one_block_short"): "a windowed hit"}
 
 
 @pytest.mark.parametrize("number,prove,controls", CASES, ids=[str(c[0]) for c in CASES])
@@ -66,13 +68,13 @@ def test_each_confirming_scenario_keeps_every_invariant_on_the_spec(name, confir
 
 
 def test_registered_with_kvspec_prove():
-    assert {22, 23, 24, 25} <= {n for n, _ in cli.obligations()}
+    assert {22, 23, 24, 25, 26} <= {n for n, _ in cli.obligations()}
     assert cli.select(["prefix key to content", "25"], {22, 25}) == [22, 25]
     assert all(cli.TITLES[n] == pp.TITLES[n] for n in pp.TITLES)
 
 
 def test_kvspec_prove_only_runs_them(capsys):
-    assert cli.main(["--only", "22", "23", "24", "25", "--json"]) == 0
+    assert cli.main(["--only", "22", "23", "24", "25", "26", "--json"]) == 0
     assert '"ok": true' in capsys.readouterr().out
 
 
@@ -109,7 +111,8 @@ def test_no_part_is_vacuous(label):
 
 
 @pytest.mark.parametrize("number,label,build", [(number, label, build) for number, parts in (
-    (22, pp.key_parts()), (23, pp.refcount_parts()), (24, pp.queue_parts()), (25, pp.hit_parts()))
+    (22, pp.key_parts()), (23, pp.refcount_parts()), (24, pp.queue_parts()), (25, pp.hit_parts()),
+    (26, pp.window_parts()))
     for label, build in parts], ids=lambda v: str(v)[:24] if isinstance(v, (int, str)) else "")
 def test_every_part_holds_a_world_of_a_big_block_size(number, label, build):
     """A vacuity guard on the block size: every part's premises, in both
@@ -171,3 +174,16 @@ def test_the_other_ops_run_on_shared_blocks(op):
     else:
         shared = z3.And(both, hit.j >= 1, hit.h[0] == other.t[0])
     assert _sat(premises, ok, shared)
+
+
+def test_window_controls_fail_where_their_fault_shows():
+    """Obligation 26's controls, each part by part: the late release breaks
+    the attended positions and the release bound, the short run the run
+    bound only."""
+    from proofs.core import run_parts
+
+    late = {r.part.split(" (")[0][:30]: r.status
+            for r in run_parts(pp.window_parts(pm.PrefixRules(skip="late")), ("int",))}
+    assert set(late.values()) == {"refuted"}, late
+    short = [r.status for r in run_parts(pp.window_parts(pm.PrefixRules(run="short")), ("int",))]
+    assert short == ["refuted", "proved", "proved"], short
