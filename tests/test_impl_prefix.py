@@ -729,7 +729,7 @@ def _events(op: dict, result, old: spec.PrefixWorld, new: spec.PrefixWorld) -> s
     out = {op["op"]}
     if isinstance(result, dict):
         out.add("hit" if result["hit"] else "miss" if result["admitted"] else f"{op['op']} not admitted")
-        if result["admitted"] and any(old.blocks[b].refcount == 0 and old.blocks[b].key is not None
+        if result["admitted"] and any(b is not None and old.blocks[b].refcount == 0 and old.blocks[b].key is not None
                                       for b in result["table"][:result["hit"] // old.block_size]):
             out.add("cached-free hit")
     if result is False:
@@ -782,6 +782,63 @@ def test_differential_loop_against_spec(dtype):
     must = {"admit", "decode", "free", "preempt", "resume", "lookup", "reset", "hit", "cached-free hit",
             "eviction", "duplicate key", "admit not admitted", "decode False", "free_blocks refused",
             "admit refused", "decode refused", "free refused", "resume refused"}
+    assert must <= seen, must - seen
+
+
+def _words(fn):
+    try:
+        return ("ok", fn())
+    except KVCacheError as e:
+        return ("refused", type(e).__name__, str(e))
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5])
+def test_differential_loop_against_spec_under_a_sliding_window(window):
+    """The loop above under ``window = w``: the same results, refusal types
+    and words, views (tables with None entries), unchanged pools on
+    refusal, no broken invariant, and every live request fetching its rows
+    from the first position its table holds; the window's releases and
+    windowed hits are reached."""
+    seen: set = set()
+    for seed in range(20):
+        rng = random.Random(f"w{window}-{seed}")
+        bs, n_blocks = rng.randint(1, 4), rng.randint(4, 12)
+        t = Named(bs, n_blocks, dk=4, dv=4, window=window)
+        world = spec.new_world(bs, n_blocks, window)
+        for i in range(80):
+            op = _random_op(rng, spec.observe(world), n_blocks)
+            if op["op"] == "decode" and rng.random() < 0.5 and op["req"] in world.requests:
+                op["tokens"] = op["tokens"] * 2  # longer decodes: the window moves by several blocks
+            where = f"w={window} seed {seed} (block_size {bs}, n_blocks {n_blocks}) op {i} {op}"
+            before = snapshot(t.pool)
+            got = _words(lambda: _run_impl(t, op))  # noqa: B023
+            try:
+                result, new = spec.apply_op(world, op)
+                want = ("ok", result)
+            except KVCacheError as e:
+                want, new = ("refused", type(e).__name__, str(e)), world
+            assert got == want, where
+            if want[0] == "ok":
+                seen |= _events(op, want[1], world, new)
+                if op["op"] == "decode" and want[1] and any(b is None for b in new.requests[op["req"]].table) \
+                        and new.requests[op["req"]].table != world.requests[op["req"]].table[:len(
+                            new.requests[op["req"]].table)]:
+                    seen.add("window release")
+                if isinstance(want[1], dict) and want[1]["admitted"] and None in want[1]["table"]:
+                    seen.add("hit with None entries")
+            if new is world:
+                assert snapshot(t.pool) == before, where
+            world = new
+            assert t.observe() == spec.observe(world), where
+            assert t.broken_invariants() == () and spec.broken_invariants(world) == (), where
+            for req, r in world.requests.items():
+                if r.live:
+                    first = bs * sum(1 for b in r.table if b is None)
+                    assert t.pool.first_position(req) == first, where
+                    assert t.fetch_names(req) == names(r.salt, r.tokens, first, len(r.tokens)), where
+    must = {"admit", "decode", "free", "window release"}
+    if window > 1:  # under w = 1 nothing is keyed: no hit, no eviction
+        must |= {"hit", "eviction", "hit with None entries", "cached-free hit"}
     assert must <= seen, must - seen
 
 
