@@ -549,17 +549,19 @@ def _prefix_key(key: Any) -> str:
 
 def _prefix_rows(world: Any) -> list[Row]:
     """A prefix pool (``spec.prefix``): per request its block table (a
-    shared block orange, a preempted request's table empty), then every
+    shared block orange, an entry the sliding window released ``-``, a
+    preempted request's table empty), then every
     block by id (its refcount: held blue, shared orange, cached-free
     purple, free unkeyed dashed; its key in the tooltip), then the free
     queue front to back (a cached-free block purple: it can still be hit)."""
     blocks = world.blocks
     rows = []
     for name, q in world.requests.items():
-        cells = [Cell(str(b), "shared" if blocks[b].refcount > 1 else "block",
-                      tip=f"block {b}, refcount {blocks[b].refcount}"
-                          + (f", key {_prefix_key(blocks[b].key)}" if blocks[b].key is not None else ", no key"))
-                 for b in q.table if b is not None]
+        cells = [Cell("-", "dead", tip="released: wholly before the sliding window") if b is None
+                 else Cell(str(b), "shared" if blocks[b].refcount > 1 else "block",
+                           tip=f"block {b}, refcount {blocks[b].refcount}"
+                               + (f", key {_prefix_key(blocks[b].key)}" if blocks[b].key is not None else ", no key"))
+                 for b in q.table]
         salt = "" if q.salt is None else f", salt {q.salt}"
         rows.append(Row(f"table {name}", cells, "store", [],
                         f"{len(q.tokens)} tokens{salt}" + ("" if q.live else ", preempted")))
