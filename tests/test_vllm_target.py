@@ -66,7 +66,7 @@ def test_every_recorded_trace_is_listed_and_classified():
         for f in c["findings"]:
             assert f["confirmed"] and f["on_target"] == 1 and f["on_impl"] == 0 and f["on_paranoid"] == 1
             assert f["rule"] == cp.rule_of(f["what"])
-            assert f["category"] == cp.category(f["what"], bool(f["state"]))
+            assert f["category"] == cp.category(f["what"], bool(f["state"]), f["excluded"])
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
@@ -95,6 +95,9 @@ def test_the_double_free_is_a_finding_with_a_trace():
 def test_rules_and_categories():
     what = "block 3 refcount differs (rule 'refcount': spec.prefix.refcounts_match_tables: ...)"
     assert cp.rule_of(what) == "refcount" and cp.category(what) == "fault"
+    # an op the spec answers no for room, after which the engine's state differs
+    assert cp.category(what, True, "decode without room after a window release") == "refusal changes state"
+    assert cp.category(what, True, "decode evicting") == "fault"
     refusal = "refusal differs (rule 'refusal': spec.errors: ...)"
     assert cp.rule_of(refusal) == "refusal"
     assert cp.category(refusal, state_differs=False) == "contract difference"
@@ -119,6 +122,13 @@ def test_op_classes_split_where_vllm_splits():
     assert c({"op": "decode", "req": "a", "tokens": [4]}, world) == "decode filling a block"
     assert c({"op": "lookup", "tokens": [1, 2, 3]}, world) == "lookup hitting"
     assert c({"op": "reset"}, world) == "reset refused"
+    win = spec_world(_cache(block_size=1, n_blocks=7, window=2))
+    for op in ({"op": "admit", "req": "a", "tokens": [3, 3, 1, 2, 2]}, {"op": "admit", "req": "b", "tokens": [3]},
+               {"op": "admit", "req": "c", "tokens": [3, 3]}):
+        win = cp.spec_step(win, op)[1]
+    assert c({"op": "decode", "req": "c", "tokens": [0]}, win) == "decode without room after a window release"
+    # a's release (blocks 1 to 3 reach refcount 0; block 0 is c's too) makes room for its block
+    assert c({"op": "decode", "req": "a", "tokens": [0]}, win) == "decode releasing blocks before the window"
     pre = cp.spec_step(world, {"op": "preempt", "req": "a"})[1]
     assert c({"op": "free", "req": "a"}, pre) == "free of a preempted request"
     assert c({"op": "resume", "req": "a"}, pre) == "resume hitting cached-free blocks"
@@ -441,7 +451,7 @@ def test_the_harness_campaign_plugs_vllm_in():
 
 
 @needs_vllm
-@pytest.mark.parametrize("change,field", [({"window": 4}, "cache.window"), ({"n_blocks": 0}, "cache.n_blocks")])
+@pytest.mark.parametrize("change,field", [({"window": 0}, "cache.window"), ({"n_blocks": 0}, "cache.n_blocks")])
 def test_a_trace_past_the_targets_limits_is_not_applicable(change, field, tmp_path, capsys):
     doc = json.loads(REPORTS[0].read_text())
     doc["cache"].update(change)
@@ -460,3 +470,22 @@ def test_a_token_past_vllms_int32_buffer_is_no_kvtrace(tmp_path, capsys):
                                 "ops": [{"op": "admit", "req": "a", "tokens": [2**31]}]}))
     assert main(["replay", str(path), "--target", "vllm", "--json"]) == 2
     assert "2147483647" in json.loads(capsys.readouterr().out)["invalid"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("window", [1, 2, 3, 5])
+def test_a_sliding_window_group_agrees_with_the_spec(window):
+    """One SlidingWindowSpec group: releases at each decode (the null block
+    as None), the windowed hit with its None entries, the free order with
+    the leading nulls trimmed, and w = 1 keying nothing, all as the spec
+    says (block ids included)."""
+    ops = [{"op": "admit", "req": "a", "tokens": list(range(9))},
+           *[{"op": "decode", "req": "a", "tokens": [t]} for t in (20, 21, 22)],
+           {"op": "free", "req": "a"}, {"op": "lookup", "tokens": list(range(9)) + [20, 21, 5]},
+           {"op": "admit", "req": "b", "tokens": list(range(9)) + [20, 21, 5]},
+           {"op": "decode", "req": "b", "tokens": [6, 7]}, {"op": "preempt", "req": "b"},
+           {"op": "resume", "req": "b"}, {"op": "free", "req": "b"}]
+    lock = av.make_lockstep(_cache(block_size=2, n_blocks=12, window=window))
+    for i, op in enumerate(ops):
+        lock.step(i, op)
+    assert (window == 1) == (not lock.world.cached)

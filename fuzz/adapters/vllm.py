@@ -7,10 +7,13 @@ no tensor at all. :class:`VllmTarget` drives it as a
 ``fuzz.prefix``):
 
 * **Pool.** One ``FullAttentionSpec`` group of block size ``block_size``
-  (1 KV head of 8, float32: only the metadata is used), ``num_blocks =
-  n_blocks + 1``: vLLM pops block 0 as its null block at start (never
-  free, never held by a full-attention table), so vLLM's block ``b`` is the
-  spec's ``b - 1``. Prefix caching on, sha256 block hashes, watermark 0.
+  (1 KV head of 8, float32: only the metadata is used), or, with the cache
+  field ``window`` = w, one ``SlidingWindowSpec(sliding_window=w)`` group
+  (vLLM's ``SlidingWindowManager``); ``num_blocks = n_blocks + 1``: vLLM
+  pops block 0 as its null block at start (never free), so vLLM's block
+  ``b`` is the spec's ``b - 1``, and the null block in a sliding-window
+  table (a block released by the window, or a hit block before the window)
+  is the spec's None. Prefix caching on, sha256 block hashes, watermark 0.
 * **Requests.** vLLM ``Request`` objects with the block hasher
   (``get_request_block_hasher``), the trace's ``salt`` as ``cache_salt``
   (``str(salt)``). The adapter plays the scheduler's part:
@@ -148,7 +151,12 @@ def require() -> SimpleNamespace:
         from vllm.utils.hashing import sha256
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
         from vllm.v1.request import Request, RequestStatus
     except ImportError as e:
         raise NotInstalled(f"--target vllm: vLLM not installed ({e.name} missing): {INSTALL_HINT}") from None
@@ -158,6 +166,7 @@ def require() -> SimpleNamespace:
     kv_cache_utils.init_none_hash(sha256)
     _V = SimpleNamespace(vllm=vllm, SamplingParams=SamplingParams, sha256=sha256, utils=kv_cache_utils,
                          KVCacheManager=KVCacheManager, FullAttentionSpec=FullAttentionSpec,
+                         SlidingWindowSpec=SlidingWindowSpec,
                          KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec, Request=Request,
                          RequestStatus=RequestStatus, torch=torch,
                          dir=os.path.dirname(vllm.__file__) + os.sep)
@@ -192,9 +201,9 @@ def _stub(req: str) -> Any:
 
 
 class VllmTarget:
-    """vLLM's ``KVCacheManager`` (one full-attention group) as a
-    ``fuzz.prefix.PrefixTarget`` for a prefix trace's cache fields
-    (``block_size``, ``n_blocks``); the module's doc says how each op and
+    """vLLM's ``KVCacheManager`` (one full-attention or sliding-window
+    group) as a ``fuzz.prefix.PrefixTarget`` for a prefix trace's cache
+    fields (``block_size``, ``n_blocks``, ``window``); the module's doc says how each op and
     the view are made. ``paranoid``: read the view through other paths
     and check the adapter's own bookkeeping after every op."""
 
@@ -206,8 +215,15 @@ class VllmTarget:
         bs, n = cfg["block_size"], cfg["n_blocks"]
         if not (_is_int(bs) and bs >= 1 and _is_int(n) and n >= 1):
             raise InvalidArgumentError(f"vllm target: block_size {bs!r} and n_blocks {n!r} must be ints >= 1")
-        self.block_size, self.n_blocks, self.paranoid = bs, n, paranoid
-        spec = v.FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=v.torch.float32)
+        w = cfg.get("window")
+        if w is not None and not (_is_int(w) and w >= 1):
+            raise InvalidArgumentError(f"vllm target: window {w!r} must be None or an int >= 1")
+        self.block_size, self.n_blocks, self.window, self.paranoid = bs, n, w, paranoid
+        if w is None:
+            spec = v.FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=v.torch.float32)
+        else:
+            spec = v.SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=v.torch.float32,
+                                       sliding_window=w)
         group = v.KVCacheGroupSpec(layer_names=["layer0"], kv_cache_spec=spec)
         config = v.KVCacheConfig(num_blocks=n + 1, kv_cache_tensors=[], kv_cache_groups=[group])
         self.max_model_len = max(4096, (n + 2) * bs)
@@ -463,7 +479,7 @@ class VllmTarget:
         tokens = tuple(int(t) for t in r.all_token_ids)
         table = [b.block_id for b in self.group.req_to_blocks.get(req, [])]
         for p in range(lo, hi):
-            if p // bs < len(table):
+            if p // bs < len(table) and table[p // bs] != 0:  # never into the null block
                 self.rows[(table[p // bs], p % bs)] = row_name(salt, tokens, p)
 
     def _table(self, req: str) -> list[int]:
@@ -477,7 +493,7 @@ class VllmTarget:
                 [b.block_id for b in self.group.req_to_blocks.get(req, [])]
         else:
             got = [b.block_id for b in self.group.req_to_blocks.get(req, [])]
-        return [b - 1 for b in got]
+        return [None if b == 0 else b - 1 for b in got]  # the null block: released by the window
 
     # -- the view ----------------------------------------------------------------
 
@@ -533,7 +549,8 @@ class VllmTarget:
             requests[req] = {"table": self._table(req), "tokens": int(r.num_tokens), "live": r.status == running}
         for req, blocks in self.group.req_to_blocks.items():
             if req not in requests and blocks:  # the manager holds blocks for a request the scheduler let go
-                requests[req] = {"table": [b.block_id - 1 for b in blocks], "tokens": None, "live": True}
+                requests[req] = {"table": [None if b.block_id == 0 else b.block_id - 1 for b in blocks],
+                                 "tokens": None, "live": True}
         blocks = [(int(b.ref_cnt), self._key_name(b.block_hash, names)) for b in pool.blocks[1:]]
         cache = pool.cached_block_hash_to_block
         cached: dict[Any, list[int]] = {}
@@ -544,9 +561,10 @@ class VllmTarget:
         reads = {}
         for req, q in requests.items():
             if q["live"] and req in self.requests:
-                table = [b + 1 for b in q["table"]]
+                table = [0 if b is None else b + 1 for b in q["table"]]
+                first = bs * next((i for i, b in enumerate(table) if b != 0), len(table))
                 reads[req] = [self.rows.get((table[p // bs], p % bs)) if p // bs < len(table) else None
-                              for p in range(q["tokens"])]
+                              for p in range(first, q["tokens"])]
         return {"requests": requests, "blocks": blocks, "free": self._free_queue(), "cached": cached,
                 "rows": rows, "reads": reads}
 
@@ -581,7 +599,8 @@ class VllmTarget:
                                      f"that a fresh request of its {len(tokens)} tokens does not compute")
             if r.status == self.v.RequestStatus.RUNNING:
                 table = [b.block_id for b in self.group.req_to_blocks.get(req, [])]
-                for p in range(len(tokens)):
+                first = bs * next((i for i, b in enumerate(table) if b != 0), len(table))
+                for p in range(first, len(tokens)):
                     want = row_name(self.salts.get(req), tokens, p)
                     if p // bs >= len(table) or self.rows.get((table[p // bs], p % bs)) is None:
                         raise AssertionError(f"adapter self-check: request {req!r} position {p}: no row "
@@ -591,10 +610,7 @@ class VllmTarget:
 def target_factory(cache: dict[str, Any], paranoid: bool = False) -> VllmTarget:
     """A fresh vLLM manager for a prefix trace's ``cache`` fields
     (``fuzz.prefix``: ``{"target": target_factory}``). NotInstalled without
-    vLLM; InvalidArgumentError for a sliding-window ``window`` (not run)."""
-    if cache.get("window") is not None:
-        raise InvalidArgumentError(f"vllm target: cache.window {cache['window']!r}: a sliding-window group is "
-                                   "not run yet (full attention only)")
+    vLLM; a ``window`` runs one sliding-window group."""
     return VllmTarget(cache, paranoid=paranoid)
 
 
@@ -627,14 +643,14 @@ def make_lockstep(cache: dict[str, Any], paranoid: bool = False) -> VllmLockstep
 
 def trace_limits(cache: dict[str, Any], ops: list[dict[str, Any]]) -> str | None:
     """Why the target cannot run this trace at all, naming the field (None:
-    it can): a ``window`` (a sliding-window group: not run yet), ``block_size``
-    or ``n_blocks`` not an int >= 1. Checked before any op runs (``kvspec
+    it can): ``block_size`` or ``n_blocks`` not an int >= 1, a ``window``
+    not None or an int >= 1. Checked before any op runs (``kvspec
     replay`` exit 2, not applicable), never a divergence. (A token id past
     vLLM's int32 token buffer is not a valid kvtrace: the schema caps token
     ids at 2**31 - 1.)"""
-    if cache.get("window") is not None:
-        return (f"field cache.window: {cache['window']!r}: target vllm runs one full-attention group; a "
-                "sliding-window group is not run yet (docs/conformance.md 'vLLM')")
+    w = cache.get("window")
+    if w is not None and (not _is_int(w) or w < 1):
+        return f"field cache.window: {w!r}: target vllm needs null or an int >= 1"
     for name in ("block_size", "n_blocks"):
         value = cache.get(name)
         if not _is_int(value) or value < 1:
@@ -668,8 +684,8 @@ class VllmPrefixTarget(Target):
 
 
 VLLM = VllmPrefixTarget(
-    "vllm", f"vLLM {VLLM_VERSION}'s v1 KVCacheManager (one full-attention group, prefix caching on): the "
-            "prefix kind",
+    "vllm", f"vLLM {VLLM_VERSION}'s v1 KVCacheManager (one full-attention or sliding-window group, prefix "
+            "caching on): the prefix kind",
     classes=(CacheClass("KVCacheManager", "prefix", "fp16", target_factory,
                         not_compared=dict(DECLARED), note=f"vLLM {VLLM_VERSION}"),),
     spec="vllm")

@@ -88,11 +88,24 @@ def rule_of(what: str) -> str:
     return m.group(1) if m else what.split(" (")[0]
 
 
-def category(what: str, state_differs: bool = True) -> str:
-    """``"fault"`` or ``"contract difference"``: a refusal the engine does
-    not make (or makes otherwise) that leaves its state as the spec's is a
-    contract difference; every other divergence is a fault."""
-    return "contract difference" if rule_of(what) in REFUSAL_RULES and not state_differs else "fault"
+#: op classes where the spec answers no (refused for room) and changes nothing
+NEGATIVE_CLASSES = ("decode without room", "decode without room after a window release", "admit not admitted",
+                    "resume not admitted")
+
+
+def category(what: str, state_differs: bool = True, op_class: str = "") -> str:
+    """``"fault"``, ``"contract difference"`` or ``"refusal changes
+    state"``: a refusal the engine does not make (or makes otherwise) that
+    leaves its state as the spec's is a contract difference; an op the spec
+    answers no for room (``op_class`` in :data:`NEGATIVE_CLASSES`) after
+    which the engine's state differs is a refusal that changes state (vLLM:
+    a sliding window's blocks released before the room check,
+    docs/prefix.md Decision 7); every other divergence is a fault."""
+    if rule_of(what) in REFUSAL_RULES and not state_differs:
+        return "contract difference"
+    if op_class in NEGATIVE_CLASSES and rule_of(what) not in REFUSAL_RULES and rule_of(what) != "result":
+        return "refusal changes state"
+    return "fault"
 
 
 # -- the spec's side ----------------------------------------------------------
@@ -132,8 +145,10 @@ def op_class(op: dict[str, Any], world: Any) -> str:
     * ``admit`` and ``resume`` by their outcome: ``not admitted``,
       ``evicting`` (a popped block had a key), ``hitting cached-free
       blocks``, ``hitting``, ``missing``;
-    * ``decode``: ``without room``, ``evicting``, ``filling a block`` (a
-      block becomes full, so keyed), else ``decode``;
+    * ``decode``: ``without room`` (``after a window release``: a sliding
+      window would release blocks first), ``evicting``, ``releasing blocks
+      before the window``, ``filling a block`` (a block becomes full, so
+      keyed), else ``decode``;
     * ``lookup``: ``hitting`` or ``missing``; ``reset``: ``refused`` or not;
       ``free``, ``preempt`` as they are."""
     from spec import prefix as sp
@@ -165,15 +180,20 @@ def op_class(op: dict[str, Any], world: Any) -> str:
             return f"{name} evicting"
         q = after.requests[op["req"]]
         hit_blocks = _hit_blocks(world, q)
-        if any(world.blocks[b].refcount == 0 for b in q.table[:hit_blocks]):
+        if any(b is not None and world.blocks[b].refcount == 0 for b in q.table[:hit_blocks]):
             return f"{name} hitting cached-free blocks"
         return f"{name} hitting" if hit_blocks else f"{name} missing"
     if name == "decode":
+        before_q = world.requests[op["req"]]
         if after is world:
+            if world.window is not None and sp._slide(world, before_q)[1] is not world:
+                return "decode without room after a window release"
             return "decode without room"
         if _evicts(world, after):
             return "decode evicting"
-        before_q, after_q = world.requests[op["req"]], after.requests[op["req"]]
+        after_q = after.requests[op["req"]]
+        if sum(b is None for b in after_q.table) > sum(b is None for b in before_q.table):
+            return "decode releasing blocks before the window"
         bs = world.block_size
         if len(after_q.tokens) // bs > len(before_q.tokens) // bs:
             return "decode filling a block"
@@ -251,7 +271,8 @@ class Generator:
         return self.rng.choice([None, None, None, None, 0, 1])
 
     def admit_op(self, req: str, tokens: list[int], salt: Any = None) -> dict[str, Any]:
-        self.admitted.add(req)
+        # (``ops`` records the request as admitted once the sequence is allowed: a composite draw
+        # dropped for an excluded class must not leave a request the trace never admitted)
         op: dict[str, Any] = {"op": "admit", "req": req, "tokens": list(tokens)}
         if salt is not None:
             op["salt"] = salt
@@ -464,9 +485,13 @@ class Generator:
 
 
 def draw_cache(rng: random.Random) -> dict[str, Any]:
-    """An example's cache fields: block size 1 to 4, 4 to 12 blocks."""
-    return {"kind": "prefix", "mode": "fp16", "block_size": rng.randint(1, 4), "n_blocks": rng.randint(4, 12),
-            "window": None, "kv_heads": 1, "head_dim": 8, "dtype": "float16"}
+    """An example's cache fields: block size 1 to 4, 4 to 12 blocks, a
+    window (None, full attention, three times in ten; else a sliding window
+    of 1 to 5 tokens, 2 and 3 most often)."""
+    cache = {"kind": "prefix", "mode": "fp16", "block_size": rng.randint(1, 4), "n_blocks": rng.randint(4, 12),
+             "window": None, "kv_heads": 1, "head_dim": 8, "dtype": "float16"}
+    cache["window"] = rng.choice([None, None, None, 1, 2, 2, 3, 3, 4, 5])
+    return cache
 
 
 # -- replay and shrinking --------------------------------------------------------
@@ -653,7 +678,7 @@ class PrefixFinding:
 
     @property
     def category(self) -> str:
-        return category(self.what, bool(self.state))
+        return category(self.what, bool(self.state), self.excluded)
 
     @property
     def confirmed(self) -> bool:
