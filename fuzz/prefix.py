@@ -1028,7 +1028,8 @@ VOCAB = 4
 
 class PrefixMachine(KVMachine):
     """A prefix cache's life, biased to its edges: block size 1 to 4, 4 to
-    12 blocks, 2 or 3 base prompts sharing a root (one sometimes a prefix of
+    12 blocks, full attention or a sliding window of 1 to 5 tokens (small
+    ones most often), 2 or 3 base prompts sharing a root (one sometimes a prefix of
     another, lengths often whole blocks); at most 3 live requests admitting
     a base prompt, a prefix of one or one a token longer, salted sometimes;
     decodes of 1, 2, B, B + 1 or 2B + 1 tokens (often a prompt's own continuation: duplicate
