@@ -174,7 +174,7 @@ def window_hit(cached: tuple[bool, ...], run: int) -> int:
     run of cached blocks from block 0 (shorter than ``run``). ``e = 0``
     always qualifies.
 
-    pre: run >= 1 and len(cached) <= 6
+    pre: run >= 1 and len(cached) <= 4
     post: 0 <= __return__ <= len(cached)
     post: all(cached[max(0, __return__ - run):__return__])
     post: all(not all(cached[max(0, e - run):e]) for e in range(__return__ + 1, len(cached) + 1))

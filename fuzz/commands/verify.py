@@ -302,7 +302,7 @@ PROOF_SECONDS = {1: 5.0, 2: 3.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 8.0, 7: 0.5, 8: 6.5,
 #: the same for CrossHair, per spec file (one ``crosshair`` process each)
 CROSSHAIR_SECONDS = {"spec/dense.py": 10.0, "spec/layers.py": 13.0, "spec/paged.py": 3.0, "spec/rotating.py": 13.0,
                      "spec/turbo.py": 4.0, "spec/recurrent.py": 2.0, "spec/cells.py": 2.0,
-                     "spec/prefix.py": 1.0}
+                     "spec/prefix.py": 8.0}
 
 
 def _missing_solver(e: ImportError) -> str:
