@@ -1,0 +1,195 @@
+"""fuzz.workers.WarmPool: warm processes that run tasks one after another,
+heaviest first, with a wall-clock hang guard, dead workers reported and
+replaced, CPU seconds per task, and the isolation guard (a task that leaves
+a monkeypatch or an environment variable behind is caught and its worker
+replaced, so the next task never sees it)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from fuzz import workers
+from fuzz.workers import Task, WarmPool
+
+HERE = "tests.test_workers"
+#: a small preload: the tests need impl and the guard, not the whole harness
+PRELOAD = ("impl.dense",)
+
+
+# -- tasks (run in the workers) ------------------------------------------------------
+def pid() -> int:
+    return os.getpid()
+
+
+def sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def spin(seconds: float) -> int:
+    end, n = time.process_time() + seconds, 0
+    while time.process_time() < end:
+        n += 1
+    return n
+
+
+def boom() -> None:
+    raise ValueError("boom in the task")
+
+
+def die(code: int) -> None:
+    os._exit(code)
+
+
+def patch_impl() -> str:
+    """Leaks: replaces a method of an impl class and never restores it."""
+    from impl.dense import KVCache
+
+    KVCache.trim = lambda self, n: 0  # type: ignore[method-assign]
+    return "patched"
+
+
+def trim_is_original() -> bool:
+    from impl.dense import KVCache
+
+    return KVCache.trim.__qualname__ == "KVCache.trim"
+
+
+def set_env() -> None:
+    os.environ["KVSPEC_LEAKED_BY_A_TASK"] = "1"
+
+
+def env_is_clean() -> bool:
+    return "KVSPEC_LEAKED_BY_A_TASK" not in os.environ
+
+
+def patch_and_restore() -> str:
+    from impl.dense import KVCache
+
+    saved = KVCache.trim
+    KVCache.trim = lambda self, n: 0  # type: ignore[method-assign]
+    KVCache.trim = saved  # type: ignore[method-assign]
+    os.environ["KVSPEC_LEAKED_BY_A_TASK"] = "1"
+    del os.environ["KVSPEC_LEAKED_BY_A_TASK"]
+    return "restored"
+
+
+def import_new_module() -> bool:
+    import fuzz.render  # noqa: F401 - a first import is no leak
+
+    return True
+
+
+# -- the tests -----------------------------------------------------------------------
+def test_tasks_run_warm_heaviest_first_and_come_back_with_their_index():
+    tasks = [Task(f"{HERE}:pid", weight=1), Task(f"{HERE}:pid", weight=3), Task(f"{HERE}:pid", weight=2),
+             Task(f"{HERE}:sleep", (0.0,), weight=2)]
+    with WarmPool(1, preload=PRELOAD) as pool:
+        results = list(pool.run(tasks))
+        again = pool.map([Task(f"{HERE}:pid")])
+    assert [r.index for r in results] == [1, 2, 3, 0]  # weight 3, then 2 in list order, then 1
+    assert all(r.ok and r.error is None and r.leaked is None for r in results)
+    # one warm process ran all of them, and the next run too
+    assert len({r.value for r in results if r.index != 3} | {again[0].value}) == 1 and pool.started == 1
+    assert [r.index for r in workers.in_order(results, 4)] == [0, 1, 2, 3]
+
+
+def test_cpu_seconds_count_work_not_waiting():
+    with WarmPool(2, preload=PRELOAD) as pool:
+        spun, slept = pool.map([Task(f"{HERE}:spin", (0.6,)), Task(f"{HERE}:sleep", (0.6,))])
+    assert spun.ok and slept.ok
+    assert spun.cpu >= 0.5, spun
+    assert slept.cpu < 0.2 and slept.seconds >= 0.6, slept
+
+
+def test_a_task_that_raises_is_an_error_result_with_its_traceback():
+    with WarmPool(1, preload=PRELOAD) as pool:
+        bad, good = pool.map([Task(f"{HERE}:boom"), Task(f"{HERE}:pid")])
+    assert bad.status == "error" and not bad.ok and "ValueError: boom in the task" in bad.error
+    assert good.ok and pool.started == 1  # an exception does not cost the worker
+
+
+def test_a_hung_task_is_stopped_by_name_and_the_pool_goes_on():
+    tasks = [Task(f"{HERE}:sleep", (600,), limit=2.0, weight=9, name="hangs"),
+             Task(f"{HERE}:pid", weight=1), Task(f"{HERE}:pid", weight=1)]
+    start = time.perf_counter()
+    with WarmPool(1, preload=PRELOAD) as pool:
+        hung, after, later = pool.map(tasks)
+    assert time.perf_counter() - start < 60
+    assert hung.status == "stopped" and "'hangs'" in hung.error and "wall-clock limit of 2 s" in hung.error
+    assert 2.0 <= hung.seconds < 30
+    assert after.ok and later.ok and pool.started == 2 and "stopped 'hangs'" in pool.replaced[0]
+
+
+def test_limit_of_overrides_the_tasks_own_limit():
+    with WarmPool(1, preload=PRELOAD) as pool:
+        (r,) = pool.map([Task(f"{HERE}:sleep", (600,), limit=None)], limit_of=lambda t: 1.0)
+    assert r.status == "stopped"
+
+
+def test_a_worker_that_dies_is_reported_and_replaced():
+    with WarmPool(1, preload=PRELOAD) as pool:
+        died, after = pool.map([Task(f"{HERE}:die", (3,), weight=2, name="dies"), Task(f"{HERE}:pid")])
+    assert died.status == "died" and "'dies'" in died.error and "exit code 3" in died.error
+    assert after.ok and pool.started == 2
+
+
+@pytest.mark.parametrize("leak, probe, name", [
+    ("patch_impl", "trim_is_original", "impl.dense.KVCache.trim"),
+    ("set_env", "env_is_clean", "os.environ[KVSPEC_LEAKED_BY_A_TASK]"),
+])
+def test_a_leaking_task_is_caught_and_the_next_task_never_sees_the_leak(leak, probe, name):
+    tasks = [Task(f"{HERE}:{leak}", weight=2), Task(f"{HERE}:{probe}", weight=1)]
+    with WarmPool(1, preload=PRELOAD) as pool:
+        leaked, after = pool.map(tasks)
+    assert leaked.status == "leaked" and not leaked.ok and name in (leaked.leaked or "").split(", ")
+    assert after.ok and after.value is True and after.leaked is None
+    assert pool.started == 2 and name in pool.replaced[0]
+    # the control: without the guard the same worker runs the next task, and
+    # it sees the leak (what the guard is there for)
+    with WarmPool(1, preload=PRELOAD, guard=False) as pool:
+        leaked, after = pool.map(tasks)
+    assert leaked.ok and after.ok and after.value is False and pool.started == 1
+
+
+def test_what_is_restored_or_first_imported_is_no_leak():
+    with WarmPool(1, preload=PRELOAD) as pool:
+        results = pool.map([Task(f"{HERE}:patch_and_restore", weight=3), Task(f"{HERE}:import_new_module", weight=2),
+                            Task(f"{HERE}:pid")])
+    assert [r.status for r in results] == ["ok", "ok", "ok"] and pool.started == 1
+
+
+def test_the_fingerprint_sees_a_changed_class_attribute_and_a_new_module_global():
+    import impl.dense
+
+    before = workers.fingerprint(modules=["impl.dense"])
+    saved = impl.dense.KVCache.trim
+    try:
+        impl.dense.KVCache.trim = lambda self, n: 0
+        impl.dense._a_new_global = 1  # type: ignore[attr-defined]
+        got = workers.changed(before, workers.fingerprint(modules=["impl.dense"]))
+    finally:
+        impl.dense.KVCache.trim = saved
+        del impl.dense._a_new_global  # type: ignore[attr-defined]
+    assert got == ["impl.dense.KVCache.trim", "impl.dense._a_new_global"]
+    assert workers.changed(before, workers.fingerprint(modules=["impl.dense"])) == []
+
+
+def test_a_preload_that_fails_stops_the_run():
+    with pytest.raises(workers.WorkerStartError, match="no_such_module_anywhere"), \
+            WarmPool(1, preload=("no_such_module_anywhere",)) as pool:
+        pool.map([Task(f"{HERE}:pid")])
+
+
+def test_a_caller_that_stops_early_leaves_the_pool_usable():
+    with WarmPool(2, preload=PRELOAD) as pool:
+        # the first task runs 3 s: by then the second worker has started the sleeper
+        it = pool.run([Task(f"{HERE}:sleep", (3,), weight=2), Task(f"{HERE}:sleep", (600,), weight=1)])
+        first = next(it)
+        assert first.index == 0
+        it.close()  # the sleeping task is abandoned: its worker killed and replaced
+        (again,) = pool.map([Task(f"{HERE}:pid")])
+    assert first.ok and again.ok and pool.started == 3
