@@ -98,9 +98,12 @@ MAY_CHANGE: dict[str, str] = {
     "fuzz.adapters.llama_cpp._FOLDER": "llama.cpp's build folder, found on first use",
 }
 
-#: class attributes Python itself adds on first use (copyreg's slot names,
-#: cached when an instance is first copied or pickled)
+#: attributes Python itself adds on first use: copyreg's slot names on a
+#: class (cached when an instance is first copied or pickled), the
+#: warnings module's registry on a module (which warnings were shown; any
+#: change of the warning filters invalidates it)
 _LAZY_CLASS_ATTRS = frozenset({"__slotnames__"})
+_LAZY_MODULE_ATTRS = frozenset({"__warningregistry__"})
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,8 @@ def _module_state(name: str, mod: ModuleType) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for attr, value in list(vars(mod).items()):
         key = f"{name}.{attr}"
+        if attr in _LAZY_MODULE_ATTRS:
+            continue
         if isinstance(value, ModuleType):
             out[key] = None
             continue

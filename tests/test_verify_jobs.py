@@ -13,15 +13,17 @@ def test_pool_and_inline_agree():
     jobs = [verify.Job("equivalents", "check_equivalents", (), 1.0),
             verify.Job("traces", "check_traces", (), 5.0),
             verify.Job("broken", "no_such_check", (), 9.0)]
+    verify.run_jobs(jobs, 1, verify.Progress(len(jobs), quiet=True))  # imports done, as in a warm worker
     quiet = verify.Progress(len(jobs), quiet=True)
     inline = verify.run_jobs(jobs, 1, quiet)
     pool_progress = verify.Progress(len(jobs), quiet=True)
     pooled = verify.run_jobs(jobs, 2, pool_progress)
     assert names_and_verdicts(inline, 3) == names_and_verdicts(pooled, 3)
     # each job's CPU seconds come back with its checks, inline and from the
-    # pool's processes (where the parent itself only waits): the same work,
-    # so the pool's count is not far below the inline one. Not an absolute
-    # figure: the traces replay in 0.6 s of CPU on one machine, 2 s on another
+    # pool's warm processes (where the parent itself only waits): the same
+    # work, so the pool's count is not far below the inline one. Not an
+    # absolute figure: the traces replay in 0.6 s of CPU on one machine, 2 s
+    # on another
     assert quiet.cpu > 0.1
     assert pool_progress.cpu > 0.5 * quiet.cpu
     got = names_and_verdicts(pooled, 3)

@@ -556,10 +556,6 @@ class Progress:
             self.bar.stop()
 
 
-class StopFirst(Exception):
-    """``verify -x``: a check failed; the pool stops."""
-
-
 def job_limit(job: Job) -> float:
     """Wall-clock seconds ``job`` may run in a pool worker before it is
     stopped and failed with a message naming it (a hung MLX evaluation or a
@@ -575,14 +571,6 @@ def job_limit(job: Job) -> float:
     return max(120.0, 4.0 * job.weight)
 
 
-#: imported once by the forkserver before it forks each job's process:
-#: every job imports them (Hypothesis alone is about 1 s of CPU), and none
-#: of them touches MLX (a forked child hangs once its parent has evaluated
-#: an MLX array, so MLX and impl/ are imported in each job, after the fork)
-FORKSERVER_PRELOAD = ("numpy", "hypothesis", "hypothesis.stateful", "hypothesis.strategies", "z3", "rich.console",
-                      "rich.table")
-
-
 def _cpu_seconds() -> float:
     """User and system CPU seconds of this process and of the processes it
     has waited for (a job's ``crosshair`` or e2e subprocesses)."""
@@ -592,26 +580,40 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _job_worker(job: Job, conn: Any) -> None:
-    """A pool worker's body: run ``job`` and send its checks back, with the
-    CPU seconds it took (the process is the job's alone: a forked child's
-    counters start at zero)."""
-    try:
-        checks = run_job(job)
-        conn.send((checks, _cpu_seconds()))
-    finally:
-        conn.close()
+def _pool_checks(job: Job, r: Any) -> list[Check]:
+    """A pool result (:class:`fuzz.workers.TaskResult`) as ``job``'s checks:
+    its own, or one failed check naming the job (stopped past its limit,
+    its worker died, it raised outside :func:`run_job`); a job that left
+    its worker changed keeps its checks and adds a tool failure naming
+    what it changed (its verdict, and the next job's, cannot be trusted)."""
+    if r.status in ("ok", "leaked"):
+        checks = list(r.value)
+        if r.status == "leaked":
+            checks.append(Check(f"{job.label} [isolation]", False,
+                                f"job {job.label!r} left its worker changed ({r.leaked}); the worker was replaced "
+                                "(fuzz.workers: a job must restore what it patches)", r.seconds, tool_failure=True))
+        return checks
+    if r.status == "stopped":
+        return [Check(job.label, False, f"job {job.label!r} ran past its wall-clock limit of {job_limit(job):.0f} s "
+                      f"and was stopped (a hang or a runaway search; rerun it alone: kvspec verify -k {job.label!r} "
+                      "-j 1)", r.seconds)]
+    if r.status == "died":
+        return [Check(job.label, False, r.error.replace(f"task {job.label!r}", f"job {job.label!r}"), r.seconds)]
+    last = (r.error or "").strip().splitlines()[-1:] or ["?"]
+    return [Check(job.label, False, f"crashed: {last[0]}", r.seconds)]
 
 
 def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool = False) -> dict[int, list[Check]]:
-    """Run ``jobs`` on ``workers`` processes (one forkserver process per job:
-    MLX hangs in a plain forked child; 1 runs them inline). A job that runs
-    past :func:`job_limit` is killed and reported as a failed check naming
-    it (as is a worker that dies). Returns index -> checks for every job
-    that finished; with ``exitfirst`` it returns after the first job with a
-    failed check (the others do not run, or are stopped).
-    KeyboardInterrupt propagates with the partial results attached as
-    ``exc.partial``."""
+    """Run ``jobs`` on ``workers`` warm processes (:class:`fuzz.workers.WarmPool`:
+    each imports MLX, the implementation, the spec and the harness once and
+    runs job after job, the longest first; 1 runs them inline). A job that
+    runs past :func:`job_limit` is stopped (its worker killed and replaced)
+    and reported as a failed check naming it, as is a worker that dies; a
+    job that leaves its worker changed is a tool failure. Returns index ->
+    checks for every job that finished; with ``exitfirst`` it returns after
+    the first job with a failed check (the others do not run, or are
+    stopped). KeyboardInterrupt propagates with the partial results
+    attached as ``exc.partial``."""
     results: dict[int, list[Check]] = {}
     try:
         start = time.perf_counter()
@@ -623,55 +625,17 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
                 if exitfirst and not all(c.ok for c in results[i]):
                     break
             return results
-        import multiprocessing
-        from multiprocessing.connection import wait
+        from fuzz.workers import Task, WarmPool
 
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        queue = sorted(range(len(jobs)), key=lambda i: -jobs[i].weight)
-        running: dict[int, tuple[Any, Any, float]] = {}  # index -> (process, reader, started)
-        try:
-            while queue or running:
-                while queue and len(running) < workers:
-                    i = queue.pop(0)
-                    reader, writer = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_job_worker, args=(jobs[i], writer), daemon=True)
-                    proc.start()
-                    writer.close()
-                    running[i] = (proc, reader, time.perf_counter())
-                ready = wait([r for _, r, _ in running.values()], timeout=1.0)
-                interrupt.check()
-                now = time.perf_counter()
-                for i, (proc, reader, began) in list(running.items()):
-                    job, checks, cpu = jobs[i], None, None
-                    if reader in ready:
-                        try:
-                            checks, cpu = reader.recv()
-                        except EOFError:  # the worker died without an answer
-                            proc.join(5)
-                            checks = [Check(job.label, False, f"the worker running job {job.label!r} died "
-                                            f"(exit code {proc.exitcode}) without a result", now - began)]
-                    elif now - began > job_limit(job):
-                        proc.kill()
-                        checks = [Check(job.label, False, f"job {job.label!r} ran past its wall-clock limit of "
-                                        f"{job_limit(job):.0f} s and was stopped (a hang or a runaway search; "
-                                        f"rerun it alone: kvspec verify -k {job.label!r} -j 1)", now - began)]
-                    if checks is None:
-                        continue
-                    proc.join(5)
-                    reader.close()
-                    del running[i]
-                    results[i] = checks
-                    progress.finished(job, checks, now - start, cpu)
-                    if exitfirst and not all(c.ok for c in checks):
-                        raise StopFirst
-        except StopFirst:
-            pass
-        finally:
-            for proc, reader, _ in running.values():
-                proc.kill()
-                proc.join(5)
-                reader.close()
+        tasks = [Task("fuzz.commands.verify:run_job", (job,), job_limit(job), job.weight, job.label) for job in jobs]
+        with WarmPool(workers) as pool:
+            for r in pool.run(tasks, on_poll=interrupt.check):
+                job = jobs[r.index]
+                results[r.index] = checks = _pool_checks(job, r)
+                measured = r.status in ("ok", "leaked", "error")
+                progress.finished(job, checks, time.perf_counter() - start, r.cpu if measured else None)
+                if exitfirst and not all(c.ok for c in checks):
+                    break
         return results
     except KeyboardInterrupt as exc:
         exc.partial = results  # type: ignore[attr-defined]
