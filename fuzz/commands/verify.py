@@ -16,7 +16,14 @@
 4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``), except
    with ``--quick`` (``make test`` runs their short form);
 5. the proofs and the CrossHair contracts (``kvspec prove --crosshair``),
-   unless skipped.
+   unless skipped; ``--quick`` runs every Z3 obligation and leaves
+   CrossHair out.
+
+``--quick`` gives every kind, every injected bug and every obligation a
+first verdict: each campaign runs :data:`QUICK_EXAMPLES` examples (a bound
+in examples, not seconds, so the verdict does not depend on the clock), each
+bug one seed. The jobs run on warm worker processes
+(:class:`fuzz.workers.WarmPool`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ BUG_SEED = 1
 #: the CPU (docs/fuzzing.md), so a device ten times slower still catches it
 #: and a miss ends as "missed after N examples", not as a killed job
 BUG_EXAMPLES = 400
+#: examples of each fixed-seed campaign in ``--quick`` (one batch): a
+#: bound in examples, so quick's verdict does not depend on the clock
+QUICK_EXAMPLES = 25
+#: a quick campaign's expected seconds per kind (the queue's order)
+QUICK_CAMPAIGN_SECONDS = {"prefix": 8.0, "cells": 5.0, "layers": 4.0, "models": 4.0, "dense": 2.5}
 #: wall-clock seconds per seed and variant of a bug job (its limit is this
 #: times seeds times variants: it follows the job's own size, not a floor)
 BUG_SEED_SECONDS = 60.0
@@ -127,11 +139,28 @@ def check_harness_mutants() -> list[Check]:
     return out
 
 
-def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, require_reach: bool = True) -> list[Check]:
+def _examples_campaign(kind: str, mode: str, inplace: bool, examples: int) -> Any:
+    """A fixed-seed campaign bounded by examples, not seconds: seeded
+    batches until ``examples`` have run or one fails (at least one batch;
+    at most ``examples`` batches, so a batch that runs none cannot loop).
+    Its verdict does not depend on the clock or the load."""
+    from fuzz.campaign import Campaign
+
+    run = Campaign(kind, mode, inplace, CAMPAIGN_SEED)
+    while run.report.batches == 0 or (not run.failed and run.report.examples < examples
+                                      and run.report.batches < examples):
+        run.batch()
+    return run.report
+
+
+def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, require_reach: bool = True,
+                    examples: int | None = None) -> list[Check]:
     """One fixed-seed campaign per registry campaign (``only``: just that
     ``(kind, mode, inplace)``): no divergence, and (``require_reach``; off
-    for ``--quick``, whose budget is too short to promise it) every event of
-    the kind's ``must_reach`` reached."""
+    for ``--quick``, whose campaigns are too short to promise it) every
+    event of the kind's ``must_reach`` reached. ``examples``: each campaign
+    runs that many examples instead of ``budget`` seconds (``--quick``: a
+    verdict that does not depend on the clock)."""
     from fuzz.campaign import campaign, save_failure
 
     out = []
@@ -139,10 +168,13 @@ def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, re
         for mode, inplace in kind.campaigns:
             if only is not None and only != (kind.kind, mode, inplace):
                 continue
-            # a campaign that has not reached its edges within ``budget``
-            # goes on up to REACH_FACTOR times it (a slower device)
-            rep = campaign(kind.kind, mode, inplace, budget, CAMPAIGN_SEED,
-                           reach=kind.must_reach if require_reach else (), reach_budget=budget * REACH_FACTOR)
+            if examples is not None:
+                rep = _examples_campaign(kind.kind, mode, inplace, examples)
+            else:
+                # a campaign that has not reached its edges within ``budget``
+                # goes on up to REACH_FACTOR times it (a slower device)
+                rep = campaign(kind.kind, mode, inplace, budget, CAMPAIGN_SEED,
+                               reach=kind.must_reach if require_reach else (), reach_budget=budget * REACH_FACTOR)
             ops = rep.stats.get("ops", 0)
             missed = [label for label in kind.must_reach if not rep.stats.get(label)]
             if rep.failure is None:
@@ -344,11 +376,11 @@ def check_obligation(number: int) -> list[Check]:
     return checks
 
 
-def proof_jobs() -> list[Job]:
+def proof_jobs(crosshair: bool = True) -> list[Job]:
     """One job per Z3 obligation, per CrossHair contract file and for the
-    diffbehavior check: independent, so the pool balances them over the
-    cores with everything else (a single proofs job was the run's
-    critical path)."""
+    diffbehavior check (``crosshair=False``: the obligations only):
+    independent, so the pool balances them over the cores with everything
+    else (a single proofs job was the run's critical path)."""
     try:
         from proofs import crosshair_run
         from proofs.cli import TITLES, obligations
@@ -363,6 +395,8 @@ def proof_jobs() -> list[Job]:
     jobs = [Job(f"proof {TITLES.get(n, n)}", "check_obligation", (n,), PROOF_SECONDS.get(n, 5.0),
                 max(300.0, 8 * PROOF_SECONDS.get(n, 5.0)))
             for n in sorted({n for n, _ in obligations()})]
+    if not crosshair:
+        return jobs
     for path in crosshair_run.contract_files():
         rel = str(path.relative_to(crosshair_run.ROOT))
         jobs.append(Job(f"crosshair {rel}", "check_crosshair_file", (rel,), CROSSHAIR_SECONDS.get(rel, 10.0)))
@@ -448,12 +482,16 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     from fuzz.bugs import catalog, runnable
     from impl.write import backend
 
-    budget, seeds = (4.0, 1) if quick else (CAMPAIGN_BUDGET, 5)
+    budget, seeds = (0.0, 1) if quick else (CAMPAIGN_BUDGET, 5)
     jobs = [Job("traces", "check_traces", (), 20.0), Job("harness mutants", "check_harness_mutants", (), 5.0)]
     for kind in kinds.KINDS.values():
         for mode, inplace in kind.campaigns:
             label = f"fuzz {kind.kind}/{mode}/{'inplace' if inplace else 'copy'}"
-            jobs.append(Job(label, "check_campaigns", (budget, (kind.kind, mode, inplace), not quick), budget + 3))
+            if quick:
+                jobs.append(Job(label, "check_campaigns", (0.0, (kind.kind, mode, inplace), False, QUICK_EXAMPLES),
+                                QUICK_CAMPAIGN_SECONDS.get(kind.kind, 2.0)))
+            else:
+                jobs.append(Job(label, "check_campaigns", (budget, (kind.kind, mode, inplace), True), budget + 3))
     if backend() == "cuda":
         for kind in kinds.KINDS.values():
             for mode, inplace in kind.campaigns:
@@ -465,7 +503,9 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     jobs += [Job(f"batch lockstep/{name}", "check_batch", (ring, examples), examples / 20)
              for name, ring in (("dense", False), ("rotating", True))]
     jobs.append(Job("batch lockstep/recurrent", "check_batch_recurrent", (examples,), examples / 40))
-    jobs.append(Job("batch bugs", "check_batch_bugs", (examples,), 6.0))
+    # every batch bug is caught within 200 programs (80 at most), not all
+    # within 40: quick gives them the full verify's examples (about 3 s)
+    jobs.append(Job("batch bugs", "check_batch_bugs", (200,), 6.0))
     for bug in catalog():
         if not runnable(bug):
             continue
@@ -481,7 +521,7 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
         skip = {name for name, _ in gpu_skipped()}
         jobs += [Job(f"e2e {s.name}", "check_e2e", ([s.name],), 15.0) for s in SCENARIOS if s.name not in skip]
     if not skip_proofs:
-        jobs += proof_jobs()
+        jobs += proof_jobs(crosshair=not quick)
         jobs.append(Job("equivalent mutants", "check_equivalents", (), 1.0))
     return jobs
 
