@@ -398,14 +398,17 @@ class WarmPool:
         self.workers.append(w)
         return w
 
-    def _replace(self, w: _Worker, why: str) -> None:
+    def _replace(self, w: _Worker, why: str, restart: bool = True) -> None:
+        """Stop ``w``; start another now (``restart``) or at the next
+        :meth:`run`."""
         if w.proc.is_alive():
             w.proc.kill()
         w.proc.join(5)
         w.conn.close()
         self.workers.remove(w)
         self.replaced.append(why)
-        self._start()
+        if restart:
+            self._start()
 
     # -- running tasks
     def run(self, tasks: list[Task], limit_of: Callable[[Task], float | None] | None = None,
@@ -421,8 +424,7 @@ class WarmPool:
         limit_of = limit_of or (lambda t: t.limit)
         queue = sorted(range(len(tasks)), key=lambda i: (-tasks[i].weight, i))
         pending = len(tasks)
-        if not self.workers:
-            self.__enter__()
+        self.__enter__()  # as many workers as asked for (a run stopped early left fewer)
         try:
             while pending:
                 for w in self.workers:
@@ -457,7 +459,7 @@ class WarmPool:
         finally:
             for w in list(self.workers):
                 if w.task is not None:
-                    self._replace(w, f"abandoned with task {tasks[w.task].label!r} running")
+                    self._replace(w, f"abandoned with task {tasks[w.task].label!r} running", restart=False)
 
     def _receive(self, w: _Worker, tasks: list[Task], now: float) -> TaskResult | None:
         try:
