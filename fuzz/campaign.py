@@ -4,6 +4,7 @@ what was reached, and turn a failure into a minimal kvtrace file."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import time
@@ -22,10 +23,10 @@ from fuzz import interrupt, kinds
 from fuzz.failures import HarnessFailure
 from fuzz.lockstep import Divergence
 from fuzz.machine import EDGE_RULES, KVMachine
-from fuzz.program import get_program_test
+from fuzz.program import get_program_test, simplest_config
 from fuzz.replay import make_lockstep, replay
 from fuzz.targets import BUILTIN, resolve
-from fuzz.trace import Trace, cache_defaults, write
+from fuzz.trace import Trace, TraceFormatError, cache_defaults, parse, write
 from spec.errors import KVCacheError
 
 #: how a batch runs a machine's rules: Hypothesis's stateful engine (a
@@ -227,19 +228,23 @@ def shrink_limit(seconds: float | None) -> Iterator[ShrinkLimit]:
 
 def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, steps: int = 40,
                 shrink: bool = True, database: Any = None, shrink_seconds: float | None = None,
-                engine: str | None = None) -> RunResult:
+                engine: str | None = None, ops_shrink: bool = False) -> RunResult:
     """Run one seeded batch of ``max_examples`` examples (shrinking on
     failure unless ``shrink=False``, for at most ``shrink_seconds`` when
     given: :func:`shrink_limit`; not given: Hypothesis's own limit, or
     :data:`PROGRAM_SHRINK_SECONDS` under the program engine; then
     :func:`reduce_run`; ``database``: see :func:`fuzz_settings`) on
-    ``engine`` (:data:`ENGINES`; None: :func:`default_engine`)."""
+    ``engine`` (:data:`ENGINES`; None: :func:`default_engine`).
+    ``ops_shrink=True``: Hypothesis keeps the first failing example as
+    found and the op-level :func:`shrink_run` alone shrinks it (bounded by
+    replays, not seconds: the trace does not depend on the machine's
+    load; ``shrink_seconds``, when given, caps it)."""
     machine.runs, machine.stats, machine.last_run, machine.first_failure = 0, {}, None, None
     machine.first_error, machine.first_failure_run = None, None
-    run_settings = fuzz_settings(max_examples, steps, shrink=shrink, database=database)
+    run_settings = fuzz_settings(max_examples, steps, shrink=shrink and not ops_shrink, database=database)
     engine = check_engine(engine or default_engine())
     own_limit = shrink_seconds is None
-    if engine == "program" and own_limit:
+    if engine == "program" and own_limit and not ops_shrink:
         # Hypothesis shrinks a program's bytes slowly (its passes minimise
         # one byte at a time; a catalog entry took 5-20 s, and up to its
         # five-minute limit in a loaded test worker), while reduce_run
@@ -298,7 +303,7 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
         if not own_limit and shrink_seconds is not None:
             found = machine.first_failure[1] if machine.first_failure else start
             left = max(shrink_seconds - (time.perf_counter() - found), 0.0)
-        error = reduce_run(machine, error, left)
+        error = shrink_run(machine, error, left) if ops_shrink else reduce_run(machine, error, left)
     seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
     # a trace only of a divergence: a target that cannot run an op, or the
     # harness's own crash, is no verdict (exit 2), and its run is no
@@ -323,14 +328,87 @@ def _signature(d: Divergence) -> tuple[str, str]:
     return d.op.get("op", ""), re.sub(r"-?\d+", "#", d.what)
 
 
+class _Replays:
+    """Replays of candidate runs of a machine's failure on the same
+    implementation (its ``factories``, ``check_inplace`` and target), each
+    asking whether the run still diverges with the failure's
+    :func:`_signature`; a candidate seen before is answered from memory.
+    ``count`` is the replays run (what bounds a shrink, not seconds)."""
+
+    def __init__(self, machine: type[KVMachine], error: Divergence) -> None:
+        self.machine, self.want = machine, _signature(error)
+        self.kind, self.mode = machine.kind, machine.mode
+        self.seen: dict[str, Divergence | None] = {}
+        self.count = 0
+
+    def cache(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        entry = kinds.get(cfg.get("kind", self.kind), cfg.get("mode", self.mode))
+        return {**cache_defaults(entry.kind, cfg.get("mode")), **cfg}
+
+    def diverges(self, cfg: dict[str, Any], candidate: list[dict[str, Any]], valid: bool = False) -> Divergence | None:
+        """The candidate's divergence if it fails the same way, else None.
+        ``valid=True``: a candidate that is no valid kvtrace (fuzz.trace's
+        schema and rules: a batch of 0, an append of no rows) is refused
+        without a replay."""
+        key = json.dumps([cfg, candidate], sort_keys=True, default=repr)
+        if key in self.seen:
+            return self.seen[key]
+        found: Divergence | None = None
+        if valid:
+            try:
+                parse({"kvtrace": 1, "cache": cfg, "ops": candidate})
+            except TraceFormatError:
+                self.seen[key] = None
+                return None
+        self.count += 1
+        machine = self.machine
+        try:
+            lock = make_lockstep(self.cache(cfg), machine.factories, machine.check_inplace,
+                                 machine.target if machine.target is not None else "impl")
+            for i, op in enumerate(candidate):
+                lock.step(i, op)
+        except Divergence as d:
+            found = d if _signature(d) == self.want else None
+        except Exception:  # noqa: BLE001 - a candidate the harness cannot run is not the same failure
+            found = None
+        self.seen[key] = found
+        return found
+
+
+def _delete_ops(replays: _Replays, cfg: dict[str, Any], ops: list[dict[str, Any]], best: Divergence,
+                deadline: float) -> tuple[list[dict[str, Any]], Divergence]:
+    """Delete chunks of ``ops`` (half the run down to single ops, from the
+    end, never the diverging op itself) while the run still fails the same
+    way; then single ops again until no one of them can go (the result is
+    one-minimal: deleting any one op loses the failure), unless the
+    deadline stops it."""
+    size = max(len(ops) // 2, 1)
+    while time.perf_counter() < deadline:
+        deleted = False
+        at = len(ops) - 1 - size
+        while at >= 0 and time.perf_counter() < deadline:
+            candidate = ops[:at] + ops[at + size:]
+            found = replays.diverges(cfg, candidate)
+            if found is not None:
+                ops, best, deleted = candidate[: found.index + 1], found, True
+                at = min(at, len(ops) - 1) - size
+            else:
+                at -= size
+        if size > 1:
+            size //= 2
+        elif not deleted:
+            break
+    return ops, best
+
+
 def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float | None) -> Divergence:
     """Delete ops from the machine's failing run (``last_run``, cut at the
     diverging op) while a replay on the same implementation (its
     ``factories``, ``check_inplace`` and target) still diverges with the
     same :func:`_signature`: chunks of half the run down to single ops,
-    from the end, for at most ``seconds`` (None: to the end; at most
-    about n log2 n replays of the n ops, the same result on an idle or a
-    loaded machine). The engines shrink the
+    from the end, then single ops again until none can go, for at most
+    ``seconds`` (None: to the end; bounded by the run's length, the same
+    result on an idle or a loaded machine). The engines shrink the
     *choices* that make a run (Hypothesis's rule steps, or fuzz.program's
     bytes), where a composite rule step is several ops it cannot split;
     this pass shrinks the ops themselves. ``last_run`` becomes the reduced
@@ -338,36 +416,128 @@ def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float | Non
     deleted)."""
     cfg, ops = machine.last_run  # type: ignore[misc]
     ops = [dict(op) for op in ops[: error.index + 1]]
-    want = _signature(error)
-    entry = kinds.get(cfg.get("kind", machine.kind), cfg.get("mode", machine.mode))
-    cache = {**cache_defaults(entry.kind, cfg.get("mode")), **cfg}
     deadline = float("inf") if seconds is None else time.perf_counter() + seconds
+    kept, best = _delete_ops(_Replays(machine, error), cfg, ops, error, deadline)
+    if best is not error:
+        machine.last_run = (cfg, kept)
+    return best
 
-    def diverges(candidate: list[dict[str, Any]]) -> Divergence | None:
-        try:
-            lock = make_lockstep(cache, machine.factories, machine.check_inplace,
-                                 machine.target if machine.target is not None else "impl")
-            for i, op in enumerate(candidate):
-                lock.step(i, op)
-        except Divergence as d:
-            return d if _signature(d) == want else None
-        except Exception:  # noqa: BLE001 - a candidate the harness cannot run is not the same failure
-            return None
+
+#: cache fields the op-level shrink never changes: what the configuration
+#: under test is (a machine's ``fixed`` fields are kept too)
+_CONFIG_KEPT = frozenset({"kind", "mode", "inplace"})
+#: op fields it never changes: names (a snapshot's, a handle's) tie ops together
+_OP_KEPT = frozenset({"op", "name"})
+#: replays one :func:`shrink_run` may spend at most (a bound on a
+#: pathological run; a catalog entry's takes tens to a few hundred)
+SHRINK_REPLAYS = 5000
+
+
+def _simpler(value: Any) -> list[Any]:
+    """Values simpler than ``value``, simplest first: an integer nearer 0
+    (0, 1, half, one less, in magnitude), False for True, a list with one
+    element fewer, a dict with one of its values simpler; none for the rest
+    (strings are names and spellings: kept)."""
+    if isinstance(value, bool):
+        return [False] if value else []
+    if isinstance(value, int):
+        if value == 0:
+            return []
+        size = abs(value)
+        sign = 1 if value > 0 else -1
+        return [sign * v for v in sorted({0, 1, size // 2, size - 1}) if v < size]
+    if isinstance(value, list):
+        return [value[:i] + value[i + 1:] for i in range(len(value))]
+    if isinstance(value, dict):
+        return [{**value, key: simpler} for key, v in value.items() if key not in _OP_KEPT
+                for simpler in _simpler(v)]
+    return []
+
+
+def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Two ops as one, when they are the same op with one integer field
+    that is added up (two appends of 1 and 2 rows: one of 3) and every
+    other field equal; else None."""
+    if a.get("op") != b.get("op") or a.keys() != b.keys():
         return None
+    counts = [k for k, v in a.items() if isinstance(v, int) and not isinstance(v, bool)]
+    if len(counts) != 1 or any(a[k] != b[k] for k in a if k != counts[0]):
+        return None
+    return {**a, counts[0]: a[counts[0]] + b[counts[0]]}
 
+
+def shrink_run(machine: type[KVMachine], error: Divergence, seconds: float | None = None) -> Divergence:
+    """The op-level shrink of a failing run, which needs no help from the
+    engine's own shrinker: :func:`reduce_run`'s deletions, then, while any
+    of them keeps the same failure (:func:`_signature`), two adjacent ops
+    merged into one (:func:`_merged`), an op's field made simpler
+    (:func:`_simpler`) and a cache field set to its value in the machine's
+    simplest configuration (``fuzz.program.simplest_config``: every draw
+    at its simplest; an integer may stop between the two; a field that has
+    none there left out; never ``kind``,
+    ``mode``, ``inplace`` or the machine's ``fixed`` fields), each followed
+    by the deletions again, until none applies; a candidate that is no
+    valid kvtrace is refused unrun.
+    Every accepted change makes the run smaller (fewer ops, or the same ops
+    with smaller values), so it ends; it is bounded by replays
+    (:data:`SHRINK_REPLAYS`), not seconds, unless ``seconds`` is given.
+    The result is one-minimal under each of these changes: no op can be
+    deleted, no two merged, no value made simpler. ``last_run`` becomes the
+    shrunk run; returns its divergence."""
+    cfg, ops = machine.last_run  # type: ignore[misc]
+    cfg, ops = dict(cfg), [dict(op) for op in ops[: error.index + 1]]
+    deadline = float("inf") if seconds is None else time.perf_counter() + seconds
+    replays = _Replays(machine, error)
+    simplest = simplest_config(machine)
+    kept = _CONFIG_KEPT | set(machine.fixed)
     best = error
-    size = max(len(ops) // 2, 1)
-    while size >= 1 and time.perf_counter() < deadline:
-        at = len(ops) - 1 - size  # never the diverging op itself
-        while at >= 0 and time.perf_counter() < deadline:
-            candidate = ops[:at] + ops[at + size:]
-            found = diverges(candidate)
+
+    def live() -> bool:
+        return time.perf_counter() < deadline and replays.count < SHRINK_REPLAYS
+
+    def config_candidates(cfg: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for key, value in cfg.items():
+            if key in kept:
+                continue
+            if key not in simplest:
+                yield {k: v for k, v in cfg.items() if k != key}
+            elif simplest[key] != value:
+                yield {**cfg, key: simplest[key]}
+                low = simplest[key]
+                if isinstance(value, int) and isinstance(low, int) and not isinstance(value, bool) and low < value:
+                    # between the simplest value and this one (a block of 3
+                    # rows where 1 hides the failure may still fail at 2)
+                    yield from ({**cfg, key: v} for v in sorted({(low + value) // 2, value - 1} - {low}))
+
+    def op_candidates(ops: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+        for i in range(len(ops) - 1, 0, -1):
+            merged = _merged(ops[i - 1], ops[i])
+            if merged is not None:
+                yield ops[: i - 1] + [merged] + ops[i + 1:]
+        for i in range(len(ops) - 1, -1, -1):
+            for simpler in _simpler(ops[i]):
+                yield ops[:i] + [simpler] + ops[i + 1:]
+
+    changed = True
+    while changed and live():
+        ops, best = _delete_ops(replays, cfg, ops, best, deadline)
+        changed = False
+        for candidate in op_candidates(ops):
+            if not live():
+                break
+            found = replays.diverges(cfg, candidate, valid=True)
             if found is not None:
-                ops, best = candidate[: found.index + 1], found
-                at = min(at, len(ops) - 1) - size
-            else:
-                at -= size
-        size //= 2
+                ops, best, changed = candidate[: found.index + 1], found, True
+                break
+        if changed:
+            continue
+        for new_cfg in config_candidates(cfg):
+            if not live():
+                break
+            found = replays.diverges(new_cfg, ops, valid=True)
+            if found is not None:
+                cfg, ops, best, changed = new_cfg, ops[: found.index + 1], found, True
+                break
     if best is not error:
         machine.last_run = (cfg, ops)
     return best
@@ -621,7 +791,7 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     first failing run up to the failing op; either way it is replayed on
     the real implementation, where it must pass."""
     machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
-    result = run_machine(machine, seed, max_examples=max_examples, shrink=shrink)
+    result = run_machine(machine, seed, max_examples=max_examples, shrink=shrink, ops_shrink=True)
     if not result.failed:
         return Catch(False, result.seconds, result.examples, None, None)
     if result.examples_to_catch is None and result.error is not None:

@@ -305,6 +305,22 @@ def run_program(machine_cls: type[RuleBasedStateMachine], program: bytes, steps:
     return run
 
 
+def simplest_config(machine_cls: type[RuleBasedStateMachine]) -> dict[str, Any]:
+    """The cache fields of the all-zero program: the machine's initialize
+    rules with every draw at its simplest value (what Hypothesis's
+    shrinking tends to), as the machine records them
+    (``recorded_cfg()``). Runs them on a throwaway subclass, so the
+    machine's own counters and records are untouched; no op runs."""
+    scratch = type(machine_cls.__name__, (machine_cls,), {"stats": {}, "covered": {}, "runs": 0,
+                                                          "last_run": None})
+    _, inits, _ = _rules(scratch)
+    machine = scratch()
+    reader = Reader(bytes(INIT), 0, INIT)
+    for rule in inits:
+        rule.function(machine, **{k: _argument(machine, reader, s) for k, s in rule.arguments_strategies.items()})
+    return machine.recorded_cfg()  # type: ignore[attr-defined]
+
+
 def _quiet(text: str) -> None:
     """The stateful engine's step printer, silenced (the trace is the record)."""
 
@@ -334,4 +350,4 @@ def get_program_test(machine_cls: type[RuleBasedStateMachine], settings: Any, st
 
 
 __all__ = ["CHUNK", "HEADER", "ProgramData", "ProgramExhausted", "Reader", "get_program_test", "program_size",
-           "run_program"]
+           "run_program", "simplest_config"]
