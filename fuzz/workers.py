@@ -356,6 +356,9 @@ class WarmPool:
         self.workers: list[_Worker] = []
         #: workers started in all (the first ones and every replacement)
         self.started = 0
+        #: CPU seconds the workers took to start and import their preload,
+        #: summed (what each task no longer pays)
+        self.start_cpu = 0.0
         #: why each replaced worker was replaced, in order
         self.replaced: list[str] = []
 
@@ -480,6 +483,7 @@ class WarmPool:
             return result
         if msg[0] == "ready":
             w.ready, w.cpu_then = True, msg[1]
+            self.start_cpu += msg[1]
             return None
         if msg[0] == "failed":
             self.close()

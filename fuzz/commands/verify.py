@@ -64,6 +64,10 @@ BUG_EXAMPLES = 400
 QUICK_EXAMPLES = 25
 #: a quick campaign's expected seconds per kind (the queue's order)
 QUICK_CAMPAIGN_SECONDS = {"prefix": 8.0, "cells": 5.0, "layers": 4.0, "models": 4.0, "dense": 2.5}
+#: expected seconds per seed and variant of a bug job on a warm worker (the
+#: queue's order: most bugs are caught within a tenth of a second, a
+#: prefix bug within 2 s; kvspec mutants --json gives each one's)
+BUG_SEED_WEIGHT = 0.3
 #: wall-clock seconds per seed and variant of a bug job (its limit is this
 #: times seeds times variants: it follows the job's own size, not a floor)
 BUG_SEED_SECONDS = 60.0
@@ -509,7 +513,7 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     for bug in catalog():
         if not runnable(bug):
             continue
-        weight = 4.0 * seeds * (1 + len(bug.variants))
+        weight = BUG_SEED_WEIGHT * seeds * (1 + len(bug.variants))
         limit = BUG_SEED_SECONDS * seeds * (1 + len(bug.variants))
         if backend() == "cuda" and bug.device != "gpu":
             jobs.append(Job(f"bug {bug.name}", "check_bugs_cuda", ("kernel", out, seeds, [bug.name]), weight, limit))
@@ -556,6 +560,9 @@ class Progress:
         #: processes they waited for), summed: half of it is what the run
         #: takes on two cores of its own, whatever the load was
         self.cpu = 0.0
+        #: CPU seconds the pool's workers took to start and import what
+        #: every job uses (once per worker, not per job)
+        self.start_cpu = 0.0
         self.stream = stream or sys.stderr
         self.console = Console(file=self.stream, highlight=False, emoji=False)
         self.bar: Any = None
@@ -669,13 +676,16 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
 
         tasks = [Task("fuzz.commands.verify:run_job", (job,), job_limit(job), job.weight, job.label) for job in jobs]
         with WarmPool(workers) as pool:
-            for r in pool.run(tasks, on_poll=interrupt.check):
-                job = jobs[r.index]
-                results[r.index] = checks = _pool_checks(job, r)
-                measured = r.status in ("ok", "leaked", "error")
-                progress.finished(job, checks, time.perf_counter() - start, r.cpu if measured else None)
-                if exitfirst and not all(c.ok for c in checks):
-                    break
+            try:
+                for r in pool.run(tasks, on_poll=interrupt.check):
+                    job = jobs[r.index]
+                    results[r.index] = checks = _pool_checks(job, r)
+                    measured = r.status in ("ok", "leaked", "error")
+                    progress.finished(job, checks, time.perf_counter() - start, r.cpu if measured else None)
+                    if exitfirst and not all(c.ok for c in checks):
+                        break
+            finally:
+                progress.start_cpu = pool.start_cpu
         return results
     except KeyboardInterrupt as exc:
         exc.partial = results  # type: ignore[attr-defined]
@@ -791,7 +801,9 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         console.print(f"{len(checks) - len(failed)} checks passed, {len(failed)} failed (the table's rows), from "
                       f"{len(results)} of {len(the_plan)} jobs ({len(results) - jobs_failed} jobs passed, "
                       f"{jobs_failed} failed) in {total:.0f} s ({workers} processes, "
-                      f"{progress.cpu:.0f} s of CPU in the jobs; {where})")
+                      f"{progress.cpu:.0f} s of CPU in the jobs"
+                      + (f", {progress.start_cpu:.0f} s starting the workers" if progress.start_cpu else "")
+                      + f"; {where})")
         if skipped:
             console.print(f"not run here: {len(skipped)} injected bugs of another device ({escape(', '.join(skipped))}); "
                           "GPU-only ones run with kvspec verify --device gpu on a machine with MLX's CUDA backend, "
