@@ -347,19 +347,13 @@ class _Replays:
 
     def diverges(self, cfg: dict[str, Any], candidate: list[dict[str, Any]], valid: bool = False) -> Divergence | None:
         """The candidate's divergence if it fails the same way, else None.
-        ``valid=True``: a candidate that is no valid kvtrace (fuzz.trace's
-        schema and rules: a batch of 0, an append of no rows) is refused
-        without a replay."""
+        ``valid=True``: a candidate that is no valid kvtrace up to that op
+        (fuzz.trace's schema and rules: a batch of 0, an append of no rows)
+        is refused too."""
         key = json.dumps([cfg, candidate], sort_keys=True, default=repr)
         if key in self.seen:
             return self.seen[key]
         found: Divergence | None = None
-        if valid:
-            try:
-                parse({"kvtrace": 1, "cache": cfg, "ops": candidate})
-            except TraceFormatError:
-                self.seen[key] = None
-                return None
         self.count += 1
         machine = self.machine
         try:
@@ -371,6 +365,13 @@ class _Replays:
             found = d if _signature(d) == self.want else None
         except Exception:  # noqa: BLE001 - a candidate the harness cannot run is not the same failure
             found = None
+        if found is not None and valid:
+            # checked only for a candidate that fails the same way (the
+            # schema's check costs as much as a short replay)
+            try:
+                parse({"kvtrace": 1, "cache": cfg, "ops": candidate[: found.index + 1]})
+            except TraceFormatError:
+                found = None
         self.seen[key] = found
         return found
 

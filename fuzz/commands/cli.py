@@ -937,6 +937,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
+    from fuzz.commands.mutants import default_jobs
     from fuzz.commands.mutants import main as mutants_main
 
     console = _console()
@@ -969,7 +970,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         if _bug(console, name, "--only") is None:
             return 2
     return mutants_main(args.seeds, args.json, args.out, args.only, junit_xml=args.junit_xml,
-                        argv=getattr(args, "argv", None))
+                        argv=getattr(args, "argv", None), jobs=args.jobs or default_jobs())
 
 
 #: the cache bench's options and their defaults (``kvspec bench``'s parser
@@ -1365,6 +1366,9 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--list", action="store_true", help="list the injected bugs (name, kind, modes, what) and exit")
     mu.add_argument("--out", default=DEFAULT_OUT + "/mutants", help="folder for the traces, one folder per seed")
     mu.add_argument("--only", nargs="+", metavar="BUG", help="these bugs only (default: the whole catalog)")
+    mu.add_argument("-j", "--jobs", type=int_in(1, 1024), default=None,
+                    help="processes to run the seeds on (default: every core; 1 runs them in this process); "
+                         "the report is the same, in catalog order")
     mu.add_argument("--changed", metavar="BASE",
                     help="instead of the catalog: mutmut on the lines of spec/ and impl/ changed since git revision "
                          "BASE; report each surviving mutant with file:line and its diff (docs/mutation.md)")

@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fuzz.bugs import InjectedBug, catalog, runnable
-from fuzz.campaign import catch_bug
+from fuzz.campaign import Catch, catch_bug
 
 
 @dataclass
@@ -65,49 +65,150 @@ class MutantReport:
         }
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One row of the kill matrix: a catalog bug, or one of its variants
+    (``variant`` its label, ``fixed`` the pinned cache fields,
+    ``check_inplace`` False for isolation only)."""
+
+    bug: InjectedBug
+    variant: str = ""
+    fixed: dict | None = None
+    check_inplace: bool = True
+
+    @property
+    def stem(self) -> str:
+        """The trace's file name (without ``.json``) in each seed's folder."""
+        v = self.variant
+        return self.bug.name + ("-" + "".join(c if c.isalnum() else "_" for c in v) if v else "")
+
+
+def entries(names: list[str] | None = None) -> list[Entry]:
+    """The kill matrix's rows in catalog order: every runnable entry, then
+    every variant (``names``: only these bugs' rows)."""
+    bugs = [bug for bug in catalog() if runnable(bug)]  # GPU-only entries need --device gpu
+    rows = [Entry(bug) for bug in bugs]
+    rows += [Entry(bug, label, fixed, check) for bug in bugs for label, fixed, check in bug.variants]
+    return [e for e in rows if not names or e.bug.name in names]
+
+
+def catch_seed(name: str, variant: str, seed: int, max_examples: int, out: str, shrink: bool) -> Catch:
+    """One seed of one row (``name`` and ``variant`` say which): the same
+    call whether it runs in this process or in a pool worker."""
+    from fuzz.device import select
+
+    select(None)  # the device the parent chose (KVSPEC_DEVICE), in a worker too
+    row = next(e for e in entries([name]) if e.variant == variant)
+    return catch_bug(row.bug, seed, max_examples, Path(out) / f"seed{seed}", row.fixed, row.check_inplace,
+                     row.stem, shrink=shrink)
+
+
+def _add(rep: MutantReport, seed: int, catch: Catch) -> None:
+    """Seed ``seed``'s :class:`~fuzz.campaign.Catch` into the row's report."""
+    caught, seconds, examples, path, alarm, flaky = catch
+    if not caught:
+        rep.caught = False
+        rep.problems.append(f"seed {seed}: missed after {examples} examples")
+        return
+    rep.examples.append(examples)
+    rep.seconds.append(seconds)
+    if flaky:
+        rep.caught = False
+        rep.tool_failures.append(f"seed {seed}: {flaky} (the run that diverged: {path})")
+    elif alarm:
+        rep.caught = False
+        rep.problems.append(f"seed {seed}: {alarm}")
+    if rep.trace is None and path is not None:
+        rep.trace = str(path)
+
+
+#: wall-clock seconds one seed of one row may run in a pool worker before it
+#: is stopped: a guard against a hang, never a verdict (a seed is bounded by
+#: its examples; the slowest catalog seed takes a few seconds)
+SEED_LIMIT = 300.0
+
+
 def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failures/mutants",
                 names: list[str] | None = None, progress=None, reports: list[MutantReport] | None = None,
-                shrink_first: bool = True) -> list[MutantReport]:
+                shrink_first: bool = True, jobs: int = 1) -> list[MutantReport]:
     """Fuzz every entry (``names``: only these) from seeds 1..``seeds``;
     seed 1's counterexample is shrunk unless ``shrink_first=False`` (then
-    no seed's is). ``progress(report)`` is called after each entry; finished
-    entries are appended to ``reports`` as they finish (what an interrupted
-    run keeps)."""
+    no seed's is). ``jobs``: the rows' seeds run on that many warm worker
+    processes (``fuzz.workers.WarmPool``; 1: one after another in this
+    process); either way the reports, the traces and the ``progress``
+    calls are the same and in catalog order. ``progress(report)`` is called
+    after each entry; finished entries are appended to ``reports`` in
+    catalog order (what an interrupted run keeps)."""
     reports = [] if reports is None else reports
-    bugs = [bug for bug in catalog() if runnable(bug)]  # GPU-only entries need --device gpu
-    runs = [(bug, "", None, True) for bug in bugs]
-    runs += [(bug, label, fixed, check) for bug in bugs for label, fixed, check in bug.variants]
-    for bug, variant, fixed, check_inplace in runs:
-        if names and bug.name not in names:
-            continue
-        rep = MutantReport(bug, variant)
-        stem = bug.name + ("-" + "".join(c if c.isalnum() else "_" for c in variant) if variant else "")
+    rows = entries(names)
+    if jobs > 1 and rows:
+        return _run_pool(rows, seeds, max_examples, out, progress, reports, shrink_first, jobs)
+    for row in rows:
+        rep = MutantReport(row.bug, row.variant)
         for seed in range(1, seeds + 1):
-            caught, seconds, examples, path, alarm, flaky = catch_bug(
-                bug, seed, max_examples, Path(out) / f"seed{seed}", fixed, check_inplace, stem,
-                shrink=shrink_first and seed == 1)
-            if not caught:
-                rep.caught = False
-                rep.problems.append(f"seed {seed}: missed after {examples} examples")
-                continue
-            rep.examples.append(examples)
-            rep.seconds.append(seconds)
-            if flaky:
-                rep.caught = False
-                rep.tool_failures.append(f"seed {seed}: {flaky} (the run that diverged: {path})")
-            elif alarm:
-                rep.caught = False
-                rep.problems.append(f"seed {seed}: {alarm}")
-            if rep.trace is None and path is not None:
-                rep.trace = str(path)
+            _add(rep, seed, catch_seed(row.bug.name, row.variant, seed, max_examples, out,
+                                       shrink_first and seed == 1))
         reports.append(rep)
         if progress is not None:
             progress(rep)
     return reports
 
 
+def _run_pool(rows: list[Entry], seeds: int, max_examples: int, out: str, progress, reports: list[MutantReport],
+              shrink_first: bool, jobs: int) -> list[MutantReport]:
+    """:func:`run_mutants` on a pool of ``jobs`` warm workers: one task per
+    row and seed, queued in catalog order; a row is reported once its seeds
+    and every row before it are done. A task the pool could not finish
+    (stopped past :data:`SEED_LIMIT`, its worker died, it raised, or it
+    left its worker changed) is a tool failure of its row, naming why."""
+    from fuzz import interrupt
+    from fuzz.workers import Task, WarmPool
+
+    tasks = [Task("fuzz.commands.mutants:catch_seed",
+                  (row.bug.name, row.variant, seed, max_examples, out, shrink_first and seed == 1),
+                  SEED_LIMIT, 1.0, f"{row.stem} seed {seed}")
+             for row in rows for seed in range(1, seeds + 1)]
+    done: dict[int, object] = {}
+    nxt = 0
+    with WarmPool(min(jobs, len(tasks)), preload=PRELOAD) as pool:
+        for result in pool.run(tasks, on_poll=interrupt.check):
+            done[result.index] = result
+            while nxt < len(rows) and all(nxt * seeds + k in done for k in range(seeds)):
+                rep = MutantReport(rows[nxt].bug, rows[nxt].variant)
+                for k in range(seeds):
+                    r = done.pop(nxt * seeds + k)
+                    if r.ok:
+                        _add(rep, k + 1, r.value)
+                    else:
+                        rep.caught = False
+                        why = (r.error or "").strip().splitlines()[-1:] or [r.status]
+                        what = f"left its worker changed ({r.leaked})" if r.status == "leaked" else why[0]
+                        rep.tool_failures.append(f"seed {k + 1}: the run could not finish: {what}")
+                reports.append(rep)
+                nxt += 1
+                if progress is not None:
+                    progress(rep)
+    return reports
+
+
+#: what each worker imports before its first seed: the implementation, the
+#: spec, Hypothesis and the harness (not the proofs' solver, which no seed uses)
+PRELOAD = ("numpy", "mlx.core", "hypothesis", "hypothesis.stateful", "hypothesis.strategies", "impl.*", "spec.*",
+           "fuzz.*", "fuzz.commands.mutants", "fuzz.bugs:catalog", "fuzz.trace:_op_checker")
+
+
+def default_jobs() -> int:
+    """Every core this process may use."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, junit_xml: str | None = None,
-         argv: list[str] | None = None) -> int:
+         argv: list[str] | None = None, jobs: int = 1) -> int:
     """Exit 0 when every entry is caught in every seed with a clean trace,
     2 when a seed's verdict could not be repeated (a tool failure:
     :attr:`MutantReport.tool_failures`), 1 otherwise, 130 when interrupted
@@ -132,7 +233,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
     reports: list[MutantReport] = []
     interrupted = False
     try:
-        run_mutants(seeds, out=out, names=names, progress=progress, reports=reports)
+        run_mutants(seeds, out=out, names=names, progress=progress, reports=reports, jobs=jobs)
     except KeyboardInterrupt:
         interrupted = True
     ok = bool(reports) and all(r.caught for r in reports) and not interrupted
