@@ -377,19 +377,19 @@ class _Replays:
 
 
 def _delete_ops(replays: _Replays, cfg: dict[str, Any], ops: list[dict[str, Any]], best: Divergence,
-                deadline: float) -> tuple[list[dict[str, Any]], Divergence]:
+                deadline: float, valid: bool = False) -> tuple[list[dict[str, Any]], Divergence]:
     """Delete chunks of ``ops`` (half the run down to single ops, from the
     end, never the diverging op itself) while the run still fails the same
-    way; then single ops again until no one of them can go (the result is
-    one-minimal: deleting any one op loses the failure), unless the
-    deadline stops it."""
+    way (``valid``: and is a valid kvtrace); then single ops again until no
+    one of them can go (the result is one-minimal: deleting any one op
+    loses the failure), unless the deadline stops it."""
     size = max(len(ops) // 2, 1)
     while time.perf_counter() < deadline:
         deleted = False
         at = len(ops) - 1 - size
         while at >= 0 and time.perf_counter() < deadline:
             candidate = ops[:at] + ops[at + size:]
-            found = replays.diverges(cfg, candidate)
+            found = replays.diverges(cfg, candidate, valid)
             if found is not None:
                 ops, best, deleted = candidate[: found.index + 1], found, True
                 at = min(at, len(ops) - 1) - size
@@ -521,7 +521,7 @@ def shrink_run(machine: type[KVMachine], error: Divergence, seconds: float | Non
 
     changed = True
     while changed and live():
-        ops, best = _delete_ops(replays, cfg, ops, best, deadline)
+        ops, best = _delete_ops(replays, cfg, ops, best, deadline, valid=True)
         changed = False
         for candidate in op_candidates(ops):
             if not live():

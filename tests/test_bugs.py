@@ -76,3 +76,60 @@ def test_a_bug_runs_only_on_its_device(device, on_cuda, expected, monkeypatch):
     bug = dataclasses.replace(by_name("snapshot_deep_copies"), device=device)
     assert runnable(bug) is expected
     assert by_name("mechanism_reads_env_first").device == "cpu"
+
+
+#: one catalog entry of each kind whose shipped minimal trace has several ops
+SHRUNK = ["inplace_after_restore", "prefill_physical_order", "list_ring_casts_rows", "paged_mask_spent_after_count",
+          "prefix_stale_key_kept_on_eviction", "cells_shift_delta_not_accumulated", "rollback_beyond_coverage",
+          "to_quantized_drops_live_start"]
+
+
+@pytest.mark.parametrize("name", SHRUNK)
+def test_the_shrunk_trace_is_minimal(name):
+    """What ``kvspec mutants`` reports for seed 1 (fuzz.campaign.shrink_run,
+    starting from the first failing run as found): a run that fails the same
+    way (the op and the check: ``_signature``), is one-minimal (deleting any
+    one op, merging any two adjacent ones or making any one value simpler
+    loses the failure or is no valid kvtrace), has no more ops than the
+    trace shipped in tests/traces, and passes on the real implementation."""
+    import json
+    from pathlib import Path
+
+    from fuzz import campaign
+    from fuzz.bugs import by_name
+    from fuzz.lockstep import Divergence
+    from fuzz.replay import make_lockstep, replay
+    from fuzz.trace import TraceFormatError, cache_defaults, load, parse
+
+    bug = by_name(name)
+    machine = campaign.machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories)
+    result = campaign.run_machine(machine, 1, max_examples=1000, ops_shrink=True)
+    assert isinstance(result.error, Divergence), result.error
+    want = campaign._signature(result.error)
+    cfg, ops = machine.last_run
+
+    def fails(cfg, ops) -> bool:
+        try:
+            parse(json.loads(json.dumps({"kvtrace": 1, "cache": cfg, "ops": ops})))
+        except TraceFormatError:
+            return False
+        lock = make_lockstep({**cache_defaults(bug.kind, cfg.get("mode")), **cfg}, bug.factories)
+        try:
+            for i, op in enumerate(ops):
+                lock.step(i, op)
+        except Divergence as d:
+            return campaign._signature(d) == want
+        except Exception:  # noqa: BLE001 - not the same failure
+            return False
+        return False
+
+    assert fails(cfg, ops)
+    for i in range(len(ops)):
+        assert not fails(cfg, ops[:i] + ops[i + 1:]), f"op {i} of {ops} can go"
+        for simpler in campaign._simpler(ops[i]):
+            assert not fails(cfg, ops[:i] + [simpler] + ops[i + 1:]), f"op {i} of {ops} can be {simpler}"
+        merged = campaign._merged(ops[i - 1], ops[i]) if i else None
+        assert merged is None or not fails(cfg, ops[: i - 1] + [merged] + ops[i + 1:]), f"ops {i - 1}, {i} merge"
+    shipped = load(Path(__file__).parent / "traces" / f"{name}.json")
+    assert len(ops) <= sum(op["op"] != "expect" for op in shipped.ops), (ops, shipped.ops)
+    assert replay(result.trace).ok

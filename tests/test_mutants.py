@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_the_pool_gives_the_report_and_traces_of_one_process(tmp_path):
     for jobs in (1, 2):
         out = tmp_path / f"j{jobs}"
         seen: list[str] = []
-        reports = mutants.run_mutants(2, out=str(out), names=NAMES, jobs=jobs, progress=lambda r: seen.append(r.name))
+        reports = mutants.run_mutants(2, out=str(out), names=NAMES, jobs=jobs, progress=lambda r, s=seen: s.append(r.name))
         order = [e.stem for e in mutants.entries(NAMES)]
         assert [r.name for r in reports] == seen == [
             f"{e.bug.name} [{e.variant}]" if e.variant else e.bug.name for e in mutants.entries(NAMES)]
@@ -54,8 +55,8 @@ class FakePool:
     that must come out in catalog order); ``broken`` maps a task index to
     the status it ends with instead."""
 
-    broken: dict[int, str] = {}
-    sizes: list[int] = []
+    broken: ClassVar[dict[int, str]] = {}
+    sizes: ClassVar[list[int]] = []
 
     def __init__(self, workers, preload=()):
         FakePool.sizes.append(workers)
@@ -73,7 +74,7 @@ class FakePool:
                 yield TaskResult(i, None, f"task {tasks[i].label!r} ran past its wall-clock limit" if status == "stopped"
                                  else None, leaked="fuzz.campaign.X" if status == "leaked" else None, status=status)
                 continue
-            name, variant, seed, *_ = tasks[i].args
+            name, _variant, seed, *_ = tasks[i].args
             yield TaskResult(i, Catch(True, 0.01 * seed, seed + len(name), Path(f"{name}-{seed}.json"), None))
 
 
