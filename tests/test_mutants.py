@@ -58,6 +58,8 @@ class FakePool:
     broken: ClassVar[dict[int, str]] = {}
     sizes: ClassVar[list[int]] = []
 
+    start_cpu = 0.5
+
     def __init__(self, workers, preload=()):
         FakePool.sizes.append(workers)
 
@@ -75,7 +77,7 @@ class FakePool:
                                  else None, leaked="fuzz.campaign.X" if status == "leaked" else None, status=status)
                 continue
             name, _variant, seed, *_ = tasks[i].args
-            yield TaskResult(i, Catch(True, 0.01 * seed, seed + len(name), Path(f"{name}-{seed}.json"), None))
+            yield TaskResult(i, Catch(True, 0.01 * seed, seed + len(name), Path(f"{name}-{seed}.json"), None), cpu=0.25)
 
 
 def test_rows_come_out_in_catalog_order_whatever_order_the_seeds_finish(monkeypatch):
@@ -84,8 +86,9 @@ def test_rows_come_out_in_catalog_order_whatever_order_the_seeds_finish(monkeypa
     monkeypatch.setattr(fuzz.workers, "WarmPool", FakePool)
     FakePool.broken, FakePool.sizes = {}, []
     seen: list[str] = []
-    reports = mutants.run_mutants(3, names=NAMES, jobs=8, progress=lambda r: seen.append(r.name))
-    assert FakePool.sizes == [8]
+    cpu: dict[str, float] = {}
+    reports = mutants.run_mutants(3, names=NAMES, jobs=8, progress=lambda r: seen.append(r.name), cpu=cpu)
+    assert FakePool.sizes == [8] and cpu == {"seeds": 0.25 * 15, "start": 0.5}
     rows = mutants.entries(NAMES)
     assert [r.name for r in reports] == seen and [r.bug.name for r in reports] == [e.bug.name for e in rows]
     for r in reports:
@@ -115,15 +118,14 @@ def test_kvspec_mutants_jobs_option(monkeypatch, capsys, tmp_path):
 
     got: list[int] = []
 
-    def run(seeds, out, names, progress, reports, jobs):
+    def run(seeds, out, names, progress, reports, jobs, cpu):
         got.append(jobs)
         rep = mutants.MutantReport(mutants.entries(names)[0].bug, examples=[3], seconds=[0.1])
         reports.append(rep)
         progress(rep)
         return reports
 
-    monkeypatch.setattr(mutants, "run_mutants", lambda seeds, out, names, progress, reports, jobs: run(
-        seeds, out, names, progress, reports, jobs))
+    monkeypatch.setattr(mutants, "run_mutants", run)
     docs = []
     for extra in (["-j", "1"], ["-j", "3"], []):
         code = main(["mutants", "--seeds", "1", "--only", NAMES[0], "--json", "--out", str(tmp_path), *extra])

@@ -4,15 +4,21 @@ Every catalog entry is fuzzed from N fixed seeds (1..N). For each seed the
 fuzzer must catch it, and the failing run is written out as a kvtrace and
 replayed on the real implementation, where it must pass (when it does not,
 the implementation diverges from the spec at the op the report names). The
-first seed's counterexample is shrunk to a minimal trace (the one reported);
-the other seeds keep theirs as found, up to the failing op: shrinking costs
-about ten times the search, and the kill matrix asks only whether and how
-soon each seed catches the bug. Reported
+first seed's counterexample is shrunk to a minimal trace (the one reported:
+``fuzz.campaign.shrink_run``, op by op, bounded by replays, not seconds);
+the other seeds keep theirs as found, up to the failing op: the kill matrix
+asks only whether and how soon each seed catches the bug. Reported
 per entry: caught in every seed or not, examples and seconds to the first
 failing example (median and worst), and the trace of the first seed. A seed
 whose failure Hypothesis could not replay (one run of ops gave two answers,
 ``fuzz.machine.FlakyVerdict``) is a tool failure, not a catch: the entry
 fails, and the command exits 2 naming both answers.
+
+``-j N`` runs the rows' seeds on N warm worker processes
+(``fuzz.workers.WarmPool``: MLX, the implementation, the spec and the
+harness imported once per worker; each seed checked for what it leaves
+behind); the report, the progress lines and the traces are the same as in
+one process, in catalog order.
 """
 
 from __future__ import annotations
@@ -130,7 +136,7 @@ SEED_LIMIT = 300.0
 
 def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failures/mutants",
                 names: list[str] | None = None, progress=None, reports: list[MutantReport] | None = None,
-                shrink_first: bool = True, jobs: int = 1) -> list[MutantReport]:
+                shrink_first: bool = True, jobs: int = 1, cpu: dict[str, float] | None = None) -> list[MutantReport]:
     """Fuzz every entry (``names``: only these) from seeds 1..``seeds``;
     seed 1's counterexample is shrunk unless ``shrink_first=False`` (then
     no seed's is). ``jobs``: the rows' seeds run on that many warm worker
@@ -138,16 +144,25 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
     process); either way the reports, the traces and the ``progress``
     calls are the same and in catalog order. ``progress(report)`` is called
     after each entry; finished entries are appended to ``reports`` in
-    catalog order (what an interrupted run keeps)."""
+    catalog order (what an interrupted run keeps). ``cpu``, when given,
+    gets the CPU seconds the seeds took (``seeds``: summed over the
+    processes that ran them) and the workers took to start (``start``)."""
+    import time
+
     reports = [] if reports is None else reports
+    cpu = {} if cpu is None else cpu
+    cpu.setdefault("seeds", 0.0)
+    cpu.setdefault("start", 0.0)
     rows = entries(names)
     if jobs > 1 and rows:
-        return _run_pool(rows, seeds, max_examples, out, progress, reports, shrink_first, jobs)
+        return _run_pool(rows, seeds, max_examples, out, progress, reports, shrink_first, jobs, cpu)
     for row in rows:
+        before = time.process_time()
         rep = MutantReport(row.bug, row.variant)
         for seed in range(1, seeds + 1):
             _add(rep, seed, catch_seed(row.bug.name, row.variant, seed, max_examples, out,
                                        shrink_first and seed == 1))
+        cpu["seeds"] += time.process_time() - before
         reports.append(rep)
         if progress is not None:
             progress(rep)
@@ -155,7 +170,7 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
 
 
 def _run_pool(rows: list[Entry], seeds: int, max_examples: int, out: str, progress, reports: list[MutantReport],
-              shrink_first: bool, jobs: int) -> list[MutantReport]:
+              shrink_first: bool, jobs: int, cpu: dict[str, float]) -> list[MutantReport]:
     """:func:`run_mutants` on a pool of ``jobs`` warm workers: one task per
     row and seed, queued in catalog order; a row is reported once its seeds
     and every row before it are done. A task the pool could not finish
@@ -173,6 +188,8 @@ def _run_pool(rows: list[Entry], seeds: int, max_examples: int, out: str, progre
     with WarmPool(min(jobs, len(tasks)), preload=PRELOAD) as pool:
         for result in pool.run(tasks, on_poll=interrupt.check):
             done[result.index] = result
+            cpu["seeds"] += result.cpu
+            cpu["start"] = pool.start_cpu
             while nxt < len(rows) and all(nxt * seeds + k in done for k in range(seeds)):
                 rep = MutantReport(rows[nxt].bug, rows[nxt].variant)
                 for k in range(seeds):
@@ -232,10 +249,17 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
 
     reports: list[MutantReport] = []
     interrupted = False
+    cpu: dict[str, float] = {}
     try:
-        run_mutants(seeds, out=out, names=names, progress=progress, reports=reports, jobs=jobs)
+        run_mutants(seeds, out=out, names=names, progress=progress, reports=reports, jobs=jobs, cpu=cpu)
     except KeyboardInterrupt:
         interrupted = True
+    # what the run cost whatever else the machine ran: CPU seconds over the
+    # processes that ran the seeds (on an idle machine the wall clock is
+    # about this over the number of processes, plus their start)
+    err.print(f"kvspec mutants: {time.perf_counter() - start:.0f} s wall; the seeds took {cpu.get('seeds', 0.0):.0f} s "
+              f"of CPU in {jobs} process{'es' if jobs > 1 else ''}"
+              + (f", starting the workers {cpu.get('start', 0.0):.0f} s" if jobs > 1 else ""), markup=False)
     ok = bool(reports) and all(r.caught for r in reports) and not interrupted
     tool_failed = any(r.tool_failures for r in reports)
     code = 130 if interrupted else (0 if ok else 2 if tool_failed else 1)
