@@ -74,12 +74,16 @@ BROKEN = [(StaleKeyOnEviction, ("cached map", "key", "rows")), (HitUncapped, ("h
           (FreeHeadFirst, ("free queue",))]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_clean_campaign_agrees_and_reaches_every_must_reach_edge(seed):
-    got = prefix_campaign(None, max_examples=60, seed=seed)
+def test_a_clean_campaign_agrees_and_reaches_every_must_reach_edge():
+    """One campaign through ``prefix_campaign``, bounded by examples: seed 1
+    reaches every edge within 15 of them. The rate on other seeds is
+    tests/test_must_reach.py's (seeds 4 and 6, 25 examples, through the
+    campaigns ``kvspec verify`` runs); agreement over many more examples is
+    every catalog bug's campaign below, clean up to the bug's edge."""
+    got = prefix_campaign(None, max_examples=20, seed=1)
     assert got.ok, got.error
     missed = [e for e in kinds.get("prefix").must_reach if not got.stats.get(e)]
-    assert not missed, f"seed {seed}: not reached in 60 examples: {missed}"
+    assert not missed, f"not reached in 20 examples: {missed}"
 
 
 @pytest.mark.parametrize("cls,rules", BROKEN, ids=lambda x: getattr(x, "__name__", ""))
@@ -306,7 +310,8 @@ class IgnoresDoubleFree(SpecTarget):
 
 def test_another_target_plugs_in_through_the_two_calls():
     assert prefix_campaign(SpecTarget, max_examples=30, seed=2).ok
-    bad = prefix_campaign(LookupOneBlockLong, max_examples=60, seed=2)
+    # the trace as found (shrinking is test_a_hand_broken_pool_is_caught_shrunk_and_named's)
+    bad = prefix_campaign(LookupOneBlockLong, max_examples=60, seed=2, shrink=False)
     assert bad.status == "diverged" and bad.trace is not None
     assert bad.trace.ops[bad.error.index]["op"] in ("lookup",)
     assert replay_prefix(bad.trace).ok
