@@ -1,9 +1,12 @@
 """The kvspec command under bad input: every malformed trace and argument
 vector exits 2 with a one-line reason, never a traceback and never a hang.
 
-Each case runs ``python -m fuzz.commands.cli`` in a subprocess with a time
-box, so a hang fails the test instead of the suite. The explicit cases are
-the ones users hit; Hypothesis draws more (damaged traces, bad flag values).
+Each case runs the command on a warm worker (tests/warm_cli.py: its exit
+status, stdout and stderr as a child process would give them) with a time
+box, so a hang fails the test instead of the suite; one test runs real
+``python -m fuzz.commands.cli`` processes, so that the status a process
+exits with is the one checked. The explicit cases are the ones users hit;
+Hypothesis draws more (damaged traces, bad flag values).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import warm_cli
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 90  # seconds per case: generous for a loaded 2-core machine; a hang exceeds it
 GOOD = {"kvtrace": 1, "cache": {"kind": "rotating", "max_size": 4, "keep": 1, "step": 2},
@@ -26,6 +31,11 @@ GOOD = {"kvtrace": 1, "cache": {"kind": "rotating", "max_size": 4, "keep": 1, "s
 
 
 def kvspec(*argv: str) -> subprocess.CompletedProcess:
+    return warm_cli.kvspec(*argv, env={**os.environ, "COLUMNS": "100"}, timeout=TIMEOUT)
+
+
+def child(*argv: str) -> subprocess.CompletedProcess:
+    """``kvspec ARGV`` as a process of its own."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"}
     return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
@@ -111,6 +121,17 @@ BAD_ARGV = [
 ]
 
 
+def test_a_process_exits_with_the_status_the_command_gives(tmp_path):
+    """What the other tests read from a warm worker, a real process gives:
+    exit 2 and the reason, for a bad trace (the command's own refusal) and
+    a bad argument (argparse's), and a --version that exits 0."""
+    trace = clean_refusal(child("replay", trace_file(tmp_path, BAD_TRACES["NaN"])))
+    assert trace.startswith("invalid kvtrace"), trace
+    assert "invalid choice: 'nosuch'" in clean_refusal(child("fuzz", "--kind", "nosuch"))
+    version = child("--version")
+    assert version.returncode == 0 and version.stdout == kvspec("--version").stdout
+
+
 @pytest.mark.parametrize("argv", BAD_ARGV, ids=[" ".join(a) or "(none)" for a in BAD_ARGV])
 def test_bad_arguments_exit_2(argv):
     out = clean_refusal(kvspec(*argv))
@@ -130,16 +151,36 @@ def test_conformance_help_names_every_target_and_its_budget():
     assert "does not apply to the target exits 2" in text
 
 
-@pytest.mark.parametrize("kind", ["cells", "recurrent", "prefix"])
-def test_a_kind_without_the_inplace_switch_runs_one_campaign(kind):
+@pytest.mark.parametrize("kind", ["cells", "recurrent", "prefix", "dense"])
+def test_a_kind_without_the_inplace_switch_runs_one_campaign(kind, monkeypatch, capsys):
     """KV_INPLACE_WRITE changes nothing for these kinds (Kind.inplace_switch
-    False): one campaign, not the same one twice (inplace and copy)."""
-    from fuzz import kinds
+    False): one campaign, not the same one twice (inplace and copy); dense,
+    whose writes it changes, runs both. The campaigns the command builds
+    are recorded instead of run (their search is not what is checked here;
+    the recurrent one runs for real below)."""
+    from fuzz import campaign, kinds
+    from fuzz.commands.cli import main
 
-    assert kinds.get(kind).inplace_switch is False and kinds.get("dense").inplace_switch is True
-    proc = kvspec("fuzz", "--kind", kind, "--budget", "0.5", "--seed", "3", "--json")
+    assert kinds.get(kind).inplace_switch is (kind == "dense")
+    built: list[str] = []
+
+    def interleaved(runs, budget, progress=None):
+        for r in runs:
+            built.append(r.report.config)
+            r.report.batches, r.report.examples = 1, 1
+        return [r.report for r in runs]
+
+    monkeypatch.setattr(campaign, "interleaved", interleaved)
+    assert main(["fuzz", "--kind", kind, "--mode", "fp16", "--budget", "0.5", "--seed", "3", "--json"]) == 0
+    want = [f"{kind}/fp16/inplace"] + ([f"{kind}/fp16/copy"] if kind == "dense" else [])
+    assert built == want and [r["config"] for r in json.loads(capsys.readouterr().out)["runs"]] == want
+
+
+def test_a_kind_without_the_inplace_switch_runs_its_campaign_for_real():
+    proc = kvspec("fuzz", "--kind", "recurrent", "--budget", "0.5", "--seed", "3", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [r["config"] for r in json.loads(proc.stdout)["runs"]] == [f"{kind}/fp16/inplace"]
+    runs = json.loads(proc.stdout)["runs"]
+    assert [r["config"] for r in runs] == ["recurrent/fp16/inplace"] and runs[0]["examples"] > 0
 
 
 def test_help_names_defaults_exit_codes_and_bugs():
