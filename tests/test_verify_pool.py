@@ -105,3 +105,17 @@ def test_a_quick_campaign_runs_its_examples_whatever_the_clock(monkeypatch):
     monkeypatch.setattr(fuzz.campaign, "time", Slow())
     (slow,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
     assert slow.ok and slow.detail.split(" ops")[0] == first.detail.split(" ops")[0]
+
+
+def test_the_queue_starts_the_longest_jobs_first():
+    # expected seconds are measured ones: an e2e scenario missing from
+    # E2E_SECONDS would start late and end the run alone
+    from fuzz.commands.e2e import SCENARIOS
+
+    assert set(verify.E2E_SECONDS) >= {s.name for s in SCENARIOS}
+    plan = verify.plan()
+    weight = {j.label: j.weight for j in plan}
+    # a bug job on a warm worker takes about a second: it no longer outweighs
+    # a campaign or a long e2e scenario
+    assert max(w for label, w in weight.items() if label.startswith("bug ")) < verify.CAMPAIGN_BUDGET
+    assert weight["e2e hybrid_speculative"] > weight["fuzz dense/fp16/inplace"] > weight["e2e greedy"]
