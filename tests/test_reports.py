@@ -19,13 +19,24 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests import warm_cli
+
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "fuzz" / "schemas"
 TIMEOUT = 240
 
 
 def kvspec(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``kvspec ARGV`` on a warm worker (tests/warm_cli.py), as a child
+    process would run it."""
     # no example database: these runs must not replay each other's failures
+    env = {**os.environ, "COLUMNS": "100", "KVSPEC_DB": "none"}
+    return warm_cli.kvspec(*argv, cwd=cwd, env=env, timeout=TIMEOUT)
+
+
+def child(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``kvspec ARGV`` as a process of its own: for a command that starts
+    processes itself (``-j 2``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100", "KVSPEC_DB": "none"}
     return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
@@ -173,8 +184,12 @@ def test_interleaved_campaigns_all_run_in_the_first_round():
     bug = by_name("turbo_sidecar_not_trimmed")
     runs = [Campaign("dense", "fp16", True, 5, batch=3, steps=10),
             Campaign("dense", "int8", True, 5, batch=3, steps=10),
-            Campaign("dense", "turbo4asym", True, 1, bug.factories, batch=25)]
-    reports = interleaved(runs, budget=15.0, progress=lambda c: order.append(c.report.config))
+            # its failure unshrunk: shrinking (seconds, timed apart) is not what is checked
+            Campaign("dense", "turbo4asym", True, 1, bug.factories, batch=25, shrink=False)]
+    # 3 s: a batch of 3 examples of 10 steps takes a fraction of a campaign's 1 s
+    # share, so a runner that ran the campaigns one after another would show
+    # dense/fp16 several times first
+    reports = interleaved(runs, budget=3.0, progress=lambda c: order.append(c.report.config))
     # the last campaign ran second batch of nobody: it ran within the first round
     assert order[:3] == ["dense/fp16/inplace", "dense/int8/inplace", "dense/turbo4asym/inplace"]
     assert reports[2].failure is not None and reports[2].batches <= 3
@@ -182,7 +197,7 @@ def test_interleaved_campaigns_all_run_in_the_first_round():
 
 
 def test_fuzz_on_two_processes_runs_every_campaign(tmp_path):
-    proc = kvspec("fuzz", "--kind", "rotating", "--budget", "1", "--seed", "2", "-j", "2", "--json",
+    proc = child("fuzz", "--kind", "rotating", "--budget", "1", "--seed", "2", "-j", "2", "--json",
                   "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     doc = valid("fuzz", json.loads(proc.stdout))
@@ -303,7 +318,7 @@ def test_verify_shows_a_check_with_warnings_as_warn_never_ok(monkeypatch, capsys
 
 # -- mutants, e2e, conformance, bench: JSON, JUnit, Ctrl-C --------------------------------
 def test_mutants_json_and_junit(tmp_path):
-    proc = kvspec("mutants", "--only", "inplace_after_trim", "--seeds", "1", "--json", "--out", str(tmp_path),
+    proc = kvspec("mutants", "--only", "inplace_after_trim", "--seeds", "1", "-j", "1", "--json", "--out", str(tmp_path),
                   "--junit-xml", str(tmp_path / "m.xml"))
     assert proc.returncode == 0, proc.stderr
     doc = valid("mutants", json.loads(proc.stdout))
