@@ -2,6 +2,7 @@
 divergence with the rule it broke and the spec function stating it."""
 
 import contextlib
+import functools
 import importlib
 import json
 import re
@@ -29,14 +30,27 @@ def columns(doc: str) -> list[ET.Element]:
     return [g for g in root.iter(f"{NS}g") if "opcol" in g.get("class", "")]
 
 
+def bug_path(name: str) -> Path:
+    return HERE / "traces" / f"{name}.json"
+
+
+@functools.cache
+def picture(path: Path, bug: str | None = None) -> tuple:
+    """(timeline, SVG, the SVG's op columns) of the trace at ``path`` on our
+    implementation (or with ``bug``'s factories), drawn once for all the
+    tests that read it; a test that steps a lockstep of its own loads the
+    trace again (a lockstep may keep or change the op dicts it runs)."""
+    tl = timeline(load(path), BUGS[bug].factories, bug) if bug else timeline(load(path))
+    doc = svg(tl)
+    return tl, doc, columns(doc)
+
+
 @pytest.mark.parametrize("path", TRACES, ids=[str(p.relative_to(HERE / "traces")) for p in TRACES])
 def test_every_shipped_trace_draws(path):
     """One column per op, every window the spec holds drawn as a row, and
     no divergence on the real implementation."""
     trace = load(path)
-    tl = timeline(trace)
-    doc = svg(tl)
-    cols = columns(doc)
+    tl, doc, cols = picture(path)
     assert [int(c.get("data-op")) for c in cols] == list(range(len(trace.ops)))
     assert tl.divergence is None and "data-diverged" not in doc
     # every frame draws the live window or a sequence's view, and a store;
@@ -75,7 +89,7 @@ def test_the_picture_is_the_spec_state_op_by_op(path):
     from spec.dense import regrow_needed
 
     trace = load(path)
-    tl = timeline(trace)
+    tl = picture(path)[0]
     lock = make_lockstep(trace.cache)
     for i, (op, frame) in enumerate(zip(trace.ops, tl.frames)):
         before = lock.world
@@ -98,8 +112,8 @@ def test_the_picture_is_the_spec_state_op_by_op(path):
 
 @pytest.mark.parametrize("name", sorted(BUGS))
 def test_a_bug_trace_draws_its_divergence_and_rule(name):
-    trace = load(HERE / "traces" / f"{name}.json")
-    tl = timeline(trace, BUGS[name].factories, name)
+    trace = load(bug_path(name))
+    tl, doc, cols = picture(bug_path(name), name)
     d, rule = tl.divergence, tl.rule
     assert d is not None and rule is not None
     from fuzz.replay import replay
@@ -107,8 +121,6 @@ def test_a_bug_trace_draws_its_divergence_and_rule(name):
     # the same divergence replay reports, at the same op
     got = replay(trace, BUGS[name].factories).divergence
     assert got is not None and (got.index, got.what) == (d.index, d.what)
-    doc = svg(tl)
-    cols = columns(doc)
     flagged = [c for c in cols if c.get("data-diverged") == "true"]
     assert [int(c.get("data-op")) for c in flagged] == [d.index]
     # ops after the divergence are listed, not run
@@ -264,7 +276,7 @@ def test_the_svg_draws_the_spec_state_op_by_op(path):
     from fuzz.replay import make_lockstep
 
     trace = load(path)
-    cols = columns(svg(timeline(trace)))
+    cols = picture(path)[2]
     lock = make_lockstep(trace.cache)
     for i, (op, col) in enumerate(zip(trace.ops, cols)):
         lock.step(i, op)
@@ -293,8 +305,8 @@ def test_the_divergent_column_is_drawn_from_both_sides(name):
     from fuzz.replay import make_lockstep
     from tests.test_docs import _rule_resolves, _sections
 
-    trace = load(HERE / "traces" / f"{name}.json")
-    tl = timeline(trace, BUGS[name].factories, name)
+    trace = load(bug_path(name))
+    tl = picture(bug_path(name), name)[0]
     lock = make_lockstep(trace.cache, BUGS[name].factories)
     d = None
     for i, op in enumerate(trace.ops):
@@ -312,7 +324,7 @@ def test_the_divergent_column_is_drawn_from_both_sides(name):
     stated = f"`{tl.rule.function.rpartition('.')[2]}`" in _sections()[section]  # the section names the function
     assert stated or _rule_resolves(section, tl.rule.name) or any(tl.rule.name.lower() == v.lower() for v in items), \
         f"{tl.rule.cite()}: no such rule in that section of docs/semantics.md"
-    cols = columns(svg(tl))
+    cols = picture(bug_path(name), name)[2]
     classes = [next(r.get("class") for r in c.iter(f"{NS}rect")) for c in cols]
     assert classes == ["col"] * d.index + ["col-diverged"] + ["col-notrun"] * (len(cols) - d.index - 1)
     if lock.world is before:  # the spec's state after the op names the op's own rows
@@ -423,9 +435,9 @@ def test_the_rule_box_shows_the_cited_rules_own_text(name):
     cites, read off that rule's row of docs/semantics.md."""
     from html.parser import HTMLParser
 
-    tl = timeline(load(HERE / "traces" / f"{name}.json"), BUGS[name].factories, name)
+    tl, doc, _ = picture(bug_path(name), name)
     _check_rule_text(tl.rule)
-    root = ET.fromstring(svg(tl).split("?>", 1)[1])
+    root = ET.fromstring(doc.split("?>", 1)[1])
     box = next(g for g in root.iter(f"{NS}g") if g.get("class") == "divergence")
     assert tl.rule.doc in " ".join(" ".join(box.itertext()).split())
 
@@ -498,8 +510,8 @@ def test_badges_are_whole_words_and_fit_their_column(name):
     """Every badge of a bug's picture shows its whole text or its text cut
     between words with an ellipsis (never ``impl: capacit``), and its box
     holds its text and lies inside its column."""
-    tl = timeline(load(HERE / "traces" / f"{name}.json"), BUGS[name].factories, name)
-    for frame, col in zip(tl.frames, columns(svg(tl)), strict=True):
+    tl, _, cols = picture(bug_path(name), name)
+    for frame, col in zip(tl.frames, cols, strict=True):
         outline = next(r for r in col.iter(f"{NS}rect"))
         right = float(outline.get("x")) + float(outline.get("width"))
         badges = [g for g in col.iter(f"{NS}g") if "badge" in g.get("class", "").split()]
