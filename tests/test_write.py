@@ -168,12 +168,11 @@ def test_fuzz_campaigns_agree_with_the_spec_through_the_cuda_paths(kind, mechani
     FakeKernel(monkeypatch)
     monkeypatch.setenv("KV_CUDA_INPLACE", mechanism)
     before = dict(W.COUNTS)
-    # batches of 25 examples for 3 s; under the mutation profile one batch
-    # (tests/budget.py), so that a mutant's verdict does not depend on the
-    # machine's load (a smaller batch never reaches the ring's in-place write)
-    # (and no shrinking there: a mutant needs the verdict only, and a shrink
-    # was 10-30 s of a killed mutant's time)
-    rep = campaign(kind, "fp16", True, 0.0 if reduced() else 3.0, 20261201, shrink=not reduced())
+    # one batch of 25 examples (budget 0: the verdict does not depend on the
+    # machine's load; a smaller batch never reaches the ring's in-place
+    # write); under the mutation profile no shrinking (a mutant needs the
+    # verdict only, and a shrink was 10-30 s of a killed mutant's time)
+    rep = campaign(kind, "fp16", True, 0.0, 20261201, shrink=not reduced())
     assert rep.failure is None, str(rep.failure.error)
     assert rep.stats.get("ops", 0) > 100
     assert W.COUNTS[mechanism] > before[mechanism]  # the stand-in path really ran
@@ -243,10 +242,14 @@ def test_on_the_cpu_an_in_place_write_that_moves_either_buffer_diverges():
     """The check that an in-place write keeps the cache's memory runs on the
     CPU (it is only relaxed under CUDA's donate) and covers the values
     buffer as well as the keys."""
-    from fuzz.campaign import campaign
+    from fuzz.campaign import Campaign
 
     assert W.inplace_keeps_memory()
-    rep = campaign("dense", "fp16", True, 20.0, 7, factories={"dense": ClaimsInPlaceButCopiesValues})
+    # bounded by examples (caught in the first batch from seed 7), read as found (no shrink)
+    run = Campaign("dense", "fp16", True, 7, factories={"dense": ClaimsInPlaceButCopiesValues}, shrink=False)
+    while run.report.examples < 100 and not run.failed:
+        run.batch()
+    rep = run.report
     assert rep.failure is not None and "in-place write moved the cache's values memory" in str(rep.failure.error)
 
 
