@@ -414,6 +414,89 @@ def kill_matrix_table() -> str:
     return _table(["bug", "runs", "configurations (each caught from every seed)"], rows)
 
 
+#: the record of one ``kvspec mutants --seeds 5 --json`` run (its JSON
+#: document as printed, under ``report``, with where and how it ran)
+MUTANTS_PATH = ROOT / "docs" / "generated" / "mutants.json"
+
+
+def mutants_record() -> dict[str, Any]:
+    if not MUTANTS_PATH.exists():
+        raise DocsError(f"{MUTANTS_PATH.relative_to(ROOT)} is missing: python -m fuzz.docgen mutants REPORT.json")
+    return json.loads(MUTANTS_PATH.read_text())
+
+
+def catch_rows(record: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The record's rows, each with its kind (from the catalog: a variant's
+    row is named ``bug [variant]``), in catalog order."""
+    from fuzz.bugs import catalog
+
+    record = mutants_record() if record is None else record
+    kinds_of = {b.name: b.kind for b in catalog()}
+    rows = []
+    for m in record["report"]["mutants"]:
+        bug = m["name"].split(" [", 1)[0]
+        if bug not in kinds_of:
+            raise DocsError(f"{MUTANTS_PATH.name}: {bug!r} is no catalog entry (python -m fuzz.docgen mutants)")
+        rows.append({**m, "kind": kinds_of[bug]})
+    return rows
+
+
+def catch_summary(record: dict[str, Any] | None = None) -> list[list[Any]]:
+    """Per kind: rows, the median over its rows of their median seconds and
+    examples to catch, and the worst row's median and worst seed."""
+    import statistics
+
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in catch_rows(record):
+        by.setdefault(r["kind"], []).append(r)
+    out = []
+    for kind, rows in by.items():
+        meds = [r["median_seconds"] for r in rows]
+        out.append([kind, len(rows), f"{statistics.median(meds):.2f}", f"{max(meds):.2f}",
+                    f"{max(r['worst_seconds'] for r in rows):.2f}",
+                    f"{statistics.median(r['median_examples'] for r in rows):g}",
+                    max(r["worst_examples"] for r in rows)])
+    return out
+
+
+CATCH_HEAD = ["kind", "rows", "median s (median of rows)", "slowest row's median s", "worst seed s",
+              "median examples", "worst examples"]
+
+
+def catch_times_table() -> str:
+    """Seconds and examples to the first failing example, per catalog row,
+    grouped by kind, from the committed record of ``kvspec mutants``
+    (:data:`MUTANTS_PATH`); a catalog row the record lacks is listed as not
+    measured (a bug added since)."""
+    from fuzz.commands.mutants import entries
+
+    record = mutants_record()
+    rows = {r["name"]: r for r in catch_rows(record)}
+    out = []
+    for kind in dict.fromkeys(e.bug.kind for e in entries()):
+        for e in entries():
+            if e.bug.kind != kind:
+                continue
+            name = f"{e.bug.name} [{e.variant}]" if e.variant else e.bug.name
+            r = rows.get(name)
+            if r is None:
+                out.append([kind, f"`{name}`", "not measured", "", "", ""])
+                continue
+            out.append([kind, f"`{name}`", f"{r['median_seconds']:.2f}", f"{r['worst_seconds']:.2f}",
+                        f"{r['median_examples']:g}", r["worst_examples"]])
+    head = (f"Record `docs/generated/{MUTANTS_PATH.name}`: `{record['command']}`, {record['when']}, "
+            f"{record['machine']}, {record['wall_seconds']:.0f} s wall; {record['report']['seeds']} seeds a row.")
+    return head + "\n\n" + _table(["kind", "row", "median s", "worst s", "median examples", "worst examples"], out)
+
+
+def write_mutants_record(report_path: str, command: str, when: str, machine: str, wall_seconds: float) -> Path:
+    """Write :data:`MUTANTS_PATH` from a ``kvspec mutants --json`` document."""
+    report = json.loads(Path(report_path).read_text())
+    record = {"command": command, "when": when, "machine": machine, "wall_seconds": wall_seconds, "report": report}
+    MUTANTS_PATH.write_text(json.dumps(record, indent=1) + "\n")
+    return MUTANTS_PATH
+
+
 def obligations_record() -> dict[str, Any]:
     if not OBLIGATIONS_PATH.exists():
         raise DocsError(f"{OBLIGATIONS_PATH.relative_to(ROOT)} is missing: python -m fuzz.docgen obligations")
@@ -482,7 +565,7 @@ TABLES = {
     "kinds": kinds_table, "fields": fields_table, "ops": ops_table, "checks": checks_table,
     "exit_codes": exit_codes_table, "bugs": bugs_table, "kill_matrix": kill_matrix_table,
     "obligations": obligations_table, "controls": controls_table, "conformance": conformance_table,
-    "bench": bench_table,
+    "bench": bench_table, "catch_times": catch_times_table,
 }
 
 
@@ -795,6 +878,10 @@ if __name__ == "__main__":  # pragma: no cover - a maintenance command
         from proofs.cli import run_all
 
         print(f"wrote {write_obligations(run_all())}")
+    elif sys.argv[1:2] == ["mutants"] and len(sys.argv) == 7:
+        # python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS
+        print(f"wrote {write_mutants_record(*sys.argv[2:6], float(sys.argv[6]))}")
     else:
-        print("usage: python -m fuzz.docgen obligations", file=sys.stderr)
+        print("usage: python -m fuzz.docgen obligations\n"
+              "       python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS", file=sys.stderr)
         raise SystemExit(2)

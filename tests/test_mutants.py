@@ -133,3 +133,28 @@ def test_kvspec_mutants_jobs_option(monkeypatch, capsys, tmp_path):
         docs.append(json.loads(capsys.readouterr().out))
     assert got == [1, 3, mutants.default_jobs()]
     assert docs[0] == docs[1] == docs[2]
+
+
+def test_the_catch_times_in_the_docs_come_from_the_record():
+    """docs/fuzzing.md's per-kind table of seconds and examples to catch is
+    the one the committed record of ``kvspec mutants --seeds 5 --json``
+    gives (fuzz.docgen.catch_summary), the record has every row of the kill
+    matrix, every row caught in every seed, and no row's median above 10 s;
+    the generated per-row table names every row."""
+    from fuzz import docgen
+
+    record = docgen.mutants_record()
+    assert record["report"]["ok"] and record["report"]["seeds"] == 5
+    rows = docgen.catch_rows(record)
+    names = [f"{e.bug.name} [{e.variant}]" if e.variant else e.bug.name for e in mutants.entries()]
+    assert sorted(r["name"] for r in rows) == sorted(names), (
+        "the record's rows are not the kill matrix's: rerun kvspec mutants --seeds 5 --json and "
+        "python -m fuzz.docgen mutants (docs/fuzzing.md, 'Where the time goes')")
+    assert all(r["caught"] for r in rows)
+    slow = [(r["name"], r["median_seconds"]) for r in rows if r["median_seconds"] > 10]
+    assert not slow, slow
+    text = (Path(__file__).parents[1] / "docs" / "fuzzing.md").read_text()
+    for row in docgen.catch_summary(record):
+        assert "| " + " | ".join(str(c) for c in row) + " |" in text, row
+    table = docgen.catch_times_table()
+    assert "not measured" not in table and all(f"`{n}`" in table for n in names)

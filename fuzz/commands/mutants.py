@@ -307,3 +307,93 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
         console.print(f"[bold yellow]interrupted[/]: {missing} entries not run\n  rerun: {escape(again)}", soft_wrap=True)
     sys.stdout.flush()
     return code
+
+
+#: the parts of a catch that :func:`time_parts` times, in the order of a catch
+PARTS = ("machine class (machine_for)", "Hypothesis test construction", "search (to the first failing example)",
+         "Hypothesis: engine set-up, its shrink phase, the final replay", "op-level shrink (reduce_run, shrink_run)",
+         "failure_trace and save_failure", "clean replay on the real implementation", "other")
+
+
+def time_parts(step: int = 8, seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failures/mutants-parts",
+               shrink_first: bool = True) -> dict:
+    """Where a row's catches spend their wall clock, part by part: every
+    ``step``-th row of the kill matrix from seeds 1..``seeds`` in this
+    process (seed 1 shrunk), each part of ``fuzz.campaign.catch_bug`` timed
+    around its call; garbage collection is timed apart (it happens inside
+    the other parts). ``python -m fuzz.commands.mutants --parts [STEP]``
+    prints it as JSON."""
+    import gc
+    import time
+
+    import fuzz.campaign as fc
+
+    acc = dict.fromkeys(PARTS, 0.0)
+    saved = {name: getattr(fc, name) for name in ("machine_for", "reduce_run", "shrink_run", "failure_trace",
+                                                    "save_failure", "replay", "get_program_test",
+                                                    "get_state_machine_test", "run_machine")}
+
+    traced = [0.0]  # failure_trace's part, which runs inside run_machine
+
+    def timed(name: str, part: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return saved[name](*args, **kwargs)
+            finally:
+                acc[part] += time.perf_counter() - t
+                if name == "failure_trace":
+                    traced[0] += time.perf_counter() - t
+        return call
+
+    inner = {"machine_for": PARTS[0], "get_program_test": PARTS[1], "get_state_machine_test": PARTS[1],
+             "reduce_run": PARTS[4], "shrink_run": PARTS[4], "failure_trace": PARTS[5], "save_failure": PARTS[5],
+             "replay": PARTS[6]}
+    for name, part in inner.items():
+        setattr(fc, name, timed(name, part))
+    machine_seconds = [0.0]
+
+    def run_machine(*args, **kwargs):
+        t = time.perf_counter()
+        result = saved["run_machine"](*args, **kwargs)
+        machine_seconds[0] += time.perf_counter() - t
+        acc[PARTS[2]] += result.seconds_to_catch or 0.0
+        return result
+
+    fc.run_machine = run_machine
+    collecting = [0.0, 0.0]
+
+    def collector(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collecting[0] += time.perf_counter() - collecting[1]
+
+    gc.callbacks.append(collector)
+    rows = entries()[::step]
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        for row in rows:
+            for seed in range(1, seeds + 1):
+                catch_seed(row.bug.name, row.variant, seed, max_examples, out, shrink_first and seed == 1)
+    finally:
+        gc.callbacks.remove(collector)
+        for name, f in saved.items():
+            setattr(fc, name, f)
+    wall = time.perf_counter() - start
+    # run_machine's own time less what is timed inside it (the search, the
+    # test's construction, the op-level shrink and failure_trace)
+    acc[PARTS[3]] = machine_seconds[0] - acc[PARTS[1]] - acc[PARTS[2]] - acc[PARTS[4]] - traced[0]
+    acc[PARTS[7]] = wall - sum(acc[p] for p in PARTS[:7])
+    return {"rows": len(rows), "seeds": seeds, "wall_seconds": round(wall, 2),
+            "cpu_seconds": round(time.process_time() - cpu, 2), "gc_seconds": round(collecting[0], 2),
+            "parts": {p: {"seconds": round(acc[p], 2), "share": round(acc[p] / wall, 3)} for p in PARTS}}
+
+
+if __name__ == "__main__":  # pragma: no cover - a measuring command
+    import sys
+
+    if sys.argv[1:2] != ["--parts"]:
+        print("usage: python -m fuzz.commands.mutants --parts [STEP]", file=sys.stderr)
+        raise SystemExit(2)
+    print(json.dumps(time_parts(int(sys.argv[2]) if len(sys.argv) > 2 else 8), indent=1))
