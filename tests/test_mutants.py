@@ -69,8 +69,15 @@ class FakePool:
     def __exit__(self, *exc):
         return None
 
+    #: raise KeyboardInterrupt (a Ctrl-C) after this many results, yielded
+    #: first task first; None: every result, last task first
+    stop_after: ClassVar[int | None] = None
+
     def run(self, tasks, on_poll=None):
-        for i in reversed(range(len(tasks))):
+        order = range(len(tasks)) if self.stop_after is not None else reversed(range(len(tasks)))
+        for n, i in enumerate(order):
+            if n == self.stop_after:
+                raise KeyboardInterrupt
             if i in self.broken:
                 status = self.broken[i]
                 yield TaskResult(i, None, f"task {tasks[i].label!r} ran past its wall-clock limit" if status == "stopped"
@@ -158,3 +165,19 @@ def test_the_catch_times_in_the_docs_come_from_the_record():
         assert "| " + " | ".join(str(c) for c in row) + " |" in text, row
     table = docgen.catch_times_table()
     assert "not measured" not in table and all(f"`{n}`" in table for n in names)
+
+
+def test_an_interrupted_pool_run_keeps_the_rows_finished_in_order(monkeypatch):
+    """Ctrl-C during a pool run: the rows whose seeds all finished, in
+    catalog order, are what ``kvspec mutants`` prints (exit 130)."""
+    import fuzz.workers
+
+    monkeypatch.setattr(fuzz.workers, "WarmPool", FakePool)
+    monkeypatch.setattr(FakePool, "stop_after", 7)  # two rows of three seeds, and one seed of the third
+    FakePool.broken = {}
+    reports: list[mutants.MutantReport] = []
+    with pytest.raises(KeyboardInterrupt):
+        mutants.run_mutants(3, names=NAMES, jobs=2, reports=reports)
+    rows = mutants.entries(NAMES)[:2]
+    assert [(r.bug.name, r.variant) for r in reports] == [(e.bug.name, e.variant) for e in rows]
+    assert all(r.caught and len(r.examples) == 3 for r in reports)
