@@ -478,9 +478,10 @@ def shrink_run(machine: type[KVMachine], error: Divergence, seconds: float | Non
     none there left out; never ``kind``,
     ``mode``, ``inplace`` or the machine's ``fixed`` fields), each followed
     by the deletions again, until none applies; a candidate that is no
-    valid kvtrace is refused unrun.
-    Every accepted change makes the run smaller (fewer ops, or the same ops
-    with smaller values), so it ends; it is bounded by replays
+    valid kvtrace (fuzz.trace's schema and rules) is refused.
+    Every accepted change makes the run simpler (fewer ops, simpler values,
+    or cache fields nearer the simplest configuration), so it ends; it is
+    bounded by replays
     (:data:`SHRINK_REPLAYS`), not seconds, unless ``seconds`` is given.
     The result is one-minimal under each of these changes: no op can be
     deleted, no two merged, no value made simpler. ``last_run`` becomes the
@@ -788,9 +789,11 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
     examples, trace path, false alarm message or None, flaky note or None).
     ``fixed`` pins cache fields and
     ``check_inplace=False`` leaves only isolation to catch unsafe writes.
-    The trace is the shrunk counterexample, or with ``shrink=False`` the
-    first failing run up to the failing op; either way it is replayed on
-    the real implementation, where it must pass."""
+    The trace is the first failing run as found, shrunk op by op
+    (:func:`shrink_run`, bounded by replays: the same trace on an idle or a
+    loaded machine), or with ``shrink=False`` that run as found, up to the
+    failing op; either way it is replayed on the real implementation, where
+    it must pass."""
     machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories, check_inplace, fixed)
     result = run_machine(machine, seed, max_examples=max_examples, shrink=shrink, ops_shrink=True)
     if not result.failed:
