@@ -880,7 +880,8 @@ if __name__ == "__main__":  # pragma: no cover - a maintenance command
         print(f"wrote {write_obligations(run_all())}")
     elif sys.argv[1:2] == ["mutants"] and len(sys.argv) == 7:
         # python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS
-        print(f"wrote {write_mutants_record(*sys.argv[2:6], float(sys.argv[6]))}")
+        report_path, command, when, machine, wall = sys.argv[2:7]
+        print(f"wrote {write_mutants_record(report_path, command, when, machine, float(wall))}")
     else:
         print("usage: python -m fuzz.docgen obligations\n"
               "       python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS", file=sys.stderr)
