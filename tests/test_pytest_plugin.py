@@ -3,8 +3,13 @@ in a folder outside this repository, runs kvspec's state machines against a
 cache class of its own package, under its own Hypothesis profile and example
 database; a planted bug fails with a shrunk kvtrace and its replay command.
 
-Each run is a child pytest process (pytester's subprocess mode), as a
-user's suite would be.
+The runs whose subject is a user's suite as it starts (the entry point, the
+plugin's options and the user's package found from its own folder) are
+child pytest processes (pytester's subprocess mode), as a user's suite
+would be; the runs that check what a run reports (usage errors of the
+plugin's options, the failure report, a replay from the example database,
+a second run under the same seed) run in this process (pytester's
+in-process mode), which spares each the start of a Python with MLX.
 
 pytester's fixture snapshots sys.modules and, when its test ends, drops every
 module first imported during the test; MLX's extension (nanobind) aborts the
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import mlx.core  # noqa: F401  (see the module docstring)
 import pytest
+from hypothesis import settings
 
 import fuzz.campaign
 import fuzz.replay  # (see the module docstring)
@@ -58,13 +64,24 @@ def suite(pytester, tmp_path, monkeypatch):
     pytester.makeconftest(CONFTEST.format(db=db))
     # for this test only (a later test in the same worker must not inherit it)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    return pytester, db
+    # an in-process run loads the user's Hypothesis profile: this suite's comes back after the test
+    profile = settings.get_current_profile_name()
+    yield pytester, db
+    settings.load_profile(profile)
 
 
 def _run(pytester, *args):
+    """The user's suite in a child pytest process."""
     plugin = () if _installed() else ("-p", "fuzz.pytest_plugin")
     return pytester.runpytest_subprocess(*plugin, "-p", "no:cacheprovider", "--hypothesis-profile=user",
                                          "--kvspec-out=traces", *args, timeout=300)
+
+
+def _run_here(pytester, *args):
+    """The same run in this process (see the module's doc)."""
+    plugin = () if _installed() else ("-p", "fuzz.pytest_plugin")
+    return pytester.runpytest_inprocess(*plugin, "-p", "no:cacheprovider", "--hypothesis-profile=user",
+                                        "--kvspec-out=traces", *args)
 
 
 def test_the_entry_point_is_declared():
@@ -101,7 +118,7 @@ test_negative_trim = kvspec_test("usercache.cache:NegativeTrimCache")
     capsys.readouterr()
     # the failure went into the profile's example database, so the next run replays it first
     assert db.is_dir() and any(db.rglob("*"))
-    again = _run(pytester, "-q", "-k", "negative")
+    again = _run_here(pytester, "-q", "-k", "negative")
     again.assert_outcomes(failed=1)
 
 
@@ -149,7 +166,7 @@ def test_the_failure_report_is_the_divergence_and_its_replay_line(suite, how):
         args = ["-q"]
     else:
         args = ["-q", "--kvspec-target=usercache.cache:NegativeTrimCache"]
-    result = _run(pytester, *args, "--hypothesis-profile=nodb", "--kvspec-budget=30", "--kvspec-seed=5")
+    result = _run_here(pytester, *args, "--hypothesis-profile=nodb", "--kvspec-budget=30", "--kvspec-seed=5")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     section = _failure_section(out)
@@ -163,14 +180,15 @@ def test_the_failure_report_is_the_divergence_and_its_replay_line(suite, how):
 
 def test_the_seed_makes_two_runs_identical(suite):
     """The same --kvspec-seed, no example database and no shrinking: the same
-    first failing example, byte for byte; another seed draws another."""
+    first failing example, byte for byte, in a child process and in this
+    one; another seed draws another."""
     pytester, _ = suite
     pytester.makepyfile(test_user_cache=NEGATIVE)
     trace = pytester.path / "traces" / "usercache.cache_NegativeTrimCache-dense-fp16.json"
     got = []
-    for seed in (11, 11, 12):
-        result = _run(pytester, "-q", "--hypothesis-profile=nodb", "--kvspec-budget=50", f"--kvspec-seed={seed}",
-                      "--kvspec-shrinks=0")
+    for run, seed in ((_run, 11), (_run_here, 11), (_run_here, 12)):
+        result = run(pytester, "-q", "--hypothesis-profile=nodb", "--kvspec-budget=50", f"--kvspec-seed={seed}",
+                     "--kvspec-shrinks=0")
         result.assert_outcomes(failed=1)
         got.append((trace.read_text(), "\n".join(_failure_section(result.stdout.str()))))
         trace.unlink()
@@ -182,7 +200,7 @@ def test_the_seed_makes_two_runs_identical(suite):
                                     "--kvspec-shrinks=-2"])
 def test_a_bad_budget_seed_or_shrinks_is_a_usage_error(suite, option):
     pytester, _ = suite
-    result = _run(pytester, option)
+    result = _run_here(pytester, option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert option.split("=")[0] in result.stderr.str() and "Traceback" not in result.stderr.str()
 
