@@ -164,6 +164,12 @@ FAKE_HUB = """
 import multiprocessing, os, sys, time
 
 def worker(die):
+    if die == 'found':  # a failure found and shrunk: its trace written, the worker ends
+        out, run = os.environ['KVSPEC_CAMPAIGN_OUT'], os.environ['KVSPEC_CAMPAIGN_RUN']
+        with open(os.path.join(out, f'campaign-dense-fp16-inplace-{run}.json'), 'w') as f:
+            f.write('{}')
+        time.sleep(1.5)
+        os._exit(0)
     if die:
         time.sleep(1.5)
         os._exit(137)
@@ -172,7 +178,8 @@ def worker(die):
 if __name__ == '__main__':
     multiprocessing.set_start_method('spawn', force=True)
     die = os.environ.get('FAKE_HUB_DIE')
-    procs = [multiprocessing.Process(target=worker, args=(die == 'worker' and i == 0,)) for i in range(2)]
+    procs = [multiprocessing.Process(target=worker, args=(i == 0 and die in ('worker', 'found') and die,))
+             for i in range(2)]
     for p in procs:
         p.start()
     print('using 2 processes to fuzz 1 test', flush=True)
@@ -187,7 +194,7 @@ if __name__ == '__main__':
 """
 
 
-@pytest.mark.parametrize("die", ["worker", "hub", None])
+@pytest.mark.parametrize("die", ["worker", "hub", None, "found"])
 def test_a_worker_that_dies_is_not_reported_as_no_failure(monkeypatch, capsys, tmp_path, die):
     """HypoFuzz's hub never checks its workers: one killed mid-run (for
     memory, a crash in native code) leaves it waiting, and the campaign
@@ -196,7 +203,9 @@ def test_a_worker_that_dies_is_not_reported_as_no_failure(monkeypatch, capsys, t
     death; a hub that exits by itself (an error of its own) after 1.5 s:
     exit 2 naming its exit status (a check of that early exit could be
     dropped and every other test passed); the same hub whose workers live:
-    exit 0."""
+    exit 0. A worker that ends after every campaign's failure was written
+    ends the search (exit 1) long before its budget: the hub would notice
+    only at its next minute."""
     from fuzz.commands import campaign
 
     script = tmp_path / "hub.py"
@@ -204,10 +213,14 @@ def test_a_worker_that_dies_is_not_reported_as_no_failure(monkeypatch, capsys, t
     monkeypatch.setattr(campaign, "LAUNCH", f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
     monkeypatch.setattr(campaign, "hypofuzz_missing", lambda: None)
     monkeypatch.setenv("FAKE_HUB_DIE", die or "")
-    code = main(["campaign", "--budget", "5", "-j", "2", "--no-dashboard", "--db", str(tmp_path / "db"),
+    budget = ["--budget", "120", "--only", "dense/fp16/inplace"] if die == "found" else ["--budget", "5"]
+    code = main(["campaign", *budget, "-j", "2", "--no-dashboard", "--db", str(tmp_path / "db"),
                  "--out", str(tmp_path / "out"), "--json"])
     doc = json.loads(capsys.readouterr().out)
-    if die == "worker":
+    if die == "found":
+        assert code == 1 and len(doc["failures"]) == 1 and not doc["interrupted"], doc
+        assert doc["seconds"] < 60, doc  # a bound far from both: the end came from the worker, not the budget
+    elif die == "worker":
         assert code == 2, doc
         assert "HypoFuzz process died" in doc["error"] and "did not run its budget" in doc["error"], doc
     elif die == "hub":

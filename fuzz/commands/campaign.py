@@ -174,13 +174,22 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
     # campaign would report "no failure" for a search that stopped
     seen: set[int] = set()
     died: dict[int, float] = {}
+    #: seconds into the run when every campaign had its failure's trace
+    all_found: float | None = None
     try:
         while time.monotonic() - start < args.budget and proc.poll() is None:
             time.sleep(min(1.0, max(args.budget - (time.monotonic() - start), 0.05)))
+            if all_found is None and len(list(out.glob(f"campaign-*-{run}.json"))) >= len(chosen):
+                all_found = time.monotonic() - start
             if proc.poll() is None:
                 live = spawned_children(proc.pid)
                 died.update((pid, time.monotonic() - start) for pid in seen - live - set(died))
                 seen |= live
+            # every campaign has failed and a HypoFuzz worker has ended since (its shrinking
+            # done): nothing is left to search. HypoFuzz's hub looks at its workers only once
+            # a minute, and would keep the campaign waiting until then.
+            if all_found is not None and any(t >= all_found for t in died.values()):
+                break
             if url is not None:
                 try:
                     progress = dashboard_progress(url, timeout=2.0) or progress
