@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from fuzz.commands import mutation_changed as mc
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "fuzz" / "schemas" / "mutants-changed.schema.json").read_text())
@@ -42,13 +42,6 @@ WEAK = '''
 def sample_clamp_offset(offset: int, capacity: int) -> int:
     """``offset`` clamped to ``[0, capacity]``."""
     return max(0, min(offset, capacity))
-'''
-WEAK_TEST = '''
-from spec.paged import sample_clamp_offset
-
-
-def test_sample_clamp_offset_inside():  # planted weak test: never at or beyond an edge
-    assert sample_clamp_offset(3, 8) == 3
 '''
 
 
@@ -91,11 +84,30 @@ def test_all_killed_reports_none(clone: Path) -> None:
     assert doc["ok"] and doc["exit"] == 0 and doc["survived"] == 0
 
 
+SLOW_WEAK_TEST = '''
+import time
+from spec.paged import sample_clamp_offset
+
+def test_sample_clamp_offset_slowly():  # planted weak test that takes 2 s of wall time
+    time.sleep(2.0)
+    assert sample_clamp_offset(3, 8) == 3
+'''
+
+
 def test_planted_weak_test_survivor_reported(clone: Path) -> None:
+    """The survivor of a planted weak test is reported with its line and
+    diff. The weak test is a slow one (2 s of wall time): mutmut's runner
+    stopped a mutant on wall time ((its tests' time + 1 s) x
+    ``timeout_multiplier``), so on a busy machine a survivor became a
+    "timeout" (detected) and the planted weak test reported nothing. The
+    runner's limit is per test, 4 x that test's own clean duration + 3 s, so
+    a test that sleeps 2 s gives its survivor 11 s; a timeout is retried at
+    5x before it stands (tests/test_mutation_run_units.py checks the retry on
+    a simulated clock)."""
     # uncommitted, on top of the strong commit: only the weak change is new
     paged = clone / "spec" / "paged.py"
     paged.write_text(paged.read_text() + WEAK)
-    (clone / "tests" / "test_sample_pr.py").write_text(STRONG_TEST + WEAK_TEST)
+    (clone / "tests" / "test_sample_pr.py").write_text(STRONG_TEST + SLOW_WEAK_TEST)
     line = paged.read_text().splitlines().index("    return max(0, min(offset, capacity))") + 1
     report = mc.run_changed(clone, "HEAD", max_children=2)
     assert report.changed == {"spec/paged.py": set(range(line - 4, line + 1))}
@@ -111,39 +123,9 @@ def test_planted_weak_test_survivor_reported(clone: Path) -> None:
     assert {s["line"] for s in doc["survivors"]} == {line}
 
 
-SLOW_WEAK_TEST = '''
-import time
-from spec.paged import sample_clamp_offset
-
-def test_sample_clamp_offset_slowly():  # planted weak test that takes 2 s of wall time
-    time.sleep(2.0)
-    assert sample_clamp_offset(3, 8) == 3
-'''
-
-
-def test_a_slow_survivor_is_reported_not_timed_out(tmp_path_factory) -> None:
-    """mutmut's runner stopped a mutant on wall time ((its tests' time + 1 s)
-    x ``timeout_multiplier``), so on a busy machine a survivor became a
-    "timeout" (detected) and the planted weak test reported nothing. The
-    runner's limit is per test, 4 x that test's own clean duration + 3 s, so
-    a test that sleeps 2 s gives its survivor 11 s; a timeout is retried at
-    5x before it stands (tests/test_mutation_run_units.py checks the retry on
-    a simulated clock). Here the survivor of the slow weak test is reported."""
-    repo = _make_clone(tmp_path_factory)
-    paged = repo / "spec" / "paged.py"
-    paged.write_text(paged.read_text() + WEAK)
-    (repo / "tests" / "test_sample_pr.py").write_text(STRONG_TEST + SLOW_WEAK_TEST)
-    line = paged.read_text().splitlines().index("    return max(0, min(offset, capacity))") + 1
-    report = mc.run_changed(repo, "HEAD", max_children=2)
-    assert report.mutants, "the change must breed mutants"
-    assert {m.line for m in report.survivors} == {line}, [m.to_json() for m in report.mutants]
-
-
 def test_cli_exit_status_and_bad_revision(clone: Path) -> None:
-    # this tree's CLI (not the clone's committed copy), run in the clone
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from fuzz.commands.cli import main; "
-            "raise SystemExit(main(['mutants', '--changed', 'no-such-rev', '--json']))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=clone, capture_output=True, text=True, check=False)
+    # this tree's CLI (not the clone's committed copy), run in the clone (on a warm worker: tests/warm_cli.py)
+    p = warm_cli.kvspec("mutants", "--changed", "no-such-rev", "--json", cwd=clone)
     assert p.returncode == 2, p.stderr
     doc = json.loads(p.stdout)
     assert "no-such-rev" in doc["error"] and "--changed" in doc["error"]
