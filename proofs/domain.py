@@ -331,18 +331,30 @@ def check_valid(
     return Check("unknown", reason=reason, seconds=dt, units=used, units_given=given)
 
 
+def substitute(expr: Any, pairs: list[tuple[Any, Any]]) -> Any:
+    """``z3.substitute(expr, *pairs)`` without z3's checks of every pair in
+    Python (a sort object made and compared per pair and per call: most of
+    an :func:`evaluate` of a world of a hundred variables). Z3 itself still
+    refuses a pair of two sorts (Z3Exception "type error")."""
+    n = len(pairs)
+    src, dst = (z3.Ast * n)(), (z3.Ast * n)()
+    for i, (a, b) in enumerate(pairs):
+        src[i], dst[i] = a.as_ast(), b.as_ast()
+    return z3.z3._to_expr_ref(z3.Z3_substitute(expr.ctx.ref(), expr.as_ast(), n, src, dst), expr.ctx)
+
+
 def evaluate(expr: Any, subs: dict[Any, Any], dom: Domain | None = None) -> Any:
     """Substitute concrete values and simplify to a Python value (bool/int).
     In bv32 the wrapped results are defined by facts, so the value is read
     from a model of the facts instead."""
     pairs = [(k, v) for k, v in subs.items()]
-    out = z3.simplify(z3.substitute(expr, *pairs)) if pairs else z3.simplify(expr)
+    out = z3.simplify(substitute(expr, pairs)) if pairs else z3.simplify(expr)
     if dom is not None and dom.facts and not (z3.is_true(out) or z3.is_false(out) or z3.is_int_value(out)):
         s = solver()
-        s.add(*[z3.substitute(f, *pairs) for f in dom.facts])
+        s.add(*[substitute(f, pairs) for f in dom.facts])
         if s.check() != z3.sat:
             raise ValueError("facts unsatisfiable for these values")
-        out = s.model().eval(z3.substitute(expr, *pairs), model_completion=True)
+        out = s.model().eval(substitute(expr, pairs), model_completion=True)
     if z3.is_true(out):
         return True
     if z3.is_false(out):
