@@ -176,9 +176,13 @@ def test_broken_trim_fails_the_traces(adapters, capsys):
 
 
 def test_fuzz_shrinks_the_broken_trim_to_one_op(adapters, capsys, tmp_path):
+    """Shrunk under the default limit (the budget), the failure is not cut
+    (the cut one: test_shrinking_a_slow_adapter_stops_at_the_shrink_budget)
+    and is one op."""
     code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['broken_trim']}", "--budget", "20",
-                            "--seed", "5", "--out", str(tmp_path))
+                            "--seed", "5", "--inplace", "on", "--out", str(tmp_path))
     assert code == 1 and report["runs"][0]["result"] == "FAILED", report
+    assert report["runs"][0]["shrink_cut"] is False, report
     trace = load(report["runs"][0]["trace"])
     assert trace.cache["rows"] == "portable"
     ops = [op for op in trace.ops if op["op"] != "expect"]
@@ -204,10 +208,8 @@ def test_shrinking_a_slow_adapter_stops_at_the_shrink_budget(adapters, capsys, t
     assert row["shrink_cut"] is True and 1.5 <= row["shrink_seconds"] < 6, row
     assert took < row["seconds"] + 6, (took, row)  # search + the 1.5 s cap + one example's overshoot
     assert run(capsys, "replay", row["trace"], "--target", f"exec:{adapters['slow_broken_trim']}")[0] == 1
-    # the same failure shrunk under the default limit (the budget) is not cut
-    code, report = run_json(capsys, "fuzz", "--target", f"exec:{adapters['broken_trim']}", "--budget", "20",
-                            "--seed", "5", "--inplace", "on", "--out", str(tmp_path))
-    assert code == 1 and report["runs"][0]["shrink_cut"] is False, report
+    # the same failure shrunk under the default limit (the budget) is not cut:
+    # test_fuzz_shrinks_the_broken_trim_to_one_op
     with pytest.raises(SystemExit) as exit_:
         main(["fuzz", "--target", f"exec:{adapters['good']}", "--budget", "1", "--shrink-budget=-1"])
     err = capsys.readouterr().err
