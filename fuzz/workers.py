@@ -243,6 +243,18 @@ def resolve(func: str) -> Callable[..., Any]:
     return obj
 
 
+def _import(name: str) -> None:
+    """Import ``name``; a third-party module that is not installed (Z3 on a
+    machine without it) is left out: the task that needs it says so itself.
+    A module of the project that is missing or broken is an error."""
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        missing = exc.name or ""
+        if not missing or missing.split(".", 1)[0] in GUARDED:
+            raise
+
+
 def _preload(preload: Iterable[str]) -> None:
     import pkgutil
 
@@ -253,9 +265,9 @@ def _preload(preload: Iterable[str]) -> None:
             package = importlib.import_module(entry[:-2])
             for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
                 if not info.name.startswith(NOT_PRELOADED):
-                    importlib.import_module(info.name)
+                    _import(info.name)
         else:
-            importlib.import_module(entry)
+            _import(entry)
 
 
 def _worker_main(conn: Any, preload: tuple[str, ...], guard: bool) -> None:
