@@ -58,7 +58,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 #: Every other file runs whole on one worker, in file order, so its module
 #: fixtures (the proofs run, the browser, the compiled adapters) are built
 #: once.
-SPREAD = frozenset({"test_bugs.py", "test_reports.py", "test_campaigns.py", "test_e2e.py"})
+SPREAD = frozenset({"test_bugs.py", "test_reports.py", "test_e2e.py"})
 
 
 @pytest.hookimpl(optionalhook=True)

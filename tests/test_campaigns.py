@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
+
 REPO = Path(__file__).resolve().parent.parent
 BUG = "inplace_after_trim"
 TIMEOUT = 240
@@ -32,19 +34,37 @@ def fuzz(*argv: str) -> subprocess.Popen:
                              *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=TIMEOUT)
+def warm_fuzz(*argv: str) -> subprocess.CompletedProcess:
+    """The same command on a warm worker (tests/warm_cli.py): for the runs
+    whose process is not what is checked."""
+    return warm_cli.kvspec("fuzz", "--bug", BUG, "--inplace", "on", *argv, timeout=TIMEOUT)
+
+
+def finish(proc: subprocess.Popen | subprocess.CompletedProcess) -> dict:
+    if isinstance(proc, subprocess.Popen):
+        out, err = proc.communicate(timeout=TIMEOUT)
+    else:
+        out, err = proc.stdout, proc.stderr
     assert proc.returncode == 1, out + err  # the bug is caught
     (run,) = json.loads(out)["runs"]
     return run
 
 
-def test_a_failure_saved_in_a_folder_is_replayed_first(tmp_path):
+@pytest.fixture(scope="module")
+def control(tmp_path_factory) -> dict:
+    """Seed 7 with no database: it needs more than one example to catch the
+    bug by itself (the tests below show a saved failure makes it one)."""
+    run = finish(warm_fuzz("--budget", "30", "--seed", "7", "--json", "--db", "none",
+                           "--out", str(tmp_path_factory.mktemp("control")), *NO_SHRINK))
+    assert run["examples_to_catch"] > 1  # this seed does not catch it at once by itself
+    return run
+
+
+def test_a_failure_saved_in_a_folder_is_replayed_first(tmp_path, control):
     db = str(tmp_path / "db")
-    control = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", "none", "--out", str(tmp_path), *NO_SHRINK))
-    assert control["examples_to_catch"] > 1  # this seed does not catch it at once by itself
-    first = finish(fuzz("--budget", "30", "--seed", "3", "--json", "--db", db, "--out", str(tmp_path)))
+    first = finish(warm_fuzz("--budget", "30", "--seed", "3", "--json", "--db", db, "--out", str(tmp_path)))
     assert first["result"] == "FAILED" and any((tmp_path / "db").iterdir())
+    # another process replays it
     again = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", db, "--out", str(tmp_path), *NO_SHRINK))
     assert again["examples_to_catch"] == 1, again  # the saved failure ran first
 
@@ -52,8 +72,8 @@ def test_a_failure_saved_in_a_folder_is_replayed_first(tmp_path):
 def test_a_bad_database_is_refused_before_any_work(tmp_path):
     (tmp_path / "f").write_text("")
     for where, needle in ((str(tmp_path / "f"), "is not a folder"), ("redis://127.0.0.1:1", "cannot reach")):
-        proc = fuzz("--budget", "5", "--db", where)
-        out, err = proc.communicate(timeout=TIMEOUT)
+        proc = warm_fuzz("--budget", "5", "--db", where)
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 2 and needle in out + err and "Traceback" not in err
 
 
@@ -90,10 +110,8 @@ def redis_url(tmp_path):
         proc.wait(timeout=30)
 
 
-def test_two_workers_share_one_redis_database_and_a_killed_worker_loses_nothing(redis_url, tmp_path):
+def test_two_workers_share_one_redis_database_and_a_killed_worker_loses_nothing(redis_url, tmp_path, control):
     url, client = redis_url
-    control = finish(fuzz("--budget", "30", "--seed", "7", "--json", "--db", "none", "--out", str(tmp_path), *NO_SHRINK))
-    assert control["examples_to_catch"] > 1
     # worker A finds the bug and is killed (SIGKILL) while it shrinks
     a = fuzz("--budget", "300", "--seed", "3", "--db", url, "--out", str(tmp_path / "a"))
     deadline = time.monotonic() + TIMEOUT
