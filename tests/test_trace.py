@@ -71,9 +71,11 @@ def test_bad_input_is_refused_with_where_and_what(bad, message):
 
 
 def test_a_ring_bound_counts_its_window_not_every_row():
-    ops = [{"op": "append", "n": 1}] * 300_000
-    loads(json.dumps(doc({"kind": "rotating", "max_size": 64, "head_dim": 64, "kv_heads": 2}, ops)))
-    assert "elements per tensor" in refused(doc({"kind": "dense", "head_dim": 64, "kv_heads": 2}, ops))
+    """Rows of 8 x 1024 elements: 4,096 one-row appends are twice the
+    MAX_ELEMENTS of a dense buffer, and a 64-row ring's window holds 1/32 of it."""
+    ops = [{"op": "append", "n": 1}] * 4096
+    loads(json.dumps(doc({"kind": "rotating", "max_size": 64, "head_dim": 1024, "kv_heads": 8}, ops)))
+    assert "elements per tensor" in refused(doc({"kind": "dense", "head_dim": 1024, "kv_heads": 8}, ops))
 
 
 def test_an_op_the_kind_lacks_is_a_format_error():
