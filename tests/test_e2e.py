@@ -49,6 +49,11 @@ def test_scenario_passes(name):
     assert result.tokens >= 40 and result.distinct >= 30
     if name == "speculative":
         assert result.acceptance is not None and 0.1 < result.acceptance < 0.9
+    if name == "turbo":  # speculative equals greedy in every Turbo mode, and the deviation is reported
+        assert "speculative = greedy bytes in turbo4asym, turbo4, turbo3asym" in result.detail
+        for mode in ("turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"):
+            assert f"{mode} vs fp16: max |dlogp|" in result.detail
+        assert 0 < result.acceptance < 1
 
 
 # -- injected bugs make the scenarios fail ---------------------------------------
