@@ -165,8 +165,10 @@ def test_sarif_rule_ids_leave_holder_names_out():
 
 # -- fuzz: budget, shrinking, interleaving, -j, junit, rerun ---------------------------
 def test_fuzz_reports_shrinking_apart_from_the_budget(tmp_path):
+    # --shrink-budget 2: the shrinking is reported apart whether it ends or is cut (a cut one
+    # still writes the smallest failing run found), and the verdict is FAILED either way
     proc = kvspec("fuzz", "--bug", "inplace_after_trim", "--inplace", "on", "--budget", "60", "--seed", "1", "--json",
-                  "--out", str(tmp_path), "--junit-xml", str(tmp_path / "f.xml"))
+                  "--shrink-budget", "2", "--out", str(tmp_path), "--junit-xml", str(tmp_path / "f.xml"))
     assert proc.returncode == 1, proc.stderr
     doc = valid("fuzz", json.loads(proc.stdout))
     (row,) = doc["runs"]
