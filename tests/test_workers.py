@@ -201,3 +201,13 @@ def test_a_caller_that_stops_early_leaves_the_pool_usable():
         it.close()  # the sleeping task is abandoned: its worker killed and replaced
         (again,) = pool.map([Task(f"{HERE}:pid")])
     assert first.ok and again.ok and pool.started == 3
+
+
+def test_the_limit_counts_from_the_tasks_own_start():
+    # one worker, three tasks of 1.2 s under a 2.5 s limit: the last starts
+    # 2.4 s into the run and must not be stopped (a limit counted from the
+    # run's start, or from when it was queued, would stop it)
+    tasks = [Task(f"{HERE}:sleep", (1.2,), limit=2.5) for _ in range(3)]
+    with WarmPool(1, preload=PRELOAD) as pool:
+        results = pool.map(tasks)
+    assert [r.status for r in results] == ["ok", "ok", "ok"] and pool.started == 1
