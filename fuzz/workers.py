@@ -31,7 +31,8 @@ the task itself. A :class:`WarmPool` starts ``workers`` processes that import
   the next task's verdict. Before its first task a worker fingerprints what
   a task could leak (:func:`fingerprint`): every attribute of every loaded
   module under ``spec``, ``impl``, ``fuzz`` and ``proofs`` and of the
-  classes they define (by identity), ``os.environ``, the working directory,
+  classes they define (by identity; a module-level dict, list or set also
+  by its shallow contents: keys and the values' identities), ``os.environ``, the working directory,
   ``sys.path``, Hypothesis's default settings profile, the garbage
   collector's freeze count and MLX's default device. After each task it
   compares; a difference is the result's ``leaked`` (the names that
@@ -96,6 +97,12 @@ MAY_CHANGE: dict[str, str] = {
     "fuzz.interrupt._installed": "the SIGINT handler installed by a command",
     "fuzz.adapters.vllm._V": "vLLM's modules, imported on first use",
     "fuzz.adapters.llama_cpp._FOLDER": "llama.cpp's build folder, found on first use",
+    "impl.write.COUNTS": "how many in-place writes each mechanism made in this process (a counter, read to show "
+                         "which path ran)",
+    "impl.recurrent._RECORDED": "the recorded subclass of each recurrent model class, built on first use",
+    "fuzz.failures._HARNESS": "the harness's folders, found on first use",
+    "fuzz.rows._DTYPE_NAMES": "the kvtrace name of each MLX dtype, cached on first use",
+    "fuzz.trace._VALIDATORS": "the kvtrace schema's validators, built on first use",
 }
 
 #: attributes Python itself adds on first use: copyreg's slot names on a
@@ -160,9 +167,29 @@ def _guarded_modules(packages: tuple[str, ...] = GUARDED) -> dict[str, ModuleTyp
             if isinstance(mod, ModuleType) and name.split(".", 1)[0] in packages}
 
 
-def _module_state(name: str, mod: ModuleType) -> dict[str, int | None]:
+def _contents(value: Any) -> int | None:
+    """A shallow fingerprint of a module-level dict, list or set (None: not
+    one): a dict's keys (by value) in order with its values' identities, a
+    list's items' identities, a set's items, hashed. Cheap; it sees an
+    entry added, removed or replaced in place, not a change inside an
+    entry's own value."""
+    try:
+        if isinstance(value, dict):
+            return hash(tuple([(k, id(v)) for k, v in list(value.items())]))
+        if isinstance(value, list):
+            return hash(tuple([id(v) for v in list(value)]))
+        if isinstance(value, set):
+            return hash(frozenset(list(value)))
+    except Exception:  # noqa: BLE001 - a key whose hash raises: its identity is all we compare
+        return None
+    return None
+
+
+def _module_state(name: str, mod: ModuleType) -> dict[str, Any]:
     """``"module.attr"`` and ``"module.Class.attr"`` -> the value's id (None:
-    a submodule, which an import binds and nothing else changes)."""
+    a submodule, which an import binds and nothing else changes); for a
+    module-level dict, list or set, its id and :func:`_contents` (an
+    in-place ``KINDS.pop(k)`` is a change too)."""
     out: dict[str, int | None] = {}
     for attr, value in list(vars(mod).items()):
         key = f"{name}.{attr}"
@@ -171,7 +198,8 @@ def _module_state(name: str, mod: ModuleType) -> dict[str, int | None]:
         if isinstance(value, ModuleType):
             out[key] = None
             continue
-        out[key] = id(value)
+        contents = None if attr.startswith("__") else _contents(value)
+        out[key] = id(value) if contents is None else (id(value), contents)
         if isinstance(value, type) and getattr(value, "__module__", None) == name and attr == value.__name__:
             for cattr, cvalue in list(vars(value).items()):
                 if cattr not in _LAZY_CLASS_ATTRS:

@@ -6,7 +6,9 @@ replaced, so the next task never sees it)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import time
 
 import pytest
@@ -77,6 +79,109 @@ def patch_and_restore() -> str:
     return "restored"
 
 
+def preset_env() -> None:
+    """A preload entry: an environment variable set before the first task."""
+    os.environ["KVSPEC_SET_BEFORE_THE_POOL"] = "1"
+
+
+def del_env() -> None:
+    del os.environ["KVSPEC_SET_BEFORE_THE_POOL"]
+
+
+def env_is_intact() -> bool:
+    return os.environ.get("KVSPEC_SET_BEFORE_THE_POOL") == "1"
+
+
+def del_class_attr() -> None:
+    """Leaks: deletes a method of an impl class (its base class's, if any,
+    answers from then on)."""
+    from impl.dense import KVCache
+
+    del KVCache.trim
+
+
+def trim_is_defined() -> bool:
+    from impl.dense import KVCache
+
+    return "trim" in vars(KVCache)
+
+
+def pop_kind() -> None:
+    """Leaks: removes a kind from the registry in place (the dict is the same object)."""
+    from fuzz.kinds import KINDS
+
+    KINDS.pop(next(iter(KINDS)))
+
+
+def kinds_are_whole() -> bool:
+    from fuzz.kinds import KINDS
+
+    return len(KINDS) == KINDS_AT_IMPORT
+
+
+def _kinds_at_import() -> int:
+    from fuzz.kinds import KINDS
+
+    return len(KINDS)
+
+
+KINDS_AT_IMPORT = _kinds_at_import()
+
+LEAK_DIR = "/"
+LEAK_PATH = "/kvspec-leaked-by-a-task"
+LEAK_PROFILE = "kvspec-leaked-by-a-task"
+LEAK_DEVICE = "Device(cpu, 1)"
+
+
+def leak_cwd() -> None:
+    os.chdir(LEAK_DIR)
+
+
+def cwd_is_clean() -> bool:
+    return os.getcwd() != LEAK_DIR
+
+
+def leak_sys_path() -> None:
+    sys.path.append(LEAK_PATH)
+
+
+def sys_path_is_clean() -> bool:
+    return LEAK_PATH not in sys.path
+
+
+def leak_profile() -> None:
+    from hypothesis import settings
+
+    settings.register_profile(LEAK_PROFILE, max_examples=3)
+    settings.load_profile(LEAK_PROFILE)
+
+
+def profile_is_clean() -> bool:
+    from hypothesis import settings
+
+    return settings._current_profile != LEAK_PROFILE and settings.default.max_examples != 3
+
+
+def leak_gc_freeze() -> None:
+    gc.freeze()
+
+
+def gc_is_unfrozen() -> bool:
+    return gc.get_freeze_count() == 0
+
+
+def leak_device() -> None:
+    import mlx.core as mx
+
+    mx.set_default_device(mx.Device(mx.cpu, 1))  # neither a GPU machine's default nor a CPU one's
+
+
+def device_is_clean() -> bool:
+    import mlx.core as mx
+
+    return str(mx.default_device()) != LEAK_DEVICE
+
+
 def import_new_module() -> bool:
     import fuzz.render  # noqa: F401 - a first import is no leak
 
@@ -140,17 +245,31 @@ def test_a_worker_that_dies_is_reported_and_replaced():
 @pytest.mark.parametrize("leak, probe, name", [
     ("patch_impl", "trim_is_original", "impl.dense.KVCache.trim"),
     ("set_env", "env_is_clean", "os.environ[KVSPEC_LEAKED_BY_A_TASK]"),
+    # what a task deletes is a change too: an environment variable set
+    # before the first task, a class attribute
+    ("del_env", "env_is_intact", "os.environ[KVSPEC_SET_BEFORE_THE_POOL]"),
+    ("del_class_attr", "trim_is_defined", "impl.dense.KVCache.trim"),
+    # a module-level container changed in place (the same dict object)
+    ("pop_kind", "kinds_are_whole", "fuzz.kinds.KINDS"),
+    # every entry of the fingerprint the module's doc promises beyond the
+    # modules and the environment
+    ("leak_cwd", "cwd_is_clean", "os.getcwd()"),
+    ("leak_sys_path", "sys_path_is_clean", "sys.path"),
+    ("leak_profile", "profile_is_clean", "hypothesis settings profile"),
+    ("leak_gc_freeze", "gc_is_unfrozen", "gc.get_freeze_count()"),
+    ("leak_device", "device_is_clean", "mlx default device"),
 ])
 def test_a_leaking_task_is_caught_and_the_next_task_never_sees_the_leak(leak, probe, name):
     tasks = [Task(f"{HERE}:{leak}", weight=2), Task(f"{HERE}:{probe}", weight=1)]
-    with WarmPool(1, preload=PRELOAD) as pool:
+    preload = (*PRELOAD, "fuzz.kinds", "mlx.core", "hypothesis", f"{HERE}:preset_env")
+    with WarmPool(1, preload=preload) as pool:
         leaked, after = pool.map(tasks)
-    assert leaked.status == "leaked" and not leaked.ok and name in (leaked.leaked or "").split(", ")
-    assert after.ok and after.value is True and after.leaked is None
+    assert leaked.status == "leaked" and not leaked.ok and name in (leaked.leaked or "").split(", "), leaked
+    assert after.ok and after.value is True and after.leaked is None, after
     assert pool.started == 2 and name in pool.replaced[0]
     # the control: without the guard the same worker runs the next task, and
     # it sees the leak (what the guard is there for)
-    with WarmPool(1, preload=PRELOAD, guard=False) as pool:
+    with WarmPool(1, preload=preload, guard=False) as pool:
         leaked, after = pool.map(tasks)
     assert leaked.ok and after.ok and after.value is False and pool.started == 1
 
@@ -211,3 +330,72 @@ def test_the_limit_counts_from_the_tasks_own_start():
     with WarmPool(1, preload=PRELOAD) as pool:
         results = pool.map(tasks)
     assert [r.status for r in results] == ["ok", "ok", "ok"] and pool.started == 1
+
+
+def test_a_stopped_task_is_reported_under_its_own_index():
+    # two workers: the hung task goes out first, a quick one after it; the
+    # quick one's result comes back first and must stay its own
+    tasks = [Task(f"{HERE}:sleep", (600,), limit=2.0, weight=9, name="hangs"), Task(f"{HERE}:pid", weight=1)]
+    with WarmPool(2, preload=PRELOAD) as pool:
+        results = list(pool.run(tasks))
+    assert sorted(r.index for r in results) == [0, 1]
+    hung, quick = workers.in_order(results, 2)
+    assert hung.index == 0 and hung.status == "stopped" and "'hangs'" in hung.error
+    assert quick.index == 1 and quick.ok and isinstance(quick.value, int) and quick.error is None
+
+
+def test_cpu_seconds_are_per_task_not_cumulative():
+    # one worker, a spinning task then a sleeping one: the second's CPU is its own
+    with WarmPool(1, preload=PRELOAD) as pool:
+        spun, slept = pool.map([Task(f"{HERE}:spin", (0.5,), weight=2), Task(f"{HERE}:sleep", (0.5,), weight=1)])
+    assert spun.ok and slept.ok and spun.cpu >= 0.4, spun
+    assert slept.cpu < 0.2, slept
+
+
+def test_the_fingerprint_sees_a_module_container_changed_in_place(monkeypatch):
+    import types
+
+    mod = types.ModuleType("fuzz._a_probe_module")
+    mod.D, mod.L, mod.S = {"a": 1, "b": [2]}, [1, 2], {1, 2}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    before = workers.fingerprint(modules=[mod.__name__])
+    whole = dict(mod.D)
+    changes = [
+        ("D", lambda: mod.D.__setitem__("c", 3), lambda: mod.D.pop("c")),
+        ("L", lambda: mod.L.append(3), lambda: mod.L.pop()),
+        ("S", lambda: mod.S.add(3), lambda: mod.S.discard(3)),
+        ("D", lambda: mod.D.pop("a"), lambda: (mod.D.clear(), mod.D.update(whole))),
+        ("D", lambda: mod.D.__setitem__("b", [2]), None),  # an equal value, another object
+    ]
+    for attr, change, undo in changes:
+        change()
+        assert workers.changed(before, workers.fingerprint(modules=[mod.__name__])) == [f"{mod.__name__}.{attr}"]
+        if undo is None:
+            break
+        undo()
+        assert workers.changed(before, workers.fingerprint(modules=[mod.__name__])) == []
+    # the registry itself
+    from fuzz import kinds
+
+    before = workers.fingerprint(modules=["fuzz.kinds"])
+    saved = dict(kinds.KINDS)
+    try:
+        kinds.KINDS.pop(next(iter(kinds.KINDS)))
+        assert workers.changed(before, workers.fingerprint(modules=["fuzz.kinds"])) == ["fuzz.kinds.KINDS"]
+    finally:
+        kinds.KINDS.clear()
+        kinds.KINDS.update(saved)
+    assert workers.changed(before, workers.fingerprint(modules=["fuzz.kinds"])) == []
+
+
+def test_warm_cli_fails_the_test_of_a_command_that_leaked(monkeypatch):
+    from fuzz.workers import TaskResult
+    from tests import warm_cli
+
+    class Leaky:
+        def map(self, tasks):
+            return [TaskResult(0, (0, "out", ""), leaked="impl.dense.KVCache.trim, os.getcwd()", status="leaked")]
+
+    monkeypatch.setattr(warm_cli, "_POOL", Leaky())
+    with pytest.raises(AssertionError, match=r"kvspec list: .*impl\.dense\.KVCache\.trim, os\.getcwd\(\)"):
+        warm_cli.kvspec("list")

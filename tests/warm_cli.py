@@ -16,8 +16,9 @@ What a fresh process gave for free is kept:
 
 * **isolation**: the environment and the working directory are the ones
   the call names, restored afterwards; the pool's isolation guard compares
-  the worker's module state after each call, and a worker a call changed
-  is replaced before the next call;
+  the worker's module state after each call: a call that changed it fails
+  its test, naming what changed (and the worker is replaced before the
+  next call);
 * **a hang guard**: a call past ``timeout`` seconds is stopped (its worker
   killed and replaced) and the test fails naming it.
 
@@ -106,7 +107,9 @@ def kvspec(*argv: str, cwd: Path | str = REPO, env: dict[str, str] | None = None
     task = Task("tests.warm_cli:run_main", (list(argv), dict(os.environ if env is None else env), str(cwd)),
                 limit=timeout, name="kvspec " + " ".join(argv))
     (result,) = _pool().map([task])
-    if result.status not in ("ok", "leaked"):  # leaked: the value stands, the worker was replaced
+    if result.status == "leaked":  # the worker was replaced, but the command changed what it should not
+        raise AssertionError(f"kvspec {' '.join(argv)}: left its worker changed: {result.leaked}")
+    if result.status != "ok":
         raise AssertionError(f"kvspec {' '.join(argv)}: {result.status}: {result.error}")
     code, out, err = result.value
     return subprocess.CompletedProcess(["kvspec", *argv], code, out, err)
