@@ -28,6 +28,15 @@ def _fake(rule):
     return Lock
 
 
+def _shrink(monkeypatch, how, machine, error):
+    """reduce_run, or shrink_run with fuzz.trace's schema check off (the
+    fake ops are no kvtrace)."""
+    if how == "reduce_run":
+        return campaign.reduce_run(machine, error, 10.0)
+    monkeypatch.setattr(campaign, "parse", lambda trace: None)
+    return campaign.shrink_run(machine, error, 10.0)
+
+
 def _machine(ops):
     machine = campaign.machine_for("dense", "fp16", True)
     machine.last_run = ({"mode": "fp16"}, ops)
@@ -41,7 +50,8 @@ def test_the_same_failure_is_the_same_op_and_check_up_to_numbers():
     assert campaign._signature(a) != campaign._signature(Divergence(3, {"op": "append"}, "length 7 != 5", None, None))
 
 
-def test_a_failure_at_another_op_with_the_same_check_is_not_the_same_failure(monkeypatch):
+@pytest.mark.parametrize("how", ["reduce_run", "shrink_run"])
+def test_a_failure_at_another_op_with_the_same_check_is_not_the_same_failure(monkeypatch, how):
     """[guard, early, boom] fails at boom ("bad 2"); deleting guard makes
     early fail first with the same check text ("bad 0"), at another op: the
     reduced run must still fail at boom."""
@@ -57,14 +67,15 @@ def test_a_failure_at_another_op_with_the_same_check_is_not_the_same_failure(mon
     ops = [{"op": "guard"}, {"op": "early"}, {"op": "boom"}]
     machine = _machine(ops)
     error = Divergence(2, ops[2], "bad 2", None, None)
-    got = campaign.reduce_run(machine, error, 10.0)
+    got = _shrink(monkeypatch, how, machine, error)
     assert got.op == {"op": "boom"} and got.what == "bad 2"
     assert machine.last_run[1] == ops
     replays = campaign._Replays(machine, error)
     assert replays.diverges({"mode": "fp16"}, [{"op": "early"}, {"op": "boom"}]) is None
 
 
-def test_deletion_passes_repeat_until_no_single_op_can_go(monkeypatch):
+@pytest.mark.parametrize("how", ["reduce_run", "shrink_run"])
+def test_deletion_passes_repeat_until_no_single_op_can_go(monkeypatch, how):
     """[a, b, boom]: b can go only once a has gone (boom fails unless a ran
     without b), so one pass of single deletions leaves [b, boom]; the
     result is one-minimal: [boom]."""
@@ -77,7 +88,7 @@ def test_deletion_passes_repeat_until_no_single_op_can_go(monkeypatch):
     monkeypatch.setattr(campaign, "make_lockstep", _fake(rule))
     ops = [{"op": "a"}, {"op": "b"}, {"op": "boom"}]
     machine = _machine(ops)
-    got = campaign.reduce_run(machine, Divergence(2, ops[2], "bad", None, None), 10.0)
+    got = _shrink(monkeypatch, how, machine, Divergence(2, ops[2], "bad", None, None))
     assert machine.last_run[1] == [{"op": "boom"}] and got.index == 0
 
 
@@ -105,10 +116,9 @@ def test_shrink_run_finds_the_smallest_failing_integer_above_zero(monkeypatch):
         return "bad" if op["op"] == "boom" and op["n"] >= 5 else None
 
     monkeypatch.setattr(campaign, "make_lockstep", _fake(rule))
-    monkeypatch.setattr(campaign, "parse", lambda trace: None)  # fake ops: no kvtrace schema to meet
     ops = [{"op": "boom", "n": 100}]
     machine = _machine(ops)
-    got = campaign.shrink_run(machine, Divergence(0, ops[0], "bad", None, None), 10.0)
+    got = _shrink(monkeypatch, "shrink_run", machine, Divergence(0, ops[0], "bad", None, None))
     assert machine.last_run[1] == [{"op": "boom", "n": 5}] and got.op == {"op": "boom", "n": 5}
 
 
