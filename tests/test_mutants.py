@@ -78,13 +78,17 @@ class FakePool:
         for n, i in enumerate(order):
             if n == self.stop_after:
                 raise KeyboardInterrupt
+            name, _variant, seed, *_ = tasks[i].args
+            catch = Catch(True, 0.01 * seed, seed + len(name), Path(f"{name}-{seed}.json"), None)
             if i in self.broken:
                 status = self.broken[i]
-                yield TaskResult(i, None, f"task {tasks[i].label!r} ran past its wall-clock limit" if status == "stopped"
+                # as a real pool: a task that leaked returned, and its
+                # result carries its value (a catch that must not count)
+                yield TaskResult(i, catch if status == "leaked" else None,
+                                 f"task {tasks[i].label!r} ran past its wall-clock limit" if status == "stopped"
                                  else None, leaked="fuzz.campaign.X" if status == "leaked" else None, status=status)
                 continue
-            name, _variant, seed, *_ = tasks[i].args
-            yield TaskResult(i, Catch(True, 0.01 * seed, seed + len(name), Path(f"{name}-{seed}.json"), None), cpu=0.25)
+            yield TaskResult(i, catch, cpu=0.25)
 
 
 def test_rows_come_out_in_catalog_order_whatever_order_the_seeds_finish(monkeypatch):
@@ -113,8 +117,9 @@ def test_a_seed_the_pool_could_not_finish_is_a_tool_failure_of_its_row(monkeypat
     assert [r.caught for r in reports] == [True, False, True, True, True]
     [failure] = reports[1].tool_failures
     assert failure.startswith("seed 2: the run could not finish: ")
-    if status == "leaked":
+    if status == "leaked":  # the seed's catch came back with it, and is no catch
         assert "left its worker changed (fuzz.campaign.X)" in failure
+        assert not reports[1].caught and len(reports[1].examples) == 2
     assert reports[1].examples == [1 + len(reports[1].bug.name), 3 + len(reports[1].bug.name)]
 
 

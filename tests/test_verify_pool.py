@@ -119,3 +119,38 @@ def test_the_queue_starts_the_longest_jobs_first():
     # a campaign or a long e2e scenario
     assert max(w for label, w in weight.items() if label.startswith("bug ")) < verify.CAMPAIGN_BUDGET
     assert weight["e2e hybrid_speculative"] > weight["fuzz dense/fp16/inplace"] > weight["e2e greedy"]
+
+
+def test_a_quick_campaign_is_bounded_by_examples_on_a_fast_clock_too(monkeypatch):
+    """A clock that never advances (a machine far faster than the one the
+    budget was set on): still exactly QUICK_EXAMPLES examples, not more.
+    (A seconds-bounded campaign would not end on it: it is replaced by one
+    that fails.)"""
+    import fuzz.campaign
+
+    class Fast:
+        def __init__(self):
+            self.reads = 0
+
+        def perf_counter(self):
+            self.reads += 1
+            return 0.0 if self.reads < 200 else 1e9
+
+    def bounded_by_seconds(*args, **kwargs):  # on this clock it would not end: fail instead of hanging
+        raise AssertionError("a quick campaign ran the seconds-bounded campaign")
+
+    monkeypatch.setattr(fuzz.campaign, "time", Fast())
+    monkeypatch.setattr(fuzz.campaign, "campaign", bounded_by_seconds)
+    (fast,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
+    assert fast.ok and fast.detail.startswith(f"{verify.QUICK_EXAMPLES} examples, "), fast
+
+
+def test_a_quick_campaign_never_calls_the_seconds_bounded_campaign(monkeypatch):
+    import fuzz.campaign
+
+    def bounded_by_seconds(*args, **kwargs):
+        raise AssertionError(f"a quick campaign ran the seconds-bounded campaign{args}")
+
+    monkeypatch.setattr(fuzz.campaign, "campaign", bounded_by_seconds)
+    (check,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
+    assert check.ok and check.detail.startswith(f"{verify.QUICK_EXAMPLES} examples, "), check
