@@ -99,6 +99,7 @@ MAY_CHANGE: dict[str, str] = {
     "fuzz.adapters.llama_cpp._FOLDER": "llama.cpp's build folder, found on first use",
     "impl.write.COUNTS": "how many in-place writes each mechanism made in this process (a counter, read to show "
                          "which path ran)",
+    "impl.batch._RING_BATCH": "the batched ring class over mlx-lm's, built on first use",
     "impl.recurrent._RECORDED": "the recorded subclass of each recurrent model class, built on first use",
     "fuzz.failures._HARNESS": "the harness's folders, found on first use",
     "fuzz.rows._DTYPE_NAMES": "the kvtrace name of each MLX dtype, cached on first use",
