@@ -52,11 +52,24 @@ def _pool():
     return _POOL
 
 
+def _set_environ(env: dict[str, str]) -> None:
+    """Make ``os.environ`` equal ``env``, touching only the names whose value
+    differs (an entry set again to the value it had would still be a new
+    object in the environment's own mapping, which the isolation guard
+    compares)."""
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 def run_main(argv: list[str], env: dict[str, str], cwd: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of ``kvspec ARGV`` run in this process
     with environment ``env`` in folder ``cwd`` (both restored after). A task
     of the warm worker; not for the test process itself."""
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_raw = dict(getattr(os.environ, "_data", {}))
     sys.stdout.flush()
     sys.stderr.flush()
     saved_fds = os.dup(1), os.dup(2)
@@ -67,8 +80,7 @@ def run_main(argv: list[str], env: dict[str, str], cwd: str) -> tuple[int, str, 
         sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
         try:
-            os.environ.clear()
-            os.environ.update(env)
+            _set_environ(env)
             os.chdir(cwd)
             from fuzz.commands.cli import main
 
@@ -90,8 +102,11 @@ def run_main(argv: list[str], env: dict[str, str], cwd: str) -> tuple[int, str, 
             for fd in saved_fds:
                 os.close(fd)
             os.chdir(saved_cwd)
-            os.environ.clear()
-            os.environ.update(saved_env)
+            _set_environ(saved_env)
+            raw = getattr(os.environ, "_data", None)
+            if raw is not None:  # the very objects it held, which the isolation guard compares
+                raw.clear()
+                raw.update(saved_raw)
         out.seek(0)
         err.seek(0)
         return int(code or 0), out.read().decode("utf-8", "replace"), err.read().decode("utf-8", "replace")
