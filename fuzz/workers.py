@@ -104,6 +104,8 @@ MAY_CHANGE: dict[str, str] = {
     "fuzz.failures._HARNESS": "the harness's folders, found on first use",
     "fuzz.rows._DTYPE_NAMES": "the kvtrace name of each MLX dtype, cached on first use",
     "fuzz.trace._VALIDATORS": "the kvtrace schema's validators, built on first use",
+    "fuzz.targets._DECLARED": "the lockstep driver over a target's class, built on first use per kind",
+    "impl.write._BACKENDS": "where each device type's arrays live, read once per device type",
 }
 
 #: attributes Python itself adds on first use: copyreg's slot names on a
