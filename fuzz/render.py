@@ -45,6 +45,7 @@ from typing import Any
 
 from fuzz.lockstep import Divergence
 from fuzz.replay import check_ops, make_lockstep
+from fuzz.targets import resolve
 from fuzz.trace import Trace
 from spec.errors import KVCacheError
 
@@ -203,6 +204,8 @@ class Timeline:
     rule: Rule | None = None
     bug: str | None = None
     implementation: str = "impl"
+    #: the third-party target the trace ran on (None: this project's caches)
+    target: str | None = None
 
 
 # -- the rule a divergence broke ----------------------------------------------------
@@ -636,12 +639,17 @@ def _shorten(op: dict[str, Any]) -> str:
 # -- running the trace ---------------------------------------------------------------
 
 def timeline(trace: Trace, factories: dict[str, Any] | None = None, bug: str | None = None,
-             check_inplace: bool = True) -> Timeline:
-    """Replay ``trace`` (on an injected bug's classes with ``factories``) and
-    record the spec's state after every op up to the first divergence; the
-    ops after it are listed, not run. Raises TraceFormatError as replay does."""
+             check_inplace: bool = True, target: Any = "impl") -> Timeline:
+    """Replay ``trace`` (on an injected bug's classes with ``factories``, or
+    on ``target``, a name or a ``fuzz.targets.Target``, as ``kvspec replay
+    --target`` does) and record the spec's state after every op up to the
+    first divergence; the ops after it are listed, not run. Raises
+    TraceFormatError as replay does (TargetCapabilityError when the target
+    cannot run the trace), TargetError for a target that names nothing."""
     check_ops(trace.cache, trace.ops)
-    lock = make_lockstep(trace.cache, factories, check_inplace)
+    tgt = resolve(target)
+    tgt.check(trace.cache, trace.ops)
+    lock = make_lockstep(trace.cache, factories, check_inplace, tgt)
     module = lock.spec_module.__name__
     seen: dict[str, Any] = {}
     spec_apply = lock.spec_apply
@@ -658,7 +666,8 @@ def timeline(trace: Trace, factories: dict[str, Any] | None = None, bug: str | N
 
     lock.spec_apply = spy  # type: ignore[method-assign]
     frames: list[Frame] = []
-    out = Timeline(trace.title, trace.cache, frames, bug=bug, implementation=lock.impl_name)
+    out = Timeline(trace.title, trace.cache, frames, bug=bug, implementation=lock.impl_name,
+                   target=None if tgt.is_impl else tgt.label)
     for i, op in enumerate(trace.ops):
         before = lock.world
         seen.clear()
@@ -920,7 +929,9 @@ def svg(tl: Timeline, standalone: bool = True) -> str:
     width = max(width, max([len(c) * 6 + 40 for c in callout] + [560]))
     title_lines = _lines(tl.title, max(60, (width - 2 * PAD) // 7), 4) if tl.title else []
     cfg = ", ".join(f"{k} {v}" for k, v in _header_fields(tl.cache))
-    cfg_lines = _wrap(cfg + (f" | injected bug {tl.bug}" if tl.bug else ""), max(60, (width - 2 * PAD) // 6))
+    cfg += f" | injected bug {tl.bug}" if tl.bug else ""
+    cfg += f" | target {tl.target}" if tl.target else ""
+    cfg_lines = _wrap(cfg, max(60, (width - 2 * PAD) // 6))
     title_h = 16 * len(title_lines) + 12 * len(cfg_lines)
     total_h = height + call_h + title_h + PAD
     out = []
@@ -1086,6 +1097,8 @@ def page(tl: Timeline, source: str = "") -> str:
     ]
     if tl.title:
         parts.append(f'<p class="title">{_esc(_clip(tl.title, TITLE_CHARS))}</p>')
+    if tl.target:
+        parts.append(f'<p class="target">run on target <code>{_esc(tl.target)}</code></p>')
     if tl.divergence is not None and tl.rule is not None:
         d, rule = tl.divergence, tl.rule
         parts.append(

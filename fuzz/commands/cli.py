@@ -238,10 +238,11 @@ def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bo
     else:
         console.print(f"[bold red]diverged[/] {escape(path)}: spec and {escape(who)} disagree")
     console.print(escape(str(result.divergence)))
-    if target.is_impl:
-        console.print(f"  see it: {escape(render_command(path, args.bug, args.isolation_only))}")
-    elif result.divergence is not None and result.divergence.what.startswith("adapter "):
+    if not target.is_impl and result.divergence is not None and result.divergence.what.startswith("adapter "):
         console.print(f"  the trace so far: ops 0 to {result.divergence.index} of {escape(path)} reproduce it")
+    see = render_command(path, args.bug, args.isolation_only, None if target.is_impl else target.label,
+                         getattr(args, "waive", None))
+    console.print(f"  see it: {escape(see)}")
     return code, doc
 
 
@@ -335,15 +336,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return code
 
 
-def render_command(trace: str, bug: str | None = None, isolation_only: bool = False) -> str:
+def render_command(trace: str, bug: str | None = None, isolation_only: bool = False, target: str | None = None,
+                   waive: list[str] | None = None) -> str:
     """The ``kvspec render`` command that draws a failing trace (what replay
-    and fuzz print after a divergence)."""
+    and fuzz print after a divergence); ``target`` the third-party target it
+    failed on (None: this project's caches)."""
     import shlex
 
     out = str(Path(trace).with_suffix(".html"))
     parts = ["kvspec", "render", trace, "--html", "-o", out]
     if bug:
         parts += ["--bug", bug]
+    if target and target != "impl":
+        parts += ["--target", target]
+    for what in waive or []:
+        parts += ["--waive", what]
     if isolation_only:
         parts.append("--isolation-only")
     return " ".join(shlex.quote(p) for p in parts)
@@ -353,28 +360,39 @@ def render_command(trace: str, bug: str | None = None, isolation_only: bool = Fa
 def cmd_render(args: argparse.Namespace) -> int:
     from fuzz.render import page, svg, timeline
     from fuzz.replay import EXIT_INVALID, EXIT_OK
+    from fuzz.targets import TargetCapabilityError
     from fuzz.trace import TraceFormatError, load
 
     console = _console()
     html = args.html or str(args.output or "").endswith((".html", ".htm"))
     out = args.output or str(Path(args.trace).with_suffix(".html" if html else ".svg"))
+    target: Any = None
     try:
         trace = load(args.trace)
+        target = _target(args)
         factories = None
         if args.bug:
+            if not target.is_impl:
+                return _usage_error(console, f"--bug cannot be combined with --target {target.label}")
             bug = _bug(console, args.bug)
             if bug is None:
                 return EXIT_INVALID
             if bug.kind != trace.cache["kind"]:
                 raise KeyError(f"--bug {bug.name} patches the {bug.kind} cache; this trace is kind {trace.cache['kind']}")
             factories = bug.factories
-        tl = timeline(trace, factories, args.bug, check_inplace=not args.isolation_only)
+        tl = timeline(trace, factories, args.bug, check_inplace=not args.isolation_only, target=target)
+    except TargetCapabilityError as exc:
+        return _usage_error(console, f"--target {target.label}: cannot run {args.trace}: {exc}")
     except TraceFormatError as exc:
         console.print(f"[bold red]invalid kvtrace[/] {escape(args.trace)}: {escape(str(exc))}")
         return EXIT_INVALID
     except KeyError as exc:
         console.print(f"[bold red]error[/]: {escape(str(exc.args[0]))}")
         return EXIT_INVALID
+    except Exception as exc:  # a target that raises outside a compared op: said, never a traceback
+        if target is None or target.is_impl:
+            raise
+        return _usage_error(console, f"--target {target.label}: the target raised {type(exc).__name__}: {exc}")
     text = page(tl, args.trace) if html else svg(tl)
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -743,9 +761,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 extra = f" --bug {args.bug}" if args.bug else ""
                 extra += "" if target.is_impl else f" --target {shlex.quote(target.label)}"
                 row["trace"], row["replay"] = str(path), f"kvspec replay {path}{extra}"
-                if target.is_impl:
-                    row["render"] = render_command(str(path), args.bug)
-                elif status == "diverged":
+                if target.is_impl or status == "diverged":  # a target's run that did not diverge draws nothing
+                    row["render"] = render_command(str(path), args.bug,
+                                                   target=None if target.is_impl else target.label)
+                if not target.is_impl and status == "diverged":
                     sarif_findings.append(_sarif_finding(rep.failure.trace, path, target, row["replay"]))
         rows.append(row)
     code = 130 if interrupted else (2 if refused else 1 if failed else 0)
@@ -1159,7 +1178,7 @@ EXIT_CODES = {
                "the tool could not repeat, both answers printed); 130 interrupted",
     "bench": "exit status: 0 measured; 2 bad arguments",
     "render": "exit status: 0 the picture was written (whether or not the trace diverges); 2 invalid trace, "
-              "arguments or output path",
+              "arguments or output path, an unknown --target or one that cannot run the trace",
     "e2e": "exit status: 0 every scenario passes (with --bug: the bug went unnoticed); 1 a scenario "
            "diverged (with --bug: the bug was caught); 2 bad arguments",
 }
@@ -1231,6 +1250,10 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--html", action="store_true", help="write an HTML page (the picture, the divergence, the ops)")
     rd.add_argument("--bug", help="replay on an injected bug of the catalog instead of the real implementation")
     rd.add_argument("--isolation-only", action="store_true", help="do not compare in-place decisions (as replay)")
+    rd.add_argument("--target", default="impl", help=TARGET_HELP + "; the picture is the target's run, drawn "
+                    "against the spec, up to the op where it diverges")
+    rd.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
+                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     rd.set_defaults(fn=cmd_render)
 
     rw = add("rows", "print the rows a kvtrace appends (their bytes, per token)",
