@@ -343,9 +343,15 @@ class ExecTarget(Target):
             return f"it declares no mode {mode} for kind {kind} (it has {', '.join(sorted(d.modes))})"
         if cache.get("dtype", "float16") not in d.dtypes:
             return f"it declares no dtype {cache.get('dtype')} (it has {', '.join(sorted(d.dtypes))})"
-        for name in cache:
-            if name not in d.fields and name != "rows":
-                return f"it declares no cache field {name!r} (it has {', '.join(sorted(d.fields))})"
+        defaults = kinds.get(kind, mode).defaults()
+        for name, value in cache.items():
+            if name in d.fields or name == "rows":
+                continue
+            # an undeclared field is the adapter's at its default (never sent):
+            # a trace that sets it to another value is refused
+            if name in defaults and value == defaults[name]:
+                continue
+            return f"it declares no cache field {name!r} (it has {', '.join(sorted(d.fields))})"
         return None
 
     def require_class(self, cache: dict[str, Any]) -> CacheClass:
@@ -535,7 +541,9 @@ class _Exec:
         self.session = target.session()
         self.remote_views: dict[str, Any] = {"cache": None}
         try:
-            reply = self.session.request({"request": "init", "cache": dict(cache), "wide": bool(self.wide_rows())})
+            # only the fields it declares (the rest are at their defaults: ExecTarget.cache_reason)
+            sent = {k: v for k, v in cache.items() if k in declared.fields or k in ("kind", "rows")}
+            reply = self.session.request({"request": "init", "cache": sent, "wide": bool(self.wide_rows())})
         except AdapterFailure as exc:
             raise TargetCapabilityError(f"field cache: target {target.label} failed building the cache: "
                                         f"{exc}") from None
@@ -563,6 +571,11 @@ class _Exec:
         state = reply.get("state")
         if state is None:
             raise AdapterFailure("adapter broke the protocol", "a reply to init or op without its state")
+        missing = sorted(o for o in self.declared.observables if o in OBSERVABLES and o not in state)
+        if missing:
+            raise AdapterFailure("adapter broke the protocol",
+                                 f"its state lacks {', '.join(missing)}, which its hello declares among its "
+                                 "observables")
         self.cache.state = state
         views = {"cache": _decode(state["cache"], self.dtype, self.shape)}
         for name, w in state["holders"].items():
