@@ -137,8 +137,7 @@ def fuzz_settings(max_examples: int, steps: int, derandomize: bool = False, shri
     the seed alone). With ``database`` (:func:`open_database`) its saved
     failures of this configuration are replayed first (Hypothesis's reuse
     phase) and every new failure is saved there. ``shrink=False`` reports
-    the first failing example as found (shrinking costs about ten times the
-    search for a catalog bug)."""
+    the first failing example as found."""
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
     return settings(
         max_examples=max_examples,

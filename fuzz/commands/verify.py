@@ -9,10 +9,9 @@
 3. every injected bug of the catalog is caught in each of 5 seeds, and each
    failing run replays clean on the real implementation (when it does not,
    the implementation diverges from the spec at the op named). Verify does
-   not shrink: it asks whether and how soon each seed catches the bug, and
-   shrinking costs about ten times the search (``kvspec mutants --only
-   NAME`` gives the minimal trace; ``make test`` replays each bug's shrunk
-   counterexample too, tests/test_bugs.py);
+   not shrink: it asks whether and how soon each seed catches the bug
+   (``kvspec mutants --only NAME`` gives the minimal trace; ``make test``
+   replays each bug's shipped minimal trace, tests/test_replay.py);
 4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``), except
    with ``--quick`` (``make test`` runs their short form);
 5. the proofs and the CrossHair contracts (``kvspec prove --crosshair``),
