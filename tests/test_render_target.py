@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fuzz.commands.cli import main
+from tests.broken_targets.classes import DenseControl
 
 CLASSES = "tests.broken_targets.classes"
 #: trim drops the newest rows; the planted fault drops the oldest ones
@@ -47,6 +48,11 @@ def test_render_draws_the_target_run_up_to_its_divergence(trace, tmp_path, capsy
     assert f"{CLASSES}:TrimDropsOldest did" in page  # the target's side, named
     assert f"run on target <code>{CLASSES}:TrimDropsOldest</code>" in page
     assert page.count('class="diverged"') == 1 and page.count("after the first divergence") == 3
+    from fuzz.render import timeline
+    from fuzz.trace import load
+
+    tl = timeline(load(trace), target=f"{CLASSES}:TrimDropsOldest")
+    assert [f.index for f in tl.frames if f.diverged] == [2]  # the flag on the op that diverged
     svg_out = tmp_path / "t.svg"
     assert main(["render", str(trace), "-o", str(svg_out), "--target", f"{CLASSES}:TrimDropsOldest"]) == 0
     svg = svg_out.read_text()
@@ -73,6 +79,22 @@ def test_bad_target_exits_2_with_one_line(trace, tmp_path, capsys, argv, words):
     text = " ".join(said.out.split())
     assert words in text and "Traceback" not in said.out + said.err, said
     assert said.out.strip().startswith("error:") and not out.exists()
+
+
+class RaisesOnBuild(DenseControl):
+    """A target that raises while its cache is built: outside a compared op
+    (no divergence to draw)."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("planted failure outside a compared op")
+
+
+def test_a_target_that_raises_is_a_usage_error_not_a_picture_of_our_caches(trace, tmp_path, capsys):
+    out = tmp_path / "x.html"
+    code = main(["render", str(trace), "--html", "-o", str(out), "--target", f"{__name__}:RaisesOnBuild"])
+    said = capsys.readouterr()
+    assert code == 2 and said.out.strip().startswith("error:"), said
+    assert "the target raised RuntimeError" in " ".join(said.out.split()) and not out.exists()
 
 
 def test_replay_target_prints_a_see_it_line_that_draws_the_failure(trace, tmp_path, capsys):
