@@ -26,12 +26,15 @@ ADAPTER = Path(__file__).resolve().parent / "broken_targets" / "kvproto_dense.py
 #: a kvproto/1 adapter in front of ADAPTER: ``--drop-field F`` leaves F out of
 #: the hello's fields (and exits, an adapter crash, if init still sends it);
 #: ``--strip-state O`` leaves observable O out of every state line, though
-#: the hello declares it
+#: the hello declares it; ``--strip-from-op N``: only from the replies to
+#: the N-th op request on (0-based), init's and earlier ops' complete
 FILTER = '''
 import json, subprocess, sys
 args = sys.argv[1:]
 drop = [args[i + 1] for i, a in enumerate(args) if a == "--drop-field"]
 strip = [args[i + 1] for i, a in enumerate(args) if a == "--strip-state"]
+start = int(next((args[i + 1] for i, a in enumerate(args) if a == "--strip-from-op"), -1))
+ops = 0
 inner = subprocess.Popen([sys.executable, ADAPTER, "--observables", "offset,live_start,live_len"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 for line in sys.stdin:
@@ -46,8 +49,11 @@ for line in sys.stdin:
     if "kinds" in reply:
         for d in reply["kinds"].values():
             d["fields"] = [f for f in d["fields"] if f not in drop]
-    for o in strip:
-        reply.get("state", {}).pop(o, None)
+    if req["request"] == "op":
+        ops += 1
+    if start < 0 or (req["request"] == "op" and ops > start):
+        for o in strip:
+            reply.get("state", {}).pop(o, None)
     sys.stdout.write(json.dumps(reply) + "\\n")
     sys.stdout.flush()
 '''
@@ -121,3 +127,13 @@ def test_an_undeclared_observable_left_out_of_the_state_is_not_compared(capsys, 
     code, report = fuzz_json(capsys, target, tmp_path / "out")
     ex.close_sessions()
     assert code == 0 and all(r["result"] == "ok" and r["steps"] > 0 for r in report["runs"]), report
+
+
+def test_an_observable_missing_from_a_later_op_reply_is_said_at_that_op(adapter, capsys, tmp_path):
+    """The state line of every reply is checked, not only init's: an
+    adapter whose op replies lose a declared observable from op 2 on
+    diverges at op 2, naming it."""
+    code, out = replay(capsys, adapter("--strip-state", "live_start", "--strip-from-op", "2"), TRACE, tmp_path)
+    text = " ".join(out.split())
+    assert code == 1 and "its state lacks live_start" in text and "NoneType" not in text, out
+    assert "op 2" in text, out
