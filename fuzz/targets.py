@@ -544,9 +544,15 @@ class _Declared:
         self.check_sharing = False
         self.impl_name = target.label
         for key in super().spec_observables():  # type: ignore[misc]
-            if key not in self.not_compared and not _readable(self.cache, key):
+            if key in self.not_compared:
+                continue
+            if not _readable(self.cache, key):
                 self.not_compared.add(key)
                 self.reached(f"not compared: {key} (no such attribute)")  # type: ignore[attr-defined]
+            elif _reads_none(self.cache, key):
+                # provided as None on the fresh cache: the class does not keep it
+                self.not_compared.add(key)
+                self.reached(f"not compared: {key} (reads None)")  # type: ignore[attr-defined]
         if not hasattr(self.cache, "make_mask"):
             self.not_compared.add("masks")
 
@@ -605,6 +611,16 @@ def _readable(obj: Any, key: str) -> bool:
     except Exception:  # noqa: BLE001 - it has the member: reading it crashed (compared, and caught there)
         return True
     return True
+
+
+def _reads_none(obj: Any, key: str) -> bool:
+    """Whether the observable ``key`` of a fresh cache reads None (the class
+    has the member but does not keep it: not compared, as a missing one). A
+    getter that raises is not None: it is compared, and its crash caught."""
+    try:
+        return read_observable(obj, key) is None
+    except Exception:  # noqa: BLE001 - reading it crashed: compared, and caught there
+        return False
 
 
 _DECLARED: dict[type, type] = {}
