@@ -1,25 +1,36 @@
-"""The docs site's generated parts: tables from the registry, the schema, the
+"""The docs' generated parts: tables from the registry, the schema, the
 catalog and the commands' records, and pictures drawn by running the spec.
 
-MkDocs loads this file as a hook module (``mkdocs.yml``: ``hooks``):
+They are written into the pages, so a page read as plain markdown (on a code
+host, in an editor) shows what the site shows:
 
-* a line ``<!-- kvspec: table NAME -->`` in a page becomes the table
-  :data:`TABLES` ``[NAME]`` draws now, from the live registry
-  (``fuzz/kinds.py``), the kvtrace schema, the injected-bug catalog, the
-  commands' exit codes, the proof obligations' record
-  (``docs/generated/obligations.json``, kept current by
+* a region that starts with a line ``<!-- kvspec: table NAME -->`` and ends
+  with ``<!-- /kvspec -->`` holds the table :data:`TABLES` ``[NAME]`` draws,
+  from the live registry (``fuzz/kinds.py``), the kvtrace schema, the
+  injected-bug catalog, the commands' exit codes, the proof obligations'
+  record (``docs/generated/obligations.json``, kept current by
   ``tests/test_proofs.py``), the conformance report and the latest benchmark
   record; a new kind, mode, field, op or bug appears by itself, and one
-  without a description fails the build;
-* ``<!-- kvspec: picture NAME -->`` becomes a picture of :data:`PICTURES`:
-  a worked-example trace drawn by :mod:`fuzz.render` (the spec's state op by
+  without a description fails;
+* ``<!-- kvspec: picture NAME -->`` regions hold a picture of
+  :data:`PICTURES` (its SVG file in ``docs/pictures/``) with its caption: a
+  worked-example trace drawn by :mod:`fuzz.render` (the spec's state op by
   op), a mask matrix from ``spec.rotating.mask_visible``, or the
-  layers-by-kinds picture drawn from the registry;
-* a link to a file of the repository outside ``docs/`` becomes a link to its
-  API reference (``spec/``, ``impl/``) or a code span naming it; a link to a
-  path that does not exist fails the build;
-* ``index.md`` is the README, and ``api/*.md`` list every module of
-  ``spec/`` and ``impl/`` for mkdocstrings.
+  layers-by-kinds picture drawn from the registry.
+
+``python -m fuzz.docgen write`` (``make docs-tables``) rewrites every region
+and picture file that is not current; ``python -m fuzz.docgen check`` lists
+them (exit 1); ``tests/test_docs.py`` fails on a stale one, naming the file
+and the command. A new marker needs no end line: ``write`` adds it.
+
+MkDocs loads this file as a hook module (``mkdocs.yml``: ``hooks``): each
+page's regions are filled by the same function (the site never shows a table
+twice, nor a stale one); a link to a file of the repository outside
+``docs/`` becomes a link to its API reference (``spec/``, ``impl/``) or a
+code span naming it, and a link to a path that does not exist fails the
+build; Sphinx roles in docstrings (``:class:`X```) become cross-references
+(:func:`on_page_content`); ``index.md`` is the README, and ``api/*.md``
+list every module of ``spec/`` and ``impl/`` for mkdocstrings.
 
 ``python -m fuzz.docgen obligations`` rewrites the obligations record from a
 run of the proofs.
@@ -37,6 +48,10 @@ from fuzz import kinds
 ROOT = Path(__file__).resolve().parents[1]
 OBLIGATIONS_PATH = ROOT / "docs" / "generated" / "obligations.json"
 MARKER = re.compile(r"^<!-- kvspec: (table|picture) ([a-z0-9_]+) -->$", re.MULTILINE)
+#: the line that closes a generated region
+END = "<!-- /kvspec -->"
+#: the pictures' SVG files, written beside the pages that show them
+PICTURES_DIR = ROOT / "docs" / "pictures"
 
 
 class DocsError(Exception):
@@ -716,26 +731,81 @@ def architecture_svg() -> str:
     return "\n".join(out)
 
 
-# -- MkDocs hooks -----------------------------------------------------------------------
+# -- generated parts written into the pages ----------------------------------------------
+
+def _block(what: str, name: str, page: str) -> str:
+    """What a marker's region holds: the table, or the picture (its SVG file
+    under ``docs/pictures/``, linked relative to ``page``) with its caption."""
+    if what == "table":
+        if name not in TABLES:
+            raise DocsError(f"{page}: no table named {name!r}; known: {', '.join(TABLES)}")
+        return TABLES[name]()
+    if name not in picture_names():
+        raise DocsError(f"{page}: no picture named {name!r}; known: {', '.join(picture_names())}")
+    prefix = "../" * page.count("/")
+    return (f'<figure class="kvspec-picture" markdown="1">\n\n'
+            f"![{name}]({prefix}pictures/{name}.svg)\n\n"
+            f"<figcaption>{caption(name)}</figcaption>\n</figure>")
+
 
 def expand(markdown: str, page: str = "") -> str:
-    """Replace every marker in ``markdown`` with what it asks for."""
+    """``markdown`` with every region filled with what its marker asks for
+    now: the lines between ``<!-- kvspec: table NAME -->`` (or ``picture
+    NAME``) and the next ``<!-- /kvspec -->`` are replaced; a marker without
+    its end line gets one. The same text is written into the pages
+    (:func:`write_pages`) and served by the site, so a page read as plain
+    markdown shows what the site shows; a second pass changes nothing."""
+    lines = markdown.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = MARKER.match(lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j] == END or MARKER.match(lines[j])), None)
+        out += [lines[i], "", _block(m.group(1), m.group(2), page), "", END]
+        i = end + 1 if end is not None and lines[end] == END else i + 1
+    return "\n".join(out)
 
-    def sub(m: re.Match[str]) -> str:
-        what, name = m.group(1), m.group(2)
-        if what == "table":
-            if name not in TABLES:
-                raise DocsError(f"{page}: no table named {name!r}; known: {', '.join(TABLES)}")
-            return TABLES[name]()
-        if name not in picture_names():
-            raise DocsError(f"{page}: no picture named {name!r}; known: {', '.join(picture_names())}")
-        prefix = "../" * page.count("/")
-        return (f'<figure class="kvspec-picture" markdown="span">\n'
-                f'![{name}]({prefix}pictures/{name}.svg)\n'
-                f"<figcaption>{caption(name)}</figcaption>\n</figure>")
 
-    return MARKER.sub(sub, markdown)
+#: the command that rewrites every generated part (named by the staleness test)
+WRITE_COMMAND = "python -m fuzz.docgen write"
 
+
+def pages() -> list[Path]:
+    """The markdown files that hold generated regions."""
+    return sorted(p for p in (ROOT / "docs").rglob("*.md")
+                  if "generated" not in p.relative_to(ROOT / "docs").parts and MARKER.search(p.read_text()))
+
+
+def generated_files() -> dict[Path, str]:
+    """Every file the generators own, with the text it must hold now: the
+    pages with their regions filled and the pictures' SVG files."""
+    out = {p: expand(p.read_text(), p.relative_to(ROOT / "docs").as_posix()) for p in pages()}
+    for name in picture_names():
+        out[PICTURES_DIR / f"{name}.svg"] = picture(name) + "\n"
+    return out
+
+
+def stale() -> list[Path]:
+    """The generated files whose text is not what the generators give now."""
+    return [p for p, text in generated_files().items() if not p.exists() or p.read_text() != text]
+
+
+def write_pages() -> list[Path]:
+    """Rewrite every stale generated file; returns those written."""
+    written = []
+    for p, text in generated_files().items():
+        if not p.exists() or p.read_text() != text:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            written.append(p)
+    return written
+
+
+# -- MkDocs hooks -----------------------------------------------------------------------
 
 LINK = re.compile(r"\]\(((?:\.\./)+)([^)#\s]+)(#[^)\s]*)?\)")
 
@@ -874,7 +944,20 @@ def write_obligations(results: list[Any]) -> Path:
 if __name__ == "__main__":  # pragma: no cover - a maintenance command
     import sys
 
-    if sys.argv[1:] == ["obligations"]:
+    if sys.argv[1:] in (["write"], ["check"]):
+        # write: fill every generated region of the pages and every picture file;
+        # check: list the stale ones (exit 1), changing nothing
+        try:
+            todo = write_pages() if sys.argv[1] == "write" else stale()
+        except DocsError as exc:
+            print(f"docgen: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        for p in todo:
+            print(("wrote " if sys.argv[1] == "write" else "stale: ") + p.relative_to(ROOT).as_posix())
+        if sys.argv[1] == "check" and todo:
+            print(f"run: {WRITE_COMMAND}", file=sys.stderr)
+            raise SystemExit(1)
+    elif sys.argv[1:] == ["obligations"]:
         from proofs.cli import run_all
 
         print(f"wrote {write_obligations(run_all())}")
@@ -883,6 +966,7 @@ if __name__ == "__main__":  # pragma: no cover - a maintenance command
         report_path, command, when, machine, wall = sys.argv[2:7]
         print(f"wrote {write_mutants_record(report_path, command, when, machine, float(wall))}")
     else:
-        print("usage: python -m fuzz.docgen obligations\n"
+        print("usage: python -m fuzz.docgen write | check\n"
+              "       python -m fuzz.docgen obligations\n"
               "       python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS", file=sys.stderr)
         raise SystemExit(2)

@@ -213,6 +213,47 @@ def test_unknown_markers_and_dead_links_fail():
     assert "api/spec.md#spec.dense" in docgen.rewrite_links("[d](../spec/dense.py)", "semantics.md")
 
 
+# -- the generated parts are written into the pages, and current ---------------------------
+def test_the_generated_parts_of_the_pages_are_current():
+    """Every table and picture region of docs/*.md, and every picture's SVG
+    file, holds what the generators give now (a kind, op, field, bug or
+    record added since shows here, with the file and the command)."""
+    stale = [p.relative_to(REPO).as_posix() for p in docgen.stale()]
+    assert not stale, f"generated parts out of date in {', '.join(stale)}: run {docgen.WRITE_COMMAND}"
+
+
+def test_a_region_is_filled_once_and_a_hand_edit_is_stale(tmp_path, monkeypatch):
+    raw = "# t\n\n<!-- kvspec: table checks -->\n\ntext after\n"
+    once = docgen.expand(raw, "x.md")
+    assert once.count(docgen.END) == 1 and "| `returns` |" in once and "text after" in once
+    assert docgen.expand(once, "x.md") == once, "a second pass must change nothing (no table twice)"
+    edited = once.replace("| `returns` |", "| `returned` |")
+    assert docgen.expand(edited, "x.md") == once
+    two = docgen.expand("<!-- kvspec: table checks -->\n<!-- kvspec: table checks -->\n", "x.md")
+    assert two.count(docgen.END) == 2 and two.count("| `error` |") == 2
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "p.md").write_text(edited)
+    monkeypatch.setattr(docgen, "ROOT", tmp_path)
+    monkeypatch.setattr(docgen, "PICTURES_DIR", docs / "pictures")
+    monkeypatch.setattr(docgen, "picture_names", lambda: ["mask_sinks"])
+    assert docgen.stale() == [docs / "p.md", docs / "pictures" / "mask_sinks.svg"]
+    assert docgen.write_pages() == [docs / "p.md", docs / "pictures" / "mask_sinks.svg"]
+    assert docgen.stale() == []
+    assert (docs / "p.md").read_text() == once
+
+
+def test_kvtrace_read_as_plain_markdown_holds_the_op_and_field_tables():
+    raw = (REPO / "docs" / "kvtrace.md").read_text()
+    for op in kinds.all_ops():
+        assert f"\n| `{op}` |" in raw, f"docs/kvtrace.md has no row for op {op}: run {docgen.WRITE_COMMAND}"
+    for k in kinds.KINDS.values():
+        for f in k.cache_fields:
+            assert f"\n| `{f}` |" in raw, f"docs/kvtrace.md has no row for field {f}: run {docgen.WRITE_COMMAND}"
+    for name in docgen.picture_names():
+        assert (REPO / "docs" / "pictures" / f"{name}.svg").exists(), name
+
+
 # -- citations ------------------------------------------------------------------------------
 def _sections() -> dict[str, str]:
     """Section number -> its text, and "N.M" -> item M of section N's list."""
