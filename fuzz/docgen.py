@@ -911,6 +911,41 @@ def on_files(files: Any, config: Any) -> Any:  # pragma: no cover - run by MkDoc
     return files
 
 
+#: a Sphinx role in a docstring as mkdocstrings renders it (``:class:`X``` -> ``:class:<code>X</code>``)
+ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const|ref):<code>([^<]*)</code>")
+_HEADING_OR_ROLE = re.compile(r'<h[1-6] id="(?P<id>[^"]+)"|' + ROLE.pattern)
+
+
+def render_roles(html: str) -> str:
+    """Sphinx roles left raw in a rendered page (``:func:<code>resume</code>``)
+    become cross-references: the name is looked up in the scope of the object
+    whose docstring holds it (its own members, then its class's, its
+    module's, its package's), then as a full path; ``~a.b.C`` shows as ``C``.
+    The reference is optional: a name the reference does not document (a
+    private helper, another package) stays a code span, never a dead link."""
+    ids = set(re.findall(r'<h[1-6] id="([^"]+)"', html))
+    scope = ""
+
+    def sub(m: re.Match[str]) -> str:
+        nonlocal scope
+        if m.group("id") is not None:
+            scope = m.group("id") if "." in m.group("id") or m.group("id") in ("spec", "impl") else scope
+            return m.group(0)
+        text = m.group(2)
+        target = text.lstrip("~.").removesuffix("()")
+        title = target.rsplit(".", 1)[-1] if text.startswith("~") else text.lstrip(".")
+        parts = scope.split(".") if scope else []
+        candidates = [".".join([*parts[:i], target]) for i in range(len(parts), 0, -1)] + [target]
+        ident = next((c for c in candidates if c in ids), target)
+        return f'<autoref identifier="{ident}" optional><code>{title}</code></autoref>'
+
+    return _HEADING_OR_ROLE.sub(sub, html)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:  # pragma: no cover - run by MkDocs
+    return render_roles(html)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:  # pragma: no cover
     name = page.file.src_uri
     try:

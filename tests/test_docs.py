@@ -254,6 +254,27 @@ def test_kvtrace_read_as_plain_markdown_holds_the_op_and_field_tables():
         assert (REPO / "docs" / "pictures" / f"{name}.svg").exists(), name
 
 
+# -- docstring roles -------------------------------------------------------------------------
+def test_docstring_roles_become_cross_references():
+    html = ('<h2 id="impl.write">m</h2><p>:func:<code>write_inplace</code></p>'
+            '<h3 id="impl.write.write_inplace" class="doc doc-heading">f</h3>'
+            '<p>:class:<code>~impl.dense.KVCache</code>, :mod:<code>spec.errors</code>, :meth:<code>_private</code></p>')
+    out = docgen.render_roles(html)
+    assert '<autoref identifier="impl.write.write_inplace" optional><code>write_inplace</code></autoref>' in out
+    assert '<autoref identifier="impl.dense.KVCache" optional><code>KVCache</code></autoref>' in out
+    assert '<autoref identifier="spec.errors" optional><code>spec.errors</code></autoref>' in out
+    assert not docgen.ROLE.search(out)
+
+
+def test_the_api_reference_shows_no_raw_role():
+    site, _ = build()
+    for name in ("api/spec", "api/impl", "source"):
+        text = (site / name / "index.html").read_text()
+        raw = re.findall(r":(?:class|meth|func|mod|attr|data|exc|obj):(?:<code>|`)[^<`]*", text)
+        assert not raw, f"{name}: raw docstring roles {raw[:5]} (fuzz/docgen.py render_roles)"
+        assert "<autoref" not in text, f"{name}: a cross-reference left unresolved"
+
+
 # -- citations ------------------------------------------------------------------------------
 def _sections() -> dict[str, str]:
     """Section number -> its text, and "N.M" -> item M of section N's list."""
