@@ -34,7 +34,7 @@ COMMON_OPS = ("append", "fetch", "hold", "release_hold", "trim", "trim_to",
 #: (with ``c.meta_state`` where the class has one) and ``c.state = saved``;
 #: the kinds whose classes have that protocol list them in ``ops``.
 STATE_OPS = ("state_snapshot", "state_restore")
-#: Ops of the cache's life outside the decode loop (issue 26): ``copy``
+#: Ops of the cache's life outside the decode loop: ``copy``
 #: (copy.copy / copy.deepcopy of the cache, as mlx-lm's prompt-cache
 #: helpers make them), ``append_mismatch`` (rows whose batch, heads, head
 #: dim or dtype differ from the cached rows'), ``append_pair_mismatch`` (a K/V

@@ -150,7 +150,7 @@ def queue_read(*arrays: mx.array) -> None:
     builds the write. The host path of :func:`write_inplace` writes from
     the Python thread, so it waits for them first; a read scheduled with
     ``mx.async_eval`` directly would race that write and read the old
-    bytes, the new ones or a mix, run by run (issue 47: a verdict that was
+    bytes, the new ones or a mix, run by run (a verdict that was
     not a function of the trace). Only the last call's arrays are kept: a
     stream runs its work in order, so once they are done every read
     queued before them is too."""

@@ -1,4 +1,4 @@
-"""The dense cache's obligations (issue 4): 1 ownership, 3 regrow, 4 trim then
+"""The dense cache's obligations: 1 ownership, 3 regrow, 4 trim then
 append, 5 front trim. Each names the spec functions it proves; each negative
 control names the buggy rule it refutes.
 

@@ -233,7 +233,7 @@ RLIMIT_PER_MS = 1_500
 #: attempt 3 s *of wall-clock time* (``try_for`` in Z3's
 #: ``qfnia_tactic.cpp``) before it moves on: on a loaded machine the attempt
 #: that proves a part in 1.5 s of CPU was cut off, and obligation 8 came out
-#: "unknown" (issue 47). This chain has no timer: only the rlimit bounds it.
+#: "unknown". This chain has no timer: only the rlimit bounds it.
 TACTICS = ("simplify", "propagate-values", "solve-eqs", "elim-uncnstr", "smt")
 
 

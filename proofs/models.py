@@ -1,5 +1,5 @@
 """Obligation 14: ``spec.models.nbytes`` counts every stored array exactly
-once (issue 47 (h): ``nbytes`` counting the keys twice), for every batch,
+once (the bug it rules out: ``nbytes`` counting the keys twice), for every batch,
 kv heads, capacity and head dims, in each mode (fp16, int8) and rows'
 dtype (float16, bfloat16, float32).
 

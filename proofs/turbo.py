@@ -1,4 +1,4 @@
-"""The Turbo modes' obligations (issue 12): 10 physical trim, 11 Delegated's
+"""The Turbo modes' obligations: 10 physical trim, 11 Delegated's
 fold schedule, 12 the 3-bit packing's byte count. Each names the spec
 functions it proves (``spec.turbo``, ``spec.dense.trim`` in the Turbo modes);
 each negative control names the buggy rule it refutes.

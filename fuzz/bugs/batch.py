@@ -93,26 +93,26 @@ def _single(batch: type[BatchKVCache]) -> type[KVCache]:
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         name="batch_padding_visible", clause="spec.batch.visible (semantics.md 7, rule 2)",
-        source="issue 24: padding visible in a window", kind="batch", modes=("fp16",),
+        source="padding visible in a window", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.make_mask", description="the mask shows left padding to the sequence's queries",
         factories={"dense": _single(PaddingVisibleBatch)},
     ),
     InjectedBug(
         name="batch_filter_wrong_row", clause="spec.batch.filter (semantics.md 7, rule 3)",
-        source="issue 24: filter keeping the wrong row", kind="batch", modes=("fp16",),
+        source="filter keeping the wrong row", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.filter", description="filter gathers the next sequence's rows",
         factories={"dense": _single(FilterWrongRowBatch)},
     ),
     InjectedBug(
         name="batch_merge_shifts_offset", clause="spec.batch.merge (semantics.md 7, rule 3)",
-        source="issue 24: merge shifting one sequence's offset", kind="batch", modes=("fp16",),
+        source="merge shifting one sequence's offset", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.merge", description="merge pads sequence 1 one position too many",
         factories={"dense": _single(MergeShiftsOffsetBatch)},
     ),
     InjectedBug(
         name="batch_refused_block_moves_idx", clause="spec.batch.announced_block (semantics.md 7: a refusal "
                                                      "changes nothing)",
-        source="issue 26: a refused block left the batch changed (found by a mutation survivor's triage)",
+        source="a refused block left the batch changed (found by a mutation survivor's triage)",
         kind="batch", modes=("fp16",), replaces="BatchKVCache.update_and_fetch",
         description="a block shorter than the announced padding is refused after it moved idx",
         factories={"dense": _single(RefusedBlockMovesIdxBatch)},
@@ -190,7 +190,7 @@ class RecurrentAdvanceKeepsLengths(RecurrentCache):
 
 
 def _recurrent_bug(name: str, cls: type, replaces: str, description: str, clause: str) -> InjectedBug:
-    return InjectedBug(name=name, clause=clause, source="issue 48: recurrent layers in batched generation",
+    return InjectedBug(name=name, clause=clause, source="recurrent layers in batched generation",
                        kind="batch_recurrent", modes=("fp16",), replaces=replaces, description=description,
                        factories={"recurrent": cls})
 

@@ -37,8 +37,8 @@ class ShiftDeltaNotAccumulated(CellCache):
 class SaveKeepsPendingShift(CellCache):
     """save writes the K rows as stored, without applying the pending
     shifts first: a restored cell claims the shifted position but holds a
-    key rotated for the old one (issue 49, behaviour (1): a shift lost
-    through state save and restore)."""
+    key rotated for the old one (a shift lost through state save and
+    restore)."""
 
     def save(self, seq: int) -> CellsSnapshot:
         seq = self._seq("save", "seq", seq)
@@ -56,8 +56,7 @@ class SaveKeepsPendingShift(CellCache):
 class WindowedRemovalNeverRefused(CellCache):
     """A partial seq_rm on a memory with a window store is always reported
     done, though the window already dropped positions the next decode
-    would attend to (llama.cpp's kv cache returns true always; issue 49,
-    behaviour (2)): the sequence goes on with a hole in its window."""
+    would attend to (llama.cpp's kv cache returns true always): the sequence goes on with a hole in its window."""
 
     def seq_rm(self, seq: int, p0: int | None = 0, p1: int | None = None) -> bool:
         window = self.window
@@ -297,10 +296,10 @@ BUGS: tuple[InjectedBug, ...] = (
            "llama.cpp #3825 (PR #3835): a K-shift delta overwritten by the next shift", "CellCache._move",
            "a second shift before the rows are read overwrites the pending delta", ShiftDeltaNotAccumulated),
     _entry("cells_save_keeps_pending_shift", "semantics.md 10, save (every saved K row named (token, pos))",
-           "issue 49 behaviour (1): a pending seq_add shift lost through state save and restore", "CellCache.save",
+           "a pending seq_add shift lost through state save and restore", "CellCache.save",
            "save does not apply pending shifts: saved K rows rotated for the old positions", SaveKeepsPendingShift),
     _entry("cells_windowed_removal_never_refused", "semantics.md 10, seq_rm (the window rule: refused, nothing changes)",
-           "issue 49 behaviour (2): seq_rm returns true after the window dropped cells (iSWA)", "CellCache.seq_rm",
+           "seq_rm returns true after the window dropped cells (iSWA)", "CellCache.seq_rm",
            "a partial seq_rm the window cannot honour is reported done", WindowedRemovalNeverRefused),
     _entry("cells_seq_cp_copies", "semantics.md 10, seq_cp (sharing, no copy)",
            "seq_cp as a copy of rows (llama.cpp shares cells: one cell, several sequence ids)", "CellCache.seq_cp",

@@ -137,7 +137,7 @@ class TrimToZeroKeepsBuffers(KVCache):
         return None
 
 
-# -- blind spots closed by issue 15 (each caught only by the check named) ------------
+# -- blind spots of a harness without these checks (each caught only by the check named)
 
 
 class MaskIgnoresWindow(KVCache):
@@ -216,7 +216,7 @@ class QuantizerRoundsHalfAway(KVCache):
     quantize_rows = staticmethod(quantize_half_away)
 
 
-# -- harness mutants (issue 26): each caught only by one of the harness's cheaper
+# -- harness mutants: each caught only by one of the harness's cheaper
 # -- checks (fuzz.harness_mutants pairs them), so a weakened check misses it
 
 
@@ -282,7 +282,7 @@ class Int8ZeroValueRowScaleZero(KVCache):
     """The values' twin of :class:`Int8ZeroRowScaleZero`: an all-zero V row's
     scale stored as 0 (the keys keep the rule's 1). Every window is right;
     only a stored-codes check that compares the values' codes and scales
-    as well as the keys' sees it (break_report5 #9: a check narrowed to the
+    as well as the keys' sees it (breaker sweep: a check narrowed to the
     keys passed the keys-side bug)."""
 
     def _encode(self, keys: mx.array, values: mx.array) -> Any:
@@ -331,7 +331,7 @@ class DequantizeUnclipped(KVCache):
 class Int8RangeByMagnitude(KVCache):
     """Int8's range decision as ``|x| <= 65504`` instead of "finite once cast
     to float16": float32 rows in (65504, 65520), which round to a finite
-    65504, are refused (break_report5 #15)."""
+    65504, are refused (breaker sweep)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.mode == "int8":
@@ -394,7 +394,7 @@ class KernelWriteWhereCopy(KVCache):
             kvwrite.write_inplace_kernel(dst, src, kvwrite.seq_index(at, src.shape[SEQ_AXIS]))
 
 
-# -- the cache's life outside the decode loop (issue 26): each caught only by the
+# -- the cache's life outside the decode loop: each caught only by the
 # -- op named (copy, install of a consumed handle, append_mismatch, reload)
 
 
@@ -509,51 +509,51 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "dense_mask_ignores_window", "spec.dense.dense_mask_visible (a window binds on a decode step)",
-        "a dense cache serving a windowed layer (issue 15, masks)", "dense", ("fp16",), "KVCache.make_mask",
+        "a dense cache serving a windowed layer (masks)", "dense", ("fp16",), "KVCache.make_mask",
         "make_mask(1, window_size=w) returns None: every key visible", {"dense": MaskIgnoresWindow},
     ),
     InjectedBug(
         "snapshot_deep_copies", "semantics.md 5.4, cost contract: a snapshot shares the buffers (O(1))",
-        "issue 15, memory sharing", "dense", ("fp16", "int8"), "KVCache.snapshot",
+        "memory sharing", "dense", ("fp16", "int8"), "KVCache.snapshot",
         "the snapshot copies every buffer: same bytes, new memory", {"dense": SnapshotDeepCopies},
     ),
     InjectedBug(
         "fp16_casts_rows", "semantics.md 2, Storage (rows stored and returned in the incoming dtype)",
-        "issue 15, bf16 models decode differently with a float16 cache", "dense", ("fp16",), "KVCache._encode",
+        "bf16 models decode differently with a float16 cache", "dense", ("fp16",), "KVCache._encode",
         "unquantized rows are cast to float16", {"dense": CastsToFloat16},
     ),
     InjectedBug(
         "env_switch_case_sensitive", "spec.dense.inplace_switch (any case, blanks ignored)",
-        "issue 15, the in-place switch", "dense", ("fp16",), "impl.dense.inplace_switch_from_env",
+        "the in-place switch", "dense", ("fp16",), "impl.dense.inplace_switch_from_env",
         "KV_INPLACE_WRITE=OFF (or ' no ') leaves in-place writes on", {"dense": EnvSwitchCaseSensitive},
     ),
     InjectedBug(
         "int8_round_half_away", "semantics.md 2, Storage (Int8: round half to even)",
-        "issue 15, quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
+        "quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
         "the quantizer rounds ties away from zero", {"dense": QuantizerRoundsHalfAway},
     ),
     InjectedBug(
         "mask_window_from_newest_query", "spec.dense.dense_mask_visible (query i's window ends at live_len + i)",
-        "a multi-row mask that measures every row's window from the newest query (issue 26, harness mutants)",
+        "a multi-row mask that measures every row's window from the newest query (harness mutants)",
         "dense", ("fp16",), "KVCache.make_mask",
         "make_mask(N > 1, window_size=w): every row's window ends at the last query", {"dense": MaskWindowFromNewestQuery},
         inplace=False,  # the write path has no part in a mask (and no switch spelling to shrink)
     ),
     InjectedBug(
         "int8_dequantizes_in_float16", "semantics.md 2, Storage (Int8 reads back q * scale rounded once to the rows' dtype)",
-        "a dequantizer computing in the scale's dtype (issue 26, harness mutants)", "dense", ("int8",),
+        "a dequantizer computing in the scale's dtype (harness mutants)", "dense", ("int8",),
         "impl.quant.dequantize_int8", "bfloat16 and float32 rows read back through float16 (rounded twice)",
         {"dense": Int8DequantizesInFloat16},
     ),
     InjectedBug(
         "int8_zero_row_scale_zero", "semantics.md 2, Storage (a zero row's scale is 1)",
-        "a zero-row guard on the codes instead of the scale (issue 26, harness mutants)", "dense", ("int8",),
+        "a zero-row guard on the codes instead of the scale (harness mutants)", "dense", ("int8",),
         "impl.quant.quantize_int8", "an all-zero row is stored with scale 0: same window, other stored bytes",
         {"dense": Int8ZeroRowScaleZero},
     ),
     InjectedBug(
         "int8_zero_value_row_scale_zero", "semantics.md 2, Storage (a zero row's scale is 1)",
-        "the zero-row guard lost on the values' path only (break_report5 #9)", "dense", ("int8",),
+        "the zero-row guard lost on the values' path only (breaker sweep)", "dense", ("int8",),
         "KVCache._encode", "an all-zero V row is stored with scale 0: same window, other stored value scales",
         {"dense": Int8ZeroValueRowScaleZero},
     ),
@@ -592,20 +592,20 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "pair_rows_truncated", "spec.dense.w_append_pair_mismatch (a K/V pair agrees with itself on dtype, B, H, S)",
-        "a K/V pair that disagrees with itself, never driven by the fuzzer (issue 26, breaker B1)", "dense", ("fp16",),
+        "a K/V pair that disagrees with itself, never driven by the fuzzer (breaker sweep)", "dense", ("fp16",),
         "KVCache.update_and_fetch", "values with more rows than the keys are cut to the keys' rows, not refused",
         {"dense": PairRowsTruncated},
     ),
     InjectedBug(
         "int8_dequantize_unclipped", "semantics.md 2, Storage (Int8 read-back saturated to +-65504 in float16)",
-        "a fused dequantizer that lost its float16 clip (issue 26, breaker B11)", "dense", ("int8",),
+        "a fused dequantizer that lost its float16 clip (breaker sweep)", "dense", ("int8",),
         "impl.quant.dequantize_int8", "the Int8 window is q * scale rounded to float16 without the saturation: "
         "a row at float16's edge reads back as inf",
         {"dense": DequantizeUnclipped},
     ),
     InjectedBug(
         "int8_range_by_magnitude", "semantics.md 2, Storage (Int8 refuses only rows not finite once cast to float16)",
-        "a cheaper range test than the rule (issue 26, break_report5 #15)", "dense", ("int8",),
+        "a cheaper range test than the rule (breaker sweep)", "dense", ("int8",),
         "impl.quant.int8_rows_flag", "float32 rows in (65504, 65520), finite once rounded to float16, are refused",
         {"dense": Int8RangeByMagnitude},
     ),

@@ -1,7 +1,7 @@
 """Injected bugs of the model glue around a prompt cache (``impl.models``,
 ``impl.masks``, ``impl.write``, the portable rows and ``nbytes``), driven
 by ``fuzz.models.ModelsMachine``: bugs a stranger injected that only a unit
-test, or no test, saw before that machine (issue 47).
+test, or no test, saw before that machine.
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
 """
@@ -178,67 +178,67 @@ class NbytesCountsKeysTwice(KVCache):
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "max_kv_size_rings_drop_undo", "spec.models.prompt_cache_layout (every ring's undo is max(undo, num_draft_tokens))",
-        "issue 47 (b): make_prompt_cache dropping a ring's undo depth under max_kv_size", "models", ("fp16",),
+        "make_prompt_cache dropping a ring's undo depth under max_kv_size", "models", ("fp16",),
         "impl.models.make_prompt_cache", "the rings built from max_kv_size get no undo log",
         {"models": {"models": RingsUnderMaxKvSizeDropUndo}},
     ),
     InjectedBug(
         "delegated_settings_dropped", "spec.models.prompt_cache_layout (Delegated layers carry hot_threshold, fold_block)",
-        "issue 47 (b): make_prompt_cache dropping a Delegated cache's settings", "models", ("fp16",),
+        "make_prompt_cache dropping a Delegated cache's settings", "models", ("fp16",),
         "impl.models.make_prompt_cache", "Delegated layers get the default hot_threshold and fold_block",
         {"models": {"models": DelegatedSettingsDropped}},
     ),
     InjectedBug(
         "metadata_keys_lstripped", "spec.models.loaded_metadata (keys come back verbatim)",
-        "issue 47 (d): load_prompt_cache mangling metadata keys with lstrip('0.') ('0shot' -> 'shot')", "models",
+        "load_prompt_cache mangling metadata keys with lstrip('0.') ('0shot' -> 'shot')", "models",
         ("fp16",), "impl.models.load_prompt_cache", "the '0.' prefix stripped as a set of characters",
         {"models": {"models": MetadataKeysLstripped}},
     ),
     InjectedBug(
         "mechanism_reads_env_first", "spec.models.inplace_mechanism (numpy off CUDA, whatever KV_CUDA_INPLACE says)",
-        "issue 47 (e): the write layer reading the environment before the backend", "models", ("fp16",),
+        "the write layer reading the environment before the backend", "models", ("fp16",),
         "impl.write.inplace_mechanism", "a set KV_CUDA_INPLACE picks a CUDA mechanism on the CPU",
         {"models": {"models": MechanismReadsEnvFirst}}, device="cpu",  # on CUDA the variable is read by right
     ),
     InjectedBug(
         "portable_bf16_through_fp16", "spec.rows.element_bits (bfloat16's own bit patterns)",
-        "issue 47 (g): the portable rows' bfloat16", "models", ("fp16",),
+        "the portable rows' bfloat16", "models", ("fp16",),
         "fuzz.rows.rows (portable)", "bfloat16 portable rows are the float16 rows cast",
         {"models": {"models": PortableBfloat16ThroughFloat16}},
     ),
     InjectedBug(
         "portable_step_order", "spec.rows.scramble (multiply, then xorshift)",
-        "issue 47 (g): the portable rows' step order", "models", ("fp16",),
+        "the portable rows' step order", "models", ("fp16",),
         "fuzz.rows.portable_bits", "the scramble's two steps swapped",
         {"models": {"models": PortableStepOrder}},
     ),
     InjectedBug(
         "to_quantized_drops_live_start", "spec.models.to_quantized (offset and live_start kept)",
-        "issue 47 (c): to_quantized dropping live_start", "models", ("fp16",),
+        "to_quantized dropping live_start", "models", ("fp16",),
         "KVCache.to_quantized", "the Int8 copy adopts the rows at live_start 0",
         {"models": {"dense": ToQuantizedDropsLiveStart}},
     ),
     InjectedBug(
         "to_quantized_drops_dtype", "spec.models.to_quantized (rows read back in their dtype)",
-        "issue 47 (c): to_quantized dropping the rows' dtype", "models", ("fp16",),
+        "to_quantized dropping the rows' dtype", "models", ("fp16",),
         "KVCache.to_quantized", "the Int8 copy dequantizes to float16 whatever the rows' dtype",
         {"models": {"dense": ToQuantizedDropsDtype}},
     ),
     InjectedBug(
         "to_quantized_drops_group_size", "spec.models.to_quantized (the requested group_size kept)",
-        "issue 47 (c): to_quantized(bits=4) dropping group_size", "models", ("fp16",),
+        "to_quantized(bits=4) dropping group_size", "models", ("fp16",),
         "KVCache.to_quantized", "the QuantizedKVCache hand-off quantizes at group_size 64 whatever was asked",
         {"models": {"dense": ToQuantizedDropsGroupSize}},
     ),
     InjectedBug(
         "device_mask_query_axis", "spec.dense.dense_make_mask (query i at position live_len + i)",
-        "issue 47 (f): the mask built on the device with the query axis wrong", "models", ("fp16",),
+        "the mask built on the device with the query axis wrong", "models", ("fp16",),
         "impl.masks.causal_mask (MLX build)", "on the device path every query sits at the first query's position",
         {"models": {"dense": DeviceMaskQueryAxis}},
     ),
     InjectedBug(
         "nbytes_counts_keys_twice", "spec.models.nbytes (each stored array counted once)",
-        "issue 47 (h): nbytes counting the keys twice", "models", ("fp16",),
+        "nbytes counting the keys twice", "models", ("fp16",),
         "KVCache.nbytes", "the keys' bytes are added twice",
         {"models": {"dense": NbytesCountsKeysTwice}},
     ),

@@ -87,7 +87,7 @@ class ExhaustionHalfAllocates(BlockPool):
             raise StateError(message)
 
 
-# -- a sequence's handle outside the decode loop (issue 26): each caught only by
+# -- a sequence's handle outside the decode loop: each caught only by
 # -- the op named (copy, append_mismatch, handle_reuse, reload)
 
 
@@ -262,53 +262,53 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "paged_copy_aliases_sequence", "spec.paged.copy_refused (fork is the paged copy)",
-        "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch (issue 26)", "paged", ("fp16",),
+        "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch", "paged", ("fp16",),
         "PagedKVCache.__copy__/__deepcopy__", "copies of a sequence's handle alias the sequence or the pool's memory",
         {"paged": CopyAliasesSequence},
     ),
     InjectedBug(
         "paged_dtype_unchecked", "spec.paged.append_mismatch (rows match the pool's [H, D] and dtype)",
-        "a request in another dtype joining a shared pool (issue 26)", "paged", ("fp16",),
+        "a request in another dtype joining a shared pool", "paged", ("fp16",),
         "BlockPool._check_compatible", "rows of another dtype are cast into the slabs, not refused",
         {"paged": PoolDtypeUnchecked},
     ),
     InjectedBug(
         "paged_spent_handle_by_name", "spec.paged.handle_reuse (a released sequence's handle is spent)",
-        "schedulers that keep a finished request's cache object (issue 26)", "paged", ("fp16",),
+        "schedulers that keep a finished request's cache object", "paged", ("fp16",),
         "PagedKVCache._live", "a released sequence's handle finds its sequence by name: refused as an unknown name, and "
         "once a fork takes the name it writes into that sequence",
         {"paged": SpentHandleByName},
     ),
     InjectedBug(
         "paged_sink_trim_spent_handle", "spec.paged.handle_reuse (every method of a released sequence's handle refuses)",
-        "a handle method that forgets the spent-handle check the others keep (issue 26, breaker B7)", "paged",
+        "a handle method that forgets the spent-handle check the others keep (breaker sweep)", "paged",
         ("fp16",), "PagedKVCache.trim_front_keep_sink", "trim_front_keep_sink on a spent handle reaches the pool "
         "by name: it front-trims the sequence that took the name since, or is refused in the pool's words",
         {"paged": SinkTrimSkipsSpentCheck},
     ),
     InjectedBug(
         "paged_mask_spent_after_count", "spec.paged.handle_reuse (a spent handle refuses whatever the arguments)",
-        "a spent-handle check placed after the argument checks (issue 26, break_report5 #13)", "paged",
+        "a spent-handle check placed after the argument checks (breaker sweep)", "paged",
         ("fp16",), "PagedKVCache.make_mask", "make_mask(0) on a spent handle is refused as a bad count "
         "(InvalidArgumentError), not as spent (StateError)",
         {"paged": MaskChecksCountBeforeSpent},
     ),
     InjectedBug(
         "paged_file_saves_sequence", "spec.paged.reload (a file cannot hold a paged sequence)",
-        "prompt-cache files of pool-backed caches (issue 26)", "paged", ("fp16",),
+        "prompt-cache files of pool-backed caches", "paged", ("fp16",),
         "PagedKVCache.refuse_prompt_cache_file", "a sequence is saved as its gathered rows and loads as a pool of its own",
         {"paged": FileSavesSequence},
     ),
     InjectedBug(
         "paged_state_load_releases_first", "spec.paged.load_state (fresh blocks first, the old ones released after)",
-        "mlx-lm's load order (state, then meta_state) on a pool sequence (issue 26)", "paged", ("fp16",),
+        "mlx-lm's load order (state, then meta_state) on a pool sequence", "paged", ("fp16",),
         "PagedKVCache.state (setter)", "the setter frees the sequence's blocks before writing the rows into them",
         {"paged": StateLoadReleasesFirst},
     ),
     InjectedBug(
         "paged_state_assign_releases_first",
         "spec.paged.state_assign (fresh blocks first, the old ones released after; a refusal changes nothing)",
-        "a state setter that frees the old blocks before a refusal can come (issue 26, breaker B13)", "paged",
+        "a state setter that frees the old blocks before a refusal can come (breaker sweep)", "paged",
         ("fp16",), "PagedKVCache.state (setter)", "an assignment of more rows than the sequence's blocks hold "
         "releases the old blocks first: other blocks than the rule's, and a refused (pool-exhausted) assignment "
         "leaves the sequence on freed blocks",

@@ -77,7 +77,7 @@ class DecodeMaskWindowIgnoresSinks(RotatingKVCache):
     oldest non-sink against the whole window, not the window less the sinks
     (``W - K - 1 < window``): with sinks, a window of ``W - 1`` returns None
     where the mask hides the oldest non-sink. Only a mask check narrower
-    than the ring sees it (break_report5 #7, #10)."""
+    than the ring sees it (breaker sweep)."""
 
     def _decode_sees_every_key(self, window: int) -> bool:
         W, K, q, idx = self.max_size, self.keep, self.offset, self.idx
@@ -229,7 +229,7 @@ class LoadKeepsUndoLog(RotatingKVCache):
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "decode_mask_window_ignores_sinks", "semantics.md 3, mask (exactly the window's keys)",
-        "an O(1) decode-mask shortcut that forgets the sinks (break_report5 #7)", "rotating", ("fp16",),
+        "an O(1) decode-mask shortcut that forgets the sinks (breaker sweep)", "rotating", ("fp16",),
         "RotatingKVCache._decode_sees_every_key",
         "make_mask(1) returns None on a wrapped ring with sinks where a narrower window hides the oldest non-sink",
         {"rotating": DecodeMaskWindowIgnoresSinks},
@@ -281,33 +281,33 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "ring_growth_batch_one", "semantics.md 3, decode (one row) (growth keeps the rows' [B, H, _, D])",
-        "issue 15, batch > 1", "rotating", ("fp16",), "RotatingKVCache._decode",
+        "batch > 1", "rotating", ("fp16",), "RotatingKVCache._decode",
         "the first growth allocates batch 1", {"rotating": GrowthWithBatchOne},
     ),
     InjectedBug(
         "ring_values_key_head_dim", "semantics.md 3, decode (one row) (keys and values keep their own head dims)",
-        "issue 15, models with a distinct value head dim", "rotating", ("fp16",), "RotatingKVCache._decode",
+        "models with a distinct value head dim", "rotating", ("fp16",), "RotatingKVCache._decode",
         "the value buffer is allocated with the keys' head dim", {"rotating": GrowthPadsValuesToKeyDim},
     ),
     InjectedBug(
         "undo_log_one_short", "semantics.md 3, what a trim can take back (exact for n <= min(U, rows appended))",
-        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_decode/_log_prefill",
+        "undo-log rollback after a wrap", "rotating", ("fp16",), "RotatingKVCache._log_decode/_log_prefill",
         "the log keeps U - 1 rows: a rollback of exactly U rows after a wrap restores a wrong row",
         {"rotating": UndoLogOneShort},
     ),
     InjectedBug(
         "rollback_keeps_idx", "semantics.md 3, rollback (offset and idx return to the record's)",
-        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._undo_append",
+        "undo-log rollback after a wrap", "rotating", ("fp16",), "RotatingKVCache._undo_append",
         "undoing a decode restores its row and offset but not the cursor idx", {"rotating": RollbackKeepsIdx},
     ),
     InjectedBug(
         "undo_log_survives_restore", "semantics.md 3, restore clears the log",
-        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache.restore",
+        "undo-log rollback after a wrap", "rotating", ("fp16",), "RotatingKVCache.restore",
         "restore keeps the replaced history's undo log", {"rotating": UndoLogSurvivesRestore},
     ),
     InjectedBug(
         "block_drops_unlogged", "semantics.md 3, undo log (records the rows a multi-row append drops)",
-        "undo-log rollback after a wrap (issue 14)", "rotating", ("fp16",), "RotatingKVCache._log_prefill",
+        "undo-log rollback after a wrap", "rotating", ("fp16",), "RotatingKVCache._log_prefill",
         "a multi-row append does not log the old row it drops", {"rotating": BlockDropsUnlogged},
     ),
     InjectedBug(

@@ -1,5 +1,5 @@
 """``kvspec bench --recurrent``: what exact rollback of a hybrid model's
-recurrent layers costs (issue 48; docs/recurrent.md).
+recurrent layers costs (docs/recurrent.md).
 
 The recurrent layers of a hybrid model (qwen3_next's GatedDeltaNet, lfm2's
 short conv) roll back exactly through the checkpoints of

@@ -734,7 +734,7 @@ TRIAGE_WHOLE_TREE: tuple[Verdict, ...] = (
             REDUNDANT, why='The keys check runs only in Turbo4, after `k_head_dim != v_head_dim` was refused and the values check passed with the same bits: k == v, so the keys check never raises. Skipping it changes nothing (the check is dead code; a candidate for removal).'),
 )
 
-#: impl/batch.py's survivors of the whole-tree run, triaged in the fifteenth session
+#: impl/batch.py's survivors of the whole-tree run of 2026-12-03, triaged
 TRIAGE_BATCH: tuple[Verdict, ...] = (
     Verdict('impl.batch.x__trim_count',
             'if n < 0:',

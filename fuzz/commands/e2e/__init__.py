@@ -1,4 +1,4 @@
-"""End-to-end scenarios: kvspec caches inside real mlx-lm models (issue 7).
+"""End-to-end scenarios: kvspec caches inside real mlx-lm models.
 
 Each scenario builds small mlx-lm models with random weights (fixed seeds, no
 download), decodes through mlx-lm's own code (``generate_step``,

@@ -1,4 +1,4 @@
-"""Scenarios 14 to 16: hybrid models, recurrent layers beside attention (issue 48).
+"""Scenarios 14 to 16: hybrid models, recurrent layers beside attention.
 
 Tiny random-weight qwen3_next, nemotron_h, lfm2 and recurrent_gemma
 (``models.tiny_hybrid``) decode through mlx-lm's own loops with

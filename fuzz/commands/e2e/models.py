@@ -185,7 +185,7 @@ def _rotating(caches: list[Any]) -> list[RotatingKVCache]:
     return [c for c in caches if isinstance(c, RotatingKVCache)]
 
 
-# -- hybrid models: recurrent layers beside attention (issue 48) ------------------
+# -- hybrid models: recurrent layers beside attention ---------------------------
 #: The hybrid families of the e2e scenarios: mlx-lm 0.32's model modules whose
 #: recurrent layers keep an ``ArraysCache`` (conv window, recurrent state).
 HYBRID_FAMILIES = ("qwen3_next", "nemotron_h", "lfm2", "recurrent_gemma")

@@ -98,7 +98,7 @@ class _Recorder:
         self.refused = 0  # rollbacks of rows the ring holds that it refused (trim returned 0)
         # is_trimmable() answered False: mlx-lm's trim_prompt_cache then skips
         # the rollback in every layer without calling trim (counted apart:
-        # the refusal the trim count alone never saw, issue 47)
+        # the refusal the trim count alone never saw)
         self.untrimmable = 0
         trim, is_trimmable = ring.trim, ring.is_trimmable
 
@@ -325,7 +325,7 @@ def scenario_speculative_drift(size: Size, factories: Factories = None) -> tuple
     ``make_prompt_cache(..., num_draft_tokens=UNDO_DEPTH)`` give no warning
     and greedy's tokens (scenario 8 checks those bytes).
 
-    And the ordinary case (issue 47): caches built with no undo log
+    And the ordinary case: caches built with no undo log
     (``make_prompt_cache(model, mode)``) in each of ``PREFILL_WRAP_MODES``
     after a prompt longer than the window, so the rings go past it in the
     prefill, before any trim: the main model's first refused rollback is
