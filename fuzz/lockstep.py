@@ -894,8 +894,23 @@ class Lockstep:
                                  f"capacity={op['capacity']}", ("spec says", "trace expects"))
 
     def check_expect(self, index: int, op: dict[str, Any]) -> None:
+        key, want = self.spec_expect(index, op)
+        i_views = self.impl_views()
+        impl_have = self.identify(i_views.get(key))
+        if op.get("order") == "set":
+            same = sorted(map(str, impl_have)) == sorted(map(str, want))
+        else:
+            same = self.window_matches(tuple(want), i_views.get(key))
+        if not same:
+            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, impl_have,
+                             ("trace expects", "impl did"))
+
+    def spec_expect(self, index: int, op: dict[str, Any]) -> tuple[str, list[Any]]:
+        """The spec half of ``expect``: ``(view key, the window it lists)``;
+        Divergence when the spec's window differs (``kvspec replay
+        --spec-only`` runs this half alone)."""
         name = op.get("of")
-        s_views, i_views = self.spec_views(), self.impl_views()
+        s_views = self.spec_views()
         key = "cache" if name is None else self.view_key(name)
         if key not in s_views:
             from fuzz.trace import TraceFormatError
@@ -908,14 +923,7 @@ class Lockstep:
         same = sorted(want) == sorted(have) if op.get("order") == "set" else want == have
         if not same:
             raise Divergence(index, op, "trace's 'expect' fails on the spec", have, want, ("spec says", "trace expects"))
-        impl_have = self.identify(i_views.get(key))
-        if op.get("order") == "set":
-            same = sorted(map(str, impl_have)) == sorted(map(str, want))
-        else:
-            same = self.window_matches(tuple(want), i_views.get(key))
-        if not same:
-            raise Divergence(index, op, "trace's 'expect' fails on the implementation", want, impl_have,
-                             ("trace expects", "impl did"))
+        return key, want
 
     _UNHANDLED = object()
     #: the spec module whose ``apply_op`` runs each op on the spec side

@@ -292,6 +292,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if empty and not paths:
         return _usage_error(console, f"trace: no kvtrace files in {', '.join(empty)}", args.json)
     many = len(paths) > 1 or any(Path(t).is_dir() for t in args.trace)
+    if args.spec_only:
+        from fuzz.commands.record import cmd_replay_spec_only
+
+        return cmd_replay_spec_only(args, paths, many, console, _usage_error)
     results = [_replay_one(path, args, console, quiet=args.json) for path in paths]
     code = replay_exit(results, many)
     docs = [d for _, d in results]
@@ -357,6 +361,12 @@ def render_command(trace: str, bug: str | None = None, isolation_only: bool = Fa
 
 
 # -- render --------------------------------------------------------------------
+def _cmd_record(args: argparse.Namespace) -> int:
+    from fuzz.commands.record import cmd_record
+
+    return cmd_record(args, _console(), _usage_error)
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     from fuzz.render import page, svg, timeline
     from fuzz.replay import EXIT_INVALID, EXIT_OK
@@ -1157,7 +1167,9 @@ EXIT_CODES = {
               "divergence); 2 invalid trace or arguments, a target that cannot run the trace, or the harness's "
               "own failure; 3 a check the trace carries fails on the spec (the trace expects what the spec does "
               "not do); with several traces the most severe among those the target can run (a trace it cannot "
-              "run is counted as not applicable, not failed; 2 when it can run none)",
+              "run is counted as not applicable, not failed; 2 when it can run none). With --spec-only: 0 every "
+              "op of every recording is possible under the contract, 1 one is not (the first such op printed), 2 "
+              "invalid trace or arguments",
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
             "written and a replay command printed); 2 bad arguments or no verdict (a campaign that ran no "
             "example, a capability gap, the harness's own crash, a failure the tool could not repeat); "
@@ -1177,6 +1189,7 @@ EXIT_CODES = {
                "mutant of the changed lines survives); 1 otherwise; 2 bad arguments or a tool failure (a seed whose verdict "
                "the tool could not repeat, both answers printed); 130 interrupted",
     "bench": "exit status: 0 measured; 2 bad arguments",
+    "record": "exit status: 0 recorded (what a recording cannot show is printed as notes); 2 bad arguments",
     "render": "exit status: 0 the picture was written (whether or not the trace diverges); 2 invalid trace, "
               "arguments or output path, an unknown --target or one that cannot run the trace",
     "e2e": "exit status: 0 every scenario passes (with --bug: the bug went unnoticed); 1 a scenario "
@@ -1237,7 +1250,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", default="impl", help=TARGET_HELP)
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
+    r.add_argument("--spec-only", action="store_true",
+                   help="check a recording (kvspec record, fuzz.record) on the spec alone: the first op it shows "
+                        "that the contract does not allow is printed, exit 1 (docs/record.md); no implementation runs")
     r.set_defaults(fn=cmd_replay)
+
+    rc = add("record", "record a tiny model's real decoding as kvtraces (one per layer)",
+             "Decode with a tiny random-weight llama through mlx-lm's own loops, record every layer's cache "
+             "(the ops and the windows it returned) and write one kvtrace per layer; check them with "
+             "`kvspec replay --spec-only`. Your own runs: fuzz.record.record (docs/record.md).")
+    rc.add_argument("scenario", choices=("generate", "server", "speculative"),
+                    help="generate: two chat turns on one prompt cache; server: a prompt cache whose state is "
+                         "saved after a request and put back, trimmed, for the next ones; speculative: "
+                         "speculative decoding with an early-exit draft (trims)")
+    rc.add_argument("--cache", choices=("impl", "mlx-lm"), default="impl",
+                    help="whose caches decode: this project's (impl) or mlx-lm's own (default: impl)")
+    rc.add_argument("-o", "--out", required=True, metavar="DIR", help="folder for layerNN.json (created)")
+    rc.add_argument("--seed", type=int, default=0, help="weights and prompts (default: 0)")
+    rc.add_argument("--tokens", type=int, default=4, help="tokens generated a turn, 1 to 64 (default: 4)")
+    rc.add_argument("--json", action="store_true", help="print one JSON object")
+    rc.set_defaults(fn=_cmd_record)
 
     rd = add("render", "draw a kvtrace as a timeline (SVG, or an HTML page with --html)",
              "Replay a kvtrace as `kvspec replay` does and draw the spec's state after every op: one column "
@@ -1460,7 +1492,7 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     pr.add_argument("rest", nargs=argparse.REMAINDER)
     pr.set_defaults(fn=cmd_prove)
-    for name in ("replay", "fuzz", "verify", "mutants", "bench", "e2e", "conformance"):
+    for name in ("replay", "fuzz", "verify", "mutants", "bench", "e2e", "conformance", "record"):
         subs[name].add_argument("--device", choices=["cpu", "gpu"], default=None,
                                 help="MLX device to run the caches on (default: $KVSPEC_DEVICE, else MLX's default)")
     for name in ("verify", "mutants"):
