@@ -576,7 +576,9 @@ def _fuzz_batch(args: argparse.Namespace) -> int:
                       ("--target", (args.target or "impl") != "impl", "the batch caches are ours (impl) only"),
                       ("--sarif", bool(args.sarif), "no third-party target runs a batch"),
                       ("--shrink-budget", args.shrink_budget is not None, "the batch campaign's shrinking is untimed"),
-                      ("--db", args.db is not None, "the batch campaign keeps no example database")]
+                      ("--db", args.db is not None, "the batch campaign keeps no example database"),
+                      ("--baseline", bool(args.baseline), "the batch caches are ours (impl) only"),
+                      ("--examples", args.examples is not None, "the batch campaign is budgeted in seconds")]
     for flag, given, why in not_applicable:
         if given:
             return _usage_error(console, f"{flag} does not apply to --kind batch: {why}", as_json)
@@ -675,6 +677,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             return _usage_error(console, f"--{flag.replace('_', '-')}: {problem}", args.json)
     if args.sarif and target.is_impl:
         return _usage_error(console, "--sarif reports divergences of a third-party target: give --target", args.json)
+    if args.baseline or args.examples is not None:  # bounded by examples; head against base (fuzz/commands/review.py)
+        from fuzz.commands.review import fuzz_by_examples
+
+        return fuzz_by_examples(args, target, console, _usage_error, version())
     from fuzz.campaign import open_database
 
     db_spec = args.db if args.db is not None else os.environ.get("KVSPEC_DB", DEFAULT_DB)
@@ -900,6 +906,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     when a class's search stopped without a verdict (its class cannot run
     an op it reached, or the harness raised: ``no_verdict``), 130
     when interrupted (the classes that finished are printed)."""
+    if args.target in ("llama.cpp", "vllm") and (args.baseline or args.junit_xml):
+        return _usage_error(_console(), f"--baseline/--junit-xml: not with --target {args.target} (its search "
+                                        "writes a report of its own; compare with --target mlx-lm, transformers "
+                                        "or a target of docs/targets.md)", args.json)
     if args.target == "llama.cpp":  # the cells kind: a search of its own (fuzz/commands/conformance_cells.py)
         from fuzz.commands.conformance_cells import cmd_llama_conformance
 
@@ -910,9 +920,23 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
         return cmd_vllm_conformance(args, _console(), _usage_error,
                                     default_out=args.out == DEFAULT_OUT + "/conformance")
-    if args.examples is not None or args.steps is not None:
-        return _usage_error(_console(), "--examples/--steps: only with --target llama.cpp or vllm (the other "
-                                        "targets' search is budgeted in seconds: --budget)", args.json)
+    if args.budget is not None and (args.examples is not None or args.baseline):
+        return _usage_error(_console(), "--budget: not with --examples or --baseline (a search bounded by "
+                                        "examples takes no seconds budget)", args.json)
+    if args.junit_xml and not args.baseline:
+        return _usage_error(_console(), "--junit-xml: only with --baseline (one test case per divergence key)",
+                            args.json)
+    if args.baseline:  # head against base (fuzz/commands/review.py)
+        from fuzz.commands.review import run_baseline
+
+        for flag in ("junit_xml", "sarif"):
+            problem = _report_path_problem(getattr(args, flag))
+            if problem:
+                return _usage_error(_console(), f"--{flag.replace('_', '-')}: {problem}", args.json)
+        params = {"target": args.target, "classes": args.classes, "examples": args.examples, "steps": args.steps,
+                  "seed": None if args.seed == CONFORMANCE_SEED else args.seed, "default_seed": CONFORMANCE_SEED,
+                  "max_findings": args.max_findings if args.max_findings is not None else 8}
+        return run_baseline(args, "conformance", params, _console(), _usage_error, version())
     from fuzz.commands.conformance import print_report, run_conformance, to_json
     from fuzz.commands.reports import rerun, write_sarif
 
@@ -924,14 +948,14 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     try:
         run_conformance(args.budget if args.budget is not None else 120.0, args.seed, args.out, args.classes,
                         args.max_findings if args.max_findings is not None else 8, args.target,
-                        reports=reports)
+                        reports=reports, examples=args.examples, steps=args.steps or 40)
     except KeyError as exc:
         _console().print(f"[bold red]error[/]: {escape(str(exc.args[0]))}")
         return 2
     except KeyboardInterrupt:
         interrupted = True
     budget = args.budget if args.budget is not None else 120.0
-    doc = to_json(reports, args.seed, budget)
+    doc = to_json(reports, args.seed, budget, args.examples, args.steps or 40)
     code = 130 if interrupted else (2 if doc["no_verdict"] else 0 if doc["ok"] else 1)
     doc["exit"], doc["interrupted"] = code, interrupted
     if args.sarif:
@@ -942,7 +966,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        print_report(reports, args.seed, budget)
+        print_report(reports, args.seed, budget, examples=args.examples)
         _console().print(f"minimal traces in {escape(args.out)}/ (replay commands: kvspec conformance --json)")
         if interrupted:
             _console().print(f"[bold yellow]interrupted[/]: {len(reports)} classes finished\n  rerun: "
@@ -1173,7 +1197,8 @@ EXIT_CODES = {
     "fuzz": "exit status: 0 every campaign ran examples and found nothing; 1 a divergence (its minimal trace is "
             "written and a replay command printed); 2 bad arguments or no verdict (a campaign that ran no "
             "example, a capability gap, the harness's own crash, a failure the tool could not repeat); "
-            "130 interrupted (seed and rerun command printed)",
+            "130 interrupted (seed and rerun command printed); with --baseline: 1 only when the head adds a "
+            "divergence, 0 when it adds none, 2 bad input or no verdict (the base could not run)",
     "campaign": "exit status: 0 HypoFuzz ran the budget and found nothing; 1 a failure (its kvtrace is written "
                 "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign'), "
                 "failing to start or one of its processes dying during the run; 130 interrupted (what was found is printed)",
@@ -1181,7 +1206,9 @@ EXIT_CODES = {
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
                    "trustworthy; llama.cpp's and vLLM's findings also in paranoid mode); 1 otherwise; 2 bad arguments, "
                    "an option that does not apply to the target (named), llama-cpp-python missing for --target "
-                   "llama.cpp, vLLM missing for --target vllm, or a class without a verdict",
+                   "llama.cpp, vLLM missing for --target vllm, or a class without a verdict; with --baseline: 1 "
+                   "only when the head adds a divergence, 0 when it adds none, 2 bad input or no verdict (the "
+                   "base could not run, a class without a verdict)",
     "verify": "exit status: 0 every check passes; 1 one fails; 2 bad arguments or a tool failure (a verdict the "
               "tool could not repeat: one run of ops gave two answers, both printed); 130 interrupted (the checks "
               "that finished are printed)",
@@ -1331,6 +1358,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     f.add_argument("--junit-xml", metavar="PATH", help="also write a JUnit XML report, one test case per campaign")
     f.add_argument("--sarif", metavar="PATH", help="with --target: also write its divergences as SARIF 2.1.0")
+    f.add_argument("--examples", type=int_in(1, 1_000_000), default=None,
+                   help="examples per campaign, in seeded rounds of 25, instead of --budget seconds; a failure is "
+                        "shrunk by replays: a verdict and a --json report that do not depend on the machine's "
+                        "speed (a baseline for --baseline; default seed 20261207; with --baseline default 200)")
+    f.add_argument("--baseline", metavar="BASE",
+                   help="with --target: compare this environment's engine (the head) with a base and report the "
+                        "divergences the head adds, fixes and shares (docs/review.md): BASE is a saved report "
+                        "(REPORT.json of --examples N --json), an import folder put first on sys.path, or another "
+                        "install's Python executable; exit 1 only when the head adds a divergence")
     f.set_defaults(fn=cmd_fuzz)
 
     cp = add("campaign", "fuzz on every core under HypoFuzz, with its dashboard",
@@ -1382,12 +1418,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
     c.add_argument("--examples", type=int_in(1, 1_000_000), default=None,
                    help="--target llama.cpp or vllm: examples per round (default 200 for llama.cpp, 300 for vllm; "
-                        "their searches are budgeted by examples)")
+                        "their searches are budgeted by examples); other targets: examples per class, in rounds "
+                        "of 25, instead of --budget seconds (a verdict that does not depend on the machine's "
+                        "speed; with --baseline default 200)")
     c.add_argument("--steps", type=int_in(1, 10_000), default=None,
-                   help="--target llama.cpp or vllm: ops per example (default 40)")
+                   help="ops per example (default 40)")
+    c.add_argument("--baseline", metavar="BASE",
+                   help="compare this environment's engine (the head) with a base and report the divergences "
+                        "the head adds, fixes and shares (docs/review.md): BASE is a saved report (REPORT.json "
+                        "of --examples N --json), an import folder put first on sys.path (a checkout at the "
+                        "base), or another install's Python executable; both sides run the same seed and "
+                        "--examples; exit 1 only when the head adds a divergence")
     c.add_argument("--json", action="store_true", help="print one JSON object (docs/json.md)")
     c.add_argument("--sarif", metavar="PATH",
-                   help="also write the divergences as SARIF 2.1.0 (faults as errors, contract differences as warnings)")
+                   help="also write the divergences as SARIF 2.1.0 (faults as errors, contract differences as "
+                        "warnings; with --baseline: the added ones)")
+    c.add_argument("--junit-xml", metavar="PATH",
+                   help="with --baseline: also write a JUnit XML report, one test case per divergence key "
+                        "(added: failed, in both: skipped, fixed: passed)")
     c.set_defaults(fn=cmd_conformance)
 
     v = add("verify", "traces, fixed-seed campaigns, injected bugs, proofs: one table",

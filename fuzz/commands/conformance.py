@@ -30,6 +30,7 @@ implementation.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -336,10 +337,14 @@ def classes_of(target: str | None) -> tuple[tuple[CacheClass, str], ...]:
 
 def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | Path = DEFAULT_OUT,
                     only: list[str] | None = None, max_findings: int = 8,
-                    target: str | None = None, reports: list[ClassReport] | None = None) -> list[ClassReport]:
+                    target: str | None = None, reports: list[ClassReport] | None = None,
+                    examples: int | None = None, steps: int = 40) -> list[ClassReport]:
     """Fuzz every class of ``target`` (default: mlx-lm's four classes, or
     those named in ``only``), ``budget``
-    seconds in all, split evenly. Stale ``<Class>_NN.json`` traces of the
+    seconds in all, split evenly; or, with ``examples``, that many examples
+    per class (rounds of :data:`BATCH`, :func:`rounds_for`; ``budget`` is
+    then ignored: a verdict bounded by examples, never by the clock), each
+    example at most ``steps`` ops. Stale ``<Class>_NN.json`` traces of the
     classes run are removed from ``out`` first, and ``out/report.json``
     (:func:`write_report`) lists every trace left there, so the folder is
     the report. Raises KeyError for an unknown class name. Finished
@@ -358,21 +363,36 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
     out.mkdir(parents=True, exist_ok=True)
     reports = [] if reports is None else reports
     try:
-        _run_classes(names, known, budget, seed, out, max_findings, reports)
+        _run_classes(names, known, budget, seed, out, max_findings, reports, examples, steps)
     finally:
-        write_report(reports, seed, budget, out / REPORT)
+        write_report(reports, seed, budget, out / REPORT, examples, steps)
     return reports
 
 
+#: examples per round of a class's search (``search_class``'s ``batch``)
+BATCH = 25
+
+
+def rounds_for(examples: int) -> int:
+    """Rounds of :data:`BATCH` examples that run at least ``examples``."""
+    return max(1, -(-examples // BATCH))
+
+
 def _run_classes(names: list[str], known: dict[str, Any], budget: float, seed: int, out: Path, max_findings: int,
-                 reports: list[ClassReport]) -> None:
+                 reports: list[ClassReport], examples: int | None = None, steps: int = 40) -> None:
     for i, n in enumerate(names):
         cls, target = known[n]
         for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
             stale.unlink()
+        bound = f"{examples} examples" if examples is not None else f"{budget / len(names):.0f} s"
         print(f"conformance: [{i + 1}/{len(names)}] {cls.name} on {target} (seed {seed + 1000 * i}, "
-              f"{budget / len(names):.0f} s) ...", file=sys.stderr, flush=True)
-        reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings))
+              f"{bound}) ...", file=sys.stderr, flush=True)
+        if examples is not None:
+            reports.append(search_class(cls, target, math.inf, seed + 1000 * i, out, max_findings, BATCH, steps,
+                                        max_rounds=rounds_for(examples)))
+        else:
+            reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings,
+                                        steps=steps))
         print(f"conformance: {cls.name}: {len(reports[-1].findings)} divergences", file=sys.stderr, flush=True)
 
 
@@ -380,10 +400,11 @@ def _run_classes(names: list[str], known: dict[str, Any], budget: float, seed: i
 REPORT = "report.json"
 
 
-def write_report(reports: list[ClassReport], seed: int, budget: float, path: Path) -> None:
+def write_report(reports: list[ClassReport], seed: int, budget: float, path: Path, examples: int | None = None,
+                 steps: int = 40) -> None:
     """Write the JSON report; classes not run this time keep their entries
     from an earlier report at ``path`` (their traces are still there)."""
-    doc = to_json(reports, seed, budget)
+    doc = to_json(reports, seed, budget, examples, steps)
     run = {r.cache_class for r in reports}
     if path.exists():
         try:
@@ -394,16 +415,22 @@ def write_report(reports: list[ClassReport], seed: int, budget: float, path: Pat
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def to_json(reports: list[ClassReport], seed: int, budget: float) -> dict[str, Any]:
+def to_json(reports: list[ClassReport], seed: int, budget: float | None,
+            examples: int | None = None, steps: int = 40) -> dict[str, Any]:
+    """The report (docs/json.md): ``budget`` in seconds, or None and
+    ``examples`` per class for a search bounded by examples; ``steps`` ops
+    an example at most."""
     import mlx.core as mx
 
-    return {"mlx_lm": mlx_lm_version(), "mlx": mx.__version__, "seed": seed, "budget": budget,
+    return {"mlx_lm": mlx_lm_version(), "mlx": mx.__version__, "seed": seed,
+            "budget": None if examples is not None else budget, "examples": examples, "steps": steps,
             "classes": [r.to_json() for r in reports],
             "ok": all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports),
             "no_verdict": {r.cache_class: r.no_verdict for r in reports if r.no_verdict}}
 
 
-def print_report(reports: list[ClassReport], seed: int, budget: float, console: Any = None) -> None:
+def print_report(reports: list[ClassReport], seed: int, budget: float, console: Any = None,
+                 examples: int | None = None) -> None:
     """Two rich tables: one row per class, then one row per divergence."""
     import mlx.core as mx
     from rich.console import Console
@@ -412,8 +439,9 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
 
     console = console or Console(highlight=False, emoji=False)
     total = sum(r.seconds for r in reports)
+    bound = f"{examples} examples a class" if examples is not None else f"budget {budget:.0f} s"
     table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
-                        f"budget {budget:.0f} s, {total:.0f} s run")
+                        f"{bound}, {total:.0f} s run")
     for col in ("class", "target", "ops covered", "ops skipped (not in the class)", "steps", "faults",
                 "contract differences", "search ended"):
         table.add_column(col, overflow="fold")
