@@ -92,8 +92,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
                          ("        jp = line; jerr = 0;\n",
                           ("        jp = line; jerr = 0;\n"
                            "        nanosleep(&(struct timespec){0, 6000000L}, NULL);\n"))],
-    # answers hello with another protocol version
-    "kvproto2": [('\\"kvproto\\":1,\\"adapter', '\\"kvproto\\":2,\\"adapter')],
+    # answers hello with a protocol version kvspec does not speak
+    "kvproto3": [('\\"kvproto\\":1,\\"adapter', '\\"kvproto\\":3,\\"adapter')],
     # a regrow copies the values with the keys' head dim
     "values_layout": [("        int D = s ? C.Dv : C.Dk;\n        unsigned char *d = s ? dst->v : dst->k, *from = s ? src->v : src->k;\n",
                        "        int D = C.Dk;\n        unsigned char *d = s ? dst->v : dst->k, *from = s ? src->v : src->k;\n")],
@@ -467,7 +467,7 @@ def test_every_observable_has_a_planted_misreport():
 def test_another_protocol_version_is_refused_at_hello(adapters, capsys):
     trace = str(REPO / "tests" / "traces" / "token_identities.json")
     for argv in (["replay", trace], ["fuzz", "--budget", "1"]):
-        code, out = run(capsys, *argv, "--target", f"exec:{adapters['kvproto2']}")
+        code, out = run(capsys, *argv, "--target", f"exec:{adapters['kvproto3']}")
         assert code == 2 and "did not answer hello" in out and "kvproto" in out and "Traceback" not in out, out
 
 

@@ -1,12 +1,17 @@
-"""``exec:PATH``: a cache in another process, driven over kvproto/1 (the
-target scheme ``exec`` of ``fuzz.targets.SCHEMES``: :func:`target`).
+"""``exec:PATH``: a cache in another process, driven over kvproto/1 or
+kvproto/2 (the target scheme ``exec`` of ``fuzz.targets.SCHEMES``:
+:func:`target`).
 
-The line protocol (docs/targets.md "The line protocol"; machine form
-``fuzz/kvproto.schema.json``): kvspec starts the adapter ``PATH`` (with any
-arguments after it, split as a shell would), writes one JSON request per
-line on its stdin and reads one JSON reply per line from its stdout:
+The line protocol (docs/targets.md "The line protocol", docs/kvproto.md for
+kvproto/2; machine form ``fuzz/kvproto.schema.json``): kvspec starts the
+adapter ``PATH`` (with any arguments after it, split as a shell would),
+writes one JSON request per line on its stdin and reads one JSON reply per
+line from its stdout:
 
-* ``hello``: the adapter declares its name, how it reports windows
+* ``hello``: kvspec names the versions it speaks (``kvproto``, the oldest,
+  and ``kvproto_max``, the newest); the adapter answers with the version of
+  the session (1: dense caches; 2: dense, rotating and paged, masks and
+  block tables included), and declares its name, how it reports windows
   (``bytes``: raw little-endian element bytes, which kvspec names by token
   identity; ``identities``: identities the adapter decoded from its own
   bytes with the portable row function), and per kind the modes, dtypes,
@@ -52,11 +57,20 @@ import numpy as np
 
 from fuzz import kinds
 from fuzz.lockstep import Divergence
+from fuzz.masks import ring_windows
 from fuzz.targets import CacheClass, HarnessFailure, Target, TargetCapabilityError, TargetError
+from spec import rotating as sr
 from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
 
-#: The protocol version this client speaks.
+#: The oldest protocol version this client speaks (what a kvproto/1 hello
+#: has always carried).
 KVPROTO = 1
+#: The newest protocol version this client speaks (the hello's ``kvproto_max``).
+KVPROTO_MAX = 2
+#: Every version this client speaks: an adapter answers hello with one of them.
+VERSIONS = (1, 2)
+#: The hello request (docs/kvproto.md, "Versions").
+HELLO = {"request": "hello", "kvproto": KVPROTO, "kvproto_max": KVPROTO_MAX}
 #: Seconds to wait for one reply (environment variable KVSPEC_EXEC_TIMEOUT).
 DEFAULT_TIMEOUT = 10.0
 #: Longest reply line read (bytes): a window of 2^24 float32 elements in hex.
@@ -70,6 +84,16 @@ CATEGORIES: dict[str, type[KVCacheError]] = {
 }
 #: the observables kvspec can compare, as the dense lockstep names them
 OBSERVABLES = ("offset", "live_start", "live_len", "capacity")
+#: per kind, the observables its state line reports under kvproto/2 (besides
+#: ``inplace``, the append's decision, and ``masks``, the append's masks)
+KIND_OBSERVABLES: dict[str, tuple[str, ...]] = {
+    "dense": OBSERVABLES,
+    "rotating": ("offset", "idx", "capacity", "trimmable", "trimmable_rows", "log_saved_rows"),
+}
+#: the kinds each version drives (paged: docs/kvproto.md gives its messages)
+VERSION_KINDS = {1: ("dense",), 2: ("dense", "rotating")}
+#: the kinds whose appends carry masks under kvproto/2 (``masks`` declared)
+MASK_KINDS = ("rotating",)
 
 
 class ExecTargetError(TargetError):
@@ -87,7 +111,8 @@ class AdapterFailure(Exception):
 
 
 def schema() -> dict[str, Any]:
-    """The kvproto/1 JSON Schema shipped with the package."""
+    """The kvproto JSON Schema shipped with the package (kvproto/1 and
+    kvproto/2: ``$defs/reply`` is /1's op reply, ``$defs/reply2`` /2's)."""
     return json.loads(resources.files("fuzz").joinpath("kvproto.schema.json").read_text())
 
 
@@ -110,6 +135,10 @@ def validator(part: str) -> Any:
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 _REPLY_KEYS = frozenset({"id", "ok", "result", "inplace", "error", "state"})
 _STATE_KEYS = frozenset({"offset", "live_start", "live_len", "capacity", "cache", "held", "holders"})
+_REPLY_KEYS_2 = _REPLY_KEYS | {"masks"}
+_STATE_KEYS_2 = _STATE_KEYS | {"idx", "trimmable", "trimmable_rows", "log_saved_rows"}
+_COUNTS_2 = ("offset", "live_start", "live_len", "capacity", "idx", "trimmable_rows", "log_saved_rows")
+_MASK_ROW = re.compile(r"[01]*")
 
 
 def _int(x: Any, lo: int | None = None) -> bool:
@@ -124,11 +153,14 @@ def _window_ok(w: Any) -> bool:
             and _HEX.fullmatch(w["k"]) is not None and _HEX.fullmatch(w["v"]) is not None)
 
 
-def reply_ok(r: Any) -> bool:
-    """Whether ``r`` satisfies ``$defs/reply``, as the validator would, in
-    a fraction of its time (tests/test_exec_target.py compares the two on
-    drawn replies); only a reply this refuses goes through jsonschema, for
-    its message."""
+def reply_ok(r: Any, version: int = 1) -> bool:
+    """Whether ``r`` satisfies ``$defs/reply`` (``version`` 2:
+    ``$defs/reply2`` for the kinds kvspec drives over it), as the validator
+    would, in a fraction of its time (tests/test_exec_target.py compares the
+    two on drawn replies); only a reply this refuses goes through
+    jsonschema, for its message."""
+    if version == 2:
+        return _reply2_ok(r)
     if not isinstance(r, dict) or not _REPLY_KEYS.issuperset(r) or "id" not in r or "ok" not in r:
         return False
     if not _int(r["id"], 0) or not isinstance(r["ok"], bool):
@@ -157,6 +189,27 @@ def reply_ok(r: Any) -> bool:
         if not isinstance(st["holders"], dict) or not all(_window_ok(w) for w in st["holders"].values()):
             return False
     return True
+
+
+def _reply2_ok(r: Any) -> bool:
+    """:func:`reply_ok` for kvproto/2 replies of dense and rotating caches
+    (a paged pool's state has no fast path: the validator judges it)."""
+    if not isinstance(r, dict) or not _REPLY_KEYS_2.issuperset(r):
+        return False
+    masks = r.get("masks")
+    if masks is not None and not (isinstance(masks, list) and all(
+            isinstance(m, list) and all(isinstance(x, str) and _MASK_ROW.fullmatch(x) for x in m) for m in masks)):
+        return False
+    st = r.get("state")
+    if isinstance(st, dict):
+        if not _STATE_KEYS_2.issuperset(st) or not all(_int(st[k]) for k in _COUNTS_2 if k in st):
+            return False
+        if "trimmable" in st and not isinstance(st["trimmable"], bool):
+            return False
+    core = {k: v for k, v in r.items() if k != "masks"}
+    if isinstance(st, dict):
+        core["state"] = {k: v for k, v in st.items() if k in _STATE_KEYS}
+    return reply_ok(core)
 
 
 def timeout_seconds() -> float:
@@ -200,6 +253,8 @@ class Session:
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.buffer = b""
         self.dead: str | None = None
+        #: the session's protocol version (its hello reply's; 1 until then)
+        self.version = 1
 
     def stderr_tail(self, limit: int = 600) -> str:
         try:
@@ -237,14 +292,20 @@ class Session:
         except ValueError as exc:
             raise self._failure("adapter broke the protocol", f"its reply to {req['request']!r} is not JSON "
                                                               f"({exc}): {raw[:200]!r}") from None
-        errors = [] if part == "reply" and reply_ok(reply) else sorted(
+        version = reply.get("kvproto", 1) if part == "hello_reply" and isinstance(reply, dict) else self.version
+        if part == "reply" and version == 2:
+            part = "reply2"
+        errors = [] if part in ("reply", "reply2") and reply_ok(reply, version) else sorted(
             validator(part).iter_errors(reply), key=lambda e: list(e.absolute_path))
         if errors:
             where = "/".join(str(p) for p in errors[0].absolute_path) or "reply"
+            named = f"kvproto/{version}" if version in VERSIONS else "kvproto"
             raise self._failure("adapter broke the protocol",
-                                f"its reply to {req['request']!r} fails kvproto/1 at {where}: {errors[0].message[:300]}")
+                                f"its reply to {req['request']!r} fails {named} at {where}: {errors[0].message[:300]}")
         if reply["id"] != req["id"]:
             raise self._failure("adapter broke the protocol", f"reply id {reply['id']} to request id {req['id']}")
+        if part == "hello_reply":
+            self.version = reply["kvproto"]
         return reply
 
     def _read_line(self, req: dict[str, Any]) -> bytes:
@@ -313,7 +374,7 @@ def _not_built(cache: dict[str, Any]) -> Any:
 
 @dataclass(frozen=True)
 class ExecTarget(Target):
-    """``exec:PATH [ARGS]``: an adapter process speaking kvproto/1, as a
+    """``exec:PATH [ARGS]``: an adapter process speaking kvproto/1 or /2, as a
     ``fuzz.targets.Target`` whose classes are what the adapter's ``hello``
     declares (one per kind and mode: the ops it lacks skipped, the
     observables it lacks not compared)."""
@@ -321,6 +382,8 @@ class ExecTarget(Target):
     argv: tuple[str, ...] = ()
     adapter: str = ""
     windows: str = "bytes"
+    #: the protocol version of its sessions (its hello's)
+    version: int = 1
     declared: dict[str, Declared] = field(default_factory=dict, compare=False, hash=False)
 
     #: a campaign draws our implementation's shapes and dtypes (what the
@@ -386,10 +449,10 @@ class ExecTarget(Target):
             old.close()
         s = _SESSIONS[self.argv] = Session(list(self.argv), timeout_seconds())
         try:
-            reply = s.request({"request": "hello", "kvproto": KVPROTO}, "hello_reply")
+            reply = s.request(dict(HELLO), "hello_reply")
         except AdapterFailure as exc:
             raise TargetCapabilityError(f"adapter {shlex.join(self.argv)} did not answer hello: {exc}") from None
-        if _declared(reply) != self.declared or reply["windows"] != self.windows:
+        if _declared(reply) != self.declared or reply["windows"] != self.windows or reply["kvproto"] != self.version:
             raise TargetCapabilityError(f"adapter {shlex.join(self.argv)} declared other kinds, ops or windows "
                                         "than in its first hello")
         return s
@@ -402,7 +465,8 @@ def _classes(adapter: str, declared: dict[str, Declared]) -> tuple[CacheClass, .
     for kind, d in declared.items():
         entry_ops = {op for m in d.modes for op in kinds.get(kind, m).all_ops} - {"expect"}
         skipped = {op: "not among the ops its hello declares" for op in sorted(entry_ops - d.ops)}
-        not_compared = {o: "not among the observables its hello declares" for o in OBSERVABLES
+        not_compared = {o: "not among the observables its hello declares"
+                        for o in (*KIND_OBSERVABLES.get(kind, OBSERVABLES), *(("masks",) if kind in MASK_KINDS else ()))
                         if o not in d.observables}
         for mode in sorted(d.modes):
             out.append(CacheClass(adapter, kind, mode, _not_built, skipped=skipped, not_compared=not_compared))
@@ -444,21 +508,54 @@ def target(rest: str) -> ExecTarget:
     except TargetCapabilityError as exc:
         raise ExecTargetError(str(exc)) from None
     try:
-        reply = session.request({"request": "hello", "kvproto": KVPROTO}, "hello_reply")
+        reply = session.request(dict(HELLO), "hello_reply")
     except AdapterFailure as exc:
         raise ExecTargetError(f"--target exec:{rest}: adapter {shlex.join(argv)} did not answer hello: "
                               f"{exc}") from None
     finally:
         session.close()
+    problems = hello_problems(reply)
+    if problems:
+        raise ExecTargetError(f"--target exec:{rest}: adapter {reply['adapter']}'s hello: {problems[0]}")
+    declared = _declared(reply)
+    version = reply["kvproto"]
+    return ExecTarget(f"exec:{rest.strip()}", f"{reply['adapter']} over kvproto/{version} ({shlex.join(argv)})",
+                      _classes(reply["adapter"], declared), argv=argv, adapter=reply["adapter"],
+                      windows=reply["windows"], declared=declared, spec=f"exec:{rest}", version=version)
+
+
+def hello_problems(reply: dict[str, Any]) -> list[str]:
+    """What a hello reply that the schema accepts (``$defs/hello_reply``)
+    still gets wrong against the registry, one sentence each (empty: none):
+    a mode the kind does not have; under kvproto/2 also a kind this client
+    does not drive yet, a cache field that is not the kind's, an op that is
+    neither the kind's nor one its spec refuses, ``masks`` declared for a
+    kind whose masks kvproto/2 does not carry."""
+    out = []
+    version = reply["kvproto"]
     for kind, d in reply["kinds"].items():
         bad = sorted(set(d["modes"]) - set(kinds.modes_of(kind)))
         if bad:
-            raise ExecTargetError(f"--target exec:{rest}: adapter {reply['adapter']} declares modes {bad} of "
-                                  f"kind {kind}, which the registry does not have")
-    declared = _declared(reply)
-    return ExecTarget(f"exec:{rest.strip()}", f"{reply['adapter']} over kvproto/1 ({shlex.join(argv)})",
-                      _classes(reply["adapter"], declared), argv=argv, adapter=reply["adapter"],
-                      windows=reply["windows"], declared=declared, spec=f"exec:{rest}")
+            out.append(f"it declares modes {bad} of kind {kind}, which the registry does not have")
+        if version < 2:
+            continue
+        if kind not in VERSION_KINDS[version]:
+            out.append(f"kind {kind}: its kvproto/2 messages are specified (docs/kvproto.md) but this client does "
+                       f"not drive it yet (it drives {', '.join(VERSION_KINDS[version])})")
+            continue
+        entry = kinds.get(kind)
+        fields = sorted(set(d["fields"]) - set(entry.cache_fields))
+        if fields:
+            out.append(f"kind {kind}: fields {fields} are no cache fields of the kind (docs/kvtrace.md; it has "
+                       f"{', '.join(entry.cache_fields)})")
+        ops = sorted(set(d["ops"]) - set(entry.all_ops) - set(entry.refuses))
+        if ops:
+            out.append(f"kind {kind}: ops {ops} are no ops of the kind (docs/kvtrace.md; it has "
+                       f"{', '.join(o for o in entry.all_ops if o != 'expect')})")
+        if "masks" in d["observables"] and kind not in MASK_KINDS:
+            out.append(f"kind {kind}: masks are not carried for this kind over kvproto/2 (only for "
+                       f"{', '.join(MASK_KINDS)})")
+    return out
 
 
 # -- the lockstep side ------------------------------------------------------------
@@ -502,14 +599,16 @@ class _Remote:
     attribute at all (AttributeError), so nothing reads it by accident: an
     invariant that needs it is skipped, as for a class that lacks it."""
 
-    def __init__(self, declared: frozenset[str] = frozenset(OBSERVABLES)) -> None:
+    def __init__(self, declared: frozenset[str] = frozenset(OBSERVABLES),
+                 observables: tuple[str, ...] = OBSERVABLES) -> None:
         self.state: dict[str, Any] = {}
         self.last_write_inplace: bool | None = None
         self.inplace = True
         self.declared = declared
+        self.observables = observables
 
     def __getattr__(self, name: str) -> Any:
-        if name in OBSERVABLES and name in self.__dict__.get("declared", ()):
+        if name in self.__dict__.get("observables", ()) and name in self.__dict__.get("declared", ()):
             return self.__dict__["state"].get(name)
         raise AttributeError(f"{name}: not among the observables the adapter declares")
 
@@ -529,9 +628,18 @@ class _Exec:
 
     def __init__(self, cache: dict[str, Any], target: ExecTarget, declared: Declared):
         self.target, self.declared = target, declared
-        remote = _Remote(frozenset(declared.observables))
+        self.observables = KIND_OBSERVABLES.get(cache["kind"], OBSERVABLES)
+        remote = _Remote(frozenset(declared.observables), self.observables)
+        if cache["kind"] == "rotating":  # configuration, not state: the ring invariant reads them
+            remote.keep, remote.max_size = cache["keep"], cache["max_size"]
+        #: whether appends carry masks (kvproto/2, declared, not waived)
+        self.compare_masks = (cache["kind"] in MASK_KINDS and "masks" in declared.observables
+                              and "masks" not in target.waived and target.version >= 2)
         super().__init__(cache, lambda **_: remote)  # type: ignore[call-arg]
         self.cache = remote
+        # the switch an adapter reads from inplace_env is not reported: its
+        # in-place decisions (compared where declared) show what it read
+        remote.inplace = self.spec_inplace()
         self.impl_name = target.label
         self.check_inplace = "inplace" in declared.observables and "inplace" not in target.waived
         # what the kind's spec side predicts (a ring has idx, a dense cache not)
@@ -571,7 +679,7 @@ class _Exec:
         state = reply.get("state")
         if state is None:
             raise AdapterFailure("adapter broke the protocol", "a reply to init or op without its state")
-        missing = sorted(o for o in self.declared.observables if o in OBSERVABLES and o not in state)
+        missing = sorted(o for o in self.declared.observables if o in self.observables and o not in state)
         if missing:
             raise AdapterFailure("adapter broke the protocol",
                                  f"its state lacks {', '.join(missing)}, which its hello declares among its "
@@ -584,12 +692,46 @@ class _Exec:
             views["held"] = _decode(state["held"], self.dtype, self.shape)
         self.remote_views = views
 
+    def mask_windows(self, op: dict[str, Any]) -> list[int | None] | None:
+        """The windows whose masks an append asks for (None: no masks): a
+        ring's own (None) and :func:`fuzz.masks.ring_windows`'s narrower and
+        wider ones, for an append of at least one row."""
+        if not self.compare_masks or op["op"] != "append" or not _int(op.get("n"), 1):
+            return None
+        c = self.world.cache
+        return ring_windows(c.max_size, c.keep)
+
+    def compare_remote_masks(self, op: dict[str, Any], windows: list[int | None], reply: dict[str, Any]) -> None:
+        """The masks the adapter answered (made before the append) against
+        spec.rotating.make_masks_spec on the spec's ring before the op, each
+        as a whole ``[n, L]`` matrix. Raises Divergence at the first that
+        differs; AdapterFailure when they are missing or of another count."""
+        got = reply.get("masks")
+        if not isinstance(got, list) or len(got) != len(windows):
+            raise AdapterFailure("adapter broke the protocol",
+                                 f"its reply to an append carries {'no' if got is None else len(got)} masks, "
+                                 f"asked for {len(windows)} (windows {windows}; its hello declares masks)")
+        n = op["n"]
+        wants = sr.make_masks_spec(self.world.cache, n, tuple(windows))
+        for window, want, rows in zip(windows, wants, got):
+            want_rows = ["".join("1" if x else "0" for x in r) for r in want]
+            if rows != want_rows:
+                call = f"make_mask({n}" + ("" if window is None else f", window_size={window}") + ")"
+                raise Divergence(self.current_index, op, f"{call} differs", " / ".join(want_rows),
+                                 " / ".join(map(str, rows)))
+        self.reached("masks checked")
+
     def impl_apply(self, op: dict[str, Any]) -> Any:
         body: dict[str, Any] = {"request": "op", "op": op}
         if op["op"] == "append":
             body["first"] = self.world.next_token  # the spec world before this op
+        windows = self.mask_windows(op)
+        if windows is not None:
+            body["masks"] = windows
         try:
             reply = self.session.request(body)
+            if windows is not None and reply["ok"]:
+                self.compare_remote_masks(op, windows, reply)
             self._absorb(reply)
             result = reply.get("result")
             if op["op"] == "append" and reply["ok"]:
@@ -598,11 +740,13 @@ class _Exec:
         except AdapterFailure as exc:
             raise Divergence(self.current_index, op, exc.what, "a reply (the spec's outcome of this op)",
                              exc.detail) from None
+        except Divergence:
+            raise
         except Exception as exc:
             # the adapter's refusals arrive as a category in its reply (raised
             # below as the spec's type); an exception here, whatever its
             # type, is this client's: a tool failure (exit 2), not a verdict
-            raise HarnessFailure(self.current_index, op, exc, "the kvproto/1 client, fuzz/adapters/exec.py") from exc
+            raise HarnessFailure(self.current_index, op, exc, "the kvproto client, fuzz/adapters/exec.py") from exc
         if not reply["ok"]:
             e = reply["error"]
             raise CATEGORIES[e["category"]](f"[{e['category']}] {e['message']}")
@@ -616,7 +760,7 @@ class _Exec:
         return {k: v for k, v in full.items() if k not in self.not_compared}
 
     def impl_observables(self) -> dict[str, Any]:
-        return {k: self.cache.state.get(k) for k in OBSERVABLES if k not in self.not_compared}
+        return {k: self.cache.state.get(k) for k in self.observables if k not in self.not_compared}
 
     def impl_views(self) -> dict[str, Any]:
         return dict(self.remote_views)
