@@ -394,15 +394,11 @@ def _same_state(saved: Any, value: Any) -> bool:
     return False
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def _recording_class(base: type) -> type:
     """A subclass of ``base`` that records through the instance's
     :class:`LayerRecorder` (same name and module, so prompt-cache files and
-    ``isinstance`` see the class they know)."""
-    if base in _CLASSES:
-        return _CLASSES[base]
+    ``isinstance`` see the class they know). A new class each call: nothing
+    of a recording outlives it."""
     if not isinstance(getattr(base, "state", None), property):
         raise RecordError(f"{base.__qualname__}: no 'state' property (mlx-lm's cache protocol)")
 
@@ -451,7 +447,6 @@ def _recording_class(base: type) -> type:
         "__module__": base.__module__, "__qualname__": base.__qualname__,
     }
     cls = type(base.__name__, (base,), ns)
-    _CLASSES[base] = cls
     return cls
 
 
@@ -466,17 +461,23 @@ class Recorder:
             if not 0 <= i < len(caches):
                 raise RecordError(f"layers: no layer {i} in a prompt cache of {len(caches)} layers")
         self.layers: list[LayerRecorder] = []
+        classes: dict[type, type] = {}
         self._installed: list[tuple[Any, type]] = []
         for i in chosen:
             c = caches[i]
-            if _ATTR in getattr(c, "__dict__", {}):
-                raise RecordError(f"layer {i}: this cache is already being recorded")
-            if not callable(getattr(c, "update_and_fetch", None)):
+            if not hasattr(c, "__dict__") or not callable(getattr(c, "update_and_fetch", None)):
                 raise RecordError(f"layer {i}: {type(c).__qualname__} has no update_and_fetch (not a KV cache)")
+            if _ATTR in c.__dict__ or any(layer.cache_obj is c for layer in self.layers):
+                raise RecordError(f"layer {i}: this cache is already being recorded")
+            if type(c) not in classes:
+                try:
+                    classes[type(c)] = _recording_class(type(c))
+                except RecordError as exc:
+                    raise RecordError(f"layer {i}: {exc}") from None
             self.layers.append(LayerRecorder(i, c))
-        for layer in self.layers:
+        for layer in self.layers:  # nothing is swapped before every layer passed
             c = layer.cache_obj
-            cls = _recording_class(type(c))
+            cls = classes[type(c)]
             c.__dict__[_ATTR] = layer
             c.__class__ = cls
             self._installed.append((c, layer.base))
