@@ -721,16 +721,16 @@ def _sessions(declared: dict[str, Any]) -> list[tuple[str, list[tuple[str, dict[
         ("op drop", {"op": "drop", "name": "s"}, {"rows": [0, 1], "holders": {}}),
     ]
     refusals = [
-        ("refusal: op hold before any append", {"op": "hold"}, {"rows": [], "refused": "state", "held": None}),
+        ("op hold before any append (refused)", {"op": "hold"}, {"rows": [], "refused": "state", "held": None}),
         ("op append n=2", {"op": "append", "n": 2}, {"rows": [0, 1], "offset": 2}),
-        ("refusal: op trim_to past the offset", {"op": "trim_to", "len": 5},
+        ("op trim_to past the offset (refused)", {"op": "trim_to", "len": 5},
          {"rows": [0, 1], "refused": "invalid_argument"}),
-        ("refusal: op restore of an unknown name", {"op": "restore", "name": "nosuch"},
+        ("op restore of an unknown name (refused)", {"op": "restore", "name": "nosuch"},
          {"rows": [0, 1], "refused": "state"}),
         ("op snapshot", {"op": "snapshot", "name": "a"}, {"rows": [0, 1], "holders": {"a": [0, 1]}}),
-        ("refusal: op snapshot of a name in use", {"op": "snapshot", "name": "a"},
+        ("op snapshot of a name in use (refused)", {"op": "snapshot", "name": "a"},
          {"rows": [0, 1], "refused": "state", "holders": {"a": [0, 1]}}),
-        ("bad request: an op no adapter has", {"op": "no_such_op"}, {"rows": [0, 1], "refused": "unsupported"}),
+        ("bad request: an op no adapter has (refused)", {"op": "no_such_op"}, {"rows": [0, 1], "refused": "unsupported"}),
         ("op fetch after the bad request", {"op": "fetch"}, {"rows": [0, 1], "result": None}),
     ]
     out = [("basic", basic), ("holders", holders), ("refusals", refusals)]
@@ -767,7 +767,8 @@ def check_command(argv: list[str], timeout: float = DEFAULT_TIMEOUT) -> Report:
 
 #: the canned trace run on a class (the ops it does not have are left out)
 CLASS_TRACE = {"kvtrace": 1, "cache": {"kind": "dense", "step": 4, "kv_heads": 2, "head_dim": 4},
-               "ops": [{"op": "append", "n": 3}, {"op": "fetch"}, {"op": "trim", "n": 1}, {"op": "snapshot", "name": "s"},
+               "ops": [{"op": "append", "n": 3}, {"op": "fetch"}, {"op": "trim", "n": -1}, {"op": "trim", "n": 1},
+                       {"op": "snapshot", "name": "s"},
                        {"op": "append", "n": 2}, {"op": "trim_to", "len": 1}, {"op": "restore", "name": "s"},
                        {"op": "trim_to", "len": 5, "error": True}, {"op": "drop", "name": "s"}]}
 RING_TRACE = {"kvtrace": 1, "cache": {"kind": "rotating", "max_size": 4, "keep": 0, "step": 4, "kv_heads": 2,

@@ -1203,6 +1203,9 @@ EXIT_CODES = {
                 "and a replay command printed); 2 bad arguments, HypoFuzz missing (the extra 'campaign'), "
                 "failing to start or one of its processes dying during the run; 130 interrupted (what was found is printed)",
     "rows": "exit status: 0 the rows were printed, 2 the file is not a valid kvtrace or an argument is wrong",
+    "adapter": "exit status: 0 check: no problem found (new: the skeleton was written); 1 check: the adapter or "
+               "class has problems, each said in one sentence; 2 bad arguments (no command and no --target, or "
+               "both; a --target that names nothing; for new, a folder that exists and is not empty)",
     "conformance": "exit status: 0 every finding replays on its target and not on ours (the report is "
                    "trustworthy; llama.cpp's and vLLM's findings also in paranoid mode); 1 otherwise; 2 bad arguments, "
                    "an option that does not apply to the target (named), llama-cpp-python missing for --target "
@@ -1244,6 +1247,12 @@ def version() -> str:
 
         with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as fh:
             return str(tomllib.load(fh)["project"]["version"])
+
+
+def _cmd_adapter(args: argparse.Namespace) -> int:
+    from fuzz.commands.adapter import cmd_adapter
+
+    return cmd_adapter(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1535,6 +1544,38 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--bug", help="run on an injected bug of the catalog")
     e.add_argument("--only", nargs="+", metavar="SCENARIO", help="scenario names (default: all)")
     e.set_defaults(fn=cmd_e2e)
+
+    ad = add("adapter", "check a cache adapter, or write a skeleton of one (kvspec adapter check|new)",
+             "Tools for putting a cache of your own under kvspec (docs/targets.md): check an adapter program "
+             "(the kvproto/1 line protocol) or a cache class before fuzzing it, or write a skeleton adapter "
+             "in Python, C or Rust.")
+    ad_sub = ad.add_subparsers(dest="adapter_command", required=True, metavar="{check,new}", parser_class=_Parser)
+    ac = ad_sub.add_parser(
+        "check", formatter_class=_Formatter, epilog=_epilog("adapter"),
+        help="start an adapter, send canned requests, explain every problem",
+        description="Start the adapter program CMD [ARGS] (what --target exec:CMD names), validate its hello "
+                    "against the kvproto/1 schema, send canned sessions (init, appends, fetch, trims, holders "
+                    "and snapshots, refusals, an op no adapter has, bye), each to a fresh process, and explain "
+                    "every problem in one sentence: what was sent, what came back, the rule, the fix. With "
+                    "--target module:Class, check a cache class instead: its declaration, the members the "
+                    "target API needs, and a small canned trace replayed against the spec.")
+    ac.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
+                    help="the adapter's command line (a path and its arguments; exec: in front is allowed)")
+    ac.add_argument("--target", metavar="MODULE:CLASS", default=None,
+                    help="check a cache class (or any --target) instead of an adapter program")
+    ac.add_argument("--timeout", type=positive_seconds, default=10.0, metavar="S",
+                    help="seconds to wait for one reply, a hang guard only (default: 10)")
+    ac.add_argument("--json", action="store_true", help="print one JSON object (problems, passed steps, notes)")
+    an = ad_sub.add_parser(
+        "new", formatter_class=_Formatter, epilog=_epilog("adapter"),
+        help="write a skeleton adapter (a correct dense cache) in Python, C or Rust",
+        description="Write a skeleton kvproto/1 adapter into DIR: a correct dense cache, so `kvspec adapter "
+                    "check` and `kvspec fuzz --target exec:...` pass on it as written, with comments marked YOUR "
+                    "CACHE where your engine's cache goes; print how to build, check and fuzz it.")
+    an.add_argument("--lang", choices=["python", "c", "rust"], required=True, help="the skeleton's language")
+    an.add_argument("dir", metavar="DIR", help="a new (or empty) folder to write into")
+    for sp in (ac, an):
+        sp.set_defaults(fn=_cmd_adapter)
 
     pr = sub.add_parser("prove", help="Z3 proofs and CrossHair contracts of the spec (kvspec prove --help)",
                         add_help=False)
