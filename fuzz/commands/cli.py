@@ -1427,9 +1427,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ConcatenateKVCache, RotatingKVCache); e.g. transformers, or any target of docs/targets.md")
     c.add_argument("--examples", type=int_in(1, 1_000_000), default=None,
                    help="--target llama.cpp or vllm: examples per round (default 200 for llama.cpp, 300 for vllm; "
-                        "their searches are budgeted by examples); other targets: examples per class, in rounds "
-                        "of 25, instead of --budget seconds (a verdict that does not depend on the machine's "
-                        "speed; with --baseline default 200)")
+                        "their searches are budgeted by examples); other targets too, instead of --budget "
+                        "seconds: a class's search ends at a round of this many examples without a divergence "
+                        "(a verdict that does not depend on the machine's speed; with --baseline default 200)")
     c.add_argument("--steps", type=int_in(1, 10_000), default=None,
                    help="ops per example (default 40)")
     c.add_argument("--baseline", metavar="BASE",

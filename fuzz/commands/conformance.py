@@ -332,6 +332,10 @@ def classes_of(target: str | None) -> tuple[tuple[CacheClass, str], ...]:
     class of ``target`` (any target of docs/targets.md)."""
     if target is None or target == "mlx-lm":
         return CLASSES
+    if target == "transformers":  # every transformers cache class, each on a target of its own
+        from fuzz.adapters.transformers import CONFORMANCE_CLASSES
+
+        return CONFORMANCE_CLASSES
     return tuple((c, target) for c in resolve(target).classes)
 
 
@@ -341,10 +345,10 @@ def run_conformance(budget: float = 120.0, seed: int = DEFAULT_SEED, out: str | 
                     examples: int | None = None, steps: int = 40) -> list[ClassReport]:
     """Fuzz every class of ``target`` (default: mlx-lm's four classes, or
     those named in ``only``), ``budget``
-    seconds in all, split evenly; or, with ``examples``, that many examples
-    per class (rounds of :data:`BATCH`, :func:`rounds_for`; ``budget`` is
-    then ignored: a verdict bounded by examples, never by the clock), each
-    example at most ``steps`` ops. Stale ``<Class>_NN.json`` traces of the
+    seconds in all, split evenly; or, with ``examples``, in rounds of that
+    many examples, a class's search ending at a round without a divergence
+    (``budget`` is then ignored: a verdict bounded by examples, never by
+    the clock), each example at most ``steps`` ops. Stale ``<Class>_NN.json`` traces of the
     classes run are removed from ``out`` first, and ``out/report.json``
     (:func:`write_report`) lists every trace left there, so the folder is
     the report. Raises KeyError for an unknown class name. Finished
@@ -384,12 +388,11 @@ def _run_classes(names: list[str], known: dict[str, Any], budget: float, seed: i
         cls, target = known[n]
         for stale in out.glob(f"{cls.name}_[0-9][0-9].json"):
             stale.unlink()
-        bound = f"{examples} examples" if examples is not None else f"{budget / len(names):.0f} s"
+        bound = f"rounds of {examples} examples" if examples is not None else f"{budget / len(names):.0f} s"
         print(f"conformance: [{i + 1}/{len(names)}] {cls.name} on {target} (seed {seed + 1000 * i}, "
               f"{bound}) ...", file=sys.stderr, flush=True)
-        if examples is not None:
-            reports.append(search_class(cls, target, math.inf, seed + 1000 * i, out, max_findings, BATCH, steps,
-                                        max_rounds=rounds_for(examples)))
+        if examples is not None:  # rounds of ``examples`` until one finds nothing (never the clock)
+            reports.append(search_class(cls, target, math.inf, seed + 1000 * i, out, max_findings, examples, steps))
         else:
             reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings,
                                         steps=steps))
@@ -439,7 +442,7 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
 
     console = console or Console(highlight=False, emoji=False)
     total = sum(r.seconds for r in reports)
-    bound = f"{examples} examples a class" if examples is not None else f"budget {budget:.0f} s"
+    bound = f"rounds of {examples} examples" if examples is not None else f"budget {budget:.0f} s"
     table = Table(title=f"kvspec conformance: mlx-lm {mlx_lm_version()} (mlx {mx.__version__}), seed {seed}, "
                         f"{bound}, {total:.0f} s run")
     for col in ("class", "target", "ops covered", "ops skipped (not in the class)", "steps", "faults",
