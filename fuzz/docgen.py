@@ -551,11 +551,19 @@ def conformance_table() -> str:
                                   rows)
 
 
+def bench_records() -> list[Path]:
+    """The benchmark records (``docs/benchmarks/*.json``) oldest first: by
+    date, then by the number in the name (``gpu8`` before ``gpu11``)."""
+    def key(p: Path) -> list[Any]:
+        return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", p.stem) if t]
+    return sorted((ROOT / "docs/benchmarks").glob("*.json"), key=key)
+
+
 def bench_table() -> str:
     """The latest benchmark record under docs/benchmarks/ that holds decoder
     rows (an end-to-end-only record, ``DECODER=0``, has none), else the
     latest."""
-    records = sorted((ROOT / "docs/benchmarks").glob("*.json"))
+    records = bench_records()
     if not records:
         raise DocsError("docs/benchmarks/ holds no record (kvspec bench --record docs/benchmarks)")
     docs = [(path, json.loads(path.read_text())) for path in records]
@@ -576,7 +584,90 @@ def bench_table() -> str:
     return "\n\n".join(out)
 
 
+#: every benchmark record (``docs/benchmarks/NAME.json`` and ``.md``), oldest
+#: first: the title the site's navigation gives it (mkdocs.yml, under Records)
+#: and what it measures; a record without an entry fails the docs
+RECORDS: dict[str, tuple[str, str]] = {
+    "2026-12-01-gpu-before": ("Decoder and cache rows before the GPU hot-path changes",
+                              "the baseline: paged, Int8 and Turbo4 appends growing with the context"),
+    "2026-12-01-gpu": ("Decoder and cache rows after the GPU hot-path changes",
+                       "no host read on a decode append; rollback rows against their own k-query floor"),
+    "2026-12-01-gpu3": ("Decoder rows after the fused window kernels",
+                        "Int8 and Turbo4 window dequantization fused, the decode pair's Python calls cut"),
+    "2026-12-02-cpu": ("Decoder and cache rows of the write layer",
+                       "the write layer on MLX's CPU backend (cache rows flat in the context)"),
+    "2026-12-02-gpu": ("Decoder rows after the Fp16 decode host-path cut",
+                       "over-floor cost against mlx-lm's caches in one round-robin; first end-to-end rows"),
+    "2026-12-02-gpu6": ("Decoder rows with the inline Fp16 append",
+                        "every dense and ring row within 1.0 ms of its floor"),
+    "2026-12-02-gpu-e2e": ("End to end, three runs a cell",
+                           "tokens/s of greedy, speculative and sliding-window decoding, with each cell's range"),
+    "2026-12-02-gpu8": ("Decoder and end-to-end rows with the one-pass decode-pair accept",
+                        "decoder rows and end-to-end tokens/s on the same code"),
+    "2026-12-02-gpu9-e2e": ("End to end, paired, five repeats",
+                            "each run divided by mlx-lm's caches' run of the same repeat"),
+    "2026-12-02-gpu10-e2e": ("End to end, paired, nine repeats at 1k and 8k",
+                             "paired ratios with more repeats: nothing finer than about 10 % resolved"),
+    "2026-12-02-gpu11": ("Decoder rows after the host-path cut",
+                         "0.05-0.17 ms a step above mlx-lm's caches; the ring's steady state at or below"),
+    "2026-12-02-gpu11-e2e": ("End to end after the host-path cut", "paired ratios, five repeats"),
+    "2026-12-02-gpu12-e2e": ("End to end after the backend-cache fix", "paired ratios, five repeats"),
+    "2026-12-06-cpu-recurrent-rollback": ("Recurrent layers' rollback",
+                                          ("a speculative round of hybrid models with the step recorder on and "
+                                          "off, each rollback, the checkpoint ring's memory")),
+    "2026-12-06-gpu-recurrent-rollback": ("Recurrent layers' rollback at full size",
+                                          ("the same rows at full size in bfloat16: the recorder's price "
+                                          "on a verify block")),
+    "2026-12-06-gpu13-e2e": ("End to end in interleaved blocks",
+                             "blocks of 16 tokens decoded in turn, median ratio with a 95 % interval"),
+    "2026-12-06-gpu14-e2e": ("End to end after the decode host-time cut",
+                             "greedy and sliding-window decoding level with mlx-lm's caches"),
+}
+
+
+def record_nav_title(stem: str) -> str:
+    """A record's title in the site's navigation (mkdocs.yml, under
+    Records): what it measures, then the machine and the date."""
+    rec = json.loads((ROOT / "docs" / "benchmarks" / f"{stem}.json").read_text())
+    gpu = rec.get("gpu") or ""
+    machine = next((m for m in ("H200", "H100") if m in gpu), gpu or "CPU")
+    return f"{RECORDS[stem][0]} ({machine}, {rec.get('date', stem[:10])})"
+
+
+def _record_parts(rec: dict[str, Any]) -> str:
+    parts = []
+    if rec.get("bench") == "recurrent":
+        parts.append("recurrent rollback")
+    if rec.get("decoder"):
+        parts.append(f"decoder step ({rec['decoder']['layers']} layers)")
+    if rec.get("cache_rows"):
+        parts.append("cache rows")
+    e2e = rec.get("e2e")
+    if e2e and rec.get("bench") != "recurrent":
+        parts.append("end to end" + (", paired" if e2e.get("paired") else ""))
+    return ", ".join(parts)
+
+
+def records_table() -> str:
+    """Every benchmark record: what it measures, its date, machine and parts,
+    a link to its page (:data:`RECORDS`)."""
+    found = {p.stem: p for p in bench_records()}
+    for stem in found:
+        if stem not in RECORDS:
+            raise DocsError(f"benchmark record docs/benchmarks/{stem}.json has no entry in fuzz/docgen.py RECORDS")
+    rows = []
+    for stem, (title, measures) in RECORDS.items():
+        if stem not in found:
+            raise DocsError(f"fuzz/docgen.py RECORDS names {stem}, which docs/benchmarks/ does not hold")
+        rec = json.loads(found[stem].read_text())
+        machine = rec.get("gpu") or f"CPU ({rec.get('machine')})"
+        rows.append([f"[{title}](benchmarks/{stem}.md)", measures, rec.get("date", stem[:10]), machine,
+                     f"{_record_parts(rec)}; MLX {rec.get('mlx')}, mlx-lm {rec.get('mlx_lm')}"])
+    return _table(["record", "what it measures", "date", "machine", "rows; versions"], rows)
+
+
 TABLES = {
+    "records": records_table,
     "kinds": kinds_table, "fields": fields_table, "ops": ops_table, "checks": checks_table,
     "exit_codes": exit_codes_table, "bugs": bugs_table, "kill_matrix": kill_matrix_table,
     "obligations": obligations_table, "controls": controls_table, "conformance": conformance_table,

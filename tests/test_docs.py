@@ -148,7 +148,7 @@ def test_latest_bench_record_rows_on_the_gpu_page():
     import json
 
     # the latest record that has decoder rows (an end-to-end-only one has none)
-    recs = [json.loads(p.read_text()) for p in sorted((REPO / "docs/benchmarks").glob("*.json"))]
+    recs = [json.loads(p.read_text()) for p in docgen.bench_records()]
     rec = [r for r in recs if r.get("decoder")][-1]
     cells = page("gpu").cells
     for name in rec["decoder"]["ms_per_step"]:
@@ -179,6 +179,28 @@ def test_every_kind_page_is_in_the_nav():
         assert Path(k.files["docs"]).name in pages, f"{k.files['docs']} is not in mkdocs.yml's nav"
     for md in (REPO / "docs").glob("*.md"):
         assert md.name in pages, f"docs/{md.name} is not in mkdocs.yml's nav"
+
+
+def test_every_benchmark_record_is_under_records_titled_by_what_it_measures():
+    config = yaml.safe_load("nav:" + (REPO / "mkdocs.yml").read_text().split("\nnav:", 1)[1])
+    sections = {k: v for item in config["nav"] if isinstance(item, dict) for k, v in item.items()}
+    records = sections.get("Records")
+    assert records, "mkdocs.yml's nav has no Records section"
+    listed = {next(iter(e.values())): next(iter(e)) for e in records}
+    assert listed.get("records.md"), "the Records section must open with records.md"
+    for path in docgen.bench_records():
+        page = f"benchmarks/{path.stem}.md"
+        assert page in listed, f"{page} is not under Records in mkdocs.yml's nav"
+        assert listed[page] == docgen.record_nav_title(path.stem), (
+            f"{page}: nav title {listed[page]!r}, want {docgen.record_nav_title(path.stem)!r} (fuzz/docgen.py RECORDS)")
+    other = [p for k, v in sections.items() if k != "Records" for p in re.findall(r"benchmarks/[^'\"\]}]+", str(v))]
+    assert not other, f"benchmark records outside Records: {other}"
+
+
+def test_a_record_without_a_description_fails(monkeypatch):
+    monkeypatch.delitem(docgen.RECORDS, "2026-12-02-gpu8")
+    with pytest.raises(docgen.DocsError, match="2026-12-02-gpu8"):
+        docgen.records_table()
 
 
 # -- generated parts fail on what they cannot describe -------------------------------------
