@@ -388,8 +388,14 @@ class _Session:
         if not self.proc.send(line):
             code = self.proc.proc.poll()
             raise self._gone(step, sent, ("eof", code))
+        garbage = False
         for _ in range(5):  # lines that are not JSON: each said, then the next is read
             got = self.proc.read()
+            if got[0] == "timeout" and garbage:
+                # the line that was not JSON was its reply: said above, no hang to add
+                self.dead = True
+                self.proc.stop()
+                raise _Dead()
             if got[0] != "line":
                 raise self._gone(step, sent, got)
             text = got[1]
@@ -399,6 +405,7 @@ class _Session:
                 shown = text[:120].decode("utf-8", "replace")
                 self.report.problem(step, f"sent {sent}; got a line that is not JSON, {shown!r}; every line on "
                                           f"stdout must be one reply: {FIX_JSON}")
+                garbage = True
                 continue
             break
         else:
@@ -416,6 +423,11 @@ class _Session:
     def bye(self) -> None:
         """``bye``: the adapter must exit with status 0."""
         if self.dead:
+            return
+        if any(p.step == "bye" for p in self.report.problems):
+            # said once, after the first session: the later ones are stopped without waiting
+            self.proc.stop()
+            self.dead = True
             return
         self.proc.send(json.dumps({"id": self.next_id, "request": "bye"}))
         try:
