@@ -101,6 +101,8 @@ class _Saved:
     name: str
     obj: Any
     at: int
+    #: ``meta_state`` when taken, where the class has one (read back with the state)
+    meta: Any = None
     seen: list[tuple[int, list[tuple[bytes, int]]]] = field(default_factory=list)
     restored: bool = False
     dropped: bool = False
@@ -122,6 +124,8 @@ class LayerRecorder:
         self.saved: list[_Saved] = []
         #: log index of each state_restore -> the state it assigned
         self.restores: dict[int, _Saved] = {}
+        #: a state put back whose meta_state has not been assigned yet
+        self.pending: _Saved | None = None
         self.config: dict[str, Any] | None = None
         #: why recording stopped (None: it did not): later ops are not in the trace
         self.stopped: str | None = None
@@ -173,13 +177,16 @@ class LayerRecorder:
         return True
 
     # -- after every op -----------------------------------------------------------
-    def window_of_state(self, state: Any) -> Any:
+    def window_of_state(self, state: Any, meta: Any = None) -> Any:
         """The window a saved ``state`` holds: loaded into a reader of the
-        cache's own class (``reader.state = saved``, which reads and never
-        writes), read with ``keys_and_values()``."""
+        cache's own class (``reader.state = saved``, then ``reader.meta_state
+        = meta`` where the class has one, which read and never write), read
+        with ``keys_and_values()``."""
         reader = object.__new__(self.base)
         reader.__dict__.update({k: v for k, v in self.cache_obj.__dict__.items() if k != _ATTR})
         self.base.state.fset(reader, state)  # type: ignore[attr-defined]
+        if meta:
+            self.base.meta_state.fset(reader, meta)  # type: ignore[attr-defined]
         read = getattr(self.base, "keys_and_values", None) or self.base.fetch  # type: ignore[attr-defined]
         return read(reader)
 
@@ -195,7 +202,7 @@ class LayerRecorder:
                 continue
             self.busy += 1
             try:
-                window = self.window_of_state(s.obj)
+                window = self.window_of_state(s.obj, s.meta)
             except Exception as exc:  # noqa: BLE001 - a state the class cannot read back: said, not guessed
                 s.seen.append((after, []))
                 self.notes.append(f"op {after}: the state {s.name!r} could not be read back ({type(exc).__name__}: "
@@ -216,6 +223,7 @@ class LayerRecorder:
     # -- the ops -------------------------------------------------------------------
     def append(self, cache: Any, keys: Any, values: Any) -> Any:
         base_call = self.base.update_and_fetch  # type: ignore[attr-defined]
+        self.check_pending()
         if self.stopped or not (isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4
                                 and values.ndim == 4) or not self.configure(keys, values):
             if self.stopped is None:
@@ -252,6 +260,7 @@ class LayerRecorder:
 
     def trim(self, cache: Any, n: Any) -> Any:
         base_call = self.base.trim  # type: ignore[attr-defined]
+        self.check_pending()
         if self.stopped or self.config is None:
             if self.config is None and self.stopped is None:
                 self.stop("trim before the first append (the recording starts with the first rows)")
@@ -282,13 +291,16 @@ class LayerRecorder:
         return out
 
     def state_get(self, cache: Any) -> Any:
+        self.check_pending()
         out = self.base.state.fget(cache)  # type: ignore[attr-defined]
         if not self.stopped and self.config is not None:
             s = _Saved(f"state{len(self.saved)}", out, len(self.log))
             self.saved.append(s)
             self.busy += 1
             try:
-                window = self.window_of_state(out)
+                if isinstance(getattr(self.base, "meta_state", None), property):
+                    s.meta = self.base.meta_state.fget(cache)  # type: ignore[attr-defined]
+                window = self.window_of_state(out, s.meta)
             except Exception:  # noqa: BLE001 - never restorable as a kvtrace state: not tracked
                 s.dropped, s.obj = True, None
                 return out
@@ -301,7 +313,13 @@ class LayerRecorder:
         return out
 
     def state_set(self, cache: Any, value: Any) -> None:
+        """``c.state = value``: a ``state_restore`` of the saved state it is.
+        A class with ``meta_state`` loads a state in two steps (``state``,
+        then ``meta_state``): when the counters the state alone gives differ
+        from those taken with it, the restore is complete at the
+        ``meta_state`` assignment (:meth:`meta_set`)."""
         setter = self.base.state.fset  # type: ignore[attr-defined]
+        self.check_pending()
         if self.stopped:
             setter(cache, value)
             return
@@ -311,21 +329,76 @@ class LayerRecorder:
                       "(a state loaded from a file, taken before recording began, or put together by hand)")
             setter(cache, value)
             return
-        op: dict[str, Any] = {"op": "state_restore", "name": match.name}
-        self.restores[len(self.log)] = match
+        if match.meta:
+            self.busy += 1
+            try:
+                setter(cache, value)
+                complete = _same_meta(self.base.meta_state.fget(cache), match.meta)  # type: ignore[attr-defined]
+            except Exception:
+                self.log_restore(match, error=True)
+                raise
+            finally:
+                self.busy -= 1
+            if complete:
+                self.log_restore(match)
+            else:
+                self.pending = match
+            return
         self.busy += 1
         try:
             setter(cache, value)
         except Exception:
-            op["error"] = True
-            self.log.append(op)
-            match.restored = True
-            self.observe()
+            self.log_restore(match, error=True)
             raise
         finally:
             self.busy -= 1
+        self.log_restore(match)
+
+    def meta_set(self, cache: Any, value: Any) -> None:
+        """``c.meta_state = value``: completes a pending restore (the meta
+        taken with that state); the counters the cache already has pass
+        through; any other value stops the recording."""
+        setter = self.base.meta_state.fset  # type: ignore[attr-defined]
+        pending, self.pending = self.pending, None
+        if self.stopped or self.config is None:
+            setter(cache, value)
+            return
+        if pending is None:
+            if not _same_meta(self.base.meta_state.fget(cache), value):  # type: ignore[attr-defined]
+                self.stop("meta_state assigned without the state taken with it (the counters changed under the rows)")
+            setter(cache, value)
+            return
+        if not _same_meta(value, pending.meta):
+            self.stop(f"meta_state assigned after the state {pending.name!r} is not the one taken with it")
+            setter(cache, value)
+            return
+        self.busy += 1
+        try:
+            setter(cache, value)
+        except Exception:
+            self.log_restore(pending, error=True)
+            raise
+        finally:
+            self.busy -= 1
+        self.log_restore(pending)
+
+    def check_pending(self) -> None:
+        """Stop the recording when a state was put back and the next call is
+        not its ``meta_state``: the cache holds the rows under other counters,
+        which no kvtrace op says."""
+        if self.pending is not None and not self.stopped:
+            self.stop(f"the state {self.pending.name!r} was put back without the meta_state taken with it (this "
+                      "class loads a state in two steps: state, then meta_state)")
+        self.pending = None
+
+    def log_restore(self, match: _Saved, error: bool = False) -> None:
+        op: dict[str, Any] = {"op": "state_restore", "name": match.name}
+        if error:
+            op["error"] = True
+        else:
+            self.live = list(match.seen[-1][1]) if match.seen else []
+        self.restores[len(self.log)] = match
         match.restored = True
-        self.live = list(match.seen[-1][1]) if match.seen else []
         self.log.append(op)
         self.observe()
 
@@ -386,6 +459,14 @@ def _held_elsewhere(obj: Any, cache: Any) -> bool:
     return False
 
 
+def _same_meta(a: Any, b: Any) -> bool:
+    """Two ``meta_state`` values name the same counters (strings or not)."""
+    try:
+        return tuple(map(str, a)) == tuple(map(str, b))
+    except TypeError:
+        return bool(a == b)
+
+
 def _same_state(saved: Any, value: Any) -> bool:
     if saved is value:
         return True
@@ -440,12 +521,25 @@ def _recording_class(base: type) -> type:
                 self.__dict__[_ATTR] = layer
                 layer.copied(deep)
 
+    def get_meta(self: Any) -> Any:
+        return base.meta_state.fget(self)  # type: ignore[attr-defined]
+
+    def set_meta(self: Any, value: Any) -> None:
+        layer = layer_of(self)
+        if layer is None:
+            base.meta_state.fset(self, value)  # type: ignore[attr-defined]
+        else:
+            layer.meta_set(self, value)
+
     ns: dict[str, Any] = {
         "update_and_fetch": update_and_fetch, "trim": trim, "state": property(get_state, set_state),
         "__copy__": lambda self: plain_copy(self, False),
         "__deepcopy__": lambda self, memo: plain_copy(self, True, memo),
         "__module__": base.__module__, "__qualname__": base.__qualname__,
     }
+    meta = getattr(base, "meta_state", None)
+    if isinstance(meta, property) and meta.fset is not None:
+        ns["meta_state"] = property(get_meta, set_meta)
     cls = type(base.__name__, (base,), ns)
     return cls
 
@@ -527,7 +621,7 @@ def record(caches: Sequence[Any], out: str | Path | None = None, layers: Sequenc
            title: str = "") -> Iterator[Recorder]:
     """Record every layer of ``caches`` (or those in ``layers``) while the
     block runs; on exit unwrap them and, with ``out``, write one kvtrace per
-    layer there (:meth:`Recorder.write`)::
+    layer there (:meth:`Recorder.write`; also when the block raised)::
 
         cache = make_prompt_cache(model)
         with record(cache, out="rec/") as rec:
@@ -541,8 +635,8 @@ def record(caches: Sequence[Any], out: str | Path | None = None, layers: Sequenc
         yield rec
     finally:
         rec.close()
-    if out is not None:
-        rec.write(out, title)
+        if out is not None:  # a run that raised is recorded up to where it stopped
+            rec.write(out, title)
 
 
 # -- checking a recording against the spec alone -----------------------------------

@@ -271,3 +271,52 @@ def test_a_state_from_elsewhere_stops_the_recording_with_a_note(model):
     for _, trace in rec.traces():
         assert "recording stopped at op" in trace.title
         assert replay_spec_only(trace).ok
+
+
+def test_sliding_window_rings_recorded_as_rotating_traces():
+    """gemma3's sliding-window layers are rings (kind rotating, their window
+    and sinks from the class); a request that goes on after the state was
+    kept, then one from the kept state (state, then meta_state where the
+    class has one), passes on both engines' rings."""
+    from fuzz.commands.e2e.models import tiny_gemma3
+
+    gemma = tiny_gemma3(0, 6)
+    for make in (lm_make_prompt_cache, make_prompt_cache):
+        cache = make(gemma)
+        with record(cache) as rec:
+            generate(gemma, cache, token_ids(1, 9))
+            saved = [(c.state, getattr(c, "meta_state", None)) for c in cache]
+            generate(gemma, cache, token_ids(2, 3))
+            for c, (s, m) in zip(cache, saved):
+                c.state = s
+                if m:
+                    c.meta_state = m
+            generate(gemma, cache, token_ids(3, 3), 2)
+        assert not rec.notes
+        traces = rec.traces()
+        assert [t.cache["kind"] for _, t in traces] == ["rotating", "rotating", "dense"]
+        assert traces[0][1].cache["max_size"] == 6
+        for _, trace in traces:
+            assert [op["op"] for op in trace.ops].count("state_restore") == 1
+            assert replay_spec_only(trace).ok, str(replay_spec_only(trace))
+
+
+def test_a_ring_put_back_without_its_meta_state_stops_the_recording(tmp_path):
+    """Our ring loads a state in two steps; the rows alone are an unwrapped
+    ring under other counters, which no kvtrace op says: the recording stops
+    there (written even though the block raised)."""
+    from fuzz.commands.e2e.models import tiny_gemma3
+
+    gemma = tiny_gemma3(0, 6)
+    cache = make_prompt_cache(gemma)
+    with pytest.raises(RuntimeError, match="the program failed"), record(cache, out=tmp_path / "r") as rec:
+        generate(gemma, cache, token_ids(1, 9))
+        saved = [c.state for c in cache]
+        for c, s in zip(cache, saved):
+            c.state = s
+        generate(gemma, cache, token_ids(3, 3), 2)
+        raise RuntimeError("the program failed")
+    assert [n.split(":")[0] for n in rec.notes] == ["layer 0", "layer 1"]
+    assert all("without the meta_state taken with it" in n for n in rec.notes)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["layer00.json", "layer01.json", "layer02.json"]
+    assert main(["replay", "--spec-only", str(tmp_path / "r")]) == 0
