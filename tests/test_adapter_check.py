@@ -259,3 +259,16 @@ def test_a_cache_class_is_checked_by_its_members_and_a_canned_trace(userpkg, cap
         assert any("live_start not compared" in n for n in doc["notes"]), doc["notes"]
     else:
         assert said in " ".join(problems(doc).split()), problems(doc)
+
+
+def test_a_class_in_the_working_folder_is_found_and_sys_path_is_left_as_it_was(tmp_path, monkeypatch, capsys):
+    (tmp_path / "herecache.py").write_text(CACHE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "herecache", raising=False)
+    before = list(sys.path)
+    try:
+        code, doc = check(capsys, "--target", "herecache:ListCache")
+    finally:
+        sys.modules.pop("herecache", None)
+    assert code == 0 and doc["ok"], problems(doc)
+    assert sys.path == before

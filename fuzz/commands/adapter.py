@@ -85,12 +85,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if target is not None:
         import sys
 
+        saved = list(sys.path)
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # a class in the folder the command runs in, as python -m finds it
         try:
             report = check_class(target)
         except TargetError as exc:
             return _usage(console, str(exc), args.json)
+        finally:
+            sys.path[:] = saved
         what = f"--target {target}"
     else:
         argv = command_argv(words)
