@@ -2,7 +2,7 @@
 
 For an adapter program (``kvspec adapter check CMD [ARGS]``, the program an
 ``exec:`` target names; docs/targets.md "The line protocol") it starts the
-program, validates its ``hello`` against the kvproto/1 schema
+program, validates its ``hello`` against the kvproto schema
 (``fuzz/kvproto.schema.json``), then sends a few canned sessions, each to a
 fresh process so that one crash does not hide the problems after it:
 
@@ -49,8 +49,10 @@ from spec.rows import element_bits, identify
 
 #: seconds waited for one reply line (a hang guard, not a verdict)
 DEFAULT_TIMEOUT = 10.0
-#: the kvproto version whose hello is checked (kvproto/2's hellos: see _validator)
-KVPROTO = 1
+#: the versions kvspec speaks, as its hello names them (fuzz/adapters/exec.py HELLO):
+#: the oldest and the newest; the canned sessions drive the dense kind of either
+KVPROTO, KVPROTO_MAX = 1, 2
+HELLO = {"request": "hello", "kvproto": KVPROTO, "kvproto_max": KVPROTO_MAX}
 #: the canned cache (fields sent only where the hello declares them)
 CACHE = {"kind": "dense", "mode": "fp16", "step": 4, "batch": 1, "kv_heads": 2, "head_dim": 4, "k_head_dim": 4,
          "v_head_dim": 6, "dtype": "float16", "inplace": True, "rows": "portable"}
@@ -105,7 +107,7 @@ class Report:
 
 @cache
 def _validator(part: str) -> Any:
-    """A validator of one ``$defs`` entry of the kvproto/1 schema with strict
+    """A validator of one ``$defs`` entry of the kvproto schema (versions 1 and 2) with strict
     integers (as the exec client's). A later protocol version's schema
     plugs in here, keyed by the hello's ``kvproto``."""
     import jsonschema
@@ -140,7 +142,7 @@ def _json_type(value: Any) -> str:
 
 def schema_sentences(reply: Any, part: str) -> list[str]:
     """Every way ``reply`` fails ``$defs/<part>``, one clause each ("omits
-    the required field 'windows'", "has field 'colour', which kvproto/1
+    the required field 'windows'", "has field 'colour', which the protocol
     does not define at kinds/dense"...), deepest first."""
     errors = sorted(_validator(part).iter_errors(reply), key=lambda e: (list(map(str, e.absolute_path)), e.message))
     out: list[str] = []
@@ -155,17 +157,17 @@ def schema_sentences(reply: Any, part: str) -> list[str]:
         elif v == "additionalProperties" and isinstance(e.instance, dict):
             allowed = set(e.schema.get("properties", {}))
             for k in sorted(set(e.instance) - allowed):
-                out.append(f"has field {k!r}{at}, which kvproto/1 does not define there (it allows "
+                out.append(f"has field {k!r}{at}, which the protocol does not define there (it allows "
                            f"{', '.join(sorted(allowed))})")
         elif v == "type":
             out.append(f"has {where or 'the reply'} = {_short(e.instance)}, {_json_type(e.instance)}, where "
-                       f"kvproto/1 wants {e.validator_value if isinstance(e.validator_value, str) else 'one of ' + str(e.validator_value)}")
+                       f"the protocol wants {e.validator_value if isinstance(e.validator_value, str) else 'one of ' + str(e.validator_value)}")
         elif v in ("enum", "const"):
             allowed = e.validator_value if v == "enum" else [e.validator_value]
-            out.append(f"has {where or 'the reply'} = {_short(e.instance)}, where kvproto/1 allows only "
+            out.append(f"has {where or 'the reply'} = {_short(e.instance)}, where the protocol allows only "
                        f"{', '.join(json.dumps(a) for a in allowed)}")
         elif v == "propertyNames":
-            out.append(f"names {_short(e.instance)}{at}, which kvproto/1 does not have there ({e.message[:120]})")
+            out.append(f"names {_short(e.instance)}{at}, which the protocol does not have there ({e.message[:120]})")
         elif v in ("anyOf", "oneOf") and "window" in json.dumps(e.schema):
             out.append(f"has {where or 'the reply'} = {_short(e.instance)}, which is neither a bytes window "
                        '{"rows": n, "k": HEX, "v": HEX} nor a list of token identities')
@@ -413,7 +415,7 @@ class _Session:
             self.proc.stop()
             raise _Dead()
         for clause in schema_sentences(reply, part):
-            self.report.problem(step, f"sent {sent}; the reply {clause}; kvproto/1's $defs/{part} "
+            self.report.problem(step, f"sent {sent}; the reply {clause}; kvproto's $defs/{part} "
                                       "(fuzz/kvproto.schema.json) is the rule: make the reply match it")
         if isinstance(reply, dict) and reply.get("id") != req["id"]:
             self.report.problem(step, f"sent {sent} (id {req['id']}); the reply carries id {_short(reply.get('id'))}; "
@@ -456,9 +458,16 @@ def _hello_problems(reply: dict[str, Any], report: Report) -> dict[str, Any] | N
     kinds = reply.get("kinds")
     if not isinstance(kinds, dict):
         return None  # the schema's sentence says so
+    others = sorted(k for k in kinds if k != "dense")
+    if others and reply.get("kvproto") == 2:
+        report.notes.append(f"kinds {', '.join(others)}: only their hello is checked here (the canned sessions "
+                            "drive dense caches); kvspec replay of their traces in tests/traces/ and kvspec fuzz "
+                            "check the rest")
     if not isinstance(kinds.get("dense"), dict):
-        report.problem("hello", "the hello declares no kind dense (kinds.dense: its modes, dtypes, fields, ops "
-                                "and observables); kvproto/1 drives dense caches: declare it, or nothing can run")
+        if not others:
+            report.problem("hello", "the hello declares no kind dense (kinds.dense: its modes, dtypes, fields, ops "
+                                    "and observables), nor any other kind: declare the kinds your cache is (kvproto/1: "
+                                    "dense; kvproto/2: also rotating and paged), or nothing can run")
         return None
     d = kinds["dense"]
     lists = {k: d.get(k) if isinstance(d.get(k), list) else [] for k in ("modes", "dtypes", "fields", "ops",
@@ -518,6 +527,8 @@ def _shape(cache_: dict[str, Any], windows: str, wide: bool = False) -> _Shape:
 class _Checker:
     """The canned sessions against one adapter."""
 
+    version = KVPROTO
+
     def __init__(self, argv: list[str], timeout: float, report: Report):
         self.argv, self.timeout, self.report = argv, timeout, report
         self.declared: dict[str, Any] = {}
@@ -539,13 +550,15 @@ class _Checker:
         if s is None:
             return None
         try:
-            reply = s.ask("hello", {"request": "hello", "kvproto": KVPROTO}, part="hello_reply")
+            reply = s.ask("hello", dict(HELLO), part="hello_reply")
         except _Dead:
             return None
-        if reply.get("kvproto") not in (None, KVPROTO) and isinstance(reply.get("kvproto"), int):
-            self.report.notes.append(f"the hello speaks kvproto/{reply['kvproto']}; this check knows kvproto/1")
+        if isinstance(reply.get("kvproto"), int) and reply["kvproto"] in range(KVPROTO, KVPROTO_MAX + 1):
+            self.version = reply["kvproto"]
         declared = _hello_problems(reply, self.report)
         if declared is None:
+            if isinstance(reply.get("kinds"), dict) and not any(p.step == "hello" for p in self.report.problems):
+                self.report.passed.append("hello")
             s.bye()
             return None
         self.declared = declared

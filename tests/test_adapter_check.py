@@ -85,11 +85,11 @@ def problems(doc: dict) -> str:
     ("garbage_reply", "got a line that is not JSON, 'ok'"),
     ("hang", "no reply line came within 2 s (a bounded wait, the hang guard"),
     ("exit", "it exited (exit status 3) without replying"),
-    ("unknown_fields", "has field 'colour', which kvproto/1 does not define"),
+    ("unknown_fields", "has field 'colour', which the protocol does not define"),
     ("unknown_fields", "declares cache field 'colour', which a dense cache does not have"),
     ("omits_required", "omits the required field 'windows'"),
     ("wrong_dtype_width", "that is 4 bytes an element: the dtype is float16, 2 bytes an element"),
-    ("offset_as_string", "has state/offset = '0', a string, where kvproto/1 wants integer"),
+    ("offset_as_string", "has state/offset = '0', a string, where the protocol wants integer"),
     ("wrong_id", "every reply must carry its request's id"),
     ("wrong_category", "it refused with category 'state'; the contract's category here is 'invalid_argument'"),
     ("refusal_changes_state", "(a refused op changes nothing)"),
@@ -272,3 +272,18 @@ def test_a_class_in_the_working_folder_is_found_and_sys_path_is_left_as_it_was(t
         sys.modules.pop("herecache", None)
     assert code == 0 and doc["ok"], problems(doc)
     assert sys.path == before
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no system C compiler (cc)")
+@pytest.mark.parametrize(("source", "passed"), [("kvspec_dense.c", 25), ("kvspec_ring.c", 1)])
+def test_the_reference_adapters_pass(tmp_path, capsys, source, passed):
+    """The dense one (kvproto/1) through every canned session; the ring one
+    (kvproto/2, no dense kind) by its hello, with a note that its kind is
+    not driven here."""
+    exe = tmp_path / source.removesuffix(".c")
+    src = Path(__file__).resolve().parents[1] / "adapters" / "c" / source
+    subprocess.run(["cc", "-std=c99", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
+    code, doc = check(capsys, str(exe))
+    assert code == 0 and len(doc["passed"]) >= passed, problems(doc)
+    if source == "kvspec_ring.c":
+        assert doc["passed"] == ["hello"] and any("kinds rotating: only their hello" in n for n in doc["notes"])

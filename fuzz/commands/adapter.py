@@ -106,7 +106,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps({**report.to_json(), "exit": code}))
         return code
     console.print(f"kvspec adapter check: {escape(what)}"
-                  + ("" if target is not None else f" (kvproto/1; a reply is waited for at most {args.timeout:g} s)"))
+                  + ("" if target is not None else f" (kvproto; a reply is waited for at most {args.timeout:g} s)"))
     for i, p in enumerate(report.problems, 1):
         console.print(f"[bold red]problem {i}[/] ({escape(p.step)}): {escape(p.sentence)}")
     for note in report.notes:
