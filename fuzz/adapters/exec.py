@@ -54,11 +54,14 @@ from typing import Any
 import jsonschema
 import mlx.core as mx
 import numpy as np
+from hypothesis import strategies as st
 
 from fuzz import kinds
-from fuzz.lockstep import Divergence
-from fuzz.masks import ring_windows
+from fuzz.lockstep import Divergence, Lockstep
+from fuzz.masks import dense_windows, ring_windows
 from fuzz.targets import CacheClass, HarnessFailure, Target, TargetCapabilityError, TargetError
+from spec import dense as sd
+from spec import paged as sp
 from spec import rotating as sr
 from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
 
@@ -89,11 +92,14 @@ OBSERVABLES = ("offset", "live_start", "live_len", "capacity")
 KIND_OBSERVABLES: dict[str, tuple[str, ...]] = {
     "dense": OBSERVABLES,
     "rotating": ("offset", "idx", "capacity", "trimmable", "trimmable_rows", "log_saved_rows"),
+    # sequences: every sequence's block table, length and logical start;
+    # refcounts and free: the pool's (its size is the refcounts' length)
+    "paged": ("sequences", "refcounts", "free", "capacity"),
 }
-#: the kinds each version drives (paged: docs/kvproto.md gives its messages)
-VERSION_KINDS = {1: ("dense",), 2: ("dense", "rotating")}
+#: the kinds each version drives
+VERSION_KINDS = {1: ("dense",), 2: ("dense", "rotating", "paged")}
 #: the kinds whose appends carry masks under kvproto/2 (``masks`` declared)
-MASK_KINDS = ("rotating",)
+MASK_KINDS = ("rotating", "paged")
 
 
 class ExecTargetError(TargetError):
@@ -603,6 +609,8 @@ class _Remote:
                  observables: tuple[str, ...] = OBSERVABLES) -> None:
         self.state: dict[str, Any] = {}
         self.last_write_inplace: bool | None = None
+        #: a paged append's blocks (fresh, copied), as its reply gave them
+        self.last_blocks: tuple[Any, Any] = (None, None)
         self.inplace = True
         self.declared = declared
         self.observables = observables
@@ -629,7 +637,8 @@ class _Exec:
     def __init__(self, cache: dict[str, Any], target: ExecTarget, declared: Declared):
         self.target, self.declared = target, declared
         self.observables = KIND_OBSERVABLES.get(cache["kind"], OBSERVABLES)
-        remote = _Remote(frozenset(declared.observables), self.observables)
+        remote = (_RemotePool if cache["kind"] == "paged" else _Remote)(frozenset(declared.observables),
+                                                                         self.observables)
         if cache["kind"] == "rotating":  # configuration, not state: the ring invariant reads them
             remote.keep, remote.max_size = cache["keep"], cache["max_size"]
         #: whether appends carry masks (kvproto/2, declared, not waived)
@@ -644,7 +653,8 @@ class _Exec:
         self.check_inplace = "inplace" in declared.observables and "inplace" not in target.waived
         # what the kind's spec side predicts (a ring has idx, a dense cache not)
         predicted = set(super().spec_observables())  # type: ignore[misc]
-        self.not_compared = (predicted - set(declared.observables)) | (set(target.waived) & predicted)
+        have = set(declared.observables) | ({"pool size"} if "refcounts" in declared.observables else set())
+        self.not_compared = (predicted - have) | (set(target.waived) & predicted)
         self.current_index = -1
         self.session = target.session()
         self.remote_views: dict[str, Any] = {"cache": None}
@@ -684,6 +694,9 @@ class _Exec:
             raise AdapterFailure("adapter broke the protocol",
                                  f"its state lacks {', '.join(missing)}, which its hello declares among its "
                                  "observables")
+        if "cache" not in state or "holders" not in state:
+            raise AdapterFailure("adapter broke the protocol", "its state lacks the live window (cache) or the "
+                                                               "holders")
         self.cache.state = state
         views = {"cache": _decode(state["cache"], self.dtype, self.shape)}
         for name, w in state["holders"].items():
@@ -701,10 +714,15 @@ class _Exec:
         c = self.world.cache
         return ring_windows(c.max_size, c.keep)
 
+    def spec_masks(self, op: dict[str, Any], windows: list[int | None]) -> list[Any]:
+        """The spec's masks for ``windows``, on the world before the op
+        (spec.rotating.make_masks_spec): rows of booleans per window."""
+        return list(sr.make_masks_spec(self.world.cache, op["n"], tuple(windows)))
+
     def compare_remote_masks(self, op: dict[str, Any], windows: list[int | None], reply: dict[str, Any]) -> None:
         """The masks the adapter answered (made before the append) against
-        spec.rotating.make_masks_spec on the spec's ring before the op, each
-        as a whole ``[n, L]`` matrix. Raises Divergence at the first that
+        :meth:`spec_masks` on the spec's cache before the op, each as a
+        whole ``[n, L]`` matrix. Raises Divergence at the first that
         differs; AdapterFailure when they are missing or of another count."""
         got = reply.get("masks")
         if not isinstance(got, list) or len(got) != len(windows):
@@ -712,7 +730,7 @@ class _Exec:
                                  f"its reply to an append carries {'no' if got is None else len(got)} masks, "
                                  f"asked for {len(windows)} (windows {windows}; its hello declares masks)")
         n = op["n"]
-        wants = sr.make_masks_spec(self.world.cache, n, tuple(windows))
+        wants = self.spec_masks(op, windows)
         for window, want, rows in zip(windows, wants, got):
             want_rows = ["".join("1" if x else "0" for x in r) for r in want]
             if rows != want_rows:
@@ -723,7 +741,7 @@ class _Exec:
 
     def impl_apply(self, op: dict[str, Any]) -> Any:
         body: dict[str, Any] = {"request": "op", "op": op}
-        if op["op"] == "append":
+        if op["op"] in ("append", "state_assign"):
             body["first"] = self.world.next_token  # the spec world before this op
         windows = self.mask_windows(op)
         if windows is not None:
@@ -736,6 +754,7 @@ class _Exec:
             result = reply.get("result")
             if op["op"] == "append" and reply["ok"]:
                 self.cache.last_write_inplace = reply.get("inplace")
+                self.cache.last_blocks = (reply.get("fresh"), reply.get("copied"))
                 result = _decode(result, self.dtype, self.shape)
         except AdapterFailure as exc:
             raise Divergence(self.current_index, op, exc.what, "a reply (the spec's outcome of this op)",
@@ -787,13 +806,131 @@ class _Exec:
         return super().view_matches(name, tokens, arrays)  # type: ignore[misc]
 
 
+class _RemotePool(_Remote):
+    """A paged pool in the adapter: what the paged driver asks of the pool
+    object it builds (a handle's sequence) is nobody's here."""
+
+    def _require(self, op: str, seq: str) -> None:
+        return None
+
+
+class _ExecPaged:
+    """The paged driver's pool-side checks over the protocol (before
+    :class:`_Exec` in the MRO): every sequence's block table, length,
+    start and window, the refcounts and the free list from the state line;
+    the blocks an append allocated and copied on write from its reply; the
+    pool invariants checked on the adapter's reported pool; the dense mask
+    rule over the sequence's visible rows. Windows fetched and read later
+    (MLX's laziness) and mlx-lm's accessors are Python-side, not compared."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the paged machine's invariant asks the pool object (here: the adapter's reported pool)
+        self.pool.broken_invariants = lambda: tuple(self.remote_pool_invariants())
+
+    def _absorb(self, reply: dict[str, Any]) -> None:
+        state = reply.get("state")
+        if state is None or not isinstance(state.get("sequences"), dict):
+            raise AdapterFailure("adapter broke the protocol",
+                                 "a reply to init or op without its state's sequences (kvproto/2, kind paged)")
+        missing = sorted(o for o in self.declared.observables if o in ("refcounts", "free") and o not in state)
+        if missing:
+            raise AdapterFailure("adapter broke the protocol",
+                                 f"its state lacks {', '.join(missing)}, which its hello declares among its "
+                                 "observables")
+        self.cache.state = state
+        views = {"seq:" + name: _decode(s["window"], self.dtype, self.shape) for name, s in state["sequences"].items()}
+        if state["held"] is not None:
+            views["held"] = _decode(state["held"], self.dtype, self.shape)
+        self.remote_views = views
+
+    def impl_observables(self) -> dict[str, Any]:
+        st = self.cache.state
+        seqs = {k: (list(s["table"]), s["length"], s["start"]) for k, s in sorted(st["sequences"].items())}
+        cur = st["sequences"].get(self.current_seq)
+        cap = 0 if cur is None else sp.capacity_of(len(cur["table"]), self.world.pool.block_size)
+        refcounts = st.get("refcounts")
+        out = self._observables(seqs, refcounts, st.get("free"), cap)
+        if refcounts is not None and "pool size" in out:
+            out["pool size"] = len(refcounts)
+        return {k: v for k, v in out.items() if k not in self.not_compared}
+
+    def impl_last_inplace(self) -> bool | None:
+        return self.cache.last_write_inplace
+
+    def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+        Lockstep.compare_append(self, index, op, s, i)  # type: ignore[arg-type]
+        if self.check_inplace:
+            fresh, copied = self.cache.last_blocks
+            got = (list(fresh or ()), [list(c) for c in copied or ()])
+            if got != (list(s.fresh), [list(c) for c in s.copied]):
+                raise Divergence(index, op, "blocks allocated / copied on write differ",
+                                 f"fresh={list(s.fresh)} copied={[list(c) for c in s.copied]}",
+                                 f"fresh={got[0]} copied={got[1]}")
+        self.note_append(op, s)  # type: ignore[attr-defined]
+
+    def compare_state(self, index: int, op: dict[str, Any]) -> None:
+        broken = sp.broken_invariants(self.world)
+        if broken:
+            raise Divergence(index, op, "the spec breaks its own invariants", broken, "-")
+        Lockstep.compare_state(self, index, op)  # type: ignore[arg-type]
+        broken = self.remote_pool_invariants()
+        if broken:
+            raise Divergence(index, op, "pool invariants broken on the adapter", "none", broken)
+
+    def remote_pool_invariants(self) -> list[str]:
+        """spec.paged's pool invariants on the pool the adapter reports
+        (where it reports refcounts and free list): refcount = tables
+        holding the block, the free list the blocks of refcount 0 once
+        each, tables of ``ceil(length / block_size)`` entries, ``null``
+        exactly at the blocks wholly before the start."""
+        st, bs = self.cache.state, self.world.pool.block_size
+        out = []
+        seqs = st["sequences"].values()
+        for s in seqs:
+            table = s["table"]
+            if not 0 <= s["start"] <= s["length"] or len(table) != sp.table_len(s["length"], bs) or any(
+                    (b is None) != sp.wholly_before(j, s["start"], bs) for j, b in enumerate(table)):
+                out.append("tables_well_formed")
+                break
+        refcounts, free = st.get("refcounts"), st.get("free")
+        if refcounts is None or free is None:
+            return out
+        counts = [0] * len(refcounts)
+        for s in seqs:
+            for b in s["table"]:
+                if b is not None and 0 <= b < len(counts):
+                    counts[b] += 1
+                elif b is not None:
+                    out.append("refcounts_match_tables")
+        if counts != refcounts:
+            out.append("refcounts_match_tables")
+        if len(set(free)) != len(free) or set(free) != {j for j, r in enumerate(refcounts) if r == 0}:
+            out.append("free_blocks_unheld")
+        return sorted(set(out))
+
+    def mask_windows(self, op: dict[str, Any]) -> list[int | None] | None:
+        """The dense windows (fuzz.masks.dense_windows) over the visible
+        rows of the sequence the append writes (none when it does not
+        exist: the append is refused)."""
+        if not self.compare_masks or op["op"] != "append" or not _int(op.get("n"), 1):
+            return None
+        s = self.world.seqs.get(op.get("seq", sp.MAIN))
+        return None if s is None else list(dict.fromkeys(dense_windows(s.visible)))
+
+    def spec_masks(self, op: dict[str, Any], windows: list[int | None]) -> list[Any]:
+        visible = self.world.seqs[op.get("seq", sp.MAIN)].visible
+        return [sd.dense_make_mask(visible, op["n"], w) for w in windows]
+
+
 _EXEC: dict[type, type] = {}
 
 
 def exec_lockstep(base: type) -> type:
     """``base`` (a kind's lockstep driver) run over an adapter process."""
     if base not in _EXEC:
-        _EXEC[base] = type(f"Exec{base.__name__}", (_Exec, base), {})
+        mixins = (_ExecPaged, _Exec) if getattr(base, "spec_module", None) is sp else (_Exec,)
+        _EXEC[base] = type(f"Exec{base.__name__}", (*mixins, base), {})
     return _EXEC[base]
 
 
@@ -816,6 +953,12 @@ def _exec_machine(base: type, target: ExecTarget) -> type:
                 for name in list(shape):
                     if name not in d.fields:
                         del shape[name]
+                if self.kind == "rotating" and "undo" in d.fields:
+                    # a ring that declares its undo log is fuzzed at every depth
+                    # (the machine draws it for this project's ring only)
+                    from fuzz.rotating import UNDO_DEPTHS
+
+                    shape["undo"] = data.draw(st.sampled_from(UNDO_DEPTHS), label="undo")
             return shape
 
         def setup(self, **cfg: Any) -> None:
