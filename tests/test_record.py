@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -25,6 +26,14 @@ from fuzz.record import RecordError, record, replay_spec_only
 from fuzz.trace import parse, schema
 from impl.dense import KVCache as OurKVCache
 from impl.models import make_prompt_cache
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "fuzz" / "schemas"
+
+
+def valid(doc, name):
+    """``doc`` follows fuzz/schemas/NAME.schema.json (docs/json.md)."""
+    jsonschema.validate(doc, json.loads((SCHEMAS / f"{name}.schema.json").read_text()))
+    return doc
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +113,7 @@ def test_mlx_lm_server_prompt_cache_refused_at_the_aliasing_op(model, tmp_path, 
     assert f"\nop {aliasing} " in out and "the window of state 'state0' after this op is impossible" in out
     assert f"seen at op {aliasing + 1} " in out and "spec says:" in out and "recorded:" in out
     assert main(["replay", "--spec-only", "--json", str(tmp_path / "lm" / "layer00.json")]) == 1
-    doc = json.loads(capsys.readouterr().out)
+    doc = valid(json.loads(capsys.readouterr().out), "replay-spec-only")
     assert doc["exit"] == 1 and doc["status"] == "impossible"
     assert doc["impossible"]["index"] == aliasing and doc["impossible"]["seen_at"]["index"] == aliasing + 1
 
@@ -244,9 +253,24 @@ def test_bad_input_exits_2(tmp_path, capsys):
         err = capsys.readouterr().out
         assert err.startswith("error: ") and said in err and "Traceback" not in err
     assert main(["replay", "--spec-only", str(ok)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--spec-only", "--json", str(bad), str(ok)]) == 2
+    doc = valid(json.loads(capsys.readouterr().out), "replay-spec-only")
+    assert doc["counts"] == {"possible": 1, "impossible": 0, "invalid": 1, "tool_failure": 0}
+    assert main(["replay", "--spec-only", "--json", "--target", "mlx-lm", str(ok)]) == 2
+    valid(json.loads(capsys.readouterr().out), "replay-spec-only")
     assert main(["record", "server", "-o", str(tmp_path / "r"), "--tokens", "0"]) == 2
     assert "--tokens: between 1 and 64" in capsys.readouterr().out
     assert not (tmp_path / "r").exists()
+    assert main(["record", "server", "-o", str(tmp_path / "r"), "--tokens", "65", "--json"]) == 2
+    valid(json.loads(capsys.readouterr().out), "record")
+
+
+def test_record_command_writes_one_trace_per_layer(tmp_path, capsys):
+    assert main(["record", "generate", "-o", str(tmp_path / "g"), "--tokens", "1", "--json"]) == 0
+    doc = valid(json.loads(capsys.readouterr().out), "record")
+    assert sorted(Path(p).name for p in doc["traces"]) == ["layer00.json", "layer01.json"] and not doc["notes"]
+    assert main(["replay", "--spec-only", str(tmp_path / "g")]) == 0
 
 
 def test_record_refuses_what_it_cannot_wrap(model):
