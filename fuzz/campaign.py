@@ -689,7 +689,7 @@ class Campaign:
 def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, factories: dict[str, Any] | None = None,
              batch: int = 25, steps: int = 40, target: Any = None,
              progress: Any = None, reach: tuple[str, ...] = (), reach_budget: float = 0.0,
-             shrink: bool = True) -> CampaignReport:
+             shrink: bool = True, fit: bool = False) -> CampaignReport:
     """Run seeded batches until ``budget`` seconds of search are spent or
     one fails; at least one batch, so a campaign never checks nothing.
     Shrinking a failure is timed apart (``shrink_seconds``). ``target``
@@ -701,14 +701,24 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
     seconds in all (a slower device runs fewer examples in the same
     seconds: the H200 ran 10-20 in a verify campaign's 8 s). ``shrink=False``:
     a failure is reported as first found (a caller that needs only the
-    verdict, such as a test run per mutant, skips the shrinking)."""
+    verdict, such as a test run per mutant, skips the shrinking).
+    ``fit=True``: the batch that would run past ``budget`` is cut to the
+    examples that fit in the seconds left (at the seconds per example of
+    the batches before it; at least one), so the search stops at its
+    budget instead of running a whole batch past it; not while a ``reach``
+    event is missing (the search then goes on in whole batches)."""
     run = Campaign(kind, mode, inplace, seed, factories, batch, steps, target, progress, shrink=shrink)
 
     def missing() -> bool:
         return any(not run.report.stats.get(label) for label in reach)
 
+    per_batch = len(run.sweep[1]) if run.sweep is not None else 1  # a sweep runs batch // values examples
     while run.report.batches == 0 or (not run.failed and (run.report.seconds < budget or (
             missing() and run.report.seconds < reach_budget))):
+        if fit and run.report.examples and not missing():
+            each = run.report.seconds / run.report.examples
+            need = -(-max(budget - run.report.seconds, 0.0) // each) if each > 0 else batch
+            run.batch_size = int(max(per_batch, min(batch, need * per_batch)))
         run.batch(budget)
     return run.report
 

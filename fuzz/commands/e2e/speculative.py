@@ -161,8 +161,9 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
     since every call equals the run that never rolled back, byte for byte,
     that difference (reported) comes from the chunking, not the rollback.
     The same scenario on mlx-lm's own caches is
-    run for the record: its trim is refused after the wrap and the stream
-    drifts (docs/mlx-lm.md)."""
+    run for the record (not under ``checks.checks_only``: no check reads
+    it): its trim is refused after the wrap and the stream drifts
+    (docs/mlx-lm.md)."""
     from mlx_lm.generate import speculative_generate_step
 
     tally = Tally()
@@ -217,11 +218,14 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
         spec_diff = max(spec_diff, _max_logprob_diff(got.logprobs, plain.logprobs))
 
         # mlx-lm's own caches, same scenario (for the record)
-        lm = mlx_lm_caches(model) + mlx_lm_caches(draft)
-        lm_tokens = [int(t) for t, _, _ in speculative_generate_step(
-            prompt, model, draft, num_draft_tokens=U, max_tokens=n, prompt_cache=lm)]
-        first = next((i for i, (a, b) in enumerate(zip(lm_tokens, plain.tokens)) if a != b), None)
-        drift.append("none" if first is None else f"step {first}")
+        if checks.records():
+            lm = mlx_lm_caches(model) + mlx_lm_caches(draft)
+            lm_tokens = [int(t) for t, _, _ in speculative_generate_step(
+                prompt, model, draft, num_draft_tokens=U, max_tokens=n, prompt_cache=lm)]
+            first = next((i for i, (a, b) in enumerate(zip(lm_tokens, plain.tokens)) if a != b), None)
+            drift.append("none" if first is None else f"step {first}")
+        else:
+            drift.append("not run (checks only)")
     require(min(wraps) >= MIN_WRAPS.get(size, 20), f"the main rings wrapped {wraps} times (need {MIN_WRAPS.get(size, 20)} each)")
     need = MIN_ROLLBACKS.get(size, 100)
     require(rollbacks >= need, f"{rollbacks} rollbacks after a wrap (need {need})")
