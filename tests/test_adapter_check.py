@@ -287,3 +287,11 @@ def test_the_reference_adapters_pass(tmp_path, capsys, source, passed):
     assert code == 0 and len(doc["passed"]) >= passed, problems(doc)
     if source == "kvspec_ring.c":
         assert doc["passed"] == ["hello"] and any("kinds rotating: only their hello" in n for n in doc["notes"])
+
+
+def test_a_wrong_state_is_said_once_not_at_every_later_step(tmp_path, capsys):
+    """A refused op that drops a row leaves every later state of its session
+    off by one: one sentence for the op that did it, none for what follows."""
+    code, doc = check(capsys, sys.executable, str(write_adapter(tmp_path, "refusal_changes_state")))
+    assert code == 1 and len(doc["problems"]) == 1, problems(doc)
+    assert doc["problems"][0]["step"] == "refusals: op trim_to past the offset (refused)", problems(doc)
