@@ -13,7 +13,9 @@ rows. It takes the identity of the first row from ``first``, as any
 adapter must.
 
 ``--fault NAME`` plants one fault (:data:`FAULTS`); none: the correct
-control."""
+control. ``--no-inplace`` leaves ``inplace`` out of the observables (an
+engine whose write path cannot be seen: kvspec then compares lengths,
+starts and windows, and checks the pool invariants on what it reports)."""
 
 from __future__ import annotations
 
@@ -127,7 +129,9 @@ class Pool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--fault", choices=sorted(FAULTS))
+    ap.add_argument("--no-inplace", action="store_true")
     args = ap.parse_args()
+    observables = ["sequences", "refcounts", "free", "capacity", *([] if args.no_inplace else ["inplace"]), "masks"]
     if args.fault == "no_cow":
         sp.needs_copy_on_write = lambda refcount: False  # looked up at call time by spec.paged.append
     pool: Pool | None = None
@@ -141,8 +145,7 @@ def main() -> int:
                      "version": "1", "windows": "bytes",
                      "kinds": {"paged": {"modes": ["fp16"], "dtypes": ["float16", "bfloat16", "float32"],
                                          "fields": FIELDS, "ops": OPS,
-                                         "observables": ["sequences", "refcounts", "free", "capacity", "inplace",
-                                                         "masks"]}}}
+                                         "observables": observables}}}
         elif kind == "init":
             pool = Pool(req["cache"], req["wide"], args.fault)
             reply = {"id": rid, "ok": True, "state": pool.state()}
