@@ -571,9 +571,12 @@ class Recorder:
             self.layers.append(LayerRecorder(i, c))
         for layer in self.layers:  # nothing is swapped before every layer passed
             c = layer.cache_obj
-            cls = classes[type(c)]
+            try:
+                c.__class__ = classes[type(c)]
+            except TypeError as exc:  # a class whose instances cannot change class (an extension type)
+                self.close()
+                raise RecordError(f"layer {layer.index}: {type(c).__qualname__} cannot be wrapped: {exc}") from None
             c.__dict__[_ATTR] = layer
-            c.__class__ = cls
             self._installed.append((c, layer.base))
 
     def close(self) -> None:
