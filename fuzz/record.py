@@ -172,7 +172,10 @@ class LayerRecorder:
         if keys.dtype != mx.float16:
             cfg["dtype"] = _DTYPES[keys.dtype]
         if isinstance(getattr(c, "max_size", None), int):
-            cfg.update(kind="rotating", max_size=int(c.max_size), keep=int(getattr(c, "keep", 0) or 0))
+            # undo: the rows a trim after a wrap can take back (this project's rings; mlx-lm's has none)
+            undo = getattr(c, "undo", 0)
+            cfg.update(kind="rotating", max_size=int(c.max_size), keep=int(getattr(c, "keep", 0) or 0),
+                       undo=int(undo) if isinstance(undo, int) and undo > 0 else 0)
         self.config = cfg
         return True
 

@@ -344,3 +344,32 @@ def test_a_ring_put_back_without_its_meta_state_stops_the_recording(tmp_path):
     assert all("without the meta_state taken with it" in n for n in rec.notes)
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["layer00.json", "layer01.json", "layer02.json"]
     assert main(["replay", "--spec-only", str(tmp_path / "r")]) == 0
+
+
+def test_speculative_decoding_on_our_rings_records_their_undo_depth():
+    """Our rings built for speculative decoding keep an undo log (depth =
+    draft tokens): the recording carries it, so the spec takes back the
+    rows a trim after a wrap removes, as the ring did."""
+    from fuzz.commands.e2e.models import speculative_gemma3
+
+    main_model, draft = speculative_gemma3(0, 6)
+    cache = make_prompt_cache(main_model, num_draft_tokens=3) + make_prompt_cache(draft, num_draft_tokens=3)
+    with record(cache, layers=[0, 3]) as rec:
+        for _ in speculative_generate_step(token_ids(0, 12), main_model, draft, num_draft_tokens=3, max_tokens=12,
+                                           prompt_cache=cache):
+            pass
+    traces = rec.traces()
+    assert [(i, t.cache["kind"], t.cache["undo"]) for i, t in traces] == [(0, "rotating", 3), (3, "rotating", 3)]
+    for _, trace in traces:
+        appended = 0
+        wrapped_trims = 0
+        for op in trace.ops:
+            if op["op"] == "append":
+                appended += op["n"]
+            elif op["op"] == "trim":
+                wrapped_trims += appended > 6 and op["returns"] > 0
+                appended -= op["returns"]
+        assert wrapped_trims > 0, "no trim after the ring wrapped"
+        assert replay_spec_only(trace).ok
+        trace.cache["undo"] = 0  # the same ops on a ring without an undo log are impossible
+        assert not replay_spec_only(parse(trace.to_json())).ok
