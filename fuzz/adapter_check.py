@@ -163,9 +163,9 @@ def schema_sentences(reply: Any, part: str) -> list[str]:
             out.append(f"has {where or 'the reply'} = {_short(e.instance)}, {_json_type(e.instance)}, where "
                        f"the protocol wants {e.validator_value if isinstance(e.validator_value, str) else 'one of ' + str(e.validator_value)}")
         elif v in ("enum", "const"):
-            allowed = e.validator_value if v == "enum" else [e.validator_value]
+            values = e.validator_value if v == "enum" else [e.validator_value]
             out.append(f"has {where or 'the reply'} = {_short(e.instance)}, where the protocol allows only "
-                       f"{', '.join(json.dumps(a) for a in allowed)}")
+                       f"{', '.join(json.dumps(a) for a in values)}")
         elif v == "propertyNames":
             out.append(f"names {_short(e.instance)}{at}, which the protocol does not have there ({e.message[:120]})")
         elif v in ("anyOf", "oneOf") and "window" in json.dumps(e.schema):
@@ -178,8 +178,7 @@ def schema_sentences(reply: Any, part: str) -> list[str]:
         else:
             out.append(f"fails the schema{at}: {e.message[:160]}")
     # a property error reported both at the root and below is said once
-    seen: set[str] = set()
-    return [s for s in out if not (s in seen or seen.add(s))]
+    return list(dict.fromkeys(out))
 
 
 # -- the adapter process -------------------------------------------------------------
@@ -562,7 +561,7 @@ class _Checker:
             s.bye()
             return None
         self.declared = declared
-        windows = reply.get("windows") if reply.get("windows") in ("bytes", "identities") else "bytes"
+        windows = str(reply["windows"]) if reply.get("windows") in ("bytes", "identities") else "bytes"
         cache_ = _cache_for(declared)
         self.shape = _shape(cache_, windows)
         if not any(p.step == "hello" for p in self.report.problems):
@@ -577,8 +576,8 @@ class _Checker:
         reply = s.ask(step, body)
         sent = _short({"id": s.next_id - 1, **body}, 160)
         ok = reply.get("ok")
+        err: dict[str, Any] = reply["error"] if isinstance(reply.get("error"), dict) else {}
         if refused is not None:
-            err = reply.get("error") if isinstance(reply.get("error"), dict) else {}
             if ok is True:
                 self.report.problem(step, f"sent {sent}; it answered ok; the contract refuses this op "
                                           f"({refused}): answer ok false with error category {refused!r}")
@@ -587,7 +586,6 @@ class _Checker:
                                           f"contract's category here is {refused!r} (categories are compared, "
                                           "messages never): use that category")
         elif ok is False:
-            err = reply.get("error") if isinstance(reply.get("error"), dict) else {}
             self.report.problem(step, f"sent {sent}; it refused ({err.get('category')}: "
                                       f"{_short(err.get('message', ''), 80)}); the contract runs this op: run it")
         if refused is None and ok is True and result != "skip":
@@ -725,9 +723,12 @@ class _Checker:
         s.bye()
 
 
-def _sessions(declared: dict[str, Any]) -> list[tuple[str, list[tuple[str, dict[str, Any], dict[str, Any]]]]]:
+Step = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+def _sessions(declared: dict[str, Any]) -> list[tuple[str, list[Step]]]:
     """The canned sessions: (name, steps); each step (label, op, expectation)."""
-    basic = [
+    basic: list[Step] = [
         ("op append n=3", {"op": "append", "n": 3}, {"rows": [0, 1, 2], "result": [0, 1, 2], "offset": 3}),
         ("op fetch", {"op": "fetch"}, {"rows": [0, 1, 2], "result": None}),
         ("op trim n=1", {"op": "trim", "n": 1}, {"rows": [0, 1], "result": 1, "offset": 2}),
@@ -735,7 +736,7 @@ def _sessions(declared: dict[str, Any]) -> list[tuple[str, list[tuple[str, dict[
         ("op trim n=-1", {"op": "trim", "n": -1}, {"rows": [0, 1, 3, 4], "result": 0}),
         ("op trim_to len=1", {"op": "trim_to", "len": 1}, {"rows": [0], "result": 3, "offset": 1}),
     ]
-    holders = [
+    holders: list[Step] = [
         ("op append n=2", {"op": "append", "n": 2}, {"rows": [0, 1], "result": [0, 1], "offset": 2}),
         ("op hold", {"op": "hold"}, {"rows": [0, 1], "held": [0, 1]}),
         ("op snapshot", {"op": "snapshot", "name": "s"}, {"rows": [0, 1], "holders": {"s": [0, 1]}}),
@@ -745,7 +746,7 @@ def _sessions(declared: dict[str, Any]) -> list[tuple[str, list[tuple[str, dict[
         ("op release_hold", {"op": "release_hold"}, {"rows": [0, 1], "held": None}),
         ("op drop", {"op": "drop", "name": "s"}, {"rows": [0, 1], "holders": {}}),
     ]
-    refusals = [
+    refusals: list[Step] = [
         ("op hold before any append (refused)", {"op": "hold"}, {"rows": [], "refused": "state", "held": None}),
         ("op append n=2", {"op": "append", "n": 2}, {"rows": [0, 1], "offset": 2}),
         ("op trim_to past the offset (refused)", {"op": "trim_to", "len": 5},
@@ -758,7 +759,7 @@ def _sessions(declared: dict[str, Any]) -> list[tuple[str, list[tuple[str, dict[
         ("bad request: an op no adapter has (refused)", {"op": "no_such_op"}, {"rows": [0, 1], "refused": "unsupported"}),
         ("op fetch after the bad request", {"op": "fetch"}, {"rows": [0, 1], "result": None}),
     ]
-    out = [("basic", basic), ("holders", holders), ("refusals", refusals)]
+    out: list[tuple[str, list[Step]]] = [("basic", basic), ("holders", holders), ("refusals", refusals)]
     # every other dtype it declares, with wide rows (token 2 is beyond float16's range)
     for dtype in declared["dtypes"]:
         if dtype != "float16" and dtype in ("bfloat16", "float32"):
