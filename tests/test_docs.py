@@ -524,7 +524,8 @@ def test_every_term_the_pages_use_is_in_the_glossary():
     pages still use fails here."""
     terms = _glossary_terms()
     missing = set()
-    generated = re.compile(r"^<!-- kvspec: (?:table|picture) [a-z0-9_]+ -->$.*?^<!-- /kvspec -->$", re.M | re.S)
+    generated = re.compile(r"^<!-- kvspec: (?:table|picture) [a-z0-9_]+ -->$.*?^<!-- /kvspec -->$",
+                           re.MULTILINE | re.DOTALL)
     for md in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
         # a generated table's words are the registry's, the catalog's and the records' (checked where they are made)
         text = generated.sub("", md.read_text())
