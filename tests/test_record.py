@@ -373,3 +373,18 @@ def test_speculative_decoding_on_our_rings_records_their_undo_depth():
         assert replay_spec_only(trace).ok
         trace.cache["undo"] = 0  # the same ops on a ring without an undo log are impossible
         assert not replay_spec_only(parse(trace.to_json())).ok
+
+
+def test_the_new_command_and_flag_are_in_help_and_on_the_cli_page():
+    from fuzz.commands.cli import build_parser
+
+    repo = Path(__file__).resolve().parent.parent
+    page = (repo / "docs" / "cli.md").read_text()
+    page = page[page.index("## `kvspec record` and `kvspec replay --spec-only`"):]
+    page = page[: page.index("\n## ", 3)]  # that section alone
+    subs = build_parser().get_default("_subparsers")
+    assert "--spec-only" in subs["replay"].format_help() and "`kvspec replay --spec-only" in page
+    text = subs["record"].format_help()
+    for flag in ("--cache", "--out", "--seed", "--tokens", "--json", "generate", "server", "speculative"):
+        assert flag in text and f"`{flag}" in page, flag
+    assert "record.md" in (repo / "mkdocs.yml").read_text()
