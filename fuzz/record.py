@@ -66,6 +66,21 @@ UNKNOWN_ROW = -1
 
 _DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
 _ATTR = "_kvspec_layer"
+#: methods of cache classes that change a cache in ways no kvtrace/1 op says:
+#: a call stops the recording of that layer (its trace ends before it)
+_UNRECORDABLE = {
+    "filter": "a batch cache keeps some of its sequences",
+    "extend": "a batch cache takes in more sequences",
+    "prepare": "a batch cache's padding is set up",
+    "finalize": "a batch cache rolls its rows over its padding",
+    "to_quantized": "the program goes on with a quantized copy, which is not recorded",
+    "trim_front_keep_sink": "a front trim of this project's dense cache",
+    "gather_positions": "a tree-speculation gather",
+    "gather_within_tail": "a tree-speculation gather",
+    "detach": "a detached handle",
+    "install": "a detached handle installed",
+    "restore": "a snapshot restored",
+}
 
 
 class RecordError(Exception):
@@ -231,6 +246,14 @@ class LayerRecorder:
                                 and values.ndim == 4) or not self.configure(keys, values):
             if self.stopped is None:
                 self.stop("update_and_fetch was given something other than two [B, H, n, D] arrays")
+            return base_call(cache, keys, values)
+        c = self.config
+        want = (c["batch"], c["kv_heads"], c["head_dim"], c.get("v_head_dim", c["head_dim"]))
+        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if got != want or keys.dtype != values.dtype or _DTYPES.get(keys.dtype) != c.get("dtype", "float16"):
+            self.stop(f"rows of shape {tuple(keys.shape)}/{tuple(values.shape)} and dtype {keys.dtype}, not the "
+                      f"first rows' (batch, kv_heads, head dims {want}, {c.get('dtype', 'float16')}): a kvtrace "
+                      "cache keeps one shape")
             return base_call(cache, keys, values)
         n = int(keys.shape[2])
         op: dict[str, Any] = {"op": "append", "n": n}
@@ -405,6 +428,12 @@ class LayerRecorder:
         self.log.append(op)
         self.observe()
 
+    def unrecordable(self, name: str) -> None:
+        """A method with no kvtrace counterpart was called: the recording
+        stops before it."""
+        if self.config is not None:
+            self.stop(f"{name}() has no kvtrace op ({_UNRECORDABLE[name]})")
+
     def copied(self, deep: bool) -> None:
         self.notes.append(f"op {len(self.log)}: a {'deep' if deep else 'shallow'} copy of the cache was made; "
                           "ops on the copy are not recorded")
@@ -534,7 +563,19 @@ def _recording_class(base: type) -> type:
         else:
             layer.meta_set(self, value)
 
-    ns: dict[str, Any] = {
+    def guard(name: str) -> Any:
+        method = getattr(base, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            layer = layer_of(self)
+            if layer is not None:
+                layer.unrecordable(name)
+            return method(self, *args, **kwargs)
+
+        return call
+
+    ns: dict[str, Any] = {name: guard(name) for name in _UNRECORDABLE if callable(getattr(base, name, None))}
+    ns |= {
         "update_and_fetch": update_and_fetch, "trim": trim, "state": property(get_state, set_state),
         "__copy__": lambda self: plain_copy(self, False),
         "__deepcopy__": lambda self, memo: plain_copy(self, True, memo),

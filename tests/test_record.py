@@ -388,3 +388,32 @@ def test_the_new_command_and_flag_are_in_help_and_on_the_cli_page():
     for flag in ("--cache", "--out", "--seed", "--tokens", "--json", "generate", "server", "speculative"):
         assert flag in text and f"`{flag}" in page, flag
     assert "record.md" in (repo / "mkdocs.yml").read_text()
+
+
+def test_what_no_kvtrace_op_says_stops_the_recording_there():
+    """A batch cache's filter (sequences leave the batch) and rows of
+    another shape have no kvtrace op: the trace ends before them, with a
+    note, and what it holds is still checked."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    def rows(b, n):
+        return mx.random.normal((b, 2, n, 8)).astype(mx.float16), mx.random.normal((b, 2, n, 8)).astype(mx.float16)
+
+    batch, plain = BatchKVCache(left_padding=[0, 0]), LmKVCache()
+    with record([batch, plain]) as rec:
+        batch.update_and_fetch(*rows(2, 3))
+        batch.update_and_fetch(*rows(2, 1))
+        batch.filter([0])
+        batch.update_and_fetch(*rows(1, 1))
+        plain.update_and_fetch(*rows(1, 2))
+        with pytest.raises(ValueError):  # mlx-lm's own refusal, after the recording stopped
+            plain.update_and_fetch(*rows(2, 1))
+    assert [n.split(": ", 1)[1] for n in rec.notes] == [
+        "recording stopped at op 2: filter() has no kvtrace op (a batch cache keeps some of its sequences)",
+        ("recording stopped at op 1: rows of shape (2, 2, 1, 8)/(2, 2, 1, 8) and dtype mlx.core.float16, not the "
+         "first rows' (batch, kv_heads, head dims (1, 2, 8, 8), float16): a kvtrace cache keeps one shape")]
+    (_, t0), (_, t1) = rec.traces()
+    assert [op["n"] for op in t0.ops] == [3, 1] and t0.cache["batch"] == 2
+    assert [op["n"] for op in t1.ops] == [2]
+    assert replay_spec_only(t0).ok and replay_spec_only(t1).ok
