@@ -417,3 +417,26 @@ def test_what_no_kvtrace_op_says_stops_the_recording_there():
     assert [op["n"] for op in t0.ops] == [3, 1] and t0.cache["batch"] == 2
     assert [op["n"] for op in t1.ops] == [2]
     assert replay_spec_only(t0).ok and replay_spec_only(t1).ok
+
+
+def test_a_state_kept_as_its_arrays_is_still_recognised_when_put_back(model):
+    """A program may keep a state's arrays rather than the tuple: the state
+    stays tracked while anyone holds them, and putting them back is a
+    state_restore of it (mlx-lm refused at the write into them, ours pass)."""
+    for make, ok in ((lm_make_prompt_cache, False), (make_prompt_cache, True)):
+        cache = make(model)
+        with record(cache) as rec:
+            generate(model, cache, token_ids(1, 8))
+            parts = [list(c.state) for c in cache]  # the tuple itself is dropped
+            generate(model, cache, token_ids(2, 2))
+            for c, arrays in zip(cache, parts):
+                c.state = tuple(arrays)
+            trim_prompt_cache(cache, 1)
+            generate(model, cache, token_ids(3, 2))
+        assert not rec.notes
+        for _, trace in rec.traces():
+            assert [op["op"] for op in trace.ops].count("state_restore") == 1
+            result = replay_spec_only(trace)
+            assert result.ok is ok
+            if not ok:
+                assert result.index == first_append_after_restore_and_trim(trace.ops)
