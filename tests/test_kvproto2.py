@@ -98,6 +98,13 @@ def rings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("rings")
     commands = {name: compile_command(out, name) for name in VARIANTS}
     commands["dense"] = [commands["good"][0], "-std=c99", "-O0", "-o", str(out / "ring_dense"), str(DENSE)]
+    # the dense adapter (kvproto/1) with a ring's cursor in its state: a field kvproto/1 does not have
+    src = DENSE.read_text()
+    old = 'printf(",\\"state\\":{\\"offset\\":%d,'
+    assert src.count(old) == 1
+    (out / "dense_idx.c").write_text(src.replace(old, 'printf(",\\"state\\":{\\"idx\\":0,\\"offset\\":%d,'))
+    commands["dense_idx"] = [commands["good"][0], "-std=c99", "-O0", "-o", str(out / "ring_dense_idx"),
+                             str(out / "dense_idx.c")]
     procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in commands.items()}
     for name, proc in procs.items():
@@ -229,6 +236,15 @@ def test_a_kvproto1_adapter_runs_as_before_and_gets_no_kvproto2_field(rings, mon
     # a kvproto/1 session never takes a kvproto/2 field in a reply
     assert ex.reply_ok({"id": 1, "ok": True, "state": {"cache": [], "held": None, "holders": {}}})
     assert not ex.reply_ok({"id": 1, "ok": True, "masks": [["1"]], "state": {"cache": [], "held": None, "holders": {}}})
+
+
+def test_a_kvproto1_session_takes_no_kvproto2_field(rings, capsys):
+    """A kvproto/1 adapter whose state carries a field only kvproto/2 has
+    (a ring's ``idx``) breaks kvproto/1: its replies are judged by their
+    session's version, not by the newest."""
+    trace = str(REPO / "tests" / "traces" / "token_identities.json")
+    code, out = run(capsys, "replay", trace, "--target", f"exec:{rings['dense_idx']}")
+    assert code == 2 and "fails kvproto/1 at state" in out and "'idx'" in out and "Traceback" not in out, out
 
 
 def test_kvproto1_hello_still_drives_dense_only(rings, capsys):
