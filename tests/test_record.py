@@ -264,6 +264,13 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     assert main(["record", "server", "-o", str(tmp_path / "r"), "--tokens", "65", "--json"]) == 2
     valid(json.loads(capsys.readouterr().out), "record")
+    assert main(["record", "server", "-o", str(tmp_path / "r"), "--seed", "-1"]) == 2
+    assert "--seed: an integer in [0, 2^32), got -1" in capsys.readouterr().out
+    assert main(["record", "server", "-o", str(ok)]) == 2
+    assert f"--out {ok}: exists and is not a folder" in capsys.readouterr().out
+    assert main(["record", "server", "-o", str(ok / "sub")]) == 2
+    assert "cannot create the folder" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
 
 
 def test_record_command_writes_one_trace_per_layer(tmp_path, capsys):

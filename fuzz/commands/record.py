@@ -105,9 +105,15 @@ def cmd_record(args: argparse.Namespace, console: Any, usage_error: Callable[...
     prints them)."""
     if args.tokens < 1 or args.tokens > 64:
         return usage_error(console, f"--tokens: between 1 and 64 tokens a turn, got {args.tokens}", args.json)
+    if args.seed < 0 or args.seed >= 2**32:
+        return usage_error(console, f"--seed: an integer in [0, 2^32), got {args.seed}", args.json)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         return usage_error(console, f"--out {args.out}: exists and is not a folder", args.json)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return usage_error(console, f"--out {args.out}: cannot create the folder ({exc.strerror or exc})", args.json)
     start = time.perf_counter()
     rec = SCENARIOS[args.scenario](args.cache, args.seed, args.tokens, None)
     paths = rec.write(out, f"recorded by kvspec record {args.scenario} --cache {args.cache} --seed {args.seed} "
