@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ ADAPTER = Path(__file__).resolve().parent / "kvproto2_paged.py"
 
 def adapter(*args: str) -> str:
     return "exec:" + " ".join([sys.executable, str(ADAPTER), *args])
+
+
+@cache
+def target(*args: str) -> ex.ExecTarget:
+    """The adapter with ``args`` as a target (its hello answered once)."""
+    return resolve(adapter(*args))
 
 
 def paged_traces() -> list[Path]:
@@ -96,8 +103,8 @@ def test_each_planted_pool_fault_is_a_divergence_at_its_op(fault):
     doc = {"kvtrace": 1, "cache": {"kind": "paged", "block_size": block_size, "kv_heads": 1, "head_dim": 2},
            "ops": ops}
     trace = loads(json.dumps(doc))
-    assert replay(trace, target=resolve(adapter(*args))).ok
-    result = replay(trace, target=resolve(adapter(*args, "--fault", fault.strip())))
+    assert replay(trace, target=target(*args)).ok
+    result = replay(trace, target=target(*args, "--fault", fault.strip()))
     assert not result.ok and result.divergence.index == index and result.divergence.what.startswith(what), \
         result.divergence
 
