@@ -71,6 +71,11 @@ BUILTIN: dict[str, str] = {
     "mlx-lm-guarded": "fuzz.adapters.mlx_lm:MLX_LM_GUARDED",
     "transformers": "fuzz.adapters.transformers:TRANSFORMERS",
     "transformers-linear": "fuzz.adapters.transformers:TRANSFORMERS_LINEAR",
+    "transformers-static": "fuzz.adapters.transformers:TRANSFORMERS_STATIC",
+    "transformers-sliding": "fuzz.adapters.transformers:TRANSFORMERS_SLIDING",
+    "transformers-quanto": "fuzz.adapters.transformers:TRANSFORMERS_QUANTO",
+    "transformers-hqq": "fuzz.adapters.transformers:TRANSFORMERS_HQQ",
+    "transformers-fp8": "fuzz.adapters.transformers:TRANSFORMERS_FP8",
     "llama.cpp": "fuzz.adapters.llama_cpp:LLAMA_CPP",
     "vllm": "fuzz.adapters.vllm:VLLM",
 }

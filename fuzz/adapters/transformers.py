@@ -12,12 +12,17 @@ the target exits 2 saying so.
   ``copy.deepcopy`` of the cache (how prefix caching reuses a prompt cache
   in transformers' docs), a restore a deep copy back.
 
-Not run, and why: ``StaticCache`` needs a ``cache_position`` per update
-(the model computes it; a cache-level trace has none), its sliding layer
-and ``DynamicSlidingWindowLayer`` keep ``sliding_window - 1`` rows with no
-sinks (not the ring kind's contract: a different kind, not a mode);
-``QuantizedCache`` needs optimum-quanto or HQQ; ``reorder_cache`` /
-``batch_select_indices`` act on the batch axis, where no kvtrace op does.
+The remaining caches are targets of their own (one class each; the end
+of this module): ``transformers-static`` (``StaticCache``, dense, a fixed
+capacity of the trace's ``step`` rows), ``transformers-sliding`` (a
+sliding-window layer, the ring kind without sinks: it keeps
+``sliding_window - 1`` rows), ``transformers-quanto``, ``-hqq`` and
+``-fp8`` (``QuantizedCache``'s backends, dense, windows read within the
+backend's error bound). ``kvspec conformance --target transformers`` runs
+them all (:data:`CONFORMANCE_CLASSES`). Not run: the static sliding layer
+(``StaticSlidingWindowLayer``) and ``reorder_cache`` /
+``batch_select_indices``, which act on the batch axis, where no kvtrace op
+does.
 docs/conformance.md ("transformers") lists what the search found.
 """
 
@@ -466,3 +471,485 @@ LINEAR_ATTENTION = CacheClass(
 )
 TRANSFORMERS_LINEAR = LinearAttentionTarget(
     "transformers-linear", "Hugging Face transformers' LinearAttentionLayer (recurrent)", (LINEAR_ATTENTION,))
+
+
+# -- the remaining caches: StaticCache, sliding-window layers, QuantizedCache ------
+#
+# Each is a target of its own (one class per kind/mode), and
+# ``kvspec conformance --target transformers`` runs them all
+# (:data:`CONFORMANCE_CLASSES`). What each does differently on purpose is
+# declared here, in its CacheClass and its lockstep, never guessed from a
+# failure; docs/conformance.md ("transformers") tabulates it.
+
+
+def _config(target: str, sliding_window: int | None = None) -> Any:
+    """A one-layer model configuration for ``Cache(config=...)``: Llama's
+    (full attention), or Mistral's with ``sliding_window`` (a sliding
+    layer); the cache picks its layer class from it, as for a model."""
+    _torch(target)
+    from transformers import LlamaConfig, MistralConfig
+
+    if sliding_window is None:
+        return LlamaConfig(num_hidden_layers=1)
+    return MistralConfig(num_hidden_layers=1, sliding_window=sliding_window)
+
+
+def _seq_len(inner: Any) -> int:
+    return int(inner.get_seq_length(0))
+
+
+class StaticCacheAdapter:
+    """``StaticCache(config, max_cache_len=step)``: one ``StaticLayer`` of
+    the trace's ``step`` rows, allocated at the first update and never
+    grown (the spec's first allocation of ``step`` rows, with no regrowth).
+
+    ``update`` returns the whole preallocated buffer, rows past the length
+    zero (a model's mask hides them: ``get_mask_sizes`` is
+    ``max_cache_len``); a reader's window is its first
+    ``get_seq_length()`` rows, a view of the buffer. ``offset`` is
+    ``get_seq_length()`` (the layer's ``cumulative_length``), ``capacity``
+    the buffer's rows (0 before the first update). ``trim n`` is
+    ``crop(-n)``; snapshots are deep copies."""
+
+    live_start = 0
+
+    def __init__(self, cfg: dict[str, Any]):
+        from transformers import StaticCache
+
+        self.inner = StaticCache(config=_config("transformers-static"),
+                                 max_cache_len=cfg["step"])
+
+    @property
+    def offset(self) -> int:
+        return _seq_len(self.inner)
+
+    @property
+    def live_len(self) -> int:
+        return self.offset
+
+    @property
+    def capacity(self) -> int:
+        layer = self.inner.layers[0]
+        return int(layer.keys.shape[-2]) if layer.is_initialized else 0
+
+    def update_and_fetch(self, keys: Any, values: Any) -> Any:
+        self.inner.update(_to_torch(keys), _to_torch(values), 0)
+        return self.fetch()
+
+    def fetch(self) -> Any:
+        return self.window_of(self.inner)
+
+    @staticmethod
+    def window_of(inner: Any) -> Any:
+        layer = inner.layers[0]
+        if not layer.is_initialized:
+            return None
+        n = _seq_len(inner)
+        return _View(layer.keys[:, :, :n, :]), _View(layer.values[:, :, :n, :])
+
+    def trim(self, n: int) -> int:
+        """``crop(-n)``; returns how far the length moved."""
+        before = self.offset
+        self.inner.crop(-n)
+        return before - self.offset
+
+    def snapshot(self) -> StaticSnapshot:
+        return StaticSnapshot(copy.deepcopy(self.inner))
+
+    def restore(self, snap: StaticSnapshot) -> None:
+        self.inner = copy.deepcopy(snap.inner)
+
+
+class StaticSnapshot(TransformersSnapshot):
+    def fetch(self) -> Any:
+        return StaticCacheAdapter.window_of(self.inner)
+
+
+def _static_lockstep(base: type) -> type:
+    """The dense lockstep with ``StaticCache``'s declared capacity: an
+    append that would take the length past ``max_cache_len`` (the trace's
+    ``step``) is refused (a StateError on the spec side; transformers
+    raises IndexError, declared a refusal of that category), and, as every
+    refusal, changes nothing on either side."""
+
+    class StaticLockstep(base):  # type: ignore[misc, valid-type]
+        def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
+            if op["op"] == "append":
+                from spec.errors import StateError
+
+                c = self.world.cache
+                if c.offset + op["n"] > self.cfg["step"]:
+                    raise StateError(f"append: {op['n']} rows do not fit a fixed capacity of max_cache_len = "
+                                     f"{self.cfg['step']} rows holding {c.offset}")
+            return super().spec_apply(op)
+
+    StaticLockstep.__name__ = f"Static{base.__name__}"
+    return StaticLockstep
+
+
+class SlidingWindowAdapter:
+    """``DynamicCache(config)`` of one sliding-attention layer
+    (``DynamicSlidingWindowLayer(sliding_window=max_size)``) as the ring
+    kind with no sinks and no undo log: ``update`` returns the layer's
+    kept rows then the new ones (``torch.cat``, chronological order) and
+    keeps the last ``sliding_window - 1`` of them; a reader's window is
+    what it keeps. ``offset`` is ``get_seq_length()`` (its
+    ``cumulative_length``), ``is_trimmable()`` the class's ``is_croppable``;
+    ``trim n`` is ``crop(-n)``; snapshots are deep copies."""
+
+    live_start = 0
+
+    def __init__(self, cfg: dict[str, Any]):
+        from transformers import DynamicCache
+
+        self.inner = DynamicCache(config=_config("transformers-sliding", cfg["max_size"]))
+
+    @property
+    def offset(self) -> int:
+        return _seq_len(self.inner)
+
+    def is_trimmable(self) -> bool:
+        return bool(self.inner.layers[0].is_croppable)
+
+    def update_and_fetch(self, keys: Any, values: Any) -> Any:
+        k, v = self.inner.update(_to_torch(keys), _to_torch(values), 0)
+        return _View(k), _View(v)
+
+    def fetch(self) -> Any:
+        return DynamicCacheAdapter.window_of(self.inner)
+
+    def trim(self, n: int) -> int:
+        """``crop(-n)``; returns how far the length moved."""
+        before = self.offset
+        self.inner.crop(-n)
+        return before - self.offset
+
+    def snapshot(self) -> TransformersSnapshot:
+        return TransformersSnapshot(copy.deepcopy(self.inner))
+
+    def restore(self, snap: TransformersSnapshot) -> None:
+        self.inner = copy.deepcopy(snap.inner)
+
+
+def _sliding_lockstep(base: type) -> type:
+    """The ring lockstep with the sliding layer's declared retention: a
+    window it returns holds the spec's rows in chronological order (it
+    concatenates; the spec's ring returns physical order, and token
+    identities grow with position within a window, so sorting them gives
+    the order); a window it keeps (the live one, a snapshot's) holds the
+    latest ``max_size - 1`` of them (the row the next decode evicts is
+    already gone). Nothing else is relaxed."""
+
+    class SlidingLockstep(base):  # type: ignore[misc, valid-type]
+        _full = False
+
+        def _keep(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+            ordered = tuple(sorted(tokens))
+            if self._full:
+                return ordered
+            kept = self.cfg["max_size"] - 1
+            return ordered[len(ordered) - kept:] if kept and len(ordered) > kept else ordered if kept else ()
+
+        def window_matches(self, tokens: tuple[int, ...], arrays: Any, mode: str | None = None) -> bool:
+            return super().window_matches(self._keep(tuple(tokens)), arrays, mode)
+
+        def compare_append(self, index: int, op: dict[str, Any], s: Any, i: Any) -> None:
+            self._full = True
+            try:
+                super().compare_append(index, op, s, i)
+            finally:
+                self._full = False
+
+        def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:
+            self._full = name == "held"  # the window an update returned
+            try:
+                return super().view_matches(name, tokens, arrays)
+            finally:
+                self._full = False
+
+    SlidingLockstep.__name__ = f"Sliding{base.__name__}"
+    return SlidingLockstep
+
+
+#: the quantized backends as targets: backend -> (QuantizedCache arguments, a
+#: window row's error bound, in words)
+QUANTIZED_BACKENDS: dict[str, tuple[dict[str, Any], str]] = {
+    "quanto": ({"nbits": 4, "q_group_size": 8}, "two quantization steps of the window's range: 2 (max - min) / 15"),
+    "hqq": ({"nbits": 4, "q_group_size": 8}, "two quantization steps of the window's range: 2 (max - min) / 15"),
+    "fp8": ({}, "float8_e4m3fn's rounding: |x| / 16, plus half its smallest step at the frozen scale"),
+}
+
+
+class QuantizedCacheAdapter:
+    """``QuantizedCache(backend, config, ...)`` of one full-attention layer
+    (quanto and HQQ: ``nbits=4, q_group_size=8, residual_length=step``, so
+    the trace's ``step`` sets when the full-precision residual is flushed
+    into the quantized rows; fp8 takes no arguments: a per-tensor scale
+    frozen at the first update). ``update`` returns the dequantized rows,
+    the residual, then the new rows; a reader's window is the same without
+    writing (the backend's own ``_dequantize``). ``offset`` is
+    ``get_seq_length()`` (its ``cumulative_length``); ``trim n`` is
+    ``crop(-n)``; snapshots are deep copies."""
+
+    live_start = 0
+    backend = "quanto"
+
+    def __init__(self, cfg: dict[str, Any]):
+        target = f"transformers-{self.backend}"
+        conf = _config(target)
+        if self.backend == "quanto":
+            _need(target, "optimum.quanto", "optimum-quanto")
+        if self.backend == "hqq":
+            _need(target, "hqq", "hqq")
+        from transformers import QuantizedCache
+
+        args = dict(QUANTIZED_BACKENDS[self.backend][0])
+        if self.backend != "fp8":
+            args["residual_length"] = cfg["step"]
+        self.inner = QuantizedCache(self.backend, conf, **args)
+
+    @property
+    def offset(self) -> int:
+        return _seq_len(self.inner)
+
+    @property
+    def live_len(self) -> int:
+        return self.offset
+
+    def update_and_fetch(self, keys: Any, values: Any) -> Any:
+        k, v = self.inner.update(_to_torch(keys), _to_torch(values), 0)
+        return _View(k), _View(v)
+
+    def fetch(self) -> Any:
+        return self.window_of(self.inner)
+
+    @staticmethod
+    def window_of(inner: Any) -> Any:
+        torch = _torch()
+        layer = inner.layers[0]
+        if not layer.is_initialized or layer._quantized_keys is None:
+            return None
+        k, v = layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)
+        if layer.keys is not None and layer.keys.dim() == 4:
+            k, v = torch.cat([k, layer.keys], dim=-2), torch.cat([v, layer.values], dim=-2)
+        return _View(k), _View(v)
+
+    def trim(self, n: int) -> int:
+        """``crop(-n)``; returns how far the length moved."""
+        before = self.offset
+        self.inner.crop(-n)
+        return before - self.offset
+
+    def snapshot(self) -> QuantizedSnapshot:
+        return QuantizedSnapshot(copy.deepcopy(self.inner))
+
+    def restore(self, snap: QuantizedSnapshot) -> None:
+        self.inner = copy.deepcopy(snap.inner)
+
+
+class QuantizedSnapshot(TransformersSnapshot):
+    def fetch(self) -> Any:
+        return QuantizedCacheAdapter.window_of(self.inner)
+
+
+def _need(target: str, module: str, package: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        raise TargetError(f"--target {target}: {package} is not installed; pip install {package}")
+
+
+def _quantized_class(backend: str) -> type:
+    return type(f"Quantized{backend.capitalize()}Adapter", (QuantizedCacheAdapter,), {"backend": backend})
+
+
+def _quantized_lockstep(base: type, backend: str) -> type:
+    """The dense lockstep reading a quantized window within the backend's
+    declared error bound (:data:`QUANTIZED_BACKENDS`) instead of byte for
+    byte: every row of the window is within the bound of the spec's row at
+    that place (so a missing, extra, stale or reordered row still differs,
+    and so does a row the quantizer cannot represent); a report names each
+    row by the nearest token's row."""
+
+    class QuantizedLockstep(base):  # type: ignore[misc, valid-type]
+        #: largest magnitude of any row handed in (the fp8 scale's bound)
+        _amax = 0.0
+
+        def input_rows(self, tokens: list[int]) -> Any:
+            k, v = self.host_rows(tokens)
+            self._amax = max(self._amax, float(np.abs(k).max(initial=0)), float(np.abs(v).max(initial=0)))
+            return super().input_rows(tokens)
+
+        def _bound(self, want: np.ndarray) -> np.ndarray:
+            w = want.astype(np.float64)
+            if backend == "fp8":
+                return np.abs(w) / 16 + self._amax / 448 * 2.0**-10 + np.abs(w) * 2.0**-10
+            span = float(w.max(initial=0) - w.min(initial=0))
+            return np.full_like(w, 2 * span / 15 + 1e-3)
+
+        def _expected_host(self, tokens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+            k, v = self.host_rows(list(tokens))
+            return np.asarray(k, np.float64), np.asarray(v, np.float64)
+
+        def window_matches(self, tokens: tuple[int, ...], arrays: Any, mode: str | None = None) -> bool:
+            from fuzz.lockstep import Unreadable
+            from fuzz.rows import dtype_name
+
+            if arrays is None or not tokens:
+                return super().window_matches(tokens, arrays, mode)
+            if isinstance(arrays, Unreadable) or any(dtype_name(a) != self.dtype for a in arrays):
+                return False
+            got = [np.asarray(self.host(a), np.float64) for a in arrays]
+            want = self._expected_host(tuple(tokens))
+            for g, w in zip(got, want):
+                if g.shape != w.shape or not np.all(np.isfinite(g)):
+                    return False
+                if np.any(np.abs(g - w) > self._bound(w)):
+                    return False
+            return True
+
+        def identify(self, arrays: Any, mode: str | None = None) -> list[Any]:
+            exact = super().identify(arrays, mode)
+            if arrays is None or not exact or all(t != "?" for t in exact):
+                return exact
+            k, v = (np.asarray(self.host(a), np.float64) for a in arrays)
+            n_tokens = getattr(self.world, "next_token", 0)
+            if not n_tokens:
+                return exact
+            ek, ev = self._expected_host(tuple(range(n_tokens)))
+            out: list[Any] = []
+            for j, t in enumerate(exact):
+                if t != "?" or j >= k.shape[2] or j >= v.shape[2]:
+                    out.append(t)
+                    continue
+                dist = [max(np.abs(k[:, :, j] - ek[:, :, i]).max(), np.abs(v[:, :, j] - ev[:, :, i]).max())
+                        for i in range(n_tokens)]
+                best = int(np.argmin(dist))
+                if not np.isfinite(dist[best]):
+                    out.append("nan/inf")
+                    continue
+                ok = all(np.all(np.abs(g[:, :, j] - w[:, :, best]) <= self._bound(w[:, :, best]))
+                         for g, w in ((k, ek), (v, ev)))
+                out.append(best if ok else f"~{best}")
+            return out
+
+    QuantizedLockstep.__name__ = f"Quantized{backend.capitalize()}{base.__name__}"
+    return QuantizedLockstep
+
+
+@dataclass(frozen=True)
+class _WrappedTarget(Target):
+    """A transformers target whose lockstep is the kind's declared one
+    wrapped by ``wrap(base) -> class`` (its declared differences), and
+    whose machine pins the cache fields its class takes one value of."""
+
+    wrap: Any = None
+    pinned: tuple[tuple[str, Any], ...] = ()
+
+    def make_lockstep(self, cache: dict[str, Any]) -> Any:
+        from fuzz import kinds
+        from fuzz.targets import declared_lockstep
+        from fuzz.trace import TraceFormatError
+
+        try:
+            entry = kinds.get(cache["kind"], cache.get("mode", "fp16"))
+        except kinds.UnknownKindError as exc:
+            raise TraceFormatError(f"field cache.{exc.field}: {exc}") from None
+        driver = entry.lockstep_class()
+        driver.check_cache(cache)
+        c = self.require_class(cache)
+        return _wrapped(self.wrap, declared_lockstep(driver))(cache, c, self)
+
+    def machine_base(self, kind: str, mode: str, base: type) -> type:
+        full = super().machine_base(kind, mode, base)
+        if not self.pinned:
+            return full
+        pinned = dict(self.pinned)
+
+        class Pinned(full):  # type: ignore[misc, valid-type]
+            def setup(self, **cfg: Any) -> None:
+                super().setup(**{**cfg, **pinned})
+
+        Pinned.__name__ = f"{full.__name__}_" + "_".join(f"{k}{v}" for k, v in self.pinned)
+        return Pinned
+
+
+_WRAPPED: dict[tuple[Any, type], type] = {}
+
+
+def _wrapped(wrap: Any, base: type) -> type:
+    key = (wrap, base)
+    if key not in _WRAPPED:
+        _WRAPPED[key] = wrap(base)
+    return _WRAPPED[key]
+
+
+_STATIC_NO_SUCH = {
+    **_NO_SUCH,
+    "hold": "update returns the layer's preallocated buffer, written in place by the next update by design (a "
+            "static address for torch.compile and CUDA graphs); a model reads it within the step and keeps none",
+    "release_hold": "see hold",
+}
+
+STATIC = CacheClass(
+    "StaticCache", "dense", "fp16", StaticCacheAdapter, _STATIC_NO_SUCH,
+    refusals={IndexError: "state"},
+    snapshot_class=StaticSnapshot,
+    note="one StaticLayer, max_cache_len = the trace's step (allocated at the first update, never grown): an "
+         "update past it is refused (IndexError, a refusal of the cache's state); update returns the whole "
+         "buffer and the window is its first get_seq_length() rows; trim n is crop(-n); snapshots are deep copies",
+)
+TRANSFORMERS_STATIC = _WrappedTarget(
+    "transformers-static", "Hugging Face transformers' StaticCache (dense fp16, fixed capacity)", (STATIC,),
+    wrap=_static_lockstep)
+
+_SLIDING_NO_SUCH = {
+    op: why for op, why in _NO_SUCH.items() if op in ("trim_to", "state_snapshot", "state_restore", "reload")}
+
+SLIDING = CacheClass(
+    "DynamicSlidingWindowLayer", "rotating", "fp16", SlidingWindowAdapter, _SLIDING_NO_SUCH,
+    not_compared={"idx": "no ring cursor: the layer concatenates and slices",
+                  "capacity": "no ring buffer: the layer keeps sliding_window - 1 rows by slicing a concatenation"},
+    fields={"keep": (0, "no attention sinks"),
+            "undo": (0, "no undo log (activate_past_recording keeps every row until the next crop instead)")},
+    snapshot_class=TransformersSnapshot,
+    note="one sliding-attention layer of DynamicCache(config), sliding_window = max_size: keeps the last "
+         "sliding_window - 1 rows; windows in chronological order; trim n is crop(-n); snapshots are deep copies",
+)
+TRANSFORMERS_SLIDING = _WrappedTarget(
+    "transformers-sliding", "Hugging Face transformers' DynamicSlidingWindowLayer (rotating, keeps W - 1 rows)",
+    (SLIDING,), wrap=_sliding_lockstep, pinned=(("keep", 0),))
+
+
+#: backend -> the layer class transformers builds for it (the class's name in reports and trace files)
+LAYER_NAMES = {"quanto": "QuantoQuantizedLayer", "hqq": "HQQQuantizedLayer", "fp8": "Fp8QuantizedLayer"}
+
+
+def _quantized(backend: str) -> tuple[CacheClass, Target]:
+    bound = QUANTIZED_BACKENDS[backend][1]
+    cls = CacheClass(
+        LAYER_NAMES[backend], "dense", "fp16", _quantized_class(backend), dict(_NO_SUCH),
+        not_compared={"capacity": "quantized storage and a residual that torch.cat grows: no preallocation"},
+        snapshot_class=QuantizedSnapshot, head_dims=(8, 16), dtypes=("float16",),
+        note=f"QuantizedCache(backend={backend!r}): one quantized full-attention layer; float16 rows in, windows read within {bound}; "
+             "trim n is crop(-n); snapshots are deep copies",
+    )
+
+    def wrap(base: type) -> type:
+        return _quantized_lockstep(base, backend)
+
+    wrap.__name__ = f"wrap_{backend}"
+    return cls, _WrappedTarget(f"transformers-{backend}",
+                               f"Hugging Face transformers' QuantizedCache, {backend} backend (dense)", (cls,),
+                               wrap=wrap)
+
+
+QUANTO, TRANSFORMERS_QUANTO = _quantized("quanto")
+HQQ, TRANSFORMERS_HQQ = _quantized("hqq")
+FP8, TRANSFORMERS_FP8 = _quantized("fp8")
+
+#: what ``kvspec conformance --target transformers`` fuzzes: (class, target name)
+CONFORMANCE_CLASSES: tuple[tuple[CacheClass, str], ...] = (
+    (DYNAMIC, "transformers"), (STATIC, "transformers-static"), (SLIDING, "transformers-sliding"),
+    (QUANTO, "transformers-quanto"), (HQQ, "transformers-hqq"), (FP8, "transformers-fp8"),
+)
