@@ -269,8 +269,21 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert main(["record", "server", "-o", str(ok)]) == 2
     assert f"--out {ok}: exists and is not a folder" in capsys.readouterr().out
     assert main(["record", "server", "-o", str(ok / "sub")]) == 2
-    assert "cannot create the folder" in capsys.readouterr().out
-    assert not (tmp_path / "r").exists()
+    assert f"cannot create the folder ({ok} is a file)" in capsys.readouterr().out
+    assert main(["record", "server", "-o", str(tmp_path / "r"), "--cache", "nosuch.module:Cache"]) == 2
+    assert "--cache nosuch.module:Cache: cannot import it (ModuleNotFoundError" in capsys.readouterr().out
+    assert main(["record", "server", "-o", str(tmp_path / "r"), "--cache", "json:dumps", "--tokens", "1"]) == 2
+    assert "--cache json:dumps: decoding with it raised TypeError" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()  # nothing was written
+
+
+def test_record_command_takes_any_cache_class_by_module_and_name(tmp_path, capsys):
+    """--cache MODULE:ATTR: mlx-lm's KVCache named as a class of any
+    package gives the same verdict as --cache mlx-lm."""
+    out = tmp_path / "k"
+    assert main(["record", "server", "-o", str(out), "--cache", "mlx_lm.models.cache:KVCache", "--tokens", "2"]) == 0
+    assert "recorded server on mlx_lm.models.cache:KVCache's caches: 2 layers" in capsys.readouterr().out
+    assert main(["replay", "--spec-only", str(out / "layer00.json")]) == 1
 
 
 def test_record_command_writes_one_trace_per_layer(tmp_path, capsys):

@@ -1299,8 +1299,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="generate: two chat turns on one prompt cache; server: a prompt cache whose state is "
                          "saved after a request and put back, trimmed, for the next ones; speculative: "
                          "speculative decoding with an early-exit draft (trims)")
-    rc.add_argument("--cache", choices=("impl", "mlx-lm"), default="impl",
-                    help="whose caches decode: this project's (impl) or mlx-lm's own (default: impl)")
+    rc.add_argument("--cache", default="impl", metavar="CACHE",
+                    help="whose caches decode: impl (this project's), mlx-lm (mlx-lm's own), or MODULE:ATTR, a "
+                         "cache class with mlx-lm's protocol (one per layer, built with no arguments) or a function "
+                         "model -> list of caches (default: impl)")
     rc.add_argument("-o", "--out", required=True, metavar="DIR", help="folder for layerNN.json (created)")
     rc.add_argument("--seed", type=int, default=0, help="weights and prompts (default: 0)")
     rc.add_argument("--tokens", type=int, default=4, help="tokens generated a turn, 1 to 64 (default: 4)")

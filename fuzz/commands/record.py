@@ -12,13 +12,54 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-#: the caches a scenario decodes with: mlx-lm's own, or this project's
+#: the caches a scenario decodes with by name: this project's, or mlx-lm's
+#: own; ``MODULE:ATTR`` names any other (:func:`cache_factory`)
 CACHES = ("impl", "mlx-lm")
+
+
+class CacheError(Exception):
+    """A ``--cache`` that names nothing usable (exit 2)."""
+
+
+def cache_factory(spec: str) -> Callable[[Any], list[Any]]:
+    """``model -> prompt cache`` for ``--cache``: ``impl``, ``mlx-lm``, or
+    ``MODULE:ATTR`` naming a cache class (one instance per layer, built
+    with no arguments) or a function ``model -> list of caches``, imported
+    with the working directory on ``sys.path`` (as the folder the command
+    runs in). Raises CacheError naming the problem."""
+    if spec in CACHES:
+        return lambda model: _caches(model, spec)
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise CacheError(f"--cache {spec}: impl, mlx-lm or MODULE:ATTR (a cache class or a function model -> caches)")
+    import importlib
+    import os
+    import sys
+
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise CacheError(f"--cache {spec}: cannot import it ({type(exc).__name__}: {exc})") from None
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    if isinstance(obj, type):
+        return lambda model: [obj() for _ in model.layers]
+    if callable(obj):
+        return lambda model: list(obj(model))
+    raise CacheError(f"--cache {spec}: names a {type(obj).__name__}, not a cache class or a function")
 #: draft tokens a round in the speculative scenario
 NUM_DRAFT = 3
 
 
-def _caches(model: Any, which: str, num_draft_tokens: int = 0) -> list[Any]:
+def _caches(model: Any, which: Any, num_draft_tokens: int = 0) -> list[Any]:
+    if callable(which):
+        return which(model)
     if which == "mlx-lm":
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -34,7 +75,7 @@ def _generate(model: Any, caches: list[Any], prompt: Any, n: int) -> list[int]:
     return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=caches)]
 
 
-def scenario_generate(which: str, seed: int, tokens: int, out: Path | None) -> Any:
+def scenario_generate(which: Any, seed: int, tokens: int, out: Path | None) -> Any:
     """Two chat turns on one prompt cache through mlx-lm's ``generate_step``
     (what ``generate``/``stream_generate`` run): a 12-token prompt, then a
     5-token turn, ``tokens`` generated after each."""
@@ -49,7 +90,7 @@ def scenario_generate(which: str, seed: int, tokens: int, out: Path | None) -> A
     return rec
 
 
-def scenario_server(which: str, seed: int, tokens: int, out: Path | None) -> Any:
+def scenario_server(which: Any, seed: int, tokens: int, out: Path | None) -> Any:
     """A server that keeps one prompt cache between requests and its state
     with it: request 1 (a 10-token prompt, ``tokens`` generated) ends with
     ``saved = [c.state for c in cache]``; request 2 shares all but the last
@@ -74,7 +115,7 @@ def scenario_server(which: str, seed: int, tokens: int, out: Path | None) -> Any
     return rec
 
 
-def scenario_speculative(which: str, seed: int, tokens: int, out: Path | None) -> Any:
+def scenario_speculative(which: Any, seed: int, tokens: int, out: Path | None) -> Any:
     """mlx-lm's ``speculative_generate_step`` with a one-layer early-exit
     draft, ``NUM_DRAFT`` draft tokens a round, ``2 * tokens`` tokens: every
     rejected draft token is a trim of the main model's and the draft's
@@ -94,9 +135,25 @@ def scenario_speculative(which: str, seed: int, tokens: int, out: Path | None) -
     return rec
 
 
-SCENARIOS: dict[str, Callable[[str, int, int, Path | None], Any]] = {
+SCENARIOS: dict[str, Callable[[Any, int, int, Path | None], Any]] = {
     "generate": scenario_generate, "server": scenario_server, "speculative": scenario_speculative,
 }
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why the folder ``out`` could not be created (None: it can), checked
+    without creating anything: the nearest existing folder above it must be
+    a folder this process may write into."""
+    import os
+
+    above = out.absolute()
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        return f"{above} is a file"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"{above} is not writable"
+    return None
 
 
 def cmd_record(args: argparse.Namespace, console: Any, usage_error: Callable[..., int]) -> int:
@@ -110,12 +167,21 @@ def cmd_record(args: argparse.Namespace, console: Any, usage_error: Callable[...
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         return usage_error(console, f"--out {args.out}: exists and is not a folder", args.json)
+    problem = _out_problem(out)
+    if problem:
+        return usage_error(console, f"--out {args.out}: cannot create the folder ({problem})", args.json)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return usage_error(console, f"--out {args.out}: cannot create the folder ({exc.strerror or exc})", args.json)
+        factory: Any = args.cache if args.cache in CACHES else cache_factory(args.cache)
+    except CacheError as exc:
+        return usage_error(console, str(exc), args.json)
     start = time.perf_counter()
-    rec = SCENARIOS[args.scenario](args.cache, args.seed, args.tokens, None)
+    try:
+        rec = SCENARIOS[args.scenario](factory, args.seed, args.tokens, None)
+    except Exception as exc:  # a cache that cannot decode: said in one line, never a traceback
+        if args.cache in CACHES:
+            raise
+        return usage_error(console, f"--cache {args.cache}: decoding with it raised {type(exc).__name__}: {exc}",
+                           args.json)
     paths = rec.write(out, f"recorded by kvspec record {args.scenario} --cache {args.cache} --seed {args.seed} "
                            f"--tokens {args.tokens}")
     ops = {str(p): len(json.loads(p.read_text())["ops"]) for p in paths}
