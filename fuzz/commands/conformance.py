@@ -241,9 +241,10 @@ def _exit(trace: Trace, target: Target) -> int:
 
 def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, out: Path,
                  max_findings: int = 8, batch: int = 25, steps: int = 40,
-                 max_rounds: int | None = None) -> ClassReport:
+                 max_rounds: int | None = None, until_clean: bool = False) -> ClassReport:
     """Fuzz one class in rounds (module docstring) for ``budget`` seconds,
-    or ``max_rounds`` rounds of ``batch`` examples in all where given (a
+    or ``max_rounds`` rounds of ``batch`` examples in all where given, or
+    (``until_clean``) until a round of ``batch`` examples finds nothing (a
     verdict bounded by examples, never by the clock: pass ``budget=math.inf``)."""
     base = resolve(target_name)
     report = ClassReport(cls.name, target_name, cls.kind, cls.mode, skipped=dict(cls.skipped),
@@ -262,10 +263,13 @@ def search_class(cls: CacheClass, target_name: str, budget: float, seed: int, ou
             if result.failed:
                 failure = result
                 break
+            if until_clean:
+                break
         for name, count in machine.covered.items():
             report.covered[name] = report.covered.get(name, 0) + count
         if failure is None:
-            report.ended = ("budget spent without a further divergence" if max_rounds is None or k < max_rounds
+            report.ended = (f"a round of {batch} examples without a further divergence" if until_clean else
+                            "budget spent without a further divergence" if max_rounds is None or k < max_rounds
                             else f"{max_rounds} rounds spent without a further divergence")
             break
         assert failure.error is not None
@@ -392,7 +396,8 @@ def _run_classes(names: list[str], known: dict[str, Any], budget: float, seed: i
         print(f"conformance: [{i + 1}/{len(names)}] {cls.name} on {target} (seed {seed + 1000 * i}, "
               f"{bound}) ...", file=sys.stderr, flush=True)
         if examples is not None:  # rounds of ``examples`` until one finds nothing (never the clock)
-            reports.append(search_class(cls, target, math.inf, seed + 1000 * i, out, max_findings, examples, steps))
+            reports.append(search_class(cls, target, math.inf, seed + 1000 * i, out, max_findings, examples, steps,
+                                        until_clean=True))
         else:
             reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings,
                                         steps=steps))

@@ -333,14 +333,20 @@ def run_sides(sides: list[tuple[str, dict[str, Any], str, Baseline | None]], fol
             proc.wait()
         raise
     results: dict[str, Any] = {}
-    failure: SideFailure | None = None
-    for name, proc, result, log in started:
-        try:
-            results[name] = finish_side(proc, result, log, name, deadline)
-        except SideFailure as exc:
-            failure = failure or exc
-    if failure is not None:
-        raise failure
+    running = list(started)
+    try:
+        while running:
+            done = [s for s in running if s[1].poll() is not None] or \
+                ([running[0]] if time.monotonic() >= deadline else [])
+            for name, proc, result, log in done:
+                running.remove((name, proc, result, log))
+                results[name] = finish_side(proc, result, log, name, deadline)
+            if not done:
+                time.sleep(0.1)
+    finally:  # a side that failed leaves no verdict: the others are not waited for
+        for _, proc, _, _ in running:
+            proc.kill()
+            proc.wait()
     return results
 
 
