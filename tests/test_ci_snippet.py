@@ -127,3 +127,8 @@ def test_the_snippet_steps_run_and_fail_the_job_on_an_added_divergence(tmp_path)
     assert ran.get("compare") == 1
     junit = next(ws.glob("**/junit.xml")).read_text()
     assert junit.count("<failure") == 1 and "trim n&gt;0" in junit
+
+
+def test_the_review_page_shows_the_tested_file():
+    page = (REPO / "docs" / "review.md").read_text()
+    assert f"```yaml\n{SNIPPET.read_text()}```" in page, "docs/review.md's workflow differs from docs/ci/engine-pr.yml"

@@ -580,9 +580,11 @@ def print_comparison(doc: dict[str, Any], console: Any) -> None:
     if doc["command"] == "conformance":
         versions = f"; mlx-lm {head.get('mlx_lm')} (head), {base.get('mlx_lm')} (base)"
     unit = "class" if doc["command"] == "conformance" else "configuration"
+    bound = (f"rounds of {doc['examples']} examples" if doc["command"] == "conformance"
+             else f"{doc['examples']} examples a configuration")
     table = Table(title=f"kvspec {doc['command']} --baseline: head (this environment) against "
                         f"{escape(Baseline(doc['base']['how'], doc['base']['where']).describe())}; seed {doc['seed']}, "
-                        f"{doc['examples']} examples a {unit}{escape(versions)}")
+                        f"{bound}{escape(versions)}")
     for col in ("", unit, "check", "op class", "example"):
         table.add_column(col, overflow="fold")
     for label, style, entries in (("added", "bold red", doc["added"]), ("fixed", "green", doc["fixed"]),
