@@ -81,6 +81,13 @@ def keys(entries: list[dict]) -> set[str]:
     return {e["key"] for e in entries}
 
 
+def follows(doc: dict, name: str) -> None:
+    """``doc`` follows fuzz/schemas/NAME.schema.json (docs/json.md)."""
+    import jsonschema
+
+    jsonschema.validate(doc, json.loads((REPO / "fuzz" / "schemas" / f"{name}.schema.json").read_text()))
+
+
 def test_a_planted_trim_fault_is_added_and_an_unchanged_copy_adds_nothing(copies, tmp_path):
     # head: the planted copy; base: this environment's own install (a Python executable)
     code, doc, err = conformance("--baseline", sys.executable, "--out", str(tmp_path / "planted"),
@@ -88,6 +95,8 @@ def test_a_planted_trim_fault_is_added_and_an_unchanged_copy_adds_nothing(copies
                                  head=copies["planted"])
     assert code == 1, err
     assert doc["exit"] == 1 and doc["base"]["how"] == "python"
+    follows(doc, "baseline")
+    follows(doc["head"]["report"], "conformance")
     assert keys(doc["added"]) == {TRIM_KEY}, doc["added"]
     assert not doc["fixed"]
     # mlx-lm's own divergences of KVCache are on both sides
@@ -139,6 +148,8 @@ def test_fuzz_target_baseline_unchanged_copy(copies, tmp_path):
     doc = json.loads(out.strip().splitlines()[-1])
     assert not doc["added"] and not doc["fixed"] and doc["base"]["how"] == "path"
     assert all(r["examples"] > 0 for r in doc["head"]["report"]["runs"])
+    follows(doc, "baseline")
+    follows(doc["head"]["report"], "fuzz")
 
 
 @pytest.mark.parametrize("make, message", [

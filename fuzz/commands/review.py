@@ -385,6 +385,7 @@ def conformance_side(request: dict[str, Any]) -> dict[str, Any]:
                     examples=request["examples"], steps=request.get("steps", 40))
     doc = to_json(reports, request["seed"], None, request["examples"], request.get("steps", 40))
     doc["exit"] = 2 if doc["no_verdict"] else 0 if doc["ok"] else 1
+    doc["interrupted"] = False
     return doc
 
 
@@ -452,14 +453,19 @@ def fuzz_examples(target_name: str, kind: str | None, mode: str | None, inplace:
         config = f"{k}/{m}/{'inplace' if ip else 'copy'}"
         machine = machine_for(k, m, ip, target=None if target.is_impl else target)
         row: dict[str, Any] = {"config": config if target.is_impl else f"{target.label}:{config}",
-                               "examples": 0, "steps": 0, "result": "ok"}
+                               "examples": 0, "steps": 0, "seconds": 0.0, "shrink_seconds": 0.0,
+                               "shrink_cut": False, "result": "ok", "reached": {}, "examples_to_catch": None}
         print(f"fuzz: {row['config']} (seed {seed}, {examples} examples) ...", file=sys.stderr, flush=True)
         for r in range(rounds_for(examples)):
             res = run_machine(machine, seed + r, max_examples=BATCH, steps=steps, engine=engine, ops_shrink=True)
             row["examples"] += res.examples
             row["steps"] += res.steps
+            row["seconds"] = round(row["seconds"] + res.seconds, 2)  # reported, never a bound
+            for name, count in res.stats.items():
+                row["reached"][name] = row["reached"].get(name, 0) + count
             if not res.failed:
                 continue
+            row["examples_to_catch"] = row["examples"] - res.examples + (res.examples_to_catch or res.examples)
             status = failure_status(res.error)
             row["result"] = "FAILED" if status == "diverged" else status
             row["failure"] = str(res.error).splitlines()[0] if str(res.error) else type(res.error).__name__
@@ -477,9 +483,11 @@ def fuzz_examples(target_name: str, kind: str | None, mode: str | None, inplace:
         rows.append(row)
     refused = any(r["result"] not in ("ok", "FAILED") for r in rows)
     failed = any(r["result"] == "FAILED" for r in rows)
-    return {"seed": seed, "examples": examples, "steps": steps, "engine": engine, "budget": None,
-            "target": target.label, "runs": rows, "ok": not failed and not refused,
-            "exit": 2 if refused else 1 if failed else 0}
+    again = (f"kvspec fuzz --target {target.label}" + (f" --kind {kind}" if kind else "")
+             + (f" --mode {mode}" if mode else "") + f" --inplace {inplace} --examples {examples} --seed {seed}")
+    return {"seed": seed, "examples": examples, "steps": steps, "engine": engine, "budget": None, "jobs": 1,
+            "target": target.label, "database": "none", "interrupted": None, "rerun": again, "declared": {},
+            "runs": rows, "ok": not failed and not refused, "exit": 2 if refused else 1 if failed else 0}
 
 
 # -- the comparison ------------------------------------------------------------------------
