@@ -60,7 +60,7 @@ CACHE = {"kind": "dense", "mode": "fp16", "step": 4, "batch": 1, "kv_heads": 2, 
 SHAPE_FIELDS = ("kv_heads", "head_dim")
 #: what a dense adapter may declare (the kvtrace cache fields, the dense ops, the observables)
 DENSE_FIELDS = ("kind", "mode", "step", "batch", "kv_heads", "head_dim", "k_head_dim", "v_head_dim", "dtype",
-                "inplace", "rows")
+                "inplace", "inplace_env", "rows")
 OBSERVABLES = ("offset", "live_start", "live_len", "capacity")
 #: the longest reply line read (bytes)
 MAX_LINE = 16 * 2**20
@@ -462,6 +462,8 @@ def _hello_problems(reply: dict[str, Any], report: Report) -> dict[str, Any] | N
         report.notes.append(f"kinds {', '.join(others)}: only their hello is checked here (the canned sessions "
                             "drive dense caches); kvspec replay of their traces in tests/traces/ and kvspec fuzz "
                             "check the rest")
+    if reply.get("kvproto") == 2:
+        _v2_kind_problems(kinds, others, report)
     if not isinstance(kinds.get("dense"), dict):
         if not others:
             report.problem("hello", "the hello declares no kind dense (kinds.dense: its modes, dtypes, fields, ops "
@@ -508,6 +510,31 @@ def _hello_problems(reply: dict[str, Any], report: Report) -> dict[str, Any] | N
         report.notes.append("no 'inplace' field: the adapter has no in-place switch and is fuzzed once, at "
                             "the default")
     return lists
+
+
+def _v2_kind_problems(kinds: dict[str, Any], others: list[str], report: Report) -> None:
+    """A kvproto/2 hello's rings and pools held to the registry as ``kvspec
+    fuzz --target exec:`` holds them (fuzz/adapters/exec.py hello_problems):
+    a cache field or op that is not the kind's, masks for a kind whose masks
+    kvproto/2 does not carry; each a problem, not only a note."""
+    from fuzz import kinds as registry
+
+    for kind in others:
+        d = kinds.get(kind)
+        if kind not in ("rotating", "paged") or not isinstance(d, dict):
+            continue  # the schema's sentence says so
+        entry = registry.get(kind)
+        lists = {k: d.get(k) if isinstance(d.get(k), list) else [] for k in ("fields", "ops", "observables")}
+        fields = sorted(str(f) for f in set(map(str, lists["fields"])) - set(entry.cache_fields))
+        if fields:
+            report.problem("hello", f"the hello declares cache fields {fields} for kind {kind}, which the {kind} kind "
+                                    f"does not have (docs/kvtrace.md: {', '.join(entry.cache_fields)}); kvspec "
+                                    "refuses such a hello: drop them or spell them as the trace format does")
+        ops = sorted(set(map(str, lists["ops"])) - set(entry.all_ops) - set(entry.refuses) - {"expect"})
+        if ops:
+            report.problem("hello", f"the hello declares ops {ops} for kind {kind}, which the {kind} kind does not "
+                                    f"have (docs/kvtrace.md: {', '.join(o for o in entry.all_ops if o != 'expect')}); "
+                                    "kvspec refuses such a hello: drop them or spell them as the trace format does")
 
 
 def _cache_for(declared: dict[str, Any], dtype: str | None = None) -> dict[str, Any]:

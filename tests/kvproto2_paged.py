@@ -38,6 +38,7 @@ FAULTS = {
     "mask": "make_mask's window admits one key too many",
     "copied": "an append reports no copy-on-write",
     "table": "a forked sequence reports its source's table reversed",
+    "free_order": "the free list reported in another order than blocks are taken from it (reversed)",
 }
 OPS = ["append", "fetch", "hold", "release_hold", "trim", "trim_to", "trim_front", "fork", "release", "snapshot",
        "restore", "drop", "copy", "reload", "handle_reuse", "state_assign"]
@@ -92,7 +93,8 @@ class Pool:
         refcounts = list(w.pool.refcounts)
         if self.fault == "refcount" and refcounts and refcounts[0] > 1:
             refcounts[0] += 1
-        return {"sequences": seqs, "refcounts": refcounts, "free": list(w.pool.free),
+        free = list(w.pool.free)[::-1] if self.fault == "free_order" else list(w.pool.free)
+        return {"sequences": seqs, "refcounts": refcounts, "free": free,
                 "held": self.window(w.held)}
 
     def masks(self, op: dict, windows: list) -> list | None:
