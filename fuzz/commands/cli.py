@@ -923,6 +923,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.budget is not None and (args.examples is not None or args.baseline):
         return _usage_error(_console(), "--budget: not with --examples or --baseline (a search bounded by "
                                         "examples takes no seconds budget)", args.json)
+    if args.target == "transformers" and args.budget is None and args.examples is None and not args.baseline:
+        args.examples = 50  # transformers' six classes: bounded by examples unless --budget says seconds
     if args.junit_xml and not args.baseline:
         return _usage_error(_console(), "--junit-xml: only with --baseline (one test case per divergence key)",
                             args.json)
