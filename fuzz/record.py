@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -95,7 +96,8 @@ def _row_hashes(keys: Any, values: Any) -> list[bytes]:
     def host(a: Any) -> np.ndarray:
         bits = {2: mx.uint16, 4: mx.uint32}.get(a.dtype.size)
         arr = np.asarray(a.view(bits) if bits is not None else a)
-        return arr.transpose(2, 0, 1, 3).reshape(arr.shape[2], -1)
+        b, h, n, d = arr.shape
+        return arr.transpose(2, 0, 1, 3).reshape(n, b * h * d)  # n may be 0: an empty window
 
     k, v = host(keys), host(values)
     return [hashlib.blake2b(k[j].tobytes() + b"|" + v[j].tobytes(), digest_size=16).digest()
@@ -149,14 +151,23 @@ class LayerRecorder:
 
     # -- naming -----------------------------------------------------------------
     def name_rows(self, digests: list[bytes], prior: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
-        out = []
-        for j, d in enumerate(digests):
-            if j < len(prior) and prior[j][0] == d:
-                out.append(prior[j])
+        """Names of the rows of a window (``digests``, slot by slot): a slot
+        whose bytes are those of ``prior``'s slot keeps its name; the other
+        slots, last to first, take the newest identity with their bytes that
+        no slot of this window has taken yet (so rows with equal bytes
+        appended together keep their own names), else the newest one (a row
+        handed back twice), else :data:`UNKNOWN_ROW`."""
+        out: list[tuple[bytes, int] | None] = [
+            prior[j] if j < len(prior) and prior[j][0] == d else None for j, d in enumerate(digests)]
+        used = {name for _, name in filter(None, out)}
+        for j in reversed(range(len(digests))):
+            if out[j] is not None:
                 continue
-            ids = self.by_digest.get(d)
-            out.append((d, ids[-1] if ids else UNKNOWN_ROW))
-        return out
+            ids = self.by_digest.get(digests[j], [])
+            name = next((i for i in reversed(ids) if i not in used), ids[-1] if ids else UNKNOWN_ROW)
+            used.add(name)
+            out[j] = (digests[j], name)
+        return [x for x in out if x is not None]
 
     def stop(self, why: str) -> None:
         if self.stopped is None:
@@ -222,10 +233,10 @@ class LayerRecorder:
             try:
                 window = self.window_of_state(s.obj, s.meta)
             except Exception as exc:  # noqa: BLE001 - a state the class cannot read back: said, not guessed
-                s.seen.append((after, []))
-                self.notes.append(f"op {after}: the state {s.name!r} could not be read back ({type(exc).__name__}: "
-                                  f"{exc}); its window is recorded as empty")
-                continue
+                # its window is unknown from here on: the trace ends, rather than claim a window it does not hold
+                self.stop(f"the state {s.name!r} could not be read back after op {after} ({type(exc).__name__}: "
+                          f"{exc})")
+                return
             finally:
                 self.busy -= 1
             if window is None:
@@ -256,6 +267,10 @@ class LayerRecorder:
                       "cache keeps one shape")
             return base_call(cache, keys, values)
         n = int(keys.shape[2])
+        if n == 0 or values.shape[2] != n:
+            self.stop(f"update_and_fetch of {n} keys and {values.shape[2]} values: a kvtrace append gives one "
+                      "or more rows, as many keys as values")
+            return base_call(cache, keys, values)
         op: dict[str, Any] = {"op": "append", "n": n}
         digests = _row_hashes(keys, values)
         self.busy += 1
@@ -652,7 +667,10 @@ class Recorder:
 
     def write(self, folder: str | Path, title: str = "") -> list[Path]:
         """Write ``layerNN.json`` per recorded layer into ``folder``
-        (created); returns the paths."""
+        (created); returns the paths. The folder holds one recording: a
+        ``layerNN.json`` of an earlier recording there that this one does
+        not write is removed, so ``kvspec replay --spec-only folder``
+        checks this recording alone."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         paths = []
@@ -660,6 +678,9 @@ class Recorder:
             p = folder / f"layer{i:02d}.json"
             p.write_text(t.dumps())
             paths.append(p)
+        for old in folder.glob("layer*.json"):
+            if re.fullmatch(r"layer\d{2,}\.json", old.name) and old not in paths and old.is_file():
+                old.unlink()
         return paths
 
 
@@ -762,10 +783,14 @@ def replay_spec_only(trace: Trace) -> SpecOnlyResult:
     recording an op without ``"error": true`` succeeded: the spec refusing
     it is impossible, as is the spec running an op recorded as refused.
     Raises TraceFormatError (exit 2) for a kind this mode does not check
-    (:data:`SPEC_ONLY_KINDS`) or an ``expect`` of a name nothing holds."""
+    (:data:`SPEC_ONLY_KINDS`), a trace with no ops, or an ``expect`` of a
+    name nothing holds."""
     if trace.cache["kind"] not in SPEC_ONLY_KINDS:
         raise TraceFormatError(f"field cache.kind: --spec-only checks recordings of kinds "
                                f"{', '.join(SPEC_ONLY_KINDS)}, got {trace.cache['kind']!r}")
+    if not trace.ops:
+        raise TraceFormatError("field ops: no ops: a recording of nothing checks nothing (was the recording "
+                               "stopped at its first op? its title says why)")
     check_ops(trace.cache, trace.ops)
     kind = kinds.get(trace.cache["kind"], trace.cache.get("mode"))
     lock = kind.lockstep_class()(trace.cache)  # builds the spec world; the implementation side is never driven

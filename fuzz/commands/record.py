@@ -43,7 +43,7 @@ def cache_factory(spec: str) -> Callable[[Any], list[Any]]:
         obj: Any = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a module that fails to import (any error) is a bad argument
         raise CacheError(f"--cache {spec}: cannot import it ({type(exc).__name__}: {exc})") from None
     finally:
         if added:
@@ -182,6 +182,9 @@ def cmd_record(args: argparse.Namespace, console: Any, usage_error: Callable[...
             raise
         return usage_error(console, f"--cache {args.cache}: decoding with it raised {type(exc).__name__}: {exc}",
                            args.json)
+    if not rec.traces():  # no layer was given rows the recorder could take: nothing to write, nothing to check
+        return usage_error(console, f"--cache {args.cache}: nothing was recorded ("
+                           + "; ".join(rec.notes or ["no layer was given rows"]) + ")", args.json)
     paths = rec.write(out, f"recorded by kvspec record {args.scenario} --cache {args.cache} --seed {args.seed} "
                            f"--tokens {args.tokens}")
     ops = {str(p): len(json.loads(p.read_text())["ops"]) for p in paths}
