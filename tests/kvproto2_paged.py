@@ -38,6 +38,7 @@ FAULTS = {
     "mask": "make_mask's window admits one key too many",
     "copied": "an append reports no copy-on-write",
     "table": "a forked sequence reports its source's table reversed",
+    "fresh_order": "an append reports the blocks it allocated in reverse order",
     "free_order": "the free list reported in another order than blocks are taken from it (reversed)",
 }
 OPS = ["append", "fetch", "hold", "release_hold", "trim", "trim_to", "trim_front", "fork", "release", "snapshot",
@@ -121,7 +122,7 @@ class Pool:
             s = self.world.seqs[op.get("seq", sp.MAIN)]
             out["result"] = self.window(sp.gather(self.world.pool, s))
             out["inplace"] = result.inplace
-            out["fresh"] = list(result.fresh)
+            out["fresh"] = list(result.fresh)[::-1] if self.fault == "fresh_order" else list(result.fresh)
             out["copied"] = [] if self.fault == "copied" else [list(c) for c in result.copied]
         elif isinstance(result, int) and not isinstance(result, bool):
             out["result"] = result

@@ -10,14 +10,16 @@ adapter really has, each one the existing fixed traces let through:
 * a ring whose undo log forgets the row a decode overwrote, found by a
   campaign (which must draw the undo depth of a ring that declares it);
 * a pool that reports its free list in another order than it takes blocks
-  from it: the free list is compared as a list, not as a set;
+  from it, or an append's fresh blocks in another order: both compared as
+  lists, not as sets;
 * ``kvspec adapter check`` on a kvproto/2 hello whose ring declares a cache
   field or an op the kind does not have: a problem (exit 1), as ``kvspec
   fuzz --target exec:`` refuses it (exit 2), not "clean"; a dense adapter
   declaring ``inplace_env`` (a dense cache field) is clean, as kvspec runs it;
 * ``adapter check``: every schema clause of a hello said (a missing field
   after an unknown one), rows handed in ``wide`` checked in the dtype
-  sessions, a trim that answers a boolean for its count.
+  sessions, a trim that answers a boolean for its count, an exit status
+  other than 0 on bye.
 """
 
 from __future__ import annotations
@@ -114,20 +116,25 @@ def test_fuzz_draws_the_undo_depth_of_a_ring_that_declares_it(rings, capsys, tmp
     assert trace["cache"].get("undo", 0) >= 1 and any(op["op"] in ("trim", "trim_to") for op in trace["ops"]), trace
 
 
-def test_the_free_list_is_compared_in_order():
-    """The free list is the order blocks are taken from it (docs/kvproto.md):
-    the same blocks in another order differ (a chunk of 3 blocks allocated,
-    two of them left free)."""
-    doc = {"kvtrace": 1, "cache": {"kind": "paged", "block_size": 1, "chunk": 3, "kv_heads": 1, "head_dim": 2},
-           "ops": [{"op": "append", "n": 1}]}
+@pytest.mark.parametrize(("fault", "cache", "n", "what"), [
+    # one row, a chunk of 3 blocks allocated, two of them left free: the free list is the order blocks are taken from it
+    ("free_order", {"block_size": 1, "chunk": 3}, 1, "free differs"),
+    # two rows into blocks of one row: the fresh blocks, in the order the table takes them
+    ("fresh_order", {"block_size": 1}, 2, "blocks allocated / copied on write differ"),
+])
+def test_the_pools_lists_are_compared_in_order(fault, cache, n, what):
+    """The free list and an append's fresh blocks are lists
+    (docs/kvproto.md): the same blocks in another order differ."""
+    doc = {"kvtrace": 1, "cache": {"kind": "paged", "kv_heads": 1, "head_dim": 2, **cache},
+           "ops": [{"op": "append", "n": n}]}
     trace = loads(json.dumps(doc))
     adapter = f"exec:{sys.executable} {PAGED}"
     try:
         assert replay(trace, target=resolve(adapter)).ok
-        result = replay(trace, target=resolve(f"{adapter} --fault free_order"))
+        result = replay(trace, target=resolve(f"{adapter} --fault {fault}"))
     finally:
         ex.close_sessions()
-    assert not result.ok and result.divergence.index == 0 and result.divergence.what.startswith("free differs"), \
+    assert not result.ok and result.divergence.index == 0 and result.divergence.what.startswith(what), \
         result.divergence
 
 
@@ -162,6 +169,8 @@ PY_FAULTS = {
     "ignores_wide": [('cache = Cache(req["cache"], bool(req.get("wide")))', 'cache = Cache(req["cache"], False)')],
     # trim answers whether it trimmed, not how many rows
     "trim_bool": [('        return cache.trim(op["n"]), False', '        return cache.trim(op["n"]) > 0, False')],
+    # leaves its read loop on bye with exit status 1
+    "bye_status": [("    return 0\n\n\nif __name__", "    return 1\n\n\nif __name__")],
 }
 
 
@@ -169,6 +178,7 @@ PY_FAULTS = {
     ("hello_two", ["omits the required field 'windows'", "has field 'colour'"]),
     ("ignores_wide", ["dtype bfloat16: op append n=3", "dtype float32: op append n=3", "holds rows [0, 1, '?']"]),
     ("trim_bool", ["result is true; the contract's is 1", "result is false; the contract's is 0"]),
+    ("bye_status", ["sent bye; the process ended with exit status 1; the protocol wants exit status 0"]),
 ])
 def test_adapter_check_says_each(tmp_path, capsys, fault, said):
     path = write_adapter(tmp_path)
