@@ -68,8 +68,9 @@ def kvspec(*args: str, head: Path | None = None, cwd: Path | None = None) -> tup
     return p.returncode, p.stdout, p.stderr
 
 
-def conformance(*args: str, head: Path | None = None) -> tuple[int, dict, str]:
-    code, out, err = kvspec("conformance", "--class", "KVCache", "--examples", EXAMPLES, "--json", *args, head=head)
+def conformance(*args: str, head: Path | None = None, cwd: Path | None = None) -> tuple[int, dict, str]:
+    code, out, err = kvspec("conformance", "--class", "KVCache", "--examples", EXAMPLES, "--json", *args, head=head,
+                            cwd=cwd)
     try:
         doc = json.loads(out.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -89,10 +90,11 @@ def follows(doc: dict, name: str) -> None:
 
 
 def test_a_planted_trim_fault_is_added_and_an_unchanged_copy_adds_nothing(copies, tmp_path):
-    # head: the planted copy; base: this environment's own install (a Python executable)
+    # head: the planted copy, run from its folder (as from an engine's checkout); base: this environment's own
+    # install (a Python executable), which must not import the folder it is run from
     code, doc, err = conformance("--baseline", sys.executable, "--out", str(tmp_path / "planted"),
                                  "--sarif", str(tmp_path / "added.sarif"), "--junit-xml", str(tmp_path / "r.xml"),
-                                 head=copies["planted"])
+                                 cwd=copies["planted"])
     assert code == 1, err
     assert doc["exit"] == 1 and doc["base"]["how"] == "python"
     follows(doc, "baseline")
