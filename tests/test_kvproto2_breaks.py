@@ -12,6 +12,7 @@ adapter really has, each one the existing fixed traces let through:
 * a pool that reports its free list in another order than it takes blocks
   from it, or an append's fresh blocks in another order: both compared as
   lists, not as sets;
+* a ring without sinks (no ``keep`` declared) fuzzed at keep 0, not refused;
 * ``kvspec adapter check`` on a kvproto/2 hello whose ring declares a cache
   field or an op the kind does not have: a problem (exit 1), as ``kvspec
   fuzz --target exec:`` refuses it (exit 2), not "clean"; a dense adapter
@@ -54,6 +55,8 @@ RING_FAULTS: dict[str, list[tuple[str, str]]] = {
     # a kvproto/2 hello with a cache field, an op the ring does not have
     # a rollback through the undo log forgets the row a decode overwrote
     "undo_decode": [("        if (rec->nsaved) s[rec->slot] = rec->saved[0];\n", "")],
+    # a ring without sinks: no keep among its fields (held at 0, never sent)
+    "no_keep": [('"max_size", "keep", "undo", NULL};', '"max_size", "undo", NULL};')],
     "bad_field": [('"max_size", "keep", "undo", NULL};', '"max_size", "keep", "undo", "window", NULL};')],
     "bad_op": [('\\"copy\\",\\"reload\\"]', '\\"copy\\",\\"reload\\",\\"rewind\\"]')],
 }
@@ -114,6 +117,17 @@ def test_fuzz_draws_the_undo_depth_of_a_ring_that_declares_it(rings, capsys, tmp
     assert run0["result"] == "FAILED", run0
     trace = json.loads(Path(run0["trace"]).read_text())
     assert trace["cache"].get("undo", 0) >= 1 and any(op["op"] in ("trim", "trim_to") for op in trace["ops"]), trace
+
+
+def test_a_ring_without_sinks_is_fuzzed_at_keep_0(rings, capsys, tmp_path):
+    """A ring adapter that does not declare ``keep`` (an engine's sliding
+    window without attention sinks) is fuzzed with keep at its default, 0,
+    as replay holds it: every campaign runs, none is refused."""
+    code = main(["fuzz", "--target", f"exec:{rings['no_keep']}", "--examples", "25", "--seed", "1", "--out",
+                 str(tmp_path), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["runs"] and all(r["result"] == "ok" and r["steps"] > 0 for r in report["runs"]), \
+        report
 
 
 @pytest.mark.parametrize(("fault", "cache", "n", "what"), [

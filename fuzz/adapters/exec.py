@@ -962,6 +962,13 @@ def _exec_machine(base: type, target: ExecTarget) -> type:
             return shape
 
         def setup(self, **cfg: Any) -> None:
+            d = target.declared.get(self.kind)
+            if d is not None:
+                # a field the adapter does not declare is held at its default
+                # (never sent: ExecTarget.cache_reason), so a ring without
+                # sinks (no keep) is fuzzed at keep 0, not refused
+                defaults = kinds.get(self.kind, self.mode).defaults()
+                cfg = {k: defaults[k] if k not in d.fields and k in defaults else v for k, v in cfg.items()}
             super().setup(**cfg, rows="portable")
 
     ExecMachine.__name__ = f"Exec{base.__name__}"
