@@ -399,8 +399,8 @@ def _run_classes(names: list[str], known: dict[str, Any], budget: float, seed: i
             reports.append(search_class(cls, target, math.inf, seed + 1000 * i, out, max_findings, examples, steps,
                                         until_clean=True))
         else:
-            reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings,
-                                        steps=steps))
+            more = {} if steps == 40 else {"steps": steps}  # search_class's default
+            reports.append(search_class(cls, target, budget / len(names), seed + 1000 * i, out, max_findings, **more))
         print(f"conformance: {cls.name}: {len(reports[-1].findings)} divergences", file=sys.stderr, flush=True)
 
 

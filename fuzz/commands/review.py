@@ -511,6 +511,8 @@ def compare_sides(req: Request, base: Baseline) -> dict[str, Any]:
         for name in ("seed", "examples", "steps"):  # not given: the report's
             if req.params.get(name) is None and base_doc.get(name) is not None:
                 req.params[name] = base_doc[name]
+        if req.command == "conformance" and not req.params.get("classes"):  # the classes the report ran
+            req.params["classes"] = [c.get("cache_class") for c in base_doc["classes"]] or None
     defaults = {"seed": req.params.pop("default_seed", FUZZ_SEED), "examples": BASELINE_EXAMPLES, "steps": 40}
     for name, value in defaults.items():
         if req.params.get(name) is None:
@@ -526,7 +528,12 @@ def compare_sides(req: Request, base: Baseline) -> dict[str, Any]:
     results = run_sides(sides, req.out)
     head_doc = results["head"]
     base_doc = base_doc if base_doc is not None else results["base"]
-    comp = compare(divergences(head_doc, req.command), divergences(base_doc, req.command))
+    head_div, base_div = divergences(head_doc, req.command), divergences(base_doc, req.command)
+    for side, other, name in ((head_div, base_div, "base"), (base_div, head_div, "head")):
+        for unit in side.units:  # a class or configuration one side did not run is compared on neither
+            if unit not in other.units:
+                side.no_verdict.setdefault(unit, f"not run on the {name}")
+    comp = compare(head_div, base_div)
     cross_check(comp, req, base, python)
     return {"command": req.command, "seed": req.params["seed"], "examples": req.params["examples"],
             "head": {"where": "this environment", "report": head_doc},
