@@ -1,9 +1,11 @@
 """Hugging Face transformers as a second engine (fuzz/adapters/transformers.py,
 docs/conformance.md "transformers"): the recorded minimal traces under
-tests/traces/conformance/transformers/ replay against our caches always
-(exit 0) and against transformers wherever PyTorch and transformers are
-importable (exit 1, at the op the report names); the summary line of the run
-says which of the two it did (tests/conftest.py)."""
+tests/traces/conformance/transformers/ (DynamicCache, StaticCache, the
+sliding-window layer, QuantizedCache's quanto, HQQ and fp8 layers, each on
+its own target) replay against our caches always (exit 0) and against
+transformers wherever PyTorch, transformers and the class's backend are
+importable (exit 1, at the op and with the divergence the report names); the
+summary line of the run says which of the two it did (tests/conftest.py)."""
 
 import importlib.util
 import json
@@ -21,6 +23,8 @@ from fuzz.trace import load
 FOLDER = Path(__file__).parent / "traces" / "conformance" / "transformers"
 TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+#: a class's backend beyond PyTorch: target -> (module, package)
+BACKENDS = {"transformers-quanto": ("optimum", "optimum-quanto"), "transformers-hqq": ("hqq", "hqq")}
 #: what this run did, for the summary line (tests/conftest.py)
 DONE: dict[str, int] = {"ours": 0, "transformers": 0}
 
@@ -53,7 +57,10 @@ def test_recorded_trace_diverges_on_transformers(path):
         pytest.skip("PyTorch/transformers not installed (optional extra 'transformers'): "
                     "replayed against our caches only")
     f = _finding(path)
-    target = resolve("transformers")
+    module, package = BACKENDS.get(f["target"], ("torch", "torch"))
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{package} not installed ({f['target']}'s backend): replayed against our caches only")
+    target = resolve(f["target"])
     for w in f["waived"]:
         target = target.waiving(w)
     result = replay(load(path), target=target)
