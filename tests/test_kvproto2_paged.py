@@ -13,6 +13,7 @@ and shrinks it to a fork and a write."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from functools import cache
 from pathlib import Path
@@ -122,3 +123,8 @@ def test_fuzz_finds_the_missing_copy_on_write_and_shrinks_it(capsys, tmp_path):
     assert [op["op"] for op in ops] == ["append", "fork", "append"], ops
     assert main(["replay", run0["trace"], "--target", adapter()]) == 0
     assert main(["replay", run0["trace"]]) == 0  # and on our pool
+    # the printed replay command, split as a shell splits it, runs the same adapter (its arguments
+    # quoted): the faulty one diverges again
+    words = shlex.split(run0["replay"])
+    assert words[:2] == ["kvspec", "replay"] and words[words.index("--target") + 1] == target, words
+    assert main(words[1:]) == 1

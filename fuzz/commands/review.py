@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -476,14 +477,14 @@ def fuzz_examples(target_name: str, kind: str | None, mode: str | None, inplace:
                 stem = stem if target.is_impl else re.sub(r"[^A-Za-z0-9_.-]+", "_", target.label) + f"-{stem}"
                 path = save_failure(res.trace, out, stem)
                 row["trace"] = str(path)
-                row["replay"] = f"kvspec replay {path}" + ("" if target.is_impl else f" --target {target.label}")
+                row["replay"] = f"kvspec replay {shlex.quote(str(path))}" + ("" if target.is_impl else f" --target {shlex.quote(target.label)}")
             break
         if row["examples"] == 0 and row["result"] == "ok":
             row["result"] = "no examples"
         rows.append(row)
     refused = any(r["result"] not in ("ok", "FAILED") for r in rows)
     failed = any(r["result"] == "FAILED" for r in rows)
-    again = (f"kvspec fuzz --target {target.label}" + (f" --kind {kind}" if kind else "")
+    again = (f"kvspec fuzz --target {shlex.quote(target.label)}" + (f" --kind {kind}" if kind else "")
              + (f" --mode {mode}" if mode else "") + f" --inplace {inplace} --examples {examples} --seed {seed}")
     return {"seed": seed, "examples": examples, "steps": steps, "engine": engine, "budget": None, "jobs": 1,
             "target": target.label, "database": "none", "interrupted": None, "rerun": again, "declared": {},
