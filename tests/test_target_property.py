@@ -238,10 +238,14 @@ def test_every_builtin_target_ends_every_schema_trace_in_a_verdict():
     folder = tempfile.mkdtemp(prefix="kvspec-property-")
     seen: dict[str, set[int]] = {t: set() for t in TARGETS}
 
+    turn = iter(range(10**9))
+
     @settings(max_examples=200, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
-    @given(data=st.data(), target=st.sampled_from(TARGETS))
-    def run(data: st.DataObject, target: str) -> None:
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        # every target in turn (a drawn target left some of 13 unreached in 200 derandomized examples)
+        target = TARGETS[next(turn) % len(TARGETS)]
         doc = data.draw(TRACES, label="trace")
         if data.draw(st.integers(0, 2), label="runnable") > 0:
             doc = runnable(data, doc, target)

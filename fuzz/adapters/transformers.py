@@ -28,7 +28,9 @@ docs/conformance.md ("transformers") lists what the search found.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -494,6 +496,21 @@ def _config(target: str, sliding_window: int | None = None) -> Any:
     return MistralConfig(num_hidden_layers=1, sliding_window=sliding_window)
 
 
+@contextlib.contextmanager
+def _building(target: str) -> Iterator[None]:
+    """Build a transformers cache; an ImportError on the way (transformers
+    without a PyTorch it accepts, a backend missing), or a TypeError or
+    AttributeError from a transformers (or torch) without the API driven
+    here, is the target's usage error (exit 2, naming it), never a tool
+    failure. Only the construction: once built, every error is the cache's."""
+    try:
+        yield
+    except (ImportError, TypeError, AttributeError) as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise TargetError(f"--target {target}: transformers cannot build this cache here ({first.strip()}); "
+                          "install the optional extra: pip install -e '.[transformers]'") from None
+
+
 def _seq_len(inner: Any) -> int:
     return int(inner.get_seq_length(0))
 
@@ -514,10 +531,10 @@ class StaticCacheAdapter:
     live_start = 0
 
     def __init__(self, cfg: dict[str, Any]):
-        from transformers import StaticCache
+        with _building("transformers-static"):
+            from transformers import StaticCache
 
-        self.inner = StaticCache(config=_config("transformers-static"),
-                                 max_cache_len=cfg["step"])
+            self.inner = StaticCache(config=_config("transformers-static"), max_cache_len=cfg["step"])
 
     @property
     def offset(self) -> int:
@@ -600,9 +617,10 @@ class SlidingWindowAdapter:
     live_start = 0
 
     def __init__(self, cfg: dict[str, Any]):
-        from transformers import DynamicCache
+        with _building("transformers-sliding"):
+            from transformers import DynamicCache
 
-        self.inner = DynamicCache(config=_config("transformers-sliding", cfg["max_size"]))
+            self.inner = DynamicCache(config=_config("transformers-sliding", cfg["max_size"]))
 
     @property
     def offset(self) -> int:
@@ -696,17 +714,18 @@ class QuantizedCacheAdapter:
 
     def __init__(self, cfg: dict[str, Any]):
         target = f"transformers-{self.backend}"
-        conf = _config(target)
-        if self.backend == "quanto":
-            _need(target, "optimum.quanto", "optimum-quanto")
-        if self.backend == "hqq":
-            _need(target, "hqq", "hqq")
-        from transformers import QuantizedCache
+        with _building(target):
+            conf = _config(target)
+            if self.backend == "quanto":
+                _need(target, "optimum.quanto", "optimum-quanto")
+            if self.backend == "hqq":
+                _need(target, "hqq", "hqq")
+            from transformers import QuantizedCache
 
-        args = dict(QUANTIZED_BACKENDS[self.backend][0])
-        if self.backend != "fp8":
-            args["residual_length"] = cfg["step"]
-        self.inner = QuantizedCache(self.backend, conf, **args)
+            args = dict(QUANTIZED_BACKENDS[self.backend][0])
+            if self.backend != "fp8":
+                args["residual_length"] = cfg["step"]
+            self.inner = QuantizedCache(self.backend, conf, **args)
 
     @property
     def offset(self) -> int:
