@@ -230,3 +230,43 @@ def test_quantized_crop_of_the_residual_keeps_the_length(tmp_path):
            "ops": [{"op": "append", "n": 1}, {"op": "append", "n": 1}, {"op": "trim", "n": 1}]}
     result = _replay(doc, resolve("transformers-hqq"), tmp_path)
     assert not result.ok and (result.divergence.index, result.divergence.what) == (2, "return value differs")
+
+
+QUANTIZED_TRACE = {"kvtrace": 1, "cache": {"kind": "dense", "mode": "fp16", "step": 2, "batch": 1, "kv_heads": 2,
+                                           "head_dim": 8, "inplace": True, "dtype": "float16"},
+                   "ops": [{"op": "append", "n": 3}, {"op": "append", "n": 1}, {"op": "append", "n": 1},
+                           {"op": "fetch"}, {"op": "append", "n": 2}, {"op": "fetch"}]}
+
+
+@needs_torch
+@pytest.mark.skipif(HAVE_TORCH and importlib.util.find_spec("hqq") is None, reason="hqq not installed")
+@pytest.mark.parametrize("plant", [None, "rows reversed", "residual dropped"])
+def test_quantized_bound_does_not_hide_a_planted_fault(tmp_path, monkeypatch, plant):
+    """The 4-bit bound reads a clean HQQ window as agreeing, and a window
+    whose dequantized rows come back in another order, or without the
+    full-precision residual, as differing."""
+    import torch
+    from transformers.cache_utils import HQQQuantizedLayer
+
+    real = HQQQuantizedLayer._dequantize
+
+    def dequantize(self, q):
+        out = real(self, q)
+        return torch.flip(out, dims=[-2]) if plant == "rows reversed" else out
+
+    monkeypatch.setattr(HQQQuantizedLayer, "_dequantize", dequantize)
+    if plant == "residual dropped":
+        real_update = HQQQuantizedLayer.update
+
+        def update(self, k, v, *args, **kwargs):
+            keys, values = real_update(self, k, v, *args, **kwargs)
+            held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+            if held and keys.shape[-2] > held + k.shape[-2]:  # the residual's rows left out of the window
+                keep = [i for i in range(keys.shape[-2]) if not keys.shape[-2] - k.shape[-2] - held <= i
+                        < keys.shape[-2] - k.shape[-2]]
+                return keys[:, :, keep], values[:, :, keep]
+            return keys, values
+
+        monkeypatch.setattr(HQQQuantizedLayer, "update", update)
+    ok = _replay(QUANTIZED_TRACE, resolve("transformers-hqq"), tmp_path).ok
+    assert ok is (plant is None)
