@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,e2e,bench,docs,campaign]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,test,proofs,e2e,bench,docs,campaign]'
 	touch $(STAMP)
 
 verify: $(STAMP)
@@ -60,8 +60,8 @@ vllm: $(STAMP)
 # Config: [tool.mutmut] in pyproject.toml. Report: docs/mutation.md.
 mutation: $(STAMP)
 	rm -rf mutants
-	HYPOTHESIS_PROFILE=mutation $(BIN)/python -m fuzz.commands.mutation_run --max-children $$(nproc 2>/dev/null || echo 2) $(MUTATION_ARGS)
-	$(BIN)/python -m fuzz.commands.mutation_report  # exit 1 if a survivor is not triaged
+	HYPOTHESIS_PROFILE=mutation $(BIN)/python -m kvspec.fuzz.commands.mutation_run --max-children $$(nproc 2>/dev/null || echo 2) $(MUTATION_ARGS)
+	$(BIN)/python -m kvspec.fuzz.commands.mutation_report  # exit 1 if a survivor is not triaged
 
 # Mutation of the lines changed since git revision BASE (a PR's lines):
 # survivors with file:line and the mutation (docs/mutation.md).
@@ -80,7 +80,7 @@ docs: $(STAMP)
 # rewritten from the registry, the schema and the records; tests/test_docs.py fails
 # while one is stale.
 docs-tables: $(STAMP)
-	$(BIN)/python -m fuzz.docgen write
+	$(BIN)/python -m kvspec.fuzz.docgen write
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict -a 127.0.0.1:8000

@@ -45,7 +45,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from spec.rows import element_bits, identify
+from kvspec.spec.rows import element_bits, identify
 
 #: seconds waited for one reply line (a hang guard, not a verdict)
 DEFAULT_TIMEOUT = 10.0
@@ -112,7 +112,7 @@ def _validator(part: str) -> Any:
     plugs in here, keyed by the hello's ``kvproto``."""
     import jsonschema
 
-    doc = json.loads(resources.files("fuzz").joinpath("kvproto.schema.json").read_text())
+    doc = json.loads(resources.files("kvspec.fuzz").joinpath("kvproto.schema.json").read_text())
     base = jsonschema.Draft202012Validator
     strict = jsonschema.validators.extend(base, type_checker=base.TYPE_CHECKER.redefine(
         "integer", lambda _c, x: isinstance(x, int) and not isinstance(x, bool)))
@@ -473,7 +473,7 @@ def _hello_problems(reply: dict[str, Any], report: Report) -> dict[str, Any] | N
     d = kinds["dense"]
     lists = {k: d.get(k) if isinstance(d.get(k), list) else [] for k in ("modes", "dtypes", "fields", "ops",
                                                                         "observables")}
-    from fuzz import kinds as registry
+    from kvspec.fuzz import kinds as registry
 
     known_ops = [op for op in registry.get("dense").all_ops if op != "expect"]
     for op in lists["ops"]:
@@ -517,7 +517,7 @@ def _v2_kind_problems(kinds: dict[str, Any], others: list[str], report: Report) 
     fuzz --target exec:`` holds them (fuzz/adapters/exec.py hello_problems):
     a cache field or op that is not the kind's, masks for a kind whose masks
     kvproto/2 does not carry; each a problem, not only a note."""
-    from fuzz import kinds as registry
+    from kvspec.fuzz import kinds as registry
 
     for kind in others:
         d = kinds.get(kind)
@@ -834,12 +834,12 @@ def check_class(spec: str) -> Report:
     """Check a cache class target ``module:Class`` (or any ``--target``
     that names a target): its declaration, the members the target API
     needs, and a small canned trace replayed against the spec. Raises
-    fuzz.targets.TargetError when ``spec`` names nothing importable (a
+    kvspec.fuzz.targets.TargetError when ``spec`` names nothing importable (a
     usage error)."""
     import inspect
 
-    from fuzz import targets
-    from fuzz.targets import CLASS_KINDS, REQUIRED_METHODS, TargetError
+    from kvspec.fuzz import targets
+    from kvspec.fuzz.targets import CLASS_KINDS, REQUIRED_METHODS, TargetError
 
     report = Report(spec)
     obj = None
@@ -882,10 +882,10 @@ def check_class(spec: str) -> Report:
 
 
 def _class_session(target: Any, kind: str, doc: dict[str, Any], report: Report) -> None:
-    from fuzz.failures import TargetCapabilityError
-    from fuzz.lockstep import Divergence
-    from fuzz.replay import make_lockstep
-    from fuzz.trace import TraceFormatError, parse
+    from kvspec.fuzz.failures import TargetCapabilityError
+    from kvspec.fuzz.lockstep import Divergence
+    from kvspec.fuzz.replay import make_lockstep
+    from kvspec.fuzz.trace import TraceFormatError, parse
 
     c = target.cache_class(kind, "fp16")
     ops = [op for op in doc["ops"] if c is None or op["op"] not in c.skipped]

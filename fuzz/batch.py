@@ -1,9 +1,9 @@
-"""Batch caches in lockstep with B single caches (``spec.batch``, semantics.md 7).
+"""Batch caches in lockstep with B single caches (``kvspec.spec.batch``, semantics.md 7).
 
-A Hypothesis state machine drives a batch cache (``impl.batch.BatchKVCache``,
+A Hypothesis state machine drives a batch cache (``kvspec.impl.batch.BatchKVCache``,
 or the batch ring) and, beside it, one single cache of ours per sequence
 (the reference: "a batch of B behaves as B independent caches") and the
-spec's layout arithmetic (``spec.batch``). Ops, with tiny sizes (batch 1
+spec's layout arithmetic (``kvspec.spec.batch``). Ops, with tiny sizes (batch 1
 to 3, 1 to 3 heads, K and V head dims that differ, step 1 to 8, ring
 windows 2 to 8, ragged lengths so that rings wrap in some rows only) and
 rows in float16, bfloat16 or float32 (a window is compared with its dtype,
@@ -18,17 +18,17 @@ so a dtype a merge, grow or extend drops is seen):
 * ``filter``: keep an ordered subset of the sequences;
 * ``extend``: merge fresh single caches and append them;
 * ``trim`` (dense): the same count from every sequence, counts from -3
-  (spec.batch: a trim of ``n <= 0`` takes nothing) to 8 (so that a batch
+  (kvspec.spec.batch: a trim of ``n <= 0`` takes nothing) to 8 (so that a batch
   of equal offsets is trimmed back to idx 0);
 * ``extract``: one sequence back as a single cache; a dense one then goes
-  on in lockstep with spec.dense at the batch's step (its step, capacity
+  on in lockstep with kvspec.spec.dense at the batch's step (its step, capacity
   and regrow on a few decode rows), so a lost setting is seen;
 * ``announced`` (dense): mlx-lm's announced left padding. On a batch that
   holds no positions (empty, or trimmed back to idx 0): a block shorter
   than it (refused by the spec and the batch, which must change nothing),
   then a block at least as wide; on a batch that holds positions the
   announcement itself is refused (InvalidArgumentError, nothing changed);
-* ``refused`` (dense): an argument spec.batch refuses: a filter with a
+* ``refused`` (dense): an argument kvspec.spec.batch refuses: a filter with a
   duplicate, out-of-range or no index, an out-of-range extract; both the
   spec and the batch must raise InvalidArgumentError, and nothing may
   change (layout, offsets, every window, the masks: the full check);
@@ -62,11 +62,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mlx import nn
 
-from impl.dense import KVCache
-from impl.rotating import RotatingKVCache
-from spec import batch as sb
-from spec import dense as sd
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import batch as sb
+from kvspec.spec import dense as sd
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 class BatchDivergence(AssertionError):
@@ -174,7 +174,7 @@ class Run:
     def announced(self, arg: tuple[tuple[int, ...], int, int]) -> None:
         """mlx-lm's announced left padding on an empty batch
         (``prepare(left_padding=...)``), a block shorter than the padding
-        (refused by both spec.batch.announced_block and the batch, which
+        (refused by both kvspec.spec.batch.announced_block and the batch, which
         must change nothing: still empty, the announced layout), then a
         block as wide as the padding or wider; sequence ``i`` keeps the
         block's rows after its padding."""
@@ -183,7 +183,7 @@ class Run:
         if self.layout.idx != 0:  # the batch holds positions: the announcement itself is refused
             self.log.append(f"announced {list(left)} (refused: idx {self.layout.idx})")
             self.expect_refusal("announced", lambda: self.batch.prepare(left_padding=list(left)),
-                                InvalidArgumentError, "spec.batch.announced_block")
+                                InvalidArgumentError, "kvspec.spec.batch.announced_block")
             self.check("announced")
             return
         self.log.append(f"announced {list(left)}: block {short} (refused), block {width}")
@@ -193,7 +193,7 @@ class Run:
         except InvalidArgumentError:
             pass
         else:  # the draw is meant to be refused: a draw bug, not an impl one
-            raise AssertionError(f"spec.batch accepts a block of {short} under padding {left}: not a refused draw")
+            raise AssertionError(f"kvspec.spec.batch accepts a block of {short} under padding {left}: not a refused draw")
         pads = tuple(p + q for p, q in zip(self.layout.pads, left))
         b = len(self.singles)
         self.batch.prepare(left_padding=list(left))
@@ -203,10 +203,10 @@ class Run:
             pass
         except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
             self.fail("announced", f"a block of {short} under padding {list(pads)} raised {type(exc).__name__}: "
-                                   f"{exc}; spec.batch.announced_block raises InvalidArgumentError")
+                                   f"{exc}; kvspec.spec.batch.announced_block raises InvalidArgumentError")
         else:
             self.fail("announced", f"a block of {short} under padding {list(pads)} accepted; "
-                                   "spec.batch.announced_block refuses it")
+                                   "kvspec.spec.batch.announced_block refuses it")
         got = self.batch.layout
         if self.batch.empty() != was_empty or (got.idx, tuple(got.pads)) != (0, pads):
             self.fail("announced", f"the refused block changed the batch: empty={self.batch.empty()} (was "
@@ -262,7 +262,7 @@ class Run:
             self.extracted_lockstep(i, one)
 
     def extracted_lockstep(self, i: int, one: KVCache) -> None:
-        """The extracted cache against spec.dense: a fresh Fp16 cache of the
+        """The extracted cache against kvspec.spec.dense: a fresh Fp16 cache of the
         batch's step that took the sequence's rows in one block, then three
         decode rows; step, offset and capacity must agree after each."""
         step = self.shape.step
@@ -274,13 +274,13 @@ class Run:
         for j in range(4):
             if (one.offset, one.capacity) != (ref.offset, ref.capacity):
                 self.fail("extract", f"sequence {i} after {j} decode rows: offset {one.offset} capacity "
-                                     f"{one.capacity}, spec.dense at step {step}: offset {ref.offset} "
+                                     f"{one.capacity}, kvspec.spec.dense at step {step}: offset {ref.offset} "
                                      f"capacity {ref.capacity}")
             one.update_and_fetch(*self.rows(1, 1))
             _, ref = sd.append(ref, (ref.offset,))
 
     def refused(self, arg: tuple[str, Any]) -> None:
-        """An argument spec.batch refuses: InvalidArgumentError from both,
+        """An argument kvspec.spec.batch refuses: InvalidArgumentError from both,
         and nothing changed (the full check against the singles and the
         unchanged layout)."""
         op, value = arg
@@ -292,15 +292,15 @@ class Run:
         except InvalidArgumentError:
             pass
         else:  # the draw is meant to be refused: a draw bug, not an impl one
-            raise AssertionError(f"spec.batch accepts {op} {value!r}: not a refused draw")
+            raise AssertionError(f"kvspec.spec.batch accepts {op} {value!r}: not a refused draw")
         try:
             getattr(self.batch, op)(list(value) if op == "filter" else value)
         except InvalidArgumentError:
             pass
         except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
-            self.fail(op, f"{value!r} raised {type(exc).__name__}: {exc}; spec.batch raises InvalidArgumentError")
+            self.fail(op, f"{value!r} raised {type(exc).__name__}: {exc}; kvspec.spec.batch raises InvalidArgumentError")
         else:
-            self.fail(op, f"{value!r} accepted; spec.batch raises InvalidArgumentError")
+            self.fail(op, f"{value!r} accepted; kvspec.spec.batch raises InvalidArgumentError")
         self.check(op)
 
     def expect_refusal(self, op: str, call: Any, want: type, rule: str) -> None:
@@ -384,7 +384,7 @@ class Run:
                 self.extract_silently(op, i)
             return
         assert self.layout is not None
-        got = self.batch.layout  # impl's own record (impl.batch.BatchLayout): compared field by field
+        got = self.batch.layout  # impl's own record (kvspec.impl.batch.BatchLayout): compared field by field
         if (got.idx, tuple(got.pads)) != (self.layout.idx, self.layout.pads):
             self.fail(op, f"layout idx={got.idx} pads={tuple(got.pads)}, spec says idx={self.layout.idx} "
                           f"pads={self.layout.pads}")
@@ -402,7 +402,7 @@ class Run:
                     rule = [j for j in range(idx + n) if sb.visible(self.layout, i, idx + q, j, window)]
                     if seen != rule:
                         self.fail(op, f"sequence {i}: query {q} of {n} (window {window}) sees positions {seen}, "
-                                      f"spec.batch.visible says {rule} (padding {self.layout.pads[i]})")
+                                      f"kvspec.spec.batch.visible says {rule} (padding {self.layout.pads[i]})")
 
     def extract_silently(self, op: str, i: int) -> None:
         one = self.batch.extract(i)
@@ -415,7 +415,7 @@ LENGTHS = st.lists(st.integers(0, 6), min_size=1, max_size=3).map(tuple)
 
 
 def refused_args(b: int) -> st.SearchStrategy[tuple[str, Any]]:
-    """A filter or extract argument spec.batch refuses for a batch of
+    """A filter or extract argument kvspec.spec.batch refuses for a batch of
     ``b``: a duplicate index, an index out of [0, b) (below or at/above),
     no index at all; an extract index out of range."""
     out_of_range = st.one_of(st.integers(-3, -1), st.integers(b, b + 2))
@@ -503,12 +503,12 @@ class BatchHarnessFailure(Exception):
 
 def _classify(exc: Exception, log: list[str]) -> Exception:
     """Whose failure ``exc`` (not a BatchDivergence) is: raised in the
-    harness's own code (fuzz.failures.harness_dirs with impl as the target:
+    harness's own code (kvspec.fuzz.failures.harness_dirs with impl as the target:
     ``fuzz/`` less ``fuzz/bugs/``, and ``spec/``), a
     :class:`BatchHarnessFailure`; else (raised in ``impl/``, an injected
     bug's class, or MLX called from them) the batch cache crashed on an op
     the single caches and the spec ran: a :class:`BatchDivergence`."""
-    from fuzz.failures import _is_harness, raised_in
+    from kvspec.fuzz.failures import _is_harness, raised_in
 
     where = raised_in(exc)
     ops = "; ".join(log)
@@ -516,7 +516,7 @@ def _classify(exc: Exception, log: list[str]) -> Exception:
         return BatchHarnessFailure(f"op {len(log) - 1}: the harness raised {type(exc).__name__}: {exc} (in {where}; "
                                    f"a tool failure, not a divergence)\n  ops: {ops}")
     return BatchDivergence(f"op {len(log) - 1}: the batch cache raised {type(exc).__name__}: {exc} (in {where}); "
-                           f"the single caches and spec.batch ran it\n  ops: {ops}")
+                           f"the single caches and kvspec.spec.batch ran it\n  ops: {ops}")
 
 
 @dataclass
@@ -610,16 +610,16 @@ def catch(bug: Any, max_examples: int = 150, shrink: bool = True, search_seed: i
 
 # -- the recurrent kind: a batch RecurrentCache beside B single ones ------------------------
 #
-# The batch RecurrentCache (impl.recurrent, a drop-in for mlx-lm's ArraysCache) in
+# The batch RecurrentCache (kvspec.impl.recurrent, a drop-in for mlx-lm's ArraysCache) in
 # lockstep with one single RecurrentCache per sequence: the singles run the
-# recurrent harness's layer (fuzz.recurrent.FakeMixer, through the step
+# recurrent harness's layer (kvspec.fuzz.recurrent.FakeMixer, through the step
 # recorder), the batch runs the same recurrence as mlx-lm's batched mixers
 # run it (:class:`BatchMixer`). After every op, every sequence's conv window
 # and recurrent state (dtype and bytes) equal its single cache's.
 
 
 class BatchMixer(nn.Module):
-    """The harness's recurrent layer (``fuzz.recurrent.FakeMixer``'s exact
+    """The harness's recurrent layer (``kvspec.fuzz.recurrent.FakeMixer``'s exact
     recurrence: the conv window is the last ``kernel - 1`` input rows, the
     state per batch element ``(t, h1, h2)``) as mlx-lm's batched mixers
     (qwen3_next's GatedDeltaNet, lfm2's ShortConv) run it: ``mask`` (B, S)
@@ -636,7 +636,7 @@ class BatchMixer(nn.Module):
         self.size = size
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        from fuzz.recurrent import HASHES, STATE_WIDTH
+        from kvspec.fuzz.recurrent import HASHES, STATE_WIDTH
 
         B, S, C = x.shape
         k = self.conv_kernel_size - 1
@@ -705,8 +705,8 @@ class RecurrentRun:
     failure message) and the log of ops."""
 
     def __init__(self, shape: RecurrentShape, single: type, seed: int):
-        from fuzz.recurrent import FakeModel
-        from impl.recurrent import record_steps
+        from kvspec.fuzz.recurrent import FakeModel
+        from kvspec.impl.recurrent import record_steps
 
         self.shape, self.single = shape, single
         self.rng = np.random.default_rng(seed)
@@ -743,7 +743,7 @@ class RecurrentRun:
             if (kernel or s.kernel, size or s.size) == (s.kernel, s.size):
                 self.feed(c, self.rows(1, length, dtype, channels))
             else:  # an odd layer: its own model
-                from fuzz.recurrent import FakeModel
+                from kvspec.fuzz.recurrent import FakeModel
 
                 FakeModel(kernel or s.kernel, size or s.size)(self.rows(1, length, dtype, channels), None, c)
         return c
@@ -838,7 +838,7 @@ class RecurrentRun:
         self.check("extract")
 
     def refused(self, arg: tuple[str, Any]) -> None:
-        """An argument spec.batch refuses: InvalidArgumentError, nothing changed."""
+        """An argument kvspec.spec.batch refuses: InvalidArgumentError, nothing changed."""
         op, value = arg
         self.log.append(f"{op} {value!r} (refused)")
         before = self.held()
@@ -900,8 +900,8 @@ class RecurrentRun:
         except InvalidArgumentError:
             return
         except Exception as exc:  # noqa: BLE001 - the wrong refusal is the divergence
-            self.fail(op, f"raised {type(exc).__name__}: {exc}; spec.batch refuses it with InvalidArgumentError")
-        self.fail(op, "accepted; spec.batch refuses it (InvalidArgumentError, nothing changed)")
+            self.fail(op, f"raised {type(exc).__name__}: {exc}; kvspec.spec.batch refuses it with InvalidArgumentError")
+        self.fail(op, "accepted; kvspec.spec.batch refuses it (InvalidArgumentError, nothing changed)")
 
     def fail(self, op: str, what: str) -> None:
         raise BatchDivergence(f"op {len(self.log) - 1} {op}: {what}\n  ops: {'; '.join(self.log)}")
@@ -1007,7 +1007,7 @@ def run_recurrent_program(program: tuple[RecurrentShape, tuple[Any, ...], list[t
     """Run one recurrent program in lockstep (``single``: the RecurrentCache
     class, an injected bug's); raises :class:`BatchDivergence` on a
     disagreement, or whatever the batch cache or the harness raised."""
-    from impl.recurrent import RecurrentCache
+    from kvspec.impl.recurrent import RecurrentCache
 
     shape, (how, arg), ops = program
     run = RecurrentRun(shape, single or RecurrentCache, seed)

@@ -19,18 +19,18 @@ from hypothesis import seed as hyp_seed
 from hypothesis.errors import Flaky
 from hypothesis.stateful import get_state_machine_test
 
-from fuzz import interrupt, kinds
-from fuzz.failures import HarnessFailure
-from fuzz.lockstep import Divergence
-from fuzz.machine import EDGE_RULES, KVMachine
-from fuzz.program import get_program_test, simplest_config
-from fuzz.replay import make_lockstep, replay
-from fuzz.targets import BUILTIN, resolve
-from fuzz.trace import Trace, TraceFormatError, cache_defaults, parse, write
-from spec.errors import KVCacheError
+from kvspec.fuzz import interrupt, kinds
+from kvspec.fuzz.failures import HarnessFailure
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.machine import EDGE_RULES, KVMachine
+from kvspec.fuzz.program import get_program_test, simplest_config
+from kvspec.fuzz.replay import make_lockstep, replay
+from kvspec.fuzz.targets import BUILTIN, resolve
+from kvspec.fuzz.trace import Trace, TraceFormatError, cache_defaults, parse, write
+from kvspec.spec.errors import KVCacheError
 
 #: how a batch runs a machine's rules: Hypothesis's stateful engine (a
-#: choice per rule step) or fuzz.program's (one byte string per example,
+#: choice per rule step) or kvspec.fuzz.program's (one byte string per example,
 #: decoded into the same rules)
 ENGINES = ("stateful", "program")
 
@@ -55,7 +55,7 @@ def machine_for(kind: str, mode: str = "fp16", inplace: bool = True, factories: 
     registry entry that runs ``kind`` in ``mode`` (fuzz/kinds.py), bound to ``mode``, the in-place
     switch, the implementation ``factories`` (injected bugs) and pinned cache
     fields ``fixed``. Class attributes, so runs in one process never share
-    statistics. ``target`` (a name or ``fuzz.targets.Target``; None:
+    statistics. ``target`` (a name or ``kvspec.fuzz.targets.Target``; None:
     ``impl``) picks the implementation and the ops it runs. Raises
     UnknownKindError for a kind the registry does not have."""
     base: type[KVMachine] = kinds.get(kind, mode).machine_class()
@@ -169,7 +169,7 @@ class RunResult:
     #: shrinking was stopped by its limit (:func:`shrink_limit`)
     shrink_cut: bool = False
     #: the failure was seen once and Hypothesis could not replay it: both
-    #: answers (``error`` is then a ``fuzz.machine.FlakyVerdict``, a tool
+    #: answers (``error`` is then a ``kvspec.fuzz.machine.FlakyVerdict``, a tool
     #: failure, and ``trace`` the run that failed)
     flaky: str | None = None
 
@@ -288,7 +288,7 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
         # Hypothesis saw an op diverge and could not make that example
         # diverge again (FlakyFailure), or drew it differently when it
         # tried (FlakyStrategyDefinition): one run gave two answers, a
-        # tool failure naming both (fuzz.machine.FlakyVerdict), never a
+        # tool failure naming both (kvspec.fuzz.machine.FlakyVerdict), never a
         # finding; the run that diverged is the trace, unshrunk
         error = machine.flaky_verdict(error)
         flaky = str(error)
@@ -306,7 +306,7 @@ def run_machine(machine: type[KVMachine], seed: int, max_examples: int = 50, ste
     seconds = time.perf_counter() - start  # the reduction is shrinking: counted with it
     # a trace only of a divergence: a target that cannot run an op, or the
     # harness's own crash, is no verdict (exit 2), and its run is no
-    # "minimal trace" of anything (fuzz.replay.failure_status); a flaky
+    # "minimal trace" of anything (kvspec.fuzz.replay.failure_status); a flaky
     # verdict keeps the run that diverged, the evidence of its first answer
     trace = failure_trace(machine, error) if isinstance(error, (Divergence, AssertionError)) or flaky else None
     caught = machine.first_failure
@@ -347,7 +347,7 @@ class _Replays:
     def diverges(self, cfg: dict[str, Any], candidate: list[dict[str, Any]], valid: bool = False) -> Divergence | None:
         """The candidate's divergence if it fails the same way, else None.
         ``valid=True``: a candidate that is no valid kvtrace up to that op
-        (fuzz.trace's schema and rules: a batch of 0, an append of no rows)
+        (kvspec.fuzz.trace's schema and rules: a batch of 0, an append of no rows)
         is refused too."""
         key = json.dumps([cfg, candidate], sort_keys=True, default=repr)
         if key in self.seen:
@@ -409,7 +409,7 @@ def reduce_run(machine: type[KVMachine], error: Divergence, seconds: float | Non
     from the end, then single ops again until none can go, for at most
     ``seconds`` (None: to the end; bounded by the run's length, the same
     result on an idle or a loaded machine). The engines shrink the
-    *choices* that make a run (Hypothesis's rule steps, or fuzz.program's
+    *choices* that make a run (Hypothesis's rule steps, or kvspec.fuzz.program's
     bytes), where a composite rule step is several ops it cannot split;
     this pass shrinks the ops themselves. ``last_run`` becomes the reduced
     run; returns the reduced run's divergence (``error`` when nothing was
@@ -472,12 +472,12 @@ def shrink_run(machine: type[KVMachine], error: Divergence, seconds: float | Non
     of them keeps the same failure (:func:`_signature`), two adjacent ops
     merged into one (:func:`_merged`), an op's field made simpler
     (:func:`_simpler`) and a cache field set to its value in the machine's
-    simplest configuration (``fuzz.program.simplest_config``: every draw
+    simplest configuration (``kvspec.fuzz.program.simplest_config``: every draw
     at its simplest; an integer may stop between the two; a field that has
     none there left out; never ``kind``,
     ``mode``, ``inplace`` or the machine's ``fixed`` fields), each followed
     by the deletions again, until none applies; a candidate that is no
-    valid kvtrace (fuzz.trace's schema and rules) is refused.
+    valid kvtrace (kvspec.fuzz.trace's schema and rules) is refused.
     Every accepted change makes the run simpler (fewer ops, simpler values,
     or cache fields nearer the simplest configuration), so it ends; it is
     bounded by replays
@@ -693,7 +693,7 @@ def campaign(kind: str, mode: str, inplace: bool, budget: float, seed: int, fact
     """Run seeded batches until ``budget`` seconds of search are spent or
     one fails; at least one batch, so a campaign never checks nothing.
     Shrinking a failure is timed apart (``shrink_seconds``). ``target``
-    (name or ``fuzz.targets.Target``; None: ``impl``) picks the
+    (name or ``kvspec.fuzz.targets.Target``; None: ``impl``) picks the
     implementation under test; non-impl configs are labelled with it.
     ``progress(text)`` is called after every batch and when a failure is
     found. ``reach``: events (``stats`` labels) the campaign must reach;
@@ -758,9 +758,9 @@ def run_share(runs: list[tuple[str, str, bool, int]], budget: float, bug: str | 
     failure shrunk for at most ``shrink_budget`` seconds, on ``engine``
     (:data:`ENGINES`; None: :func:`default_engine`). Failures
     come back as :class:`FoundInWorker` with their trace."""
-    from fuzz.bugs import by_name
-    from fuzz.device import select
-    from fuzz.replay import failure_status
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.device import select
+    from kvspec.fuzz.replay import failure_status
 
     select(None)  # the parent's device (KVSPEC_DEVICE), in this worker too
     factories = by_name(bug).factories if bug else None
@@ -811,7 +811,7 @@ def catch_bug(bug, seed: int, max_examples: int, out_dir: Path, fixed: dict | No
         # failed outside a rule (e.g. in an invariant): count the whole run
         result.examples_to_catch, result.seconds_to_catch = result.examples, result.seconds
     if result.error is not None and not isinstance(result.error, (Divergence, AssertionError)):
-        # the state machine itself raised (a harness fault, fuzz.failures):
+        # the state machine itself raised (a harness fault, kvspec.fuzz.failures):
         # no check caught the bug, whether or not a trace was kept
         cause = result.error.error if isinstance(result.error, HarnessFailure) else result.error
         what = (str(cause).splitlines() or [""])[0]

@@ -1,10 +1,10 @@
-"""The cells kind's harness: llama.cpp's KV memory model (``spec.cells``)
+"""The cells kind's harness: llama.cpp's KV memory model (``kvspec.spec.cells``)
 in lockstep with a cells target, and its state machine.
 
 A **cells target** is anything that runs the memory's ops and shows its
 cells (:class:`CellsTarget`, docs/cells.md): our MLX cache
-(``impl.cells.CellCache``, wrapped by :class:`OursTarget`) or llama.cpp
-(``fuzz.adapters.llama_cpp``). The lockstep (:class:`CellsLockstep`) runs
+(``kvspec.impl.cells.CellCache``, wrapped by :class:`OursTarget`) or llama.cpp
+(``kvspec.fuzz.adapters.llama_cpp``). The lockstep (:class:`CellsLockstep`) runs
 every op on the spec and on the target and compares, after every op:
 
 * the op's result (a bool of ``decode``/``seq_rm``/``restore``, the
@@ -24,14 +24,14 @@ every op on the spec and on the target and compares, after every op:
 **Adoption** (which droppable windowed cells a decode reuses is the
 target's choice): after a decode, cells of the window store that the spec
 holds and the target does not are accepted only if each was droppable
-before the decode (``spec.cells.droppable``); the spec is then told to
+before the decode (``kvspec.spec.cells.droppable``); the spec is then told to
 drop them, and the op records them (``drops``) so that the trace replays to
 the same state on the spec alone. A target that declares the spec's drop
 policy must drop the spec's positions; no target drops cells of more
 sequences than free cells lack. Any other missing cell, and any extra one,
 is a divergence.
 
-Plugging another engine in takes two calls (``fuzz.cells_runs``, a runner
+Plugging another engine in takes two calls (``kvspec.fuzz.cells_runs``, a runner
 above this module): ``cells_campaign`` (a seeded campaign against
 ``target_factory(cache) -> CellsTarget``, a failure shrunk to a minimal
 kvtrace) and ``replay_cells`` (one trace); both reach this lockstep through
@@ -49,13 +49,13 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, initialize, precondition, rule
 
-from fuzz.failures import Divergence
-from fuzz.lockstep import Outcome, error_text, same_value
-from fuzz.machine import KVMachine
-from fuzz.protocol import refusal_category
-from fuzz.trace import TraceFormatError
-from spec import cells as sc
-from spec.errors import KVCacheError, StateError
+from kvspec.fuzz.failures import Divergence
+from kvspec.fuzz.lockstep import Outcome, error_text, same_value
+from kvspec.fuzz.machine import KVMachine
+from kvspec.fuzz.protocol import refusal_category
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.spec import cells as sc
+from kvspec.spec.errors import KVCacheError, StateError
 
 __all__ = ["CellRows", "CellsLockstep", "CellsMachine", "CellsTarget", "OursTarget", "target_factories"]
 
@@ -64,7 +64,7 @@ class CellsTarget(Protocol):
     """A KV memory of llama.cpp's kind, driven op by op (design of the
     ``cells`` kind, docs/cells.md). Positions are ints >= 0, sequence ids
     ``0..n_seq - 1`` (``-1`` in ``seq_rm``: every sequence), ``p1 None``:
-    to infinity. Bad arguments raise ``spec.errors.KVCacheError``
+    to infinity. Bad arguments raise ``kvspec.spec.errors.KVCacheError``
     subclasses (another engine may raise its own: refusals are compared by
     category), and a refusal changes nothing."""
 
@@ -113,7 +113,7 @@ class CellRows:
     head_dim)``, drawn from a generator seeded by (store, token, K or V),
     entries in [0.5, 1.5) with random signs (never near 0, so rotations
     are told apart); the K row at ``pos`` is the base rotated by ``pos``
-    with ``rope`` (the target's rotate-half RoPE, ``impl.cells.rope_shift``
+    with ``rope`` (the target's rotate-half RoPE, ``kvspec.impl.cells.rope_shift``
     for ours), V is the base. Names are found by the nearest table entry
     within :data:`K_TOLERANCE`; the table grows to every position seen plus
     :data:`TABLE_MARGIN`."""
@@ -138,7 +138,7 @@ class CellRows:
         return got
 
     def _cast(self, x: np.ndarray) -> np.ndarray:
-        from fuzz.rows import round_to_bfloat16
+        from kvspec.fuzz.rows import round_to_bfloat16
 
         if self.dtype == "float16":
             return x.astype(np.float16).astype(np.float32)
@@ -193,14 +193,14 @@ class CellRows:
 
 
 def _impl() -> Any:
-    from impl import cells
+    from kvspec.impl import cells
 
     return cells
 
 
 def _host(a: Any) -> np.ndarray:
     """A row as float32: an ``mx.array``, or a NumPy copy from
-    ``impl.cells`` (bfloat16 as its uint16 bit pattern)."""
+    ``kvspec.impl.cells`` (bfloat16 as its uint16 bit pattern)."""
     import mlx.core as mx
 
     if isinstance(a, mx.array):
@@ -212,9 +212,9 @@ def _host(a: Any) -> np.ndarray:
 
 
 class OursTarget:
-    """``impl.cells.CellCache`` (or an injected bug's subclass, ``factory``)
+    """``kvspec.impl.cells.CellCache`` (or an injected bug's subclass, ``factory``)
     as a :class:`CellsTarget`: rows made and named by :class:`CellRows`
-    with ``impl.cells.rope_shift``."""
+    with ``kvspec.impl.cells.rope_shift``."""
 
     def __init__(self, cfg: dict[str, Any], factory: Any = None):
         import mlx.core as mx
@@ -240,7 +240,7 @@ class OursTarget:
     @property
     def drop_policy(self) -> str | None:
         """The cache's declared choice of droppable window cells
-        (``impl.cells.CellCache.drop_policy``)."""
+        (``kvspec.impl.cells.CellCache.drop_policy``)."""
         return getattr(self.cache, "drop_policy", None)
 
     def decode(self, seqs: tuple[int, ...], tokens: tuple[int, ...], pos0: int, drops: Any = None) -> bool:
@@ -282,7 +282,7 @@ class OursTarget:
         return self.cache.pos_max(seq)
 
     def lost(self, seq: int) -> frozenset[int]:
-        """The cache's lost positions of ``seq`` (``impl.cells.CellCache.lost``)."""
+        """The cache's lost positions of ``seq`` (``kvspec.impl.cells.CellCache.lost``)."""
         return self.cache.lost(seq)
 
     def save(self, seq: int) -> Any:
@@ -323,12 +323,12 @@ class OursTarget:
         return out
 
 
-# -- the spec side (spec.cells: frozen states, each op a new state) -------------
+# -- the spec side (kvspec.spec.cells: frozen states, each op a new state) -------------
 
 
 @dataclass
 class CellsWorld:
-    """The spec's memory (a frozen ``spec.cells.CellsState``) and the
+    """The spec's memory (a frozen ``kvspec.spec.cells.CellsState``) and the
     snapshots the trace saved, by name: ``(snapshot, the sequence saved)``."""
 
     memory: Any
@@ -428,7 +428,7 @@ def _spec_run_dropping(world: CellsWorld, op: dict[str, Any], index: int, drops:
 
 def recorded_drops(op: dict[str, Any], index: int) -> list[Any]:
     """An op's recorded ``drops`` (the window cells the target that ran
-    the trace dropped, as ``spec.cells.drop`` takes them: ``[pos, [seq,
+    the trace dropped, as ``kvspec.spec.cells.drop`` takes them: ``[pos, [seq,
     ...], token]`` or ``[[pos, [seq, ...], token], seq]``), checked for
     shape; [] when absent. Raises TraceFormatError naming the field."""
     if "drops" not in op:
@@ -448,7 +448,7 @@ def recorded_drops(op: dict[str, Any], index: int) -> list[Any]:
 
 
 def drops_json(items: list[Any]) -> list[Any]:
-    """``spec.cells.drop`` items as a kvtrace's ``drops`` field: a key
+    """``kvspec.spec.cells.drop`` items as a kvtrace's ``drops`` field: a key
     ``[pos, [seq, ...], token]``, a pair ``[[pos, [seq, ...], token], seq]``."""
     out: list[Any] = []
     for item in items:
@@ -461,7 +461,7 @@ def drops_json(items: list[Any]) -> list[Any]:
 def drop_count_breach(seen: Any, n: int, items: list[Any], free_first: bool = True) -> str | None:
     """Why ``items`` drop more than a write of ``n`` cells needs, or None.
     The window store may reuse cells only while free cells run short: at
-    most ``n - free cells`` (``spec.cells.free_cells`` on ``seen``, the
+    most ``n - free cells`` (``kvspec.spec.cells.free_cells`` on ``seen``, the
     state the slot search saw) cells are reused; more may go only as
     purges (llama.cpp's ``apply_ubatch`` removes a sequence from its
     cells at or below a reused one), so the sequences the drops take cells
@@ -489,7 +489,7 @@ def _named(world: CellsWorld, op: dict[str, Any], index: int) -> tuple[Any, int]
 def adoption(before: Any, op: dict[str, Any], got: list[tuple[int, frozenset[int], Any, Any]],
              written: Any = None) -> list[Any]:
     """What a target's decode (or restore) dropped from the window store,
-    as ``spec.cells.drop`` items: a cell gone whole is its key ``(pos, seqs,
+    as ``kvspec.spec.cells.drop`` items: a cell gone whole is its key ``(pos, seqs,
     token)`` when one sequence held it, else one ``(key, seq)`` per holder;
     a cell still there for fewer holders gives ``(key, seq)`` per holder
     gone. ``before``: the spec's state the target's slot search saw (before
@@ -550,7 +550,7 @@ OBSERVABLES = ("pos_min", "pos_max", "lost")
 
 
 def cache_view(cache: Any) -> dict[str, Any]:
-    """Everything observable on an ``impl.cells.CellCache`` without
+    """Everything observable on an ``kvspec.impl.cells.CellCache`` without
     changing it: per store its cells ``(pos, seqs, K bytes, V bytes)`` as
     stored (pending shifts not applied) and its pending shifts, and
     ``lost(s)`` for every sequence id."""
@@ -570,15 +570,15 @@ SHIFT_OPS = frozenset({"seq_add", "seq_div"})
 
 
 class CellsLockstep:
-    """The spec (``spec.cells``) and a :class:`CellsTarget` in step, op by
+    """The spec (``kvspec.spec.cells``) and a :class:`CellsTarget` in step, op by
     op (the module's doc lists what is compared). ``factory``: None (our
-    ``impl.cells.CellCache``), a subclass of it (an injected bug), or
+    ``kvspec.impl.cells.CellCache``), a subclass of it (an injected bug), or
     ``{"target": target_factory}`` with ``target_factory(cache) ->
     CellsTarget`` (another engine). :meth:`step` raises :class:`Divergence`
     at the first disagreement, TraceFormatError for a trace it cannot run."""
 
     spec_module = sc
-    #: set by fuzz.targets for our implementation: refusals compared by type
+    #: set by kvspec.fuzz.targets for our implementation: refusals compared by type
     #: and words (another target's by category)
     compare_messages = False
     check_inplace = True
@@ -633,7 +633,7 @@ class CellsLockstep:
         """The op on the spec: (result, new world); nothing changes here."""
         return _spec_run(self.world, op, self._index)
 
-    # -- what kvspec render draws (fuzz.render.timeline) ------------------------------
+    # -- what kvspec render draws (kvspec.fuzz.render.timeline) ------------------------------
     def spec_views(self) -> dict[str, list[int]]:
         """Per sequence (``seq:<id>``) and store, its tokens in position order."""
         out = {}
@@ -784,7 +784,7 @@ class CellsLockstep:
     def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Outcome, impl_out: Outcome) -> None:
         """Both refuse or neither; ours with the spec's type (and, with
         :attr:`compare_messages`, words), another target in the same
-        category (fuzz.protocol.refusal_category; its own exception types
+        category (kvspec.fuzz.protocol.refusal_category; its own exception types
         through its ``refusal_categories``)."""
         s_err, i_err = spec_out.error, impl_out.error
         if s_err is None and i_err is None:
@@ -803,7 +803,7 @@ class CellsLockstep:
                              f"{impl_out.describe()} ({refusal_category(i_err, cats) or 'not a refusal: a crash'})")
 
     #: ops whose refusals the implementation words its own way (only its type
-    #: is compared): none, impl.cells words every refusal as spec.cells does
+    #: is compared): none, kvspec.impl.cells words every refusal as kvspec.spec.cells does
     OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset()
 
     def check_value(self, index: int, op: dict[str, Any], result: Any) -> None:
@@ -1000,7 +1000,7 @@ class CellsLockstep:
         if any(len(s) > 1 for st_ in self.target.stores for _, s, _ in spec_cells(self.world.memory, st_)):
             self.reached("shared cells")
 
-    # -- kvtrace annotations (fuzz.campaign.annotate) ----------------------------
+    # -- kvtrace annotations (kvspec.fuzz.campaign.annotate) ----------------------------
     def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
         if op["op"] in ("decode", "seq_rm", "restore") and isinstance(result, bool):
             return {"returns": result}
@@ -1044,7 +1044,7 @@ class CellsMachine(KVMachine):
     fetch = hold = release_hold = trim = trim_to = snapshot = restore = drop = branch = misuse_name = None  # type: ignore[assignment]
 
     def setup(self, **cfg: Any) -> None:
-        from fuzz.kinds import get as kind_entry
+        from kvspec.fuzz.kinds import get as kind_entry
 
         type(self).runs += 1
         entry = kind_entry(self.kind, self.mode)
@@ -1057,7 +1057,7 @@ class CellsMachine(KVMachine):
         self.cfg["window_cells"] = window_cells(self.cfg) if "window" in self.cfg["stores"] else self.cfg["n_cells"]
         self.cfg = {k: v for k, v in self.cfg.items() if v is not None or k == "window"}
         if self.make_lockstep is None:
-            raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
+            raise TypeError(f"{type(self).__name__}: build machines with kvspec.fuzz.campaign.machine_for")
         self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
         self.without = entry.without
 
@@ -1312,8 +1312,8 @@ class CellsMachine(KVMachine):
 
 
 def target_factories(target_factory: Any) -> dict[str, Any] | None:
-    """``fuzz.replay.make_lockstep``'s factories for a cells target: None
-    (ours), a subclass of ``impl.cells.CellCache`` (an injected bug) or a
+    """``kvspec.fuzz.replay.make_lockstep``'s factories for a cells target: None
+    (ours), a subclass of ``kvspec.impl.cells.CellCache`` (an injected bug) or a
     callable ``cache -> CellsTarget`` (another engine)."""
     if target_factory is None:
         return None

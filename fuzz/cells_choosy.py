@@ -1,14 +1,14 @@
 """A legal cells target that chooses other droppable window cells than the
-spec: ``HighestFirstCellCache``, our ``impl.cells.CellCache`` reusing the
+spec: ``HighestFirstCellCache``, our ``kvspec.impl.cells.CellCache`` reusing the
 droppable window cell of the HIGHEST position first (at a decode and at a
 restore). Which droppable cells a target reuses is its own choice
-(adoption, ``fuzz.cells.CellsLockstep.adopt``), so a campaign against it
+(adoption, ``kvspec.fuzz.cells.CellsLockstep.adopt``), so a campaign against it
 must agree with the spec everywhere: it runs the adoption branches that a
 target choosing as the spec does never reaches (tests/test_fuzz_cells.py)."""
 
 from __future__ import annotations
 
-from impl.cells import CellCache, _Store
+from kvspec.impl.cells import CellCache, _Store
 
 __all__ = ["HighestFirstCellCache"]
 

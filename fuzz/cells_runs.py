@@ -2,19 +2,19 @@
 seeded campaign, its failure shrunk to a minimal kvtrace) and
 ``replay_cells`` (one trace). Another engine (llama.cpp:
 ``fuzz/adapters/llama_cpp.py``) plugs in through these two calls with a
-``target_factory(cache) -> CellsTarget`` (``fuzz.cells.CellsTarget``); the
-lockstep is ``fuzz.cells.CellsLockstep``. This module sits with the
-runners (``fuzz.campaign``, ``fuzz.replay``), above the kinds' harnesses."""
+``target_factory(cache) -> CellsTarget`` (``kvspec.fuzz.cells.CellsTarget``); the
+lockstep is ``kvspec.fuzz.cells.CellsLockstep``. This module sits with the
+runners (``kvspec.fuzz.campaign``, ``kvspec.fuzz.replay``), above the kinds' harnesses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from fuzz.campaign import machine_for, run_machine
-from fuzz.cells import target_factories
-from fuzz.replay import ReplayResult, failure_status, replay
-from fuzz.trace import Trace, TraceFormatError, load
+from kvspec.fuzz.campaign import machine_for, run_machine
+from kvspec.fuzz.cells import target_factories
+from kvspec.fuzz.replay import ReplayResult, failure_status, replay
+from kvspec.fuzz.trace import Trace, TraceFormatError, load
 
 __all__ = ["CellsResult", "cells_campaign", "replay_cells"]
 
@@ -42,13 +42,13 @@ class CellsResult:
 def cells_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max_examples: int = 200,
                    seed: int = 0, shrink: bool = True, steps: int = 30) -> CellsResult:
     """Fuzz a cells target against the spec: ``max_examples`` examples of
-    ``fuzz.cells.CellsMachine`` from ``seed``. ``target_factory(cache) ->
+    ``kvspec.fuzz.cells.CellsMachine`` from ``seed``. ``target_factory(cache) ->
     CellsTarget`` builds the target for each example's cache fields (None:
     ours); ``cache`` pins cache fields (e.g. ``{"stores": ["full",
     "window"], "window": 4}`` for a model of that layout; None: all drawn).
     A divergence is shrunk (unless ``shrink=False``) to a minimal kvtrace
-    (:attr:`CellsResult.trace`, a ``fuzz.trace.Trace``; write it with
-    ``fuzz.trace.write``) that :func:`replay_cells` runs again."""
+    (:attr:`CellsResult.trace`, a ``kvspec.fuzz.trace.Trace``; write it with
+    ``kvspec.fuzz.trace.write``) that :func:`replay_cells` runs again."""
     machine = machine_for("cells", "fp16", True, target_factories(target_factory), fixed=cache or {})
     r = run_machine(machine, seed, max_examples=max_examples, steps=steps, shrink=shrink)
     status = "ok" if not r.failed else failure_status(r.error)
@@ -58,9 +58,9 @@ def cells_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max
 
 
 def replay_cells(trace: Any, target_factory: Any = None) -> ReplayResult:
-    """Run a cells kvtrace (a ``fuzz.trace.Trace``, or a path) on the spec
+    """Run a cells kvtrace (a ``kvspec.fuzz.trace.Trace``, or a path) on the spec
     and a target (``target_factory(cache) -> CellsTarget``; None: ours).
-    Returns ``fuzz.replay.ReplayResult`` (``ok``, ``divergence``); raises
+    Returns ``kvspec.fuzz.replay.ReplayResult`` (``ok``, ``divergence``); raises
     TraceFormatError for a trace it cannot run (the CLI's exit 2)."""
     if not isinstance(trace, Trace):
         trace = load(trace)

@@ -1,5 +1,5 @@
 """The dense cache's harness (kind ``dense``): the lockstep driver of
-``spec.dense`` against ``impl.dense.KVCache`` and its state machine."""
+``kvspec.spec.dense`` against ``kvspec.impl.dense.KVCache`` and its state machine."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import (
+from kvspec.fuzz.lockstep import Divergence, Lockstep
+from kvspec.fuzz.machine import (
     APPEND_N,
     HEAD_DIMS,
     KV_HEADS,
@@ -20,12 +20,12 @@ from fuzz.machine import (
     StateProtocolMachine,
     without_lifecycle,
 )
-from fuzz.masks import check_dense_masks
-from fuzz.quant_ref import int8_oracle, int8_oracle_host, quantize
-from impl.dense import CacheSnapshot, DetachedHandle, KVCache
-from impl.quant import dequantize_int8
-from spec import dense as sd
-from spec.errors import InvalidArgumentError
+from kvspec.fuzz.masks import check_dense_masks
+from kvspec.fuzz.quant_ref import int8_oracle, int8_oracle_host, quantize
+from kvspec.impl.dense import CacheSnapshot, DetachedHandle, KVCache
+from kvspec.impl.quant import dequantize_int8
+from kvspec.spec import dense as sd
+from kvspec.spec.errors import InvalidArgumentError
 
 
 class DenseOps:
@@ -100,7 +100,7 @@ class DenseLockstep(DenseOps, Lockstep):
 
     def stored_form(self, x: mx.array, mode: str = "fp16") -> mx.array:
         """Int8: the row quantized and read back by the NumPy oracle written
-        from the rule's text (fuzz.quant_ref), never by impl.quant."""
+        from the rule's text (kvspec.fuzz.quant_ref), never by kvspec.impl.quant."""
         if mode == "int8":
             if self.oracle_from_impl:
                 return dequantize_int8(*self.cache.quantize_rows(x), x.dtype)
@@ -120,7 +120,7 @@ class DenseLockstep(DenseOps, Lockstep):
     #: oracle existed, kept to show what that misses (a quantizer bug).
     oracle_from_impl = False
 
-    #: Compare make_mask with spec.dense.dense_mask_visible before every append.
+    #: Compare make_mask with kvspec.spec.dense.dense_mask_visible before every append.
     check_dense_masks = True
 
     def before_append(self, op: dict[str, Any]) -> None:
@@ -151,10 +151,10 @@ class DenseLockstep(DenseOps, Lockstep):
 
     def stored_int8(self, token: int) -> tuple[np.ndarray, ...]:
         """``(k codes, k scale, v codes, v scale)`` the oracle stores for a
-        token's rows (fuzz.quant_ref.quantize, from the rule's text)."""
+        token's rows (kvspec.fuzz.quant_ref.quantize, from the rule's text)."""
         got = self._stored.get(token)
         if got is None:
-            # the rows' host form is exactly their float32 values (fuzz.rows)
+            # the rows' host form is exactly their float32 values (kvspec.fuzz.rows)
             k, v = self.host_rows([token])
             kq, ks = quantize(np.asarray(k, dtype=np.float64))
             vq, vs = quantize(np.asarray(v, dtype=np.float64))
@@ -268,7 +268,7 @@ class DenseMachine(LifecycleRules, StateProtocolMachine):
         a device ten times slower): trim back to a step boundary or one row
         short of the end, then append more rows than the capacity left, so
         the buffer grows from a trimmed prefix (its dead tail must not
-        survive: spec.dense.regrow_capacity)."""
+        survive: kvspec.spec.dense.regrow_capacity)."""
         c = self.lock.world.cache
         live, step = c.live_len, c.step
         lens = sorted({x for x in ((live - 1) // step * step, live - 1) if x >= 1})
@@ -289,7 +289,7 @@ class DenseMachine(LifecycleRules, StateProtocolMachine):
         """Speculative rollback beside a prompt-cache snapshot: snapshot,
         trim 1 to 3 rows (the rejected drafts), decode one row. The row it
         writes is one the snapshot still sees, so the ownership rule must
-        make it copy (spec.dense.inplace_write_allowed); random rules reach
+        make it copy (kvspec.spec.dense.inplace_write_allowed); random rules reach
         that order in ~30 examples (inplace_after_trim), this one at once."""
         if self.live_len < 2:
             self.do({"op": "append", "n": data.draw(st.integers(2, 4), label="prefill")})

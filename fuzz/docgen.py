@@ -14,12 +14,12 @@ host, in an editor) shows what the site shows:
   without a description fails;
 * ``<!-- kvspec: picture NAME -->`` regions hold a picture of
   :data:`PICTURES` (its SVG file in ``docs/pictures/``) with its caption: a
-  worked-example trace drawn by :mod:`fuzz.render` (the spec's state op by
-  op), a mask matrix from ``spec.rotating.mask_visible``, or the
+  worked-example trace drawn by :mod:`kvspec.fuzz.render` (the spec's state op by
+  op), a mask matrix from ``kvspec.spec.rotating.mask_visible``, or the
   layers-by-kinds picture drawn from the registry.
 
-``python -m fuzz.docgen write`` (``make docs-tables``) rewrites every region
-and picture file that is not current; ``python -m fuzz.docgen check`` lists
+``python -m kvspec.fuzz.docgen write`` (``make docs-tables``) rewrites every region
+and picture file that is not current; ``python -m kvspec.fuzz.docgen check`` lists
 them (exit 1); ``tests/test_docs.py`` fails on a stale one, naming the file
 and the command. A new marker needs no end line: ``write`` adds it.
 
@@ -32,7 +32,7 @@ build; Sphinx roles in docstrings (``:class:`X```) become cross-references
 (:func:`on_page_content`); ``index.md`` is the README, and ``api/*.md``
 list every module of ``spec/`` and ``impl/`` for mkdocstrings.
 
-``python -m fuzz.docgen obligations`` rewrites the obligations record from a
+``python -m kvspec.fuzz.docgen obligations`` rewrites the obligations record from a
 run of the proofs.
 """
 
@@ -43,7 +43,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fuzz import kinds
+from kvspec.fuzz import kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 OBLIGATIONS_PATH = ROOT / "docs" / "generated" / "obligations.json"
@@ -87,73 +87,73 @@ OP_TEXT = {
     "copy": "`copy.deepcopy` (`deep`, default true) or `copy.copy` of the cache, held under `name` like a snapshot "
             "(`restore` from it adopts its window); `live: copy` goes on writing the copy with the original held "
             "(mlx-lm's `LRUPromptCache` deep-copies on every fetch). The snapshot rule: the copy shares the buffers "
-            "and owns nothing, so its first write copies (`spec.dense.w_copy`, `spec.rotating.w_copy`); layers: "
-            "a copy of the whole list (`impl.layers.copy_prompt_cache`, `spec.layers.w_copy`); paged: refused "
-            "(UnsupportedOperationError; `fork` is the paged copy, `spec.paged.copy_refused`)",
+            "and owns nothing, so its first write copies (`kvspec.spec.dense.w_copy`, `kvspec.spec.rotating.w_copy`); layers: "
+            "a copy of the whole list (`kvspec.impl.layers.copy_prompt_cache`, `kvspec.spec.layers.w_copy`); paged: refused "
+            "(UnsupportedOperationError; `fork` is the paged copy, `kvspec.spec.paged.copy_refused`)",
     "append_mismatch": "n rows with one more batch row or kv head, twice the K or V head dim, or another dtype "
                        "for both, for the keys alone (`k_dtype`) or for the values alone (`v_dtype`) "
                        "(`differs`) than the cached rows': refused (InvalidArgumentError, each cache's own words), "
-                       "nothing changes; only on a cache holding a buffer (`spec.dense.w_append_mismatch`); layers: every "
-                       "layer is handed the rows and every layer must refuse them (`spec.layers.w_append_mismatch`); paged: "
-                       "the pool's rows, once its slabs exist (`spec.paged.append_mismatch`)",
-    "reload": "save and load the cache (`via`): a prompt-cache file (`impl.models`; the loaded layer goes on as the "
+                       "nothing changes; only on a cache holding a buffer (`kvspec.spec.dense.w_append_mismatch`); layers: every "
+                       "layer is handed the rows and every layer must refuse them (`kvspec.spec.layers.w_append_mismatch`); paged: "
+                       "the pool's rows, once its slabs exist (`kvspec.spec.paged.append_mismatch`)",
+    "reload": "save and load the cache (`via`): a prompt-cache file (`kvspec.impl.models`; the loaded layer goes on as the "
               "live cache) or mlx-lm's load order on the cache (`state`, then `meta_state`; not the Turbo classes). "
               "Same window, counters and switch; fresh buffers of the live rows, no marker, a ring's undo log empty "
-              "(`spec.dense.w_reload`, `spec.rotating.w_reload`). A prompt cache (layers) reloads the whole list "
-              "(`spec.layers.w_reload`); `env`: `KV_INPLACE_WRITE` while the file loads, and every layer keeps the "
+              "(`kvspec.spec.dense.w_reload`, `kvspec.spec.rotating.w_reload`). A prompt cache (layers) reloads the whole list "
+              "(`kvspec.spec.layers.w_reload`); `env`: `KV_INPLACE_WRITE` while the file loads, and every layer keeps the "
               "file's switch; paged (`seq`): through a file refused (UnsupportedOperationError: a file cannot hold a "
               "sequence whose blocks its pool may share), in mlx-lm's order on a sequence that starts at 0 its "
-              "rows come back in fresh blocks (`spec.paged.reload`, `load_state`)",
+              "rows come back in fresh blocks (`kvspec.spec.paged.reload`, `load_state`)",
     "restore_mixed": "layers: a list restore of snapshot `name` whose list hands layer `layer` (never 0 in the "
                      "machine) the snapshot layer `source` took, of another kind or window: that layer refuses it after "
                      "the layers before it took theirs; refused (InvalidArgumentError, the layer's words), nothing "
-                     "changed in any layer, ownership and undo logs included (`spec.layers.w_restore_mixed`)",
+                     "changed in any layer, ownership and undo logs included (`kvspec.spec.layers.w_restore_mixed`)",
     "trim_refused_late": "layers: a list trim of n rows in which layer `layer` (never 0 in the machine) refuses its "
                          "own trim after the layers before it trimmed (`how`: its `trim` raises, `short`: trims "
                          "nothing and returns 0, `partial`: really trims, then raises, so the refusing layer "
                          "must be put back too, `fewer` / `more`: trims and returns one row fewer / more than "
                          "asked): refused (StateError) with every layer as it was, ownership and undo "
                          "logs included; 0 with nothing asked when the list's count is 0 "
-                         "(`spec.layers.w_trim_refused_late`)",
+                         "(`kvspec.spec.layers.w_trim_refused_late`)",
     "handle_trim_to": "physical `trim_to(len)` of a detached handle",
     "fork": "paged: a new sequence `as` sharing every block of `from` (refcounts rise)",
     "release": "paged: drop sequence `seq`; each of its blocks' refcount falls by one",
     "handle_reuse": "paged: the handle (`PagedKVCache`) of sequence `seq` that a release consumed, used again "
-                    "(`use`: any public method or property of the handle, `spec.paged.HANDLE_REUSES`: `append` a "
+                    "(`use`: any public method or property of the handle, `kvspec.spec.paged.HANDLE_REUSES`: `append` a "
                     "row, `fetch`, `trim`, `trim_to`, `trim_front`, `trim_front_keep_sink`, `fork`, `release`, "
                     "`offset`, `live_len`, `size`, `empty`, `nbytes`, `state` / `meta_state` read or assigned "
                     "(`set_state`, `set_meta_state`), `make_mask`; `arg`: the method's arguments, `valid` or ones a live handle "
                     "would refuse, `zero` / `negative`), also after a new sequence took the "
-                    "name: refused (StateError, whatever the arguments), nothing changes (`spec.paged.handle_reuse`)",
+                    "name: refused (StateError, whatever the arguments), nothing changes (`kvspec.spec.paged.handle_reuse`)",
     "state_assign": "paged: `cache.state = (keys, values)` on sequence `seq`'s handle with n new rows (n 0: "
                     "`state = ()`): fresh blocks hold them from position 0, the old blocks released only after; "
                     "refused (StateError: unknown sequence, pool exhausted) with nothing changed, the old blocks "
-                    "still the sequence's (`spec.paged.state_assign`)",
+                    "still the sequence's (`kvspec.spec.paged.state_assign`)",
     "append_pair_mismatch": "n rows as a K/V pair whose values disagree with its keys (`differs`: another "
                             "`dtype`, one more `batch` row or kv head (`kv_heads`), one more row (`rows`)), the keys "
                             "as the cache holds them: refused (InvalidArgumentError, each cache's own words) on any "
-                            "cache, empty or not, nothing changes (`spec.dense.w_append_pair_mismatch`); layers: "
-                            "every layer refuses (`spec.layers.w_append_pair_mismatch`); paged: "
-                            "`spec.paged.append_pair_mismatch`",
+                            "cache, empty or not, nothing changes (`kvspec.spec.dense.w_append_pair_mismatch`); layers: "
+                            "every layer refuses (`kvspec.spec.layers.w_append_pair_mismatch`); paged: "
+                            "`kvspec.spec.paged.append_pair_mismatch`",
     "can_trim": "layers: whether the whole list can trim exactly (`can_trim_prompt_cache`); recurrent: "
                 "`is_trimmable()`, the capability (depth > 0)",
     "append_unrecorded": "recurrent: the model's call of the layer with the next n tokens outside the step "
                          "recorder (arrays written, `advance(n)`): the tokens are consumed, the coverage drops to 0 "
-                         "(`spec.recurrent.step` with `recorded=False`)",
+                         "(`kvspec.spec.recurrent.step` with `recorded=False`)",
     "layer": "layers: run one op (`do`: `trim_front` or `fetch`) on layer `index` of the list",
     "build_probe": "models: `make_prompt_cache` with these settings (`layout`: a model with `make_cache`, else "
                    "`n_layers` layers): every layer's kind, mode, step, window, sinks, undo depth and Delegated "
-                   "settings against `spec.models.prompt_cache_layout`; the live list is unchanged",
+                   "settings against `kvspec.spec.models.prompt_cache_layout`; the live list is unchanged",
     "save_load": "models: the list saved with user `metadata` and loaded back: the metadata "
-                 "(`spec.models.loaded_metadata`), each loaded layer's window, offset and `meta_state`",
+                 "(`kvspec.spec.models.loaded_metadata`), each loaded layer's window, offset and `meta_state`",
     "to_quantized": "models: `to_quantized(group_size, bits)` of `layer` (`bits` absent: 8, `group_size` absent: "
                     "64): the converted cache's mode, group size, bits, offset, live_start, step, capacity, nbytes "
-                    "and (dequantized) rows in their dtype, or the refusal (`spec.models.to_quantized`)",
+                    "and (dequantized) rows in their dtype, or the refusal (`kvspec.spec.models.to_quantized`)",
     "mask": "models: `make_mask(n, window, return_array=True)` of `layer`, built on the host or (`device`) on "
             "the MLX path CUDA runs, against the kind's spec mask",
     "mechanism": "models: the write layer's in-place mechanism with `KV_CUDA_INPLACE` set to `env` (absent: "
-                 "unset) against `spec.models.inplace_mechanism`",
-    "rows": "models: the portable rows the harness hands in for `tokens` against `spec.rows.row_bits`, bit for "
+                 "unset) against `kvspec.spec.models.inplace_mechanism`",
+    "rows": "models: the portable rows the harness hands in for `tokens` against `kvspec.spec.rows.row_bits`, bit for "
             "bit",
     "expect": "assert the window of the live cache, or of the snapshot, handle or (paged) sequence named by "
               "`of` (paged: `seq` also names the sequence); `order: set` ignores the order; `layer` picks a "
@@ -189,21 +189,21 @@ OP_TEXT = {
              "optional): hit the longest chain of cached full-block keys (at most `(len - 1) // B` blocks: the last "
              "token is recomputed), pop the rest from the free queue's front (evicting cached-free blocks), write "
              "the rows past the hit and key every new full block; returns `{\"admitted\", \"hit\", \"table\"}` "
-             "(not admitted, nothing changed, when the free queue lacks room) (`spec.prefix.admit`)",
+             "(not admitted, nothing changed, when the free queue lacks room) (`kvspec.spec.prefix.admit`)",
     "free": "prefix: release live request `req`'s table tail first (a block reaching refcount 0 joins the free "
             "queue: keyed at the back, cached-free, unkeyed at the front) and forget the request; a double free "
-            "is refused (`spec.prefix.free`)",
+            "is refused (`kvspec.spec.prefix.free`)",
     "preempt": "prefix: as `free`, but the request stays known with its tokens and salt, holding no block "
-               "(`spec.prefix.preempt`)",
+               "(`kvspec.spec.prefix.preempt`)",
     "resume": "prefix: admit preempted request `req` again with its tokens and salt, as `admit` "
-              "(`spec.prefix.resume`)",
+              "(`kvspec.spec.prefix.resume`)",
     "lookup": "prefix: the hit tokens an admit of `tokens` under `salt` would get now; changes nothing "
-              "(`spec.prefix.lookup`)",
+              "(`kvspec.spec.prefix.lookup`)",
     "free_blocks": "prefix: the block pool's own release of `blocks` by id (vLLM's `BlockPool.free_blocks`): "
                    "every call is refused (a block listed twice, out of range, free already or held by a live "
-                   "table), nothing changed: the double-free guard (`spec.prefix.free_blocks`)",
+                   "table), nothing changed: the double-free guard (`kvspec.spec.prefix.free_blocks`)",
     "reset": "prefix: vLLM's `reset_prefix_cache`: false, changing nothing, while any block is held; else every "
-             "key dropped, the free queue's order kept (`spec.prefix.reset`)",
+             "key dropped, the free queue's order kept (`kvspec.spec.prefix.reset`)",
 }
 
 FIELD_TEXT = {
@@ -221,7 +221,7 @@ FIELD_TEXT = {
             "reproduce, `spec/rows.py`) or `ranged` (NumPy draws across the dtype's whole magnitude range: tiny, "
             "huge, negative zeros, mixed scales in a row; the Turbo machine's rows)",
     "inplace_env": "build the cache with `KV_INPLACE_WRITE` set to this spelling (and no `inplace=`); its switch "
-                   "must equal `spec.dense.inplace_switch(spelling)`",
+                   "must equal `kvspec.spec.dense.inplace_switch(spelling)`",
     "hot_threshold": "Turbo4Delegated: hot V rows kept before a fold (docs/turbo.md)",
     "fold_block": "Turbo4Delegated: rows one block fold moves from hot to cold",
     "max_size": "the window W",
@@ -231,7 +231,7 @@ FIELD_TEXT = {
               "`{\"kind\": \"rotating\", \"max_size\": W, ...}` and `{\"kind\": \"recurrent\", \"kernel\": k, "
               "...}` objects (docs/layers.md)",
     "build": "who builds a prompt cache's layers: `list` (each layer on its own, per-layer `mode`, `step`, `undo`) "
-             "or `make_prompt_cache` (`impl.models.make_prompt_cache` for a model whose `make_cache()` gives the "
+             "or `make_prompt_cache` (`kvspec.impl.models.make_prompt_cache` for a model whose `make_cache()` gives the "
              "layout: the list's mode and step, every ring's undo depth `num_draft_tokens`)",
     "num_draft_tokens": "the `num_draft_tokens` argument of `make_prompt_cache` (every ring's undo depth)",
     "block_size": "rows per pool block",
@@ -393,10 +393,10 @@ def checks_table() -> str:
 
 def exit_codes_table() -> str:
     """Each command's exit statuses, as its ``--help`` prints them."""
-    from fuzz.commands.cli import EXIT_CODES
+    from kvspec.fuzz.commands.cli import EXIT_CODES
 
     rows = [[f"`kvspec {name}`", text.removeprefix("exit status: ")] for name, text in EXIT_CODES.items()]
-    from proofs import cli as proofs_cli
+    from kvspec.proofs import cli as proofs_cli
 
     doc = " ".join((proofs_cli.__doc__ or "").split())
     m = re.search(r"Exit status (.*?\.)", doc)
@@ -408,7 +408,7 @@ def exit_codes_table() -> str:
 def bugs_table() -> str:
     """The injected-bug catalog: every entry, the rule it breaks and where it
     comes from."""
-    from fuzz.bugs import catalog
+    from kvspec.fuzz.bugs import catalog
 
     rows = [[f"`{b.name}`", f"{b.kind}/{', '.join(b.modes)}", b.clause, b.source, f"`{b.replaces}`",
              b.description, "GPU only" if b.device == "gpu" else ""] for b in catalog()]
@@ -418,7 +418,7 @@ def bugs_table() -> str:
 def kill_matrix_table() -> str:
     """What ``kvspec mutants`` must catch: every bug in every configuration
     it is fuzzed in (its first mode, every variant)."""
-    from fuzz.bugs import catalog
+    from kvspec.fuzz.bugs import catalog
 
     rows = []
     for b in catalog():
@@ -436,14 +436,14 @@ MUTANTS_PATH = ROOT / "docs" / "generated" / "mutants.json"
 
 def mutants_record() -> dict[str, Any]:
     if not MUTANTS_PATH.exists():
-        raise DocsError(f"{MUTANTS_PATH.relative_to(ROOT)} is missing: python -m fuzz.docgen mutants REPORT.json")
+        raise DocsError(f"{MUTANTS_PATH.relative_to(ROOT)} is missing: python -m kvspec.fuzz.docgen mutants REPORT.json")
     return json.loads(MUTANTS_PATH.read_text())
 
 
 def catch_rows(record: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The record's rows, each with its kind (from the catalog: a variant's
     row is named ``bug [variant]``), in catalog order."""
-    from fuzz.bugs import catalog
+    from kvspec.fuzz.bugs import catalog
 
     record = mutants_record() if record is None else record
     kinds_of = {b.name: b.kind for b in catalog()}
@@ -451,7 +451,7 @@ def catch_rows(record: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     for m in record["report"]["mutants"]:
         bug = m["name"].split(" [", 1)[0]
         if bug not in kinds_of:
-            raise DocsError(f"{MUTANTS_PATH.name}: {bug!r} is no catalog entry (python -m fuzz.docgen mutants)")
+            raise DocsError(f"{MUTANTS_PATH.name}: {bug!r} is no catalog entry (python -m kvspec.fuzz.docgen mutants)")
         rows.append({**m, "kind": kinds_of[bug]})
     return rows
 
@@ -483,7 +483,7 @@ def catch_times_table() -> str:
     grouped by kind, from the committed record of ``kvspec mutants``
     (:data:`MUTANTS_PATH`); a catalog row the record lacks is listed as not
     measured (a bug added since)."""
-    from fuzz.commands.mutants import entries
+    from kvspec.fuzz.commands.mutants import entries
 
     record = mutants_record()
     rows = {r["name"]: r for r in catch_rows(record)}
@@ -514,7 +514,7 @@ def write_mutants_record(report_path: str, command: str, when: str, machine: str
 
 def obligations_record() -> dict[str, Any]:
     if not OBLIGATIONS_PATH.exists():
-        raise DocsError(f"{OBLIGATIONS_PATH.relative_to(ROOT)} is missing: python -m fuzz.docgen obligations")
+        raise DocsError(f"{OBLIGATIONS_PATH.relative_to(ROOT)} is missing: python -m kvspec.fuzz.docgen obligations")
     return json.loads(OBLIGATIONS_PATH.read_text())
 
 
@@ -524,7 +524,7 @@ def obligations_table() -> str:
 
 
 def controls_table() -> str:
-    from fuzz.bugs import catalog
+    from kvspec.fuzz.bugs import catalog
 
     bugs = {b.name for b in catalog()}
     rows = [[o["number"], f"`{c['name']}`", c["rule"], f"`{c['name']}`" if c["name"] in bugs else "—"]
@@ -535,7 +535,7 @@ def controls_table() -> str:
 def conformance_table() -> str:
     """mlx-lm's cache classes: what was fuzzed and found (the committed
     report of ``kvspec conformance``)."""
-    from fuzz.commands.conformance import CLASSES
+    from kvspec.fuzz.commands.conformance import CLASSES
 
     report = json.loads((ROOT / "tests/traces/conformance/report.json").read_text())
     by = {c["cache_class"]: c for c in report["classes"]}
@@ -703,7 +703,7 @@ PICTURES: dict[str, tuple[str, str | None, str]] = {
                          ("A counterexample: the injected bug steady_state_inplace writes in place once the ring is "
                          "full; the divergent op is outlined with the rule it breaks.")),
 }
-#: name -> (window, keep, keys before the chunk, chunk length): masks drawn from spec.rotating.mask_visible
+#: name -> (window, keep, keys before the chunk, chunk length): masks drawn from kvspec.spec.rotating.mask_visible
 MASKS = {"mask_sinks": (4, 1, 5, 3)}
 SPECIAL = ("architecture",)
 #: the pages each picture must appear on (tests/test_docs.py): its kind's
@@ -724,9 +724,9 @@ def picture_names() -> list[str]:
 def picture(name: str) -> str:
     """The SVG text of picture ``name``."""
     if name in PICTURES:
-        from fuzz.bugs import by_name
-        from fuzz.render import svg, timeline
-        from fuzz.trace import load
+        from kvspec.fuzz.bugs import by_name
+        from kvspec.fuzz.render import svg, timeline
+        from kvspec.fuzz.trace import load
 
         path, bug, _ = PICTURES[name]
         factories = by_name(bug).factories if bug else None
@@ -747,7 +747,7 @@ def caption(name: str) -> str:
     if name in MASKS:
         w, k, before, n = MASKS[name]
         return (f"make_mask for a chunk of {n} queries after {before} rows in a ring of W {w} with {k} sink: "
-                "query q sees key p iff p <= q and (p < keep or q - p < W - keep) (spec.rotating.mask_visible).")
+                "query q sees key p iff p <= q and (p < keep or q - p < W - keep) (kvspec.spec.rotating.mask_visible).")
     return ("Layers by kinds, drawn from the registry (fuzz/kinds.py): every entry's file in every layer; a "
             "missing file is dashed.")
 
@@ -755,8 +755,8 @@ def caption(name: str) -> str:
 def mask_svg(window: int, keep: int, before: int, n: int) -> str:
     """The visibility matrix of a chunk of ``n`` queries after ``before``
     rows: rows are queries, columns keys by absolute position, filled where
-    ``spec.rotating.mask_visible`` says the query sees the key."""
-    from spec.rotating import mask_visible
+    ``kvspec.spec.rotating.mask_visible`` says the query sees the key."""
+    from kvspec.spec.rotating import mask_visible
 
     keys = before + n
     c, left, top = 22, 70, 40
@@ -783,7 +783,7 @@ def mask_svg(window: int, keep: int, before: int, n: int) -> str:
 
 def architecture_svg() -> str:
     """Layers (rows) by registry entries (columns): every file of every kind,
-    drawn from :attr:`fuzz.kinds.Kind.files`; a file that does not exist is
+    drawn from :attr:`kvspec.fuzz.kinds.Kind.files`; a file that does not exist is
     dashed, so a new kind appears as a new column by itself."""
     layers = ["docs", "bugs", "harness", "impl", "proofs", "proof model", "spec"]
     entries = list(kinds.KINDS.values())
@@ -862,7 +862,7 @@ def expand(markdown: str, page: str = "") -> str:
 
 
 #: the command that rewrites every generated part (named by the staleness test)
-WRITE_COMMAND = "python -m fuzz.docgen write"
+WRITE_COMMAND = "python -m kvspec.fuzz.docgen write"
 
 
 def pages() -> list[Path]:
@@ -915,7 +915,7 @@ def rewrite_links(markdown: str, page: str) -> str:
         rel = base.relative_to(ROOT).as_posix()
         prefix = "../" * depth
         if rel.endswith(".py") and rel.split("/")[0] in ("spec", "impl") and not rel.endswith("__init__.py"):
-            module = rel[:-3].replace("/", ".")
+            module = "kvspec." + rel[:-3].replace("/", ".")
             return f"]({prefix}api/{rel.split('/')[0]}.md#{module})"
         return f"]({prefix}source.md#{_anchor(rel)})"
 
@@ -975,7 +975,7 @@ def api_page(package: str) -> str:
     for path in sorted((ROOT / package).glob("*.py")):
         if path.name == "__init__.py":
             continue
-        module = f"{package}.{path.stem}"
+        module = f"kvspec.{package}.{path.stem}"
         out += [f"## `{module}` {{#{module}}}", "", f"::: {module}", "    options:", "      show_root_heading: false",
                 "      heading_level: 3", ""]
     return "\n".join(out)
@@ -985,6 +985,30 @@ def index_page() -> str:
     """The README as the site's front page (its ``docs/x.md`` names become links)."""
     text = (ROOT / "README.md").read_text()
     return re.sub(r"`docs/([a-z0-9_-]+)\.md`", r"[`docs/\1.md`](\1.md)", text)
+
+
+def api_source() -> Path:
+    """The folder the API reference reads the packages from: mkdocstrings finds
+    a module by its folders, and the import packages ``kvspec.spec`` and
+    ``kvspec.impl`` are the folders ``spec/`` and ``impl/`` (pyproject.toml maps
+    them), so ``docs-artifacts/api-src/kvspec/`` holds a link to each."""
+    where = ROOT / "docs-artifacts" / "api-src"
+    (where / "kvspec").mkdir(parents=True, exist_ok=True)
+    for folder in ("spec", "impl", "proofs", "fuzz"):
+        link = where / "kvspec" / folder
+        if not link.is_symlink() or link.resolve() != ROOT / folder:
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(Path("..", "..", "..", folder), target_is_directory=True)
+    return where
+
+
+def on_config(config: Any) -> Any:  # pragma: no cover - run by MkDocs
+    api_source()
+    return config
+
+
+on_config.mkdocs_priority = 100  # type: ignore[attr-defined]  # before mkdocstrings reads its paths
 
 
 def on_files(files: Any, config: Any) -> Any:  # pragma: no cover - run by MkDocs
@@ -1084,15 +1108,15 @@ if __name__ == "__main__":  # pragma: no cover - a maintenance command
             print(f"run: {WRITE_COMMAND}", file=sys.stderr)
             raise SystemExit(1)
     elif sys.argv[1:] == ["obligations"]:
-        from proofs.cli import run_all
+        from kvspec.proofs.cli import run_all
 
         print(f"wrote {write_obligations(run_all())}")
     elif sys.argv[1:2] == ["mutants"] and len(sys.argv) == 7:
-        # python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS
+        # python -m kvspec.fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS
         report_path, command, when, machine, wall = sys.argv[2:7]
         print(f"wrote {write_mutants_record(report_path, command, when, machine, float(wall))}")
     else:
-        print("usage: python -m fuzz.docgen write | check\n"
-              "       python -m fuzz.docgen obligations\n"
-              "       python -m fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS", file=sys.stderr)
+        print("usage: python -m kvspec.fuzz.docgen write | check\n"
+              "       python -m kvspec.fuzz.docgen obligations\n"
+              "       python -m kvspec.fuzz.docgen mutants REPORT.json COMMAND WHEN MACHINE WALL_SECONDS", file=sys.stderr)
         raise SystemExit(2)

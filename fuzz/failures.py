@@ -1,7 +1,7 @@
 """Whose failure it is: a divergence of the target from the spec, a
 capability gap of the target (exit 2, not applicable), or the harness's own
 crash (exit 2, tool failure, never a divergence). The lockstep raises these;
-the target layer (``fuzz.targets``) re-exports them."""
+the target layer (``kvspec.fuzz.targets``) re-exports them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from fuzz.protocol import refusal_category
-from fuzz.trace import TraceFormatError
+from kvspec.fuzz.protocol import refusal_category
+from kvspec.fuzz.trace import TraceFormatError
 
 
 def _jsonable(x: Any) -> Any:
@@ -110,10 +110,10 @@ def harness_dirs(impl_is_target: bool) -> tuple[tuple[str, ...], tuple[str, ...]
     ``fuzz/`` and ``spec/`` (and ``impl/`` unless it is the target), less
     ``fuzz/bugs/`` (an injected bug's classes are the target)."""
     if not _HARNESS:
-        _HARNESS["fuzz"] = (_package_dir("fuzz"),)
-        _HARNESS["spec"] = (_package_dir("spec"),)
-        _HARNESS["impl"] = (_package_dir("impl"),)
-        _HARNESS["bugs"] = (_package_dir("fuzz.bugs"),)
+        _HARNESS["fuzz"] = (_package_dir("kvspec.fuzz"),)
+        _HARNESS["spec"] = (_package_dir("kvspec.spec"),)
+        _HARNESS["impl"] = (_package_dir("kvspec.impl"),)
+        _HARNESS["bugs"] = (_package_dir("kvspec.fuzz.bugs"),)
     dirs = _HARNESS["fuzz"] + _HARNESS["spec"] + (() if impl_is_target else _HARNESS["impl"])
     return dirs, _HARNESS["bugs"]
 
@@ -141,7 +141,7 @@ def target_objects(lock: Any) -> list[Any]:
     for obj in (getattr(lock, "cache", None), *getattr(lock, "holders", {}).values()):
         if obj is not None:
             out.append(obj)
-            inner = getattr(obj, "inner", None) if type(obj).__module__.startswith("fuzz.adapters") else None
+            inner = getattr(obj, "inner", None) if type(obj).__module__.startswith("kvspec.fuzz.adapters") else None
             if inner is not None:
                 out.append(inner)
     return out

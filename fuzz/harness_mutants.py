@@ -18,9 +18,9 @@ switched off, which shows that no other check stands in for it. A weakened
 check lets its bug's trace pass: the pairing fails. The one check whose
 weakening no bug can show, because a weakened oracle agrees with any
 implementation it calls, is tested directly: :func:`check_int8_oracle`
-swaps ``impl.quant``'s quantizer and dequantizer for wrong ones and
+swaps ``kvspec.impl.quant``'s quantizer and dequantizer for wrong ones and
 requires the expected Int8 bytes to stay the same, and swaps
-``fuzz.quant_ref``'s and requires them to change.
+``kvspec.fuzz.quant_ref``'s and requires them to change.
 
 ``kvspec verify`` runs both (job "harness mutants"), and so does
 ``tests/test_harness_mutants.py`` in ``make test``.
@@ -61,26 +61,26 @@ class HarnessCheck:
 
 
 CHECKS: tuple[HarnessCheck, ...] = (
-    HarnessCheck("make_mask compared as whole [N, L] matrices", "fuzz.masks.same_mask",
+    HarnessCheck("make_mask compared as whole [N, L] matrices", "kvspec.fuzz.masks.same_mask",
                  "mask_window_from_newest_query", "make_mask(",
-                 ("fuzz.dense:DenseLockstep", "check_dense_masks")),
-    HarnessCheck("make_mask compared in its short form too (None, \"causal\")", "fuzz.masks._compare",
+                 ("kvspec.fuzz.dense:DenseLockstep", "check_dense_masks")),
+    HarnessCheck("make_mask compared in its short form too (None, \"causal\")", "kvspec.fuzz.masks._compare",
                  "dense_mask_ignores_window", "make_mask(1, {'window_size'"),
-    HarnessCheck("ring masks at windows narrower than the ring (fuzz.masks.ring_windows)",
-                 "fuzz.masks.check_ring_masks", "decode_mask_window_ignores_sinks", "make_mask(1, {'window_size'",
-                 ("fuzz.rotating:RotatingLockstep", "narrow_masks")),
-    HarnessCheck("Int8 expected rows from fuzz.quant_ref",
-                 "fuzz.dense.DenseLockstep.host_stored_rows", "int8_dequantizes_in_float16", "returned window differs"),
-    HarnessCheck("Int8 stored codes and scales from fuzz.quant_ref", "fuzz.dense.DenseLockstep.stored_int8",
+    HarnessCheck("ring masks at windows narrower than the ring (kvspec.fuzz.masks.ring_windows)",
+                 "kvspec.fuzz.masks.check_ring_masks", "decode_mask_window_ignores_sinks", "make_mask(1, {'window_size'",
+                 ("kvspec.fuzz.rotating:RotatingLockstep", "narrow_masks")),
+    HarnessCheck("Int8 expected rows from kvspec.fuzz.quant_ref",
+                 "kvspec.fuzz.dense.DenseLockstep.host_stored_rows", "int8_dequantizes_in_float16", "returned window differs"),
+    HarnessCheck("Int8 stored codes and scales from kvspec.fuzz.quant_ref", "kvspec.fuzz.dense.DenseLockstep.stored_int8",
                  "int8_zero_row_scale_zero", "stored Int8 key scales differ",
-                 ("fuzz.dense:DenseLockstep", "check_stored_int8")),
-    HarnessCheck("Int8 stored codes and scales from fuzz.quant_ref, the values' too",
-                 "fuzz.dense.DenseLockstep.stored_int8", "int8_zero_value_row_scale_zero",
-                 "stored Int8 value scales differ", ("fuzz.dense:DenseLockstep", "check_stored_int8")),
-    HarnessCheck("unquantized expected rows: the host form", "fuzz.lockstep.Lockstep.host_stored_rows",
+                 ("kvspec.fuzz.dense:DenseLockstep", "check_stored_int8")),
+    HarnessCheck("Int8 stored codes and scales from kvspec.fuzz.quant_ref, the values' too",
+                 "kvspec.fuzz.dense.DenseLockstep.stored_int8", "int8_zero_value_row_scale_zero",
+                 "stored Int8 value scales differ", ("kvspec.fuzz.dense:DenseLockstep", "check_stored_int8")),
+    HarnessCheck("unquantized expected rows: the host form", "kvspec.fuzz.lockstep.Lockstep.host_stored_rows",
                  "fp16_casts_rows", "returned window differs"),
     HarnessCheck("list append_mismatch on every layer",
-                 "fuzz.layers.LayersLockstep._append_mismatch", "list_ring_casts_rows",
+                 "kvspec.fuzz.layers.LayersLockstep._append_mismatch", "list_ring_casts_rows",
                  "took rows of another dtype"),
 )
 
@@ -117,9 +117,9 @@ def check_pairing(check: HarnessCheck) -> list[str]:
     """What is wrong with ``check``'s pairing (empty: it holds): the paired
     bug's trace must replay clean on the implementation, diverge on the bug
     with ``check.fires``, and with the check switched off pass on the bug."""
-    from fuzz.bugs import by_name
-    from fuzz.replay import replay
-    from fuzz.trace import load
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import load
 
     bug = by_name(check.bug)
     path = TRACES / f"{bug.name}.json"
@@ -153,13 +153,13 @@ def check_pairings() -> list[tuple[HarnessCheck, list[str]]]:
     return [(c, check_pairing(c)) for c in CHECKS]
 
 
-# -- the Int8 oracle: independent of impl.quant --------------------------------------
+# -- the Int8 oracle: independent of kvspec.impl.quant --------------------------------------
 
 
 @contextmanager
 def replaced(swaps: dict[Callable[..., Any], Callable[..., Any]], packages: tuple[str, ...]) -> Iterator[int]:
     """Each function of ``swaps`` replaced by its value wherever a module of
-    ``packages`` binds it: module globals (``from impl.quant import
+    ``packages`` binds it: module globals (``from kvspec.impl.quant import
     dequantize_int8``) and class attributes (``quantize_rows =
     staticmethod(quantize_int8)``), restored afterwards. Yields how many
     bindings were replaced."""
@@ -176,7 +176,7 @@ def replaced(swaps: dict[Callable[..., Any], Callable[..., Any]], packages: tupl
 
     try:
         for mod_name, mod in list(sys.modules.items()):
-            if mod is None or mod_name.split(".")[0] not in packages:
+            if mod is None or not mod_name.startswith(tuple(p + "." for p in packages)) and mod_name not in packages:
                 continue
             for name, value in list(vars(mod).items()):
                 swap(mod, name, value)
@@ -190,9 +190,9 @@ def replaced(swaps: dict[Callable[..., Any], Callable[..., Any]], packages: tupl
 
 
 def _wrong_impl_int8() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """impl.quant's quantizer (scales doubled) and dequantizer (one added)
+    """kvspec.impl.quant's quantizer (scales doubled) and dequantizer (one added)
     replaced by wrong ones: any expected row computed through them changes."""
-    from impl import quant
+    from kvspec.impl import quant
 
     quantize, dequantize = quant.quantize_int8, quant.dequantize_int8
 
@@ -207,9 +207,9 @@ def _wrong_impl_int8() -> dict[Callable[..., Any], Callable[..., Any]]:
 
 
 def _wrong_oracle() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """fuzz.quant_ref's quantizer and read-back replaced by wrong ones (the
+    """kvspec.fuzz.quant_ref's quantizer and read-back replaced by wrong ones (the
     control: expected rows that come from the oracle change)."""
-    from fuzz import quant_ref
+    from kvspec.fuzz import quant_ref
 
     quantize, dequantize = quant_ref.quantize, quant_ref.dequantize
 
@@ -231,8 +231,8 @@ def expected_int8(dtype: str) -> dict[str, list[tuple[bytes, ...]]]:
     """The harness's expected Int8 bytes for :data:`ORACLE_TOKENS` in
     ``dtype``, from fresh drivers: the dense kind's window rows and stored
     codes and scales, and a list's Int8 layer's window rows."""
-    from fuzz.dense import DenseLockstep
-    from fuzz.layers import LayersLockstep
+    from kvspec.fuzz.dense import DenseLockstep
+    from kvspec.fuzz.layers import LayersLockstep
 
     cfg = {"mode": "int8", "step": 4, "batch": 2, "kv_heads": 2, "head_dim": 8, "v_head_dim": 4, "inplace": True,
            "dtype": dtype}
@@ -246,10 +246,10 @@ def expected_int8(dtype: str) -> dict[str, list[tuple[bytes, ...]]]:
 
 
 def oracle_rows(dtype: str) -> list[tuple[bytes, bytes]]:
-    """fuzz.quant_ref's read-back of the rows of :data:`ORACLE_TOKENS`,
+    """kvspec.fuzz.quant_ref's read-back of the rows of :data:`ORACLE_TOKENS`,
     computed here from the rows' host form (what the harness must expect)."""
-    from fuzz.dense import DenseLockstep
-    from fuzz.quant_ref import int8_oracle_host
+    from kvspec.fuzz.dense import DenseLockstep
+    from kvspec.fuzz.quant_ref import int8_oracle_host
 
     lock = DenseLockstep({"mode": "int8", "step": 4, "batch": 2, "kv_heads": 2, "head_dim": 8, "v_head_dim": 4,
                           "inplace": True, "dtype": dtype})
@@ -262,29 +262,29 @@ def oracle_rows(dtype: str) -> list[tuple[bytes, bytes]]:
 
 def check_int8_oracle(dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")) -> list[str]:
     """What is wrong with the Int8 oracle's independence (empty: it holds).
-    Per dtype: the expected bytes equal fuzz.quant_ref's on the host rows;
-    they do not change when impl.quant's quantizer and dequantizer are
+    Per dtype: the expected bytes equal kvspec.fuzz.quant_ref's on the host rows;
+    they do not change when kvspec.impl.quant's quantizer and dequantizer are
     replaced by wrong ones (wherever impl/ and fuzz/ bind them, the cache
     class's ``quantize_rows`` included); and each of them changes when
-    fuzz.quant_ref's are (the control: the comparison can fail)."""
+    kvspec.fuzz.quant_ref's are (the control: the comparison can fail)."""
     problems = []
     for dtype in dtypes:
         want = expected_int8(dtype)
         if want["dense rows"] != oracle_rows(dtype) or want["list rows"] != want["dense rows"]:
-            problems.append(f"{dtype}: the expected Int8 rows are not fuzz.quant_ref's read-back of the host rows")
-        with replaced(_wrong_impl_int8(), ("impl", "fuzz")) as n:
+            problems.append(f"{dtype}: the expected Int8 rows are not kvspec.fuzz.quant_ref's read-back of the host rows")
+        with replaced(_wrong_impl_int8(), ("kvspec.impl", "kvspec.fuzz")) as n:
             if n < 3:
-                problems.append(f"only {n} bindings of impl.quant's Int8 functions found to replace")
+                problems.append(f"only {n} bindings of kvspec.impl.quant's Int8 functions found to replace")
             got = expected_int8(dtype)
         for what in want:
             if got[what] != want[what]:
                 changed = [t for t, a, b in zip(ORACLE_TOKENS, want[what], got[what]) if a != b]
-                problems.append(f"{dtype}: {what} change when impl.quant's quantizer is wrong (tokens {changed}): "
-                                "the harness's expected Int8 bytes come from the implementation, not fuzz.quant_ref")
-        with replaced(_wrong_oracle(), ("fuzz",)):
+                problems.append(f"{dtype}: {what} change when kvspec.impl.quant's quantizer is wrong (tokens {changed}): "
+                                "the harness's expected Int8 bytes come from the implementation, not kvspec.fuzz.quant_ref")
+        with replaced(_wrong_oracle(), ("kvspec.fuzz",)):
             swapped = expected_int8(dtype)
         for what in want:
             if swapped[what] == want[what]:
-                problems.append(f"{dtype}: {what} stay the same when fuzz.quant_ref is wrong: they do not come "
+                problems.append(f"{dtype}: {what} stay the same when kvspec.fuzz.quant_ref is wrong: they do not come "
                                 "from the oracle")
     return problems

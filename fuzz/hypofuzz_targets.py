@@ -4,7 +4,7 @@ HypoFuzz collects Hypothesis tests with pytest and fuzzes them on every
 core, adaptively, for as long as it runs. This module is the file it
 collects: one ``RuleBasedStateMachine.TestCase`` per registry campaign
 (fuzz/kinds.py: every kind, mode and in-place setting that ``kvspec
-verify`` runs), each the machine ``fuzz.campaign.machine_for`` builds, so
+verify`` runs), each the machine ``kvspec.fuzz.campaign.machine_for`` builds, so
 every check of the lockstep harness runs unchanged. It does not import
 HypoFuzz (an AGPL tool kept an optional extra): HypoFuzz imports it.
 
@@ -17,7 +17,7 @@ process it starts:
   the end is the shortest failing run seen);
 * ``KVSPEC_CAMPAIGN_RUN``: this run's name in those files (the command's
   start time), so a run never mistakes an earlier run's file for its own;
-* ``KVSPEC_CAMPAIGN_DB``: the example database (``fuzz.campaign.
+* ``KVSPEC_CAMPAIGN_DB``: the example database (``kvspec.fuzz.campaign.
   open_database``: a folder, ``redis://HOST:PORT``), which HypoFuzz's
   workers and dashboard share through Hypothesis's default settings;
 * ``KVSPEC_CAMPAIGN_BUG``: an injected bug of the catalog (optional);
@@ -33,10 +33,10 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 
-from fuzz import kinds
-from fuzz.campaign import failure_trace, machine_for, open_database
-from fuzz.machine import KVMachine
-from fuzz.trace import write
+from kvspec.fuzz import kinds
+from kvspec.fuzz.campaign import failure_trace, machine_for, open_database
+from kvspec.fuzz.machine import KVMachine
+from kvspec.fuzz.trace import write
 
 #: ops per example, as in ``kvspec fuzz``
 STEPS = 40
@@ -83,7 +83,7 @@ def recording(machine: type[KVMachine], out: Path, stem: str) -> type[KVMachine]
                 return
             path = out / f"{stem}.json"
             try:
-                from fuzz.trace import load
+                from kvspec.fuzz.trace import load
 
                 if trace_ops(load(path)) <= trace_ops(trace):
                     return
@@ -99,7 +99,7 @@ def recording(machine: type[KVMachine], out: Path, stem: str) -> type[KVMachine]
 
 def build() -> dict[str, Any]:
     """The TestCase classes, by test name (``Test_<kind>_<mode>_<inplace|copy>``)."""
-    from fuzz.bugs import by_name
+    from kvspec.fuzz.bugs import by_name
 
     db = open_database(os.environ.get("KVSPEC_CAMPAIGN_DB") or "none")
     # every health check off (MLX's first calls are slow, the machines draw

@@ -14,7 +14,7 @@ the schema generator, ``trace.py``'s defaults) never imports MLX, and this
 module imports nothing of the project: it sits at the bottom of ``fuzz/``
 while what it names sits above it.
 
-``python -m fuzz.kinds`` rewrites ``fuzz/kvtrace.schema.json`` from the
+``python -m kvspec.fuzz.kinds`` rewrites ``fuzz/kvtrace.schema.json`` from the
 registry (the ``kind``, ``mode`` and ``op`` values and each kind's cache
 fields); ``tests/test_layout.py`` fails when the file has drifted.
 """
@@ -181,7 +181,7 @@ KINDS: dict[str, Kind] = {
                  *STATE_OPS, *LIFECYCLE_OPS),
             # Int8 never writes in place: the switch would change nothing
             campaigns=(("fp16", True), ("fp16", False), ("int8", True)),
-            lockstep="fuzz.dense:DenseLockstep", machine="fuzz.dense:DenseMachine", bugs="fuzz.bugs.dense:BUGS",
+            lockstep="kvspec.fuzz.dense:DenseLockstep", machine="kvspec.fuzz.dense:DenseMachine", bugs="kvspec.fuzz.bugs.dense:BUGS",
         ),
         Kind(
             "turbo", "Turbo quantized modes of the dense cache: V (and Turbo4's K) quantized per row, "
@@ -195,7 +195,7 @@ KINDS: dict[str, Kind] = {
                          "setter: a saved state is loaded with from_state, not assigned" for op in STATE_OPS},
             # Turbo writes always copy: the in-place switch would change nothing
             campaigns=(("turbo4asym", True), ("turbo4", True), ("turbo3asym", True), ("turbo4delegated", True)),
-            lockstep="fuzz.turbo:TurboLockstep", machine="fuzz.turbo:TurboMachine", bugs="fuzz.bugs.turbo:BUGS",
+            lockstep="kvspec.fuzz.turbo:TurboLockstep", machine="kvspec.fuzz.turbo:TurboMachine", bugs="kvspec.fuzz.bugs.turbo:BUGS",
         ),
         Kind(
             "rotating", "sliding-window ring (RotatingKVCache): window W, sinks K, warm-up and steady state",
@@ -209,8 +209,8 @@ KINDS: dict[str, Kind] = {
             must_reach=("undo=0", "undo=1", "undo=2", "undo=3", "undo=4", "rollbacks after a wrap",
                         "rollbacks of exactly U rows", "rollbacks of a whole block", "restores over a non-empty undo log"),
             sweep=("undo", (0, 1, 2, 3, 4)),
-            lockstep="fuzz.rotating:RotatingLockstep", machine="fuzz.rotating:RotatingMachine",
-            bugs="fuzz.bugs.rotating:BUGS",
+            lockstep="kvspec.fuzz.rotating:RotatingLockstep", machine="kvspec.fuzz.rotating:RotatingMachine",
+            bugs="kvspec.fuzz.bugs.rotating:BUGS",
         ),
         Kind(
             "layers", "prompt cache: a list of layers of mixed kinds (dense, rings of their own window and "
@@ -218,7 +218,7 @@ KINDS: dict[str, Kind] = {
             # mode: the storage of the dense layers (rings are fp16)
             modes=("fp16", "int8"),
             # build: "list" (the harness builds each layer) or
-            # "make_prompt_cache" (impl.models.make_prompt_cache builds the
+            # "make_prompt_cache" (kvspec.impl.models.make_prompt_cache builds the
             # list for a model whose make_cache() gives the layout: the
             # model-level configuration); num_draft_tokens: its argument
             fields={"layers": REQUIRED, "build": "list", "num_draft_tokens": 0},
@@ -230,8 +230,8 @@ KINDS: dict[str, Kind] = {
             # checkpoint) and one a recurrent layer's coverage refuses
             must_reach=("list trims with recurrent layers", "list trims of a recurrent layer's whole coverage",
                         "list trim refused by a recurrent layer"),
-            lockstep="fuzz.layers:LayersLockstep", machine="fuzz.layers:LayersMachine",
-            bugs="fuzz.bugs.layers:BUGS",
+            lockstep="kvspec.fuzz.layers:LayersLockstep", machine="kvspec.fuzz.layers:LayersMachine",
+            bugs="kvspec.fuzz.bugs.layers:BUGS",
         ),
         Kind(
             "models", "the model glue around a prompt cache: make_prompt_cache's settings, prompt-cache files "
@@ -244,8 +244,8 @@ KINDS: dict[str, Kind] = {
                  "build_probe", "save_load", "to_quantized", "mask", "mechanism", "rows"),
             refuses=("trim_to",),
             campaigns=(("fp16", True), ("int8", True)),
-            lockstep="fuzz.models:ModelsLockstep", machine="fuzz.models:ModelsMachine",
-            bugs="fuzz.bugs.models:BUGS",
+            lockstep="kvspec.fuzz.models:ModelsLockstep", machine="kvspec.fuzz.models:ModelsMachine",
+            bugs="kvspec.fuzz.bugs.models:BUGS",
         ),
         Kind(
             "paged", "pool-backed cache (BlockPool): block tables by absolute position, refcounts, "
@@ -257,7 +257,7 @@ KINDS: dict[str, Kind] = {
             # a paged cache snapshots by fork (its spec refuses snapshot, restore and drop too)
             refuses=("gather_positions", "gather_within_tail", "detach", "install", "handle_trim_to"),
             campaigns=(("fp16", True), ("fp16", False)),
-            lockstep="fuzz.paged:PagedLockstep", machine="fuzz.paged:PagedMachine", bugs="fuzz.bugs.paged:BUGS",
+            lockstep="kvspec.fuzz.paged:PagedLockstep", machine="kvspec.fuzz.paged:PagedMachine", bugs="kvspec.fuzz.bugs.paged:BUGS",
         ),
         Kind(
             "recurrent", "recurrent layer of a hybrid model (RecurrentCache): conv window and recurrent state, "
@@ -277,8 +277,8 @@ KINDS: dict[str, Kind] = {
                         "rollbacks beyond the coverage (refused)", "rollbacks after a multi-token call",
                         "restores over a non-empty checkpoint ring", "unrecorded steps"),
             sweep=("depth", (0, 1, 2, 3, 4)),
-            lockstep="fuzz.recurrent:RecurrentLockstep", machine="fuzz.recurrent:RecurrentMachine",
-            bugs="fuzz.bugs.recurrent:BUGS", inplace_switch=False,
+            lockstep="kvspec.fuzz.recurrent:RecurrentLockstep", machine="kvspec.fuzz.recurrent:RecurrentMachine",
+            bugs="kvspec.fuzz.bugs.recurrent:BUGS", inplace_switch=False,
         ),
         Kind(
             "cells", "llama.cpp's KV memory (CellCache): cells shared by sequences, position shifts with lazy K "
@@ -302,7 +302,7 @@ KINDS: dict[str, Kind] = {
                         "restores into the same sequence", "restores into another sequence", "restores without room",
                         "clear", "refused decode", "refused seq_cp", "refused seq_add", "refused seq_div",
                         "windowed seq_rm refused after an iSWA window reuse"),
-            lockstep="fuzz.cells:CellsLockstep", machine="fuzz.cells:CellsMachine", bugs="fuzz.bugs.cells:BUGS",
+            lockstep="kvspec.fuzz.cells:CellsLockstep", machine="kvspec.fuzz.cells:CellsMachine", bugs="kvspec.fuzz.bugs.cells:BUGS",
             inplace_switch=False,
         ),
         Kind(
@@ -325,7 +325,7 @@ KINDS: dict[str, Kind] = {
                         "windowed hit past a gap", "hit of two blocks or more", "salted hit",
                         "eviction of a non-root block", "chain stopped by a miss after a hit",
                         "decode of two new blocks"),
-            lockstep="fuzz.prefix:PrefixLockstep", machine="fuzz.prefix:PrefixMachine", bugs="fuzz.bugs.prefix:BUGS",
+            lockstep="kvspec.fuzz.prefix:PrefixLockstep", machine="kvspec.fuzz.prefix:PrefixMachine", bugs="kvspec.fuzz.bugs.prefix:BUGS",
             inplace_switch=False,
         ),
     )
@@ -392,7 +392,7 @@ def schema_from_registry(base: dict[str, Any]) -> dict[str, Any]:
     """``base`` (the schema file) with its registry-owned parts replaced: the
     ``kind``, ``mode`` and ``op`` enums, and per kind its required fields and
     its modes. (A field of another kind, e.g. ``max_size`` on a dense cache,
-    is refused by ``fuzz.trace.parse``, which can name the kind's fields.)"""
+    is refused by ``kvspec.fuzz.trace.parse``, which can name the kind's fields.)"""
     doc = json.loads(json.dumps(base))
     cache = doc["$defs"]["cache"]
     cache["properties"]["kind"] = {"enum": list(trace_kinds())}

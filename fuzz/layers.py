@@ -1,5 +1,5 @@
 """Lockstep and state machine for a prompt cache: a list of layers (kind
-``layers``, semantics.md 6, ``spec.layers``).
+``layers``, semantics.md 6, ``kvspec.spec.layers``).
 
 A trace's cache is ``{"kind": "layers", "layers": [{"kind": "dense", ...},
 {"kind": "rotating", "max_size": 4, ...}, {"kind": "recurrent", "kernel": 4, "depth": 2}], ...}``; the
@@ -29,27 +29,38 @@ import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from fuzz.lockstep import Divergence, Lockstep, error_text, is_cache_copy, reload_through_file
-from fuzz.machine import APPEND_N, KVMachine, LifecycleRules
-from fuzz.masks import check_dense_masks, check_ring_masks
-from fuzz.quant_ref import int8_oracle, int8_oracle_host
-from fuzz.recurrent import FakeBlock, FakeModel, RecurrentRows, _Probe, arrays_mismatch
-from fuzz.trace import TraceFormatError
-from impl import layers as impl_layers
-from impl.dense import KVCache
-from impl.recurrent import RecurrentCache, record_steps
-from impl.rotating import RotatingKVCache
-from impl.write import inplace_keeps_memory
-from spec import dense as sd
-from spec import layers as sl
-from spec import recurrent as src
-from spec import rotating as sr
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
+from kvspec.fuzz.lockstep import (
+    Divergence,
+    Lockstep,
+    error_text,
+    is_cache_copy,
+    reload_through_file,
+)
+from kvspec.fuzz.machine import APPEND_N, KVMachine, LifecycleRules
+from kvspec.fuzz.masks import check_dense_masks, check_ring_masks
+from kvspec.fuzz.quant_ref import int8_oracle, int8_oracle_host
+from kvspec.fuzz.recurrent import FakeBlock, FakeModel, RecurrentRows, _Probe, arrays_mismatch
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.impl import layers as impl_layers
+from kvspec.impl.dense import KVCache
+from kvspec.impl.recurrent import RecurrentCache, record_steps
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.write import inplace_keeps_memory
+from kvspec.spec import dense as sd
+from kvspec.spec import layers as sl
+from kvspec.spec import recurrent as src
+from kvspec.spec import rotating as sr
+from kvspec.spec.errors import (
+    InvalidArgumentError,
+    RollbackWarning,
+    StateError,
+    UnsupportedOperationError,
+)
 
 
 class ListOps:
-    """The list-level operations under test (``impl.layers``) and the model
-    glue around a prompt cache (``impl.models``: ``make_prompt_cache``, the
+    """The list-level operations under test (``kvspec.impl.layers``) and the model
+    glue around a prompt cache (``kvspec.impl.models``: ``make_prompt_cache``, the
     prompt-cache file's save and load). The bug catalog passes a subclass
     that breaks one of them."""
 
@@ -74,17 +85,17 @@ class ListOps:
         return impl_layers.copy_prompt_cache(caches, deep)
 
     def make_prompt_cache(self, model: Any, **kw: Any) -> list[Any]:
-        from impl.models import make_prompt_cache
+        from kvspec.impl.models import make_prompt_cache
 
         return make_prompt_cache(model, **kw)
 
     def save_prompt_cache(self, file: Any, caches: list[Any]) -> None:
-        from impl.models import save_prompt_cache
+        from kvspec.impl.models import save_prompt_cache
 
         save_prompt_cache(file, caches)
 
     def load_prompt_cache(self, file: Any) -> list[Any]:
-        from impl.models import load_prompt_cache
+        from kvspec.impl.models import load_prompt_cache
 
         return load_prompt_cache(file)
 
@@ -116,10 +127,10 @@ class LayoutModel:
     """A stand-in for an mlx-lm model: ``make_cache()`` gives mlx-lm's own
     per-layer caches for the trace's layout (``KVCache`` for a dense layer,
     ``RotatingKVCache(max_size, keep)`` for a ring, ``ArraysCache(size)``
-    for a recurrent layer), which ``impl.models.make_prompt_cache`` turns
+    for a recurrent layer), which ``kvspec.impl.models.make_prompt_cache`` turns
     into ours, as for gemma3, a llama with ``layer_types`` or a hybrid
     model. A recurrent layer's entry in ``layers`` is a block holding its
-    mixer (``fuzz.recurrent.FakeBlock``), which ``make_prompt_cache``'s
+    mixer (``kvspec.fuzz.recurrent.FakeBlock``), which ``make_prompt_cache``'s
     step recorder wraps, as in a hybrid model."""
 
     def __init__(self, layers: list[dict[str, Any]]):
@@ -139,7 +150,7 @@ class LayoutModel:
 def rollback_on_copy(cache: Any, n: int) -> Any:
     """The arrays a ``copy.copy`` of recurrent layer ``cache`` holds after
     its rollback of ``n`` tokens (``cache`` untouched), or a
-    ``fuzz.recurrent._Probe`` of what the copy or the rollback raised."""
+    ``kvspec.fuzz.recurrent._Probe`` of what the copy or the rollback raised."""
     try:
         dup = copy.copy(cache)
         dup.trim(n)
@@ -171,7 +182,7 @@ class LayersLockstep(Lockstep):
                 "recurrent: the harness reads layer 0 as the list's attention view (rows of another shape or dtype, "
                 "held windows and the lifecycle checks address it); a model whose first layer is recurrent "
                 "(nemotron_h, lfm2) is covered by the same list with an attention layer first, since a list trim or "
-                "restore is all or none whatever the layers' order (spec.layers.list_trim_count)")
+                "restore is all or none whatever the layers' order (kvspec.spec.layers.list_trim_count)")
         for j, layer in enumerate(cache["layers"]):
             own = sorted(set(layer) & {"mode", "step", "undo", "depth"})
             if build == "make_prompt_cache" and own:
@@ -230,7 +241,7 @@ class LayersLockstep(Lockstep):
                     record_steps(one)  # as make_prompt_cache(model, num_draft_tokens=k) does
                     mixers[j] = one.layers[0].mixer
         #: recurrent layer index -> (its rows, its mixer): the harness plays
-        #: the model's recurrent layers (fuzz.recurrent)
+        #: the model's recurrent layers (kvspec.fuzz.recurrent)
         self.recurrent = {j: (RecurrentRows(cache["batch"], cache["layers"][j].get("channels", 4), self.dtype), m)
                           for j, m in mixers.items()}
         self.pointers_before: list[tuple[int, int] | None] = []
@@ -358,7 +369,7 @@ class LayersLockstep(Lockstep):
     def _check_loudness(self, index: int, op: dict[str, Any], count: int) -> None:
         """A list trim that trims nothing is loud exactly for the layers that
         refuse (spec: ``want = min(n, every layer's rows)`` beyond a layer's
-        exact bound, spec.layers.layer_trim_bounds): each of them warns once
+        exact bound, kvspec.spec.layers.layer_trim_bounds): each of them warns once
         per cache (one RollbackWarning, ``rollback_warned`` set; none for a
         layer that warned before), no other layer warns; with
         ``strict=True`` the same trim raises StateError naming exactly
@@ -423,7 +434,7 @@ class LayersLockstep(Lockstep):
 
     def _copy(self, op: dict[str, Any]) -> None:
         """A copy of the whole list (``ListOps.copy``,
-        ``impl.layers.copy_prompt_cache``) held under ``name``; ``live:
+        ``kvspec.impl.layers.copy_prompt_cache``) held under ``name``; ``live:
         copy`` goes on with the copy and holds the original."""
         live = op.get("live", "original")
         if live not in ("copy", "original"):
@@ -501,7 +512,7 @@ class LayersLockstep(Lockstep):
         replaced by layer ``source``'s: the list operation under test must
         refuse it (the layer does) and leave every layer as it was. The
         trace's preconditions (indices, a pair that cannot swap snapshots)
-        are the spec's (``spec.layers.w_restore_mixed``), checked here
+        are the spec's (``kvspec.spec.layers.w_restore_mixed``), checked here
         before the list is touched."""
         snaps = self.holders.get(op["name"])
         if snaps is None:
@@ -593,7 +604,7 @@ class LayersLockstep(Lockstep):
             i_inplace = [c.last_write_inplace for j, c in enumerate(self.caches) if j not in self.recurrent]
             if self.check_inplace and s_inplace != i_inplace:
                 raise Divergence(index, op, "in-place decisions differ", f"inplace={s_inplace}", f"inplace={i_inplace}")
-            if self.check_sharing and inplace_keeps_memory():  # not under CUDA's donate (fuzz.lockstep)
+            if self.check_sharing and inplace_keeps_memory():  # not under CUDA's donate (kvspec.fuzz.lockstep)
                 attention = [j for j in range(len(self.caches)) if j not in self.recurrent]
                 for j, inplace in zip(attention, s_inplace):
                     before, c = self.pointers_before[j], self.caches[j]
@@ -725,7 +736,7 @@ class LayersLockstep(Lockstep):
 
     def _compare_recurrent(self, index: int, op: dict[str, Any]) -> None:
         """Every recurrent layer's conv window and state, live and in every
-        holder, row by row (fuzz.recurrent.arrays_mismatch)."""
+        holder, row by row (kvspec.fuzz.recurrent.arrays_mismatch)."""
         views = self.step_views()
         for j in self.recurrent:
             w = self.world.layers[j]
@@ -739,7 +750,7 @@ class LayersLockstep(Lockstep):
         recurrent layer, each taken on a ``copy.copy`` of the live layer
         (the list untouched) and compared with the spec layer after that
         rollback, conv window and state row by row, as the recurrent
-        kind's harness probes (``fuzz.recurrent``): a wrong or clobbered
+        kind's harness probes (``kvspec.fuzz.recurrent``): a wrong or clobbered
         checkpoint shows after the op that wrote it, not only at a list
         trim that lands on it. The copies' arrays are read in one MLX
         evaluation; a rollback that raises is reported as a read that
@@ -939,7 +950,7 @@ class LayersMachine(LifecycleRules, KVMachine):
     """List-level ops over mixed layer patterns: appends, atomic trims
     (after a wrap, after a front trim of a dense layer), list snapshots
     and restores, held windows; copies of the whole list, rows of another
-    shape or dtype and reloads (:class:`fuzz.machine.LifecycleRules`), and
+    shape or dtype and reloads (:class:`kvspec.fuzz.machine.LifecycleRules`), and
     list restores and trims one layer refuses late."""
 
     kind = "layers"

@@ -30,29 +30,29 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import numpy as np
 
-from fuzz import expected_refusals, interrupt
-from fuzz import rows as rowgen
-from fuzz.device import current as current_device
-from fuzz.failures import (  # noqa: F401  (Divergence re-exported)
+from kvspec.fuzz import expected_refusals, interrupt
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz.device import current as current_device
+from kvspec.fuzz.failures import (  # noqa: F401  (Divergence re-exported)
     Divergence,
     HarnessFailure,
     TargetCapabilityError,
     _jsonable,
     classify_failure,
 )
-from fuzz.protocol import refusal_category
-from impl.dense import data_pointer
-from impl.write import inplace_keeps_memory
-from spec.dense import inplace_switch
-from spec.errors import KVCacheError, StateError
+from kvspec.fuzz.protocol import refusal_category
+from kvspec.impl.dense import data_pointer
+from kvspec.impl.write import inplace_keeps_memory
+from kvspec.spec.dense import inplace_switch
+from kvspec.spec.errors import KVCacheError, StateError
 
-#: The environment variable of the in-place switch (spec.dense.inplace_switch).
+#: The environment variable of the in-place switch (kvspec.spec.dense.inplace_switch).
 INPLACE_ENV = "KV_INPLACE_WRITE"
 
 
 def reload_through_file(caches: list[Any], save: Any = None, load: Any = None, env: str | None = None) -> list[Any]:
     """``caches`` saved to a temporary prompt-cache file and loaded back
-    (``save``/``load``: ``impl.models.save_prompt_cache`` /
+    (``save``/``load``: ``kvspec.impl.models.save_prompt_cache`` /
     ``load_prompt_cache`` unless an injected bug replaces one). An injected
     bug's class is the class under test on both sides: while the file is
     written and read, the file layer's class table names it under its own
@@ -64,7 +64,7 @@ def reload_through_file(caches: list[Any], save: Any = None, load: Any = None, e
     import tempfile
     from pathlib import Path
 
-    from impl import models
+    from kvspec.impl import models
 
     save = save or models.save_prompt_cache
     load = load or models.load_prompt_cache
@@ -91,7 +91,7 @@ def reload_through_file(caches: list[Any], save: Any = None, load: Any = None, e
 
 
 def host_pointer(a: mx.array) -> int:
-    """``impl.dense.data_pointer(a)`` for an array in host memory (the CPU),
+    """``kvspec.impl.dense.data_pointer(a)`` for an array in host memory (the CPU),
     without its second evaluation for bfloat16 (NumPy has no bfloat16, so
     ``data_pointer`` reads it through a ``uint16`` view, one more MLX round
     trip): a C-contiguous array's address is read through the buffer
@@ -277,7 +277,7 @@ class Lockstep:
 
     def spec_inplace(self) -> bool:
         """The in-place switch the spec runs with: the trace's ``inplace``,
-        or, when the trace sets ``inplace_env``, what spec.dense.inplace_switch
+        or, when the trace sets ``inplace_env``, what kvspec.spec.dense.inplace_switch
         reads from that ``KV_INPLACE_WRITE`` spelling."""
         env = self.cfg.get("inplace_env")
         return self.cfg["inplace"] if env is None else inplace_switch(env)
@@ -308,14 +308,14 @@ class Lockstep:
 
     # -- rows -----------------------------------------------------------------
     def wide_rows(self) -> bool | str:
-        """Rows beyond float16's range (fuzz.rows) for unquantized storage;
+        """Rows beyond float16's range (kvspec.fuzz.rows) for unquantized storage;
         Int8: rows up to float16's largest value (``"edge"``: never refused,
         and they reach the read-back's float16 saturation)."""
         mode = self.cfg.get("mode", "fp16")
         return True if mode == "fp16" else "edge" if mode == "int8" else False
 
     def host_rows(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The K and V rows of ``tokens`` in host form (``fuzz.rows.rows``:
+        """The K and V rows of ``tokens`` in host form (``kvspec.fuzz.rows.rows``:
         float16, or float32 holding bfloat16 or float32 values)."""
         b, h, dk, dv = self.shape
         wide = self.wide_rows()
@@ -440,7 +440,7 @@ class Lockstep:
         return []
 
     def pointer(self, a: mx.array) -> int:
-        """``impl.dense.data_pointer(a)``, kept per array object for this
+        """``kvspec.impl.dense.data_pointer(a)``, kept per array object for this
         lockstep: an evaluated MLX array's memory never moves, and reading
         a bfloat16 array's pointer costs an MLX evaluation of its own. The
         arrays are held, so no id is reused while it is kept."""
@@ -551,10 +551,10 @@ class Lockstep:
             except Divergence:
                 raise
             except Exception as exc:
-                # whose failure (fuzz.failures.classify_failure): the target's
+                # whose failure (kvspec.fuzz.failures.classify_failure): the target's
                 # crash while read (a divergence), a capability gap or the
                 # harness's own failure (exit 2), never a raw traceback
-                from fuzz.trace import TraceFormatError
+                from kvspec.fuzz.trace import TraceFormatError
 
                 if isinstance(exc, (TraceFormatError, HarnessFailure)):
                     raise
@@ -575,7 +575,7 @@ class Lockstep:
             self._deferred = None
 
     def _run_step(self, index: int, op: dict[str, Any]) -> None:
-        interrupt.check()  # a Ctrl-C a gc callback swallowed still stops the run (fuzz.interrupt)
+        interrupt.check()  # a Ctrl-C a gc callback swallowed still stops the run (kvspec.fuzz.interrupt)
         self.reached("ops")
         if op["op"] == "expect":
             self.check_expect(index, op)
@@ -617,7 +617,7 @@ class Lockstep:
     #: ops whose refusal each cache words its own way (naming the dimension
     #: or dtype at fault): their type is compared, not their words
     OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset({"append_mismatch", "append_pair_mismatch"})
-    #: a target's own exception types -> refusal category (fuzz.targets)
+    #: a target's own exception types -> refusal category (kvspec.fuzz.targets)
     refusal_categories: ClassVar[dict[type, str]] = {}
 
     def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Outcome, impl_out: Outcome) -> None:
@@ -664,7 +664,7 @@ class Lockstep:
         if self.check_sharing and s.inplace and self.pointer_before is not None:
             after = self.impl_pointers().get("cache")
             if not inplace_keeps_memory():
-                # CUDA's donate mechanism (impl.write): MLX reuses the memory
+                # CUDA's donate mechanism (kvspec.impl.write): MLX reuses the memory
                 # only when nothing else holds it, so a move is a copy, not a
                 # bug; what others see is still checked (isolation, windows).
                 self.reached("in-place writes donated" if after == self.pointer_before else "in-place writes copied by MLX")
@@ -683,7 +683,7 @@ class Lockstep:
 
     def compare_switch(self, index: int, op: dict[str, Any]) -> None:
         """Under ``inplace_env`` the switch every cache runs with is the
-        spec's reading of that spelling (spec.dense.inplace_switch)."""
+        spec's reading of that spelling (kvspec.spec.dense.inplace_switch)."""
         env, want = self.cfg["inplace_env"], self.spec_inplace()
         for c in self.impl_caches():
             if getattr(c, "inplace", want) is not want:
@@ -868,7 +868,7 @@ class Lockstep:
 
     def impl_pointers(self) -> dict[str, int | None]:
         """Window name -> the data pointer of the implementation's keys
-        buffer behind it (``impl.dense.data_pointer``)."""
+        buffer behind it (``kvspec.impl.dense.data_pointer``)."""
         return {}
 
     def impl_values_pointer(self) -> int | None:
@@ -913,7 +913,7 @@ class Lockstep:
         s_views = self.spec_views()
         key = "cache" if name is None else self.view_key(name)
         if key not in s_views:
-            from fuzz.trace import TraceFormatError
+            from kvspec.fuzz.trace import TraceFormatError
 
             names = sorted(k.split(":", 1)[1] for k in s_views if k.startswith("holder:"))
             raise TraceFormatError(f"op {index} field 'of': no snapshot or handle named {name!r} at this op "
@@ -927,7 +927,7 @@ class Lockstep:
 
     _UNHANDLED = object()
     #: the spec module whose ``apply_op`` runs each op on the spec side
-    #: (``spec.dense`` or ``spec.rotating``)
+    #: (``kvspec.spec.dense`` or ``kvspec.spec.rotating``)
     spec_module: Any = None
     #: the implementation's snapshot and detached-handle classes: ``restore``
     #: takes only an exact ``snapshot_class`` and handle ops only an exact
@@ -1046,7 +1046,7 @@ class Lockstep:
     def pair_mismatched_rows(self, n: int, differs: str) -> tuple[mx.array, mx.array]:
         """A K/V pair of the next ``n`` token identities whose keys are the
         trace's shape and dtype (the cached rows') and whose values disagree
-        with them (spec.dense.PAIR_FIELDS): another float dtype, one more
+        with them (kvspec.spec.dense.PAIR_FIELDS): another float dtype, one more
         batch row, one more kv head, or one more row than the keys."""
         b, h, dk, dv = self.shape
         vb, vh, vdt = b, h, self.dtype
@@ -1075,7 +1075,7 @@ class Lockstep:
             return own(via)
         if via == "state":
             if not callable(getattr(getattr(type(c), "state", None), "fset", None)):
-                from fuzz.trace import TraceFormatError
+                from kvspec.fuzz.trace import TraceFormatError
 
                 raise TraceFormatError(f"reload: via 'state' needs a state setter, which {type(c).__name__} lacks "
                                        "(it loads by from_state: use via 'file')")
@@ -1133,7 +1133,7 @@ class Lockstep:
     def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
         """The op on the spec world: ``(result, new world)`` (pure)."""
         if op["op"] == "append_mismatch" and not self.spec_module.holds_buffer(self.world):
-            from fuzz.trace import TraceFormatError
+            from kvspec.fuzz.trace import TraceFormatError
 
             raise TraceFormatError("append_mismatch: only on a cache holding a buffer (an empty cache takes any "
                                    "shape; the spec cannot follow rows of another shape)")

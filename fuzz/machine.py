@@ -9,7 +9,7 @@ trim, exact-fit buffers, shared buffers) that large sizes hide.
 
 After a failing run, Hypothesis shrinks it and re-runs the minimal example
 last; ``teardown`` records each run, so ``Machine.last_run`` is then the
-minimal counterexample, which :func:`fuzz.campaign.failure_trace` writes out.
+minimal counterexample, which :func:`kvspec.fuzz.campaign.failure_trace` writes out.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from fuzz.kinds import get as kind_entry
+from kvspec.fuzz.kinds import get as kind_entry
 
 SMALL_STEPS = st.integers(1, 8)
 HEAD_DIMS = st.sampled_from([8, 16])
@@ -99,11 +99,11 @@ class KVMachine(RuleBasedStateMachine):
     check_inplace = True
     #: cache fields pinned for every example (e.g. ``{"max_size": 16}``)
     fixed: ClassVar[dict[str, Any]] = {}
-    #: a ``fuzz.targets.Target`` (None: ``impl``). Ops it does not run are
+    #: a ``kvspec.fuzz.targets.Target`` (None: ``impl``). Ops it does not run are
     #: not generated (counted as "skipped <op>"); ``covered`` counts the ops
     #: each example did run, by name.
     target: Any = None
-    #: ``fuzz.replay.make_lockstep``, bound by ``machine_for`` (the base
+    #: ``kvspec.fuzz.replay.make_lockstep``, bound by ``machine_for`` (the base
     #: machine sits below the registry that knows every kind's driver)
     make_lockstep: ClassVar[Any] = None
     covered: ClassVar[dict[str, int]] = {}
@@ -118,7 +118,7 @@ class KVMachine(RuleBasedStateMachine):
     first_failure: tuple[int, float] | None = None
     #: the exception of that first failing op and the run up to it, as
     #: (cfg, ops): what a failure Hypothesis could not replay was
-    #: (fuzz.campaign.run_machine's flaky case)
+    #: (kvspec.fuzz.campaign.run_machine's flaky case)
     first_error: BaseException | None = None
     first_failure_run: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     #: called with the examples run so far when the first failure is seen
@@ -161,9 +161,9 @@ class KVMachine(RuleBasedStateMachine):
         if "keep" in self.fixed or "max_size" in self.fixed:
             self.cfg["keep"] = min(self.cfg["keep"], self.cfg["max_size"] - 1)
         if self.make_lockstep is None:
-            raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
+            raise TypeError(f"{type(self).__name__}: build machines with kvspec.fuzz.campaign.machine_for")
         self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
-        #: ops of the trace kind this kind's implementation does not run (fuzz.kinds)
+        #: ops of the trace kind this kind's implementation does not run (kvspec.fuzz.kinds)
         self.without = kind_entry(self.kind, self.mode).without
 
     def do(self, op: dict[str, Any]) -> None:
@@ -191,7 +191,7 @@ class KVMachine(RuleBasedStateMachine):
         """Hypothesis's invariant pass, with an invariant's first failure
         kept as :meth:`do` keeps an op's (``first_error``,
         ``first_failure_run``), so that one Hypothesis cannot replay is
-        still a catch (fuzz.campaign.run_machine)."""
+        still a catch (kvspec.fuzz.campaign.run_machine)."""
         try:
             super().check_invariants(*args, **kwargs)
         except AssertionError:
@@ -226,8 +226,8 @@ class KVMachine(RuleBasedStateMachine):
     def _run_again(cls) -> str:
         """One run of ``first_failure_run``'s ops on a fresh lockstep: what
         it gave, in words (the machine's invariants are not run)."""
-        from fuzz.lockstep import Divergence
-        from fuzz.trace import cache_defaults
+        from kvspec.fuzz.lockstep import Divergence
+        from kvspec.fuzz.trace import cache_defaults
 
         cfg, ops = cls.first_failure_run  # type: ignore[misc]
         cache = {**cache_defaults(cfg.get("kind", cls.kind), cfg.get("mode", cls.mode)), **cfg}
@@ -338,7 +338,7 @@ class KVMachine(RuleBasedStateMachine):
 
 class StateProtocolMachine(KVMachine):
     """The rules of mlx-lm's snapshot protocol, for the kinds whose classes
-    have it (``fuzz.kinds.STATE_OPS``): a snapshot kept as ``saved =
+    have it (``kvspec.fuzz.kinds.STATE_OPS``): a snapshot kept as ``saved =
     c.state`` (no copy, as programs keep ``[c.state for c in cache]``), a
     restore as ``c.state = saved``. The spec's answer is the snapshot rule:
     the saved rows never change, whatever the cache does next."""
@@ -376,15 +376,15 @@ class StateProtocolMachine(KVMachine):
             self.do({"op": "append", "n": 1})
 
 
-#: what an ``append_mismatch`` may change (spec.dense.ROW_FIELDS)
+#: what an ``append_mismatch`` may change (kvspec.spec.dense.ROW_FIELDS)
 MISMATCH_FIELDS = ("batch", "kv_heads", "k_head_dim", "v_head_dim", "dtype", "k_dtype", "v_dtype")
-#: what the values of an ``append_pair_mismatch`` differ in from its keys (spec.dense.PAIR_FIELDS)
+#: what the values of an ``append_pair_mismatch`` differ in from its keys (kvspec.spec.dense.PAIR_FIELDS)
 PAIR_FIELDS = ("dtype", "batch", "kv_heads", "rows")
 
 
 class LifecycleRules:
     """Rules for the cache's life outside the decode loop (kinds that run
-    ``fuzz.kinds.LIFECYCLE_OPS``): copies of the cache as mlx-lm's
+    ``kvspec.fuzz.kinds.LIFECYCLE_OPS``): copies of the cache as mlx-lm's
     prompt-cache helpers make them, rows of another shape or dtype, and
     save/load through a prompt-cache file or mlx-lm's load order. Mixed into
     a kind's machine; the plain machines of mlx-lm targets leave them out

@@ -4,8 +4,8 @@
 The returned value is expanded into the boolean matrix it denotes (``None``:
 the single query sees every key; ``"causal"``: the plain causal mask; an
 array: itself) and compared with the kind's spec rule: for a dense cache
-``spec.dense.dense_make_mask`` (``dense_mask_visible``), for a ring
-``spec.rotating.make_mask_spec`` (``mask_visible``).
+``kvspec.spec.dense.dense_make_mask`` (``dense_mask_visible``), for a ring
+``kvspec.spec.rotating.make_mask_spec`` (``mask_visible``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.lockstep import Divergence
-from spec import dense as sd
-from spec import rotating as sr
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.spec import dense as sd
+from kvspec.spec import rotating as sr
 
 
 def mask_as_rows(mask: Any, n: int, length: int) -> list[list[bool]] | None:
@@ -54,7 +54,7 @@ def same_mask(got: np.ndarray, want: np.ndarray) -> bool:
     """Whether two ``[N, L]`` boolean matrices are equal: every query's row,
     not only the newest one (a prefill chunk's earlier rows are where a
     window measured from the wrong query shows; catalog bug
-    ``mask_window_from_newest_query``, fuzz.harness_mutants)."""
+    ``mask_window_from_newest_query``, kvspec.fuzz.harness_mutants)."""
     return np.array_equal(got, want)
 
 
@@ -70,7 +70,7 @@ def _spec_matrix(rows: tuple[tuple[bool, ...], ...]) -> np.ndarray:
 
 @lru_cache(maxsize=4096)
 def _dense_mask(live_len: int, n: int, window: int | None) -> np.ndarray:
-    """spec.dense.dense_make_mask as a boolean matrix, kept per arguments
+    """kvspec.spec.dense.dense_make_mask as a boolean matrix, kept per arguments
     (a pure function: a decode loop asks for the same ones op after op)."""
     return _spec_matrix(sd.dense_make_mask(live_len, n, window))
 
@@ -90,7 +90,7 @@ def _compare(lock: Any, op: dict[str, Any], cache: Any, n: int, cases: list[tupl
             calls.append((kwargs, want, cache.make_mask(n, **kwargs)))
     index = lock.current_index
     # the form asked for (an array) is this project's contract; another engine's
-    # cache is compared on the matrix its answer denotes (fuzz.targets)
+    # cache is compared on the matrix its answer denotes (kvspec.fuzz.targets)
     form = getattr(lock, "check_mask_form", True)
 
     def check() -> None:
@@ -127,7 +127,7 @@ def dense_windows(live_len: int) -> list[int | None]:
 
 def check_dense_masks(lock: Any, op: dict[str, Any], live_len: int, cache: Any, prefix: str = "") -> None:
     """``cache.make_mask`` (array and short forms) for the append ``op``
-    against spec.dense.dense_make_mask, for each of :func:`dense_windows`."""
+    against kvspec.spec.dense.dense_make_mask, for each of :func:`dense_windows`."""
     n = op["n"]
     cases = [(window, _dense_mask(live_len, n, window)) for window in dict.fromkeys(dense_windows(live_len))]
     _compare(lock, op, cache, n, cases, prefix)
@@ -148,7 +148,7 @@ def ring_windows(max_size: int, keep: int) -> list[int | None]:
 def check_ring_masks(lock: Any, op: dict[str, Any], spec_cache: sr.RotatingCache, cache: Any,
                      narrow: bool, prefix: str = "") -> None:
     """``cache.make_mask`` for the append ``op`` against
-    spec.rotating.make_mask_spec, with the ring's own window and (``narrow``)
+    kvspec.spec.rotating.make_mask_spec, with the ring's own window and (``narrow``)
     the windows of :func:`ring_windows`."""
     n = op["n"]
     windows: list[int | None] = ring_windows(spec_cache.max_size, spec_cache.keep) if narrow else [None]

@@ -2,20 +2,20 @@
 driven through the model glue and the file layer (docs/models.md).
 
 The list itself runs every op of the ``layers`` kind (appends, atomic
-trims, snapshots, reloads: :class:`fuzz.layers.LayersLockstep`), always
-built the way a model builds it (``impl.models.make_prompt_cache``), and
+trims, snapshots, reloads: :class:`kvspec.fuzz.layers.LayersLockstep`), always
+built the way a model builds it (``kvspec.impl.models.make_prompt_cache``), and
 after every op each layer's ``nbytes`` is compared with
-``spec.models.nbytes``. Its own ops are observations of the glue, each
-compared with the pure rule of ``spec.models`` (or the kind's spec):
+``kvspec.spec.models.nbytes``. Its own ops are observations of the glue, each
+compared with the pure rule of ``kvspec.spec.models`` (or the kind's spec):
 
 * ``build_probe``: ``make_prompt_cache`` with other settings (a model with
   or without ``make_cache``, ``max_kv_size``, ``undo``,
   ``num_draft_tokens``, every mode, Delegated's ``hot_threshold`` and
   ``fold_block``): every layer's kind, mode, step, window, sinks, undo
-  depth and Delegated settings (``spec.models.prompt_cache_layout``);
+  depth and Delegated settings (``kvspec.spec.models.prompt_cache_layout``);
 * ``save_load``: the list saved with user metadata (keys drawn to include
   a leading ``"0"``, ``"."``, ``"0."``, non-ASCII and the empty string)
-  and loaded back: the metadata (``spec.models.loaded_metadata``), each
+  and loaded back: the metadata (``kvspec.spec.models.loaded_metadata``), each
   loaded layer's window, offset and ``meta_state``;
 * ``to_quantized``: ``to_quantized(group_size, bits)`` of one layer
   mid-stream, ``bits`` and ``group_size`` drawn from every value a layer
@@ -23,14 +23,14 @@ compared with the pure rule of ``spec.models`` (or the kind's spec):
   bits 8 gives the Int8 copy's mode, offset, live_start, step, switch,
   capacity, ``nbytes`` and rows in their dtype; other bits mlx-lm's
   QuantizedKVCache's group_size, bits, offset, live_start, step and
-  dequantized rows in their dtype (``spec.models.to_quantized``);
+  dequantized rows in their dtype (``kvspec.spec.models.to_quantized``);
 * ``mask``: one layer's ``make_mask(n, window_size, return_array=True)``
-  built on the host or on the device path (``impl.masks``' MLX build, the
+  built on the host or on the device path (``kvspec.impl.masks``' MLX build, the
   one CUDA runs) against the kind's spec mask, query length 1 and more;
 * ``mechanism``: the write layer's ``inplace_mechanism`` under a
-  ``KV_CUDA_INPLACE`` spelling (``spec.models.inplace_mechanism``);
+  ``KV_CUDA_INPLACE`` spelling (``kvspec.spec.models.inplace_mechanism``);
 * ``rows``: the rows the harness hands in (portable rows, float16,
-  bfloat16, float32) against ``spec.rows.row_bits``, bit for bit, token
+  bfloat16, float32) against ``kvspec.spec.rows.row_bits``, bit for bit, token
   by token in order.
 
 Injected bugs (``fuzz/bugs/models.py``) replace one entry point of
@@ -51,26 +51,26 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from fuzz import rows as rowgen
-from fuzz.layers import LayersLockstep, LayersMachine, LayoutModel, layer_patterns
-from fuzz.masks import mask_text
-from fuzz.trace import TraceFormatError
-from impl import masks as impl_masks
-from impl import models as impl_models
-from impl import write as impl_write
-from impl.dense import KVCache
-from impl.rotating import RotatingKVCache
-from spec import dense as sd
-from spec import models as sm
-from spec import rotating as sr
-from spec import rows as spec_rows
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz.layers import LayersLockstep, LayersMachine, LayoutModel, layer_patterns
+from kvspec.fuzz.masks import mask_text
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.impl import masks as impl_masks
+from kvspec.impl import models as impl_models
+from kvspec.impl import write as impl_write
+from kvspec.impl.dense import KVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import dense as sd
+from kvspec.spec import models as sm
+from kvspec.spec import rotating as sr
+from kvspec.spec import rows as spec_rows
 
 #: the ops of this kind beyond the ``layers`` kind's
 MODEL_OPS = ("build_probe", "save_load", "to_quantized", "mask", "mechanism", "rows")
 #: the rule each op's observation is compared with
-RULES = {"build_probe": "spec.models.prompt_cache_layout", "save_load": "spec.models.loaded_metadata and the saved layers",
-         "to_quantized": "spec.models.to_quantized", "mask": "the layer kind's spec mask",
-         "mechanism": "spec.models.inplace_mechanism", "rows": "spec.rows.row_bits"}
+RULES = {"build_probe": "kvspec.spec.models.prompt_cache_layout", "save_load": "kvspec.spec.models.loaded_metadata and the saved layers",
+         "to_quantized": "kvspec.spec.models.to_quantized", "mask": "the layer kind's spec mask",
+         "mechanism": "kvspec.spec.models.inplace_mechanism", "rows": "kvspec.spec.rows.row_bits"}
 #: metadata keys a ``save_load`` draws from: the edges of the file's
 #: ``"0."`` namespace prefix and of the safetensors header
 METADATA_KEYS = ("0shot", "0.5", ".hidden", "00", "0.", ".", "", "name", "température", "模型", "0.0.x", "__kvspec")
@@ -135,7 +135,7 @@ def _env(name: str, value: str | None):
 
 @contextmanager
 def _device_masks():
-    """``impl.masks`` builds in MLX, as on MLX's CUDA backend (the device
+    """``kvspec.impl.masks`` builds in MLX, as on MLX's CUDA backend (the device
     path), while the default device stays where it is."""
     saved = impl_masks.mask_namespace
     impl_masks.mask_namespace = lambda: mx  # type: ignore[assignment]
@@ -146,7 +146,7 @@ def _device_masks():
 
 
 def _settings(c: Any) -> tuple[Any, ...]:
-    """A built layer as ``spec.models.LayerSettings`` fields."""
+    """A built layer as ``kvspec.spec.models.LayerSettings`` fields."""
     if isinstance(c, RotatingKVCache):
         return ("rotating", "fp16", c.step, c.max_size, c.keep, getattr(c, "undo", 0), None, None)
     return ("dense", c.mode, c.step, None, None, None, getattr(c, "hot_threshold", None),
@@ -161,7 +161,7 @@ class ModelsLockstep(LayersLockstep):
     """A ``make_prompt_cache`` list driven as :class:`LayersLockstep`
     drives it, plus the ops of :data:`MODEL_OPS` and every layer's
     ``nbytes``. ``factories``: ``"dense"`` / ``"rotating"`` layer classes,
-    ``"layers"`` a ``fuzz.layers.ListOps`` and ``"models"`` a
+    ``"layers"`` a ``kvspec.fuzz.layers.ListOps`` and ``"models"`` a
     :class:`ModelOps` (sub)class."""
 
     OWN_WORDED_OPS = LayersLockstep.OWN_WORDED_OPS | {"build_probe", "save_load", "to_quantized", "mechanism"}
@@ -389,7 +389,7 @@ class ModelsLockstep(LayersLockstep):
         if op["op"] in MODEL_OPS:
             self.reached(f"{op['op']} checked")
             if s != i:
-                from fuzz.lockstep import Divergence
+                from kvspec.fuzz.lockstep import Divergence
 
                 raise Divergence(index, op, f"{op['op']}: differs from {RULES[op['op']]}", s, i)
             return

@@ -1,5 +1,5 @@
 """The paged cache's harness (kind ``paged``): the lockstep driver of
-``spec.paged`` against ``impl.paged.BlockPool`` and its state machine.
+``kvspec.spec.paged`` against ``kvspec.impl.paged.BlockPool`` and its state machine.
 
 Besides the common checks (refusals and their messages, returned windows,
 the in-place decision, trace checks) the driver compares after every op
@@ -24,17 +24,17 @@ import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from fuzz.lockstep import Divergence, Lockstep, reload_through_file
-from fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine, LifecycleRules
-from fuzz.masks import check_dense_masks
-from fuzz.trace import TraceFormatError
-from impl.paged import BlockPool, PagedKVCache
-from spec import paged as sp
-from spec.errors import StateError
+from kvspec.fuzz.lockstep import Divergence, Lockstep, reload_through_file
+from kvspec.fuzz.machine import APPEND_N, HEAD_DIMS, KV_HEADS, KVMachine, LifecycleRules
+from kvspec.fuzz.masks import check_dense_masks
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.impl.paged import BlockPool, PagedKVCache
+from kvspec.spec import paged as sp
+from kvspec.spec.errors import StateError
 
 
 def pool_config(cache: dict[str, Any]) -> dict[str, Any]:
-    """BlockPool / spec.paged.new_world arguments from a kvtrace cache
+    """BlockPool / kvspec.spec.paged.new_world arguments from a kvtrace cache
     (``max_blocks`` 0 means no maximum)."""
     return {"block_size": cache["block_size"], "max_blocks": cache["max_blocks"] or None,
             "chunk": cache["chunk"], "inplace": cache["inplace"]}
@@ -58,7 +58,7 @@ def handle_api(cls: type = PagedKVCache) -> dict[str, tuple[str, str]]:
     (member name, ``"call"`` / ``"get"`` / ``"set"``). Each public method
     and each property (read, and assigned as ``set_<name>`` where it has a
     setter), less :data:`NOT_REUSES`. A member added to the class is drawn
-    at once (and ``spec.paged.HANDLE_REUSES`` must answer it:
+    at once (and ``kvspec.spec.paged.HANDLE_REUSES`` must answer it:
     tests/test_fuzz_paged.py holds the two to the same set)."""
     uses: dict[str, tuple[str, str]] = {}
     for name, member in inspect.getmembers(cls):
@@ -121,7 +121,7 @@ class PagedLockstep(Lockstep):
         """The op on the spec world; the op's sequence is the one whose
         ``capacity`` the observables report (also when a trace is annotated
         without stepping). A ``reload`` in mlx-lm's load order is given only
-        on a sequence that starts at position 0 (``spec.paged.reload``)."""
+        on a sequence that starts at position 0 (``kvspec.spec.paged.reload``)."""
         self.current_seq = op.get("seq", sp.MAIN)
         s = self.world.seqs.get(self.current_seq)
         if op["op"] == "reload" and op.get("via") == "state" and s is not None and s.start > 0:
@@ -175,7 +175,7 @@ class PagedLockstep(Lockstep):
         """A sequence's handle outside the decode loop: ``copy`` (copy.copy /
         copy.deepcopy of its handle), ``reload`` (through a prompt-cache
         file) and ``handle_reuse`` (the handle a release consumed, used
-        again). The spec refuses each (``spec.paged.copy_refused``,
+        again). The spec refuses each (``kvspec.spec.paged.copy_refused``,
         ``reload``, ``handle_reuse``); a handle that goes through returns
         None here and the refusal comparison reports it."""
         name = op["op"]
@@ -206,7 +206,7 @@ class PagedLockstep(Lockstep):
     def assign_state(self, op: dict[str, Any], seq: str) -> None:
         """``handle.state = (keys, values)`` on ``seq``'s handle with
         ``n`` rows of the next token identities (``n == 0``: ``state =
-        ()``): the setter under test, against ``spec.paged.state_assign``
+        ()``): the setter under test, against ``kvspec.spec.paged.state_assign``
         (a refusal, e.g. the pool exhausted, changes nothing)."""
         handle = self.handles.get(seq)
         if handle is None:
@@ -222,7 +222,7 @@ class PagedLockstep(Lockstep):
     #: gets: ``valid`` (a count of 1, position 0, a fresh name) or one the
     #: method would refuse on a live handle (``zero``: counts 0, an empty
     #: name; ``negative``: counts and positions -1, the name of a live
-    #: sequence). spec.paged.handle_reuse refuses with StateError whatever
+    #: sequence). kvspec.spec.paged.handle_reuse refuses with StateError whatever
     #: the arguments: the spent handle is refused before they are read.
     REUSE_ARGS = ("valid", "zero", "negative")
 
@@ -240,7 +240,7 @@ class PagedLockstep(Lockstep):
         if param == "name":
             return {"valid": f"{seq}.reused", "zero": "", "negative": sp.MAIN}[arg]
         raise TraceFormatError(f"handle_reuse: no value for parameter {param!r} of PagedKVCache.{member} "
-                               "(fuzz.paged.PagedLockstep.reuse_argument)")
+                               "(kvspec.fuzz.paged.PagedLockstep.reuse_argument)")
 
     def use_handle(self, handle: Any, seq: str, member: str, how: str, arg: str = "valid") -> None:
         """``handle``'s ``member`` called (its required parameters from
@@ -266,8 +266,8 @@ class PagedLockstep(Lockstep):
     def check_mask(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it, in
         array and short form, with and without a window, against
-        spec.dense.dense_make_mask over the sequence's visible rows plus
-        the new ones (fuzz.masks.check_dense_masks)."""
+        kvspec.spec.dense.dense_make_mask over the sequence's visible rows plus
+        the new ones (kvspec.fuzz.masks.check_dense_masks)."""
         seq = op.get("seq", sp.MAIN)
         if seq not in self.pool.seqs:
             return
@@ -413,7 +413,7 @@ class PagedMachine(LifecycleRules, KVMachine):
     to cross block edges, releases, and refused inputs (unknown sequences,
     names in use, ``keep > 0``, pool exhaustion with a small ``max_blocks``).
     Paged caches snapshot by fork: the base snapshot rules are off. The
-    lifecycle rules (:class:`fuzz.machine.LifecycleRules`) copy a handle
+    lifecycle rules (:class:`kvspec.fuzz.machine.LifecycleRules`) copy a handle
     (refused: ``fork`` is the paged copy), hand the pool rows of another
     shape or dtype and reload through a prompt-cache file (refused), and
     spent handles are used again (:meth:`reuse_released`)."""

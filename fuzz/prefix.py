@@ -1,11 +1,11 @@
 """The prefix kind's harness: prefix caching by content hash
-(``spec.prefix``) in lockstep with a prefix target, and its state machine.
+(``kvspec.spec.prefix``) in lockstep with a prefix target, and its state machine.
 
 A **prefix target** is anything that admits requests by their tokens, finds
 the longest cached prefix of full blocks, decodes, frees, preempts and
 resumes, and shows its blocks (:class:`PrefixTarget`, docs/prefix.md): our
-MLX pool (``impl.prefix.PrefixCachePool``, wrapped by :class:`OursTarget`)
-or vLLM's KV-cache manager (``fuzz.adapters.vllm``). The lockstep
+MLX pool (``kvspec.impl.prefix.PrefixCachePool``, wrapped by :class:`OursTarget`)
+or vLLM's KV-cache manager (``kvspec.fuzz.adapters.vllm``). The lockstep
 (:class:`PrefixLockstep`) runs every op on the spec and on the target and
 compares, after every op:
 
@@ -36,7 +36,7 @@ the lockstep does not count (``declared``: rule -> reason); only
 differences that leave both states equal can be declared for a refusal
 (``"<op> refusal"``: the spec refuses, the target silently does nothing).
 
-Plugging another engine in takes two calls (``fuzz.prefix_runs``, a runner
+Plugging another engine in takes two calls (``kvspec.fuzz.prefix_runs``, a runner
 above this module): ``prefix_campaign`` (a seeded campaign against
 ``target_factory(cache) -> PrefixTarget``, a failure shrunk to a minimal
 kvtrace) and ``replay_prefix`` (one trace); both reach this lockstep through
@@ -54,13 +54,13 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from fuzz.failures import Divergence
-from fuzz.lockstep import Outcome, error_text, same_value
-from fuzz.machine import KVMachine
-from fuzz.protocol import refusal_category
-from fuzz.trace import TraceFormatError
-from spec import prefix as sp
-from spec.errors import KVCacheError
+from kvspec.fuzz.failures import Divergence
+from kvspec.fuzz.lockstep import Outcome, error_text, same_value
+from kvspec.fuzz.machine import KVMachine
+from kvspec.fuzz.protocol import refusal_category
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.spec import prefix as sp
+from kvspec.spec.errors import KVCacheError
 
 __all__ = ["RULES", "VIEW_FIELDS", "OursTarget", "PrefixLockstep", "PrefixMachine", "PrefixRows", "PrefixTarget",
            "row_name", "spec_view", "target_factories"]
@@ -73,7 +73,7 @@ class PrefixTarget(Protocol):
     """A KV-cache manager with prefix caching, driven op by op (the
     ``prefix`` kind, docs/prefix.md). Request ids are strings, token ids
     ints >= 0, ``salt`` None or a small int. Bad arguments and ops out of
-    turn raise ``spec.errors.KVCacheError`` subclasses (another engine may
+    turn raise ``kvspec.spec.errors.KVCacheError`` subclasses (another engine may
     raise its own: refusals are compared by category); a refusal changes
     nothing. The lockstep hands the target no rows: each target writes its
     own rows for the positions it allocated, as its model would (the row of
@@ -129,23 +129,23 @@ VIEW_FIELDS = ("requests", "blocks", "free", "cached", "rows", "reads")
 #: the rule each check enforces: its name (a divergence's ``rule 'NAME'``,
 #: a target's ``declared`` key) -> what the spec says
 RULES = {
-    "refusal": "spec.errors: the spec's refusals (an unknown or out-of-turn request, bad tokens; free_blocks always)",
-    "exhaustion": "spec.prefix.admit: need > available: not admitted, nothing changed",
-    "hit length": "spec.prefix.hit_blocks: the cached chain of full blocks, at most (len - 1) // B",
-    "block table": "spec.prefix.admit: the hits (first block under each key), then pops from the queue's front",
-    "decode room": "spec.prefix.decode: False, nothing changed, when the free queue lacks the blocks",
-    "reset": "spec.prefix.reset: False while any block is held, else every key dropped",
-    "requests": "spec.prefix: the requests known, their token counts and liveness",
-    "refcount": "spec.prefix.refcounts_match_tables: refcount = live tables holding the block",
-    "key": "spec.prefix.keys_name_contents: a full block's key names its tokens; eviction and reset clear it",
-    "free queue": "spec.prefix.free: tail first, keyed to the back, unkeyed to the front; pops from the front",
-    "cached map": "spec.prefix.cached_map_exact: key -> blocks in insertion order, an evicted block removed",
-    "rows": "spec.prefix.keys_name_contents: each written slot holds the row its key or request names",
-    "reads": "spec.prefix.requests_read_their_rows: a live request reads its own rows through its table",
+    "refusal": "kvspec.spec.errors: the spec's refusals (an unknown or out-of-turn request, bad tokens; free_blocks always)",
+    "exhaustion": "kvspec.spec.prefix.admit: need > available: not admitted, nothing changed",
+    "hit length": "kvspec.spec.prefix.hit_blocks: the cached chain of full blocks, at most (len - 1) // B",
+    "block table": "kvspec.spec.prefix.admit: the hits (first block under each key), then pops from the queue's front",
+    "decode room": "kvspec.spec.prefix.decode: False, nothing changed, when the free queue lacks the blocks",
+    "reset": "kvspec.spec.prefix.reset: False while any block is held, else every key dropped",
+    "requests": "kvspec.spec.prefix: the requests known, their token counts and liveness",
+    "refcount": "kvspec.spec.prefix.refcounts_match_tables: refcount = live tables holding the block",
+    "key": "kvspec.spec.prefix.keys_name_contents: a full block's key names its tokens; eviction and reset clear it",
+    "free queue": "kvspec.spec.prefix.free: tail first, keyed to the back, unkeyed to the front; pops from the front",
+    "cached map": "kvspec.spec.prefix.cached_map_exact: key -> blocks in insertion order, an evicted block removed",
+    "rows": "kvspec.spec.prefix.keys_name_contents: each written slot holds the row its key or request names",
+    "reads": "kvspec.spec.prefix.requests_read_their_rows: a live request reads its own rows through its table",
     "nothing changed": "a refusal, an admit not admitted, a decode without room, a reset refused, a lookup",
     "pool invariants": "the implementation's own broken_invariants(): none",
     "dtype": "the cache's dtype: the slabs and every fetch hold rows in it (bfloat16 is not float16)",
-    "copy": "spec.prefix.apply_op: a world is a value; a copy is untouched by ops on its original",
+    "copy": "kvspec.spec.prefix.apply_op: a world is a value; a copy is untouched by ops on its original",
 }
 
 
@@ -200,7 +200,7 @@ class PrefixRows:
         return int.from_bytes(digest, "little")
 
     def _cast(self, x: np.ndarray) -> np.ndarray:
-        from fuzz.rows import round_to_bfloat16
+        from kvspec.fuzz.rows import round_to_bfloat16
 
         if self.dtype == "float16":
             return x.astype(np.float16).astype(np.float32)
@@ -250,7 +250,7 @@ def dtype_name(d: Any) -> str:
 
 
 def _host(a: Any) -> np.ndarray:
-    from fuzz.rows import host
+    from kvspec.fuzz.rows import host
 
     return np.asarray(host(a), dtype=np.float32)
 
@@ -259,7 +259,7 @@ def _host(a: Any) -> np.ndarray:
 
 
 def _impl() -> Any:
-    from impl import prefix
+    from kvspec.impl import prefix
 
     return prefix
 
@@ -285,7 +285,7 @@ def result_json(op: str, result: Any) -> Any:
 
 
 class OursTarget:
-    """``impl.prefix.PrefixCachePool`` (or an injected bug's subclass,
+    """``kvspec.impl.prefix.PrefixCachePool`` (or an injected bug's subclass,
     ``factory``) as a :class:`PrefixTarget`: after every admit, decode and
     resume the rows of the pending positions (``pool.pending(req)``) are
     written as :class:`PrefixRows` makes them for their names, and
@@ -428,7 +428,7 @@ class OursTarget:
         return tuple(self.pool.broken_invariants())
 
 
-# -- the spec side (spec.prefix: frozen worlds, each op a new world) -------------
+# -- the spec side (kvspec.spec.prefix: frozen worlds, each op a new world) -------------
 
 
 def spec_world(cache: dict[str, Any]) -> Any:
@@ -498,16 +498,16 @@ NAMED_OPS = frozenset({"decode", "free", "preempt", "resume"})
 
 
 class PrefixLockstep:
-    """The spec (``spec.prefix``) and a :class:`PrefixTarget` in step, op
+    """The spec (``kvspec.spec.prefix``) and a :class:`PrefixTarget` in step, op
     by op (the module's doc lists what is compared). ``factory``: None (our
-    ``impl.prefix.PrefixCachePool``), a subclass of it (an injected bug),
+    ``kvspec.impl.prefix.PrefixCachePool``), a subclass of it (an injected bug),
     or ``{"target": target_factory}`` with ``target_factory(cache) ->
     PrefixTarget`` (another engine). :meth:`step` raises
     :class:`Divergence` at the first disagreement, TraceFormatError for a
     trace it cannot run."""
 
     spec_module = sp
-    #: set by fuzz.targets for our implementation: refusals compared by type
+    #: set by kvspec.fuzz.targets for our implementation: refusals compared by type
     #: and words (another target's by category)
     compare_messages = False
     check_inplace = True
@@ -517,8 +517,8 @@ class PrefixLockstep:
     check_copies = True
     impl_name = "impl"
     #: ops whose refusals the implementation words its own way (only its
-    #: type is compared): none, impl.prefix words every refusal as
-    #: spec.prefix does
+    #: type is compared): none, kvspec.impl.prefix words every refusal as
+    #: kvspec.spec.prefix does
     OWN_WORDED_OPS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cache: dict[str, Any], factory: Any = None):
@@ -579,7 +579,7 @@ class PrefixLockstep:
         """The op on the target alone (``kvspec bench harness``'s floor)."""
         return self.target_apply(op)
 
-    # -- what kvspec render draws (fuzz.render.timeline) ---------------------------
+    # -- what kvspec render draws (kvspec.fuzz.render.timeline) ---------------------------
     def spec_views(self) -> dict[str, list[int]]:
         """Per request the trace has admitted (``req:<id>``) its tokens, the
         rows it reads (a preempted request keeps them; a freed one has
@@ -696,7 +696,7 @@ class PrefixLockstep:
     def compare_refusal(self, index: int, op: dict[str, Any], spec_out: Outcome, impl_out: Outcome) -> None:
         """Both refuse or neither; ours with the spec's type (and, with
         :attr:`compare_messages`, words), another target in the same
-        category (fuzz.protocol.refusal_category; its own exception types
+        category (kvspec.fuzz.protocol.refusal_category; its own exception types
         through its ``refusal_categories``). A target that declares
         ``"<op> refusal"`` may do nothing where the spec refuses (the views
         are compared after it all the same)."""
@@ -980,7 +980,7 @@ class PrefixLockstep:
         if any(len(ids) > 1 for _, ids in cached_items(after)):
             self.reached("duplicate keys")
 
-    # -- kvtrace annotations (fuzz.campaign.annotate) --------------------------------
+    # -- kvtrace annotations (kvspec.fuzz.campaign.annotate) --------------------------------
     def predictions(self, op: dict[str, Any], result: Any) -> dict[str, Any]:
         if op["op"] in ("admit", "resume", "decode", "lookup", "reset"):
             return {"returns": result_json(op["op"], result)}
@@ -1009,7 +1009,7 @@ def changes_nothing(name: str, out: Outcome) -> bool:
 
 
 def _spec_op(op: dict[str, Any]) -> dict[str, Any]:
-    """An op as ``spec.prefix.apply_op`` takes it: token and block lists as tuples."""
+    """An op as ``kvspec.spec.prefix.apply_op`` takes it: token and block lists as tuples."""
     out = dict(op)
     for k in ("tokens", "blocks"):
         if k in out and isinstance(out[k], list):
@@ -1046,14 +1046,14 @@ class PrefixMachine(KVMachine):
     fetch = hold = release_hold = trim = trim_to = snapshot = restore = drop = branch = misuse_name = None  # type: ignore[assignment]
 
     def setup(self, **cfg: Any) -> None:
-        from fuzz.kinds import get as kind_entry
+        from kvspec.fuzz.kinds import get as kind_entry
 
         type(self).runs += 1
         entry = kind_entry(self.kind, self.mode)
         self.cfg = {**entry.defaults(), "kind": self.kind, "mode": self.mode, "inplace": self.inplace, **cfg,
                     **self.fixed}
         if self.make_lockstep is None:
-            raise TypeError(f"{type(self).__name__}: build machines with fuzz.campaign.machine_for")
+            raise TypeError(f"{type(self).__name__}: build machines with kvspec.fuzz.campaign.machine_for")
         self.lock = self.make_lockstep(self.cfg, self.factories, self.check_inplace, self.target)
         self.without = entry.without
 
@@ -1348,8 +1348,8 @@ class PrefixMachine(KVMachine):
 
 
 def target_factories(target_factory: Any) -> dict[str, Any] | None:
-    """``fuzz.replay.make_lockstep``'s factories for a prefix target: None
-    (ours), a subclass of ``impl.prefix.PrefixCachePool`` (an injected bug)
+    """``kvspec.fuzz.replay.make_lockstep``'s factories for a prefix target: None
+    (ours), a subclass of ``kvspec.impl.prefix.PrefixCachePool`` (an injected bug)
     or a callable ``cache -> PrefixTarget`` (another engine)."""
     if target_factory is None:
         return None

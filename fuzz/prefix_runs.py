@@ -2,19 +2,19 @@
 (a seeded campaign, its failure shrunk to a minimal kvtrace) and
 ``replay_prefix`` (one trace). Another engine (vLLM:
 ``fuzz/adapters/vllm.py``) plugs in through these two calls with a
-``target_factory(cache) -> PrefixTarget`` (``fuzz.prefix.PrefixTarget``);
-the lockstep is ``fuzz.prefix.PrefixLockstep``. This module sits with the
-runners (``fuzz.campaign``, ``fuzz.replay``), above the kinds' harnesses."""
+``target_factory(cache) -> PrefixTarget`` (``kvspec.fuzz.prefix.PrefixTarget``);
+the lockstep is ``kvspec.fuzz.prefix.PrefixLockstep``. This module sits with the
+runners (``kvspec.fuzz.campaign``, ``kvspec.fuzz.replay``), above the kinds' harnesses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from fuzz.campaign import machine_for, run_machine
-from fuzz.prefix import target_factories
-from fuzz.replay import ReplayResult, failure_status, replay
-from fuzz.trace import Trace, TraceFormatError, load
+from kvspec.fuzz.campaign import machine_for, run_machine
+from kvspec.fuzz.prefix import target_factories
+from kvspec.fuzz.replay import ReplayResult, failure_status, replay
+from kvspec.fuzz.trace import Trace, TraceFormatError, load
 
 __all__ = ["PrefixResult", "prefix_campaign", "replay_prefix"]
 
@@ -26,7 +26,7 @@ class PrefixResult:
     ``not applicable`` (the target cannot run an op) or ``tool failure``.
     ``examples``: the examples the search ran (up to and including the
     failing one); ``shrink_examples``: those shrinking ran after it;
-    ``stats``: the events reached (``fuzz.prefix.PrefixLockstep.note``)."""
+    ``stats``: the events reached (``kvspec.fuzz.prefix.PrefixLockstep.note``)."""
 
     ok: bool
     status: str
@@ -43,14 +43,14 @@ class PrefixResult:
 def prefix_campaign(target_factory: Any, cache: dict[str, Any] | None = None, max_examples: int = 200,
                     seed: int = 0, shrink: bool = True, steps: int = 30) -> PrefixResult:
     """Fuzz a prefix target against the spec: ``max_examples`` examples of
-    ``fuzz.prefix.PrefixMachine`` from ``seed``. ``target_factory(cache) ->
+    ``kvspec.fuzz.prefix.PrefixMachine`` from ``seed``. ``target_factory(cache) ->
     PrefixTarget`` builds the target for each example's cache fields (None:
-    ours; a subclass of ``impl.prefix.PrefixCachePool``: ours with that
+    ours; a subclass of ``kvspec.impl.prefix.PrefixCachePool``: ours with that
     class); ``cache`` pins cache fields (e.g. ``{"block_size": 16}`` for an
     engine of that block size; None: all drawn). A divergence is shrunk
     (unless ``shrink=False``) to a minimal kvtrace
-    (:attr:`PrefixResult.trace`, a ``fuzz.trace.Trace``; write it with
-    ``fuzz.trace.write``) that :func:`replay_prefix` runs again."""
+    (:attr:`PrefixResult.trace`, a ``kvspec.fuzz.trace.Trace``; write it with
+    ``kvspec.fuzz.trace.write``) that :func:`replay_prefix` runs again."""
     machine = machine_for("prefix", "fp16", True, target_factories(target_factory), fixed=cache or {})
     r = run_machine(machine, seed, max_examples=max_examples, steps=steps, shrink=shrink)
     status = "ok" if not r.failed else failure_status(r.error)
@@ -60,9 +60,9 @@ def prefix_campaign(target_factory: Any, cache: dict[str, Any] | None = None, ma
 
 
 def replay_prefix(trace: Any, target_factory: Any = None) -> ReplayResult:
-    """Run a prefix kvtrace (a ``fuzz.trace.Trace``, or a path) on the spec
+    """Run a prefix kvtrace (a ``kvspec.fuzz.trace.Trace``, or a path) on the spec
     and a target (``target_factory(cache) -> PrefixTarget``; None: ours).
-    Returns ``fuzz.replay.ReplayResult`` (``ok``, ``divergence``); raises
+    Returns ``kvspec.fuzz.replay.ReplayResult`` (``ok``, ``divergence``); raises
     TraceFormatError for a trace it cannot run (the CLI's exit 2)."""
     if not isinstance(trace, Trace):
         trace = load(trace)

@@ -144,8 +144,8 @@ class Reader:
             return self._list(s)
         if isinstance(s, CompositeStrategy):
             return s.definition(self.draw, *s.args, **s.kwargs)
-        raise TypeError(f"fuzz.program: cannot draw from {strategy!r} ({type(s).__name__}); "
-                        "extend fuzz.program.Reader.draw for it")
+        raise TypeError(f"kvspec.fuzz.program: cannot draw from {strategy!r} ({type(s).__name__}); "
+                        "extend kvspec.fuzz.program.Reader.draw for it")
 
     def _transform(self, s: SampledFromStrategy, value: Any) -> Any:
         for name, f, *_ in s._transformations:
@@ -258,7 +258,7 @@ def run_program(machine_cls: type[RuleBasedStateMachine], program: bytes, steps:
     enabled = _enabled(program, len(rules))
     run = 0
     try:
-        # a machine that overrides check_invariants (fuzz.machine.KVMachine
+        # a machine that overrides check_invariants (kvspec.fuzz.machine.KVMachine
         # keeps an invariant's first failure) gets it called, as the
         # stateful engine calls it; the others get the same loop without
         # Hypothesis's printing, which needs a running Hypothesis test

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 #: How refusals are compared across implementations (docs/targets.md): by
 #: category, never by message text.

@@ -128,7 +128,7 @@ def _shrink_count(shrinks: int) -> Iterator[None]:
     """Within the block Hypothesis stops shrinking a failure after
     ``shrinks`` successful shrinks and reports the smallest failing example
     found by then. Hypothesis has no public setting for it: its engine reads
-    the module constant ``MAX_SHRINKS`` (as fuzz.campaign.shrink_limit does
+    the module constant ``MAX_SHRINKS`` (as kvspec.fuzz.campaign.shrink_limit does
     ``MAX_SHRINKING_SECONDS``)."""
     from hypothesis.internal.conjecture import engine
 
@@ -145,7 +145,7 @@ def _shrink_count(shrinks: int) -> Iterator[None]:
 def _is_divergence(exc: BaseException) -> bool:
     """A finding of the comparison (a Divergence, a machine's invariant: an
     AssertionError), or a group of them; anything else is the harness's."""
-    from fuzz.lockstep import Divergence
+    from kvspec.fuzz.lockstep import Divergence
 
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_divergence(e) for e in exc.exceptions)
@@ -167,8 +167,8 @@ def run_target(target_name: str, kind: str, mode: str, out: Path,
     __tracebackhide__ = True
     from hypothesis.stateful import run_state_machine_as_test
 
-    from fuzz.campaign import failure_trace, machine_for, save_failure
-    from fuzz.targets import TargetCapabilityError, resolve
+    from kvspec.fuzz.campaign import failure_trace, machine_for, save_failure
+    from kvspec.fuzz.targets import TargetCapabilityError, resolve
 
     options = options or RunOptions()
     target = resolve(target_name)
@@ -200,7 +200,7 @@ def run_target(target_name: str, kind: str, mode: str, out: Path,
 
 
 def configs_of(target_name: str) -> list[tuple[str, str]]:
-    from fuzz.targets import resolve
+    from kvspec.fuzz.targets import resolve
 
     return resolve(target_name).configs()
 
@@ -210,7 +210,7 @@ def kvspec_test(target_name: str) -> Any:
     target runs, that runs kvspec's state machine against it::
 
         # tests/test_kvspec.py
-        from fuzz.pytest_plugin import kvspec_test
+        from kvspec.fuzz.pytest_plugin import kvspec_test
         test_my_cache = kvspec_test("mypkg.cache:MyCache")
     """
     configs = configs_of(target_name)

@@ -1,9 +1,9 @@
 """An Int8 oracle in NumPy, written from the rule's text, not from
-``impl.quant`` (so a rounding bug in the implementation's quantizer cannot
+``kvspec.impl.quant`` (so a rounding bug in the implementation's quantizer cannot
 hide behind an oracle that calls it).
 
 The rule (semantics.md 2, "Storage" and "Storage dtype"; the range
-decision is :mod:`impl.quant`'s docstring), per row of ``head_dim`` values:
+decision is :mod:`kvspec.impl.quant`'s docstring), per row of ``head_dim`` values:
 
 1. cast the row to float16 (round to nearest, ties to even);
 2. ``scale = absmax / 127`` rounded to float16, and 1 where that is 0;
@@ -93,8 +93,8 @@ def int8_oracle(x: mx.array) -> mx.array:
 
 def int8_oracle_host(x: np.ndarray, dtype: str) -> np.ndarray:
     """:func:`int8_oracle` on the host: rows ``x`` in host form
-    (``fuzz.rows.rows``: float16, or float32 holding bfloat16 or float32
-    values) -> what ``fuzz.rows.host`` reads back from ``int8_oracle`` of
+    (``kvspec.fuzz.rows.rows``: float16, or float32 holding bfloat16 or float32
+    values) -> what ``kvspec.fuzz.rows.host`` reads back from ``int8_oracle`` of
     the same rows as an ``mx.array`` of ``dtype``, bit for bit (the values
     are exact in ``dtype``, so no cast rounds them)."""
     out = round_trip(np.asarray(x, dtype=np.float64), dtype)

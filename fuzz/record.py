@@ -55,11 +55,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz import kinds
-from fuzz.lockstep import Divergence, Outcome
-from fuzz.replay import check_ops
-from fuzz.trace import Trace, TraceFormatError, parse
-from spec.errors import KVCacheError
+from kvspec.fuzz import kinds
+from kvspec.fuzz.lockstep import Divergence, Outcome
+from kvspec.fuzz.replay import check_ops
+from kvspec.fuzz.trace import Trace, TraceFormatError, parse
+from kvspec.spec.errors import KVCacheError
 
 #: The name a recording gives a returned row whose bytes match no row the
 #: run appended (garbage, or a slot nobody wrote).

@@ -1,5 +1,5 @@
 """The recurrent layer's harness (kind ``recurrent``): the lockstep driver of
-``spec.recurrent`` against ``impl.recurrent.RecurrentCache`` and its state
+``kvspec.spec.recurrent`` against ``kvspec.impl.recurrent.RecurrentCache`` and its state
 machine.
 
 The harness plays the model. Its layer (:class:`FakeMixer`, an ``nn.Module``
@@ -7,7 +7,7 @@ with the signature of mlx-lm's recurrent mixers, ``(x, mask, cache)``) reads
 ``cache[0]`` (the conv window) and ``cache[1]`` (the recurrent state), writes
 the new conv window (the last ``kernel - 1`` input rows, zero rows before the
 first token), a new state by an exact recurrence, then ``cache.advance(S)``,
-as mlx-lm's layers do. Appends run it through ``impl.recurrent``'s step
+as mlx-lm's layers do. Appends run it through ``kvspec.impl.recurrent``'s step
 recorder (``record_steps`` on the harness's model), so the recorder, which
 splits a call's last ``min(S, U)`` tokens into single-token calls and records
 a checkpoint after each, is under test too; ``append_unrecorded`` calls the
@@ -15,7 +15,7 @@ layer outside the recorder.
 
 Rows and states are named by token identity:
 
-* a conv row is the portable row of its token (``fuzz.rows``, scheme
+* a conv row is the portable row of its token (``kvspec.fuzz.rows``, scheme
   ``portable``: no row is all zero, so a zero row is one nobody wrote), of
   shape ``(B, C)``, in the trace's dtype;
 * the state, ``(B, 3)`` float32, is per batch element ``(t, h1, h2)``: the
@@ -44,12 +44,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 from mlx import nn
 
-from fuzz import rows as rowgen
-from fuzz.lockstep import Divergence, Lockstep, StateHolder, error_text, is_cache_copy, take_state
-from fuzz.machine import KVMachine, StateProtocolMachine
-from fuzz.trace import TraceFormatError
-from spec import recurrent as sr
-from spec.errors import StateError
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz.lockstep import (
+    Divergence,
+    Lockstep,
+    StateHolder,
+    error_text,
+    is_cache_copy,
+    take_state,
+)
+from kvspec.fuzz.machine import KVMachine, StateProtocolMachine
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.spec import recurrent as sr
+from kvspec.spec.errors import StateError
 
 __all__ = ["FakeMixer", "FakeModel", "RecurrentLockstep", "RecurrentMachine", "RecurrentRows", "arrays_mismatch"]
 
@@ -60,8 +67,8 @@ STATE_WIDTH = 1 + len(HASHES)
 
 
 def _impl() -> Any:
-    """``impl.recurrent`` (imported on first use)."""
-    from impl import recurrent
+    """``kvspec.impl.recurrent`` (imported on first use)."""
+    from kvspec.impl import recurrent
 
     return recurrent
 
@@ -351,7 +358,7 @@ class RecurrentLockstep(Lockstep):
         self.model = FakeModel(self.kernel, self.size)
         wrapped = recorder(self.model)
         if wrapped != 1:
-            from fuzz.failures import HarnessFailure
+            from kvspec.fuzz.failures import HarnessFailure
 
             raise HarnessFailure(f"record_steps wrapped {wrapped} mixers of the harness's one-layer model")
         #: the same layer, never wrapped: the model's writes outside the recorder
@@ -649,7 +656,7 @@ class RecurrentLockstep(Lockstep):
 
     def compare_state(self, index: int, op: dict[str, Any]) -> None:
         s_obs, i_obs = self.spec_observables(), self.impl_observables()
-        from fuzz.lockstep import of_kind, same_value
+        from kvspec.fuzz.lockstep import of_kind, same_value
 
         for key in s_obs:
             if not same_value(s_obs[key], i_obs.get(key)):
@@ -670,7 +677,7 @@ class RecurrentLockstep(Lockstep):
                 got = gots[n] if n < len(gots) else _Probe(IndexError("no such rollback"))
                 self._compare_arrays(index, op, self.view_label(name, n), want, got, name != "cache")
 
-    # -- the conformance report's "what else differs" (fuzz.commands.conformance.differences_after) --
+    # -- the conformance report's "what else differs" (kvspec.fuzz.commands.conformance.differences_after) --
     def window_matches(self, wants: Any, gots: Any, *_: Any) -> bool:
         """Whether a view shows what the spec says: ``wants`` a history of
         :meth:`spec_histories` (the spec layers after a rollback of 0, 1,

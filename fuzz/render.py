@@ -1,7 +1,7 @@
 """``kvspec render``: draw a kvtrace as a timeline (SVG or HTML).
 
 A trace is replayed exactly as ``kvspec replay`` does it (the spec and an
-implementation in lockstep, :func:`fuzz.replay.make_lockstep`), and the
+implementation in lockstep, :func:`kvspec.fuzz.replay.make_lockstep`), and the
 state the **spec** holds after every op is recorded as a :class:`Frame`:
 
 * one column per op, headed by the op;
@@ -43,15 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.lockstep import Divergence
-from fuzz.replay import check_ops, make_lockstep
-from fuzz.targets import resolve
-from fuzz.trace import Trace
-from spec.errors import KVCacheError
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.replay import check_ops, make_lockstep
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import Trace
+from kvspec.spec.errors import KVCacheError
 
 #: section of docs/semantics.md that states each spec module's rules
-SECTIONS = {"spec.dense": 2, "spec.turbo": 2, "spec.rotating": 3, "spec.paged": 4, "spec.layers": 6,
-            "spec.recurrent": 9, "spec.cells": 10, "spec.prefix": 11}
+SECTIONS = {"kvspec.spec.dense": 2, "kvspec.spec.turbo": 2, "kvspec.spec.rotating": 3, "kvspec.spec.paged": 4, "kvspec.spec.layers": 6,
+            "kvspec.spec.recurrent": 9, "kvspec.spec.cells": 10, "kvspec.spec.prefix": 11}
 
 
 @dataclass(frozen=True)
@@ -212,13 +212,13 @@ class Timeline:
 
 #: per spec module, the function of each kvtrace op (else ``w_<op>``, ``<op>``)
 OP_FUNCTIONS: dict[str, dict[str, str]] = {
-    "spec.dense": {"append": "append", "trim": "trim", "trim_to": "trim_to", "trim_front": "trim_front_keep_sink",
+    "kvspec.spec.dense": {"append": "append", "trim": "trim", "trim_to": "trim_to", "trim_front": "trim_front_keep_sink",
                    "fetch": "view_of", "expect": "view_of"},
-    "spec.turbo": {"append": "apply_op", "fetch": "apply_op", "expect": "apply_op"},
-    "spec.rotating": {"trim": "trim", "trim_to": "trim_to", "fetch": "apply_op", "expect": "apply_op"},
-    "spec.paged": {"snapshot": "snapshots_by_fork", "restore": "snapshots_by_fork", "drop": "snapshots_by_fork",
+    "kvspec.spec.turbo": {"append": "apply_op", "fetch": "apply_op", "expect": "apply_op"},
+    "kvspec.spec.rotating": {"trim": "trim", "trim_to": "trim_to", "fetch": "apply_op", "expect": "apply_op"},
+    "kvspec.spec.paged": {"snapshot": "snapshots_by_fork", "restore": "snapshots_by_fork", "drop": "snapshots_by_fork",
                    "copy": "copy_refused"},
-    "spec.layers": {"trim": "trim_prompt_cache", "can_trim": "can_trim_prompt_cache", "layer": "w_layer",
+    "kvspec.spec.layers": {"trim": "trim_prompt_cache", "can_trim": "can_trim_prompt_cache", "layer": "w_layer",
                     "fetch": "view_of", "expect": "view_of"},
 }
 
@@ -226,16 +226,16 @@ OP_FUNCTIONS: dict[str, dict[str, str]] = {
 #: the docs/semantics.md rule of each lifecycle op whose refusal is its own
 #: rule (a list's layers each refusing rows; a paged handle refused outright)
 LIFECYCLE_RULES: dict[tuple[str, str], str] = {
-    ("spec.layers", "append_mismatch"): "rows of another batch",
-    ("spec.layers", "append_pair_mismatch"): "rows of another batch",
-    ("spec.layers", "copy"): "a copy of the list copies every layer",
-    ("spec.layers", "trim_refused_late"): "trim_refused_late",
-    ("spec.paged", "copy"): "copies",
-    ("spec.paged", "handle_reuse"): "handle reuse",
-    ("spec.paged", "state_assign"): "state assignment",
-    ("spec.paged", "append_mismatch"): "append mismatch",
-    ("spec.paged", "append_pair_mismatch"): "append pair mismatch",
-    ("spec.paged", "reload"): "prompt-cache files",
+    ("kvspec.spec.layers", "append_mismatch"): "rows of another batch",
+    ("kvspec.spec.layers", "append_pair_mismatch"): "rows of another batch",
+    ("kvspec.spec.layers", "copy"): "a copy of the list copies every layer",
+    ("kvspec.spec.layers", "trim_refused_late"): "trim_refused_late",
+    ("kvspec.spec.paged", "copy"): "copies",
+    ("kvspec.spec.paged", "handle_reuse"): "handle reuse",
+    ("kvspec.spec.paged", "state_assign"): "state assignment",
+    ("kvspec.spec.paged", "append_mismatch"): "append mismatch",
+    ("kvspec.spec.paged", "append_pair_mismatch"): "append pair mismatch",
+    ("kvspec.spec.paged", "reload"): "prompt-cache files",
 }
 
 
@@ -248,10 +248,10 @@ def _function(module: str, *names: str) -> str:
 
 
 def op_function(module: str, op: dict[str, Any], world: Any = None) -> str:
-    """The spec function that runs ``op`` in ``module`` (``spec.rotating``
+    """The spec function that runs ``op`` in ``module`` (``kvspec.spec.rotating``
     splits appends into ``decode`` and ``prefill``)."""
     name = op.get("op", "")
-    if module == "spec.rotating" and name == "append":
+    if module == "kvspec.spec.rotating" and name == "append":
         return _function(module, "decode" if op.get("n") == 1 else "prefill")
     special = OP_FUNCTIONS.get(module, {}).get(name, "")
     return _function(module, special, f"w_{name}", name)
@@ -260,45 +260,45 @@ def op_function(module: str, op: dict[str, Any], world: Any = None) -> str:
 def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> Rule:
     """The rule on docs/semantics.md that the check ``what`` (a
     :class:`Divergence`'s ``what``) enforces for ``op``, in spec module
-    ``module`` (``spec.dense``...); ``before`` is the spec world before the
+    ``module`` (``kvspec.spec.dense``...); ``before`` is the spec world before the
     op, where the rule depends on the state (a ring's warm-up or steady
     state)."""
-    if module == "spec.prefix":
+    if module == "kvspec.spec.prefix":
         return _prefix_rule(op, what)
     section = SECTIONS.get(module, 5)
     w = what.lower()
     sharing = any(s in w for s in ("in-place", "isolation", "memory sharing", "inplace", "in place"))
-    if module == "spec.layers" and sharing:
-        module = "spec.dense"
+    if module == "kvspec.spec.layers" and sharing:
+        module = "kvspec.spec.dense"
     if sharing and op.get("op") == "append":
-        if module == "spec.rotating":
+        if module == "kvspec.spec.rotating":
             cache = getattr(before, "cache", None)
             steady = cache is not None and cache.offset >= cache.max_size
             return Rule("steady state copies" if steady else "warm-up in place",
                         _function(module, "rotating_inplace_allowed"), section)
-        if module == "spec.paged":
+        if module == "kvspec.spec.paged":
             return Rule("copy on write", _function(module, "needs_copy_on_write"), section)
-        if module == "spec.turbo":  # the ownership rule's "Fp16 only", stated for the Turbo modes
-            return Rule("Turbo writes copy", _function("spec.dense", "inplace_write_allowed"), 2)
+        if module == "kvspec.spec.turbo":  # the ownership rule's "Fp16 only", stated for the Turbo modes
+            return Rule("Turbo writes copy", _function("kvspec.spec.dense", "inplace_write_allowed"), 2)
         return Rule("ownership rule", _function(module, "inplace_write_allowed", "apply_op"), 2)
     if sharing:
         return Rule("Isolation", op_function(module, op), 5)
-    if module == "spec.recurrent" and "after a rollback" in w:
-        # fuzz.recurrent probes every rollback the coverage allows after each op
+    if module == "kvspec.spec.recurrent" and "after a rollback" in w:
+        # kvspec.fuzz.recurrent probes every rollback the coverage allows after each op
         return Rule("the checkpoint ring", _function(module, "ring"), section)
     if "make_mask" in w or "mask" in w:
-        if module == "spec.rotating":
+        if module == "kvspec.spec.rotating":
             return Rule("mask", _function(module, "mask_visible"), section)
-        return Rule("mask", _function("spec.dense", "dense_mask_visible"), 2)
+        return Rule("mask", _function("kvspec.spec.dense", "dense_mask_visible"), 2)
     if "capacity" in w and op.get("op") == "append":
-        if module in ("spec.dense", "spec.turbo"):
-            return Rule("append: how much", _function("spec.dense", "regrow_capacity"), 2)
-        if module == "spec.paged":
+        if module in ("kvspec.spec.dense", "kvspec.spec.turbo"):
+            return Rule("append: how much", _function("kvspec.spec.dense", "regrow_capacity"), 2)
+        if module == "kvspec.spec.paged":
             return Rule("exhaustion", _function(module, "reserve"), section)
-    if ("trimmable" in w or "log_saved" in w) and module == "spec.rotating":
+    if ("trimmable" in w or "log_saved" in w) and module == "kvspec.spec.rotating":
         return Rule("undo log", _function(module, "trimmable_rows"), section)
     if "refcount" in w or "free" in w or "pool size" in w:
-        if op.get("op") == "append" and module == "spec.paged":
+        if op.get("op") == "append" and module == "kvspec.spec.paged":
             return Rule("copy on write", op_function(module, op), section)
         return _op_rule_of(module, op, w, before)
     named = LIFECYCLE_RULES.get((module, op.get("op", "")))
@@ -306,11 +306,11 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
         return Rule(named, op_function(module, op), section)
     if "refusal" in w and "error" in op:
         return _op_rule_of(module, op, w, before, refused=True)
-    if module == "spec.paged" and op.get("op") == "append":
+    if module == "kvspec.spec.paged" and op.get("op") == "append":
         # a refused append ran out of blocks; any other lands rows in the table
         return (Rule("exhaustion", _function(module, "reserve"), section) if op.get("error") is True
                 else Rule("where a row lives", op_function(module, op), section))
-    if module == "spec.layers" and op.get("op") in ("trim", "can_trim"):
+    if module == "kvspec.spec.layers" and op.get("op") in ("trim", "can_trim"):
         # section 6 states the list's rules by the function's signature
         fn = op_function(module, op)
         return Rule(fn.rpartition(".")[2], fn, section)
@@ -320,7 +320,7 @@ def rule_for(module: str, op: dict[str, Any], what: str, before: Any = None) -> 
 #: the row of docs/semantics.md 11 each op of the prefix kind runs under
 PREFIX_OP_ROWS = {"admit": "admit", "decode": "decode", "free": "release order", "preempt": "preempt and resume",
                   "resume": "preempt and resume", "lookup": "lookup", "free_blocks": "free_blocks", "reset": "reset"}
-#: the lockstep's rule (fuzz.prefix.RULES, named in a divergence as ``rule
+#: the lockstep's rule (kvspec.fuzz.prefix.RULES, named in a divergence as ``rule
 #: 'NAME'``) -> the row of docs/semantics.md 11 and the spec function stating
 #: it (None: the op's own row and function)
 PREFIX_RULES: dict[str, tuple[str | None, str | None]] = {
@@ -340,7 +340,7 @@ def _prefix_rule(op: dict[str, Any], what: str) -> Rule:
     free or preempt and the eviction order (pops from the front) after an
     allocation; a block table, a refusal or a trace's own check, the op's
     own row."""
-    module, name = "spec.prefix", str(op.get("op", ""))
+    module, name = "kvspec.spec.prefix", str(op.get("op", ""))
     got = re.search(r"\(rule '([^']+)'", what)
     rule = got.group(1) if got else ""
     row, fn = PREFIX_RULES.get(rule, (None, None))
@@ -371,25 +371,25 @@ def _op_rule_of(module: str, op: dict[str, Any], what: str, before: Any, refused
 #: per spec module, the docs/semantics.md row (name, section) that states
 #: each kvtrace op's own rule, where no check-specific rule applies
 OP_RULES: dict[str, dict[str, tuple[str, int]]] = {
-    "spec.dense": {"append": ("append: the write", 2), "trim": ("trim(n)", 2), "trim_to": ("trim_to(len)", 2),
+    "kvspec.spec.dense": {"append": ("append: the write", 2), "trim": ("trim(n)", 2), "trim_to": ("trim_to(len)", 2),
                    "trim_front": ("front trim", 2), "gather_positions": ("gather_positions", 2),
                    "gather_within_tail": ("gather_within_tail", 2), "snapshot": ("snapshot", 2),
                    "restore": ("restore", 2), "detach": ("detach / install", 2), "install": ("detach / install", 2),
                    "handle_trim_to": ("handle trim", 2), "drop": ("names", 2), "hold": ("names", 2),
                    "release_hold": ("names", 2)},
-    "spec.turbo": {"append": ("Turbo row storage", 2), "trim": ("Turbo trims are physical", 2),
+    "kvspec.spec.turbo": {"append": ("Turbo row storage", 2), "trim": ("Turbo trims are physical", 2),
                    "trim_to": ("Turbo trims are physical", 2), "gather_positions": ("Turbo trims are physical", 2),
                    "gather_within_tail": ("Turbo trims are physical", 2)},
-    "spec.rotating": {"trim": ("trim", 3), "trim_to": ("trim_to", 3), "snapshot": ("snapshot / restore", 3),
+    "kvspec.spec.rotating": {"trim": ("trim", 3), "trim_to": ("trim_to", 3), "snapshot": ("snapshot / restore", 3),
                       "restore": ("snapshot / restore", 3), "drop": ("op table", 3), "hold": ("op table", 3),
                       "release_hold": ("op table", 3)},
-    "spec.paged": {"append": ("where a row lives", 4), "trim": ("trim", 4), "trim_to": ("trim", 4),
+    "kvspec.spec.paged": {"append": ("where a row lives", 4), "trim": ("trim", 4), "trim_to": ("trim", 4),
                    "trim_front": ("front trim", 4), "fork": ("fork / release", 4), "release": ("fork / release", 4)},
-    "spec.layers": {"snapshot": ("snapshot / restore of the whole list", 6),
+    "kvspec.spec.layers": {"snapshot": ("snapshot / restore of the whole list", 6),
                     "restore": ("snapshot / restore of the whole list", 6), "reload": ("reload of the whole list", 6),
                     "restore_mixed": ("restore_mixed", 6), "trim": ("trim_prompt_cache", 6),
                     "can_trim": ("can_trim_prompt_cache", 6), "append": ("append: the write", 2)},
-    "spec.recurrent": {"append": ("step", 9), "append_unrecorded": ("step", 9), "trim": ("trim", 9),
+    "kvspec.spec.recurrent": {"append": ("step", 9), "append_unrecorded": ("step", 9), "trim": ("trim", 9),
                        "can_trim": ("is_trimmable", 9), "snapshot": ("snapshot", 9), "restore": ("restore", 9),
                        "state_restore": ("state_restore", 9), "copy": ("copy", 9), "reload": ("reload", 9)},
 }
@@ -408,14 +408,14 @@ def _op_rule(module: str, op: dict[str, Any], what: str, before: Any) -> tuple[s
     section = SECTIONS.get(module, 5)
     if name in WINDOW_OPS:
         return ("Window", 5)
-    if module == "spec.rotating" and name == "append":
+    if module == "kvspec.spec.rotating" and name == "append":
         return ("decode (one row)" if op.get("n") == 1 else "multi-row append", 3)
-    if module == "spec.dense" and name == "trim" and "capacity" in what:
+    if module == "kvspec.spec.dense" and name == "trim" and "capacity" in what:
         # a trim to zero drops every buffer (trim(n)); any other keeps capacity
         cache = getattr(before, "cache", None)
         emptied = cache is not None and int(op.get("n", 0)) >= getattr(cache, "live_len", 0)
         return ("trim(n)" if emptied else "trim is logical", 2)
-    if module == "spec.turbo":
+    if module == "kvspec.spec.turbo":
         cache = getattr(getattr(before, "dense", None), "cache", None)
         if str(getattr(getattr(cache, "mode", ""), "value", "")) == "turbo4delegated":
             if name == "append":
@@ -424,7 +424,7 @@ def _op_rule(module: str, op: dict[str, Any], what: str, before: Any) -> tuple[s
                 return ("Delegated trim", 2)
             if name == "gather_positions":
                 return ("Delegated gathers", 2)
-        got = OP_RULES[module].get(name) or OP_RULES["spec.dense"].get(name)
+        got = OP_RULES[module].get(name) or OP_RULES["kvspec.spec.dense"].get(name)
         return got or (name or "the op table", section)
     return OP_RULES.get(module, {}).get(name) or (name or "op table", section)
 
@@ -475,10 +475,10 @@ def _ring_rows(world: Any, prefix: str = "") -> list[Row]:
 
 
 def _recurrent_rows(world: Any, prefix: str = "") -> list[Row]:
-    """A recurrent layer (spec.recurrent): its conv window by token (empty:
+    """A recurrent layer (kvspec.spec.recurrent): its conv window by token (empty:
     a zero row before the first token) and, at depth U > 0, its checkpoint
     ring's U + 1 slots, each the offset whose checkpoint it holds."""
-    from spec import recurrent
+    from kvspec.spec import recurrent
 
     c = world.cache
     conv = [Cell("", "empty", tip="zero row (before the first token)") if t is None else _tok(t)
@@ -512,12 +512,12 @@ def _paged_rows(world: Any) -> list[Row]:
 
 
 def _cells_rows(world: Any, op: dict[str, Any] | None = None) -> list[Row]:
-    """A cells memory's stores (``spec.cells``): per store its present
+    """A cells memory's stores (``kvspec.spec.cells``): per store its present
     cells by position (token colour, a shared cell orange), then its free
     cells (dashed) up to the store's size, then its lost cells (hatched,
     window store: dropped, kept as logical positions); a cell the op's
     recorded ``drops`` dropped is outlined in red."""
-    from spec import cells as sc
+    from kvspec.spec import cells as sc
 
     m = world.memory
     dropped: set[tuple[int, frozenset[int], int]] = set()
@@ -551,7 +551,7 @@ def _prefix_key(key: Any) -> str:
 
 
 def _prefix_rows(world: Any) -> list[Row]:
-    """A prefix pool (``spec.prefix``): per request its block table (a
+    """A prefix pool (``kvspec.spec.prefix``): per request its block table (a
     shared block orange, an entry the sliding window released ``-``, a
     preempted request's table empty), then every
     block by id (its refcount: held blue, shared orange, cached-free
@@ -641,7 +641,7 @@ def _shorten(op: dict[str, Any]) -> str:
 def timeline(trace: Trace, factories: dict[str, Any] | None = None, bug: str | None = None,
              check_inplace: bool = True, target: Any = "impl") -> Timeline:
     """Replay ``trace`` (on an injected bug's classes with ``factories``, or
-    on ``target``, a name or a ``fuzz.targets.Target``, as ``kvspec replay
+    on ``target``, a name or a ``kvspec.fuzz.targets.Target``, as ``kvspec replay
     --target`` does) and record the spec's state after every op up to the
     first divergence; the ops after it are listed, not run. Raises
     TraceFormatError as replay does (TargetCapabilityError when the target

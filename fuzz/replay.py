@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fuzz import kinds
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.targets import TargetError, resolve
-from fuzz.trace import Trace, TraceFormatError
+from kvspec.fuzz import kinds
+from kvspec.fuzz.lockstep import Divergence, Lockstep
+from kvspec.fuzz.targets import TargetError, resolve
+from kvspec.fuzz.trace import Trace, TraceFormatError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID, EXIT_TRACE_CHECK = 0, 1, 2, 3
 #: Ctrl-C (128 + SIGINT), as shells report it
@@ -19,7 +19,7 @@ EXIT_INTERRUPTED = 130
 def make_lockstep(cache: dict[str, Any], factories: dict[str, Any] | None = None, check_inplace: bool = True,
                   target: Any = "impl") -> Lockstep:
     """The lockstep driver for the trace's cache on ``target`` (a name or a
-    ``fuzz.targets.Target``; :meth:`Target.make_lockstep`). ``factories``
+    ``kvspec.fuzz.targets.Target``; :meth:`Target.make_lockstep`). ``factories``
     maps a kind to the implementation class to use (the bug catalog swaps
     them; ``impl`` only); ``check_inplace=False`` leaves the write path
     unobserved. Raises TraceFormatError (TargetCapabilityError) when the
@@ -100,11 +100,11 @@ def failure_status(error: BaseException | None) -> str:
     """``diverged`` for a Divergence (or a state machine's invariant, an
     AssertionError of the comparison); ``not applicable`` when the target
     cannot run the trace or an op of it (TargetCapabilityError, e.g.
-    fuzz.targets.TargetCannotRun: a capability gap, exit 2); ``tool
+    kvspec.fuzz.targets.TargetCannotRun: a capability gap, exit 2); ``tool
     failure`` for anything else (the harness's own crash, exit 2: never a
     divergence). An exception carried back from a worker process keeps its
     status in ``status``."""
-    from fuzz.targets import TargetCapabilityError
+    from kvspec.fuzz.targets import TargetCapabilityError
 
     carried = getattr(error, "status", None)
     if carried in FAILURE_STATUSES:

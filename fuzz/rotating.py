@@ -1,5 +1,5 @@
 """The sliding-window cache's harness (kind ``rotating``): the lockstep driver
-of ``spec.rotating`` against ``impl.rotating.RotatingKVCache`` and its state
+of ``kvspec.spec.rotating`` against ``kvspec.impl.rotating.RotatingKVCache`` and its state
 machine."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import (
+from kvspec.fuzz.lockstep import Divergence, Lockstep
+from kvspec.fuzz.machine import (
     HEAD_DIMS,
     KV_HEADS,
     SMALL_STEPS,
@@ -21,11 +21,11 @@ from fuzz.machine import (
     StateProtocolMachine,
     without_lifecycle,
 )
-from fuzz.masks import check_ring_masks, mask_as_rows
-from fuzz.trace import TraceFormatError
-from impl.rotating import RotatingKVCache
-from spec import rotating as sr
-from spec.errors import RollbackWarning
+from kvspec.fuzz.masks import check_ring_masks, mask_as_rows
+from kvspec.fuzz.trace import TraceFormatError
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import rotating as sr
+from kvspec.spec.errors import RollbackWarning
 
 __all__ = ["RotatingLockstep", "RotatingMachine", "mask_as_rows"]
 
@@ -90,7 +90,7 @@ class RotatingLockstep(Lockstep):
         """The rule of ``RotatingKVCache.warn_refused_rollback``: a ring warns
         (one RollbackWarning, ``rollback_warned`` set) at its first refused
         rollback and never again: a trim of ``min(n, offset) >
-        spec.rotating.trimmable_rows`` rows, or ``is_trimmable()`` False
+        kvspec.spec.rotating.trimmable_rows`` rows, or ``is_trimmable()`` False
         (the step's observables ask it). A copy or a reload is another
         cache. Raises Divergence on another count of warnings this step, or
         on a ``rollback_warned`` that differs."""
@@ -152,7 +152,7 @@ class RotatingLockstep(Lockstep):
 
     def check_masks(self, op: dict[str, Any]) -> None:
         """make_mask before the append, as an mlx-lm model calls it
-        (fuzz.masks.check_ring_masks)."""
+        (kvspec.fuzz.masks.check_ring_masks)."""
         check_ring_masks(self, op, self.world.cache, self.cache, self.narrow_masks)
 
     # -- memory sharing -----------------------------------------------------------

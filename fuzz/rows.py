@@ -36,7 +36,7 @@ Three row schemes (kvtrace ``cache.rows``):
 
 * ``numpy`` (the default: every trace written before the field existed):
   the seeded NumPy draws above;
-* ``portable``: the closed-form function of :mod:`spec.rows` (integer
+* ``portable``: the closed-form function of :mod:`kvspec.spec.rows` (integer
   arithmetic assembled into bit patterns, reproducible in any language:
   docs/kvtrace.md "Portable rows"), computed here by a vectorized NumPy
   copy of it (:func:`portable_bits`; tests/test_rows.py checks the two
@@ -57,9 +57,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.device import current as device_current
-from fuzz.device import device_read
-from spec import rows as portable
+from kvspec.fuzz.device import current as device_current
+from kvspec.fuzz.device import device_read
+from kvspec.spec import rows as portable
 
 DTYPES = ("float16", "bfloat16", "float32")
 #: kvtrace ``cache.rows``: which function gives a row its contents
@@ -83,7 +83,7 @@ _HOST_BITS = {"float16": (np.uint16, np.float16), "float32": (np.uint32, np.floa
 
 
 def _mix32(x: np.ndarray) -> np.ndarray:
-    """spec.rows.mix32 on uint32 arrays (NumPy's uint32 products wrap mod
+    """kvspec.spec.rows.mix32 on uint32 arrays (NumPy's uint32 products wrap mod
     2^32, as C's do)."""
     x = x ^ (x >> np.uint32(16))
     x = x * np.uint32(0x85EBCA6B)
@@ -94,10 +94,10 @@ def _mix32(x: np.ndarray) -> np.ndarray:
 
 def portable_bits(tokens, kv: int, batch: int, kv_heads: int, head_dim: int, dtype: str = "float16",
                   wide: bool = False) -> np.ndarray:
-    """spec.rows.element_bits for every element of ``[batch, kv_heads,
+    """kvspec.spec.rows.element_bits for every element of ``[batch, kv_heads,
     len(tokens), head_dim]`` (uint16 for float16 and bfloat16, uint32 for
     float32), vectorized. Raises ValueError for an identity outside
-    ``[0, spec.rows.TOKEN_LIMIT)`` or an unknown dtype."""
+    ``[0, kvspec.spec.rows.TOKEN_LIMIT)`` or an unknown dtype."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     t = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
@@ -250,7 +250,7 @@ def to_mx(x: np.ndarray, dtype: str) -> mx.array:
 def read_form(a: mx.array) -> mx.array:
     """The array :func:`host` converts for ``a`` (lazy): ``a`` read as a
     decoder reads it on this device, bfloat16 widened to float32 (exact)."""
-    a = device_read(a)  # on a GPU, read as a decoder reads it (fuzz.device)
+    a = device_read(a)  # on a GPU, read as a decoder reads it (kvspec.fuzz.device)
     return a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
 
 

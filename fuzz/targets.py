@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
-from fuzz import kinds
-from fuzz.failures import (  # noqa: F401  (re-exported: the target layer's names for whose failure it is)
+from kvspec.fuzz import kinds
+from kvspec.fuzz.failures import (  # noqa: F401  (re-exported: the target layer's names for whose failure it is)
     HarnessFailure,
     TargetCannotRun,
     TargetCapabilityError,
@@ -51,8 +51,8 @@ from fuzz.failures import (  # noqa: F401  (re-exported: the target layer's name
     raised_in,
     target_objects,
 )
-from fuzz.protocol import REFUSAL_CATEGORIES, read_observable
-from fuzz.trace import TraceFormatError
+from kvspec.fuzz.protocol import REFUSAL_CATEGORIES, read_observable
+from kvspec.fuzz.trace import TraceFormatError
 
 __all__ = [
     "BUILTIN", "REFUSAL_CATEGORIES", "SCHEMES", "CacheClass", "Target", "TargetCapabilityError", "TargetError",
@@ -65,26 +65,26 @@ SCHEME_GROUP = "kvspec.target_schemes"
 
 #: built-in target names -> ``"module:attr"`` of their Target (imported on use)
 BUILTIN: dict[str, str] = {
-    "impl": "fuzz.targets:IMPL",
-    "mlx-lm": "fuzz.adapters.mlx_lm:MLX_LM",
-    "mlx-lm-concat": "fuzz.adapters.mlx_lm:MLX_LM_CONCAT",
-    "mlx-lm-guarded": "fuzz.adapters.mlx_lm:MLX_LM_GUARDED",
-    "transformers": "fuzz.adapters.transformers:TRANSFORMERS",
-    "transformers-linear": "fuzz.adapters.transformers:TRANSFORMERS_LINEAR",
-    "transformers-static": "fuzz.adapters.transformers:TRANSFORMERS_STATIC",
-    "transformers-sliding": "fuzz.adapters.transformers:TRANSFORMERS_SLIDING",
-    "transformers-quanto": "fuzz.adapters.transformers:TRANSFORMERS_QUANTO",
-    "transformers-hqq": "fuzz.adapters.transformers:TRANSFORMERS_HQQ",
-    "transformers-fp8": "fuzz.adapters.transformers:TRANSFORMERS_FP8",
-    "llama.cpp": "fuzz.adapters.llama_cpp:LLAMA_CPP",
-    "vllm": "fuzz.adapters.vllm:VLLM",
+    "impl": "kvspec.fuzz.targets:IMPL",
+    "mlx-lm": "kvspec.fuzz.adapters.mlx_lm:MLX_LM",
+    "mlx-lm-concat": "kvspec.fuzz.adapters.mlx_lm:MLX_LM_CONCAT",
+    "mlx-lm-guarded": "kvspec.fuzz.adapters.mlx_lm:MLX_LM_GUARDED",
+    "transformers": "kvspec.fuzz.adapters.transformers:TRANSFORMERS",
+    "transformers-linear": "kvspec.fuzz.adapters.transformers:TRANSFORMERS_LINEAR",
+    "transformers-static": "kvspec.fuzz.adapters.transformers:TRANSFORMERS_STATIC",
+    "transformers-sliding": "kvspec.fuzz.adapters.transformers:TRANSFORMERS_SLIDING",
+    "transformers-quanto": "kvspec.fuzz.adapters.transformers:TRANSFORMERS_QUANTO",
+    "transformers-hqq": "kvspec.fuzz.adapters.transformers:TRANSFORMERS_HQQ",
+    "transformers-fp8": "kvspec.fuzz.adapters.transformers:TRANSFORMERS_FP8",
+    "llama.cpp": "kvspec.fuzz.adapters.llama_cpp:LLAMA_CPP",
+    "vllm": "kvspec.fuzz.adapters.vllm:VLLM",
 }
 #: target schemes: ``"<scheme>:<rest>"`` -> ``"module:attr"`` of a callable
 #: ``(rest: str) -> Target``. Adding a kind of target is one entry here (or
 #: one entry point in group ``kvspec.target_schemes``).
 SCHEMES: dict[str, str] = {
     # an adapter program over the kvproto/1 line protocol (docs/targets.md "The line protocol")
-    "exec": "fuzz.adapters.exec:target",
+    "exec": "kvspec.fuzz.adapters.exec:target",
 }
 
 
@@ -161,7 +161,7 @@ class CacheClass:
     reason. ``fields``: cache field -> (the one value the class supports,
     why), e.g. ``{"undo": (0, "no undo log")}``. ``refusals``: exception
     type -> refusal category, for errors the default classifier
-    (``fuzz.lockstep.refusal_category``) does not know. ``stored_form``:
+    (``kvspec.fuzz.lockstep.refusal_category``) does not know. ``stored_form``:
     the bytes a reader must see for one row (None: as written).
     ``head_dims``: the head dims its state machine draws (None: the
     default 8 and 16); a replay refuses others. ``snapshot_class``: the
@@ -304,7 +304,7 @@ class Target:
         return replace(self, waived=self.waived | {what})
 
     def with_bug(self, bug: Any) -> Target:
-        """``impl`` with an injected bug's classes (``fuzz.bugs``). Raises
+        """``impl`` with an injected bug's classes (``kvspec.fuzz.bugs``). Raises
         TargetError on any other target."""
         if not self.is_impl:
             raise TargetError(f"--bug: injected bugs patch this project's classes; "
@@ -339,7 +339,7 @@ class Target:
         1 to 3, kv heads 1 to 3, a V head dim that often differs from the
         keys', float16, bfloat16 and float32: :func:`_machine_with_full_shapes`)
         within what it declares (``head_dims``, ``dtypes``); on the plain
-        machine of mlx-lm's recorded findings (``fuzz.campaign.machine_for``
+        machine of mlx-lm's recorded findings (``kvspec.fuzz.campaign.machine_for``
         picks it for built-in targets only), that machine, with the head
         dims the class needs."""
         c = None if self.is_impl else self.cache_class(kind, mode)
@@ -356,8 +356,21 @@ IMPL = Target("impl", "this project's MLX caches (impl/)")
 # -- the registry --------------------------------------------------------------
 
 
+def _cwd_on_path() -> None:
+    """Put the current folder first on ``sys.path`` (as ``python -m`` does) so a target
+    module of the folder a command runs in imports, and so does the replay command
+    printed for it, from that folder."""
+    import os
+    import sys
+
+    here = os.getcwd()
+    if not any(os.path.realpath(p or ".") == here for p in sys.path):
+        sys.path.insert(0, here)
+
+
 def _load(ref: str) -> Any:
     module, _, attr = ref.partition(":")
+    _cwd_on_path()
     obj: Any = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -403,7 +416,7 @@ def resolve(target: str | Target | None) -> Target:
             made = make(rest)
             if not isinstance(made, Target):
                 raise TargetError(f"--target {target}: scheme {scheme!r} ({schemes[scheme]}) returned "
-                                  f"{type(made).__name__}, not a fuzz.targets.Target")
+                                  f"{type(made).__name__}, not a kvspec.fuzz.targets.Target")
             return replace(made, spec=made.spec or target)
     if not _MODULE_ATTR.fullmatch(target):
         raise TargetError(f"--target: unknown target {target!r}; known: {', '.join(known_names())}, "
@@ -602,7 +615,7 @@ def _readable(obj: Any, key: str) -> bool:
     tool failure. Only an object that answers members dynamically
     (``__getattr__``, e.g. a kvproto/1 client's declared observables) is
     asked, and an ``AttributeError`` then means it has none."""
-    from fuzz.protocol import OBSERVABLE_METHODS
+    from kvspec.fuzz.protocol import OBSERVABLE_METHODS
 
     try:
         inspect.getattr_static(obj, OBSERVABLE_METHODS.get(key, key))
@@ -667,7 +680,7 @@ def _machine_with_full_shapes(base: type, c: CacheClass) -> type:
 
     # the rules of our own lifecycle (rows of another shape or dtype handed
     # in, prompt-cache copies and files) hold only this project's caches,
-    # as on mlx-lm's plain machines (fuzz.machine.without_lifecycle)
+    # as on mlx-lm's plain machines (kvspec.fuzz.machine.without_lifecycle)
     for rule in CLASS_UNDRAWN_RULES:
         if hasattr(base, rule):
             setattr(FullShapeMachine, rule, None)
@@ -680,7 +693,7 @@ def _machine_with_head_dims(base: type, head_dims: tuple[int, ...]) -> type:
     from hypothesis import strategies as st
     from hypothesis.stateful import initialize
 
-    from fuzz.machine import KV_HEADS, SMALL_STEPS
+    from kvspec.fuzz.machine import KV_HEADS, SMALL_STEPS
 
     class WideHeadMachine(base):  # type: ignore[misc, valid-type]
         @initialize(step=SMALL_STEPS, head_dim=st.sampled_from(head_dims), kv_heads=KV_HEADS)

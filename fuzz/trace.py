@@ -26,7 +26,7 @@ from typing import Any
 import jsonschema
 import numpy as np
 
-from fuzz import kinds
+from kvspec.fuzz import kinds
 
 
 def cache_defaults(kind: str, mode: str | None = None) -> dict[str, Any]:
@@ -49,7 +49,7 @@ MAX_OPS = 1_000_000
 #: ``rows * batch * kv_heads * head_dim`` (32 MiB of float16).
 MAX_ELEMENTS = 2**24
 #: Most rows one trace may append (token identities handed out): the bound
-#: below which portable rows are distinct (spec.rows.TOKEN_LIMIT, 2^24).
+#: below which portable rows are distinct (kvspec.spec.rows.TOKEN_LIMIT, 2^24).
 MAX_TOKENS = 2**24
 #: Problems printed at most; the rest are counted.
 MAX_ERRORS_SHOWN = 20
@@ -74,7 +74,7 @@ class TraceFormatError(Exception):
 
 def schema() -> dict[str, Any]:
     """The kvtrace/1 JSON Schema shipped with the package."""
-    text = resources.files("fuzz").joinpath("kvtrace.schema.json").read_text()
+    text = resources.files("kvspec.fuzz").joinpath("kvtrace.schema.json").read_text()
     return json.loads(text)
 
 
@@ -460,7 +460,7 @@ def _kind_op_problems(kind: str, i: int, op: dict[str, Any]) -> list[tuple[list[
     return out
 
 
-#: What a prefix op returns (spec.prefix.apply_op), as its ``returns`` check
+#: What a prefix op returns (kvspec.spec.prefix.apply_op), as its ``returns`` check
 #: must be written.
 PREFIX_RETURNS = {
     "admit": 'an object {"admitted": bool, "hit": int >= 0, "table": [block ids >= 0 or null]}',

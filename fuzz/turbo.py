@@ -1,10 +1,10 @@
 """The Turbo modes' harness (kvtrace kind ``dense``, modes ``turbo4asym``,
 ``turbo4``, ``turbo3asym``, ``turbo4delegated``): the lockstep driver of
-``spec.turbo`` against ``impl.turbo`` and its state machine.
+``kvspec.spec.turbo`` against ``kvspec.impl.turbo`` and its state machine.
 
 Oracle (semantics.md 2, "Storage"): every fetched row is
 byte-identical to the row of its token quantized and dequantized *on its
-own* by the same quantizer (``impl.turbo_quant.roundtrip``): V in every
+own* by the same quantizer (``kvspec.impl.turbo_quant.roundtrip``): V in every
 Turbo mode, K too in Turbo4 (with K's sign vectors); in Delegated only the
 first ``cold_offset`` rows of a view are quantized, the hot ones come back
 exactly. Which rows are cold is the spec's prediction for that view (the
@@ -14,17 +14,17 @@ wrong rows shows up as bytes, and a wrong ``cold_offset`` as an observable.
 That oracle is the implementation's own quantizer, so it cannot see a bug
 the quantizer and the cache share. An independent one does
 (:meth:`TurboLockstep.check_reference`, the NumPy reference of
-``fuzz.turbo_ref``): the first time a row is stored quantized, its stored
+``kvspec.fuzz.turbo_ref``): the first time a row is stored quantized, its stored
 packed indices, norm and rescale are checked against the rule (the nibble
 order, the norm's scaling, the rescale), and its values in the window the
 append returned against the reference's dequantization, within the stated
-tolerance. The machine draws the ``ranged`` rows (``fuzz.rows``) as often
+tolerance. The machine draws the ``ranged`` rows (``kvspec.fuzz.rows``) as often
 as the ordinary ones: tiny, huge (up to the dtype's largest value),
 negative-zero and mixed-scale rows.
 
 Observables after every op, besides the dense ones (offset, live_start,
 live_len, capacity): ``cold_offset`` and the row count of every buffer and
-sidecar (``spec.turbo.array_rows``), so a sidecar that is not cut in
+sidecar (``kvspec.spec.turbo.array_rows``), so a sidecar that is not cut in
 lockstep is caught even when the window it feeds stays right; and that a
 save/load round trip (``from_state(state, meta_state)``) is a fixpoint of
 meta_state and the state arrays.
@@ -39,15 +39,15 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from fuzz import rows as rowgen
-from fuzz import turbo_ref
-from fuzz.dense import DenseMachine, DenseOps
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.machine import KV_HEADS, SMALL_STEPS
-from impl import turbo_quant as tq
-from impl.turbo import TurboHandle, TurboSnapshot, make_cache
-from spec import rows as portable_rows
-from spec import turbo as sturbo
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz import turbo_ref
+from kvspec.fuzz.dense import DenseMachine, DenseOps
+from kvspec.fuzz.lockstep import Divergence, Lockstep
+from kvspec.fuzz.machine import KV_HEADS, SMALL_STEPS
+from kvspec.impl import turbo_quant as tq
+from kvspec.impl.turbo import TurboHandle, TurboSnapshot, make_cache
+from kvspec.spec import rows as portable_rows
+from kvspec.spec import turbo as sturbo
 
 TURBO_MODES = tuple(m.value for m in sturbo.TURBO_MODES)
 DELEGATED = sturbo.Mode.TURBO4DELEGATED.value
@@ -65,7 +65,7 @@ def _cache_kw(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class TurboLockstep(DenseOps, Lockstep):
-    """Drives a ``spec.turbo.TurboWorld`` and an ``impl.turbo`` cache with
+    """Drives a ``kvspec.spec.turbo.TurboWorld`` and an ``kvspec.impl.turbo`` cache with
     the same ops. ``cache_factory(mode=, step=, inplace=, [hot_threshold=,
     fold_block=])`` builds the implementation under test (the injected-bug
     catalog passes a patched class)."""
@@ -223,7 +223,7 @@ class TurboLockstep(DenseOps, Lockstep):
 
     def check_reference(self, index: int, op: dict[str, Any], tokens: tuple[int, ...],
                         window: tuple[mx.array, mx.array]) -> None:
-        """The independent oracle (``fuzz.turbo_ref``): every row stored
+        """The independent oracle (``kvspec.fuzz.turbo_ref``): every row stored
         quantized for the first time (V's, Turbo4's K, Delegated's cold V)
         is checked in the cache's store (packed indices, norm, rescale) and
         in ``window``, the append's returned window of ``tokens``."""
@@ -259,7 +259,7 @@ class TurboLockstep(DenseOps, Lockstep):
             if wrong is not None:
                 rows = [toks[j] for j in todo]
                 raise Divergence(index, op, f"stored {which.upper()} rows differ from the reference quantizer",
-                                 f"tokens {rows} quantized by fuzz.turbo_ref", wrong)
+                                 f"tokens {rows} quantized by kvspec.fuzz.turbo_ref", wrong)
             self._checked.update((toks[j], prefix) for j in todo)
 
     def view_matches(self, name: str, tokens: tuple[int, ...], arrays: Any) -> bool:

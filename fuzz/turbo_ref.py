@@ -27,7 +27,7 @@ from functools import cache
 import numpy as np
 from scipy.linalg import hadamard
 
-from impl.codebooks import unit_centroids
+from kvspec.impl.codebooks import unit_centroids
 
 MASK64 = (1 << 64) - 1
 

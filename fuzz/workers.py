@@ -8,7 +8,7 @@ the task itself. A :class:`WarmPool` starts ``workers`` processes that import
 ``preload`` once and then run tasks one after another::
 
     with WarmPool(2) as pool:
-        for result in pool.run([Task("fuzz.commands.verify:run_job", (job,), limit=60.0, weight=8.0)]):
+        for result in pool.run([Task("kvspec.fuzz.commands.verify:run_job", (job,), limit=60.0, weight=8.0)]):
             ...  # TaskResult, as each task finishes
 
 * **Order.** The queue starts the heaviest task first (``Task.weight``,
@@ -70,14 +70,14 @@ from typing import Any, Self
 #: would otherwise fill).
 DEFAULT_PRELOAD: tuple[str, ...] = (
     "numpy", "mlx.core", "hypothesis", "hypothesis.stateful", "hypothesis.strategies", "z3",
-    "impl.*", "spec.*", "proofs.*", "fuzz.*", "fuzz.commands.verify", "fuzz.commands.mutants",
-    "fuzz.commands.e2e", "fuzz.bugs:catalog", "fuzz.trace:_op_checker",
+    "kvspec.impl.*", "kvspec.spec.*", "kvspec.proofs.*", "kvspec.fuzz.*", "kvspec.fuzz.commands.verify", "kvspec.fuzz.commands.mutants",
+    "kvspec.fuzz.commands.e2e", "kvspec.fuzz.bugs:catalog", "kvspec.fuzz.trace:_op_checker",
 )
 
 #: left out of a ``"package.*"`` preload: other engines' adapters (their
 #: own dependencies, imported on use), the CLI, and the pytest and
 #: HypoFuzz entry points
-NOT_PRELOADED = ("fuzz.adapters", "fuzz.commands", "fuzz.hypofuzz_targets", "fuzz.pytest_plugin")
+NOT_PRELOADED = ("kvspec.fuzz.adapters", "kvspec.fuzz.commands", "kvspec.fuzz.hypofuzz_targets", "kvspec.fuzz.pytest_plugin")
 
 #: imported once by the fork server before it forks each worker: none of
 #: them touches MLX (a forked child hangs once its parent evaluated an MLX
@@ -86,26 +86,26 @@ SERVER_PRELOAD: tuple[str, ...] = ("numpy", "hypothesis", "hypothesis.stateful",
                                    "rich.console", "rich.table")
 
 #: module packages whose state the isolation guard fingerprints
-GUARDED = ("spec", "impl", "fuzz", "proofs")
+GUARDED = ("kvspec.spec", "kvspec.impl", "kvspec.fuzz", "kvspec.proofs")
 
 #: module globals that change by design, each with why that is no leak
 MAY_CHANGE: dict[str, str] = {
-    "impl.write._QUEUED": "the reads queued last, which the next host write waits for (impl.write.queue_read)",
-    "impl.write._KERNEL": "the CUDA write kernel, compiled on first use",
-    "fuzz.trace._CHECKER": "the kvtrace op schema's checker, built on first use",
-    "proofs.domain._counter": "fresh variable names, renumbered from 0 by every obligation (reset_names)",
-    "fuzz.interrupt._installed": "the SIGINT handler installed by a command",
-    "fuzz.adapters.vllm._V": "vLLM's modules, imported on first use",
-    "fuzz.adapters.llama_cpp._FOLDER": "llama.cpp's build folder, found on first use",
-    "impl.write.COUNTS": "how many in-place writes each mechanism made in this process (a counter, read to show "
+    "kvspec.impl.write._QUEUED": "the reads queued last, which the next host write waits for (kvspec.impl.write.queue_read)",
+    "kvspec.impl.write._KERNEL": "the CUDA write kernel, compiled on first use",
+    "kvspec.fuzz.trace._CHECKER": "the kvtrace op schema's checker, built on first use",
+    "kvspec.proofs.domain._counter": "fresh variable names, renumbered from 0 by every obligation (reset_names)",
+    "kvspec.fuzz.interrupt._installed": "the SIGINT handler installed by a command",
+    "kvspec.fuzz.adapters.vllm._V": "vLLM's modules, imported on first use",
+    "kvspec.fuzz.adapters.llama_cpp._FOLDER": "llama.cpp's build folder, found on first use",
+    "kvspec.impl.write.COUNTS": "how many in-place writes each mechanism made in this process (a counter, read to show "
                          "which path ran)",
-    "impl.batch._RING_BATCH": "the batched ring class over mlx-lm's, built on first use",
-    "impl.recurrent._RECORDED": "the recorded subclass of each recurrent model class, built on first use",
-    "fuzz.failures._HARNESS": "the harness's folders, found on first use",
-    "fuzz.rows._DTYPE_NAMES": "the kvtrace name of each MLX dtype, cached on first use",
-    "fuzz.trace._VALIDATORS": "the kvtrace schema's validators, built on first use",
-    "fuzz.targets._DECLARED": "the lockstep driver over a target's class, built on first use per kind",
-    "impl.write._BACKENDS": "where each device type's arrays live, read once per device type",
+    "kvspec.impl.batch._RING_BATCH": "the batched ring class over mlx-lm's, built on first use",
+    "kvspec.impl.recurrent._RECORDED": "the recorded subclass of each recurrent model class, built on first use",
+    "kvspec.fuzz.failures._HARNESS": "the harness's folders, found on first use",
+    "kvspec.fuzz.rows._DTYPE_NAMES": "the kvtrace name of each MLX dtype, cached on first use",
+    "kvspec.fuzz.trace._VALIDATORS": "the kvtrace schema's validators, built on first use",
+    "kvspec.fuzz.targets._DECLARED": "the lockstep driver over a target's class, built on first use per kind",
+    "kvspec.impl.write._BACKENDS": "where each device type's arrays live, read once per device type",
 }
 
 #: attributes Python itself adds on first use: copyreg's slot names on a
@@ -165,9 +165,14 @@ class WorkerStartError(RuntimeError):
 
 
 # -- the fingerprint ---------------------------------------------------------------
+def _in_packages(name: str, packages: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``packages`` or inside one."""
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
 def _guarded_modules(packages: tuple[str, ...] = GUARDED) -> dict[str, ModuleType]:
     return {name: mod for name, mod in list(sys.modules.items())
-            if isinstance(mod, ModuleType) and name.split(".", 1)[0] in packages}
+            if isinstance(mod, ModuleType) and _in_packages(name, packages)}
 
 
 def _contents(value: Any) -> int | None:
@@ -282,7 +287,7 @@ def _import(name: str) -> None:
         importlib.import_module(name)
     except ImportError as exc:
         missing = exc.name or ""
-        if not missing or missing.split(".", 1)[0] in GUARDED:
+        if not missing or _in_packages(missing, GUARDED):
             raise
 
 

@@ -1,4 +1,4 @@
-"""Batch caches for mlx-lm's batched generation (spec: ``spec.batch``,
+"""Batch caches for mlx-lm's batched generation (spec: ``kvspec.spec.batch``,
 semantics.md 7).
 
 mlx-lm's ``batch_generate`` / ``BatchGenerator`` (and its server) merge the
@@ -8,7 +8,7 @@ batch with new ones and ``extract`` a sequence's cache when it finishes.
 This module gives our kinds that path:
 
 * :class:`BatchKVCache`: B dense Fp16 sequences, left-padded
-  (:class:`BatchLayout`, the fields of spec.batch's); ``KVCache.merge`` builds it from our
+  (:class:`BatchLayout`, the fields of kvspec.spec.batch's); ``KVCache.merge`` builds it from our
   dense caches and :meth:`BatchKVCache.extract` gives one back. The layout
   is mlx-lm's own (same buffer positions, the same growth by ``step``), so
   ``batch_generate`` with our caches produces exactly mlx-lm's tokens and
@@ -16,7 +16,7 @@ This module gives our kinds that path:
 * :func:`batch_rotating_class`: the batch ring, mlx-lm's
   ``BatchRotatingKVCache`` layout (a subclass: its decode and block paths),
   built from our rings by ``RotatingKVCache.merge`` and extracted back into
-  our :class:`~impl.rotating.RotatingKVCache`.
+  our :class:`~kvspec.impl.rotating.RotatingKVCache`.
 
 An Int8 ``KVCache`` and a ring with sinks refuse ``merge`` with the reason
 (a batch stores the model's float rows; mlx-lm's batch ring has no sinks).
@@ -33,17 +33,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.dense import KVCache, _check_int
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache, _check_int
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 SEQ = 2
 
 
 # -- the layout arithmetic -------------------------------------------------------------
 # This module's own implementation of the batch layout rules (semantics.md 7,
-# rules 1-3), not spec.batch's functions: the batch harness (fuzz.batch)
-# compares this cache's layout with spec.batch's after every op, which is a
+# rules 1-3), not kvspec.spec.batch's functions: the batch harness (kvspec.fuzz.batch)
+# compares this cache's layout with kvspec.spec.batch's after every op, which is a
 # check only while the two sides are written apart (the contract "impl takes
 # no rule from spec" in pyproject.toml). The buffer's idx is its positions;
 # pads[i] the left padding of sequence i; sequence i's offset is idx - pads[i].
@@ -51,7 +51,7 @@ SEQ = 2
 class BatchLayout:
     """A batch's layout as this cache holds it: ``idx`` positions in the
     shared buffer, ``pads[i]`` the left padding of sequence ``i`` (Python
-    ints). The same fields as :class:`spec.batch.BatchLayout`, compared field
+    ints). The same fields as :class:`kvspec.spec.batch.BatchLayout`, compared field
     by field by the harness."""
 
     idx: int
@@ -153,18 +153,18 @@ def _not_ours(i: int, c: Any, want: str) -> UnsupportedOperationError:
     cls = type(c)
     name = f"{cls.__module__}.{cls.__qualname__}"
     hint = (" mlx-lm's caches and kvspec's cannot share a batch: give every sequence kvspec caches "
-            "(impl.models.make_prompt_cache; batch_generate builds mlx-lm's for a sequence given none)"
+            "(kvspec.impl.models.make_prompt_cache; batch_generate builds mlx-lm's for a sequence given none)"
             if cls.__module__.startswith("mlx_lm") else "")
     return UnsupportedOperationError(f"merge: cache {i} is a {name}; {want}.{hint}")
 
 
 class BatchKVCache:
     """B dense sequences in one ``[B, H, capacity, D]`` buffer pair,
-    sequence ``i`` at positions ``[pads[i], idx)`` (spec.batch).
+    sequence ``i`` at positions ``[pads[i], idx)`` (kvspec.spec.batch).
 
     Observables: ``offset`` (``mx.array`` of B offsets, what the model's
     RoPE reads), ``left_padding`` (``mx.array``), ``layout`` (the
-    :class:`spec.batch.BatchLayout`, Python ints), ``size()`` = ``idx``.
+    :class:`kvspec.spec.batch.BatchLayout`, Python ints), ``size()`` = ``idx``.
     Built by :meth:`merge` (or empty, from ``left_padding``); every
     operation keeps ``layout`` valid (``0 <= pad <= idx``) and each
     sequence's window equal to that of a single cache fed its rows.
@@ -192,32 +192,32 @@ class BatchKVCache:
         announced padding is not in the buffer yet (``idx`` 0, offsets
         ``-pad``).
 
-        Rule: ``spec.batch.check_layout`` (semantics.md 7, "rule 1")."""
+        Rule: ``kvspec.spec.batch.check_layout`` (semantics.md 7, "rule 1")."""
         return BatchLayout(self._idx, self._pads)
 
     @property
     def offset(self) -> mx.array:
         """Each sequence's offset, ``idx - pads[i]``: int32 ``[B]`` (a sequence's RoPE position;
-        negative while its announced padding is not yet in the buffer). Rule: ``spec.batch.offsets``
+        negative while its announced padding is not yet in the buffer). Rule: ``kvspec.spec.batch.offsets``
         (semantics.md 7, "rule 1")."""
         return mx.array([self._idx - p for p in self._pads])
 
     @property
     def left_padding(self) -> mx.array:
         """Each sequence's left padding in positions: int32 ``[B]``; those keys are never visible to
-        it. Rule: ``spec.batch.visible`` (semantics.md 7, "rule 2")."""
+        it. Rule: ``kvspec.spec.batch.visible`` (semantics.md 7, "rule 2")."""
         return mx.array(list(self._pads))
 
     @property
     def batch_size(self) -> int:
-        """B, the sequences this batch cache holds. Rule: ``spec.batch.check_layout`` (semantics.md
+        """B, the sequences this batch cache holds. Rule: ``kvspec.spec.batch.check_layout`` (semantics.md
         7)."""
         return len(self._pads)
 
     # -- the model's path --------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``[B, H, S, D]`` (S positions for every
-        sequence) and return ``[B, H, idx, D]`` (spec.batch.append)."""
+        sequence) and return ``[B, H, idx, D]`` (kvspec.spec.batch.append)."""
         if keys.ndim != 4 or keys.shape[0] != self.batch_size or values.shape[:3] != keys.shape[:3]:
             raise InvalidArgumentError(
                 f"update_and_fetch: keys and values must be [B={self.batch_size}, H, S, D] with the same B, H, S, "
@@ -249,14 +249,14 @@ class BatchKVCache:
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
         """The buffer rows ``[0, idx)`` without writing: keys ``[B, H, idx, Dk]`` and values
         ``[B, H, idx, Dv]`` in the rows' dtype, padding included (the mask hides it), or None before
-        the first append. Rule: ``spec.batch.visible`` (semantics.md 7, "rule 2")."""
+        the first append. Rule: ``kvspec.spec.batch.visible`` (semantics.md 7, "rule 2")."""
         if self.keys is None:
             return None
         assert self.values is not None
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     def fetch_sequence(self, i: int) -> tuple[mx.array, mx.array] | None:
-        """Sequence ``i``'s window ``[1, H, offset_i, D]`` (spec.batch.positions)."""
+        """Sequence ``i``'s window ``[1, H, offset_i, D]`` (kvspec.spec.batch.positions)."""
         if self.keys is None:
             return None
         assert self.values is not None
@@ -267,7 +267,7 @@ class BatchKVCache:
         """``[B, 1, N, idx + N]`` bool: query ``q`` (position ``idx + q``) of
         sequence ``b`` sees key ``j`` iff ``pads[b] <= j <= idx + q`` and,
         with ``window_size``, ``idx + q - j < window_size``
-        (spec.batch.visible: padding is never visible)."""
+        (kvspec.spec.batch.visible: padding is never visible)."""
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
@@ -281,14 +281,14 @@ class BatchKVCache:
     def prepare(self, *, left_padding: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
                 right_padding: Sequence[int] | None = None) -> None:
         """mlx-lm's hooks before a block: ``left_padding`` (only while the
-        batch holds no positions, as spec.batch.announced_block) adds padding; ``right_padding`` announces a right-padded block,
-        which :meth:`finalize` turns into left padding (spec.batch.append_ragged)."""
+        batch holds no positions, as kvspec.spec.batch.announced_block) adds padding; ``right_padding`` announces a right-padded block,
+        which :meth:`finalize` turns into left padding (kvspec.spec.batch.append_ragged)."""
         # every argument checked before anything changes
         b = len(self._pads)
         left = None if left_padding is None else _int_seq("prepare", "left_padding", left_padding, b)
         right = None if right_padding is None else _int_seq("prepare", "right_padding", right_padding, b)
         if left is not None and self._idx != 0:
-            # spec.batch.announced_block: padding is announced on a batch that
+            # kvspec.spec.batch.announced_block: padding is announced on a batch that
             # holds no positions (a fresh one, or one trimmed back to idx 0)
             raise InvalidArgumentError(f"prepare: left_padding can only be added to an empty BatchKVCache "
                                        f"(one that holds no positions), got idx={self._idx}")
@@ -304,7 +304,7 @@ class BatchKVCache:
         when no block was appended (the batch holds no rows) or when a pad
         would pass ``idx`` (more padding than the sequence's positions).
 
-        Rule: ``spec.batch.append_ragged`` (semantics.md 7, "rule 3")."""
+        Rule: ``kvspec.spec.batch.append_ragged`` (semantics.md 7, "rule 3")."""
         if self._right_padding is not None:
             if self.keys is None or self.values is None:
                 raise InvalidArgumentError(
@@ -328,12 +328,12 @@ class BatchKVCache:
 
     def is_trimmable(self) -> bool:
         """Always True: a batch trims ``min(n, every offset)`` from every sequence. Rule:
-        ``spec.batch.trim_count`` (semantics.md 7, "rule 3")."""
+        ``kvspec.spec.batch.trim_count`` (semantics.md 7, "rule 3")."""
         return True
 
     def trim(self, n: int) -> int:
         """Take ``min(n, every offset)`` rows from every sequence
-        (spec.batch.trim: never into padding); returns the count."""
+        (kvspec.spec.batch.trim: never into padding); returns the count."""
         n = _check_int("trim", "n", n)
         if self.keys is None:
             return 0
@@ -343,7 +343,7 @@ class BatchKVCache:
 
     def filter(self, batch_indices: Sequence[int]) -> None:
         """Keep the sequences ``batch_indices`` (distinct, in that order) and
-        drop the columns none of them uses (spec.batch.filter)."""
+        drop the columns none of them uses (kvspec.spec.batch.filter)."""
         keep = _int_seq("filter", "batch_indices", batch_indices, nonneg=False)
         idx, pads, drop = _filtered(self._idx, self._pads, keep)
         if self.keys is not None:
@@ -355,7 +355,7 @@ class BatchKVCache:
 
     def extend(self, other: BatchKVCache) -> None:
         """Append ``other``'s sequences, right-aligned on the longer buffer
-        (spec.batch.extend). Raises InvalidArgumentError, changing nothing,
+        (kvspec.spec.batch.extend). Raises InvalidArgumentError, changing nothing,
         for ``other`` not a BatchKVCache, or holding rows of other heads,
         head dims or dtype than this batch's (one buffer holds one shape and
         dtype: a bfloat16 batch extended by a float16 one would turn every
@@ -395,8 +395,8 @@ class BatchKVCache:
         self._idx, self._pads = idx, pads
 
     def extract(self, idx: int) -> KVCache:
-        """Sequence ``idx`` as our Fp16 :class:`~impl.dense.KVCache` holding
-        its window (offset = its rows; spec.batch.extract)."""
+        """Sequence ``idx`` as our Fp16 :class:`~kvspec.impl.dense.KVCache` holding
+        its window (offset = its rows; kvspec.spec.batch.extract)."""
         idx = _check_int("extract", "idx", idx)
         if not 0 <= idx < len(self._pads):
             raise InvalidArgumentError(f"extract: idx must be in [0, {len(self._pads)}), got {idx}")
@@ -410,7 +410,7 @@ class BatchKVCache:
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
         """Our dense Fp16 caches (one per sequence, ragged lengths) as one
-        batch, left-padded to the longest (spec.batch.merge). Raises
+        batch, left-padded to the longest (kvspec.spec.batch.merge). Raises
         UnsupportedOperationError for an Int8 cache (a batch stores float
         rows) and for a cache whose window does not start at its first row
         (a front trim: its offset is not its row count); InvalidArgumentError
@@ -420,7 +420,7 @@ class BatchKVCache:
         windows = []
         for i, c in enumerate(caches):
             if not isinstance(c, KVCache):
-                raise _not_ours(i, c, "a BatchKVCache merges kvspec's dense impl.dense.KVCache layers")
+                raise _not_ours(i, c, "a BatchKVCache merges kvspec's dense kvspec.impl.dense.KVCache layers")
             if c.mode != "fp16":
                 raise UnsupportedOperationError(
                     f"merge: cache {i} stores mode {c.mode!r}; a batch stores the model's float rows (Fp16 only)")
@@ -446,7 +446,7 @@ class BatchKVCache:
         return out
 
     def size(self) -> int:
-        """Positions in the buffer, ``idx`` (padding included). Rule: ``spec.batch.offsets``
+        """Positions in the buffer, ``idx`` (padding included). Rule: ``kvspec.spec.batch.offsets``
         (semantics.md 7)."""
         return self._idx
 
@@ -487,7 +487,7 @@ def batch_rotating_class() -> type:
         def merge(cls, caches: Sequence[Any]) -> Any:
             """Our rings (no sinks, one window size) as one batch: each
             sequence's last ``min(offset, max_size)`` rows in order,
-            left-padded (spec.batch.merge). Raises UnsupportedOperationError
+            left-padded (kvspec.spec.batch.merge). Raises UnsupportedOperationError
             for a cache that is not our ring or keeps sinks;
             InvalidArgumentError for no caches, rings of different
             ``max_size``, or of different heads, head dims or dtypes."""
@@ -495,7 +495,7 @@ def batch_rotating_class() -> type:
                 raise InvalidArgumentError("merge: caches must hold at least one cache, got []")
             for i, c in enumerate(caches):
                 if not isinstance(c, RotatingKVCache):
-                    raise _not_ours(i, c, "a batch ring merges kvspec's impl.rotating.RotatingKVCache layers")
+                    raise _not_ours(i, c, "a batch ring merges kvspec's kvspec.impl.rotating.RotatingKVCache layers")
                 if c.keep:
                     raise UnsupportedOperationError(
                         f"merge: cache {i} keeps {c.keep} sinks; mlx-lm's batch ring has no sinks (keep=0 only)")

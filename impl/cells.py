@@ -1,5 +1,5 @@
 """A cell cache shared by several sequences, as llama.cpp's KV memory keeps
-one (spec: ``spec.cells``; docs/cells.md; docs/semantics.md section 10).
+one (spec: ``kvspec.spec.cells``; docs/cells.md; docs/semantics.md section 10).
 
 A **memory** is one or two **stores** that receive every op together:
 ``"full"`` (attention over every cell, never drops a cell) and, for an
@@ -35,9 +35,9 @@ that would leave a lost position inside the next decode's window is refused
 (returns False), the windowed analog of the ring's undo bound.
 
 Every op checks all its arguments and its capacity before it changes
-anything: a refusal (an exception of ``spec.errors``, or a False return)
+anything: a refusal (an exception of ``kvspec.spec.errors``, or a False return)
 leaves buffers and metadata as they were. The rules are stated here on their
-own (``spec.cells`` states them independently; the fuzzer compares both).
+own (``kvspec.spec.cells`` states them independently; the fuzzer compares both).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.write import write_copy
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.impl.write import write_copy
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 STORES = ("full", "window")
 _LAYOUTS = (("full",), ("full", "window"), ("window",))
@@ -160,13 +160,13 @@ class CellsSnapshot:
     cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
     def positions(self, store: str) -> list[int]:
-        """The positions the snapshot holds in ``store``, increasing. Rule: spec.cells.save."""
+        """The positions the snapshot holds in ``store``, increasing. Rule: kvspec.spec.cells.save."""
         return [int(p) for p in self.cells[store][0]]
 
     def rows(self, store: str) -> list[tuple[int, mx.array, mx.array]]:
         """``(pos, k_row, v_row)`` per cell of ``store``, rows as
         ``mx.array`` ``(kv_heads, head_dim)`` in the snapshot's dtype (new
-        arrays: the snapshot stays unchanged). Rule: spec.cells.observe_snapshot."""
+        arrays: the snapshot stays unchanged). Rule: kvspec.spec.cells.observe_snapshot."""
         pos, k, v = self.cells[store]
         dt = _DTYPES[self.dtype]
         return [(int(p), from_host(k[i], dt), from_host(v[i], dt)) for i, p in enumerate(pos)]
@@ -232,7 +232,7 @@ class _Store:
 
     def write(self, idxs: list[int], k: mx.array, v: mx.array, keys_only: bool = False) -> None:
         """Rows ``k[j]``/``v[j]`` into cells ``idxs[j]``, one static slice
-        write (``impl.write.write_copy``) per run of consecutive cells."""
+        write (``kvspec.impl.write.write_copy``) per run of consecutive cells."""
         j = 0
         while j < len(idxs):
             e = j + 1
@@ -246,7 +246,7 @@ class _Store:
 
 
 class CellCache:
-    """llama.cpp's KV memory as an MLX cell cache (``spec.cells``).
+    """llama.cpp's KV memory as an MLX cell cache (``kvspec.spec.cells``).
 
     Args:
         n_cells: cells per store, int >= 1.
@@ -264,7 +264,7 @@ class CellCache:
 
     Positions are token positions (int >= 0); ranges ``[p0, p1)`` read
     ``p0 < 0`` as 0 and ``p1`` None or ``< 0`` as infinity. Every op raises
-    InvalidArgumentError (``spec.errors``) for a bad argument, naming the
+    InvalidArgumentError (``kvspec.spec.errors``) for a bad argument, naming the
     op, the argument, its value and the rule; a refusal changes nothing.
     """
 
@@ -312,8 +312,8 @@ class CellCache:
         self._st = {s: _Store(s, window_cells if s == "window" else n_cells, kv_heads, head_dim, dt) for s in stores}
 
     #: which droppable window cells a write reuses first (free cells always
-    #: come first): the lowest position first, as ``spec.cells`` drops them
-    drop_policy = "lowest position first"  # spec.cells.DROP_POLICY
+    #: come first): the lowest position first, as ``kvspec.spec.cells`` drops them
+    drop_policy = "lowest position first"  # kvspec.spec.cells.DROP_POLICY
 
     # -- helpers --------------------------------------------------------------------
     def _seq(self, op: str, name: str, v: Any, allow_all: bool = False) -> int:
@@ -382,7 +382,7 @@ class CellCache:
 
     def _apply_drops(self, op: str, stores: dict[str, _Store], drops: Any) -> set[tuple[int, frozenset[int]]]:
         """Follow a recorded choice of window cells to drop (``drops``, as
-        ``spec.cells.drop`` takes them: ``(pos, seqs, token)`` for a whole
+        ``kvspec.spec.cells.drop`` takes them: ``(pos, seqs, token)`` for a whole
         cell held by one sequence and out of its window, or ``((pos, seqs,
         token), seq)`` for ``seq`` forgetting a cell out of its window) on
         ``stores`` (a clone): each dropped cell is freed and kept as lost.
@@ -473,11 +473,11 @@ class CellCache:
         Pending shifts are applied first (:meth:`update`).
 
         ``drops`` (optional, a trace's recorded choice: the window cells
-        another target dropped, as ``spec.cells.drop`` takes them): those
+        another target dropped, as ``kvspec.spec.cells.drop`` takes them): those
         cells are dropped first (StateError, nothing changes, for one that
         may not go), then free cells and the remaining droppable ones are
         taken as above.
-        Rule: ``spec.cells.decode``, ``spec.cells.droppable``.
+        Rule: ``kvspec.spec.cells.decode``, ``kvspec.spec.cells.droppable``.
         """
         op = "decode"
         if not isinstance(seqs, (tuple, list)) or not seqs:
@@ -548,7 +548,7 @@ class CellCache:
         largest logical position left (a cell the window dropped cannot be
         attended to again). Raises InvalidArgumentError for a sequence id out
         of range or a non-integer bound.
-        Rule: ``spec.cells.seq_rm``, ``spec.cells.window_breaches``.
+        Rule: ``kvspec.spec.cells.seq_rm``, ``kvspec.spec.cells.window_breaches``.
         """
         op = "seq_rm"
         seq = self._seq(op, "seq", seq, allow_all=True)
@@ -582,7 +582,7 @@ class CellCache:
         Raises InvalidArgumentError (nothing changes) for a sequence id out
         of range, or when ``dst`` would hold two cells at one position in a
         store (clear ``dst``'s range with :meth:`seq_rm` first).
-        Rule: ``spec.cells.seq_cp``.
+        Rule: ``kvspec.spec.cells.seq_cp``.
         """
         op = "seq_cp"
         src = self._seq(op, "src", src)
@@ -605,7 +605,7 @@ class CellCache:
     def seq_keep(self, seq: int) -> None:
         """Remove every other sequence from every cell, present and lost;
         cells not held by ``seq`` are freed. Raises InvalidArgumentError for
-        a sequence id out of range. Rule: ``spec.cells.seq_keep``."""
+        a sequence id out of range. Rule: ``kvspec.spec.cells.seq_keep``."""
         seq = self._seq("seq_keep", "seq", seq)
         only = frozenset((seq,))
         for st in self._st.values():
@@ -646,7 +646,7 @@ class CellCache:
         shifts add up). ``delta == 0`` or an empty range: no-op. Raises
         InvalidArgumentError (nothing changes) for a sequence id out of range
         or when some sequence would hold two cells at one position.
-        Rule: ``spec.cells.seq_add``, ``spec.cells.shifted``."""
+        Rule: ``kvspec.spec.cells.seq_add``, ``kvspec.spec.cells.shifted``."""
         op = "seq_add"
         seq = self._seq(op, "seq", seq)
         p0, p1 = _range(op, p0, p1)
@@ -662,7 +662,7 @@ class CellCache:
         InvalidArgumentError (nothing changes) for ``d < 1``, a sequence id
         out of range, or when some sequence would hold two cells at one
         position (``d >= 2`` over two adjacent positions always would).
-        Rule: ``spec.cells.seq_div``, ``spec.cells.divided``."""
+        Rule: ``kvspec.spec.cells.seq_div``, ``kvspec.spec.cells.divided``."""
         op = "seq_div"
         seq = self._seq(op, "seq", seq)
         p0, p1 = _range(op, p0, p1)
@@ -692,13 +692,13 @@ class CellCache:
         """The smallest position ``seq`` holds, -1 if none, read from the
         window store if the memory has one, else from the full store
         (llama.cpp's iSWA memory: the full store is a superset). Raises
-        InvalidArgumentError for a sequence id out of range. Rule: ``spec.cells.pos_min``."""
+        InvalidArgumentError for a sequence id out of range. Rule: ``kvspec.spec.cells.pos_min``."""
         return min(self._main().positions(self._seq("pos_min", "seq", seq), lost=False), default=-1)
 
     def pos_max(self, seq: int) -> int:
         """The largest position ``seq`` holds, -1 if none (store as
         :meth:`pos_min`; positions in between may be missing). Raises
-        InvalidArgumentError for a sequence id out of range. Rule: ``spec.cells.pos_max``."""
+        InvalidArgumentError for a sequence id out of range. Rule: ``kvspec.spec.cells.pos_max``."""
         return max(self._main().positions(self._seq("pos_max", "seq", seq), lost=False), default=-1)
 
     def _store(self, op: str, store: str) -> _Store:
@@ -712,7 +712,7 @@ class CellCache:
         ``(n, kv_heads, head_dim)`` in the cache's dtype (new arrays),
         positions ``n`` increasing ints (holes allowed). Raises
         InvalidArgumentError for a sequence id or store not in the cache.
-        Rule: ``spec.cells.observe`` (K rows named ``(token, pos)``)."""
+        Rule: ``kvspec.spec.cells.observe`` (K rows named ``(token, pos)``)."""
         seq = self._seq("view", "seq", seq)
         st = self._store("view", store)
         self.update()
@@ -727,7 +727,7 @@ class CellCache:
         uint16 bit pattern). Pending shifts are applied first unless
         ``apply_shifts`` is False (then K rows are as stored; see
         :meth:`pending_shifts`). Raises InvalidArgumentError for a store not
-        in the cache. Rule: ``spec.cells.observe``."""
+        in the cache. Rule: ``kvspec.spec.cells.observe``."""
         st = self._store("cells", store)
         if apply_shifts:
             self.update()
@@ -751,7 +751,7 @@ class CellCache:
         as logical positions (what the sequence would hold had the window
         kept every cell); they move, are shared and are removed as present
         cells are. Raises InvalidArgumentError for a sequence id out of
-        range. Rule: ``spec.cells.lost``."""
+        range. Rule: ``kvspec.spec.cells.lost``."""
         seq = self._seq("lost", "seq", seq)
         st = self._st.get("window")
         return frozenset(p for p, ss in st.lost if seq in ss) if st is not None else frozenset()
@@ -763,7 +763,7 @@ class CellCache:
         its live window (``pos_max(seq) - pos < w``). Pending shifts are
         applied first, so every K row is rotated for its cell's position.
         NumPy copies: nothing aliases the cache. Raises InvalidArgumentError
-        for a sequence id out of range. Rule: ``spec.cells.save``."""
+        for a sequence id out of range. Rule: ``kvspec.spec.cells.save``."""
         seq = self._seq("save", "seq", seq)
         self.update()
         out = {}
@@ -795,7 +795,7 @@ class CellCache:
         head_dim, dtype) or with repeated or negative positions.
         ``drops``: a recorded choice of window cells to drop, as in
         :meth:`decode`, judged on the state after the clear of ``dst``.
-        Rule: ``spec.cells.restore``.
+        Rule: ``kvspec.spec.cells.restore``.
         """
         op = "restore"
         dst = self._seq(op, "dst", dst)
@@ -861,7 +861,7 @@ class CellCache:
                                            f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def clear(self) -> None:
-        """Free every cell of every store; every lost cell goes. Rule: ``spec.cells.clear``."""
+        """Free every cell of every store; every lost cell goes. Rule: ``kvspec.spec.cells.clear``."""
         for st in self._st.values():
             for i in range(len(st.pos)):
                 st.free(i)
@@ -871,7 +871,7 @@ class CellCache:
     def copy(self) -> CellCache:
         """A deep, independent copy: metadata copied; the MLX buffers are
         shared, which is safe because every write makes a new array
-        (``impl.write.write_copy``) and never changes a buffer in place. Rule: semantics.md 10."""
+        (``kvspec.impl.write.write_copy``) and never changes a buffer in place. Rule: semantics.md 10."""
         new = CellCache.__new__(CellCache)
         new.__dict__.update(self.__dict__)
         new._st = self._clone()

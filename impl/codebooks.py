@@ -10,8 +10,8 @@ by ``1 / sqrt(d)`` (:func:`centroids_for`).
 Only the generator needs SciPy (``scipy.stats.norm``); the caches read the
 stored JSON.
 
-    python -m impl.codebooks          # recompute and rewrite codebooks.json
-    python -m impl.codebooks --check  # exit 1 if the stored data differs
+    python -m kvspec.impl.codebooks          # recompute and rewrite codebooks.json
+    python -m kvspec.impl.codebooks --check  # exit 1 if the stored data differs
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print("codebooks.json matches the generator" if same else "codebooks.json differs from the generator")
         return 0 if same else 1
     if args:
-        print("usage: python -m impl.codebooks [--check]", file=sys.stderr)
+        print("usage: python -m kvspec.impl.codebooks [--check]", file=sys.stderr)
         return 2
     write()
     for b in BITS:

@@ -1,4 +1,4 @@
-"""Dense MLX KV cache, modes Fp16 and Int8 (spec: ``spec.dense``).
+"""Dense MLX KV cache, modes Fp16 and Int8 (spec: ``kvspec.spec.dense``).
 
 Buffers are ``[B, H, capacity, D]`` along axis 2 (keys and values may have
 different head dims ``Dk``/``Dv``); Int8 keeps float16 scale sidecars
@@ -7,10 +7,10 @@ they come in (float16, bfloat16 or float32) and Int8 dequantizes to it
 (semantics.md 2 "Storage"; "fp16" names the unquantized mode). Readers slice ``[0, live_len)``
 with ``live_len = offset - live_start``.
 
-Writes go through :mod:`impl.write`. They are copying writes (a static slice
+Writes go through :mod:`kvspec.impl.write`. They are copying writes (a static slice
 update: MLX copies a buffer that anyone else still references and reuses it
 otherwise) except Fp16 decode steps that the ownership rule
-(``spec.dense.inplace_write_allowed``) allows: those write the row straight
+(``kvspec.spec.dense.inplace_write_allowed``) allows: those write the row straight
 into the evaluated buffer (a NumPy view on the CPU, a device kernel on
 CUDA). Trims are logical (O(1)).
 """
@@ -29,8 +29,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.masks import causal_mask
-from impl.quant import (
+from kvspec.impl.masks import causal_mask
+from kvspec.impl.quant import (
     FLOAT16_MAX,
     dequantize_int8,
     int8_representable,
@@ -38,7 +38,7 @@ from impl.quant import (
     int8_rows_refused,
     quantize_int8,
 )
-from impl.write import (
+from kvspec.impl.write import (
     inplace_mechanism,
     seq_index,
     seq_prefix,
@@ -46,14 +46,14 @@ from impl.write import (
     write_inplace,
     write_inplace_pair,
 )
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 _ALL = slice(None)
 
 #: Largest growth granularity a cache accepts (rows): growth allocates
 #: ``ceil(n / step) * step`` rows at once, so an unbounded step is an
 #: allocation of any size. The spec states the same bound
-#: (``spec.dense.MAX_STEP``); impl keeps its own copy so that a change to
+#: (``kvspec.spec.dense.MAX_STEP``); impl keeps its own copy so that a change to
 #: either side is seen by the differential check (tests/test_layout.py).
 MAX_STEP = 2**20
 
@@ -62,7 +62,7 @@ def check_window_size(op: str, window_size: object) -> int | None:
     """A mask's ``window_size``: None (no window) or an int >= 1 (a window
     of 0 keys would hide the query itself). Raises InvalidArgumentError
     naming ``op`` and the value otherwise (0, negative, a float, a bool).
-    Rule: spec.dense.check_window_size (written here on its own)."""
+    Rule: kvspec.spec.dense.check_window_size (written here on its own)."""
     if window_size is None:
         return None
     if type(window_size) is bool or not isinstance(window_size, int):
@@ -80,20 +80,20 @@ FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 def inplace_switch_from_env() -> bool:
     """``KV_INPLACE_WRITE``: on unless ``0``/``false``/``off``/``no``
-    (spec.dense.inplace_switch)."""
+    (kvspec.spec.dense.inplace_switch)."""
     value = os.environ.get("KV_INPLACE_WRITE")
     return value is None or value.strip().lower() not in _OFF_VALUES
 
 
 def regrow_capacity(prev: int, n: int, step: int) -> int:
     """Capacity after a growth: ``prev + ceil(n / step) * step``
-    (spec.dense.regrow_capacity)."""
+    (kvspec.spec.dense.regrow_capacity)."""
     return prev + -(-n // step) * step
 
 
 def check_inplace(op: str, inplace: Any) -> bool:
     """The ``inplace`` argument of every cache: True, False or None (read
-    ``KV_INPLACE_WRITE``, spec.dense.inplace_switch). Anything else (a
+    ``KV_INPLACE_WRITE``, kvspec.spec.dense.inplace_switch). Anything else (a
     string such as ``"no"``, an int) is refused: truthiness would turn
     ``"no"`` into on."""
     if inplace is not None and not isinstance(inplace, bool):
@@ -111,21 +111,21 @@ def _check_int(op: str, name: str, value: Any) -> int:
 
 def write_rows_inplace(dst: mx.array, src: mx.array, at: int, mechanism: str | None = None) -> mx.array:
     """Write ``src`` (``[B, H, n, D]``) into rows ``[at, at + n)`` of
-    ``dst``'s own memory (:func:`impl.write.write_inplace`: a NumPy view on
+    ``dst``'s own memory (:func:`kvspec.impl.write.write_inplace`: a NumPy view on
     the CPU and Apple unified memory, a device kernel completed before return
     on CUDA): every array that shares that memory (a snapshot, a held window)
     sees the write. Callers must have proved that no one else can read those
-    rows (the ownership rule, spec.dense.inplace_write_allowed /
-    spec.rotating.rotating_inplace_allowed). Returns the array that now holds
+    rows (the ownership rule, kvspec.spec.dense.inplace_write_allowed /
+    kvspec.spec.rotating.rotating_inplace_allowed). Returns the array that now holds
     the rows (``dst`` itself except under CUDA's ``donate`` mechanism), which
     the caller keeps as its buffer. ``mechanism``: as for
-    :func:`impl.write.write_inplace`."""
+    :func:`kvspec.impl.write.write_inplace`."""
     return write_inplace(dst, src, seq_index(at, src.shape[SEQ_AXIS], SEQ_AXIS), mechanism)
 
 
 def write_rows_copy(dst: mx.array, src: mx.array, at: int) -> mx.array:
     """``dst`` with rows ``[at, at + n)`` replaced by ``src``, as a new array
-    (:func:`impl.write.write_copy`: a static slice update MLX donates when
+    (:func:`kvspec.impl.write.write_copy`: a static slice update MLX donates when
     nothing else holds ``dst``; ``dst`` itself is unchanged)."""
     return write_copy(dst, src, seq_index(at, src.shape[SEQ_AXIS], SEQ_AXIS))
 
@@ -264,7 +264,7 @@ def refuse_foreign_save(cache: Any) -> None:
     """Called by every kvspec cache's ``state`` getter: when the caller is
     ``mlx_lm.models.cache.save_prompt_cache`` (it reads ``state`` first,
     before writing anything), raise UnsupportedOperationError saying to use
-    ``impl.models.save_prompt_cache``. mlx-lm's writer stores ``state`` and
+    ``kvspec.impl.models.save_prompt_cache``. mlx-lm's writer stores ``state`` and
     the class name only, without the counters of ``meta_state`` (offset,
     live_start, a ring's cursor, the Turbo counters), so its loader could
     not rebuild a kvspec cache from the file (docs/mlx-lm.md, "Prompt-cache
@@ -278,7 +278,7 @@ def refuse_foreign_save(cache: Any) -> None:
             raise UnsupportedOperationError(
                 f"mlx_lm.models.cache.save_prompt_cache cannot write a kvspec {type(cache).__name__}: it stores "
                 "`state` without the counters of `meta_state`, so no loader could rebuild the cache from its file; "
-                "save with impl.models.save_prompt_cache(file, cache) and load with impl.models.load_prompt_cache "
+                "save with kvspec.impl.models.save_prompt_cache(file, cache) and load with kvspec.impl.models.load_prompt_cache "
                 "(nothing was written)"
             )
         frame = frame.f_back
@@ -372,14 +372,14 @@ class CacheSnapshot:
 
     @property
     def live_len(self) -> int:
-        """Rows the snapshot sees, ``offset - live_start``. Rule: ``spec.dense.holder_of``
+        """Rows the snapshot sees, ``offset - live_start``. Rule: ``kvspec.spec.dense.holder_of``
         (semantics.md 2, "snapshot")."""
         return self.offset - self.live_start
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The snapshot's window ``[B, H, live_len, D]`` in the rows' dtype, or None.
 
-        Rule: ``spec.dense.view_of`` (a holder's view never changes: semantics.md 5, "rule 3")."""
+        Rule: ``kvspec.spec.dense.view_of`` (a holder's view never changes: semantics.md 5, "rule 3")."""
         return None if self.buffers is None else self.buffers.window(self.live_len)
 
 
@@ -394,7 +394,7 @@ class DetachedHandle(CacheSnapshot):
         Returns the rows removed. Raises InvalidArgumentError unless
         ``0 <= length <= offset``.
 
-        Rule: ``spec.dense.handle_trim_to`` (semantics.md 2, "handle trim")."""
+        Rule: ``kvspec.spec.dense.handle_trim_to`` (semantics.md 2, "handle trim")."""
         length = _check_int("handle_trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(
@@ -415,7 +415,7 @@ class KVCache:
     Args:
         mode: ``"fp16"`` (unquantized: rows stored in the dtype they come
             in) or ``"int8"`` (per-row symmetric int8 with float16 scales,
-            dequantized to the incoming dtype; semantics.md 2 "Storage", :mod:`impl.quant` for the range decision).
+            dequantized to the incoming dtype; semantics.md 2 "Storage", :mod:`kvspec.impl.quant` for the range decision).
         step: growth granularity in rows, 1 to ``MAX_STEP`` (2^20). Production engines use 256;
             tests use 1 to 8.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
@@ -427,7 +427,7 @@ class KVCache:
     ``live_start``, ``live_len``, ``capacity`` and ``last_write_inplace``.
     """
 
-    #: The Int8 quantizer (impl.quant.quantize_int8).
+    #: The Int8 quantizer (kvspec.impl.quant.quantize_int8).
     quantize_rows = staticmethod(quantize_int8)
 
     def __init__(self, mode: str = "fp16", step: int = 256, inplace: bool | None = None):
@@ -453,20 +453,20 @@ class KVCache:
     def live_len(self) -> int:
         """Valid rows, ``offset - live_start``.
 
-        Rule: ``spec.dense.DenseCache`` (semantics.md 1, "live_len")."""
+        Rule: ``kvspec.spec.dense.DenseCache`` (semantics.md 1, "live_len")."""
         return self.offset - self.live_start
 
     @property
     def capacity(self) -> int:
         """Physical rows along axis 2 (0 without buffers).
 
-        Rule: ``spec.dense.regrow_capacity`` (semantics.md 1, "capacity")."""
+        Rule: ``kvspec.spec.dense.regrow_capacity`` (semantics.md 1, "capacity")."""
         return 0 if self.buffers is None else self.buffers.capacity
 
     # -- the write path ----------------------------------------------------
     def _encode(self, keys: mx.array, values: mx.array) -> _Buffers:
         """Rows as stored: as given in Fp16; quantized in Int8, which refuses
-        a row that is not finite in float16 (impl.quant's range decision)."""
+        a row that is not finite in float16 (kvspec.impl.quant's range decision)."""
         if self.mode == "int8":
             # One host read for both (a GPU sync per layer: the refusal must be
             # raised by this call, docs/gpu.md). The flag is scheduled first and
@@ -501,7 +501,7 @@ class KVCache:
         check_dtype_matches(op, b.dtype, keys.dtype)
 
     def _grow(self, prev: int, n: int, rows: _Buffers) -> None:
-        """Regrow rule (spec.dense.regrow_needed / regrow_capacity): cut a
+        """Regrow rule (kvspec.spec.dense.regrow_needed / regrow_capacity): cut a
         buffer whose capacity differs from the live prefix, then append
         ``ceil(n / step) * step`` zero rows."""
         extra = regrow_capacity(prev, n, self.step) - prev
@@ -533,7 +533,7 @@ class KVCache:
         return len(current) == len(m.arrays) and all(x is y for x, y in zip(current, m.arrays))
 
     def _inplace_write_allowed(self, n: int) -> bool:
-        """Ownership rule (spec.dense.inplace_write_allowed): switch on,
+        """Ownership rule (kvspec.spec.dense.inplace_write_allowed): switch on,
         a decode step, Fp16, and the marker names these very buffers and the
         current live_len. Why it is safe: see the spec's docstring."""
         m = self._marker
@@ -555,7 +555,7 @@ class KVCache:
                                 out_dtype=b.out_dtype)
 
     def _write_copy(self, at: int, rows: _Buffers) -> None:
-        """Copying write (impl.write.write_copy): new buffers, the old ones
+        """Copying write (kvspec.impl.write.write_copy): new buffers, the old ones
         unchanged for whoever shares them; MLX reuses their memory when
         nobody does."""
         b = self.buffers
@@ -567,7 +567,7 @@ class KVCache:
                                 *scales, out_dtype=b.out_dtype)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``S`` rows and return the window (spec.dense.append).
+        """Append ``S`` rows and return the window (kvspec.spec.dense.append).
 
         ``keys``: ``[B, H, S, Dk]``, ``values``: ``[B, H, S, Dv]`` in
         float16, bfloat16 or float32 (stored as given, or int8 + scales).
@@ -641,7 +641,7 @@ class KVCache:
         """The live window without writing: ``[B, H, live_len, D]`` pair in
         the rows' dtype, or None when the cache holds no rows.
 
-        Rule: ``spec.dense.view_of`` (semantics.md 5, "rule 1")."""
+        Rule: ``kvspec.spec.dense.view_of`` (semantics.md 5, "rule 1")."""
         return None if self.buffers is None else self.buffers.window(self.live_len)
 
     # -- the trim family ---------------------------------------------------
@@ -657,7 +657,7 @@ class KVCache:
         ``n`` is clamped to ``[0, live_len]``, so a negative n trims nothing. Returns the rows
         removed. Raises InvalidArgumentError for a non-integer n.
 
-        Rule: ``spec.dense.trim`` (semantics.md 2, "trim(n)"), ``spec.dense.trim_is_logical``."""
+        Rule: ``kvspec.spec.dense.trim`` (semantics.md 2, "trim(n)"), ``kvspec.spec.dense.trim_is_logical``."""
         if type(n) is not int:  # the common case (a Python int) skips the full check
             n = _check_int("trim", "n", n)
         live = self.offset - self.live_start
@@ -671,7 +671,7 @@ class KVCache:
         """``trim(offset - length)``. Raises InvalidArgumentError unless
         ``0 <= length <= offset``.
 
-        Rule: ``spec.dense.trim_to`` (semantics.md 2, "trim_to(len)")."""
+        Rule: ``kvspec.spec.dense.trim_to`` (semantics.md 2, "trim_to(len)")."""
         length = _check_int("trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(
@@ -683,7 +683,7 @@ class KVCache:
         """Evict ``n`` rows after the first ``keep`` sinks; the offset never
         decreases, ``live_start += n``. Rows (and Int8 scales, in lockstep)
         are compacted into new buffers of exactly the live rows. Returns the
-        rows evicted (spec.dense.trim_front_keep_sink)."""
+        rows evicted (kvspec.spec.dense.trim_front_keep_sink)."""
         n = _check_int("trim_front", "n", n)
         keep = _check_int("trim_front", "keep", keep)
         n = max(0, min(n, self.live_len))
@@ -702,7 +702,7 @@ class KVCache:
     def trim_front(self, n: int) -> int:
         """``trim_front_keep_sink(n, keep=0)``.
 
-        Rule: ``spec.dense.trim_front_keep_sink`` (semantics.md 2, "front trim")."""
+        Rule: ``kvspec.spec.dense.trim_front_keep_sink`` (semantics.md 2, "front trim")."""
         return self.trim_front_keep_sink(n)
 
     def gather_positions(self, positions: list[int]) -> int:
@@ -710,7 +710,7 @@ class KVCache:
         len(positions)``. Returns the new live_len. The identity list is a
         no-op. Raises StateError when ``live_start != 0`` and
         InvalidArgumentError unless positions are non-empty, strictly
-        increasing and in ``[0, live_len)`` (spec.dense.gather_positions)."""
+        increasing and in ``[0, live_len)`` (kvspec.spec.dense.gather_positions)."""
         if self.live_start != 0:
             raise StateError(
                 f"gather_positions: requires live_start == 0 (no front trim), got live_start={self.live_start}"
@@ -732,7 +732,7 @@ class KVCache:
         InvalidArgumentError unless ``0 < tail_len <= live_len`` and kept is
         non-empty, strictly increasing and in ``[0, tail_len)``.
 
-        Rule: ``spec.dense.gather_within_tail`` (semantics.md 2, "gather_within_tail")."""
+        Rule: ``kvspec.spec.dense.gather_within_tail`` (semantics.md 2, "gather_within_tail")."""
         tail_len = _check_int("gather_within_tail", "tail_len", tail_len)
         if tail_len <= 0 or tail_len > self.live_len:
             raise InvalidArgumentError(
@@ -758,7 +758,7 @@ class KVCache:
     def snapshot(self) -> CacheSnapshot:
         """A prompt-cache snapshot sharing the buffers (O(1), no copy).
 
-        Rule: ``spec.dense.w_snapshot`` (semantics.md 2, "snapshot")."""
+        Rule: ``kvspec.spec.dense.w_snapshot`` (semantics.md 2, "snapshot")."""
         shared = None if self.buffers is None else self.buffers.shared()
         return CacheSnapshot(self.mode, shared, self.offset, self.live_start)
 
@@ -820,14 +820,14 @@ class KVCache:
         (wrong type, mode, rank, K/V mismatch, dtype, cursor out of range).
 
         The cache keeps no ownership marker, so its next write copies. Rule:
-        ``spec.dense.w_restore``, ``spec.dense.adopt`` (semantics.md 2, "restore")."""
+        ``kvspec.spec.dense.w_restore``, ``kvspec.spec.dense.adopt`` (semantics.md 2, "restore")."""
         self._check_holder("restore", snapshot)
         self._adopt(snapshot)
 
     def detach(self) -> DetachedHandle:
         """Move every tensor into a detached handle; the cache becomes empty.
 
-        Rule: ``spec.dense.w_detach`` (semantics.md 2, "detach / install")."""
+        Rule: ``kvspec.spec.dense.w_detach`` (semantics.md 2, "detach / install")."""
         handle = DetachedHandle(self.mode, self.buffers, self.offset, self.live_start)
         self._reset()
         return handle
@@ -837,7 +837,7 @@ class KVCache:
         consumed (emptied). Raises StateError when the cache is not empty,
         InvalidArgumentError for a malformed handle.
 
-        Rule: ``spec.dense.w_install``, ``spec.dense.is_empty`` (semantics.md 2,
+        Rule: ``kvspec.spec.dense.w_install``, ``kvspec.spec.dense.is_empty`` (semantics.md 2,
         "detach / install")."""
         if not isinstance(handle, DetachedHandle):
             raise InvalidArgumentError(f"install: expected a DetachedHandle, got {type(handle).__name__}")
@@ -858,7 +858,7 @@ class KVCache:
         Refused (UnsupportedOperationError) to mlx-lm's
         ``save_prompt_cache`` (:func:`refuse_foreign_save`).
 
-        Rule: ``spec.dense.state_of`` (semantics.md 8, "The state protocol")."""
+        Rule: ``kvspec.spec.dense.state_of`` (semantics.md 8, "The state protocol")."""
         refuse_foreign_save(self)
         if self.buffers is None:
             return ()
@@ -883,7 +883,7 @@ class KVCache:
         codes and float16 scales, which do not say what a reader gets back
         (docs/mlx-lm.md, "The state protocol").
 
-        Rule: ``spec.dense.w_reload`` (semantics.md 8, "The state protocol")."""
+        Rule: ``kvspec.spec.dense.w_reload`` (semantics.md 8, "The state protocol")."""
         head = (self.mode, str(self.step), str(self.offset), str(self.live_start))
         if self.mode == "int8" and self.buffers is not None and self.buffers.dtype != mx.float16:
             return head + (_DTYPE_NAMES[self.buffers.dtype],)
@@ -913,7 +913,7 @@ class KVCache:
         tensors of the wrong rank or dtype, or counters that do not fit the
         rows; UnsupportedOperationError for an unknown mode.
 
-        Rule: ``spec.dense.w_reload`` (semantics.md 8, "The state protocol")."""
+        Rule: ``kvspec.spec.dense.w_reload`` (semantics.md 8, "The state protocol")."""
         if meta_state is None:
             return cls._build(op, "fp16", 256, state, None, 0)
         if not isinstance(meta_state, (tuple, list)) or len(meta_state) not in (4, 5) or (
@@ -959,14 +959,14 @@ class KVCache:
 
     def is_trimmable(self) -> bool:
         """Always True: a dense cache trims any ``n`` (clamped to ``[0, live_len]``). Rule:
-        ``spec.dense.trim`` (semantics.md 2, "trim(n)")."""
+        ``kvspec.spec.dense.trim`` (semantics.md 2, "trim(n)")."""
         return True
 
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
         """mlx-lm's name for reading the window without writing (models that
         share one layer's keys with another call it): :meth:`fetch`.
 
-        Rule: ``spec.dense.view_of`` (semantics.md 5, "rule 1")."""
+        Rule: ``kvspec.spec.dense.view_of`` (semantics.md 5, "rule 1")."""
         return self.fetch()
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
@@ -1036,10 +1036,10 @@ class KVCache:
     @classmethod
     def merge(cls, caches: Any) -> Any:
         """mlx-lm's batching hook (``_merge_caches``): one batch cache from
-        one cache per sequence, :meth:`impl.batch.BatchKVCache.merge`
-        (spec.batch.merge). Raises what that raises."""
-        # impl.batch builds on this module; looked up at call time (no import cycle)
-        return importlib.import_module("impl.batch").BatchKVCache.merge(caches)
+        one cache per sequence, :meth:`kvspec.impl.batch.BatchKVCache.merge`
+        (kvspec.spec.batch.merge). Raises what that raises."""
+        # kvspec.impl.batch builds on this module; looked up at call time (no import cycle)
+        return importlib.import_module("kvspec.impl.batch").BatchKVCache.merge(caches)
 
     def _to_mlx_lm_quantized(self, group_size: int, bits: int) -> Any:
         try:
@@ -1073,7 +1073,7 @@ class KVCache:
         return self.offset
 
     def empty(self) -> bool:
-        """True when the cache holds no buffers. Rule: ``spec.dense.is_empty`` (semantics.md 2,
+        """True when the cache holds no buffers. Rule: ``kvspec.spec.dense.is_empty`` (semantics.md 2,
         "detach / install")."""
         return self.buffers is None
 
@@ -1088,12 +1088,12 @@ class KVCache:
         mlx-lm does), over the ``live_len + N`` keys the append will return.
         Query ``i`` sees key ``j`` iff ``j <= live_len + i`` and, with
         ``window_size``, ``live_len + i - j < window_size``
-        (spec.dense.dense_mask_visible). Returns ``None`` when every key is
+        (kvspec.spec.dense.dense_mask_visible). Returns ``None`` when every key is
         visible to the single query, ``"causal"`` when the plain causal mask
         is exact, else (or with ``return_array``) a bool ``[N, live_len + N]``
         array. Raises InvalidArgumentError for ``N < 1`` and for a
         ``window_size`` that is not None or an integer >= 1
-        (spec.dense.check_window_size)."""
+        (kvspec.spec.dense.check_window_size)."""
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
@@ -1104,7 +1104,7 @@ class KVCache:
         binds = window_size is not None and L > window_size
         if not return_array and not binds:
             return None if N == 1 else "causal"
-        return causal_mask(self.live_len, N, window_size)  # impl.masks: built where the arrays live
+        return causal_mask(self.live_len, N, window_size)  # kvspec.impl.masks: built where the arrays live
 
 
 def _check_index_list(op: str, name: str, values: list[int], lo: int, hi: int) -> None:

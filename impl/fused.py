@@ -16,7 +16,7 @@ the same order, in the same dtypes, and MLX's CUDA JIT compiles with the
 IEEE defaults (correctly rounded division and square root, subnormals
 kept). tests/test_quantized_window.py compares the two paths byte for byte.
 
-Where: only on ``cuda`` (:func:`impl.write.backend`). On the CPU, MLX
+Where: only on ``cuda`` (:func:`kvspec.impl.write.backend`). On the CPU, MLX
 compiles a fused chain with the system C++ compiler at run time (a machine
 without one would fail), and the per-op cost that fusion removes is a GPU
 cost; Metal (Apple GPUs) cannot be built or tested where this project is
@@ -30,7 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl import write
+from kvspec.impl import write
 
 #: Fuse on CUDA (True, the default). ``tools/gpu_profile.py`` turns it off
 #: for its op-by-op rows, to measure what fusion changes in one run.

@@ -1,17 +1,17 @@
 """A prompt cache as a list of layers: the list-level operations
-(spec: ``spec.layers``, semantics.md 6).
+(spec: ``kvspec.spec.layers``, semantics.md 6).
 
 Every function takes the list of per-layer caches a model uses (dense
-:class:`~impl.dense.KVCache`, sliding-window
-:class:`~impl.rotating.RotatingKVCache` and recurrent
-:class:`~impl.recurrent.RecurrentCache`, mixed) and applies one operation to
+:class:`~kvspec.impl.dense.KVCache`, sliding-window
+:class:`~kvspec.impl.rotating.RotatingKVCache` and recurrent
+:class:`~kvspec.impl.recurrent.RecurrentCache`, mixed) and applies one operation to
 all of them at once. :func:`trim_prompt_cache` is the rollback of
 speculative decoding and of prompt-cache reuse; it is atomic: when one layer
 cannot trim exactly (a ring that has wrapped) no layer is trimmed and 0 is
 returned (a ring with an undo log trims exactly within its depth after a
 wrap). mlx-lm's own ``trim_prompt_cache`` is also all-or-nothing, but
 returns the first layer's count, which hides a layer that trimmed fewer rows.
-:func:`impl.models.make_prompt_cache` builds such a list for an mlx-lm model.
+:func:`kvspec.impl.models.make_prompt_cache` builds such a list for an mlx-lm model.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from impl.dense import _check_int
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError
+from kvspec.impl.dense import _check_int
+from kvspec.spec.errors import InvalidArgumentError, RollbackWarning, StateError
 
 
 def _trim_bounds(c: Any) -> tuple[int, int]:
-    """``(rows, exact)`` of one layer (spec.layers.layer_trim_bounds): a
+    """``(rows, exact)`` of one layer (kvspec.spec.layers.layer_trim_bounds): a
     dense cache's live rows, both (a front trim moves live_start past rows
     the offset still counts); a ring's offset, and ``trimmable_rows()`` (the
     offset while unwrapped, what its undo log covers after a wrap); a
-    recurrent layer's (:class:`~impl.recurrent.RecurrentCache`) offset and
+    recurrent layer's (:class:`~kvspec.impl.recurrent.RecurrentCache`) offset and
     its coverage ``trimmable_rows()`` (the tokens its checkpoints can take
-    back), the same rule as a ring's (spec.recurrent.trimmable_rows)."""
+    back), the same rule as a ring's (kvspec.spec.recurrent.trimmable_rows)."""
     if hasattr(c, "live_len"):
         return int(c.live_len), int(c.live_len)
     if hasattr(c, "trimmable_rows"):
@@ -53,17 +53,17 @@ def _why_refused(c: Any) -> str:
         if not c.offset:
             return ("a recurrent layer at offset 0 beside layers that hold rows (it counted no tokens: a model "
                     "that never calls cache.advance, e.g. recurrent_gemma, run without the step recorder "
-                    "impl.recurrent.record_steps, which impl.models.make_prompt_cache installs)")
+                    "kvspec.impl.recurrent.record_steps, which kvspec.impl.models.make_prompt_cache installs)")
         return "a recurrent layer beyond its checkpoints' coverage"
     return "a sliding-window ring wrapped beyond its undo log"
 
 
 def can_trim_prompt_cache(caches: Sequence[Any]) -> bool:
     """True when every layer can trim exactly (``is_trimmable()``) and the
-    list is non-empty (spec.layers.can_trim_prompt_cache). Stops at the
+    list is non-empty (kvspec.spec.layers.can_trim_prompt_cache). Stops at the
     first layer that answers False; a ring answering False warns
     (RollbackWarning, once per cache: its first refused rollback,
-    :meth:`impl.rotating.RotatingKVCache.is_trimmable`)."""
+    :meth:`kvspec.impl.rotating.RotatingKVCache.is_trimmable`)."""
     return len(caches) > 0 and all(c.is_trimmable() for c in caches)
 
 
@@ -71,7 +71,7 @@ def _list_trim_count(n: int, bounds: Sequence[tuple[int, int]]) -> int:
     """The count every layer trims for a request of ``n`` given each layer's
     ``(rows, exact)``: ``min(n, every layer's rows)``, or 0 (no layer trims)
     when ``n <= 0``, the list is empty, or that count is beyond some
-    layer's exact bound. The rule of spec.layers.list_trim_count, written
+    layer's exact bound. The rule of kvspec.spec.layers.list_trim_count, written
     here on its own (impl never calls the spec it is checked against)."""
     if n <= 0 or not bounds:
         return 0
@@ -81,9 +81,9 @@ def _list_trim_count(n: int, bounds: Sequence[tuple[int, int]]) -> int:
 
 def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> int:
     """Trim ``n`` tokens from the end of every layer, atomically
-    (spec.layers.trim_prompt_cache, semantics.md 6).
+    (kvspec.spec.layers.trim_prompt_cache, semantics.md 6).
 
-    Every layer is trimmed by the same count, ``spec.layers.list_trim_count``:
+    Every layer is trimmed by the same count, ``kvspec.spec.layers.list_trim_count``:
     ``min(n, every layer's rows)``, counted from a dense layer's live rows,
     and that count is returned. When the count is beyond some layer's exact
     bound (a sliding-window ring that has wrapped beyond its undo depth, or
@@ -93,14 +93,14 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
     nothing. Raises InvalidArgumentError for a non-integer ``n``. A layer
     that refuses late, after the layers before it trimmed (its ``trim``
     raises, or trims another count than its bounds promised: StateError),
-    leaves every layer exactly as it was (spec.layers.w_trim_refused_late).
+    leaves every layer exactly as it was (kvspec.spec.layers.w_trim_refused_late).
 
     A recurrent layer at offset 0 beside layers that hold rows counted
     none of the tokens it consumed (its bound is unknown): the trim is
     refused like one beyond its coverage, never a silent 0.
 
     A refusal is loud: each layer that cannot honour the rollback warns once
-    per cache (``spec.errors.RollbackWarning``), and with ``strict=True``
+    per cache (``kvspec.spec.errors.RollbackWarning``), and with ``strict=True``
     the refusal raises StateError naming those layers instead (nothing
     trimmed either way).
     """
@@ -139,7 +139,7 @@ def trim_prompt_cache(caches: Sequence[Any], n: int, strict: bool = False) -> in
         return 0
     # a layer may still refuse late (its trim raises, or gives back another
     # count than its bounds promised) after the layers before it trimmed:
-    # then every layer goes back to exactly what it was (spec.layers.w_trim_refused_late)
+    # then every layer goes back to exactly what it was (kvspec.spec.layers.w_trim_refused_late)
     saved = [_fields(c) for c in caches]
     done = 0
     try:
@@ -178,7 +178,7 @@ def copy_prompt_cache(caches: Sequence[Any], deep: bool = True) -> list[Any]:
     ``LRUPromptCache`` deep-copies a stored prompt cache on every fetch);
     else ``copy.copy`` of each layer. Each layer's copy shares its buffers
     (O(1) per layer) and owns nothing, so its first write copies and never
-    reaches the original's rows (spec.layers.w_copy). ``copy.copy`` of the
+    reaches the original's rows (kvspec.spec.layers.w_copy). ``copy.copy`` of the
     list itself is not a copy of the prompt cache: both lists would hold the
     same layer objects. Raises InvalidArgumentError for a ``deep`` that is
     not a bool."""
@@ -191,13 +191,13 @@ def copy_prompt_cache(caches: Sequence[Any], deep: bool = True) -> list[Any]:
 
 def snapshot_prompt_cache(caches: Sequence[Any]) -> list[Any]:
     """A snapshot of every layer (each O(1): new handles to the same
-    buffers), in layer order (spec.layers.w_snapshot)."""
+    buffers), in layer order (kvspec.spec.layers.w_snapshot)."""
     return [c.snapshot() for c in caches]
 
 
 def restore_prompt_cache(caches: Sequence[Any], snapshots: Sequence[Any]) -> None:
-    """Every layer adopts its snapshot, all or none (spec.layers.w_restore,
-    spec.layers.w_restore_mixed): a snapshot a layer refuses (wrong kind,
+    """Every layer adopts its snapshot, all or none (kvspec.spec.layers.w_restore,
+    kvspec.spec.layers.w_restore_mixed): a snapshot a layer refuses (wrong kind,
     shape, counters) leaves every layer exactly as it was (each layer's
     check runs before any layer changes; a failure past the checks rolls
     the earlier layers back). Raises InvalidArgumentError for a list of another

@@ -27,7 +27,7 @@ sizes), so they give the same matrix; ``tests/test_impl_masks.py`` checks
 that on every small case, the CUDA build run on the CPU.
 
 Errors: none of its own; the callers validate ``N`` and ``window_size``
-(``spec.dense.check_window_size`` states the rule).
+(``kvspec.spec.dense.check_window_size`` states the rule).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.write import backend
+from kvspec.impl.write import backend
 
 
 def mask_namespace() -> Any:
-    """``numpy`` where a host-built mask is read in place (``impl.write.
+    """``numpy`` where a host-built mask is read in place (``kvspec.impl.write.
     backend()`` is ``"cpu"`` or ``"metal"``), ``mlx.core`` on MLX's CUDA
     backend. Read at each call: the default device may move."""
     return mx if backend() == "cuda" else np
@@ -76,7 +76,7 @@ def ring_mask(positions: np.ndarray, offset: int, n: int, keep: int, window: int
     ``offset + i``) sees the key at position ``p`` (``positions``: int64,
     the keys' positions in the order the append returns them) iff ``p <=
     offset + i`` and ``p`` is a sink (``p < keep``) or ``offset + i - p <
-    window - keep``. ``impl.rotating.RotatingKVCache.make_mask``'s rule.
+    window - keep``. ``kvspec.impl.rotating.RotatingKVCache.make_mask``'s rule.
     ``xp``: as :func:`causal_mask`."""
     xp = mask_namespace() if xp is None else xp
     # a window past every query's distance to position 0 hides no key: cut to

@@ -3,14 +3,14 @@
 mlx-lm models take a list with one cache per layer (``model(x, cache=...)``,
 ``generate_step(..., prompt_cache=...)``). :func:`make_prompt_cache` builds
 that list from kvspec caches, laid out the way mlx-lm lays out its own:
-full-attention layers get a dense :class:`~impl.dense.KVCache`,
-sliding-window layers a :class:`~impl.rotating.RotatingKVCache` with the
+full-attention layers get a dense :class:`~kvspec.impl.dense.KVCache`,
+sliding-window layers a :class:`~kvspec.impl.rotating.RotatingKVCache` with the
 layer's window.
 
 The list-level operations (:func:`trim_prompt_cache`,
 :func:`can_trim_prompt_cache`, :func:`snapshot_prompt_cache`,
-:func:`restore_prompt_cache`) live in :mod:`impl.layers` (spec:
-``spec.layers``) and are re-exported here.
+:func:`restore_prompt_cache`) live in :mod:`kvspec.impl.layers` (spec:
+``kvspec.spec.layers``) and are re-exported here.
 
 mlx-lm is an optional dependency (``pip install 'kvspec[e2e]'``); it is
 imported only when a model defines ``make_cache``.
@@ -27,38 +27,38 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl.dense import KVCache, _check_int
-from impl.layers import (
+from kvspec.impl.dense import KVCache, _check_int
+from kvspec.impl.layers import (
     can_trim_prompt_cache,
     restore_prompt_cache,
     snapshot_prompt_cache,
     trim_prompt_cache,
 )
-from impl.rotating import RotatingKVCache
-from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
-# (and impl.recurrent.RecurrentCache: imported on first use, since it
+# (and kvspec.impl.recurrent.RecurrentCache: imported on first use, since it
 # subclasses mlx-lm's ArraysCache and importing mlx-lm takes seconds)
 Cache = KVCache | RotatingKVCache | TurboKVCache | DelegatedKVCache
 
 
 def _recurrent() -> Any:
-    """``impl.recurrent``, imported on first use."""
-    return importlib.import_module("impl.recurrent")
+    """``kvspec.impl.recurrent``, imported on first use."""
+    return importlib.import_module("kvspec.impl.recurrent")
 
 
 def _is_recurrent(c: Any) -> bool:
-    """``c`` is an impl.recurrent.RecurrentCache (False while that module
+    """``c`` is an kvspec.impl.recurrent.RecurrentCache (False while that module
     was never imported: then no such cache exists)."""
-    mod = sys.modules.get("impl.recurrent")
+    mod = sys.modules.get("kvspec.impl.recurrent")
     return mod is not None and isinstance(c, mod.RecurrentCache)
 
 
 def _dense(mode: str, step: int, inplace: bool | None, classes: dict[str, type] | None,
            kw: dict[str, Any]) -> Cache:
     """A dense-kind cache in ``mode``: ``classes["dense"]`` when given (it
-    must take the mode), else :func:`impl.turbo.make_cache`."""
+    must take the mode), else :func:`kvspec.impl.turbo.make_cache`."""
     cls = (classes or {}).get("dense")
     if cls is None:
         return make_cache(mode, step=step, inplace=inplace, **kw)
@@ -123,19 +123,19 @@ def make_prompt_cache(
     :class:`RotatingKVCache` with the same window and sinks,
     ``ArraysCache(size=n)`` (the recurrent layers of qwen3_next, qwen3_5,
     nemotron_h, mamba, mamba2, lfm2, recurrent_gemma, jamba, ...) ->
-    :class:`~impl.recurrent.RecurrentCache` of the same size, depth
+    :class:`~kvspec.impl.recurrent.RecurrentCache` of the same size, depth
     ``max(undo, num_draft_tokens)`` and this ``strict``.
 
     **Hybrid models: the step recorder.** When the model has a recurrent
     layer, this call also installs the step recorder on ``model``:
-    ``impl.recurrent.record_steps(model)``, the public call, which wraps
+    ``kvspec.impl.recurrent.record_steps(model)``, the public call, which wraps
     each recurrent mixer of this model instance (not mlx-lm's code) so
     that the last ``depth`` tokens of every call run one at a time and the
     cache keeps a checkpoint after each (docs/recurrent.md); at depth 0 it
     only counts the tokens of each call (recurrent_gemma never calls
     ``cache.advance``: without the count its recurrent layers would stay
     at offset 0 and a list trim could not tell how far they reach). Without it a
-    recurrent layer rolls back nothing; ``impl.recurrent.unrecord_steps``
+    recurrent layer rolls back nothing; ``kvspec.impl.recurrent.unrecord_steps``
     removes it. Otherwise every layer gets a dense cache, or, with
     ``max_kv_size``, a ring of that size with 4 sinks (mlx-lm's choice;
     like mlx-lm, ``max_kv_size`` is ignored when the model has
@@ -145,14 +145,14 @@ def make_prompt_cache(
         model: an mlx-lm model (anything with ``layers``, or ``make_cache``).
         mode: dense layers' storage: ``"fp16"``, ``"int8"``, ``"turbo4asym"``,
             ``"turbo4"``, ``"turbo3asym"`` or ``"turbo4delegated"``
-            (:func:`impl.turbo.make_cache`).
+            (:func:`kvspec.impl.turbo.make_cache`).
         step: growth granularity in rows, for every layer.
         inplace: the in-place write switch; ``None`` reads ``KV_INPLACE_WRITE``.
         max_kv_size: window of every layer's ring when the model has no
             ``make_cache``.
         classes: ``{"dense": cls, "rotating": cls}`` to build subclasses of
             ours instead (subclasses, e.g. test doubles); default ours
-            (:func:`impl.turbo.make_cache` for the dense modes).
+            (:func:`kvspec.impl.turbo.make_cache` for the dense modes).
         undo: every ring's undo depth U (rows a trim can take back after a
             wrap; 0: none), and every recurrent layer's checkpoint depth.
         num_draft_tokens: the ``num_draft_tokens`` of the speculative
@@ -217,7 +217,7 @@ _META_KEY = "__kvspec__"
 _CLASSES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache, "TurboKVCache": TurboKVCache,
             "DelegatedKVCache": DelegatedKVCache}
 #: classes a file may name whose module is imported on first use
-_LAZY_CLASSES = {"RecurrentCache": "impl.recurrent"}
+_LAZY_CLASSES = {"RecurrentCache": "kvspec.impl.recurrent"}
 
 
 def _known(name: str) -> bool:
@@ -230,7 +230,7 @@ def _class_named(name: str) -> type:
     return getattr(importlib.import_module(_LAZY_CLASSES[name]), name)
 #: Most arrays a layer's ``state`` holds (a Turbo store: 7).
 _MAX_ARRAYS = 16
-_LOADER = "impl.models.load_prompt_cache"
+_LOADER = "kvspec.impl.models.load_prompt_cache"
 
 
 def _class_entry(name: str) -> str:
@@ -243,7 +243,7 @@ def _class_entry(name: str) -> str:
 def _describe(layer: int, c: Any) -> dict[str, Any]:
     name = type(c).__name__
     refuse = getattr(c, "refuse_prompt_cache_file", None)
-    if refuse is not None:  # a cache a file cannot hold (impl.paged.PagedKVCache)
+    if refuse is not None:  # a cache a file cannot hold (kvspec.impl.paged.PagedKVCache)
         refuse(layer)
     if not _known(name) or not isinstance(c, _class_named(name)):
         raise UnsupportedOperationError(
@@ -283,13 +283,13 @@ def save_prompt_cache(file: str | Path, cache: Sequence[Any], metadata: Mapping[
     dense cache, keep, max_size, step, offset, idx[, undo] for a ring,
     offset, depth, size[, strict] for a recurrent layer (its conv window
     and recurrent state are its arrays; its checkpoints are not saved:
-    coverage 0 after a load, spec.recurrent.reload), the
+    coverage 0 after a load, kvspec.spec.recurrent.reload), the
     Turbo counters, dtype, head dims and array names; the in-place switch;
     how many arrays); and under ``"1.<layer>"`` a class entry that makes
     mlx-lm's own loader stop with a message naming
     :func:`load_prompt_cache`. A file is a snapshot: a ring's undo log is
     not saved (a restored ring cannot roll back into the history before the
-    restore, spec.rotating.w_restore). docs/mlx-lm.md "Prompt-cache files".
+    restore, kvspec.spec.rotating.w_restore). docs/mlx-lm.md "Prompt-cache files".
 
     Raises InvalidArgumentError for metadata that is not ``str -> str`` or
     uses the reserved key, UnsupportedOperationError for a layer that is not
@@ -378,7 +378,7 @@ def load_prompt_cache(file: str | Path, return_metadata: bool = False) -> Any:
     :class:`KVCache`, its ``RotatingKVCache`` layers our
     :class:`RotatingKVCache`, each with the same rows and counters (decoding
     after the load equals mlx-lm's caches continuing, byte for byte), its
-    ``ArraysCache`` layers a :class:`~impl.recurrent.RecurrentCache` of
+    ``ArraysCache`` layers a :class:`~kvspec.impl.recurrent.RecurrentCache` of
     depth 0 with the same arrays (offset 0: mlx-lm's counts no tokens); any
     other class (``QuantizedKVCache``, ``CacheList``, ...) is refused
     with UnsupportedOperationError naming it and why.

@@ -1,4 +1,4 @@
-"""Pool-backed (paged) MLX KV cache (spec: ``spec.paged``, semantics.md 4).
+"""Pool-backed (paged) MLX KV cache (spec: ``kvspec.spec.paged``, semantics.md 4).
 
 One :class:`BlockPool` per layer holds the K and V slabs ``[blocks,
 block_size, H, D]`` (K and V head dims may differ), grown by ``chunk``
@@ -8,14 +8,14 @@ block_size, a length (its offset) and a logical start. Several sequences
 share blocks after a :meth:`BlockPool.fork` (the paged form of a
 prompt-cache snapshot).
 
-Write rule (``spec.paged.needs_copy_on_write``, ``spec.paged.write_in_place``):
+Write rule (``kvspec.spec.paged.needs_copy_on_write``, ``kvspec.spec.paged.write_in_place``):
 a write into a block whose refcount is above 1 first copies the block into a
 fresh one and repoints the writer's table (copy on write); a write into a
 block that exactly one sequence holds, at that sequence's own next row, goes
-straight into the evaluated slab's memory (``impl.write.write_inplace``: a
+straight into the evaluated slab's memory (``kvspec.impl.write.write_inplace``: a
 NumPy view on the CPU, a device kernel on CUDA); otherwise (the in-place
 switch off) the slab is replaced by a copying update that MLX donates when
-nothing else holds the slab (``impl.write.write_copy``).
+nothing else holds the slab (``kvspec.impl.write.write_copy``).
 
 Why an in-place write is safe here: the slabs are referenced by the pool
 only. Readers get :meth:`BlockPool.fetch`'s gather, which is evaluated into
@@ -35,22 +35,22 @@ from typing import Any, Self
 
 import mlx.core as mx
 
-from impl.dense import _check_int, _check_rows, inplace_switch_from_env, refuse_foreign_save
-from impl.masks import causal_mask
-from impl.write import inplace_keeps_memory, write_copy, write_inplace
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.impl.dense import _check_int, _check_rows, inplace_switch_from_env, refuse_foreign_save
+from kvspec.impl.masks import causal_mask
+from kvspec.impl.write import inplace_keeps_memory, write_copy, write_inplace
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MAIN = "main"
 
 
 def block_index(position: int, block_size: int) -> int:
-    """``position // block_size`` (spec.paged.block_index): tables are
+    """``position // block_size`` (kvspec.spec.paged.block_index): tables are
     indexed by absolute position."""
     return position // block_size
 
 
 def table_len(length: int, block_size: int) -> int:
-    """``ceil(length / block_size)`` (spec.paged.table_len)."""
+    """``ceil(length / block_size)`` (kvspec.spec.paged.table_len)."""
     return -(-length // block_size)
 
 
@@ -82,13 +82,13 @@ class BlockTable(list):
 
     def append(self, value: Any) -> None:
         """Append a block id (``list.append``), marking the new entry for the device mirror of the
-        table. Rule: ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        table. Rule: ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(len(self))
         super().append(value)
 
     def extend(self, values: Any) -> None:
         """Append block ids (``list.extend``), marking them for the device mirror. Rule:
-        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(len(self))
         super().extend(values)
 
@@ -98,37 +98,37 @@ class BlockTable(list):
 
     def insert(self, index: Any, value: Any) -> None:
         """``list.insert``; the device mirror reloads the whole table. Rule:
-        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().insert(index, value)
 
     def pop(self, index: Any = -1) -> Any:
-        """``list.pop``; the device mirror reloads the whole table. Rule: ``spec.paged.block_index``
+        """``list.pop``; the device mirror reloads the whole table. Rule: ``kvspec.spec.paged.block_index``
         (semantics.md 4, "where a row lives")."""
         self._mark(0)
         return super().pop(index)
 
     def remove(self, value: Any) -> None:
         """``list.remove``; the device mirror reloads the whole table. Rule:
-        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().remove(value)
 
     def clear(self) -> None:
         """``list.clear``; the device mirror reloads the whole table. Rule:
-        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().clear()
 
     def sort(self, *a: Any, **k: Any) -> None:
         """``list.sort``; the device mirror reloads the whole table. Rule:
-        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().sort(*a, **k)
 
     def reverse(self) -> None:
         """``list.reverse``; the device mirror reloads the whole table. Rule:
-        ``spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
+        ``kvspec.spec.paged.block_index`` (semantics.md 4, "where a row lives")."""
         self._mark(0)
         super().reverse()
 
@@ -180,13 +180,13 @@ class Sequence:
 
     @property
     def visible(self) -> int:
-        """Rows a fetch returns, ``length - start``. Rule: ``spec.paged.fetch`` (semantics.md 4,
+        """Rows a fetch returns, ``length - start``. Rule: ``kvspec.spec.paged.fetch`` (semantics.md 4,
         "where a row lives")."""
         return self.length - self.start
 
     def held(self) -> list[int]:
         """The block ids the table holds, in table order (entries a front trim released left out).
-        Rule: ``spec.paged.wholly_before`` (semantics.md 4, "front trim")."""
+        Rule: ``kvspec.spec.paged.wholly_before`` (semantics.md 4, "front trim")."""
         return [b for b in self.table if b is not None]
 
 
@@ -194,7 +194,7 @@ class Sequence:
 class WriteInfo:
     """How the last append wrote: ``inplace`` when every row went in place,
     the ``fresh`` blocks it allocated and the ``copied`` (old, new) blocks
-    of its copies on write (spec.paged.AppendResult)."""
+    of its copies on write (kvspec.spec.paged.AppendResult)."""
 
     inplace: bool
     fresh: tuple[int, ...]
@@ -208,7 +208,7 @@ class BlockPool:
     ``max_blocks`` the pool's ceiling (None: unbounded); ``inplace`` the
     in-place switch (None: ``KV_INPLACE_WRITE``). Starts with one empty
     sequence ``"main"``. Every refused operation raises one of
-    :mod:`spec.errors` and leaves every sequence, refcount, the free list
+    :mod:`kvspec.spec.errors` and leaves every sequence, refcount, the free list
     and the slabs exactly as they were.
     """
 
@@ -238,18 +238,18 @@ class BlockPool:
     def size(self) -> int:
         """Blocks in the pool (in use + free).
 
-        Rule: ``spec.paged.blocks_accounted`` (semantics.md 4, "exhaustion")."""
+        Rule: ``kvspec.spec.paged.blocks_accounted`` (semantics.md 4, "exhaustion")."""
         return len(self.refcounts)
 
     def in_use(self) -> int:
-        """Blocks of refcount above 0. Rule: ``spec.paged.blocks_accounted`` (semantics.md 4,
+        """Blocks of refcount above 0. Rule: ``kvspec.spec.paged.blocks_accounted`` (semantics.md 4,
         "fork / release")."""
         return sum(1 for r in self.refcounts if r > 0)
 
     def sequence(self, seq: str = MAIN) -> Sequence:
         """The named sequence (StateError when there is none).
 
-        Rule: ``spec.paged.handle_reuse`` (semantics.md 4, "handle reuse")."""
+        Rule: ``kvspec.spec.paged.handle_reuse`` (semantics.md 4, "handle reuse")."""
         return self._require("sequence", seq)
 
     def _require(self, op: str, seq: str) -> Sequence:
@@ -259,32 +259,32 @@ class BlockPool:
         return s
 
     def capacity(self, seq: str = MAIN) -> int:
-        """``len(block table) * block_size`` (spec.paged.capacity_of)."""
+        """``len(block table) * block_size`` (kvspec.spec.paged.capacity_of)."""
         return len(self._require("capacity", seq).table) * self.block_size
 
     @property
     def nbytes(self) -> int:
         """Bytes of the slabs (every block, in use or free).
 
-        Rule: ``spec.paged.growth_blocks`` (semantics.md 4, "exhaustion")."""
+        Rule: ``kvspec.spec.paged.growth_blocks`` (semantics.md 4, "exhaustion")."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     # -- pool actions -------------------------------------------------------
     def _release_block(self, block: int) -> None:
-        """spec.paged.release_block: refcount - 1, free at 0."""
+        """kvspec.spec.paged.release_block: refcount - 1, free at 0."""
         self.refcounts[block] -= 1
         if self.refcounts[block] == 0:
             self.free.append(block)
             self.free.sort()
 
     def _allocate(self) -> int:
-        """spec.paged.allocate: the lowest free block, refcount 1."""
+        """kvspec.spec.paged.allocate: the lowest free block, refcount 1."""
         block = self.free.pop(0)
         self.refcounts[block] = 1
         return block
 
     def _growth(self, needed: int) -> int:
-        """spec.paged.growth_blocks: whole chunks, capped at max_blocks."""
+        """kvspec.spec.paged.growth_blocks: whole chunks, capped at max_blocks."""
         deficit = needed - len(self.free)
         if deficit <= 0:
             return 0
@@ -318,7 +318,7 @@ class BlockPool:
                 )
 
     def _blocks_needed(self, s: Sequence, n: int) -> int:
-        """spec.paged.blocks_needed: one per new table entry, one per shared
+        """kvspec.spec.paged.blocks_needed: one per new table entry, one per shared
         block written into (copy on write)."""
         bs = self.block_size
         return sum(1 for b in range(block_index(s.length, bs), block_index(s.length + n - 1, bs) + 1)
@@ -339,8 +339,8 @@ class BlockPool:
     def _write(self, block: int, slot: int, keys: mx.array, values: mx.array, inplace: bool) -> None:
         """Write rows ``[1, H, m, D]`` into slots ``[slot, slot + m)`` of
         ``block``: in place when ``inplace`` (the caller checked
-        spec.paged.write_in_place), else by a copying slab update (both
-        through impl.write)."""
+        kvspec.spec.paged.write_in_place), else by a copying slab update (both
+        through kvspec.impl.write)."""
         m = keys.shape[2]
         rk, rv = keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)  # [m, H, D]
         index = (slice(block, block + 1), slice(slot, slot + m))
@@ -352,7 +352,7 @@ class BlockPool:
             self.values = write_copy(self.values, rv[None], index)
 
     def _reserve(self, s: Sequence, needed: int, keys: mx.array, values: mx.array) -> None:
-        """spec.paged.reserve: make ``needed`` blocks free, growing the slabs
+        """kvspec.spec.paged.reserve: make ``needed`` blocks free, growing the slabs
         by whole chunks; StateError (pool exhausted) before any change when
         ``max_blocks`` cannot cover them."""
         extra = self._growth(needed)
@@ -366,12 +366,12 @@ class BlockPool:
 
     @staticmethod
     def _needs_copy_on_write(refcount: int) -> bool:
-        """spec.paged.needs_copy_on_write: the block is shared."""
+        """kvspec.spec.paged.needs_copy_on_write: the block is shared."""
         return refcount > 1
 
     def _copy_on_write(self, s: Sequence, b: int) -> int:
         """Copy ``s``'s shared block at table index ``b`` into a fresh block,
-        repoint the table and release the shared block (spec.paged.append,
+        repoint the table and release the shared block (kvspec.spec.paged.append,
         copy-on-write). Returns the copy's id."""
         old, new = s.table[b], self._allocate()
         self._copy_block(old, new)
@@ -381,14 +381,14 @@ class BlockPool:
 
     def _table_entries(self, s: Sequence, length: int) -> int:
         """Entries ``s``'s table keeps for ``length`` rows:
-        ``table_len(length)`` by absolute position (spec.paged.table_len)."""
+        ``table_len(length)`` by absolute position (kvspec.spec.paged.table_len)."""
         return table_len(length, self.block_size)
 
     # -- sequence operations ------------------------------------------------
     def append(self, seq: str, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """``update_and_fetch`` of ``keys``/``values`` ``[1, H, n, D]`` (K
         and V head dims may differ) on sequence ``seq``, at absolute
-        positions ``[length, length + n)`` (spec.paged.append). Returns the
+        positions ``[length, length + n)`` (kvspec.spec.paged.append). Returns the
         window ``[1, H, visible, D]``, evaluated. ``last_write`` says how it
         wrote.
 
@@ -414,7 +414,7 @@ class BlockPool:
             elif self._needs_copy_on_write(self.refcounts[s.table[b]]):
                 old = s.table[b]
                 copied.append((old, self._copy_on_write(s, b)))
-            inplace = self.inplace and self.refcounts[s.table[b]] == 1  # spec.paged.write_in_place
+            inplace = self.inplace and self.refcounts[s.table[b]] == 1  # kvspec.spec.paged.write_in_place
             all_inplace = all_inplace and inplace
             self._write(s.table[b], slot, keys[:, :, i : i + m], values[:, :, i : i + m], inplace)
             i += m
@@ -434,14 +434,14 @@ class BlockPool:
         (:class:`_TableMirror`): the host work is O(table entries changed
         since the last fetch), never a list of every position, and no slab
         is read on the host. Where an in-place write goes into a slab behind
-        MLX's graph (the NumPy view, the CUDA kernel: impl.write.
+        MLX's graph (the NumPy view, the CUDA kernel: kvspec.impl.write.
         inplace_keeps_memory) the gather is evaluated before it is returned,
         so no later in-place write can reach a window already handed out;
         under CUDA's ``donate`` (and with the in-place switch off) every
         write is a graph node that the gather depends on, so the gather is
         left lazy for the caller's evaluation, as a dense cache's window is.
 
-        Rule: ``spec.paged.fetch``, ``spec.paged.gather`` (semantics.md 4, "where a row lives")."""
+        Rule: ``kvspec.spec.paged.fetch``, ``kvspec.spec.paged.gather`` (semantics.md 4, "where a row lives")."""
         s = self._require("fetch", seq)
         if s.visible == 0 or self.keys is None:
             return None
@@ -470,7 +470,7 @@ class BlockPool:
 
     def trim(self, seq: str, n: int) -> int:
         """Trim ``clamp(n, 0, visible)`` rows from the end, releasing the
-        blocks past ``ceil(length / block_size)`` (spec.paged.trim).
+        blocks past ``ceil(length / block_size)`` (kvspec.spec.paged.trim).
         Returns the rows removed."""
         s = self._require("trim", seq)
         n = max(0, min(_check_int("trim", "n", n), s.visible))
@@ -480,7 +480,7 @@ class BlockPool:
 
     def trim_to(self, seq: str, length: int) -> int:
         """``trim(length_now - length)``; InvalidArgumentError unless ``0 <=
-        length <= length_now`` (spec.paged.trim_to)."""
+        length <= length_now`` (kvspec.spec.paged.trim_to)."""
         s = self._require("trim_to", seq)
         length = _check_int("trim_to", "len", length)
         if length < 0 or length > s.length:
@@ -489,7 +489,7 @@ class BlockPool:
 
     def trim_front(self, seq: str, n: int, keep: int = 0) -> int:
         """Move the logical start by ``clamp(n, 0, visible)`` and release
-        every block wholly before it (spec.paged.trim_front). ``keep > 0``
+        every block wholly before it (kvspec.spec.paged.trim_front). ``keep > 0``
         is refused (UnsupportedOperationError)."""
         s = self._require("trim_front", seq)
         n = _check_int("trim_front", "n", n)
@@ -503,14 +503,14 @@ class BlockPool:
         if n:
             s.start += n
             for b, block in enumerate(s.table):
-                if block is not None and b < s.start // self.block_size:  # spec.paged.wholly_before
+                if block is not None and b < s.start // self.block_size:  # kvspec.spec.paged.wholly_before
                     self._release_block(block)
                     s.table[b] = None
         return n
 
     def fork(self, source: str, name: str) -> None:
         """A new sequence ``name`` sharing every block of ``source``
-        (refcounts rise) (spec.paged.fork). StateError for an unknown source
+        (refcounts rise) (kvspec.spec.paged.fork). StateError for an unknown source
         or a name in use."""
         s = self._require("fork", source)
         if not isinstance(name, str) or not name:
@@ -522,7 +522,7 @@ class BlockPool:
         self.seqs[name] = Sequence(list(s.table), s.length, s.start)
 
     def release(self, seq: str) -> None:
-        """Release every block of ``seq`` and forget it (spec.paged.release)."""
+        """Release every block of ``seq`` and forget it (kvspec.spec.paged.release)."""
         s = self._require("release", seq)
         for block in s.held():
             self._release_block(block)
@@ -531,19 +531,19 @@ class BlockPool:
     def create(self, seq: str) -> None:
         """A new empty sequence (StateError when the name is in use).
 
-        Rule: ``spec.paged.new_world`` (semantics.md 4, "handle reuse")."""
+        Rule: ``kvspec.spec.paged.new_world`` (semantics.md 4, "handle reuse")."""
         if seq in self.seqs:
             raise StateError(f"create: a sequence named {seq!r} already exists")
         self.seqs[seq] = Sequence()
 
-    # -- invariants (spec.paged.INVARIANTS, on the implementation) -----------
+    # -- invariants (kvspec.spec.paged.INVARIANTS, on the implementation) -----------
     def broken_invariants(self) -> tuple[str, ...]:
         """Names of the pool invariants this pool breaks (empty when sound):
         refcounts equal table holdings, the free list is exactly the blocks
         of refcount 0 (once each, none held), in use + free = size, tables
         well formed.
 
-        Rule: ``spec.paged.broken_invariants`` (semantics.md 4, "fork / release")."""
+        Rule: ``kvspec.spec.paged.broken_invariants`` (semantics.md 4, "fork / release")."""
         bad = []
         counts = [0] * self.size
         for s in self.seqs.values():
@@ -590,7 +590,7 @@ class PagedKVCache:
 
     def _live(self, op: str) -> Sequence:
         """The handle's sequence; StateError (nothing changes) once a
-        release consumed it (spec.paged.handle_reuse): a spent handle never
+        release consumed it (kvspec.spec.paged.handle_reuse): a spent handle never
         reaches a sequence that took its name later."""
         s = self.pool.seqs.get(self.seq)
         if s is not self._sequence:
@@ -607,14 +607,14 @@ class PagedKVCache:
     @property
     def offset(self) -> int:
         """The sequence's offset (its length: the position the next row takes). Raises StateError on
-        a spent handle. Rule: ``spec.paged.table_len`` (semantics.md 4, "where a row lives";
+        a spent handle. Rule: ``kvspec.spec.paged.table_len`` (semantics.md 4, "where a row lives";
         semantics.md 4, "handle reuse")."""
         return self._live("offset").length
 
     @property
     def live_len(self) -> int:
         """Rows a fetch returns, ``offset - start``. Raises StateError on a spent handle. Rule:
-        ``spec.paged.fetch`` (semantics.md 4, "handle reuse")."""
+        ``kvspec.spec.paged.fetch`` (semantics.md 4, "handle reuse")."""
         return self._live("live_len").visible
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -622,14 +622,14 @@ class PagedKVCache:
         per pool) to this sequence and return its visible window ``[1, H, visible, D]``. A shared
         block is copied before the write. Raises StateError on a spent handle, InvalidArgumentError
         for mismatched rows, StateError when the pool cannot grow (nothing allocated). Rule:
-        ``spec.paged.append``, ``spec.paged.needs_copy_on_write``, ``spec.paged.reserve``
+        ``kvspec.spec.paged.append``, ``kvspec.spec.paged.needs_copy_on_write``, ``kvspec.spec.paged.reserve``
         (semantics.md 4, "copy on write")."""
         self._live("append")
         return self.pool.append(self.seq, keys, values)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The visible window ``(keys, values)`` ``[1, H, visible, D]`` without writing, or None.
-        Raises StateError on a spent handle. Rule: ``spec.paged.fetch`` (semantics.md 5,
+        Raises StateError on a spent handle. Rule: ``kvspec.spec.paged.fetch`` (semantics.md 5,
         "rule 1")."""
         self._live("fetch")
         return self.pool.fetch(self.seq)
@@ -637,34 +637,34 @@ class PagedKVCache:
     def trim(self, n: int) -> int:
         """Remove ``n`` rows from the end (clamped to ``[0, visible]``) and release the blocks past
         ``ceil(length / block_size)``; returns the rows removed. Raises StateError on a spent
-        handle, InvalidArgumentError for a non-integer n. Rule: ``spec.paged.trim`` (semantics.md 4,
+        handle, InvalidArgumentError for a non-integer n. Rule: ``kvspec.spec.paged.trim`` (semantics.md 4,
         "trim")."""
         self._live("trim")
         return self.pool.trim(self.seq, n)
 
     def trim_to(self, length: int) -> int:
         """``trim(offset - length)``; returns the rows removed. Raises InvalidArgumentError unless
-        ``0 <= length <= offset``. Rule: ``spec.paged.trim_to`` (semantics.md 4, "trim")."""
+        ``0 <= length <= offset``. Rule: ``kvspec.spec.paged.trim_to`` (semantics.md 4, "trim")."""
         self._live("trim_to")
         return self.pool.trim_to(self.seq, length)
 
     def trim_front(self, n: int) -> int:
         """Drop ``n`` rows from the front: the start moves, every block wholly before it is
-        released, the offset stays; returns the rows dropped. Rule: ``spec.paged.trim_front``
+        released, the offset stays; returns the rows dropped. Rule: ``kvspec.spec.paged.trim_front``
         (semantics.md 4, "front trim")."""
         self._live("trim_front")
         return self.pool.trim_front(self.seq, n)
 
     def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
         """``trim_front(n)``; ``keep > 0`` is refused (UnsupportedOperationError): a pool keeps no
-        sinks. Rule: ``spec.paged.trim_front`` (semantics.md 4, "front trim")."""
+        sinks. Rule: ``kvspec.spec.paged.trim_front`` (semantics.md 4, "front trim")."""
         self._live("trim_front")
         return self.pool.trim_front(self.seq, n, keep)
 
     def fork(self, name: str) -> PagedKVCache:
         """A cache on a new pool sequence sharing this one's blocks.
 
-        Rule: ``spec.paged.fork`` (semantics.md 4, "fork / release")."""
+        Rule: ``kvspec.spec.paged.fork`` (semantics.md 4, "fork / release")."""
         self._live("fork")
         self.pool.fork(self.seq, name)
         return type(self)(self.pool, name)
@@ -673,32 +673,32 @@ class PagedKVCache:
         """Release the sequence: its blocks go back to the pool and this
         handle (and every other of the sequence) is spent.
 
-        Rule: ``spec.paged.release``, ``spec.paged.handle_reuse`` (semantics.md 4,
+        Rule: ``kvspec.spec.paged.release``, ``kvspec.spec.paged.handle_reuse`` (semantics.md 4,
         "fork / release")."""
         self._live("release")
         self.pool.release(self.seq)
 
     def refuse_prompt_cache_file(self, layer: int) -> None:
-        """Called by ``impl.models.save_prompt_cache`` for each layer:
+        """Called by ``kvspec.impl.models.save_prompt_cache`` for each layer:
         refused (UnsupportedOperationError, nothing written). A sequence's
         blocks belong to its pool and may be shared with other sequences
         (forks), so a file cannot hold it alone; its rows go through a dense
         cache (docs/paged.md, "Prompt-cache files").
 
-        Rule: ``spec.paged.reload`` (semantics.md 4, "prompt-cache files")."""
+        Rule: ``kvspec.spec.paged.reload`` (semantics.md 4, "prompt-cache files")."""
         raise UnsupportedOperationError(
             f"save_prompt_cache: layer {layer} is a PagedKVCache, whose blocks belong to its pool and may be "
             "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
-            "through a dense cache (impl.dense.KVCache.from_state(layer.state))"
+            "through a dense cache (kvspec.impl.dense.KVCache.from_state(layer.state))"
         )
 
     def is_trimmable(self) -> bool:
-        """Always True: a sequence trims any ``n`` (clamped). Rule: ``spec.paged.trim``
+        """Always True: a sequence trims any ``n`` (clamped). Rule: ``kvspec.spec.paged.trim``
         (semantics.md 4, "trim")."""
         return True
 
     def size(self) -> int:
-        """The offset (mlx-lm's ``size()``). Rule: ``spec.paged.table_len`` (semantics.md 1,
+        """The offset (mlx-lm's ``size()``). Rule: ``kvspec.spec.paged.table_len`` (semantics.md 1,
         "offset")."""
         return self.offset
 
@@ -710,21 +710,21 @@ class PagedKVCache:
         UnsupportedOperationError (use dense caches, ``mode="int8"``, for
         quantized storage).
 
-        Rule: ``spec.paged.copy_refused`` (semantics.md 4, "copies")."""
+        Rule: ``kvspec.spec.paged.copy_refused`` (semantics.md 4, "copies")."""
         raise UnsupportedOperationError(
             f"to_quantized(bits={bits!r}): a PagedKVCache's blocks belong to its pool (shared with other sequences) "
             "and the pool stores unquantized rows; for quantized storage use dense caches "
-            "(impl.models.make_prompt_cache(model, mode='int8'))"
+            "(kvspec.impl.models.make_prompt_cache(model, mode='int8'))"
         )
 
     def empty(self) -> bool:
-        """True when the sequence shows no rows. Rule: ``spec.paged.fetch`` (semantics.md 4)."""
+        """True when the sequence shows no rows. Rule: ``kvspec.spec.paged.fetch`` (semantics.md 4)."""
         return self.live_len == 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks this sequence holds. StateError on a spent
-        handle (spec.paged.handle_reuse), also before the pool has slabs."""
+        handle (kvspec.spec.paged.handle_reuse), also before the pool has slabs."""
         s = self._live("nbytes")
         if self.pool.keys is None:
             return 0
@@ -734,8 +734,8 @@ class PagedKVCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         """The visible rows ``(keys, values)``, gathered (never the slabs);
-        refused to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save)
-        and on a spent handle (StateError, spec.paged.handle_reuse)."""
+        refused to mlx-lm's ``save_prompt_cache`` (kvspec.impl.dense.refuse_foreign_save)
+        and on a spent handle (StateError, kvspec.spec.paged.handle_reuse)."""
         refuse_foreign_save(self)
         self._live("state")
         window = self.pool.fetch(self.seq)
@@ -769,7 +769,7 @@ class PagedKVCache:
     def meta_state(self) -> tuple[str, ...]:
         """``(block_size, offset, start)`` as strings; assigning it (after ``state``, mlx-lm's load
         order) reloads the sequence from position 0. Raises StateError on a spent handle. Rule:
-        ``spec.paged.load_state`` (semantics.md 4, "prompt-cache files")."""
+        ``kvspec.spec.paged.load_state`` (semantics.md 4, "prompt-cache files")."""
         s = self._live("meta_state")
         return (str(self.pool.block_size), str(s.length), str(s.start))
 
@@ -797,7 +797,7 @@ class PagedKVCache:
         exactly these rows from position 0 (a front-trimmed sequence is not
         rebuilt: its rows would take other RoPE positions).
 
-        Rule: ``spec.paged.load_state`` (semantics.md 4, "prompt-cache files")."""
+        Rule: ``kvspec.spec.paged.load_state`` (semantics.md 4, "prompt-cache files")."""
         block_size, rows = 16, 0
         if state:
             rows = int(state[0].shape[2]) if isinstance(state[0], mx.array) and state[0].ndim == 4 else -1
@@ -819,19 +819,19 @@ class PagedKVCache:
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """Attention mask for ``N`` new queries over ``visible + N`` keys,
-        as :meth:`impl.dense.KVCache.make_mask`. StateError on a spent
-        handle (spec.paged.handle_reuse), whatever ``N``."""
+        as :meth:`kvspec.impl.dense.KVCache.make_mask`. StateError on a spent
+        handle (kvspec.spec.paged.handle_reuse), whatever ``N``."""
         self._live("make_mask")
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
         if window_size is None and not return_array:
             return None if N == 1 else "causal"
-        return causal_mask(self.live_len, N, window_size)  # impl.masks
+        return causal_mask(self.live_len, N, window_size)  # kvspec.impl.masks
 
 
 def _copy_refused(deep: bool) -> UnsupportedOperationError:
-    """``copy.copy`` / ``copy.deepcopy`` of a PagedKVCache (spec.paged.copy_refused)."""
+    """``copy.copy`` / ``copy.deepcopy`` of a PagedKVCache (kvspec.spec.paged.copy_refused)."""
     how = "copy.deepcopy" if deep else "copy.copy"
     return UnsupportedOperationError(
         f"copy: {how} of a PagedKVCache is refused: its blocks belong to its pool and may be shared with other "

@@ -1,11 +1,11 @@
-"""A block pool with prefix caching by content (spec: ``spec.prefix``;
+"""A block pool with prefix caching by content (spec: ``kvspec.spec.prefix``;
 docs/prefix.md), as vLLM's v1 KV-cache manager keeps one.
 
-Storage follows the paged pool's (``impl.paged``): K and V slabs
+Storage follows the paged pool's (``kvspec.impl.paged``): K and V slabs
 ``[n_blocks, block_size, H, D]`` (K and V head dims may differ), allocated
 as zeros on the first :meth:`PrefixCachePool.write` in the dtype handed in
 (float16, bfloat16 or float32, stored exactly: bfloat16 rows come back bit
-for bit). Rows are written by static slice updates (``impl.write.
+for bit). Rows are written by static slice updates (``kvspec.impl.write.
 write_copy``), which MLX donates when nothing else holds a slab; no reader
 shares a slab's memory (:meth:`PrefixCachePool.fetch` and
 :meth:`PrefixCachePool.block_rows` return gathers evaluated into their own
@@ -40,11 +40,11 @@ answer would miss the keys about to be assigned); free and preempt stay
 allowed (an aborted request's unwritten blocks are freed unkeyed).
 
 Every op checks all its arguments and its capacity before it changes
-anything: a refusal (an exception of ``spec.errors``, or a False /
+anything: a refusal (an exception of ``kvspec.spec.errors``, or a False /
 not-admitted result) leaves every refcount, key, table, the free queue, the
 cached map and the slabs exactly as they were, a refused admit that would
 have evicted keyed blocks included. The rules are stated here on their own
-(``spec.prefix`` states them independently; the tests compare both).
+(``kvspec.spec.prefix`` states them independently; the tests compare both).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.write import write_copy
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.impl.write import write_copy
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 Key = tuple[Any, tuple[int, ...]]
 
@@ -67,33 +67,33 @@ def max_hit_blocks(n_tokens: int, block_size: int) -> int:
     """The most blocks a hit may cover for a request of ``n_tokens`` tokens:
     ``(n_tokens - 1) // block_size`` (the last token is always recomputed,
     vLLM's ``max_cache_hit_length = num_tokens - 1``). Rule:
-    ``spec.prefix.max_hit_blocks``."""
+    ``kvspec.spec.prefix.max_hit_blocks``."""
     return (n_tokens - 1) // block_size
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
     """Table entries for ``n_tokens`` tokens: ``ceil(n_tokens / block_size)``.
-    Rule: ``spec.prefix.admit`` (the table of a live request)."""
+    Rule: ``kvspec.spec.prefix.admit`` (the table of a live request)."""
     return -(-n_tokens // block_size)
 
 
 def skipped_blocks(n_tokens: int, window: int, block_size: int) -> int:
     """Leading blocks of a sliding-window request of ``n_tokens`` tokens
     wholly before its next token's window: ``max(0, n_tokens - window + 1)
-    // block_size``. Rule: ``spec.prefix.skipped_blocks``."""
+    // block_size``. Rule: ``kvspec.spec.prefix.skipped_blocks``."""
     return max(0, n_tokens - window + 1) // block_size
 
 
 def hit_run(window: int, block_size: int) -> int:
     """Cached blocks in a row a sliding-window hit needs: ``max(1,
-    ceil((window - 1) / block_size))``. Rule: ``spec.prefix.hit_run``."""
+    ceil((window - 1) / block_size))``. Rule: ``kvspec.spec.prefix.hit_run``."""
     return max(1, -(-(window - 1) // block_size))
 
 
 @dataclass(frozen=True)
 class AdmitResult:
     """What :meth:`PrefixCachePool.admit` and :meth:`PrefixCachePool.resume`
-    return (``spec.prefix.AdmitResult``'s fields): ``admitted``, the hit in
+    return (``kvspec.spec.prefix.AdmitResult``'s fields): ``admitted``, the hit in
     **tokens** (a multiple of the block size; 0 when not admitted) and the
     request's block table (``()`` when not admitted; under a sliding
     window None for the hit blocks outside the window)."""
@@ -156,7 +156,7 @@ def _check_req(op: str, req: Any) -> str:
 
 class PrefixCachePool:
     """A pool of ``n_blocks`` blocks of ``block_size`` rows with prefix
-    caching by content (``spec.prefix``).
+    caching by content (``kvspec.spec.prefix``).
 
     Args:
         block_size: rows per block, int >= 1.
@@ -169,7 +169,7 @@ class PrefixCachePool:
         window: keyword only; None (full attention) or the sliding window
             w >= 1 in tokens: a request's table then holds None for the
             blocks wholly before its next token's window (released by
-            :meth:`decode`), hits follow ``spec.prefix.window_hit``, and
+            :meth:`decode`), hits follow ``kvspec.spec.prefix.window_hit``, and
             under ``w = 1`` no block is keyed.
 
     The dtype (float16, bfloat16 or float32) and the shapes not given here
@@ -247,8 +247,8 @@ class PrefixCachePool:
     # -- observables ----------------------------------------------------------------
     def free_queue(self) -> tuple[int, ...]:
         """The free queue, front (taken first) to back: exactly the blocks
-        of refcount 0, each once. Rule: ``spec.prefix.free`` (the queue's
-        order), ``spec.prefix.broken_invariants`` (4)."""
+        of refcount 0, each once. Rule: ``kvspec.spec.prefix.free`` (the queue's
+        order), ``kvspec.spec.prefix.broken_invariants`` (4)."""
         out, b, tail = [], self._next[self.n_blocks], self.n_blocks + 1
         while b != tail and len(out) <= self.n_blocks:  # bounded: a corrupted link cannot loop
             out.append(b)
@@ -256,7 +256,7 @@ class PrefixCachePool:
         return tuple(out)
 
     def num_free(self) -> int:
-        """``len(free_queue())`` in O(1). Rule: ``spec.prefix.admit`` (the
+        """``len(free_queue())`` in O(1). Rule: ``kvspec.spec.prefix.admit`` (the
         capacity check)."""
         return self._n_free
 
@@ -269,20 +269,20 @@ class PrefixCachePool:
     def refcount(self, b: int) -> int:
         """The number of live requests whose table holds block ``b`` (never
         negative). InvalidArgumentError for an id outside ``[0, n_blocks)``.
-        Rule: ``spec.prefix.broken_invariants`` (3)."""
+        Rule: ``kvspec.spec.prefix.broken_invariants`` (3)."""
         return self._ref[self._block("refcount", b)]
 
     def key(self, b: int) -> Key | None:
         """Block ``b``'s key ``(salt, tokens)`` (the first ``(i + 1) *
         block_size`` tokens of the request that filled it as block ``i``),
         or None. InvalidArgumentError for an id outside ``[0, n_blocks)``.
-        Rule: ``spec.prefix.broken_invariants`` (1, 2)."""
+        Rule: ``kvspec.spec.prefix.broken_invariants`` (1, 2)."""
         return self._key[self._block("key", b)]
 
     def cached(self) -> dict[Key, tuple[int, ...]]:
         """The cached map, ``key -> block ids`` (a lookup takes the first;
         duplicates follow in the order they were keyed), as a new dict.
-        Rule: ``spec.prefix.admit`` (caching full blocks), ``spec.prefix.broken_invariants`` (2)."""
+        Rule: ``kvspec.spec.prefix.admit`` (caching full blocks), ``kvspec.spec.prefix.broken_invariants`` (2)."""
         return {k: tuple(ids) for k, ids in self._cached.items()}
 
     def _require(self, op: str, req: Any, live: bool | None = True) -> _Request:
@@ -304,26 +304,26 @@ class PrefixCachePool:
         ``table[p // block_size]``; under a sliding window the leading
         entries wholly before the window are None. StateError for an
         unknown request.
-        Rule: ``spec.prefix.broken_invariants`` (7)."""
+        Rule: ``kvspec.spec.prefix.broken_invariants`` (7)."""
         return tuple(self._require("table", req, live=None).table)
 
     def tokens(self, req: str) -> tuple[int, ...]:
         """The tokens of ``req`` (prompt, then decoded), live or preempted.
-        StateError for an unknown request. Rule: ``spec.prefix.preempt`` (a
+        StateError for an unknown request. Rule: ``kvspec.spec.prefix.preempt`` (a
         preempted request keeps its tokens)."""
         return tuple(self._require("tokens", req, live=None).tokens)
 
     def requests(self) -> dict[str, tuple[int, bool]]:
         """``req -> (n_tokens, live)`` for every known request (preempted
         ones with ``live=False``), in admission order. Rule:
-        ``spec.prefix.preempt``."""
+        ``kvspec.spec.prefix.preempt``."""
         return {name: (len(r.tokens), r.live) for name, r in self._reqs.items()}
 
     def pending(self, req: str) -> tuple[int, int]:
         """``[first, last + 1)``: the positions of ``req`` allocated by the
         last admit, decode or resume whose rows :meth:`write` has not yet
         stored (an empty range ``(n, n)`` when none). StateError for an
-        unknown or preempted request. Rule: ``spec.prefix.admit`` (rows
+        unknown or preempted request. Rule: ``kvspec.spec.prefix.admit`` (rows
         written for positions ``hit .. len - 1``)."""
         r = self._require("pending", req)
         return (r.written, len(r.tokens))
@@ -339,13 +339,13 @@ class PrefixCachePool:
     def dtype(self) -> Any:
         """The slabs' dtype (``mx.float16``, ``mx.bfloat16`` or
         ``mx.float32``), None before the first write. Rule:
-        ``spec.prefix.row_name`` (rows stored as handed in)."""
+        ``kvspec.spec.prefix.row_name`` (rows stored as handed in)."""
         return None if self.keys is None else self.keys.dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes of the two slabs (0 before the first write). Rule:
-        ``spec.prefix.admit`` (``n_blocks`` blocks, fixed)."""
+        ``kvspec.spec.prefix.admit`` (``n_blocks`` blocks, fixed)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     # -- hits ------------------------------------------------------------------------
@@ -354,7 +354,7 @@ class PrefixCachePool:
         run (``j <= max_hit_blocks``). Under a sliding window: ``j`` is the
         highest end whose last ``hit_run`` blocks (or, below that, all) are
         cached, scanning down from the cap, and the entries before
-        ``skipped_blocks(j * B)`` are None (``spec.prefix.hit_table``)."""
+        ``skipped_blocks(j * B)`` are None (``kvspec.spec.prefix.hit_table``)."""
         bs, out = self.block_size, []
         if self.window is not None:
             run, count, j = hit_run(self.window, bs), 0, None
@@ -390,7 +390,7 @@ class PrefixCachePool:
         (len(tokens) - 1) // block_size`` whose keys ``0 .. j - 1`` are all
         cached. InvalidArgumentError for empty or bad tokens or a bad salt;
         StateError while a request has rows pending. Rule:
-        ``spec.prefix.lookup``, ``spec.prefix.hit_blocks``."""
+        ``kvspec.spec.prefix.lookup``, ``kvspec.spec.prefix.hit_blocks``."""
         op = "lookup"
         tokens = _check_tokens(op, tokens)
         salt = _check_salt(op, salt)
@@ -454,7 +454,7 @@ class PrefixCachePool:
         Raises InvalidArgumentError (nothing changes) for a bad id, empty or
         bad tokens, a bad salt or a request already live; StateError for a
         preempted request (use :meth:`resume`) or while a request has rows
-        pending. Rule: ``spec.prefix.admit``, ``spec.prefix.hit_blocks``.
+        pending. Rule: ``kvspec.spec.prefix.admit``, ``kvspec.spec.prefix.hit_blocks``.
         """
         op = "admit"
         req = _check_req(op, req)
@@ -477,7 +477,7 @@ class PrefixCachePool:
         rules, same result). Not admitted: it stays preempted, nothing
         changes. StateError (nothing changes) for an unknown or live
         request or while a request has rows pending. Rule:
-        ``spec.prefix.resume``."""
+        ``kvspec.spec.prefix.resume``."""
         op = "resume"
         r = self._require(op, req, live=False)
         self._no_pending(op)
@@ -497,13 +497,13 @@ class PrefixCachePool:
         token's window (entries below ``skipped_blocks(len)``, down to the
         first None) are released first, highest first, as :meth:`free`
         releases, and ``need`` is checked against the queue after that
-        release; a refused decode releases nothing (``spec.prefix.decode``).
+        release; a refused decode releases nothing (``kvspec.spec.prefix.decode``).
 
         Returns False (nothing changes) when ``need`` exceeds the free
         queue's length. Raises StateError (nothing changes) for an unknown
         or preempted request or while a request has rows pending;
         InvalidArgumentError for empty or bad tokens. Rule:
-        ``spec.prefix.decode``."""
+        ``kvspec.spec.prefix.decode``."""
         op = "decode"
         req = _check_req(op, req)
         tokens = _check_tokens(op, tokens)
@@ -579,13 +579,13 @@ class PrefixCachePool:
         ``(salt, tokens[:(i + 1) * block_size])``, appended to the cached
         map in block order (after any block already under it: a
         duplicate); under ``window == 1`` none is keyed
-        (``spec.prefix.window_keys``).
+        (``kvspec.spec.prefix.window_keys``).
 
         Raises StateError (nothing changes) for an unknown or preempted
         request or one without pending positions; InvalidArgumentError for
         rows of another count, rank, shape or dtype. Rule:
-        ``spec.prefix.admit`` and ``spec.prefix.decode`` (rows written,
-        full blocks cached), ``spec.prefix.row_name``.
+        ``kvspec.spec.prefix.admit`` and ``kvspec.spec.prefix.decode`` (rows written,
+        full blocks cached), ``kvspec.spec.prefix.row_name``.
         """
         op = "write"
         r = self._require(op, req)
@@ -626,7 +626,7 @@ class PrefixCachePool:
         the pool's dtype,
         evaluated into their own memory (no slab aliased). StateError for
         an unknown or preempted request or one with pending positions.
-        Rule: ``spec.prefix.broken_invariants`` (5: every live request
+        Rule: ``kvspec.spec.prefix.broken_invariants`` (5: every live request
         reads its rows)."""
         op = "fetch"
         r = self._require(op, req)
@@ -649,7 +649,7 @@ class PrefixCachePool:
         """The first position whose row ``req``'s table still holds: ``B``
         times its leading None entries (0 under full attention).
         StateError for an unknown request. Rule:
-        ``spec.prefix.requests_read_their_rows``."""
+        ``kvspec.spec.prefix.requests_read_their_rows``."""
         r = self._require("first_position", req, live=None)
         nulls = 0
         while nulls < len(r.table) and r.table[nulls] is None:
@@ -662,7 +662,7 @@ class PrefixCachePool:
         free unkeyed block holds is unspecified; an unwritten slot of a held
         block reads zeros. InvalidArgumentError for an id outside ``[0,
         n_blocks)``; StateError before the first write. Rule:
-        ``spec.prefix.broken_invariants`` (1: a keyed block holds the rows
+        ``kvspec.spec.prefix.broken_invariants`` (1: a keyed block holds the rows
         its key names)."""
         op = "block_rows"
         b = self._block(op, b)
@@ -702,7 +702,7 @@ class PrefixCachePool:
         A request with pending positions may be freed (its unwritten blocks
         carry no key). StateError (nothing changes) for an unknown or
         preempted request (a double free is refused). Rule:
-        ``spec.prefix.free``."""
+        ``kvspec.spec.prefix.free``."""
         r = self._require("free", req)
         self._release(r)
         del self._reqs[req]
@@ -715,7 +715,7 @@ class PrefixCachePool:
         and salt for :meth:`resume`; its pending positions, if any, stay
         among its tokens (resume recomputes them). StateError (nothing
         changes) for an unknown or preempted request. Rule:
-        ``spec.prefix.preempt``."""
+        ``kvspec.spec.prefix.preempt``."""
         r = self._require("preempt", req)
         self._release(r)
         r.live, r.written = False, 0
@@ -730,7 +730,7 @@ class PrefixCachePool:
         list, an id that is not an int in ``[0, n_blocks)`` or a block
         listed twice; StateError for a block of refcount 0 (a double free)
         or one a live table holds (its holder would lose it). Rule:
-        ``spec.prefix.free_blocks``."""
+        ``kvspec.spec.prefix.free_blocks``."""
         op = "free_blocks"
         if isinstance(blocks, (str, bytes)) or not isinstance(blocks, (tuple, list)) or not blocks:
             raise InvalidArgumentError(f"{op}: blocks must be a non-empty list of block ids, got {blocks!r}")
@@ -756,7 +756,7 @@ class PrefixCachePool:
         refcount 0), drop every key (the cached map empties, every block's
         key is None; rows and the free queue's order stay) and return True;
         else return False and change nothing. Preempted requests stay
-        known. Rule: ``spec.prefix.reset``."""
+        known. Rule: ``kvspec.spec.prefix.reset``."""
         if any(self._ref):
             return False
         self._key = [None] * self.n_blocks
@@ -767,7 +767,7 @@ class PrefixCachePool:
     def copy(self) -> PrefixCachePool:
         """An independent copy: its own slabs (copied, evaluated), refcounts,
         keys, cached map, free queue and requests; nothing is shared, so an
-        op on either leaves the other as it was. Rule: ``spec.prefix.apply_op``
+        op on either leaves the other as it was. Rule: ``kvspec.spec.prefix.apply_op``
         (a world is a value)."""
         new = PrefixCachePool.__new__(type(self))
         new.__dict__.update(self.__dict__)
@@ -783,7 +783,7 @@ class PrefixCachePool:
     def broken_invariants(self) -> tuple[str, ...]:
         """The metadata invariants this pool breaks (empty: none), each a
         message that starts with the name of the spec's invariant
-        (``spec.prefix.broken_invariants``) and names the block or request:
+        (``kvspec.spec.prefix.broken_invariants``) and names the block or request:
         ``keys_name_contents`` (a key names whole blocks; the rows
         themselves are compared by the tests, which name them),
         ``cached_map_exact``, ``refcounts_match_tables``,
@@ -792,7 +792,7 @@ class PrefixCachePool:
         (every written full block of a live request is under its own key);
         and the pool's own ``pending_rows`` (at most one request has rows
         pending, the one the pool records). Rule:
-        ``spec.prefix.broken_invariants``."""
+        ``kvspec.spec.prefix.broken_invariants``."""
         bs, out = self.block_size, []
         holders = [0] * self.n_blocks
         for name, r in self._reqs.items():

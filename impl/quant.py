@@ -28,8 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl import fused, write
-from impl.fused import elementwise
+from kvspec.impl import fused, write
+from kvspec.impl.fused import elementwise
 
 #: Largest finite float16.
 FLOAT16_MAX = 65504.0
@@ -48,7 +48,7 @@ def quantize_int8(x: mx.array) -> tuple[mx.array, mx.array]:
     A decode step's rows (``x.shape[-2] == 1``) are quantized by one
     compiled function on CUDA (``mx.compile``, traced once per shape; its
     elementwise runs fused around the reduction, the bytes unchanged:
-    impl.fused).
+    kvspec.impl.fused).
 
     Rule: semantics.md 2, "Storage"."""
     if x.ndim >= 2 and x.shape[-2] == 1 and fused.ENABLED and write.backend() == "cuda":
@@ -112,7 +112,7 @@ def int8_rows_refused(keys: mx.array, values: mx.array, flag: mx.array) -> str |
 
 def _dequantizer(dtype: mx.Dtype) -> Any:
     """The rule of :func:`dequantize_int8` for one output dtype, as one
-    kernel on CUDA (impl.fused: every append dequantizes the whole window,
+    kernel on CUDA (kvspec.impl.fused: every append dequantizes the whole window,
     and op by op the chain is five passes over it, four of them float32)."""
 
     @elementwise
@@ -132,7 +132,7 @@ def dequantize_int8(q: mx.array, scale: mx.array, dtype: mx.Dtype = mx.float16) 
     """``q * scale`` rounded once to ``dtype`` (saturated to +-65504 for
     float16): ``q`` int8 ``[..., D]``, ``scale`` float16 ``[..., 1]``;
     returns ``dtype`` ``[..., D]`` (float16, bfloat16 or float32). One
-    kernel on CUDA (:mod:`impl.fused`): every append dequantizes the whole
+    kernel on CUDA (:mod:`kvspec.impl.fused`): every append dequantizes the whole
     window."""
     fn = _DEQUANTIZERS.get(dtype)
     return (fn or _dequantizer(dtype))(q, scale)

@@ -1,5 +1,5 @@
 """The cache of a hybrid model's recurrent layers, with exact rollback
-(spec: ``spec.recurrent``; docs/recurrent.md).
+(spec: ``kvspec.spec.recurrent``; docs/recurrent.md).
 
 A recurrent layer (qwen3_next's GatedDeltaNet, the Mamba2 mixers of
 nemotron_h, mamba2, granitemoehybrid and plamo2, mamba's and jamba's Mamba
@@ -39,8 +39,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl.dense import refuse_foreign_save
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError
+from kvspec.impl.dense import refuse_foreign_save
+from kvspec.spec.errors import InvalidArgumentError, RollbackWarning, StateError
 
 try:  # mlx-lm is optional (the e2e extra); the models test isinstance(c, ArraysCache)
     from mlx_lm.models.cache import ArraysCache as _Base
@@ -90,7 +90,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
     them inside a recorded call; outside one, ``advance(N)`` counts them.
 
     Raises InvalidArgumentError for a size, depth or strict of the wrong
-    type or range. Rule: ``spec.recurrent.step``.
+    type or range. Rule: ``kvspec.spec.recurrent.step``.
     """
 
     def __init__(self, size: int = 2, depth: int = 0, strict: bool = False, left_padding: Any = None):
@@ -120,7 +120,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         a recorded call, a write of the last index is an unrecorded step:
         the checkpoints are cleared (coverage 0), since the cache cannot
         vouch for states it was not shown; a write of another index replaces
-        the live value only. Rule: ``spec.recurrent.step``."""
+        the live value only. Rule: ``kvspec.spec.recurrent.step``."""
         self.cache[idx] = value
         if not self._recording and idx % len(self.cache) == len(self.cache) - 1:
             self._coverage = 0
@@ -134,7 +134,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         this moves only the batch counters (``lengths``, ``left_padding``),
         as ``ArraysCache.advance``; outside one it is an unrecorded step:
         ``offset += N`` and the checkpoints are cleared (coverage 0).
-        Rule: ``spec.recurrent.step``."""
+        Rule: ``kvspec.spec.recurrent.step``."""
         # new arrays, not in place: a snapshot or a saved field keeps the old counters
         if self.lengths is not None:
             self.lengths = self.lengths - N
@@ -150,14 +150,14 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         ``0 <= c <= min(depth, offset)``. Recorded steps raise it (to at most
         depth), rollbacks lower it, and an unrecorded step, a ``state``
         assignment, a load or a batch filter/extend sets it to 0.
-        Rule: ``spec.recurrent.trimmable_rows``."""
+        Rule: ``kvspec.spec.recurrent.trimmable_rows``."""
         return self._coverage
 
     def is_trimmable(self) -> bool:
         """``depth > 0``: the capability to roll back (mlx-lm asks it once
         before speculative decoding, and before every rollback); how far a
         rollback may go is :meth:`trimmable_rows`.
-        Rule: ``spec.recurrent.is_trimmable``."""
+        Rule: ``kvspec.spec.recurrent.is_trimmable``."""
         return self.depth > 0
 
     def trim(self, n: int) -> int:
@@ -172,8 +172,8 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         unchanged). It raises rather than returning 0 because mlx-lm's
         ``trim_prompt_cache`` trims the layers one by one and a quiet 0
         would leave them at different offsets;
-        ``impl.models.trim_prompt_cache`` checks every layer first and stays
-        atomic. Rule: ``spec.recurrent.trim``."""
+        ``kvspec.impl.models.trim_prompt_cache`` checks every layer first and stays
+        atomic. Rule: ``kvspec.spec.recurrent.trim``."""
         n = _int_arg("RecurrentCache.trim", "n", n)
         if n <= 0:
             return 0
@@ -188,15 +188,15 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         return (f"RecurrentCache(size={len(self.cache)}, depth={self.depth}) at offset {self.offset} holds "
                 f"checkpoints for {self._coverage} tokens (its coverage): {asked} is refused and nothing was "
                 "trimmed (the cache is unchanged); for speculative decoding with k draft tokens build the caches "
-                "with impl.models.make_prompt_cache(model, num_draft_tokens=k), which also installs the step "
-                "recorder (impl.recurrent.record_steps)")
+                "with kvspec.impl.models.make_prompt_cache(model, num_draft_tokens=k), which also installs the step "
+                "recorder (kvspec.impl.recurrent.record_steps)")
 
     def warn_refused_rollback(self, n: int | None) -> None:
         """Report a rollback of ``n`` tokens (None: any rollback) this cache
         cannot honour: the once-per-cache RollbackWarning, or with
         ``strict=True`` StateError at every refusal, naming the cache, its
         depth, offset and coverage and the fix. ``rollback_warned`` is set
-        only once the warning was issued. Rule: ``spec.recurrent.trim``."""
+        only once the warning was issued. Rule: ``kvspec.spec.recurrent.trim``."""
         asked = "any rollback" if n is None else f"a rollback of {n} tokens"
         if self.strict:
             raise StateError(self._refusal(asked))
@@ -232,7 +232,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         """O(1): handles to the same immutable arrays, the counters and the
         checkpoint ring; :meth:`restore` brings back the snapshot's coverage.
         A later write replaces arrays and never changes the snapshot.
-        Rule: ``spec.recurrent.w_snapshot``."""
+        Rule: ``kvspec.spec.recurrent.w_snapshot``."""
         return RecurrentSnapshot(len(self.cache), self.depth, tuple(self.cache), self.offset, self._coverage,
                                  self._ring, self.left_padding, self.lengths)
 
@@ -259,7 +259,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         nothing holds no conv window and cannot tell its kernel: it takes
         any snapshot of its size and depth. Raises InvalidArgumentError for
         anything else, the cache unchanged.
-        Rule: ``spec.recurrent.snapshot_fits``, ``spec.recurrent.restore``."""
+        Rule: ``kvspec.spec.recurrent.snapshot_fits``, ``kvspec.spec.recurrent.restore``."""
         self._check_snapshot("restore", snap)
         self.cache = list(snap.arrays)
         self.offset, self._coverage, self._ring = snap.offset, snap.coverage, snap.ring
@@ -285,7 +285,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         call), so a held state never sees a later write. The offset is not
         in it: it travels in :attr:`meta_state`. Read by ``mlx_lm.models.cache.save_prompt_cache`` it raises
         UnsupportedOperationError (its file would lose offset and depth:
-        use ``impl.models.save_prompt_cache``). Rule: ``spec.recurrent.w_snapshot``."""
+        use ``kvspec.impl.models.save_prompt_cache``). Rule: ``kvspec.spec.recurrent.w_snapshot``."""
         refuse_foreign_save(self)
         return list(self.cache), self.left_padding, self.lengths
 
@@ -294,7 +294,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         """Assign ``(arrays, left_padding, lengths)``; the checkpoints are
         cleared (coverage 0: a saved state carries no history), ``offset``
         is kept. Raises InvalidArgumentError for a list of another length.
-        Rule: ``spec.recurrent.state_restore``."""
+        Rule: ``kvspec.spec.recurrent.state_restore``."""
         arrays, left_padding, lengths = v
         if len(arrays) != len(self.cache):
             raise InvalidArgumentError(f"RecurrentCache.state: arrays must hold {len(self.cache)} entries "
@@ -307,7 +307,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
     def meta_state(self) -> tuple[str, ...]:
         """``(offset, depth, size)`` as strings, then ``"1"`` when strict:
         what a prompt-cache file needs besides the arrays.
-        Rule: ``spec.recurrent.reload``."""
+        Rule: ``kvspec.spec.recurrent.reload``."""
         return (str(self.offset), str(self.depth), str(len(self.cache))) + (("1",) if self.strict else ())
 
     @meta_state.setter
@@ -315,7 +315,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         """Set offset, depth and strict from ``meta_state`` (as the getter
         gives it); the checkpoints are cleared (coverage 0), as after a
         load. Raises InvalidArgumentError for malformed counters or a size
-        other than this cache's, the cache unchanged. Rule: ``spec.recurrent.reload``."""
+        other than this cache's, the cache unchanged. Rule: ``kvspec.spec.recurrent.reload``."""
         offset, depth, size, strict = self._parse_meta("meta_state", v)
         if size != len(self.cache):
             raise InvalidArgumentError(f"meta_state: size {size} does not match this cache's {len(self.cache)} arrays")
@@ -340,7 +340,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         (or none, for a cache that has consumed nothing yet), ``meta_state``
         as :attr:`meta_state` gives it. No checkpoints come back: coverage 0
         (a file is a snapshot without history). Raises InvalidArgumentError
-        for counters or arrays that do not fit. Rule: ``spec.recurrent.reload``."""
+        for counters or arrays that do not fit. Rule: ``kvspec.spec.recurrent.reload``."""
         offset, depth, size, strict = cls._parse_meta("from_state", meta_state)
         arrays = list(state)
         if arrays and len(arrays) != size:
@@ -378,7 +378,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         """``batch_indices`` (a list, tuple or 1-D integer mx.array) as a
         list of ints: each in ``[0, batch_size)`` (``>= 0`` on a cache that
         has consumed nothing: it cannot tell its batch size), no duplicate,
-        at least one (spec.batch.filter); InvalidArgumentError otherwise."""
+        at least one (kvspec.spec.batch.filter); InvalidArgumentError otherwise."""
         if isinstance(batch_indices, mx.array):
             if batch_indices.ndim != 1 or not mx.issubdtype(batch_indices.dtype, mx.integer):
                 raise InvalidArgumentError(f"{op}: batch_indices must be a 1-D integer array, got shape "
@@ -393,7 +393,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
                             for i in keep) or len(set(keep)) != len(keep)):
             raise InvalidArgumentError(f"{op}: batch_indices must be distinct integers in [0, {b if b else 'batch size'}) (the batch "
                                        f"size), at least one, got {list(batch_indices)!r}; the cache is unchanged "
-                                       "(spec.batch.filter)")
+                                       "(kvspec.spec.batch.filter)")
         return [int(i) for i in keep]
 
     @staticmethod
@@ -421,7 +421,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         a RecurrentCache, a cache of batch size other than 1, sizes that
         differ, or arrays of one index whose shapes (past the batch axis) or
         dtypes differ; the input caches are never changed.
-        Rule: ``spec.batch.merge`` (semantics.md 7)."""
+        Rule: ``kvspec.spec.batch.merge`` (semantics.md 7)."""
         caches = list(caches) if isinstance(caches, (list, tuple)) else caches
         if not isinstance(caches, list) or not caches:
             raise InvalidArgumentError("RecurrentCache.merge: caches must be a non-empty list of RecurrentCache")
@@ -455,7 +455,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         the checkpoints are cleared (coverage 0). Raises
         InvalidArgumentError, nothing changed, for indices that are not
         distinct integers in ``[0, batch_size)`` or none at all.
-        Rule: ``spec.batch.filter``, ``spec.recurrent.state_restore``."""
+        Rule: ``kvspec.spec.batch.filter``, ``kvspec.spec.recurrent.state_restore``."""
         keep = self._batch_indices("RecurrentCache.filter", batch_indices)
         super().filter(mx.array(keep))
         self._coverage = 0
@@ -466,8 +466,8 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         checkpoints are cleared (coverage 0). Raises InvalidArgumentError,
         nothing changed, for an ``other`` that is not a RecurrentCache of
         the same size, or whose arrays' shapes (past the batch axis) or
-        dtypes differ from this cache's. Rule: ``spec.batch.extend``,
-        ``spec.recurrent.state_restore``."""
+        dtypes differ from this cache's. Rule: ``kvspec.spec.batch.extend``,
+        ``kvspec.spec.recurrent.state_restore``."""
         if not isinstance(other, RecurrentCache):
             raise InvalidArgumentError(f"RecurrentCache.extend: other must be a RecurrentCache, got "
                                        f"{type(other).__name__}")
@@ -483,8 +483,8 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
         """Batch element ``idx`` as a cache of its own (same size, depth,
         strict and offset; coverage 0; new arrays, nothing shared with this
         cache's list). Raises InvalidArgumentError for an ``idx`` outside
-        ``[0, batch_size)``. Rule: ``spec.batch.extract``,
-        ``spec.recurrent.state_restore``."""
+        ``[0, batch_size)``. Rule: ``kvspec.spec.batch.extract``,
+        ``kvspec.spec.recurrent.state_restore``."""
         idx = self._batch_index("RecurrentCache.extract", idx)
         c = type(self)(size=len(self.cache), depth=self.depth, strict=self.strict)
         c.cache = [a[idx: idx + 1] if a is not None else None for a in self.cache]
@@ -495,7 +495,7 @@ class RecurrentCache(_Base):  # type: ignore[misc, valid-type]
     @property
     def nbytes(self) -> int:
         """Bytes of the live arrays (the checkpoints reference arrays the
-        model already made; they are not counted). Rule: ``spec.recurrent.w_snapshot``."""
+        model already made; they are not counted). Rule: ``kvspec.spec.recurrent.w_snapshot``."""
         return sum(a.nbytes for a in self.cache if a is not None)
 
     def __repr__(self) -> str:
@@ -593,7 +593,7 @@ def record_steps(model: Any) -> int:
     safely (an array of another shape, a container) runs the call unsplit
     and the coverage drops to 0:
     never a wrong checkpoint. Any other cache passes through unchanged. Raises InvalidArgumentError for a model without ``layers``.
-    Rule: ``spec.recurrent.step``."""
+    Rule: ``kvspec.spec.recurrent.step``."""
     n = 0
     for m in _mixers(model):
         cls = type(m)
@@ -607,7 +607,7 @@ def unrecord_steps(model: Any) -> int:
     """Undo :func:`record_steps` on a model instance (each mixer's class
     back to the original); returns the number of mixers restored.
     Raises InvalidArgumentError for a model without ``layers``.
-    Rule: ``spec.recurrent.step``."""
+    Rule: ``kvspec.spec.recurrent.step``."""
     n = 0
     for m in _mixers(model):
         orig = type(m).__dict__.get("_kvspec_unrecorded")

@@ -1,4 +1,4 @@
-"""Sliding-window MLX KV cache (spec: ``spec.rotating``).
+"""Sliding-window MLX KV cache (spec: ``kvspec.spec.rotating``).
 
 A ring of at most ``max_size`` (W) slots along axis 2 whose first ``keep``
 (K) slots hold attention sinks. Decode steps write at the cursor ``idx``
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from impl.dense import (
+from kvspec.impl.dense import (
     FLOAT_DTYPES,
     MAX_STEP,
     SEQ_AXIS,
@@ -46,9 +46,14 @@ from impl.dense import (
     share,
     write_rows_copy,
 )
-from impl.masks import ring_mask
-from impl.write import inplace_mechanism, queue_read, seq_prefix, write_copy, write_inplace
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
+from kvspec.impl.masks import ring_mask
+from kvspec.impl.write import inplace_mechanism, queue_read, seq_prefix, write_copy, write_inplace
+from kvspec.spec.errors import (
+    InvalidArgumentError,
+    RollbackWarning,
+    StateError,
+    UnsupportedOperationError,
+)
 
 _ALL = slice(None)
 
@@ -67,21 +72,21 @@ def _state_pair(op: str, v: Any) -> tuple[Any, Any]:
 
 
 def chronological_slots(n_slots: int, idx: int, keep: int, wrapped: bool) -> list[int]:
-    """Slot indices of the valid rows, oldest first (spec.rotating.chronological_order)."""
+    """Slot indices of the valid rows, oldest first (kvspec.spec.rotating.chronological_order)."""
     if not wrapped:
         return list(range(idx))
     return list(range(keep)) + list(range(idx, n_slots)) + list(range(keep, idx))
 
 
 def ring_visible(query: int, key: int, window: int, keep: int) -> bool:
-    """Mask rule (spec.rotating.mask_visible): causal, and a sink or one of
+    """Mask rule (kvspec.spec.rotating.mask_visible): causal, and a sink or one of
     the ``window - keep`` latest positions."""
     return key <= query and (key < keep or query - key < window - keep)
 
 
 def prefill_kept(n_old: int, max_size: int, keep: int) -> list[int]:
     """Which old rows (chronological index) a multi-row append keeps
-    (spec.rotating.prefill_kept): all while at most ``max_size - 1``, else
+    (kvspec.spec.rotating.prefill_kept): all while at most ``max_size - 1``, else
     the sinks and the latest others."""
     budget = max_size - 1
     if n_old <= budget:
@@ -94,7 +99,7 @@ def prefill_kept(n_old: int, max_size: int, keep: int) -> list[int]:
 
 @dataclass(frozen=True)
 class UndoRecord:
-    """One append's undo record (spec.rotating.UndoRecord): the counters
+    """One append's undo record (kvspec.spec.rotating.UndoRecord): the counters
     before it, where a decode wrote (-1 for a block), and the valid rows it
     destroyed as ``[B, H, r, D]`` float16 slices (r <= 1; ``None`` for
     none). ``whole`` is False for an append onto an oversized buffer."""
@@ -112,12 +117,12 @@ class UndoRecord:
     @property
     def saved_rows(self) -> int:
         """Rows this record saved per K/V buffer (0 or 1 for a decode, at most the rows a multi-row
-        append dropped). Rule: ``spec.rotating.log_saved_rows`` (semantics.md 3, "undo log")."""
+        append dropped). Rule: ``kvspec.spec.rotating.log_saved_rows`` (semantics.md 3, "undo log")."""
         return 0 if self.saved_keys is None else int(self.saved_keys.shape[SEQ_AXIS])
 
 
 def log_push(log: tuple[UndoRecord, ...], record: UndoRecord, undo: int) -> tuple[UndoRecord, ...]:
-    """spec.rotating.log_push: no log at depth 0; a record that is not whole
+    """kvspec.spec.rotating.log_push: no log at depth 0; a record that is not whole
     starts it afresh; records older than the latest ``undo`` rows go."""
     if undo == 0:
         return ()
@@ -130,13 +135,13 @@ def log_push(log: tuple[UndoRecord, ...], record: UndoRecord, undo: int) -> tupl
 
 
 def log_rows(log: tuple[UndoRecord, ...]) -> int:
-    """spec.rotating.log_rows: rows the log can roll back."""
+    """kvspec.spec.rotating.log_rows: rows the log can roll back."""
     covered = sum(r.rows for r in log)
     return covered - 1 if log and not log[0].whole else covered
 
 
 def log_rewind(log: tuple[UndoRecord, ...], n: int) -> tuple[UndoRecord, ...]:
-    """spec.rotating.log_rewind: the log after a counters-only trim of ``n``."""
+    """kvspec.spec.rotating.log_rewind: the log after a counters-only trim of ``n``."""
     while n > 0 and log:
         last = log[-1]
         if n >= last.rows:
@@ -159,7 +164,7 @@ class RingSnapshot:
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The snapshot's valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype, or
-        None; never changes. Rule: ``spec.rotating.w_snapshot`` (semantics.md 3,
+        None; never changes. Rule: ``kvspec.spec.rotating.w_snapshot`` (semantics.md 3,
         "snapshot / restore")."""
         if self.keys is None:
             return None
@@ -181,7 +186,7 @@ class RotatingKVCache:
         undo: undo depth U in rows (>= 0; 0, the default: a wrapped ring
             cannot trim). The log keeps at most U rows per K/V buffer, so a
             trim of up to U rows after a wrap is exact
-            (``trimmable_rows()``; spec.rotating.trimmable_rows).
+            (``trimmable_rows()``; kvspec.spec.rotating.trimmable_rows).
         strict: True or False (default). A rollback the ring cannot honour
             exactly (beyond ``trimmable_rows()``: a trim, or an
             ``is_trimmable()`` that would answer False) is refused and the
@@ -234,26 +239,26 @@ class RotatingKVCache:
     @property
     def capacity(self) -> int:
         """Physical slots along axis 2 (0 without buffers; at most ``max_size`` except right after a
-        multi-row append). Rule: ``spec.rotating.decode`` (semantics.md 3, "decode (one row)")."""
+        multi-row append). Rule: ``kvspec.spec.rotating.decode`` (semantics.md 3, "decode (one row)")."""
         return 0 if self.keys is None else int(self.keys.shape[SEQ_AXIS])
 
     @property
     def wrapped(self) -> bool:
         """True once ``offset != idx`` (the cursor wrapped or a multi-row append rebuilt the
-        buffer). Rule: ``spec.rotating.chronological_order`` (semantics.md 3,
+        buffer). Rule: ``kvspec.spec.rotating.chronological_order`` (semantics.md 3,
         "valid rows in time order")."""
         return self.offset != self.idx
 
     @property
     def valid_len(self) -> int:
         """Valid slots: the capacity once wrapped, else ``idx``. Rule:
-        ``spec.rotating.visible_positions`` (semantics.md 3, "what a reader sees")."""
+        ``kvspec.spec.rotating.visible_positions`` (semantics.md 3, "what a reader sees")."""
         return self.capacity if self.wrapped else self.idx
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """Valid rows in physical slot order, ``[B, H, n, D]`` in the rows' dtype.
 
-        None when the ring holds no rows. Rule: ``spec.rotating.chronological_order`` (semantics.md
+        None when the ring holds no rows. Rule: ``kvspec.spec.rotating.chronological_order`` (semantics.md
         3, "what a reader sees")."""
         keys = self.keys
         if keys is None:  # keys and values are set and dropped together
@@ -270,7 +275,7 @@ class RotatingKVCache:
         return m is not None and m[0] is self.keys and m[1] is self.values
 
     def _inplace_write_allowed(self) -> bool:
-        """Warm-up rule (spec.rotating.rotating_inplace_allowed): the window
+        """Warm-up rule (kvspec.spec.rotating.rotating_inplace_allowed): the window
         is not full, so slot ``idx == offset`` was never valid, and the
         marker says our own last write produced these buffers and left the
         cursor here."""
@@ -335,7 +340,7 @@ class RotatingKVCache:
         if self.offset != self.idx or self.idx == cap:
             # the window is the whole ring (steady state, or warm-up at a full
             # buffer): handles of the buffers themselves, no slice (as in
-            # impl.dense.KVCache.update_and_fetch)
+            # kvspec.impl.dense.KVCache.update_and_fetch)
             return keys.__copy__(), self.values.__copy__()  # type: ignore[union-attr]
         ix = (_ALL, _ALL, slice(0, self.idx))
         return keys[ix], self.values[ix]  # type: ignore[index]
@@ -384,8 +389,8 @@ class RotatingKVCache:
         batch B, kv heads H, head dim or dtype that differs from the cached
         rows (the message names it).
 
-        Rule: ``spec.rotating.decode``, ``spec.rotating.prefill``,
-        ``spec.rotating.rotating_inplace_allowed`` (semantics.md 3, "warm-up in place"; semantics.md
+        Rule: ``kvspec.spec.rotating.decode``, ``kvspec.spec.rotating.prefill``,
+        ``kvspec.spec.rotating.rotating_inplace_allowed`` (semantics.md 3, "warm-up in place"; semantics.md
         3, "steady state copies")."""
         # the decode path: the pair accepted in one pass; else the full checks
         n = 0 if self.keys is None else decode_pair_rows(keys, values, self.keys, self.values)  # type: ignore[arg-type]
@@ -404,11 +409,11 @@ class RotatingKVCache:
         self._marker = (self.keys, self.values, self.idx)  # type: ignore[assignment]
         return out
 
-    # -- the undo log (spec.rotating: decode_record, prefill_record) ----------
+    # -- the undo log (kvspec.spec.rotating: decode_record, prefill_record) ----------
     def _log_decode(self, prior: tuple[int, int, int, int], slot: int) -> list[mx.array]:
         """Record the decode about to write at ``slot``: the counters before
         it and the row it overwrites when that row is valid; onto an
-        oversized buffer the record is not whole (spec.rotating.decode_record).
+        oversized buffer the record is not whole (kvspec.spec.rotating.decode_record).
         Returns the saved rows (empty when none were saved)."""
         if self.undo == 0:
             return []
@@ -428,7 +433,7 @@ class RotatingKVCache:
         """Record the multi-row append about to go onto the chronological
         rows ``old``: the counters before it and the old rows it drops (at
         most one unless the buffer is oversized, then not whole;
-        spec.rotating.prefill_record)."""
+        kvspec.spec.rotating.prefill_record)."""
         if self.undo == 0:
             return
         whole = self.capacity <= self.max_size
@@ -444,11 +449,11 @@ class RotatingKVCache:
     def log_saved_rows(self) -> int:
         """Rows the undo log holds per K/V buffer (at most ``undo``).
 
-        Rule: ``spec.rotating.log_saved_rows`` (semantics.md 3, "undo log")."""
+        Rule: ``kvspec.spec.rotating.log_saved_rows`` (semantics.md 3, "undo log")."""
         return sum(r.saved_rows for r in self._log)
 
     def _prior_layout(self, r: UndoRecord) -> tuple[mx.array, mx.array]:
-        """The buffers before the multi-row append ``r`` (spec.rotating.prior_layout):
+        """The buffers before the multi-row append ``r`` (kvspec.spec.rotating.prior_layout):
         each old row back to its slot in the prior's chronological order,
         kept ones from the front of the buffer, dropped ones from the log,
         zeros where nothing was valid. One gather per tensor."""
@@ -470,7 +475,7 @@ class RotatingKVCache:
         return out[0], out[1]
 
     def _undo_append(self, r: UndoRecord) -> None:
-        """Undo the newest append wholly (spec.rotating.undo_append): a decode
+        """Undo the newest append wholly (kvspec.spec.rotating.undo_append): a decode
         writes its saved row back into its slot (O(1) rows), a block gets
         the prior layout back; counters from the record; no marker."""
         if r.kind == "decode":
@@ -483,7 +488,7 @@ class RotatingKVCache:
 
     def _undo_part(self, r: UndoRecord, n: int) -> None:
         """Undo the last ``n < r.rows`` rows of the newest block
-        (spec.rotating.undo_part): two rows or more left, cut the buffers to
+        (kvspec.spec.rotating.undo_part): two rows or more left, cut the buffers to
         them; one left, rebuild the prior ring and decode that row again."""
         assert self.keys is not None and self.values is not None
         if r.rows - n >= 2:
@@ -503,7 +508,7 @@ class RotatingKVCache:
 
     def _rollback(self, n: int) -> None:
         """Take back ``n <= trimmable_rows()`` rows through the log, newest
-        append first (spec.rotating.rollback)."""
+        append first (kvspec.spec.rotating.rollback)."""
         while n > 0:
             r = self._log[-1]
             if n >= r.rows:
@@ -515,11 +520,11 @@ class RotatingKVCache:
 
     # -- trims ------------------------------------------------------------------
     def _counters_rewind_exact(self) -> bool:
-        """spec.rotating.counters_rewind_exact: unwrapped and not oversized."""
+        """kvspec.spec.rotating.counters_rewind_exact: unwrapped and not oversized."""
         return self.idx == self.offset and self.offset <= self.max_size and self.capacity <= self.max_size
 
     def trimmable_rows(self) -> int:
-        """Rows a trim can take back exactly (spec.rotating.trimmable_rows):
+        """Rows a trim can take back exactly (kvspec.spec.rotating.trimmable_rows):
         ``offset`` while the counters alone rewind the ring, else what the
         undo log covers, at most ``undo``."""
         if self._counters_rewind_exact():
@@ -527,7 +532,7 @@ class RotatingKVCache:
         return min(self.undo, log_rows(self._log))
 
     def is_trimmable(self) -> bool:
-        """True when some trim is exact (spec.rotating.is_trimmable): the
+        """True when some trim is exact (kvspec.spec.rotating.is_trimmable): the
         counters alone rewind the ring, or its undo log covers a row.
 
         False is a refused rollback and is reported as one: a
@@ -565,7 +570,7 @@ class RotatingKVCache:
         RollbackWarning)`` every refusal raises (nothing trimmed); a strict
         ring never sets it.
 
-        Rule: ``spec.rotating.trimmable_rows`` (semantics.md 3, "what a trim can take back")."""
+        Rule: ``kvspec.spec.rotating.trimmable_rows`` (semantics.md 3, "what a trim can take back")."""
         if self.strict:
             asked = ("any rollback (asked through is_trimmable(), which mlx-lm's trim_prompt_cache asks before "
                      "every rollback)") if n is None else f"a rollback of {n} rows"
@@ -574,7 +579,7 @@ class RotatingKVCache:
                 f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}, undo={self.undo}, strict=True) at "
                 f"offset {self.offset} went past its window and can roll back exactly {self.trimmable_rows()} rows: "
                 f"{asked} is refused and nothing was trimmed (the ring is unchanged); for speculative decoding with "
-                f"k draft tokens build the caches with impl.models.make_prompt_cache(model, num_draft_tokens=k) "
+                f"k draft tokens build the caches with kvspec.impl.models.make_prompt_cache(model, num_draft_tokens=k) "
                 f"(an undo log of k rows per ring){deeper}"
             )
         if self.rollback_warned:
@@ -584,7 +589,7 @@ class RotatingKVCache:
             f"RotatingKVCache(max_size={self.max_size}, undo={self.undo}) has wrapped and can roll back exactly "
             f"{self.trimmable_rows()} rows: {asked} is refused (nothing trimmed), so a decoding loop that goes on "
             f"leaves the stream it would have had; for speculative decoding build the caches with "
-            f"impl.models.make_prompt_cache(model, num_draft_tokens=k) (an undo log of k rows per ring). "
+            f"kvspec.impl.models.make_prompt_cache(model, num_draft_tokens=k) (an undo log of k rows per ring). "
             f"Reported once per cache.",
             RollbackWarning, stacklevel=3,
         )
@@ -592,7 +597,7 @@ class RotatingKVCache:
 
     def trim(self, n: int) -> int:
         """Rewind ``n`` rows (clamped to ``[0, offset]``) exactly
-        (spec.rotating.trim): by the counters while unwrapped (O(1)), else
+        (kvspec.spec.rotating.trim): by the counters while unwrapped (O(1)), else
         through the undo log (O(n) rows for decode steps). The buffers stay,
         also at offset 0. Beyond ``trimmable_rows()`` trims nothing and
         returns 0 (fail closed), with a RollbackWarning once per cache, or
@@ -617,7 +622,7 @@ class RotatingKVCache:
         ``0 <= length <= offset``; StateError (nothing changes) when
         ``offset - length`` is beyond ``trimmable_rows()``.
 
-        Rule: ``spec.rotating.trim_to`` (semantics.md 3, "trim_to")."""
+        Rule: ``kvspec.spec.rotating.trim_to`` (semantics.md 3, "trim_to")."""
         length = _check_int("trim_to", "len", length)
         if length < 0 or length > self.offset:
             raise InvalidArgumentError(f"trim_to: len must satisfy 0 <= len <= offset ({self.offset}), got {length}")
@@ -647,7 +652,7 @@ class RotatingKVCache:
     def snapshot(self) -> RingSnapshot:
         """New handles to the same buffers (O(1)) and the counters.
 
-        Rule: ``spec.rotating.w_snapshot`` (semantics.md 3, "snapshot / restore")."""
+        Rule: ``kvspec.spec.rotating.w_snapshot`` (semantics.md 3, "snapshot / restore")."""
         k = None if self.keys is None else share(self.keys)
         v = None if self.values is None else share(self.values)
         return RingSnapshot(k, v, self.offset, self.idx, self.max_size, self.keep)
@@ -700,7 +705,7 @@ class RotatingKVCache:
         so the next write copies. Raises InvalidArgumentError for a malformed
         or mismatched snapshot.
 
-        The undo log starts empty. Rule: ``spec.rotating.w_restore`` (semantics.md 3,
+        The undo log starts empty. Rule: ``kvspec.spec.rotating.w_restore`` (semantics.md 3,
         "snapshot / restore"; semantics.md 3, "restore clears the log")."""
         self._check_snapshot("restore", snapshot)
         self.keys = None if snapshot.keys is None else share(snapshot.keys)
@@ -762,7 +767,7 @@ class RotatingKVCache:
         a sink or ``q - p < window - keep`` (``window`` defaults to
         ``max_size``). Raises InvalidArgumentError for ``N < 1`` and for a
         ``window_size`` that is not None or an integer >= 1
-        (spec.dense.check_window_size)."""
+        (kvspec.spec.dense.check_window_size)."""
         N = _check_int("make_mask", "N", N)
         if N < 1:
             raise InvalidArgumentError(f"make_mask: N must be >= 1, got {N}")
@@ -771,7 +776,7 @@ class RotatingKVCache:
         if N == 1 and not return_array and self._decode_sees_every_key(window):
             return None  # a decode step's common case, decided in O(1) (no positions built)
         positions = np.asarray(self._next_positions(N), dtype=np.int64)
-        # O(N + L) here (no per-element Python work); impl.masks builds it
+        # O(N + L) here (no per-element Python work); kvspec.impl.masks builds it
         # where the arrays live
         mask = ring_mask(positions, self.offset, N, self.keep, window)
         if return_array:
@@ -791,9 +796,9 @@ class RotatingKVCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         """The buffers (valid rows, physical order) as new handles; refused
-        to mlx-lm's ``save_prompt_cache`` (impl.dense.refuse_foreign_save).
+        to mlx-lm's ``save_prompt_cache`` (kvspec.impl.dense.refuse_foreign_save).
 
-        Rule: ``spec.rotating.state_of`` (semantics.md 8, "The state protocol")."""
+        Rule: ``kvspec.spec.rotating.state_of`` (semantics.md 8, "The state protocol")."""
         refuse_foreign_save(self)
         got = self.fetch()
         return () if got is None else got
@@ -815,7 +820,7 @@ class RotatingKVCache:
         layout), followed by ``undo`` when it is not 0 or the ring is
         strict, and by ``"1"`` when it is strict.
 
-        Rule: ``spec.rotating.w_reload`` (semantics.md 8, "The state protocol")."""
+        Rule: ``kvspec.spec.rotating.w_reload`` (semantics.md 8, "The state protocol")."""
         head = (self.keep, self.max_size, self.step, self.offset, self.idx)
         tail = (self.undo, 1) if self.strict else (self.undo,) if self.undo else ()
         return tuple(map(str, head + tail))
@@ -842,7 +847,7 @@ class RotatingKVCache:
         meta_state, or counters that do not fit the rows (the checks of
         :meth:`restore`).
 
-        Rule: ``spec.rotating.w_reload`` (semantics.md 3, "restore clears the log")."""
+        Rule: ``kvspec.spec.rotating.w_reload`` (semantics.md 3, "restore clears the log")."""
         return cls._from_parts("from_state", *_state_pair("from_state", state), meta_state)
 
     @classmethod
@@ -865,13 +870,13 @@ class RotatingKVCache:
 
     def size(self) -> int:
         """Rows a reader sees, ``min(offset, max_size)`` (mlx-lm's ``size()`` of a ring). Rule:
-        ``spec.rotating.visible_positions`` (semantics.md 3, "what a reader sees")."""
+        ``kvspec.spec.rotating.visible_positions`` (semantics.md 3, "what a reader sees")."""
         return min(self.offset, self.max_size)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
         """mlx-lm's name for reading the valid rows without writing: :meth:`fetch`.
 
-        Rule: ``spec.rotating.chronological_order`` (semantics.md 3, "what a reader sees")."""
+        Rule: ``kvspec.spec.rotating.chronological_order`` (semantics.md 3, "what a reader sees")."""
         return self.fetch()
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> Any:
@@ -901,10 +906,10 @@ class RotatingKVCache:
     @classmethod
     def merge(cls, caches: Any) -> Any:
         """mlx-lm's batching hook (``_merge_caches``): one batch ring from one
-        ring per sequence, ``impl.batch.batch_rotating_class().merge``
-        (spec.batch.merge; no sinks, one window size)."""
-        # impl.batch builds on this module; looked up at call time (no import cycle)
-        return importlib.import_module("impl.batch").batch_rotating_class().merge(caches)
+        ring per sequence, ``kvspec.impl.batch.batch_rotating_class().merge``
+        (kvspec.spec.batch.merge; no sinks, one window size)."""
+        # kvspec.impl.batch builds on this module; looked up at call time (no import cycle)
+        return importlib.import_module("kvspec.impl.batch").batch_rotating_class().merge(caches)
 
     @classmethod
     def from_mlx_lm(cls, c: Any, step: int = 256) -> RotatingKVCache:
@@ -914,7 +919,7 @@ class RotatingKVCache:
         block). Raises InvalidArgumentError when its counters do not fit its
         rows.
 
-        Rule: ``spec.rotating.ring_slot`` (semantics.md 3, "where a decode writes")."""
+        Rule: ``kvspec.spec.rotating.ring_slot`` (semantics.md 3, "where a decode writes")."""
         if c.keys is None:
             return cls(max_size=c.max_size, keep=c.keep, step=step)
         rows = min(int(c.offset), int(c.keys.shape[SEQ_AXIS]))
@@ -922,7 +927,7 @@ class RotatingKVCache:
         return cls.from_state(state, tuple(str(int(x)) for x in (c.keep, c.max_size, step, c.offset, c._idx)))
 
     def empty(self) -> bool:
-        """True when the ring holds no buffers. Rule: ``spec.rotating.new_cache`` (semantics.md 3,
+        """True when the ring holds no buffers. Rule: ``kvspec.spec.rotating.new_cache`` (semantics.md 3,
         "new ring")."""
         return self.keys is None
 

@@ -1,5 +1,5 @@
-"""Dense MLX KV caches in the Turbo modes (spec: ``spec.dense`` for the
-abstract window, ``spec.turbo`` for the physical layout).
+"""Dense MLX KV caches in the Turbo modes (spec: ``kvspec.spec.dense`` for the
+abstract window, ``kvspec.spec.turbo`` for the physical layout).
 
 * :class:`TurboKVCache`, modes ``turbo4asym`` and ``turbo3asym`` (K kept in
   the incoming float dtype, V quantized at 4 or 3 bits) and ``turbo4`` (K
@@ -37,8 +37,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl import turbo_quant as tq
-from impl.dense import (
+from kvspec.impl import turbo_quant as tq
+from kvspec.impl.dense import (
     SEQ_AXIS,
     KVCache,
     _check_index_list,
@@ -50,7 +50,7 @@ from impl.dense import (
     regrow_capacity,
     write_rows_copy,
 )
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 TURBO_MODES = ("turbo4asym", "turbo4", "turbo3asym")
 DELEGATED = "turbo4delegated"
@@ -101,21 +101,21 @@ class TurboSnapshot:
 
     @property
     def live_len(self) -> int:
-        """Rows the snapshot sees, ``offset - live_start``. Rule: ``spec.dense.holder_of``
+        """Rows the snapshot sees, ``offset - live_start``. Rule: ``kvspec.spec.dense.holder_of``
         (semantics.md 2, "snapshot")."""
         return self.offset - self.live_start
 
     @property
     def buffers(self) -> Store | None:
         """The stored arrays the snapshot shares with the cache it was taken from (packed codes,
-        norms, rescales, unquantized rows), or None. Rule: ``spec.turbo.array_names`` (semantics.md
+        norms, rescales, unquantized rows), or None. Rule: ``kvspec.spec.turbo.array_names`` (semantics.md
         2, "Turbo row storage")."""
         return self.store
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The window ``[B, H, live_len, D]`` in the stored dtype, or None.
 
-        Rule: ``spec.dense.view_of`` (semantics.md 5, "rule 3")."""
+        Rule: ``kvspec.spec.dense.view_of`` (semantics.md 5, "rule 3")."""
         if self.store is None:
             return None
         return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim,
@@ -132,7 +132,7 @@ class TurboHandle(TurboSnapshot):
         (Delegated: hot rows first, then cold). Returns the rows removed.
         Raises InvalidArgumentError unless ``0 <= length <= offset``.
 
-        Rule: ``spec.dense.handle_trim_to``, ``spec.turbo.trim_split`` (semantics.md 2,
+        Rule: ``kvspec.spec.dense.handle_trim_to``, ``kvspec.spec.turbo.trim_split`` (semantics.md 2,
         "handle trim")."""
         length = _check_int("handle_trim_to", "len", length)
         if length < 0 or length > self.offset:
@@ -173,8 +173,8 @@ def window(mode: str, store: Store, live: int, cold_offset: int, dtype: mx.Dtype
 def physical_trim(mode: str, store: Store | None, live: int, cold_offset: int, n: int) -> tuple[Store | None, int]:
     """Remove the last ``n`` of ``live`` rows (``0 < n <= live``) by cutting
     every array to exactly the rows that stay; Delegated takes the hot rows
-    first, then cold ones (spec.turbo.trim_split; the rows left are
-    spec.turbo.array_rows). Returns (store or None when nothing stays, new
+    first, then cold ones (kvspec.spec.turbo.trim_split; the rows left are
+    kvspec.spec.turbo.array_rows). Returns (store or None when nothing stays, new
     cold_offset)."""
     keep = live - n
     if keep == 0 or store is None:
@@ -280,8 +280,8 @@ class _TurboBase:
         return {"keys": keys}
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``S`` rows and return the window (spec.dense.append; the
-        physical layout follows spec.turbo).
+        """Append ``S`` rows and return the window (kvspec.spec.dense.append; the
+        physical layout follows kvspec.spec.turbo).
 
         ``keys``: ``[B, H, S, Dk]``, ``values``: ``[B, H, S, Dv]``, one of
         float16/bfloat16/float32 for both. Returns ``[B, H, live_len, D]``
@@ -314,7 +314,7 @@ class _TurboBase:
         return window(self.mode, self.store, self.live_len, self.cold_offset, self.dtype, self.k_dim, self.v_dim,
                       self._unpack)
 
-    #: the index packer and its inverse (impl.turbo_quant)
+    #: the index packer and its inverse (kvspec.impl.turbo_quant)
     _pack = staticmethod(tq.pack_indices)
     _unpack = staticmethod(tq.unpack_indices)
 
@@ -331,7 +331,7 @@ class _TurboBase:
         """Remove ``n`` rows from the end, physically: every buffer and
         sidecar is cut to exactly the live rows (Delegated: hot rows first,
         then cold). ``n`` is clamped to ``[0, live_len]``. Returns the rows
-        removed (spec.dense.trim, spec.turbo.trim)."""
+        removed (kvspec.spec.dense.trim, kvspec.spec.turbo.trim)."""
         n = _check_int("trim", "n", n)
         n = max(0, min(n, self.live_len))
         if n == 0:
@@ -357,7 +357,7 @@ class _TurboBase:
 
     def trim_front_keep_sink(self, n: int, keep: int = 0) -> int:
         """Not defined in the Turbo modes: returns 0 and changes nothing
-        (spec.dense.supports_front_trim). Raises InvalidArgumentError for
+        (kvspec.spec.dense.supports_front_trim). Raises InvalidArgumentError for
         non-integer arguments."""
         _check_int("trim_front", "n", n)
         _check_int("trim_front", "keep", keep)
@@ -457,7 +457,7 @@ class _TurboBase:
         """The live arrays, sorted by name (see :meth:`state_names`); K's
         buffer is cut to the live rows. Empty when the cache is empty.
         Refused to mlx-lm's ``save_prompt_cache``
-        (impl.dense.refuse_foreign_save)."""
+        (kvspec.impl.dense.refuse_foreign_save)."""
         refuse_foreign_save(self)
         if self.store is None:
             return ()
@@ -547,7 +547,7 @@ class _TurboBase:
         return 0 if self.store is None else sum(a.nbytes for a in self.store.values())
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
-        """As :meth:`impl.dense.KVCache.make_mask`."""
+        """As :meth:`kvspec.impl.dense.KVCache.make_mask`."""
         return KVCache.make_mask(self, N, window_size, return_array)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -643,7 +643,7 @@ class TurboKVCache(_TurboBase):
     Args:
         mode: one of :data:`TURBO_MODES`.
         step: growth granularity in rows (>= 1); the regrow rule of
-            spec.dense applies to every buffer and sidecar at once.
+            kvspec.spec.dense applies to every buffer and sidecar at once.
         inplace: accepted for a uniform factory signature; ignored (Turbo
             writes always copy).
 
@@ -657,7 +657,7 @@ class TurboKVCache(_TurboBase):
         super().__init__(mode, step)
 
     def _appended(self, keys: mx.array, values: mx.array, n: int) -> tuple[Store, int]:
-        """Regrow rule (spec.dense.regrow_needed/regrow_capacity) and a
+        """Regrow rule (kvspec.spec.dense.regrow_needed/regrow_capacity) and a
         copying write of the encoded rows at ``[prev, prev + n)`` into every
         array."""
         rows = {**self._encode_keys(keys), **_as_store(self._quantize(values, tq.V_SEED), "v_")}
@@ -678,7 +678,7 @@ class TurboKVCache(_TurboBase):
         len(positions)``; every array cut to exactly those rows. The identity
         list is a no-op. Returns the new live_len. Raises
         InvalidArgumentError unless the positions are non-empty, strictly
-        increasing and inside ``[0, live_len)`` (spec.dense.gather_positions)."""
+        increasing and inside ``[0, live_len)`` (kvspec.spec.dense.gather_positions)."""
         positions = [_check_int("gather_positions", "positions", p)
                      for p in _check_list("gather_positions", "positions", positions)]
         _check_index_list("gather_positions", "positions", positions, 0, self.live_len)
@@ -695,7 +695,7 @@ class TurboKVCache(_TurboBase):
         tail), in order; every array cut to exactly the live rows. Returns
         the new live_len. Raises InvalidArgumentError unless ``0 < tail_len
         <= live_len`` and kept is non-empty, strictly increasing and inside
-        ``[0, tail_len)`` (spec.dense.gather_within_tail)."""
+        ``[0, tail_len)`` (kvspec.spec.dense.gather_within_tail)."""
         tail_len = _check_int("gather_within_tail", "tail_len", tail_len)
         if tail_len <= 0 or tail_len > self.live_len:
             raise InvalidArgumentError(
@@ -715,9 +715,9 @@ class TurboKVCache(_TurboBase):
 class DelegatedKVCache(_TurboBase):
     """Dense cache in mode ``turbo4delegated``: K in the incoming float
     dtype (capacity grows by ``step``), V as a cold 4-bit prefix of
-    ``cold_offset`` rows plus a hot float part (spec.turbo).
+    ``cold_offset`` rows plus a hot float part (kvspec.spec.turbo).
 
-    Fold schedule (spec.turbo.fold_schedule): at a single-row append when
+    Fold schedule (kvspec.spec.turbo.fold_schedule): at a single-row append when
     ``cold_offset == 0`` and the cache holds rows, every held row folds cold
     (the handoff after a prefill), then the new row is written hot; after
     every append, while hot exceeds ``hot_threshold`` the oldest
@@ -746,14 +746,14 @@ class DelegatedKVCache(_TurboBase):
     @property
     def hot_len(self) -> int:
         """Live rows not yet folded cold (unquantized V), ``live_len - cold_offset``. Rule:
-        ``spec.turbo.fold_schedule`` (semantics.md 2, "Delegated fold schedule")."""
+        ``kvspec.spec.turbo.fold_schedule`` (semantics.md 2, "Delegated fold schedule")."""
         return self.live_len - self.cold_offset
 
     def _extra_meta(self) -> tuple[str, ...]:
         return (str(self.hot_threshold), str(self.fold_block))
 
     def _appended(self, keys: mx.array, values: mx.array, n: int) -> tuple[Store, int]:
-        """K: regrow rule and a copying write. V: ``spec.turbo.fold_schedule``
+        """K: regrow rule and a copying write. V: ``kvspec.spec.turbo.fold_schedule``
         says how many of the oldest hot rows (old ones, then new ones) fold
         cold; those are quantized (each row on its own) and appended to the
         cold arrays, the rest stay hot."""
@@ -782,7 +782,7 @@ class DelegatedKVCache(_TurboBase):
 
     def _fold_count(self, prev: int, n: int) -> int:
         """Rows that fold cold at an append of ``n`` rows to ``prev`` live
-        rows: the rule of spec.turbo.fold_schedule (a loop of block folds
+        rows: the rule of kvspec.spec.turbo.fold_schedule (a loop of block folds
         there), in closed form here so that the two are written apart. At a
         handoff (``n == 1``, nothing cold, rows held) every held row folds;
         then, with ``hot`` rows hot, ``k = ceil((hot - T) / B)`` blocks
@@ -800,19 +800,19 @@ class DelegatedKVCache(_TurboBase):
         """Refused in Turbo4Delegated (UnsupportedOperationError), the
         identity list included; nothing changes.
 
-        Rule: ``spec.dense.supports_gather`` (semantics.md 2, "Delegated gathers")."""
+        Rule: ``kvspec.spec.dense.supports_gather`` (semantics.md 2, "Delegated gathers")."""
         raise UnsupportedOperationError(f"gather_positions: not supported in mode {self.mode}")
 
     def gather_within_tail(self, tail_len: int, kept: list[int]) -> int:
         """Refused in Turbo4Delegated (UnsupportedOperationError).
 
-        Rule: ``spec.dense.supports_gather`` (semantics.md 2, "Delegated gathers")."""
+        Rule: ``kvspec.spec.dense.supports_gather`` (semantics.md 2, "Delegated gathers")."""
         raise UnsupportedOperationError(f"gather_within_tail: not supported in mode {self.mode}")
 
 
 def make_cache(mode: str = "fp16", step: int = 256, inplace: bool | None = None, **kw: Any) -> Any:
     """A dense-kind cache for any mode of semantics.md 2: ``fp16``/``int8``
-    -> :class:`impl.dense.KVCache`; ``turbo4asym``/``turbo4``/``turbo3asym``
+    -> :class:`kvspec.impl.dense.KVCache`; ``turbo4asym``/``turbo4``/``turbo3asym``
     -> :class:`TurboKVCache`; ``turbo4delegated`` -> :class:`DelegatedKVCache`
     (``hot_threshold``, ``fold_block`` keywords). Raises
     UnsupportedOperationError for an unknown mode, InvalidArgumentError for

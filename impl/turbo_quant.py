@@ -12,7 +12,7 @@ Per row ``x`` of ``head_dim = d`` coordinates:
    +-1 sign vectors from a seeded LCG (:func:`sign_vectors`);
 4. each ``y_i`` is replaced by the index of its nearest centroid of the
    Lloyd-Max codebook for N(0, 1/d) (16 levels at 4 bits, 8 at 3 bits;
-   :mod:`impl.codebooks`);
+   :mod:`kvspec.impl.codebooks`);
 5. the indices are packed: 4 bits two per byte, even coordinate in the low
    nibble; 3 bits eight per three bytes, as the little-endian bytes of the
    24-bit word ``sum_j idx_j << 3j``;
@@ -49,13 +49,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from impl import fused, write
-from impl.codebooks import unit_centroids
-from impl.fused import elementwise
-from spec.errors import InvalidArgumentError
+from kvspec.impl import fused, write
+from kvspec.impl.codebooks import unit_centroids
+from kvspec.impl.fused import elementwise
+from kvspec.spec.errors import InvalidArgumentError
 
 #: Largest head dim the quantizer takes (the Walsh-Hadamard rotation's
-#: length); the spec states the same bound (``spec.turbo.MAX_HEAD_DIM``).
+#: length); the spec states the same bound (``kvspec.spec.turbo.MAX_HEAD_DIM``).
 MAX_HEAD_DIM = 8192
 
 # Seeds of the sign vectors. Turbo4 rotates K with its own pair (K_SEED);
@@ -87,7 +87,7 @@ def sign_vectors(head_dim: int, seed: int) -> tuple[tuple[int, ...], tuple[int, 
 
 
 def check_head_dim(name: str, head_dim: int, bits: int) -> None:
-    """Shape rules of the quantizer (spec.turbo.check_head_dim): raises
+    """Shape rules of the quantizer (kvspec.spec.turbo.check_head_dim): raises
     InvalidArgumentError naming ``name`` (the argument, e.g. ``values``)
     when ``head_dim`` is not a power of two in ``[2, 8192]``, or, at 3 bits,
     not a multiple of 8."""
@@ -190,7 +190,7 @@ class Quantized:
 
     def arrays(self) -> tuple[mx.array, ...]:
         """The stored arrays in order: packed indices (uint8), norms (float32) and, at 4 bits,
-        rescales (float32). Rule: ``spec.turbo.array_names`` (semantics.md 2,
+        rescales (float32). Rule: ``kvspec.spec.turbo.array_names`` (semantics.md 2,
         "Turbo row storage")."""
         return tuple(a for a in (self.packed, self.norm, self.rescale) if a is not None)
 
@@ -220,7 +220,7 @@ def _decode_quantizer(bits: int, seed: int) -> Any:
     """:func:`_quantize` compiled (``mx.compile``, traced once per input
     shape: a decoder's rows have one shape). MLX fuses its elementwise runs
     between the reductions, the Hadamard transform and the gathers, which
-    stay as they are, so the bytes are the op-by-op ones (impl.fused's
+    stay as they are, so the bytes are the op-by-op ones (kvspec.impl.fused's
     argument: no addition of a product is fused; MLX 0.32 fuses nothing into
     a reduction)."""
     return mx.compile(lambda x: _quantize(x, bits, seed, pack_indices).arrays())
@@ -275,7 +275,7 @@ def _pair_index(packed: mx.array, offsets: mx.array) -> mx.array:
 @cache
 def _scaled(dtype: mx.Dtype) -> Any:
     """``clip((h * D1) * rescale)`` in ``dtype``: the 4-bit dequantizer
-    after its Hadamard transform, one kernel on CUDA (impl.fused). Casting
+    after its Hadamard transform, one kernel on CUDA (kvspec.impl.fused). Casting
     before clipping to ``dtype``'s finite range equals clipping before
     casting (the cast is monotone and keeps the bound), in half the bytes."""
     top = float(mx.finfo(dtype).max)

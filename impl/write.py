@@ -1,8 +1,8 @@
 """The write layer: every cache writes rows through these two functions.
 
-Two writes, chosen by the caller's ownership rule (``spec.dense.
-inplace_write_allowed``, ``spec.rotating.rotating_inplace_allowed``,
-``spec.paged.write_in_place``), which this module never second-guesses:
+Two writes, chosen by the caller's ownership rule (``kvspec.spec.dense.
+inplace_write_allowed``, ``kvspec.spec.rotating.rotating_inplace_allowed``,
+``kvspec.spec.paged.write_in_place``), which this module never second-guesses:
 
 * :func:`write_inplace` writes rows into the memory of an evaluated buffer.
   Every array that shares that memory (a snapshot, a held window, a forked
@@ -78,7 +78,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from spec.errors import InvalidArgumentError
+from kvspec.spec.errors import InvalidArgumentError
 
 Index = tuple[Any, ...]
 

@@ -1,4 +1,4 @@
-"""Obligation 13: the batch layout (semantics.md 7, ``spec.batch``).
+"""Obligation 13: the batch layout (semantics.md 7, ``kvspec.spec.batch``).
 
 For batches of ``B`` (3) sequences, any lengths, paddings and counts:
 
@@ -33,8 +33,8 @@ from typing import Any
 
 import z3
 
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import Domain
 
 B = 3
 REQUIRED = ("merge", "filter", "extend", "append_ragged", "announced_block", "trim_count", "visible", "offsets")
@@ -42,7 +42,7 @@ REQUIRED = ("merge", "filter", "extend", "append_ragged", "announced_block", "tr
 
 def available() -> bool:
     try:
-        from spec import batch as sb
+        from kvspec.spec import batch as sb
     except ImportError:
         return False
     return all(hasattr(sb, name) for name in REQUIRED)
@@ -75,7 +75,7 @@ def _max(xs: list[Any]) -> Any:
     return out
 
 
-# -- the model of spec.batch (tests/test_proofs_fidelity_batch.py samples it against the spec) --
+# -- the model of kvspec.spec.batch (tests/test_proofs_fidelity_batch.py samples it against the spec) --
 def merge(lengths: list[Any], rules: BatchRules = SPEC) -> tuple[Any, list[Any]]:
     longest = _max(lengths)
     pads = [longest - n + (rules.merge_shift if i == 1 else 0) for i, n in enumerate(lengths)]
@@ -110,7 +110,7 @@ def append_ragged(idx: Any, pads: list[Any], lengths: list[Any]) -> tuple[Any, l
 def announced_block(idx: Any, pads: list[Any], left: list[Any], n: Any,
                     rules: BatchRules = SPEC) -> tuple[Any, Any, list[Any]]:
     """(refused, idx, pads) after announced padding ``left`` and a block of
-    ``n`` on an empty batch (``spec.batch.announced_block``): refused when a
+    ``n`` on an empty batch (``kvspec.spec.batch.announced_block``): refused when a
     padding passes the block, and then the layout is the one before (under
     the control: the block's idx and padding anyway)."""
     grown = [p + q for p, q in zip(pads, left)]

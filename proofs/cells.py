@@ -1,5 +1,5 @@
-"""Obligations 17 to 21: the cells kind's invariants (``spec.cells``;
-semantics.md 10, docs/cells.md). Encodings are in :mod:`proofs.cells_model`.
+"""Obligations 17 to 21: the cells kind's invariants (``kvspec.spec.cells``;
+semantics.md 10, docs/cells.md). Encodings are in :mod:`kvspec.proofs.cells_model`.
 
 Bounded models: a store of N = 3 cells (present or lost) and S = 2 sequence
 ids; positions, ranges, deltas, divisors and windows are unbounded integers
@@ -48,7 +48,7 @@ from typing import Any
 
 import z3
 
-from proofs.cells_model import (
+from kvspec.proofs.cells_model import (
     SPEC,
     N,
     Rules,
@@ -75,8 +75,8 @@ from proofs.cells_model import (
     window_ok,
     write,
 )
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import Domain
 
 TITLES = {17: "cell freed exactly when its set is empty", 18: "per-sequence positions unique",
           19: "cells refusals change nothing", 20: "position shifts compose", 21: "windowed removal bound"}

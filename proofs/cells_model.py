@@ -1,4 +1,4 @@
-"""Z3 encodings of the cells kind's rules (``spec.cells``), for obligations
+"""Z3 encodings of the cells kind's rules (``kvspec.spec.cells``), for obligations
 17 to 21 (``proofs/cells.py``).
 
 A store is a bounded model: :data:`N` cells and :data:`S` sequence ids
@@ -10,7 +10,7 @@ pending shift an implementation keeps) and ``rot[i]`` (the position its K
 row is rotated for). The model's cells are the store's present and lost
 cells; which physical slot a cell takes is not observable and not modelled.
 
-Every op is the spec's rule (``spec.cells``); a field of :class:`Rules`
+Every op is the spec's rule (``kvspec.spec.cells``); a field of :class:`Rules`
 other than its default is a negative control (a known bug or a weakened
 rule), which the obligation must refute. Positions a store keeps (``pos +
 delta``, ``pos0``, a pending shift) are stored values: in bv32 the run
@@ -25,7 +25,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
+from kvspec.proofs.domain import Domain
 
 #: cells per store and sequence ids in the bounded models
 N, S = 3, 2
@@ -218,7 +218,7 @@ def write(st: Store, i: int, group: tuple[Any, ...], p: Any, lost: Any = False) 
 
 
 def out_of_window_encoded(d: Domain, pos: Any, top: Any, w: Any, rules: Rules = SPEC) -> Any:
-    """``spec.cells.out_of_window(pos, top, w)``: ``(top + 1) - pos >= w``
+    """``kvspec.spec.cells.out_of_window(pos, top, w)``: ``(top + 1) - pos >= w``
     (the control ``drop_slack``: ``>= w - slack``)."""
     nxt = d.stored("pos_max + 1", lambda dd, v: dd.add(v, 1, "pos_max + 1"), top)
     return d.sub(nxt, pos, "pos_max + 1 - pos") >= w - rules.drop_slack
@@ -226,7 +226,7 @@ def out_of_window_encoded(d: Domain, pos: Any, top: Any, w: Any, rules: Rules = 
 
 def droppable(d: Domain, st: Store, i: int, w: Any, rules: Rules = SPEC) -> Any:
     """Cell ``i`` (present) is held by exactly one sequence h and ``pos_max(h)
-    + 1 - pos >= w`` (``spec.cells.out_of_window``)."""
+    + 1 - pos >= w`` (``kvspec.spec.cells.out_of_window``)."""
     alts = []
     for h in range(S):
         only = z3.And(st.mem[i][h], *[z3.Not(st.mem[i][j]) for j in range(S) if j != h])
@@ -267,7 +267,7 @@ def restore(st: Store, dst: Any, snap: tuple[Any, ...], cells: tuple[int, ...], 
 
 def restore_reusing(d: Domain, st: Store, dst: Any, snap: tuple[Any, ...], cells: tuple[int, ...], k: int, w: Any,
                     reuse: Any, rules: Rules = SPEC) -> tuple[Store, Any, Store]:
-    """``(cleared, dropped, store)``: ``spec.cells.restore`` as llama.cpp's
+    """``(cleared, dropped, store)``: ``kvspec.spec.cells.restore`` as llama.cpp's
     ``state_read_meta`` finds room: ``dst`` cleared, then cell ``k`` of the
     cleared store, when ``reuse`` is chosen and the cell is droppable there
     (held by one sequence, out of its window), becomes lost for its holder
@@ -297,7 +297,7 @@ def same_shifted(a: Store, b: Store) -> Any:
 
 
 def rm_accepted(d: Domain, st: Store, new: Store, s: Any, p0: Any, inf: Any, w: Any, rules: Rules = SPEC) -> Any:
-    """``spec.cells.seq_rm``'s window rule for ``s`` (the store holds the
+    """``kvspec.spec.cells.seq_rm``'s window rule for ``s`` (the store holds the
     rule before: then "refused iff the logical positions changed and a lost
     one is in the next window" is "whole removal, or no lost position in the
     next window after it"). Controls: ``always`` (llama.cpp returns true),

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from proofs.core import ObligationResult
+from kvspec.proofs.core import ObligationResult
 
 
 def waiting(number: int, name: str, proves: tuple[str, ...], statement: str, waits_for: str) -> ObligationResult:
@@ -44,15 +44,15 @@ TITLES = {1: "ownership soundness", 2: "ring slot and warm-up in place", 3: "reg
 
 def obligations() -> list[tuple[int, Any]]:
     """(number, thunk) for every obligation, in number order."""
-    from proofs import dense
+    from kvspec.proofs import dense
 
     out: list[tuple[int, Any]] = list(dense.OBLIGATIONS)
     try:
-        from proofs import rotating
+        from kvspec.proofs import rotating
     except ImportError:
         rotating = None  # type: ignore[assignment]
     if rotating is not None and rotating.available():
-        from proofs import rotating_undo
+        from kvspec.proofs import rotating_undo
 
         out += rotating.OBLIGATIONS + rotating_undo.OBLIGATIONS
     else:
@@ -60,15 +60,15 @@ def obligations() -> list[tuple[int, Any]]:
                                        "ring slots, chronological order and the warm-up in-place rule", "spec/rotating.py")))
         out.append((7, lambda: waiting(7, "sliding-window mask", ("mask_visible",),
                                        "each query sees min(query + 1, window) keys, sinks always", "spec/rotating.py")))
-    from proofs import turbo
+    from kvspec.proofs import turbo
 
     out += turbo.OBLIGATIONS
-    from proofs import layers
+    from kvspec.proofs import layers
 
     if layers.available():
         out += layers.OBLIGATIONS
     try:
-        from proofs import paged
+        from kvspec.proofs import paged
     except ImportError:
         paged = None  # type: ignore[assignment]
     if paged is not None and paged.available():
@@ -77,20 +77,20 @@ def obligations() -> list[tuple[int, Any]]:
         out.append((6, lambda: waiting(6, "paged copy on write", ("(paged spec)",),
                                        "a block is written in place only when exactly one sequence holds it",
                                        "a paged spec (spec/paged.py)")))
-    from proofs import batch
+    from kvspec.proofs import batch
 
     if batch.available():
         out += batch.OBLIGATIONS
-    from proofs import models
+    from kvspec.proofs import models
 
     out += models.OBLIGATIONS
-    from proofs import recurrent
+    from kvspec.proofs import recurrent
 
     out += recurrent.OBLIGATIONS
-    from proofs import cells
+    from kvspec.proofs import cells
 
     out += cells.OBLIGATIONS
-    from proofs import prefix
+    from kvspec.proofs import prefix
 
     out += prefix.OBLIGATIONS
     return sorted(out, key=lambda x: x[0])
@@ -117,7 +117,7 @@ def select(only: list[str], known: set[int]) -> list[int]:
 def run_all(only: set[int] | None = None, progress: Any = None) -> list[ObligationResult]:
     """Run the obligations (``only``: these numbers); ``progress(result)``
     after each."""
-    from proofs.domain import reset_names
+    from kvspec.proofs.domain import reset_names
 
     results = []
     for number, thunk in obligations():
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(set(args.only) if args.only else None, progress)
         ch = None
         if args.crosshair:
-            from proofs import crosshair_run
+            from kvspec.proofs import crosshair_run
 
             print("prove: CrossHair on spec/ contracts ...", file=sys.stderr, flush=True)
             ch = crosshair_run.run()

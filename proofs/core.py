@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proofs.domain import BV32, DOMAINS, INT, Check, Domain, check_valid
+from kvspec.proofs.domain import BV32, DOMAINS, INT, Check, Domain, check_valid
 
 # A part builds (premises, goal) in a fresh domain.
 PartBuilder = Callable[[Domain], tuple[list[Any], Any]]
@@ -33,7 +33,7 @@ class PartResult:
     reason: str = ""
     counterexample: dict[str, Any] | None = None
     #: Z3 resource units (``rlimit``) the part's checks used and were given
-    #: (``proofs.domain.check_valid``): the verdict's budget, not seconds
+    #: (``kvspec.proofs.domain.check_valid``): the verdict's budget, not seconds
     units: int = 0
     units_given: int = 0
 
@@ -117,7 +117,7 @@ class ObligationResult:
     @property
     def units_given(self) -> int:
         """The units one check of its parts may use (its rlimit, over the
-        seeds of ``proofs.domain.SEEDS``; the largest where parts differ)."""
+        seeds of ``kvspec.proofs.domain.SEEDS``; the largest where parts differ)."""
         return max((p.units_given for p in self.parts), default=0)
 
     def rerun(self) -> str:

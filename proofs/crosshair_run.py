@@ -8,12 +8,12 @@ time limit), *precondition unmet* (CrossHair found no input satisfying the
 ``pre:`` lines in time) or a *counterexample* (an ``error:`` line: a
 contract is false).
 
-``crosshair diffbehavior spec.dense.regrow_capacity
-impl.dense.regrow_capacity`` compares the spec's regrow rule with the
-implementation's pure helper (impl.dense imports MLX at module level, which
+``crosshair diffbehavior kvspec.spec.dense.regrow_capacity
+kvspec.impl.dense.regrow_capacity`` compares the spec's regrow rule with the
+implementation's pure helper (kvspec.impl.dense imports MLX at module level, which
 is cheap; CrossHair only executes the two integer functions, never MLX code).
 Its negative control diffs the spec against
-``proofs.crosshair_run.regrow_capacity_multiple_of_step`` (capacity rounded
+``kvspec.proofs.crosshair_run.regrow_capacity_multiple_of_step`` (capacity rounded
 up to a multiple of step, a common misreading): CrossHair must find a
 difference, or the diff proves nothing.
 
@@ -30,7 +30,7 @@ not explained, or a precondition CrossHair cannot meet, fails the run; such
 a function is first run once more alone with three times the per-condition
 limit (on a loaded machine a confirmation can miss the limit).
 
-Usage: ``python -m proofs.crosshair_run [--json] [--timeout N]``.
+Usage: ``python -m kvspec.proofs.crosshair_run [--json] [--timeout N]``.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: PYTHONPATH (the GPU machine) no ``crosshair`` script is installed.
 CROSSHAIR = [sys.executable, "-m", "crosshair"]
 LINE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<level>\w+): (?P<msg>.*)$")
-DIFF_TARGET = ("spec.dense.regrow_capacity", "impl.dense.regrow_capacity")
-DIFF_CONTROL = ("spec.dense.regrow_capacity", "proofs.crosshair_run.regrow_capacity_multiple_of_step")
+DIFF_TARGET = ("kvspec.spec.dense.regrow_capacity", "kvspec.impl.dense.regrow_capacity")
+DIFF_CONTROL = ("kvspec.spec.dense.regrow_capacity", "kvspec.proofs.crosshair_run.regrow_capacity_multiple_of_step")
 
 
 def regrow_capacity_multiple_of_step(prev: int, n: int, step: int) -> int:
@@ -234,7 +234,7 @@ def contract_functions(path: Path) -> list[tuple[str, int, list[tuple[int, str]]
 
 def check_file(path: Path, per_condition_timeout: float) -> tuple[list[Condition], list[str]]:
     rel = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-    module = rel.removesuffix(".py").replace("/", ".")
+    module = "kvspec." + rel.removesuffix(".py").replace("/", ".")
     conds, errors = [], []
     targets, skipped = [], False
     for name, _line, lines in contract_functions(path):
@@ -319,7 +319,7 @@ def run(per_condition_timeout: float = 10.0, diff_timeout: float = 10.0, files: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proofs.crosshair_run")
+    parser = argparse.ArgumentParser(prog="python -m kvspec.proofs.crosshair_run")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-condition timeout (CPU seconds)")
     args = parser.parse_args(argv)

@@ -3,9 +3,9 @@ append, 5 front trim. Each names the spec functions it proves; each negative
 control names the buggy rule it refutes.
 
 Reading guide: a *part* is one validity check ``premises => goal`` built in a
-fresh :class:`~proofs.domain.Domain`; ``run_parts`` checks it over unbounded
+fresh :class:`~kvspec.proofs.domain.Domain`; ``run_parts`` checks it over unbounded
 integers and in 32-bit two's-complement arithmetic (``bv32``). States are :class:`CacheS` values of
-Z3 variables; transitions are the encodings in :mod:`proofs.dense_model`.
+Z3 variables; transitions are the encodings in :mod:`kvspec.proofs.dense_model`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from typing import Any
 
 import z3
 
-from proofs import dense_controls, traces
-from proofs.core import (
+from kvspec.proofs import dense_controls, traces
+from kvspec.proofs.core import (
     ObligationResult,
     PartBuilder,
     control_from_parts,
     overall,
     run_parts,
 )
-from proofs.dense_model import (
+from kvspec.proofs.dense_model import (
     FP16,
     INT8,
     MODES,
@@ -53,7 +53,7 @@ from proofs.dense_model import (
     trim_is_logical,
     trim_to,
 )
-from proofs.domain import INT, Domain, solver
+from kvspec.proofs.domain import INT, Domain, solver
 
 ZERO_ROW = -1  # token identity of a zero row nobody wrote
 

@@ -2,8 +2,8 @@
 
 Each function is the spec function it replaces with exactly one rule broken,
 under the negative control's name. :func:`patches` maps a
-:class:`proofs.dense_model.Rules` to the spec functions to swap in
-(:func:`proofs.traces.patched`), so a counterexample found by Z3 on the
+:class:`kvspec.proofs.dense_model.Rules` to the spec functions to swap in
+(:func:`kvspec.proofs.traces.patched`), so a counterexample found by Z3 on the
 encoding is replayed on the spec's own code with the same bug.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from proofs.dense_model import Rules
-from spec import dense as sd
+from kvspec.proofs.dense_model import Rules
+from kvspec.spec import dense as sd
 
 
 def inplace_no_length_check(cache: sd.DenseCache, n: int) -> bool:

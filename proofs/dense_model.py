@@ -1,4 +1,4 @@
-"""Z3 encodings of the dense cache's spec functions (``spec.dense``).
+"""Z3 encodings of the dense cache's spec functions (``kvspec.spec.dense``).
 
 One function here per spec function, under the same name and with the same
 arguments, except that a domain comes first and a state is a
@@ -9,7 +9,7 @@ arguments, except that a domain comes first and a state is a
 * ``append``, ``trim``, ``trim_to``, ``trim_front_keep_sink``,
   ``gather_positions``, ``gather_within_tail``;
 * ``holder_of``, ``adopt``, ``is_empty``, ``handle_trim_to`` and
-  ``detach`` (``spec.dense.w_detach``).
+  ``detach`` (``kvspec.spec.dense.w_detach``).
 
 What is abstracted, and why it is faithful:
 
@@ -24,7 +24,7 @@ What is abstracted, and why it is faithful:
 
 Buggy variants used by the negative controls are selected by :class:`Rules`;
 ``Rules()`` is the spec. ``tests/test_proofs_fidelity.py`` evaluates every
-function here on concrete states and compares it with ``spec.dense``.
+function here on concrete states and compares it with ``kvspec.spec.dense``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
-from spec.dense import Mode
+from kvspec.proofs.domain import Domain
+from kvspec.spec.dense import Mode
 
 MODES: tuple[Mode, ...] = tuple(Mode)
 

@@ -19,7 +19,7 @@ Kept sequences (``range`` concatenations, slices) are compared by
 membership of an arbitrary index ``i``: both sides are increasing sequences
 of distinct integers, so equal membership means equal sequences.
 
-``python -m proofs.equivalents`` prints the table; ``tests/test_equivalents.py``
+``python -m kvspec.proofs.equivalents`` prints the table; ``tests/test_equivalents.py``
 requires every check proved with its control refuted.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import solver
+from kvspec.proofs.domain import solver
 
 Ints = dict[str, Any]
 
@@ -73,12 +73,12 @@ class Equivalence:
 
 
 def _wrap(idx: Any, W: Any, K: Any) -> Any:
-    """Step 3 of a decode (spec.rotating.decode): a cursor at or past W wraps to K."""
+    """Step 3 of a decode (kvspec.spec.rotating.decode): a cursor at or past W wraps to K."""
     return z3.If(idx >= W, K, idx)
 
 
 def _visible(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.rotating.visible_positions: `offset <= W` -> `offset < W`
+    # kvspec.spec.rotating.visible_positions: `offset <= W` -> `offset < W`
     off, W, K, p = v["offset"], v["W"], v["K"], v["p"]
 
     def member(unwrapped: Any) -> Any:
@@ -101,7 +101,7 @@ def _inplace_bound(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 def _grow_at_window(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.rotating.decode step 2: `capacity < W` -> `capacity <= W`. At
+    # kvspec.spec.rotating.decode step 2: `capacity < W` -> `capacity <= W`. At
     # capacity == W the extra "growth" adds min(step, 0) = 0 slots and only
     # renames the buffer, which can matter only if the write would be in
     # place; it never is there (the cursor is at W, so the offset is >= W).
@@ -115,7 +115,7 @@ def _grow_at_window(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 def _cut_cursor(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.rotating.decode step 1: cutting an oversized buffer sets idx = W;
+    # kvspec.spec.rotating.decode step 1: cutting an oversized buffer sets idx = W;
     # the mutant keeps the old cursor (the old capacity, > W); both wrap to K
     # in step 3. Control: the cut setting idx = W - 1 instead.
     W, K, cap = v["W"], v["K"], v["cap"]
@@ -125,14 +125,14 @@ def _cut_cursor(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 def _prefill_kept(i: Any, L: Any, B: Any, s: Any, cut_when: Any, sinks_branch: Any, off_by_one: bool = False) -> Any:
-    """Is old row ``i`` kept by spec.rotating.prefill's cut?"""
+    """Is old row ``i`` kept by kvspec.spec.rotating.prefill's cut?"""
     start = L - (B - s) + (1 if off_by_one else 0)
     cut = z3.If(sinks_branch, z3.Or(i < s, i >= start), i < B)
     return z3.If(cut_when, cut, z3.BoolVal(True))
 
 
 def _prefill_guard(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.rotating.prefill `len(old) > budget` -> `>=` (impl _prefill:
+    # kvspec.spec.rotating.prefill `len(old) > budget` -> `>=` (impl _prefill:
     # `kept > budget` -> `>=`): at len(old) == budget the cut keeps every row.
     # Control: at the boundary len(old) == budget itself, a cut one row
     # short is seen (so the encoding can tell the two sides apart there).
@@ -147,7 +147,7 @@ def _prefill_guard(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 def _prefill_sinks(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.rotating.prefill `budget > sinks` -> `>=` or `True`: sinks =
+    # kvspec.spec.rotating.prefill `budget > sinks` -> `>=` or `True`: sinks =
     # min(K, len) <= K <= W - 1 = budget, so the other branch runs only at
     # budget == sinks, where both keep rows [0, budget).
     # Control: without K < W (a ring whose sinks fill it).
@@ -160,7 +160,7 @@ def _prefill_sinks(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 def _is_empty(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
-    # spec.dense.is_empty: `offset == 0 and live_start == 0 and buffer is None`
+    # kvspec.spec.dense.is_empty: `offset == 0 and live_start == 0 and buffer is None`
     # -> `offset == 0 or (live_start == 0 and buffer is None)`, under the
     # invariants 0 <= live_start <= offset and "a buffer exists iff live_len
     # > 0" (buffers are dropped when live_len reaches 0).
@@ -175,26 +175,26 @@ def _is_empty(v: Ints, control: bool) -> tuple[list[Any], Any, Any]:
 
 
 EQUIVALENCES: tuple[Equivalence, ...] = (
-    Equivalence("visible_at_window", "spec.rotating.visible_positions: `offset <= max_size` -> `<`",
+    Equivalence("visible_at_window", "kvspec.spec.rotating.visible_positions: `offset <= max_size` -> `<`",
                 "at offset == W both branches give range(W)", "`offset <= W + 1`", ("offset", "W", "K", "p"), _visible),
     Equivalence("inplace_offset_bound", "impl RotatingKVCache._inplace_write_allowed (called only from "
                 "_decode, after the wrap): `offset < max_size` -> `<=`",
                 "after the wrap the cursor is < W, so idx == offset implies offset < W",
                 "the rule evaluated before the wrap", ("offset", "W", "K", "idx"), _inplace_bound),
-    Equivalence("grow_at_window", "spec.rotating.decode: `capacity < W` -> `<=` (growth by 0)",
+    Equivalence("grow_at_window", "kvspec.spec.rotating.decode: `capacity < W` -> `<=` (growth by 0)",
                 "at capacity == W the write is never in place, so renaming the buffer is unobservable",
                 "without idx <= offset", ("offset", "W", "K", "idx", "cap"), _grow_at_window),
-    Equivalence("cut_cursor", "spec.rotating.decode: the cut dropping `idx=W`",
+    Equivalence("cut_cursor", "kvspec.spec.rotating.decode: the cut dropping `idx=W`",
                 "the old cursor (> W) and W both wrap to K", "the cut setting idx = W - 1",
                 ("W", "K", "cap"), _cut_cursor),
-    Equivalence("prefill_guard", "spec.rotating.prefill `len(old) > budget` -> `>=`; impl "
+    Equivalence("prefill_guard", "kvspec.spec.rotating.prefill `len(old) > budget` -> `>=`; impl "
                 "RotatingKVCache._prefill `kept > budget` -> `>=`",
                 "at len(old) == budget the cut keeps every row", "at len(old) == budget, a cut one row short",
                 ("L", "K", "W", "i"), _prefill_guard),
-    Equivalence("prefill_sinks", "spec.rotating.prefill `budget > sinks` -> `>=` / `or True`",
+    Equivalence("prefill_sinks", "kvspec.spec.rotating.prefill `budget > sinks` -> `>=` / `or True`",
                 "sinks <= K < W = budget + 1; at equality both keep [0, budget)", "without K < W",
                 ("L", "K", "W", "i"), _prefill_sinks),
-    Equivalence("is_empty", "spec.dense.is_empty: `and` -> `or`",
+    Equivalence("is_empty", "kvspec.spec.dense.is_empty: `and` -> `or`",
                 "offset == 0 forces live_start == 0 and no buffer", "without 'buffer iff live_len > 0'",
                 ("offset", "live_start", "has_buffer"), _is_empty),
 )

@@ -1,7 +1,7 @@
 """The prompt cache's obligation 9: the list-level trim is atomic
-(semantics.md 6, ``spec.layers``).
+(semantics.md 6, ``kvspec.spec.layers``).
 
-Encodings are in :mod:`proofs.layers_model`. Parts, for a list of
+Encodings are in :mod:`kvspec.proofs.layers_model`. Parts, for a list of
 ``LAYERS`` layers of either kind, any request ``n``:
 
 * every layer's own trim removes exactly the list's count (so the layers
@@ -25,9 +25,9 @@ from typing import Any
 
 import z3
 
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain
-from proofs.layers_model import (
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import Domain
+from kvspec.proofs.layers_model import (
     LAYERS,
     TRIM_SPEC,
     TrimRules,
@@ -43,7 +43,7 @@ REQUIRED = ("list_trim_count", "layer_trim_bounds", "trim_prompt_cache", "can_tr
 def available() -> bool:
     """spec/layers.py exists and has the functions this proof encodes."""
     try:
-        from spec import layers as sl
+        from kvspec.spec import layers as sl
     except ImportError:
         return False
     return all(hasattr(sl, name) for name in REQUIRED)

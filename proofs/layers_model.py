@@ -1,11 +1,11 @@
-"""Z3 encoding of the list-level trim rule (``spec.layers``): the count
+"""Z3 encoding of the list-level trim rule (``kvspec.spec.layers``): the count
 every layer of a prompt cache trims (``list_trim_count`` over
 ``layer_trim_bounds``), for a list of :data:`LAYERS` layers of either kind.
 
 Each layer ``i`` is described by ``dense_i`` (a dense layer, else a ring),
 ``offset_i``, ``live_i`` (a dense layer's live rows, ``<= offset_i``) and
 ``exact_i`` (the most rows its trim takes back exactly: a dense layer's live
-rows; a ring's ``spec.rotating.trimmable_rows``, between 0 and its offset).
+rows; a ring's ``kvspec.spec.rotating.trimmable_rows``, between 0 and its offset).
 The encoding uses comparisons and ``If`` only, so it is exact in both
 domains.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
+from kvspec.proofs.domain import Domain
 
 #: Layers in the encoded list (mixed patterns of dense layers and rings).
 LAYERS = 3
@@ -65,7 +65,7 @@ def rows_of(layer: LayerS, rules: TrimRules = TRIM_SPEC) -> Any:
 
 
 def list_trim_count(n: Any, layers: list[LayerS], rules: TrimRules = TRIM_SPEC) -> Any:
-    """``spec.layers.list_trim_count(n, bounds)``: ``min(n, every layer's
+    """``kvspec.spec.layers.list_trim_count(n, bounds)``: ``min(n, every layer's
     rows)``, and 0 when ``n <= 0`` or that is beyond some layer's exact bound."""
     count = n
     for layer in layers:
@@ -76,8 +76,8 @@ def list_trim_count(n: Any, layers: list[LayerS], rules: TrimRules = TRIM_SPEC) 
 
 
 def layer_trims(layer: LayerS, count: Any) -> Any:
-    """What one layer's own ``trim(count)`` removes (``spec.dense.trim``:
-    ``clamp(count, 0, live)``; ``spec.rotating.trim``: ``clamp(count, 0,
+    """What one layer's own ``trim(count)`` removes (``kvspec.spec.dense.trim``:
+    ``clamp(count, 0, live)``; ``kvspec.spec.rotating.trim``: ``clamp(count, 0,
     offset)`` when within its exact bound, else 0: fail closed)."""
     dense = z3.If(count <= 0, 0, z3.If(count > layer.live, layer.live, count))
     clamped = z3.If(count > layer.offset, layer.offset, count)

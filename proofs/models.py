@@ -1,4 +1,4 @@
-"""Obligation 14: ``spec.models.nbytes`` counts every stored array exactly
+"""Obligation 14: ``kvspec.spec.models.nbytes`` counts every stored array exactly
 once (the bug it rules out: ``nbytes`` counting the keys twice), for every batch,
 kv heads, capacity and head dims, in each mode (fp16, int8) and rows'
 dtype (float16, bfloat16, float32).
@@ -7,9 +7,9 @@ Parts, each over unbounded integers and in 32-bit wrapping arithmetic
 (``bv32``), per ``(mode, dtype)``:
 
 * the count equals the sum of the bytes of the stored arrays
-  (:func:`proofs.models_model.stored_arrays`: keys and values, plus the
+  (:func:`kvspec.proofs.models_model.stored_arrays`: keys and values, plus the
   Int8 scales), each counted once;
-* the encoding is the spec: it equals ``spec.models.nbytes`` run on the
+* the encoding is the spec: it equals ``kvspec.spec.models.nbytes`` run on the
   same Z3 integers (in bv32: whenever the count fits in 32 bits, no
   intermediate product overflows and the wrapped count is the spec's).
 
@@ -23,7 +23,7 @@ A third part states that case on its own: a layer without buffers counts
 Negative control ``nbytes_keys_twice``: the keys' bytes added once more,
 refuted with a counterexample shape in both domains.
 
-Run as ``kvspec prove --only 14`` (or ``python -m proofs.models``);
+Run as ``kvspec prove --only 14`` (or ``python -m kvspec.proofs.models``);
 ``tests/test_models_machine.py`` also runs :func:`counted_once`.
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import z3
 
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import INT
-from proofs.models_model import SPEC, NbytesRules, nbytes, shape, spec_nbytes, stored_arrays
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import INT
+from kvspec.proofs.models_model import SPEC, NbytesRules, nbytes, shape, spec_nbytes, stored_arrays
 
 CASES = [(mode, dtype) for mode in ("fp16", "int8") for dtype in ("float16", "bfloat16", "float32")]
 NAME = "nbytes counts each array once"
@@ -66,7 +66,7 @@ def nbytes_parts(rules: NbytesRules = SPEC, cases: list[tuple[str, str]] = CASES
     for mode, dtype in cases:
         parts.append((f"{mode}/{dtype}: nbytes is the sum of the stored arrays, each once", once(mode, dtype)))
     for mode, dtype in cases:
-        parts.append((f"{mode}/{dtype}: the encoding is spec.models.nbytes", is_spec(mode, dtype)))
+        parts.append((f"{mode}/{dtype}: the encoding is kvspec.spec.models.nbytes", is_spec(mode, dtype)))
     parts.append(("a layer without buffers (capacity 0) counts 0 bytes", empty))
     return parts
 
@@ -107,5 +107,5 @@ keys_twice = CONTROLS[0][2]
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual run
-    print("spec.models.nbytes:", counted_once(spec_count))
+    print("kvspec.spec.models.nbytes:", counted_once(spec_count))
     print("control (keys twice):", counted_once(keys_twice))

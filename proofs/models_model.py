@@ -1,4 +1,4 @@
-"""Z3 encoding of what a layer's ``nbytes`` counts (``spec.models.nbytes``):
+"""Z3 encoding of what a layer's ``nbytes`` counts (``kvspec.spec.models.nbytes``):
 the stored arrays of a dense or ring layer, each ``[B, H, capacity, D]``
 array counted once, with the Int8 sidecars (one float16 scale per row and
 head for keys and for values).
@@ -7,10 +7,10 @@ Two things are encoded:
 
 * :func:`stored_arrays`: the bytes of each array the layer stores, in exact
   integer arithmetic (the reference: what the arrays occupy);
-* :func:`nbytes`: ``spec.models.nbytes``'s formula, its operations done
-  through a :class:`proofs.domain.Domain` (so the bv32 run wraps them like
+* :func:`nbytes`: ``kvspec.spec.models.nbytes``'s formula, its operations done
+  through a :class:`kvspec.proofs.domain.Domain` (so the bv32 run wraps them like
   a 32-bit port would). Obligation 14 proves it equal, over unbounded
-  integers, to ``spec.models.nbytes`` evaluated on the same Z3 integers:
+  integers, to ``kvspec.spec.models.nbytes`` evaluated on the same Z3 integers:
   the spec's own function, not a copy of it, is what is proved.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
-from spec import models as sm
+from kvspec.proofs.domain import Domain
+from kvspec.spec import models as sm
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _formula(d: Domain, s: Shape, mode: str, dtype: str, rules: NbytesRules) -> 
 
 
 def nbytes(d: Domain, s: Shape, mode: str, dtype: str, rules: NbytesRules = SPEC) -> Any:
-    """``spec.models.nbytes(mode, capacity, batch, kv_heads, k_head_dim,
+    """``kvspec.spec.models.nbytes(mode, capacity, batch, kv_heads, k_head_dim,
     v_head_dim, dtype)`` in ``d``. The count is a value the cache reports:
     in bv32 it is assumed to fit in 32 bits (a 32-bit port must widen or
     refuse past that), and every intermediate product is a no-overflow
@@ -103,5 +103,5 @@ def nbytes(d: Domain, s: Shape, mode: str, dtype: str, rules: NbytesRules = SPEC
 
 
 def spec_nbytes(s: Shape, mode: str, dtype: str) -> Any:
-    """``spec.models.nbytes`` itself, run on Z3 integers (exact)."""
+    """``kvspec.spec.models.nbytes`` itself, run on Z3 integers (exact)."""
     return sm.nbytes(mode, s.capacity, s.batch, s.kv_heads, s.k_head_dim, s.v_head_dim, dtype)

@@ -2,7 +2,7 @@
 
 Parts, each proved over unbounded integers and 32-bit integers for every
 block size, sequence count, length, start and position
-(:mod:`proofs.paged_model` encodes the spec functions under their names):
+(:mod:`kvspec.proofs.paged_model` encodes the spec functions under their names):
 
 * **addressing**: a visible row's block-table index (``block_index`` of its
   absolute position) lies inside the table (``table_len(length)``) and not
@@ -16,7 +16,7 @@ block size, sequence count, length, start and position
 
 Negative controls (each one of the catalog's injected bugs, same name) must
 be refuted: a write into a shared block without copy-on-write (confirmed on
-``spec.paged`` with the rule patched out: a kvtrace from an empty pool), the
+``kvspec.spec.paged`` with the rule patched out: a kvtrace from an empty pool), the
 table sized from the visible length, a trim that keeps tail blocks, a
 release that frees a block others hold (confirmed on the spec too),
 copy-on-write that leaves the old block's refcount raised.
@@ -31,10 +31,10 @@ from typing import Any
 
 import z3
 
-from proofs import traces
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain, solver
-from proofs.paged_model import (
+from kvspec.proofs import traces
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import Domain, solver
+from kvspec.proofs.paged_model import (
     PAGED_SPEC,
     BlockV,
     PagedRules,
@@ -63,7 +63,7 @@ REQUIRED = ("block_index", "block_slot", "table_len", "wholly_before", "needs_co
 def available() -> bool:
     """spec/paged.py exists and has the functions these proofs encode."""
     try:
-        from spec import paged as sp
+        from kvspec.spec import paged as sp
     except ImportError:
         return False
     return all(hasattr(sp, name) for name in REQUIRED)
@@ -169,7 +169,7 @@ def paged_trace(title: str, cache: dict[str, Any], ops: list[dict[str, Any]]) ->
     """A ``kind: paged`` kvtrace whose checks come from the correct spec:
     appends get ``inplace`` and ``capacity``, trims ``returns``, and one
     ``expect`` per live sequence at the end."""
-    from spec import paged as sp
+    from kvspec.spec import paged as sp
 
     world = sp.new_world(cache["block_size"], cache.get("max_blocks"), cache.get("chunk", 1),
                          cache.get("inplace", True))
@@ -189,7 +189,7 @@ def paged_trace(title: str, cache: dict[str, Any], ops: list[dict[str, Any]]) ->
 
 
 def _spec_run(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
-    from spec import paged as sp
+    from kvspec.spec import paged as sp
 
     world = sp.new_world(cache["block_size"])
     steps = []
@@ -211,7 +211,7 @@ def _small_block_size(part: PartBuilder) -> int:
 
 
 def _no_cow_reachable() -> tuple[Any, Any, str]:
-    from spec import paged as sp
+    from kvspec.spec import paged as sp
 
     part = dict(isolation_parts(PagedRules(cow="never")))["every block an append writes is held by the writer alone"]
     bs = _small_block_size(part)
@@ -233,7 +233,7 @@ def _no_cow_reachable() -> tuple[Any, Any, str]:
 
 
 def _release_reachable() -> tuple[Any, Any, str]:
-    from spec import paged as sp
+    from kvspec.spec import paged as sp
 
     cache = {"block_size": 2}
     ops = [{"op": "append", "n": 3}, {"op": "fork", "from": "main", "as": "b"}, {"op": "release", "seq": "b"},

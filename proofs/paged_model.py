@@ -1,4 +1,4 @@
-"""Z3 encodings of the paged cache's spec functions (``spec.paged``), one
+"""Z3 encodings of the paged cache's spec functions (``kvspec.spec.paged``), one
 per spec function and under its name, and of its operations seen from one
 arbitrary block.
 
@@ -25,7 +25,7 @@ block and two sequences proves the invariant for any number of sequences:
 the block, the actor and the other sequence are arbitrary.
 
 ``tests/test_proofs_fidelity_paged.py`` compares every function here with
-``spec.paged`` on concrete worlds. Buggy variants for the negative controls
+``kvspec.spec.paged`` on concrete worlds. Buggy variants for the negative controls
 are selected by :class:`PagedRules`.
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
+from kvspec.proofs.domain import Domain
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def holds(s: SeqV) -> Any:
 def seq_well_formed(d: Domain, s: SeqV, bs: Any, rules: PagedRules = PAGED_SPEC) -> Any:
     """A dead sequence holds nothing; ``0 <= start <= length``; an index
     holding x lies inside the table and not wholly before the start
-    (spec.paged.tables_well_formed)."""
+    (kvspec.spec.paged.tables_well_formed)."""
     with d.under(s.pos >= 0):
         inside = z3.And(z3.Not(wholly_before(d, s.pos, s.S, bs)), s.pos < table_entries(d, s, bs, rules))
     return z3.And(z3.Implies(z3.Not(s.alive), s.pos < 0),
@@ -155,9 +155,9 @@ def sum_facts(v: BlockV) -> Any:
 
 def refcount_invariant(d: Domain, v: BlockV, rules: PagedRules = PAGED_SPEC) -> Any:
     """The refcount invariant seen from block x: refcount = number of
-    tables holding it (spec.paged.refcounts_match_tables); on the free
-    list iff refcount 0 (spec.paged.free_blocks_unheld, blocks_accounted);
-    both sequences' tables well formed (spec.paged.tables_well_formed)."""
+    tables holding it (kvspec.spec.paged.refcounts_match_tables); on the free
+    list iff refcount 0 (kvspec.spec.paged.free_blocks_unheld, blocks_accounted);
+    both sequences' tables well formed (kvspec.spec.paged.tables_well_formed)."""
     return z3.And(v.bs >= 1, v.rc == v.holders, v.free == (v.rc == 0),
                   seq_well_formed(d, v.s, v.bs, rules), seq_well_formed(d, v.u, v.bs, rules))
 
@@ -172,7 +172,7 @@ def initial(v: BlockV) -> Any:
 
 def _released(d: Domain, v: BlockV, s: SeqV, cut: Any, rules_kept: bool = False) -> BlockV:
     """``s``'s table stops holding x where ``cut`` holds: the holder count
-    loses s's term, the refcount falls by one (spec.paged.release_block)
+    loses s's term, the refcount falls by one (kvspec.spec.paged.release_block)
     unless the buggy rule keeps it."""
     with d.under(cut):
         rc1 = d.sub(v.rc, 1, "rc - 1")
@@ -196,7 +196,7 @@ class AppendV:
 
 def append(d: Domain, v: BlockV, n: Any, taken: Any, q: Any, switch: Any,
            rules: PagedRules = PAGED_SPEC) -> AppendV:
-    """spec.paged.append of ``n`` rows by the actor. The first row's block
+    """kvspec.spec.paged.append of ``n`` rows by the actor. The first row's block
     index ``b0 = block_index(length)``: if the actor holds x there and x is
     shared, x is copied (copy-on-write: the actor's term and one refcount
     leave x). ``taken``: x is one of the blocks this append allocates (it
@@ -233,7 +233,7 @@ def append_guard(d: Domain, v: BlockV, n: Any, taken: Any, q: Any, rules: PagedR
 
 
 def trim(d: Domain, v: BlockV, n: Any, rules: PagedRules = PAGED_SPEC) -> BlockV:
-    """spec.paged.trim of ``n`` rows by the actor: ``length -= clamp(n, 0,
+    """kvspec.spec.paged.trim of ``n`` rows by the actor: ``length -= clamp(n, 0,
     visible)``; the table loses every index at or past ``table_len(length)``."""
     s = v.s
     k = d.clamp(n, 0, d.sub(s.L, s.S, "visible"))
@@ -245,7 +245,7 @@ def trim(d: Domain, v: BlockV, n: Any, rules: PagedRules = PAGED_SPEC) -> BlockV
 
 
 def trim_front(d: Domain, v: BlockV, n: Any) -> BlockV:
-    """spec.paged.trim_front: the start moves by ``clamp(n, 0, visible)``;
+    """kvspec.spec.paged.trim_front: the start moves by ``clamp(n, 0, visible)``;
     every index wholly before it is released."""
     s = v.s
     k = d.clamp(n, 0, d.sub(s.L, s.S, "visible"))
@@ -257,7 +257,7 @@ def trim_front(d: Domain, v: BlockV, n: Any) -> BlockV:
 
 
 def fork(d: Domain, v: BlockV) -> tuple[BlockV, SeqV]:
-    """spec.paged.fork of the actor into a new sequence: the new table is a
+    """kvspec.spec.paged.fork of the actor into a new sequence: the new table is a
     copy of the actor's, so x gains a holder and a refcount iff the actor
     holds it. Returns the next view and the new sequence."""
     with d.under(v.s.pos >= 0):
@@ -271,7 +271,7 @@ def fork(d: Domain, v: BlockV) -> tuple[BlockV, SeqV]:
 
 
 def release(d: Domain, v: BlockV, rules: PagedRules = PAGED_SPEC) -> BlockV:
-    """spec.paged.release of the actor: its term leaves the holder count and
+    """kvspec.spec.paged.release of the actor: its term leaves the holder count and
     one refcount leaves x if it held x; the actor is gone (the buggy rule
     frees x whatever the refcount)."""
     cut = v.s.pos >= 0

@@ -1,11 +1,11 @@
-"""Obligations 22 to 26: the prefix kind's rules (``spec.prefix``;
+"""Obligations 22 to 26: the prefix kind's rules (``kvspec.spec.prefix``;
 semantics.md 11, docs/prefix.md). Encodings are in
-:mod:`proofs.prefix_model`.
+:mod:`kvspec.proofs.prefix_model`.
 
 Obligations 22 to 24 are one inductive invariant over a bounded pool of 3
 blocks and 2 request slots (block size, token counts, key and row names
 symbolic), split by what each states: each assumes the whole invariant
-(:func:`proofs.prefix_model.invariant`, the spec's ``INVARIANTS`` together)
+(:func:`kvspec.proofs.prefix_model.invariant`, the spec's ``INVARIANTS`` together)
 before an op and proves its own part after it, so the three proved
 together make the whole invariant inductive. It holds for the empty pool
 and is kept by every op: admit (hits touched, blocks popped from the
@@ -48,8 +48,8 @@ block sizes 1 to 5, and its refused ops.
   blocks), a hit that counts the partial block (``ceil(n / B)``).
 
 A control whose fault is one spec function away is also confirmed on
-``spec.prefix`` with that function replaced, on its report's scenario
-(``spec.prefix.broken_invariants`` names one of the obligation's
+``kvspec.spec.prefix`` with that function replaced, on its report's scenario
+(``kvspec.spec.prefix.broken_invariants`` names one of the obligation's
 invariants; for the uncapped hit, the admission leaves no token to
 compute).
 
@@ -64,9 +64,9 @@ from typing import Any
 
 import z3
 
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import INT, Domain
-from proofs.prefix_model import (
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import INT, Domain
+from kvspec.proofs.prefix_model import (
     NB,
     PREFIX_SPEC,
     PrefixRules,
@@ -233,8 +233,8 @@ def op_parts(goal: Goal, rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, Pa
 
 # -- negative controls confirmed on the spec's own code -------------------------------
 #
-# A control whose fault is one function of spec.prefix away is also run on the
-# spec with that function replaced (proofs.traces.patched), on the scenario of
+# A control whose fault is one function of kvspec.spec.prefix away is also run on the
+# spec with that function replaced (kvspec.proofs.traces.patched), on the scenario of
 # the public report it comes from: confirmed when the spec's own
 # broken_invariants (or, for the hit length, the admission's result) shows
 # the fault. The op sequences are those of the reports, in the kind's ops.
@@ -243,12 +243,12 @@ Confirm = Callable[[], tuple[Any, Any, str]]
 
 
 def _pop_with(evict: str = "spec", refcount: int = 1) -> Callable[..., Any]:
-    """``spec.prefix._pop`` with its eviction step changed: ``keeps_map_entry``
+    """``kvspec.spec.prefix._pop`` with its eviction step changed: ``keeps_map_entry``
     (the id stays under the key), ``keeps_key`` (the block keeps its key),
     ``none`` (neither), or a popped block's refcount other than 1."""
     from dataclasses import replace
 
-    from spec import prefix as sp
+    from kvspec.spec import prefix as sp
 
     def _pop(world: Any, n: int) -> tuple[tuple[int, ...], Any]:
         blocks, free, cached = world.blocks, world.free, world.cached
@@ -272,7 +272,7 @@ def _free_blocks_unchecked(world: Any, blocks: Any) -> tuple[None, Any]:
     0 it joins the back of the free queue; no check."""
     from dataclasses import replace
 
-    from spec import prefix as sp
+    from kvspec.spec import prefix as sp
 
     bl, free = world.blocks, world.free
     for b in blocks:
@@ -284,9 +284,9 @@ def _free_blocks_unchecked(world: Any, blocks: Any) -> tuple[None, Any]:
 
 
 def _cache_partial_tail() -> Callable[..., Any]:
-    """``spec.prefix._cache_full`` keying every written block up to the
+    """``kvspec.spec.prefix._cache_full`` keying every written block up to the
     table's end, the partial tail included."""
-    from spec import prefix as sp
+    from kvspec.spec import prefix as sp
 
     whole = sp._cache_full
 
@@ -304,17 +304,17 @@ def _op_text(op: dict[str, Any]) -> str:
 def _broken_on_spec(scenario: str, block_size: int, n_blocks: int, ops: list[dict[str, Any]],
                     patches: Callable[[], dict[str, Any]], shows: tuple[str, ...]) -> Confirm:
     """Run ``ops`` from an empty spec pool with ``patches()`` in place:
-    confirmed at the first op after which spec.prefix.broken_invariants
+    confirmed at the first op after which kvspec.spec.prefix.broken_invariants
     names one of ``shows`` (the obligation's own invariants)."""
 
     def confirm() -> tuple[Any, Any, str]:
-        from proofs import traces
-        from spec import prefix as sp
+        from kvspec.proofs import traces
+        from kvspec.spec import prefix as sp
 
         try:
             functions = patches()
         except AttributeError as e:
-            return None, None, f"not confirmed: spec.prefix changed ({e})"
+            return None, None, f"not confirmed: kvspec.spec.prefix changed ({e})"
         world = sp.new_world(block_size, n_blocks)
         values = {"block_size": block_size, "n_blocks": n_blocks}
         with traces.patched(sp, **functions):
@@ -334,8 +334,8 @@ def _broken_on_spec(scenario: str, block_size: int, n_blocks: int, ops: list[dic
 def _uncapped_on_spec() -> tuple[Any, Any, str]:
     """The whole-prompt hit on the spec: a prompt of whole blocks admitted
     twice; the second admission hits every token, none left to compute."""
-    from proofs import traces
-    from spec import prefix as sp
+    from kvspec.proofs import traces
+    from kvspec.spec import prefix as sp
 
     world = sp.new_world(2, 4)
     tokens = [1, 2, 3, 4]
@@ -494,7 +494,7 @@ HIT_CONTROLS: list[tuple[str, str, PrefixRules, Confirm | None]] = [
 
 
 def window_parts(rules: PrefixRules = PREFIX_SPEC) -> list[tuple[str, PartBuilder]]:
-    """The sliding window's integer rules (``spec.prefix.skipped_blocks``,
+    """The sliding window's integer rules (``kvspec.spec.prefix.skipped_blocks``,
     ``hit_run``, ``hit_table``), n tokens, block size B, window w and a hit
     of e blocks all unbounded."""
 
@@ -550,8 +550,8 @@ def _late_release_on_spec() -> tuple[Any, Any, str]:
     """The release a token late on the spec: B = 2, w = 3, a 4-token prompt
     decoded twice; the second decode releases block 1, which holds position
     3, one the new token (position 5) attends."""
-    from proofs import traces
-    from spec import prefix as sp
+    from kvspec.proofs import traces
+    from kvspec.spec import prefix as sp
 
     world = sp.new_world(2, 4, 3)
     ops = [{"op": A, "req": "a", "tokens": [1, 2, 3, 4]}, {"op": "decode", "req": "a", "tokens": [5]},

@@ -1,4 +1,4 @@
-"""Z3 encodings of the prefix kind's spec (``spec.prefix``): its integer
+"""Z3 encodings of the prefix kind's spec (``kvspec.spec.prefix``): its integer
 rules under their names, and its operations on a bounded pool.
 
 **Integer rules** (``max_hit_blocks``, ``blocks_for``, ``full_blocks``,
@@ -10,7 +10,7 @@ domain, so the bv32 run checks that none of them overflows.
 ``R`` = 2 requests, the block size B and every token count symbolic. Keys
 and rows are **names** (integers), as the spec's are: the hash chain is
 taken as collision-free, so a key IS the prefix it names and the B rows a
-block under that key must hold are named by it (``spec.prefix.key_rows``).
+block under that key must hold are named by it (``kvspec.spec.prefix.key_rows``).
 So:
 
 * a key name is an integer >= 0, and the name of the B rows a key names is
@@ -40,7 +40,7 @@ kept in order (``q[0]`` the front, ``qn`` its length), and so are the
 tables.
 
 ``tests/test_proofs_fidelity_prefix.py`` runs every operation here on
-concrete worlds the spec reaches and compares with ``spec.prefix``. Buggy
+concrete worlds the spec reaches and compares with ``kvspec.spec.prefix``. Buggy
 variants for the negative controls are selected by :class:`PrefixRules`.
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
+from kvspec.proofs.domain import Domain
 
 #: blocks and request slots of the bounded pool
 NB, R = 3, 2
@@ -80,7 +80,7 @@ class PrefixRules:
 PREFIX_SPEC = PrefixRules()
 
 
-# -- integer rules (spec.prefix, same names) -----------------------------------------
+# -- integer rules (kvspec.spec.prefix, same names) -----------------------------------------
 
 
 def _once(d: Domain, name: str, args: tuple[Any, ...], fn: Callable[[], Any]) -> Any:
@@ -211,7 +211,7 @@ def world_vars(d: Domain, name: str = "w") -> World:
 
 
 def initial(w: World) -> Any:
-    """``spec.prefix.new_world``: every block free (queue ``0 .. NB - 1``),
+    """``kvspec.spec.prefix.new_world``: every block free (queue ``0 .. NB - 1``),
     refcount 0, unkeyed, blank; no request."""
     return z3.And(w.B >= 1, *[w.rc[x] == 0 for x in range(NB)], *[w.key[x] == NONE for x in range(NB)],
                   *[w.lk[x] == NONE for x in range(NB)], *[w.rows[x] == NONE for x in range(NB)],
@@ -311,7 +311,7 @@ def hit_vars(d: Domain, name: str = "hit") -> Hit:
 
 
 def hit_rule(d: Domain, w: World, n: Any, keys: tuple[Any, ...], hit: Hit, rules: PrefixRules = PREFIX_SPEC) -> Any:
-    """``spec.prefix.hit_blocks`` and ``hit_table``: ``j`` is the largest
+    """``kvspec.spec.prefix.hit_blocks`` and ``hit_table``: ``j`` is the largest
     count ``<= max_hit_blocks(n, B)`` whose keys ``0 .. j - 1`` are all
     cached, and ``h[i]`` a block listed under key ``i`` (the spec takes the
     first: any is allowed here)."""
@@ -326,7 +326,7 @@ def hit_rule(d: Domain, w: World, n: Any, keys: tuple[Any, ...], hit: Hit, rules
 
 
 def pop(d: Domain, w: World, need: Any, at: Any, r: int, cond: Any, rules: PrefixRules = PREFIX_SPEC) -> tuple[World, tuple[Any, ...]]:
-    """``spec.prefix._pop``: ``need`` blocks from the front, one by one, into
+    """``kvspec.spec.prefix._pop``: ``need`` blocks from the front, one by one, into
     request ``r``'s table from index ``at``; a keyed one is evicted (its id
     leaves its key's list, its key is cleared); each gets refcount 1 and
     blank rows. Returns the world and the request's new table."""
@@ -347,7 +347,7 @@ def pop(d: Domain, w: World, need: Any, at: Any, r: int, cond: Any, rules: Prefi
 
 def write_and_cache(d: Domain, w: World, t: tuple[Any, ...], tl: Any, lo_written: Any, n_old: Any, n: Any,
                     keys: tuple[Any, ...], pn: Any, cond: Any, rules: PrefixRules = PREFIX_SPEC) -> World:
-    """``spec.prefix._write`` of positions from the first block not full at
+    """``kvspec.spec.prefix._write`` of positions from the first block not full at
     ``n_old`` rows (``lo_written``: a block index) to ``n``, then
     ``_cache_full``: every block that became full is keyed (its rows are then
     the key's: the abstract rows of a full block are its key's name)."""
@@ -365,7 +365,7 @@ def write_and_cache(d: Domain, w: World, t: tuple[Any, ...], tl: Any, lo_written
 
 def admit(d: Domain, w: World, r: int, n: Any, keys: tuple[Any, ...], pn: Any, hit: Hit,
           rules: PrefixRules = PREFIX_SPEC) -> tuple[Any, Any, World]:
-    """``spec.prefix._admit`` of request slot ``r`` (not live) with ``n >= 1``
+    """``kvspec.spec.prefix._admit`` of request slot ``r`` (not live) with ``n >= 1``
     tokens whose blocks have key names ``keys`` and whose partial tail rows
     are named ``pn``: returns ``(the hit rule, admitted, world)``; not
     admitted: the world unchanged."""
@@ -395,7 +395,7 @@ def admit(d: Domain, w: World, r: int, n: Any, keys: tuple[Any, ...], pn: Any, h
 
 def decode(d: Domain, w: World, r: int, m: Any, keys: tuple[Any, ...], pn: Any,
            rules: PrefixRules = PREFIX_SPEC) -> tuple[Any, World]:
-    """``spec.prefix.decode`` of ``m >= 1`` tokens onto live request ``r``:
+    """``kvspec.spec.prefix.decode`` of ``m >= 1`` tokens onto live request ``r``:
     ``keys`` are the key names of its blocks after the decode (those full
     before are kept), ``pn`` the name of its new partial tail's rows.
     Returns ``(done, world)``; not done: unchanged. A request that is not
@@ -416,7 +416,7 @@ def decode(d: Domain, w: World, r: int, m: Any, keys: tuple[Any, ...], pn: Any,
 
 
 def release(d: Domain, w: World, t: tuple[Any, ...], tl: Any, cond: Any) -> World:
-    """``spec.prefix._release`` of table ``t[:tl]`` tail first: refcount - 1;
+    """``kvspec.spec.prefix._release`` of table ``t[:tl]`` tail first: refcount - 1;
     a block reaching 0 joins the queue, a keyed one at the back, an unkeyed
     one at the front (the unkeyed of one release in release order)."""
     front: Any = z3.IntVal(0)
@@ -434,7 +434,7 @@ def release(d: Domain, w: World, t: tuple[Any, ...], tl: Any, cond: Any) -> Worl
 
 
 def free(d: Domain, w: World, r: int, preempt: bool = False) -> tuple[Any, World]:
-    """``spec.prefix.free`` (``preempt``: ``spec.prefix.preempt``) of request
+    """``kvspec.spec.prefix.free`` (``preempt``: ``kvspec.spec.prefix.preempt``) of request
     ``r``: refused (unchanged) unless live; its table released; the request
     forgotten (preempted: kept, not live, with its tokens and keys)."""
     req = w.reqs[r]
@@ -445,7 +445,7 @@ def free(d: Domain, w: World, r: int, preempt: bool = False) -> tuple[Any, World
 
 
 def reset(w: World) -> tuple[Any, World]:
-    """``spec.prefix.reset``: refused while any block has a refcount above
+    """``kvspec.spec.prefix.reset``: refused while any block has a refcount above
     0; else every key dropped (map empty), the queue and rows as they are."""
     ok = z3.And(*[w.rc[x] == 0 for x in range(NB)])
     new = replace(w, key=(z3.IntVal(NONE),) * NB, lk=(z3.IntVal(NONE),) * NB)
@@ -453,7 +453,7 @@ def reset(w: World) -> tuple[Any, World]:
 
 
 def free_blocks(d: Domain, w: World, xs: tuple[Any, ...], rules: PrefixRules = PREFIX_SPEC) -> tuple[Any, World]:
-    """``spec.prefix.free_blocks(xs)`` (two ids, maybe equal): the spec
+    """``kvspec.spec.prefix.free_blocks(xs)`` (two ids, maybe equal): the spec
     refuses an id out of range, one listed twice, one of refcount 0 and one
     a live table holds (under the invariant: every call); an accepted call
     would release each as vLLM's does (refcount - 1, at 0 the block joins the back of the queue).
@@ -473,7 +473,7 @@ def free_blocks(d: Domain, w: World, xs: tuple[Any, ...], rules: PrefixRules = P
     return ok, ite(ok, new, w)
 
 
-# -- invariants (spec.prefix.INVARIANTS) ----------------------------------------------
+# -- invariants (kvspec.spec.prefix.INVARIANTS) ----------------------------------------------
 
 
 def _table_entry(req: ReqV, i: int) -> Any:

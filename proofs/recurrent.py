@@ -1,6 +1,6 @@
 """Obligations 15 and 16: the recurrent kind's checkpoint ring and the list
-trim over mixed layers (``spec.recurrent``, ``spec.layers``; semantics.md
-9). Encodings are in :mod:`proofs.recurrent_model`.
+trim over mixed layers (``kvspec.spec.recurrent``, ``kvspec.spec.layers``; semantics.md
+9). Encodings are in :mod:`kvspec.proofs.recurrent_model`.
 
 Obligation 15, the checkpoint ring of depth U (U + 1 slots, the checkpoint
 of offset x in slot ``x % (U + 1)``), for every integer U >= 1, offset t,
@@ -40,9 +40,9 @@ from typing import Any
 
 import z3
 
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain
-from proofs.recurrent_model import (
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import Domain
+from kvspec.proofs.recurrent_model import (
     LIST_SPEC,
     RING_SPEC,
     ListRules,

@@ -1,5 +1,5 @@
-"""Z3 encodings of the recurrent kind's rules (``spec.recurrent``,
-``spec.layers``), for obligations 15 and 16 (``proofs/recurrent.py``).
+"""Z3 encodings of the recurrent kind's rules (``kvspec.spec.recurrent``,
+``kvspec.spec.layers``), for obligations 15 and 16 (``proofs/recurrent.py``).
 
 The checkpoint ring of depth U (obligation 15) is a Z3 array ``ring`` from
 slot to the offset whose checkpoint the slot holds; a cache at offset ``t``
@@ -11,7 +11,7 @@ instantiated at the same ``x``: every step below changes one slot at most,
 so the slot of ``x`` after a step is the slot of ``x`` before it or the slot
 just written.
 
-The list trim (obligation 16) reuses :mod:`proofs.layers_model`'s layers
+The list trim (obligation 16) reuses :mod:`kvspec.proofs.layers_model`'s layers
 and adds the recurrent kind: each layer is dense, a ring or recurrent (a
 recurrent layer's trim bounds are ``(offset, coverage)``, a ring's rule; its
 own ``trim`` raises beyond the coverage, encoded as :data:`REFUSED`).
@@ -24,7 +24,7 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
+from kvspec.proofs.domain import Domain
 
 #: what a recurrent layer's trim "returns" when it raises (beyond its coverage)
 REFUSED = -1
@@ -43,7 +43,7 @@ RING_SPEC = RingRules()
 
 
 def slot(d: Domain, x: Any, U: Any, rules: RingRules = RING_SPEC) -> Any:
-    """``spec.recurrent.slot(x, U) = x % (U + 1)``, written ``x - (U + 1) *
+    """``kvspec.spec.recurrent.slot(x, U) = x % (U + 1)``, written ``x - (U + 1) *
     (x // (U + 1))`` (the control: ``x % U``)."""
     # the ring's length is stored (a port allocates U + 1 slots): it fits
     L = d.stored("ring slots U + 1", lambda dd, u: dd.add(u, 1, "U + 1"), U) if rules.slots == "depth_plus_one" else U
@@ -90,7 +90,7 @@ def record(d: Domain, ring: Any, t: Any, U: Any, rules: RingRules = RING_SPEC) -
 def clear(d: Domain, ring: Any, t: Any, U: Any, rules: RingRules = RING_SPEC) -> Any:
     """An unrecorded step, a ``state`` assignment or a reload leaving offset
     ``t``: coverage 0, and the current state becomes the checkpoint of ``t``
-    (the spec's seed; the control forgets it). ``impl.recurrent`` writes
+    (the spec's seed; the control forgets it). ``kvspec.impl.recurrent`` writes
     the seed lazily, at the start of the next recorded call: the same ring
     whenever a trim can read it (a trim needs coverage >= 1, so a recorded
     step after the clear)."""
@@ -144,7 +144,7 @@ def exact_bound(layer: MixedLayer, rules: ListRules = LIST_SPEC) -> Any:
 
 
 def list_count(n: Any, layers: list[MixedLayer], rules: ListRules = LIST_SPEC) -> Any:
-    """``spec.layers.list_trim_count`` over ``layer_trim_bounds``: ``min(n,
+    """``kvspec.spec.layers.list_trim_count`` over ``layer_trim_bounds``: ``min(n,
     every layer's rows)``, 0 when ``n <= 0`` or beyond some exact bound."""
     count = n
     for layer in layers:
@@ -162,9 +162,9 @@ def asked(n: Any, layers: list[MixedLayer], layer: MixedLayer, rules: ListRules 
 
 
 def layer_trims(layer: MixedLayer, count: Any) -> Any:
-    """What one layer's own trim removes: ``spec.dense.trim`` clamps to its
-    live rows; ``spec.rotating.trim`` returns 0 beyond its exact bound;
-    ``spec.recurrent.trim`` raises beyond its coverage (:data:`REFUSED`)."""
+    """What one layer's own trim removes: ``kvspec.spec.dense.trim`` clamps to its
+    live rows; ``kvspec.spec.rotating.trim`` returns 0 beyond its exact bound;
+    ``kvspec.spec.recurrent.trim`` raises beyond its coverage (:data:`REFUSED`)."""
     dense = z3.If(count <= 0, 0, z3.If(count > layer.live, layer.live, count))
     clamped = z3.If(count > layer.offset, layer.offset, count)
     ring = z3.If(z3.Or(count <= 0, clamped > layer.exact), 0, clamped)

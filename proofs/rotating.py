@@ -1,8 +1,8 @@
 """The sliding-window cache's obligations: 2 (ring slots, chronological
 order and the warm-up in-place rule) and 7 (the window mask).
 
-Encodings are in :mod:`proofs.rotating_model`; each negative control names
-the buggy rule, and is confirmed on ``spec.rotating`` with the bug patched in.
+Encodings are in :mod:`kvspec.proofs.rotating_model`; each negative control names
+the buggy rule, and is confirmed on ``kvspec.spec.rotating`` with the bug patched in.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import z3
 
-from proofs import traces
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.dense_model import MODES
-from proofs.domain import INT, Domain, solver
-from proofs.rotating_model import (
+from kvspec.proofs import traces
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.dense_model import MODES
+from kvspec.proofs.domain import INT, Domain, solver
+from kvspec.proofs.rotating_model import (
     RING_SPEC,
     RingHolderS,
     RingRules,
@@ -46,7 +46,7 @@ REQUIRED = ("ring_slot", "chronological_order", "mask_visible", "rotating_inplac
 def available() -> bool:
     """spec/rotating.py exists and has the functions these proofs encode."""
     try:
-        from spec import rotating as sr
+        from kvspec.spec import rotating as sr
     except ImportError:
         return False
     return all(hasattr(sr, name) for name in REQUIRED)
@@ -217,7 +217,7 @@ def _ring_slot_wraps_to_zero(position: int, max_size: int, keep: int) -> int:
 
 
 def _steady_state_inplace(cache: Any) -> bool:
-    from spec.rotating import Mode
+    from kvspec.spec.rotating import Mode
 
     return bool(cache.inplace and cache.mode is Mode.FP16 and cache.marker is not None and cache.ident is not None
                 and cache.marker.buffer == cache.ident)
@@ -228,7 +228,7 @@ def _physical_order(n_slots: int, idx: int, keep: int, wrapped: bool) -> tuple[i
 
 
 def _restore_records_marker(world: Any, name: str) -> tuple[None, Any]:
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     snap = world.holders.get(name)
     if snap is None:
@@ -303,7 +303,7 @@ def _restore_reachable() -> tuple[Any, Any, str]:
 
 def _confirm_ring_write(cache: dict[str, Any], ops: list[dict[str, Any]], patches: dict[str, Any], name: str,
                         values: dict[str, int]) -> tuple[Any, Any, str]:
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     with traces.patched(sr, **patches):
         steps = traces.replay("rotating", cache, ops)
@@ -324,7 +324,7 @@ def _confirm_ring_write(cache: dict[str, Any], ops: list[dict[str, Any]], patche
 
 
 def _order_reachable() -> tuple[Any, Any, str]:
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     part = dict(ring_parts(RingRules(order="physical")))["chronological_order lists the visible positions' slots in order"]
     m = _find(part, _small(["W", "offset"], 10))
@@ -347,7 +347,7 @@ def _order_reachable() -> tuple[Any, Any, str]:
 
 
 def _ring_slot_confirm() -> tuple[Any, Any, str]:
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     part = dict(ring_parts(RingRules(ring_slot="wrap_to_zero")))[
         "ring_slot in [0, W), warm-up slot = position, non-sinks avoid sinks"]
@@ -435,7 +435,7 @@ def mask_parts(rule: str = "spec") -> list[tuple[str, PartBuilder]]:
 
 def _mask_reachable(name: str, rule: str, fn: Callable[[int, int, int, int], bool]) -> Callable[[], tuple[Any, Any, str]]:
     def run() -> tuple[Any, Any, str]:
-        from spec import rotating as sr
+        from kvspec.spec import rotating as sr
 
         parts = dict(mask_parts(rule))
         part = parts["visible => causal and a sink or among the latest window - keep"] if rule == "admits_extra_key" \

@@ -1,5 +1,5 @@
 """Z3 encodings of the sliding-window cache's spec functions
-(``spec.rotating``), one per spec function and under its name:
+(``kvspec.spec.rotating``), one per spec function and under its name:
 
 * index rules: ``ring_slot``, ``visible_positions`` (its j-th element),
   ``chronological_order`` (its j-th element), ``mask_visible``;
@@ -9,7 +9,7 @@
   sits in which slot is the index rules' business.
 
 Tuples are encoded as functions of the index ``j``; ``tests/test_proofs_fidelity.py``
-compares every function here with ``spec.rotating`` on concrete values.
+compares every function here with ``kvspec.spec.rotating`` on concrete values.
 Buggy variants for the negative controls are selected by :class:`RingRules`.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import z3
 
-from proofs.dense_model import FP16, select
-from proofs.domain import Domain
+from kvspec.proofs.dense_model import FP16, select
+from kvspec.proofs.domain import Domain
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def trim(d: Domain, c: RingS, n: Any) -> tuple[Any, RingS]:
     """Rewind ``clamp(n, 0, offset)`` rows while the counters alone rewind
     the ring (``counters_rewind_exact``; the buffers stay, also at offset
     0); a wrapped ring without an undo log (U = 0) trims nothing (fail
-    closed). The log's rollback is :mod:`proofs.rotating_undo`."""
+    closed). The log's rollback is :mod:`kvspec.proofs.rotating_undo`."""
     k = d.clamp(n, 0, c.off)
     moved = z3.And(counters_rewind_exact(d, c), k != 0)
     with d.under(moved):

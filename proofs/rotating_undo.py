@@ -1,4 +1,4 @@
-"""Obligation 8: the ring's undo log (``spec.rotating``: ``decode_record``,
+"""Obligation 8: the ring's undo log (``kvspec.spec.rotating``: ``decode_record``,
 ``log_push``, ``rollback``, ``trimmable_rows``).
 
 Exactness is proved for every integer window W, sink count K, undo depth U,
@@ -20,7 +20,7 @@ pruning loop's exit condition), so at most U rows per buffer.
 Negative controls: a log one row too short (it keeps U - 1 records),
 rollback applied oldest record first, and pruning that keeps a record too
 many (exits on ``> U`` instead of ``>= U``); each refuted, the first two
-confirmed on ``spec.rotating`` with the bug patched in.
+confirmed on ``kvspec.spec.rotating`` with the bug patched in.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import Any
 
 import z3
 
-from proofs import traces
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import INT, Domain, solver
-from proofs.rotating_model import ring_slot
-from spec.rotating import log_push as _spec_log_push
+from kvspec.proofs import traces
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import INT, Domain, solver
+from kvspec.proofs.rotating_model import ring_slot
+from kvspec.spec.rotating import log_push as _spec_log_push
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def _find(build: PartBuilder, extra: list[Any]) -> Any:
 
 def _confirm(rules: UndoRules, patches: dict[str, Any], name: str) -> Any:
     def run() -> tuple[Any, Any, str]:
-        from spec import rotating as sr
+        from kvspec.spec import rotating as sr
 
         part = dict(undo_parts(rules))["rollback(n <= min(U, offset)) restores every valid non-sink slot"]
         small = [z3.Int(v) <= 9 for v in ("W", "U", "offset")] + [z3.Int("W") >= 1]
@@ -228,7 +228,7 @@ def _rollback_oldest_first(cache: Any, n: int) -> Any:
     """Undo the decode records of the latest n rows oldest first."""
     from dataclasses import replace as _replace
 
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     records = cache.log[len(cache.log) - n:] if n <= len(cache.log) else cache.log
     slots = list(cache.slots)

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from spec import dense as sd
-from spec import rotating as sr
+from kvspec.spec import dense as sd
+from kvspec.spec import rotating as sr
 
 #: the spec module of each cache kind
 SPECS: dict[str, Any] = {"dense": sd, "rotating": sr}

@@ -1,12 +1,12 @@
 """The Turbo modes' obligations: 10 physical trim, 11 Delegated's
 fold schedule, 12 the 3-bit packing's byte count. Each names the spec
-functions it proves (``spec.turbo``, ``spec.dense.trim`` in the Turbo modes);
+functions it proves (``kvspec.spec.turbo``, ``kvspec.spec.dense.trim`` in the Turbo modes);
 each negative control names the buggy rule it refutes.
 
 Parts are validity checks ``premises => goal`` over the encodings in
-:mod:`proofs.turbo_model`, run over unbounded integers and in 32-bit
+:mod:`kvspec.proofs.turbo_model`, run over unbounded integers and in 32-bit
 wrapping arithmetic (``bv32``) like the dense obligations. The fold schedule
-is a loop (``spec.turbo.fold_schedule``); it is proved by induction: every
+is a loop (``kvspec.spec.turbo.fold_schedule``); it is proved by induction: every
 step of it (the handoff fold, an append of the new rows, one block fold, a
 trim) preserves the invariant from any state that satisfies it, and each
 block fold moves at least one row while hot exceeds the threshold, so the
@@ -21,9 +21,9 @@ from typing import Any
 
 import z3
 
-from proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
-from proofs.domain import Domain
-from proofs.turbo_model import (
+from kvspec.proofs.core import ObligationResult, PartBuilder, control_from_parts, overall, run_parts
+from kvspec.proofs.domain import Domain
+from kvspec.proofs.turbo_model import (
     COLD,
     NON_DELEGATED,
     SPEC,

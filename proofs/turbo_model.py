@@ -1,4 +1,4 @@
-"""Z3 encodings of ``spec.turbo`` (the Turbo modes' physical layout), one
+"""Z3 encodings of ``kvspec.spec.turbo`` (the Turbo modes' physical layout), one
 per spec function and under its name:
 
 * ``handoff_fold``, ``fold_block_rows``, ``trim_split``, ``packed_bytes``:
@@ -11,7 +11,7 @@ per spec function and under its name:
   new rows go hot), ``d_fold`` (the oldest ``f`` hot rows go cold) and
   ``d_trim`` (hot rows first).
 
-``tests/test_proofs_fidelity_turbo.py`` compares these with ``spec.turbo``
+``tests/test_proofs_fidelity_turbo.py`` compares these with ``kvspec.spec.turbo``
 on concrete values. Buggy variants for the negative controls are selected
 by :class:`TurboRules`.
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 import z3
 
-from proofs.domain import Domain
+from kvspec.proofs.domain import Domain
 
-#: arrays per mode (spec.turbo.array_names); the sidecars are what the
+#: arrays per mode (kvspec.spec.turbo.array_names); the sidecars are what the
 #: lockstep bug forgets
 NON_DELEGATED = {
     "turbo4asym": ("keys", "v_norm", "v_packed", "v_rescale"),
@@ -54,12 +54,12 @@ SPEC = TurboRules()
 
 
 def handoff_fold(d: Domain, cold: Any, live: Any, n: Any) -> Any:
-    """``spec.turbo.handoff_fold``."""
+    """``kvspec.spec.turbo.handoff_fold``."""
     return z3.And(n == 1, cold == 0, live > 0)
 
 
 def fold_block_rows(d: Domain, hot: Any, threshold: Any, block: Any, rule: str = "spec") -> Any:
-    """``spec.turbo.fold_block_rows``: ``min(block, hot)`` when hot exceeds
+    """``kvspec.spec.turbo.fold_block_rows``: ``min(block, hot)`` when hot exceeds
     the threshold, else 0. ``unclamped``: ``block`` (a fold of more rows
     than are hot)."""
     moved = block if rule == "unclamped" else d.min(block, hot)
@@ -67,7 +67,7 @@ def fold_block_rows(d: Domain, hot: Any, threshold: Any, block: Any, rule: str =
 
 
 def trim_split(d: Domain, cold: Any, live: Any, n: Any, rule: str = "hot_first") -> tuple[Any, Any]:
-    """``spec.turbo.trim_split``: ``(from_hot, from_cold)``. ``cold_first``:
+    """``kvspec.spec.turbo.trim_split``: ``(from_hot, from_cold)``. ``cold_first``:
     the cold rows go first (the bug)."""
     if rule == "cold_first":
         from_cold = d.min(n, cold)
@@ -77,7 +77,7 @@ def trim_split(d: Domain, cold: Any, live: Any, n: Any, rule: str = "hot_first")
 
 
 def packed_bytes(d: Domain, head_dim: Any, bits: int) -> Any:
-    """``spec.turbo.packed_bytes``: ``bits * head_dim // 8``."""
+    """``kvspec.spec.turbo.packed_bytes``: ``bits * head_dim // 8``."""
     return d.floordiv(d.mul(d.val(bits), head_dim, "bits * d"), d.val(8), "// 8")
 
 
@@ -93,14 +93,14 @@ def pack_guard(d: Domain, head_dim: Any, rule: str = "mod8") -> Any:
 
 
 def regrow_capacity(d: Domain, prev: Any, n: Any, step: Any) -> Any:
-    """``spec.dense.regrow_capacity``: ``prev + ceil(n / step) * step``."""
+    """``kvspec.spec.dense.regrow_capacity``: ``prev + ceil(n / step) * step``."""
     return d.add(prev, d.mul(d.ceildiv(n, step), step, "ceil * step"), "prev + ...")
 
 
 def array_rows_after_append(d: Domain, names: tuple[str, ...], rows: dict[str, Any], live: Any, n: Any,
                             step: Any) -> dict[str, Any]:
     """Every array of a non-Delegated cache after an append of ``n`` rows
-    (spec.dense.append's regrow rule, applied to each array on its own):
+    (kvspec.spec.dense.append's regrow rule, applied to each array on its own):
     an array whose ``live + n`` rows do not fit grows to
     ``regrow_capacity``, the others keep their rows."""
     grown = d.stored("capacity", regrow_capacity, live, n, step)
@@ -109,7 +109,7 @@ def array_rows_after_append(d: Domain, names: tuple[str, ...], rows: dict[str, A
 
 def array_rows_after_trim(d: Domain, names: tuple[str, ...], rows: dict[str, Any], live: Any, n: Any,
                           rule: str = "physical") -> tuple[dict[str, Any], Any]:
-    """``spec.dense.trim`` in a Turbo mode: ``n`` clamped to ``[0, live]``;
+    """``kvspec.spec.dense.trim`` in a Turbo mode: ``n`` clamped to ``[0, live]``;
     each array cut to the rows that stay (all dropped at 0 rows, under every
     rule). ``logical``: only the offset moves; ``skip_sidecar``: the norm
     and rescale sidecars keep their rows. Returns (rows, live after)."""
@@ -125,7 +125,7 @@ def array_rows_after_trim(d: Domain, names: tuple[str, ...], rows: dict[str, Any
 
 def delegated_rows_after_trim(d: Domain, rows: dict[str, Any], live: Any, cold: Any, n: Any,
                               rules: TurboRules = SPEC) -> tuple[dict[str, Any], Any, Any]:
-    """Delegated's trim (spec.turbo.apply_op): ``from_hot, from_cold =
+    """Delegated's trim (kvspec.spec.turbo.apply_op): ``from_hot, from_cold =
     trim_split``; keys cut to the live rows, cold arrays to the new
     cold_offset, hot to the rest. Returns (rows, live after, cold after)."""
     k = d.clamp(n, 0, live)
@@ -163,7 +163,7 @@ def delegated_vars(d: Domain, tag: str) -> DelegatedS:
 
 
 def cold_ok(c: DelegatedS) -> Any:
-    """``spec.turbo.cold_offset_ok``: ``0 <= cold_offset <= offset``."""
+    """``kvspec.spec.turbo.cold_offset_ok``: ``0 <= cold_offset <= offset``."""
     return z3.And(c.cold >= 0, c.cold <= c.off)
 
 
@@ -202,7 +202,7 @@ def d_fold(d: Domain, c: DelegatedS, f: Any, rule: str = "spec") -> DelegatedS:
 
 def d_trim(d: Domain, c: DelegatedS, n: Any, rule: str = "hot_first") -> DelegatedS:
     """Trim ``n`` rows: ``n`` clamped to ``[0, offset]``, hot rows first
-    (spec.turbo.trim_split); every array keeps its prefix."""
+    (kvspec.spec.turbo.trim_split); every array keeps its prefix."""
     k = d.clamp(n, 0, c.off)
     _, from_cold = trim_split(d, c.cold, c.off, k, rule)
     off = d.sub(c.off, k, "offset - n")

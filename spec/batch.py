@@ -5,7 +5,7 @@ server) runs B sequences through the model at once: every layer holds one
 buffer of ``idx`` positions per sequence row, and sequence ``i`` occupies
 positions ``[pads[i], idx)``, after ``pads[i]`` positions of left padding.
 This module is the layout's arithmetic, the rules every batch cache obeys
-(``impl.batch``), as pure functions on :class:`BatchLayout`:
+(``kvspec.impl.batch``), as pure functions on :class:`BatchLayout`:
 
 1. **A batch of B behaves as B independent caches.** Sequence ``i``'s
    offset (its RoPE position, the rows it holds) is ``idx - pads[i]``; its
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec.errors import InvalidArgumentError
+from kvspec.spec.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)

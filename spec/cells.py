@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 FULL, WINDOW = "full", "window"
 #: the store layouts a memory may have
@@ -795,7 +795,7 @@ def observe_snapshot(snapshot: Snapshot) -> dict[str, list[tuple[int, tuple[int,
 class CellsMemory:
     """The spec driven as a ``CellsTarget`` (fuzz/cells.py): the same
     methods and return values; each op replaces the frozen :attr:`state`
-    only on success, so a refusal (a raised spec.errors class or a False)
+    only on success, so a refusal (a raised kvspec.spec.errors class or a False)
     changes nothing. ``save`` returns a :class:`Snapshot`."""
 
     def __init__(self, config: CellsConfig | None = None, **kwargs: Any) -> None:

@@ -9,7 +9,7 @@ Two levels live side by side in one frozen state:
   (``Buffer``) and the ownership ``Marker``.
 
 Every operation is a pure function ``op(state, ...) -> (result, new_state)``
-or raises one of :mod:`spec.errors` and returns nothing (so a refusal cannot
+or raises one of :mod:`kvspec.spec.errors` and returns nothing (so a refusal cannot
 change anything). Holders (snapshots, detached handles, the held in-flight
 window) live in :class:`DenseWorld`, whose operations wrap the cache's.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from itertools import pairwise
 
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 class Mode(str, Enum):
@@ -646,7 +646,7 @@ def holds_buffer(world: DenseWorld) -> bool:
 
 def w_reload(world: DenseWorld, via: str) -> tuple[None, DenseWorld]:
     """The cache saved and loaded back: ``via="file"`` through a prompt-cache
-    file (``impl.models.save_prompt_cache`` / ``load_prompt_cache``; the
+    file (``kvspec.impl.models.save_prompt_cache`` / ``load_prompt_cache``; the
     loaded cache replaces the live one), ``via="state"`` in mlx-lm's load
     order (``cache.state = saved``, then ``cache.meta_state = saved``).
     Either way the cache goes on with the same window, offset, live_start,

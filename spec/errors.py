@@ -29,5 +29,5 @@ class RollbackWarning(UserWarning):
     wrapped beyond its undo log, semantics.md 6): nothing was trimmed, so a
     loop that goes on decoding (mlx-lm's speculative decoding) leaves the
     stream it would have had without the rolled-back rows. Issued once per
-    cache; ``impl.models.trim_prompt_cache(..., strict=True)`` raises
+    cache; ``kvspec.impl.models.trim_prompt_cache(..., strict=True)`` raises
     StateError instead."""

@@ -2,9 +2,9 @@
 (semantics.md 6).
 
 A model's prompt cache holds one cache per layer, often of mixed kinds:
-full-attention layers dense (:mod:`spec.dense`), sliding-window layers
-rotating (:mod:`spec.rotating`) with their own window and sinks, a hybrid
-model's recurrent layers recurrent (:mod:`spec.recurrent`). Engines
+full-attention layers dense (:mod:`kvspec.spec.dense`), sliding-window layers
+rotating (:mod:`kvspec.spec.rotating`) with their own window and sinks, a hybrid
+model's recurrent layers recurrent (:mod:`kvspec.spec.recurrent`). Engines
 call four list-level operations: :func:`make_prompt_cache` for a layer
 pattern, :func:`can_trim_prompt_cache`, :func:`trim_prompt_cache` and
 snapshot/restore of the whole list (:func:`w_snapshot`, :func:`w_restore`).
@@ -19,7 +19,7 @@ trim reduces below its offset), never from the offset alone. Layers that disagre
 tokens they hold corrupt every later step (a known public bug class: a
 rollback that trims some layers only).
 
-Every function is pure; refusals raise :mod:`spec.errors` types and change
+Every function is pure; refusals raise :mod:`kvspec.spec.errors` types and change
 nothing.
 """
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec import dense, recurrent, rotating
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec import dense, recurrent, rotating
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class RingLayer:
 
 @dataclass(frozen=True)
 class RecurrentLayer:
-    """A hybrid model's recurrent layer (:mod:`spec.recurrent`): ``size``
+    """A hybrid model's recurrent layer (:mod:`kvspec.spec.recurrent`): ``size``
     arrays (2: conv window and recurrent state; 1: conv window only), a
     conv of width ``kernel``, checkpoints for rollbacks of up to ``depth``
     tokens (0: none)."""
@@ -94,9 +94,9 @@ def layer_trim_bounds(cache: LayerCache) -> tuple[int, int]:
     clamps a request to, ``exact`` the most rows it takes back exactly. A
     dense layer: its live rows, both (``live_len``: a front trim moved
     ``live_start`` past rows the offset still counts). A ring: its offset,
-    and ``spec.rotating.trimmable_rows`` (the offset while unwrapped, what
+    and ``kvspec.spec.rotating.trimmable_rows`` (the offset while unwrapped, what
     its undo log covers after a wrap: 0 without one). A recurrent layer:
-    its offset and its coverage (``spec.recurrent.trimmable_rows``; the
+    its offset and its coverage (``kvspec.spec.recurrent.trimmable_rows``; the
     ring's rule, semantics.md 9)."""
     if isinstance(cache, dense.DenseCache):
         return cache.live_len, cache.live_len
@@ -107,8 +107,8 @@ def layer_trim_bounds(cache: LayerCache) -> tuple[int, int]:
 
 def layer_can_trim(cache: LayerCache) -> bool:
     """Some trim of this layer is exact: always for a dense layer, for a ring
-    ``spec.rotating.is_trimmable``, for a recurrent layer
-    ``spec.recurrent.is_trimmable`` (depth > 0)."""
+    ``kvspec.spec.rotating.is_trimmable``, for a recurrent layer
+    ``kvspec.spec.recurrent.is_trimmable`` (depth > 0)."""
     if isinstance(cache, recurrent.RecurrentCache):
         return recurrent.is_trimmable(cache)
     return isinstance(cache, dense.DenseCache) or rotating.is_trimmable(cache)
@@ -258,7 +258,7 @@ def layers_interchangeable(a: LayerWorld, b: LayerWorld, name: str | None = None
     """Whether layer ``a`` takes the snapshot ``name`` layer ``b`` took
     (``name`` None: a snapshot of ``b`` as it is now): both dense, or both
     rings of the same ``(max_size, keep)``, or both recurrent layers whose
-    snapshot fits (:func:`spec.recurrent.snapshot_fits`: the same size and
+    snapshot fits (:func:`kvspec.spec.recurrent.snapshot_fits`: the same size and
     depth, and the same kernel when ``a`` and the snapshot both hold a conv
     window). What a layer's restore checks first."""
     if isinstance(a, recurrent.RecurrentWorld) or isinstance(b, recurrent.RecurrentWorld):
@@ -296,11 +296,11 @@ def w_restore_mixed(world: LayersWorld, name: str, layer: int, source: int) -> t
 
 
 def w_copy(world: LayersWorld, name: str, live: str) -> tuple[None, LayersWorld]:
-    """A copy of the whole list (``impl.layers.copy_prompt_cache``:
+    """A copy of the whole list (``kvspec.impl.layers.copy_prompt_cache``:
     ``copy.deepcopy`` of the list, as mlx-lm's ``LRUPromptCache`` makes on
     every fetch, or ``copy.copy`` of each layer), held under ``name`` like a
     list snapshot: every layer as its kind's copy rule says
-    (``spec.dense.w_copy``, ``spec.rotating.w_copy``): the copy shares each
+    (``kvspec.spec.dense.w_copy``, ``kvspec.spec.rotating.w_copy``): the copy shares each
     layer's buffers and owns nothing. ``live`` says which list the trace
     goes on writing (``"copy"``: the copy, with the original held). Raises
     InvalidArgumentError for another ``live``, StateError for a name in use;
@@ -322,7 +322,7 @@ def holds_buffer(world: LayersWorld) -> bool:
 def w_append_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[None, LayersWorld]:
     """A forward pass handing every layer rows whose ``differs`` (batch, kv
     heads, K or V head dim, dtype) is not the cached rows': every layer
-    refuses them (``spec.dense.w_append_mismatch``, the rule of each kind)
+    refuses them (``kvspec.spec.dense.w_append_mismatch``, the rule of each kind)
     and nothing changes in any layer; InvalidArgumentError. Only on a list
     whose every layer holds a buffer (:func:`holds_buffer`)."""
     return dense.w_append_mismatch(world.layers[0], n, differs)  # type: ignore[arg-type,return-value]
@@ -331,7 +331,7 @@ def w_append_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[None, L
 def w_append_pair_mismatch(world: LayersWorld, n: int, differs: str) -> tuple[None, LayersWorld]:
     """A forward pass handing every layer a K/V pair whose values disagree
     with its keys in ``differs`` (dtype, batch, kv heads, rows): every layer
-    refuses it, empty or not (``spec.dense.w_append_pair_mismatch``, the
+    refuses it, empty or not (``kvspec.spec.dense.w_append_pair_mismatch``, the
     rule of each kind), and nothing changes in any layer;
     InvalidArgumentError."""
     return dense.w_append_pair_mismatch(world.layers[0], n, differs)  # type: ignore[arg-type,return-value]
@@ -382,7 +382,7 @@ def w_reload(world: LayersWorld, via: str) -> tuple[None, LayersWorld]:
     """The whole list saved and loaded back (``via``: ``"file"``, a
     prompt-cache file of every layer; ``"state"``, mlx-lm's load order on
     each layer): each layer as its kind's reload says
-    (``spec.dense.w_reload``, ``spec.rotating.w_reload``): same window,
+    (``kvspec.spec.dense.w_reload``, ``kvspec.spec.rotating.w_reload``): same window,
     counters and settings (mode, step, window, sinks, undo depth, in-place
     switch, whatever the loading process's ``KV_INPLACE_WRITE``), fresh
     buffers without ownership, a ring's undo log empty; list snapshots

@@ -4,16 +4,16 @@ back, what ``to_quantized`` keeps, what ``nbytes`` counts and which in-place
 mechanism the write layer picks (docs/models.md).
 
 These are the observables of a prompt cache that live outside one layer's
-write and trim path (:mod:`spec.layers` has the list-level operations,
-:mod:`spec.dense` and :mod:`spec.rotating` each layer's). Every function is
-pure (standard library only); refusals raise :mod:`spec.errors` types.
+write and trim path (:mod:`kvspec.spec.layers` has the list-level operations,
+:mod:`kvspec.spec.dense` and :mod:`kvspec.spec.rotating` each layer's). Every function is
+pure (standard library only); refusals raise :mod:`kvspec.spec.errors` types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 #: Bytes per element of each dtype rows are handed in (and of Int8's codes).
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
@@ -232,7 +232,7 @@ def to_quantized(kind: str, mode: str, offset: int, live_start: int, step: int, 
 
 
 def inplace_mechanism(backend: str, kv_cuda_inplace: str | None) -> str:
-    """The mechanism an in-place write uses (``impl.write``): ``"numpy"``
+    """The mechanism an in-place write uses (``kvspec.impl.write``): ``"numpy"``
     on every backend but CUDA (``"cpu"``, ``"metal"``), whatever
     ``KV_CUDA_INPLACE`` says (the variable is read only on CUDA); on CUDA
     ``"donate"`` when the variable is unset, empty or blank, else its value

@@ -17,7 +17,7 @@ when its block lies wholly before the logical start (released by a front
 trim). Reading gathers ``[start, length)`` through the table.
 
 Every operation is a pure function ``op(world, ...) -> (result, new world)``
-or raises one of :mod:`spec.errors` and returns nothing, so a refusal (pool
+or raises one of :mod:`kvspec.spec.errors` and returns nothing, so a refusal (pool
 exhaustion included) changes nothing. Rows are token identities; the harness
 turns them into bytes.
 """
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from spec.dense import Entry, w_append_mismatch, w_append_pair_mismatch
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.dense import Entry, w_append_mismatch, w_append_pair_mismatch
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MAIN = "main"
 
@@ -504,7 +504,7 @@ def snapshots_by_fork(op: str) -> UnsupportedOperationError:
 #: ``use``): every public method and property of the handle class that
 #: reaches its sequence (``append`` is ``update_and_fetch``; ``set_state`` /
 #: ``set_meta_state`` assign the property). The fuzzer derives the uses it
-#: draws from the class itself (``fuzz.paged.handle_api``) and a test holds
+#: draws from the class itself (``kvspec.fuzz.paged.handle_api``) and a test holds
 #: this tuple to that set, so a method added to the handle is driven and
 #: needs its answer here.
 HANDLE_REUSES = ("append", "fetch", "trim", "release", "trim_to", "trim_front", "trim_front_keep_sink", "fork",
@@ -562,7 +562,7 @@ def append_mismatch(world: PagedWorld, seq: str, n: int, differs: str) -> tuple[
     K or V head dim, dtype) is not the pool's (a batch other than 1 on any
     pool; the rest once the pool has its slabs, :func:`holds_buffer`):
     refused with InvalidArgumentError, nothing changes (the rule of
-    ``spec.dense.w_append_mismatch``; StateError first for an unknown
+    ``kvspec.spec.dense.w_append_mismatch``; StateError first for an unknown
     sequence)."""
     _require(world, "append", seq)
     w_append_mismatch(world, n, differs)  # type: ignore[arg-type]  # always raises
@@ -573,7 +573,7 @@ def append_pair_mismatch(world: PagedWorld, seq: str, n: int, differs: str) -> t
     """An append to ``seq`` of a K/V pair whose values disagree with its
     keys in ``differs`` (dtype, batch, kv heads, rows): refused with
     InvalidArgumentError on any pool, slabs or not, nothing changes (the
-    rule of ``spec.dense.w_append_pair_mismatch``; StateError first for an
+    rule of ``kvspec.spec.dense.w_append_pair_mismatch``; StateError first for an
     unknown sequence)."""
     _require(world, "append", seq)
     w_append_pair_mismatch(world, n, differs)  # type: ignore[arg-type]  # always raises
@@ -650,7 +650,7 @@ def reload(world: PagedWorld, seq: str, via: str) -> tuple[None, PagedWorld]:
     raise UnsupportedOperationError(
         "save_prompt_cache: layer 0 is a PagedKVCache, whose blocks belong to its pool and may be "
         "shared with other sequences, so a file cannot hold it alone (docs/paged.md); save its rows "
-        "through a dense cache (impl.dense.KVCache.from_state(layer.state))")
+        "through a dense cache (kvspec.impl.dense.KVCache.from_state(layer.state))")
 
 
 def apply_op(world: PagedWorld, op: dict) -> tuple[object, PagedWorld]:

@@ -24,7 +24,7 @@ and on the extra key, so the spec names it ``row_name(salt, tokens, p) =
 harness turns them into bytes.
 
 Every op is a pure function ``op(world, ...) -> (result, new world)`` on a
-frozen :class:`PrefixWorld`, or raises one of :mod:`spec.errors` naming the
+frozen :class:`PrefixWorld`, or raises one of :mod:`kvspec.spec.errors` naming the
 argument and the rule; a refusal (and an admission or decode that finds no
 room, which returns a negative result) changes nothing.
 """
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 #: a block key: ``(salt, tokens)``, tokens the first ``(i + 1) * B`` tokens
 Key = tuple[Any, tuple[int, ...]]

@@ -28,7 +28,7 @@ in slot :func:`slot` ``(x, U) = x % (U + 1)``; the live offsets are
 step in ``(x, offset]`` overwrote the slot of a live x (obligation 15,
 ``proofs/recurrent.py``).
 
-Every function is pure; refusals raise :mod:`spec.errors` types and change
+Every function is pure; refusals raise :mod:`kvspec.spec.errors` types and change
 nothing.
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 #: array indices of the cache: 0 the conv window, 1 the recurrent state
 CONV, STATE = 0, 1

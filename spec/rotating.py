@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec.dense import MAX_STEP, Entry, Mode, w_append_mismatch, w_append_pair_mismatch
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.dense import MAX_STEP, Entry, Mode, w_append_mismatch, w_append_pair_mismatch
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def ring_slot(position: int, max_size: int, keep: int) -> int:
@@ -565,7 +565,7 @@ def w_snapshot(world: RotatingWorld, name: str) -> tuple[None, RotatingWorld]:
 
 def w_copy(world: RotatingWorld, name: str, live: str) -> tuple[None, RotatingWorld]:
     """``copy.copy``/``copy.deepcopy`` of the ring held under ``name``
-    (spec.dense.w_copy): the copy shares the buffers, counters and undo log
+    (kvspec.spec.dense.w_copy): the copy shares the buffers, counters and undo log
     by value and carries no ownership marker; with ``live == "copy"`` the
     trace goes on writing the copy (no marker: its first warm-up write
     copies, and it keeps the undo log), else the copy is held as a
@@ -585,7 +585,7 @@ def holds_buffer(world: RotatingWorld) -> bool:
 
 
 def w_reload(world: RotatingWorld, via: str) -> tuple[None, RotatingWorld]:
-    """The ring saved and loaded back (spec.dense.w_reload): its valid rows
+    """The ring saved and loaded back (kvspec.spec.dense.w_reload): its valid rows
     in physical order become fresh private buffers of exactly that many
     slots; offset, cursor, window, sinks, step, undo depth and switch stay;
     no marker and an empty undo log (a file is a snapshot: a loaded ring

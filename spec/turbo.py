@@ -2,13 +2,13 @@
 "Turbo modes").
 
 The abstract window of every Turbo mode is the dense one: this module runs
-``spec.dense`` for it (entries, offset, capacity of the K buffer) and adds
+``kvspec.spec.dense`` for it (entries, offset, capacity of the K buffer) and adds
 what only the Turbo modes have:
 
 * which arrays a cache keeps and how many rows each holds
   (:func:`array_rows`): in Turbo4Asym, Turbo4 and Turbo3Asym every buffer
   and sidecar has the capacity's rows, and a trim cuts them all to exactly
-  the live rows (``spec.dense.trim_is_logical`` is False for them);
+  the live rows (``kvspec.spec.dense.trim_is_logical`` is False for them);
 * which rows are stored quantized (:func:`quantized_rows`);
 * Turbo4Delegated's ``cold_offset``: V is a cold quantized prefix of
   ``cold_offset`` rows and a hot unquantized rest. Its evolution is
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from spec import dense as sd
-from spec.errors import InvalidArgumentError
+from kvspec.spec import dense as sd
+from kvspec.spec.errors import InvalidArgumentError
 
 Mode = sd.Mode
 TURBO_MODES = (Mode.TURBO4ASYM, Mode.TURBO4, Mode.TURBO3ASYM, Mode.TURBO4DELEGATED)
@@ -191,7 +191,7 @@ def quantized_rows(mode: Mode, live_len: int, cold_offset: int) -> tuple[tuple[b
 
 
 # ---------------------------------------------------------------------------
-# The world: spec.dense's world plus the cold offsets.
+# The world: kvspec.spec.dense's world plus the cold offsets.
 
 
 @dataclass(frozen=True)
@@ -276,9 +276,9 @@ def holds_buffer(world: TurboWorld) -> bool:
 
 
 def apply_op(world: TurboWorld, op: dict) -> tuple[object, TurboWorld]:
-    """Run one kvtrace op: ``spec.dense.apply_op`` for the window and the K
+    """Run one kvtrace op: ``kvspec.spec.dense.apply_op`` for the window and the K
     buffer, plus the cold offsets (Delegated): folds at appends, hot-first
-    trims, and holders keeping theirs. Raises what spec.dense raises."""
+    trims, and holders keeping theirs. Raises what kvspec.spec.dense raises."""
     name = op["op"]
     before = world.dense
     live = before.cache.live_len

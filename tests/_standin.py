@@ -1,4 +1,4 @@
-"""Stand in a device backend for impl.write on this CPU-only machine: the
+"""Stand in a device backend for kvspec.impl.write on this CPU-only machine: the
 real ``backend()`` and ``inplace_mechanism()`` run, reading a GPU where the
 default device is (``W._GPU`` set to its type) with ``answer`` as what that
 GPU is; ``"cpu"`` makes no device a GPU."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-import impl.write as W
+import kvspec.impl.write as W
 
 
 class _NoDevice:

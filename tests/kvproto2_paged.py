@@ -3,11 +3,11 @@ a block pool with block tables by absolute position, refcounts, a free
 list, copy-on-write, forks, releases and front trims, several sequences
 on one pool.
 
-The pool is ``spec.paged``'s model run as an engine would run its own:
+The pool is ``kvspec.spec.paged``'s model run as an engine would run its own:
 the adapter applies each op to it, reads every window back from the
-pool's blocks (``spec.paged.gather``: what sits in the slots the table
+pool's blocks (``kvspec.spec.paged.gather``: what sits in the slots the table
 names, not what should), serializes those rows as the portable rows of
-``spec.rows`` in the trace's dtype (``windows: bytes``), and answers the
+``kvspec.spec.rows`` in the trace's dtype (``windows: bytes``), and answers the
 masks an append asks for with the dense rule over the sequence's visible
 rows. It takes the identity of the first row from ``first``, as any
 adapter must.
@@ -26,10 +26,10 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spec import paged as sp
-from spec.dense import dense_make_mask
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
-from spec.rows import element_bits
+from kvspec.spec import paged as sp
+from kvspec.spec.dense import dense_make_mask
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.rows import element_bits
 
 #: fault -> what it does (at most one is planted per process)
 FAULTS = {
@@ -136,7 +136,7 @@ def main() -> int:
     args = ap.parse_args()
     observables = ["sequences", "refcounts", "free", "capacity", *([] if args.no_inplace else ["inplace"]), "masks"]
     if args.fault == "no_cow":
-        sp.needs_copy_on_write = lambda refcount: False  # looked up at call time by spec.paged.append
+        sp.needs_copy_on_write = lambda refcount: False  # looked up at call time by kvspec.spec.paged.append
     pool: Pool | None = None
     for line in sys.stdin:
         req = json.loads(line)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters import exec as ex
-from fuzz.commands.cli import main
+from kvspec.fuzz.adapters import exec as ex
+from kvspec.fuzz.commands.cli import main
 from tests.target_examples import CACHE_MODULE
 
-SKELETON = resources.files("fuzz").joinpath("skeletons", "adapter.py").read_text()
+SKELETON = resources.files("kvspec.fuzz").joinpath("skeletons", "adapter.py").read_text()
 
 #: fault -> (text of the skeleton, its replacement); several pairs per fault allowed
 FAULTS: dict[str, list[tuple[str, str]]] = {

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz.adapters import mlx_lm
+from kvspec.fuzz.adapters import mlx_lm
 
 CLASSES = {c.name: c for t in (mlx_lm.MLX_LM, mlx_lm.MLX_LM_CONCAT) for c in t.classes}
 CACHE = {"kind": "dense", "mode": "fp16", "step": 2, "max_size": 6, "keep": 1}

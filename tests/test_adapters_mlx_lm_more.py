@@ -5,7 +5,7 @@ before its fix (the messages it gave then are quoted in each test):
 ``reload`` crashed on a missing ``meta_state``, float32 and bfloat16 rows of
 an int8 (and fp16) trace came back as ``?`` rows or crashed, and a shallow
 ``copy`` copied the adapter instead of mlx-lm's cache. Then the rule that
-tells a target's failure from the harness's (fuzz.targets.classify_failure).
+tells a target's failure from the harness's (kvspec.fuzz.targets.classify_failure).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from fuzz.commands.cli import main
-from fuzz.targets import HarnessFailure, TargetCannotRun, classify_failure
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.targets import HarnessFailure, TargetCannotRun, classify_failure
 
 DENSE = {"kind": "dense", "mode": "fp16", "step": 4, "batch": 1, "kv_heads": 1, "head_dim": 8}
 INT8 = {"kind": "dense", "mode": "int8", "step": 4, "batch": 1, "kv_heads": 1, "head_dim": 32}
@@ -97,8 +97,8 @@ def test_int8_rows_come_back_in_the_rows_dtype():
     import mlx.core as mx
     import numpy as np
 
-    from fuzz.adapters.mlx_lm import QuantizedKVCacheAdapter, affine_int8_row
-    from fuzz.rows import dtype_name, host
+    from kvspec.fuzz.adapters.mlx_lm import QuantizedKVCacheAdapter, affine_int8_row
+    from kvspec.fuzz.rows import dtype_name, host
 
     a = QuantizedKVCacheAdapter({"step": 4})
     x = mx.arange(64, dtype=mx.float32).reshape(1, 1, 2, 32).astype(mx.bfloat16) / 7
@@ -118,7 +118,7 @@ def test_shallow_copy_copies_mlx_lms_cache_not_the_adapter(tmp_path):
     ``copy.copy`` of mlx-lm's KVCache: its arrays are shared, so only a
     write into a row the copy still shows (after a trim) changes it: op 4,
     token 4 where the copy had token 2."""
-    from fuzz.adapters.mlx_lm import KVCacheAdapter
+    from kvspec.fuzz.adapters.mlx_lm import KVCacheAdapter
 
     a = KVCacheAdapter({"step": 4})
     dup = copy.copy(a)
@@ -224,7 +224,7 @@ def test_a_crash_while_the_target_is_read_is_a_divergence(tmp_path, user_module)
 def test_the_harness_own_crash_is_a_tool_failure(tmp_path, monkeypatch):
     """An exception raised in the harness's code (here the adapter's view,
     broken on purpose) is exit 2, ``tool failure``, never 1."""
-    import fuzz.adapters.mlx_lm as M
+    import kvspec.fuzz.adapters.mlx_lm as M
 
     # the adapter reads its views with a group size mx.dequantize refuses:
     # the ValueError is raised in the adapter's own __array__
@@ -249,7 +249,7 @@ def test_classify_failure_by_origin():
         user.meta_state  # noqa: B018 - raised here, in a test file: the target's side
     except AttributeError as exc:
         assert classify_failure(lock, 1, op, exc, running=True) is None  # not the harness's frame
-    from fuzz.protocol import read_observable
+    from kvspec.fuzz.protocol import read_observable
 
     try:
         read_observable(object(), "capacity")  # the harness's frame, on an object that is not the target's
@@ -264,7 +264,7 @@ def test_classify_failure_by_origin():
         raise ValueError("an adapter's translated refusal")
     except ValueError as exc:  # raised here: the target's side; a refusal either way while running
         assert classify_failure(lock, 1, op, exc, running=True) is None
-    from fuzz.lockstep import Lockstep
+    from kvspec.fuzz.lockstep import Lockstep
 
     try:
         Lockstep.reloaded(None, user, "state")  # type: ignore[arg-type] - the harness asks for meta_state
@@ -277,7 +277,7 @@ def test_classify_failure_by_origin():
 
 
 def _break_the_adapter(monkeypatch) -> None:
-    import fuzz.adapters.mlx_lm as M
+    import kvspec.fuzz.adapters.mlx_lm as M
 
     monkeypatch.setattr(M.DequantView, "group_size", property(lambda self: 7, lambda self, v: None), raising=False)
 

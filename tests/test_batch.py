@@ -1,5 +1,5 @@
 """Batch caches (issue 24): the spec's layout rules, their Z3 model against
-the spec, the lockstep of ``impl.batch`` against B single caches, the
+the spec, the lockstep of ``kvspec.impl.batch`` against B single caches, the
 injected batch bugs caught, and the refusals."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import z3
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.batch import campaign, catch
-from fuzz.bugs import batch_bugs, by_name
-from impl.batch import BatchKVCache
-from impl.dense import KVCache
-from impl.paged import BlockPool, PagedKVCache
-from impl.rotating import RotatingKVCache
-from impl.turbo import TurboKVCache
-from proofs import batch as pb
-from spec import batch as sb
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.fuzz.batch import campaign, catch
+from kvspec.fuzz.bugs import batch_bugs, by_name
+from kvspec.impl.batch import BatchKVCache
+from kvspec.impl.dense import KVCache
+from kvspec.impl.paged import BlockPool, PagedKVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import TurboKVCache
+from kvspec.proofs import batch as pb
+from kvspec.spec import batch as sb
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 # -- the spec --------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_the_z3_model_is_the_spec():
 
 
 def test_the_mask_rule_is_mlx_lms_batch_mask():
-    """spec.batch.visible (with and without a window) equals the mask
+    """kvspec.spec.batch.visible (with and without a window) equals the mask
     mlx-lm's model code builds for a left-padded batch
     (``create_causal_mask(N, offset, window_size, left_padding=...)``), on
     every small layout: an independent pin of the rule, since the lockstep
@@ -170,7 +170,7 @@ MERGE_REFUSALS = {
     # name: (caches, error, message) -- one per guard of KVCache.merge / RotatingKVCache.merge
     "dense_no_caches": (list, KVCache, InvalidArgumentError, "at least one cache"),
     "dense_not_dense": (lambda: [_filled(KVCache, 2), _filled(RotatingKVCache, 2, max_size=4)], KVCache,
-                        UnsupportedOperationError, r"cache 1 is a impl\.rotating\.RotatingKVCache; "),
+                        UnsupportedOperationError, r"cache 1 is a kvspec\.impl\.rotating\.RotatingKVCache; "),
     "dense_heads": (lambda: [_filled(KVCache, 2), _filled(KVCache, 2, h=1)], KVCache, InvalidArgumentError,
                     "share heads"),
     "dense_k_dim": (lambda: [_filled(KVCache, 2), _filled(KVCache, 3, dk=2)], KVCache, InvalidArgumentError,
@@ -186,7 +186,7 @@ MERGE_REFUSALS = {
                      r"cache 1 is a mlx_lm\.models\.cache\.RotatingKVCache; .*cannot share a batch"),
     "ring_no_caches": (list, RotatingKVCache, InvalidArgumentError, "at least one cache"),
     "ring_not_ring": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(KVCache, 2)], RotatingKVCache,
-                      UnsupportedOperationError, r"cache 1 is a impl\.dense\.KVCache; "),
+                      UnsupportedOperationError, r"cache 1 is a kvspec\.impl\.dense\.KVCache; "),
     "ring_windows": (lambda: [_filled(RotatingKVCache, 2, max_size=4), _filled(RotatingKVCache, 2, max_size=5)],
                      RotatingKVCache, InvalidArgumentError, "share max_size"),
     "ring_heads": (lambda: [_filled(RotatingKVCache, 3, max_size=4), _filled(RotatingKVCache, 2, h=1, max_size=4)],
@@ -262,7 +262,7 @@ def test_a_batch_filters_extends_and_extracts_our_caches():
 
 
 def test_the_cli_refuses_a_batch_bug_where_there_is_no_kvtrace_kind(capsys):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     assert main(["fuzz", "--bug", "batch_padding_visible", "--budget", "1"]) == 2
     assert "kvspec e2e --only batch --bug batch_padding_visible" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """The recurrent kind in batched generation (issue 48): a batch
-``RecurrentCache`` in lockstep with B single ones (``fuzz.batch``'s
+``RecurrentCache`` in lockstep with B single ones (``kvspec.fuzz.batch``'s
 recurrent run), its injected bugs caught, and the batch operations'
-refusals (spec.batch, semantics.md 7: InvalidArgumentError, nothing
+refusals (kvspec.spec.batch, semantics.md 7: InvalidArgumentError, nothing
 changed)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.batch import RecurrentShape, catch, recurrent_campaign, run_recurrent_program
-from fuzz.bugs.batch import RECURRENT_BUGS
-from fuzz.recurrent import FakeModel
-from impl.recurrent import RecurrentCache, record_steps
-from spec.errors import InvalidArgumentError
+from kvspec.fuzz.batch import RecurrentShape, catch, recurrent_campaign, run_recurrent_program
+from kvspec.fuzz.bugs.batch import RECURRENT_BUGS
+from kvspec.fuzz.recurrent import FakeModel
+from kvspec.impl.recurrent import RecurrentCache, record_steps
+from kvspec.spec.errors import InvalidArgumentError
 
 
 def _single(tokens: int, dtype=mx.float16, kernel: int = 3, channels: int = 2, size: int = 2, seed: int = 0):
@@ -62,7 +62,7 @@ def test_every_recurrent_batch_bug_is_caught(bug):
 def test_a_harness_failure_is_no_catch(monkeypatch):
     """A lockstep whose own code raises (here: the dense run's decode, in
     fuzz/, on a recurrent run) is a tool failure, never a divergence."""
-    import fuzz.batch as fb
+    import kvspec.fuzz.batch as fb
 
     monkeypatch.setattr(fb.RecurrentRun, "decode", fb.Run.decode)
     result = recurrent_campaign(max_examples=60, shrink=False)

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from fuzz.commands import bench
+from kvspec.fuzz.commands import bench
 
 
 def test_bench_reports_every_row_and_ratio(capsys, monkeypatch):
@@ -46,8 +46,8 @@ def test_interleaved_gives_each_tick_its_own_times():
 
 
 def test_each_row_measures_its_own_operation(capsys, monkeypatch):
-    from fuzz.bugs.dense import PhysicalTrimFp16
-    from impl.dense import KVCache
+    from kvspec.fuzz.bugs.dense import PhysicalTrimFp16
+    from kvspec.impl.dense import KVCache
 
     monkeypatch.setattr(bench, "ROUNDS", 2)
     monkeypatch.setattr(bench, "_decode_round", lambda n, inplace: (lambda: 1.0 if inplace is True else 2.0))
@@ -64,7 +64,7 @@ def test_bench_suite_smoke_runs_every_decoder_and_e2e_row_and_writes_a_record(ca
     """One tiny run of ``kvspec bench --decoder --e2e --record``: every
     decoder row at every context beside mlx-lm's, every end-to-end config,
     and the record's JSON, Markdown and PNG (structure only, no timings)."""
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     monkeypatch.setattr(bench, "ROUNDS", 2)
     assert bench.run_suite([16, 40], decoder=True, e2e=True, layers=1, rounds=2, e2e_contexts=[16], tokens=4,
@@ -120,7 +120,7 @@ def test_end_to_end_blocks_warm_up_each_config_keep_its_caches_and_rotate_the_or
     one block of every config, started one config later than round
     ``r - 1``; each block ends on an idle stream; block ``r`` of every config
     lands at index ``r`` of its samples."""
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     log: list[tuple] = []
     made: list[str] = []
@@ -190,7 +190,7 @@ def test_median_interval_is_the_distribution_free_one():
 
 
 def test_paired_ratios_divide_runs_of_the_same_repeat():
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     samples = {"mlx-lm caches": {1024: [100.0, 20.0, 50.0]}, "ours, in place": {1024: [110.0, 22.0, 45.0]}}
     got = bd.paired_ratios(samples, "ours, in place")[1024]
@@ -205,7 +205,7 @@ def test_paired_ratios_divide_runs_of_the_same_repeat():
 
 
 def test_a_tie_is_not_faster_and_unpaired_runs_are_refused():
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     samples = {"mlx-lm caches": {"16": [100.0, 50.0]}, "ours, in place": {"16": [100.0, 60.0]}}
     cell = bench.paired_table({"greedy": samples})["greedy"]["ours, in place"]["16"]
@@ -239,7 +239,7 @@ def test_each_comparison_is_measured_in_one_round_robin_with_its_floor():
     """Ours, mlx-lm's and their floor at every context go to one
     interleaved measurement (drift falls on all alike), not one row after
     another; each row's over-floor cost uses the floor of its own round."""
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     calls: list[int] = []
 
@@ -267,7 +267,7 @@ def test_each_reported_cell_holds_the_tick_that_measured_it(monkeypatch):
     with fake ticks that each return their own identity, every cell must
     hold its own row's tick at its own context (a transposed index passed
     the consistency checks above)."""
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     made: dict[int, tuple[str, int]] = {}
 
@@ -300,7 +300,7 @@ def test_each_reported_cell_holds_the_tick_that_measured_it(monkeypatch):
 
 
 def test_an_unwritable_record_folder_exits_2_before_the_bench_runs(capsys, monkeypatch, tmp_path):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     def never(*a, **k):
         raise AssertionError("the bench ran before the record folder was checked")
@@ -317,7 +317,7 @@ def test_a_record_without_matplotlib_is_written_and_plotted_later(capsys, monkey
     written and say how to draw the PNG; ``kvspec bench --plot`` draws it."""
     import builtins
 
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     doc = {"date": "2026-12-01", "device": "gpu", "backend": "cuda", "inplace_mechanism": "donate", "mlx": "0",
            "machine": "x", "contexts": [16, 32],

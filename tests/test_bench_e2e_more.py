@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from fuzz.commands import bench
-from fuzz.commands import bench_decoder as bd
+from kvspec.fuzz.commands import bench
+from kvspec.fuzz.commands import bench_decoder as bd
 
 #: seconds per measured token of each config, before the host's slow-down
 COST = {"a": 1.0, "b": 2.0, "c": 4.0}

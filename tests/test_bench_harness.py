@@ -12,9 +12,9 @@ import json
 import jsonschema
 import pytest
 
-from fuzz.commands import bench_harness as bh
-from fuzz.lockstep import Divergence
-from fuzz.trace import loads
+from kvspec.fuzz.commands import bench_harness as bh
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.trace import loads
 from tests.test_reports import SCHEMAS, kvspec
 
 TRACE = loads(
@@ -40,7 +40,7 @@ TRACE = loads(
 def _with_expects(trace):
     """The trace's ops followed by ``expect`` ops pinning every window the
     spec holds at the end (the floors count them as ops and skip them)."""
-    from fuzz.replay import make_lockstep
+    from kvspec.fuzz.replay import make_lockstep
 
     lock = make_lockstep(dict(trace.cache))
     for i, op in enumerate(trace.ops):
@@ -103,7 +103,7 @@ def test_a_rate_not_measured_is_a_dash_in_the_table_and_null_in_json(monkeypatch
 
 def test_the_lockstep_pass_runs_every_op_through_the_checks(monkeypatch):
     assert bh.replay_lockstep(RUNS)[0] == len(OPS)
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     monkeypatch.setattr(
         KVCache, "trim", lambda self, n: 0
@@ -114,7 +114,7 @@ def test_the_lockstep_pass_runs_every_op_through_the_checks(monkeypatch):
 
 def test_the_floors_run_every_op_without_the_mask_checks():
     seen: list[str] = []
-    from fuzz.dense import DenseLockstep
+    from kvspec.fuzz.dense import DenseLockstep
 
     own = DenseLockstep.impl_apply
 
@@ -132,7 +132,7 @@ def test_the_floors_run_every_op_without_the_mask_checks():
             assert seen == [op["op"] for op in TRACE.ops]
     finally:
         DenseLockstep.impl_apply = own
-    from fuzz.replay import make_lockstep
+    from kvspec.fuzz.replay import make_lockstep
 
     lock = make_lockstep(dict(TRACE.cache))
     lock.step(0, TRACE.ops[0])
@@ -140,7 +140,7 @@ def test_the_floors_run_every_op_without_the_mask_checks():
 
 
 def test_a_floor_refuses_an_op_the_implementation_could_not_run(monkeypatch):
-    from fuzz.dense import DenseLockstep
+    from kvspec.fuzz.dense import DenseLockstep
 
     own = DenseLockstep.impl_apply
 
@@ -272,7 +272,7 @@ def test_the_warm_rate_leaves_the_first_batch_out(monkeypatch):
 
 
 def test_a_failed_campaign_is_refused_not_measured(monkeypatch):
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     monkeypatch.setattr(KVCache, "trim", lambda self, n: 0)
     with pytest.raises(RuntimeError, match="the campaign failed"):
@@ -357,8 +357,8 @@ def test_the_schema_requires_every_field_and_no_other():
 def test_the_floors_of_every_kind_skip_the_mask_checks_and_advance_the_world(
     monkeypatch, kind, mode, inplace
 ):
-    from fuzz.commands.verify import CAMPAIGN_SEED
-    from fuzz.replay import make_lockstep
+    from kvspec.fuzz.commands.verify import CAMPAIGN_SEED
+    from kvspec.fuzz.replay import make_lockstep
 
     _, runs, _ = bh.record_campaign(kind, mode, inplace, 1, CAMPAIGN_SEED)
     runs = [r for r in runs if len(r[1]) > 3][:4]
@@ -391,7 +391,7 @@ def test_the_floors_of_every_kind_skip_the_mask_checks_and_advance_the_world(
 
 
 def test_the_reads_floor_reads_every_window_and_the_other_none(monkeypatch):
-    from fuzz.dense import DenseLockstep
+    from kvspec.fuzz.dense import DenseLockstep
 
     calls: list[int] = []
     own = DenseLockstep.impl_views

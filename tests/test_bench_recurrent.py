@@ -9,7 +9,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from fuzz.commands import bench_recurrent as br
+from kvspec.fuzz.commands import bench_recurrent as br
 from tests.test_reports import valid
 
 
@@ -21,7 +21,7 @@ def record(tmp_path_factory):
     import contextlib
     import io
 
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     out = tmp_path_factory.mktemp("record")
     buf = io.StringIO()
@@ -108,7 +108,7 @@ def test_a_refused_rollback_stops_the_bench():
     (["--harness", "--recurrent"], "--recurrent"),
 ])
 def test_options_it_does_not_take_exit_2(capsys, monkeypatch, argv, says):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     def never(*a, **k):
         raise AssertionError("the bench ran")

@@ -6,7 +6,7 @@ pass (exit 0, after ops were run).
 
 Budgets are examples and seeds, not seconds: ``--budget 0.001`` runs
 exactly one batch (25 examples of up to 40 steps) of each campaign, at
-``--seed 1``, whatever the machine's speed (fuzz.campaign.interleaved runs
+``--seed 1``, whatever the machine's speed (kvspec.fuzz.campaign.interleaved runs
 every campaign's first batch whole); a broken member not caught at seed 1
 gets seed 2, then 3 (:data:`SEEDS`), a control runs seed 1; ``--inplace
 on`` keeps one campaign a target. ``pytest -s`` prints the seed and examples
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters import exec as ex
-from fuzz.commands.cli import main
+from kvspec.fuzz.adapters import exec as ex
+from kvspec.fuzz.commands.cli import main
 
 ADAPTER = Path(__file__).resolve().parent / "broken_targets" / "kvproto_dense.py"
 CLASSES = "tests.broken_targets.classes"
@@ -144,7 +144,7 @@ def in_harness(real, after: int):
     """``real`` (a method of the exec client) raising TypeError from its
     ``after + 1``-th call on each lockstep (so Hypothesis replays the same
     failure), in a frame of fuzz/adapters/exec.py: a bug of the harness's
-    own code, as fuzz.targets.classify_failure tells them apart (by the
+    own code, as kvspec.fuzz.targets.classify_failure tells them apart (by the
     file that raised)."""
     scope: dict = {"real": real, "after": after}
     code = ("def absorb(self, reply):\n"
@@ -191,7 +191,7 @@ def test_a_keyerror_is_a_crash_not_a_state_refusal():
     """docs/targets.md: only the spec's types, ValueError, TypeError,
     IndexError, NotImplementedError and RuntimeError are refusals; a
     KeyError (a LookupError, like IndexError) is a crash."""
-    from fuzz.protocol import refusal_category
+    from kvspec.fuzz.protocol import refusal_category
 
     assert refusal_category(KeyError("h")) is None
     assert refusal_category(LookupError("h")) is None

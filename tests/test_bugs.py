@@ -4,8 +4,8 @@ a minimal trace for an entry of every kind."""
 
 import pytest
 
-from fuzz.bugs import catalog, runnable
-from fuzz.campaign import catch_bug
+from kvspec.fuzz.bugs import catalog, runnable
+from kvspec.fuzz.campaign import catch_bug
 
 
 @pytest.mark.parametrize("bug", catalog(), ids=lambda b: b.name)
@@ -43,8 +43,8 @@ def test_a_catalog_trace_failing_on_a_broken_build_names_the_divergence(tmp_path
     """When the production build itself is broken, a catalog entry's trace
     fails on it: the report says the implementation diverges from the spec
     at op N of that trace, not that the harness raised a false alarm."""
-    from fuzz.bugs import by_name
-    from impl.dense import KVCache
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.impl.dense import KVCache
 
     monkeypatch.setattr(KVCache, "make_mask", lambda self, N, window_size=None, return_array=False: None)
     caught, _seconds, _examples, path, alarm, _flaky = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=200,
@@ -57,15 +57,15 @@ def test_a_catalog_trace_failing_on_a_broken_build_names_the_divergence(tmp_path
 def test_a_harness_crash_does_not_count_as_a_catch(tmp_path, monkeypatch):
     """A state machine or driver that raises (not a Divergence, not an
     invariant) has not caught the bug: the kill matrix reports it."""
-    import fuzz.dense
-    from fuzz.bugs import by_name
-    from fuzz.dense import DenseLockstep
+    import kvspec.fuzz.dense
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.dense import DenseLockstep
 
-    # whose failure it is is told by the file that raised (fuzz.failures):
+    # whose failure it is is told by the file that raised (kvspec.fuzz.failures):
     # the broken driver method is compiled as code of fuzz/dense.py, the
     # harness's own, as a real bug in that file would be
     ns: dict = {}
-    exec(compile("def broken(self):\n    raise AttributeError('the driver broke')\n", fuzz.dense.__file__, "exec"), ns)  # noqa: S102
+    exec(compile("def broken(self):\n    raise AttributeError('the driver broke')\n", kvspec.fuzz.dense.__file__, "exec"), ns)  # noqa: S102
     monkeypatch.setattr(DenseLockstep, "impl_observables", ns["broken"])
     caught, _seconds, _examples, _path, alarm, _flaky = catch_bug(by_name("snapshot_deep_copies"), seed=1, max_examples=50,
                                                           out_dir=tmp_path)
@@ -82,12 +82,12 @@ def test_a_bug_runs_only_on_its_device(device, on_cuda, expected, monkeypatch):
     only off CUDA, such as mechanism_reads_env_first) anything else."""
     import dataclasses
 
-    import fuzz.device
-    import impl.write
-    from fuzz.bugs import by_name
+    import kvspec.fuzz.device
+    import kvspec.impl.write
+    from kvspec.fuzz.bugs import by_name
 
-    monkeypatch.setattr(fuzz.device, "current", lambda: "gpu" if on_cuda else "cpu")
-    monkeypatch.setattr(impl.write, "backend", lambda: "cuda" if on_cuda else "cpu")
+    monkeypatch.setattr(kvspec.fuzz.device, "current", lambda: "gpu" if on_cuda else "cpu")
+    monkeypatch.setattr(kvspec.impl.write, "backend", lambda: "cuda" if on_cuda else "cpu")
     bug = dataclasses.replace(by_name("snapshot_deep_copies"), device=device)
     assert runnable(bug) is expected
     assert by_name("mechanism_reads_env_first").device == "cpu"
@@ -101,7 +101,7 @@ SHRUNK = ["inplace_after_restore", "prefill_physical_order", "list_ring_casts_ro
 
 def _simpler_values(value):
     """Values simpler than ``value`` by the shrinker's documented rule,
-    written out independently of fuzz.campaign._simpler: an integer's 0, 1,
+    written out independently of kvspec.fuzz.campaign._simpler: an integer's 0, 1,
     half and one less in magnitude (nearer 0, with its sign), False for
     True, a list less one element, a dict with one value simpler (never
     ``op`` or ``name``); nothing for the rest."""
@@ -119,7 +119,7 @@ def _simpler_values(value):
 
 @pytest.mark.parametrize("name", SHRUNK)
 def test_the_shrunk_trace_is_minimal(name, monkeypatch):
-    """What ``kvspec mutants`` reports for seed 1 (fuzz.campaign.shrink_run,
+    """What ``kvspec mutants`` reports for seed 1 (kvspec.fuzz.campaign.shrink_run,
     starting from the first failing run as found): a run that fails the same
     way as that unshrunk run (the same op and the same check up to numbers,
     worked out here, not by the module's ``_signature``), is one-minimal
@@ -131,11 +131,11 @@ def test_the_shrunk_trace_is_minimal(name, monkeypatch):
     import re
     from pathlib import Path
 
-    from fuzz import campaign
-    from fuzz.bugs import by_name
-    from fuzz.lockstep import Divergence
-    from fuzz.replay import make_lockstep, replay
-    from fuzz.trace import TraceFormatError, cache_defaults, load, parse
+    from kvspec.fuzz import campaign
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.lockstep import Divergence
+    from kvspec.fuzz.replay import make_lockstep, replay
+    from kvspec.fuzz.trace import TraceFormatError, cache_defaults, load, parse
 
     bug = by_name(name)
     machine = campaign.machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories)

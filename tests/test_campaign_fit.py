@@ -1,7 +1,7 @@
 """``campaign(..., fit=True)`` (``kvspec verify``'s campaigns): the batch
 that would run past the budget is cut to the examples that fit, so the
 search stops at its budget; whole batches while a ``reach`` event is
-missing. A stand-in for :class:`fuzz.campaign.Campaign` whose examples
+missing. A stand-in for :class:`kvspec.fuzz.campaign.Campaign` whose examples
 each take 0.1 s of search, so no clock is read."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import pytest
 
-import fuzz.campaign as fc
+import kvspec.fuzz.campaign as fc
 
 
 class FakeCampaign:

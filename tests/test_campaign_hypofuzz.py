@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.commands.cli import main
+from kvspec.fuzz.commands.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 BUG = "negative_trim_grows_offset"
@@ -62,7 +62,7 @@ def _campaign(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]
     its failures to ``tmp_path/out``, started as a user would."""
     port = _port()
     out, db = tmp_path / "out", tmp_path / "db"
-    cmd = [sys.executable, "-m", "fuzz.commands.cli", "campaign", "-j", "1", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvspec.fuzz.commands.cli", "campaign", "-j", "1", "--port", str(port),
            "--out", str(out), "--db", str(db), "--json", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # CI set as a CI service sets it: Hypothesis then loads its "ci"
@@ -140,7 +140,7 @@ def test_a_campaign_on_a_bug_ends_by_itself_with_a_trace_that_replays(tmp_path, 
 
 
 def test_without_hypofuzz_the_command_names_the_extra(monkeypatch, capsys, tmp_path):
-    from fuzz.commands import campaign
+    from kvspec.fuzz.commands import campaign
 
     real = importlib.util.find_spec
     monkeypatch.setattr(campaign.importlib.util, "find_spec", lambda name, *a: None if name == "hypofuzz" else real(name, *a))
@@ -206,7 +206,7 @@ def test_a_worker_that_dies_is_not_reported_as_no_failure(monkeypatch, capsys, t
     exit 0. A worker that ends after every campaign's failure was written
     ends the search (exit 1) long before its budget: the hub would notice
     only at its next minute."""
-    from fuzz.commands import campaign
+    from kvspec.fuzz.commands import campaign
 
     script = tmp_path / "hub.py"
     script.write_text(FAKE_HUB)

@@ -30,7 +30,7 @@ NO_SHRINK = ("--shrink-budget", "0")
 
 def fuzz(*argv: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", "fuzz", "--bug", BUG, "--inplace", "on",
+    return subprocess.Popen([sys.executable, "-m", "kvspec.fuzz.commands.cli", "fuzz", "--bug", BUG, "--inplace", "on",
                              *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -134,7 +134,7 @@ def test_two_workers_share_one_redis_database_and_a_killed_worker_loses_nothing(
 
 PROBE = """
 import json, sys
-import fuzz.hypofuzz_targets as t
+import kvspec.fuzz.hypofuzz_targets as t
 from hypothesis import settings
 tests = t.build()
 s = settings()

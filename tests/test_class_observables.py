@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fuzz.commands.cli import main
+from kvspec.fuzz.commands.cli import main
 from tests.target_examples import CACHE_MODULE
 
 EXTRA = '''
@@ -29,7 +29,7 @@ class NoneStartOnClass:
     live_start = None
 
     def __init__(self, step=256):
-        from impl.dense import KVCache
+        from kvspec.impl.dense import KVCache
 
         self.inner = KVCache(step=step, inplace=False)
 
@@ -127,11 +127,11 @@ def test_an_invariant_does_not_crash_on_a_value_that_is_no_number(machine):
     target's observables returns (the lockstep compares them after every
     op) when one is not a number, e.g. None on a fresh cache."""
     if machine == "dense":
-        from fuzz.dense import DenseMachine as M
+        from kvspec.fuzz.dense import DenseMachine as M
         check = M.offsets_in_range
         cache = SimpleNamespace(live_start=None, live_len=0, offset=0, capacity=0)
     else:
-        from fuzz.rotating import RotatingMachine as M
+        from kvspec.fuzz.rotating import RotatingMachine as M
         check = M.cursor_in_range
         cache = SimpleNamespace(idx=None, capacity=4, keep=0, offset=0)
     check(SimpleNamespace(lock=SimpleNamespace(cache=cache, not_compared=set())))

@@ -4,7 +4,7 @@ vector exits 2 with a one-line reason, never a traceback and never a hang.
 Each case runs the command on a warm worker (tests/warm_cli.py: its exit
 status, stdout and stderr as a child process would give them) with a time
 box, so a hang fails the test instead of the suite; one test runs real
-``python -m fuzz.commands.cli`` processes, so that the status a process
+``python -m kvspec.fuzz.commands.cli`` processes, so that the status a process
 exits with is the one checked. The explicit cases are the ones users hit;
 Hypothesis draws more (damaged traces, bad flag values).
 """
@@ -37,7 +37,7 @@ def kvspec(*argv: str) -> subprocess.CompletedProcess:
 def child(*argv: str) -> subprocess.CompletedProcess:
     """``kvspec ARGV`` as a process of its own."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"}
-    return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
 
@@ -158,8 +158,8 @@ def test_a_kind_without_the_inplace_switch_runs_one_campaign(kind, monkeypatch, 
     whose writes it changes, runs both. The campaigns the command builds
     are recorded instead of run (their search is not what is checked here;
     the recurrent one runs for real below)."""
-    from fuzz import campaign, kinds
-    from fuzz.commands.cli import main
+    from kvspec.fuzz import campaign, kinds
+    from kvspec.fuzz.commands.cli import main
 
     assert kinds.get(kind).inplace_switch is (kind == "dense")
     built: list[str] = []
@@ -264,7 +264,7 @@ def test_bad_numbers_never_start_work(command_flag, value):
 
 # -- the ops/s column: a figure only where a run measured one (issue 47) ---------------
 def test_ops_per_second_is_a_dash_for_a_failed_or_empty_campaign():
-    from fuzz.commands.cli import _ops_per_second
+    from kvspec.fuzz.commands.cli import _ops_per_second
 
     row = {"result": "ok", "steps": 1000, "seconds": 2.0}
     assert _ops_per_second(row) == "500"
@@ -276,7 +276,7 @@ def test_ops_per_second_is_a_dash_for_a_failed_or_empty_campaign():
 
 
 def test_a_failed_campaign_s_row_shows_no_rate(tmp_path, capsys):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     code = main(["fuzz", "--bug", "steady_state_inplace", "--inplace", "on", "--budget", "3", "--shrink-budget",
                  "0.5", "--db", "none", "--seed", "1", "--out", str(tmp_path)])

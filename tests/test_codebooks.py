@@ -10,7 +10,7 @@ import pytest
 from scipy import integrate
 from scipy.stats import norm
 
-from impl import codebooks
+from kvspec.impl import codebooks
 
 # Mean-squared error of the optimal (Lloyd-Max) quantizer of the unit
 # Gaussian, from Max (1960), Table I.

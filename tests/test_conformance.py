@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters.mlx_lm import KVCACHE, ROTATING, target_of_class
-from fuzz.commands.cli import main
-from fuzz.commands.conformance import REPORT, next_target, search_class
-from fuzz.lockstep import Divergence
-from fuzz.replay import make_lockstep, replay
-from fuzz.targets import resolve
-from fuzz.trace import Trace, TraceFormatError, load
-from spec import rotating as sr
+from kvspec.fuzz.adapters.mlx_lm import KVCACHE, ROTATING, target_of_class
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.commands.conformance import REPORT, next_target, search_class
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.replay import make_lockstep, replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import Trace, TraceFormatError, load
+from kvspec.spec import rotating as sr
 
 FOLDER = Path(__file__).parent / "traces" / "conformance"
 TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))
@@ -93,8 +93,8 @@ def test_shipped_traces_cover_the_known_faults():
 
 
 def test_cli_choices_match_the_registries():
-    from fuzz import targets
-    from fuzz.commands import cli, conformance
+    from kvspec.fuzz import targets
+    from kvspec.fuzz.commands import cli, conformance
 
     assert cli.TARGET_NAMES == list(targets.BUILTIN)
     assert tuple(cli.WAIVABLE) == conformance.WAIVABLE
@@ -126,7 +126,7 @@ def test_ops_a_class_lacks_make_replay_exit_2(tmp_path, capsys):
 
 
 def test_findings_are_split_into_faults_and_contract_differences():
-    from fuzz.commands.conformance import CONTRACT, FAULT, category
+    from kvspec.fuzz.commands.conformance import CONTRACT, FAULT, category
 
     assert category("capacity differs") == CONTRACT and category("trimmable differs") == CONTRACT
     assert category("refusal differs") == CONTRACT

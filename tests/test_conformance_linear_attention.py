@@ -492,7 +492,7 @@ def _finding(path: Path) -> dict[str, Any]:
 
 
 def test_every_search_trace_is_listed_and_classified():
-    from fuzz.commands.conformance import CONTRACT, FAULT, category
+    from kvspec.fuzz.commands.conformance import CONTRACT, FAULT, category
 
     assert TRACES, "no recorded transformers-linear traces"
     doc = json.loads((FOLDER / "report.json").read_text())
@@ -512,9 +512,9 @@ def test_search_trace_replays_clean_on_ours_and_diverges_on_transformers(path):
     RecurrentCache; on transformers' LinearAttentionLayer (the real library,
     or its own code on the stand-in) the divergence the report names, at
     its op."""
-    from fuzz.replay import replay
-    from fuzz.targets import resolve
-    from fuzz.trace import load
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.targets import resolve
+    from kvspec.fuzz.trace import load
 
     assert replay(load(path)).ok
     f = _finding(path)
@@ -528,8 +528,8 @@ def test_search_trace_replays_clean_on_ours_and_diverges_on_transformers(path):
 
 def test_target_without_transformers_says_so(monkeypatch):
     """No torch: the target is a usage error naming the extra, never a traceback."""
-    from fuzz.adapters.transformers import LinearAttentionAdapter
-    from fuzz.targets import TargetError
+    from kvspec.fuzz.adapters.transformers import LinearAttentionAdapter
+    from kvspec.fuzz.targets import TargetError
 
     if importlib.util.find_spec("torch") is not None:
         pytest.skip("PyTorch is installed")

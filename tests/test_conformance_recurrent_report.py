@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from fuzz.bugs import by_name
-from fuzz.commands.conformance import diagnose, engine_of
-from fuzz.targets import resolve
-from fuzz.trace import load
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.commands.conformance import diagnose, engine_of
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import load
 
 TRACES = Path(__file__).parent / "traces"
 
@@ -35,7 +35,7 @@ def test_diagnose_of_a_conforming_recurrent_trace():
 
 
 def test_engine_of_names_transformers_for_the_linear_target():
-    from fuzz.adapters.transformers import transformers_version
+    from kvspec.fuzz.adapters.transformers import transformers_version
 
     assert engine_of("transformers-linear") == engine_of("transformers") == transformers_version()
     assert engine_of("impl") == "impl"

@@ -1,4 +1,4 @@
-"""The contracts CrossHair cannot confirm (``proofs.crosshair_run.EXPLAINED``),
+"""The contracts CrossHair cannot confirm (``kvspec.proofs.crosshair_run.EXPLAINED``),
 evaluated as written on reachable inputs.
 
 For each explained function the very ``pre:``/``post:`` lines of its
@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proofs.crosshair_run import EXPLAINED
-from spec import dense
-from spec.errors import KVCacheError
+from kvspec.proofs.crosshair_run import EXPLAINED
+from kvspec.spec import dense
+from kvspec.spec.errors import KVCacheError
 
 COND = re.compile(r"^\s*(pre|post):\s*(.*)$", re.MULTILINE)
 

@@ -1,12 +1,12 @@
-"""fuzz.device: the --device choice reaches worker processes, bad choices
+"""kvspec.fuzz.device: the --device choice reaches worker processes, bad choices
 name their source, and the harness's device read is exact."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz import device
-from fuzz import rows as rowgen
+from kvspec.fuzz import device
+from kvspec.fuzz import rows as rowgen
 
 
 def test_select_exports_the_choice_for_worker_processes(monkeypatch):
@@ -32,7 +32,7 @@ def test_a_bad_device_names_where_it_came_from(arg, env, message, monkeypatch):
 
 
 def test_gpu_without_a_gpu_backend_exits_2_on_the_cli(capsys, monkeypatch):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     monkeypatch.setattr(device, "gpu_available", lambda: False)
     assert main(["replay", "--device", "gpu", "tests/traces/steady_state_inplace.json"]) == 2

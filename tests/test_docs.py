@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fuzz import docgen, kinds
-from fuzz.bugs import catalog
+from kvspec.fuzz import docgen, kinds
+from kvspec.fuzz.bugs import catalog
 from tests.docsite import REPO, build
 
 SEMANTICS = (REPO / "docs" / "semantics.md").read_text()
@@ -114,7 +114,7 @@ def test_every_bug_in_the_catalog_and_kill_matrix_tables():
 
 
 def test_every_obligation_and_control_on_the_proofs_page():
-    from proofs.cli import obligations
+    from kvspec.proofs.cli import obligations
 
     cells = page("proofs").cells
     for number, _ in obligations():
@@ -127,7 +127,7 @@ def test_every_obligation_and_control_on_the_proofs_page():
 
 
 def test_every_command_and_exit_code_on_the_cli_page():
-    from fuzz.commands.cli import EXIT_CODES, build_parser
+    from kvspec.fuzz.commands.cli import EXIT_CODES, build_parser
 
     parser = build_parser()
     commands = parser.get_default("_subparsers")
@@ -138,7 +138,7 @@ def test_every_command_and_exit_code_on_the_cli_page():
 
 
 def test_every_conformance_class_on_its_page():
-    from fuzz.commands.conformance import CLASSES
+    from kvspec.fuzz.commands.conformance import CLASSES
 
     for cls, _ in CLASSES:
         assert in_a_table("conformance", cls.name), cls.name
@@ -232,7 +232,7 @@ def test_unknown_markers_and_dead_links_fail():
         docgen.expand("<!-- kvspec: picture nosuch -->", "x.md")
     with pytest.raises(docgen.DocsError, match="no such file"):
         docgen.rewrite_links("see [x](../spec/nosuch.py)", "semantics.md")
-    assert "api/spec.md#spec.dense" in docgen.rewrite_links("[d](../spec/dense.py)", "semantics.md")
+    assert "api/spec.md#kvspec.spec.dense" in docgen.rewrite_links("[d](../spec/dense.py)", "semantics.md")
 
 
 # -- the generated parts are written into the pages, and current ---------------------------
@@ -278,13 +278,13 @@ def test_kvtrace_read_as_plain_markdown_holds_the_op_and_field_tables():
 
 # -- docstring roles -------------------------------------------------------------------------
 def test_docstring_roles_become_cross_references():
-    html = ('<h2 id="impl.write">m</h2><p>:func:<code>write_inplace</code></p>'
-            '<h3 id="impl.write.write_inplace" class="doc doc-heading">f</h3>'
-            '<p>:class:<code>~impl.dense.KVCache</code>, :mod:<code>spec.errors</code>, :meth:<code>_private</code></p>')
+    html = ('<h2 id="kvspec.impl.write">m</h2><p>:func:<code>write_inplace</code></p>'
+            '<h3 id="kvspec.impl.write.write_inplace" class="doc doc-heading">f</h3>'
+            '<p>:class:<code>~kvspec.impl.dense.KVCache</code>, :mod:<code>kvspec.spec.errors</code>, :meth:<code>_private</code></p>')
     out = docgen.render_roles(html)
-    assert '<autoref identifier="impl.write.write_inplace" optional><code>write_inplace</code></autoref>' in out
-    assert '<autoref identifier="impl.dense.KVCache" optional><code>KVCache</code></autoref>' in out
-    assert '<autoref identifier="spec.errors" optional><code>spec.errors</code></autoref>' in out
+    assert '<autoref identifier="kvspec.impl.write.write_inplace" optional><code>write_inplace</code></autoref>' in out
+    assert '<autoref identifier="kvspec.impl.dense.KVCache" optional><code>KVCache</code></autoref>' in out
+    assert '<autoref identifier="kvspec.spec.errors" optional><code>kvspec.spec.errors</code></autoref>' in out
     assert not docgen.ROLE.search(out)
 
 
@@ -370,7 +370,7 @@ def test_every_quoted_rule_citation_resolves():
 def _clause_problems(clause: str) -> list[str]:
     problems = []
     refs = list(re.finditer(r"semantics\.md (\d+(?:\.\d+)?)[, ]+([^;]+?)(?=$|; )", clause))
-    specs = re.findall(r"\bspec\.[a-z_]+\.[a-z_]+", clause)
+    specs = re.findall(r"\bkvspec\.spec\.[a-z_]+\.[a-z_]+", clause)
     if not refs and not specs:
         problems.append("cites neither a semantics.md rule nor a spec function")
     for m in refs:
@@ -405,19 +405,19 @@ def test_trace_titles_cite_rules_that_exist():
 def test_a_bad_clause_is_caught():
     assert _clause_problems("semantics.md 3, single-row append 4 (steady state must copy)")
     assert _clause_problems("semantics.md 9, ownership rule")
-    assert _clause_problems("spec.dense.no_such_rule (x)")
+    assert _clause_problems("kvspec.spec.dense.no_such_rule (x)")
     assert not _clause_problems("semantics.md 3, steady state copies")
-    assert not _clause_problems("spec.batch.visible (semantics.md 7, rule 2)")
-    assert _clause_problems("spec.batch.visible (semantics.md 7, rule 9)")
+    assert not _clause_problems("kvspec.spec.batch.visible (semantics.md 7, rule 2)")
+    assert _clause_problems("kvspec.spec.batch.visible (semantics.md 7, rule 9)")
 
 
 def test_every_spec_function_the_contract_links_exists():
     bad = []
     for m in re.finditer(r"\[([^\]\n]+)\]\(\.\./spec/([a-z_]+)\.py\)", SEMANTICS):
-        module = importlib.import_module(f"spec.{m.group(2)}")
+        module = importlib.import_module(f"kvspec.spec.{m.group(2)}")
         for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", m.group(1)):
             if not hasattr(module, name):
-                bad.append(f"spec.{m.group(2)}.{name}")
+                bad.append(f"kvspec.spec.{m.group(2)}.{name}")
     assert not bad, f"docs/semantics.md links spec functions that do not exist: {bad}"
 
 
@@ -439,7 +439,7 @@ def test_the_docs_have_worked_examples():
 
 @pytest.mark.parametrize("where,command,shown", _examples(), ids=lambda x: x if "\n" not in x else "")
 def test_worked_example_prints_what_the_page_shows(where, command, shown):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -455,10 +455,10 @@ def test_turbo_page_claims_about_prompt_caches():
     layer a ring) it is refused."""
     from mlx_lm.models import cache as lm
 
-    from impl.models import make_prompt_cache
-    from impl.rotating import RotatingKVCache
-    from impl.turbo import TurboKVCache
-    from spec.errors import UnsupportedOperationError
+    from kvspec.impl.models import make_prompt_cache
+    from kvspec.impl.rotating import RotatingKVCache
+    from kvspec.impl.turbo import TurboKVCache
+    from kvspec.spec.errors import UnsupportedOperationError
 
     class Sliding:
         layers = (0, 1)
@@ -551,7 +551,7 @@ def test_the_api_reference_documents_every_module():
         for path in sorted((REPO / package).rglob("*.py")):
             if path.name == "__init__.py":
                 continue
-            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            module = ".".join(("kvspec", *path.relative_to(REPO).with_suffix("").parts))
             if f'id="{module}"' not in html:
                 missing.append(module)
                 continue
@@ -585,9 +585,9 @@ def test_each_generated_row_describes_its_own_entry():
 def test_a_counterexample_picture_shows_its_divergence():
     """A picture drawn on an injected bug outlines exactly one divergent
     column (the op replay reports); a worked example's picture none."""
-    from fuzz.bugs import by_name
-    from fuzz.replay import replay
-    from fuzz.trace import load
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import load
 
     for name, (path, bug, _) in docgen.PICTURES.items():
         root = ET.fromstring(docgen.picture(name).split("?>", 1)[-1])
@@ -616,7 +616,7 @@ def test_the_bench_table_skips_a_later_record_without_decoder_rows(tmp_path, mon
     # GPU page's generated table without its decoder rows
     import json
 
-    from fuzz import docgen
+    from kvspec.fuzz import docgen
 
     (tmp_path / "docs/benchmarks").mkdir(parents=True)
     rows = {"rows": [{"context": 16, "decode_inplace_ms": 1.0, "decode_copy_ms": 1.0, "rollback_logical_ms": 1.0,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fuzz import docgen, kinds
+from kvspec.fuzz import docgen, kinds
 from tests.docsite import ARTIFACTS, REPO, browser_missing, build, chromium
 
 SHOTS = ARTIFACTS / "screenshots"
@@ -33,9 +33,9 @@ if (_why := browser_missing()) is not None:  # pragma: no cover - depends on the
 def server() -> Iterator[str]:
     site, _ = build()
     # a counterexample rendered as `kvspec render --html` writes it, served beside the site
-    from fuzz.bugs import by_name
-    from fuzz.render import page, timeline
-    from fuzz.trace import load
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.render import page, timeline
+    from kvspec.fuzz.trace import load
 
     extra = site / "rendered"
     extra.mkdir(exist_ok=True)
@@ -111,7 +111,7 @@ def first_cells(page: object) -> list[str]:
 
 
 def test_generated_tables_have_their_rows(server, browser):
-    from fuzz.bugs import catalog
+    from kvspec.fuzz.bugs import catalog
 
     seen: dict[str, list[str]] = {}
     errors: list[str] = []

@@ -4,8 +4,8 @@ change touch?": a reviewer goes from the method to its rule).
 
 A docstring names a rule in one of two ways:
 
-* a spec function, dotted from the package: ``spec.dense.trim``,
-  ``spec.rotating.rotating_inplace_allowed``;
+* a spec function, dotted from the package: ``kvspec.spec.dense.trim``,
+  ``kvspec.spec.rotating.rotating_inplace_allowed``;
 * a section of docs/semantics.md: ``semantics.md 3`` (the section's number),
   optionally with a rule of it in quotes, ``semantics.md 2, "Storage"`` or
   ``semantics.md 3 "steady state copies"``.
@@ -26,7 +26,7 @@ import re
 
 import pytest
 
-import impl
+from kvspec import impl
 from tests.test_docs import _rule_resolves, _sections
 
 SPEC_REF = re.compile(r"\bspec\.(\w+)\.(\w+)\b")
@@ -40,7 +40,7 @@ def public_methods() -> list[tuple[str, object]]:
     for info in pkgutil.iter_modules(impl.__path__):
         if info.name.startswith("_"):
             continue
-        mod = importlib.import_module(f"impl.{info.name}")
+        mod = importlib.import_module(f"kvspec.impl.{info.name}")
         for cname, cls in vars(mod).items():
             if cname.startswith("_") or not inspect.isclass(cls) or cls.__module__ != mod.__name__:
                 continue
@@ -66,7 +66,7 @@ def rule_references(doc: str) -> tuple[list[str], list[tuple[str, str | None]]]:
     """The spec functions (``spec.m.f``) and sections (number, quoted rule or
     None) a docstring names."""
     text = " ".join(doc.replace("``", "").split())
-    return ([f"spec.{m}.{f}" for m, f in SPEC_REF.findall(text)],
+    return ([f"kvspec.spec.{m}.{f}" for m, f in SPEC_REF.findall(text)],
             [(n, r or None) for n, r in SECTION_REF.findall(text)])
 
 
@@ -81,8 +81,8 @@ def resolves(ref: str) -> bool:
 def test_the_walk_finds_the_caches():
     names = {n for n, _ in METHODS}
     assert len(METHODS) > 100
-    for want in ("impl.dense.KVCache.trim", "impl.rotating.RotatingKVCache.update_and_fetch",
-                 "impl.paged.PagedKVCache.fork", "impl.dense.KVCache.state"):
+    for want in ("kvspec.impl.dense.KVCache.trim", "kvspec.impl.rotating.RotatingKVCache.update_and_fetch",
+                 "kvspec.impl.paged.PagedKVCache.fork", "kvspec.impl.dense.KVCache.state"):
         assert want in names
 
 
@@ -91,7 +91,7 @@ def test_every_public_method_names_a_rule_that_exists(qualname, fn):
     doc = inspect.getdoc(fn) or ""
     specs, sections = rule_references(doc)
     assert specs or sections, (f"{qualname}: its docstring names no rule (a spec function such as "
-                               "spec.dense.trim, or a section: semantics.md 2, \"trim(n)\")")
+                               "kvspec.spec.dense.trim, or a section: semantics.md 2, \"trim(n)\")")
     for ref in specs:
         assert resolves(ref), f"{qualname}: {ref} is not a function of the spec"
     known = _sections()
@@ -103,10 +103,10 @@ def test_every_public_method_names_a_rule_that_exists(qualname, fn):
 
 def test_the_check_refuses_what_does_not_exist():
     """The checker itself: a missing function, section or rule is caught."""
-    assert not resolves("spec.dense.no_such_rule") and not resolves("spec.nowhere.trim")
-    assert resolves("spec.dense.trim") and resolves("spec.rotating.rotating_inplace_allowed")
+    assert not resolves("kvspec.spec.dense.no_such_rule") and not resolves("spec.nowhere.trim")
+    assert resolves("kvspec.spec.dense.trim") and resolves("kvspec.spec.rotating.rotating_inplace_allowed")
     page = "semantics" + ".md"  # spelled apart: the docs tests read every citation in the repository
-    specs, sections = rule_references(f'Trims (``spec.dense.trim``; {page} 2, "trim(n)"; {page} 99).')
-    assert specs == ["spec.dense.trim"] and sections == [("2", "trim(n)"), ("99", None)]
+    specs, sections = rule_references(f'Trims (``kvspec.spec.dense.trim``; {page} 2, "trim(n)"; {page} 99).')
+    assert specs == ["kvspec.spec.dense.trim"] and sections == [("2", "trim(n)"), ("99", None)]
     assert "99" not in _sections() and not _rule_resolves("2", "no such rule here")
     assert _rule_resolves("3", "steady state copies") and _rule_resolves("2", "Storage")

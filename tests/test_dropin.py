@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.commands.e2e import run_scenario, tiny_gemma3
-from impl.dense import KVCache
-from impl.models import make_prompt_cache, trim_prompt_cache
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError
+from kvspec.fuzz.commands.e2e import run_scenario, tiny_gemma3
+from kvspec.impl.dense import KVCache
+from kvspec.impl.models import make_prompt_cache, trim_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, RollbackWarning, StateError
 
 
 def rows(n: int, start: int = 0) -> mx.array:

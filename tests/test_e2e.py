@@ -1,7 +1,7 @@
 """Real decoding (issue 7): kvspec caches inside mlx-lm models.
 
 The scenarios of ``fuzz.e2e`` in their short form, the injected bugs that
-must make them fail, and the list-level helpers of ``impl.models``.
+must make them fail, and the list-level helpers of ``kvspec.impl.models``.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.bugs import by_name as bug_by_name
-from fuzz.commands.e2e import (
+from kvspec.fuzz.bugs import by_name as bug_by_name
+from kvspec.fuzz.commands.e2e import (
     SCENARIOS,
     run_scenario,
     tiny_gemma3,
     tiny_llama,
 )
-from impl.dense import KVCache
-from impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache
+from kvspec.impl.models import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 def rows(n: int, start: float = 0.0) -> mx.array:
@@ -91,7 +91,7 @@ def test_inplace_after_restore_breaks_prompt_reuse():
 
 
 class DeepcopyKeepsMarker(KVCache):
-    """The behaviour before ``impl.dense.copy_without_marker``: a deep copy
+    """The behaviour before ``kvspec.impl.dense.copy_without_marker``: a deep copy
     keeps an ownership marker for its aliased buffers."""
 
     def __deepcopy__(self, memo):
@@ -122,7 +122,7 @@ def test_cli_json():
     import contextlib
     import io
 
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -137,7 +137,7 @@ def test_cli_json():
     assert code == 1 and not json.loads(out.getvalue())["scenarios"][0]["ok"]
 
 
-# -- impl.models --------------------------------------------------------------------
+# -- kvspec.impl.models --------------------------------------------------------------------
 def test_make_prompt_cache_layout_follows_the_model():
     llama = tiny_llama(0)
     caches = make_prompt_cache(llama, mode="int8", step=8, inplace=False)
@@ -279,8 +279,8 @@ def test_speculative_on_a_gpu_compares_with_mlx_lm_caches_and_still_catches_a_ba
     speculative scenario's reference is speculative decoding with mlx-lm's
     caches (same shapes). Run here with the GPU branch forced: it passes,
     and a trim that keeps one rejected row is still caught."""
-    from fuzz.commands import e2e
-    from impl.dense import KVCache
+    from kvspec.fuzz.commands import e2e
+    from kvspec.impl.dense import KVCache
 
     class TrimOneShort(KVCache):
         def trim(self, n):
@@ -296,7 +296,7 @@ def test_speculative_on_a_gpu_compares_with_mlx_lm_caches_and_still_catches_a_ba
 
 
 def test_no_scenario_is_skipped_on_the_cpu():
-    from fuzz.commands import e2e
+    from kvspec.fuzz.commands import e2e
 
     assert e2e.gpu_skipped() == []
     assert all(s.cpu_only == "" or s.name in {"prefix_sharing", "speculative_window", "turbo", "quantized_models",

@@ -1,5 +1,5 @@
 """``kvspec verify`` runs the e2e scenarios without the figures they only
-report (``fuzz.commands.e2e.checks.checks_only``): every check is the same,
+report (``kvspec.fuzz.commands.e2e.checks.checks_only``): every check is the same,
 so the injected bugs that make a scenario fail still make it fail."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.bugs import by_name as bug_by_name
-from fuzz.commands.e2e import run_scenario
-from fuzz.commands.e2e.checks import checks_only, records
-from impl.turbo import TurboKVCache
+from kvspec.fuzz.bugs import by_name as bug_by_name
+from kvspec.fuzz.commands.e2e import run_scenario
+from kvspec.fuzz.commands.e2e.checks import checks_only, records
+from kvspec.impl.turbo import TurboKVCache
 
 
 def test_records_is_off_only_inside_checks_only():
@@ -58,8 +58,8 @@ def test_speculative_window_without_the_mlx_lm_record_still_catches_a_kept_idx()
 
 
 def test_verify_runs_the_scenarios_checks_only(monkeypatch):
-    from fuzz.commands import verify
-    from fuzz.commands.e2e import registry
+    from kvspec.fuzz.commands import verify
+    from kvspec.fuzz.commands.e2e import registry
 
     seen = []
 
@@ -68,6 +68,6 @@ def test_verify_runs_the_scenarios_checks_only(monkeypatch):
         return []
 
     monkeypatch.setattr(registry, "run_all", fake_run_all)
-    monkeypatch.setattr("fuzz.commands.e2e.run_all", fake_run_all)
+    monkeypatch.setattr("kvspec.fuzz.commands.e2e.run_all", fake_run_all)
     assert verify.check_e2e(["turbo"]) == [] and seen == [False]
     assert records()

@@ -3,7 +3,7 @@
 tests/test_e2e.py runs every registered scenario, the hybrid ones (14 to 16)
 included, at the short size. Here: the tiny models are live hybrids, the
 hybrid scenarios fail on broken caches and recorders (injected bugs of
-``fuzz.bugs.recurrent`` and local ones), scenario 16 cannot pass on a
+``kvspec.fuzz.bugs.recurrent`` and local ones), scenario 16 cannot pass on a
 rollback that does not pretend, and bfloat16 models decode exactly too.
 """
 
@@ -19,21 +19,21 @@ from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.bugs import by_name as bug_by_name
-from fuzz.commands.e2e import hybrid, run_scenario
-from fuzz.commands.e2e.checks import Size
-from fuzz.commands.e2e.hybrid import (
+from kvspec.fuzz.bugs import by_name as bug_by_name
+from kvspec.fuzz.commands.e2e import hybrid, run_scenario
+from kvspec.fuzz.commands.e2e.checks import Size
+from kvspec.fuzz.commands.e2e.hybrid import (
     build_hybrid,
     forced_caches,
     recurrent_states,
     speculative_run,
     teacher_run,
 )
-from fuzz.commands.e2e.models import HYBRID_FAMILIES, mlx_lm_caches, tiny_hybrid, token_ids
-from fuzz.commands.e2e.streams import greedy
-from impl.models import trim_prompt_cache
-from impl.recurrent import RecurrentCache
-from spec.errors import RollbackWarning
+from kvspec.fuzz.commands.e2e.models import HYBRID_FAMILIES, mlx_lm_caches, tiny_hybrid, token_ids
+from kvspec.fuzz.commands.e2e.streams import greedy
+from kvspec.impl.models import trim_prompt_cache
+from kvspec.impl.recurrent import RecurrentCache
+from kvspec.spec.errors import RollbackWarning
 
 #: one seed, short streams: enough for a broken cache to show
 TINY = Size(tokens=16, window=8, seeds=(0,))

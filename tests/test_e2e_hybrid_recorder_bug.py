@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.bugs.recurrent import record_steps_wrong_end
-from fuzz.commands.e2e.models import HYBRID_FAMILIES, tiny_hybrid, token_ids
-from impl.models import make_prompt_cache
-from impl.recurrent import RecurrentCache, unrecord_steps
+from kvspec.fuzz.bugs.recurrent import record_steps_wrong_end
+from kvspec.fuzz.commands.e2e.models import HYBRID_FAMILIES, tiny_hybrid, token_ids
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.recurrent import RecurrentCache, unrecord_steps
 
 
 def _run(family: str, wrong: bool, depth: int):

@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.commands.e2e.models import HYBRID_FAMILIES, tiny_hybrid, token_ids
-from impl.layers import trim_prompt_cache
-from impl.models import make_prompt_cache
-from impl.recurrent import RecurrentCache, unrecord_steps
-from spec.errors import RollbackWarning, StateError
+from kvspec.fuzz.commands.e2e.models import HYBRID_FAMILIES, tiny_hybrid, token_ids
+from kvspec.impl.layers import trim_prompt_cache
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.recurrent import RecurrentCache, unrecord_steps
+from kvspec.spec.errors import RollbackWarning, StateError
 
 
 def _prefilled(family: str, strict: bool = False, recorder: bool = True):

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.commands.e2e import tiny_gemma3, tiny_llama
-from impl.models import make_prompt_cache
-from impl.turbo import DelegatedKVCache, TurboKVCache
-from spec.errors import UnsupportedOperationError
+from kvspec.fuzz.commands.e2e import tiny_gemma3, tiny_llama
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.turbo import DelegatedKVCache, TurboKVCache
+from kvspec.spec.errors import UnsupportedOperationError
 
 
 def test_make_prompt_cache_builds_turbo_layers():

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import z3
 
-from proofs.equivalents import EQUIVALENCES, _prefill_kept, check
-from spec import rotating as sr
+from kvspec.proofs.equivalents import EQUIVALENCES, _prefill_kept, check
+from kvspec.spec import rotating as sr
 
 
 @pytest.mark.parametrize("e", EQUIVALENCES, ids=lambda e: e.name)
@@ -36,7 +36,7 @@ def test_visible_encoding_matches_spec():
 
 
 def test_prefill_cut_encoding_matches_spec():
-    """_prefill_kept against spec.rotating.prefill itself: a ring holding
+    """_prefill_kept against kvspec.spec.rotating.prefill itself: a ring holding
     rows 0..L-1 (oversized when L > W) takes a two-row append; the rows it
     returns before the new ones are the kept old rows."""
     i = z3.Int("i")

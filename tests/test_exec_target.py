@@ -23,11 +23,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz.adapters import exec as ex
-from fuzz.commands.cli import main
-from fuzz.replay import replay
-from fuzz.targets import resolve
-from fuzz.trace import TraceFormatError, load, loads
+from kvspec.fuzz.adapters import exec as ex
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import TraceFormatError, load, loads
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "adapters" / "c" / "kvspec_dense.c"
@@ -217,7 +217,7 @@ def test_shrinking_a_slow_adapter_stops_at_the_shrink_budget(adapters, capsys, t
 
 
 def test_fuzz_runs_the_reference_adapter_clean(adapters):
-    from fuzz.campaign import machine_for, run_machine
+    from kvspec.fuzz.campaign import machine_for, run_machine
 
     machine = machine_for("dense", "fp16", True, target=resolve(f"exec:{adapters['good']}"))
     result = run_machine(machine, seed=1, max_examples=12, steps=30)
@@ -231,7 +231,7 @@ def test_fuzz_runs_the_reference_adapter_clean(adapters):
 def test_the_inplace_switch_reaches_the_adapter(adapters, capsys, tmp_path):
     """With the switch off the spec never writes in place: the reference
     adapter must copy too, and a copy that always copies agrees."""
-    from fuzz.campaign import machine_for, run_machine
+    from kvspec.fuzz.campaign import machine_for, run_machine
 
     for name in ("good", "always_copies"):
         machine = machine_for("dense", "fp16", False, target=resolve(f"exec:{adapters[name]}"))
@@ -274,7 +274,7 @@ def test_a_hang_times_out(adapters, capsys, tmp_path, monkeypatch):
 
 
 def test_fuzz_shrinks_a_crash_to_a_minimal_trace(adapters):
-    from fuzz.campaign import machine_for, run_machine
+    from kvspec.fuzz.campaign import machine_for, run_machine
 
     machine = machine_for("dense", "fp16", True, target=resolve(f"exec:{adapters['crash']}"))
     result = run_machine(machine, seed=2, max_examples=50, steps=12)
@@ -400,10 +400,10 @@ def test_identities_the_adapter_reports_are_trusted_only_as_identities(adapters)
 
 
 def test_the_reference_implementation_in_the_docs_is_the_row_function(tmp_path):
-    """docs/kvtrace.md's C block, compiled as printed, gives spec.rows'
+    """docs/kvtrace.md's C block, compiled as printed, gives kvspec.spec.rows'
     bits for every dtype, wide or not (a doc that drifted from the code
     fails here)."""
-    from spec import rows as sr
+    from kvspec.spec import rows as sr
 
     text = (REPO / "docs" / "kvtrace.md").read_text()
     block = text.split("## Portable rows", 1)[1].split("```c\n", 1)[1].split("```", 1)[0]
@@ -504,7 +504,7 @@ def test_kvspec_rows_into_a_closed_pipe_is_quiet(tmp_path):
     path.write_text(json.dumps({"kvtrace": 1, "cache": {"kind": "dense", "head_dim": 16, "rows": "portable"},
                                 "ops": [{"op": "append", "n": 3000}]}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", "rows", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvspec.fuzz.commands.cli", "rows", str(path)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline().startswith(b"# rows of")
     proc.stdout.close()

@@ -7,7 +7,7 @@ the injected-bug catalog (tests/test_bugs.py) shows the checks still fail on
 the bugs they exist for. On a correct implementation a weakened check gives
 the same bytes too, so these tests cannot see a weakening:
 tests/test_harness_mutants.py can (each cheaper check against the bug only
-it catches, and the Int8 oracle with impl.quant swapped out)."""
+it catches, and the Int8 oracle with kvspec.impl.quant swapped out)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz import rows as rowgen
-from fuzz.dense import DenseLockstep
-from fuzz.lockstep import host_pointer
-from fuzz.masks import mask_as_rows, mask_matrix
-from impl.dense import KVCache, data_pointer
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz.dense import DenseLockstep
+from kvspec.fuzz.lockstep import host_pointer
+from kvspec.fuzz.masks import mask_as_rows, mask_matrix
+from kvspec.impl.dense import KVCache, data_pointer
 
 
 @pytest.mark.parametrize("dtype", rowgen.DTYPES)
@@ -48,8 +48,8 @@ def test_int8_expected_rows_on_the_host_are_the_oracle_through_mlx(dtype):
     stored-codes check now use) equals the oracle through MLX (what they
     used before), and the stored codes and scales the oracle's quantization
     of the MLX rows' float32 values."""
-    from fuzz.layers import LayersLockstep
-    from fuzz.quant_ref import quantize
+    from kvspec.fuzz.layers import LayersLockstep
+    from kvspec.fuzz.quant_ref import quantize
 
     lock = DenseLockstep({"mode": "int8", "step": 4, "batch": 2, "kv_heads": 1, "head_dim": 8, "v_head_dim": 16,
                           "inplace": True, "dtype": dtype})
@@ -108,7 +108,7 @@ def test_a_batch_leaves_the_garbage_collector_as_it_found_it():
     after, and leaves a process's own freezing alone."""
     import gc
 
-    from fuzz.campaign import machine_for, run_machine
+    from kvspec.fuzz.campaign import machine_for, run_machine
 
     machine = machine_for("dense", "fp16", True)
     assert gc.get_freeze_count() == 0

@@ -1,5 +1,5 @@
 """A divergence that Hypothesis cannot replay (FlakyFailure) is a tool
-failure naming both answers (fuzz.machine.FlakyVerdict), never a catch nor
+failure naming both answers (kvspec.fuzz.machine.FlakyVerdict), never a catch nor
 a warning: one run of ops gave two answers, so the verdict was not a
 function of the trace (issue 47: the flagship's isolation-only W=16 variant
 diverged once at a trim and agreed on the replay, because the write layer's
@@ -9,10 +9,10 @@ verdict"). The run that diverged is still written as the trace."""
 import pytest
 from hypothesis.errors import FlakyFailure, FlakyStrategyDefinition
 
-from fuzz.bugs import InjectedBug
-from fuzz.campaign import catch_bug, machine_for, run_machine
-from fuzz.trace import load
-from impl.dense import KVCache
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.fuzz.campaign import catch_bug, machine_for, run_machine
+from kvspec.fuzz.trace import load
+from kvspec.impl.dense import KVCache
 
 
 class TrimsOneMoreOnce(KVCache):
@@ -50,8 +50,8 @@ def test_a_divergence_hypothesis_cannot_replay_is_a_tool_failure_with_both_answe
 
 
 def test_the_run_result_is_a_flaky_verdict_not_a_divergence():
-    from fuzz.machine import FlakyVerdict
-    from fuzz.replay import failure_status
+    from kvspec.fuzz.machine import FlakyVerdict
+    from kvspec.fuzz.replay import failure_status
 
     TrimsOneMoreOnce.fired = False
     machine = machine_for("dense", "fp16", True, {"dense": TrimsOneMoreOnce})
@@ -62,14 +62,14 @@ def test_the_run_result_is_a_flaky_verdict_not_a_divergence():
 
 
 def test_a_bug_caught_every_time_has_no_flaky_note(tmp_path):
-    from fuzz.bugs import by_name
+    from kvspec.fuzz.bugs import by_name
 
     got = catch_bug(by_name("negative_trim_grows_offset"), 1, 200, tmp_path, shrink=False)
     assert got.caught and got.alarm is None and got.flaky is None
 
 
 def test_verify_shows_a_flaky_catch_as_a_tool_failure(monkeypatch, tmp_path):
-    from fuzz.commands import mutants, verify
+    from kvspec.fuzz.commands import mutants, verify
 
     monkeypatch.setattr(mutants, "catalog", lambda: (BUG,))
     TrimsOneMoreOnce.fired = False
@@ -83,7 +83,7 @@ def _fake_flaky_run(monkeypatch, flaky_type, first_error):
     """run_machine over a stand-in for Hypothesis's test: the first run
     failed at op 1 with ``first_error``, the replay (the last run) drew
     other ops, and Hypothesis raised ``flaky_type``."""
-    from fuzz import campaign
+    from kvspec.fuzz import campaign
 
     cfg = {"kind": "dense", "mode": "fp16", "step": 2, "head_dim": 8}
     diverged = [{"op": "append", "n": 2}, {"op": "trim", "n": 1}]
@@ -97,7 +97,7 @@ def _fake_flaky_run(monkeypatch, flaky_type, first_error):
             raise flaky_type("could not reproduce", [first_error])
         return test
 
-    # either engine's test (fuzz.program's takes the steps too)
+    # either engine's test (kvspec.fuzz.program's takes the steps too)
     monkeypatch.setattr(campaign, "get_state_machine_test", fake_test_for)
     monkeypatch.setattr(campaign, "get_program_test", fake_test_for)
     return run_machine(machine_for("dense", "fp16", True), 1, max_examples=2, shrink=False), diverged
@@ -107,8 +107,8 @@ def _fake_flaky_run(monkeypatch, flaky_type, first_error):
 def test_a_flaky_divergence_is_the_diverging_run_s_trace_and_named_in_the_note(monkeypatch, flaky_type):
     # both of Hypothesis's Flaky errors count; the trace is the run that
     # diverged (not the replay, the last run); the note quotes the divergence
-    from fuzz.lockstep import Divergence
-    from fuzz.machine import FlakyVerdict
+    from kvspec.fuzz.lockstep import Divergence
+    from kvspec.fuzz.machine import FlakyVerdict
 
     div = Divergence(1, {"op": "trim", "n": 1}, "offset differs", 1, 0)
     result, diverged = _fake_flaky_run(monkeypatch, flaky_type, div)
@@ -159,8 +159,8 @@ def test_a_flaky_turbo_trace_records_only_its_mode_s_fields(mode):
 def test_every_flaky_seed_is_a_tool_failure(monkeypatch, tmp_path, capsys):
     import json
 
-    from fuzz.campaign import Catch
-    from fuzz.commands import mutants, verify
+    from kvspec.fuzz.campaign import Catch
+    from kvspec.fuzz.commands import mutants, verify
     from tests.test_reports import valid
 
     monkeypatch.setattr(mutants, "catalog", lambda: (BUG,))
@@ -183,10 +183,10 @@ def test_every_flaky_seed_is_a_tool_failure(monkeypatch, tmp_path, capsys):
 def test_kvspec_fuzz_reports_a_flaky_verdict_as_a_tool_failure(monkeypatch, tmp_path, capsys):
     import json
 
-    from fuzz import campaign
-    from fuzz.commands.cli import main
-    from fuzz.machine import FlakyVerdict
-    from fuzz.trace import Trace
+    from kvspec.fuzz import campaign
+    from kvspec.fuzz.commands.cli import main
+    from kvspec.fuzz.machine import FlakyVerdict
+    from kvspec.fuzz.trace import Trace
     from tests.test_reports import valid
 
     def fake_interleaved(camps, budget, progress=None):
@@ -245,7 +245,7 @@ def _invariant_raises(monkeypatch, error, mode="turbo4", machine=None):
     instance."""
     from hypothesis.stateful import RuleBasedStateMachine
 
-    from fuzz.kinds import get as kind_entry
+    from kvspec.fuzz.kinds import get as kind_entry
 
     def fails(self, *args, **kwargs):
         raise error
@@ -306,7 +306,7 @@ def test_kvspec_verify_exits_2_on_a_tool_failure_and_names_it(monkeypatch, capsy
     divergence's 1: a verdict the tool cannot repeat says nothing)."""
     import json
 
-    from fuzz.commands import verify
+    from kvspec.fuzz.commands import verify
     from tests.test_reports import valid
 
     checks = [verify.Check("bug a", False, "seed 1: flaky verdict ... First: x. Then: y", 0.1, tool_failure=True),

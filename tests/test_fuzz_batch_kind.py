@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-import fuzz.batch as fb
-from fuzz.batch import campaign, catch
-from fuzz.bugs import by_name
-from fuzz.commands.cli import main
-from spec import batch as sb
+import kvspec.fuzz.batch as fb
+from kvspec.fuzz.batch import campaign, catch
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.commands.cli import main
+from kvspec.spec import batch as sb
 
 
 def _harness_raises(monkeypatch):
-    # a harness bug: the lockstep hands spec.batch.append a count it refuses,
+    # a harness bug: the lockstep hands kvspec.spec.batch.append a count it refuses,
     # so spec/ code raises (InvalidArgumentError) on a decode the target ran
     real = sb.append
     monkeypatch.setattr(fb.sb, "append", lambda layout, n: real(layout, -n))
@@ -34,8 +34,8 @@ def test_an_injected_batch_bug_is_still_a_catch():
 
 
 def test_the_batch_cache_crashing_is_a_catch(monkeypatch):
-    # the target (impl/) raising where the single caches and spec.batch ran the op
-    from impl.batch import BatchKVCache
+    # the target (impl/) raising where the single caches and kvspec.spec.batch ran the op
+    from kvspec.impl.batch import BatchKVCache
 
     def filter_raises(self, batch_indices):
         raise IndexError("lost a row")

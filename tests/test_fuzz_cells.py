@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.bugs import by_name
-from fuzz.bugs.cells import BUGS
-from fuzz.cells import CellsLockstep
-from fuzz.cells_runs import cells_campaign, replay_cells
-from fuzz.commands.cli import main
-from fuzz.failures import Divergence
-from fuzz.trace import TraceFormatError, load
-from impl.cells import CellCache
-from spec import cells as sc
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.bugs.cells import BUGS
+from kvspec.fuzz.cells import CellsLockstep
+from kvspec.fuzz.cells_runs import cells_campaign, replay_cells
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.failures import Divergence
+from kvspec.fuzz.trace import TraceFormatError, load
+from kvspec.impl.cells import CellCache
+from kvspec.spec import cells as sc
 
 TRACES = Path(__file__).parent / "traces"
 CELL_TRACES = sorted(TRACES.glob("cells_*.json"))
@@ -234,8 +234,8 @@ def test_a_trace_carries_its_drops_and_needs_them():
 
 
 def test_the_lockstep_records_an_adopted_choice_and_ours_follows_it():
-    from fuzz.cells_choosy import HighestFirstCellCache
-    from fuzz.trace import Trace
+    from kvspec.fuzz.cells_choosy import HighestFirstCellCache
+    from kvspec.fuzz.trace import Trace
 
     doc = json.loads(RECORDED.read_text())
     ops = [{k: v for k, v in op.items() if k not in ("drops", "returns", "value")}
@@ -253,7 +253,7 @@ def test_the_lockstep_records_an_adopted_choice_and_ours_follows_it():
 
 
 def test_render_draws_a_cells_trace_its_stores_and_drops(tmp_path):
-    from fuzz.render import svg, timeline
+    from kvspec.fuzz.render import svg, timeline
 
     tl = timeline(load(RECORDED))
     assert tl.divergence is None
@@ -305,7 +305,7 @@ def test_no_target_drops_more_than_free_cells_lack():
 
 
 def test_a_choosy_target_agrees_and_is_adopted_at_decodes_and_restores():
-    from fuzz.cells_choosy import HighestFirstCellCache
+    from kvspec.fuzz.cells_choosy import HighestFirstCellCache
 
     got = cells_campaign(HighestFirstCellCache, max_examples=60, seed=1, shrink=False)
     assert got.ok, got.error
@@ -318,8 +318,8 @@ def test_recorded_drops_beyond_the_need():
     """A trace's recorded drops are held to the spec's permission alone:
     llama.cpp's head-order slot search may reuse an out-of-window cell while
     free cells remain, and the trace does not say which policy dropped it."""
-    import spec.cells as sc
-    from fuzz.cells import CellsWorld, _spec_run_dropping
+    import kvspec.spec.cells as sc
+    from kvspec.fuzz.cells import CellsWorld, _spec_run_dropping
 
     m = sc.CellsMemory(n_cells=4, window=2, stores=("full", "window"), n_seq=2)
     m.decode((0,), (1, 2), 0)
@@ -332,9 +332,9 @@ def test_recorded_drops_beyond_the_need():
 def test_recorded_drops_are_bounded_by_the_write_size():
     """Whatever the policy, a write of n cells reuses at most n: recorded
     drops taking cells of more sequences than that are refused."""
-    import spec.cells as sc
-    from fuzz.cells import CellsWorld, _spec_run_dropping
-    from spec.errors import StateError
+    import kvspec.spec.cells as sc
+    from kvspec.fuzz.cells import CellsWorld, _spec_run_dropping
+    from kvspec.spec.errors import StateError
 
     m = sc.CellsMemory(n_cells=6, window=1, stores=("window",), n_seq=2)
     m.decode((0,), (1, 2), 0)

@@ -13,12 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz.layers import ListOps
-from fuzz.lockstep import Divergence
-from fuzz.replay import make_lockstep, replay
-from fuzz.trace import parse
-from impl import layers as impl_layers
-from spec.errors import RollbackWarning, StateError
+from kvspec.fuzz.layers import ListOps
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.replay import make_lockstep, replay
+from kvspec.fuzz.trace import parse
+from kvspec.impl import layers as impl_layers
+from kvspec.spec.errors import RollbackWarning, StateError
 
 HYBRID = {"kind": "layers", "layers": [{"kind": "dense"}, {"kind": "recurrent", "kernel": 3, "depth": 1},
                                        {"kind": "rotating", "max_size": 2}]}

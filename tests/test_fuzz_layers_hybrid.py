@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz.campaign import Campaign
-from fuzz.layers import LayersLockstep
-from fuzz.lockstep import Divergence
-from fuzz.replay import make_lockstep
-from fuzz.trace import parse
-from impl.recurrent import RecurrentCache
+from kvspec.fuzz.campaign import Campaign
+from kvspec.fuzz.layers import LayersLockstep
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.replay import make_lockstep
+from kvspec.fuzz.trace import parse
+from kvspec.impl.recurrent import RecurrentCache
 
 
 def hybrid_lock(factories=None, **layer):
@@ -72,7 +72,7 @@ class ClobbersOlderCheckpoint(RecurrentCache):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_checkpoint_clobbered_by_a_list_trim_is_caught_within_10_examples(seed):
     """Before the bias and the probe the layers machine took 46 and 21
-    examples (seeds 1 and 2) to catch this bug (in impl.recurrent; here as
+    examples (seeds 1 and 2) to catch this bug (in kvspec.impl.recurrent; here as
     a class of the lists built layer by layer, half the examples)."""
     run = Campaign("layers", "fp16", True, seed, factories={"layers": {"recurrent": ClobbersOlderCheckpoint}},
                    batch=10, shrink=False)

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from fuzz.bugs import by_name
-from fuzz.campaign import machine_for
-from fuzz.lockstep import Divergence
-from fuzz.replay import make_lockstep, replay
-from fuzz.trace import load, parse
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.campaign import machine_for
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.replay import make_lockstep, replay
+from kvspec.fuzz.trace import load, parse
 
 TRACES = Path(__file__).parent / "traces"
 
@@ -69,7 +69,7 @@ def test_machine_reaches_the_paged_edges(fixed, edges):
 
 def test_prefix_sharing_scenario_catches_a_shared_block_write():
     pytest.importorskip("mlx_lm")
-    from fuzz.commands.e2e import run_scenario
+    from kvspec.fuzz.commands.e2e import run_scenario
 
     result = run_scenario("prefix_sharing", factories=by_name("paged_no_cow").factories)
     assert not result.ok and "shared tail block" in result.detail
@@ -82,9 +82,9 @@ def test_handle_reuses_are_derived_from_the_handle_class():
     the spec must say what it does on a spent handle."""
     import inspect
 
-    from fuzz.paged import NOT_REUSES, handle_api
-    from impl.paged import PagedKVCache
-    from spec import paged as sp
+    from kvspec.fuzz.paged import NOT_REUSES, handle_api
+    from kvspec.impl.paged import PagedKVCache
+    from kvspec.spec import paged as sp
 
     api = handle_api()
     assert set(api) == set(sp.HANDLE_REUSES)
@@ -101,7 +101,7 @@ def test_handle_reuses_are_derived_from_the_handle_class():
 def test_every_use_of_a_spent_handle_is_refused_and_changes_nothing():
     """Each use of a released sequence's handle, after a fork took the name:
     refused (StateError, the spec's words), the new sequence untouched."""
-    from fuzz.paged import handle_api
+    from kvspec.fuzz.paged import handle_api
 
     lock = paged_lock()
     ops = [{"op": "append", "n": 3}, {"op": "fork", "as": "f"}, {"op": "append", "n": 1, "seq": "f"},

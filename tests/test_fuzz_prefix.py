@@ -17,16 +17,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz import kinds
-from fuzz.bugs import by_name
-from fuzz.bugs.prefix import BUGS
-from fuzz.commands.cli import main
-from fuzz.failures import Divergence
-from fuzz.prefix import RULES, PrefixLockstep, PrefixRows, row_name
-from fuzz.prefix_runs import prefix_campaign, replay_prefix
-from fuzz.trace import TraceFormatError, load
-from impl.prefix import PrefixCachePool
-from spec import prefix as sp
+from kvspec.fuzz import kinds
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.bugs.prefix import BUGS
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.failures import Divergence
+from kvspec.fuzz.prefix import RULES, PrefixLockstep, PrefixRows, row_name
+from kvspec.fuzz.prefix_runs import prefix_campaign, replay_prefix
+from kvspec.fuzz.trace import TraceFormatError, load
+from kvspec.impl.prefix import PrefixCachePool
+from kvspec.spec import prefix as sp
 
 TRACES = Path(__file__).parent / "traces"
 PREFIX_TRACES = sorted(TRACES.glob("prefix_*.json"))
@@ -270,7 +270,7 @@ def test_a_row_s_values_are_a_stable_function_of_its_name():
     import subprocess
     import sys
 
-    code = "from fuzz.prefix import PrefixRows; print(PrefixRows.seed('k', (None, (1, 2))))"
+    code = "from kvspec.fuzz.prefix import PrefixRows; print(PrefixRows.seed('k', (None, (1, 2))))"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(s)}, cwd=Path(__file__).parents[1]).stdout
             for s in (1, 2)}
@@ -335,7 +335,7 @@ def test_a_declared_refusal_difference_is_not_counted():
 
 
 def test_render_draws_tables_refcounts_and_the_free_queue():
-    from fuzz.render import svg, timeline
+    from kvspec.fuzz.render import svg, timeline
 
     tl = timeline(load(WORKED))
     assert tl.divergence is None

@@ -13,15 +13,15 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from fuzz import kinds
-from fuzz.bugs import by_name
-from fuzz.campaign import catch_bug, machine_for
-from fuzz.commands.cli import main
-from fuzz.lockstep import Divergence
-from fuzz.replay import make_lockstep, replay
-from fuzz.trace import TraceFormatError, load, parse
-from impl.recurrent import RecurrentCache, _mixers, _sub_call
-from spec.errors import StateError
+from kvspec.fuzz import kinds
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.campaign import catch_bug, machine_for
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.replay import make_lockstep, replay
+from kvspec.fuzz.trace import TraceFormatError, load, parse
+from kvspec.impl.recurrent import RecurrentCache, _mixers, _sub_call
+from kvspec.spec.errors import StateError
 
 TRACES = Path(__file__).parent / "traces"
 RECURRENT_BUGS = [b.name for b in kinds.KINDS["recurrent"].bug_list()]

@@ -1,7 +1,7 @@
-"""The harness's cheaper checks are themselves checked (fuzz.harness_mutants,
+"""The harness's cheaper checks are themselves checked (kvspec.fuzz.harness_mutants,
 docs/fuzzing.md "How the cheaper checks are checked"): each catches the
 catalog bug paired with it, and only it does; the Int8 expected rows come
-from fuzz.quant_ref, never from impl.quant. tests/test_fast_checks.py
+from kvspec.fuzz.quant_ref, never from kvspec.impl.quant. tests/test_fast_checks.py
 compares fast and slow forms on a correct implementation only, where a
 weakened check gives the same bytes: these tests fail on the weakenings
 themselves (each planted below and seen failing)."""
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz import harness_mutants as hm
-from fuzz.bugs import by_name, catalog
-from fuzz.dense import DenseLockstep
-from fuzz.layers import LayersLockstep
+from kvspec.fuzz import harness_mutants as hm
+from kvspec.fuzz.bugs import by_name, catalog
+from kvspec.fuzz.dense import DenseLockstep
+from kvspec.fuzz.layers import LayersLockstep
 
 
 @pytest.mark.parametrize("check", hm.CHECKS, ids=lambda c: c.bug)
@@ -29,9 +29,9 @@ def test_every_paired_bug_is_in_the_catalog_once():
 
 
 def test_the_int8_expected_rows_come_from_the_oracle_not_from_impl():
-    """Wrong impl.quant functions (bound everywhere: module globals and the
+    """Wrong kvspec.impl.quant functions (bound everywhere: module globals and the
     cache class's quantize_rows) leave the expected bytes unchanged; a
-    wrong fuzz.quant_ref changes them (the control)."""
+    wrong kvspec.fuzz.quant_ref changes them (the control)."""
     assert hm.check_int8_oracle() == []
 
 
@@ -45,7 +45,7 @@ def test_a_check_switched_off_fails_its_pairing(monkeypatch):
 def test_a_mask_compared_on_its_newest_row_only_fails_its_pairing(monkeypatch):
     """The weakening of the breaker's report (B12): make_mask compared on
     the last query's row only (a decode's one row is all a decode shows)."""
-    from fuzz import masks
+    from kvspec.fuzz import masks
 
     monkeypatch.setattr(masks, "same_mask", lambda got, want: bool((got[-1] == want[-1]).all()))
     (check,) = [c for c in hm.CHECKS if c.bug == "mask_window_from_newest_query"]
@@ -54,11 +54,11 @@ def test_a_mask_compared_on_its_newest_row_only_fails_its_pairing(monkeypatch):
 
 
 def test_an_oracle_that_reads_back_through_float16_fails_its_pairing(monkeypatch):
-    """fuzz.quant_ref's read-back rounded to float16 before the rows'
+    """kvspec.fuzz.quant_ref's read-back rounded to float16 before the rows'
     dtype (the paired bug, made in the oracle): the bug's returned window
     now agrees with the oracle, and the implementation's does not (the
     trace fails on it: a loud weakening, but a weakening)."""
-    from fuzz import quant_ref
+    from kvspec.fuzz import quant_ref
 
     exact = quant_ref.round_to
     monkeypatch.setattr(quant_ref, "round_to", lambda x, dtype: exact(quant_ref.round_to_float16(x), dtype))
@@ -103,11 +103,11 @@ def test_a_list_mismatch_that_stops_at_the_first_refusal_fails_its_pairing(monke
 
 def test_expected_int8_rows_from_the_cache_s_quantizer_fail_the_oracle_check(monkeypatch):
     """The weakening of the breaker's report (B9): the host path's Int8
-    rows read back through the cache's own quantizer and impl.quant's
+    rows read back through the cache's own quantizer and kvspec.impl.quant's
     dequantizer. Same bytes on a correct implementation, so only swapping
     the implementation's functions shows it."""
-    from fuzz import dense as fdense
-    from fuzz.rows import host
+    from kvspec.fuzz import dense as fdense
+    from kvspec.fuzz.rows import host
 
     def from_impl(self, token, mode):
         if mode != "int8":
@@ -117,20 +117,20 @@ def test_expected_int8_rows_from_the_cache_s_quantizer_fail_the_oracle_check(mon
 
     monkeypatch.setattr(DenseLockstep, "host_stored_rows", from_impl)
     problems = hm.check_int8_oracle(("bfloat16",))
-    assert any("dense rows change when impl.quant's quantizer is wrong" in p for p in problems), problems
-    assert any("dense rows stay the same when fuzz.quant_ref is wrong" in p for p in problems), problems
+    assert any("dense rows change when kvspec.impl.quant's quantizer is wrong" in p for p in problems), problems
+    assert any("dense rows stay the same when kvspec.fuzz.quant_ref is wrong" in p for p in problems), problems
 
 
 def test_the_replacement_reaches_every_binding_and_restores_it():
-    import impl.dense
-    import impl.quant
-    from fuzz import dense as fdense
+    import kvspec.impl.dense
+    import kvspec.impl.quant
+    from kvspec.fuzz import dense as fdense
 
-    orig_q, orig_d = impl.quant.quantize_int8, impl.quant.dequantize_int8
-    with hm.replaced({orig_q: len, orig_d: abs}, ("impl", "fuzz")) as n:
-        assert impl.quant.quantize_int8 is len and impl.dense.quantize_int8 is len
-        assert impl.dense.KVCache.quantize_rows is len  # the staticmethod, rewrapped
-        assert impl.dense.dequantize_int8 is abs and fdense.dequantize_int8 is abs
+    orig_q, orig_d = kvspec.impl.quant.quantize_int8, kvspec.impl.quant.dequantize_int8
+    with hm.replaced({orig_q: len, orig_d: abs}, ("kvspec.impl", "kvspec.fuzz")) as n:
+        assert kvspec.impl.quant.quantize_int8 is len and kvspec.impl.dense.quantize_int8 is len
+        assert kvspec.impl.dense.KVCache.quantize_rows is len  # the staticmethod, rewrapped
+        assert kvspec.impl.dense.dequantize_int8 is abs and fdense.dequantize_int8 is abs
         assert n >= 5
-    assert impl.quant.quantize_int8 is orig_q and impl.dense.KVCache.quantize_rows is orig_q
+    assert kvspec.impl.quant.quantize_int8 is orig_q and kvspec.impl.dense.KVCache.quantize_rows is orig_q
     assert fdense.dequantize_int8 is orig_d

@@ -1,7 +1,7 @@
 """The host-time cuts of the dense decode path, from outside: what the
 inlined checks of ``KVCache.update_and_fetch`` must still refuse (with the
 general path's exact messages, the cache unchanged), what
-``impl.write.write_inplace_pair`` owes its caller (the same writes as two
+``kvspec.impl.write.write_inplace_pair`` owes its caller (the same writes as two
 ``write_inplace`` calls: under ``donate`` the input handles are left as they
 were, as ``write_copy`` leaves them), and the inlined ownership check of
 ``_inplace_write_allowed`` (both buffers named by the marker, not one).
@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl import write as W
-from impl.dense import KVCache, _Buffers, _Marker, share
-from spec.errors import InvalidArgumentError
+from kvspec.impl import write as W
+from kvspec.impl.dense import KVCache, _Buffers, _Marker, share
+from kvspec.spec.errors import InvalidArgumentError
 from tests._standin import stand_in
 
 DTYPES = [mx.float16, mx.bfloat16, mx.float32]

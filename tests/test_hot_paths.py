@@ -4,10 +4,10 @@ On MLX's CUDA backend arrays live in managed memory: a host read of a cache
 buffer (``.item()``, ``.tolist()``, a NumPy view) migrates its pages, and any
 host read or ``mx.eval`` inside a layer's append is a synchronisation that a
 28-layer decoder pays 28 times a step. So, with the write layer's backend
-stood in for ``cuda`` (``donate``, the default mechanism; impl.write):
+stood in for ``cuda`` (``donate``, the default mechanism; kvspec.impl.write):
 
 * an append of one row makes no host read and no evaluation (Int8: exactly
-  one host read, the finiteness flag of the incoming rows, impl.quant.
+  one host read, the finiteness flag of the incoming rows, kvspec.impl.quant.
   int8_rows_representable; never a cache buffer);
 * the work of an append does not grow with the context: the rows written
   through the write layer and the Python memory allocated are the same at
@@ -28,13 +28,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl.dense as D
-import impl.paged as P
-from impl import write as W
-from impl.dense import KVCache, data_pointer
-from impl.paged import PagedKVCache
-from impl.rotating import RotatingKVCache
-from impl.turbo import DelegatedKVCache, TurboKVCache
+import kvspec.impl.dense as D
+import kvspec.impl.paged as P
+from kvspec.impl import write as W
+from kvspec.impl.dense import KVCache, data_pointer
+from kvspec.impl.paged import PagedKVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import DelegatedKVCache, TurboKVCache
 from tests._standin import stand_in
 
 H, DK, DV = 2, 8, 8
@@ -246,7 +246,7 @@ def python_calls(fn) -> int:
 #: and keep the ownership marker; before these bounds they made 46 (dense
 #: decode), 48 (rollback) and 33 (ring warm-up) calls, measured on the H200
 #: as ~0.7 ms (rollback) and ~0.3 ms (warm-up) a step behind mlx-lm's; the
-#: Fp16 one-pass accept of a decode pair (impl.dense.KVCache.update_and_fetch),
+#: Fp16 one-pass accept of a decode pair (kvspec.impl.dense.KVCache.update_and_fetch),
 #: its write and window without a regrow in fewer calls, took dense decode
 #: from 29 to 17 and rollback from 22 to 9, the ring's (with one index for
 #: both arrays and the window inlined) its warm-up from 23 to 15.

@@ -1,4 +1,4 @@
-"""impl.cells: CellCache against spec.cells (each op, each refusal, and a
+"""kvspec.impl.cells: CellCache against kvspec.spec.cells (each op, each refusal, and a
 seeded differential loop with rows named by (token, pos)), the RoPE
 re-rotation of shifted K rows (lazy, accumulated), bfloat16 stored exactly,
 refusals that change nothing, snapshots that alias nothing."""
@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl.cells import CellCache, CellsSnapshot, rope_shift, to_host
-from spec import cells as spec
-from spec.errors import InvalidArgumentError, KVCacheError
+from kvspec.impl.cells import CellCache, CellsSnapshot, rope_shift, to_host
+from kvspec.spec import cells as spec
+from kvspec.spec.errors import InvalidArgumentError, KVCacheError
 
 H, D = 2, 8
 _NP = {"float16": np.float16, "float32": np.float32}
@@ -641,7 +641,7 @@ def test_decode_and_restore_follow_recorded_drops_and_refuse_one_not_droppable()
 
 
 def test_a_highest_first_cache_declares_its_policy_and_a_copy_keeps_its_lost_cells():
-    from fuzz.cells_choosy import HighestFirstCellCache
+    from kvspec.fuzz.cells_choosy import HighestFirstCellCache
 
     assert CellCache.drop_policy == spec.DROP_POLICY and HighestFirstCellCache.drop_policy != spec.DROP_POLICY
     c = HighestFirstCellCache(4, H, D, dtype="float32", window=2, stores=("window",), n_seq=2)

@@ -1,4 +1,4 @@
-"""Unit tests of impl.dense.KVCache beyond what the fuzzer compares."""
+"""Unit tests of kvspec.impl.dense.KVCache beyond what the fuzzer compares."""
 
 import copy
 
@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl.dense import KVCache
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def rows(n, start=0, d=8, h=2):
@@ -156,11 +156,11 @@ def test_int8_decode_after_a_prefill_on_the_copying_path_matches_the_oracle(dtyp
     """An Int8 decode after a prefill with the in-place switch off (the
     copying write: every array of the store, the scale sidecars included,
     goes through ``write_copy``): the whole window equals what the NumPy
-    oracle (fuzz.quant_ref, written from the rule, not from impl.quant)
+    oracle (kvspec.fuzz.quant_ref, written from the rule, not from kvspec.impl.quant)
     says each row reads back as. K and V rows of very different
     magnitudes (K up to float16's edge), so K scales taken from the V rows,
     or V's from K's, show in the window."""
-    from fuzz.quant_ref import int8_oracle_host
+    from kvspec.fuzz.quant_ref import int8_oracle_host
 
     rng = np.random.default_rng(7)
     k_all = rng.standard_normal((2, 2, 5, 8)) * np.array([1e4, 3.0, 0.01, 6e4, 1.0])[None, None, :, None]

@@ -1,4 +1,4 @@
-"""Edges of impl.batch found by its mutation survivors: the exact refusals
+"""Edges of kvspec.impl.batch found by its mutation survivors: the exact refusals
 (the message names the argument and the rule: an empty or out-of-range
 ``left_padding``, a bad ``step``, a repeated ``filter`` index, a foreign
 cache in ``merge`` with and without mlx-lm's hint, a ring merge of nothing,
@@ -19,12 +19,12 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-import impl.batch as B
-from impl.batch import BatchKVCache
-from impl.dense import KVCache
-from impl.rotating import RotatingKVCache
-from spec import batch as sb
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+import kvspec.impl.batch as B
+from kvspec.impl.batch import BatchKVCache
+from kvspec.impl.dense import KVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import batch as sb
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 def rows(n, b=1, h=2, dk=4, dv=4, seed=0, dtype=mx.float16):
@@ -156,12 +156,12 @@ def test_a_foreign_cache_not_from_mlx_lm_is_refused_without_the_mlx_lm_hint():
     # mutants: _not_ours 6 (hint always), 14 (hint "XXXX"); batch_rotating_class 13, 17, 18, 19 (the ring's `want`)
     dense, ring = filled(KVCache, 2), filled(RotatingKVCache, 2, max_size=4)
     with pytest.raises(UnsupportedOperationError, match=exact(
-            "merge: cache 1 is a impl.rotating.RotatingKVCache; "
-            "a BatchKVCache merges kvspec's dense impl.dense.KVCache layers.")):
+            "merge: cache 1 is a kvspec.impl.rotating.RotatingKVCache; "
+            "a BatchKVCache merges kvspec's dense kvspec.impl.dense.KVCache layers.")):
         KVCache.merge([dense, ring])
     with pytest.raises(UnsupportedOperationError, match=exact(
-            "merge: cache 1 is a impl.dense.KVCache; "
-            "a batch ring merges kvspec's impl.rotating.RotatingKVCache layers.")):
+            "merge: cache 1 is a kvspec.impl.dense.KVCache; "
+            "a batch ring merges kvspec's kvspec.impl.rotating.RotatingKVCache layers.")):
         RotatingKVCache.merge([ring, dense])
 
 
@@ -172,9 +172,9 @@ def test_an_mlx_lm_cache_is_refused_with_the_whole_hint():
     theirs = filled(lm.KVCache, 2)
     with pytest.raises(UnsupportedOperationError, match=exact(
             "merge: cache 1 is a mlx_lm.models.cache.KVCache; "
-            "a BatchKVCache merges kvspec's dense impl.dense.KVCache layers. "
+            "a BatchKVCache merges kvspec's dense kvspec.impl.dense.KVCache layers. "
             "mlx-lm's caches and kvspec's cannot share a batch: give every sequence kvspec caches "
-            "(impl.models.make_prompt_cache; batch_generate builds mlx-lm's for a sequence given none)")):
+            "(kvspec.impl.models.make_prompt_cache; batch_generate builds mlx-lm's for a sequence given none)")):
         KVCache.merge([filled(KVCache, 2), theirs])
 
 
@@ -343,7 +343,7 @@ def test_extend_by_a_wider_batch_cuts_the_spare_capacity_of_the_shorter_one():
 
 
 def test_padding_is_announced_on_a_batch_trimmed_back_to_no_positions_as_the_spec_allows():
-    """spec.batch.announced_block allows announced padding on any layout
+    """kvspec.spec.batch.announced_block allows announced padding on any layout
     with idx 0; the cache too, once a trim took every position (its buffers
     stay allocated), and the block after it gives the spec's layout and
     each sequence the block's rows after its padding."""

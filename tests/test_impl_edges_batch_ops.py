@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl.batch import BatchKVCache, BatchLayout
-from impl.dense import KVCache
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.impl.batch import BatchKVCache, BatchLayout
+from kvspec.impl.dense import KVCache
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 def raises(exc, message):
@@ -268,7 +268,7 @@ def test_merge_refuses_a_cache_that_is_not_our_dense_cache_saying_what_it_takes(
     # kills merge mutants 10, 14, 15, 16
     name = f"{type(foreign).__module__}.{type(foreign).__qualname__}"
     with raises(UnsupportedOperationError, f"merge: cache 1 is a {name}; a BatchKVCache merges kvspec's dense "
-                "impl.dense.KVCache layers."):
+                "kvspec.impl.dense.KVCache layers."):
         BatchKVCache.merge([dense(1), foreign])
 
 

@@ -1,4 +1,4 @@
-"""Edges of impl.dense: the one-pass decode checks against the general ones,
+"""Edges of kvspec.impl.dense: the one-pass decode checks against the general ones,
 exact refusals (the message names the argument and the rule), boundary
 values and the mlx-lm hooks (``to_quantized``, ``merge``, the foreign-save
 refusal)."""
@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl.dense as D
-from impl import write as W
-from impl.dense import (
+import kvspec.impl.dense as D
+from kvspec.impl import write as W
+from kvspec.impl.dense import (
     KVCache,
     _check_rows,
     _Marker,
@@ -24,7 +24,7 @@ from impl.dense import (
     write_rows_copy,
     write_rows_inplace,
 )
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def pair(b=2, h=3, s=1, dk=4, dv=5, start=0.0, dtype=mx.float16):
@@ -163,7 +163,7 @@ def test_a_decode_step_with_room_takes_the_one_pass_path_up_to_a_full_buffer(inp
 
 def test_a_decode_step_reads_the_in_place_mechanism_once_for_both_buffers(monkeypatch):
     """Keys and values of one step go the same way: the mechanism is read
-    once (impl.write.inplace_mechanism) and handed to both writes."""
+    once (kvspec.impl.write.inplace_mechanism) and handed to both writes."""
     calls = []
 
     def mechanism():
@@ -531,7 +531,7 @@ def test_to_quantized_bits_8_refuses_rows_beyond_float16_naming_the_tensor(bad):
 # -- merge ---------------------------------------------------------------------
 
 def test_merge_is_the_batch_caches_merge():
-    from impl.batch import BatchKVCache
+    from kvspec.impl.batch import BatchKVCache
 
     a, b = KVCache(step=4), KVCache(step=4)
     a.update_and_fetch(*pair(b=1, h=2, s=2, dk=4, dv=3))
@@ -555,7 +555,7 @@ def test_mlx_lms_save_prompt_cache_is_refused_with_what_to_use_instead(tmp_path)
     with pytest.raises(UnsupportedOperationError, match=re.escape(
             "mlx_lm.models.cache.save_prompt_cache cannot write a kvspec KVCache: it stores "
             "`state` without the counters of `meta_state`, so no loader could rebuild the cache from its file; "
-            "save with impl.models.save_prompt_cache(file, cache) and load with impl.models.load_prompt_cache "
+            "save with kvspec.impl.models.save_prompt_cache(file, cache) and load with kvspec.impl.models.load_prompt_cache "
             "(nothing was written)")):
         lm_save(str(tmp_path / "p.safetensors"), [c])
     assert not list(tmp_path.iterdir())

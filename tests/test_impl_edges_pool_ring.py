@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl.paged import (
+from kvspec.impl.paged import (
     BlockPool,
     BlockTable,
     PagedKVCache,
@@ -20,8 +20,8 @@ from impl.paged import (
     _TableMirror,
     make_paged_prompt_cache,
 )
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 from tests.test_impl_paged import DK, DV, H, pool_state, rows, same_window
 
 
@@ -309,7 +309,7 @@ def test_to_quantized_is_refused_naming_the_bits_and_the_dense_alternative():
     cache = PagedKVCache(block_size=2)
     message = ("a PagedKVCache's blocks belong to its pool (shared with other sequences) and the pool stores "
                "unquantized rows; for quantized storage use dense caches "
-               "(impl.models.make_prompt_cache(model, mode='int8'))")
+               "(kvspec.impl.models.make_prompt_cache(model, mode='int8'))")
     with refused(UnsupportedOperationError, "to_quantized(bits=4): " + message):
         cache.to_quantized()
     with refused(UnsupportedOperationError, "to_quantized(bits=8): " + message):
@@ -367,8 +367,8 @@ def test_from_state_counts_rows_of_rank_4_keys_only():
 
 # == the rotating ring ========================================================
 def test_ring_visible_is_the_spec_mask_rule():
-    from impl.rotating import ring_visible
-    from spec.rotating import mask_visible
+    from kvspec.impl.rotating import ring_visible
+    from kvspec.spec.rotating import mask_visible
 
     for window in range(1, 6):
         for keep in range(window):
@@ -379,7 +379,7 @@ def test_ring_visible_is_the_spec_mask_rule():
 
 
 def test_ring_visible_at_its_boundaries():
-    from impl.rotating import ring_visible
+    from kvspec.impl.rotating import ring_visible
 
     assert ring_visible(3, 3, 2, 0) and not ring_visible(3, 4, 2, 0)  # causal: the query itself, not later
     assert ring_visible(5, 4, 2, 0) and not ring_visible(5, 3, 2, 0)  # the latest window - keep only
@@ -389,7 +389,7 @@ def test_ring_visible_at_its_boundaries():
 
 
 def record(rows: int, whole: bool = True, saved: bool = False):
-    from impl.rotating import UndoRecord
+    from kvspec.impl.rotating import UndoRecord
 
     a = mx.zeros((1, 1, 1, 2), mx.float16) if saved else None
     return UndoRecord("prefill" if rows > 1 else "decode", rows, 10, 10, 12, -1, a, a, whole)
@@ -401,8 +401,8 @@ def test_log_rewind_is_the_spec_rewind(rows, n):
     """Whole records wholly past the new offset go (a record of exactly the
     rows taken goes too), a partly taken record keeps its remaining rows,
     the older ones stay as they were."""
-    from impl.rotating import log_rewind
-    from spec import rotating as sr
+    from kvspec.impl.rotating import log_rewind
+    from kvspec.spec import rotating as sr
 
     log = tuple(record(r) for r in rows)
     spec_log = tuple(sr.UndoRecord(r.kind, r.rows, r.offset, r.idx, r.capacity, r.slot, (), r.whole) for r in log)
@@ -413,7 +413,7 @@ def test_log_rewind_is_the_spec_rewind(rows, n):
 
 
 def test_log_rewind_keeps_the_remaining_rows_of_a_part_taken_record():
-    from impl.rotating import log_rewind
+    from kvspec.impl.rotating import log_rewind
 
     log = (record(2), record(3))
     assert [r.rows for r in log_rewind(log, 1)] == [2, 2]
@@ -460,7 +460,7 @@ def wrapped_ring(undo: int = 0) -> RotatingKVCache:
 ROLLBACK_WARNING = (
     "RotatingKVCache(max_size=3, undo={undo}) has wrapped and can roll back exactly {rows} rows: {asked} is "
     "refused (nothing trimmed), so a decoding loop that goes on leaves the stream it would have had; for "
-    "speculative decoding build the caches with impl.models.make_prompt_cache(model, num_draft_tokens=k) (an "
+    "speculative decoding build the caches with kvspec.impl.models.make_prompt_cache(model, num_draft_tokens=k) (an "
     "undo log of k rows per ring). Reported once per cache."
 )
 
@@ -476,7 +476,7 @@ def only_warning(record_, category):
 def test_a_refused_trim_warns_once_naming_the_rows_asked():
     import warnings
 
-    from spec.errors import RollbackWarning
+    from kvspec.spec.errors import RollbackWarning
 
     c = wrapped_ring()
     with warnings.catch_warnings(record=True) as got:
@@ -496,7 +496,7 @@ def test_is_trimmable_warns_any_rollback_once_a_trim_was_asked():
     warning (for any rollback)."""
     import warnings
 
-    from spec.errors import RollbackWarning
+    from kvspec.spec.errors import RollbackWarning
 
     c = RotatingKVCache(3, step=1)
     c.update_and_fetch(*kvr([0, 1]))
@@ -520,7 +520,7 @@ def test_is_trimmable_false_warns_without_a_trim_before_and_with_an_undo_log():
     asks nothing and is silent."""
     import warnings
 
-    from spec.errors import RollbackWarning
+    from kvspec.spec.errors import RollbackWarning
 
     c = wrapped_ring()
     d = wrapped_ring(undo=2)
@@ -565,7 +565,7 @@ def test_a_decode_that_sees_every_key_builds_no_positions():
     wrap point, wrapped, oversized) and window: when the decode's mask is
     all True (the spec matrix, built here first), make_mask(1) answers None
     without building the positions."""
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     def never(n):
         raise AssertionError("make_mask(1) built the positions")
@@ -615,7 +615,7 @@ def test_to_quantized_refuses_a_non_integer_setting(kwargs, message):
 
 def test_merge_builds_the_batch_ring_of_impl_batch():
     pytest.importorskip("mlx_lm")
-    from impl.batch import batch_rotating_class
+    from kvspec.impl.batch import batch_rotating_class
 
     a, b = RotatingKVCache(4, step=2), RotatingKVCache(4, step=2)
     a.update_and_fetch(*kvr([0, 1, 2]))

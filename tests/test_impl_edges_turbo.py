@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl import turbo_quant as tq
-from impl.dense import KVCache
-from impl.turbo import DelegatedKVCache, TurboKVCache, TurboSnapshot, make_cache
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.impl import turbo_quant as tq
+from kvspec.impl.dense import KVCache
+from kvspec.impl.turbo import DelegatedKVCache, TurboKVCache, TurboSnapshot, make_cache
+from kvspec.spec.errors import InvalidArgumentError, StateError
 from tests._standin import stand_in
 from tests.test_impl_turbo import MODES, cache, raw, rows
 
@@ -452,7 +452,7 @@ def test_only_cuda_decode_rows_with_the_standard_packer_take_the_compiled_quanti
     (``x.shape[-2] == 1``, rank >= 2) with the standard packer go through
     the compiled quantizer; anything else, and anything off CUDA, through
     the op-by-op one. Both give the same bytes."""
-    from impl import fused, write
+    from kvspec.impl import fused, write
 
     calls = []
     real = tq._decode_quantizer
@@ -487,7 +487,7 @@ def test_check_store_refuses_a_dtype_that_is_not_an_mlx_dtype_by_name(dtype):
     """A holder or a ``meta_state`` without a dtype (None, a name string)
     is refused with the argument and the rule, not MLX's TypeError from
     comparing a Dtype with something else."""
-    from impl.turbo import check_store
+    from kvspec.impl.turbo import check_store
 
     with pytest.raises(InvalidArgumentError, match=re.escape(
             f"restore: dtype must be one of float16, bfloat16, float32, got {dtype!r}")):

@@ -1,7 +1,7 @@
-"""Edges of impl.write (the CUDA paths stood in for on the CPU, the env
-read, the backend answer), impl.layers (exact refusals and the all-or-none
-rollbacks), impl.quant and impl.fused (which path runs), and
-impl.codebooks (the generator and its command line, without SciPy's
+"""Edges of kvspec.impl.write (the CUDA paths stood in for on the CPU, the env
+read, the backend answer), kvspec.impl.layers (exact refusals and the all-or-none
+rollbacks), kvspec.impl.quant and kvspec.impl.fused (which path runs), and
+kvspec.impl.codebooks (the generator and its command line, without SciPy's
 cost where the rule is not the numbers)."""
 
 import functools
@@ -15,17 +15,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl import codebooks, fused, quant
-from impl import write as W
-from impl.dense import KVCache
-from impl.layers import (
+from kvspec.impl import codebooks, fused, quant
+from kvspec.impl import write as W
+from kvspec.impl.dense import KVCache
+from kvspec.impl.layers import (
     can_trim_prompt_cache,
     copy_prompt_cache,
     restore_prompt_cache,
     trim_prompt_cache,
 )
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, RollbackWarning, StateError
 from tests._standin import stand_in
 
 
@@ -41,7 +41,7 @@ class _FakeGPU:
     type = mx.DeviceType.gpu
 
 
-# -- impl.write: the backend ---------------------------------------------------
+# -- kvspec.impl.write: the backend ---------------------------------------------------
 
 def test_a_gpu_without_cuda_is_metal_and_its_answer_is_worked_out_once(monkeypatch):
     asked = []
@@ -97,7 +97,7 @@ def test_inplace_mechanism_without_os_environs_layout(missing, monkeypatch):
     assert W.inplace_mechanism() == "donate"
 
 
-# -- impl.write: the region of a kernel write ---------------------------------
+# -- kvspec.impl.write: the region of a kernel write ---------------------------------
 
 def test_region_of_an_empty_slice_is_empty_and_index_0_is_inside():
     a = mx.zeros((2, 3))
@@ -114,7 +114,7 @@ def test_region_refuses_an_index_longer_than_the_rank_and_a_negative_index():
         W._region(a, (0, -1))
 
 
-# -- impl.write: the NumPy path -------------------------------------------------
+# -- kvspec.impl.write: the NumPy path -------------------------------------------------
 
 @pytest.mark.parametrize("dst_dtype", [mx.float32, mx.float16])
 def test_a_numpy_write_of_bfloat16_rows_into_another_dtype_casts_them(dst_dtype):
@@ -137,7 +137,7 @@ def test_write_inplace_takes_the_mechanism_it_is_given(monkeypatch):
     assert col(dst) == [1, 0] and W.COUNTS["numpy"] == before + 1
 
 
-# -- impl.write: the kernel path, stood in for ---------------------------------
+# -- kvspec.impl.write: the kernel path, stood in for ---------------------------------
 
 class _Kernel:
     """mx.fast.cuda_kernel stood in for: records how it is built and
@@ -204,7 +204,7 @@ def test_each_kernel_write_counts_once_and_is_completed(monkeypatch):
     assert np.array(dst)[0, 0].tolist() == [[0, 0], [0, 0], [3, 3]]
 
 
-# -- impl.write: KV_CUDA_INPLACE ------------------------------------------------
+# -- kvspec.impl.write: KV_CUDA_INPLACE ------------------------------------------------
 
 def test_a_blank_cuda_mechanism_is_donate(monkeypatch):
     monkeypatch.setenv("KV_CUDA_INPLACE", "  ")
@@ -230,7 +230,7 @@ def test_without_os_environs_layout_the_env_is_read_the_public_way(missing, monk
     assert W._env_value("KV_CUDA_INPLACE") is None
 
 
-# -- impl.quant ------------------------------------------------------------------
+# -- kvspec.impl.quant ------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape,enabled,backend,compiled", [
     ((1, 2, 1, 4), True, "cuda", True),   # a decode step's rows on CUDA
@@ -275,7 +275,7 @@ def test_dequantize_to_another_float_dtype_builds_its_dequantizer():
     assert out.dtype == mx.float64 and np.array(out).tolist() == [[127.0, -127.0, 0.0]]
 
 
-# -- impl.fused --------------------------------------------------------------------
+# -- kvspec.impl.fused --------------------------------------------------------------------
 
 def test_the_fused_form_is_traced_once_for_every_shape():
     """Shapeless: a window that grows by a row each step is not retraced
@@ -301,7 +301,7 @@ def test_an_elementwise_chain_is_named_after_its_function_or_elementwise():
     assert quant._DEQUANTIZERS[mx.float16].__name__ == "dequantize"
 
 
-# -- impl.layers ---------------------------------------------------------------------
+# -- kvspec.impl.layers ---------------------------------------------------------------------
 
 def tokens(first, n, b=1):
     x = np.arange(first, first + n, dtype=np.float32)[None, None, :, None]
@@ -365,7 +365,7 @@ def test_a_refused_trim_of_one_row_warns_through_the_rings_own_warning():
     assert [(w.category, str(w.message)) for w in record] == [(RollbackWarning, (
         "RotatingKVCache(max_size=2, undo=0) has wrapped and can roll back exactly 0 rows: a rollback of 1 rows "
         "is refused (nothing trimmed), so a decoding loop that goes on leaves the stream it would have had; for "
-        "speculative decoding build the caches with impl.models.make_prompt_cache(model, num_draft_tokens=k) (an "
+        "speculative decoding build the caches with kvspec.impl.models.make_prompt_cache(model, num_draft_tokens=k) (an "
         "undo log of k rows per ring). Reported once per cache."))]
     assert [c.offset for c in caches] == [4, 4]
 
@@ -501,7 +501,7 @@ def test_a_restore_failing_past_the_checks_puts_back_exactly_the_layers_before_i
         assert c.last_write_inplace is (i >= failing), i
 
 
-# -- impl.codebooks --------------------------------------------------------------------
+# -- kvspec.impl.codebooks --------------------------------------------------------------------
 
 def test_lloyd_max_of_one_bit_is_the_sign_quantizer():
     """Two levels at +-E|X| = +-sqrt(2/pi), distortion 1 - 2/pi."""
@@ -548,7 +548,7 @@ def test_main_refuses_other_arguments_with_its_usage(monkeypatch, capsys):
     monkeypatch.setattr(codebooks, "write", lambda: pytest.fail("wrote the data"))
     assert codebooks.main(["--force"]) == 2
     out = capsys.readouterr()
-    assert out.err == "usage: python -m impl.codebooks [--check]\n" and out.out == ""
+    assert out.err == "usage: python -m kvspec.impl.codebooks [--check]\n" and out.out == ""
 
 
 def test_main_without_arguments_rewrites_the_data_and_prints_each_distortion(monkeypatch, capsys):

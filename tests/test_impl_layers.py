@@ -1,4 +1,4 @@
-"""impl.layers' list-level operations against spec.layers (semantics.md 6)."""
+"""kvspec.impl.layers' list-level operations against kvspec.spec.layers (semantics.md 6)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impl.dense import KVCache
-from impl.layers import (
+from kvspec.impl.dense import KVCache
+from kvspec.impl.layers import (
     can_trim_prompt_cache,
     restore_prompt_cache,
     snapshot_prompt_cache,
     trim_prompt_cache,
 )
-from impl.rotating import RotatingKVCache
-from spec import layers
-from spec.errors import InvalidArgumentError, StateError
-from spec.layers import DenseLayer, RingLayer
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import layers
+from kvspec.spec.errors import InvalidArgumentError, StateError
+from kvspec.spec.layers import DenseLayer, RingLayer
 
 
 def build(pattern):
@@ -178,7 +178,7 @@ def test_a_layer_refusing_its_trim_late_changes_no_layer(how):
 def test_copy_prompt_cache_copies_every_layer():
     """A copy of the list (deep, and shallow per layer) holds new layer
     objects whose windows do not move when the original writes."""
-    from impl.layers import copy_prompt_cache
+    from kvspec.impl.layers import copy_prompt_cache
 
     caches = [KVCache(step=2), RotatingKVCache(3, step=1)]
     for c in caches:
@@ -203,9 +203,9 @@ def test_the_list_reload_through_state_reloads_every_layer(position):
     caught first or last in the list. A harness loop that reloaded all but
     the last layer passed every test (the catalog's list bugs reload through
     a file)."""
-    from fuzz.bugs import by_name
-    from fuzz.replay import replay
-    from fuzz.trace import parse
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import parse
 
     ring, dense = {"kind": "rotating", "max_size": 2, "undo": 1}, {"kind": "dense"}
     doc = {"kvtrace": 1, "cache": {"kind": "layers", "mode": "fp16", "step": 1, "head_dim": 8,

@@ -1,4 +1,4 @@
-"""impl.masks: the host build (CPU, Apple unified memory) and the device
+"""kvspec.impl.masks: the host build (CPU, Apple unified memory) and the device
 build (MLX's CUDA backend, run here on the CPU) give the same matrices, the
 dispatch picks by backend, and every cache's make_mask goes through it with
 the same answer on both builds."""
@@ -9,11 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl.masks as M
-from impl.dense import KVCache
-from impl.paged import PagedKVCache, make_paged_prompt_cache
-from impl.rotating import RotatingKVCache
-from spec import dense as sd
+import kvspec.impl.masks as M
+from kvspec.impl.dense import KVCache
+from kvspec.impl.paged import PagedKVCache, make_paged_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import dense as sd
 
 
 def _bool(a: mx.array) -> np.ndarray:
@@ -70,7 +70,7 @@ def _caches():
 
 @pytest.mark.parametrize("name", ["dense", "ring", "paged"])
 def test_make_mask_is_the_same_on_both_builds(monkeypatch, name):
-    """A cache hands its own arguments to impl.masks: the CUDA build (forced
+    """A cache hands its own arguments to kvspec.impl.masks: the CUDA build (forced
     here) and the host build return the same matrix for every call."""
     cache = _caches()[name]
     calls = [(n, w) for n in (1, 2, 3) for w in (None, 1, 2, 3, 6)]

@@ -1,4 +1,4 @@
-"""impl.masks, spec.rotating.make_masks_spec and fuzz.masks.check_ring_masks:
+"""kvspec.impl.masks, kvspec.spec.rotating.make_masks_spec and kvspec.fuzz.masks.check_ring_masks:
 the classes of bugs tests/test_impl_masks.py and the fuzzer leave open
 (each class found by injecting bugs the earlier tests and the fuzzer missed).
 
@@ -27,14 +27,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl.masks as M
-from fuzz import masks as fm
-from fuzz.lockstep import Divergence
-from impl.paged import make_paged_prompt_cache
-from impl.rotating import RotatingKVCache
-from impl.turbo import make_cache
-from spec import dense as sd
-from spec import rotating as sr
+import kvspec.impl.masks as M
+from kvspec.fuzz import masks as fm
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.impl.paged import make_paged_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import make_cache
+from kvspec.spec import dense as sd
+from kvspec.spec import rotating as sr
 
 BACKENDS = ("cpu", "metal", "cuda")
 
@@ -56,7 +56,7 @@ def _ring_pair(w: int, keep: int, appends: tuple[int, ...]):
 
 
 def _ring_rule(s: sr.RotatingCache, n: int, window: int | None) -> np.ndarray:
-    """The ring's rule stated here on its own (not through spec.rotating's
+    """The ring's rule stated here on its own (not through kvspec.spec.rotating's
     mask helpers): query ``offset + i`` sees key ``p`` iff ``p <= q`` and
     ``p < keep`` or ``q - p < window - keep`` (window None: max_size)."""
     result, _ = sr.append(s, tuple(range(-n, 0)))
@@ -107,7 +107,7 @@ def test_make_masks_spec_is_each_window_on_its_own_in_the_order_asked(w, keep, a
 
 
 class _Lock:
-    """The parts of a lockstep fuzz.masks uses, checking at once (no defer)."""
+    """The parts of a lockstep kvspec.fuzz.masks uses, checking at once (no defer)."""
 
     current_index = 0
 
@@ -220,8 +220,8 @@ _BUILDERS = _builders()
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name, build", _BUILDERS, ids=[b[0] for b in _BUILDERS])
 def test_each_build_stays_in_its_namespace(monkeypatch, backend, name, build):
-    """cpu / metal: impl.masks uses MLX only to wrap the finished NumPy
-    matrix (``mx.array``); cuda: impl.masks uses NumPy not at all (a ring's
+    """cpu / metal: kvspec.impl.masks uses MLX only to wrap the finished NumPy
+    matrix (``mx.array``); cuda: kvspec.impl.masks uses NumPy not at all (a ring's
     positions arrive as a NumPy vector and go straight to MLX)."""
     monkeypatch.setattr(M, "backend", lambda: backend)
     if backend == "cuda":
@@ -295,7 +295,7 @@ def test_a_huge_window_hides_nothing(monkeypatch, backend, window):
     kinds, the sinks-and-latest rule for the ring), on both builds. Found by
     a breaker: the dense and paged masks came back with
     keys hidden, or MLX raised ValueError on the device build, before the
-    window was clamped to the cache's length (impl.masks)."""
+    window was clamped to the cache's length (kvspec.impl.masks)."""
     monkeypatch.setattr(M, "backend", lambda: backend)
     for name, (cache, want_of) in _kinds().items():
         mask = np.array(cache.make_mask(2, window_size=window, return_array=True))

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impl.paged import BlockPool, PagedKVCache, fork_prompt_cache, make_paged_prompt_cache
-from spec import paged as sp
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.impl.paged import BlockPool, PagedKVCache, fork_prompt_cache, make_paged_prompt_cache
+from kvspec.spec import paged as sp
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 H, DK, DV = 2, 3, 2
 
@@ -357,7 +357,7 @@ def test_a_fetch_gathers_exactly_the_blocks_that_hold_the_visible_rows(bs, monke
     from ``start // bs`` to ``ceil(length / bs)``, no more: a block too many
     at a block boundary is sliced off again (the window is right) but costs
     a block of reads at every fetch; one too few loses rows."""
-    import impl.paged as P
+    import kvspec.impl.paged as P
 
     pool = BlockPool(bs, chunk=2)
     taken = []
@@ -430,7 +430,7 @@ def test_a_paged_sequence_loads_in_mlx_lm_order_and_refuses_files_naming_the_rul
     file is refused (its blocks belong to the pool), through the handle's
     own refusal also for a subclass the file layer would otherwise know by
     name."""
-    from impl.models import save_prompt_cache
+    from kvspec.impl.models import save_prompt_cache
 
     class Subclass(PagedKVCache):
         pass

@@ -1,10 +1,10 @@
-"""impl.prefix: PrefixCachePool, each op and each refusal (a refusal leaves
+"""kvspec.impl.prefix: PrefixCachePool, each op and each refusal (a refusal leaves
 every field and both slabs as they were), rows named by ``(salt, tokens[:p +
 1])`` and read back through tables, shared prefix blocks and the slabs
 (float16, bfloat16 bit for bit, float32; K and V head dims that differ),
 eviction, duplicate keys, the free queue's order, a pool of one block, block
 size 1, copies that share nothing, and a seeded differential loop against
-``spec.prefix`` comparing every result, refusal and observable."""
+``kvspec.spec.prefix`` comparing every result, refusal and observable."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl.prefix import AdmitResult, PrefixCachePool
-from spec import prefix as spec
-from spec.errors import InvalidArgumentError, KVCacheError, StateError
+from kvspec.impl.prefix import AdmitResult, PrefixCachePool
+from kvspec.spec import prefix as spec
+from kvspec.spec.errors import InvalidArgumentError, KVCacheError, StateError
 
 H, DK, DV = 2, 4, 3
 DTYPES = ("float16", "bfloat16", "float32")
@@ -109,7 +109,7 @@ class Named:
         return out
 
     def observe(self) -> dict:
-        """The spec's observable view (``spec.prefix.observe``), read back."""
+        """The spec's observable view (``kvspec.spec.prefix.observe``), read back."""
         pool = self.pool
         blocks = [(pool.refcount(b), pool.key(b)) for b in range(pool.n_blocks)]
         rows = {}
@@ -656,7 +656,7 @@ def test_broken_invariants_names_the_spec_invariant():
     assert pool.broken_invariants() == ()
 
 
-# -- the differential loop against spec.prefix ------------------------------------------------------
+# -- the differential loop against kvspec.spec.prefix ------------------------------------------------------
 
 BASES = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 9, 9, 4, 4), (5, 6, 5, 6, 5, 6))
 REQS = ("a", "b", "c", "d")
@@ -746,7 +746,7 @@ def _events(op: dict, result, old: spec.PrefixWorld, new: spec.PrefixWorld) -> s
 def test_differential_loop_against_spec(dtype):
     """Random op sequences (overlapping prompts, salts, refused calls) run
     on the pool (rows written as the lockstep writes them) and on
-    ``spec.prefix``: the same results and refusal types, the same observable
+    ``kvspec.spec.prefix``: the same results and refusal types, the same observable
     view after every op (tables, refcounts, keys, free queue, cached map,
     the row names read back), a pool unchanged by every refusal, no broken
     invariant, and every live request fetching its own rows."""

@@ -1,4 +1,4 @@
-"""impl.recurrent: RecurrentCache's checkpoint ring, its exact rollback and
+"""kvspec.impl.recurrent: RecurrentCache's checkpoint ring, its exact rollback and
 the step recorder (docs/recurrent.md), on a fake mixer with an exact
 fingerprint of the consumed prefix, and inside tiny random-weight qwen3_next
 and lfm2 models under mlx-lm's speculative decoding."""
@@ -15,10 +15,20 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from impl.dense import KVCache
-from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache
-from impl.recurrent import RecurrentCache, record_steps, unrecord_steps
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache
+from kvspec.impl.models import (
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+from kvspec.impl.recurrent import RecurrentCache, record_steps, unrecord_steps
+from kvspec.spec.errors import (
+    InvalidArgumentError,
+    RollbackWarning,
+    StateError,
+    UnsupportedOperationError,
+)
 
 KERNEL = 4
 
@@ -402,7 +412,7 @@ def test_prompt_cache_file_round_trip(tmp_path):
     # mlx-lm's writer cannot keep offset and depth: refused, nothing written
     from mlx_lm.models import cache as lm_cache
     g = tmp_path / "lm.safetensors"
-    with pytest.raises(UnsupportedOperationError, match="impl.models.save_prompt_cache"):
+    with pytest.raises(UnsupportedOperationError, match="kvspec.impl.models.save_prompt_cache"):
         lm_cache.save_prompt_cache(str(g), [a])
     assert not g.exists()
     # a file of mlx-lm's own ArraysCache loads as a RecurrentCache of depth 0

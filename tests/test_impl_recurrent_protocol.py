@@ -1,4 +1,4 @@
-"""impl.recurrent against mlx-lm's protocol where a breakage hunt found the
+"""kvspec.impl.recurrent against mlx-lm's protocol where a breakage hunt found the
 harness blind (issue 48): make_prompt_cache's ``undo`` alone installs the
 step recorder, and the batch protocol (extract, filter) keeps each batch
 element's arrays, offset and depth with no checkpoints."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from fuzz.layers import LayoutModel
-from fuzz.recurrent import FakeModel
-from impl.models import make_prompt_cache
-from impl.recurrent import RecurrentCache, record_steps
+from kvspec.fuzz.layers import LayoutModel
+from kvspec.fuzz.recurrent import FakeModel
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.recurrent import RecurrentCache, record_steps
 
 
 def _call(mixer, cache, tokens, batch=1, channels=4):

@@ -1,4 +1,4 @@
-"""Unit tests of impl.rotating.RotatingKVCache."""
+"""Unit tests of kvspec.impl.rotating.RotatingKVCache."""
 
 from dataclasses import replace
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 
 def row(t, n=1):
@@ -108,7 +108,7 @@ def test_warmup_inplace_write_really_aliases_the_buffer():
 def test_make_mask_equals_the_spec_in_both_forms(case):
     """The vectorized make_mask: the array form is the spec's matrix, and a
     short form (None, "causal") is returned only when it is that matrix."""
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     w, keep, step, appends, n, window = case
     c = RotatingKVCache(max_size=w, keep=keep, step=step)
@@ -134,7 +134,7 @@ def test_make_mask_equals_the_spec_in_both_forms(case):
 
 
 # ---------------------------------------------------------------------------
-# The undo log (spec.rotating: trimmable_rows, rollback)
+# The undo log (kvspec.spec.rotating: trimmable_rows, rollback)
 
 
 def kv(tokens, B=1, H=2, Dk=3, Dv=5):
@@ -161,7 +161,7 @@ def lockstep_history(seed, ops=24):
     depth: windows, counters, capacity and the bound agree after every op."""
     import random
 
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     rng = random.Random(seed)
     W = rng.randint(1, 6)
@@ -242,7 +242,7 @@ def test_undo_argument_and_state_round_trip():
 # of the history the load replaced.
 
 def _load_restore(c, k, v, meta):
-    from impl.rotating import RingSnapshot
+    from kvspec.impl.rotating import RingSnapshot
     n = int(k.shape[2])
     c.restore(RingSnapshot(k, v, n, n, c.max_size, c.keep))
     return c
@@ -264,7 +264,7 @@ def _load_from_state(c, k, v, meta):
 
 
 def _load_file(c, k, v, meta, tmp_path):
-    from impl.models import load_prompt_cache, save_prompt_cache
+    from kvspec.impl.models import load_prompt_cache, save_prompt_cache
     save_prompt_cache(tmp_path / "ring.safetensors", [RotatingKVCache.from_state((k, v), meta)])
     return load_prompt_cache(tmp_path / "ring.safetensors")[0]
 
@@ -296,7 +296,7 @@ def test_every_load_path_starts_a_fresh_history(load, W, K, U, tmp_path):
 
 
 def _agree(c, s, where):
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
     assert window_of(c) == s.window(), where
     assert (c.offset, c.idx, c.capacity) == (s.offset, s.idx, s.capacity), where
     assert c.trimmable_rows() == sr.trimmable_rows(s) and c.log_saved_rows() == sr.log_saved_rows(s.log), where
@@ -312,7 +312,7 @@ def test_every_trim_of_every_short_history_agrees_with_the_spec(W):
     U >= its rows), where the prior layout has capacity 0."""
     import itertools
 
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     sizes = sorted({1, 2, W, W + 1, W + 2})
     for K, U, step in itertools.product(range(W), range(5), (1, 3)):

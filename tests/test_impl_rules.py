@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impl import dense as idense
-from impl import layers as ilayers
-from impl import turbo as iturbo
-from impl import turbo_quant as tq
-from spec import dense as sd
-from spec import layers as sl
-from spec import turbo as stb
-from spec.errors import InvalidArgumentError
+from kvspec.impl import dense as idense
+from kvspec.impl import layers as ilayers
+from kvspec.impl import turbo as iturbo
+from kvspec.impl import turbo_quant as tq
+from kvspec.spec import dense as sd
+from kvspec.spec import layers as sl
+from kvspec.spec import turbo as stb
+from kvspec.spec.errors import InvalidArgumentError
 
 
 def _impl_fold(cold: int, live: int, n: int, threshold: int, block: int) -> int:

@@ -1,6 +1,6 @@
 """Storage dtype, shapes, the in-place switch and masks of both caches
-(semantics.md 2 "Storage"; spec.dense.inplace_switch,
-spec.dense.dense_mask_visible, spec.dense.check_window_size)."""
+(semantics.md 2 "Storage"; kvspec.spec.dense.inplace_switch,
+kvspec.spec.dense.dense_mask_visible, kvspec.spec.dense.check_window_size)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl.dense as impl_dense
-from impl.dense import KVCache, data_pointer
-from impl.rotating import RotatingKVCache
-from spec import dense as spec_dense
-from spec.errors import InvalidArgumentError
+import kvspec.impl.dense as impl_dense
+from kvspec.impl.dense import KVCache, data_pointer
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import dense as spec_dense
+from kvspec.spec.errors import InvalidArgumentError
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -93,7 +93,7 @@ def test_int8_refuses_rows_without_a_finite_scale(bad):
 
 def test_int8_float16_max_reads_back_finite():
     """absmax 65504: scale 516, q 127, and 127 * 516 = 65532 rounds to inf in
-    float16; the dequantizer saturates instead (impl.quant's decision)."""
+    float16; the dequantizer saturates instead (kvspec.impl.quant's decision)."""
     c = KVCache("int8", step=1)
     x = mx.full((1, 1, 1, 4), 65504.0, dtype=mx.float16)
     k, _ = c.update_and_fetch(x, -x)
@@ -260,13 +260,13 @@ def test_bad_window_size_is_refused(kind, bad, pattern):
 # and the ring, must refuse a row of another dtype or shape and keep its rows.
 
 def _every_mode():
-    from impl.dense import _MODES
-    from impl.turbo import DELEGATED, TURBO_MODES
+    from kvspec.impl.dense import _MODES
+    from kvspec.impl.turbo import DELEGATED, TURBO_MODES
     return list(_MODES) + list(TURBO_MODES) + [DELEGATED, "ring"]
 
 
 def _make_mode(mode):
-    from impl.turbo import make_cache
+    from kvspec.impl.turbo import make_cache
     if mode == "ring":
         return RotatingKVCache(4, keep=1, step=2)
     return make_cache(mode, step=2)
@@ -341,7 +341,7 @@ def _every_trimmer():
 
 def _make_trimmer(mode):
     if mode == "paged":
-        from impl.paged import PagedKVCache
+        from kvspec.impl.paged import PagedKVCache
         return PagedKVCache(block_size=2)
     return _make_mode(mode)
 

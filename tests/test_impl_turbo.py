@@ -10,10 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl import turbo_quant as tq
-from impl.turbo import DelegatedKVCache, TurboHandle, TurboKVCache, make_cache
-from spec import turbo as st
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.impl import turbo_quant as tq
+from kvspec.impl.turbo import DelegatedKVCache, TurboHandle, TurboKVCache, make_cache
+from kvspec.spec import turbo as st
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 MODES = ["turbo4asym", "turbo4", "turbo3asym", "turbo4delegated"]
 

@@ -1,5 +1,5 @@
 """A Ctrl-C that lands in a finalizer or a gc callback still stops a run
-(fuzz.interrupt): CPython drops the KeyboardInterrupt raised there."""
+(kvspec.fuzz.interrupt): CPython drops the KeyboardInterrupt raised there."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
-    from fuzz import interrupt
-    from fuzz.campaign import Campaign, interleaved
+    from kvspec.fuzz import interrupt
+    from kvspec.fuzz.campaign import Campaign, interleaved
 
     if sys.argv[1] == "install":
         assert interrupt.install()
@@ -65,7 +65,7 @@ def test_without_the_handler_the_same_ctrl_c_is_lost():
 def test_install_leaves_a_host_handler_alone():
     code = textwrap.dedent("""
         import signal
-        from fuzz import interrupt
+        from kvspec.fuzz import interrupt
         mine = lambda s, f: None
         signal.signal(signal.SIGINT, mine)
         assert not interrupt.install()
@@ -87,7 +87,7 @@ def recorded(monkeypatch):
     state are put back afterwards."""
     import signal
 
-    from fuzz import interrupt
+    from kvspec.fuzz import interrupt
 
     before = signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(interrupt, "_installed", interrupt._installed)
@@ -102,8 +102,8 @@ def recorded(monkeypatch):
 
 
 def test_every_lockstep_step_raises_a_recorded_request(recorded):
-    from fuzz.replay import replay
-    from fuzz.trace import load
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import load
 
     with pytest.raises(KeyboardInterrupt):
         replay(load(TRACE))
@@ -111,7 +111,7 @@ def test_every_lockstep_step_raises_a_recorded_request(recorded):
 
 def test_every_campaign_batch_raises_a_recorded_request(recorded, monkeypatch):
     # the batch itself stubbed out: only the campaign loop's own check can stop it
-    from fuzz.campaign import Campaign, interleaved
+    from kvspec.fuzz.campaign import Campaign, interleaved
 
     batches = []
 
@@ -130,7 +130,7 @@ def test_a_command_forgets_the_request_it_handled(recorded):
     """kvspec's main() stops a command on a recorded request (exit 130) and
     clears it: the next command in the same process (an embedding program,
     a test) runs to its end instead of stopping at its first step."""
-    from fuzz.commands import cli
+    from kvspec.fuzz.commands import cli
 
     assert cli.main(["replay", TRACE]) == 130
     assert not recorded.requested()

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters import exec as ex
-from fuzz.commands.cli import main
-from fuzz.replay import replay
-from fuzz.targets import resolve
-from fuzz.trace import load, loads
+from kvspec.fuzz.adapters import exec as ex
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import load, loads
 
 REPO = Path(__file__).resolve().parent.parent
 RING = REPO / "adapters" / "c" / "kvspec_ring.c"

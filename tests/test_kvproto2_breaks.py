@@ -33,11 +33,11 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters import exec as ex
-from fuzz.commands.cli import main
-from fuzz.replay import replay
-from fuzz.targets import resolve
-from fuzz.trace import loads
+from kvspec.fuzz.adapters import exec as ex
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import loads
 from tests.test_adapter_check import check, problems, write_adapter
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import kinds
-from fuzz.bugs import catalog
+from kvspec.fuzz import kinds
+from kvspec.fuzz.bugs import catalog
 
 REPO = Path(__file__).resolve().parents[1]
 LINT = Path(sys.executable).with_name("lint-imports")
@@ -33,25 +33,26 @@ def test_import_contracts_hold():
 @pytest.fixture
 def copy_of_repo(tmp_path: Path) -> Path:
     for pkg in ("spec", "impl", "proofs", "fuzz"):
-        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        # the copy is found as kvspec.<pkg> (a portion of the kvspec namespace) before the tree
+        shutil.copytree(REPO / pkg, tmp_path / "kvspec" / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("spec/errors.py", "import impl.dense  # noqa", "spec imports nothing of the project"),
-    ("proofs/domain.py", "import impl.quant  # noqa", "proofs never import the implementation"),
-    ("impl/quant.py", "import fuzz.rows  # noqa", "layers: fuzz over impl and proofs"),
-    ("impl/layers.py", "from spec.layers import list_trim_count  # noqa", "impl takes no rule from spec"),
-    ("impl/turbo.py", "import spec.turbo  # noqa", "impl takes no rule from spec"),
-    ("impl/batch.py", "from spec.batch import trim_count  # noqa", "impl takes no rule from spec"),
-    ("fuzz/lockstep.py", "import fuzz.replay  # noqa", "fuzz reads top-down"),
-    ("fuzz/commands/mutants.py", "import fuzz.commands.verify  # noqa", "no import circles"),
-    ("fuzz/commands/e2e/models.py", "import fuzz.commands.e2e.checks  # noqa", "e2e reads top-down"),
+    ("spec/errors.py", "import kvspec.impl.dense  # noqa", "spec imports nothing of the project"),
+    ("proofs/domain.py", "import kvspec.impl.quant  # noqa", "proofs never import the implementation"),
+    ("impl/quant.py", "import kvspec.fuzz.rows  # noqa", "layers: fuzz over impl and proofs"),
+    ("impl/layers.py", "from kvspec.spec.layers import list_trim_count  # noqa", "impl takes no rule from spec"),
+    ("impl/turbo.py", "import kvspec.spec.turbo  # noqa", "impl takes no rule from spec"),
+    ("impl/batch.py", "from kvspec.spec.batch import trim_count  # noqa", "impl takes no rule from spec"),
+    ("fuzz/lockstep.py", "import kvspec.fuzz.replay  # noqa", "fuzz reads top-down"),
+    ("fuzz/commands/mutants.py", "import kvspec.fuzz.commands.verify  # noqa", "no import circles"),
+    ("fuzz/commands/e2e/models.py", "import kvspec.fuzz.commands.e2e.checks  # noqa", "e2e reads top-down"),
 ])
 def test_a_reverse_import_breaks_a_contract(copy_of_repo: Path, module: str, line: str, contract: str):
     """Each contract is seen failing: one added import the wrong way."""
-    path = copy_of_repo / module
+    path = copy_of_repo / "kvspec" / module
     path.write_text(line + "\n" + path.read_text())
     proc = lint(copy_of_repo)
     assert proc.returncode != 0, proc.stdout[-2000:]
@@ -68,13 +69,13 @@ def test_impl_is_forbidden_every_spec_module_but_errors():
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     contract = next(c for c in config["tool"]["importlinter"]["contracts"]
                     if c["name"].startswith("impl takes no rule from spec"))
-    modules = {f"spec.{p.stem}" for p in (REPO / "spec").glob("*.py") if p.stem not in ("__init__", "errors")}
+    modules = {f"kvspec.spec.{p.stem}" for p in (REPO / "spec").glob("*.py") if p.stem not in ("__init__", "errors")}
     assert set(contract["forbidden_modules"]) == modules
 
 
 def test_schema_file_is_generated_from_the_registry():
     base = json.loads(kinds.SCHEMA_PATH.read_text())
-    assert kinds.schema_from_registry(base) == base, "run `python -m fuzz.kinds` to regenerate the schema"
+    assert kinds.schema_from_registry(base) == base, "run `python -m kvspec.fuzz.kinds` to regenerate the schema"
     cache = base["$defs"]["cache"]["properties"]
     assert cache["kind"]["enum"] == list(kinds.trace_kinds())
 
@@ -86,7 +87,7 @@ def test_a_kind_is_one_file_per_layer(name: str):
     assert not missing, f"kind {name}: missing {missing}"
     machine, lockstep = kind.machine_class(), kind.lockstep_class()
     assert machine.kind == kind.kind
-    assert machine.__module__ == lockstep.__module__ == f"fuzz.{name}"
+    assert machine.__module__ == lockstep.__module__ == f"kvspec.fuzz.{name}"
     bugs = kind.bug_list()
     assert bugs and all(b.kind == kind.kind and set(b.modes) <= set(kind.modes) for b in bugs)
     assert {b.name for b in bugs} <= {b.name for b in catalog()}
@@ -94,7 +95,7 @@ def test_a_kind_is_one_file_per_layer(name: str):
 
 def test_docs_index_every_kind():
     """The README's reading order and docs/architecture.md name every kind's page."""
-    from fuzz.docgen import expand
+    from kvspec.fuzz.docgen import expand
 
     for doc in ("README.md", "docs/architecture.md"):
         text = expand((REPO / doc).read_text(), doc)
@@ -105,7 +106,7 @@ def test_docs_index_every_kind():
 def test_architecture_table_matches_the_registry():
     """The page asks for the generated kinds table and picture; the table
     has one row per registry entry with its trace kind and modes."""
-    from fuzz.docgen import expand
+    from kvspec.fuzz.docgen import expand
 
     raw = (REPO / "docs/architecture.md").read_text()
     assert "<!-- kvspec: table kinds -->" in raw and "<!-- kvspec: picture architecture -->" in raw

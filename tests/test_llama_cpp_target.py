@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fuzz.adapters import llama_cpp as lc
-from fuzz.commands import conformance_cells as cc
-from fuzz.commands.cli import main
-from fuzz.commands.conformance_cells import category
-from fuzz.replay import replay
-from fuzz.trace import load
-from spec import cells as sc
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.fuzz.adapters import llama_cpp as lc
+from kvspec.fuzz.commands import conformance_cells as cc
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.commands.conformance_cells import category
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.trace import load
+from kvspec.spec import cells as sc
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 FOLDER = Path(__file__).parent / "traces" / "llama_cpp"
 TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))
@@ -332,10 +332,10 @@ def test_the_search_finds_the_windowed_removal_by_itself(tmp_path, capsys):
 
 @needs_llama
 def test_the_harness_campaign_plugs_llama_cpp_in():
-    """fuzz.cells_runs.cells_campaign (the kind's own machine, no rounds)
+    """kvspec.fuzz.cells_runs.cells_campaign (the kind's own machine, no rounds)
     drives the same target: on the iSWA layout it diverges, and its minimal
     trace replays 1 on llama.cpp and 0 on ours through replay_cells."""
-    from fuzz.cells_runs import cells_campaign, replay_cells
+    from kvspec.fuzz.cells_runs import cells_campaign, replay_cells
 
     cache = {"stores": ["full", "window"], "window": 4, "n_seq": 3}
     cache.update(lc.cache_sizes(cache))
@@ -376,7 +376,7 @@ def test_the_window_store_reuses_cells_while_the_full_store_has_room():
     """With 256 window and 512 full cells, decodes past 256 positions reuse
     out-of-window cells of the window store (the spec's droppable cells):
     the lockstep agrees, adopting llama.cpp's choice where it differs."""
-    from fuzz.cells import CellsLockstep
+    from kvspec.fuzz.cells import CellsLockstep
 
     cache = {"kind": "cells", "stores": ["full", "window"], "window": 4, "n_seq": 2, "kv_heads": 2,
              "head_dim": 16, "dtype": "float16"}
@@ -404,7 +404,7 @@ def test_a_restore_reusing_out_of_window_cells_is_no_longer_a_divergence():
            {"op": "decode", "seqs": [0], "tokens": [23], "pos0": 0},
            {"op": "save", "seq": 0, "name": "s1"},
            {"op": "restore", "name": "s1", "seq": 2}]
-    from fuzz.cells import CellsLockstep
+    from kvspec.fuzz.cells import CellsLockstep
 
     lock = CellsLockstep(cache, {"target": lc.target_factory})
     for i, op in enumerate(ops):
@@ -463,7 +463,7 @@ def test_edge_arguments_the_spec_accepts_reach_llama_cpp(op, call):
     < 0, p0 < 0, delta 0, d == 1, a group of the most tokens one call takes)
     is passed to llama.cpp as it is: the ctypes call is made, and the
     adapter refused nothing itself."""
-    from fuzz.cells import CellsWorld, _spec_run, spec_memory
+    from kvspec.fuzz.cells import CellsWorld, _spec_run, spec_memory
 
     cache = {"kind": "cells", "stores": ["full"], "window": None, "n_seq": 2, "n_cells": 256}
     world = CellsWorld(spec_memory(cache))

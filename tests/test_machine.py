@@ -5,7 +5,7 @@ import re
 import pytest
 from hypothesis import settings
 
-from fuzz.campaign import machine_for
+from kvspec.fuzz.campaign import machine_for
 from tests.budget import examples
 
 CONFIGS = [("dense", "fp16", True), ("dense", "fp16", False), ("dense", "int8", True), ("rotating", "fp16", True),
@@ -29,7 +29,7 @@ def test_state_machine_agrees(kind, mode, inplace):
 
 # -- the stored-form checks, each seen failing on a broken variant -------------------
 def _load_drops_live_start():
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     class LoadDropsLiveStart(KVCache):
         """from_state ignores live_start (a front-trimmed cache loads as if untrimmed)."""
@@ -44,7 +44,7 @@ def _load_drops_live_start():
 
 
 def _ring_load_drops_undo():
-    from impl.rotating import RotatingKVCache
+    from kvspec.impl.rotating import RotatingKVCache
 
     class RingLoadDropsUndo(RotatingKVCache):
         """from_state forgets the undo depth (the sixth meta_state field)."""
@@ -59,7 +59,7 @@ def _ring_load_drops_undo():
 def _int8_zero_scale():
     import mlx.core as mx
 
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     class Int8ZeroScale(KVCache):
         """An all-zero row keeps scale 0 (not 1): it decodes to the same zeros."""
@@ -75,7 +75,7 @@ def _int8_zero_scale():
 def _int8_zero_value_scale():
     import mlx.core as mx
 
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     class Int8ZeroValueScale(KVCache):
         """The zero-row scale bug on the values only (keys stored right)."""
@@ -96,7 +96,7 @@ def _int8_zero_value_scale():
 
 
 def _load_reverses_rows():
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     class LoadReversesRows(KVCache):
         """from_state copies the rows back to front: same shapes, same
@@ -113,7 +113,7 @@ def _load_reverses_rows():
 def _ring_state_oldest_first():
     import mlx.core as mx
 
-    from impl.rotating import RotatingKVCache
+    from kvspec.impl.rotating import RotatingKVCache
 
     class RingStateOldestFirst(RotatingKVCache):
         """state answers the valid rows rotated by the cursor (oldest first)
@@ -148,7 +148,7 @@ def test_stored_form_checks_catch_their_bug(kind, mode, make, message):
     """Bounded by examples, not seconds (each bug is caught within 8 from
     seed 3); the check that fires is read from the failure as found: the
     shrunk trace names the same check, and shrinking is tested elsewhere."""
-    from fuzz.campaign import Campaign
+    from kvspec.fuzz.campaign import Campaign
 
     run = Campaign(kind, mode, True, 3, factories={kind: make()}, shrink=False)
     while run.report.examples < 100 and not run.failed:
@@ -180,7 +180,7 @@ class _Recorder:
 
 
 def test_branch_holds_the_first_continuation_while_the_second_writes():
-    from fuzz.machine import KVMachine
+    from kvspec.fuzz.machine import KVMachine
 
     m = _Recorder()
     KVMachine.branch(m, 2)
@@ -196,7 +196,7 @@ def test_branch_holds_the_first_continuation_while_the_second_writes():
 
 
 def test_trim_through_handle_cuts_the_detached_handle_and_installs_it_back():
-    from fuzz.dense import DenseMachine
+    from kvspec.fuzz.dense import DenseMachine
 
     m = _Recorder()
     DenseMachine.trim_through_handle(m, m)

@@ -4,7 +4,7 @@ with the spec and reaches the edges it is there for."""
 import pytest
 from hypothesis import settings
 
-from fuzz.campaign import machine_for
+from kvspec.fuzz.campaign import machine_for
 from tests.budget import examples
 
 
@@ -28,8 +28,8 @@ def test_turbo_state_machine_agrees(mode):
 def test_a_head_dim_the_quantizer_refuses_is_refused_alike(mode, head_dim, rule):
     """Spec and implementation refuse every append, with the same message,
     and nothing changes (the fuzzer draws such head dims now and then)."""
-    from fuzz.replay import replay
-    from fuzz.trace import parse
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import parse
 
     doc = {"kvtrace": 1, "cache": {"kind": "dense", "mode": mode, "step": 2, "head_dim": head_dim},
            "ops": [{"op": "append", "n": 2, "error": True}, {"op": "append", "n": 1, "error": True},

@@ -1,5 +1,5 @@
-"""The model-level machine (``fuzz.models``, kind ``models``) and the rules it
-checks against (``spec.models``): a short campaign on the real
+"""The model-level machine (``kvspec.fuzz.models``, kind ``models``) and the rules it
+checks against (``kvspec.spec.models``): a short campaign on the real
 implementation agrees and reaches every op; the rules themselves; the
 nbytes proof with its negative control. The injected bugs of issue 47 are
 in the catalog (``fuzz/bugs/models.py``), so ``tests/test_bugs.py`` and
@@ -10,17 +10,17 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from fuzz.models import MODEL_OPS
-from impl.dense import KVCache
-from impl.rotating import RotatingKVCache
-from spec import models as sm
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.fuzz.models import MODEL_OPS
+from kvspec.impl.dense import KVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec import models as sm
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 
 def test_a_short_campaign_agrees_and_reaches_every_model_op():
     """Bounded by examples, not seconds: batches of 25 from seed 1 until
     every op is checked, at most 100 examples."""
-    from fuzz.campaign import Campaign
+    from kvspec.fuzz.campaign import Campaign
 
     run = Campaign("models", "fp16", True, 1)
     while run.report.examples < 100 and not run.failed and \
@@ -139,7 +139,7 @@ def test_to_quantized_rule_matches_the_caches_for_every_bits_and_group_size(case
 
 
 def test_nbytes_proof_and_its_negative_control():
-    from proofs.models import counted_once, keys_twice, spec_count
+    from kvspec.proofs.models import counted_once, keys_twice, spec_count
 
     assert all(v is None for v in counted_once(spec_count).values())
     assert all(v is not None for v in counted_once(keys_twice).values())

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz import kinds
-from fuzz.campaign import Campaign
+from kvspec.fuzz import kinds
+from kvspec.fuzz.campaign import Campaign
 
 EXAMPLES = 25
 CASES = [(k.kind, mode, inplace, seed) for k in kinds.KINDS.values() if k.must_reach
@@ -47,8 +47,8 @@ FAST = ("old_regrow_guard", "inplace_after_trim")
 
 @pytest.mark.parametrize("name", FAST)
 def test_rare_edge_bugs_are_caught_within_40_examples(name: str, tmp_path) -> None:
-    from fuzz.bugs import by_name
-    from fuzz.campaign import catch_bug
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.campaign import catch_bug
 
     bug = by_name(name)
     examples = []
@@ -64,7 +64,7 @@ def test_a_campaign_goes_on_past_its_budget_until_its_edges_are_reached() -> Non
     the budget (the H200 ran 20 in 8 s and missed undo=4) keeps searching
     up to ``reach_budget`` while an edge is missing, instead of failing
     with NOT REACHED; without ``reach`` the budget alone decides."""
-    from fuzz.campaign import campaign
+    from kvspec.fuzz.campaign import campaign
 
     entry = kinds.get("rotating", "fp16")
     short = campaign("rotating", "fp16", True, 0.0, 20261129)
@@ -78,7 +78,7 @@ def test_verify_campaigns_go_on_until_their_edges_are_reached(monkeypatch) -> No
     """The wiring in ``kvspec verify``: with a budget too short to reach the
     ring's edges, the check still passes (it searched on, up to
     REACH_FACTOR budgets); with no room to go on it fails NOT REACHED."""
-    from fuzz.commands import verify
+    from kvspec.fuzz.commands import verify
 
     monkeypatch.setattr(verify, "REACH_FACTOR", 10**6)
     [check] = verify.check_campaigns(1e-4, ("rotating", "fp16", True))

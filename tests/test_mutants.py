@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import pytest
 
-from fuzz.campaign import Catch
-from fuzz.commands import mutants
-from fuzz.workers import TaskResult
+from kvspec.fuzz.campaign import Catch
+from kvspec.fuzz.commands import mutants
+from kvspec.fuzz.workers import TaskResult
 
 #: rows of four kinds, one a variant (pinned cache fields, isolation only)
 NAMES = ["inplace_after_trim", "paged_no_cow", "list_trim_partial", "ring_values_key_head_dim"]
@@ -50,7 +50,7 @@ def test_the_pool_gives_the_report_and_traces_of_one_process(tmp_path):
 
 
 class FakePool:
-    """Stands in for fuzz.workers.WarmPool: runs each task in this process
+    """Stands in for kvspec.fuzz.workers.WarmPool: runs each task in this process
     and yields the results last task first (the worst order for a report
     that must come out in catalog order); ``broken`` maps a task index to
     the status it ends with instead."""
@@ -86,15 +86,15 @@ class FakePool:
                 # result carries its value (a catch that must not count)
                 yield TaskResult(i, catch if status == "leaked" else None,
                                  f"task {tasks[i].label!r} ran past its wall-clock limit" if status == "stopped"
-                                 else None, leaked="fuzz.campaign.X" if status == "leaked" else None, status=status)
+                                 else None, leaked="kvspec.fuzz.campaign.X" if status == "leaked" else None, status=status)
                 continue
             yield TaskResult(i, catch, cpu=0.25)
 
 
 def test_rows_come_out_in_catalog_order_whatever_order_the_seeds_finish(monkeypatch):
-    import fuzz.workers
+    import kvspec.fuzz.workers
 
-    monkeypatch.setattr(fuzz.workers, "WarmPool", FakePool)
+    monkeypatch.setattr(kvspec.fuzz.workers, "WarmPool", FakePool)
     FakePool.broken, FakePool.sizes = {}, []
     seen: list[str] = []
     cpu: dict[str, float] = {}
@@ -109,16 +109,16 @@ def test_rows_come_out_in_catalog_order_whatever_order_the_seeds_finish(monkeypa
 
 @pytest.mark.parametrize("status", ["stopped", "died", "error", "leaked"])
 def test_a_seed_the_pool_could_not_finish_is_a_tool_failure_of_its_row(monkeypatch, status):
-    import fuzz.workers
+    import kvspec.fuzz.workers
 
-    monkeypatch.setattr(fuzz.workers, "WarmPool", FakePool)
+    monkeypatch.setattr(kvspec.fuzz.workers, "WarmPool", FakePool)
     FakePool.broken = {4: status}  # the second row's second seed
     reports = mutants.run_mutants(3, names=NAMES, jobs=2)
     assert [r.caught for r in reports] == [True, False, True, True, True]
     [failure] = reports[1].tool_failures
     assert failure.startswith("seed 2: the run could not finish: ")
     if status == "leaked":  # the seed's catch came back with it, and is no catch
-        assert "left its worker changed (fuzz.campaign.X)" in failure
+        assert "left its worker changed (kvspec.fuzz.campaign.X)" in failure
         assert not reports[1].caught and len(reports[1].examples) == 2
     assert reports[1].examples == [1 + len(reports[1].bug.name), 3 + len(reports[1].bug.name)]
 
@@ -126,7 +126,7 @@ def test_a_seed_the_pool_could_not_finish_is_a_tool_failure_of_its_row(monkeypat
 def test_kvspec_mutants_jobs_option(monkeypatch, capsys, tmp_path):
     """``-j N`` reaches the run (default: every core); ``--json`` is the same
     document either way."""
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     got: list[int] = []
 
@@ -150,10 +150,10 @@ def test_kvspec_mutants_jobs_option(monkeypatch, capsys, tmp_path):
 def test_the_catch_times_in_the_docs_come_from_the_record():
     """docs/fuzzing.md's per-kind table of seconds and examples to catch is
     the one the committed record of ``kvspec mutants --seeds 5 --json``
-    gives (fuzz.docgen.catch_summary), the record has every row of the kill
+    gives (kvspec.fuzz.docgen.catch_summary), the record has every row of the kill
     matrix, every row caught in every seed, and no row's median above 10 s;
     the generated per-row table names every row."""
-    from fuzz import docgen
+    from kvspec.fuzz import docgen
 
     record = docgen.mutants_record()
     assert record["report"]["ok"] and record["report"]["seeds"] == 5
@@ -161,7 +161,7 @@ def test_the_catch_times_in_the_docs_come_from_the_record():
     names = [f"{e.bug.name} [{e.variant}]" if e.variant else e.bug.name for e in mutants.entries()]
     assert sorted(r["name"] for r in rows) == sorted(names), (
         "the record's rows are not the kill matrix's: rerun kvspec mutants --seeds 5 --json and "
-        "python -m fuzz.docgen mutants (docs/fuzzing.md, 'Where the time goes')")
+        "python -m kvspec.fuzz.docgen mutants (docs/fuzzing.md, 'Where the time goes')")
     assert all(r["caught"] for r in rows)
     slow = [(r["name"], r["median_seconds"]) for r in rows if r["median_seconds"] > 10]
     assert not slow, slow
@@ -175,9 +175,9 @@ def test_the_catch_times_in_the_docs_come_from_the_record():
 def test_an_interrupted_pool_run_keeps_the_rows_finished_in_order(monkeypatch):
     """Ctrl-C during a pool run: the rows whose seeds all finished, in
     catalog order, are what ``kvspec mutants`` prints (exit 130)."""
-    import fuzz.workers
+    import kvspec.fuzz.workers
 
-    monkeypatch.setattr(fuzz.workers, "WarmPool", FakePool)
+    monkeypatch.setattr(kvspec.fuzz.workers, "WarmPool", FakePool)
     monkeypatch.setattr(FakePool, "stop_after", 7)  # two rows of three seeds, and one seed of the third
     FakePool.broken = {}
     reports: list[mutants.MutantReport] = []

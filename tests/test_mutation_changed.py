@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from fuzz.commands import mutation_changed as mc
+from kvspec.fuzz.commands import mutation_changed as mc
 from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def sample_blocks_needed(length: int, block_size: int) -> int:
     return -(-length // block_size)
 '''
 STRONG_TEST = '''
-from spec.paged import sample_blocks_needed
+from kvspec.spec.paged import sample_blocks_needed
 
 
 def test_sample_blocks_needed_every_small_case():
@@ -86,7 +86,7 @@ def test_all_killed_reports_none(clone: Path) -> None:
 
 SLOW_WEAK_TEST = '''
 import time
-from spec.paged import sample_clamp_offset
+from kvspec.spec.paged import sample_clamp_offset
 
 def test_sample_clamp_offset_slowly():  # planted weak test that takes 2 s of wall time
     time.sleep(2.0)

@@ -4,8 +4,8 @@ real Z3 check and a real section of docs/mutation.md."""
 import re
 from pathlib import Path
 
-from fuzz.commands.mutation_report import DOC, TRIAGE, render, verdict_for
-from proofs.equivalents import EQUIVALENCES
+from kvspec.fuzz.commands.mutation_report import DOC, TRIAGE, render, verdict_for
+from kvspec.proofs.equivalents import EQUIVALENCES
 
 SAMPLE = """
     spec.dense.x_append__mutmut_1: killed
@@ -68,7 +68,7 @@ def test_every_mutated_module_has_a_test_in_mutmuts_selection():
             elif isinstance(node, ast.Import):
                 imported.update(a.name for a in node.names)
     skipped = set(cfg.get("do_not_mutate", []))
-    modules = [f"{pkg}.{p.stem}" for pkg in cfg["source_paths"] for p in sorted((repo / pkg).glob("*.py"))
+    modules = [f"kvspec.{pkg}.{p.stem}" for pkg in cfg["source_paths"] for p in sorted((repo / pkg).glob("*.py"))
                if p.stem not in ("__init__", "errors") and f"{pkg}/{p.name}" not in skipped]
     missing = [m for m in modules if m not in imported]
     assert not missing, f"no test file in mutmut's selection imports {missing}"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.commands import mutation_run as R
+from kvspec.fuzz.commands import mutation_run as R
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the runner of this checkout: run in the toy's folder, ``-m fuzz...`` would
@@ -167,7 +167,7 @@ def _statuses(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
     root = _toy(tmp_path_factory.mktemp("toy"))
-    p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "2",
+    p = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.mutation_run", "--max-children", "2",
                         "--time-slack", "0.5"], cwd=root, capture_output=True, text=True, timeout=600, check=False,
                        env=ENV)
     return root, p
@@ -230,7 +230,7 @@ def test_no_generate_and_only_run_the_named_mutants_of_the_folder_as_it_is(toy_r
         if ".x_sign_" in k or ".x_unchecked_" in k:
             meta["exit_code_by_key"][k] = None
     meta_path.write_text(json.dumps(meta))
-    p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--no-generate", "--max-children", "1",
+    p = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.mutation_run", "--no-generate", "--max-children", "1",
                         "--only", "spec.toy.x_sign_", "spec.toy.x_unchecked_"], cwd=copy, capture_output=True,
                        text=True, timeout=300, check=False, env=ENV)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -258,7 +258,7 @@ def test_mutant_lines_of_a_statement_spanning_lines(tmp_path):
 
 
 def test_bad_max_children_is_refused_with_exit_2(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "0"],
+    p = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.mutation_run", "--max-children", "0"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=ENV)
     assert p.returncode == 2 and "--max-children" in p.stderr and "Traceback" not in p.stderr
 
@@ -288,7 +288,7 @@ def test_the_run_record_gives_each_mutant_its_status_cost_and_tests(toy_run):
 def _argued(name: str, change: str):
     """A toy triage: every mutant of ``unchecked`` and of ``label``'s rare
     branch (its test never asks for 7 or 8) is 'equivalent'."""
-    from fuzz.commands.mutation_verdict import Verdict
+    from kvspec.fuzz.commands.mutation_verdict import Verdict
 
     if ".x_unchecked_" in name or change in ('return "XXsevenXX"', 'return "SEVEN"', "if x == 8:"):
         return Verdict(name.rsplit("__mutmut_", 1)[0], change, "toy")
@@ -324,7 +324,7 @@ def test_a_triaged_equivalent_of_an_unchanged_file_is_not_run_again(toy_run, tmp
     driver = textwrap.dedent("""
         import json, sys
         from pathlib import Path
-        from fuzz.commands import mutation_run as R
+        from kvspec.fuzz.commands import mutation_run as R
         skip = json.loads(sys.argv[1])
         rep = R.run(Path.cwd(), 1, only=set(skip), skip=skip)
         print(json.dumps({"skipped": rep.skipped, "statuses": rep.statuses, "runs": rep.runs}))

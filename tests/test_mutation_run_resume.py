@@ -1,4 +1,4 @@
-"""``python -m fuzz.commands.mutation_run --resume``: a stopped run goes on
+"""``python -m kvspec.fuzz.commands.mutation_run --resume``: a stopped run goes on
 where it was. The toy project of tests/test_mutation_run.py is run once; one
 mutant's status is then cleared, as a run stopped before it would leave it,
 and the resumed run checks that mutant alone and gives it its status again."""
@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fuzz.commands.mutation_report import _diff, change_of
+from kvspec.fuzz.commands.mutation_report import _diff, change_of
 from tests.test_mutation_run import ENV, _toy
 
 
 def _run(root, *args):
-    return subprocess.run([sys.executable, "-m", "fuzz.commands.mutation_run", "--max-children", "1",
+    return subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.mutation_run", "--max-children", "1",
                            "--time-slack", "0.5", *args], cwd=root, capture_output=True, text=True,
                           timeout=600, check=False, env=ENV)
 

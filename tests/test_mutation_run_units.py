@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 from mutmut.stats import status_by_exit_code
 
-from fuzz.commands import mutation_run as R
+from kvspec.fuzz.commands import mutation_run as R
 
 # --------------------------------------------------------------------------- a mutants/ folder by hand
 
@@ -711,11 +711,11 @@ def test_the_fast_trampoline_dispatches_as_mutmuts_does(monkeypatch):
 
 
 def test_the_harness_caches_of_spec_results_are_cleared_before_each_test():
-    """``fuzz.masks`` keeps ``spec.dense.dense_make_mask``'s masks in an
+    """``kvspec.fuzz.masks`` keeps ``kvspec.spec.dense.dense_make_mask``'s masks in an
     lru_cache: a worker clears it before each test (it is under
     RESET_PACKAGES), or a mask worked out in the clean pass would hide a
     mutant of the spec's mask function."""
-    import fuzz.masks as fm
+    import kvspec.fuzz.masks as fm
 
     fm._dense_mask(3, 1, None)
     assert fm._dense_mask.cache_info().currsize >= 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fuzz.commands.cli import _console, _Ticker, main
+from kvspec.fuzz.commands.cli import _console, _Ticker, main
 from tests.target_examples import write_package
 
 TRACES = Path(__file__).parent / "traces"
@@ -139,7 +139,7 @@ def test_the_command_console_reads_no_emoji_codes():
 
 
 def test_the_conformance_tables_print_class_target_and_finding_literally():
-    from fuzz.commands.conformance import ClassReport, Finding, print_report
+    from kvspec.fuzz.commands.conformance import ClassReport, Finding, print_report
 
     finding = Finding(":Ring:", "[bold]x[/bold]", 0, {"op": "trim", "n": 1}, "offset differs",
                       "[/] a summary", "/t/[/]x.json", [], "then [bold]x[/bold]", 1, 0)

@@ -20,8 +20,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from fuzz import program
-from fuzz.program import CHUNK, HEADER, SKIP, STOP, Reader, run_program
+from kvspec.fuzz import program
+from kvspec.fuzz.program import CHUNK, HEADER, SKIP, STOP, Reader, run_program
 
 
 def reader(*data: int) -> Reader:
@@ -164,7 +164,7 @@ def test_swarm_flags_leave_rules_out_and_zero_bytes_leave_them_in():
 def test_the_program_test_has_its_own_database_key():
     from hypothesis.stateful import get_state_machine_test
 
-    from fuzz.campaign import fuzz_settings
+    from kvspec.fuzz.campaign import fuzz_settings
 
     a = program.get_program_test(Toy, fuzz_settings(2, 3), 3)
     b = get_state_machine_test(Toy, settings=fuzz_settings(2, 3))
@@ -173,8 +173,8 @@ def test_the_program_test_has_its_own_database_key():
 
 
 def test_engine_names_are_checked():
-    from fuzz.campaign import ENGINES, check_engine
-    from fuzz.commands.cli import ENGINE_CHOICES
+    from kvspec.fuzz.campaign import ENGINES, check_engine
+    from kvspec.fuzz.commands.cli import ENGINE_CHOICES
 
     assert set(ENGINES) == set(ENGINE_CHOICES)
     with pytest.raises(ValueError, match="engine 'fast': not one of stateful, program"):
@@ -184,18 +184,18 @@ def test_engine_names_are_checked():
 def test_a_bad_engine_is_exit_2_on_the_cli():
     import os
 
-    bad = subprocess.run([sys.executable, "-m", "fuzz.commands.cli", "fuzz", "--engine", "fast", "--budget", "1"],
+    bad = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", "fuzz", "--engine", "fast", "--budget", "1"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--engine" in bad.stderr and "Traceback" not in bad.stderr
     env = {**os.environ, "KVSPEC_ENGINE": "fast"}
-    bad = subprocess.run([sys.executable, "-m", "fuzz.commands.cli", "fuzz", "--budget", "1", "--kind", "dense"],
+    bad = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", "fuzz", "--budget", "1", "--kind", "dense"],
                          check=False, capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "KVSPEC_ENGINE='fast'" in bad.stdout + bad.stderr
 
 
 def test_a_program_campaign_runs_the_harness_and_catches_a_catalog_bug(tmp_path):
-    from fuzz.bugs import by_name
-    from fuzz.campaign import catch_bug, machine_for, run_machine
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.campaign import catch_bug, machine_for, run_machine
 
     result = run_machine(machine_for("dense", "fp16", True), seed=3, max_examples=4, steps=10, engine="program")
     assert not result.failed and result.examples >= 4 and result.steps > 10
@@ -205,10 +205,10 @@ def test_a_program_campaign_runs_the_harness_and_catches_a_catalog_bug(tmp_path)
 
 
 def test_a_failing_run_is_reduced_op_by_op():
-    from fuzz.bugs import by_name
-    from fuzz.campaign import machine_for, reduce_run, run_machine
-    from fuzz.lockstep import Divergence
-    from fuzz.replay import make_lockstep
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.campaign import machine_for, reduce_run, run_machine
+    from kvspec.fuzz.lockstep import Divergence
+    from kvspec.fuzz.replay import make_lockstep
 
     bug = by_name("negative_trim_grows_offset")
     machine = machine_for(bug.kind, bug.modes[0], bug.inplace, bug.factories)
@@ -228,7 +228,7 @@ def test_a_failing_run_is_reduced_op_by_op():
     assert len(kept) < len(padded) and kept[-1]["op"] == "trim" and kept[-1]["n"] < 0
     assert reduced.what == first.value.what
     # on the real implementation the reduced run passes
-    from fuzz.replay import make_lockstep as real
+    from kvspec.fuzz.replay import make_lockstep as real
 
     clean = real({**cfg, "kind": bug.kind})
     for i, op in enumerate(kept):

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, rule
 
-from fuzz import campaign, program
-from fuzz.lockstep import Divergence
-from fuzz.program import CHUNK, Reader, run_program
+from kvspec.fuzz import campaign, program
+from kvspec.fuzz.lockstep import Divergence
+from kvspec.fuzz.program import CHUNK, Reader, run_program
 from tests.test_program_engine import Toy, program_of, rule_byte
 
 
@@ -166,7 +166,7 @@ def test_a_bad_kvspec_engine_is_exit_2_for_verify_and_mutants(command):
 
     env = {**os.environ, "KVSPEC_ENGINE": "fast"}
     try:
-        bad = subprocess.run([sys.executable, "-m", "fuzz.commands.cli", command], check=False, capture_output=True,
+        bad = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", command], check=False, capture_output=True,
                              text=True, timeout=20, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"kvspec {command} ran with KVSPEC_ENGINE='fast'")

@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("mlx_lm")
 
-from impl.dense import KVCache
-from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache
-from impl.paged import PagedKVCache
-from impl.quant import dequantize_int8, quantize_int8
-from impl.rotating import RotatingKVCache
-from impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
-from spec.errors import InvalidArgumentError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache
+from kvspec.impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from kvspec.impl.paged import PagedKVCache
+from kvspec.impl.quant import dequantize_int8, quantize_int8
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import DelegatedKVCache, TurboKVCache, make_cache
+from kvspec.spec.errors import InvalidArgumentError, UnsupportedOperationError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "mlx-lm.md"
 
@@ -136,7 +136,7 @@ def test_the_file_describes_every_layer_as_it_is(tmp_path):
 
 
 def test_decoding_through_generate_step_is_byte_identical_after_a_load(tmp_path):
-    from fuzz.commands.e2e import greedy, tiny_gemma3, token_ids
+    from kvspec.fuzz.commands.e2e import greedy, tiny_gemma3, token_ids
 
     model = tiny_gemma3(7, window=6)
     prompt = token_ids(7, 11)
@@ -159,7 +159,7 @@ def test_mlx_lm_loader_refuses_our_file_naming_ours(tmp_path):
 
     path = tmp_path / "ours.safetensors"
     save_prompt_cache(path, mixed()[:3])
-    with pytest.raises(KeyError, match=re.escape("load it with impl.models.load_prompt_cache")):
+    with pytest.raises(KeyError, match=re.escape("load it with kvspec.impl.models.load_prompt_cache")):
         lm_load(str(path))
 
 
@@ -168,7 +168,7 @@ def test_mlx_lm_save_of_our_caches_is_refused_up_front(tmp_path):
     it is refused before anything is written, naming our writer."""
     from mlx_lm.models.cache import save_prompt_cache as lm_save
 
-    from impl.paged import BlockPool
+    from kvspec.impl.paged import BlockPool
 
     pool = BlockPool(2, chunk=2)
     seq = PagedKVCache(pool)
@@ -176,7 +176,7 @@ def test_mlx_lm_save_of_our_caches_is_refused_up_front(tmp_path):
     for i, c in enumerate([*mixed(), seq]):
         path = tmp_path / f"theirs{i}.safetensors"
         with pytest.raises(UnsupportedOperationError,
-                           match=f"cannot write a kvspec {type(c).__name__}.*impl.models.save_prompt_cache"):
+                           match=f"cannot write a kvspec {type(c).__name__}.*kvspec.impl.models.save_prompt_cache"):
             lm_save(str(path), [c])
         assert not path.exists()
     assert len(mixed()[0].state) == 2  # any other reader of `state` is unaffected
@@ -210,7 +210,7 @@ def test_mlx_lm_files_of_its_own_caches_load_into_ours(tmp_path, model_name, n):
     from mlx_lm.models.cache import load_prompt_cache as lm_load
     from mlx_lm.models.cache import save_prompt_cache as lm_save
 
-    from fuzz.commands.e2e import tiny_gemma3, tiny_llama, token_ids
+    from kvspec.fuzz.commands.e2e import tiny_gemma3, tiny_llama, token_ids
 
     model = tiny_gemma3(4, window=6) if model_name == "gemma3" else tiny_llama(4)
     prompt = token_ids(4, 3 if n == 2 else 8)
@@ -220,7 +220,7 @@ def test_mlx_lm_files_of_its_own_caches_load_into_ours(tmp_path, model_name, n):
     assert meta == {"who": "mlx-lm"}
     want = {"llama": ["KVCache"] * 2, "gemma3": ["RotatingKVCache", "RotatingKVCache", "KVCache"],
             "llama_rings": ["RotatingKVCache"] * 2}[model_name]
-    assert [type(c).__name__ for c in ours] == want and all(c.__module__.startswith("impl.") for c in ours)
+    assert [type(c).__name__ for c in ours] == want and all(c.__module__.startswith("kvspec.impl.") for c in ours)
     for c, theirs in zip(ours, lm_load(str(path))):
         assert (c.offset, getattr(c, "max_size", None), getattr(c, "keep", None)) == (
             theirs.offset, getattr(theirs, "max_size", None), getattr(theirs, "keep", None)), c
@@ -599,7 +599,7 @@ def test_kv_bits_through_generate_step():
     from mlx_lm.models.cache import QuantizedKVCache
     from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
 
-    from fuzz.commands.e2e import tiny_llama, token_ids
+    from kvspec.fuzz.commands.e2e import tiny_llama, token_ids
 
     model = tiny_llama(3)
     caches = make_prompt_cache(model, step=4)
@@ -644,9 +644,9 @@ def test_every_public_member_of_mlx_lm_caches_is_provided_or_declared(name):
 def test_metadata_keys_come_back_verbatim(tmp_path):
     """User metadata keys at the edges of the file's ``"0."`` namespace
     (a leading "0", ".", "0.", empty, non-ASCII) load back as they were
-    saved (spec.models.loaded_metadata; issue 47 (d): a loader that strips
+    saved (kvspec.spec.models.loaded_metadata; issue 47 (d): a loader that strips
     the prefix with ``lstrip("0.")`` turns "0shot" into "shot")."""
-    from spec.models import loaded_metadata
+    from kvspec.spec.models import loaded_metadata
 
     meta = {"0shot": "a", ".hidden": "b", "0.": "c", "": "d", "00": "e", "0.5": "f", "température": "g", "模型": "h",
             "name": ""}

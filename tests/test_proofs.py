@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from proofs import cli, dense
-from proofs.core import ObligationResult
-from proofs.dense_model import Rules
-from proofs.paged import available as paged_available
-from proofs.rotating import available as rotating_available
+from kvspec.proofs import cli, dense
+from kvspec.proofs.core import ObligationResult
+from kvspec.proofs.dense_model import Rules
+from kvspec.proofs.paged import available as paged_available
+from kvspec.proofs.rotating import available as rotating_available
 
 # kvtraces of negative controls -> the injected bug (fuzz/bugs/dense.py) that has
 # the same broken rule in the implementation
@@ -94,7 +94,7 @@ def _traces(results: list[ObligationResult]) -> list[tuple[str, dict[str, Any]]]
 
 
 def test_counterexample_traces_are_valid_kvtraces(results: list[ObligationResult]) -> None:
-    from fuzz.trace import validate
+    from kvspec.fuzz.trace import validate
 
     traces = _traces(results)
     assert len(traces) >= 9
@@ -104,8 +104,8 @@ def test_counterexample_traces_are_valid_kvtraces(results: list[ObligationResult
 
 
 def test_counterexample_traces_pass_on_the_implementation(results: list[ObligationResult]) -> None:
-    from fuzz.replay import replay
-    from fuzz.trace import parse
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import parse
 
     ran = 0
     for name, doc in _traces(results):
@@ -118,9 +118,9 @@ def test_counterexample_traces_pass_on_the_implementation(results: list[Obligati
 
 
 def test_counterexample_traces_catch_the_same_injected_bug(results: list[ObligationResult]) -> None:
-    from fuzz.bugs import by_name
-    from fuzz.replay import replay
-    from fuzz.trace import parse
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import parse
 
     found = dict(_traces(results))
     for control, bug_name in {**SAME_BUG, **(RING_SAME_BUG if ROTATING else {}),
@@ -170,7 +170,7 @@ def test_cli_fails_when_a_negative_control_survives(monkeypatch: pytest.MonkeyPa
 
 
 def test_crosshair_runner_reports_a_counterexample(tmp_path: Path) -> None:
-    from proofs import crosshair_run
+    from kvspec.proofs import crosshair_run
 
     bad = tmp_path / "bad_contract.py"
     bad.write_text(textwrap.dedent('''
@@ -187,7 +187,7 @@ def test_crosshair_runner_reports_a_counterexample(tmp_path: Path) -> None:
 
 
 def test_crosshair_explained_conditions_warn_and_unexplained_ones_fail() -> None:
-    from proofs.crosshair_run import (
+    from kvspec.proofs.crosshair_run import (
         EXPLAINED,
         Condition,
         CrosshairResult,
@@ -212,7 +212,7 @@ def test_crosshair_explained_conditions_warn_and_unexplained_ones_fail() -> None
 
 
 def test_crosshair_diffbehavior_and_its_control() -> None:
-    from proofs import crosshair_run
+    from kvspec.proofs import crosshair_run
 
     assert crosshair_run.diffbehavior(*crosshair_run.DIFF_TARGET, 5)["status"] == "same"
     assert crosshair_run.diffbehavior(*crosshair_run.DIFF_CONTROL, 5)["status"] == "differ"
@@ -225,20 +225,20 @@ def test_proofs_import_only_spec() -> None:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith(("impl", "fuzz")), (path.name, node.module)
+                assert not node.module.startswith(("kvspec.impl", "kvspec.fuzz", "impl", "fuzz")), (path.name, node.module)
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    assert not alias.name.startswith(("impl", "fuzz")), (path.name, alias.name)
+                    assert not alias.name.startswith(("kvspec.impl", "kvspec.fuzz", "impl", "fuzz")), (path.name, alias.name)
 
 
 def test_the_docs_obligations_record_is_current(results: list[ObligationResult]) -> None:
     """docs/proofs.md's tables are drawn from docs/generated/obligations.json:
     it must name every obligation and control this run has, with its status."""
-    from fuzz.docgen import OBLIGATIONS_PATH, obligations_from
+    from kvspec.fuzz.docgen import OBLIGATIONS_PATH, obligations_from
 
     recorded = json.loads(OBLIGATIONS_PATH.read_text())
     assert recorded == obligations_from(results), (
-        "docs/generated/obligations.json is stale: python -m fuzz.docgen obligations")
+        "docs/generated/obligations.json is stale: python -m kvspec.fuzz.docgen obligations")
 
 
 def test_titles_name_every_obligation_as_its_result_does(results: list[ObligationResult]) -> None:
@@ -247,7 +247,7 @@ def test_titles_name_every_obligation_as_its_result_does(results: list[Obligatio
 
 
 def test_crosshair_on_some_files_without_the_diff() -> None:
-    from proofs import crosshair_run
+    from kvspec.proofs import crosshair_run
 
     res = crosshair_run.run(files=["spec/paged.py"], diff=False, workers=1)
     assert res.ok and res.files == ["spec/paged.py"] and not res.with_diff and "diffbehavior" not in res.summary()
@@ -260,7 +260,7 @@ def test_crosshair_on_some_files_without_the_diff() -> None:
 def test_crosshair_runs_through_this_interpreter_keeping_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
     # On the GPU machine CrossHair is a wheel on PYTHONPATH: no ``crosshair``
     # script on PATH, and a PYTHONPATH replaced by the checkout alone hides it.
-    from proofs import crosshair_run
+    from kvspec.proofs import crosshair_run
 
     seen = {}
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from proofs import cli, domain
-from proofs.core import run_parts
-from proofs.rotating import available as rotating_available
+from kvspec.proofs import cli, domain
+from kvspec.proofs.core import run_parts
+from kvspec.proofs.rotating import available as rotating_available
 
 pytestmark = pytest.mark.skipif(not rotating_available(), reason="needs spec/rotating.py")
 
@@ -38,7 +38,7 @@ def _busy(until: float) -> None:
 def _undo_parts() -> list[tuple[str, str, str, int]]:
     """Obligation 8's heaviest part, the one that came out unknown under
     load (both domains): (part, domain, status, units)."""
-    from proofs.rotating_undo import undo_parts
+    from kvspec.proofs.rotating_undo import undo_parts
 
     domain.reset_names()
     name = "rollback(n <= min(U, offset)) restores every valid non-sink slot"
@@ -66,7 +66,7 @@ def test_same_verdicts_and_units_under_a_cpu_hog() -> None:
 
 
 def _exact_part() -> Any:
-    from proofs.rotating_undo import undo_parts
+    from kvspec.proofs.rotating_undo import undo_parts
 
     return dict(undo_parts())["rollback(n <= min(U, offset)) restores every valid non-sink slot"]
 
@@ -123,7 +123,7 @@ def test_only_takes_numbers_and_names_and_refuses_the_rest(capsys: pytest.Captur
 def test_every_solver_is_clock_free() -> None:
     """No proof builds Z3's default solver (its QF_NIA strategy gives steps
     2 s and 3 s of wall-clock time) or sets a wall-clock timeout: every
-    solver comes from ``proofs.domain.solver``."""
+    solver comes from ``kvspec.proofs.domain.solver``."""
     import re
     from pathlib import Path
 

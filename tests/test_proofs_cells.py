@@ -1,6 +1,6 @@
 """Obligations 17 to 21 (the cells kind, proofs/cells.py): proved in both
 domains, every negative control refuted, registered with ``kvspec prove``,
-and the Z3 encodings' rules checked against spec.cells on small cases."""
+and the Z3 encodings' rules checked against kvspec.spec.cells on small cases."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import itertools
 import pytest
 import z3
 
-from proofs import cells as pc
-from proofs import cli
-from proofs.cells_model import N, lpmax, out_of_window_encoded, store_vars
-from proofs.domain import Domain, reset_names
-from spec import cells as sc
+from kvspec.proofs import cells as pc
+from kvspec.proofs import cli
+from kvspec.proofs.cells_model import N, lpmax, out_of_window_encoded, store_vars
+from kvspec.proofs.domain import Domain, reset_names
+from kvspec.spec import cells as sc
 
 CASES = [(17, pc.prove_freed, pc.FREED_CONTROLS), (18, pc.prove_unique, pc.UNIQUE_CONTROLS),
          (19, pc.prove_atomic, pc.ATOMIC_CONTROLS), (20, pc.prove_compose, pc.COMPOSE_CONTROLS),
@@ -54,7 +54,7 @@ def test_drop_rule_encoding_is_the_spec_rule():
 
 
 def test_lpmax_encoding_is_the_spec_logical_pos_max():
-    """The model's pos_max over present and lost cells = spec.cells.logical_pos_max, on every small store."""
+    """The model's pos_max over present and lost cells = kvspec.spec.cells.logical_pos_max, on every small store."""
     d = Domain()
     st = store_vars(d)
     top = [lpmax(st, z3.IntVal(s)) for s in range(2)]
@@ -79,7 +79,7 @@ def test_lpmax_encoding_is_the_spec_logical_pos_max():
 def test_the_restore_reuse_part_is_refuted_by_the_off_by_one_drop_rule():
     """Obligation 21's restore part (a restore reuses a droppable window cell,
     as find_slot does) is not vacuous: with the drop rule off by one it fails."""
-    from proofs.core import run_parts
+    from kvspec.proofs.core import run_parts
 
     reset_names()
     rules = {n: r for n, _, r in pc.WINDOW_CONTROLS}["drop_rule_off_by_one"]

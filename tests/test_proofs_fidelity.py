@@ -2,7 +2,7 @@
 
 Each test builds the encoding once over Z3 variables, then for concrete
 inputs drawn by Hypothesis (reachable spec states, made by random op
-sequences on ``spec.dense``) substitutes the values, simplifies, and compares
+sequences on ``kvspec.spec.dense``) substitutes the values, simplifies, and compares
 with the spec's Python function. A proof about an encoding is only worth as
 much as this agreement. The bv32 domain is checked too, on values where no
 stored result overflows (there it must agree exactly; wrapping is what the
@@ -19,12 +19,12 @@ import z3
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from proofs import dense as pd
-from proofs import dense_model as dm
-from proofs import traces
-from proofs.domain import BV32, INT, Domain, evaluate
-from spec import dense as sd
-from spec.errors import KVCacheError
+from kvspec.proofs import dense as pd
+from kvspec.proofs import dense_model as dm
+from kvspec.proofs import traces
+from kvspec.proofs.domain import BV32, INT, Domain, evaluate
+from kvspec.spec import dense as sd
+from kvspec.spec.errors import KVCacheError
 
 # ---------------------------------------------------------------------------
 # Reachable spec states
@@ -221,7 +221,7 @@ def test_inplace_write_allowed(world: sd.DenseWorld, n: int) -> None:
 
 @given(world=worlds(), n=st.integers(0, 3))
 def test_buggy_inplace_rules_match_their_python(world: sd.DenseWorld, n: int) -> None:
-    from proofs import dense_controls as buggy
+    from kvspec.proofs import dense_controls as buggy
 
     for rule, fn in (("no_length_check", buggy.inplace_no_length_check),
                      ("no_identity_check", buggy.inplace_no_identity_check)):
@@ -306,7 +306,7 @@ def test_trim_front_keep_sink_small_box() -> None:
 @given(world=worlds(), n=st.integers(-2, 8), keep=st.integers(-2, 6),
        rule=st.sampled_from(["decreases_offset", "keep_unclamped"]))
 def test_buggy_front_trims_match_their_python(world: sd.DenseWorld, n: int, keep: int, rule: str) -> None:
-    from proofs import dense_controls as buggy
+    from kvspec.proofs import dense_controls as buggy
 
     e = Enc(INT, window=True)
     _, c1 = dm.trim_front_keep_sink(e.d, e.c, e.x, e.y, dm.Rules(front=rule))
@@ -318,7 +318,7 @@ def test_buggy_front_trims_match_their_python(world: sd.DenseWorld, n: int, keep
 
 @given(world=worlds(), n=st.integers(-2, 8), rule=st.sampled_from(["forgets_offset", "keeps_rows"]))
 def test_buggy_trims_match_their_python(world: sd.DenseWorld, n: int, rule: str) -> None:
-    from proofs import dense_controls as buggy
+    from kvspec.proofs import dense_controls as buggy
 
     e = Enc(INT, window=True)
     _, c1 = dm.trim(e.d, e.c, e.x, dm.Rules(trim=rule))
@@ -383,7 +383,7 @@ def test_holder_of_adopt_detach_is_empty(world: sd.DenseWorld) -> None:
 
 @given(world=worlds())
 def test_buggy_adopts_match_their_python(world: sd.DenseWorld) -> None:
-    from proofs import dense_controls as buggy
+    from kvspec.proofs import dense_controls as buggy
 
     e = Enc(INT)
     for snap in world.holders.values():

@@ -1,5 +1,5 @@
 """Encoding fidelity for obligation 6: every function of
-``proofs.paged_model`` agrees with ``spec.paged`` on concrete values
+``kvspec.proofs.paged_model`` agrees with ``kvspec.spec.paged`` on concrete values
 (substitute + simplify): the index rules on integers, and each operation's
 block view (refcount, free, holders, the actor's and another sequence's
 length, start and table index) on reachable worlds drawn by Hypothesis, for
@@ -13,10 +13,10 @@ import z3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proofs import paged_model as pm
-from proofs.domain import INT, Domain, evaluate
-from spec import paged as sp
-from spec.errors import KVCacheError
+from kvspec.proofs import paged_model as pm
+from kvspec.proofs.domain import INT, Domain, evaluate
+from kvspec.spec import paged as sp
+from kvspec.spec.errors import KVCacheError
 
 NAMES = ("main", "a", "b")
 OPS = st.one_of(

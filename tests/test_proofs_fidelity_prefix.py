@@ -1,9 +1,9 @@
 """Encoding fidelity for obligations 22 to 25: every function of
-``proofs.prefix_model`` agrees with ``spec.prefix`` on concrete values
+``kvspec.proofs.prefix_model`` agrees with ``kvspec.spec.prefix`` on concrete values
 (substitute + simplify). The integer rules on every small case; the
 invariant on every world the spec reaches (it must hold there), block sizes
 1 to 5; and each op on such worlds through the proof's own step
-(``proofs.prefix.op_steps``): its premises must hold there (the proof
+(``kvspec.proofs.prefix.op_steps``): its premises must hold there (the proof
 covers every op the spec accepts, and every refused decode, free, preempt,
 reset and free_blocks), the model's state after it (refcounts, keys, the
 cached map, rows, the free queue in order, both requests' tables, lengths
@@ -22,11 +22,11 @@ import z3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proofs import prefix as pp
-from proofs import prefix_model as pm
-from proofs.domain import INT, Domain, evaluate
-from spec import prefix as sp
-from spec.errors import KVCacheError
+from kvspec.proofs import prefix as pp
+from kvspec.proofs import prefix_model as pm
+from kvspec.proofs.domain import INT, Domain, evaluate
+from kvspec.spec import prefix as sp
+from kvspec.spec.errors import KVCacheError
 
 NAMES = ("a", "b")
 #: prompts sharing roots, so hits, duplicates and evictions happen in 3 blocks
@@ -387,7 +387,7 @@ def test_a_scripted_run_agrees_at_every_op(bs: int) -> None:
 
 @pytest.mark.parametrize("bs", [1, 2, 4, 7])
 def test_the_empty_pool_is_the_init_premise(bs: int) -> None:
-    """The init part's premises hold on spec.prefix.new_world, whatever the
+    """The init part's premises hold on kvspec.spec.prefix.new_world, whatever the
     block size (the proofs claim every B >= 1), and it is the whole
     invariant's world."""
     premises, w, _ = next(step for _, op, step in pp.op_steps() if op is None)(Domain(INT))

@@ -1,5 +1,5 @@
 """Encoding fidelity for the sliding-window proofs: every function of
-``proofs.rotating_model`` agrees with ``spec.rotating`` on concrete values
+``kvspec.proofs.rotating_model`` agrees with ``kvspec.spec.rotating`` on concrete values
 (substitute + simplify), on reachable ring states drawn by Hypothesis."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import z3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proofs import rotating as pr
-from proofs import rotating_model as rm
-from proofs import traces
-from proofs.dense_model import mode_code
-from proofs.domain import BV32, INT, Domain, evaluate
-from spec.errors import KVCacheError
+from kvspec.proofs import rotating as pr
+from kvspec.proofs import rotating_model as rm
+from kvspec.proofs import traces
+from kvspec.proofs.dense_model import mode_code
+from kvspec.proofs.domain import BV32, INT, Domain, evaluate
+from kvspec.spec.errors import KVCacheError
 
-sr = pytest.importorskip("spec.rotating")
+sr = pytest.importorskip("kvspec.spec.rotating")
 
 SHAPES = st.integers(1, 7).flatmap(lambda w: st.tuples(st.just(w), st.integers(0, w - 1)))
 

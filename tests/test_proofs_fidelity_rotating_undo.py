@@ -1,5 +1,5 @@
-"""Encoding fidelity for obligation 8 (``proofs.rotating_undo``): the closed
-forms and the rolled-back slot contents agree with ``spec.rotating`` on
+"""Encoding fidelity for obligation 8 (``kvspec.proofs.rotating_undo``): the closed
+forms and the rolled-back slot contents agree with ``kvspec.spec.rotating`` on
 concrete decode histories, for the spec's rules and for each negative
 control's rule against the spec with that bug patched in."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import z3
 
-from proofs import rotating_undo as ru
-from proofs import traces
-from proofs.domain import INT, Domain, evaluate
-from spec import rotating as sr
+from kvspec.proofs import rotating_undo as ru
+from kvspec.proofs import traces
+from kvspec.proofs.domain import INT, Domain, evaluate
+from kvspec.spec import rotating as sr
 
 NAMES = ("W", "K", "U", "offset", "n", "s", "x", "y")
 

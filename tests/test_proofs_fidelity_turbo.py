@@ -10,11 +10,11 @@ import itertools
 import pytest
 import z3
 
-from proofs import turbo as pt
-from proofs import turbo_model as tm
-from proofs.domain import DOMAINS, Domain, evaluate
-from spec import dense as sd
-from spec import turbo as st
+from kvspec.proofs import turbo as pt
+from kvspec.proofs import turbo_model as tm
+from kvspec.proofs.domain import DOMAINS, Domain, evaluate
+from kvspec.spec import dense as sd
+from kvspec.spec import turbo as st
 
 D = Domain()
 
@@ -43,7 +43,7 @@ def _delegated_state(cold: int, off: int) -> tm.DelegatedS:
 
 
 def _fold_schedule_by_encoding(cold: int, live: int, n: int, T: int, B: int) -> int:
-    """spec.turbo.fold_schedule replayed with the encoded steps: handoff
+    """kvspec.spec.turbo.fold_schedule replayed with the encoded steps: handoff
     fold, append, block folds until none moves."""
     c = _delegated_state(cold, live)
     if ev(tm.handoff_fold(D, c.cold, c.off, z3.IntVal(n))):

@@ -1,5 +1,5 @@
 """Obligation 9 (atomic list trim): proved, its negative controls refuted,
-and the Z3 encoding tied to spec.layers on every small case."""
+and the Z3 encoding tied to kvspec.spec.layers on every small case."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import itertools
 
 import z3
 
-from proofs import layers as pl
-from proofs.domain import Domain
-from proofs.layers_model import LAYERS, layer_trims, layer_vars, list_trim_count
-from spec import layers as sl
+from kvspec.proofs import layers as pl
+from kvspec.proofs.domain import Domain
+from kvspec.proofs.layers_model import LAYERS, layer_trims, layer_vars, list_trim_count
+from kvspec.spec import layers as sl
 
 
 def test_obligation_proved_and_controls_refuted():

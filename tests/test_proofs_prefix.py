@@ -4,7 +4,7 @@ with ``kvspec prove``, and no part vacuous: under each part's premises the
 op is accepted in some world, and the cases the reports turn on (a hit on a
 cached-free block, an eviction, a release of keyed and unkeyed blocks) are
 reachable. tests/test_proofs_fidelity_prefix.py ties the encodings to
-spec.prefix."""
+kvspec.spec.prefix."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import z3
 
-from proofs import cli
-from proofs import prefix as pp
-from proofs import prefix_model as pm
-from proofs.domain import INT, Domain, reset_names, solver
+from kvspec.proofs import cli
+from kvspec.proofs import prefix as pp
+from kvspec.proofs import prefix_model as pm
+from kvspec.proofs.domain import INT, Domain, reset_names, solver
 
 CASES = [(22, pp.prove_key, pp.KEY_CONTROLS), (23, pp.prove_refcount, pp.REFCOUNT_CONTROLS),
          (24, pp.prove_queue, pp.QUEUE_CONTROLS), (25, pp.prove_hit, pp.HIT_CONTROLS),
@@ -62,8 +62,8 @@ def test_each_confirming_scenario_keeps_every_invariant_on_the_spec(name, confir
     """A control's confirmation is the bug's doing: its scenario, on the
     spec as written, keeps every invariant at every op (free_blocks is
     refused there, nothing changed)."""
-    from spec import prefix as sp
-    from spec.errors import KVCacheError
+    from kvspec.spec import prefix as sp
+    from kvspec.spec.errors import KVCacheError
 
     bs, n_blocks, ops = confirm.scenario
     world = sp.new_world(bs, n_blocks)
@@ -150,7 +150,7 @@ def test_every_part_holds_a_world_of_a_big_block_size(number, label, build):
 
 
 def _step(op: str) -> tuple[list[Any], pm.World, Any, pm.World, pm.Hit]:
-    """The proof's own step for ``op`` (proofs.prefix.op_steps): its
+    """The proof's own step for ``op`` (kvspec.proofs.prefix.op_steps): its
     premises, the world after, accepted, and the world before and the hit,
     named as the step names them."""
     reset_names()
@@ -204,7 +204,7 @@ def test_window_controls_fail_where_their_fault_shows():
     """Obligation 26's controls, each part by part: the late release breaks
     the attended positions and the release bound, the short run the run
     bound only."""
-    from proofs.core import run_parts
+    from kvspec.proofs.core import run_parts
 
     late = {r.part.split(" (")[0][:30]: r.status
             for r in run_parts(pp.window_parts(pm.PrefixRules(skip="late")), ("int",))}

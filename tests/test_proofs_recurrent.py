@@ -1,7 +1,7 @@
 """Obligations 15 (the recurrent checkpoint ring) and 16 (the atomic list
 trim over dense, ring and recurrent layers): proved in both domains, every
 negative control refuted, registered with ``kvspec prove``, and the Z3
-encodings tied to spec.recurrent / spec.layers on every small case."""
+encodings tied to kvspec.spec.recurrent / kvspec.spec.layers on every small case."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import itertools
 
 import z3
 
-from proofs import cli
-from proofs import recurrent as pr
-from proofs.domain import Domain
-from proofs.recurrent_model import REFUSED, layer_trims, list_count, mixed_vars, slot
-from spec import layers as sl
-from spec import recurrent as sr
-from spec.errors import StateError
+from kvspec.proofs import cli
+from kvspec.proofs import recurrent as pr
+from kvspec.proofs.domain import Domain
+from kvspec.proofs.recurrent_model import REFUSED, layer_trims, list_count, mixed_vars, slot
+from kvspec.spec import layers as sl
+from kvspec.spec import recurrent as sr
+from kvspec.spec.errors import StateError
 
 
 def test_ring_obligation_proved_and_controls_refuted():
@@ -53,7 +53,7 @@ def _layer_cases():
     """(kind, cache) over small offsets and bounds: dense layers after a
     front trim, one-slot rings with and without an undo log, recurrent layers of each
     coverage (spec caches, so each layer's own trim is the spec's)."""
-    from spec import dense, rotating
+    from kvspec.spec import dense, rotating
 
     for offset in range(3):
         for live in range(offset + 1):

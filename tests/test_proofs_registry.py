@@ -1,8 +1,8 @@
 """Every proof of ``proofs/`` is an obligation of ``kvspec prove``: a module
 that proves something (anything but the shared machinery and the
 encodings) lists its obligations in ``OBLIGATIONS``, and each is run by
-``proofs.cli.obligations``, named in ``proofs.cli.TITLES`` and costed in
-``fuzz.commands.verify.PROOF_SECONDS`` (so ``kvspec verify`` runs it as a
+``kvspec.proofs.cli.obligations``, named in ``kvspec.proofs.cli.TITLES`` and costed in
+``kvspec.fuzz.commands.verify.PROOF_SECONDS`` (so ``kvspec verify`` runs it as a
 job). A proof kept outside the registry (issue 47: the ``nbytes`` proof was
 run only by one test) has no negative control checked by ``kvspec prove``,
 no units column and no record in docs/proofs.md."""
@@ -25,18 +25,18 @@ def proof_modules() -> list[str]:
 
 
 def test_every_proof_module_is_an_obligation_of_kvspec_prove() -> None:
-    from fuzz.commands.verify import PROOF_SECONDS
-    from proofs.cli import TITLES, obligations
+    from kvspec.fuzz.commands.verify import PROOF_SECONDS
+    from kvspec.proofs.cli import TITLES, obligations
 
     registered = {n for n, _ in obligations()}
     modules = proof_modules()
     assert "models" in modules and "dense" in modules
     for name in modules:
-        module = importlib.import_module(f"proofs.{name}")
+        module = importlib.import_module(f"kvspec.proofs.{name}")
         numbers = [n for n, _ in getattr(module, "OBLIGATIONS", [])]
         assert numbers, f"proofs/{name}.py proves something but lists no OBLIGATIONS for kvspec prove"
         for n in numbers:
             assert n in registered, f"obligation {n} of proofs/{name}.py is not run by kvspec prove (proofs/cli.py)"
-            assert n in TITLES, f"obligation {n} of proofs/{name}.py has no name in proofs.cli.TITLES"
+            assert n in TITLES, f"obligation {n} of proofs/{name}.py has no name in kvspec.proofs.cli.TITLES"
             assert n in PROOF_SECONDS, f"obligation {n} of proofs/{name}.py has no expected seconds in PROOF_SECONDS"
     assert sorted(TITLES) == sorted(registered) == sorted(PROOF_SECONDS)

@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl.dense import KVCache
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.impl.dense import KVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def rows(n, start=0, d=4, h=1):
@@ -205,13 +205,13 @@ def test_copies_are_holders_not_owners(make):
 
 
 def test_view_of_unknown_name():
-    from spec import dense as sd
+    from kvspec.spec import dense as sd
 
     assert message(sd.view_of, sd.new_world(), "nope") == (StateError, "expect: no snapshot or handle named 'nope'")
 
 
 def test_chronological_slots():
-    from impl.rotating import chronological_slots
+    from kvspec.impl.rotating import chronological_slots
 
     assert chronological_slots(5, 3, 1, True) == [0, 3, 4, 1, 2]
     assert chronological_slots(5, 3, 1, False) == [0, 1, 2]
@@ -254,7 +254,7 @@ def test_dense_from_state_refusals():
 
 
 def test_rotating_restore_and_state_refusals():
-    from impl.rotating import RingSnapshot
+    from kvspec.impl.rotating import RingSnapshot
 
     c = RotatingKVCache(4, keep=1, step=1)
     decode(c, 5)
@@ -329,8 +329,8 @@ def test_rotating_argument_messages_and_defaults():
     assert (c.step, c.keep, c.mode, c.last_write_inplace) == (256, 0, "fp16", False)
     assert message(c.update_and_fetch, rows(1), mx.zeros((1, 4))) == (
         InvalidArgumentError, "append: values must have rank 4 [B, H, S, D], got shape (1, 4)")
-    from spec import rotating as sr
-    from spec.dense import Mode
+    from kvspec.spec import rotating as sr
+    from kvspec.spec.dense import Mode
 
     assert sr.new_cache(4).step == 256 and sr.new_cache(4, mode="int8").mode is Mode.INT8
     assert message(sr.new_cache, 4, step=0) == (InvalidArgumentError, "step: must be in [1, 1048576], got 0")
@@ -341,7 +341,7 @@ def test_rotating_argument_messages_and_defaults():
 
 def test_one_slot_ring():
     """W = 1: every decode overwrites the only slot; spec and impl agree."""
-    from spec import rotating as sr
+    from kvspec.spec import rotating as sr
 
     c, s = RotatingKVCache(1, step=1), sr.new_cache(1, step=1)
     for t in range(4):
@@ -363,7 +363,7 @@ def test_handle_messages_and_spec_gather_refusals():
     assert message(c.restore, bad) == (
         InvalidArgumentError, "restore: keys and values must share a dtype, got mlx.core.float16 and mlx.core.float32")
     assert message(c.restore, None) == (InvalidArgumentError, "restore: expected a CacheSnapshot, got NoneType")
-    from spec import dense as sd
+    from kvspec.spec import dense as sd
 
     delegated = sd.append(sd.new_cache("turbo4delegated", 2), (0, 1))[1]
     assert message(sd.gather_within_tail, delegated, 1, (0,)) == (
@@ -373,8 +373,8 @@ def test_handle_messages_and_spec_gather_refusals():
 def test_spec_defaults_and_unreachable_refusals():
     """Defaults and refusals no trace can express (the schema requires n >= 1;
     no implemented mode is a Turbo mode)."""
-    from spec import dense as sd
-    from spec import rotating as sr
+    from kvspec.spec import dense as sd
+    from kvspec.spec import rotating as sr
 
     assert sd.new_cache().step == 256 and sd.new_world().cache.inplace is True and KVCache().step == 256
     assert sd.new_world().cache.step == 256 and sd.new_world().cache.mode is sd.Mode.FP16
@@ -391,7 +391,7 @@ def test_spec_defaults_and_unreachable_refusals():
 
 
 def test_spec_turbo_paths_cut_physically():
-    from spec import dense as sd
+    from kvspec.spec import dense as sd
 
     c = sd.append(sd.new_cache("turbo4", step=4), (0, 1, 2))[1]
     n, t = sd.trim(c, 2)

@@ -27,9 +27,9 @@ import mlx.core  # noqa: F401  (see the module docstring)
 import pytest
 from hypothesis import settings
 
-import fuzz.campaign
-import fuzz.replay  # (see the module docstring)
-from fuzz.commands.cli import main
+import kvspec.fuzz.campaign
+import kvspec.fuzz.replay  # (see the module docstring)
+from kvspec.fuzz.commands.cli import main
 from tests.target_examples import write_package
 
 pytest_plugins = ["pytester"]
@@ -72,27 +72,27 @@ def suite(pytester, tmp_path, monkeypatch):
 
 def _run(pytester, *args):
     """The user's suite in a child pytest process."""
-    plugin = () if _installed() else ("-p", "fuzz.pytest_plugin")
+    plugin = () if _installed() else ("-p", "kvspec.fuzz.pytest_plugin")
     return pytester.runpytest_subprocess(*plugin, "-p", "no:cacheprovider", "--hypothesis-profile=user",
                                          "--kvspec-out=traces", *args, timeout=300)
 
 
 def _run_here(pytester, *args):
     """The same run in this process (see the module's doc)."""
-    plugin = () if _installed() else ("-p", "fuzz.pytest_plugin")
+    plugin = () if _installed() else ("-p", "kvspec.fuzz.pytest_plugin")
     return pytester.runpytest_inprocess(*plugin, "-p", "no:cacheprovider", "--hypothesis-profile=user",
                                         "--kvspec-out=traces", *args)
 
 
 def test_the_entry_point_is_declared():
     text = (REPO / "pyproject.toml").read_text()
-    assert '[project.entry-points.pytest11]\nkvspec = "fuzz.pytest_plugin"' in text
+    assert '[project.entry-points.pytest11]\nkvspec = "kvspec.fuzz.pytest_plugin"' in text
 
 
 def test_one_test_file_catches_a_planted_bug_and_writes_its_trace(suite, capsys):
     pytester, db = suite
     pytester.makepyfile(test_user_cache='''
-from fuzz.pytest_plugin import kvspec_test
+from kvspec.fuzz.pytest_plugin import kvspec_test
 
 test_list_cache = kvspec_test("usercache.cache:ListCache")
 test_negative_trim = kvspec_test("usercache.cache:NegativeTrimCache")
@@ -142,7 +142,7 @@ def test_a_bad_target_is_a_usage_error(suite):
 
 # -- a short report, a budget, a seed (issue 47) ---------------------------------------------
 NEGATIVE = '''
-from fuzz.pytest_plugin import kvspec_test
+from kvspec.fuzz.pytest_plugin import kvspec_test
 
 test_negative_trim = kvspec_test("usercache.cache:NegativeTrimCache")
 '''
@@ -208,20 +208,20 @@ def test_a_bad_budget_seed_or_shrinks_is_a_usage_error(suite, option):
 def test_the_budget_is_the_number_of_examples_run(tmp_path, monkeypatch):
     """--kvspec-budget N runs N examples of a correct class (in process:
     the machine counts its runs), whatever the profile's max_examples."""
-    from fuzz.pytest_plugin import RunOptions, run_target
+    from kvspec.fuzz.pytest_plugin import RunOptions, run_target
 
     write_package(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     for mod in [m for m in sys.modules if m == "usercache" or m.startswith("usercache.")]:
         monkeypatch.delitem(sys.modules, mod)
     machines = []
-    real = fuzz.campaign.machine_for
+    real = kvspec.fuzz.campaign.machine_for
 
     def spy(*args, **kwargs):
         machines.append(real(*args, **kwargs))
         return machines[-1]
 
-    monkeypatch.setattr(fuzz.campaign, "machine_for", spy)
+    monkeypatch.setattr(kvspec.fuzz.campaign, "machine_for", spy)
     for budget in (3, 7):
         run_target("usercache.cache:ListCache", "dense", "fp16", tmp_path / "out", RunOptions(budget=budget, seed=1))
         assert machines[-1].runs == budget
@@ -233,8 +233,8 @@ def test_a_capability_gap_skips_and_a_harness_crash_is_not_a_divergence(tmp_path
     exception propagates as itself (its traceback), not as KvspecFailure."""
     import hypothesis.stateful
 
-    from fuzz.pytest_plugin import KvspecFailure, RunOptions, run_target
-    from fuzz.targets import TargetCapabilityError
+    from kvspec.fuzz.pytest_plugin import KvspecFailure, RunOptions, run_target
+    from kvspec.fuzz.targets import TargetCapabilityError
 
     def gap(*args, **kwargs):
         raise TargetCapabilityError("target x cannot run op fork")

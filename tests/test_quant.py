@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from fuzz import quant_ref
-from impl.quant import dequantize_int8, quantize_int8
+from kvspec.fuzz import quant_ref
+from kvspec.impl.quant import dequantize_int8, quantize_int8
 
 ROWS = arrays(np.float16, st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 3), st.sampled_from([8, 16])),
               elements=st.floats(-1000, 1000, width=16))
@@ -65,7 +65,7 @@ def first_difference(x: np.ndarray, got: np.ndarray, want: np.ndarray) -> str:
 
 def test_int8_every_float16_magnitude():
     """Every finite float16 value, both signs, as a row's absmax, against the
-    independent NumPy oracle (fuzz.quant_ref, written from the rule's text).
+    independent NumPy oracle (kvspec.fuzz.quant_ref, written from the rule's text).
     Below about 1.6e-5 the scale ``absmax / 127`` is subnormal and rounds
     coarsely, so ``x / scale`` reaches 190: the clip to [-128, 127] is what
     keeps such rows from wrapping around int8 (a row of +7.6e-6 would read
@@ -112,7 +112,7 @@ def test_first_difference_names_the_row():
     assert first_difference(x, want, want) == ""
 
 
-# -- the append path's finiteness check (impl.quant.int8_rows_representable) --
+# -- the append path's finiteness check (kvspec.impl.quant.int8_rows_representable) --
 # One element out of float16's range anywhere in keys or values (any batch,
 # head, row or column; any incoming float dtype) names that tensor; a check
 # of only the keys, only some rows or heads, or in the incoming dtype's own
@@ -124,7 +124,7 @@ PLACES = [(b, h, t, d) for b in range(2) for h in range(2) for t in range(3) for
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("bad", [1e5, 65520.0, float("inf"), float("-inf"), float("nan")])
 def test_rows_check_finds_one_bad_element_anywhere_and_names_its_tensor(dtype, bad):
-    from impl.quant import int8_rows_representable
+    from kvspec.impl.quant import int8_rows_representable
 
     if dtype == mx.float16 and bad == 65520.0:  # rounds to inf on the way in: the same case as inf
         bad = float("inf")
@@ -145,8 +145,8 @@ def test_rows_check_finds_one_bad_element_anywhere_and_names_its_tensor(dtype, b
 def test_int8_append_refuses_a_bad_element_in_any_row_of_a_prefill(name, row):
     """Through the cache: a 5-row prefill with one bad element in row ``row``
     of one head is refused naming the tensor, and the cache keeps its rows."""
-    from impl.dense import KVCache
-    from spec.errors import InvalidArgumentError
+    from kvspec.impl.dense import KVCache
+    from kvspec.spec.errors import InvalidArgumentError
 
     c = KVCache("int8", step=4)
     c.update_and_fetch(mx.ones((1, 2, 3, 8), dtype=mx.bfloat16), mx.ones((1, 2, 3, 8), dtype=mx.bfloat16))

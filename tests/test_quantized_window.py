@@ -1,4 +1,4 @@
-"""The quantized modes' window as a GPU computes it (impl.fused), checked on
+"""The quantized modes' window as a GPU computes it (kvspec.impl.fused), checked on
 the CPU.
 
 A quantized cache hands attention a float window, so every append
@@ -13,7 +13,7 @@ and Int8's grew 17.2 -> 33.8 ms; the floor (attention alone) grows
   (kernels in its graph, counted from ``mx.export_to_dot``): 2, 8 and 4,
   where the op-by-op chains took 12, 24 and 12;
 * the fused chains give the op-by-op bytes: Int8 on every int8 code times
-  a sweep of float16 scales (against fuzz.quant_ref, the NumPy rule), Turbo
+  a sweep of float16 scales (against kvspec.fuzz.quant_ref, the NumPy rule), Turbo
   4-bit on ordinary, tiny, huge and strided rows (against the chain that
   unpacks, gathers centroids and rotates op by op).
 """
@@ -24,12 +24,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz import quant_ref
-from impl import fused
-from impl import turbo_quant as tq
-from impl.dense import KVCache
-from impl.quant import dequantize_int8
-from impl.turbo import TurboKVCache
+from kvspec.fuzz import quant_ref
+from kvspec.impl import fused
+from kvspec.impl import turbo_quant as tq
+from kvspec.impl.dense import KVCache
+from kvspec.impl.quant import dequantize_int8
+from kvspec.impl.turbo import TurboKVCache
 from tests._standin import stand_in
 
 #: primitives that are views (no kernel, no pass over the data)
@@ -175,7 +175,7 @@ def test_a_decode_append_launches_few_kernels_on_cuda(kind, on_cuda, tmp_path):
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_int8s_compiled_decode_quantizer_keeps_its_bytes(dtype, monkeypatch):
-    from impl.quant import quantize_int8
+    from kvspec.impl.quant import quantize_int8
 
     for scale in (0.0, 1e-7, 1.0, 300.0, 6.5e4):
         x = (mx.random.normal((2, 3, 1, 16), key=mx.random.key(7)) * scale).astype(dtype)

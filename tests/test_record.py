@@ -1,4 +1,4 @@
-"""Recording real decoding (fuzz.record) and checking recordings on the spec
+"""Recording real decoding (kvspec.fuzz.record) and checking recordings on the spec
 alone (kvspec replay --spec-only): mlx-lm's own caches under a server-style
 prompt cache are refused at the op that overwrote a saved state; ours pass,
 speculative decoding included; a tampered recording is refused at the op
@@ -20,12 +20,17 @@ from mlx_lm.models.cache import KVCache as LmKVCache
 from mlx_lm.models.cache import make_prompt_cache as lm_make_prompt_cache
 from mlx_lm.models.cache import trim_prompt_cache
 
-from fuzz.commands.cli import main
-from fuzz.commands.e2e.models import LATE_LAYER_SCALE, early_exit_draft, tiny_llama, token_ids
-from fuzz.record import RecordError, record, replay_spec_only
-from fuzz.trace import parse, schema
-from impl.dense import KVCache as OurKVCache
-from impl.models import make_prompt_cache
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.commands.e2e.models import (
+    LATE_LAYER_SCALE,
+    early_exit_draft,
+    tiny_llama,
+    token_ids,
+)
+from kvspec.fuzz.record import RecordError, record, replay_spec_only
+from kvspec.fuzz.trace import parse, schema
+from kvspec.impl.dense import KVCache as OurKVCache
+from kvspec.impl.models import make_prompt_cache
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "fuzz" / "schemas"
 
@@ -322,7 +327,7 @@ def test_sliding_window_rings_recorded_as_rotating_traces():
     and sinks from the class); a request that goes on after the state was
     kept, then one from the kept state (state, then meta_state where the
     class has one), passes on both engines' rings."""
-    from fuzz.commands.e2e.models import tiny_gemma3
+    from kvspec.fuzz.commands.e2e.models import tiny_gemma3
 
     gemma = tiny_gemma3(0, 6)
     for make in (lm_make_prompt_cache, make_prompt_cache):
@@ -349,7 +354,7 @@ def test_a_ring_put_back_without_its_meta_state_stops_the_recording(tmp_path):
     """Our ring loads a state in two steps; the rows alone are an unwrapped
     ring under other counters, which no kvtrace op says: the recording stops
     there (written even though the block raised)."""
-    from fuzz.commands.e2e.models import tiny_gemma3
+    from kvspec.fuzz.commands.e2e.models import tiny_gemma3
 
     gemma = tiny_gemma3(0, 6)
     cache = make_prompt_cache(gemma)
@@ -370,7 +375,7 @@ def test_speculative_decoding_on_our_rings_records_their_undo_depth():
     """Our rings built for speculative decoding keep an undo log (depth =
     draft tokens): the recording carries it, so the spec takes back the
     rows a trim after a wrap removes, as the ring did."""
-    from fuzz.commands.e2e.models import speculative_gemma3
+    from kvspec.fuzz.commands.e2e.models import speculative_gemma3
 
     main_model, draft = speculative_gemma3(0, 6)
     cache = make_prompt_cache(main_model, num_draft_tokens=3) + make_prompt_cache(draft, num_draft_tokens=3)
@@ -396,7 +401,7 @@ def test_speculative_decoding_on_our_rings_records_their_undo_depth():
 
 
 def test_the_new_command_and_flag_are_in_help_and_on_the_cli_page():
-    from fuzz.commands.cli import build_parser
+    from kvspec.fuzz.commands.cli import build_parser
 
     repo = Path(__file__).resolve().parent.parent
     page = (repo / "docs" / "cli.md").read_text()

@@ -1,4 +1,4 @@
-"""The recorder (fuzz.record) and ``kvspec replay --spec-only`` against
+"""The recorder (kvspec.fuzz.record) and ``kvspec replay --spec-only`` against
 faults an engineer could write into them: rows with equal bytes named by
 the wrong identity, a trim that returned 0 or a refusal left out or
 recorded as done, rows handed back in another dtype taken for the rows
@@ -20,10 +20,10 @@ pytest.importorskip("mlx_lm")
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache as LmKVCache
 
-from fuzz.commands.cli import main
-from fuzz.record import record, replay_spec_only
-from fuzz.trace import parse
-from impl.dense import KVCache as OurKVCache
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.record import record, replay_spec_only
+from kvspec.fuzz.trace import parse
+from kvspec.impl.dense import KVCache as OurKVCache
 
 RECORDINGS = Path(__file__).resolve().parent / "recordings"
 

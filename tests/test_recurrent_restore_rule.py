@@ -7,10 +7,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from impl.recurrent import RecurrentCache
-from spec import layers as sl
-from spec import recurrent as src
-from spec.errors import InvalidArgumentError
+from kvspec.impl.recurrent import RecurrentCache
+from kvspec.spec import layers as sl
+from kvspec.spec import recurrent as src
+from kvspec.spec.errors import InvalidArgumentError
 
 
 def test_spec_snapshot_fits_by_size_depth_and_kernel_when_both_hold_a_window():

@@ -10,15 +10,15 @@ import json
 
 import pytest
 
-from fuzz import kinds
-from fuzz.bugs import InjectedBug, by_name, catalog
-from fuzz.campaign import machine_for, run_machine
-from fuzz.replay import replay
-from fuzz.targets import resolve
-from fuzz.trace import Trace, TraceFormatError, parse
-from impl.dense import KVCache
-from impl.models import make_prompt_cache
-from impl.rotating import RotatingKVCache
+from kvspec.fuzz import kinds
+from kvspec.fuzz.bugs import InjectedBug, by_name, catalog
+from kvspec.fuzz.campaign import machine_for, run_machine
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import Trace, TraceFormatError, parse
+from kvspec.impl.dense import KVCache
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
 
 #: a valid value for a required field that is not a count
 REQUIRED_EXAMPLES = {"layers": [{"kind": "dense"}], "build": "make_prompt_cache", "stores": ["full", "window"]}
@@ -85,8 +85,8 @@ FAKE_BUGS = (InjectedBug("fake_family_bug", "a clause", "a source", "dense", ("f
 
 def test_a_mode_family_shares_its_trace_kind(monkeypatch):
     family = kinds.Kind("family", "a mode family of the dense cache", modes=("fakemode",), trace_kind="dense",
-                        campaigns=(("fakemode", True),), lockstep="fuzz.dense:DenseLockstep",
-                        machine="fuzz.dense:DenseMachine", bugs="tests.test_registry:FAKE_BUGS")
+                        campaigns=(("fakemode", True),), lockstep="kvspec.fuzz.dense:DenseLockstep",
+                        machine="kvspec.fuzz.dense:DenseMachine", bugs="tests.test_registry:FAKE_BUGS")
     monkeypatch.setitem(kinds.KINDS, "family", family)
     assert kinds.get("dense", "fakemode") is family
     assert kinds.get("dense", "int8") is kinds.KINDS["dense"]

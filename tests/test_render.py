@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.bugs import catalog, runnable
-from fuzz.commands.cli import main
-from fuzz.render import page, rule_for, svg, timeline
-from fuzz.replay import make_lockstep
-from fuzz.trace import load
-from spec.errors import KVCacheError
+from kvspec.fuzz.bugs import catalog, runnable
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.render import page, rule_for, svg, timeline
+from kvspec.fuzz.replay import make_lockstep
+from kvspec.fuzz.trace import load
+from kvspec.spec.errors import KVCacheError
 
 HERE = Path(__file__).parent
 TRACES = sorted(p for p in (HERE / "traces").rglob("*.json") if "\"kvtrace\"" in p.read_text()[:200])
@@ -85,8 +85,8 @@ def test_the_picture_is_the_spec_state_op_by_op(path):
     exactly the spec's windows (names and token identities); an append's
     badge agrees with the trace's own ``inplace`` check and the counters
     with its ``capacity`` check, where the trace carries them."""
-    from fuzz.replay import make_lockstep
-    from spec.dense import regrow_needed
+    from kvspec.fuzz.replay import make_lockstep
+    from kvspec.spec.dense import regrow_needed
 
     trace = load(path)
     tl = picture(path)[0]
@@ -105,7 +105,7 @@ def test_the_picture_is_the_spec_state_op_by_op(path):
             assert "refused" in badges, (i, op, badges)
         c = getattr(before, "cache", None)
         if op["op"] == "append" and hasattr(c, "entries") and op.get("error") is not True:
-            # a dense buffer regrows where spec.dense.regrow_needed says so, and the badge says it
+            # a dense buffer regrows where kvspec.spec.dense.regrow_needed says so, and the badge says it
             grew = regrow_needed(c.buffer is not None, c.live_len, c.capacity, op["n"])
             assert ("grew" in badges) == grew, (i, op, badges)
 
@@ -116,7 +116,7 @@ def test_a_bug_trace_draws_its_divergence_and_rule(name):
     tl, doc, cols = picture(bug_path(name), name)
     d, rule = tl.divergence, tl.rule
     assert d is not None and rule is not None
-    from fuzz.replay import replay
+    from kvspec.fuzz.replay import replay
 
     # the same divergence replay reports, at the same op
     got = replay(trace, BUGS[name].factories).divergence
@@ -136,22 +136,22 @@ def test_a_bug_trace_draws_its_divergence_and_rule(name):
 
 
 def test_rules_name_the_ownership_rule_for_write_path_divergences():
-    from spec import dense, rotating
+    from kvspec.spec import dense, rotating
 
     ring = rotating.RotatingWorld(rotating.new_cache(2, 0, 1))
     full = rotating.RotatingWorld(rotating.RotatingCache(max_size=2, offset=2, idx=2))
     op = {"op": "append", "n": 1}
-    assert rule_for("spec.rotating", op, "in-place decision differs", ring).name == "warm-up in place"
-    assert rule_for("spec.rotating", op, "in-place decision differs", full).function == \
-        "spec.rotating.rotating_inplace_allowed"
-    assert rule_for("spec.dense", op, "view of held changed (isolation)").function == \
-        "spec.dense.inplace_write_allowed"
-    assert rule_for("spec.dense", {"op": "trim_front", "n": 1}, "offset differs").function == \
-        "spec.dense.trim_front_keep_sink"
-    assert rule_for("spec.rotating", {"op": "append", "n": 3}, "returned window differs").function == \
-        "spec.rotating.prefill"
-    assert dense and rule_for("spec.paged", {"op": "fork", "as": "b"}, "refcounts differs").function == \
-        "spec.paged.fork"
+    assert rule_for("kvspec.spec.rotating", op, "in-place decision differs", ring).name == "warm-up in place"
+    assert rule_for("kvspec.spec.rotating", op, "in-place decision differs", full).function == \
+        "kvspec.spec.rotating.rotating_inplace_allowed"
+    assert rule_for("kvspec.spec.dense", op, "view of held changed (isolation)").function == \
+        "kvspec.spec.dense.inplace_write_allowed"
+    assert rule_for("kvspec.spec.dense", {"op": "trim_front", "n": 1}, "offset differs").function == \
+        "kvspec.spec.dense.trim_front_keep_sink"
+    assert rule_for("kvspec.spec.rotating", {"op": "append", "n": 3}, "returned window differs").function == \
+        "kvspec.spec.rotating.prefill"
+    assert dense and rule_for("kvspec.spec.paged", {"op": "fork", "as": "b"}, "refcounts differs").function == \
+        "kvspec.spec.paged.fork"
 
 
 def test_cli_render_writes_svg_and_html(tmp_path, capsys):
@@ -273,7 +273,7 @@ def test_the_svg_draws_the_spec_state_op_by_op(path):
     as they lie, its whole undo log, a dense buffer's dead tail up to the
     capacity, block tables and refcounts), sinks and shared blocks styled as
     such."""
-    from fuzz.replay import make_lockstep
+    from kvspec.fuzz.replay import make_lockstep
 
     trace = load(path)
     cols = picture(path)[2]
@@ -300,9 +300,9 @@ def test_the_divergent_column_is_drawn_from_both_sides(name):
     section it cites; the divergent column is outlined, the ops after it
     greyed as not run; every cell where the implementation's window differs
     from the spec's is drawn as wrong, and only those."""
-    from fuzz.lockstep import Divergence
-    from fuzz.render import rule_for
-    from fuzz.replay import make_lockstep
+    from kvspec.fuzz.lockstep import Divergence
+    from kvspec.fuzz.render import rule_for
+    from kvspec.fuzz.replay import make_lockstep
     from tests.test_docs import _rule_resolves, _sections
 
     trace = load(bug_path(name))
@@ -456,13 +456,13 @@ def test_the_rule_box_shows_the_cited_rules_own_text(name):
 
 def test_steady_state_and_warm_up_boxes_show_their_own_rules():
     """The report: the steady-state box showed the warm-up rule's text (both
-    rules are stated by spec.rotating.rotating_inplace_allowed)."""
+    rules are stated by kvspec.spec.rotating.rotating_inplace_allowed)."""
     steady = timeline(load(HERE / "traces" / "steady_state_inplace.json"),
                       BUGS["steady_state_inplace"].factories, "steady_state_inplace").rule
     warm = timeline(load(HERE / "traces" / "warmup_inplace_ignores_marker.json"),
                     BUGS["warmup_inplace_ignores_marker"].factories, "warmup_inplace_ignores_marker").rule
     assert (steady.name, warm.name) == ("steady state copies", "warm-up in place")
-    assert steady.function == warm.function == "spec.rotating.rotating_inplace_allowed"
+    assert steady.function == warm.function == "kvspec.spec.rotating.rotating_inplace_allowed"
     assert "once the window is full" in steady.doc and "warm" not in steady.doc.lower()
     assert "not yet full" in warm.doc and steady.doc != warm.doc
 
@@ -471,15 +471,15 @@ def test_every_rule_the_renderer_can_cite_is_a_row_with_its_text():
     """rule_for over every op each kind runs or refuses, with or without an
     expected error, under each kind of check: the rule it names is a row of
     the section it cites and the text shown is that row's."""
-    from fuzz import kinds
-    from fuzz.render import SECTIONS
+    from kvspec.fuzz import kinds
+    from kvspec.fuzz.render import SECTIONS
 
     whats = ["returned window differs", "refusal differs", "offset differs", "capacity differs",
              "in-place decision differs", "view of holder:s changed (isolation)", "make_mask(1) differs",
              "refcounts differs", "trimmable differs", "log_saved_rows differs", "live window differs"]
     seen = set()
     for module in SECTIONS:
-        kind = kinds.KINDS[module.split(".")[1]]
+        kind = kinds.KINDS[module.split(".")[2]]
         for op in kind.all_ops + kind.refuses:
             for what in whats:
                 for extra in ({}, {"error": True}, {"n": 3}):

@@ -19,9 +19,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from fuzz.commands.cli import main
-from fuzz.render import CSP, page, svg, timeline, visible
-from fuzz.trace import loads
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.render import CSP, page, svg, timeline, visible
+from kvspec.fuzz.trace import loads
 from tests.docsite import browser_missing
 from tests.docsite import chromium as docsite_chromium
 

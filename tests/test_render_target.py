@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.commands.cli import main
+from kvspec.fuzz.commands.cli import main
 from tests.broken_targets.classes import DenseControl
 
 CLASSES = "tests.broken_targets.classes"
@@ -48,8 +48,8 @@ def test_render_draws_the_target_run_up_to_its_divergence(trace, tmp_path, capsy
     assert f"{CLASSES}:TrimDropsOldest did" in page  # the target's side, named
     assert f"run on target <code>{CLASSES}:TrimDropsOldest</code>" in page
     assert page.count('class="diverged"') == 1 and page.count("after the first divergence") == 3
-    from fuzz.render import timeline
-    from fuzz.trace import load
+    from kvspec.fuzz.render import timeline
+    from kvspec.fuzz.trace import load
 
     tl = timeline(load(trace), target=f"{CLASSES}:TrimDropsOldest")
     assert [f.index for f in tl.frames if f.diverged] == [2]  # the flag on the op that diverged

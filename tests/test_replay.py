@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.bugs import catalog, runnable
-from fuzz.commands.cli import main
-from fuzz.replay import replay
-from fuzz.trace import load
+from kvspec.fuzz.bugs import catalog, runnable
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.trace import load
 
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.json"))
-# GPU-only entries (fuzz.bugs.runnable) diverge only on MLX's CUDA backend: kvspec verify --device gpu
+# GPU-only entries (kvspec.fuzz.bugs.runnable) diverge only on MLX's CUDA backend: kvspec verify --device gpu
 BUGS = {b.name: b for b in catalog() if runnable(b)}
 
 
@@ -166,12 +166,12 @@ def test_a_folder_the_target_can_run_none_of_exits_2(tmp_path, capsys):
 def test_the_harness_failing_is_a_tool_failure_not_a_divergence(tmp_path, capsys, monkeypatch):
     """An exception out of the harness itself is exit 2 and says so; never
     'diverged', never a traceback."""
-    import fuzz.replay
+    import kvspec.fuzz.replay
 
     def broken(*args, **kwargs):
         raise RuntimeError("lockstep fell over")
 
-    monkeypatch.setattr(fuzz.replay, "replay", broken)
+    monkeypatch.setattr(kvspec.fuzz.replay, "replay", broken)
     d = _folder(tmp_path, "format_example.json")
     assert main(["replay", str(d)]) == 2
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ memory at once, so the gather read the old row, the new one or a torn mix
 as MLX's stream thread and the Python thread fell. Here:
 
 * the write layer's host write waits for the reads of cache memory queued
-  before it (``impl.write.queue_read``), and ``impl`` queues no read of a
+  before it (``kvspec.impl.write.queue_read``), and ``impl`` queues no read of a
   buffer any other way;
 * every catalog bug's shrunk trace (``tests/traces/<bug>.json``, also with
   the in-place decision unobserved for the bugs the kill matrix runs that
@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz.bugs import by_name, catalog, runnable
-from fuzz.replay import replay
-from fuzz.trace import load
+from kvspec.fuzz.bugs import by_name, catalog, runnable
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.trace import load
 
 TRACES = Path(__file__).parent / "traces"
 IN_PROCESS, FRESH_PROCESSES, IN_EACH_FRESH = 20, 2, 10
@@ -111,13 +111,13 @@ def test_fresh_processes_give_the_same_verdicts(replays):
 # -- the cause: a host write racing a read queued before it ----------------------------
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_an_in_place_host_write_comes_after_a_read_queued_before_it(dtype):
-    """A gather of row 2 is queued (``impl.write.queue_read``) behind slow
+    """A gather of row 2 is queued (``kvspec.impl.write.queue_read``) behind slow
     work, as a ring's undo log queues the row a decode overwrites; the
     in-place write of row 2 then must not land before the gather has read
     it. With the gather scheduled by ``mx.async_eval`` alone, or without the
     write's wait, it read the written row (ones) every time in float16 and
     float32 (bfloat16's write evaluates new views first, which waits)."""
-    from impl.write import queue_read, write_inplace
+    from kvspec.impl.write import queue_read, write_inplace
 
     dst = mx.zeros((1, 1, 4, 8), dtype=dtype)
     row = mx.ones((1, 1, 1, 8), dtype=dtype)

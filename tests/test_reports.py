@@ -38,7 +38,7 @@ def child(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """``kvspec ARGV`` as a process of its own: for a command that starts
     processes itself (``-j 2``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100", "KVSPEC_DB": "none"}
-    return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
 
@@ -72,7 +72,7 @@ def test_help_says_each_default_once_and_lists_no_bug_names(command):
 
 
 def test_mutants_list_names_every_bug():
-    from fuzz.bugs import catalog
+    from kvspec.fuzz.bugs import catalog
 
     doc = valid("mutants-list", json.loads(kvspec("mutants", "--list", "--json").stdout))
     assert [b["name"] for b in doc["bugs"]] == [b.name for b in catalog()]
@@ -103,7 +103,7 @@ def test_a_misspelled_name_gets_a_suggestion(argv, hint):
     ({"kvtrace": 1, "cache": {"kind": "dense"}, "ops": [{"op": "append", "nn": 1}]}, "is 'nn' a misspelling"),
 ])
 def test_a_misspelled_op_or_field_in_a_trace_gets_a_suggestion(doc, hint):
-    from fuzz.trace import TraceFormatError, loads
+    from kvspec.fuzz.trace import TraceFormatError, loads
 
     with pytest.raises(TraceFormatError) as exc:
         loads(json.dumps(doc))
@@ -139,7 +139,7 @@ def test_replay_of_several_files_exits_with_the_worst_and_reports_each(tmp_path)
 
 def test_replay_on_a_third_party_target_writes_sarif(tmp_path):
     trace = "tests/traces/conformance/KVCache_01.json"
-    # a process of its own: resolving mlx-lm fills fuzz.targets._DECLARED, which the warm
+    # a process of its own: resolving mlx-lm fills kvspec.fuzz.targets._DECLARED, which the warm
     # worker's isolation guard counts as a leak
     proc = child("replay", trace, "--target", "mlx-lm", "--sarif", str(tmp_path / "d.sarif"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -155,7 +155,7 @@ def test_replay_on_a_third_party_target_writes_sarif(tmp_path):
 
 
 def test_sarif_rule_ids_leave_holder_names_out():
-    from fuzz.commands.reports import sarif
+    from kvspec.fuzz.commands.reports import sarif
 
     log = sarif([{"trace": "a.json", "target": "t", "index": 3, "op": {"op": "append", "n": 1},
                   "what": "view of s1 changed (isolation)", "spec": [0], "impl": [1]},
@@ -181,8 +181,8 @@ def test_fuzz_reports_shrinking_apart_from_the_budget(tmp_path):
 
 
 def test_interleaved_campaigns_all_run_in_the_first_round():
-    from fuzz.bugs import by_name
-    from fuzz.campaign import Campaign, interleaved
+    from kvspec.fuzz.bugs import by_name
+    from kvspec.fuzz.campaign import Campaign, interleaved
 
     order: list[str] = []
     bug = by_name("turbo_sidecar_not_trimmed")
@@ -211,7 +211,7 @@ def test_fuzz_on_two_processes_runs_every_campaign(tmp_path):
 
 
 def test_fuzz_shares_repeat_campaigns_under_other_seeds():
-    from fuzz.commands.cli import _fuzz_shares
+    from kvspec.fuzz.commands.cli import _fuzz_shares
 
     runs = [("dense", "fp16", True), ("dense", "fp16", False)]
     assert _fuzz_shares(runs, 7, 1) == [[("dense", "fp16", True, 7), ("dense", "fp16", False, 7)]]
@@ -226,7 +226,7 @@ def test_the_rerun_hint_after_ctrl_c_keeps_every_option(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVSPEC_DB": "none", "PYTHONFAULTHANDLER": "1"}
     out = tmp_path / "failures"
     argv = ["fuzz", "--kind", "rotating", "--inplace", "on", "--budget", "300", "--out", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "fuzz.commands.cli", *argv], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kvspec.fuzz.commands.cli", *argv], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     line = seed_line = ""
@@ -276,7 +276,7 @@ def test_verify_list_and_glob_select_jobs():
 
 
 def test_verify_exitfirst_stops_at_the_first_failed_check(monkeypatch, capsys, tmp_path):
-    from fuzz.commands import verify
+    from kvspec.fuzz.commands import verify
 
     ran: list[str] = []
 
@@ -304,7 +304,7 @@ def test_verify_exitfirst_stops_at_the_first_failed_check(monkeypatch, capsys, t
 
 
 def test_verify_shows_a_check_with_warnings_as_warn_never_ok(monkeypatch, capsys):
-    from fuzz.commands import verify
+    from kvspec.fuzz.commands import verify
 
     def equivalents():
         return [verify.Check("equivalent mutant m", True, "proved", 0.1,
@@ -332,7 +332,7 @@ def test_mutants_json_and_junit(tmp_path):
 
 
 def test_e2e_prints_what_finished_on_ctrl_c(monkeypatch, capsys):
-    from fuzz.commands.e2e import command as e2e
+    from kvspec.fuzz.commands.e2e import command as e2e
 
     def run_all(size, factories, names, progress):
         progress(e2e.ScenarioResult("greedy", "greedy", True, 8, 5, None, 0.1, "ok"))
@@ -349,7 +349,7 @@ def test_e2e_prints_what_finished_on_ctrl_c(monkeypatch, capsys):
 
 
 def test_conformance_prints_what_finished_on_ctrl_c(monkeypatch, capsys, tmp_path):
-    from fuzz.commands import cli, conformance
+    from kvspec.fuzz.commands import cli, conformance
 
     calls = []
 
@@ -379,7 +379,7 @@ def test_tables_outside_a_terminal_cut_no_word():
     from rich.console import Console
     from rich.table import Table
 
-    from fuzz.commands.reports import print_table
+    from kvspec.fuzz.commands.reports import print_table
 
     table = Table()
     for col in ("config", "a", "b", "c", "d", "e"):

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from fuzz.commands.review import (
+from kvspec.fuzz.commands.review import (
     Divergences,
     check_of,
     compare,
@@ -63,7 +63,7 @@ def kvspec(*args: str, head: Path | None = None, cwd: Path | None = None) -> tup
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if head is not None:
         env["PYTHONPATH"] = str(head)
-    p = subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *args], check=False, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", *args], check=False, capture_output=True,
                        text=True, env=env, cwd=cwd or REPO, timeout=600)
     return p.returncode, p.stdout, p.stderr
 
@@ -165,7 +165,7 @@ def test_fuzz_target_baseline_unchanged_copy(copies, tmp_path):
                                                    "seed": 1, "examples": 50})), "--seed 1"),
 ])
 def test_bad_input_exits_2_naming_it(tmp_path, capsys, make, message):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     code = main(["conformance", "--class", "KVCache", "--examples", EXAMPLES, "--seed", "7", "--json",
                  "--out", str(tmp_path / "o"), "--baseline", make(tmp_path)])
@@ -175,7 +175,7 @@ def test_bad_input_exits_2_naming_it(tmp_path, capsys, make, message):
 
 
 def test_bounds_by_seconds_are_refused_beside_a_baseline(tmp_path, capsys):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     assert main(["conformance", "--budget", "5", "--baseline", str(tmp_path), "--json"]) == 2
     assert "--budget" in json.loads(capsys.readouterr().out)["error"]
@@ -231,7 +231,7 @@ def test_fuzz_rows_keyed_from_their_failure_line():
 
 
 def test_the_new_flags_are_on_the_cli_page_and_in_help():
-    from fuzz.commands.cli import build_parser
+    from kvspec.fuzz.commands.cli import build_parser
 
     page = (REPO / "docs" / "cli.md").read_text()
     subs = build_parser().get_default("_subparsers")

@@ -20,12 +20,12 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from fuzz.commands.e2e.models import tiny_gemma3, token_ids
-from impl.layers import can_trim_prompt_cache, trim_prompt_cache
-from impl.models import make_prompt_cache
-from impl.paged import PagedKVCache
-from impl.rotating import RotatingKVCache
-from spec.errors import RollbackWarning, StateError
+from kvspec.fuzz.commands.e2e.models import tiny_gemma3, token_ids
+from kvspec.impl.layers import can_trim_prompt_cache, trim_prompt_cache
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.paged import PagedKVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import RollbackWarning, StateError
 
 MODES = ("fp16", "int8", "turbo4asym", "turbo4", "turbo3asym", "turbo4delegated")
 #: the sliding window of the gemma3 layers, and a prompt longer than it
@@ -196,8 +196,9 @@ def test_importing_fuzz_leaves_the_warning_visible():
     it is silenced, and only there."""
     code = (
         "import warnings, mlx.core as mx\n"
-        "import fuzz, fuzz.commands.cli, fuzz.commands.e2e\n"
-        "from impl.rotating import RotatingKVCache\n"
+        "from kvspec import fuzz\n"
+        "import kvspec.fuzz.commands.cli, kvspec.fuzz.commands.e2e\n"
+        "from kvspec.impl.rotating import RotatingKVCache\n"
         "def ring():\n"
         "    r = RotatingKVCache(4, step=4)\n"
         "    k = mx.zeros((1, 1, 6, 2), dtype=mx.float16)\n"
@@ -219,8 +220,8 @@ def test_the_harness_silences_its_own_refusals_inside_a_step_only():
     window, then trims) lets no RollbackWarning out of its steps (each
     step runs under fuzz.expected_refusals), though the ring did warn; the
     filters are the caller's again after the step."""
-    from fuzz.replay import make_lockstep
-    from fuzz.targets import resolve
+    from kvspec.fuzz.replay import make_lockstep
+    from kvspec.fuzz.targets import resolve
 
     cache = {"kind": "rotating", "mode": "fp16", "batch": 1, "kv_heads": 1, "head_dim": 4, "dtype": "float16",
              "max_size": 4, "keep": 0, "step": 2, "undo": 0, "inplace": True}
@@ -231,7 +232,7 @@ def test_the_harness_silences_its_own_refusals_inside_a_step_only():
     assert len(loud(lambda: copy.copy(lock.cache).trim(1))) == 1  # outside a step: heard
 
 
-# -- the rotating lockstep checks the warning (fuzz.rotating.check_rollback_warning) ---------------
+# -- the rotating lockstep checks the warning (kvspec.fuzz.rotating.check_rollback_warning) ---------------
 class _SilentIsTrimmable(RotatingKVCache):
     def is_trimmable(self) -> bool:  # False without the warning
         return self._counters_rewind_exact() or self.trimmable_rows() > 0
@@ -273,8 +274,8 @@ _WRAP = [{"op": "append", "n": 1}] * 3
                            {"op": "copy", "name": "c", "live": "copy"}]),
 ])
 def test_the_rotating_lockstep_sees_a_wrong_rollback_warning(factory, undo, ops):
-    from fuzz.lockstep import Divergence
-    from fuzz.rotating import RotatingLockstep
+    from kvspec.fuzz.lockstep import Divergence
+    from kvspec.fuzz.rotating import RotatingLockstep
 
     def run(cls):
         lock = RotatingLockstep({**_RING, "undo": undo}, cache_factory=cls)

@@ -15,11 +15,11 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from fuzz.commands.e2e import run_scenario
-from fuzz.commands.e2e.models import speculative_gemma3, token_ids
-from impl.models import make_prompt_cache
-from impl.rotating import RotatingKVCache
-from spec.errors import RollbackWarning
+from kvspec.fuzz.commands.e2e import run_scenario
+from kvspec.fuzz.commands.e2e.models import speculative_gemma3, token_ids
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import RollbackWarning
 
 WINDOW, PROMPT, DRAFT, TOKENS = 8, 12, 4, 24
 

@@ -1,5 +1,5 @@
 """Issue 47, item 2: ``strict`` on the cache itself. A ring built with
-``strict=True`` (directly, or by ``impl.models.make_prompt_cache(model,
+``strict=True`` (directly, or by ``kvspec.impl.models.make_prompt_cache(model,
 strict=True)``) raises StateError at every rollback it cannot honour
 exactly, instead of the once-per-cache RollbackWarning, and is left
 unchanged; this holds inside mlx-lm's own loops too
@@ -17,11 +17,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz.commands.e2e.models import speculative_gemma3, token_ids
-from impl import layers
-from impl.models import load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError, RollbackWarning, StateError
+from kvspec.fuzz.commands.e2e.models import speculative_gemma3, token_ids
+from kvspec.impl import layers
+from kvspec.impl.models import (
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError, RollbackWarning, StateError
 
 WINDOW, PROMPT, DRAFT, TOKENS = 8, 12, 4, 24
 MODES = ["fp16", "int8", "turbo4asym", "turbo4delegated"]

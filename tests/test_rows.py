@@ -7,7 +7,7 @@ is a bijection of [0, 2^24) (every value is hit), and the element pair
 ``K[0, 0, 0]``, ``V[0, 0, 0]`` decodes back to the identity in every dtype,
 with and without wide rows, for every one of the 2^24 identities (an
 independent uint32 decoder written from the docs' bit layout, not
-spec.rows.identify)."""
+kvspec.spec.rows.identify)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz import rows as fr
-from fuzz.replay import replay
-from fuzz.trace import MAX_TOKENS, TraceFormatError, loads
-from spec import rows as sr
+from kvspec.fuzz import rows as fr
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.trace import MAX_TOKENS, TraceFormatError, loads
+from kvspec.spec import rows as sr
 
 N = sr.TOKEN_LIMIT
 CHUNK = 1 << 22
@@ -223,12 +223,12 @@ def test_ranged_rows_reach_every_end_of_the_range(dtype):
 
 
 def test_int8_edge_rows_reach_both_sides_of_the_float16_rounding_boundary():
-    """Int8's rule is "finite once cast to float16" (impl.quant), not
+    """Int8's rule is "finite once cast to float16" (kvspec.impl.quant), not
     ``<= 65504``: float32 edge rows reach the band (65504, 65520) that
     rounds to 65504, and the exact edge 65504; every edge row is finite in
     float16 (never refused), and the band's top is the last float32 below
     65520 (which itself turns inf)."""
-    from fuzz.rows import BAND, EDGE, row
+    from kvspec.fuzz.rows import BAND, EDGE, row
 
     low, high = BAND["float32"]
     assert 65504.0 < low <= high < 65520.0 and np.isfinite(np.float16(np.float32(high)))

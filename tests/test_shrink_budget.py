@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz import campaign as fc
+from kvspec.fuzz import campaign as fc
 
 
 @pytest.mark.parametrize("cap", [0.0, 2.5])
@@ -52,7 +52,7 @@ def test_no_cap_is_hypothesis_own_limit(monkeypatch):
 def test_the_cli_passes_the_cap_to_every_campaign(monkeypatch, capsys, tmp_path):
     """``--shrink-budget S`` reaches every campaign of a run; without it the
     cap is the ``--budget``."""
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     seen: list[float | None] = []
     real = fc.Campaign.__init__

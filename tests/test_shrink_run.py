@@ -1,4 +1,4 @@
-"""The op-level shrinker (fuzz.campaign's reduce_run, shrink_run and their
+"""The op-level shrinker (kvspec.fuzz.campaign's reduce_run, shrink_run and their
 parts) against fake locksteps whose failures are known by construction,
 and, for a few catalog rows, against the traces shipped in tests/traces."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import campaign
-from fuzz.lockstep import Divergence
+from kvspec.fuzz import campaign
+from kvspec.fuzz.lockstep import Divergence
 
 
 def _fake(rule):
@@ -29,7 +29,7 @@ def _fake(rule):
 
 
 def _shrink(monkeypatch, how, machine, error):
-    """reduce_run, or shrink_run with fuzz.trace's schema check off (the
+    """reduce_run, or shrink_run with kvspec.fuzz.trace's schema check off (the
     fake ops are no kvtrace)."""
     if how == "reduce_run":
         return campaign.reduce_run(machine, error, 10.0)
@@ -131,7 +131,7 @@ ROWS = ["cells_shift_delta_not_accumulated", "prefix_stale_key_kept_on_eviction"
 def test_mutants_seed_1_trace_is_no_longer_than_the_shipped_one(name, tmp_path):
     """What ``kvspec mutants`` writes for seed 1 of a row (its catch_seed,
     shrink on) has no more ops than tests/traces/<bug>.json."""
-    from fuzz.commands.mutants import catch_seed
+    from kvspec.fuzz.commands.mutants import catch_seed
 
     caught, _s, _e, path, alarm, _flaky = catch_seed(name, "", 1, 1000, str(tmp_path), True)
     assert caught and alarm is None and path is not None, alarm

@@ -1,4 +1,4 @@
-"""spec.cells: every rule of the cells kind and every refusal, each refusal
+"""kvspec.spec.cells: every rule of the cells kind and every refusal, each refusal
 shown to change nothing (semantics.md 10, docs/cells.md)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from spec import cells as sc
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.spec import cells as sc
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 ISWA = sc.CellsConfig(n_cells=8, window=3, stores=("full", "window"), n_seq=3)
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec import dense as sd
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec import dense as sd
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def appended(cache, *sizes, start=0):

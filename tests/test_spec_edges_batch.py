@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from spec import batch as sb
-from spec.batch import BatchLayout
-from spec.errors import InvalidArgumentError
+from kvspec.spec import batch as sb
+from kvspec.spec.batch import BatchLayout
+from kvspec.spec.errors import InvalidArgumentError
 
 
 def raises(exc, message):

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from spec import dense as sd
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.spec import dense as sd
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 
 def raises(exc, message):

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from spec import layers as sl
-from spec.errors import InvalidArgumentError, StateError
-from spec.layers import DenseLayer, RingLayer
+from kvspec.spec import layers as sl
+from kvspec.spec.errors import InvalidArgumentError, StateError
+from kvspec.spec.layers import DenseLayer, RingLayer
 
 
 def raises(exc, message):

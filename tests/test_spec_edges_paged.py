@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from spec import paged as sp
-from spec.dense import Entry
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec import paged as sp
+from kvspec.spec.dense import Entry
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def raises(exc, message):

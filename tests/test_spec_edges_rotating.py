@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from spec import dense as sd
-from spec import rotating as sr
-from spec.dense import Entry
-from spec.errors import InvalidArgumentError, StateError
-from spec.rotating import UndoRecord
+from kvspec.spec import dense as sd
+from kvspec.spec import rotating as sr
+from kvspec.spec.dense import Entry
+from kvspec.spec.errors import InvalidArgumentError, StateError
+from kvspec.spec.rotating import UndoRecord
 
 
 def raises(exc, message):

@@ -5,7 +5,7 @@ extra bit)."""
 
 import pytest
 
-from spec import rows as sr
+from kvspec.spec import rows as sr
 
 WIDE = [t for t in range(2, 400, 5)]  # t % 5 == 2: wide where the flag and the dtype say so
 

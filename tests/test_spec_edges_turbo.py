@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from spec import turbo as st
-from spec.dense import Mode
-from spec.errors import InvalidArgumentError
+from kvspec.spec import turbo as st
+from kvspec.spec.dense import Mode
+from kvspec.spec.errors import InvalidArgumentError
 
 
 def raises(exc, message):

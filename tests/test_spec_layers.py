@@ -1,4 +1,4 @@
-"""spec.layers: a prompt cache as a list of layers (semantics.md 6)."""
+"""kvspec.spec.layers: a prompt cache as a list of layers (semantics.md 6)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec import dense, layers, rotating
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
-from spec.layers import DenseLayer, RingLayer
+from kvspec.spec import dense, layers, rotating
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec.layers import DenseLayer, RingLayer
 
 MIXED = (DenseLayer("fp16", 2), RingLayer(4, 1, 2), RingLayer(6, 0, 3), DenseLayer("int8", 1))
 

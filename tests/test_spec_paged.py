@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec import dense as sd
-from spec import paged as sp
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec import dense as sd
+from kvspec.spec import paged as sp
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def run(world, *ops):

@@ -1,4 +1,4 @@
-"""spec.prefix: every rule of the prefix kind and every refusal, each
+"""kvspec.spec.prefix: every rule of the prefix kind and every refusal, each
 refusal shown to change nothing, the invariants after random op sequences,
 and the worked examples of docs/prefix.md (semantics.md 11)."""
 
@@ -11,8 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec import prefix as sp
-from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
+from kvspec.spec import prefix as sp
+from kvspec.spec.errors import (
+    InvalidArgumentError,
+    KVCacheError,
+    StateError,
+    UnsupportedOperationError,
+)
 
 N = None  # the default salt
 

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from spec import layers as sl
-from spec import recurrent as sr
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.spec import layers as sl
+from kvspec.spec import recurrent as sr
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 
 
 def _after(cache: sr.RecurrentCache, *chunks: int, recorded: bool = True) -> sr.RecurrentCache:

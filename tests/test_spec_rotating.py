@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec import rotating as sr
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.spec import rotating as sr
+from kvspec.spec.errors import InvalidArgumentError, StateError
 from tests.budget import examples
 
 

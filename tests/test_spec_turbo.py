@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from spec import dense as sd
-from spec import turbo as st
-from spec.errors import InvalidArgumentError, KVCacheError, UnsupportedOperationError
+from kvspec.spec import dense as sd
+from kvspec.spec import turbo as st
+from kvspec.spec.errors import InvalidArgumentError, KVCacheError, UnsupportedOperationError
 
 M = st.Mode
 

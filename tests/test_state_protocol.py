@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters.mlx_lm import KVCACHE
-from fuzz.commands.cli import main
-from fuzz.commands.conformance import search_class
-from fuzz.replay import replay
-from fuzz.trace import load
-from impl.dense import KVCache
-from spec import dense as sd
-from spec import rotating as sr
-from spec.errors import StateError
+from kvspec.fuzz.adapters.mlx_lm import KVCACHE
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.commands.conformance import search_class
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.trace import load
+from kvspec.impl.dense import KVCache
+from kvspec.spec import dense as sd
+from kvspec.spec import rotating as sr
+from kvspec.spec.errors import StateError
 
 TRACES = Path(__file__).parent / "traces"
 
@@ -103,7 +103,7 @@ def test_a_class_without_the_protocol_skips_its_ops():
         def state(self):
             return ()
 
-    from fuzz.targets import class_target
+    from kvspec.fuzz.targets import class_target
 
     t = class_target(NoSetter)
     c = t.cache_class("dense", "fp16")

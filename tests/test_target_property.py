@@ -29,8 +29,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fuzz.commands.cli import main
-from fuzz.targets import BUILTIN
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.targets import BUILTIN
 
 from . import _torch_standin
 
@@ -163,7 +163,7 @@ def caches(draw: Any) -> dict[str, Any]:
 
 TRACES = st.builds(lambda cache, ops: {"kvtrace": 1, "cache": cache, "ops": ops},
                    caches(), st.lists(OPS, min_size=1, max_size=8))
-#: every built-in target name (fuzz.targets.BUILTIN)
+#: every built-in target name (kvspec.fuzz.targets.BUILTIN)
 TARGETS = sorted(BUILTIN)
 
 
@@ -174,8 +174,8 @@ def runnable(data: st.DataObject, doc: dict[str, Any], target: str) -> dict[str,
     cache field the target's class cannot take), after an append, so that
     two examples in three get past the checks and run: a search of only
     exit 2 would pass vacuously."""
-    from fuzz import kinds
-    from fuzz.targets import resolve
+    from kvspec.fuzz import kinds
+    from kvspec.fuzz.targets import resolve
 
     cache = dict(doc["cache"])
     try:
@@ -280,7 +280,7 @@ def test_transformers_rows_of_every_dtype_and_copies(tmp_path, dtype):
            {"op": "restore", "name": "s"}, {"op": "append", "n": 1}]
     shallow = [{**op, "deep": False} if op["op"] == "copy" else op for op in ops]
     with transformers_available():
-        from fuzz.adapters.transformers import DynamicCacheAdapter
+        from kvspec.fuzz.adapters.transformers import DynamicCacheAdapter
 
         a = DynamicCacheAdapter({})
         dup = copy.copy(a)
@@ -295,7 +295,7 @@ def test_transformers_rows_of_every_dtype_and_copies(tmp_path, dtype):
 
 def _cli(*args: str, env_path: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (env_path, str(ROOT)) if p)}
-    return subprocess.run([sys.executable, "-m", "fuzz.commands.cli", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvspec.fuzz.commands.cli", *args], check=False, capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env=env)
 
 

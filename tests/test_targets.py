@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import targets
-from fuzz.commands.cli import main
-from fuzz.lockstep import Divergence, Outcome
-from fuzz.protocol import refusal_category
-from fuzz.replay import make_lockstep, replay
-from fuzz.targets import TargetCapabilityError, TargetError, resolve
-from fuzz.trace import Trace, load
-from spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
+from kvspec.fuzz import targets
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.lockstep import Divergence, Outcome
+from kvspec.fuzz.protocol import refusal_category
+from kvspec.fuzz.replay import make_lockstep, replay
+from kvspec.fuzz.targets import TargetCapabilityError, TargetError, resolve
+from kvspec.fuzz.trace import Trace, load
+from kvspec.spec.errors import InvalidArgumentError, StateError, UnsupportedOperationError
 from tests.target_examples import write_package
 
 TRACES = Path(__file__).parent / "traces"
@@ -197,7 +197,7 @@ def test_a_class_target_is_fuzzed_in_every_shape_and_dtype():
     get mlx-lm's plain machine (batch 1, one head dim, float16), so a class
     with a V-layout, batch or bfloat16 bug passed every seed. kvspec_dtypes
     narrows the dtypes, and a replay of another dtype is exit 2."""
-    from fuzz.campaign import machine_for, run_machine
+    from kvspec.fuzz.campaign import machine_for, run_machine
     from tests.broken_targets.classes import DenseControl
 
     seen: set[tuple[int, int, int, str]] = set()
@@ -229,8 +229,8 @@ def test_only_built_in_third_party_targets_keep_the_plain_machine():
     """mlx-lm's caches keep the plain machine of their recorded findings;
     ``impl`` (also when the conformance search excludes an op) and a user's
     class get the full one."""
-    from fuzz.campaign import machine_for
-    from fuzz.dense import PlainDenseMachine
+    from kvspec.fuzz.campaign import machine_for
+    from kvspec.fuzz.dense import PlainDenseMachine
     from tests.broken_targets.classes import DenseControl
 
     assert issubclass(machine_for("dense", target=resolve("mlx-lm")), PlainDenseMachine)

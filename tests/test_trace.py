@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fuzz import trace
-from fuzz.trace import TraceFormatError, loads
+from kvspec.fuzz import trace
+from kvspec.fuzz.trace import TraceFormatError, loads
 
 TRACES = sorted(p for p in (Path(__file__).parent / "traces").rglob("*.json") if p.name != "report.json")
 
@@ -81,7 +81,7 @@ def test_a_ring_bound_counts_its_window_not_every_row():
 def test_an_op_the_kind_lacks_is_a_format_error():
     """An op another kind runs, which this kind neither runs nor refuses by
     contract (a paged op on a dense cache), exits 2 instead of passing."""
-    from fuzz import kinds
+    from kvspec.fuzz import kinds
 
     narrow = kinds.Kind("narrow", "a kind with the common ops only", modes=("fp16",), refuses=("detach",))
     cache = {**narrow.defaults(), "kind": "narrow"}
@@ -332,7 +332,7 @@ def test_compiled_op_checker_agrees_with_the_schema(op):
     b"[" * 100_000,
 ])
 def test_replay_refuses_bad_files_with_exit_2(tmp_path, capsys, bad):
-    from fuzz.commands.cli import main
+    from kvspec.fuzz.commands.cli import main
 
     p = tmp_path / "bad.json"
     p.write_bytes(bad)

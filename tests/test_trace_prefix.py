@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from fuzz import kinds, trace
-from fuzz.commands.cli import main
+from kvspec.fuzz import kinds, trace
+from kvspec.fuzz.commands.cli import main
 
 CACHE = {"kind": "prefix", "block_size": 2, "n_blocks": 4}
 ADMIT = {"op": "admit", "req": "a", "tokens": [1, 2, 3]}

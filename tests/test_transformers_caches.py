@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.commands.conformance import CONTRACT, FAULT
-from fuzz.replay import replay
-from fuzz.targets import resolve
-from fuzz.trace import load
+from kvspec.fuzz.commands.conformance import CONTRACT, FAULT
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import load
 
 FOLDER = Path(__file__).parent / "traces" / "conformance" / "transformers"
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
@@ -51,7 +51,7 @@ def _one(cls: str, what: str, op: str) -> dict:
 
 
 def test_every_class_is_in_the_recorded_report():
-    from fuzz.commands.conformance import classes_of
+    from kvspec.fuzz.commands.conformance import classes_of
 
     doc = json.loads((FOLDER / "report.json").read_text())
     run = {c["cache_class"]: c for c in doc["classes"]}
@@ -98,7 +98,7 @@ def test_recorded_traces_replay_clean_on_ours(cls):
 
 
 def _search(cls, target: str, tmp_path, max_findings: int = 1, examples: int = 50):
-    from fuzz.commands.conformance import search_class
+    from kvspec.fuzz.commands.conformance import search_class
 
     return search_class(cls, target, math.inf, 20261129, tmp_path, max_findings, batch=examples, steps=20,
                         max_rounds=4)
@@ -106,7 +106,7 @@ def _search(cls, target: str, tmp_path, max_findings: int = 1, examples: int = 5
 
 @needs_torch
 def test_search_finds_the_static_length_fault_by_itself(tmp_path):
-    from fuzz.adapters.transformers import STATIC
+    from kvspec.fuzz.adapters.transformers import STATIC
 
     report = _search(STATIC, "transformers-static", tmp_path)
     (f,) = report.findings
@@ -115,7 +115,7 @@ def test_search_finds_the_static_length_fault_by_itself(tmp_path):
 
 @needs_torch
 def test_search_finds_the_fp8_saturation_by_itself(tmp_path):
-    from fuzz.adapters.transformers import FP8
+    from kvspec.fuzz.adapters.transformers import FP8
 
     report = _search(FP8, "transformers-fp8", tmp_path)
     (f,) = report.findings
@@ -203,7 +203,7 @@ def test_static_refused_update_is_not_swallowed(tmp_path):
     # the length to 5, so the update that fits (4 of 4 rows) is refused too
     import mlx.core as mx
 
-    from fuzz.adapters.transformers import StaticCacheAdapter
+    from kvspec.fuzz.adapters.transformers import StaticCacheAdapter
 
     def rows(n):
         return mx.ones((1, 1, n, 8), dtype=mx.float16)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.commands.cli import main
-from fuzz.commands.conformance import CONTRACT, FAULT, category
-from fuzz.replay import replay
-from fuzz.targets import resolve
-from fuzz.trace import load
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.commands.conformance import CONTRACT, FAULT, category
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.targets import resolve
+from kvspec.fuzz.trace import load
 
 FOLDER = Path(__file__).parent / "traces" / "conformance" / "transformers"
 TRACES = sorted(FOLDER.glob("*_[0-9][0-9].json"))

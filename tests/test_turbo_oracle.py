@@ -1,5 +1,5 @@
-"""The independent Turbo oracle (``fuzz.turbo_ref``, used by
-``fuzz.turbo.TurboLockstep.check_reference``) is as sharp as it says.
+"""The independent Turbo oracle (``kvspec.fuzz.turbo_ref``, used by
+``kvspec.fuzz.turbo.TurboLockstep.check_reference``) is as sharp as it says.
 
 The quantizer's own tests (tests/test_turbo_quant.py) check that the
 correct quantizer passes the reference; nothing there checks that a
@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuzz import turbo_ref as ref
-from impl import turbo_quant as tq
+from kvspec.fuzz import turbo_ref as ref
+from kvspec.impl import turbo_quant as tq
 
 DTYPES = ("float16", "bfloat16", "float32")
 #: the tolerances fuzz/turbo_ref.py states (its docstring: float32 against
@@ -128,12 +128,12 @@ CASES = [("turbo4asym", "V"), ("turbo4", "V"), ("turbo4", "K"), ("turbo3asym", "
 @pytest.mark.parametrize("mode,which", CASES)
 def test_a_shared_quantizer_bug_is_caught_by_the_reference(monkeypatch, mode, which, dtype):
     """The implementation and the byte oracle both call
-    ``impl.turbo_quant.quantize``; one that stores K's (or V's) norm 1e-3
+    ``kvspec.impl.turbo_quant.quantize``; one that stores K's (or V's) norm 1e-3
     too large gives both the same bytes, so only the reference can tell.
     The harness must, in every dtype and for K and V, on plain and
     ranged rows."""
-    from fuzz.replay import replay
-    from fuzz.trace import parse
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import parse
 
     real = tq.quantize
     seed = tq.K_SEED if which == "K" else tq.V_SEED

@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuzz import turbo_ref as ref
-from impl import turbo_quant as tq
-from spec.errors import InvalidArgumentError
+from kvspec.fuzz import turbo_ref as ref
+from kvspec.impl import turbo_quant as tq
+from kvspec.spec.errors import InvalidArgumentError
 
 
 def _rows(d: int, n: int = 64, seed: int = 0) -> np.ndarray:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters import exec as ex
-from fuzz.commands.cli import main
+from kvspec.fuzz.adapters import exec as ex
+from kvspec.fuzz.commands.cli import main
 
 ADAPTER = Path(__file__).resolve().parent / "broken_targets" / "kvproto_dense.py"
 

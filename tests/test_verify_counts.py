@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from fuzz.commands import verify
+from kvspec.fuzz.commands import verify
 
 
 def test_announced_jobs_and_summed_up_checks_name_their_unit(capsys: pytest.CaptureFixture[str]) -> None:
@@ -18,7 +18,7 @@ def test_announced_jobs_and_summed_up_checks_name_their_unit(capsys: pytest.Capt
     assert code == 0
     captured = capsys.readouterr()
     assert re.search(r"kvspec verify: 2 jobs \(each one or more checks, the table's rows\)", captured.err), captured.err
-    from proofs.equivalents import EQUIVALENCES
+    from kvspec.proofs.equivalents import EQUIVALENCES
 
     checks = len(EQUIVALENCES) + 1
     assert checks > 2

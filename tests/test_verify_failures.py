@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from fuzz.campaign import CampaignReport, RunResult
-from fuzz.commands import verify
-from fuzz.trace import load
+from kvspec.fuzz.campaign import CampaignReport, RunResult
+from kvspec.fuzz.commands import verify
+from kvspec.fuzz.trace import load
 
 TRACES = Path(__file__).parent / "traces"
 
@@ -57,10 +57,10 @@ def _fake_campaign(trace):
 
 
 def _failed_check(monkeypatch, tmp_path, trace):
-    import fuzz.campaign
+    import kvspec.fuzz.campaign
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fuzz.campaign, "campaign", _fake_campaign(trace))
+    monkeypatch.setattr(kvspec.fuzz.campaign, "campaign", _fake_campaign(trace))
     (check,) = verify.check_campaigns(1.0, ("paged", "fp16", True))
     assert not check.ok and check.detail.startswith("divergence at op 2")
     return check
@@ -104,11 +104,11 @@ def test_a_failed_jobs_trace_path_is_printed_when_it_ends():
 
 
 def test_a_recorded_ctrl_c_stops_the_pool_in_its_wait_and_keeps_what_finished(monkeypatch):
-    # fuzz.interrupt: a Ctrl-C whose KeyboardInterrupt a finalizer swallowed is
+    # kvspec.fuzz.interrupt: a Ctrl-C whose KeyboardInterrupt a finalizer swallowed is
     # still recorded; the parent's wait loop raises it within its 1 s wait
     import time
 
-    from fuzz import interrupt
+    from kvspec.fuzz import interrupt
 
     jobs = [verify.Job("quick", "_under_mechanism", ("numpy", list), 2.0),
             verify.Job("sleeps", "_under_mechanism", ("numpy", time.sleep, 60), 1.0)]
@@ -133,13 +133,13 @@ def test_a_proof_job_without_z3_names_z3(monkeypatch):
     # the GPU machine had no Z3 and the job said "proofs package missing"
     import sys
 
-    from fuzz.commands import verify
+    from kvspec.fuzz.commands import verify
 
     monkeypatch.setitem(sys.modules, "z3", None)  # import z3 -> ImportError(name='z3')
-    for name in [m for m in list(sys.modules) if m.startswith("proofs.")]:
+    for name in [m for m in list(sys.modules) if m.startswith("kvspec.proofs.")]:
         monkeypatch.delitem(sys.modules, name)
     [check] = verify.check_obligation(1)
     assert not check.ok and check.detail.startswith("Z3 is not installed") and "gpu_extras" in check.detail
-    monkeypatch.setitem(sys.modules, "proofs.cli", None)
+    monkeypatch.setitem(sys.modules, "kvspec.proofs.cli", None)
     [check] = verify.check_obligation(1)
     assert not check.ok and check.detail.startswith("the proofs cannot be imported")

@@ -1,8 +1,8 @@
 """kvspec verify -j: the same checks, order and verdicts on a process pool
 as in one process; a crashing job is a failed check, not a crash."""
 
-from fuzz.bugs import by_name
-from fuzz.commands import verify
+from kvspec.fuzz.bugs import by_name
+from kvspec.fuzz.commands import verify
 
 
 def names_and_verdicts(results: dict[int, list[verify.Check]], n: int) -> list[tuple[str, bool]]:
@@ -32,8 +32,8 @@ def test_pool_and_inline_agree():
 
 
 def test_the_plan_covers_every_check_once():
-    from fuzz import kinds
-    from fuzz.bugs import catalog, runnable
+    from kvspec.fuzz import kinds
+    from kvspec.fuzz.bugs import catalog, runnable
 
     plan = verify.plan(quick=False)
     labels = [j.label for j in plan]
@@ -46,8 +46,8 @@ def test_the_plan_covers_every_check_once():
 
 def test_the_proofs_are_one_job_per_obligation_and_per_contract_file():
     # split so that the pool balances them (one proofs job was the critical path)
-    from proofs import crosshair_run
-    from proofs.cli import TITLES, obligations
+    from kvspec.proofs import crosshair_run
+    from kvspec.proofs.cli import TITLES, obligations
 
     jobs = verify.proof_jobs()
     numbers = sorted({n for n, _ in obligations()})
@@ -62,8 +62,8 @@ def test_the_proofs_are_one_job_per_obligation_and_per_contract_file():
 
 
 def test_an_obligation_job_fails_when_a_negative_control_survives(monkeypatch):
-    from proofs import dense
-    from proofs.dense_model import Rules
+    from kvspec.proofs import dense
+    from kvspec.proofs.dense_model import Rules
 
     (good,) = verify.check_obligation(5)
     assert good.ok and good.name == "proof front trim" and good.detail.startswith("proved, negative control refuted; Z3 units")
@@ -97,8 +97,8 @@ def test_full_plan_fuzzes_each_bug_from_five_seeds_and_campaigns_for_the_budget(
 
 
 def test_verify_never_shrinks_and_mutants_shrinks_seed_one_only(monkeypatch, tmp_path):
-    from fuzz.campaign import Catch
-    from fuzz.commands import mutants
+    from kvspec.fuzz.campaign import Catch
+    from kvspec.fuzz.commands import mutants
 
     calls: list[tuple[int, bool]] = []
 
@@ -118,7 +118,7 @@ def test_verify_never_shrinks_and_mutants_shrinks_seed_one_only(monkeypatch, tmp
 def test_run_machine_passes_shrink_to_hypothesis(monkeypatch):
     from hypothesis import Phase
 
-    from fuzz import campaign
+    from kvspec.fuzz import campaign
 
     seen = []
     real = campaign.fuzz_settings

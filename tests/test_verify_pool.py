@@ -1,4 +1,4 @@
-"""kvspec verify on warm workers (fuzz.workers.WarmPool) and its quick
+"""kvspec verify on warm workers (kvspec.fuzz.workers.WarmPool) and its quick
 plan: a failing job still fails, a hung one is stopped while the rest go
 on, -x stops the pool, a job that leaves its worker changed is a tool
 failure; --quick gives every kind, every injected bug and every proof
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from fuzz import kinds
-from fuzz.commands import verify
+from kvspec.fuzz import kinds
+from kvspec.fuzz.commands import verify
 
 
 def _bad_contract(tmp_path):
@@ -42,7 +42,7 @@ def test_exitfirst_stops_the_pool_at_the_first_failed_job(tmp_path):
 
 
 def test_a_job_that_leaves_its_worker_changed_is_a_tool_failure():
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     # setattr returns None, so the job itself crashes too; what matters is
     # the patch it leaves behind on impl's class
@@ -51,15 +51,15 @@ def test_a_job_that_leaves_its_worker_changed_is_a_tool_failure():
     results = verify.run_jobs(jobs, 2, verify.Progress(len(jobs), quiet=True))
     leaked = [c for c in results[0] if c.tool_failure]
     assert len(leaked) == 1 and leaked[0].name == "patches [isolation]" and not leaked[0].ok
-    assert "impl.dense.KVCache.trim" in leaked[0].detail
+    assert "kvspec.impl.dense.KVCache.trim" in leaked[0].detail
     assert all(c.ok for c in results[1])
 
 
 # -- --quick ---------------------------------------------------------------------------
 def test_quick_gives_every_kind_bug_and_obligation_a_first_verdict():
-    from fuzz.bugs import batch_bugs, catalog, runnable
-    from fuzz.bugs.batch import RECURRENT_BUGS
-    from proofs.cli import TITLES, obligations
+    from kvspec.fuzz.bugs import batch_bugs, catalog, runnable
+    from kvspec.fuzz.bugs.batch import RECURRENT_BUGS
+    from kvspec.proofs.cli import TITLES, obligations
 
     plan = verify.plan(quick=True)
     labels = {j.label: j for j in plan}
@@ -89,7 +89,7 @@ def test_quick_gives_every_kind_bug_and_obligation_a_first_verdict():
 
 
 def test_a_quick_campaign_runs_its_examples_whatever_the_clock(monkeypatch):
-    import fuzz.campaign
+    import kvspec.fuzz.campaign
 
     (first,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
     assert first.ok and first.detail.startswith(f"{verify.QUICK_EXAMPLES} examples, ")
@@ -102,7 +102,7 @@ def test_a_quick_campaign_runs_its_examples_whatever_the_clock(monkeypatch):
             self.now += 100.0
             return self.now
 
-    monkeypatch.setattr(fuzz.campaign, "time", Slow())
+    monkeypatch.setattr(kvspec.fuzz.campaign, "time", Slow())
     (slow,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
     assert slow.ok and slow.detail.split(" ops")[0] == first.detail.split(" ops")[0]
 
@@ -110,7 +110,7 @@ def test_a_quick_campaign_runs_its_examples_whatever_the_clock(monkeypatch):
 def test_the_queue_starts_the_longest_jobs_first():
     # expected seconds are measured ones: an e2e scenario missing from
     # E2E_SECONDS would start late and end the run alone
-    from fuzz.commands.e2e import SCENARIOS
+    from kvspec.fuzz.commands.e2e import SCENARIOS
 
     assert set(verify.E2E_SECONDS) >= {s.name for s in SCENARIOS}
     plan = verify.plan()
@@ -126,7 +126,7 @@ def test_a_quick_campaign_is_bounded_by_examples_on_a_fast_clock_too(monkeypatch
     budget was set on): still exactly QUICK_EXAMPLES examples, not more.
     (A seconds-bounded campaign would not end on it: it is replaced by one
     that fails.)"""
-    import fuzz.campaign
+    import kvspec.fuzz.campaign
 
     class Fast:
         def __init__(self):
@@ -139,18 +139,18 @@ def test_a_quick_campaign_is_bounded_by_examples_on_a_fast_clock_too(monkeypatch
     def bounded_by_seconds(*args, **kwargs):  # on this clock it would not end: fail instead of hanging
         raise AssertionError("a quick campaign ran the seconds-bounded campaign")
 
-    monkeypatch.setattr(fuzz.campaign, "time", Fast())
-    monkeypatch.setattr(fuzz.campaign, "campaign", bounded_by_seconds)
+    monkeypatch.setattr(kvspec.fuzz.campaign, "time", Fast())
+    monkeypatch.setattr(kvspec.fuzz.campaign, "campaign", bounded_by_seconds)
     (fast,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
     assert fast.ok and fast.detail.startswith(f"{verify.QUICK_EXAMPLES} examples, "), fast
 
 
 def test_a_quick_campaign_never_calls_the_seconds_bounded_campaign(monkeypatch):
-    import fuzz.campaign
+    import kvspec.fuzz.campaign
 
     def bounded_by_seconds(*args, **kwargs):
         raise AssertionError(f"a quick campaign ran the seconds-bounded campaign{args}")
 
-    monkeypatch.setattr(fuzz.campaign, "campaign", bounded_by_seconds)
+    monkeypatch.setattr(kvspec.fuzz.campaign, "campaign", bounded_by_seconds)
     (check,) = verify.check_campaigns(0.0, ("dense", "fp16", False), False, verify.QUICK_EXAMPLES)
     assert check.ok and check.detail.startswith(f"{verify.QUICK_EXAMPLES} examples, "), check

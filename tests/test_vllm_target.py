@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.adapters import vllm as av
-from fuzz.commands import conformance_prefix as cp
-from fuzz.commands.cli import main
-from fuzz.failures import Divergence, HarnessFailure
-from fuzz.prefix import spec_world
-from fuzz.replay import replay
-from fuzz.trace import load
+from kvspec.fuzz.adapters import vllm as av
+from kvspec.fuzz.commands import conformance_prefix as cp
+from kvspec.fuzz.commands.cli import main
+from kvspec.fuzz.failures import Divergence, HarnessFailure
+from kvspec.fuzz.prefix import spec_world
+from kvspec.fuzz.replay import replay
+from kvspec.fuzz.trace import load
 
 HERE = Path(__file__).parent
 FOLDER = HERE / "traces" / "vllm"
@@ -93,12 +93,12 @@ def test_the_double_free_is_a_finding_with_a_trace():
 
 
 def test_rules_and_categories():
-    what = "block 3 refcount differs (rule 'refcount': spec.prefix.refcounts_match_tables: ...)"
+    what = "block 3 refcount differs (rule 'refcount': kvspec.spec.prefix.refcounts_match_tables: ...)"
     assert cp.rule_of(what) == "refcount" and cp.category(what) == "fault"
     # an op the spec answers no for room, after which the engine's state differs
     assert cp.category(what, True, "decode without room after a window release") == "refusal changes state"
     assert cp.category(what, True, "decode evicting") == "fault"
-    refusal = "refusal differs (rule 'refusal': spec.errors: ...)"
+    refusal = "refusal differs (rule 'refusal': kvspec.spec.errors: ...)"
     assert cp.rule_of(refusal) == "refusal"
     assert cp.category(refusal, state_differs=False) == "contract difference"
     assert cp.category(refusal, state_differs=True) == "fault"
@@ -439,10 +439,10 @@ def test_the_search_finds_the_double_free_by_itself(tmp_path, capsys):
 
 @needs_vllm
 def test_the_harness_campaign_plugs_vllm_in():
-    """fuzz.prefix_runs.prefix_campaign (the kind's own machine) drives the
+    """kvspec.fuzz.prefix_runs.prefix_campaign (the kind's own machine) drives the
     same target: it diverges, and its minimal trace replays 1 on vLLM and 0
     on ours through replay_prefix."""
-    from fuzz.prefix_runs import prefix_campaign, replay_prefix
+    from kvspec.fuzz.prefix_runs import prefix_campaign, replay_prefix
 
     r = prefix_campaign(av.target_factory, max_examples=60, seed=1)
     assert r.status == "diverged" and r.trace is not None

@@ -1,4 +1,4 @@
-"""fuzz.workers.WarmPool: warm processes that run tasks one after another,
+"""kvspec.fuzz.workers.WarmPool: warm processes that run tasks one after another,
 heaviest first, with a wall-clock hang guard, dead workers reported and
 replaced, CPU seconds per task, and the isolation guard (a task that leaves
 a monkeypatch or an environment variable behind is caught and its worker
@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from fuzz import workers
-from fuzz.workers import Task, WarmPool
+from kvspec.fuzz import workers
+from kvspec.fuzz.workers import Task, WarmPool
 
 HERE = "tests.test_workers"
 #: a small preload: the tests need impl and the guard, not the whole harness
-PRELOAD = ("impl.dense",)
+PRELOAD = ("kvspec.impl.dense",)
 
 
 # -- tasks (run in the workers) ------------------------------------------------------
@@ -48,14 +48,14 @@ def die(code: int) -> None:
 
 def patch_impl() -> str:
     """Leaks: replaces a method of an impl class and never restores it."""
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     KVCache.trim = lambda self, n: 0  # type: ignore[method-assign]
     return "patched"
 
 
 def trim_is_original() -> bool:
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     return KVCache.trim.__qualname__ == "KVCache.trim"
 
@@ -69,7 +69,7 @@ def env_is_clean() -> bool:
 
 
 def patch_and_restore() -> str:
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     saved = KVCache.trim
     KVCache.trim = lambda self, n: 0  # type: ignore[method-assign]
@@ -95,32 +95,32 @@ def env_is_intact() -> bool:
 def del_class_attr() -> None:
     """Leaks: deletes a method of an impl class (its base class's, if any,
     answers from then on)."""
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     del KVCache.trim
 
 
 def trim_is_defined() -> bool:
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     return "trim" in vars(KVCache)
 
 
 def pop_kind() -> None:
     """Leaks: removes a kind from the registry in place (the dict is the same object)."""
-    from fuzz.kinds import KINDS
+    from kvspec.fuzz.kinds import KINDS
 
     KINDS.pop(next(iter(KINDS)))
 
 
 def kinds_are_whole() -> bool:
-    from fuzz.kinds import KINDS
+    from kvspec.fuzz.kinds import KINDS
 
     return len(KINDS) == KINDS_AT_IMPORT
 
 
 def _kinds_at_import() -> int:
-    from fuzz.kinds import KINDS
+    from kvspec.fuzz.kinds import KINDS
 
     return len(KINDS)
 
@@ -183,7 +183,7 @@ def device_is_clean() -> bool:
 
 
 def import_new_module() -> bool:
-    import fuzz.render  # noqa: F401 - a first import is no leak
+    import kvspec.fuzz.render  # noqa: F401 - a first import is no leak
 
     return True
 
@@ -243,14 +243,14 @@ def test_a_worker_that_dies_is_reported_and_replaced():
 
 
 @pytest.mark.parametrize("leak, probe, name", [
-    ("patch_impl", "trim_is_original", "impl.dense.KVCache.trim"),
+    ("patch_impl", "trim_is_original", "kvspec.impl.dense.KVCache.trim"),
     ("set_env", "env_is_clean", "os.environ[KVSPEC_LEAKED_BY_A_TASK]"),
     # what a task deletes is a change too: an environment variable set
     # before the first task, a class attribute
     ("del_env", "env_is_intact", "os.environ[KVSPEC_SET_BEFORE_THE_POOL]"),
-    ("del_class_attr", "trim_is_defined", "impl.dense.KVCache.trim"),
+    ("del_class_attr", "trim_is_defined", "kvspec.impl.dense.KVCache.trim"),
     # a module-level container changed in place (the same dict object)
-    ("pop_kind", "kinds_are_whole", "fuzz.kinds.KINDS"),
+    ("pop_kind", "kinds_are_whole", "kvspec.fuzz.kinds.KINDS"),
     # every entry of the fingerprint the module's doc promises beyond the
     # modules and the environment
     ("leak_cwd", "cwd_is_clean", "os.getcwd()"),
@@ -261,7 +261,7 @@ def test_a_worker_that_dies_is_reported_and_replaced():
 ])
 def test_a_leaking_task_is_caught_and_the_next_task_never_sees_the_leak(leak, probe, name):
     tasks = [Task(f"{HERE}:{leak}", weight=2), Task(f"{HERE}:{probe}", weight=1)]
-    preload = (*PRELOAD, "fuzz.kinds", "mlx.core", "hypothesis", f"{HERE}:preset_env")
+    preload = (*PRELOAD, "kvspec.fuzz.kinds", "mlx.core", "hypothesis", f"{HERE}:preset_env")
     with WarmPool(1, preload=preload) as pool:
         leaked, after = pool.map(tasks)
     assert leaked.status == "leaked" and not leaked.ok and name in (leaked.leaked or "").split(", "), leaked
@@ -282,24 +282,24 @@ def test_what_is_restored_or_first_imported_is_no_leak():
 
 
 def test_the_fingerprint_sees_a_changed_class_attribute_and_a_new_module_global():
-    import impl.dense
+    import kvspec.impl.dense
 
-    before = workers.fingerprint(modules=["impl.dense"])
-    saved = impl.dense.KVCache.trim
+    before = workers.fingerprint(modules=["kvspec.impl.dense"])
+    saved = kvspec.impl.dense.KVCache.trim
     try:
-        impl.dense.KVCache.trim = lambda self, n: 0
-        impl.dense._a_new_global = 1  # type: ignore[attr-defined]
-        got = workers.changed(before, workers.fingerprint(modules=["impl.dense"]))
+        kvspec.impl.dense.KVCache.trim = lambda self, n: 0
+        kvspec.impl.dense._a_new_global = 1  # type: ignore[attr-defined]
+        got = workers.changed(before, workers.fingerprint(modules=["kvspec.impl.dense"]))
     finally:
-        impl.dense.KVCache.trim = saved
-        del impl.dense._a_new_global  # type: ignore[attr-defined]
-    assert got == ["impl.dense.KVCache.trim", "impl.dense._a_new_global"]
-    assert workers.changed(before, workers.fingerprint(modules=["impl.dense"])) == []
+        kvspec.impl.dense.KVCache.trim = saved
+        del kvspec.impl.dense._a_new_global  # type: ignore[attr-defined]
+    assert got == ["kvspec.impl.dense.KVCache.trim", "kvspec.impl.dense._a_new_global"]
+    assert workers.changed(before, workers.fingerprint(modules=["kvspec.impl.dense"])) == []
 
 
 def test_a_preload_that_fails_stops_the_run():
-    with pytest.raises(workers.WorkerStartError, match="fuzz.no_such_module"), \
-            WarmPool(1, preload=("fuzz.no_such_module",)) as pool:
+    with pytest.raises(workers.WorkerStartError, match="kvspec.fuzz.no_such_module"), \
+            WarmPool(1, preload=("kvspec.fuzz.no_such_module",)) as pool:
         pool.map([Task(f"{HERE}:pid")])
 
 
@@ -355,7 +355,7 @@ def test_cpu_seconds_are_per_task_not_cumulative():
 def test_the_fingerprint_sees_a_module_container_changed_in_place(monkeypatch):
     import types
 
-    mod = types.ModuleType("fuzz._a_probe_module")
+    mod = types.ModuleType("kvspec.fuzz._a_probe_module")
     mod.D, mod.L, mod.S = {"a": 1, "b": [2]}, [1, 2], {1, 2}  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     before = workers.fingerprint(modules=[mod.__name__])
@@ -375,27 +375,27 @@ def test_the_fingerprint_sees_a_module_container_changed_in_place(monkeypatch):
         undo()
         assert workers.changed(before, workers.fingerprint(modules=[mod.__name__])) == []
     # the registry itself
-    from fuzz import kinds
+    from kvspec.fuzz import kinds
 
-    before = workers.fingerprint(modules=["fuzz.kinds"])
+    before = workers.fingerprint(modules=["kvspec.fuzz.kinds"])
     saved = dict(kinds.KINDS)
     try:
         kinds.KINDS.pop(next(iter(kinds.KINDS)))
-        assert workers.changed(before, workers.fingerprint(modules=["fuzz.kinds"])) == ["fuzz.kinds.KINDS"]
+        assert workers.changed(before, workers.fingerprint(modules=["kvspec.fuzz.kinds"])) == ["kvspec.fuzz.kinds.KINDS"]
     finally:
         kinds.KINDS.clear()
         kinds.KINDS.update(saved)
-    assert workers.changed(before, workers.fingerprint(modules=["fuzz.kinds"])) == []
+    assert workers.changed(before, workers.fingerprint(modules=["kvspec.fuzz.kinds"])) == []
 
 
 def test_warm_cli_fails_the_test_of_a_command_that_leaked(monkeypatch):
-    from fuzz.workers import TaskResult
+    from kvspec.fuzz.workers import TaskResult
     from tests import warm_cli
 
     class Leaky:
         def map(self, tasks):
-            return [TaskResult(0, (0, "out", ""), leaked="impl.dense.KVCache.trim, os.getcwd()", status="leaked")]
+            return [TaskResult(0, (0, "out", ""), leaked="kvspec.impl.dense.KVCache.trim, os.getcwd()", status="leaked")]
 
     monkeypatch.setattr(warm_cli, "_POOL", Leaky())
-    with pytest.raises(AssertionError, match=r"kvspec list: .*impl\.dense\.KVCache\.trim, os\.getcwd\(\)"):
+    with pytest.raises(AssertionError, match=r"kvspec list: .*kvspec\.impl\.dense\.KVCache\.trim, os\.getcwd\(\)"):
         warm_cli.kvspec("list")

@@ -1,4 +1,4 @@
-"""The write layer (impl.write): which mechanism each backend takes, checked
+"""The write layer (kvspec.impl.write): which mechanism each backend takes, checked
 on the CPU by standing in for the CUDA kernel (a CUDA array never takes the
 NumPy path, a CPU array never takes the kernel path), and what the copying
 write promises (the input and its sharers unchanged; MLX reuses the memory
@@ -8,11 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from impl import write as W
-from impl.dense import KVCache, data_pointer
-from impl.paged import BlockPool
-from impl.rotating import RotatingKVCache
-from spec.errors import InvalidArgumentError
+from kvspec.impl import write as W
+from kvspec.impl.dense import KVCache, data_pointer
+from kvspec.impl.paged import BlockPool
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import InvalidArgumentError
 from tests._standin import stand_in
 from tests.budget import reduced
 
@@ -163,7 +163,7 @@ def test_fuzz_campaigns_agree_with_the_spec_through_the_cuda_paths(kind, mechani
     path's region, broadcast and completion; donate: the returned array
     callers must keep). A ring or pool that drops the array donate returns,
     or a kernel region that spills past the rows written, diverges here."""
-    from fuzz.campaign import campaign
+    from kvspec.fuzz.campaign import campaign
 
     FakeKernel(monkeypatch)
     monkeypatch.setenv("KV_CUDA_INPLACE", mechanism)
@@ -219,8 +219,8 @@ def test_a_refused_snapshot_claims_no_sharing(mechanism, monkeypatch):
     copy under donate, and the harness then demanded that a *refused*
     snapshot (its name in use) share memory with the cache. A refused op
     shares nothing; the trace replays clean under both CUDA mechanisms."""
-    from fuzz.replay import replay
-    from fuzz.trace import parse
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import parse
 
     FakeKernel(monkeypatch)
     monkeypatch.setenv("KV_CUDA_INPLACE", mechanism)
@@ -242,7 +242,7 @@ def test_on_the_cpu_an_in_place_write_that_moves_either_buffer_diverges():
     """The check that an in-place write keeps the cache's memory runs on the
     CPU (it is only relaxed under CUDA's donate) and covers the values
     buffer as well as the keys."""
-    from fuzz.campaign import Campaign
+    from kvspec.fuzz.campaign import Campaign
 
     assert W.inplace_keeps_memory()
     # bounded by examples (caught in the first batch from seed 7), read as found (no shrink)

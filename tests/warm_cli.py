@@ -4,8 +4,8 @@ Most command-line tests ask what a command prints and which exit status it
 gives, not what a new process does. Started one process each, every such
 test paid for a Python start and for importing MLX, the spec, Hypothesis
 and the fuzz machinery, often several times what the command then did.
-:func:`kvspec` runs ``kvspec ARGV`` as ``fuzz.commands.cli.main(ARGV)`` on a
-worker of :class:`fuzz.workers.WarmPool` (one per test process, started on
+:func:`kvspec` runs ``kvspec ARGV`` as ``kvspec.fuzz.commands.cli.main(ARGV)`` on a
+worker of :class:`kvspec.fuzz.workers.WarmPool` (one per test process, started on
 first use) and gives back what a child process would: its exit status
 (``main``'s return, argparse's ``SystemExit``, or 1 with the traceback on
 stderr for an exception that escapes ``main``, as ``python -m`` would
@@ -45,9 +45,9 @@ _POOL = None
 def _pool():
     global _POOL
     if _POOL is None:
-        from fuzz.workers import DEFAULT_PRELOAD, WarmPool
+        from kvspec.fuzz.workers import DEFAULT_PRELOAD, WarmPool
 
-        _POOL = WarmPool(1, preload=(*DEFAULT_PRELOAD, "fuzz.commands.cli"))
+        _POOL = WarmPool(1, preload=(*DEFAULT_PRELOAD, "kvspec.fuzz.commands.cli"))
         _POOL.__enter__()
     return _POOL
 
@@ -82,7 +82,7 @@ def run_main(argv: list[str], env: dict[str, str], cwd: str) -> tuple[int, str, 
         try:
             _set_environ(env)
             os.chdir(cwd)
-            from fuzz.commands.cli import main
+            from kvspec.fuzz.commands.cli import main
 
             try:
                 code = main(list(argv))
@@ -117,7 +117,7 @@ def kvspec(*argv: str, cwd: Path | str = REPO, env: dict[str, str] | None = None
     """``kvspec ARGV`` on the warm worker, as a CompletedProcess (see the
     module's doc). ``env``: the whole environment (default: this
     process's)."""
-    from fuzz.workers import Task
+    from kvspec.fuzz.workers import Task
 
     task = Task("tests.warm_cli:run_main", (list(argv), dict(os.environ if env is None else env), str(cwd)),
                 limit=timeout, name="kvspec " + " ".join(argv))

@@ -3,7 +3,7 @@
 For each path (dense in place, ring warm-up, paged beside a fork, Int8,
 Turbo4, rollback k=1, each beside mlx-lm's cache where it has one; Int8 and
 Turbo4 also with their window's elementwise chains run op by op, ``op by
-op``, beside the fused default of impl.fused) and each context: one decoder
+op``, beside the fused default of kvspec.impl.fused) and each context: one decoder
 step over ``--layers`` layers, the write then attention per layer, split
 into
 
@@ -57,7 +57,7 @@ def first_buffer(c: Any) -> mx.array | None:
 
 
 def pointer(a: mx.array | None) -> int:
-    from impl.dense import data_pointer
+    from kvspec.impl.dense import data_pointer
 
     return 0 if a is None else data_pointer(a)
 
@@ -65,10 +65,10 @@ def pointer(a: mx.array | None) -> int:
 def paths(context: int) -> dict[str, Any]:
     from mlx_lm.models import cache as mc
 
-    from impl.dense import KVCache
-    from impl.paged import PagedKVCache
-    from impl.rotating import RotatingKVCache
-    from impl.turbo import TurboKVCache
+    from kvspec.impl.dense import KVCache
+    from kvspec.impl.paged import PagedKVCache
+    from kvspec.impl.rotating import RotatingKVCache
+    from kvspec.impl.turbo import TurboKVCache
 
     return {
         "dense in place: ours": lambda: KVCache("fp16", step=256, inplace=True),
@@ -97,7 +97,7 @@ def step_op(name: str):
 
 
 def profile(name: str, make: Any, context: int, layers: int, rounds: int) -> dict[str, float]:
-    from impl import fused
+    from kvspec.impl import fused
 
     fused.ENABLED = not name.endswith("op by op")  # the window's elementwise chains fused on CUDA, or not
     try:
@@ -107,7 +107,7 @@ def profile(name: str, make: Any, context: int, layers: int, rounds: int) -> dic
 
 
 def _profile(name: str, make: Any, context: int, layers: int, rounds: int) -> dict[str, float]:
-    from fuzz.commands.bench_decoder import DIM, KV_HEADS, Q_HEADS, _attend
+    from kvspec.fuzz.commands.bench_decoder import DIM, KV_HEADS, Q_HEADS, _attend
 
     dtype = mx.float16
     pre = mx.random.normal((1, KV_HEADS, context, DIM), key=mx.random.key(1)).astype(dtype)
@@ -150,7 +150,7 @@ def primitives(context: int, layers: int, rounds: int) -> dict[str, dict[str, fl
     same rows as slices of the runs joined by one concatenate), a per-byte table lookup like Turbo4's
     window decode (``take`` of a ``[256, 2]`` table by uint8 codes), and the
     Hadamard transform. Median ms, and GB/s over the bytes each must move."""
-    from fuzz.commands.bench_decoder import DIM, KV_HEADS
+    from kvspec.fuzz.commands.bench_decoder import DIM, KV_HEADS
 
     T, bs = context, 16
     dtype = mx.float16
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "gpu"], default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from fuzz.device import select
-    from impl.write import backend, inplace_mechanism
+    from kvspec.fuzz.device import select
+    from kvspec.impl.write import backend, inplace_mechanism
 
     select(args.device)
     doc: dict[str, Any] = {"backend": backend(), "inplace_mechanism": inplace_mechanism(), "mlx": mx.__version__,

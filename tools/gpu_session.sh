@@ -62,8 +62,8 @@ $PY -c "import mlx.core as mx, sys; print('mlx', mx.__version__, mx.default_devi
 status=0
 if [ "$PHASE" = all ] || [ "$PHASE" = verify ]; then
   cap=$(( VERIFY_CAP < $(left) - 20 ? VERIFY_CAP : $(left) - 20 ))
-  say "verify (cap ${cap}s): $PY -m fuzz.commands.cli verify --device $DEVICE ${VERIFY_ARGS[*]}"
-  COLUMNS=200 timeout -s INT -k 30 "$cap" $PY -m fuzz.commands.cli verify --device "$DEVICE" "${VERIFY_ARGS[@]}" \
+  say "verify (cap ${cap}s): $PY -m kvspec.fuzz.commands.cli verify --device $DEVICE ${VERIFY_ARGS[*]}"
+  COLUMNS=200 timeout -s INT -k 30 "$cap" $PY -m kvspec.fuzz.commands.cli verify --device "$DEVICE" "${VERIFY_ARGS[@]}" \
     --junit-xml "$OUT/verify-junit.xml" > "$OUT/verify.txt" 2> "$OUT/verify.log"
   rc=$?
   # the kvtraces of failed checks (the table names them) come back as one archive:
@@ -90,7 +90,7 @@ if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
   cap=$(( $(left) - 5 ))
   if [ "$cap" -gt 10 ]; then
     say "bench $DECODER_FLAG $E2E_FLAG (cap ${cap}s)"
-    COLUMNS=200 timeout -s INT -k 10 "$cap" $PY -m fuzz.commands.cli bench --device "$DEVICE" $DECODER_FLAG $E2E_FLAG \
+    COLUMNS=200 timeout -s INT -k 10 "$cap" $PY -m kvspec.fuzz.commands.cli bench --device "$DEVICE" $DECODER_FLAG $E2E_FLAG \
       "${BENCH_ARGS[@]}" --record "$OUT/bench" > "$OUT/bench.txt" 2> "$OUT/bench.log"
     rc=$?
     say "bench exit $rc"

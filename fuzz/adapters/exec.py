@@ -1,5 +1,5 @@
 """``exec:PATH``: a cache in another process, driven over kvproto/1 or
-kvproto/2 (the target scheme ``exec`` of ``fuzz.targets.SCHEMES``:
+kvproto/2 (the target scheme ``exec`` of ``kvspec.fuzz.targets.SCHEMES``:
 :func:`target`).
 
 The line protocol (docs/targets.md "The line protocol", docs/kvproto.md for
@@ -56,14 +56,25 @@ import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
 
-from fuzz import kinds
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.masks import dense_windows, ring_windows
-from fuzz.targets import CacheClass, HarnessFailure, Target, TargetCapabilityError, TargetError
-from spec import dense as sd
-from spec import paged as sp
-from spec import rotating as sr
-from spec.errors import InvalidArgumentError, KVCacheError, StateError, UnsupportedOperationError
+from kvspec.fuzz import kinds
+from kvspec.fuzz.lockstep import Divergence, Lockstep
+from kvspec.fuzz.masks import dense_windows, ring_windows
+from kvspec.fuzz.targets import (
+    CacheClass,
+    HarnessFailure,
+    Target,
+    TargetCapabilityError,
+    TargetError,
+)
+from kvspec.spec import dense as sd
+from kvspec.spec import paged as sp
+from kvspec.spec import rotating as sr
+from kvspec.spec.errors import (
+    InvalidArgumentError,
+    KVCacheError,
+    StateError,
+    UnsupportedOperationError,
+)
 
 #: The oldest protocol version this client speaks (what a kvproto/1 hello
 #: has always carried).
@@ -119,7 +130,7 @@ class AdapterFailure(Exception):
 def schema() -> dict[str, Any]:
     """The kvproto JSON Schema shipped with the package (kvproto/1 and
     kvproto/2: ``$defs/reply`` is /1's op reply, ``$defs/reply2`` /2's)."""
-    return json.loads(resources.files("fuzz").joinpath("kvproto.schema.json").read_text())
+    return json.loads(resources.files("kvspec.fuzz").joinpath("kvproto.schema.json").read_text())
 
 
 def _strict_integer(checker: object, instance: object) -> bool:
@@ -381,7 +392,7 @@ def _not_built(cache: dict[str, Any]) -> Any:
 @dataclass(frozen=True)
 class ExecTarget(Target):
     """``exec:PATH [ARGS]``: an adapter process speaking kvproto/1 or /2, as a
-    ``fuzz.targets.Target`` whose classes are what the adapter's ``hello``
+    ``kvspec.fuzz.targets.Target`` whose classes are what the adapter's ``hello``
     declares (one per kind and mode: the ops it lacks skipped, the
     observables it lacks not compared)."""
 
@@ -707,7 +718,7 @@ class _Exec:
 
     def mask_windows(self, op: dict[str, Any]) -> list[int | None] | None:
         """The windows whose masks an append asks for (None: no masks): a
-        ring's own (None) and :func:`fuzz.masks.ring_windows`'s narrower and
+        ring's own (None) and :func:`kvspec.fuzz.masks.ring_windows`'s narrower and
         wider ones, for an append of at least one row."""
         if not self.compare_masks or op["op"] != "append" or not _int(op.get("n"), 1):
             return None
@@ -716,7 +727,7 @@ class _Exec:
 
     def spec_masks(self, op: dict[str, Any], windows: list[int | None]) -> list[Any]:
         """The spec's masks for ``windows``, on the world before the op
-        (spec.rotating.make_masks_spec): rows of booleans per window."""
+        (kvspec.spec.rotating.make_masks_spec): rows of booleans per window."""
         return list(sr.make_masks_spec(self.world.cache, op["n"], tuple(windows)))
 
     def compare_remote_masks(self, op: dict[str, Any], windows: list[int | None], reply: dict[str, Any]) -> None:
@@ -879,7 +890,7 @@ class _ExecPaged:
             raise Divergence(index, op, "pool invariants broken on the adapter", "none", broken)
 
     def remote_pool_invariants(self) -> list[str]:
-        """spec.paged's pool invariants on the pool the adapter reports
+        """kvspec.spec.paged's pool invariants on the pool the adapter reports
         (where it reports refcounts and free list): refcount = tables
         holding the block, the free list the blocks of refcount 0 once
         each, tables of ``ceil(length / block_size)`` entries, ``null``
@@ -910,7 +921,7 @@ class _ExecPaged:
         return sorted(set(out))
 
     def mask_windows(self, op: dict[str, Any]) -> list[int | None] | None:
-        """The dense windows (fuzz.masks.dense_windows) over the visible
+        """The dense windows (kvspec.fuzz.masks.dense_windows) over the visible
         rows of the sequence the append writes (none when it does not
         exist: the append is refused)."""
         if not self.compare_masks or op["op"] != "append" or not _int(op.get("n"), 1):
@@ -956,7 +967,7 @@ def _exec_machine(base: type, target: ExecTarget) -> type:
                 if self.kind == "rotating" and "undo" in d.fields:
                     # a ring that declares its undo log is fuzzed at every depth
                     # (the machine draws it for this project's ring only)
-                    from fuzz.rotating import UNDO_DEPTHS
+                    from kvspec.fuzz.rotating import UNDO_DEPTHS
 
                     shape["undo"] = data.draw(st.sampled_from(UNDO_DEPTHS), label="undo")
             return shape

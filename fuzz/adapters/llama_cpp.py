@@ -1,7 +1,7 @@
 """llama.cpp's KV memory as a ``cells`` target (``--target llama.cpp``).
 
 llama.cpp (through llama-cpp-python's ctypes layer) is driven as a
-``CellsTarget`` (docs/cells.md, the protocol of ``fuzz.cells``):
+``CellsTarget`` (docs/cells.md, the protocol of ``kvspec.fuzz.cells``):
 
 * **Models.** Two tiny random-weight models are written at run time with
   the ``gguf`` package into a temporary folder (:func:`write_gguf`): a
@@ -75,8 +75,8 @@ from typing import Any
 
 import numpy as np
 
-from fuzz.targets import CacheClass, Target, TargetCapabilityError
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.fuzz.targets import CacheClass, Target, TargetCapabilityError
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 #: the llama-cpp-python release this target was built and checked against
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -863,7 +863,7 @@ def trace_limits(cache: dict[str, Any], ops: list[dict[str, Any]]) -> str | None
 
 def target_factory(cache: dict[str, Any], paranoid: bool = False) -> LlamaCppCells:
     """A fresh llama.cpp memory for a cells trace's ``cache`` fields
-    (``fuzz.cells``: ``{"target": target_factory}``). Raises
+    (``kvspec.fuzz.cells``: ``{"target": target_factory}``). Raises
     InvalidArgumentError naming the field when llama.cpp cannot take the
     configuration: ``n_cells`` / ``window_cells`` other than the sizes
     llama.cpp builds (:func:`cache_sizes`), a window-only layout, ``n_seq``
@@ -905,7 +905,7 @@ def _class(name: str) -> CacheClass:
 @dataclass(frozen=True)
 class LlamaCppTarget(Target):
     """``--target llama.cpp``: cells traces replayed on llama.cpp's memory
-    (:func:`target_factory`) by ``fuzz.cells.CellsLockstep``. A trace of
+    (:func:`target_factory`) by ``kvspec.fuzz.cells.CellsLockstep``. A trace of
     another kind, a cache llama.cpp cannot build, an op past the target's
     limits (:func:`trace_limits`), or no llama-cpp-python:
     TargetCapabilityError naming why (``kvspec replay`` exit 2)."""
@@ -923,7 +923,7 @@ class LlamaCppTarget(Target):
             raise TargetCapabilityError(f"{why} (target llama.cpp)")
 
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
-        from fuzz.cells import CellsLockstep
+        from kvspec.fuzz.cells import CellsLockstep
 
         CellsLockstep.check_cache(cache)
         self.check(cache, [])

@@ -1,5 +1,5 @@
 """mlx-lm's own caches (``mlx_lm.models.cache``) as targets of the target API
-(docs/targets.md), registered in ``fuzz.targets.BUILTIN``:
+(docs/targets.md), registered in ``kvspec.fuzz.targets.BUILTIN``:
 
 * ``mlx-lm``: by the trace's kind and mode, dense fp16 -> ``KVCache``,
   dense int8 -> ``QuantizedKVCache(group_size=32, bits=8)``, rotating fp16
@@ -37,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.targets import CacheClass, Target, TargetError
+from kvspec.fuzz.targets import CacheClass, Target, TargetError
 
 #: Ops that exist only in this project's dense cache (semantics.md 2). mlx-lm's
 #: caches have none of them; prompt-cache code computes n and calls trim(n).
@@ -71,7 +71,7 @@ class DequantView:
     A reader gets ``mx.dequantize`` of it in the scales' dtype (mlx-lm keeps
     scales and biases in the dtype of the rows it was given: float16,
     bfloat16 or float32): :attr:`kvtrace_dtype` names it, and ``numpy.asarray``
-    gives its host form (``fuzz.rows.host``: bfloat16 as the float32 of each
+    gives its host form (``kvspec.fuzz.rows.host``: bfloat16 as the float32 of each
     value, exact; NumPy has no bfloat16)."""
 
     def __init__(self, parts: tuple[mx.array, ...], group_size: int, bits: int):
@@ -83,7 +83,7 @@ class DequantView:
         return str(self.parts[1].dtype).rsplit(".", 1)[-1]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        from fuzz.rows import host
+        from kvspec.fuzz.rows import host
 
         w = self.parts[0]
         if w.shape[-2] == 0:  # mx.dequantize cannot reshape an empty window

@@ -1,6 +1,6 @@
 """Hugging Face transformers' caches (``transformers.cache_utils``) as a
 target of the target API (docs/targets.md), registered as ``transformers``
-in ``fuzz.targets.BUILTIN``. Needs the optional extra ``transformers``
+in ``kvspec.fuzz.targets.BUILTIN``. Needs the optional extra ``transformers``
 (PyTorch and transformers; ``pip install -e .[transformers]``); without it
 the target exits 2 saying so.
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from fuzz.targets import CacheClass, Target, TargetError
+from kvspec.fuzz.targets import CacheClass, Target, TargetError
 
 _NO_SUCH = {
     "trim_to": "no trim_to: callers crop by a count (crop(-n))",
@@ -66,9 +66,9 @@ def _torch(target: str = "transformers") -> Any:
 def _to_torch(a: Any) -> Any:
     """An MLX array of rows as a torch tensor of the same dtype, bit for
     bit: float16 and float32 through NumPy, bfloat16 (which NumPy has not)
-    through its float32 host form (``fuzz.rows.host``, exact), then
+    through its float32 host form (``kvspec.fuzz.rows.host``, exact), then
     ``.to(torch.bfloat16)`` (exact: every value is a bfloat16)."""
-    from fuzz.rows import dtype_name, host
+    from kvspec.fuzz.rows import dtype_name, host
 
     torch = _torch()
     name = dtype_name(a)
@@ -79,7 +79,7 @@ def _to_torch(a: Any) -> Any:
 class _View:
     """A torch tensor as a reader sees it: ``numpy.asarray`` of it gives its
     host form (float16 and float32 as they are, bfloat16 as the float32 of
-    each value, exact: ``fuzz.rows.host``'s form), ``kvtrace_dtype`` its
+    each value, exact: ``kvspec.fuzz.rows.host``'s form), ``kvtrace_dtype`` its
     dtype's kvtrace name."""
 
     def __init__(self, t: Any):
@@ -356,7 +356,7 @@ def _linear_lockstep(base: type) -> type:
             return self.cls.factory(self._cfg)
 
         def _states_after(self, toks: list[int]) -> list[np.ndarray]:
-            from fuzz.recurrent import HASHES, STATE_WIDTH
+            from kvspec.fuzz.recurrent import HASHES, STATE_WIDTH
 
             live = self.cache.live_state()
             B = self.cfg["batch"]
@@ -381,7 +381,7 @@ def _linear_lockstep(base: type) -> type:
             return self.returned
 
         def _history(self, held: Any, coverage: int) -> list[Any]:
-            from fuzz.recurrent import _Probe
+            from kvspec.fuzz.recurrent import _Probe
 
             try:
                 layer = self._layer_of(held)
@@ -414,9 +414,9 @@ class LinearAttentionTarget(Target):
     A replayed trace with one reports it."""
 
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
-        from fuzz import kinds
-        from fuzz.targets import declared_lockstep
-        from fuzz.trace import TraceFormatError
+        from kvspec.fuzz import kinds
+        from kvspec.fuzz.targets import declared_lockstep
+        from kvspec.fuzz.trace import TraceFormatError
 
         try:
             entry = kinds.get(cache["kind"], cache.get("mode", "fp16"))
@@ -436,7 +436,7 @@ class LinearAttentionTarget(Target):
         class WithinCoverage(full):  # type: ignore[misc, valid-type]
             def do(self, op: dict[str, Any]) -> None:
                 if op["op"] == "trim" and self.lock is not None:
-                    from spec import recurrent as sr
+                    from kvspec.spec import recurrent as sr
 
                     c = self.lock.world.cache
                     if c.offset == 0 or op["n"] > sr.trimmable_rows(c):
@@ -592,7 +592,7 @@ def _static_lockstep(base: type) -> type:
     class StaticLockstep(base):  # type: ignore[misc, valid-type]
         def spec_apply(self, op: dict[str, Any]) -> tuple[Any, Any]:
             if op["op"] == "append":
-                from spec.errors import StateError
+                from kvspec.spec.errors import StateError
 
                 c = self.world.cache
                 if c.offset + op["n"] > self.cfg["step"]:
@@ -811,8 +811,8 @@ def _quantized_lockstep(base: type, backend: str) -> type:
             return np.asarray(k, np.float64), np.asarray(v, np.float64)
 
         def window_matches(self, tokens: tuple[int, ...], arrays: Any, mode: str | None = None) -> bool:
-            from fuzz.lockstep import Unreadable
-            from fuzz.rows import dtype_name
+            from kvspec.fuzz.lockstep import Unreadable
+            from kvspec.fuzz.rows import dtype_name
 
             if arrays is None or not tokens:
                 return super().window_matches(tokens, arrays, mode)
@@ -866,9 +866,9 @@ class _WrappedTarget(Target):
     pinned: tuple[tuple[str, Any], ...] = ()
 
     def make_lockstep(self, cache: dict[str, Any]) -> Any:
-        from fuzz import kinds
-        from fuzz.targets import declared_lockstep
-        from fuzz.trace import TraceFormatError
+        from kvspec.fuzz import kinds
+        from kvspec.fuzz.targets import declared_lockstep
+        from kvspec.fuzz.trace import TraceFormatError
 
         try:
             entry = kinds.get(cache["kind"], cache.get("mode", "fp16"))

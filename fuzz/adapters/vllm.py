@@ -3,8 +3,8 @@
 vLLM's ``KVCacheManager`` (``vllm/v1/core``: the manager, its ``BlockPool``
 and the free-block queue) is pure-Python metadata: it runs on the CPU with
 no tensor at all. :class:`VllmTarget` drives it as a
-``fuzz.prefix.PrefixTarget`` (docs/prefix.md, the protocol of
-``fuzz.prefix``):
+``kvspec.fuzz.prefix.PrefixTarget`` (docs/prefix.md, the protocol of
+``kvspec.fuzz.prefix``):
 
 * **Pool.** One ``FullAttentionSpec`` group of block size ``block_size``
   (1 KV head of 8, float32: only the metadata is used), or, with the cache
@@ -60,7 +60,7 @@ no tensor at all. :class:`VllmTarget` drives it as a
   ``ref_cnt`` below 0) is vLLM's: the lockstep shows it as a divergence. One
   raised in the adapter's own code is the harness's
   (:attr:`VllmTarget.harness_error`): :class:`VllmLockstep` raises it as a
-  ``fuzz.failures.HarnessFailure`` (a tool failure, exit 2), never a
+  ``kvspec.fuzz.failures.HarnessFailure`` (a tool failure, exit 2), never a
   divergence.
 * **Paranoid mode** (``paranoid=True``): the view is read through other
   paths (tables through ``get_block_ids``, the free queue through vLLM's
@@ -89,10 +89,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from fuzz.failures import Divergence, HarnessFailure, harness_dirs, raised_in
-from fuzz.prefix import PrefixLockstep, row_name
-from fuzz.targets import CacheClass, Target, TargetCapabilityError
-from spec.errors import InvalidArgumentError, KVCacheError, StateError
+from kvspec.fuzz.failures import Divergence, HarnessFailure, harness_dirs, raised_in
+from kvspec.fuzz.prefix import PrefixLockstep, row_name
+from kvspec.fuzz.targets import CacheClass, Target, TargetCapabilityError
+from kvspec.spec.errors import InvalidArgumentError, KVCacheError, StateError
 
 #: the vLLM release this target was built and checked against
 VLLM_VERSION = "0.34.0"
@@ -102,7 +102,7 @@ INSTALL_HINT = ("tools/install-vllm (or: make vllm) installs vLLM 0.34.0 with --
 #: token ids vLLM stores in an int32 array (vllm/v1/token_buffer.py)
 MAX_TOKEN = 2**31 - 1
 
-#: differences vLLM has by contract, rule -> why (fuzz.prefix.PrefixLockstep
+#: differences vLLM has by contract, rule -> why (kvspec.fuzz.prefix.PrefixLockstep
 #: skips them and a replay lists them as not compared); nothing else is
 #: excused
 DECLARED: dict[str, str] = {
@@ -202,7 +202,7 @@ def _stub(req: str) -> Any:
 
 class VllmTarget:
     """vLLM's ``KVCacheManager`` (one full-attention or sliding-window
-    group) as a ``fuzz.prefix.PrefixTarget`` for a prefix trace's cache
+    group) as a ``kvspec.fuzz.prefix.PrefixTarget`` for a prefix trace's cache
     fields (``block_size``, ``n_blocks``, ``window``); the module's doc says how each op and
     the view are made. ``paranoid``: read the view through other paths
     and check the adapter's own bookkeeping after every op."""
@@ -262,7 +262,7 @@ class VllmTarget:
     def _run(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``: an exception raised in vLLM's code passes as vLLM's;
         one raised in the adapter's (or the harness's) own code, other than
-        its deliberate refusals (``spec.errors`` types), is recorded as
+        its deliberate refusals (``kvspec.spec.errors`` types), is recorded as
         :attr:`harness_error`. Paranoid: :meth:`self_check` after the op."""
         self._begin()
         try:
@@ -609,7 +609,7 @@ class VllmTarget:
 
 def target_factory(cache: dict[str, Any], paranoid: bool = False) -> VllmTarget:
     """A fresh vLLM manager for a prefix trace's ``cache`` fields
-    (``fuzz.prefix``: ``{"target": target_factory}``). NotInstalled without
+    (``kvspec.fuzz.prefix``: ``{"target": target_factory}``). NotInstalled without
     vLLM; a ``window`` runs one sliding-window group."""
     return VllmTarget(cache, paranoid=paranoid)
 
@@ -620,9 +620,9 @@ def paranoid_factory(cache: dict[str, Any]) -> VllmTarget:
 
 
 class VllmLockstep(PrefixLockstep):
-    """``fuzz.prefix.PrefixLockstep`` over vLLM: a divergence that came from
+    """``kvspec.fuzz.prefix.PrefixLockstep`` over vLLM: a divergence that came from
     an exception raised in the adapter's own code (not vLLM's) is raised as
-    ``fuzz.failures.HarnessFailure`` instead (a tool failure, exit 2)."""
+    ``kvspec.fuzz.failures.HarnessFailure`` instead (a tool failure, exit 2)."""
 
     def _step(self, index: int, op: dict[str, Any]) -> None:
         try:

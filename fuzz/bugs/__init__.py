@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fuzz.kinds import KINDS
+from kvspec.fuzz.kinds import KINDS
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ def runnable(bug: InjectedBug) -> bool:
     anything else)."""
     if bug.device == "any":
         return True
-    from fuzz.device import current
-    from impl.write import backend
+    from kvspec.fuzz.device import current
+    from kvspec.impl.write import backend
 
     on_cuda = current() == "gpu" and backend() == "cuda"
     return on_cuda if bug.device == "gpu" else not on_cuda
@@ -77,11 +77,11 @@ class UnknownBugError(KeyError):
 def batch_bugs() -> list[InjectedBug]:
     """The batch caches' injected bugs (``fuzz/bugs/batch.py``): not a
     kvtrace kind, so not in :func:`catalog`; ``kvspec verify`` runs them
-    through the batch lockstep (``fuzz.batch.catch``) and ``kvspec e2e
+    through the batch lockstep (``kvspec.fuzz.batch.catch``) and ``kvspec e2e
     --bug`` through the ``batch`` scenario."""
     import importlib
 
-    return list(importlib.import_module("fuzz.bugs.batch").BUGS)
+    return list(importlib.import_module("kvspec.fuzz.bugs.batch").BUGS)
 
 
 def by_name(name: str) -> InjectedBug:

@@ -1,5 +1,5 @@
-"""Injected bugs of the batch caches (``impl.batch``; spec ``spec.batch``,
-semantics.md 7), caught by the batch lockstep (``fuzz.batch``, ``kvspec
+"""Injected bugs of the batch caches (``kvspec.impl.batch``; spec ``kvspec.spec.batch``,
+semantics.md 7), caught by the batch lockstep (``kvspec.fuzz.batch``, ``kvspec
 verify``'s ``batch`` rows) and by ``kvspec e2e``'s ``batch`` scenario
 (``kvspec e2e --only batch --bug NAME``). Each is a single-cache class whose
 ``merge`` builds a broken batch, the way mlx-lm reaches a batch cache.
@@ -13,11 +13,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuzz.bugs import InjectedBug
-from impl.batch import BatchKVCache
-from impl.dense import KVCache
-from impl.recurrent import RecurrentCache
-from spec.errors import InvalidArgumentError
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl.batch import BatchKVCache
+from kvspec.impl.dense import KVCache
+from kvspec.impl.recurrent import RecurrentCache
+from kvspec.spec.errors import InvalidArgumentError
 
 
 class PaddingVisibleBatch(BatchKVCache):
@@ -92,25 +92,25 @@ def _single(batch: type[BatchKVCache]) -> type[KVCache]:
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
-        name="batch_padding_visible", clause="spec.batch.visible (semantics.md 7, rule 2)",
+        name="batch_padding_visible", clause="kvspec.spec.batch.visible (semantics.md 7, rule 2)",
         source="padding visible in a window", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.make_mask", description="the mask shows left padding to the sequence's queries",
         factories={"dense": _single(PaddingVisibleBatch)},
     ),
     InjectedBug(
-        name="batch_filter_wrong_row", clause="spec.batch.filter (semantics.md 7, rule 3)",
+        name="batch_filter_wrong_row", clause="kvspec.spec.batch.filter (semantics.md 7, rule 3)",
         source="filter keeping the wrong row", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.filter", description="filter gathers the next sequence's rows",
         factories={"dense": _single(FilterWrongRowBatch)},
     ),
     InjectedBug(
-        name="batch_merge_shifts_offset", clause="spec.batch.merge (semantics.md 7, rule 3)",
+        name="batch_merge_shifts_offset", clause="kvspec.spec.batch.merge (semantics.md 7, rule 3)",
         source="merge shifting one sequence's offset", kind="batch", modes=("fp16",),
         replaces="BatchKVCache.merge", description="merge pads sequence 1 one position too many",
         factories={"dense": _single(MergeShiftsOffsetBatch)},
     ),
     InjectedBug(
-        name="batch_refused_block_moves_idx", clause="spec.batch.announced_block (semantics.md 7: a refusal "
+        name="batch_refused_block_moves_idx", clause="kvspec.spec.batch.announced_block (semantics.md 7: a refusal "
                                                      "changes nothing)",
         source="a refused block left the batch changed (found by a mutation survivor's triage)",
         kind="batch", modes=("fp16",), replaces="BatchKVCache.update_and_fetch",
@@ -120,12 +120,12 @@ BUGS: tuple[InjectedBug, ...] = (
 )
 
 
-# -- the recurrent kind's batch operations (impl.recurrent.RecurrentCache) -------------------
+# -- the recurrent kind's batch operations (kvspec.impl.recurrent.RecurrentCache) -------------------
 #
-# Caught by the recurrent batch lockstep (fuzz.batch.recurrent_campaign, kvspec verify's
+# Caught by the recurrent batch lockstep (kvspec.fuzz.batch.recurrent_campaign, kvspec verify's
 # ``batch bugs`` row): each breaks an op only batched generation runs (merge, extend,
 # prepare/advance's lengths, an ordered filter, left padding), which the recurrent
-# harness (fuzz.recurrent: single sequences, a filter of one index) never reaches. Not in
+# harness (kvspec.fuzz.recurrent: single sequences, a filter of one index) never reaches. Not in
 # BUGS: proofs/batch.py's layout controls mirror BUGS one to one.
 
 
@@ -144,7 +144,7 @@ class RecurrentFilterKeepsPadding(RecurrentCache):
 class RecurrentFilterLosesOrder(RecurrentCache):
     """``filter`` selects the kept sequences with a boolean mask over the
     batch: the set is right, their order is the batch's, not the order
-    asked for (BatchGenerator asks in sorted order; spec.batch.filter keeps
+    asked for (BatchGenerator asks in sorted order; kvspec.spec.batch.filter keeps
     the given order)."""
 
     def filter(self, batch_indices: Any) -> None:
@@ -197,14 +197,14 @@ def _recurrent_bug(name: str, cls: type, replaces: str, description: str, clause
 
 RECURRENT_BUGS: tuple[InjectedBug, ...] = (
     _recurrent_bug("batch_recurrent_filter_keeps_padding", RecurrentFilterKeepsPadding, "RecurrentCache.filter",
-                   "filter keeps left_padding and lengths of the whole batch", "spec.batch.filter (semantics.md 7, rule 3)"),
+                   "filter keeps left_padding and lengths of the whole batch", "kvspec.spec.batch.filter (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_filter_loses_order", RecurrentFilterLosesOrder, "RecurrentCache.filter",
-                   "filter keeps the batch's order, not the order asked for", "spec.batch.filter (semantics.md 7, rule 3)"),
+                   "filter keeps the batch's order, not the order asked for", "kvspec.spec.batch.filter (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_extend_wrong_side", RecurrentExtendWrongSide, "RecurrentCache.extend",
-                   "extend onto an empty batch zero-fills after the newcomers", "spec.batch.extend (semantics.md 7, rule 3)"),
+                   "extend onto an empty batch zero-fills after the newcomers", "kvspec.spec.batch.extend (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_merge_loses_dtype", RecurrentMergeLosesDtype, "RecurrentCache.merge",
-                   "merge builds the batch arrays in float32", "spec.batch.merge (semantics.md 7, rule 3)"),
+                   "merge builds the batch arrays in float32", "kvspec.spec.batch.merge (semantics.md 7, rule 3)"),
     _recurrent_bug("batch_recurrent_advance_keeps_lengths", RecurrentAdvanceKeepsLengths, "RecurrentCache.advance",
                    "advance leaves lengths as prepare set them (chunked right-padded blocks)",
-                   "spec.batch.append_ragged (semantics.md 7, rule 3)"),
+                   "kvspec.spec.batch.append_ragged (semantics.md 7, rule 3)"),
 )

@@ -1,4 +1,4 @@
-"""Injected bugs of the cells memory (``impl.cells.CellCache``).
+"""Injected bugs of the cells memory (``kvspec.impl.cells.CellCache``).
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type. Each bug
 is a subclass of ``CellCache`` that replaces one method (or the one helper
@@ -14,8 +14,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.bugs import InjectedBug
-from impl.cells import _NAMES, CellCache, CellsSnapshot, _in, _range, _Store, from_host, to_host
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl.cells import (
+    _NAMES,
+    CellCache,
+    CellsSnapshot,
+    _in,
+    _range,
+    _Store,
+    from_host,
+    to_host,
+)
 
 
 class ShiftDeltaNotAccumulated(CellCache):

@@ -1,7 +1,7 @@
-"""Injected bugs of the dense cache (``impl.dense.KVCache``).
+"""Injected bugs of the dense cache (``kvspec.impl.dense.KVCache``).
 
 Each entry is a subclass of ``KVCache`` that breaks exactly one rule of
-``spec.dense`` (the clause it names); see ``fuzz/bugs/__init__.py``.
+``kvspec.spec.dense`` (the clause it names); see ``fuzz/bugs/__init__.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuzz.bugs import InjectedBug
-from impl import write as kvwrite
-from impl.dense import SEQ_AXIS, CacheSnapshot, DetachedHandle, KVCache, _Buffers, _Marker
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl import write as kvwrite
+from kvspec.impl.dense import SEQ_AXIS, CacheSnapshot, DetachedHandle, KVCache, _Buffers, _Marker
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 
 class InplaceAfterTrim(KVCache):
@@ -198,7 +198,7 @@ def _round_half_away(x: mx.array) -> mx.array:
 
 
 def quantize_half_away(x: mx.array) -> tuple[mx.array, mx.array]:
-    """impl.quant.quantize_int8 with round half away from zero instead of
+    """kvspec.impl.quant.quantize_int8 with round half away from zero instead of
     half to even (ties of ``x / scale`` go the wrong way)."""
     x16 = x.astype(mx.float16)
     absmax = mx.max(mx.abs(x16), axis=-1, keepdims=True)
@@ -211,13 +211,13 @@ def quantize_half_away(x: mx.array) -> tuple[mx.array, mx.array]:
 class QuantizerRoundsHalfAway(KVCache):
     """A rounding bug in the quantizer itself. An oracle that calls the
     implementation's quantizer agrees with it; caught only by the
-    independent NumPy oracle (fuzz.quant_ref)."""
+    independent NumPy oracle (kvspec.fuzz.quant_ref)."""
 
     quantize_rows = staticmethod(quantize_half_away)
 
 
 # -- harness mutants: each caught only by one of the harness's cheaper
-# -- checks (fuzz.harness_mutants pairs them), so a weakened check misses it
+# -- checks (kvspec.fuzz.harness_mutants pairs them), so a weakened check misses it
 
 
 class MaskWindowFromNewestQuery(KVCache):
@@ -245,7 +245,7 @@ class Int8DequantizesInFloat16(KVCache):
     bfloat16 and float32 rows are rounded to float16 first (11 significant
     bits, then 8 for bfloat16: double rounding). The stored codes and
     scales are right, so the stored-codes check cannot see it; caught only
-    by comparing the window with the independent oracle (fuzz.quant_ref)."""
+    by comparing the window with the independent oracle (kvspec.fuzz.quant_ref)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k, v = super().update_and_fetch(keys, values)
@@ -259,7 +259,7 @@ class Int8DequantizesInFloat16(KVCache):
 
 
 def quantize_zero_scale(x: mx.array) -> tuple[mx.array, mx.array]:
-    """impl.quant.quantize_int8 with the zero-row guard on the codes instead
+    """kvspec.impl.quant.quantize_int8 with the zero-row guard on the codes instead
     of the scale: an all-zero row stores codes 0 (right) and scale 0 (the
     rule: 1). It decodes to the same zeros."""
     x16 = x.astype(mx.float16)
@@ -273,7 +273,7 @@ class Int8ZeroRowScaleZero(KVCache):
     (0 * 0 = 0), but the stored scales, what ``state`` saves to a
     prompt-cache file and hands other engines, break the rule. Caught only
     by the stored-codes check (the expected codes and scales quantized by
-    fuzz.quant_ref from the rows' host values)."""
+    kvspec.fuzz.quant_ref from the rows' host values)."""
 
     quantize_rows = staticmethod(quantize_zero_scale)
 
@@ -342,7 +342,7 @@ class Int8RangeByMagnitude(KVCache):
         return super().update_and_fetch(keys, values)
 
 
-# -- GPU-only: the CUDA write layer (impl.write), run with --device gpu --------------
+# -- GPU-only: the CUDA write layer (kvspec.impl.write), run with --device gpu --------------
 class KernelOrderedByDepends(KVCache):
     """The CUDA kernel write is not evaluated before the window is returned;
     the window is made to depend on the kernel's token with ``mx.depends``
@@ -508,7 +508,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "buffers survive a trim to zero rows", {"dense": TrimToZeroKeepsBuffers},
     ),
     InjectedBug(
-        "dense_mask_ignores_window", "spec.dense.dense_mask_visible (a window binds on a decode step)",
+        "dense_mask_ignores_window", "kvspec.spec.dense.dense_mask_visible (a window binds on a decode step)",
         "a dense cache serving a windowed layer (masks)", "dense", ("fp16",), "KVCache.make_mask",
         "make_mask(1, window_size=w) returns None: every key visible", {"dense": MaskIgnoresWindow},
     ),
@@ -523,17 +523,17 @@ BUGS: tuple[InjectedBug, ...] = (
         "unquantized rows are cast to float16", {"dense": CastsToFloat16},
     ),
     InjectedBug(
-        "env_switch_case_sensitive", "spec.dense.inplace_switch (any case, blanks ignored)",
-        "the in-place switch", "dense", ("fp16",), "impl.dense.inplace_switch_from_env",
+        "env_switch_case_sensitive", "kvspec.spec.dense.inplace_switch (any case, blanks ignored)",
+        "the in-place switch", "dense", ("fp16",), "kvspec.impl.dense.inplace_switch_from_env",
         "KV_INPLACE_WRITE=OFF (or ' no ') leaves in-place writes on", {"dense": EnvSwitchCaseSensitive},
     ),
     InjectedBug(
         "int8_round_half_away", "semantics.md 2, Storage (Int8: round half to even)",
-        "quantizer oracle", "dense", ("int8",), "impl.quant.quantize_int8",
+        "quantizer oracle", "dense", ("int8",), "kvspec.impl.quant.quantize_int8",
         "the quantizer rounds ties away from zero", {"dense": QuantizerRoundsHalfAway},
     ),
     InjectedBug(
-        "mask_window_from_newest_query", "spec.dense.dense_mask_visible (query i's window ends at live_len + i)",
+        "mask_window_from_newest_query", "kvspec.spec.dense.dense_mask_visible (query i's window ends at live_len + i)",
         "a multi-row mask that measures every row's window from the newest query (harness mutants)",
         "dense", ("fp16",), "KVCache.make_mask",
         "make_mask(N > 1, window_size=w): every row's window ends at the last query", {"dense": MaskWindowFromNewestQuery},
@@ -542,13 +542,13 @@ BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "int8_dequantizes_in_float16", "semantics.md 2, Storage (Int8 reads back q * scale rounded once to the rows' dtype)",
         "a dequantizer computing in the scale's dtype (harness mutants)", "dense", ("int8",),
-        "impl.quant.dequantize_int8", "bfloat16 and float32 rows read back through float16 (rounded twice)",
+        "kvspec.impl.quant.dequantize_int8", "bfloat16 and float32 rows read back through float16 (rounded twice)",
         {"dense": Int8DequantizesInFloat16},
     ),
     InjectedBug(
         "int8_zero_row_scale_zero", "semantics.md 2, Storage (a zero row's scale is 1)",
         "a zero-row guard on the codes instead of the scale (harness mutants)", "dense", ("int8",),
-        "impl.quant.quantize_int8", "an all-zero row is stored with scale 0: same window, other stored bytes",
+        "kvspec.impl.quant.quantize_int8", "an all-zero row is stored with scale 0: same window, other stored bytes",
         {"dense": Int8ZeroRowScaleZero},
     ),
     InjectedBug(
@@ -575,23 +575,23 @@ BUGS: tuple[InjectedBug, ...] = (
         device="gpu",
     ),
     InjectedBug(
-        "deepcopy_keeps_marker", "spec.dense.w_copy (a copy shares the buffers and owns nothing)",
+        "deepcopy_keeps_marker", "kvspec.spec.dense.w_copy (a copy shares the buffers and owns nothing)",
         "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch", "dense", ("fp16",),
         "KVCache.__deepcopy__", "a deep copy keeps the ownership marker and writes in place into the original's memory",
         {"dense": DeepcopyKeepsMarker},
     ),
     InjectedBug(
-        "install_keeps_handle", "spec.dense.w_install (a consumed handle is refused)",
+        "install_keeps_handle", "kvspec.spec.dense.w_install (a consumed handle is refused)",
         "prompt-cache stores that keep a handle after installing it", "dense", ("fp16", "int8"), "KVCache.install",
         "a consumed handle installs again", {"dense": InstallKeepsHandle},
     ),
     InjectedBug(
-        "append_batch_unchecked", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
+        "append_batch_unchecked", "kvspec.spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
         "batched serving: a request joins a cache of another batch", "dense", ("fp16",),
         "KVCache._check_compatible", "rows of another batch are not refused", {"dense": AppendBatchUnchecked},
     ),
     InjectedBug(
-        "pair_rows_truncated", "spec.dense.w_append_pair_mismatch (a K/V pair agrees with itself on dtype, B, H, S)",
+        "pair_rows_truncated", "kvspec.spec.dense.w_append_pair_mismatch (a K/V pair agrees with itself on dtype, B, H, S)",
         "a K/V pair that disagrees with itself, never driven by the fuzzer (breaker sweep)", "dense", ("fp16",),
         "KVCache.update_and_fetch", "values with more rows than the keys are cut to the keys' rows, not refused",
         {"dense": PairRowsTruncated},
@@ -599,18 +599,18 @@ BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "int8_dequantize_unclipped", "semantics.md 2, Storage (Int8 read-back saturated to +-65504 in float16)",
         "a fused dequantizer that lost its float16 clip (breaker sweep)", "dense", ("int8",),
-        "impl.quant.dequantize_int8", "the Int8 window is q * scale rounded to float16 without the saturation: "
+        "kvspec.impl.quant.dequantize_int8", "the Int8 window is q * scale rounded to float16 without the saturation: "
         "a row at float16's edge reads back as inf",
         {"dense": DequantizeUnclipped},
     ),
     InjectedBug(
         "int8_range_by_magnitude", "semantics.md 2, Storage (Int8 refuses only rows not finite once cast to float16)",
         "a cheaper range test than the rule (breaker sweep)", "dense", ("int8",),
-        "impl.quant.int8_rows_flag", "float32 rows in (65504, 65520), finite once rounded to float16, are refused",
+        "kvspec.impl.quant.int8_rows_flag", "float32 rows in (65504, 65520), finite once rounded to float16, are refused",
         {"dense": Int8RangeByMagnitude},
     ),
     InjectedBug(
-        "pair_dtype_cast", "spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
+        "pair_dtype_cast", "kvspec.spec.dense.w_append_mismatch (rows match the cached [B, H, D] and dtype)",
         "a K/V pair whose values' dtype differs from the keys' is cast, not refused", "dense", ("fp16",),
         "KVCache.update_and_fetch", "values of another dtype than the keys are cast to the keys' dtype",
         {"dense": PairDtypeCast},

@@ -1,5 +1,5 @@
-"""Injected bugs of the prompt cache as a list of layers (``impl.layers``'
-list-level operations, driven by ``fuzz.layers.ListOps``).
+"""Injected bugs of the prompt cache as a list of layers (``kvspec.impl.layers``'
+list-level operations, driven by ``kvspec.fuzz.layers.ListOps``).
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
 """
@@ -11,11 +11,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuzz.bugs import InjectedBug
-from fuzz.layers import ListOps
-from impl.layers import _fields, _list_trim_count, _put_back, _trim_bounds
-from impl.rotating import RotatingKVCache
-from spec.errors import StateError
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.fuzz.layers import ListOps
+from kvspec.impl.layers import _fields, _list_trim_count, _put_back, _trim_bounds
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import StateError
 
 
 class TrimsLayersThenRefuses(ListOps):
@@ -86,7 +86,7 @@ class RingsGetLayerStep(ListOps):
     full-attention layers are right."""
 
     def make_prompt_cache(self, model: Any, **kw: Any) -> list[Any]:
-        from impl.rotating import RotatingKVCache
+        from kvspec.impl.rotating import RotatingKVCache
 
         caches = super().make_prompt_cache(model, **kw)
         return [type(c)(max_size=c.max_size, keep=c.keep, step=256, inplace=c.inplace, undo=c.undo)
@@ -100,7 +100,7 @@ class LoadIgnoresInplace(ListOps):
     once loaded where the variable is unset or on."""
 
     def load_prompt_cache(self, file: Any) -> list[Any]:
-        from impl.dense import inplace_switch_from_env
+        from kvspec.impl.dense import inplace_switch_from_env
 
         caches = super().load_prompt_cache(file)
         for c in caches:
@@ -202,69 +202,69 @@ BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
         "list_trim_partial", "semantics.md 6, atomic (every layer trims the same count or none)",
         "public bug class: a rollback that silently trims some layers only", "layers", ("fp16",),
-        "impl.layers.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
+        "kvspec.impl.layers.trim_prompt_cache", "trims the layers before a wrapped ring, then returns 0",
         {"layers": {"layers": TrimsLayersThenRefuses}},
     ),
     InjectedBug(
         "list_trim_ignores_recurrent_coverage", "semantics.md 9, list trim bounds (a recurrent layer's bound is its "
         "coverage); semantics.md 6, atomic (every layer trims the same count or none)", "mlx-lm's trim_prompt_cache over a hybrid model (is_trimmable() asked, layers trimmed one by one)",
-        "layers", ("fp16",), "impl.layers.trim_prompt_cache",
+        "layers", ("fp16",), "kvspec.impl.layers.trim_prompt_cache",
         "the attention layers roll back, then a recurrent layer refuses a rollback beyond its checkpoints",
         {"layers": {"layers": TrimIgnoresRecurrentCoverage}},
     ),
     InjectedBug(
         "list_trim_count_from_offset", "semantics.md 6, the count (from each layer's trimmable rows)",
         "dense front trim with sinks (live_start > 0) inside a mixed list", "layers", ("fp16",),
-        "impl.layers.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
+        "kvspec.impl.layers.trim_prompt_cache", "the trim count ignores a dense layer's front trim",
         {"layers": {"layers": TrimCountFromOffset}},
     ),
     InjectedBug(
-        "list_restore_partial", "spec.layers.w_restore_mixed (a list restore a layer refuses changes no layer)",
+        "list_restore_partial", "kvspec.spec.layers.w_restore_mixed (a list restore a layer refuses changes no layer)",
         "a prompt-cache store handing one layer another layer's snapshot", "layers", ("fp16",),
-        "impl.layers.restore_prompt_cache", "a layer's refusal leaves the layers before it restored",
+        "kvspec.impl.layers.restore_prompt_cache", "a layer's refusal leaves the layers before it restored",
         {"layers": {"layers": RestoreWithoutRollback}},
     ),
     InjectedBug(
-        "make_prompt_cache_ring_step", "spec.layers.make_prompt_cache (every layer takes the list's settings)",
+        "make_prompt_cache_ring_step", "kvspec.spec.layers.make_prompt_cache (every layer takes the list's settings)",
         "make_prompt_cache passing a wrong setting to one layer kind", "layers", ("fp16",),
-        "impl.models.make_prompt_cache", "the sliding-window layers get mlx-lm's layer step (256), not step",
+        "kvspec.impl.models.make_prompt_cache", "the sliding-window layers get mlx-lm's layer step (256), not step",
         {"layers": {"layers": RingsGetLayerStep}},
     ),
     InjectedBug(
-        "load_ignores_inplace", "spec.layers.w_reload (a loaded layer keeps the file's in-place switch)",
+        "load_ignores_inplace", "kvspec.spec.layers.w_reload (a loaded layer keeps the file's in-place switch)",
         "a prompt-cache file load that ignores the saved in-place switch", "layers", ("fp16",),
-        "impl.models.load_prompt_cache", "each loaded layer's switch comes from the loading process's "
+        "kvspec.impl.models.load_prompt_cache", "each loaded layer's switch comes from the loading process's "
         "KV_INPLACE_WRITE, not from the file",
         {"layers": {"layers": LoadIgnoresInplace}}, inplace=False,
     ),
     InjectedBug(
-        "list_trim_refused_late_partial", "spec.layers.w_trim_refused_late (a list trim a layer refuses late changes no layer)",
+        "list_trim_refused_late_partial", "kvspec.spec.layers.w_trim_refused_late (a list trim a layer refuses late changes no layer)",
         "a layer that breaks its promise of an exact trim inside a list", "layers", ("fp16",),
-        "impl.layers.trim_prompt_cache", "a layer's late refusal leaves the layers before it trimmed",
+        "kvspec.impl.layers.trim_prompt_cache", "a layer's late refusal leaves the layers before it trimmed",
         {"layers": {"layers": TrimWithoutRollback}},
     ),
     InjectedBug(
         "list_trim_putback_skips_refuser",
-        "spec.layers.w_trim_refused_late (a list trim a layer refuses late changes no layer, the refusing one too)",
+        "kvspec.spec.layers.w_trim_refused_late (a list trim a layer refuses late changes no layer, the refusing one too)",
         "a put-back off by one after a layer that trimmed, then refused (breaker sweep)", "layers", ("fp16",),
-        "impl.layers.trim_prompt_cache", "the put-back after a late refusal skips the refusing layer itself",
+        "kvspec.impl.layers.trim_prompt_cache", "the put-back after a late refusal skips the refusing layer itself",
         {"layers": {"layers": TrimPutBackSkipsRefuser}},
     ),
     InjectedBug(
         "list_trim_accepts_overtrim",
-        "spec.layers.w_trim_refused_late (every layer trims exactly the count, or the list trim is refused)",
+        "kvspec.spec.layers.w_trim_refused_late (every layer trims exactly the count, or the list trim is refused)",
         "a promise check weakened from != to < (breaker sweep)", "layers", ("fp16",),
-        "impl.layers.trim_prompt_cache", "a layer that reports more rows trimmed than asked is not refused",
+        "kvspec.impl.layers.trim_prompt_cache", "a layer that reports more rows trimmed than asked is not refused",
         {"layers": {"layers": TrimAcceptsOvertrim}},
     ),
     InjectedBug(
-        "list_copy_shares_layers", "spec.layers.w_copy (a copy of the list copies every layer)",
+        "list_copy_shares_layers", "kvspec.spec.layers.w_copy (a copy of the list copies every layer)",
         "prompt-cache stores that keep copy.copy(prompt_cache)", "layers", ("fp16",),
-        "impl.layers.copy_prompt_cache", "the copy is a new list of the same layer objects",
+        "kvspec.impl.layers.copy_prompt_cache", "the copy is a new list of the same layer objects",
         {"layers": {"layers": CopyListNotLayers}},
     ),
     InjectedBug(
-        "list_ring_casts_rows", "spec.layers.w_append_mismatch (every layer refuses rows of another shape or dtype)",
+        "list_ring_casts_rows", "kvspec.spec.layers.w_append_mismatch (every layer refuses rows of another shape or dtype)",
         "a sliding-window layer casting rows of another dtype", "layers", ("fp16",),
         "RotatingKVCache.update_and_fetch", "the ring layers cast rows of another dtype instead of refusing them",
         {"layers": {"rotating": RingCastsRows}},

@@ -1,6 +1,6 @@
-"""Injected bugs of the model glue around a prompt cache (``impl.models``,
-``impl.masks``, ``impl.write``, the portable rows and ``nbytes``), driven
-by ``fuzz.models.ModelsMachine``: bugs a stranger injected that only a unit
+"""Injected bugs of the model glue around a prompt cache (``kvspec.impl.models``,
+``kvspec.impl.masks``, ``kvspec.impl.write``, the portable rows and ``nbytes``), driven
+by ``kvspec.fuzz.models.ModelsMachine``: bugs a stranger injected that only a unit
 test, or no test, saw before that machine.
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
@@ -14,15 +14,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz import rows as rowgen
-from fuzz.bugs import InjectedBug
-from fuzz.models import ModelOps
-from impl import masks as impl_masks
-from impl import write as impl_write
-from impl.dense import CacheSnapshot, KVCache, _Buffers
-from impl.quant import quantize_int8
-from impl.rotating import RotatingKVCache
-from impl.turbo import DelegatedKVCache, make_cache
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.fuzz.models import ModelOps
+from kvspec.impl import masks as impl_masks
+from kvspec.impl import write as impl_write
+from kvspec.impl.dense import CacheSnapshot, KVCache, _Buffers
+from kvspec.impl.quant import quantize_int8
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import DelegatedKVCache, make_cache
 
 
 class RingsUnderMaxKvSizeDropUndo(ModelOps):
@@ -59,7 +59,7 @@ class MetadataKeysLstripped(ModelOps):
 
 
 class MechanismReadsEnvFirst(ModelOps):
-    """``impl.write.inplace_mechanism`` reading ``KV_CUDA_INPLACE`` before
+    """``kvspec.impl.write.inplace_mechanism`` reading ``KV_CUDA_INPLACE`` before
     asking the backend: a set variable picks a CUDA mechanism (or raises)
     on the CPU and Metal, where writes are NumPy's."""
 
@@ -88,7 +88,7 @@ class PortableStepOrder(ModelOps):
 
     def portable_rows(self, tokens: list[int], which: str, batch: int, kv_heads: int, head_dim: int,
                       dtype: str) -> mx.array:
-        from spec import rows as spec_rows
+        from kvspec.spec import rows as spec_rows
 
         swapped = []
         for t in tokens:
@@ -141,7 +141,7 @@ class ToQuantizedDropsGroupSize(KVCache):
 
 
 def _device_causal_query_axis_wrong(live_len: int, n: int, window_size: int | None = None, xp: Any = None) -> Any:
-    """``impl.masks.causal_mask`` with the device (MLX) build's query axis
+    """``kvspec.impl.masks.causal_mask`` with the device (MLX) build's query axis
     taken from the keys' range: right on the host, wrong on CUDA's path."""
     xp = impl_masks.mask_namespace() if xp is None else xp
     if xp is np:
@@ -177,67 +177,67 @@ class NbytesCountsKeysTwice(KVCache):
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
-        "max_kv_size_rings_drop_undo", "spec.models.prompt_cache_layout (every ring's undo is max(undo, num_draft_tokens))",
+        "max_kv_size_rings_drop_undo", "kvspec.spec.models.prompt_cache_layout (every ring's undo is max(undo, num_draft_tokens))",
         "make_prompt_cache dropping a ring's undo depth under max_kv_size", "models", ("fp16",),
-        "impl.models.make_prompt_cache", "the rings built from max_kv_size get no undo log",
+        "kvspec.impl.models.make_prompt_cache", "the rings built from max_kv_size get no undo log",
         {"models": {"models": RingsUnderMaxKvSizeDropUndo}},
     ),
     InjectedBug(
-        "delegated_settings_dropped", "spec.models.prompt_cache_layout (Delegated layers carry hot_threshold, fold_block)",
+        "delegated_settings_dropped", "kvspec.spec.models.prompt_cache_layout (Delegated layers carry hot_threshold, fold_block)",
         "make_prompt_cache dropping a Delegated cache's settings", "models", ("fp16",),
-        "impl.models.make_prompt_cache", "Delegated layers get the default hot_threshold and fold_block",
+        "kvspec.impl.models.make_prompt_cache", "Delegated layers get the default hot_threshold and fold_block",
         {"models": {"models": DelegatedSettingsDropped}},
     ),
     InjectedBug(
-        "metadata_keys_lstripped", "spec.models.loaded_metadata (keys come back verbatim)",
+        "metadata_keys_lstripped", "kvspec.spec.models.loaded_metadata (keys come back verbatim)",
         "load_prompt_cache mangling metadata keys with lstrip('0.') ('0shot' -> 'shot')", "models",
-        ("fp16",), "impl.models.load_prompt_cache", "the '0.' prefix stripped as a set of characters",
+        ("fp16",), "kvspec.impl.models.load_prompt_cache", "the '0.' prefix stripped as a set of characters",
         {"models": {"models": MetadataKeysLstripped}},
     ),
     InjectedBug(
-        "mechanism_reads_env_first", "spec.models.inplace_mechanism (numpy off CUDA, whatever KV_CUDA_INPLACE says)",
+        "mechanism_reads_env_first", "kvspec.spec.models.inplace_mechanism (numpy off CUDA, whatever KV_CUDA_INPLACE says)",
         "the write layer reading the environment before the backend", "models", ("fp16",),
-        "impl.write.inplace_mechanism", "a set KV_CUDA_INPLACE picks a CUDA mechanism on the CPU",
+        "kvspec.impl.write.inplace_mechanism", "a set KV_CUDA_INPLACE picks a CUDA mechanism on the CPU",
         {"models": {"models": MechanismReadsEnvFirst}}, device="cpu",  # on CUDA the variable is read by right
     ),
     InjectedBug(
-        "portable_bf16_through_fp16", "spec.rows.element_bits (bfloat16's own bit patterns)",
+        "portable_bf16_through_fp16", "kvspec.spec.rows.element_bits (bfloat16's own bit patterns)",
         "the portable rows' bfloat16", "models", ("fp16",),
-        "fuzz.rows.rows (portable)", "bfloat16 portable rows are the float16 rows cast",
+        "kvspec.fuzz.rows.rows (portable)", "bfloat16 portable rows are the float16 rows cast",
         {"models": {"models": PortableBfloat16ThroughFloat16}},
     ),
     InjectedBug(
-        "portable_step_order", "spec.rows.scramble (multiply, then xorshift)",
+        "portable_step_order", "kvspec.spec.rows.scramble (multiply, then xorshift)",
         "the portable rows' step order", "models", ("fp16",),
-        "fuzz.rows.portable_bits", "the scramble's two steps swapped",
+        "kvspec.fuzz.rows.portable_bits", "the scramble's two steps swapped",
         {"models": {"models": PortableStepOrder}},
     ),
     InjectedBug(
-        "to_quantized_drops_live_start", "spec.models.to_quantized (offset and live_start kept)",
+        "to_quantized_drops_live_start", "kvspec.spec.models.to_quantized (offset and live_start kept)",
         "to_quantized dropping live_start", "models", ("fp16",),
         "KVCache.to_quantized", "the Int8 copy adopts the rows at live_start 0",
         {"models": {"dense": ToQuantizedDropsLiveStart}},
     ),
     InjectedBug(
-        "to_quantized_drops_dtype", "spec.models.to_quantized (rows read back in their dtype)",
+        "to_quantized_drops_dtype", "kvspec.spec.models.to_quantized (rows read back in their dtype)",
         "to_quantized dropping the rows' dtype", "models", ("fp16",),
         "KVCache.to_quantized", "the Int8 copy dequantizes to float16 whatever the rows' dtype",
         {"models": {"dense": ToQuantizedDropsDtype}},
     ),
     InjectedBug(
-        "to_quantized_drops_group_size", "spec.models.to_quantized (the requested group_size kept)",
+        "to_quantized_drops_group_size", "kvspec.spec.models.to_quantized (the requested group_size kept)",
         "to_quantized(bits=4) dropping group_size", "models", ("fp16",),
         "KVCache.to_quantized", "the QuantizedKVCache hand-off quantizes at group_size 64 whatever was asked",
         {"models": {"dense": ToQuantizedDropsGroupSize}},
     ),
     InjectedBug(
-        "device_mask_query_axis", "spec.dense.dense_make_mask (query i at position live_len + i)",
+        "device_mask_query_axis", "kvspec.spec.dense.dense_make_mask (query i at position live_len + i)",
         "the mask built on the device with the query axis wrong", "models", ("fp16",),
-        "impl.masks.causal_mask (MLX build)", "on the device path every query sits at the first query's position",
+        "kvspec.impl.masks.causal_mask (MLX build)", "on the device path every query sits at the first query's position",
         {"models": {"dense": DeviceMaskQueryAxis}},
     ),
     InjectedBug(
-        "nbytes_counts_keys_twice", "spec.models.nbytes (each stored array counted once)",
+        "nbytes_counts_keys_twice", "kvspec.spec.models.nbytes (each stored array counted once)",
         "nbytes counting the keys twice", "models", ("fp16",),
         "KVCache.nbytes", "the keys' bytes are added twice",
         {"models": {"dense": NbytesCountsKeysTwice}},

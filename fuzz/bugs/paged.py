@@ -7,10 +7,10 @@ import copy
 
 import mlx.core as mx
 
-from fuzz.bugs import InjectedBug
-from impl.dense import _check_rows
-from impl.paged import BlockPool, BlockTable, PagedKVCache, Sequence, table_len
-from spec.errors import InvalidArgumentError, StateError
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl.dense import _check_rows
+from kvspec.impl.paged import BlockPool, BlockTable, PagedKVCache, Sequence, table_len
+from kvspec.spec.errors import InvalidArgumentError, StateError
 
 
 class NoCopyOnWrite(BlockPool):
@@ -225,7 +225,7 @@ class MaskChecksCountBeforeSpent(PagedKVCache):
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
-        "paged_no_cow", "semantics.md 4, copy on write (spec.paged.needs_copy_on_write)",
+        "paged_no_cow", "semantics.md 4, copy on write (kvspec.spec.paged.needs_copy_on_write)",
         "public fault: prefix caches in paged engines handing a shared block to a writer", "paged", ("fp16",),
         "BlockPool._needs_copy_on_write",
         "a write into a block of refcount > 1 goes straight into it; the forked sequence sees the write",
@@ -233,7 +233,7 @@ BUGS: tuple[InjectedBug, ...] = (
         variants=(("isolation only", {}, False),),
     ),
     InjectedBug(
-        "paged_table_from_visible_len", "semantics.md 4, where a row lives (tables indexed by absolute position; spec.paged.table_len)",
+        "paged_table_from_visible_len", "semantics.md 4, where a row lives (tables indexed by absolute position; kvspec.spec.paged.table_len)",
         "public fault: block tables sized from the visible length (slid-off rows come back)", "paged", ("fp16",),
         "BlockPool._table_entries",
         "after a front trim, trims size the table from length - start and drop blocks still visible",
@@ -245,7 +245,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "trim cuts the table without releasing the tail blocks (refcount invariant)", {"paged": TrimKeepsTail},
     ),
     InjectedBug(
-        "paged_release_frees_shared", "semantics.md 4, fork / release (release lowers each refcount by one; spec.paged.release_block)",
+        "paged_release_frees_shared", "semantics.md 4, fork / release (release lowers each refcount by one; kvspec.spec.paged.release_block)",
         "public fault: freed blocks still referenced", "paged", ("fp16",), "BlockPool.release",
         "release frees blocks other sequences still hold", {"paged": ReleaseFreesShared},
     ),
@@ -255,59 +255,59 @@ BUGS: tuple[InjectedBug, ...] = (
         "copy-on-write copies the block but leaves the old block's refcount raised", {"paged": CowKeepsOldRefcount},
     ),
     InjectedBug(
-        "paged_exhaustion_half_allocates", "semantics.md 5.5 atomicity (spec.paged.reserve: refuse before allocating)",
+        "paged_exhaustion_half_allocates", "semantics.md 5.5 atomicity (kvspec.spec.paged.reserve: refuse before allocating)",
         "public fault: allocation failures leaving partial block tables", "paged", ("fp16",), "BlockPool._reserve",
         "a refused append leaves the pool grown and free blocks taken by the writer's table",
         {"paged": ExhaustionHalfAllocates},
     ),
     InjectedBug(
-        "paged_copy_aliases_sequence", "spec.paged.copy_refused (fork is the paged copy)",
+        "paged_copy_aliases_sequence", "kvspec.spec.paged.copy_refused (fork is the paged copy)",
         "mlx-lm LRUPromptCache deep-copies a cached prompt on every fetch", "paged", ("fp16",),
         "PagedKVCache.__copy__/__deepcopy__", "copies of a sequence's handle alias the sequence or the pool's memory",
         {"paged": CopyAliasesSequence},
     ),
     InjectedBug(
-        "paged_dtype_unchecked", "spec.paged.append_mismatch (rows match the pool's [H, D] and dtype)",
+        "paged_dtype_unchecked", "kvspec.spec.paged.append_mismatch (rows match the pool's [H, D] and dtype)",
         "a request in another dtype joining a shared pool", "paged", ("fp16",),
         "BlockPool._check_compatible", "rows of another dtype are cast into the slabs, not refused",
         {"paged": PoolDtypeUnchecked},
     ),
     InjectedBug(
-        "paged_spent_handle_by_name", "spec.paged.handle_reuse (a released sequence's handle is spent)",
+        "paged_spent_handle_by_name", "kvspec.spec.paged.handle_reuse (a released sequence's handle is spent)",
         "schedulers that keep a finished request's cache object", "paged", ("fp16",),
         "PagedKVCache._live", "a released sequence's handle finds its sequence by name: refused as an unknown name, and "
         "once a fork takes the name it writes into that sequence",
         {"paged": SpentHandleByName},
     ),
     InjectedBug(
-        "paged_sink_trim_spent_handle", "spec.paged.handle_reuse (every method of a released sequence's handle refuses)",
+        "paged_sink_trim_spent_handle", "kvspec.spec.paged.handle_reuse (every method of a released sequence's handle refuses)",
         "a handle method that forgets the spent-handle check the others keep (breaker sweep)", "paged",
         ("fp16",), "PagedKVCache.trim_front_keep_sink", "trim_front_keep_sink on a spent handle reaches the pool "
         "by name: it front-trims the sequence that took the name since, or is refused in the pool's words",
         {"paged": SinkTrimSkipsSpentCheck},
     ),
     InjectedBug(
-        "paged_mask_spent_after_count", "spec.paged.handle_reuse (a spent handle refuses whatever the arguments)",
+        "paged_mask_spent_after_count", "kvspec.spec.paged.handle_reuse (a spent handle refuses whatever the arguments)",
         "a spent-handle check placed after the argument checks (breaker sweep)", "paged",
         ("fp16",), "PagedKVCache.make_mask", "make_mask(0) on a spent handle is refused as a bad count "
         "(InvalidArgumentError), not as spent (StateError)",
         {"paged": MaskChecksCountBeforeSpent},
     ),
     InjectedBug(
-        "paged_file_saves_sequence", "spec.paged.reload (a file cannot hold a paged sequence)",
+        "paged_file_saves_sequence", "kvspec.spec.paged.reload (a file cannot hold a paged sequence)",
         "prompt-cache files of pool-backed caches", "paged", ("fp16",),
         "PagedKVCache.refuse_prompt_cache_file", "a sequence is saved as its gathered rows and loads as a pool of its own",
         {"paged": FileSavesSequence},
     ),
     InjectedBug(
-        "paged_state_load_releases_first", "spec.paged.load_state (fresh blocks first, the old ones released after)",
+        "paged_state_load_releases_first", "kvspec.spec.paged.load_state (fresh blocks first, the old ones released after)",
         "mlx-lm's load order (state, then meta_state) on a pool sequence", "paged", ("fp16",),
         "PagedKVCache.state (setter)", "the setter frees the sequence's blocks before writing the rows into them",
         {"paged": StateLoadReleasesFirst},
     ),
     InjectedBug(
         "paged_state_assign_releases_first",
-        "spec.paged.state_assign (fresh blocks first, the old ones released after; a refusal changes nothing)",
+        "kvspec.spec.paged.state_assign (fresh blocks first, the old ones released after; a refusal changes nothing)",
         "a state setter that frees the old blocks before a refusal can come (breaker sweep)", "paged",
         ("fp16",), "PagedKVCache.state (setter)", "an assignment of more rows than the sequence's blocks hold "
         "releases the old blocks first: other blocks than the rule's, and a refused (pool-exhausted) assignment "

@@ -1,4 +1,4 @@
-"""Injected bugs of the prefix cache (``impl.prefix.PrefixCachePool``).
+"""Injected bugs of the prefix cache (``kvspec.impl.prefix.PrefixCachePool``).
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type. Each bug
 is a subclass of ``PrefixCachePool`` that replaces one method (or the one
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fuzz.bugs import InjectedBug
-from impl.prefix import AdmitResult, PrefixCachePool, _Request, blocks_for, max_hit_blocks
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl.prefix import AdmitResult, PrefixCachePool, _Request, blocks_for, max_hit_blocks
 
 # -- allocation and eviction (_take: pop the free queue's front, evict a keyed block) --------
 

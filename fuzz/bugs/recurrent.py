@@ -1,5 +1,5 @@
 """Injected bugs of the recurrent layer's cache and its step recorder
-(``impl.recurrent``: ``RecurrentCache``, ``record_steps``).
+(``kvspec.impl.recurrent``: ``RecurrentCache``, ``record_steps``).
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type. A bug of
 the cache is a subclass of ``RecurrentCache``; a bug of the recorder is a
@@ -14,8 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuzz.bugs import InjectedBug
-from impl.recurrent import (
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl.recurrent import (
     RecurrentCache,
     RecurrentSnapshot,
     _mixers,
@@ -150,7 +150,7 @@ def _wrong_end_call(original: Any, sig: inspect.Signature, unread: frozenset[str
 
 
 def record_steps_wrong_end(model: Any) -> int:
-    """``impl.recurrent.record_steps`` that splits the wrong end of a call
+    """``kvspec.impl.recurrent.record_steps`` that splits the wrong end of a call
     (:func:`_wrong_end_call`): a verify block's checkpoints are those of
     its first tokens, and a long block (S > U) ends with coverage 0."""
     n = 0
@@ -176,7 +176,7 @@ BUGS: tuple[InjectedBug, ...] = (
         {"recurrent": ConvWindowNotRolledBack},
     ),
     InjectedBug(
-        "checkpoint_ring_one_short", "semantics.md 9, the checkpoint ring (U + 1 slots, spec.recurrent.slot)",
+        "checkpoint_ring_one_short", "semantics.md 9, the checkpoint ring (U + 1 slots, kvspec.spec.recurrent.slot)",
         "ring buffers one slot short (the undo log's undo_log_one_short, for checkpoints)", "recurrent", ("fp16",),
         "RecurrentCache._put/trim", "the ring has U slots: a rollback of exactly U tokens restores the live arrays",
         {"recurrent": CheckpointRingOneShort},
@@ -201,7 +201,7 @@ BUGS: tuple[InjectedBug, ...] = (
     ),
     InjectedBug(
         "recorder_splits_wrong_end", "semantics.md 9, the step recorder (the last min(S, U) tokens one by one)",
-        "splitting a verify block at the wrong end", "recurrent", ("fp16",), "impl.recurrent.record_steps",
+        "splitting a verify block at the wrong end", "recurrent", ("fp16",), "kvspec.impl.recurrent.record_steps",
         "the recorder runs the first min(S, U) tokens one by one and the rest as a block",
         {"recurrent": {"record_steps": record_steps_wrong_end}},
     ),

@@ -1,4 +1,4 @@
-"""Injected bugs of the sliding-window cache (``impl.rotating.RotatingKVCache``).
+"""Injected bugs of the sliding-window cache (``kvspec.impl.rotating.RotatingKVCache``).
 
 See ``fuzz/bugs/__init__.py`` for the catalog and the entry type.
 """
@@ -11,9 +11,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.bugs import InjectedBug
-from impl.dense import SEQ_AXIS
-from impl.rotating import RotatingKVCache
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl.dense import SEQ_AXIS
+from kvspec.impl.rotating import RotatingKVCache
 
 
 class SteadyStateInplace(RotatingKVCache):
@@ -311,7 +311,7 @@ BUGS: tuple[InjectedBug, ...] = (
         "a multi-row append does not log the old row it drops", {"rotating": BlockDropsUnlogged},
     ),
     InjectedBug(
-        "load_keeps_undo_log", "spec.rotating.w_reload (a load acts as a restore: empty undo log)",
+        "load_keeps_undo_log", "kvspec.spec.rotating.w_reload (a load acts as a restore: empty undo log)",
         "mlx-lm's load_prompt_cache sets state, then meta_state", "rotating", ("fp16",),
         "RotatingKVCache.state/meta_state setters", "loading over a ring keeps its undo log",
         {"rotating": LoadKeepsUndoLog},

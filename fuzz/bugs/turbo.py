@@ -1,9 +1,9 @@
-"""Injected bugs of the Turbo modes (``impl.turbo``): kvtrace kind
+"""Injected bugs of the Turbo modes (``kvspec.impl.turbo``): kvtrace kind
 ``dense``, modes ``turbo4asym``, ``turbo4``, ``turbo3asym``,
 ``turbo4delegated``.
 
 Each entry is a subclass of ``TurboKVCache`` or ``DelegatedKVCache`` that
-breaks one rule of ``spec.turbo`` / ``spec.dense`` (the clause it names);
+breaks one rule of ``kvspec.spec.turbo`` / ``kvspec.spec.dense`` (the clause it names);
 see ``fuzz/bugs/__init__.py``. The harness (``fuzz/turbo.py``) must catch
 every one from every seed.
 """
@@ -14,11 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuzz.bugs import InjectedBug
-from impl import turbo_quant as tq
-from impl.dense import _check_rows, write_rows_inplace
-from impl.turbo import DelegatedKVCache, Store, TurboKVCache, _check_int, _cut
-from spec.turbo import check_head_dim
+from kvspec.fuzz.bugs import InjectedBug
+from kvspec.impl import turbo_quant as tq
+from kvspec.impl.dense import _check_rows, write_rows_inplace
+from kvspec.impl.turbo import DelegatedKVCache, Store, TurboKVCache, _check_int, _cut
+from kvspec.spec.turbo import check_head_dim
 
 
 class LogicalTrimTurbo(TurboKVCache):
@@ -229,7 +229,7 @@ class SaveDropsFoldBlock(DelegatedKVCache):
         return (str(self.hot_threshold),)
 
 
-CLAUSE_TRIM = "spec.dense.trim / spec.turbo.array_rows (Turbo trims are physical: every buffer cut to the live rows)"
+CLAUSE_TRIM = "kvspec.spec.dense.trim / kvspec.spec.turbo.array_rows (Turbo trims are physical: every buffer cut to the live rows)"
 
 BUGS: tuple[InjectedBug, ...] = (
     InjectedBug(
@@ -239,35 +239,35 @@ BUGS: tuple[InjectedBug, ...] = (
         {"dense": LogicalTrimTurbo},
     ),
     InjectedBug(
-        "turbo_sidecar_not_trimmed", "spec.turbo.array_rows (every sidecar cut in lockstep)",
+        "turbo_sidecar_not_trimmed", "kvspec.spec.turbo.array_rows (every sidecar cut in lockstep)",
         "semantics.md 2 'Trim family': every buffer and sidecar cut to exactly the live rows",
         "dense", ("turbo4asym",), "TurboKVCache.trim",
         "a trim cuts the packed indices but not the norm/rescale sidecars",
         {"dense": SidecarNotTrimmed},
     ),
     InjectedBug(
-        "turbo3_pack_truncates", "spec.turbo.check_head_dim (3-bit needs head_dim % 8 == 0)",
+        "turbo3_pack_truncates", "kvspec.spec.turbo.check_head_dim (3-bit needs head_dim % 8 == 0)",
         "semantics.md 2 'Quantized storage': a size truncation in 3-bit packing is a known bug class",
         "dense", ("turbo3asym",), "TurboKVCache._check_new_rows, _pack, _unpack",
         "3-bit packing accepts head_dim 4 and packs 3 * 4 // 8 = 1 byte for 12 bits",
         {"dense": Pack3Truncates},
     ),
     InjectedBug(
-        "delegated_trim_cold_first", "spec.turbo.trim_split (hot rows first, then cold)",
+        "delegated_trim_cold_first", "kvspec.spec.turbo.trim_split (hot rows first, then cold)",
         "semantics.md 2 'Trim family': Turbo4Delegated trims the hot part first",
         "dense", ("turbo4delegated",), "DelegatedKVCache.trim",
         "a Delegated trim removes cold rows before hot ones",
         {"dense": DelegatedTrimColdFirst},
     ),
     InjectedBug(
-        "delegated_fold_one_too_many", "spec.turbo.fold_schedule (min(fold_block, hot) rows per fold)",
+        "delegated_fold_one_too_many", "kvspec.spec.turbo.fold_schedule (min(fold_block, hot) rows per fold)",
         "semantics.md 2 'Quantized storage': Turbo4Delegated fold schedule",
         "dense", ("turbo4delegated",), "DelegatedKVCache._fold_count",
         "a fold moves one row more than the schedule",
         {"dense": FoldOneTooMany},
     ),
     InjectedBug(
-        "delegated_fold_one_too_few", "spec.turbo.fold_schedule (min(fold_block, hot) rows per fold)",
+        "delegated_fold_one_too_few", "kvspec.spec.turbo.fold_schedule (min(fold_block, hot) rows per fold)",
         "semantics.md 2 'Quantized storage': Turbo4Delegated fold schedule",
         "dense", ("turbo4delegated",), "DelegatedKVCache._fold_count",
         "a fold moves one row fewer than the schedule",
@@ -281,7 +281,7 @@ BUGS: tuple[InjectedBug, ...] = (
         {"dense": Turbo4SharedSigns},
     ),
     InjectedBug(
-        "turbo_write_in_place", "spec.dense.inplace_write_allowed (Turbo writes always copy)",
+        "turbo_write_in_place", "kvspec.spec.dense.inplace_write_allowed (Turbo writes always copy)",
         "semantics.md 2 'The two write paths': Int8 and Turbo modes always copy",
         "dense", ("turbo4asym", "turbo4"), "TurboKVCache._appended",
         "a Turbo append writes into the shared buffers when the rows fit",
@@ -303,7 +303,7 @@ BUGS: tuple[InjectedBug, ...] = (
         {"dense": NormScaledWrong},
     ),
     InjectedBug(
-        "delegated_save_drops_fold_block", "spec.dense.w_reload (a load keeps every setting of the saved cache)",
+        "delegated_save_drops_fold_block", "kvspec.spec.dense.w_reload (a load keeps every setting of the saved cache)",
         "a meta_state field dropped on both sides of a prompt-cache file round-trips its own counters",
         "dense", ("turbo4delegated",), "DelegatedKVCache._extra_meta",
         "a Delegated save drops fold_block and its load takes the default: the loaded cache folds other blocks",

@@ -53,9 +53,9 @@ def command_argv(words: list[str]) -> list[str]:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Check an adapter program (``CMD ...``) or a cache class
-    (``--target module:Class``); see fuzz.adapter_check."""
-    from fuzz.adapter_check import check_class, check_command
-    from fuzz.targets import TargetError
+    (``--target module:Class``); see kvspec.fuzz.adapter_check."""
+    from kvspec.fuzz.adapter_check import check_class, check_command
+    from kvspec.fuzz.targets import TargetError
 
     console = _console()
     words = list(args.cmd or [])
@@ -132,7 +132,7 @@ def cmd_new(args: argparse.Namespace) -> int:
         return _usage(console, f"adapter new: {args.dir} exists and is not an empty folder; nothing was written "
                                "(give a new folder)")
     files = SKELETONS[args.lang]
-    source = resources.files("fuzz").joinpath("skeletons")
+    source = resources.files("kvspec.fuzz").joinpath("skeletons")
     try:
         for out, name in files.items():
             path = folder / out

@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fuzz.bugs.dense import PhysicalTrimFp16
-from impl.dense import KVCache
+from kvspec.fuzz.bugs.dense import PhysicalTrimFp16
+from kvspec.impl.dense import KVCache
 
 HEADS, DIM = 8, 128
 #: timed rounds per operation and context (medians of these)
@@ -167,7 +167,7 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
               rounds: int | None = None, e2e_contexts: list[int] | None = None, tokens: int = 16, repeats: int = 12,
               as_json: bool = False, record: str | None = None, e2e_size: str = "7b") -> int:
     """The cache rows (:func:`run`'s), the decoder rows and the end-to-end
-    rows (fuzz.commands.bench_decoder) in one run; printed as tables, or one
+    rows (kvspec.fuzz.commands.bench_decoder) in one run; printed as tables, or one
     JSON object; with ``record`` also written as a record (JSON, Markdown,
     PNG) under that folder. Exit 0."""
     import io
@@ -175,9 +175,9 @@ def run_suite(contexts: list[int], decoder: bool = True, e2e: bool = False, laye
     from contextlib import redirect_stdout
     from datetime import date
 
-    from fuzz.commands import bench_decoder as bd
-    from fuzz.device import current
-    from impl.write import backend, inplace_mechanism
+    from kvspec.fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.device import current
+    from kvspec.impl.write import backend, inplace_mechanism
 
     err = Console(stderr=True, highlight=False, emoji=False)
     gpu = current() == "gpu"
@@ -292,7 +292,7 @@ def paired_table(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[
     median, a 95 % interval of that median (:func:`median_interval`; None
     with fewer than 6 blocks), its range and the blocks in which the config
     was the faster, for every config but mlx-lm's."""
-    from fuzz.commands import bench_decoder as bd
+    from kvspec.fuzz.commands import bench_decoder as bd
 
     out: dict[str, dict[str, dict[str, dict]]] = {}
     for row, by in samples.items():

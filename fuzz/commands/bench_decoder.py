@@ -97,7 +97,7 @@ def _floor(context: int, layers: int, dtype: Any, queries: int = 1) -> Callable[
     with no write, for ``queries`` queries (a rollback of k rows attends
     with k). Fresh arrays of exactly the window's length are a different
     layout from a cache's window and timed differently."""
-    from impl.dense import KVCache
+    from kvspec.impl.dense import KVCache
 
     caches = [KVCache("fp16", step=256, inplace=False) for _ in range(layers)]
     pre = _rows(context + queries, dtype, 1)
@@ -145,10 +145,10 @@ def decoder_rows(context: int, layers: int, dtype: Any) -> dict[str, Callable[[]
     row's caches at a time)."""
     from mlx_lm.models import cache as mc
 
-    from impl.dense import KVCache
-    from impl.paged import PagedKVCache
-    from impl.rotating import RotatingKVCache
-    from impl.turbo import TurboKVCache
+    from kvspec.impl.dense import KVCache
+    from kvspec.impl.paged import PagedKVCache
+    from kvspec.impl.rotating import RotatingKVCache
+    from kvspec.impl.turbo import TurboKVCache
 
     def ours(inplace: bool, mode: str = "fp16") -> Callable[[], Any]:
         return lambda: KVCache(mode, step=256, inplace=inplace)
@@ -226,7 +226,7 @@ def run_decoder(contexts: list[int], layers: int, rounds: int,
 
     Each comparison (:func:`groups`: ours, mlx-lm's, their floor) is
     measured at every context in one round-robin by ``interleave`` (ticks,
-    rounds) -> median seconds per tick (fuzz.commands.bench's), so drift in
+    rounds) -> median seconds per tick (kvspec.fuzz.commands.bench's), so drift in
     the machine's load or clocks falls on ours and mlx-lm's alike; one
     group's caches exist at a time (memory). A floor measured in several
     groups is reported as the median of its groups' medians."""
@@ -361,8 +361,8 @@ def e2e_configs() -> dict[str, Callable[[Any], list[Any]]]:
     """Config name -> prompt-cache maker for a model."""
     from mlx_lm.models import cache as mc
 
-    from fuzz.bugs.dense import PhysicalTrimFp16
-    from impl.models import make_prompt_cache
+    from kvspec.fuzz.bugs.dense import PhysicalTrimFp16
+    from kvspec.impl.models import make_prompt_cache
 
     return {
         "mlx-lm caches": lambda m: mc.make_prompt_cache(m),

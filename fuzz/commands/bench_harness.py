@@ -47,11 +47,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fuzz import kinds
-from fuzz import rows as rowgen
-from fuzz.campaign import Campaign
-from fuzz.replay import make_lockstep
-from spec.errors import KVCacheError
+from kvspec.fuzz import kinds
+from kvspec.fuzz import rows as rowgen
+from kvspec.fuzz.campaign import Campaign
+from kvspec.fuzz.replay import make_lockstep
+from kvspec.spec.errors import KVCacheError
 
 #: the columns, in the order the table prints them (``*_ops_s`` keys)
 PASSES = ("campaign_all", "campaign", "lockstep", "reads", "spec_impl", "impl")
@@ -194,7 +194,7 @@ def measure(
     """Every pass for one campaign (module docstring). ``seed``: verify's
     fixed seed when None."""
     if seed is None:
-        from fuzz.commands.verify import CAMPAIGN_SEED
+        from kvspec.fuzz.commands.verify import CAMPAIGN_SEED
 
         seed = CAMPAIGN_SEED
     rep, runs, warm = record_campaign(kind, mode, inplace, batches, seed)
@@ -256,7 +256,7 @@ def run(only: list[str] | None = None, batches: int = 3, as_json: bool = False) 
         return 2
     chosen = [c for c in configs() if not only or any(word in label(*c) for word in only)]
     if not chosen:
-        from fuzz.commands.reports import suggest
+        from kvspec.fuzz.commands.reports import suggest
 
         words = sorted({part for name in every for part in name.split("/")}) + every
         hints = "".join(f" {w!r}{suggest(w, words)}" for w in (only or []) if suggest(w, words))

@@ -3,8 +3,8 @@ recurrent layers costs (docs/recurrent.md).
 
 The recurrent layers of a hybrid model (qwen3_next's GatedDeltaNet, lfm2's
 short conv) roll back exactly through the checkpoints of
-``impl.recurrent.RecurrentCache``, which the **step recorder**
-(``impl.recurrent.record_steps``) fills: a verify block of ``k + 1`` tokens
+``kvspec.impl.recurrent.RecurrentCache``, which the **step recorder**
+(``kvspec.impl.recurrent.record_steps``) fills: a verify block of ``k + 1`` tokens
 on caches of depth ``k`` runs the recurrent layers one token at a time.
 This bench measures that price, on random-weight models of realistic layer
 shapes (:data:`SHAPES`; bfloat16 on a GPU, float32 on the CPU):
@@ -17,13 +17,13 @@ shapes (:data:`SHAPES`; bfloat16 on a GPU, float32 on the CPU):
   with the recorder off (depth 0: one block call, no rollback possible),
   and plain decoding of the same ``k + 1`` tokens one call each (depth 0,
   recorder off, logits evaluated after every token as a greedy decoder
-  needs them); the rollback itself (``impl.models.trim_prompt_cache`` of
+  needs them); the rollback itself (``kvspec.impl.models.trim_prompt_cache`` of
   ``n`` = 1..k tokens after a verify block, host time: it builds no
   arrays). Every row of one (model, context) is timed in one round-robin
   (round ``r`` starts at a different row), so each round's ratios divide
   out the host's slow stretches; each cell is the median of the rounds
   with a distribution-free 95 % interval of the median
-  (``fuzz.commands.bench.median_interval``), and each ratio the median of
+  (``kvspec.fuzz.commands.bench.median_interval``), and each ratio the median of
   the rounds' ratios with its interval.
 * **memory**: the bytes the checkpoint ring holds beyond the live arrays,
   per recurrent layer and in total (after a verify block: coverage ``k``),
@@ -36,7 +36,7 @@ shapes (:data:`SHAPES`; bfloat16 on a GPU, float32 on the CPU):
   model of the same shape (nearly every draft rejected: a rollback of k
   every round), against greedy ``generate_step`` with mlx-lm's caches and
   with ours (depth 0), in blocks the configs decode in turn from caches
-  kept alive, paired block by block (``fuzz.commands.bench.paired_table``).
+  kept alive, paired block by block (``kvspec.fuzz.commands.bench.paired_table``).
 
 Times are wall seconds of this machine (``time.perf_counter``); only
 ratios within one run mean anything across machines. No verdict depends on
@@ -55,7 +55,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuzz.commands.bench import round_robin
+from kvspec.fuzz.commands.bench import round_robin
 
 #: the model shapes, per size: ``full`` (the GPU default: hidden 2048, a
 #: Qwen3-Next-80B / LFM2-1.2B layer (Qwen3-Next's GatedDeltaNet heads and
@@ -141,7 +141,7 @@ def _tokens(n: int, vocab: int, salt: int = 0) -> mx.array:
 
 
 def _recurrent(caches: list[Any]) -> list[Any]:
-    from impl.recurrent import RecurrentCache
+    from kvspec.impl.recurrent import RecurrentCache
 
     return [c for c in caches if isinstance(c, RecurrentCache)]
 
@@ -149,7 +149,7 @@ def _recurrent(caches: list[Any]) -> list[Any]:
 def _recorder(model: Any, on: bool) -> None:
     """The step recorder on or off on this model instance (class swaps,
     outside every timed span)."""
-    from impl.recurrent import record_steps, unrecord_steps
+    from kvspec.impl.recurrent import record_steps, unrecord_steps
 
     (record_steps if on else unrecord_steps)(model)
 
@@ -161,11 +161,11 @@ def _live(caches: list[Any]) -> list[Any]:
 
 
 def filled_caches(model: Any, family: str, size: str, context: int, depth: int, dtype: Any) -> list[Any]:
-    """Our caches (``impl.models.make_prompt_cache``, recurrent depth
+    """Our caches (``kvspec.impl.models.make_prompt_cache``, recurrent depth
     ``depth``), the attention layers holding ``context`` rows of random keys
     and values, then a prompt of ``PROMPT`` tokens through the model (the
     recurrent layers' state; recorder on iff ``depth > 0``)."""
-    from impl.models import make_prompt_cache
+    from kvspec.impl.models import make_prompt_cache
 
     caches = make_prompt_cache(model, num_draft_tokens=depth)
     heads, dim = _kv_shape(family, size)
@@ -228,10 +228,10 @@ def plain_tick(model: Any, caches: list[Any], block: mx.array) -> Callable[[], f
 
 def rollback_tick(model: Any, caches: list[Any], block: mx.array, n: int) -> Callable[[], float]:
     """Each call runs a verify block (untimed, recorder on), then times
-    ``impl.models.trim_prompt_cache(caches, n)``; raises RuntimeError when
+    ``kvspec.impl.models.trim_prompt_cache(caches, n)``; raises RuntimeError when
     the caches do not trim ``n`` tokens (a refused rollback is a failure of
     the bench's set-up, not a figure)."""
-    from impl.models import trim_prompt_cache
+    from kvspec.impl.models import trim_prompt_cache
 
     def tick() -> float:
         _recorder(model, True)
@@ -252,7 +252,7 @@ def rollback_tick(model: Any, caches: list[Any], block: mx.array, n: int) -> Cal
 def summary(values: list[float]) -> dict[str, Any]:
     """``{"median", "ci_low", "ci_high", "runs"}``: the median and its
     distribution-free 95 % interval (None with fewer than 6 values)."""
-    from fuzz.commands.bench import median_interval
+    from kvspec.fuzz.commands.bench import median_interval
 
     ci = median_interval(values)
     return {"median": statistics.median(values), "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
@@ -347,8 +347,8 @@ def e2e_rows(family: str, size: str, contexts: list[int], tokens: int, repeats: 
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.models import cache as mc
 
-    from fuzz.commands import bench_decoder as bd
-    from impl.models import make_prompt_cache
+    from kvspec.fuzz.commands import bench_decoder as bd
+    from kvspec.impl.models import make_prompt_cache
 
     target = build_model(family, size, 0, dtype)
     other = build_model(family, size, 1, dtype)
@@ -410,7 +410,7 @@ def e2e_rows(family: str, size: str, contexts: list[int], tokens: int, repeats: 
 
 # -- the run -----------------------------------------------------------------------
 def default_size() -> str:
-    from fuzz.device import current
+    from kvspec.fuzz.device import current
 
     return "full" if current() == "gpu" else "small"
 
@@ -426,7 +426,7 @@ def run(contexts: list[int], size: str | None = None, rounds: int | None = None,
 
     from rich.console import Console
 
-    from fuzz.device import current
+    from kvspec.fuzz.device import current
 
     err = Console(stderr=True, highlight=False, emoji=False)
     say = say or (lambda m: err.print(m, markup=False))
@@ -464,7 +464,7 @@ def run(contexts: list[int], size: str | None = None, rounds: int | None = None,
         doc["families"][family] = fam
         del model, caches
         gc.collect()
-    from fuzz.commands.bench import paired_table
+    from kvspec.fuzz.commands.bench import paired_table
 
     e2e = e2e_rows("qwen3_next", size, e2e_contexts, tokens, repeats, dtype, say=say)
     doc["e2e"] = {"family": "qwen3_next", "k": E2E_K, "tokens": tokens, "repeats": repeats,
@@ -493,7 +493,7 @@ def _mib(n: int) -> str:
 
 def markdown(doc: dict[str, Any]) -> list[str]:
     """The record's tables, as Markdown lines."""
-    from fuzz.commands.bench import _paired_cell
+    from kvspec.fuzz.commands.bench import _paired_cell
 
     lines = [f"# kvspec bench --recurrent, {doc['date']}", "",
              f"- device: {doc['device']}" + (f", {doc['gpu']}" if doc.get("gpu") else "")
@@ -524,7 +524,7 @@ def markdown(doc: dict[str, Any]) -> list[str]:
     lines += [("Each ms cell: the median of the rounds, its distribution-free 95 % confidence interval in square "
               "brackets (none with fewer than 6 rounds); each ratio: the median of the rounds' ratios (every row of "
               "a context timed in one round-robin), with its interval. Rollback: host time of "
-              "`impl.models.trim_prompt_cache` (no arrays built)."), ""]
+              "`kvspec.impl.models.trim_prompt_cache` (no arrays built)."), ""]
     e = doc["e2e"]
     ctxs = [str(n) for n in e["contexts"]]
     lines += [f"## End to end, {e['family']} (k = {e['k']}): tokens/s", "", "| config | " + " | ".join(ctxs)

@@ -122,12 +122,12 @@ def run_campaign(args: argparse.Namespace, console: Any, usage_error: Any, db_sp
     a catalog name the caller checked."""
     from rich.markup import escape
 
-    from fuzz.hypofuzz_targets import configs
+    from kvspec.fuzz.hypofuzz_targets import configs
 
     only = ",".join(args.only or [])
     chosen = configs(only)
     if args.bug:  # a bug runs in its own configuration (fuzz/hypofuzz_targets.py)
-        from fuzz.bugs import by_name
+        from kvspec.fuzz.bugs import by_name
 
         bug = by_name(args.bug)
         chosen = [(bug.kind, bug.modes[0], bug.inplace)]

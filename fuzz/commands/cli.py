@@ -22,18 +22,18 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fuzz import kinds
-from fuzz.targets import BUILTIN
+from kvspec.fuzz import kinds
+from kvspec.fuzz.targets import BUILTIN
 
 DEFAULT_OUT = "fuzz-failures"
-#: fuzz.campaign.ENGINES, named here without importing MLX for --help
+#: kvspec.fuzz.campaign.ENGINES, named here without importing MLX for --help
 ENGINE_CHOICES = ("program", "stateful")
 #: the example database ``kvspec fuzz`` uses unless --db or $KVSPEC_DB says
 #: otherwise: Hypothesis's own folder (ignored by git), a subfolder for us
 DEFAULT_DB = ".hypothesis/kvspec-examples"
 # the registry is data (fuzz/kinds.py): reading it loads no MLX
 CONFIGS = kinds.configs()
-# fuzz.targets loads no MLX: the parser may read the built-in target names
+# kvspec.fuzz.targets loads no MLX: the parser may read the built-in target names
 TARGET_NAMES = list(BUILTIN)
 TARGET_HELP = ("implementation: " + ", ".join(TARGET_NAMES) + ", an installed kvspec.targets entry point, "
                "SCHEME:REST for a registered target scheme, or MODULE:ATTR naming a cache class or a "
@@ -51,9 +51,9 @@ def _console() -> Console:
 
 
 def _target(args: argparse.Namespace) -> Any:
-    """The ``--target`` (and ``--waive``) of a command as a fuzz.targets.Target.
+    """The ``--target`` (and ``--waive``) of a command as a kvspec.fuzz.targets.Target.
     Raises TargetError (a KeyError) naming the known targets."""
-    from fuzz.targets import resolve
+    from kvspec.fuzz.targets import resolve
 
     target = resolve(getattr(args, "target", None) or "impl")
     for what in getattr(args, "waive", None) or []:
@@ -80,8 +80,8 @@ def _find_bug(name: str, flag: str = "--bug", batch_ok: bool = False) -> Any:
     """The catalog entry ``name``; raises _UsageError naming the problem. A
     batch-cache bug (``fuzz/bugs/batch.py``) has no kvtrace kind: only
     ``batch_ok`` commands (``kvspec e2e``) take it."""
-    from fuzz import device
-    from fuzz.bugs import UnknownBugError, by_name
+    from kvspec.fuzz import device
+    from kvspec.fuzz.bugs import UnknownBugError, by_name
 
     try:
         bug = by_name(name)
@@ -176,9 +176,9 @@ def _replay_one(path: str, args: argparse.Namespace, console: Console, quiet: bo
     REPLAY_STATUSES: ``not applicable`` when the target cannot run the trace
     (exit 2 for this trace alone; a folder counts it apart), ``tool
     failure`` when the harness itself raised (exit 2, never a divergence)."""
-    from fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, EXIT_TRACE_CHECK, replay
-    from fuzz.targets import TargetCapabilityError, TargetError
-    from fuzz.trace import TraceFormatError, load
+    from kvspec.fuzz.replay import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, EXIT_TRACE_CHECK, replay
+    from kvspec.fuzz.targets import TargetCapabilityError, TargetError
+    from kvspec.fuzz.trace import TraceFormatError, load
 
     target: Any = None
     try:
@@ -279,7 +279,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     with several traces, the most severe among those the target could run
     (2 over 1 over 3 over 0; a trace the target cannot run is counted as
     not applicable, not failed; none it can run: 2)."""
-    from fuzz.commands.reports import Case, write_junit, write_sarif
+    from kvspec.fuzz.commands.reports import Case, write_junit, write_sarif
 
     console = _console()
     for flag in ("junit_xml", "sarif"):
@@ -293,7 +293,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _usage_error(console, f"trace: no kvtrace files in {', '.join(empty)}", args.json)
     many = len(paths) > 1 or any(Path(t).is_dir() for t in args.trace)
     if args.spec_only:
-        from fuzz.commands.record import cmd_replay_spec_only
+        from kvspec.fuzz.commands.record import cmd_replay_spec_only
 
         return cmd_replay_spec_only(args, paths, many, console, _usage_error)
     results = [_replay_one(path, args, console, quiet=args.json) for path in paths]
@@ -362,16 +362,16 @@ def render_command(trace: str, bug: str | None = None, isolation_only: bool = Fa
 
 # -- render --------------------------------------------------------------------
 def _cmd_record(args: argparse.Namespace) -> int:
-    from fuzz.commands.record import cmd_record
+    from kvspec.fuzz.commands.record import cmd_record
 
     return cmd_record(args, _console(), _usage_error)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from fuzz.render import page, svg, timeline
-    from fuzz.replay import EXIT_INVALID, EXIT_OK
-    from fuzz.targets import TargetCapabilityError
-    from fuzz.trace import TraceFormatError, load
+    from kvspec.fuzz.render import page, svg, timeline
+    from kvspec.fuzz.replay import EXIT_INVALID, EXIT_OK
+    from kvspec.fuzz.targets import TargetCapabilityError
+    from kvspec.fuzz.trace import TraceFormatError, load
 
     console = _console()
     html = args.html or str(args.output or "").endswith((".html", ".htm"))
@@ -424,7 +424,7 @@ def cmd_rows(args: argparse.Namespace) -> int:
     token and side: ``TOKEN k|v`` and the ``B * H * D`` elements in C order
     (batch, head, column), as bit patterns in hex (``--format hex``, the
     default; what adapters compare with) or as values (``--format values``)."""
-    from fuzz.trace import TraceFormatError, load
+    from kvspec.fuzz.trace import TraceFormatError, load
 
     console = _console()
     try:
@@ -437,7 +437,7 @@ def cmd_rows(args: argparse.Namespace) -> int:
     dtype = cache["dtype"]
     b, h = cache["batch"], cache["kv_heads"]
     dk, dv = cache.get("k_head_dim") or cache["head_dim"], cache.get("v_head_dim") or cache["head_dim"]
-    # what the harness hands in (fuzz.lockstep.Lockstep.wide_rows): wide
+    # what the harness hands in (kvspec.fuzz.lockstep.Lockstep.wide_rows): wide
     # rows for unquantized storage
     wide = cache.get("mode", "fp16") == "fp16"
     total = sum(op["n"] for op in trace.ops if op["op"] == "append")
@@ -456,7 +456,7 @@ def _write_rows(args: argparse.Namespace, trace: Any, scheme: str, dtype: str, s
                 wide: bool, first: int, count: int) -> None:
     import numpy as np
 
-    from fuzz.rows import rows as row_values
+    from kvspec.fuzz.rows import rows as row_values
 
     b, h, dk, dv = shape
     out = sys.stdout
@@ -530,7 +530,7 @@ def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from fuzz.campaign import run_share
+    from kvspec.fuzz.campaign import run_share
 
     ctx = multiprocessing.get_context("forkserver")
     done: dict[int, list[Any]] = {}
@@ -554,16 +554,16 @@ def _run_fuzz_pool(shares: list[list[tuple[str, str, bool, int]]], budget: float
 
 
 def _fuzz_batch(args: argparse.Namespace) -> int:
-    """``kvspec fuzz --kind batch``: the batch lockstep (``fuzz.batch``: a
-    batch cache against B single caches and spec.batch), dense and rotating,
+    """``kvspec fuzz --kind batch``: the batch lockstep (``kvspec.fuzz.batch``: a
+    batch cache against B single caches and kvspec.spec.batch), dense and rotating,
     or the campaign of ``--bug`` (a batch bug of the catalog). Rounds of
     ``BATCH_ROUND`` programs under seeds drawn from ``--seed`` run until
     each campaign's share of ``--budget`` is spent (at least one round
     each); the first failure is shrunk and its program printed. Exit 0
     agreement, 1 divergence, 2 a tool failure or an option that does not
     apply (named)."""
-    from fuzz.batch import campaign, catch
-    from fuzz.commands.reports import Case, print_table, rerun, write_junit
+    from kvspec.fuzz.batch import campaign, catch
+    from kvspec.fuzz.commands.reports import Case, print_table, rerun, write_junit
 
     console = _console()
     as_json = args.json
@@ -652,13 +652,13 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     """Exit 0 when every campaign ran examples and found nothing, 1 when one
     failed (its minimal trace is written), 2 for bad arguments and when a
     campaign stopped without a verdict (the target cannot run an op it
-    reached, or the harness itself raised: fuzz.replay.failure_status), 130
+    reached, or the harness itself raised: kvspec.fuzz.replay.failure_status), 130
     when interrupted (the seed and a rerun command are printed)."""
-    from fuzz.campaign import Campaign, interleaved, save_failure
-    from fuzz.commands.reports import Case, print_table, rerun, write_junit, write_sarif
-    from fuzz.replay import failure_status
+    from kvspec.fuzz.campaign import Campaign, interleaved, save_failure
+    from kvspec.fuzz.commands.reports import Case, print_table, rerun, write_junit, write_sarif
+    from kvspec.fuzz.replay import failure_status
 
-    if args.kind == "batch":  # not a kvtrace kind: the batch lockstep (fuzz.batch), its own runner
+    if args.kind == "batch":  # not a kvtrace kind: the batch lockstep (kvspec.fuzz.batch), its own runner
         return _fuzz_batch(args)
     console = _console()
     err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
@@ -678,10 +678,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if args.sarif and target.is_impl:
         return _usage_error(console, "--sarif reports divergences of a third-party target: give --target", args.json)
     if args.baseline or args.examples is not None:  # bounded by examples; head against base (fuzz/commands/review.py)
-        from fuzz.commands.review import fuzz_by_examples
+        from kvspec.fuzz.commands.review import fuzz_by_examples
 
         return fuzz_by_examples(args, target, console, _usage_error, version())
-    from fuzz.campaign import open_database
+    from kvspec.fuzz.campaign import open_database
 
     db_spec = args.db if args.db is not None else os.environ.get("KVSPEC_DB", DEFAULT_DB)
     try:
@@ -858,7 +858,7 @@ def _ops_per_second(row: dict[str, Any]) -> str:
 def _sarif_finding(trace: Any, path: Any, target: Any, replay_cmd: str) -> dict[str, Any]:
     """A SARIF finding for a divergence written to ``path``: the trace is
     replayed on ``target`` for the op and both sides."""
-    from fuzz.replay import replay
+    from kvspec.fuzz.replay import replay
 
     result = replay(trace, target=target)
     d = result.divergence
@@ -873,7 +873,7 @@ def _sarif_finding(trace: Any, path: Any, target: Any, replay_cmd: str) -> dict[
 def _report_path_problem(path: str | None) -> str | None:
     if not path:
         return None
-    from fuzz.commands.reports import writable
+    from kvspec.fuzz.commands.reports import writable
 
     return writable(path)
 
@@ -881,8 +881,8 @@ def _report_path_problem(path: str | None) -> str | None:
 # -- conformance ---------------------------------------------------------------
 def cmd_campaign(args: argparse.Namespace) -> int:
     """HypoFuzz on the state machines for --budget seconds (fuzz/commands/campaign.py)."""
-    from fuzz.campaign import open_database
-    from fuzz.commands.campaign import run_campaign
+    from kvspec.fuzz.campaign import open_database
+    from kvspec.fuzz.commands.campaign import run_campaign
 
     console = _console()
     db_spec = args.db if args.db is not None else os.environ.get("KVSPEC_DB", DEFAULT_DB)
@@ -911,12 +911,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                                         "writes a report of its own; compare with --target mlx-lm, transformers "
                                         "or a target of docs/targets.md)", args.json)
     if args.target == "llama.cpp":  # the cells kind: a search of its own (fuzz/commands/conformance_cells.py)
-        from fuzz.commands.conformance_cells import cmd_llama_conformance
+        from kvspec.fuzz.commands.conformance_cells import cmd_llama_conformance
 
         return cmd_llama_conformance(args, _console(), _usage_error,
                                      default_out=args.out == DEFAULT_OUT + "/conformance")
     if args.target == "vllm":  # the prefix kind: a search of its own (fuzz/commands/conformance_prefix.py)
-        from fuzz.commands.conformance_prefix import cmd_vllm_conformance
+        from kvspec.fuzz.commands.conformance_prefix import cmd_vllm_conformance
 
         return cmd_vllm_conformance(args, _console(), _usage_error,
                                     default_out=args.out == DEFAULT_OUT + "/conformance")
@@ -929,7 +929,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         return _usage_error(_console(), "--junit-xml: only with --baseline (one test case per divergence key)",
                             args.json)
     if args.baseline:  # head against base (fuzz/commands/review.py)
-        from fuzz.commands.review import run_baseline
+        from kvspec.fuzz.commands.review import run_baseline
 
         for flag in ("junit_xml", "sarif"):
             problem = _report_path_problem(getattr(args, flag))
@@ -939,8 +939,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                   "seed": None if args.seed == CONFORMANCE_SEED else args.seed, "default_seed": CONFORMANCE_SEED,
                   "max_findings": args.max_findings if args.max_findings is not None else 8}
         return run_baseline(args, "conformance", params, _console(), _usage_error, version())
-    from fuzz.commands.conformance import print_report, run_conformance, to_json
-    from fuzz.commands.reports import rerun, write_sarif
+    from kvspec.fuzz.commands.conformance import print_report, run_conformance, to_json
+    from kvspec.fuzz.commands.reports import rerun, write_sarif
 
     problem = _report_path_problem(args.sarif)
     if problem:
@@ -978,7 +978,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 # -- verify --------------------------------------------------------------------
 def cmd_verify(args: argparse.Namespace) -> int:
-    from fuzz.commands.verify import run_verify
+    from kvspec.fuzz.commands.verify import run_verify
 
     if args.jobs is not None and args.jobs < 1:
         _console().print(f"[red]--jobs: must be >= 1, got {args.jobs}[/]")
@@ -992,8 +992,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from fuzz.commands.mutants import default_jobs
-    from fuzz.commands.mutants import main as mutants_main
+    from kvspec.fuzz.commands.mutants import default_jobs
+    from kvspec.fuzz.commands.mutants import main as mutants_main
 
     console = _console()
     if args.changed is not None:
@@ -1001,11 +1001,11 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         if clash:
             return _usage_error(console, f"--changed: mutates source lines, not the injected-bug catalog; "
                                          f"drop {', '.join(clash)}")
-        from fuzz.commands.mutation_changed import main as changed_main
+        from kvspec.fuzz.commands.mutation_changed import main as changed_main
 
         return changed_main(args.changed, args.json, args.max_children)
     if args.list:
-        from fuzz.bugs import catalog
+        from kvspec.fuzz.bugs import catalog
 
         if args.json:
             print(json.dumps({"bugs": [{"name": b.name, "kind": b.kind, "modes": list(b.modes), "device": b.device,
@@ -1040,7 +1040,7 @@ _BENCH_DEFAULTS: dict[str, Any] = {
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fuzz.commands.bench import run, run_suite
+    from kvspec.fuzz.commands.bench import run, run_suite
 
     if args.harness:
         # the harness bench takes none of the cache bench's options: refused
@@ -1050,7 +1050,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if given:
             return _usage_error(_console(), f"--harness: measures the fuzz harness alone; it takes no "
                                             f"{', '.join(given)} (options of the cache bench)")
-        from fuzz.commands.bench_harness import run as run_harness
+        from kvspec.fuzz.commands.bench_harness import run as run_harness
 
         return run_harness(args.only, args.batches or 3, args.json)
     for name in ("only", "batches"):
@@ -1078,7 +1078,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return _usage_error(_console(), f"--record: {args.record} must be a folder this user can create and "
                                             f"write into ({exc.strerror or exc})")
     if args.plot:
-        from fuzz.commands.bench import plot_record
+        from kvspec.fuzz.commands.bench import plot_record
 
         try:
             path = plot_record(args.plot)
@@ -1087,7 +1087,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _console().print(f"bench: plot written: {path}", markup=False)
         return 0
     if args.recurrent:
-        from fuzz.commands.bench_recurrent import run as run_recurrent
+        from kvspec.fuzz.commands.bench_recurrent import run as run_recurrent
 
         e2e_contexts = None if args.e2e_contexts == _BENCH_DEFAULTS["e2e_contexts"] else args.e2e_contexts
         return run_recurrent(args.contexts, size=args.recurrent_size, rounds=args.rounds, e2e_contexts=e2e_contexts,
@@ -1100,7 +1100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
-    from fuzz.commands.e2e import main as e2e_main
+    from kvspec.fuzz.commands.e2e import main as e2e_main
 
     if args.bug and _bug(_console(), args.bug, batch_ok=True) is None:
         return 2
@@ -1112,7 +1112,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
 
 def cmd_prove(args: argparse.Namespace) -> int:
     try:
-        from proofs.cli import main as prove_main
+        from kvspec.proofs.cli import main as prove_main
     except ImportError as exc:  # pragma: no cover - proofs ship with the repo
         print(f"proofs are not available: {exc}", file=sys.stderr)
         return 2
@@ -1178,7 +1178,7 @@ class _Parser(argparse.ArgumentParser):
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         if action.choices is not None and value not in action.choices:
-            from fuzz.commands.reports import suggest
+            from kvspec.fuzz.commands.reports import suggest
 
             choices = ", ".join(map(repr, action.choices))
             raise argparse.ArgumentError(action, f"invalid choice: {value!r}{suggest(value, action.choices)} "
@@ -1252,7 +1252,7 @@ def version() -> str:
 
 
 def _cmd_adapter(args: argparse.Namespace) -> int:
-    from fuzz.commands.adapter import cmd_adapter
+    from kvspec.fuzz.commands.adapter import cmd_adapter
 
     return cmd_adapter(args)
 
@@ -1289,14 +1289,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--waive", action="append", choices=WAIVABLE, metavar="OBSERVABLE",
                    help=f"do not compare this observable (repeatable; one of {', '.join(WAIVABLE)})")
     r.add_argument("--spec-only", action="store_true",
-                   help="check a recording (kvspec record, fuzz.record) on the spec alone: the first op it shows "
+                   help="check a recording (kvspec record, kvspec.fuzz.record) on the spec alone: the first op it shows "
                         "that the contract does not allow is printed, exit 1 (docs/record.md); no implementation runs")
     r.set_defaults(fn=cmd_replay)
 
     rc = add("record", "record a tiny model's real decoding as kvtraces (one per layer)",
              "Decode with a tiny random-weight llama through mlx-lm's own loops, record every layer's cache "
              "(the ops and the windows it returned) and write one kvtrace per layer; check them with "
-             "`kvspec replay --spec-only`. Your own runs: fuzz.record.record (docs/record.md).")
+             "`kvspec replay --spec-only`. Your own runs: kvspec.fuzz.record.record (docs/record.md).")
     rc.add_argument("scenario", choices=("generate", "server", "speculative"),
                     help="generate: two chat turns on one prompt cache; server: a prompt cache whose state is "
                          "saved after a request and put back, trimmed, for the next ones; speculative: "
@@ -1344,7 +1344,7 @@ def build_parser() -> argparse.ArgumentParser:
             "disagreement is shrunk to a minimal kvtrace, written to --out, with the command that replays it.")
     f.add_argument("--kind", choices=[*kinds.trace_kinds(), "batch"],
                    help="cache kind (default: every kvtrace kind); batch: the batch caches against B single "
-                        "caches and spec.batch (docs/fuzzing.md, 'Batch caches')")
+                        "caches and kvspec.spec.batch (docs/fuzzing.md, 'Batch caches')")
     f.add_argument("--mode", choices=list(kinds.all_modes()), help="storage mode (default: every implemented mode)")
     f.add_argument("--inplace", choices=["on", "off", "both"], default="both", help="the KV_INPLACE_WRITE switch")
     f.add_argument("--budget", type=positive_seconds, default=60.0,
@@ -1603,8 +1603,13 @@ def main(argv: list[str] | None = None) -> int:
     traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["prove"]:
-        # prove's options belong to proofs.cli; argparse would eat them.
-        from proofs.cli import main as prove_main
+        # prove's options belong to kvspec.proofs.cli; argparse would eat them.
+        try:
+            from kvspec.proofs.cli import main as prove_main
+        except ModuleNotFoundError as exc:  # the extra `proofs` (Z3, CrossHair) is not installed
+            print(f"kvspec prove: {exc.name} is not installed; the proofs need the extra 'proofs' "
+                  f"(pip install 'kvspec[proofs]': Z3 and CrossHair)", file=sys.stderr)
+            return 2
 
         return prove_main(argv[1:])
     parser = build_parser()
@@ -1619,7 +1624,7 @@ def main(argv: list[str] | None = None) -> int:
         hints = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
         sp.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
     if hasattr(args, "device"):
-        from fuzz.device import DeviceError, select
+        from kvspec.fuzz.device import DeviceError, select
 
         try:
             select(args.device)
@@ -1633,7 +1638,7 @@ def main(argv: list[str] | None = None) -> int:
             args.command in ("fuzz", "verify", "mutants", "campaign"):
         return _usage_error(_console(), f"KVSPEC_ENGINE={os.environ['KVSPEC_ENGINE']!r}: not one of "
                                         f"{', '.join(ENGINE_CHOICES)}")
-    from fuzz import interrupt
+    from kvspec.fuzz import interrupt
 
     interrupt.install()
     try:

@@ -1,7 +1,7 @@
 """``kvspec conformance``: fuzz mlx-lm's own caches against the spec and
 report what diverges.
 
-Each mlx-lm class (``fuzz.targets``) is fuzzed with the ordinary state
+Each mlx-lm class (``kvspec.fuzz.targets``) is fuzzed with the ordinary state
 machines, through an adapter, by the ordinary lockstep. A run stops at the
 first divergence, so finding several distinct ones takes rounds: after each
 finding the search stops looking at what it just found and fuzzes again.
@@ -12,7 +12,7 @@ finding the search stops looking at what it just found and fuzzes again.
 * a holder whose view changed (isolation) stops generating that holder kind
   (``hold``, or ``snapshot`` with its ``restore``/``drop``);
 * any other divergence (a refusal, a return value, a window) stops
-  generating the op class it happened at (``fuzz.targets.op_class``: the op
+  generating the op class it happened at (``kvspec.fuzz.targets.op_class``: the op
   name, appends split into n = 1 and n > 1, trims by the sign of n).
 
 This is a partition of what the harness compares and generates, not a list
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.adapters.mlx_lm import (
+from kvspec.fuzz.adapters.mlx_lm import (
     CONCAT,
     INPLACE_REASON,
     KVCACHE,
@@ -46,11 +46,11 @@ from fuzz.adapters.mlx_lm import (
     ROTATING,
     mlx_lm_version,
 )
-from fuzz.campaign import machine_for, run_machine
-from fuzz.lockstep import Divergence, Lockstep
-from fuzz.replay import failure_status, make_lockstep, replay
-from fuzz.targets import CacheClass, Target, op_class, resolve
-from fuzz.trace import Trace, write
+from kvspec.fuzz.campaign import machine_for, run_machine
+from kvspec.fuzz.lockstep import Divergence, Lockstep
+from kvspec.fuzz.replay import failure_status, make_lockstep, replay
+from kvspec.fuzz.targets import CacheClass, Target, op_class, resolve
+from kvspec.fuzz.trace import Trace, write
 
 DEFAULT_SEED = 20261129
 DEFAULT_OUT = "fuzz-failures/conformance"
@@ -134,7 +134,7 @@ class ClassReport:
     findings: list[Finding] = field(default_factory=list)
     ended: str = ""
     #: why the search stopped without a verdict (``not applicable: ...`` or
-    #: ``tool failure: ...``; fuzz.replay.failure_status), else ""
+    #: ``tool failure: ...``; kvspec.fuzz.replay.failure_status), else ""
     no_verdict: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -325,7 +325,7 @@ def engine_of(target_name: str) -> str:
     if target_name.startswith("mlx-lm"):
         return f"mlx-lm {mlx_lm_version()}"
     if target_name == "transformers" or target_name.startswith("transformers-"):  # transformers-linear
-        from fuzz.adapters.transformers import transformers_version
+        from kvspec.fuzz.adapters.transformers import transformers_version
 
         return transformers_version()
     return target_name
@@ -337,7 +337,7 @@ def classes_of(target: str | None) -> tuple[tuple[CacheClass, str], ...]:
     if target is None or target == "mlx-lm":
         return CLASSES
     if target == "transformers":  # every transformers cache class, each on a target of its own
-        from fuzz.adapters.transformers import CONFORMANCE_CLASSES
+        from kvspec.fuzz.adapters.transformers import CONFORMANCE_CLASSES
 
         return CONFORMANCE_CLASSES
     return tuple((c, target) for c in resolve(target).classes)
@@ -458,7 +458,7 @@ def print_report(reports: list[ClassReport], seed: int, budget: float, console: 
         faults = sum(f.category == FAULT for f in r.findings)
         table.add_row(escape(r.cache_class), escape(r.target), escape(covered), escape(", ".join(r.skipped) or "-"),
                       str(r.steps), str(faults), str(len(r.findings) - faults), escape(r.ended))
-    from fuzz.commands.reports import print_table
+    from kvspec.fuzz.commands.reports import print_table
 
     print_table(console, table)
     traces = []

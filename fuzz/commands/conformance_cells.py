@@ -1,16 +1,16 @@
 """``kvspec conformance --target llama.cpp``: llama.cpp's KV memory (the
-``cells`` kind) fuzzed against ``spec.cells``, every divergence class with
+``cells`` kind) fuzzed against ``kvspec.spec.cells``, every divergence class with
 a minimal trace.
 
 Two classes, one per memory llama.cpp builds for the target's models
-(``fuzz.adapters.llama_cpp``): ``llama_kv_cache`` (the llama model, store
+(``kvspec.fuzz.adapters.llama_cpp``): ``llama_kv_cache`` (the llama model, store
 ``full``, 256 cells) and ``llama_kv_cache_iswa`` (the gemma2 model, stores
 ``full`` and ``window``, window 4; 512 full and 256 window cells, so the
 window store reuses cells while the full store has room). Each is searched
-in rounds, like the mlx-lm classes (``fuzz.commands.conformance``):
+in rounds, like the mlx-lm classes (``kvspec.fuzz.commands.conformance``):
 
 * a round runs seeded examples: a fresh memory on each side
-  (``fuzz.cells.CellsLockstep``: the spec beside llama.cpp), up to
+  (``kvspec.fuzz.cells.CellsLockstep``: the spec beside llama.cpp), up to
   ``steps`` ops drawn from the spec's state (decodes of 1 to 64 tokens,
   groups of sequences with equal positions, ``seq_rm`` whole or partial,
   ``seq_cp`` into a cleared range, context shifts ``seq_rm`` + ``seq_add``,
@@ -22,7 +22,7 @@ in rounds, like the mlx-lm classes (``fuzz.commands.conformance``):
   true``, written as ``<class>_NN.json`` and replayed on llama.cpp (exit 1
   expected), on llama.cpp in paranoid mode (every read forces the memory
   update: the same divergence expected, else it was the adapter's) and on
-  our ``impl.cells.CellCache`` (exit 0 expected); only a finding that does
+  our ``kvspec.impl.cells.CellCache`` (exit 0 expected); only a finding that does
   all three is confirmed;
 * a refusal the adapter makes itself on an op the spec accepts is the
   harness's failure (:class:`HarnessFailure`): the class ends without a
@@ -49,13 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.commands.conformance import ClassReport
-from fuzz.failures import Divergence
-from fuzz.trace import TraceFormatError
+from kvspec.fuzz.commands.conformance import ClassReport
+from kvspec.fuzz.failures import Divergence
+from kvspec.fuzz.trace import TraceFormatError
 
 #: (class name, cache fields) of the two memories llama.cpp builds for the target's models; the sizes
 #: (n_cells, window_cells) are checked against the ones llama.cpp reports before a search
-#: (fuzz.adapters.llama_cpp.cache_sizes)
+#: (kvspec.fuzz.adapters.llama_cpp.cache_sizes)
 CLASSES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("llama_kv_cache", {"kind": "cells", "n_cells": 256, "window": None, "stores": ["full"], "n_seq": 3,
                         "kv_heads": 2, "head_dim": 16, "dtype": "float16"}),
@@ -84,7 +84,7 @@ def category(what: str) -> str:
 
 
 class Generator:
-    """Seeded ops drawn from the spec's state (``spec.cells``), skipping the
+    """Seeded ops drawn from the spec's state (``kvspec.spec.cells``), skipping the
     op classes in ``excluded``."""
 
     def __init__(self, rng: random.Random, cache: dict[str, Any], excluded: frozenset[str]):
@@ -99,8 +99,8 @@ class Generator:
 
     def ops(self, world: Any, last: dict[str, Any] | None) -> list[dict[str, Any]]:
         """One or two ops (a guarded op brings its seq_rm), drawn from the
-        spec's ``world`` (``fuzz.cells.CellsWorld``)."""
-        from spec import cells as sc
+        spec's ``world`` (``kvspec.fuzz.cells.CellsWorld``)."""
+        from kvspec.spec import cells as sc
 
         self.world = world
         memory = world.memory
@@ -187,8 +187,8 @@ def classify(op: dict[str, Any], prev: dict[str, Any] | None, world: Any,
              empty_saves: dict[str, bool], pending: bool = False, head_reset: bool = False) -> tuple[str, Any]:
     """``(op_class, the spec's world after op)``: the op's class, or
     ``"<op> the spec refuses"`` when the spec refuses it in ``world``."""
-    from fuzz.cells import _spec_run
-    from spec.errors import KVCacheError
+    from kvspec.fuzz.cells import _spec_run
+    from kvspec.spec.errors import KVCacheError
 
     try:
         _, after = _spec_run(world, op)
@@ -246,7 +246,7 @@ def still_pending(op: dict[str, Any], pending: bool) -> bool:
 
 class HarnessFailure(RuntimeError):
     """The tool, not llama.cpp, is at fault: the adapter refused an op the
-    spec accepts (its own limits: :func:`fuzz.adapters.llama_cpp.trace_limits`
+    spec accepts (its own limits: :func:`kvspec.fuzz.adapters.llama_cpp.trace_limits`
     must have kept the op out), or a divergence vanished in paranoid mode.
     Never a finding: the search stops the class with ``no_verdict``."""
 
@@ -254,9 +254,9 @@ class HarnessFailure(RuntimeError):
 def lockstep(cache: dict[str, Any], on_llama: bool, paranoid: bool = False) -> Any:
     """A fresh lockstep: the spec beside llama.cpp (``on_llama``; in paranoid
     mode with ``paranoid``: every read of rows forces llama.cpp's memory
-    update) or beside our ``impl.cells.CellCache``."""
-    from fuzz.adapters.llama_cpp import paranoid_factory, target_factory
-    from fuzz.cells import CellsLockstep
+    update) or beside our ``kvspec.impl.cells.CellCache``."""
+    from kvspec.fuzz.adapters.llama_cpp import paranoid_factory, target_factory
+    from kvspec.fuzz.cells import CellsLockstep
 
     if not on_llama:
         return CellsLockstep(cache, None)
@@ -515,8 +515,8 @@ def _culprit(ops: list[dict[str, Any]], d: Divergence, refused: list[bool] | Non
 def spec_refused(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[bool]:
     """Per op, whether the spec refuses it in the state the ops before it
     leave (an op past a trace format error: False)."""
-    from fuzz.cells import CellsWorld, _spec_run, spec_memory
-    from spec.errors import KVCacheError
+    from kvspec.fuzz.cells import CellsWorld, _spec_run, spec_memory
+    from kvspec.spec.errors import KVCacheError
 
     world = CellsWorld(spec_memory(cache))
     out = []
@@ -534,7 +534,7 @@ def spec_refused(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[bool]
 def _class_at(cache: dict[str, Any], ops: list[dict[str, Any]], index: int) -> str:
     """The class of ``ops[index]`` in the spec's world after the ops before it
     (as the generator classified it)."""
-    from fuzz.cells import CellsWorld, spec_memory
+    from kvspec.fuzz.cells import CellsWorld, spec_memory
 
     world = CellsWorld(spec_memory(cache))
     empty: dict[str, bool] = {}
@@ -559,7 +559,7 @@ def annotate_refusals(cache: dict[str, Any], ops: list[dict[str, Any]]) -> list[
 
 def _record(name: str, cache: dict[str, Any], ops: list[dict[str, Any]], what: str, cls: str, at: int, out: Path,
             number: int) -> CellsFinding:
-    from fuzz.adapters.llama_cpp import llama_cpp_version
+    from kvspec.fuzz.adapters.llama_cpp import llama_cpp_version
 
     plain = annotate_refusals(cache, without_drops(ops))
     d = first_divergence(cache, plain, True)
@@ -629,7 +629,7 @@ def run_llama_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT
     describes every trace beside it (:data:`LAST_CLEARED` lists what was
     removed). Raises KeyError for an unknown class, NotInstalled without
     llama-cpp-python."""
-    from fuzz.adapters.llama_cpp import cache_sizes, require
+    from kvspec.fuzz.adapters.llama_cpp import cache_sizes, require
 
     require()
     known = {n: {**c, **cache_sizes(c)} for n, c in CLASSES}
@@ -677,8 +677,8 @@ def to_json(reports: list[CellsClassReport], seed: int, examples: int, steps: in
     verdict (the harness failed: ``no_verdict``)."""
     import mlx.core as mx
 
-    from fuzz.adapters.llama_cpp import llama_cpp_version
-    from fuzz.adapters.mlx_lm import mlx_lm_version
+    from kvspec.fuzz.adapters.llama_cpp import llama_cpp_version
+    from kvspec.fuzz.adapters.mlx_lm import mlx_lm_version
 
     ok = all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports)
     code = 2 if any(r.no_verdict for r in reports) else 0 if ok else 1
@@ -699,7 +699,7 @@ def cmd_llama_conformance(args: Any, console: Any, usage_error: Any, default_out
     report, not over it)."""
     from rich.markup import escape
 
-    from fuzz.adapters.llama_cpp import NotInstalled
+    from kvspec.fuzz.adapters.llama_cpp import NotInstalled
 
     for option, given in (("--budget", getattr(args, "budget", None) is not None),
                           ("--sarif", getattr(args, "sarif", None) is not None)):
@@ -741,7 +741,7 @@ def print_llama_report(reports: list[CellsClassReport], doc: dict[str, Any], con
     from rich.markup import escape
     from rich.table import Table
 
-    from fuzz.commands.reports import print_table
+    from kvspec.fuzz.commands.reports import print_table
 
     table = Table(title=f"kvspec conformance: {doc['engine']}, seed {doc['seed']}, {doc['budget']} examples "
                         f"per round, {doc['steps']} ops per example")

@@ -1,10 +1,10 @@
 """``kvspec conformance --target vllm``: vLLM's KV-cache manager (the
-``prefix`` kind) fuzzed against ``spec.prefix``, every divergence class with
+``prefix`` kind) fuzzed against ``kvspec.spec.prefix``, every divergence class with
 a minimal trace.
 
 One class, ``KVCacheManager`` (one full-attention group, prefix caching
-on: ``fuzz.adapters.vllm``), searched in rounds, as the llama.cpp classes
-are (``fuzz.commands.conformance_cells``):
+on: ``kvspec.fuzz.adapters.vllm``), searched in rounds, as the llama.cpp classes
+are (``kvspec.fuzz.commands.conformance_cells``):
 
 * a round runs seeded examples. Each draws a pool (block size 1 to 4, 4 to
   12 blocks) and 2 or 3 base prompts over a vocabulary of 4 tokens that
@@ -19,7 +19,7 @@ are (``fuzz.commands.conformance_cells``):
   freed and hit again from the free queue, admits and decodes until the
   pool is exhausted, everything released and reset, a salted admit of a
   cached prompt), with at most 3 requests live. Every op runs on the spec
-  and on vLLM in lockstep (``fuzz.adapters.vllm.VllmLockstep``: results,
+  and on vLLM in lockstep (``kvspec.fuzz.adapters.vllm.VllmLockstep``: results,
   refusals, every request's table, every block's refcount and key, the free
   queue, the cached map, the rows);
 * the first divergence is shrunk (ops removed one at a time, op 0
@@ -30,7 +30,7 @@ are (``fuzz.commands.conformance_cells``):
   and replayed on vLLM (exit 1 expected), on vLLM in paranoid mode (the
   view read through other paths and the adapter's bookkeeping checked: the
   same divergence expected, else it was the adapter's) and on our
-  ``impl.prefix.PrefixCachePool`` (exit 0 expected); only a finding that
+  ``kvspec.impl.prefix.PrefixCachePool`` (exit 0 expected); only a finding that
   does all three is confirmed;
 * a refusal the adapter makes itself on an op the spec accepts, and an
   exception of the adapter's own code, are the harness's failure
@@ -56,10 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.commands.conformance import ClassReport
-from fuzz.failures import Divergence
-from fuzz.failures import HarnessFailure as LockstepHarnessFailure
-from fuzz.trace import TraceFormatError
+from kvspec.fuzz.commands.conformance import ClassReport
+from kvspec.fuzz.failures import Divergence
+from kvspec.fuzz.failures import HarnessFailure as LockstepHarnessFailure
+from kvspec.fuzz.trace import TraceFormatError
 
 #: the class searched: its name and what it runs
 CLASS = "KVCacheManager"
@@ -112,16 +112,16 @@ def category(what: str, state_differs: bool = True, op_class: str = "") -> str:
 
 
 def new_world(cache: dict[str, Any]) -> Any:
-    from fuzz.prefix import spec_world
+    from kvspec.fuzz.prefix import spec_world
 
     return spec_world(cache)
 
 
 def spec_step(world: Any, op: dict[str, Any]) -> tuple[bool, Any]:
     """``(refused, world after op)`` on the spec (an ``expect`` changes nothing)."""
-    from fuzz.prefix import _spec_op
-    from spec import prefix as sp
-    from spec.errors import KVCacheError
+    from kvspec.fuzz.prefix import _spec_op
+    from kvspec.spec import prefix as sp
+    from kvspec.spec.errors import KVCacheError
 
     if op["op"] == "expect":
         return False, world
@@ -151,7 +151,7 @@ def op_class(op: dict[str, Any], world: Any) -> str:
       keyed), else ``decode``;
     * ``lookup``: ``hitting`` or ``missing``; ``reset``: ``refused`` or not;
       ``free``, ``preempt`` as they are."""
-    from spec import prefix as sp
+    from kvspec.spec import prefix as sp
 
     name = op["op"]
     refused, after = spec_step(world, op)
@@ -211,7 +211,7 @@ def _evicts(before: Any, after: Any) -> bool:
 
 
 def _hit_blocks(world: Any, q: Any) -> int:
-    from spec import prefix as sp
+    from kvspec.spec import prefix as sp
 
     return sp.hit_blocks(world, q.salt, tuple(q.tokens))
 
@@ -506,12 +506,12 @@ class HarnessFailure(RuntimeError):
 
 def lockstep(cache: dict[str, Any], on_vllm: bool, paranoid: bool = False) -> Any:
     """A fresh lockstep: the spec beside vLLM (``on_vllm``; in paranoid mode
-    with ``paranoid``) or beside our ``impl.prefix.PrefixCachePool``."""
-    from fuzz.prefix import PrefixLockstep
+    with ``paranoid``) or beside our ``kvspec.impl.prefix.PrefixCachePool``."""
+    from kvspec.fuzz.prefix import PrefixLockstep
 
     if not on_vllm:
         return PrefixLockstep(cache, None)
-    from fuzz.adapters.vllm import make_lockstep
+    from kvspec.fuzz.adapters.vllm import make_lockstep
 
     return make_lockstep(cache, paranoid)
 
@@ -742,7 +742,7 @@ def run_example(rng: random.Random, excluded: frozenset[str], steps: int, covere
 def search_class(examples: int, steps: int, seed: int, out: Path,
                  max_findings: int = DEFAULT_MAX_FINDINGS, progress: Any = None) -> PrefixClassReport:
     """Fuzz vLLM's manager in rounds of ``examples`` examples."""
-    from fuzz.adapters.vllm import DECLARED
+    from kvspec.fuzz.adapters.vllm import DECLARED
 
     report = PrefixClassReport(CLASS, not_compared=dict(DECLARED), rounds=examples)
     classes: dict[str, int] = {}
@@ -801,7 +801,7 @@ def record(cache: dict[str, Any], ops: list[dict[str, Any]], what: str, cls: str
            number: int) -> PrefixFinding:
     """Write the minimal trace ``KVCacheManager_NN.json`` and replay it on
     vLLM, on vLLM in paranoid mode and on ours."""
-    from fuzz.adapters.vllm import vllm_version
+    from kvspec.fuzz.adapters.vllm import vllm_version
 
     ops = annotate_refusals(cache, ops)
     got = run_ops(cache, ops, True)
@@ -867,7 +867,7 @@ def run_vllm_conformance(examples: int = DEFAULT_EXAMPLES, steps: int = DEFAULT_
     ``report.json`` are written to ``out`` after an earlier run's are
     removed (:data:`LAST_CLEARED`). Raises KeyError for an unknown class,
     NotInstalled without vLLM."""
-    from fuzz.adapters.vllm import require
+    from kvspec.fuzz.adapters.vllm import require
 
     require()
     for n in only or ():
@@ -890,8 +890,8 @@ def to_json(reports: list[PrefixClassReport], seed: int, examples: int, steps: i
     ``exit`` 1 for a finding not confirmed, 2 for a class without a verdict."""
     import mlx.core as mx
 
-    from fuzz.adapters.mlx_lm import mlx_lm_version
-    from fuzz.adapters.vllm import vllm_version
+    from kvspec.fuzz.adapters.mlx_lm import mlx_lm_version
+    from kvspec.fuzz.adapters.vllm import vllm_version
 
     ok = all(f.confirmed for r in reports for f in r.findings) and not any(r.no_verdict for r in reports)
     code = 2 if any(r.no_verdict for r in reports) else 0 if ok else 1
@@ -911,7 +911,7 @@ def cmd_vllm_conformance(args: Any, console: Any, usage_error: Any, default_out:
     ``vllm``."""
     from rich.markup import escape
 
-    from fuzz.adapters.vllm import NotInstalled
+    from kvspec.fuzz.adapters.vllm import NotInstalled
 
     for option, given in (("--budget", getattr(args, "budget", None) is not None),
                           ("--sarif", getattr(args, "sarif", None) is not None)):
@@ -951,7 +951,7 @@ def print_vllm_report(reports: list[PrefixClassReport], doc: dict[str, Any], con
     from rich.markup import escape
     from rich.table import Table
 
-    from fuzz.commands.reports import print_table
+    from kvspec.fuzz.commands.reports import print_table
 
     table = Table(title=f"kvspec conformance: {doc['engine']}, seed {doc['seed']}, {doc['budget']} examples "
                         f"per round, {doc['steps']} ops per example")

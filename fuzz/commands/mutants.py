@@ -5,17 +5,17 @@ fuzzer must catch it, and the failing run is written out as a kvtrace and
 replayed on the real implementation, where it must pass (when it does not,
 the implementation diverges from the spec at the op the report names). The
 first seed's counterexample is shrunk to a minimal trace (the one reported:
-``fuzz.campaign.shrink_run``, op by op, bounded by replays, not seconds);
+``kvspec.fuzz.campaign.shrink_run``, op by op, bounded by replays, not seconds);
 the other seeds keep theirs as found, up to the failing op: the kill matrix
 asks only whether and how soon each seed catches the bug. Reported
 per entry: caught in every seed or not, examples and seconds to the first
 failing example (median and worst), and the trace of the first seed. A seed
 whose failure Hypothesis could not replay (one run of ops gave two answers,
-``fuzz.machine.FlakyVerdict``) is a tool failure, not a catch: the entry
+``kvspec.fuzz.machine.FlakyVerdict``) is a tool failure, not a catch: the entry
 fails, and the command exits 2 naming both answers.
 
 ``-j N`` runs the rows' seeds on N warm worker processes
-(``fuzz.workers.WarmPool``: MLX, the implementation, the spec and the
+(``kvspec.fuzz.workers.WarmPool``: MLX, the implementation, the spec and the
 harness imported once per worker; each seed checked for what it leaves
 behind); the report, the progress lines and the traces are the same as in
 one process, in catalog order.
@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fuzz.bugs import InjectedBug, catalog, runnable
-from fuzz.campaign import Catch, catch_bug
+from kvspec.fuzz.bugs import InjectedBug, catalog, runnable
+from kvspec.fuzz.campaign import Catch, catch_bug
 
 
 @dataclass
@@ -46,7 +46,7 @@ class MutantReport:
     trace: str | None = None
     problems: list[str] = field(default_factory=list)
     #: seeds whose verdict the tool could not repeat (a failure Hypothesis
-    #: could not replay: fuzz.machine.FlakyVerdict), each with both answers
+    #: could not replay: kvspec.fuzz.machine.FlakyVerdict), each with both answers
     tool_failures: list[str] = field(default_factory=list)
 
     @property
@@ -101,7 +101,7 @@ def entries(names: list[str] | None = None) -> list[Entry]:
 def catch_seed(name: str, variant: str, seed: int, max_examples: int, out: str, shrink: bool) -> Catch:
     """One seed of one row (``name`` and ``variant`` say which): the same
     call whether it runs in this process or in a pool worker."""
-    from fuzz.device import select
+    from kvspec.fuzz.device import select
 
     select(None)  # the device the parent chose (KVSPEC_DEVICE), in a worker too
     row = next(e for e in entries([name]) if e.variant == variant)
@@ -110,7 +110,7 @@ def catch_seed(name: str, variant: str, seed: int, max_examples: int, out: str, 
 
 
 def _add(rep: MutantReport, seed: int, catch: Catch) -> None:
-    """Seed ``seed``'s :class:`~fuzz.campaign.Catch` into the row's report."""
+    """Seed ``seed``'s :class:`~kvspec.fuzz.campaign.Catch` into the row's report."""
     caught, seconds, examples, path, alarm, flaky = catch
     if not caught:
         rep.caught = False
@@ -140,7 +140,7 @@ def run_mutants(seeds: int = 5, max_examples: int = 2000, out: str = "fuzz-failu
     """Fuzz every entry (``names``: only these) from seeds 1..``seeds``;
     seed 1's counterexample is shrunk unless ``shrink_first=False`` (then
     no seed's is). ``jobs``: the rows' seeds run on that many warm worker
-    processes (``fuzz.workers.WarmPool``; 1: one after another in this
+    processes (``kvspec.fuzz.workers.WarmPool``; 1: one after another in this
     process); either way the reports, the traces and the ``progress``
     calls are the same and in catalog order. ``progress(report)`` is called
     after each entry; finished entries are appended to ``reports`` in
@@ -176,10 +176,10 @@ def _run_pool(rows: list[Entry], seeds: int, max_examples: int, out: str, progre
     and every row before it are done. A task the pool could not finish
     (stopped past :data:`SEED_LIMIT`, its worker died, it raised, or it
     left its worker changed) is a tool failure of its row, naming why."""
-    from fuzz import interrupt
-    from fuzz.workers import Task, WarmPool
+    from kvspec.fuzz import interrupt
+    from kvspec.fuzz.workers import Task, WarmPool
 
-    tasks = [Task("fuzz.commands.mutants:catch_seed",
+    tasks = [Task("kvspec.fuzz.commands.mutants:catch_seed",
                   (row.bug.name, row.variant, seed, max_examples, out, shrink_first and seed == 1),
                   SEED_LIMIT, 1.0, f"{row.stem} seed {seed}")
              for row in rows for seed in range(1, seeds + 1)]
@@ -210,8 +210,8 @@ def _run_pool(rows: list[Entry], seeds: int, max_examples: int, out: str, progre
 
 #: what each worker imports before its first seed: the implementation, the
 #: spec, Hypothesis and the harness (not the proofs' solver, which no seed uses)
-PRELOAD = ("numpy", "mlx.core", "hypothesis", "hypothesis.stateful", "hypothesis.strategies", "impl.*", "spec.*",
-           "fuzz.*", "fuzz.commands.mutants", "fuzz.bugs:catalog", "fuzz.trace:_op_checker")
+PRELOAD = ("numpy", "mlx.core", "hypothesis", "hypothesis.stateful", "hypothesis.strategies", "kvspec.impl.*", "kvspec.spec.*",
+           "kvspec.fuzz.*", "kvspec.fuzz.commands.mutants", "kvspec.fuzz.bugs:catalog", "kvspec.fuzz.trace:_op_checker")
 
 
 def default_jobs() -> int:
@@ -263,7 +263,7 @@ def main(seeds: int, as_json: bool, out: str, names: list[str] | None = None, ju
     ok = bool(reports) and all(r.caught for r in reports) and not interrupted
     tool_failed = any(r.tool_failures for r in reports)
     code = 130 if interrupted else (0 if ok else 2 if tool_failed else 1)
-    from fuzz.commands.reports import Case, print_table, rerun, write_junit
+    from kvspec.fuzz.commands.reports import Case, print_table, rerun, write_junit
 
     if junit_xml:
         cases = [Case(f"{r.bug.kind}/{r.bug.modes[0]}", r.name, r.caught, sum(r.seconds),
@@ -319,14 +319,14 @@ def time_parts(step: int = 8, seeds: int = 5, max_examples: int = 2000, out: str
                shrink_first: bool = True) -> dict:
     """Where a row's catches spend their wall clock, part by part: every
     ``step``-th row of the kill matrix from seeds 1..``seeds`` in this
-    process (seed 1 shrunk), each part of ``fuzz.campaign.catch_bug`` timed
+    process (seed 1 shrunk), each part of ``kvspec.fuzz.campaign.catch_bug`` timed
     around its call; garbage collection is timed apart (it happens inside
-    the other parts). ``python -m fuzz.commands.mutants --parts [STEP]``
+    the other parts). ``python -m kvspec.fuzz.commands.mutants --parts [STEP]``
     prints it as JSON."""
     import gc
     import time
 
-    import fuzz.campaign as fc
+    import kvspec.fuzz.campaign as fc
 
     acc = dict.fromkeys(PARTS, 0.0)
     saved = {name: getattr(fc, name) for name in ("machine_for", "reduce_run", "shrink_run", "failure_trace",
@@ -394,6 +394,6 @@ if __name__ == "__main__":  # pragma: no cover - a measuring command
     import sys
 
     if sys.argv[1:2] != ["--parts"]:
-        print("usage: python -m fuzz.commands.mutants --parts [STEP]", file=sys.stderr)
+        print("usage: python -m kvspec.fuzz.commands.mutants --parts [STEP]", file=sys.stderr)
         raise SystemExit(2)
     print(json.dumps(time_parts(int(sys.argv[2]) if len(sys.argv) > 2 else 8), indent=1))

@@ -5,7 +5,7 @@ in ``[tool.mutmut]``) that the working tree adds or changes relative to git
 revision ``BASE`` (``git diff BASE``: committed and uncommitted changes to
 tracked files; a new file counts once it is tracked, ``git add -N`` is
 enough), runs each mutant against the tests that execute the statement it
-changes (the runner of ``make mutation``, :mod:`fuzz.commands.mutation_run`,
+changes (the runner of ``make mutation``, :mod:`kvspec.fuzz.commands.mutation_run`,
 on the ``[tool.mutmut]`` test selection), and
 reports every mutant that no test detects, with its ``file:line`` and the
 mutation as a diff: what a reviewer reads beside the PR ("this line could be
@@ -115,7 +115,7 @@ state()._covered_lines = {str((Path("mutants") / p).absolute()): set(v) for p, v
 # make mutation's generation and runner (fuzz/commands/mutation_run.py): workers
 # that collect the tests once, the tests that execute each mutated statement,
 # a timeout re-run with its retry factor before it stands
-from fuzz.commands.mutation_run import generate, run as run_mutants
+from kvspec.fuzz.commands.mutation_run import generate, run as run_mutants
 generate(Path.cwd(), max_children)
 
 def metas():

@@ -25,8 +25,15 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from fuzz.commands.mutation_triage import TRIAGE_BATCH, TRIAGE_WHOLE_TREE
-from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict, stale_verdicts
+from kvspec.fuzz.commands.mutation_triage import TRIAGE_BATCH, TRIAGE_WHOLE_TREE
+from kvspec.fuzz.commands.mutation_verdict import (
+    EVAL,
+    IDENT,
+    LABELS,
+    MARKER,
+    Verdict,
+    stale_verdicts,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mutation.md"
 BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"

@@ -54,7 +54,7 @@ they are run:
 Statuses and exit codes are mutmut's (``mutmut.stats.status_by_exit_code``):
 killed 1, survived 0, no tests 33, suspicious 35, timeout 36; they are written
 to ``mutants/<file>.meta`` so ``mutmut results``, ``mutmut show`` and
-``python -m fuzz.commands.mutation_report`` read this runner's results.
+``python -m kvspec.fuzz.commands.mutation_report`` read this runner's results.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
-from fuzz.commands.mutation_verdict import _changes, sole_verdicts, stale_verdicts
+from kvspec.fuzz.commands.mutation_verdict import _changes, sole_verdicts, stale_verdicts
 
 #: mutmut's exit codes (mutmut.stats.status_by_exit_code)
 KILLED, SURVIVED, NO_TESTS, SUSPICIOUS, TIMEOUT, SEGFAULT = 1, 0, 33, 35, 36, -11
@@ -92,15 +92,72 @@ SAVE_EVERY_S = 60.0
 PARENT_SLACK_S = 30.0
 #: the packages whose module state a worker puts back before each test
 #: (``_ModuleState``): the mutated ones, and the harness and proofs, whose
-#: caches keep what a mutated function returned (``fuzz.masks._dense_mask``
-#: keeps ``spec.dense.dense_make_mask``'s masks: a mask worked out in the
+#: caches keep what a mutated function returned (``kvspec.fuzz.masks._dense_mask``
+#: keeps ``kvspec.spec.dense.dense_make_mask``'s masks: a mask worked out in the
 #: clean pass hid a mutant of it, one worked out under a mutant failed the
-#: next kill confirmation; 7 to 20 ``spec.dense`` mutants were suspicious)
+#: next kill confirmation; 7 to 20 ``kvspec.spec.dense`` mutants were suspicious)
 RESET_PACKAGES = ("spec", "impl", "fuzz", "proofs")
+#: the mutated folders (mutmut's ``source_paths``)
+MUTATED = ("spec", "impl")
+#: folder -> import package, for the folders pyproject.toml maps under another
+#: name (``[tool.setuptools] package-dir``: ``spec`` -> ``kvspec.spec``); set in a
+#: worker from its tree (:func:`import_names`). mutmut names a mutant by its
+#: file's path (``spec.dense.x_f__mutmut_1``), the trampolines by the module's
+#: import name (``kvspec.spec.dense``)
+_IMPORT_AS: dict[str, str] = {}
 #: a mutant that passed a limit is run again with this many times the limits
 RETRY_FACTOR = 5.0
 #: seconds a worker may take to collect the selection
 COLLECT_S = 600.0
+
+
+def import_names(root: str | Path) -> dict[str, str]:
+    """Folder -> import package for the folders ``root``'s pyproject.toml maps
+    under another name (``{"spec": "kvspec.spec", ...}``; empty: none)."""
+    try:
+        conf = tomllib.loads((Path(root) / "pyproject.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    dirs = conf.get("tool", {}).get("setuptools", {}).get("package-dir", {}) or {}
+    out = {str(d).strip("/").replace("/", "."): pkg for pkg, d in dirs.items() if pkg}
+    return {d: pkg for d, pkg in out.items() if d and d != pkg}
+
+
+def _import_name(module: str, names: dict[str, str] | None = None) -> str:
+    """A module named from its file's path (``spec/dense.py``) by its import
+    name, as the tests import it (``kvspec.spec.dense``)."""
+    for folder, pkg in (_IMPORT_AS if names is None else names).items():
+        if module == folder or module.startswith(folder + "."):
+            return pkg + module[len(folder):]
+    return module
+
+
+def _mutant_prefix(prefix: str, names: dict[str, str]) -> str:
+    """A ``--only`` prefix given by import name (``kvspec.spec.dense.``) as
+    mutmut names the mutants (from the file's path: ``spec/dense.py``); any
+    other unchanged."""
+    for folder, pkg in names.items():
+        if prefix == pkg or prefix.startswith(pkg + "."):
+            return folder + prefix[len(pkg):]
+    return prefix
+
+
+class _MutantsFinder:
+    """Finds each mapped package (``kvspec.spec``) in its folder under
+    ``mutants/`` (before the editable install's finder, which maps it to the
+    original tree); its modules then come from there."""
+
+    def __init__(self, where: dict[str, str]) -> None:
+        self.where = where
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        import importlib.util
+
+        folder = self.where.get(name)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
 
 
 class RunError(Exception):
@@ -209,7 +266,7 @@ class _ModuleState:
     worker would keep the one the clean pass (or an earlier mutant) worked
     out, and the statement that computes it would not run again: the tests
     selected for executing it in the clean pass pass under the mutant
-    without executing it (``impl.batch.batch_rotating_class`` builds its
+    without executing it (``kvspec.impl.batch.batch_rotating_class`` builds its
     class once: 74 of its 78 mutants survived, 67 are killed with this).
     Cleared: the functools caches of the modules and of their classes; put
     back: a dict, list or set global whose length changed (a cache filled, a
@@ -270,8 +327,9 @@ def _activate(name: str) -> None:
     from mutmut.mutation import trampoline
 
     module, _, key = name.rpartition(".")
+    module = _import_name(module)
     _ACTIVE[:] = [module, key]
-    trampoline.set_mutant_under_test(name)
+    trampoline.set_mutant_under_test(f"{module}.{key}" if module else name)
 
 
 def _fast_trampolines() -> None:
@@ -322,6 +380,11 @@ def _fast_trampolines() -> None:
     trampoline.get_mutant_under_test = lambda: f"{_ACTIVE[0]}.{_ACTIVE[1]}" if _ACTIVE[0] else ""
 
 
+def _mutated(module: str) -> bool:
+    """Whether ``module`` is (in) a mutated package, by its import name."""
+    return any(module == p or module.startswith(p + ".") for p in map(_import_name, MUTATED))
+
+
 class _WorkerPlugin:
     """The pytest plugin of a worker: after collection it serves jobs from the
     parent over ``conn`` instead of running the session's tests. Before each
@@ -338,9 +401,9 @@ class _WorkerPlugin:
         from _pytest.runner import runtestprotocol
 
         items = {it.nodeid: it for it in session.items}
-        roots = tuple(os.path.join(os.path.realpath(self.mutants), p) + os.sep for p in ("spec", "impl"))
+        roots = tuple(os.path.join(os.path.realpath(self.mutants), p) + os.sep for p in MUTATED)
         stray = sorted(m for m, mod in list(sys.modules.items())
-                       if m.split(".")[0] in ("spec", "impl") and getattr(mod, "__file__", None)
+                       if _mutated(m) and getattr(mod, "__file__", None)
                        and not os.path.realpath(mod.__file__).startswith(roots))
         if stray:  # the tests would run the original code: every mutant would survive
             self.conn.send(("stray", stray[:5]))
@@ -419,8 +482,12 @@ def _worker_main(conn: Any, mutants: str, repo: str, pytest_args: list[str], env
     os.chdir(mutants)
     repo_real = os.path.realpath(repo)
     sys.path[:] = [mutants] + [p for p in sys.path if os.path.realpath(p or ".") not in (repo_real,)]
-    for name in [m for m in sys.modules if m.split(".")[0] in ("spec", "impl")]:
+    _IMPORT_AS.update(import_names(repo))
+    for name in [m for m in sys.modules if _mutated(m)]:
         del sys.modules[name]  # imported with the original tree on the path: import them again
+    mapped = {_import_name(p): os.path.join(mutants, p) for p in MUTATED if _import_name(p) != p}
+    if mapped:  # kvspec.spec is mapped from spec/ by the install: mutants/spec first
+        sys.meta_path.insert(0, _MutantsFinder(mapped))
     _fast_trampolines()  # before collection imports the mutated modules
     _activate("")
     import pytest
@@ -910,7 +977,7 @@ def triaged_skips(root: Path, infos: list[MutantInfo], stamps: dict[str, str], v
     """The mutants not worth running again: each in a source file whose text
     is the one stamped (so its mutants are the ones triaged) and named alone
     by a verdict (:func:`sole_verdicts`; ``verdict(name, change)`` is
-    :func:`fuzz.commands.mutation_report.verdict_for`: an argued or proved
+    :func:`kvspec.fuzz.commands.mutation_report.verdict_for`: an argued or proved
     equivalent, which no test can kill while the code is unchanged).
     ``functions``: the only functions with verdicts (to read fewer diffs;
     None: every function). Mutant name -> the note the run keeps."""
@@ -979,13 +1046,13 @@ def summary(report: RunReport) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m fuzz.commands.mutation_run",
+    ap = argparse.ArgumentParser(prog="python -m kvspec.fuzz.commands.mutation_run",
                                  description="Generate the mutants of spec/ and impl/ with mutmut and run them "
                                              "with the in-process runner (docs/mutation.md).")
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2, metavar="N",
                     help="worker processes (default: the number of CPUs)")
     ap.add_argument("--only", nargs="+", metavar="PREFIX",
-                    help="run only the mutants whose name starts with one of these (e.g. spec.dense.)")
+                    help="run only the mutants whose name starts with one of these (e.g. kvspec.spec.dense.)")
     ap.add_argument("--no-generate", action="store_true", help="use the mutants/ folder as it is")
     ap.add_argument("--resume", action="store_true",
                     help="run only the mutants without a status yet (a stopped run goes on; the statuses are "
@@ -1010,11 +1077,11 @@ def main(argv: list[str] | None = None) -> int:
         only = None
         if a.only:
             only = {i.name for i in load_mutants((root / "mutants").resolve())
-                    if i.name.startswith(tuple(a.only))}
+                    if i.name.startswith(tuple(_mutant_prefix(p, import_names(root)) for p in a.only))}
             if not only:
                 print(f"mutation: --only: no mutant starts with {' or '.join(a.only)}", file=sys.stderr)
                 return 2
-        from fuzz.commands.mutation_report import TRIAGE, verdict_for
+        from kvspec.fuzz.commands.mutation_report import TRIAGE, verdict_for
 
         stamps_path = root / STAMPS_IN_TREE
         skip: dict[str, str] = {}
@@ -1037,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("mutation: stopped; the statuses so far are saved in mutants/ "
-              "(python -m fuzz.commands.mutation_run --resume goes on)", file=sys.stderr)
+              "(python -m kvspec.fuzz.commands.mutation_run --resume goes on)", file=sys.stderr)
         return 130
     print(summary(report) + f"; generation {gen_s:.0f} s, total {time.perf_counter() - t0:.0f} s", flush=True)
     return 0

@@ -1,12 +1,12 @@
 """Triage of the whole-tree run of 2026-12-03 (docs/mutation.md, "Whole-tree
 run"): the survivors argued equivalent, each matched on its function and
-exact mutated line as :data:`fuzz.commands.mutation_report.TRIAGE` is, with
+exact mutated line as :data:`kvspec.fuzz.commands.mutation_report.TRIAGE` is, with
 the argument in ``why`` (shown in the generated table) and the section of
 docs/mutation.md that states the class."""
 
 from __future__ import annotations
 
-from fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
+from kvspec.fuzz.commands.mutation_verdict import EVAL, IDENT, LABELS, MARKER, Verdict
 
 FAST = "Fast paths and the general path"
 STACK = "Warning stack levels under mutmut's trampolines"
@@ -35,10 +35,10 @@ TRIAGE_WHOLE_TREE: tuple[Verdict, ...] = (
             UNUSED, why='`dense.w_append_pair_mismatch` never reads its world argument.'),
     Verdict('spec.layers.x_w_drop',
             'layers = tuple(_module(None).w_drop(w, name)[1] for w in world.layers)',
-            LABELS, why="`_module(None)` is spec.rotating; `rotating.w_drop` on a DenseWorld does what `dense.w_drop` does (names were checked by the list's `_require` first; it filters `holders` by name and `replace`s the world; the refusal text is the same)."),
+            LABELS, why="`_module(None)` is kvspec.spec.rotating; `rotating.w_drop` on a DenseWorld does what `dense.w_drop` does (names were checked by the list's `_require` first; it filters `holders` by name and `replace`s the world; the refusal text is the same)."),
     Verdict('spec.layers.x_w_hold',
             'return None, replace(world, layers=tuple(_module(None).w_hold(w)[1] for w in world.layers))',
-            LABELS, why='`_module(None)` is spec.rotating; `rotating.w_hold` on a DenseWorld is `dense.w_hold` (same check of `returned`, same message, `replace(world, held=world.returned)`).'),
+            LABELS, why='`_module(None)` is kvspec.spec.rotating; `rotating.w_hold` on a DenseWorld is `dense.w_hold` (same check of `returned`, same message, `replace(world, held=world.returned)`).'),
     Verdict('spec.layers.x_w_release_hold',
             'return None, replace(world, layers=tuple(_module(None).w_release_hold(w)[1] for w in world.layers))',
             LABELS, why='`rotating.w_release_hold` and `dense.w_release_hold` are the same `replace(world, held=None)`.'),
@@ -173,10 +173,10 @@ TRIAGE_WHOLE_TREE: tuple[Verdict, ...] = (
             LABELS, why='`zip(...)` without `strict`: the default is False, the same as the explicit `strict=False` (kept for ruff the lint rule on zip).'),
     Verdict('spec.rotating.x_apply_op',
             'return w_append_mismatch(None, op["n"], op["differs"])  # type: ignore[arg-type]',
-            UNUSED, why='`w_append_mismatch` never reads `world`; see spec.dense apply_op 161.'),
+            UNUSED, why='`w_append_mismatch` never reads `world`; see kvspec.spec.dense apply_op 161.'),
     Verdict('spec.rotating.x_apply_op',
             'return w_append_pair_mismatch(None, op["n"], op["differs"])  # type: ignore[arg-type]',
-            UNUSED, why='`w_append_pair_mismatch` never reads `world`; see spec.dense apply_op 174.'),
+            UNUSED, why='`w_append_pair_mismatch` never reads `world`; see kvspec.spec.dense apply_op 174.'),
     Verdict('impl.quant.x_int8_representable',
             'mx.eval(None, absmax)',
             EVAL, why='`.item()` evaluates `ok` and `absmax` itself; the joint `mx.eval` only saves a second synchronisation.'),

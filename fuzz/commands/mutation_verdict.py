@@ -17,7 +17,7 @@ class Verdict:
     ``function``: the mutated function (mutmut's name without ``__mutmut_N``);
     ``change``: the mutated line (``+`` side of ``mutmut show``, stripped),
     matched exactly; ``z3``: the
-    :data:`proofs.equivalents.EQUIVALENCES` check that proves it, if any;
+    :data:`kvspec.proofs.equivalents.EQUIVALENCES` check that proves it, if any;
     ``section``: the heading of docs/mutation.md that argues it."""
 
     function: str

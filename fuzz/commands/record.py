@@ -1,6 +1,6 @@
 """``kvspec record`` (record a tiny model's real decoding, one kvtrace per
 layer) and ``kvspec replay --spec-only`` (check recordings against the spec
-alone). The recorder and the check are ``fuzz.record``; docs/record.md is
+alone). The recorder and the check are ``kvspec.fuzz.record``; docs/record.md is
 the user's page."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _caches(model: Any, which: Any, num_draft_tokens: int = 0) -> list[Any]:
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(model)
-    from impl.models import make_prompt_cache as ours
+    from kvspec.impl.models import make_prompt_cache as ours
 
     return ours(model, num_draft_tokens=num_draft_tokens)
 
@@ -79,8 +79,8 @@ def scenario_generate(which: Any, seed: int, tokens: int, out: Path | None) -> A
     """Two chat turns on one prompt cache through mlx-lm's ``generate_step``
     (what ``generate``/``stream_generate`` run): a 12-token prompt, then a
     5-token turn, ``tokens`` generated after each."""
-    from fuzz.commands.e2e.models import tiny_llama, token_ids
-    from fuzz.record import record
+    from kvspec.fuzz.commands.e2e.models import tiny_llama, token_ids
+    from kvspec.fuzz.record import record
 
     model = tiny_llama(seed)
     cache = _caches(model, which)
@@ -99,8 +99,8 @@ def scenario_server(which: Any, seed: int, tokens: int, out: Path | None) -> Any
     decodes its own 3 tokens; request 3 starts from the saved state again."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from fuzz.commands.e2e.models import tiny_llama, token_ids
-    from fuzz.record import record
+    from kvspec.fuzz.commands.e2e.models import tiny_llama, token_ids
+    from kvspec.fuzz.record import record
 
     model = tiny_llama(seed)
     cache = _caches(model, which)
@@ -122,8 +122,13 @@ def scenario_speculative(which: Any, seed: int, tokens: int, out: Path | None) -
     caches (layers 0-1: the model's, layer 2: the draft's)."""
     from mlx_lm.generate import speculative_generate_step
 
-    from fuzz.commands.e2e.models import LATE_LAYER_SCALE, early_exit_draft, tiny_llama, token_ids
-    from fuzz.record import record
+    from kvspec.fuzz.commands.e2e.models import (
+        LATE_LAYER_SCALE,
+        early_exit_draft,
+        tiny_llama,
+        token_ids,
+    )
+    from kvspec.fuzz.record import record
 
     model = tiny_llama(seed, late_scale=LATE_LAYER_SCALE)
     draft = early_exit_draft(model)
@@ -221,8 +226,8 @@ def spec_only_problem(args: argparse.Namespace) -> str | None:
 def _spec_only_one(path: str, console: Any, quiet: bool) -> tuple[int, dict[str, Any]]:
     from rich.markup import escape
 
-    from fuzz.record import replay_spec_only
-    from fuzz.trace import TraceFormatError, load
+    from kvspec.fuzz.record import replay_spec_only
+    from kvspec.fuzz.trace import TraceFormatError, load
 
     try:
         trace = load(path)
@@ -257,7 +262,7 @@ def cmd_replay_spec_only(args: argparse.Namespace, paths: list[str], many: bool,
                          usage_error: Callable[..., int]) -> int:
     """``kvspec replay --spec-only``: 0 every op of every recording is
     possible, 1 one is not (the first such op printed), 2 bad input."""
-    from fuzz.commands.reports import Case, write_junit
+    from kvspec.fuzz.commands.reports import Case, write_junit
 
     problem = spec_only_problem(args)
     if problem:

@@ -24,7 +24,7 @@ divergences.
 A divergence is identified by a stable key: the class (or the fuzz
 configuration ``kind/mode/write path``), the check that failed (the
 divergence's ``what`` with holder names and numbers left out,
-:func:`check_of`) and the op class it failed at (``fuzz.targets.op_class``:
+:func:`check_of`) and the op class it failed at (``kvspec.fuzz.targets.op_class``:
 ``trim n>0``, ``append n=1``, ...), never by seed or trace text. Keys
 only the head has are *added*, keys only the base has are *fixed*, keys
 both have are *in both*. A search stops at the first divergence of an op
@@ -61,8 +61,8 @@ FUZZ_SEED = 20261207
 #: seconds a side may run before it is called hung (a guard, never a bound)
 SIDE_TIMEOUT = 3600.0
 #: the module a side's process runs (``python -m``)
-SIDE_MODULE = "fuzz.commands.review_side"
-#: exit status of a side that could not run (fuzz.commands.review_side)
+SIDE_MODULE = "kvspec.fuzz.commands.review_side"
+#: exit status of a side that could not run (kvspec.fuzz.commands.review_side)
 SIDE_FAILED = 3
 
 
@@ -118,8 +118,8 @@ def check_of(what: str) -> str:
 
 
 def op_class_of(op: Any) -> str:
-    """The op class (``fuzz.targets.op_class``) of a finding's op, ``-`` for none."""
-    from fuzz.targets import op_class
+    """The op class (``kvspec.fuzz.targets.op_class``) of a finding's op, ``-`` for none."""
+    from kvspec.fuzz.targets import op_class
 
     if not isinstance(op, dict) or "op" not in op:
         return "-"
@@ -353,7 +353,7 @@ def run_sides(sides: list[tuple[str, dict[str, Any], str, Baseline | None]], fol
 
 # -- what a side runs (in its own process) ---------------------------------------------
 def serve(request: dict[str, Any]) -> int:
-    """Run ``request`` (fuzz.commands.review_side) and write its result."""
+    """Run ``request`` (kvspec.fuzz.commands.review_side) and write its result."""
     out = Path(request["result"])
     try:
         command = request["command"]
@@ -378,7 +378,7 @@ def serve(request: dict[str, Any]) -> int:
 def conformance_side(request: dict[str, Any]) -> dict[str, Any]:
     """An example-bounded conformance search (``kvspec conformance
     --examples N --json``'s report)."""
-    from fuzz.commands.conformance import run_conformance, to_json
+    from kvspec.fuzz.commands.conformance import run_conformance, to_json
 
     reports: list[Any] = []
     run_conformance(float("inf"), request["seed"], request["out"], request.get("classes"),
@@ -400,9 +400,9 @@ def fuzz_side(request: dict[str, Any]) -> dict[str, Any]:
 def replay_side(request: dict[str, Any]) -> dict[str, Any]:
     """Replay minimal traces (``items``: trace, target, waived) and say
     where each diverges; a trace that cannot run says why."""
-    from fuzz.replay import failure_status, replay
-    from fuzz.targets import resolve
-    from fuzz.trace import load
+    from kvspec.fuzz.replay import failure_status, replay
+    from kvspec.fuzz.targets import resolve
+    from kvspec.fuzz.trace import load
 
     results = []
     for item in request["items"]:
@@ -431,12 +431,18 @@ def fuzz_examples(target_name: str, kind: str | None, mode: str | None, inplace:
     ``kvspec fuzz --json`` writes them, with ``divergence`` (index, op,
     what) for a divergence. Raises BaselineError when no configuration
     matches."""
-    from fuzz import kinds
-    from fuzz.campaign import check_engine, default_engine, machine_for, run_machine, save_failure
-    from fuzz.commands.conformance import BATCH, rounds_for
-    from fuzz.failures import Divergence
-    from fuzz.replay import failure_status
-    from fuzz.targets import resolve
+    from kvspec.fuzz import kinds
+    from kvspec.fuzz.campaign import (
+        check_engine,
+        default_engine,
+        machine_for,
+        run_machine,
+        save_failure,
+    )
+    from kvspec.fuzz.commands.conformance import BATCH, rounds_for
+    from kvspec.fuzz.failures import Divergence
+    from kvspec.fuzz.replay import failure_status
+    from kvspec.fuzz.targets import resolve
 
     target = resolve(target_name)
     engine = check_engine(engine or default_engine())
@@ -589,7 +595,7 @@ def print_comparison(doc: dict[str, Any], console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from fuzz.commands.reports import print_table
+    from kvspec.fuzz.commands.reports import print_table
 
     head, base = doc["head"]["report"], doc["base"]["report"]
     versions = ""
@@ -648,7 +654,7 @@ def render_line(entry: dict[str, Any]) -> str:
 def junit_cases(doc: dict[str, Any]) -> list[Any]:
     """One JUnit test case per key: added fails, in both is skipped
     (present on the base too), fixed passes."""
-    from fuzz.commands.reports import Case
+    from kvspec.fuzz.commands.reports import Case
 
     suite = f"kvspec {doc['command']} --baseline"
     cases = [Case(suite, e["key"], False, 0.0, f"added by the head: {e.get('summary') or e.get('what')}"
@@ -675,7 +681,7 @@ def run_baseline(args: Any, command: str, params: dict[str, Any], console: Any, 
     write --sarif / --junit-xml; the exit status (module docstring)."""
     from rich.markup import escape
 
-    from fuzz.commands.reports import write_junit, write_sarif
+    from kvspec.fuzz.commands.reports import write_junit, write_sarif
 
     as_json = bool(getattr(args, "json", False))
     try:
@@ -718,7 +724,7 @@ def fuzz_by_examples(args: Any, target: Any, console: Any, usage_error: Any, ver
     if clash:
         return usage_error(console, f"{clash[0]}: not with --examples or --baseline (a run bounded by examples, "
                                     "shrunk by replays, without an example database)", args.json)
-    from fuzz.campaign import default_engine
+    from kvspec.fuzz.campaign import default_engine
 
     params = {"target": target.label, "kind": args.kind, "mode": args.mode, "inplace": args.inplace,
               "examples": args.examples, "steps": None, "seed": args.seed, "default_seed": FUZZ_SEED,
@@ -727,7 +733,7 @@ def fuzz_by_examples(args: Any, target: Any, console: Any, usage_error: Any, ver
         return run_baseline(args, "fuzz", params, console, usage_error, version)
     from rich.markup import escape
 
-    from fuzz.commands.reports import Case, write_junit, write_sarif
+    from kvspec.fuzz.commands.reports import Case, write_junit, write_sarif
 
     try:
         doc = fuzz_examples(target.label, args.kind, args.mode, args.inplace,

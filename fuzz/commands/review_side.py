@@ -1,7 +1,7 @@
 """One side of a baseline comparison, run as a process of its own:
-``python -m fuzz.commands.review_side REQUEST.json``.
+``python -m kvspec.fuzz.commands.review_side REQUEST.json``.
 
-The request (written by ``fuzz.commands.review``) says what to run (an
+The request (written by ``kvspec.fuzz.commands.review``) says what to run (an
 example-bounded conformance search, an example-bounded fuzz run, or
 replays of minimal traces) and where the engine comes from: ``path``
 lists import folders put first on ``sys.path`` before anything imports
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path[:] = [p for p in sys.path if p not in ("", ".", here)]
     for folder in reversed(request.get("path", [])):
         sys.path.insert(0, folder)
-    from fuzz.commands.review import serve
+    from kvspec.fuzz.commands.review import serve
 
     return serve(request)
 

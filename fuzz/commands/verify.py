@@ -3,7 +3,7 @@
 1. every regression trace in ``tests/traces/`` replays clean, and a trace
    named after an injected bug also diverges on that bug; each of the
    harness's cheaper checks catches the catalog bug paired with it, and only
-   it does (``fuzz.harness_mutants``);
+   it does (``kvspec.fuzz.harness_mutants``);
 2. a fixed-seed fuzz campaign per implemented kind/mode and in-place setting
    finds no divergence;
 3. every injected bug of the catalog is caught in each of 5 seeds, and each
@@ -22,7 +22,7 @@
 first verdict: each campaign runs :data:`QUICK_EXAMPLES` examples (a bound
 in examples, not seconds, so the verdict does not depend on the clock), each
 bug one seed. The jobs run on warm worker processes
-(:class:`fuzz.workers.WarmPool`).
+(:class:`kvspec.fuzz.workers.WarmPool`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fuzz import interrupt, kinds
+from kvspec.fuzz import interrupt, kinds
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "tests" / "traces"
@@ -86,15 +86,15 @@ class Check:
     #: never "ok"
     warnings: tuple[str, ...] = ()
     #: failed without a verdict: the tool could not repeat its own answer
-    #: (fuzz.machine.FlakyVerdict); shown as TOOL FAILURE, exit 2
+    #: (kvspec.fuzz.machine.FlakyVerdict); shown as TOOL FAILURE, exit 2
     tool_failure: bool = False
 
 
 def check_traces() -> list[Check]:
-    from fuzz.bugs import catalog
-    from fuzz.campaign import clean_replay_failure
-    from fuzz.replay import replay
-    from fuzz.trace import TraceFormatError, load
+    from kvspec.fuzz.bugs import catalog
+    from kvspec.fuzz.campaign import clean_replay_failure
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import TraceFormatError, load
 
     bugs = {b.name: b for b in catalog()}
     out = []
@@ -120,11 +120,11 @@ def check_traces() -> list[Check]:
 
 def check_harness_mutants() -> list[Check]:
     """The harness's cheaper checks, each checked by the catalog bug only it
-    catches (fuzz.harness_mutants): the bug's trace diverges on that check
+    catches (kvspec.fuzz.harness_mutants): the bug's trace diverges on that check
     and, with the check switched off, passes; and the Int8 expected rows
-    stay the same with impl.quant's functions wrong and change with
-    fuzz.quant_ref's wrong."""
-    from fuzz.harness_mutants import CHECKS, check_int8_oracle, check_pairing
+    stay the same with kvspec.impl.quant's functions wrong and change with
+    kvspec.fuzz.quant_ref's wrong."""
+    from kvspec.fuzz.harness_mutants import CHECKS, check_int8_oracle, check_pairing
 
     out = []
     for check in CHECKS:
@@ -135,9 +135,9 @@ def check_harness_mutants() -> list[Check]:
         out.append(Check(f"harness check: {check.name}", not problems, detail, time.perf_counter() - start))
     start = time.perf_counter()
     problems = check_int8_oracle()
-    detail = "; ".join(problems) or ("unchanged with impl.quant's quantizer and dequantizer wrong, changed with "
-                                     "fuzz.quant_ref's wrong (float16, bfloat16, float32)")
-    out.append(Check("harness check: Int8 oracle independent of impl.quant", not problems, detail,
+    detail = "; ".join(problems) or ("unchanged with kvspec.impl.quant's quantizer and dequantizer wrong, changed with "
+                                     "kvspec.fuzz.quant_ref's wrong (float16, bfloat16, float32)")
+    out.append(Check("harness check: Int8 oracle independent of kvspec.impl.quant", not problems, detail,
                      time.perf_counter() - start))
     return out
 
@@ -147,7 +147,7 @@ def _examples_campaign(kind: str, mode: str, inplace: bool, examples: int) -> An
     batches until ``examples`` have run or one fails (at least one batch;
     at most ``examples`` batches, so a batch that runs none cannot loop).
     Its verdict does not depend on the clock or the load."""
-    from fuzz.campaign import Campaign
+    from kvspec.fuzz.campaign import Campaign
 
     run = Campaign(kind, mode, inplace, CAMPAIGN_SEED)
     while run.report.batches == 0 or (not run.failed and run.report.examples < examples
@@ -164,7 +164,7 @@ def check_campaigns(budget: float, only: tuple[str, str, bool] | None = None, re
     event of the kind's ``must_reach`` reached. ``examples``: each campaign
     runs that many examples instead of ``budget`` seconds (``--quick``: a
     verdict that does not depend on the clock)."""
-    from fuzz.campaign import campaign, save_failure
+    from kvspec.fuzz.campaign import campaign, save_failure
 
     out = []
     for kind in kinds.KINDS.values():
@@ -205,8 +205,8 @@ def _replay_verdict(path: str) -> str:
     """Whether the saved kvtrace of a failed campaign fails again on replay
     (a deterministic divergence) or replays clean (a failure that depends
     on timing: on a GPU, an ordering or aliasing race)."""
-    from fuzz.replay import replay
-    from fuzz.trace import load
+    from kvspec.fuzz.replay import replay
+    from kvspec.fuzz.trace import load
 
     try:
         result = replay(load(path))
@@ -223,7 +223,7 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
     these entries) from ``seeds`` fixed seeds: every entry must be caught in
     every seed, and every failing run (unshrunk: item 3 of this module's
     doc) must pass on the real implementation."""
-    from fuzz.commands.mutants import run_mutants
+    from kvspec.fuzz.commands.mutants import run_mutants
 
     checks = []
     for rep in run_mutants(seeds, max_examples=BUG_EXAMPLES, out=str(Path(out) / "mutants"), names=names,
@@ -239,9 +239,9 @@ def check_bugs(out: str, seeds: int, names: list[str] | None = None) -> list[Che
 
 
 def check_batch(ring: bool, examples: int) -> list[Check]:
-    """The batch lockstep (``fuzz.batch``): ``examples`` programs of a batch
+    """The batch lockstep (``kvspec.fuzz.batch``): ``examples`` programs of a batch
     cache against B single caches and the spec's layout."""
-    from fuzz.batch import campaign
+    from kvspec.fuzz.batch import campaign
 
     r = campaign(ring, max_examples=examples)
     detail = f"{r.examples} programs, batch = B single caches" if r.ok else r.failure.splitlines()[0]
@@ -250,9 +250,9 @@ def check_batch(ring: bool, examples: int) -> list[Check]:
 
 
 def check_batch_recurrent(examples: int) -> list[Check]:
-    """The recurrent batch lockstep (``fuzz.batch.recurrent_campaign``):
+    """The recurrent batch lockstep (``kvspec.fuzz.batch.recurrent_campaign``):
     ``examples`` programs of a batch RecurrentCache against B single ones."""
-    from fuzz.batch import recurrent_campaign
+    from kvspec.fuzz.batch import recurrent_campaign
 
     r = recurrent_campaign(max_examples=examples)
     detail = f"{r.examples} programs, batch = B single caches" if r.ok else r.failure.splitlines()[0]
@@ -263,9 +263,9 @@ def check_batch_bugs(examples: int) -> list[Check]:
     """Every injected batch bug (``fuzz/bugs/batch.py``: the dense and ring
     batches' ``BUGS``, the recurrent kind's ``RECURRENT_BUGS``) caught by the
     batch lockstep."""
-    from fuzz.batch import catch
-    from fuzz.bugs import batch_bugs
-    from fuzz.bugs.batch import RECURRENT_BUGS
+    from kvspec.fuzz.batch import catch
+    from kvspec.fuzz.bugs import batch_bugs
+    from kvspec.fuzz.bugs.batch import RECURRENT_BUGS
 
     out = []
     for bug in batch_bugs() + list(RECURRENT_BUGS):
@@ -280,9 +280,9 @@ def check_e2e(names: list[str] | None = None) -> list[Check]:
     """The real-decoding scenarios (fuzz/commands/e2e/) at their default size,
     every check of each; the figures a scenario only reports in its notes
     (which this table does not show) are not measured
-    (``fuzz.commands.e2e.checks.checks_only``)."""
-    from fuzz.commands.e2e import DEFAULT, run_all
-    from fuzz.commands.e2e.checks import checks_only
+    (``kvspec.fuzz.commands.e2e.checks.checks_only``)."""
+    from kvspec.fuzz.commands.e2e import DEFAULT, run_all
+    from kvspec.fuzz.commands.e2e.checks import checks_only
 
     checks = []
     with checks_only():
@@ -306,9 +306,9 @@ def _crosshair_text(ch: dict) -> str:
 
 def check_crosshair_file(rel: str) -> list[Check]:
     """CrossHair on the contracts of one spec file (``spec/dense.py``):
-    every condition confirmed or explained (``proofs.crosshair_run``); one
+    every condition confirmed or explained (``kvspec.proofs.crosshair_run``); one
     ``crosshair`` process, so the job keeps one core busy."""
-    from proofs import crosshair_run
+    from kvspec.proofs import crosshair_run
 
     res = crosshair_run.run(files=[rel], diff=False, workers=1)
     if not res.conditions and not res.errors:
@@ -321,7 +321,7 @@ def check_crosshair_diff() -> list[Check]:
     """``crosshair diffbehavior`` of the spec's regrow rule against the
     implementation's (no difference) and against its negative control (a
     difference found)."""
-    from proofs import crosshair_run
+    from kvspec.proofs import crosshair_run
 
     start = time.perf_counter()
     diff = crosshair_run.diffbehavior(*crosshair_run.DIFF_TARGET, 10.0)
@@ -366,11 +366,11 @@ def _missing_solver(e: ImportError) -> str:
 
 
 def check_obligation(number: int) -> list[Check]:
-    """Z3 obligation ``number`` (``proofs.cli.obligations``), run in this
+    """Z3 obligation ``number`` (``kvspec.proofs.cli.obligations``), run in this
     process: proved in both domains with every negative control refuted,
     or waiting for a spec that does not exist yet (reported, not failed)."""
     try:
-        from proofs.cli import obligations
+        from kvspec.proofs.cli import obligations
     except ImportError as e:
         return [Check(f"proof {number}", False, _missing_solver(e), 0.0)]
     thunks = [thunk for n, thunk in obligations() if n == number]
@@ -400,13 +400,13 @@ def proof_jobs(crosshair: bool = True) -> list[Job]:
     independent, so the pool balances them over the cores with everything
     else (a single proofs job was the run's critical path)."""
     try:
-        from proofs import crosshair_run
-        from proofs.cli import TITLES, obligations
+        from kvspec.proofs import crosshair_run
+        from kvspec.proofs.cli import TITLES, obligations
     except ImportError:
         return [Job("proofs", "check_obligation", (0,), 1.0)]
     # a proof's expected seconds are CPU seconds of an idle core; on a loaded
     # machine it does the same work (Z3 counts its budgets in deterministic
-    # units, with no clock in its strategy: proofs.domain.solver) in more
+    # units, with no clock in its strategy: kvspec.proofs.domain.solver) in more
     # wall-clock time. Its limit, eight times them and at least 300 s, is a
     # hang guard: when it fires the job fails as stopped, never as the
     # obligation's "unknown"
@@ -424,7 +424,7 @@ def proof_jobs(crosshair: bool = True) -> list[Job]:
 
 def check_equivalents() -> list[Check]:
     """The Z3 checks behind the equivalent-mutant arguments (docs/mutation.md)."""
-    from proofs.equivalents import EQUIVALENCES, check
+    from kvspec.proofs.equivalents import EQUIVALENCES, check
 
     checks = []
     for e in EQUIVALENCES:
@@ -454,7 +454,7 @@ class Job:
 
 def _under_mechanism(mechanism: str, fn: Any, *args: Any) -> list[Check]:
     """``fn(*args)`` with the CUDA in-place mechanism ``mechanism``
-    (``KV_CUDA_INPLACE``, impl.write) for this job only; each check's name
+    (``KV_CUDA_INPLACE``, kvspec.impl.write) for this job only; each check's name
     says which mechanism ran."""
     saved = os.environ.get("KV_CUDA_INPLACE")
     os.environ["KV_CUDA_INPLACE"] = mechanism
@@ -488,7 +488,7 @@ def check_bugs_cuda(mechanism: str, out: str, seeds: int, names: list[str]) -> l
 def gpu_only_bugs_skipped() -> list[str]:
     """Catalog entries this device cannot run (GPU-only ones off a CUDA GPU,
     CPU-only ones on it)."""
-    from fuzz.bugs import catalog, runnable
+    from kvspec.fuzz.bugs import catalog, runnable
 
     return [b.name for b in catalog() if not runnable(b)]
 
@@ -497,8 +497,8 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
     """Every job of a verify run, in table order. On a CUDA GPU the in-place
     campaigns run once more with the ``kernel`` mechanism (the default is
     ``donate``) and the GPU-only injected bugs join the catalog's."""
-    from fuzz.bugs import catalog, runnable
-    from impl.write import backend
+    from kvspec.fuzz.bugs import catalog, runnable
+    from kvspec.impl.write import backend
 
     budget, seeds = (0.0, 1) if quick else (CAMPAIGN_BUDGET, 5)
     jobs = [Job("traces", "check_traces", (), 20.0), Job("harness mutants", "check_harness_mutants", (), 5.0)]
@@ -534,7 +534,7 @@ def plan(quick: bool = False, out: str = "fuzz-failures", skip_proofs: bool = Fa
         else:
             jobs.append(Job(f"bug {bug.name}", "check_bugs", (out, seeds, [bug.name]), weight, limit))
     if not quick:
-        from fuzz.commands.e2e import SCENARIOS, gpu_skipped
+        from kvspec.fuzz.commands.e2e import SCENARIOS, gpu_skipped
 
         skip = {name for name, _ in gpu_skipped()}
         jobs += [Job(f"e2e {s.name}", "check_e2e", ([s.name],), E2E_SECONDS.get(s.name, 10.0))
@@ -549,7 +549,7 @@ def run_job(job: Job) -> list[Check]:
     """Run one job (in a pool worker or inline). A crash is a failed check."""
     start = time.perf_counter()
     try:
-        from fuzz.device import select
+        from kvspec.fuzz.device import select
 
         select(None)  # the device the parent chose (KVSPEC_DEVICE), in this worker too
         return globals()[job.func](*job.args)
@@ -643,7 +643,7 @@ def _cpu_seconds() -> float:
 
 
 def _pool_checks(job: Job, r: Any) -> list[Check]:
-    """A pool result (:class:`fuzz.workers.TaskResult`) as ``job``'s checks:
+    """A pool result (:class:`kvspec.fuzz.workers.TaskResult`) as ``job``'s checks:
     its own, or one failed check naming the job (stopped past its limit,
     its worker died, it raised outside :func:`run_job`); a job that left
     its worker changed keeps its checks and adds a tool failure naming
@@ -653,7 +653,7 @@ def _pool_checks(job: Job, r: Any) -> list[Check]:
         if r.status == "leaked":
             checks.append(Check(f"{job.label} [isolation]", False,
                                 f"job {job.label!r} left its worker changed ({r.leaked}); the worker was replaced "
-                                "(fuzz.workers: a job must restore what it patches)", r.seconds, tool_failure=True))
+                                "(kvspec.fuzz.workers: a job must restore what it patches)", r.seconds, tool_failure=True))
         return checks
     if r.status == "stopped":
         return [Check(job.label, False, f"job {job.label!r} ran past its wall-clock limit of {job_limit(job):.0f} s "
@@ -666,7 +666,7 @@ def _pool_checks(job: Job, r: Any) -> list[Check]:
 
 
 def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool = False) -> dict[int, list[Check]]:
-    """Run ``jobs`` on ``workers`` warm processes (:class:`fuzz.workers.WarmPool`:
+    """Run ``jobs`` on ``workers`` warm processes (:class:`kvspec.fuzz.workers.WarmPool`:
     each imports MLX, the implementation, the spec and the harness once and
     runs job after job, the longest first; 1 runs them inline). A job that
     runs past :func:`job_limit` is stopped (its worker killed and replaced)
@@ -687,9 +687,9 @@ def run_jobs(jobs: list[Job], workers: int, progress: Progress, exitfirst: bool 
                 if exitfirst and not all(c.ok for c in results[i]):
                     break
             return results
-        from fuzz.workers import Task, WarmPool
+        from kvspec.fuzz.workers import Task, WarmPool
 
-        tasks = [Task("fuzz.commands.verify:run_job", (job,), job_limit(job), job.weight, job.label) for job in jobs]
+        tasks = [Task("kvspec.fuzz.commands.verify:run_job", (job,), job_limit(job), job.weight, job.label) for job in jobs]
         with WarmPool(workers) as pool:
             try:
                 for r in pool.run(tasks, on_poll=interrupt.check):
@@ -737,7 +737,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
             print(job.label)
         return 0
     if not the_plan:
-        from fuzz.commands.reports import suggest
+        from kvspec.fuzz.commands.reports import suggest
 
         hint = suggest(patterns[0], [j.label for j in full]) if patterns else ""
         Console(stderr=True, highlight=False, emoji=False).print(
@@ -746,9 +746,9 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
         return 2
     workers = min(workers, len(the_plan))
     progress = Progress(len(the_plan), quiet=False)
-    from fuzz.campaign import default_engine
-    from fuzz.device import current
-    from impl.write import backend, inplace_mechanism
+    from kvspec.fuzz.campaign import default_engine
+    from kvspec.fuzz.device import current
+    from kvspec.impl.write import backend, inplace_mechanism
 
     where = (f"device {current()} ({backend()}, in-place writes: {inplace_mechanism()}); "
              f"engine {default_engine()}")
@@ -757,7 +757,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
                  f"process{'es' if workers > 1 else ''}; {where}; campaign seed {CAMPAIGN_SEED}, bug seeds "
                  f"1..{1 if quick else 5}")
     skipped = gpu_only_bugs_skipped()
-    from fuzz.commands.e2e import gpu_skipped
+    from kvspec.fuzz.commands.e2e import gpu_skipped
 
     e2e_skipped = [] if quick else [name for name, _ in gpu_skipped()]
     interrupted = False
@@ -772,7 +772,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
     total = time.perf_counter() - start
     stopped = exitfirst and bool(missing) and not interrupted and any(not c.ok for c in checks)
     ok = all(c.ok for c in checks) and not missing
-    from fuzz.commands.reports import Case, rerun, write_junit
+    from kvspec.fuzz.commands.reports import Case, rerun, write_junit
 
     again = rerun("verify", argv or ["verify"] + (["--quick"] if quick else []))
     if junit_xml:
@@ -802,7 +802,7 @@ def run_verify(quick: bool = False, as_json: bool = False, out: str = "fuzz-fail
             status = "[bold red]TOOL FAILURE[/]" if c.tool_failure else "[bold red]FAIL[/]" if not c.ok else f"[yellow]warn ({len(c.warnings)})[/]" if c.warnings else "[green]ok[/]"
             table.add_row(escape(c.name), status, f"{c.seconds:.1f}s", escape(c.detail))
         console = Console(highlight=False, width=width, emoji=False)
-        from fuzz.commands.reports import print_table
+        from kvspec.fuzz.commands.reports import print_table
 
         print_table(console, table)
         failed = [c.name for c in checks if not c.ok]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from impl.rotating import RotatingKVCache
+from kvspec.impl.rotating import RotatingKVCache
 
 
 class Snap:

@@ -1,7 +1,7 @@
 """A kvproto/1 adapter (docs/targets.md "The line protocol") in plain Python:
 a small dense cache (mode fp16: logical trim, copied snapshots, a held
 window) whose rows are token identities, serialized as the portable rows of
-``spec.rows`` in the trace's dtype (``windows: bytes``).
+``kvspec.spec.rows`` in the trace's dtype (``windows: bytes``).
 
 ``--fault NAME`` plants one fault (:data:`FAULTS`); none: the correct
 control. ``--observables a,b`` declares only those observables (default
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from spec.rows import element_bits
+from kvspec.spec.rows import element_bits
 
 #: fault -> what it does (exactly one is planted per process)
 FAULTS = {

@@ -36,7 +36,7 @@ anything.
    bytes); mlx-lm's own caches drift there.
 9. ``bf16_models``: bfloat16 llama and gemma3 (random weights): tokens and
    bfloat16 log-probability bytes equal those with mlx-lm's own caches.
-10. ``turbo``: each Turbo mode (``impl.turbo``): speculative decoding equals
+10. ``turbo``: each Turbo mode (``kvspec.impl.turbo``): speculative decoding equals
     greedy decoding under the same Turbo cache, byte for byte; the
     log-probabilities' deviation from the fp16 cache is reported per mode.
 11. ``speculative_drift``: speculative decoding on rings whose undo log is
@@ -65,7 +65,7 @@ Random-weight models collapse under greedy decoding (a default-initialised
 ``WEIGHT_SCALE`` (the streams become chaotic: 45 to 55 distinct tokens in 60)
 and every compared stream must reach ``len // 3`` distinct tokens.
 
-The injected bugs of ``fuzz.bugs`` plug in through ``factories`` (cache kind
+The injected bugs of ``kvspec.fuzz.bugs`` plug in through ``factories`` (cache kind
 -> class), as in the rest of ``fuzz``: ``steady_state_inplace`` fails
 scenario 4, ``inplace_after_trim`` and ``inplace_after_restore`` fail
 scenario 3 (``kvspec e2e --bug NAME``).
@@ -87,7 +87,7 @@ The package, by what a reader looks for:
 
 from __future__ import annotations
 
-from fuzz.commands.e2e.checks import (
+from kvspec.fuzz.commands.e2e.checks import (
     DEFAULT,
     LONG,
     SHORT,
@@ -99,8 +99,8 @@ from fuzz.commands.e2e.checks import (
     on_gpu,
     require,
 )
-from fuzz.commands.e2e.command import main
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.command import main
+from kvspec.fuzz.commands.e2e.models import (
     build_caches,
     early_exit_draft,
     mlx_lm_caches,
@@ -109,7 +109,7 @@ from fuzz.commands.e2e.models import (
     tiny_llama,
     token_ids,
 )
-from fuzz.commands.e2e.registry import (
+from kvspec.fuzz.commands.e2e.registry import (
     SCENARIOS,
     Scenario,
     ScenarioResult,
@@ -118,7 +118,7 @@ from fuzz.commands.e2e.registry import (
     run_all,
     run_scenario,
 )
-from fuzz.commands.e2e.streams import greedy, interleaved, speculative, teacher_forced
+from kvspec.fuzz.commands.e2e.streams import greedy, interleaved, speculative, teacher_forced
 
 __all__ = [
     "DEFAULT", "LONG", "SCENARIOS", "SHORT", "Divergence", "Scenario", "ScenarioResult", "Size", "Stream", "Tally",

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from fuzz.commands.e2e.checks import Size, Stream, Tally, compare, require
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.checks import Size, Stream, Tally, compare, require
+from kvspec.fuzz.commands.e2e.models import (
     Factories,
     build_caches,
     mlx_lm_caches,
@@ -18,10 +18,10 @@ from fuzz.commands.e2e.models import (
     tiny_llama,
     token_ids,
 )
-from fuzz.commands.e2e.streams import greedy
-from impl.batch import BatchKVCache, batch_rotating_class
-from impl.dense import KVCache
-from impl.rotating import RotatingKVCache
+from kvspec.fuzz.commands.e2e.streams import greedy
+from kvspec.impl.batch import BatchKVCache, batch_rotating_class
+from kvspec.impl.dense import KVCache
+from kvspec.impl.rotating import RotatingKVCache
 
 #: the rows each sequence's caches hold before batch_generate (gemma3: only sequence 1 then wraps)
 HISTORY = {"llama": (4, 0, 7), "gemma3": (0, 2, 1)}

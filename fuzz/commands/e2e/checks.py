@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.commands.e2e.models import VOCAB
+from kvspec.fuzz.commands.e2e.models import VOCAB
 
 
 class Divergence(AssertionError):
@@ -182,6 +182,6 @@ def _max_logprob_diff(a: list[bytes], b: list[bytes]) -> float:
 
 
 def on_gpu() -> bool:
-    from fuzz.device import current
+    from kvspec.fuzz.device import current
 
     return current() == "gpu"

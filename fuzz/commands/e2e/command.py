@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import time
 
-from fuzz.commands.e2e.checks import DEFAULT, LONG
-from fuzz.commands.e2e.registry import SCENARIOS, ScenarioResult, by_name, gpu_skipped, run_all
+from kvspec.fuzz.commands.e2e.checks import DEFAULT, LONG
+from kvspec.fuzz.commands.e2e.registry import (
+    SCENARIOS,
+    ScenarioResult,
+    by_name,
+    gpu_skipped,
+    run_all,
+)
 
 
 def main(long: bool = False, as_json: bool = False, bug: str | None = None, only: list[str] | None = None) -> int:
     """Run the scenarios and print one table (or one JSON object). Exit 0
     when every scenario passes and 1 when any diverged, as replay and fuzz
-    do; with ``bug`` (an injected bug of ``fuzz.bugs``) exit 1 therefore
+    do; with ``bug`` (an injected bug of ``kvspec.fuzz.bugs``) exit 1 therefore
     means the bug was caught, and the last line says by which scenarios."""
     import json
 
@@ -21,7 +27,7 @@ def main(long: bool = False, as_json: bool = False, bug: str | None = None, only
 
     factories = None
     if bug is not None:
-        from fuzz.bugs import by_name as bug_by_name
+        from kvspec.fuzz.bugs import by_name as bug_by_name
 
         factories = bug_by_name(bug).factories
     for name in only or []:
@@ -68,7 +74,7 @@ def main(long: bool = False, as_json: bool = False, bug: str | None = None, only
         table.add_row(r.title, str(r.tokens), str(r.distinct),
                       "" if r.acceptance is None else f"{r.acceptance:.0%}", result, f"{r.seconds:.1f}")
     console = Console(highlight=False, soft_wrap=True, emoji=False)
-    from fuzz.commands.reports import print_table
+    from kvspec.fuzz.commands.reports import print_table
 
     print_table(console, table)
     for r in results:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from fuzz.commands.e2e.checks import Size, Tally, compare, require
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.checks import Size, Tally, compare, require
+from kvspec.fuzz.commands.e2e.models import (
     Factories,
     build_caches,
     mlx_lm_caches,
@@ -13,7 +13,7 @@ from fuzz.commands.e2e.models import (
     tiny_llama,
     token_ids,
 )
-from fuzz.commands.e2e.streams import greedy
+from kvspec.fuzz.commands.e2e.streams import greedy
 
 
 def scenario_greedy(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:

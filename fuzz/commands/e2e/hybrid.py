@@ -2,8 +2,8 @@
 
 Tiny random-weight qwen3_next, nemotron_h, lfm2 and recurrent_gemma
 (``models.tiny_hybrid``) decode through mlx-lm's own loops with
-``impl.recurrent.RecurrentCache`` for the recurrent layers (built by
-``impl.models.make_prompt_cache``, which installs the step recorder):
+``kvspec.impl.recurrent.RecurrentCache`` for the recurrent layers (built by
+``kvspec.impl.models.make_prompt_cache``, which installs the step recorder):
 
 14. ``hybrid_speculative``: ``speculative_generate_step`` with
     ``num_draft_tokens`` k = 1..4 gives the greedy tokens of
@@ -15,7 +15,7 @@ Tiny random-weight qwen3_next, nemotron_h, lfm2 and recurrent_gemma
     (bytes) and every layer's offset equal a run fed the same tokens one at
     a time (the verify block runs the recurrent layers one token at a time).
 15. ``hybrid_prompt_reuse``: on caches of depth ``REUSE_DEPTH``, trim
-    (``impl.models.trim_prompt_cache``) n = 1..depth tokens off a prompt
+    (``kvspec.impl.models.trim_prompt_cache``) n = 1..depth tokens off a prompt
     prefilled in one call, and off a conversation between its turns: the
     states equal a run that never had the trimmed tokens (bytes), and so do
     the next turn's tokens and log-probability bytes; a trim beyond the
@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.commands.e2e.checks import (
+from kvspec.fuzz.commands.e2e.checks import (
     DEFAULT,
     SHORT,
     Divergence,
@@ -51,7 +51,7 @@ from fuzz.commands.e2e.checks import (
     min_distinct,
     require,
 )
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.models import (
     HYBRID_FAMILIES,
     Factories,
     hybrid_draft,
@@ -59,10 +59,10 @@ from fuzz.commands.e2e.models import (
     tiny_hybrid,
     token_ids,
 )
-from fuzz.commands.e2e.streams import Speculation, _Logged, greedy
-from impl.models import make_prompt_cache, trim_prompt_cache
-from impl.recurrent import RecurrentCache
-from spec.errors import RollbackWarning, StateError
+from kvspec.fuzz.commands.e2e.streams import Speculation, _Logged, greedy
+from kvspec.impl.models import make_prompt_cache, trim_prompt_cache
+from kvspec.impl.recurrent import RecurrentCache
+from kvspec.spec.errors import RollbackWarning, StateError
 
 #: the draft lengths of scenario 14 (each run's caches have depth k)
 DRAFT_LENGTHS = (1, 2, 3, 4)
@@ -365,10 +365,10 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def build_hybrid(model: Any, depth: int, factories: Factories = None, strict: bool = False) -> list[Any]:
-    """``impl.models.make_prompt_cache(model, num_draft_tokens=depth)``:
+    """``kvspec.impl.models.make_prompt_cache(model, num_draft_tokens=depth)``:
     every recurrent layer a RecurrentCache of that depth, every ring an undo
     log of it, the step recorder installed. ``factories`` (an injected bug's
-    classes, ``fuzz.bugs``) builds the rings (``"rotating"``) and the
+    classes, ``kvspec.fuzz.bugs``) builds the rings (``"rotating"``) and the
     recurrent layers (``"recurrent"``: a RecurrentCache subclass, called as
     ``cls(size=, depth=, strict=)``; or ``{"record_steps": f}``, a recorder
     bug, installed on ``model`` instead of the step recorder)."""
@@ -388,7 +388,7 @@ def build_hybrid(model: Any, depth: int, factories: Factories = None, strict: bo
 def _pristine(model: Any) -> None:
     """Put each recurrent mixer of ``model`` back to mlx-lm's own class
     (whichever recorder, kvspec's or a recorder bug's, wrapped it)."""
-    from impl.recurrent import _mixers
+    from kvspec.impl.recurrent import _mixers
 
     for m in _mixers(model):
         cls = type(m)
@@ -410,7 +410,7 @@ def _layer_bytes(caches: list[Any]) -> list[tuple[int, bytes]]:
 
 
 def _refused_beyond_depth(label: str, model: Any, caches: list[Any], depth: int) -> str:
-    """A trim of ``depth + 1`` tokens: ``impl.models.trim_prompt_cache``
+    """A trim of ``depth + 1`` tokens: ``kvspec.impl.models.trim_prompt_cache``
     returns 0 with a RollbackWarning, raises StateError with
     ``strict=True``; every layer unchanged (bytes, offsets) either way."""
     before = _layer_bytes(caches)
@@ -439,7 +439,7 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
     (bytes) a run of the calls without them. Then one conversation
     on caches of depth ``U = REUSE_DEPTH`` (``make_prompt_cache(model,
     num_draft_tokens=U)``): a prompt and U generated tokens, then for n =
-    1..U: ``impl.models.trim_prompt_cache`` takes back n tokens (returns n),
+    1..U: ``kvspec.impl.models.trim_prompt_cache`` takes back n tokens (returns n),
     every layer's offset and every recurrent layer's arrays equal (bytes) a
     run that never had them, and the next turn (5 prompt tokens, ``size.tokens``
     generated) decodes the tokens and log-probability bytes of that run.

@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from impl.models import make_prompt_cache
-from impl.paged import BlockPool, PagedKVCache
-from impl.rotating import RotatingKVCache
-from impl.turbo import DelegatedKVCache, TurboKVCache
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.paged import BlockPool, PagedKVCache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.impl.turbo import DelegatedKVCache, TurboKVCache
 
 VOCAB = 256
 
@@ -137,7 +137,7 @@ Factories = dict[str, Callable[..., Any]] | None
 def build_caches(model: Any, mode: str = "fp16", step: int = 256, inplace: bool | None = True,
                  factories: dict[str, Callable[..., Any]] | None = None, undo: int = 0,
                  num_draft_tokens: int = 0) -> list[Any]:
-    """``impl.models.make_prompt_cache``, building each kind's layers from
+    """``kvspec.impl.models.make_prompt_cache``, building each kind's layers from
     ``factories[kind]`` (an injected bug's classes) when given; ``undo`` is
     every ring's undo depth, ``num_draft_tokens`` sizes it for speculative
     decoding."""

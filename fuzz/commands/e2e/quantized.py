@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import warnings
 
-from fuzz.commands.e2e.checks import DEFAULT, Size, Tally, check_unchanged, compare, require, views
-from fuzz.commands.e2e.models import TURBO_E2E, Factories, _rotating, tiny_gemma3, token_ids
-from fuzz.commands.e2e.streams import greedy
-from impl.models import make_prompt_cache
+from kvspec.fuzz.commands.e2e.checks import (
+    DEFAULT,
+    Size,
+    Tally,
+    check_unchanged,
+    compare,
+    require,
+    views,
+)
+from kvspec.fuzz.commands.e2e.models import TURBO_E2E, Factories, _rotating, tiny_gemma3, token_ids
+from kvspec.fuzz.commands.e2e.streams import greedy
+from kvspec.impl.models import make_prompt_cache
 
 #: the quantized modes of make_prompt_cache, each on gemma3
 QUANT_MODES = ("int8", *TURBO_E2E)

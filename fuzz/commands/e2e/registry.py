@@ -7,29 +7,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fuzz.commands.e2e import checks
-from fuzz.commands.e2e.batch import scenario_batch
-from fuzz.commands.e2e.checks import SHORT, Divergence, Size, Tally
-from fuzz.commands.e2e.greedy import scenario_bf16_models, scenario_greedy
-from fuzz.commands.e2e.hybrid import (
+from kvspec.fuzz.commands.e2e import checks
+from kvspec.fuzz.commands.e2e.batch import scenario_batch
+from kvspec.fuzz.commands.e2e.checks import SHORT, Divergence, Size, Tally
+from kvspec.fuzz.commands.e2e.greedy import scenario_bf16_models, scenario_greedy
+from kvspec.fuzz.commands.e2e.hybrid import (
     scenario_hybrid_mlx_lm,
     scenario_hybrid_prompt_reuse,
     scenario_hybrid_speculative,
 )
-from fuzz.commands.e2e.models import Factories
-from fuzz.commands.e2e.quantized import scenario_quantized_models
-from fuzz.commands.e2e.snapshots import (
+from kvspec.fuzz.commands.e2e.models import Factories
+from kvspec.fuzz.commands.e2e.quantized import scenario_quantized_models
+from kvspec.fuzz.commands.e2e.snapshots import (
     scenario_lru_prompt_cache,
     scenario_prefix_sharing,
     scenario_prompt_reuse,
 )
-from fuzz.commands.e2e.speculative import (
+from kvspec.fuzz.commands.e2e.speculative import (
     scenario_speculative,
     scenario_speculative_drift,
     scenario_speculative_window,
 )
-from fuzz.commands.e2e.turbo import scenario_turbo
-from fuzz.commands.e2e.windows import scenario_mixed_rollback, scenario_sliding_window
+from kvspec.fuzz.commands.e2e.turbo import scenario_turbo
+from kvspec.fuzz.commands.e2e.windows import scenario_mixed_rollback, scenario_sliding_window
 
 
 @dataclass(frozen=True)

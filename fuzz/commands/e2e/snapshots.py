@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from fuzz.commands.e2e.checks import Size, Tally, check_unchanged, compare, require, views
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.checks import Size, Tally, check_unchanged, compare, require, views
+from kvspec.fuzz.commands.e2e.models import (
     MODEL_KEY,
     Factories,
     build_caches,
@@ -15,9 +15,9 @@ from fuzz.commands.e2e.models import (
     tiny_llama,
     token_ids,
 )
-from fuzz.commands.e2e.streams import greedy, interleaved
-from impl.models import trim_prompt_cache
-from impl.paged import fork_prompt_cache
+from kvspec.fuzz.commands.e2e.streams import greedy, interleaved
+from kvspec.impl.models import trim_prompt_cache
+from kvspec.impl.paged import fork_prompt_cache
 
 
 def scenario_prompt_reuse(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:

@@ -8,8 +8,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.commands.e2e import checks
-from fuzz.commands.e2e.checks import (
+from kvspec.fuzz.commands.e2e import checks
+from kvspec.fuzz.commands.e2e.checks import (
     SHORT,
     Size,
     Stream,
@@ -19,7 +19,7 @@ from fuzz.commands.e2e.checks import (
     min_distinct,
     require,
 )
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.models import (
     LATE_LAYER_SCALE,
     Factories,
     _rotating,
@@ -30,10 +30,10 @@ from fuzz.commands.e2e.models import (
     tiny_llama,
     token_ids,
 )
-from fuzz.commands.e2e.streams import greedy, speculative
-from impl.models import make_prompt_cache
-from impl.rotating import RotatingKVCache
-from spec.errors import RollbackWarning
+from kvspec.fuzz.commands.e2e.streams import greedy, speculative
+from kvspec.impl.models import make_prompt_cache
+from kvspec.impl.rotating import RotatingKVCache
+from kvspec.spec.errors import RollbackWarning
 
 
 def scenario_speculative(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:

@@ -8,8 +8,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuzz.commands.e2e.checks import Stream, logprob_bytes, require
-from fuzz.commands.e2e.models import NUM_DRAFT
+from kvspec.fuzz.commands.e2e.checks import Stream, logprob_bytes, require
+from kvspec.fuzz.commands.e2e.models import NUM_DRAFT
 
 
 def greedy(model: Any, caches: list[Any], prompt: mx.array, n: int) -> Stream:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuzz.commands.e2e.checks import Deviation, Size, Tally, compare, records, require
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.checks import Deviation, Size, Tally, compare, records, require
+from kvspec.fuzz.commands.e2e.models import (
     LATE_LAYER_SCALE,
     TURBO_E2E,
     Factories,
@@ -15,7 +15,7 @@ from fuzz.commands.e2e.models import (
     token_ids,
     turbo_caches,
 )
-from fuzz.commands.e2e.streams import greedy, speculative, teacher_forced
+from kvspec.fuzz.commands.e2e.streams import greedy, speculative, teacher_forced
 
 
 def scenario_turbo(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:

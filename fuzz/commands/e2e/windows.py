@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from fuzz.commands.e2e.checks import (
+from kvspec.fuzz.commands.e2e.checks import (
     Size,
     Tally,
     check_unchanged,
@@ -15,7 +15,7 @@ from fuzz.commands.e2e.checks import (
     require,
     views,
 )
-from fuzz.commands.e2e.models import (
+from kvspec.fuzz.commands.e2e.models import (
     Factories,
     _rotating,
     build_caches,
@@ -24,9 +24,9 @@ from fuzz.commands.e2e.models import (
     tiny_llama,
     token_ids,
 )
-from fuzz.commands.e2e.streams import greedy
-from impl.models import can_trim_prompt_cache, trim_prompt_cache
-from spec.errors import RollbackWarning
+from kvspec.fuzz.commands.e2e.streams import greedy
+from kvspec.impl.models import can_trim_prompt_cache, trim_prompt_cache
+from kvspec.spec.errors import RollbackWarning
 
 
 def scenario_sliding_window(size: Size, factories: Factories = None) -> tuple[Tally, float | None]:
