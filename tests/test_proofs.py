@@ -186,6 +186,32 @@ def test_crosshair_runner_reports_a_counterexample(tmp_path: Path) -> None:
     assert [c.status for c in conds] == ["counterexample"] and conds[0].function == "grow"
 
 
+def test_crosshair_confirms_the_unexplained_functions_of_a_file_with_explained_ones() -> None:
+    """spec/dense.py mixes explained functions (left out) with ones CrossHair
+    must confirm, checked one by one: each of those is confirmed, not lost
+    (a target CrossHair cannot load gave no line at all and read as a pass)."""
+    from kvspec.proofs import crosshair_run
+
+    path = crosshair_run.ROOT / "spec" / "dense.py"
+    conds, errors = crosshair_run.check_file(path, 10)
+    assert not errors, errors
+    checked = {c.function for c in conds if c.status != "explained"}
+    expected = {name for name, _, _ in crosshair_run.contract_functions(path)
+                if ("spec/dense.py", name) not in crosshair_run.EXPLAINED}
+    assert expected and checked == expected, (checked, expected)
+    assert all(c.status == "confirmed" for c in conds if c.status != "explained"), conds
+
+
+def test_crosshair_that_gives_no_verdict_is_an_error() -> None:
+    """CrossHair failing on a target (here a dotted name under the namespace
+    package kvspec, whose options it cannot read; exit 1 with a traceback)
+    is a tool error, never a target with nothing to report."""
+    from kvspec.proofs import crosshair_run
+
+    conds, errors = crosshair_run.check_targets(["kvspec.spec.dense.regrow_capacity"], 5)
+    assert errors and "no verdict" in errors[0], (conds, errors)
+
+
 def test_crosshair_explained_conditions_warn_and_unexplained_ones_fail() -> None:
     from kvspec.proofs.crosshair_run import (
         EXPLAINED,
