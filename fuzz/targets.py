@@ -356,21 +356,32 @@ IMPL = Target("impl", "this project's MLX caches (impl/)")
 # -- the registry --------------------------------------------------------------
 
 
+#: a user's ``module:attr`` target is imported from the current folder too
+#: (:func:`_cwd_on_path`); off in a process that must not import the folder it
+#: runs in (the base side of ``--baseline``, run from the head's checkout)
+FROM_CWD = True
+
+
 def _cwd_on_path() -> None:
     """Put the current folder first on ``sys.path`` (as ``python -m`` does) so a target
     module of the folder a command runs in imports, and so does the replay command
-    printed for it, from that folder."""
+    printed for it, from that folder. Only for a user's ``module:attr`` target: a
+    built-in target's engine (mlx-lm, transformers) is imported as installed, never
+    from a folder that happens to hold a copy of it."""
     import os
     import sys
 
+    if not FROM_CWD:
+        return
     here = os.getcwd()
     if not any(os.path.realpath(p or ".") == here for p in sys.path):
         sys.path.insert(0, here)
 
 
-def _load(ref: str) -> Any:
+def _load(ref: str, from_cwd: bool = False) -> Any:
     module, _, attr = ref.partition(":")
-    _cwd_on_path()
+    if from_cwd:
+        _cwd_on_path()
     obj: Any = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -424,7 +435,7 @@ def resolve(target: str | Target | None) -> Target:
                           f"or module:attr naming a cache class or a Target")
     module, _, _ = target.partition(":")
     try:
-        obj = _load(target)
+        obj = _load(target, from_cwd=True)
     except ModuleNotFoundError as exc:
         raise TargetError(f"--target {target}: module {module!r} cannot be imported ({exc}); "
                           f"is its package installed or on PYTHONPATH?") from None

@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path[:] = [p for p in sys.path if p not in ("", ".", here)]
     for folder in reversed(request.get("path", [])):
         sys.path.insert(0, folder)
+    if request.get("isolate"):
+        from kvspec.fuzz import targets
+
+        targets.FROM_CWD = False  # nor through a user's module:attr target
     from kvspec.fuzz.commands.review import serve
 
     return serve(request)
