@@ -67,9 +67,14 @@ def test_an_obligation_job_fails_when_a_negative_control_survives(monkeypatch):
 
     (good,) = verify.check_obligation(5)
     assert good.ok and good.name == "proof front trim" and good.detail.startswith("proved, negative control refuted; Z3 units")
+    # check_obligation runs the obligation in a process of its own; its work, obligation_checks, runs here
+    assert [(c.name, c.ok) for c in verify.obligation_checks(5)] == [(good.name, True)]
     monkeypatch.setattr(dense, "FRONT_CONTROLS", [("not_a_bug", "the spec itself", Rules())])
-    (bad,) = verify.check_obligation(5)
+    (bad,) = verify.obligation_checks(5)
     assert not bad.ok and "control not_a_bug: not refuted" in bad.detail
+    # the job's own process starts from the installed modules, never from this process's state
+    (fresh,) = verify.check_obligation(5)
+    assert fresh.ok, fresh.detail
     (missing,) = verify.check_obligation(99)
     assert not missing.ok and "no obligation numbered 99" in missing.detail
 
