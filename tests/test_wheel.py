@@ -1,4 +1,5 @@
-"""kvspec as a user installs it: the wheel built from this tree, installed alone
+"""kvspec as a user installs it: the sdist built from this tree, the wheel built
+from that sdist and installed alone
 (with the extra ``test``, pytest for the plugin) into a fresh virtualenv,
 runs from a scratch folder that holds the user's module ``mycache.py``:
 
@@ -14,8 +15,8 @@ runs from a scratch folder that holds the user's module ``mycache.py``:
   ``proofs`` says what to install.
 
 Cost: 2 to 6 minutes on two shared cores (130 s at a load average of 8, up
-to 360 s at 14), almost all of it pip: the wheel built with build isolation
-(about 45 s), the fresh virtualenv and its install of MLX, NumPy, SciPy,
+to 360 s at 14), almost all of it pip: the sdist and the wheel built from it, each with
+build isolation (about 45 s together), the fresh virtualenv and its install of MLX, NumPy, SciPy,
 Hypothesis and pytest from pip's cache (50 to 270 s); the runs take about 35 s. Where pip cannot install (no index
 reachable and nothing cached) the test skips and says so; any other failure of
 the build or the install fails it.
@@ -33,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import venv
 import zipfile
@@ -101,7 +103,22 @@ def installed(tmp_path_factory) -> Path:
     for folder in FOLDERS:  # a copy: the build writes build/ and *.egg-info next to the sources
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = root / "dist"
-    _pip(Path(sys.executable), "wheel", "--no-deps", "-q", "-w", str(dist), str(src), cwd=root, timeout=900)
+    # the sdist first (build isolation: the build backend pyproject.toml names), then the wheel from
+    # the sdist, as pip builds it for a user who installs from source
+    built = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(src)], cwd=root,
+                           capture_output=True, text=True, timeout=900, check=False)
+    if built.returncode != 0 and OFFLINE.search(built.stdout + built.stderr):
+        pytest.skip(f"the build backend cannot be installed here: {OFFLINE.search(built.stdout + built.stderr).group(0)}")
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    sdists = list(dist.glob("kvspec-*.tar.gz"))
+    assert len(sdists) == 1, sdists
+    with tarfile.open(sdists[0]) as tar:
+        members = {"/".join(n.split("/")[1:]) for n in tar.getnames()}
+    for folder in FOLDERS:  # every source file of the four folders is in the sdist
+        for path in (src / folder).rglob("*.py"):
+            assert str(path.relative_to(src)) in members, path
+    assert {"pyproject.toml", "README.md"} <= members, sorted(members)[:20]
+    _pip(Path(sys.executable), "wheel", "--no-deps", "-q", "-w", str(dist), str(sdists[0]), cwd=root, timeout=900)
     wheels = list(dist.glob("kvspec-*.whl"))
     assert len(wheels) == 1, wheels
     names = zipfile.ZipFile(wheels[0]).namelist()
@@ -144,7 +161,7 @@ def test_the_installed_wheel_has_no_top_level_spec_impl_fuzz_proofs(installed, s
 
 
 def test_fuzz_a_target_and_its_printed_replay_from_a_scratch_folder(installed, scratch):
-    proc = _run(installed, scratch, "kvspec", "fuzz", "--target", "mycache:NegativeTrimCache", "--budget", "20",
+    proc = _run(installed, scratch, "kvspec", "fuzz", "--target", "mycache:NegativeTrimCache", "--examples", "50",
                 "--seed", "1")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = re.search(r"replay it: (kvspec replay .*)", proc.stdout)
