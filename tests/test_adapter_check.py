@@ -199,6 +199,10 @@ def test_the_c_skeleton_compiles_and_passes_the_check_and_a_campaign(tmp_path, c
     assert main(["adapter", "new", "--lang", "c", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "build:  cc -std=c99" in out
+    # the C skeleton is the reference adapter itself, named as the user's in its hello
+    written = (tmp_path / "c" / "adapter.c").read_text()
+    reference = (Path(__file__).resolve().parents[1] / "adapters" / "c" / "kvspec_dense.c").read_text()
+    assert written == reference.replace("kvspec-dense-c", "my-dense-cache-c") and written != reference
     exe = tmp_path / "c" / "adapter"
     subprocess.run(["cc", "-std=c99", "-O2", "-Wall", "-Werror", "-o", str(exe), str(tmp_path / "c" / "adapter.c")],
                    check=True, capture_output=True)

@@ -123,6 +123,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     return code
 
 
+#: the C skeleton is the reference adapter (adapters/c/kvspec_dense.c) itself;
+#: the copy a user gets names itself as theirs in its hello
+RENAMES = {"c": {"kvspec-dense-c": "my-dense-cache-c"}}
+
+
 def cmd_new(args: argparse.Namespace) -> int:
     """Write a skeleton adapter for ``--lang`` into ``DIR`` (a correct dense
     cache over kvproto/1, with comments where the user's cache goes)."""
@@ -137,7 +142,10 @@ def cmd_new(args: argparse.Namespace) -> int:
         for out, name in files.items():
             path = folder / out
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(source.joinpath(name).read_text())
+            text = source.joinpath(name).read_text()
+            for ours, theirs in RENAMES.get(args.lang, {}).items():
+                text = text.replace(ours, theirs)
+            path.write_text(text)
     except OSError as exc:
         return _usage(console, f"adapter new: cannot write into {args.dir}: {exc.strerror or exc}")
     program, build = PROGRAMS[args.lang]

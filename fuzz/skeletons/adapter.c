@@ -1,27 +1,45 @@
-/* adapter.c: a kvproto/1 cache adapter in plain C (written by
- * `kvspec adapter new --lang c`).
+/* kvspec_dense.c: a dense KV cache in plain C, speaking kvproto/1.
  *
- * kvspec starts this program, writes one JSON request per line on stdin and
- * reads one JSON reply per line on stdout (docs/targets.md, "The line
- * protocol"). As written it is a correct dense cache (docs/dense.md, mode
- * fp16: buffers grown by `step`, logical trim, reference-counted snapshots,
- * in-place decode writes under the ownership rule), so
+ * The reference adapter of docs/targets.md ("The line protocol"): kvspec
+ * starts this program, sends one JSON request per line on stdin and reads
+ * one JSON reply per line on stdout. The cache is the dense cache of
+ * docs/dense.md in storage mode fp16 (rows kept in the dtype they are
+ * handed in: float16, bfloat16 or float32):
  *
- *   cc -std=c99 -O2 -Wall -o adapter adapter.c
- *   kvspec adapter check ./adapter          # the protocol, every problem in a sentence
- *   kvspec fuzz --target exec:./adapter     # the contract, fuzzed against the spec
+ *   - buffers of B x H x capacity x D elements, grown by `step` rows
+ *     (regrow: cut to the live rows, add ceil(n / step) * step);
+ *   - logical trim (the offset moves back, the buffers and capacity stay);
+ *   - O(1) snapshots and restore: a snapshot shares the cache's buffers
+ *     (reference counted); the cache adopting a snapshot's buffers forgets
+ *     its ownership marker, so its next write copies;
+ *   - the ownership rule for in-place decode writes: a one-row append
+ *     writes into the current buffers only when the switch is on and the
+ *     cache's own last write produced these buffers and ended exactly at
+ *     the live length (no trim, no restore since); every other write
+ *     copies into fresh buffers.
  *
- * both pass before you change anything. Then put your engine's cache behind
- * the functions marked "YOUR CACHE": do_init (build it), op_append (write the
- * rows first .. first + n - 1 with its own append), op_trim, the snapshot ops
- * in do_op, and put_window / put_state (read its windows back as bytes).
- * Declare only what it does in hello(): an op left out is never sent, an
- * observable left out is not compared, a cache field left out is never sent
- * (your cache runs at its default). Keep the row function and the JSON
- * reader as they are. stdout carries protocol lines only (log to stderr).
+ * Rows come from the portable row function of docs/kvtrace.md ("Portable
+ * rows"): element_bits() below is its C form. No Python, no library but
+ * the C standard library (and POSIX getline).
  *
- * Flags: --windows identities  report windows as token identities decoded
- *                              from the stored bytes (default: raw bytes)
+ * It is also the C skeleton: `kvspec adapter new --lang c DIR` writes this
+ * file as DIR/adapter.c (named "my-dense-cache-c" in its hello). Put your
+ * engine's cache behind the parts marked "YOUR CACHE": do_init (build it),
+ * op_append (write the rows first .. first + n - 1 with its own append),
+ * op_trim, the snapshot ops in do_op, and put_window / put_state (read its
+ * windows back as bytes). Declare only what it does in hello(): an op left
+ * out is never sent, an observable left out is not compared, a cache field
+ * left out is never sent (your cache runs at its default). Keep the row
+ * function and the JSON reader as they are. stdout carries protocol lines
+ * only (log to stderr).
+ *
+ * Build: cc -std=c99 -O2 -Wall -Wextra -o kvspec_dense kvspec_dense.c
+ * Run:   kvspec adapter check ./kvspec_dense     (the protocol)
+ *        kvspec fuzz --target exec:./kvspec_dense  (the contract)
+ *        kvspec replay --target exec:./kvspec_dense TRACE.json
+ * Flags: --windows identities  report windows as token identities the
+ *                              adapter decoded from its bytes (default:
+ *                              raw bytes, which kvspec identifies)
  *        --rows DTYPE B H DK DV FIRST COUNT [wide]
  *                              print the portable rows of COUNT tokens from
  *                              FIRST, as `kvspec rows --format hex` does
@@ -531,7 +549,7 @@ static int do_init(const J *cache, int wide) {
 }
 
 static void hello(long long id) {
-    printf("{\"id\":%lld,\"kvproto\":1,\"adapter\":\"my-dense-cache-c\",\"version\":\"1.0\",\"windows\":\"%s\","
+    printf("{\"id\":%lld,\"kvproto\":1,\"adapter\":\"kvspec-dense-c\",\"version\":\"1.0\",\"windows\":\"%s\","
            "\"kinds\":{\"dense\":{\"modes\":[\"fp16\"],\"dtypes\":[\"float16\",\"bfloat16\",\"float32\"],\"fields\":[",
            id, windows_as_ids ? "identities" : "bytes");
     for (int f = 0; FIELDS[f]; f++) printf("%s\"%s\"", f ? "," : "", FIELDS[f]);
