@@ -97,7 +97,31 @@ class _View:
         return out if dtype is None else out.astype(dtype)
 
 
-class DynamicCacheAdapter:
+class _CropAndDeepCopy:
+    """The rollback and snapshots every transformers cache adapter shares:
+    ``trim n`` is ``crop(-n)`` (transformers' rollback by a count) and
+    returns how far the length moved; a snapshot is a deep copy of the
+    cache object, restored as another deep copy."""
+
+    inner: Any
+    offset: int
+
+    def snapshot_type(self) -> type:
+        return TransformersSnapshot
+
+    def trim(self, n: int) -> int:
+        before = self.offset
+        self.inner.crop(-n)
+        return before - self.offset
+
+    def snapshot(self) -> Any:
+        return self.snapshot_type()(copy.deepcopy(self.inner))
+
+    def restore(self, snap: Any) -> None:
+        self.inner = copy.deepcopy(snap.inner)
+
+
+class DynamicCacheAdapter(_CropAndDeepCopy):
     """One ``DynamicCache`` layer (``layer_idx`` 0) through the target API."""
 
     live_start = 0
@@ -130,15 +154,6 @@ class DynamicCacheAdapter:
         layer = inner.layers[0]
         return _View(layer.keys), _View(layer.values)
 
-    def trim(self, n: int) -> int:
-        """``crop(-n)``: transformers' rollback by a count; returns the rows it removed."""
-        before = self.offset
-        self.inner.crop(-n)
-        return before - self.offset
-
-    def snapshot(self) -> Any:
-        return TransformersSnapshot(copy.deepcopy(self.inner))
-
     def __copy__(self) -> DynamicCacheAdapter:
         """``copy.copy`` of the cache a program holds: a new adapter around
         ``copy.copy(inner)`` (the DynamicCache object; its layers shared, as
@@ -148,9 +163,6 @@ class DynamicCacheAdapter:
         dup.__dict__.update(self.__dict__)
         dup.inner = copy.copy(self.inner)
         return dup
-
-    def restore(self, snap: TransformersSnapshot) -> None:
-        self.inner = copy.deepcopy(snap.inner)
 
 
 class TransformersSnapshot:
@@ -515,7 +527,7 @@ def _seq_len(inner: Any) -> int:
     return int(inner.get_seq_length(0))
 
 
-class StaticCacheAdapter:
+class StaticCacheAdapter(_CropAndDeepCopy):
     """``StaticCache(config, max_cache_len=step)``: one ``StaticLayer`` of
     the trace's ``step`` rows, allocated at the first update and never
     grown (the spec's first allocation of ``step`` rows, with no regrowth).
@@ -564,17 +576,8 @@ class StaticCacheAdapter:
         n = _seq_len(inner)
         return _View(layer.keys[:, :, :n, :]), _View(layer.values[:, :, :n, :])
 
-    def trim(self, n: int) -> int:
-        """``crop(-n)``; returns how far the length moved."""
-        before = self.offset
-        self.inner.crop(-n)
-        return before - self.offset
-
-    def snapshot(self) -> StaticSnapshot:
-        return StaticSnapshot(copy.deepcopy(self.inner))
-
-    def restore(self, snap: StaticSnapshot) -> None:
-        self.inner = copy.deepcopy(snap.inner)
+    def snapshot_type(self) -> type:
+        return StaticSnapshot
 
 
 class StaticSnapshot(TransformersSnapshot):
@@ -604,7 +607,7 @@ def _static_lockstep(base: type) -> type:
     return StaticLockstep
 
 
-class SlidingWindowAdapter:
+class SlidingWindowAdapter(_CropAndDeepCopy):
     """``DynamicCache(config)`` of one sliding-attention layer
     (``DynamicSlidingWindowLayer(sliding_window=max_size)``) as the ring
     kind with no sinks and no undo log: ``update`` returns the layer's
@@ -636,17 +639,6 @@ class SlidingWindowAdapter:
     def fetch(self) -> Any:
         return DynamicCacheAdapter.window_of(self.inner)
 
-    def trim(self, n: int) -> int:
-        """``crop(-n)``; returns how far the length moved."""
-        before = self.offset
-        self.inner.crop(-n)
-        return before - self.offset
-
-    def snapshot(self) -> TransformersSnapshot:
-        return TransformersSnapshot(copy.deepcopy(self.inner))
-
-    def restore(self, snap: TransformersSnapshot) -> None:
-        self.inner = copy.deepcopy(snap.inner)
 
 
 def _sliding_lockstep(base: type) -> type:
@@ -698,7 +690,7 @@ QUANTIZED_BACKENDS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-class QuantizedCacheAdapter:
+class QuantizedCacheAdapter(_CropAndDeepCopy):
     """``QuantizedCache(backend, config, ...)`` of one full-attention layer
     (quanto and HQQ: ``nbits=4, q_group_size=8, residual_length=step``, so
     the trace's ``step`` sets when the full-precision residual is flushed
@@ -753,17 +745,8 @@ class QuantizedCacheAdapter:
             k, v = torch.cat([k, layer.keys], dim=-2), torch.cat([v, layer.values], dim=-2)
         return _View(k), _View(v)
 
-    def trim(self, n: int) -> int:
-        """``crop(-n)``; returns how far the length moved."""
-        before = self.offset
-        self.inner.crop(-n)
-        return before - self.offset
-
-    def snapshot(self) -> QuantizedSnapshot:
-        return QuantizedSnapshot(copy.deepcopy(self.inner))
-
-    def restore(self, snap: QuantizedSnapshot) -> None:
-        self.inner = copy.deepcopy(snap.inner)
+    def snapshot_type(self) -> type:
+        return QuantizedSnapshot
 
 
 class QuantizedSnapshot(TransformersSnapshot):
