@@ -106,6 +106,9 @@ MAY_CHANGE: dict[str, str] = {
     "kvspec.fuzz.trace._VALIDATORS": "the kvtrace schema's validators, built on first use",
     "kvspec.fuzz.targets._DECLARED": "the lockstep driver over a target's class, built on first use per kind",
     "kvspec.impl.write._BACKENDS": "where each device type's arrays live, read once per device type",
+    "kvspec.fuzz.zygote._ZYGOTES": "the zygote process of each preload (the proof obligations'), started on first "
+                                   "use and kept for the next task; each task's call runs in a child forked for it "
+                                   "alone",
 }
 
 #: attributes Python itself adds on first use: copyreg's slot names on a
@@ -264,8 +267,11 @@ _ABSENT = object()
 def _cpu() -> float:
     import resource
 
+    from kvspec.fuzz import zygote
+
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    # a zygote's children are the zygote's, not this worker's: it reports their CPU seconds
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + zygote.cpu()
 
 
 def resolve(func: str) -> Callable[..., Any]:

@@ -336,7 +336,7 @@ def check_crosshair_diff() -> list[Check]:
 
 
 #: CPU seconds each Z3 obligation took on this project's 2-core machine,
-#: each in a fresh process as the pool runs it (2026-12-06; the job's
+#: each in a process of its own as the pool runs it (2026-12-06; the job's
 #: expected seconds on an idle core): the pool's queue starts the longest
 #: first. An obligation missing here counts 5 s.
 PROOF_SECONDS = {1: 5.0, 2: 3.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 8.0, 7: 0.5, 8: 6.5,
@@ -365,26 +365,36 @@ def _missing_solver(e: ImportError) -> str:
     return f"the proofs cannot be imported: {e}"
 
 
+#: what the proof zygote imports before it forks each obligation's process:
+#: what ``python -c "...print_obligation_checks(N)"`` would import before
+#: it runs the obligation (no MLX, no Z3 solver run)
+PROOF_PRELOAD = ("kvspec.fuzz.commands.verify", "kvspec.proofs.cli:obligations")
+
+
 def check_obligation(number: int) -> list[Check]:
     """Z3 obligation ``number`` (``kvspec.proofs.cli.obligations``): proved in
     both domains with every negative control refuted, or waiting for a spec
     that does not exist yet (reported, not failed).
 
-    It runs in a fresh Python process of its own (about half a second of
-    start-up), so every obligation starts from the same process state
-    whatever ran before it: Z3's search is not a function of its input and
-    seed alone. Inside a warm worker that had run the other jobs, a search
-    that ends in a second in a fresh process ran for minutes in Z3's
-    nonlinear arithmetic, where the resource limit is not counted."""
+    It runs in a process of its own, forked for it alone from a zygote
+    (``kvspec.fuzz.zygote``: a fresh interpreter that imported the proofs
+    and ran nothing), so every obligation starts from the same process
+    state whatever ran before it: Z3's search is not a function of its
+    input and seed alone. Inside a warm worker that had run the other jobs,
+    a search that ends in a second in a fresh process ran for minutes in
+    Z3's nonlinear arithmetic, where the resource limit is not counted. The
+    zygote is started once per process that runs obligations (about a
+    quarter of a second), not once per obligation. A process that gives no
+    result (it died, or printed no checks) is a tool failure."""
     import dataclasses
-    import subprocess
 
     try:
         import kvspec.proofs.cli  # noqa: F401 - a missing Z3 is said here, not in the child
     except ImportError as e:
         return [Check(f"proof {number}", False, _missing_solver(e), 0.0)]
-    code = f"from kvspec.fuzz.commands.verify import print_obligation_checks as p; p({int(number)})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    from kvspec.fuzz import zygote
+
+    proc = zygote.shared(PROOF_PRELOAD).run("kvspec.fuzz.commands.verify:print_obligation_checks", (int(number),))
     lines = proc.stdout.strip().splitlines()
     try:
         rows = json.loads(lines[-1])
@@ -670,11 +680,14 @@ def job_limit(job: Job) -> float:
 
 def _cpu_seconds() -> float:
     """User and system CPU seconds of this process and of the processes it
-    has waited for (a job's ``crosshair`` or e2e subprocesses)."""
+    has waited for (a job's ``crosshair`` or e2e subprocesses), and of its
+    zygotes' (the proof obligations' processes, ``kvspec.fuzz.zygote.cpu``)."""
     import resource
 
+    from kvspec.fuzz import zygote
+
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + zygote.cpu()
 
 
 def _pool_checks(job: Job, r: Any) -> list[Check]:
