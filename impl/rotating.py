@@ -47,7 +47,7 @@ from kvspec.impl.dense import (
     write_rows_copy,
 )
 from kvspec.impl.masks import ring_mask
-from kvspec.impl.write import inplace_mechanism, queue_read, seq_prefix, write_copy, write_inplace
+from kvspec.impl.write import queue_read, seq_prefix, write_copy, write_inplace_pair
 from kvspec.spec.errors import (
     InvalidArgumentError,
     RollbackWarning,
@@ -292,9 +292,8 @@ class RotatingKVCache:
         assert self.keys is not None and self.values is not None
         index = (_ALL, _ALL, slice(self.idx, self.idx + 1))  # one decode row; one index for both arrays
         if inplace:
-            mech = inplace_mechanism()
-            self.keys = write_inplace(self.keys, k, index, mech)
-            self.values = write_inplace(self.values, v, index, mech)
+            # one write of the pair (on the host: one wait for rows, buffers and queued reads)
+            self.keys, self.values = write_inplace_pair(self.keys, k, self.values, v, index)
         else:
             self._set_buffers(write_copy(self.keys, k, index), write_copy(self.values, v, index))
 

@@ -159,27 +159,50 @@ def queue_read(*arrays: mx.array) -> None:
     _QUEUED = arrays
 
 
+def _host_operands(dst: mx.array, src: mx.array) -> tuple[mx.array, mx.array]:
+    """(``dst``, the rows) as a host write copies them: the rows cast to
+    ``dst``'s dtype; bfloat16, which NumPy lacks, as uint16 views of the same
+    memory (a view of the same item size shares its input's buffer, so the
+    bytes are copied exactly into ``dst`` itself)."""
+    if dst.dtype == mx.bfloat16:
+        return mx.view(dst, mx.uint16), mx.view(mx.contiguous(src.astype(mx.bfloat16)), mx.uint16)
+    return dst, src if src.dtype == dst.dtype else src.astype(dst.dtype)
+
+
 def write_inplace_numpy(dst: mx.array, src: mx.array, index: Index) -> None:
     """The host path of :func:`write_inplace`: through a writable NumPy view of
     ``dst``'s memory (bfloat16, which NumPy lacks, through uint16 views: the
-    bytes are copied exactly). ``dst`` and the reads last queued by
-    :func:`queue_read` are evaluated first (no wait when they are done):
-    the write comes after them, as the ``kernel`` (one stream, in order)
-    and ``donate`` (a graph node) mechanisms order themselves. (Waiting for
-    the whole stream, ``mx.synchronize``, did the same at 6 to 50 us a
-    write on the 2-core machine, a round trip to the stream's thread.)"""
+    bytes are copied exactly). ``dst``, the rows (cast to ``dst``'s dtype)
+    and the reads last queued by :func:`queue_read` are evaluated first, in
+    one ``mx.eval`` (one round trip to MLX's stream thread; none when all are
+    done): the write comes after them, as the ``kernel`` (one stream, in
+    order) and ``donate`` (a graph node) mechanisms order themselves.
+    (Waiting for the whole stream, ``mx.synchronize``, did the same at 6 to
+    50 us a write on the 2-core machine, a round trip to the stream's
+    thread.)"""
     global _QUEUED
-    mx.eval(dst, *_QUEUED)
+    dst, rows = _host_operands(dst, src)
+    mx.eval(dst, rows, *_QUEUED)
     _QUEUED = ()
-    if dst.dtype == mx.bfloat16:
-        # NumPy has no bfloat16: the 16-bit patterns through uint16 views of
-        # the same memory (an evaluated mx.view aliases its input)
-        dst, src = mx.view(dst, mx.uint16), mx.view(mx.contiguous(src.astype(mx.bfloat16)), mx.uint16)
-        mx.eval(dst, src)
-    elif src.dtype != dst.dtype:
-        src = src.astype(dst.dtype)
-    np.array(dst, copy=False)[index] = src
+    np.array(dst, copy=False)[index] = rows
     COUNTS["numpy"] += 1
+
+
+def write_inplace_numpy_pair(keys: mx.array, new_keys: mx.array, values: mx.array, new_values: mx.array,
+                             index: Index) -> None:
+    """:func:`write_inplace_numpy` of a key buffer and a value buffer at one
+    index: both buffers, both rows and the reads last queued by
+    :func:`queue_read` evaluated in one ``mx.eval`` (one round trip to the
+    stream thread for the pair, where two writes pay one each), then the two
+    host copies. The rows are computed before either copy, so neither reads
+    the other buffer's written rows."""
+    global _QUEUED
+    (keys, rk), (values, rv) = _host_operands(keys, new_keys), _host_operands(values, new_values)
+    mx.eval(keys, values, rk, rv, *_QUEUED)
+    _QUEUED = ()
+    np.array(keys, copy=False)[index] = rk
+    np.array(values, copy=False)[index] = rv
+    COUNTS["numpy"] += 2
 
 
 _KERNEL_SOURCE = """
@@ -330,11 +353,12 @@ def write_inplace(dst: mx.array, src: mx.array, index: Index, mechanism: str | N
 def write_inplace_pair(keys: mx.array, new_keys: mx.array, values: mx.array, new_values: mx.array, index: Index,
                        mechanism: str | None = None) -> tuple[mx.array, mx.array]:
     """:func:`write_inplace` of a key buffer and a value buffer at one index
-    (a dense cache's decode write), the mechanism read once for both:
-    returns the ``(keys, values)`` arrays that now hold the rows, which the
-    caller keeps as its buffers. The same writes as two calls of
+    (a dense or ring cache's decode write), the mechanism read once for
+    both: returns the ``(keys, values)`` arrays that now hold the rows, which
+    the caller keeps as its buffers. The same writes as two calls of
     :func:`write_inplace`, in fewer Python calls (on a GPU a 28-layer decode
-    step pays this host time between its kernels)."""
+    step pays this host time between its kernels); on the host path in one
+    evaluation (:func:`write_inplace_numpy_pair`)."""
     mech = inplace_mechanism() if mechanism is None else mechanism
     if mech == "donate":
         COUNTS["donate"] += 2
@@ -345,6 +369,9 @@ def write_inplace_pair(keys: mx.array, new_keys: mx.array, values: mx.array, new
         v = values.__copy__()
         v[index] = new_values
         return k, v
+    if mech == "numpy":
+        write_inplace_numpy_pair(keys, new_keys, values, new_values, index)
+        return keys, values
     return write_inplace(keys, new_keys, index, mech), write_inplace(values, new_values, index, mech)
 
 
