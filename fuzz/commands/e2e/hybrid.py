@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -58,6 +59,7 @@ from kvspec.fuzz.commands.e2e.models import (
     mlx_lm_caches,
     tiny_hybrid,
     token_ids,
+    twin,
 )
 from kvspec.fuzz.commands.e2e.streams import Speculation, _Logged, greedy
 from kvspec.impl.models import make_prompt_cache, trim_prompt_cache
@@ -148,13 +150,47 @@ def teacher_run(model: Any, caches: list[Any], prompt: mx.array, tokens: list[in
     return caches
 
 
+class States(Mapping[int, list[tuple[int, int, bytes]]]):
+    """The states a run passed through, by offset: ``states[t]`` is
+    ``recurrent_states`` of the caches when they reached offset ``t``.
+    Each entry is kept as the arrays' handles (a recurrent layer's arrays
+    are values: every step hands the cache new ones, nothing writes into
+    them) and turned into bytes when read, once: a check reads the offsets
+    a run ended at, not every offset passed."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, list[tuple[int, int, tuple[Any, ...]]]] = {}
+        self._bytes: dict[int, list[tuple[int, int, bytes]]] = {}
+
+    def hold(self, caches: list[Any]) -> None:
+        """Keep the recurrent layers' arrays of ``caches`` at their offset."""
+        held = [(i, c.offset, tuple(c.cache)) for i, c in enumerate(caches) if isinstance(c, RecurrentCache)]
+        self._held[held[0][1]] = held
+        self._bytes.pop(held[0][1], None)
+
+    def __getitem__(self, t: int) -> list[tuple[int, int, bytes]]:
+        got = self._bytes.get(t)
+        if got is None:
+            held = self._held[t]
+            mx.eval([a for _, _, arrays in held for a in arrays if a is not None])
+            got = self._bytes[t] = [(i, off, b"".join(_bytes(a) for a in arrays if a is not None))
+                                    for i, off, arrays in held]
+        return got
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 class StateLog:
     """A model that, after each call, keeps every recurrent layer's arrays
-    (``recurrent_states``) of ``caches`` by the offset they reached: the
-    states a run passes through."""
+    (``recurrent_states``) of ``caches`` by the offset they reached
+    (``at``, a :class:`States`): the states a run passes through."""
 
     def __init__(self, model: Any, caches: list[Any]):
-        self.model, self.caches, self.at = model, caches, {}
+        self.model, self.caches, self.at = model, caches, States()
 
     @property
     def layers(self) -> Any:
@@ -162,14 +198,11 @@ class StateLog:
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         out = self.model(inputs, cache=cache)
-        mx.eval(out, [c.state for c in self.caches])
-        states = recurrent_states(self.caches)
-        self.at[states[0][1]] = states
+        self.at.hold(self.caches)
         return out
 
 
-def states_along(model: Any, prompt: mx.array, tokens: list[int],
-                 depth: int) -> dict[int, list[tuple[int, int, bytes]]]:
+def states_along(model: Any, prompt: mx.array, tokens: list[int], depth: int) -> States:
     """The recurrent layers' arrays at every offset of ``teacher_run`` over
     ``prompt`` and ``tokens`` on fresh caches of ``depth``."""
     caches = build_hybrid(model, depth)
@@ -178,7 +211,7 @@ def states_along(model: Any, prompt: mx.array, tokens: list[int],
     return log.at
 
 
-def check_states(label: str, caches: list[Any], reference: dict[int, list[tuple[int, int, bytes]]]) -> int:
+def check_states(label: str, caches: list[Any], reference: Mapping[int, list[tuple[int, int, bytes]]]) -> int:
     """Every layer of ``caches`` is at one offset t, and every recurrent
     layer's conv window and recurrent state equal (bytes) those a
     one-token-at-a-time run had at t (``reference``, from ``StateLog``).
@@ -269,9 +302,9 @@ def scenario_hybrid_speculative(size: Size, factories: Factories = None,
         for seed in size.seeds:
             # the models under test (their caches built from ``factories``) and the references'
             # own instances (the same weights): a recorder bug is installed on a model instance
-            model, ref_model = tiny_hybrid(family, seed), tiny_hybrid(family, seed)
-            draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family])
-            ref_draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family])
+            model = tiny_hybrid(family, seed)
+            draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family], target=model)
+            ref_model, ref_draft = twin(model), twin(draft)
             prompt = token_ids(seed, PROMPT)
             ref = greedy(ref_model, mlx_lm_caches(ref_model), prompt, n)
             require(len(set(ref.tokens)) >= min_distinct(n), f"{family} seed {seed}: greedy stream collapsed")
@@ -451,7 +484,8 @@ def scenario_hybrid_prompt_reuse(size: Size, factories: Factories = None,
     refusals = []
     for family in families:
         for seed in size.seeds:
-            model, ref_model = tiny_hybrid(family, seed), tiny_hybrid(family, seed)
+            model = tiny_hybrid(family, seed)
+            ref_model = twin(model)  # the references' own instance (a recorder bug is installed on model)
             prompt = token_ids(seed, PROMPT)
             for back in range(1, U + 1):
                 # a prompt cache made by one prefill call (a cached system prompt), its tail taken back
@@ -579,7 +613,7 @@ def scenario_hybrid_mlx_lm(size: Size, factories: Factories = None,
         spec_drift, trim_drift, kept_drift = [], [], []
         for seed in size.seeds[:MLX_LM_SEEDS]:
             model = tiny_hybrid(family, seed)
-            draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family])
+            draft = hybrid_draft(family, seed, _draft_seed(seed), DRAFT_MIX[family], target=model)
             prompt = token_ids(seed, PROMPT)
             label = f"{family} seed {seed}"
             # speculative decoding on mlx-lm's caches: refused before the prefill
@@ -601,10 +635,14 @@ def scenario_hybrid_mlx_lm(size: Size, factories: Factories = None,
                 got = speculative_run(model, draft, forced, prompt, size.tokens, k)
             spec_drift.append(_first_token_difference(got.stream.tokens, ref.tokens))
             tally.tokens.extend(got.stream.tokens)
-            # prompt reuse: mlx-lm's trim_prompt_cache on its own caches, then forced
+            # prompt reuse: mlx-lm's trim_prompt_cache on its own caches, then forced; both next turns
+            # against one run that never had the U tokens (mlx-lm's caches, the prompt, the turn)
+            turn = token_ids(seed + 100, 5)
+            never = teacher_run(model, mlx_lm_caches(model), prompt, [])
+            never_turn = greedy(model, never, turn, turn_tokens(size))
             for name, caches, out in (("mlx-lm's caches", mlx_lm_caches(model), kept_drift),
                                       ("forced", forced_caches(model, U), trim_drift)):
-                first = greedy(model, caches, prompt, U)
+                greedy(model, caches, prompt, U)  # the first turn: U tokens, which the trim takes back
                 before = _layer_bytes(caches)
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -616,10 +654,8 @@ def scenario_hybrid_mlx_lm(size: Size, factories: Factories = None,
                             f"{label}: mlx-lm's trim_prompt_cache of {U} on its caches returned {trimmed} with "
                             f"{len(caught)} warnings (docs/mlx-lm.md says 0, silently, nothing trimmed): "
                             f"update the docs")
-                never = teacher_run(model, mlx_lm_caches(model), prompt, first.tokens[:0])
-                turn = token_ids(seed + 100, 5)
                 got_turn = greedy(model, caches, turn, turn_tokens(size))
-                step = _first_step_difference(got_turn, greedy(model, never, turn, turn_tokens(size)))
+                step = _first_step_difference(got_turn, never_turn)
                 out.append("none" if step is None else f"step {step}")
                 tally.tokens.extend(got_turn.tokens)
         for what, drifts in (("forced speculative decoding", spec_drift), ("the turn after a forced trim", trim_drift)):

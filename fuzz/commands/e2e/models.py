@@ -283,14 +283,32 @@ def _init_rg_lru(model: Any) -> None:
         lru.recurrent_param = mx.random.uniform(-4.5, -2.0, lru.recurrent_param.shape)
 
 
-def hybrid_draft(family: str, seed: int, other: int, mix: float, dtype: mx.Dtype = mx.float32) -> Any:
+def hybrid_draft(family: str, seed: int, other: int, mix: float, dtype: mx.Dtype = mx.float32,
+                 target: Any = None) -> Any:
     """A draft for ``tiny_hybrid(family, seed)``: the same architecture with
     weights ``(1 - mix) * target + mix * tiny_hybrid(family, other)``, so it
     agrees with the target on some tokens and not on others (mix 0: the
-    target's weights; mix 1: a random model of seed ``other``)."""
-    target, rand = tiny_hybrid(family, seed), tiny_hybrid(family, other)
+    target's weights; mix 1: a random model of seed ``other``). ``target``:
+    that model when the caller built it already (read, never changed: its
+    weights are those ``tiny_hybrid(family, seed)`` gives, float32); the draft
+    is a model instance of its own either way."""
+    if target is None:
+        target = tiny_hybrid(family, seed)
     draft = tiny_hybrid(family, other)
-    draft.update(tree_map(lambda a, b: (1.0 - mix) * a + mix * b, target.parameters(), rand.parameters()))
+    draft.update(tree_map(lambda a, b: (1.0 - mix) * a + mix * b, target.parameters(), draft.parameters()))
     draft.set_dtype(dtype)
     mx.eval(draft.parameters())
     return draft
+
+
+def twin(model: Any) -> Any:
+    """A second instance of a tiny model (``tiny_hybrid``, ``hybrid_draft``)
+    holding the same weight arrays (MLX arrays are values: no write reaches
+    them): a step recorder installed on one instance (``kvspec.impl.recurrent.
+    record_steps``, a recorder bug) never reaches the other. Built without
+    drawing or evaluating weights of its own."""
+    mod, args = _hybrid_args(model.args.model_type)
+    # the module's own construction draws its initial weights lazily: never evaluated, they are replaced here
+    out = mod.Model(args)
+    out.update(model.parameters())
+    return out
