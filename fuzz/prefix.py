@@ -151,7 +151,7 @@ RULES = {
 
 def row_name(salt: Any, tokens: Any, p: int) -> Name:
     """The name of position ``p``'s row: ``(salt, tokens[:p + 1])``."""
-    return (salt, tuple(int(t) for t in tokens[: p + 1]))
+    return (salt, tuple(map(int, tokens[: p + 1])))
 
 
 def norm_name(x: Any) -> Any:
@@ -159,11 +159,19 @@ def norm_name(x: Any) -> Any:
     from a target's tuple, list or anything else (left as it is)."""
     if x is None:
         return None
+    if type(x) is tuple and len(x) == 2 and type(x[1]) is tuple and _all_ints(x[1]):
+        return x  # spec form already: (salt, a tuple of ints)
     try:
         salt, tokens = x
-        return (salt, tuple(int(t) for t in tokens))
+        return (salt, tuple(map(int, tokens)))
     except (TypeError, ValueError):
         return x
+
+
+def _all_ints(tokens: tuple[Any, ...]) -> bool:
+    """Whether every token is an ``int`` itself (not a bool, numpy
+    integer or float: those :func:`norm_name` converts)."""
+    return not tokens or set(map(type, tokens)) == {int}
 
 
 def show(x: Any) -> str:
@@ -192,7 +200,8 @@ class PrefixRows:
         self.kv_heads, self.dtype = kv_heads, dtype
         self.dims = {"k": head_dim, "v": v_head_dim or head_dim}
         self._rows: dict[tuple[str, Any], np.ndarray] = {}
-        self._names: dict[tuple[str, bytes], Any] = {}
+        #: which ("k" or "v") -> a row's float32 bytes -> its name (the first made)
+        self._names: dict[str, dict[bytes, Any]] = {"k": {}, "v": {}}
 
     @staticmethod
     def seed(which: str, name: Any) -> int:
@@ -225,7 +234,7 @@ class PrefixRows:
             if self.dtype == "float32":
                 got = (got.view(np.uint32) | np.uint32(1)).view(np.float32)
             self._rows[key] = got
-            self._names.setdefault((which, got.tobytes()), name)
+            self._names.setdefault(which, {}).setdefault(got.tobytes(), name)
         return got
 
     def rows(self, names: list[Any], which: str) -> np.ndarray:
@@ -234,7 +243,7 @@ class PrefixRows:
 
     def name(self, row: Any, which: str) -> Any:
         """The name whose row ``row`` is (exactly), or None."""
-        return self._names.get((which, np.ascontiguousarray(row, dtype=np.float32).tobytes()))
+        return self._names.get(which, {}).get(np.ascontiguousarray(row, dtype=np.float32).tobytes())
 
     def slot_name(self, k: Any, v: Any) -> Any:
         """The name of a slot from its K and V rows: the name both give;
@@ -242,6 +251,24 @@ class PrefixRows:
         disagree (a K row without its V row)."""
         nk, nv = self.name(k, "k"), self.name(v, "v")
         return nk if nk == nv else f"K {nk!r} / V {nv!r}"
+
+    def slot_names(self, k: Any, v: Any, n: int) -> list[Any]:
+        """``[slot_name(k[i], v[i]) for i in range(n)]``, each array turned
+        to float32 bytes once and cut into rows (``k``, ``v``: host arrays
+        ``[>= n, ...]``; anything else goes row by row, raising as
+        :meth:`slot_name` does)."""
+        k, v = np.asarray(k), np.asarray(v)
+        if n <= 0 or k.ndim < 1 or v.ndim < 1 or k.shape[0] < n or v.shape[0] < n:
+            return [self.slot_name(k[i], v[i]) for i in range(n)]
+        kb = np.ascontiguousarray(k[:n], dtype=np.float32).tobytes()
+        vb = np.ascontiguousarray(v[:n], dtype=np.float32).tobytes()
+        rk, rv = len(kb) // n, len(vb) // n
+        kn, vn = self._names["k"], self._names["v"]
+        out = []
+        for i in range(n):
+            nk, nv = kn.get(kb[i * rk:(i + 1) * rk]), vn.get(vb[i * rv:(i + 1) * rv])
+            out.append(nk if nk == nv else f"K {nk!r} / V {nv!r}")
+        return out
 
 
 def dtype_name(d: Any) -> str:
@@ -253,6 +280,23 @@ def _host(a: Any) -> np.ndarray:
     from kvspec.fuzz.rows import host
 
     return np.asarray(host(a), dtype=np.float32)
+
+
+def _host_all(arrays: list[Any]) -> list[np.ndarray]:
+    """``[_host(a) for a in arrays]`` in one round trip: the MLX arrays'
+    read forms (``kvspec.fuzz.rows.read_forms``, the device asked once)
+    evaluated in one ``mx.eval``, then each turned to NumPy and float32."""
+    import mlx.core as mx
+
+    from kvspec.fuzz.rows import read_forms
+
+    at = [i for i, a in enumerate(arrays) if isinstance(a, mx.array)]
+    forms = list(arrays)
+    if at:
+        for i, f in zip(at, read_forms([arrays[i] for i in at]), strict=True):
+            forms[i] = f
+        mx.eval(*(forms[i] for i in at))
+    return [np.asarray(np.asarray(f), dtype=np.float32) for f in forms]
 
 
 # -- our implementation as a target ---------------------------------------------
@@ -378,14 +422,16 @@ class OursTarget:
         keys, values = getattr(self.pool, "keys", None), getattr(self.pool, "values", None)
         if not through_block_rows and isinstance(keys, mx.array) and isinstance(values, mx.array):
             # the slabs [n_blocks, B, H, D] read in one round trip (block_rows(b) evaluates one block a call)
-            hk, hv = (_host(a) for a in (keys, values))
+            hk, hv = _host_all([keys, values])
             return [(hk[b], hv[b]) for b in range(self.n_blocks)]
         got = [self.pool.block_rows(b) for b in range(self.n_blocks)]
         arrays = [a for kv in got if kv is not None for a in kv]
         if arrays:
             mx.eval(*arrays)
-            self._seen_dtypes["block_rows"] = sorted({dtype_name(a.dtype) for a in arrays})
-        return [None if kv is None else (_host(kv[0]), _host(kv[1])) for kv in got]
+            self._seen_dtypes["block_rows"] = sorted({dtype_name(d) for d in {a.dtype for a in arrays}})
+        # every block's K and V to host form at once (one round trip for them all, not one per array)
+        hosts = iter(_host_all([a for kv in got if kv is not None for a in (kv[0], kv[1])]))
+        return [None if kv is None else (next(hosts), next(hosts)) for kv in got]
 
     def observe(self) -> dict[str, Any]:
         p = self.pool
@@ -397,18 +443,24 @@ class OursTarget:
         self._seen_dtypes: dict[str, list[str]] = {}
         if p.dtype is not None:
             self._seen_dtypes["slabs"] = sorted({dtype_name(a.dtype) for a in (p.keys, p.values)})
+        bs = self.block_size
         for b, kv in enumerate(self._block_rows(through_block_rows=True)):
-            for s in range(self.block_size):
-                rows[(b, s)] = None if kv is None else self.rows.slot_name(kv[0][s], kv[1][s])
-        reads = {}
+            names = [None] * bs if kv is None else self.rows.slot_names(kv[0], kv[1], bs)
+            for s in range(bs):
+                rows[(b, s)] = names[s]
+        fetched: list[tuple[str, Any, Any]] = []
         for r, q in requests.items():
             if q["live"]:
                 k, v = p.fetch(r)
                 self._seen_dtypes.setdefault("fetch", [])
                 self._seen_dtypes["fetch"] = sorted({*self._seen_dtypes["fetch"], dtype_name(k.dtype),
                                                      dtype_name(v.dtype)})
-                hk, hv = _host(k), _host(v)
-                reads[r] = [self.rows.slot_name(hk[i], hv[i]) for i in range(hk.shape[0])]
+                fetched.append((r, k, v))
+        hosts = iter(_host_all([a for _, k, v in fetched for a in (k, v)]))  # every fetch in one round trip
+        reads = {}
+        for r, _, _ in fetched:
+            hk, hv = next(hosts), next(hosts)
+            reads[r] = self.rows.slot_names(hk, hv, hk.shape[0])
         return {"requests": requests, "blocks": blocks, "free": list(p.free_queue()),
                 "cached": {norm_name(k): list(ids) for k, ids in p.cached().items()}, "rows": rows, "reads": reads,
                 "dtypes": dict(self._seen_dtypes)}
@@ -418,11 +470,28 @@ class OursTarget:
         what an op that changes nothing must leave as it was."""
         p = self.pool
         reqs = p.requests()
-        slabs = [None if kv is None else (kv[0].tobytes(), kv[1].tobytes()) for kv in self._block_rows()]
         return {"requests": dict(reqs), "tables": {r: tuple(p.table(r)) for r in reqs},
                 "refcounts": [p.refcount(b) for b in range(self.n_blocks)],
                 "keys": [p.key(b) for b in range(self.n_blocks)], "free queue": tuple(p.free_queue()),
-                "cached": {k: tuple(v) for k, v in p.cached().items()}, "slabs": slabs}
+                "cached": {k: tuple(v) for k, v in p.cached().items()}, "slabs": self._slab_bytes()}
+
+    def _slab_bytes(self) -> list[tuple[bytes, bytes] | None]:
+        """Every block's K and V bytes (None: no slab yet): the slabs'
+        own bytes, in their dtype (every slab byte: no widening to compare
+        through), cut into blocks; slabs that are not ``[n_blocks, ...]`` MLX
+        arrays read as :meth:`_block_rows` reads them."""
+        import mlx.core as mx
+
+        keys, values = getattr(self.pool, "keys", None), getattr(self.pool, "values", None)
+        n = self.n_blocks
+        if self.pool.dtype is None or not (isinstance(keys, mx.array) and isinstance(values, mx.array)
+                                           and keys.ndim >= 1 and keys.shape[0] == n
+                                           and values.ndim >= 1 and values.shape[0] == n):
+            return [None if kv is None else (kv[0].tobytes(), kv[1].tobytes()) for kv in self._block_rows()]
+        # a memoryview of an MLX array reads it as it is (bfloat16 too), C order, in one call
+        kb, vb = memoryview(keys).tobytes(), memoryview(values).tobytes()
+        sk, sv = len(kb) // n, len(vb) // n
+        return [(kb[b * sk:(b + 1) * sk], vb[b * sv:(b + 1) * sv]) for b in range(n)]
 
     def broken_invariants(self) -> tuple[str, ...]:
         return tuple(self.pool.broken_invariants())

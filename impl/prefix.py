@@ -7,9 +7,10 @@ as zeros on the first :meth:`PrefixCachePool.write` in the dtype handed in
 (float16, bfloat16 or float32, stored exactly: bfloat16 rows come back bit
 for bit). Rows are written by static slice updates (``kvspec.impl.write.
 write_copy``), which MLX donates when nothing else holds a slab; no reader
-shares a slab's memory (:meth:`PrefixCachePool.fetch` and
-:meth:`PrefixCachePool.block_rows` return gathers evaluated into their own
-memory), so no write is ever seen through an array a caller holds.
+shares a slab's memory (:meth:`PrefixCachePool.fetch` returns gathers,
+:meth:`PrefixCachePool.block_rows` and :meth:`PrefixCachePool.copy` copies,
+each evaluated into its own memory), so no write is ever seen through an
+array a caller holds.
 
 Host metadata, per block: a reference count (the number of live requests
 whose table holds it) and a **key** (None, or ``(salt, tokens)``: the salt
@@ -61,6 +62,8 @@ from kvspec.spec.errors import InvalidArgumentError, StateError
 Key = tuple[Any, tuple[int, ...]]
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+#: the slab dtypes NumPy holds (bfloat16 is not one): block_rows and copy copy these through the host
+_HOST_COPIED = (mx.float16, mx.float32)
 
 
 def max_hit_blocks(n_tokens: int, block_size: int) -> int:
@@ -658,8 +661,11 @@ class PrefixCachePool:
 
     def block_rows(self, b: int) -> tuple[mx.array, mx.array]:
         """The K and V rows of block ``b``: ``[block_size, H, Dk]`` and
-        ``[block_size, H, Dv]`` (new arrays, evaluated). What a slot of a
-        free unkeyed block holds is unspecified; an unwritten slot of a held
+        ``[block_size, H, Dv]`` in the pool's dtype (new arrays, evaluated:
+        float16 and float32 copied through NumPy's view of the slabs, with
+        no round trip to MLX's scheduler; bfloat16, which NumPy lacks,
+        gathered by MLX). What a slot of a free unkeyed block holds is
+        unspecified; an unwritten slot of a held
         block reads zeros. InvalidArgumentError for an id outside ``[0,
         n_blocks)``; StateError before the first write. Rule:
         ``kvspec.spec.prefix.broken_invariants`` (1: a keyed block holds the rows
@@ -668,8 +674,12 @@ class PrefixCachePool:
         b = self._block(op, b)
         if self.keys is None:
             raise StateError(f"{op}: the pool holds no rows yet (the first write allocates the slabs)")
-        at = mx.array([b])
-        k, v = mx.take(self.keys, at, axis=0)[0], mx.take(self.values, at, axis=0)[0]
+        if self.keys.dtype in _HOST_COPIED:  # K and V share the dtype (write refuses otherwise)
+            # copied through NumPy's view of the evaluated slabs: new evaluated arrays without a round
+            # trip to MLX's scheduler (a block read is an inspection, not the decoder's gather)
+            return mx.array(np.asarray(self.keys)[b]), mx.array(np.asarray(self.values)[b])
+        at = mx.array(b)  # a scalar index: one gather per slab, the block axis dropped
+        k, v = mx.take(self.keys, at, axis=0), mx.take(self.values, at, axis=0)
         mx.eval(k, v)
         return k, v
 
@@ -771,7 +781,10 @@ class PrefixCachePool:
         (a world is a value)."""
         new = PrefixCachePool.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        if self.keys is not None:
+        if self.keys is not None and self.keys.dtype in _HOST_COPIED:  # K and V share the dtype
+            # copied through NumPy's view of the evaluated slabs (no round trip to MLX's scheduler)
+            new.keys, new.values = mx.array(np.asarray(self.keys)), mx.array(np.asarray(self.values))
+        elif self.keys is not None:
             new.keys, new.values = mx.array(self.keys), mx.array(self.values)
             mx.eval(new.keys, new.values)
         new._ref, new._key = list(self._ref), list(self._key)

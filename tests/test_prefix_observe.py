@@ -1,0 +1,112 @@
+"""The prefix harness's reads of our pool (kvspec.fuzz.prefix.OursTarget):
+names normalised only where they are not spec form already, a whole block
+or fetch named at once exactly as slot by slot, every block read through
+``block_rows``, every slab byte in ``state()`` (each dtype), and
+``PrefixCachePool.block_rows`` and ``copy`` bit for bit in the pool's
+dtype whichever way they copy."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvspec.fuzz.prefix import OursTarget, PrefixRows, norm_name, row_name
+from kvspec.impl.prefix import PrefixCachePool
+
+DTYPES = ("float16", "bfloat16", "float32")
+CFG = {"block_size": 2, "n_blocks": 4, "kv_heads": 2, "head_dim": 8}
+
+
+def bits(a: mx.array) -> np.ndarray:
+    """``a``'s bit pattern (bfloat16 as uint16)."""
+    if a.dtype == mx.bfloat16:
+        a = mx.view(a, mx.uint16)
+    return np.array(a, copy=True)
+
+
+def test_norm_name_converts_what_is_not_spec_form_and_keeps_what_is():
+    spec_form = (1, (0, 2, 3))
+    assert norm_name(spec_form) == spec_form and norm_name((None, ())) == (None, ())
+    for raw in ((None, (np.int64(1), True, 2.0)), [None, [1, 1, 2]], (None, [np.int32(1), 1, 2])):
+        got = norm_name(raw)
+        assert got == (None, (1, 1, 2)) and type(got) is tuple and type(got[1]) is tuple, raw
+        assert [type(t) for t in got[1]] == [int, int, int], raw
+    assert norm_name(None) is None and norm_name("junk") == "junk" and norm_name((None, ("x",))) == (None, ("x",))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slot_names_agree_with_slot_name_row_by_row(dtype):
+    rows = PrefixRows(2, 8, dtype)
+    names = [row_name(None, (1, 2, 3, 0), p) for p in range(4)]
+    k, v = rows.rows(names, "k"), rows.rows(names, "v")
+    v[1] = rows.row(names[2], "v")  # a K row without its V row
+    k[2] = 0.0  # a row no name makes
+    k = np.concatenate([k, k[:1]])  # a row past n: not named
+    want = [rows.slot_name(k[i], v[i]) for i in range(4)]
+    assert want[0] == names[0] and want[1].startswith("K ") and want[3] == names[3]
+    assert rows.slot_names(k, v, 4) == want
+    if dtype == "float16":  # host arrays in another dtype: widened to float32 as slot_name does
+        assert rows.slot_names(k.astype(np.float16), v.astype(np.float16), 4) == want
+    assert rows.slot_names(k, v, 0) == []
+    with pytest.raises(IndexError):  # fewer rows than asked: as the row-by-row loop raises
+        rows.slot_names(k, v[:2], 3)
+
+
+class RowsOfTheNextBlock(PrefixCachePool):
+    def block_rows(self, b):
+        return super().block_rows((b + 1) % self.n_blocks)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_observe_reads_every_block_through_block_rows(dtype):
+    seen = []
+
+    class Counted(PrefixCachePool):
+        def block_rows(self, b):
+            seen.append(b)
+            return super().block_rows(b)
+
+    cfg = {**CFG, "dtype": dtype}
+    t = OursTarget(cfg, Counted)
+    t.admit("a", (1, 2, 3), None)
+    view = t.observe()
+    assert seen == list(range(4))
+    named = {(b, s): row_name(None, (1, 2, 3), 2 * b + s) for b in range(2) for s in range(2) if 2 * b + s < 3}
+    assert {slot: view["rows"][slot] for slot in named} == named
+    assert view["reads"] == {"a": [row_name(None, (1, 2, 3), p) for p in range(3)]}
+    broken = OursTarget(cfg, RowsOfTheNextBlock)
+    broken.admit("a", (1, 2, 3), None)
+    assert broken.observe()["rows"][(0, 0)] == row_name(None, (1, 2, 3), 2)  # block 1's row, read as block 0's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_state_holds_every_byte_of_every_block(dtype):
+    t = OursTarget({**CFG, "dtype": dtype}, None)
+    assert t.state()["slabs"] == [None] * 4
+    t.admit("a", (1, 2, 3), None)
+    was = t.state()["slabs"]
+    assert len(was) == 4 and all(len(k) == 2 * 2 * 8 * np.dtype(np.float32 if dtype == "float32" else np.float16).itemsize
+                                 for k, _ in was)
+    for b in range(4):
+        for which in ("keys", "values"):
+            slab = getattr(t.pool, which)
+            mask = mx.array((np.arange(4) == b)[:, None, None, None] & (np.arange(8) == 7))
+            setattr(t.pool, which, mx.where(mask, -slab, slab))  # one value's sign (a zero's too)
+            assert t.state()["slabs"] != was, (b, which)
+            setattr(t.pool, which, slab)
+    assert t.state()["slabs"] == was
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_rows_and_copy_are_bit_for_bit_in_the_pools_dtype(dtype):
+    t = OursTarget({**CFG, "dtype": dtype}, None)
+    t.admit("a", (1, 2, 3, 0, 1), None)
+    pool = t.pool
+    for b in range(4):
+        k, v = pool.block_rows(b)
+        assert k.dtype == v.dtype == getattr(mx, dtype) and k.shape == (2, 2, 8) == v.shape
+        assert np.array_equal(bits(k), bits(pool.keys)[b]) and np.array_equal(bits(v), bits(pool.values)[b])
+    dup = pool.copy()
+    assert dup.keys.dtype == dup.values.dtype == getattr(mx, dtype)
+    assert np.array_equal(bits(dup.keys), bits(pool.keys)) and np.array_equal(bits(dup.values), bits(pool.values))
