@@ -202,6 +202,8 @@ class PrefixRows:
         self._rows: dict[tuple[str, Any], np.ndarray] = {}
         #: which ("k" or "v") -> a row's float32 bytes -> its name (the first made)
         self._names: dict[str, dict[bytes, Any]] = {"k": {}, "v": {}}
+        #: the same, by the row's bytes in ``dtype`` itself (:meth:`stored_slot_names`)
+        self._stored: dict[str, dict[bytes, Any]] = {"k": {}, "v": {}}
 
     @staticmethod
     def seed(which: str, name: Any) -> int:
@@ -235,7 +237,18 @@ class PrefixRows:
                 got = (got.view(np.uint32) | np.uint32(1)).view(np.float32)
             self._rows[key] = got
             self._names.setdefault(which, {}).setdefault(got.tobytes(), name)
+            self._stored.setdefault(which, {}).setdefault(self.stored_bytes(got), name)
         return got
+
+    def stored_bytes(self, x: np.ndarray) -> bytes:
+        """The bytes of float32 ``x`` (holding ``dtype`` values) stored in
+        ``dtype``: float16 and float32 as NumPy writes them, bfloat16 as
+        the high half of each float32 (exact: the low half is zero)."""
+        if self.dtype == "float16":
+            return x.astype(np.float16).tobytes()
+        if self.dtype == "bfloat16":
+            return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        return np.ascontiguousarray(x, dtype=np.float32).tobytes()
 
     def rows(self, names: list[Any], which: str) -> np.ndarray:
         """``(n, kv_heads, head_dim)`` float32: the rows of ``names``."""
@@ -251,6 +264,21 @@ class PrefixRows:
         disagree (a K row without its V row)."""
         nk, nv = self.name(k, "k"), self.name(v, "v")
         return nk if nk == nv else f"K {nk!r} / V {nv!r}"
+
+    def stored_slot_names(self, kb: bytes, vb: bytes, n: int) -> list[Any]:
+        """The slot names of ``n`` rows from the raw bytes of K and V
+        arrays in ``dtype`` ``[>= n, kv_heads, head_dim]`` (C order): the
+        same names :meth:`slot_names` gives their float32 forms (each
+        dtype widens to float32 exactly and one to one; no row made holds
+        a NaN)."""
+        size = 2 if self.dtype in ("float16", "bfloat16") else 4  # bytes a value (stored_bytes)
+        rk, rv = self.kv_heads * self.dims["k"] * size, self.kv_heads * self.dims["v"] * size
+        kn, vn = self._stored["k"], self._stored["v"]
+        out = []
+        for i in range(n):
+            nk, nv = kn.get(kb[i * rk:(i + 1) * rk]), vn.get(vb[i * rv:(i + 1) * rv])
+            out.append(nk if nk == nv else f"K {nk!r} / V {nv!r}")
+        return out
 
     def slot_names(self, k: Any, v: Any, n: int) -> list[Any]:
         """``[slot_name(k[i], v[i]) for i in range(n)]``, each array turned
@@ -411,43 +439,84 @@ class OursTarget:
         new.pool, new.seqs = self.pool.copy(), dict(self.seqs)
         return new
 
-    def _block_rows(self, through_block_rows: bool = False) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    def _block_rows(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
         """Every block's K and V rows in host form (None: no slab yet): the
-        raw slabs in one round trip, or (``through_block_rows``) each block
-        read through ``pool.block_rows(b)``, the pool's own read path."""
+        raw slabs in one round trip where they are MLX arrays, else each
+        block read through ``pool.block_rows(b)``."""
         import mlx.core as mx
 
         if self.pool.dtype is None:  # no slab before the first write
             return [None] * self.n_blocks
         keys, values = getattr(self.pool, "keys", None), getattr(self.pool, "values", None)
-        if not through_block_rows and isinstance(keys, mx.array) and isinstance(values, mx.array):
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
             # the slabs [n_blocks, B, H, D] read in one round trip (block_rows(b) evaluates one block a call)
             hk, hv = _host_all([keys, values])
             return [(hk[b], hv[b]) for b in range(self.n_blocks)]
+        got = self._read_blocks()
+        hosts = iter(_host_all([a for kv in got if kv is not None for a in (kv[0], kv[1])]))
+        return [None if kv is None else (next(hosts), next(hosts)) for kv in got]
+
+    def _read_blocks(self) -> list[Any]:
+        """Every block's K and V as ``pool.block_rows(b)`` returns them,
+        evaluated (None: no slab yet); their dtypes noted."""
+        import mlx.core as mx
+
+        if self.pool.dtype is None:  # no slab before the first write
+            return [None] * self.n_blocks
         got = [self.pool.block_rows(b) for b in range(self.n_blocks)]
         arrays = [a for kv in got if kv is not None for a in kv]
         if arrays:
             mx.eval(*arrays)
             self._seen_dtypes["block_rows"] = sorted({dtype_name(d) for d in {a.dtype for a in arrays}})
-        # every block's K and V to host form at once (one round trip for them all, not one per array)
-        hosts = iter(_host_all([a for kv in got if kv is not None for a in (kv[0], kv[1])]))
-        return [None if kv is None else (next(hosts), next(hosts)) for kv in got]
+        return got
+
+    def _in_stored_form(self, a: Any, which: str) -> bool:
+        """Whether ``a`` is an MLX array ``[n, kv_heads, head_dim]`` of the
+        cache's dtype (its own bytes are what :class:`PrefixRows` stores)."""
+        import mlx.core as mx
+
+        return (isinstance(a, mx.array) and a.dtype == self._mx_dtype and a.ndim == 3
+                and tuple(a.shape[1:]) == (self.rows.kv_heads, self.rows.dims[which]))
+
+    def _name_reads(self, reads: list[tuple[Any, Any, int | None]]) -> list[list[Any]]:
+        """The slot names of each read ``(K, V, n)``: its first ``n`` rows
+        (None: as many as K holds), as :meth:`PrefixRows.slot_names` names
+        their host forms. On the CPU (where a read needs no device read)
+        arrays in the cache's dtype and shape are named from their own bytes
+        (:meth:`PrefixRows.stored_slot_names`: the same names, no
+        conversion); the rest are turned to host form together, in one
+        round trip."""
+        from kvspec.fuzz.device import current
+
+        out: list[list[Any]] = [[] for _ in reads]
+        hosted = []
+        cpu = current() == "cpu"
+        for i, (k, v, n) in enumerate(reads):
+            if cpu and self._in_stored_form(k, "k") and self._in_stored_form(v, "v"):
+                m = k.shape[0] if n is None else n
+                if m <= k.shape[0] and m <= v.shape[0]:
+                    # a memoryview reads an MLX array's bytes as they are, C order
+                    out[i] = self.rows.stored_slot_names(memoryview(k).tobytes(), memoryview(v).tobytes(), m)
+                    continue
+            hosted.append(i)
+        hosts = iter(_host_all([a for i in hosted for a in reads[i][:2]]))
+        for i in hosted:
+            hk, hv = next(hosts), next(hosts)
+            n = reads[i][2]
+            out[i] = self.rows.slot_names(hk, hv, hk.shape[0] if n is None else n)
+        return out
 
     def observe(self) -> dict[str, Any]:
         p = self.pool
         requests = {r: {"table": list(p.table(r)), "tokens": int(n), "live": bool(live)}
                     for r, (n, live) in p.requests().items()}
         blocks = [(p.refcount(b), norm_name(p.key(b))) for b in range(self.n_blocks)]
-        rows: dict[tuple[int, int], Any] = {}
         #: the dtypes the pool's storage and read paths hold, by path
         self._seen_dtypes: dict[str, list[str]] = {}
         if p.dtype is not None:
             self._seen_dtypes["slabs"] = sorted({dtype_name(a.dtype) for a in (p.keys, p.values)})
         bs = self.block_size
-        for b, kv in enumerate(self._block_rows(through_block_rows=True)):
-            names = [None] * bs if kv is None else self.rows.slot_names(kv[0], kv[1], bs)
-            for s in range(bs):
-                rows[(b, s)] = names[s]
+        got = self._read_blocks()  # every block through the pool's own read path
         fetched: list[tuple[str, Any, Any]] = []
         for r, q in requests.items():
             if q["live"]:
@@ -456,11 +525,14 @@ class OursTarget:
                 self._seen_dtypes["fetch"] = sorted({*self._seen_dtypes["fetch"], dtype_name(k.dtype),
                                                      dtype_name(v.dtype)})
                 fetched.append((r, k, v))
-        hosts = iter(_host_all([a for _, k, v in fetched for a in (k, v)]))  # every fetch in one round trip
-        reads = {}
-        for r, _, _ in fetched:
-            hk, hv = next(hosts), next(hosts)
-            reads[r] = self.rows.slot_names(hk, hv, hk.shape[0])
+        named = iter(self._name_reads([(kv[0], kv[1], bs) for kv in got if kv is not None]
+                                      + [(k, v, None) for _, k, v in fetched]))
+        rows: dict[tuple[int, int], Any] = {}
+        for b, kv in enumerate(got):
+            names = [None] * bs if kv is None else next(named)
+            for s in range(bs):
+                rows[(b, s)] = names[s]
+        reads = {r: next(named) for r, _, _ in fetched}
         return {"requests": requests, "blocks": blocks, "free": list(p.free_queue()),
                 "cached": {norm_name(k): list(ids) for k, ids in p.cached().items()}, "rows": rows, "reads": reads,
                 "dtypes": dict(self._seen_dtypes)}

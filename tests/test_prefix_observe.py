@@ -1,6 +1,7 @@
 """The prefix harness's reads of our pool (kvspec.fuzz.prefix.OursTarget):
 names normalised only where they are not spec form already, a whole block
-or fetch named at once exactly as slot by slot, every block read through
+or fetch named at once exactly as slot by slot (from its float32 form or
+from its own bytes in the cache's dtype: the same names), every block read through
 ``block_rows``, every slab byte in ``state()`` (each dtype), and
 ``PrefixCachePool.block_rows`` and ``copy`` bit for bit in the pool's
 dtype whichever way they copy."""
@@ -53,6 +54,21 @@ def test_slot_names_agree_with_slot_name_row_by_row(dtype):
         rows.slot_names(k, v[:2], 3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_slot_names_name_a_dtypes_own_bytes_as_slot_names_its_float32(dtype):
+    rows = PrefixRows(2, 8, dtype)
+    names = [row_name(1, (3, 2, 1), p) for p in range(3)]
+    k, v = rows.rows(names, "k"), rows.rows(names, "v")
+    v[0] = rows.row(names[1], "v")  # a K row without its V row
+    k[2, 1, 3] = -k[2, 1, 3]  # one value off
+    want = rows.slot_names(k, v, 3)
+    assert want[0].startswith("K ") and want[1] == names[1] and want[2].startswith("K None")
+    stored = [mx.array(a).astype(getattr(mx, dtype)) for a in (k, v)]
+    kb, vb = (memoryview(a).tobytes() for a in stored)
+    assert rows.stored_bytes(k) == kb and rows.stored_slot_names(kb, vb, 3) == want
+    assert rows.stored_slot_names(kb, vb, 2) == want[:2]
+
+
 class RowsOfTheNextBlock(PrefixCachePool):
     def block_rows(self, b):
         return super().block_rows((b + 1) % self.n_blocks)
@@ -78,6 +94,30 @@ def test_observe_reads_every_block_through_block_rows(dtype):
     broken = OursTarget(cfg, RowsOfTheNextBlock)
     broken.admit("a", (1, 2, 3), None)
     assert broken.observe()["rows"][(0, 0)] == row_name(None, (1, 2, 3), 2)  # block 1's row, read as block 0's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reads_in_another_dtype_are_named_from_their_float32_forms(dtype):
+    """A pool whose block_rows and fetch hand back float32 (not the cache's
+    dtype): named through their host forms, the same names."""
+
+    class ReadsInFloat32(PrefixCachePool):
+        def block_rows(self, b):
+            return tuple(a.astype(mx.float32) for a in super().block_rows(b))
+
+        def fetch(self, req):
+            return tuple(a.astype(mx.float32) for a in super().fetch(req))
+
+    cfg = {**CFG, "dtype": dtype}
+    views = []
+    for factory in (None, ReadsInFloat32):
+        t = OursTarget(cfg, factory)
+        t.admit("a", (1, 2, 3), 0)
+        t.decode("a", (2, 2))
+        views.append(t.observe())
+    assert views[0]["rows"] == views[1]["rows"] and views[0]["reads"] == views[1]["reads"]
+    assert views[0]["reads"]["a"] == [row_name(0, (1, 2, 3, 2, 2), p) for p in range(5)]
+    assert views[1]["dtypes"]["block_rows"] == views[1]["dtypes"]["fetch"] == ["float32"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
