@@ -12,8 +12,10 @@
    not shrink: it asks whether and how soon each seed catches the bug
    (``kvspec mutants --only NAME`` gives the minimal trace; ``make test``
    replays each bug's shipped minimal trace, tests/test_replay.py);
-4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``), except
-   with ``--quick`` (``make test`` runs their short form);
+4. the real-decoding scenarios inside mlx-lm models (``kvspec e2e``) at
+   the verify size: 32-token streams on models 2 and 3 (``make test`` runs
+   the same scenarios on models 0 and 1; ``kvspec e2e`` 64-token streams on
+   models 0 to 2), except with ``--quick``;
 5. the proofs and the CrossHair contracts (``kvspec prove --crosshair``),
    unless skipped; ``--quick`` runs every Z3 obligation and leaves
    CrossHair out.
@@ -277,16 +279,20 @@ def check_batch_bugs(examples: int) -> list[Check]:
 
 
 def check_e2e(names: list[str] | None = None) -> list[Check]:
-    """The real-decoding scenarios (fuzz/commands/e2e/) at their default size,
-    every check of each; the figures a scenario only reports in its notes
-    (which this table does not show) are not measured
-    (``kvspec.fuzz.commands.e2e.checks.checks_only``)."""
-    from kvspec.fuzz.commands.e2e import DEFAULT, run_all
+    """The real-decoding scenarios (fuzz/commands/e2e/) at the verify size
+    (``kvspec.fuzz.commands.e2e.checks.VERIFY``: the short size's 32-token
+    streams and window 8 on models 2 and 3, which ``make test``'s short
+    size does not build), every check of each and the short size's
+    minimums; the figures a scenario only reports in its notes (which this
+    table does not show) are not measured
+    (``kvspec.fuzz.commands.e2e.checks.checks_only``). ``kvspec e2e`` runs
+    the default size (64 tokens, window 16, models 0 to 2)."""
+    from kvspec.fuzz.commands.e2e import VERIFY, run_all
     from kvspec.fuzz.commands.e2e.checks import checks_only
 
     checks = []
     with checks_only():
-        results = run_all(DEFAULT, names=names)
+        results = run_all(VERIFY, names=names)
     for r in results:
         extra = f", acceptance {r.acceptance:.0%}" if r.acceptance is not None else ""
         detail = f"{r.tokens} tokens, {r.distinct} distinct{extra}" if r.ok else r.detail
@@ -342,13 +348,13 @@ def check_crosshair_diff() -> list[Check]:
 PROOF_SECONDS = {1: 5.0, 2: 3.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 8.0, 7: 0.5, 8: 6.5,
                  9: 0.5, 10: 0.5, 11: 0.5, 12: 0.5, 13: 0.5, 14: 1.0, 15: 2.0, 16: 0.5,
                  17: 0.5, 18: 0.5, 19: 0.5, 20: 0.5, 21: 0.5, 22: 2.0, 23: 2.5, 24: 2.0, 25: 0.5, 26: 0.5}
-#: CPU seconds of each e2e scenario's job (2026-12-07, this machine, checks
-#: only; the queue's order: the longest start first). One missing here
-#: counts 10 s.
-E2E_SECONDS = {"hybrid_speculative": 17.0, "turbo": 8.0, "speculative_window": 8.0, "hybrid_prompt_reuse": 8.0,
-               "prompt_reuse": 8.0, "speculative": 6.5, "speculative_drift": 6.5, "bf16_models": 5.0,
-               "hybrid_mlx_lm": 4.0, "greedy": 3.5, "batch": 3.5, "quantized_models": 3.0, "sliding_window": 3.0,
-               "prefix_sharing": 2.5, "lru_prompt_cache": 2.0, "mixed_rollback": 1.5}
+#: CPU seconds of each e2e scenario's job at the verify size (2026-12-07,
+#: this machine, checks only; the queue's order: the longest start first).
+#: One missing here counts 10 s.
+E2E_SECONDS = {"hybrid_speculative": 9.0, "speculative": 3.5, "prompt_reuse": 3.5, "speculative_drift": 3.0,
+               "hybrid_prompt_reuse": 3.0, "hybrid_mlx_lm": 2.5, "turbo": 2.5, "speculative_window": 2.0,
+               "greedy": 1.5, "bf16_models": 1.5, "quantized_models": 1.2, "batch": 1.1, "sliding_window": 0.7,
+               "prefix_sharing": 0.6, "lru_prompt_cache": 0.3, "mixed_rollback": 0.3}
 #: the same for CrossHair, per spec file (one ``crosshair`` process each)
 CROSSHAIR_SECONDS = {"spec/dense.py": 10.0, "spec/layers.py": 13.0, "spec/paged.py": 3.0, "spec/rotating.py": 13.0,
                      "spec/turbo.py": 4.0, "spec/recurrent.py": 2.0, "spec/cells.py": 2.0,

@@ -91,6 +91,7 @@ from kvspec.fuzz.commands.e2e.checks import (
     DEFAULT,
     LONG,
     SHORT,
+    VERIFY,
     Divergence,
     Size,
     Stream,
@@ -121,7 +122,7 @@ from kvspec.fuzz.commands.e2e.registry import (
 from kvspec.fuzz.commands.e2e.streams import greedy, interleaved, speculative, teacher_forced
 
 __all__ = [
-    "DEFAULT", "LONG", "SCENARIOS", "SHORT", "Divergence", "Scenario", "ScenarioResult", "Size", "Stream", "Tally",
+    "DEFAULT", "LONG", "SCENARIOS", "SHORT", "VERIFY", "Divergence", "Scenario", "ScenarioResult", "Size", "Stream", "Tally",
     "build_caches", "by_name", "compare", "early_exit_draft", "gpu_skipped", "greedy", "interleaved", "main",
     "mlx_lm_caches", "on_gpu", "require", "run_all", "run_scenario", "speculative", "speculative_gemma3",
     "teacher_forced", "tiny_gemma3", "tiny_llama", "token_ids",

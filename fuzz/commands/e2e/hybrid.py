@@ -43,6 +43,7 @@ import numpy as np
 from kvspec.fuzz.commands.e2e.checks import (
     DEFAULT,
     SHORT,
+    VERIFY,
     Divergence,
     Size,
     Stream,
@@ -71,15 +72,15 @@ DRAFT_LENGTHS = (1, 2, 3, 4)
 
 
 #: the draft lengths at which scenario 14 also runs draft = target, by size
-#: (the short and default sizes keep the shortest and the longest: the test
-#: suite runs the short size, ``kvspec verify`` the default one, 120 s a job)
-SELF_DRAFT_LENGTHS = {SHORT: (DRAFT_LENGTHS[0], DRAFT_LENGTHS[-1]), DEFAULT: (DRAFT_LENGTHS[0], DRAFT_LENGTHS[-1])}
+#: (the short, verify and default sizes keep the shortest and the longest;
+#: the long size runs every k)
+SELF_DRAFT_LENGTHS = {size: (DRAFT_LENGTHS[0], DRAFT_LENGTHS[-1]) for size in (SHORT, VERIFY, DEFAULT)}
 
 
 #: the tokens of each speculative run of scenario 14, by size (the size's
 #: ``tokens`` otherwise): 32 runs every draft length through about 15
 #: rounds; more seeds, not longer runs, widen the default size
-SPEC_TOKENS = {SHORT: 32, DEFAULT: 32}
+SPEC_TOKENS = {SHORT: 32, VERIFY: 32, DEFAULT: 32}
 
 
 #: each family's draft mix (``models.hybrid_draft``): its draft agrees with

@@ -11,6 +11,7 @@ import numpy as np
 from kvspec.fuzz.commands.e2e import checks
 from kvspec.fuzz.commands.e2e.checks import (
     SHORT,
+    VERIFY,
     Size,
     Stream,
     Tally,
@@ -239,10 +240,10 @@ def scenario_speculative_window(size: Size, factories: Factories = None) -> tupl
 
 
 #: the fewest wraps per seed and rollbacks after a wrap the scenario needs, by size
-MIN_WRAPS = {SHORT: 8}
+MIN_WRAPS = {SHORT: 8, VERIFY: 8}
 
 
-MIN_ROLLBACKS = {SHORT: 20}
+MIN_ROLLBACKS = {SHORT: 20, VERIFY: 20}
 
 
 #: the short undo depths of the speculative_drift scenario (below UNDO_DEPTH,
