@@ -43,9 +43,9 @@ def test_verify_runs_the_scenarios_at_the_verify_size(monkeypatch):
     seen = []
 
     def fake_run_all(size, factories=None, names=None, progress=None):
-        seen.append((size, checks.records()))
+        seen.append((size, checks.records(), names))
         return [registry.ScenarioResult("greedy", "1 greedy", True, 64, 40, None, 0.1, "ok")]
 
     monkeypatch.setattr("kvspec.fuzz.commands.e2e.run_all", fake_run_all)
     out = verify.check_e2e(["greedy"])
-    assert seen == [(VERIFY, False)] and out[0].ok
+    assert seen == [(VERIFY, False, ["greedy"])] and out[0].ok

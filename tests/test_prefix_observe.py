@@ -11,6 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvspec.fuzz.prefix import OursTarget, PrefixRows, norm_name, row_name
 from kvspec.impl.prefix import PrefixCachePool
@@ -150,3 +152,36 @@ def test_block_rows_and_copy_are_bit_for_bit_in_the_pools_dtype(dtype):
     dup = pool.copy()
     assert dup.keys.dtype == dup.values.dtype == getattr(mx, dtype)
     assert np.array_equal(bits(dup.keys), bits(pool.keys)) and np.array_equal(bits(dup.values), bits(pool.values))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_named_k_row_beside_a_v_row_no_name_makes_is_no_name(dtype):
+    """Only V wrong (zeroed, unwritten, another row's bytes off by a bit):
+    every naming path says the K and V rows disagree, never the K row's
+    name."""
+    rows = PrefixRows(2, 8, dtype)
+    names = [row_name(None, (4, 5, 6), p) for p in range(3)]
+    k, v = rows.rows(names, "k"), rows.rows(names, "v")
+    v[0] = 0.0
+    v[1, 0, 0] = -v[1, 0, 0]
+    for got in (rows.slot_names(k, v, 3), [rows.slot_name(k[i], v[i]) for i in range(3)]):
+        assert got[0] == f"K {names[0]!r} / V None" and got[1] == f"K {names[1]!r} / V None" and got[2] == names[2]
+    stored = [mx.array(a).astype(getattr(mx, dtype)) for a in (k, v)]
+    kb, vb = (memoryview(a).tobytes() for a in stored)
+    assert rows.stored_slot_names(kb, vb, 3)[:2] == [f"K {names[0]!r} / V None", f"K {names[1]!r} / V None"]
+
+
+_INT_LIKE = st.one_of(st.integers(-5, 50), st.booleans(), st.integers(0, 50).map(np.int64),
+                      st.integers(0, 50).map(np.int32), st.integers(0, 50).map(float))
+
+
+@given(salt=st.one_of(st.none(), st.integers(0, 3), st.text(max_size=2)),
+       tokens=st.lists(_INT_LIKE, max_size=5), outer=st.sampled_from([tuple, list]),
+       inner=st.sampled_from([tuple, list]))
+@settings(max_examples=200, deadline=None)
+def test_norm_name_gives_the_spec_form_whatever_the_containers_and_int_likes(salt, tokens, outer, inner):
+    got = norm_name(outer([salt, inner(tokens)]))
+    want = (salt, tuple(int(t) for t in tokens))
+    assert got == want and type(got) is tuple and type(got[1]) is tuple
+    assert all(type(t) is int for t in got[1])
+    hash(got)

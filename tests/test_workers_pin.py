@@ -28,6 +28,31 @@ def where(hold: float = 0.3) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return os.getpid(), tuple(sorted(os.sched_getaffinity(0))), tuple(eval(child))
 
 
+def warm() -> None:
+    """A preload step that evaluates an MLX array (MLX starts its threads)."""
+    import mlx.core as mx
+
+    mx.eval(mx.arange(4) + 1)
+
+
+def threads_cores() -> list[tuple[int, ...]]:
+    """The cores of every thread of this process (MLX's included)."""
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        out.append(tuple(_cores(line.split(":", 1)[1].strip())))
+    return out
+
+
+def _cores(spec: str) -> list[int]:
+    got = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        got += range(int(lo), int(hi or lo) + 1)
+    return got
+
+
 def leak() -> None:
     os.environ["KVSPEC_TEST_PIN_LEAK"] = "1"
 
@@ -71,3 +96,12 @@ def test_fewer_workers_or_pin_off_go_anywhere():
     with WarmPool(len(CORES), preload=PRELOAD, pin=False) as pool:
         got = pool.map([Task(f"{HERE}:where", (0.0,)) for _ in range(2)])
     assert all(g.value[1] == tuple(CORES) for g in got)
+
+
+@pytest.mark.skipif(len(CORES) < 2 or not os.path.isdir("/proc/self/task"), reason="needs two cores and /proc")
+def test_every_thread_of_a_worker_keeps_to_its_core_mlx_threads_included():
+    n = len(CORES)
+    with WarmPool(n, preload=(*PRELOAD, f"{HERE}:warm")) as pool:
+        got = [r.value for r in pool.map([Task(f"{HERE}:threads_cores") for _ in range(n)])]
+    assert all(len(threads) >= 2 for threads in got), got  # MLX's stream thread beside the worker's own
+    assert all(len(set(threads)) == 1 and len(threads[0]) == 1 for threads in got), got
