@@ -324,7 +324,10 @@ def _worker_main(conn: Any, preload: tuple[str, ...], guard: bool, cpu: int | No
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if cpu is not None:
         # before MLX starts its stream thread: the threads (and the processes) it starts keep to the core too
-        os.sched_setaffinity(0, {cpu})
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:  # the core was taken away since the pool looked (a changed cpuset): run anywhere
+            pass
     try:
         _preload(preload)
         seen = set(_guarded_modules())
