@@ -273,12 +273,7 @@ class PrefixRows:
         a NaN)."""
         size = 2 if self.dtype in ("float16", "bfloat16") else 4  # bytes a value (stored_bytes)
         rk, rv = self.kv_heads * self.dims["k"] * size, self.kv_heads * self.dims["v"] * size
-        kn, vn = self._stored["k"], self._stored["v"]
-        out = []
-        for i in range(n):
-            nk, nv = kn.get(kb[i * rk:(i + 1) * rk]), vn.get(vb[i * rv:(i + 1) * rv])
-            out.append(nk if nk == nv else f"K {nk!r} / V {nv!r}")
-        return out
+        return _names_of_rows(self._stored, kb, vb, rk, rv, n)
 
     def slot_names(self, k: Any, v: Any, n: int) -> list[Any]:
         """``[slot_name(k[i], v[i]) for i in range(n)]``, each array turned
@@ -290,13 +285,19 @@ class PrefixRows:
             return [self.slot_name(k[i], v[i]) for i in range(n)]
         kb = np.ascontiguousarray(k[:n], dtype=np.float32).tobytes()
         vb = np.ascontiguousarray(v[:n], dtype=np.float32).tobytes()
-        rk, rv = len(kb) // n, len(vb) // n
-        kn, vn = self._names["k"], self._names["v"]
-        out = []
-        for i in range(n):
-            nk, nv = kn.get(kb[i * rk:(i + 1) * rk]), vn.get(vb[i * rv:(i + 1) * rv])
-            out.append(nk if nk == nv else f"K {nk!r} / V {nv!r}")
-        return out
+        return _names_of_rows(self._names, kb, vb, len(kb) // n, len(vb) // n, n)
+
+
+def _names_of_rows(names: dict[str, dict[bytes, Any]], kb: bytes, vb: bytes, rk: int, rv: int, n: int) -> list[Any]:
+    """:meth:`PrefixRows.slot_name`'s rule for ``n`` rows cut from K bytes
+    ``kb`` (``rk`` bytes a row) and V bytes ``vb`` (``rv``), named through
+    ``names["k"]`` and ``names["v"]`` (row bytes -> name)."""
+    kn, vn = names["k"], names["v"]
+    out = []
+    for i in range(n):
+        nk, nv = kn.get(kb[i * rk:(i + 1) * rk]), vn.get(vb[i * rv:(i + 1) * rv])
+        out.append(nk if nk == nv else f"K {nk!r} / V {nv!r}")
+    return out
 
 
 def dtype_name(d: Any) -> str:
