@@ -269,24 +269,19 @@ _ABSENT = object()
 
 # -- the worker ----------------------------------------------------------------------
 def _cpu() -> float:
-    import resource
-
     from kvspec.fuzz import zygote
 
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     # a zygote's children are the zygote's, not this worker's: it reports their CPU seconds
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + zygote.cpu()
+    return zygote.own_cpu() + zygote.cpu()
 
 
 def resolve(func: str) -> Callable[..., Any]:
     """``"package.module:function"`` -> the function."""
-    module, _, name = func.partition(":")
-    if not name:
+    from kvspec.fuzz.zygote import resolve_name
+
+    if not func.partition(":")[2]:
         raise ValueError(f"a task's func is 'module:function', not {func!r}")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return resolve_name(func)
 
 
 def _import(name: str) -> None:

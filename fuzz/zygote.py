@@ -177,14 +177,17 @@ def _close_all() -> None:
 
 
 # -- the zygote's side ---------------------------------------------------------------
-def _own_cpu() -> float:
+def own_cpu() -> float:
+    """User and system CPU seconds of this process and of the children it
+    waited for."""
     import resource
 
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _resolve(func: str) -> Any:
+def resolve_name(func: str) -> Any:
+    """``"package.module:attr.attr"`` (or a bare module) -> the object."""
     import importlib
 
     module, _, name = func.partition(":")
@@ -212,7 +215,7 @@ def _child(func: str, args: list, out: int, err: int, reply: int, sigint: Any) -
             os.close(fd)
         signal.signal(signal.SIGINT, sigint)  # what a fresh process started by the caller would have
         try:
-            _resolve(func)(*args)
+            resolve_name(func)(*args)
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
@@ -279,23 +282,23 @@ def serve(preload: list[str]) -> None:
     try:
         for entry in preload:
             module, _, func = entry.partition(":")
-            _resolve(module)
+            resolve_name(module)
             if func:
-                _resolve(entry)()
+                resolve_name(entry)()
         if "mlx.core" in sys.modules:
             raise RuntimeError("the preload imported mlx.core: a forked child of a process that evaluated an MLX "
                                "array hangs, so a zygote never holds MLX (import it in the call)")
     except BaseException:  # noqa: BLE001 - sent to the caller
         send({"failed": traceback.format_exc()})
         return
-    send({"ready": True, "cpu": _own_cpu()})
+    send({"ready": True, "cpu": own_cpu()})
     stdin = sys.stdin.buffer
     while True:
         line = stdin.readline()
         if not line:
             return
         result = _call(json.loads(line), reply, sigint)
-        result["cpu"] = _own_cpu()
+        result["cpu"] = own_cpu()
         send(result)
 
 
